@@ -1,0 +1,330 @@
+//! The paged KV block pool with prefix caching.
+//!
+//! Blocks are fixed-size slots (`block_size` tokens) identified by dense
+//! [`BlockId`]s. A block is *referenced* while some sequence's block table
+//! holds it, *cached* when it is full and registered under its
+//! [`SequenceHash`], and *free* when no sequence references it. Free cached
+//! blocks stay reusable by later prompts with the same prefix until space is
+//! needed; then the least recently released is evicted. Free blocks without
+//! a hash are reused first.
+//!
+//! Every change to the set of cached blocks is recorded as a [`KvEvent`]
+//! (only newly stored blocks emit `Stored`), for the router's index.
+
+use std::collections::HashMap;
+
+use turbine_kv::{BlockHashes, SequenceHash};
+
+use crate::events::{KvEvent, StoredBlock};
+
+/// Index of a block in the pool.
+pub type BlockId = u32;
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct BlockMeta {
+    ref_count: u32,
+    /// Set while the block is registered in the prefix cache.
+    hash: Option<SequenceHash>,
+    /// Links of the eviction list (free cached blocks only).
+    prev: u32,
+    next: u32,
+    in_lru: bool,
+}
+
+/// The pool of KV blocks, the prefix cache and its eviction order.
+#[derive(Debug)]
+pub struct BlockManager {
+    block_size: usize,
+    blocks: Vec<BlockMeta>,
+    /// Free blocks holding nothing reusable; a stack.
+    free_uncached: Vec<BlockId>,
+    /// Free cached blocks, least recently released at `lru_head`.
+    lru_head: u32,
+    lru_tail: u32,
+    lru_len: usize,
+    /// Registered blocks by sequence hash.
+    cached: HashMap<SequenceHash, BlockId>,
+    prefix_caching: bool,
+    events: Vec<KvEvent>,
+}
+
+impl BlockManager {
+    /// A pool of `num_blocks` blocks of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
+        assert!(block_size > 0 && num_blocks > 0, "pool must have blocks of positive size");
+        assert!(num_blocks < NIL as usize, "too many blocks");
+        let blocks = vec![BlockMeta { ref_count: 0, hash: None, prev: NIL, next: NIL, in_lru: false }; num_blocks];
+        // Pop order 0, 1, 2, ... for readable block tables.
+        let free_uncached = (0..num_blocks as BlockId).rev().collect();
+        Self {
+            block_size,
+            blocks,
+            free_uncached,
+            lru_head: NIL,
+            lru_tail: NIL,
+            lru_len: 0,
+            cached: HashMap::new(),
+            prefix_caching,
+            events: Vec::new(),
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks that can be handed out now (free, cached or not).
+    pub fn num_free(&self) -> usize {
+        self.free_uncached.len() + self.lru_len
+    }
+
+    /// Blocks referenced by at least one sequence.
+    pub fn num_used(&self) -> usize {
+        self.num_blocks() - self.num_free()
+    }
+
+    /// Blocks registered in the prefix cache (referenced or not).
+    pub fn num_cached(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// How many leading blocks of `hashes` are cached. Takes no references.
+    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        if !self.prefix_caching {
+            return 0;
+        }
+        hashes.iter().take_while(|hash| self.cached.contains_key(hash)).count()
+    }
+
+    /// Of the leading cached blocks of `hashes`, how many are currently free
+    /// (acquiring them takes them out of the free pool).
+    pub fn count_free_among_cached(&self, hashes: &[SequenceHash]) -> usize {
+        hashes
+            .iter()
+            .filter_map(|hash| self.cached.get(hash))
+            .filter(|&&block| self.blocks[block as usize].ref_count == 0)
+            .count()
+    }
+
+    /// Takes a reference on the cached block of each hash; every hash must be
+    /// cached (see [`match_prefix`](Self::match_prefix)).
+    pub fn acquire_cached(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
+        hashes
+            .iter()
+            .map(|hash| {
+                let block = *self.cached.get(hash).expect("acquire_cached: hash must be cached");
+                if self.blocks[block as usize].ref_count == 0 {
+                    self.lru_unlink(block);
+                }
+                self.blocks[block as usize].ref_count += 1;
+                block
+            })
+            .collect()
+    }
+
+    /// Allocates `count` blocks, evicting least recently used cached blocks
+    /// if needed. Returns `None`, changing nothing, when fewer are free.
+    pub fn allocate(&mut self, count: usize) -> Option<Vec<BlockId>> {
+        if count > self.num_free() {
+            return None;
+        }
+        let mut allocated = Vec::with_capacity(count);
+        for _ in 0..count {
+            let block = match self.free_uncached.pop() {
+                Some(block) => block,
+                None => self.evict_one(),
+            };
+            debug_assert_eq!(self.blocks[block as usize].ref_count, 0);
+            self.blocks[block as usize].ref_count = 1;
+            allocated.push(block);
+        }
+        Some(allocated)
+    }
+
+    /// Registers full, referenced blocks under their hashes, in chain order
+    /// (`parent` is the sequence hash before the first). Blocks whose hash is
+    /// already cached elsewhere stay private; the rest emit one `Stored`
+    /// event per contiguous run.
+    pub fn register(&mut self, parent: Option<SequenceHash>, blocks: &[(BlockId, BlockHashes)]) {
+        if !self.prefix_caching {
+            return;
+        }
+        let mut run: Vec<StoredBlock> = Vec::new();
+        let mut run_parent = parent;
+        let mut previous = parent;
+        for &(block, hashes) in blocks {
+            debug_assert!(self.blocks[block as usize].ref_count > 0, "registering an unreferenced block");
+            let newly_stored = self.blocks[block as usize].hash.is_none() && !self.cached.contains_key(&hashes.sequence);
+            if newly_stored {
+                self.cached.insert(hashes.sequence, block);
+                self.blocks[block as usize].hash = Some(hashes.sequence);
+                if run.is_empty() {
+                    run_parent = previous;
+                }
+                run.push(StoredBlock { sequence_hash: hashes.sequence, local_hash: hashes.local });
+            } else if !run.is_empty() {
+                self.events.push(KvEvent::Stored { parent: run_parent, blocks: std::mem::take(&mut run) });
+            }
+            previous = Some(hashes.sequence);
+        }
+        if !run.is_empty() {
+            self.events.push(KvEvent::Stored { parent: run_parent, blocks: run });
+        }
+    }
+
+    /// Drops one reference on each block. Released blocks become reusable in
+    /// the order given (pass a block table reversed so that its tail, the
+    /// least shareable part, is evicted first).
+    pub fn release(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        for block in blocks {
+            let meta = &mut self.blocks[block as usize];
+            assert!(meta.ref_count > 0, "releasing free block {block}");
+            meta.ref_count -= 1;
+            if meta.ref_count == 0 {
+                if meta.hash.is_some() {
+                    self.lru_push_back(block);
+                } else {
+                    self.free_uncached.push(block);
+                }
+            }
+        }
+    }
+
+    /// Drops every free cached block from the prefix cache (e.g. on a model
+    /// reload); referenced blocks stay.
+    pub fn clear_free_cached(&mut self) {
+        let mut removed = Vec::new();
+        while self.lru_head != NIL {
+            let block = self.lru_head;
+            self.lru_unlink(block);
+            if let Some(hash) = self.blocks[block as usize].hash.take() {
+                self.cached.remove(&hash);
+                removed.push(hash);
+            }
+            self.free_uncached.push(block);
+        }
+        if self.cached.is_empty() {
+            self.events.push(KvEvent::Cleared);
+        } else if !removed.is_empty() {
+            self.events.push(KvEvent::Removed { sequence_hashes: removed });
+        }
+    }
+
+    /// Every cached block's hash, for an index resynchronisation dump.
+    pub fn cached_hashes(&self) -> Vec<SequenceHash> {
+        self.cached.keys().copied().collect()
+    }
+
+    /// Moves the events recorded since the last call into `out`.
+    pub fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
+        out.append(&mut self.events);
+    }
+
+    /// The reference count of a block (for tests and invariants).
+    pub fn ref_count(&self, block: BlockId) -> u32 {
+        self.blocks[block as usize].ref_count
+    }
+
+    /// The hash a block is cached under, if any.
+    pub fn cached_hash(&self, block: BlockId) -> Option<SequenceHash> {
+        self.blocks[block as usize].hash
+    }
+
+    fn evict_one(&mut self) -> BlockId {
+        let block = self.lru_head;
+        assert_ne!(block, NIL, "evict_one called with no free cached block");
+        self.lru_unlink(block);
+        let hash = self.blocks[block as usize].hash.take().expect("lru blocks are cached");
+        self.cached.remove(&hash);
+        match self.events.last_mut() {
+            Some(KvEvent::Removed { sequence_hashes }) => sequence_hashes.push(hash),
+            _ => self.events.push(KvEvent::Removed { sequence_hashes: vec![hash] }),
+        }
+        block
+    }
+
+    fn lru_push_back(&mut self, block: BlockId) {
+        let tail = self.lru_tail;
+        {
+            let meta = &mut self.blocks[block as usize];
+            debug_assert!(!meta.in_lru);
+            meta.prev = tail;
+            meta.next = NIL;
+            meta.in_lru = true;
+        }
+        if tail == NIL {
+            self.lru_head = block;
+        } else {
+            self.blocks[tail as usize].next = block;
+        }
+        self.lru_tail = block;
+        self.lru_len += 1;
+    }
+
+    fn lru_unlink(&mut self, block: BlockId) {
+        let (prev, next) = {
+            let meta = &mut self.blocks[block as usize];
+            debug_assert!(meta.in_lru);
+            meta.in_lru = false;
+            (std::mem::replace(&mut meta.prev, NIL), std::mem::replace(&mut meta.next, NIL))
+        };
+        if prev == NIL {
+            self.lru_head = next;
+        } else {
+            self.blocks[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.lru_tail = prev;
+        } else {
+            self.blocks[next as usize].prev = prev;
+        }
+        self.lru_len -= 1;
+    }
+
+    /// Checks every internal invariant; panics with a description if one
+    /// fails. Used by tests and debug builds.
+    pub fn check_invariants(&self) {
+        let mut free_count = 0;
+        let mut lru_count = 0;
+        let mut cursor = self.lru_head;
+        let mut previous = NIL;
+        while cursor != NIL {
+            let meta = &self.blocks[cursor as usize];
+            assert!(meta.in_lru && meta.ref_count == 0 && meta.hash.is_some(), "bad lru block {cursor}");
+            assert_eq!(meta.prev, previous, "broken lru back link at {cursor}");
+            previous = cursor;
+            cursor = meta.next;
+            lru_count += 1;
+        }
+        assert_eq!(previous, self.lru_tail, "lru tail");
+        assert_eq!(lru_count, self.lru_len, "lru length");
+        for &block in &self.free_uncached {
+            let meta = &self.blocks[block as usize];
+            assert!(meta.ref_count == 0 && meta.hash.is_none() && !meta.in_lru, "bad free block {block}");
+            free_count += 1;
+        }
+        let zero_refs = self.blocks.iter().filter(|meta| meta.ref_count == 0).count();
+        assert_eq!(zero_refs, free_count + lru_count, "every unreferenced block is free exactly once");
+        for (hash, &block) in &self.cached {
+            assert_eq!(self.blocks[block as usize].hash, Some(*hash), "cache map and block disagree");
+        }
+        let hashed = self.blocks.iter().filter(|meta| meta.hash.is_some()).count();
+        assert_eq!(hashed, self.cached.len(), "every hashed block is in the cache map");
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,333 @@
+//! The engine loop: one dedicated thread that owns the scheduler and the
+//! executor and runs steps back to back while there is work.
+//!
+//! Requests arrive through an [`EngineHandle`]; each gets an unbounded
+//! channel of [`EngineOutput`]s (bounded in practice by its `max_tokens`).
+//! Dropping the receiver cancels the sequence: the loop checks for closed
+//! receivers before every step, so a cancelled sequence stops computing and
+//! frees its blocks within one step.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread;
+use std::time::Instant;
+
+use tokio::sync::{broadcast, mpsc as tokio_mpsc};
+
+use crate::events::{KvEvent, NumberedEvent};
+use crate::request::{EngineOutput, GenerateRequest, Load};
+use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
+use crate::{EngineError, Result};
+
+/// Runs the model for a planned step.
+///
+/// Implementations compute the KV of every item's `start..start + len`
+/// tokens into the item's blocks and, for items with `sample`, return the
+/// next token; the result has one entry per item (`None` where nothing is
+/// sampled).
+pub trait Executor: Send + 'static {
+    /// Computes one step.
+    fn execute(&mut self, batch: &Batch<'_>) -> std::result::Result<Vec<Option<u32>>, String>;
+
+    /// Called when a sequence ends or is aborted, to drop per-sequence state.
+    fn release(&mut self, _seq_id: SeqId) {}
+}
+
+/// Statistics the loop keeps, readable from any thread.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    running: AtomicU32,
+    waiting: AtomicU32,
+    blocks_used: AtomicU32,
+    blocks_total: AtomicU32,
+    /// Steps run since start.
+    pub steps: AtomicU64,
+    /// Tokens generated since start.
+    pub generated_tokens: AtomicU64,
+    /// Prompt tokens computed since start (prefix hits excluded).
+    pub prefill_tokens: AtomicU64,
+    /// Prompt tokens served from the prefix cache since start.
+    pub cached_prompt_tokens: AtomicU64,
+    /// Preemptions since start.
+    pub preemptions: AtomicU64,
+    /// Nanoseconds spent executing steps since start.
+    pub busy_nanos: AtomicU64,
+}
+
+impl EngineStats {
+    /// The latest occupancy snapshot.
+    pub fn load(&self) -> Load {
+        Load {
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            blocks_used: self.blocks_used.load(Ordering::Relaxed),
+            blocks_total: self.blocks_total.load(Ordering::Relaxed),
+        }
+    }
+
+    fn set_load(&self, load: Load) {
+        self.running.store(load.running, Ordering::Relaxed);
+        self.waiting.store(load.waiting, Ordering::Relaxed);
+        self.blocks_used.store(load.blocks_used, Ordering::Relaxed);
+        self.blocks_total.store(load.blocks_total, Ordering::Relaxed);
+    }
+}
+
+enum Command {
+    Submit { request: GenerateRequest, outputs: tokio_mpsc::UnboundedSender<EngineOutput> },
+    Shutdown,
+}
+
+/// A cheap, cloneable handle to a running engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::Sender<Command>,
+    config: Arc<SchedulerConfig>,
+    stats: Arc<EngineStats>,
+    events: broadcast::Sender<NumberedEvent>,
+    thread: Arc<parking_lot::Mutex<Option<thread::JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle").field("load", &self.stats.load()).finish()
+    }
+}
+
+/// Capacity of the KV event broadcast; a consumer lagging further sees a gap
+/// and resynchronises from a dump.
+const EVENT_BUFFER: usize = 4096;
+
+impl EngineHandle {
+    /// Starts the engine thread.
+    pub fn spawn(config: SchedulerConfig, eos_token_ids: Vec<u32>, executor: Box<dyn Executor>) -> Self {
+        let (commands, receiver) = mpsc::channel();
+        let stats = Arc::new(EngineStats::default());
+        let (events, _) = broadcast::channel(EVENT_BUFFER);
+        let scheduler = Scheduler::new(config.clone(), eos_token_ids);
+        stats.set_load(scheduler.load());
+        let engine_loop = EngineLoop {
+            scheduler,
+            executor,
+            receiver,
+            outputs: HashMap::new(),
+            stats: stats.clone(),
+            events: events.clone(),
+            next_event_id: 0,
+            event_buffer: Vec::new(),
+        };
+        let thread = thread::Builder::new()
+            .name("turbine-engine".into())
+            .spawn(move || engine_loop.run())
+            .expect("spawn engine thread");
+        Self {
+            commands,
+            config: Arc::new(config),
+            stats,
+            events,
+            thread: Arc::new(parking_lot::Mutex::new(Some(thread))),
+        }
+    }
+
+    /// Submits a request without blocking. A request that can never run,
+    /// or one arriving while the queue is full, is refused here rather than
+    /// on the stream.
+    pub fn generate(&self, request: GenerateRequest) -> Result<tokio_mpsc::UnboundedReceiver<EngineOutput>> {
+        self.config.validate(&request).map_err(EngineError::from)?;
+        let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
+        if waiting >= self.config.max_waiting {
+            return Err(EngineError::Overloaded(waiting));
+        }
+        let (outputs, receiver) = tokio_mpsc::unbounded_channel();
+        self.commands.send(Command::Submit { request, outputs }).map_err(|_| EngineError::ShuttingDown)?;
+        Ok(receiver)
+    }
+
+    /// The scheduler limits this engine runs with.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The latest occupancy snapshot.
+    pub fn load(&self) -> Load {
+        self.stats.load()
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Subscribes to the engine's KV events.
+    pub fn subscribe_events(&self) -> broadcast::Receiver<NumberedEvent> {
+        self.events.subscribe()
+    }
+
+    /// Stops the loop (sequences still running fail) and joins the thread.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(thread) = self.thread.lock().take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct EngineLoop {
+    scheduler: Scheduler,
+    executor: Box<dyn Executor>,
+    receiver: mpsc::Receiver<Command>,
+    outputs: HashMap<SeqId, tokio_mpsc::UnboundedSender<EngineOutput>>,
+    stats: Arc<EngineStats>,
+    events: broadcast::Sender<NumberedEvent>,
+    next_event_id: u64,
+    event_buffer: Vec<KvEvent>,
+}
+
+impl EngineLoop {
+    fn run(mut self) {
+        loop {
+            // Block while idle; otherwise take whatever arrived since the last step.
+            if !self.scheduler.has_work() {
+                match self.receiver.recv() {
+                    Ok(command) => {
+                        if !self.handle(command) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            let mut shutting_down = false;
+            while let Ok(command) = self.receiver.try_recv() {
+                if !self.handle(command) {
+                    shutting_down = true;
+                    break;
+                }
+            }
+            if shutting_down {
+                break;
+            }
+            self.drop_cancelled();
+            if !self.scheduler.has_work() {
+                self.publish();
+                continue;
+            }
+            self.step();
+        }
+        self.fail_all();
+    }
+
+    /// Returns false on shutdown.
+    fn handle(&mut self, command: Command) -> bool {
+        match command {
+            Command::Submit { request, outputs } => {
+                match self.scheduler.add(request) {
+                    Ok(seq_id) => {
+                        self.outputs.insert(seq_id, outputs);
+                        // Keep the queue length the handle checks current.
+                        self.stats.set_load(self.scheduler.load());
+                    }
+                    // Raced past the handle's check; tell the caller on the stream.
+                    Err(error) => {
+                        let _ = outputs.send(EngineOutput::Failed(EngineError::from(error)));
+                    }
+                }
+                true
+            }
+            Command::Shutdown => false,
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let cancelled: Vec<SeqId> =
+            self.outputs.iter().filter(|(_, sender)| sender.is_closed()).map(|(&id, _)| id).collect();
+        for seq_id in cancelled {
+            self.outputs.remove(&seq_id);
+            self.scheduler.abort(seq_id);
+            self.executor.release(seq_id);
+            tracing::debug!(seq_id, "sequence cancelled by its caller");
+        }
+    }
+
+    fn step(&mut self) {
+        let plan: Vec<ScheduledChunk> = self.scheduler.schedule();
+        if plan.is_empty() {
+            // Nothing fits right now (e.g. the head of the queue waits for
+            // blocks held by nobody running): should not happen, but never spin.
+            tracing::warn!(load = ?self.scheduler.load(), "scheduler planned an empty step");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            return;
+        }
+        let started = Instant::now();
+        let sampled = {
+            let batch = self.scheduler.batch(&plan);
+            self.stats.prefill_tokens.fetch_add(batch.prefill_tokens() as u64, Ordering::Relaxed);
+            self.executor.execute(&batch)
+        };
+        self.stats.busy_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let sampled = match sampled {
+            Ok(sampled) if sampled.len() == plan.len() => sampled,
+            Ok(sampled) => {
+                self.fail_batch(&plan, &format!("executor returned {} results for {} items", sampled.len(), plan.len()));
+                return;
+            }
+            Err(message) => {
+                self.fail_batch(&plan, &message);
+                return;
+            }
+        };
+        for update in self.scheduler.complete(&plan, &sampled) {
+            let Some(sender) = self.outputs.get(&update.seq_id) else { continue };
+            if let Some(token) = update.token {
+                self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                let _ = sender.send(EngineOutput::Token(token));
+            }
+            if let Some((reason, usage)) = update.finished {
+                self.stats.cached_prompt_tokens.fetch_add(usage.cached_prompt_tokens as u64, Ordering::Relaxed);
+                let _ = sender.send(EngineOutput::Finished { reason, usage });
+                self.outputs.remove(&update.seq_id);
+                self.executor.release(update.seq_id);
+            }
+        }
+        self.stats.preemptions.store(self.scheduler.total_preemptions(), Ordering::Relaxed);
+        self.publish();
+    }
+
+    /// Publishes load and KV events.
+    fn publish(&mut self) {
+        self.stats.set_load(self.scheduler.load());
+        self.scheduler.drain_events(&mut self.event_buffer);
+        for event in self.event_buffer.drain(..) {
+            let numbered = NumberedEvent { event_id: self.next_event_id, event };
+            self.next_event_id += 1;
+            // No subscriber is fine: events are only for whoever listens.
+            let _ = self.events.send(numbered);
+        }
+    }
+
+    fn fail_batch(&mut self, plan: &[ScheduledChunk], message: &str) {
+        tracing::error!(error = message, "executor failed a step");
+        for chunk in plan {
+            if let Some(sender) = self.outputs.remove(&chunk.seq_id) {
+                let _ = sender.send(EngineOutput::Failed(EngineError::Executor(message.to_owned())));
+            }
+            self.scheduler.abort(chunk.seq_id);
+            self.executor.release(chunk.seq_id);
+        }
+        self.publish();
+    }
+
+    fn fail_all(&mut self) {
+        let ids: Vec<SeqId> = self.scheduler.sequence_ids().collect();
+        for seq_id in ids {
+            if let Some(sender) = self.outputs.remove(&seq_id) {
+                let _ = sender.send(EngineOutput::Failed(EngineError::ShuttingDown));
+            }
+            self.scheduler.abort(seq_id);
+            self.executor.release(seq_id);
+        }
+        self.publish();
+    }
+}

@@ -1,0 +1,54 @@
+//! The inference engine core shared by every engine: paged KV block pool
+//! with prefix caching, continuous-batching scheduler, the engine loop, and
+//! the mocker (simulated model).
+//!
+//! - [`block_manager`]: fixed-size blocks, prefix reuse by sequence hash,
+//!   LRU eviction of free cached blocks, KV events.
+//! - [`scheduler`]: waiting/running queues, per-step token budget, chunked
+//!   prefill, sequence limit, LIFO preemption with recompute.
+//! - [`core`]: the engine thread and its [`EngineHandle`]; an [`Executor`]
+//!   plugs in the model (the mocker here, the native model elsewhere).
+//! - [`mocker`]: the simulated executor.
+//!
+//! Nothing here knows about gRPC or protobuf.
+
+pub mod block_manager;
+pub mod core;
+pub mod events;
+pub mod mocker;
+pub mod request;
+pub mod scheduler;
+
+pub use crate::core::{EngineHandle, EngineStats, Executor};
+pub use events::{KvEvent, NumberedEvent, StoredBlock};
+pub use request::{EngineOutput, FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
+pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
+
+/// Errors of an engine, as callers see them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The request can never run as asked.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// Too many requests are queued; retry later.
+    #[error("the engine is overloaded ({0} requests waiting)")]
+    Overloaded(usize),
+    /// The engine is stopping and takes no more work.
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+    /// The model failed while computing a step.
+    #[error("the model failed: {0}")]
+    Executor(String),
+}
+
+impl From<AdmissionError> for EngineError {
+    fn from(error: AdmissionError) -> Self {
+        match error {
+            AdmissionError::Invalid(message) => EngineError::InvalidRequest(message),
+            AdmissionError::QueueFull(waiting) => EngineError::Overloaded(waiting),
+        }
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,91 @@
+//! What callers ask of an engine and what they get back.
+
+/// Token sampling parameters; `None` everywhere means greedy.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `None` or 0 is greedy.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling threshold in (0, 1].
+    pub top_p: Option<f32>,
+    /// Keep the k most likely tokens; `None` or 0 disables.
+    pub top_k: Option<u32>,
+    /// Sampler seed; the same seed and prompt give the same output.
+    pub seed: Option<u64>,
+    /// Penalty for tokens already present (-2..2).
+    pub presence_penalty: Option<f32>,
+    /// Penalty proportional to a token's count so far (-2..2).
+    pub frequency_penalty: Option<f32>,
+}
+
+/// When a sequence ends.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopConditions {
+    /// Tokens to generate at most (at least 1).
+    pub max_tokens: u32,
+    /// Extra tokens that end generation (not included in the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+/// One generation request over a tokenized prompt.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerateRequest {
+    /// Caller's id, for logs and traces.
+    pub request_id: String,
+    /// Prompt token ids; never empty.
+    pub prompt: Vec<u32>,
+    /// How tokens are chosen.
+    pub sampling: SamplingParams,
+    /// When to stop.
+    pub stop: StopConditions,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation or stop token was sampled.
+    Stop,
+    /// `max_tokens` or the context window was reached.
+    Length,
+}
+
+/// Token accounting of a finished sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Tokens in the prompt.
+    pub prompt_tokens: u32,
+    /// Tokens generated (a stop token excluded).
+    pub completion_tokens: u32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_prompt_tokens: u32,
+}
+
+/// What an engine streams back for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineOutput {
+    /// One generated token.
+    Token(u32),
+    /// The sequence ended; nothing follows.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token accounting.
+        usage: Usage,
+    },
+    /// The engine failed the sequence; nothing follows.
+    Failed(crate::EngineError),
+}
+
+/// A snapshot of an engine's occupancy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Sequences scheduled (prefilling or decoding).
+    pub running: u32,
+    /// Sequences queued.
+    pub waiting: u32,
+    /// KV blocks referenced.
+    pub blocks_used: u32,
+    /// KV blocks in the pool.
+    pub blocks_total: u32,
+}

@@ -1,0 +1,542 @@
+//! Continuous batching: which tokens of which sequences run in the next
+//! engine step.
+//!
+//! Each step has a token budget. Running sequences come first, oldest
+//! first: a decoding sequence needs one token, a sequence still prefilling
+//! gets the next chunk of its prompt (chunked prefill). Then waiting
+//! sequences are admitted in arrival order while the budget, the sequence
+//! limit and the block pool allow; admission reuses every cached leading
+//! block of the prompt. When a running sequence needs a block and none is
+//! free, the youngest running sequence is preempted: its blocks are released
+//! (cached ones stay reusable) and it goes back to the front of the queue to
+//! be recomputed later. Nothing is dropped.
+//!
+//! The scheduler knows nothing of models or transports; an executor runs the
+//! [`Batch`] it plans and hands back one sampled token per sampling item.
+
+use std::collections::{HashMap, VecDeque};
+
+use turbine_kv::{BlockHasher, BlockHashes, SequenceHash};
+
+use crate::block_manager::{BlockId, BlockManager};
+use crate::events::KvEvent;
+use crate::request::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
+
+/// Engine-local sequence id.
+pub type SeqId = u64;
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the KV pool.
+    pub num_blocks: usize,
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Tokens computed per step (prefill chunks plus decodes).
+    pub max_batched_tokens: usize,
+    /// Prompt plus generated tokens per sequence.
+    pub max_model_len: usize,
+    /// Sequences allowed to wait; more are refused as overload.
+    pub max_waiting: usize,
+    /// Reuse cached prefix blocks across requests.
+    pub prefix_caching: bool,
+    /// Split long prompts across steps; when off, a prompt is admitted only
+    /// when it fits the budget whole.
+    pub chunked_prefill: bool,
+    /// Block-hash seed (a salt separates tenants or adapters).
+    pub hash_seed: u64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 4096,
+            max_num_seqs: 256,
+            max_batched_tokens: 8192,
+            max_model_len: 8192,
+            max_waiting: 4096,
+            prefix_caching: true,
+            chunked_prefill: true,
+            hash_seed: turbine_kv::DEFAULT_SEED,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Checks a request against the limits: an error means it can never run.
+    pub fn validate(&self, request: &GenerateRequest) -> Result<(), AdmissionError> {
+        let prompt_len = request.prompt.len();
+        if prompt_len == 0 {
+            return Err(AdmissionError::Invalid("the prompt is empty".into()));
+        }
+        if request.stop.max_tokens == 0 {
+            return Err(AdmissionError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let total = prompt_len + request.stop.max_tokens as usize;
+        if total > self.max_model_len {
+            return Err(AdmissionError::Invalid(format!(
+                "prompt ({prompt_len} tokens) plus max_tokens ({}) exceeds the context length of {} tokens",
+                request.stop.max_tokens, self.max_model_len
+            )));
+        }
+        let needed = total.div_ceil(self.block_size);
+        if needed > self.num_blocks {
+            return Err(AdmissionError::Invalid(format!(
+                "the request needs {needed} KV blocks but the pool has {}",
+                self.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Why a request was refused at submission.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// The request can never run (empty prompt, too long, bigger than the pool).
+    #[error("{0}")]
+    Invalid(String),
+    /// The waiting queue is full; retry later.
+    #[error("engine queue is full ({0} requests waiting)")]
+    QueueFull(usize),
+}
+
+#[derive(Debug)]
+struct Sequence {
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose KV is in the cache.
+    num_computed: usize,
+    /// The block table.
+    blocks: Vec<BlockId>,
+    /// Hashes of the complete blocks of `tokens` computed so far.
+    hashes: Vec<BlockHashes>,
+    /// Leading blocks already registered in (or taken from) the prefix cache.
+    num_registered: usize,
+    sampling: SamplingParams,
+    stop: StopConditions,
+    /// Prompt tokens found in the prefix cache at first admission.
+    cached_prompt_tokens: Option<usize>,
+    /// Times this sequence was preempted and recomputed.
+    preemptions: u32,
+}
+
+impl Sequence {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledChunk {
+    /// The sequence.
+    pub seq_id: SeqId,
+    /// First token position computed this step.
+    pub start: usize,
+    /// Tokens computed this step.
+    pub len: usize,
+    /// Whether the chunk reaches the last known token, so the executor must
+    /// sample the next one.
+    pub sample: bool,
+}
+
+/// What the executor must compute for one sequence in a step.
+#[derive(Debug)]
+pub struct BatchItem<'a> {
+    /// The sequence.
+    pub seq_id: SeqId,
+    /// Every token of the sequence so far (prompt and generated).
+    pub tokens: &'a [u32],
+    /// Tokens `start..start + len` are computed this step.
+    pub start: usize,
+    /// See `start`.
+    pub len: usize,
+    /// The sequence's block table, covering at least `start + len` tokens.
+    pub block_table: &'a [BlockId],
+    /// Sample the next token after this chunk.
+    pub sample: bool,
+    /// How to sample.
+    pub sampling: &'a SamplingParams,
+    /// Tokens generated so far (for seeded sampling streams).
+    pub generated: usize,
+}
+
+/// One engine step: the chunks to compute, in order.
+#[derive(Debug)]
+pub struct Batch<'a> {
+    /// Per-sequence work.
+    pub items: Vec<BatchItem<'a>>,
+    /// Tokens in the pool's blocks per block.
+    pub block_size: usize,
+    /// Fraction of the block pool in use (0..1), for timing models.
+    pub kv_usage: f64,
+}
+
+impl Batch<'_> {
+    /// Tokens computed in prefill chunks (every chunk but single-token decodes).
+    pub fn prefill_tokens(&self) -> usize {
+        self.items.iter().filter(|item| !is_decode(item)).map(|item| item.len).sum()
+    }
+
+    /// Sequences decoding one token.
+    pub fn decode_sequences(&self) -> usize {
+        self.items.iter().filter(|item| is_decode(item)).count()
+    }
+}
+
+fn is_decode(item: &BatchItem<'_>) -> bool {
+    item.len == 1 && item.sample && item.start + 1 == item.tokens.len() && item.start > 0
+}
+
+/// The result of one sequence in a completed step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SequenceUpdate {
+    /// The sequence.
+    pub seq_id: SeqId,
+    /// A token to stream to the client, if one was produced.
+    pub token: Option<u32>,
+    /// Set when the sequence ended; it is gone from the scheduler.
+    pub finished: Option<(FinishReason, Usage)>,
+}
+
+/// The scheduler: queues, sequences and the block pool.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    blocks: BlockManager,
+    hasher: BlockHasher,
+    /// Tokens that end generation unless a request ignores them.
+    eos_token_ids: Vec<u32>,
+    sequences: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    /// Oldest first.
+    running: VecDeque<SeqId>,
+    next_id: SeqId,
+    total_preemptions: u64,
+}
+
+impl Scheduler {
+    /// A scheduler with an empty pool; `eos_token_ids` end every sequence
+    /// that does not ask to ignore them.
+    pub fn new(config: SchedulerConfig, eos_token_ids: Vec<u32>) -> Self {
+        let blocks = BlockManager::new(config.num_blocks, config.block_size, config.prefix_caching);
+        let hasher = BlockHasher::with_seed(config.hash_seed);
+        Self {
+            config,
+            blocks,
+            hasher,
+            eos_token_ids,
+            sequences: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: VecDeque::new(),
+            next_id: 0,
+            total_preemptions: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request.
+    pub fn add(&mut self, request: GenerateRequest) -> Result<SeqId, AdmissionError> {
+        self.config.validate(&request)?;
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(AdmissionError::QueueFull(self.waiting.len()));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let prompt_len = request.prompt.len();
+        self.sequences.insert(
+            id,
+            Sequence {
+                tokens: request.prompt,
+                prompt_len,
+                num_computed: 0,
+                blocks: Vec::new(),
+                hashes: Vec::new(),
+                num_registered: 0,
+                sampling: request.sampling,
+                stop: request.stop,
+                cached_prompt_tokens: None,
+                preemptions: 0,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Removes a sequence wherever it is, releasing its blocks. Returns
+    /// whether it existed.
+    pub fn abort(&mut self, seq_id: SeqId) -> bool {
+        let Some(sequence) = self.sequences.remove(&seq_id) else { return false };
+        self.waiting.retain(|&id| id != seq_id);
+        self.running.retain(|&id| id != seq_id);
+        self.blocks.release(sequence.blocks.into_iter().rev());
+        true
+    }
+
+    /// Whether any sequence is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.sequences.is_empty()
+    }
+
+    /// Ids of every live sequence.
+    pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.sequences.keys().copied()
+    }
+
+    /// Current occupancy.
+    pub fn load(&self) -> Load {
+        Load {
+            running: self.running.len() as u32,
+            waiting: self.waiting.len() as u32,
+            blocks_used: self.blocks.num_used() as u32,
+            blocks_total: self.blocks.num_blocks() as u32,
+        }
+    }
+
+    /// Preemptions since start.
+    pub fn total_preemptions(&self) -> u64 {
+        self.total_preemptions
+    }
+
+    /// The block pool (read-only).
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    /// Moves the KV events recorded since the last call into `out`.
+    pub fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
+        self.blocks.drain_events(out);
+    }
+
+    /// Plans the next step. An empty plan means nothing can run now.
+    pub fn schedule(&mut self) -> Vec<ScheduledChunk> {
+        let mut budget = self.config.max_batched_tokens;
+        let mut plan = Vec::new();
+        let mut preempted = false;
+
+        let mut index = 0;
+        while index < self.running.len() && budget > 0 {
+            let seq_id = self.running[index];
+            let sequence = &self.sequences[&seq_id];
+            let len = (sequence.tokens.len() - sequence.num_computed).min(budget);
+            if !self.reserve_blocks(seq_id, len, &mut preempted) {
+                // The sequence preempted itself: it was the youngest.
+                break;
+            }
+            let sequence = &self.sequences[&seq_id];
+            let sample = sequence.num_computed + len == sequence.tokens.len();
+            plan.push(ScheduledChunk { seq_id, start: sequence.num_computed, len, sample });
+            budget -= len;
+            index += 1;
+        }
+
+        if !preempted {
+            self.admit(&mut budget, &mut plan);
+        }
+        plan
+    }
+
+    /// Makes sure `seq_id` (running) has blocks for `len` more tokens,
+    /// preempting the youngest running sequences if needed. Returns false if
+    /// the sequence itself had to be preempted.
+    fn reserve_blocks(&mut self, seq_id: SeqId, len: usize, preempted: &mut bool) -> bool {
+        loop {
+            let sequence = &self.sequences[&seq_id];
+            let needed = self.blocks.blocks_for(sequence.num_computed + len).saturating_sub(sequence.blocks.len());
+            if needed == 0 {
+                return true;
+            }
+            if let Some(new_blocks) = self.blocks.allocate(needed) {
+                self.sequences.get_mut(&seq_id).expect("running sequence exists").blocks.extend(new_blocks);
+                return true;
+            }
+            let victim = *self.running.back().expect("the sequence itself is running");
+            self.preempt(victim);
+            *preempted = true;
+            if victim == seq_id {
+                return false;
+            }
+        }
+    }
+
+    fn preempt(&mut self, seq_id: SeqId) {
+        self.running.retain(|&id| id != seq_id);
+        let sequence = self.sequences.get_mut(&seq_id).expect("preempted sequence exists");
+        let blocks = std::mem::take(&mut sequence.blocks);
+        sequence.num_computed = 0;
+        sequence.num_registered = 0;
+        sequence.preemptions += 1;
+        self.blocks.release(blocks.into_iter().rev());
+        self.waiting.push_front(seq_id);
+        self.total_preemptions += 1;
+        tracing::debug!(seq_id, "preempted sequence for recompute");
+    }
+
+    fn admit(&mut self, budget: &mut usize, plan: &mut Vec<ScheduledChunk>) {
+        // Keep a little headroom so newly admitted sequences do not force
+        // immediate preemptions when the pool is nearly full.
+        let watermark = if self.running.is_empty() { 0 } else { self.config.num_blocks / 100 };
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&seq_id) = self.waiting.front() else { break };
+            let block_size = self.config.block_size;
+            let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
+            extend_hashes(&self.hasher, sequence, block_size);
+            // Always compute at least the last token, so there is something to sample from.
+            let reusable = ((sequence.tokens.len() - 1) / block_size).min(sequence.hashes.len());
+            let wanted: Vec<SequenceHash> = sequence.hashes[..reusable].iter().map(|h| h.sequence).collect();
+            let hit = self.blocks.match_prefix(&wanted);
+            let num_computed = hit * block_size;
+            let remaining = sequence.tokens.len() - num_computed;
+            let len = if remaining <= *budget {
+                remaining
+            } else if self.config.chunked_prefill {
+                *budget
+            } else {
+                break;
+            };
+            let new_blocks = self.blocks.blocks_for(num_computed + len) - hit;
+            let free_hits = self.blocks.count_free_among_cached(&wanted[..hit]);
+            if new_blocks + watermark > self.blocks.num_free() - free_hits {
+                break;
+            }
+            let mut table = self.blocks.acquire_cached(&wanted[..hit]);
+            table.extend(self.blocks.allocate(new_blocks).expect("checked free blocks"));
+            let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
+            sequence.blocks = table;
+            sequence.num_computed = num_computed;
+            sequence.num_registered = hit;
+            sequence.cached_prompt_tokens.get_or_insert(num_computed.min(sequence.prompt_len));
+            let sample = num_computed + len == sequence.tokens.len();
+            self.waiting.pop_front();
+            self.running.push_back(seq_id);
+            plan.push(ScheduledChunk { seq_id, start: num_computed, len, sample });
+            *budget -= len;
+        }
+    }
+
+    /// The executor's view of a plan.
+    pub fn batch<'a>(&'a self, plan: &[ScheduledChunk]) -> Batch<'a> {
+        let items = plan
+            .iter()
+            .map(|chunk| {
+                let sequence = &self.sequences[&chunk.seq_id];
+                BatchItem {
+                    seq_id: chunk.seq_id,
+                    tokens: &sequence.tokens,
+                    start: chunk.start,
+                    len: chunk.len,
+                    block_table: &sequence.blocks,
+                    sample: chunk.sample,
+                    sampling: &sequence.sampling,
+                    generated: sequence.generated(),
+                }
+            })
+            .collect();
+        let total = self.blocks.num_blocks() as f64;
+        Batch { items, block_size: self.config.block_size, kv_usage: self.blocks.num_used() as f64 / total }
+    }
+
+    /// Applies a computed step: `sampled[i]` is the token sampled for
+    /// `plan[i]` (ignored unless the chunk samples). Registers newly full
+    /// blocks in the prefix cache, appends tokens, and ends sequences that
+    /// hit a stop condition.
+    pub fn complete(&mut self, plan: &[ScheduledChunk], sampled: &[Option<u32>]) -> Vec<SequenceUpdate> {
+        debug_assert_eq!(plan.len(), sampled.len());
+        let mut updates = Vec::with_capacity(plan.len());
+        for (chunk, token) in plan.iter().zip(sampled) {
+            let Some(sequence) = self.sequences.get_mut(&chunk.seq_id) else { continue };
+            sequence.num_computed = chunk.start + chunk.len;
+            self.register_full_blocks(chunk.seq_id);
+            let (Some(token), true) = (*token, chunk.sample) else { continue };
+            let sequence = self.sequences.get_mut(&chunk.seq_id).expect("sequence exists");
+            let stop_token = sequence.stop.stop_token_ids.contains(&token)
+                || (!sequence.stop.ignore_eos && self.eos_token_ids.contains(&token));
+            let (emitted, reason) = if stop_token {
+                (None, Some(FinishReason::Stop))
+            } else {
+                sequence.tokens.push(token);
+                let at_limit = sequence.generated() >= sequence.stop.max_tokens as usize
+                    || sequence.tokens.len() >= self.config.max_model_len;
+                (Some(token), at_limit.then_some(FinishReason::Length))
+            };
+            let finished = reason.map(|reason| (reason, self.finish(chunk.seq_id)));
+            updates.push(SequenceUpdate { seq_id: chunk.seq_id, token: emitted, finished });
+        }
+        updates
+    }
+
+    fn register_full_blocks(&mut self, seq_id: SeqId) {
+        let block_size = self.config.block_size;
+        let sequence = self.sequences.get_mut(&seq_id).expect("sequence exists");
+        let full = sequence.num_computed / block_size;
+        if full <= sequence.num_registered {
+            return;
+        }
+        extend_hashes(&self.hasher, sequence, block_size);
+        let parent = sequence.num_registered.checked_sub(1).map(|i| sequence.hashes[i].sequence);
+        let pairs: Vec<(BlockId, BlockHashes)> =
+            (sequence.num_registered..full).map(|i| (sequence.blocks[i], sequence.hashes[i])).collect();
+        sequence.num_registered = full;
+        self.blocks.register(parent, &pairs);
+    }
+
+    fn finish(&mut self, seq_id: SeqId) -> Usage {
+        let sequence = self.sequences.remove(&seq_id).expect("finished sequence exists");
+        self.running.retain(|&id| id != seq_id);
+        self.blocks.release(sequence.blocks.iter().rev().copied());
+        Usage {
+            prompt_tokens: sequence.prompt_len as u32,
+            completion_tokens: sequence.generated() as u32,
+            cached_prompt_tokens: sequence.cached_prompt_tokens.unwrap_or(0) as u32,
+        }
+    }
+
+    /// Times the sequence was preempted (None if unknown).
+    pub fn preemptions(&self, seq_id: SeqId) -> Option<u32> {
+        self.sequences.get(&seq_id).map(|s| s.preemptions)
+    }
+
+    /// Checks queue and pool invariants; panics on a violation.
+    pub fn check_invariants(&self) {
+        self.blocks.check_invariants();
+        assert_eq!(self.waiting.len() + self.running.len(), self.sequences.len(), "every sequence is in one queue");
+        assert!(self.running.len() <= self.config.max_num_seqs);
+        let mut referenced = HashMap::<BlockId, u32>::new();
+        for &seq_id in &self.running {
+            let sequence = &self.sequences[&seq_id];
+            assert!(sequence.blocks.len() * self.config.block_size >= sequence.num_computed, "blocks cover computed tokens");
+            for &block in &sequence.blocks {
+                *referenced.entry(block).or_default() += 1;
+            }
+        }
+        for &seq_id in &self.waiting {
+            assert!(self.sequences[&seq_id].blocks.is_empty(), "waiting sequences hold no blocks");
+        }
+        for (block, count) in referenced {
+            assert_eq!(self.blocks.ref_count(block), count, "block {block} reference count");
+        }
+    }
+}
+
+/// Computes the hashes of every complete block of the sequence's tokens not
+/// hashed yet.
+fn extend_hashes(hasher: &BlockHasher, sequence: &mut Sequence, block_size: usize) {
+    let full = sequence.tokens.len() / block_size;
+    for index in sequence.hashes.len()..full {
+        let local = hasher.local(&sequence.tokens[index * block_size..(index + 1) * block_size]);
+        let parent = index.checked_sub(1).map(|i| sequence.hashes[i].sequence);
+        sequence.hashes.push(BlockHashes { local, sequence: hasher.chain(parent, local) });
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,217 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn config(num_blocks: usize, block_size: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size,
+        num_blocks,
+        max_num_seqs: 8,
+        max_batched_tokens: 64,
+        max_model_len: 1024,
+        max_waiting: 100,
+        prefix_caching: true,
+        chunked_prefill: true,
+        hash_seed: turbine_kv::DEFAULT_SEED,
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: String::new(),
+        prompt,
+        sampling: SamplingParams::default(),
+        stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: false },
+    }
+}
+
+/// Runs steps with a fake model that always samples `next`, until every
+/// sequence finished; returns each sequence's (tokens, finish, usage).
+fn run_to_completion(scheduler: &mut Scheduler, next: u32) -> HashMap<SeqId, (Vec<u32>, FinishReason, Usage)> {
+    let mut streams: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let mut done = HashMap::new();
+    for _ in 0..10_000 {
+        if !scheduler.has_work() {
+            return done;
+        }
+        let plan = scheduler.schedule();
+        assert!(!plan.is_empty(), "work exists but nothing was scheduled");
+        let batch = scheduler.batch(&plan);
+        for item in &batch.items {
+            assert!(item.block_table.len() * batch.block_size >= item.start + item.len, "block table too short");
+        }
+        let sampled: Vec<Option<u32>> = plan.iter().map(|chunk| chunk.sample.then_some(next)).collect();
+        for update in scheduler.complete(&plan, &sampled) {
+            let stream = streams.entry(update.seq_id).or_default();
+            stream.extend(update.token);
+            if let Some((reason, usage)) = update.finished {
+                done.insert(update.seq_id, (streams.remove(&update.seq_id).unwrap(), reason, usage));
+            }
+        }
+        scheduler.check_invariants();
+    }
+    panic!("did not finish");
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_then_decoded() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let id = scheduler.add(request((0..150).collect(), 3)).unwrap();
+    let first = scheduler.schedule();
+    assert_eq!(first, vec![ScheduledChunk { seq_id: id, start: 0, len: 64, sample: false }]);
+    scheduler.complete(&first, &[None]);
+    let second = scheduler.schedule();
+    assert_eq!(second, vec![ScheduledChunk { seq_id: id, start: 64, len: 64, sample: false }]);
+    scheduler.complete(&second, &[None]);
+    let third = scheduler.schedule();
+    assert_eq!(third, vec![ScheduledChunk { seq_id: id, start: 128, len: 22, sample: true }]);
+    let updates = scheduler.complete(&third, &[Some(7)]);
+    assert_eq!(updates[0].token, Some(7));
+    let decode = scheduler.schedule();
+    assert_eq!(decode, vec![ScheduledChunk { seq_id: id, start: 150, len: 1, sample: true }]);
+}
+
+#[test]
+fn max_tokens_and_usage_are_exact() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let id = scheduler.add(request((0..10).collect(), 5)).unwrap();
+    let done = run_to_completion(&mut scheduler, 3);
+    let (tokens, reason, usage) = &done[&id];
+    assert_eq!(tokens, &vec![3; 5]);
+    assert_eq!(*reason, FinishReason::Length);
+    assert_eq!(*usage, Usage { prompt_tokens: 10, completion_tokens: 5, cached_prompt_tokens: 0 });
+    assert_eq!(scheduler.load().blocks_used, 0, "finished sequences free their blocks");
+}
+
+#[test]
+fn eos_stops_without_being_emitted_unless_ignored() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![2]);
+    let stops = scheduler.add(request(vec![1, 2, 3], 5)).unwrap();
+    let mut ignoring = request(vec![1, 2, 3], 4);
+    ignoring.stop.ignore_eos = true;
+    let ignores = scheduler.add(ignoring).unwrap();
+    let done = run_to_completion(&mut scheduler, 2);
+    assert_eq!(done[&stops].0, Vec::<u32>::new());
+    assert_eq!(done[&stops].1, FinishReason::Stop);
+    assert_eq!(done[&stops].2.completion_tokens, 0);
+    assert_eq!(done[&ignores].0, vec![2; 4]);
+    assert_eq!(done[&ignores].1, FinishReason::Length);
+}
+
+#[test]
+fn a_repeated_prompt_reuses_cached_blocks() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let prompt: Vec<u32> = (100..118).collect(); // 4 full blocks + 2 tokens
+    let first = scheduler.add(request(prompt.clone(), 2)).unwrap();
+    let done = run_to_completion(&mut scheduler, 1);
+    assert_eq!(done[&first].2.cached_prompt_tokens, 0);
+    let second = scheduler.add(request(prompt.clone(), 2)).unwrap();
+    let plan = scheduler.schedule();
+    assert_eq!(plan, vec![ScheduledChunk { seq_id: second, start: 16, len: 2, sample: true }]);
+    scheduler.complete(&plan, &[Some(1)]);
+    let done = run_to_completion(&mut scheduler, 1);
+    assert_eq!(done[&second].2.cached_prompt_tokens, 16);
+}
+
+#[test]
+fn a_prompt_on_a_block_boundary_recomputes_its_last_block() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let prompt: Vec<u32> = (0..16).collect();
+    scheduler.add(request(prompt.clone(), 1)).unwrap();
+    run_to_completion(&mut scheduler, 1);
+    let id = scheduler.add(request(prompt, 1)).unwrap();
+    let plan = scheduler.schedule();
+    // Three cached blocks are reused; the fourth is recomputed to sample from.
+    assert_eq!(plan, vec![ScheduledChunk { seq_id: id, start: 12, len: 4, sample: true }]);
+}
+
+#[test]
+fn out_of_blocks_preempts_the_youngest_and_everything_completes() {
+    // 6 blocks of 4 tokens; three sequences of 8-token prompts that grow to 16.
+    let mut cfg = config(6, 4);
+    cfg.max_batched_tokens = 256;
+    let mut scheduler = Scheduler::new(cfg, vec![]);
+    let ids: Vec<SeqId> = (0..3).map(|i| scheduler.add(request(vec![i; 8], 8)).unwrap()).collect();
+    let done = run_to_completion(&mut scheduler, 9);
+    assert!(scheduler.total_preemptions() > 0, "the pool is too small to run all three at once");
+    for id in ids {
+        assert_eq!(done[&id].0, vec![9; 8], "a preempted sequence resumes where it was");
+        assert_eq!(done[&id].1, FinishReason::Length);
+    }
+}
+
+#[test]
+fn requests_that_cannot_fit_are_refused_and_queue_overflow_is_reported() {
+    let mut cfg = config(4, 4);
+    cfg.max_model_len = 100;
+    cfg.max_waiting = 1;
+    let mut scheduler = Scheduler::new(cfg, vec![]);
+    assert!(matches!(scheduler.add(request(vec![], 1)), Err(AdmissionError::Invalid(_))));
+    assert!(matches!(scheduler.add(request(vec![1], 0)), Err(AdmissionError::Invalid(_))));
+    assert!(matches!(scheduler.add(request(vec![1; 90], 20)), Err(AdmissionError::Invalid(_))));
+    assert!(matches!(scheduler.add(request(vec![1; 10], 10)), Err(AdmissionError::Invalid(_))), "needs 5 blocks of 4");
+    scheduler.add(request(vec![1; 4], 1)).unwrap();
+    assert_eq!(scheduler.add(request(vec![1; 4], 1)), Err(AdmissionError::QueueFull(1)));
+}
+
+#[test]
+fn abort_frees_blocks_wherever_the_sequence_is() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let running = scheduler.add(request(vec![1; 30], 4)).unwrap();
+    let plan = scheduler.schedule();
+    scheduler.complete(&plan, &vec![Some(1); plan.len()]);
+    let waiting = scheduler.add(request(vec![2; 4], 4)).unwrap();
+    assert!(scheduler.abort(running));
+    assert!(scheduler.abort(waiting));
+    assert!(!scheduler.abort(waiting));
+    assert_eq!(scheduler.load(), Load { running: 0, waiting: 0, blocks_used: 0, blocks_total: 64 });
+    scheduler.check_invariants();
+}
+
+#[test]
+fn the_sequence_limit_holds_back_admission() {
+    let mut cfg = config(64, 4);
+    cfg.max_num_seqs = 2;
+    let mut scheduler = Scheduler::new(cfg, vec![]);
+    for _ in 0..3 {
+        scheduler.add(request(vec![5; 4], 3)).unwrap();
+    }
+    let plan = scheduler.schedule();
+    assert_eq!(plan.len(), 2);
+    assert_eq!(scheduler.load().waiting, 1);
+}
+
+proptest! {
+    /// Any mix of prompts (sharing prefixes), budgets and pool sizes runs to
+    /// completion with every invariant intact and exact token counts.
+    #[test]
+    fn every_request_completes_with_exact_counts(
+        prompts in prop::collection::vec((prop::collection::vec(0u32..4, 1..40), 1u32..12), 1..12),
+        num_blocks in 12usize..40,
+        budget in 1usize..48,
+        max_seqs in 1usize..6,
+    ) {
+        let mut cfg = config(num_blocks, 4);
+        cfg.max_batched_tokens = budget;
+        cfg.max_num_seqs = max_seqs;
+        let mut scheduler = Scheduler::new(cfg, vec![]);
+        let mut expected = HashMap::new();
+        for (prompt, max_tokens) in prompts {
+            let len = prompt.len();
+            if let Ok(id) = scheduler.add(request(prompt, max_tokens)) {
+                expected.insert(id, (len as u32, max_tokens));
+            }
+        }
+        let done = run_to_completion(&mut scheduler, 1);
+        prop_assert_eq!(done.len(), expected.len());
+        for (id, (prompt_tokens, max_tokens)) in expected {
+            let (tokens, reason, usage) = &done[&id];
+            prop_assert_eq!(tokens.len() as u32, max_tokens);
+            prop_assert_eq!(*reason, FinishReason::Length);
+            prop_assert_eq!(usage.prompt_tokens, prompt_tokens);
+            prop_assert_eq!(usage.completion_tokens, max_tokens);
+            prop_assert!(usage.cached_prompt_tokens < prompt_tokens);
+        }
+        prop_assert_eq!(scheduler.load().blocks_used, 0);
+    }
+}

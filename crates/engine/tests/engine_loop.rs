@@ -1,0 +1,94 @@
+//! The engine thread with the mocker: streaming, cancellation, overload and
+//! shutdown, through the public handle.
+
+use std::time::Duration;
+
+use turbine_engine::mocker::{MockExecutor, MockTiming};
+use turbine_engine::{EngineError, EngineHandle, EngineOutput, FinishReason, GenerateRequest, SchedulerConfig, StopConditions};
+
+fn engine(speedup: f64, config: SchedulerConfig) -> EngineHandle {
+    let executor = MockExecutor::new(MockTiming { speedup }, (100..200).collect());
+    EngineHandle::spawn(config, vec![2], Box::new(executor))
+}
+
+fn request(prompt_len: usize, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: "test".into(),
+        prompt: (0..prompt_len as u32).map(|t| t % 50 + 10).collect(),
+        stop: StopConditions { max_tokens, ..Default::default() },
+        ..Default::default()
+    }
+}
+
+async fn collect(mut outputs: tokio::sync::mpsc::UnboundedReceiver<EngineOutput>) -> (Vec<u32>, EngineOutput) {
+    let mut tokens = Vec::new();
+    while let Some(output) = outputs.recv().await {
+        match output {
+            EngineOutput::Token(token) => tokens.push(token),
+            last => return (tokens, last),
+        }
+    }
+    panic!("stream ended without a final message");
+}
+
+#[tokio::test]
+async fn concurrent_requests_stream_exact_token_counts() {
+    let engine = engine(1e6, SchedulerConfig::default());
+    let streams: Vec<_> = (0..16).map(|i| engine.generate(request(100 + i * 37, 20 + i as u32)).unwrap()).collect();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let (tokens, last) = collect(stream).await;
+        assert_eq!(tokens.len(), 20 + i);
+        let EngineOutput::Finished { reason, usage } = last else { panic!("{last:?}") };
+        assert_eq!(reason, FinishReason::Length);
+        assert_eq!(usage.prompt_tokens as usize, 100 + i * 37);
+        assert_eq!(usage.completion_tokens as usize, 20 + i);
+    }
+    assert_eq!(engine.load().blocks_used, 0);
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn the_same_seed_gives_the_same_tokens() {
+    let engine = engine(1e6, SchedulerConfig::default());
+    let mut seeded = request(40, 10);
+    seeded.sampling.seed = Some(42);
+    let (a, _) = collect(engine.generate(seeded.clone()).unwrap()).await;
+    let (b, _) = collect(engine.generate(seeded).unwrap()).await;
+    assert_eq!(a, b);
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn dropping_the_stream_frees_the_sequence() {
+    // Real-time mocker: a 10,000-token request takes far longer than this test.
+    let engine = engine(1.0, SchedulerConfig::default());
+    let mut stream = engine.generate(request(64, 5_000)).unwrap();
+    assert!(matches!(stream.recv().await, Some(EngineOutput::Token(_))));
+    assert!(engine.load().blocks_used > 0);
+    drop(stream);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while engine.load().blocks_used > 0 || engine.load().running > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "cancelled sequence still holds blocks");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn invalid_and_overflowing_requests_are_refused_at_submission() {
+    let config = SchedulerConfig { max_model_len: 128, max_waiting: 2, max_num_seqs: 1, ..Default::default() };
+    let engine = engine(1.0, config);
+    assert!(matches!(engine.generate(request(0, 1)), Err(EngineError::InvalidRequest(_))));
+    assert!(matches!(engine.generate(request(120, 10)), Err(EngineError::InvalidRequest(_))));
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn shutdown_fails_sequences_still_running() {
+    let engine = engine(1.0, SchedulerConfig::default());
+    let stream = engine.generate(request(16, 5_000)).unwrap();
+    engine.shutdown();
+    let (_, last) = collect(stream).await;
+    assert_eq!(last, EngineOutput::Failed(EngineError::ShuttingDown));
+    assert!(matches!(engine.generate(request(16, 1)), Err(EngineError::ShuttingDown)));
+}

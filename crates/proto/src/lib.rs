@@ -1,0 +1,54 @@
+//! Turbine's gRPC contracts, generated from `proto/` at build time.
+//!
+//! One module per package and version (`gateway::v1`, `router::v1`,
+//! `worker::v1`), mirroring `proto/turbine/<service>/v1/`. Each module also
+//! exports its encoded `FILE_DESCRIPTOR_SET` (with comments), which servers
+//! register with gRPC reflection so `grpcurl list` and `describe` work.
+//!
+//! Generated types stop at the service edge: services convert them to
+//! domain types and validate there.
+
+#![allow(clippy::all, missing_docs)]
+
+/// `turbine.gateway.*` packages.
+pub mod gateway {
+    /// `turbine.gateway.v1`: the text-in, text-out Inference API.
+    pub mod v1 {
+        tonic::include_proto!("turbine.gateway.v1");
+        /// Encoded descriptor set of `turbine.gateway.v1`, source info included.
+        pub const FILE_DESCRIPTOR_SET: &[u8] =
+            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.gateway.v1.bin"));
+    }
+}
+
+/// `turbine.router.*` packages.
+pub mod router {
+    /// `turbine.router.v1`: worker selection and load bookkeeping.
+    pub mod v1 {
+        tonic::include_proto!("turbine.router.v1");
+        /// Encoded descriptor set of `turbine.router.v1`, source info included.
+        pub const FILE_DESCRIPTOR_SET: &[u8] =
+            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.router.v1.bin"));
+    }
+}
+
+/// `turbine.worker.*` packages.
+pub mod worker {
+    /// `turbine.worker.v1`: token generation on one engine.
+    pub mod v1 {
+        tonic::include_proto!("turbine.worker.v1");
+        /// Encoded descriptor set of `turbine.worker.v1`, source info included.
+        pub const FILE_DESCRIPTOR_SET: &[u8] =
+            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.worker.v1.bin"));
+    }
+}
+
+/// Fully qualified gRPC service names, as used by health checks and reflection.
+pub mod service_names {
+    /// `turbine.gateway.v1.Inference`
+    pub const GATEWAY_INFERENCE: &str = "turbine.gateway.v1.Inference";
+    /// `turbine.router.v1.Router`
+    pub const ROUTER: &str = "turbine.router.v1.Router";
+    /// `turbine.worker.v1.Worker`
+    pub const WORKER: &str = "turbine.worker.v1.Worker";
+}

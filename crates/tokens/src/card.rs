@@ -1,0 +1,145 @@
+//! The model card: what a client needs to talk to a served model, and the
+//! compiled preprocessor built from it.
+
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use crate::chat::{CHATML_TEMPLATE, ChatMessage, ChatTemplate};
+use crate::gguf::Gguf;
+use crate::tokenizer::{Tokenizer, TokenizerSpec};
+use crate::Result;
+
+/// Context length assumed when a GGUF file does not state one.
+const FALLBACK_CONTEXT_LENGTH: u32 = 2048;
+
+/// Everything a client needs to tokenize and template prompts for a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelCard {
+    /// Name clients use in requests.
+    pub name: String,
+    /// Maximum prompt plus generated tokens per sequence.
+    pub context_length: u32,
+    /// Tokens per KV block in the serving engine's cache.
+    pub kv_block_size: u32,
+    /// The tokenizer definition.
+    pub tokenizer: TokenizerSpec,
+    /// The Jinja chat template, if the model ships one.
+    pub chat_template: Option<String>,
+}
+
+impl ModelCard {
+    /// Builds the card of a GGUF model served under `name`.
+    pub fn from_gguf(name: &str, gguf: &Gguf, kv_block_size: u32) -> Result<Self> {
+        let context_length = gguf
+            .arch_u64("context_length")
+            .and_then(|v| u32::try_from(v).ok())
+            .unwrap_or(FALLBACK_CONTEXT_LENGTH);
+        Ok(Self {
+            name: name.to_owned(),
+            context_length,
+            kv_block_size,
+            tokenizer: TokenizerSpec::from_gguf(gguf)?,
+            chat_template: gguf.get_str("tokenizer.chat_template").map(str::to_owned),
+        })
+    }
+
+    /// Reads a GGUF file and builds its card.
+    pub fn from_gguf_path(name: &str, path: &Path, kv_block_size: u32) -> Result<Self> {
+        Self::from_gguf(name, &Gguf::open(path)?, kv_block_size)
+    }
+
+    /// Hex SHA-256 over the card's contents: equal digests mean equal cards.
+    pub fn digest(&self) -> String {
+        let mut hasher = Sha256::new();
+        let mut field = |bytes: &[u8]| {
+            hasher.update((bytes.len() as u64).to_le_bytes());
+            hasher.update(bytes);
+        };
+        let spec = &self.tokenizer;
+        field(self.name.as_bytes());
+        field(&self.context_length.to_le_bytes());
+        field(&self.kv_block_size.to_le_bytes());
+        field(self.chat_template.as_deref().unwrap_or("\u{0}none").as_bytes());
+        field(spec.model.as_bytes());
+        field(spec.pre.as_bytes());
+        for token in &spec.tokens {
+            field(token.as_bytes());
+        }
+        for merge in &spec.merges {
+            field(merge.as_bytes());
+        }
+        let numbers: Vec<u8> = spec
+            .token_types
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .chain(spec.scores.iter().flat_map(|s| s.to_le_bytes()))
+            .chain(spec.eog_token_ids.iter().flat_map(|t| t.to_le_bytes()))
+            .collect();
+        field(&numbers);
+        let optional = |id: Option<u32>| id.map_or(u64::MAX, u64::from).to_le_bytes();
+        for id in [spec.bos_token_id, spec.eos_token_id, spec.padding_token_id, spec.unknown_token_id] {
+            field(&optional(id));
+        }
+        field(&[spec.add_bos_token as u8, spec.add_space_prefix as u8]);
+        hex::encode(hasher.finalize())
+    }
+}
+
+/// A model card compiled for use: tokenizer and chat template ready.
+#[derive(Debug)]
+pub struct Preprocessor {
+    card: ModelCard,
+    digest: String,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+}
+
+impl Preprocessor {
+    /// Compiles the card's tokenizer and chat template (ChatML when the model
+    /// has none).
+    pub fn new(card: ModelCard) -> Result<Self> {
+        let tokenizer = Tokenizer::from_spec(card.tokenizer.clone())?;
+        let token_text = |id: Option<u32>| id.and_then(|id| tokenizer.token_text(id)).unwrap_or_default().to_owned();
+        let source = card.chat_template.as_deref().unwrap_or(CHATML_TEMPLATE);
+        let template = ChatTemplate::new(source, &token_text(card.tokenizer.bos_token_id), &token_text(card.tokenizer.eos_token_id))?;
+        let digest = card.digest();
+        Ok(Self { card, digest, tokenizer, template })
+    }
+
+    /// The card this preprocessor was compiled from.
+    pub fn card(&self) -> &ModelCard {
+        &self.card
+    }
+
+    /// The card's digest (computed once).
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Renders a conversation with the chat template and tokenizes it.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.template.render(messages, true)?;
+        self.tokenizer.encode(&text)
+    }
+
+    /// Renders a conversation with the chat template (generation prompt added).
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.template.render(messages, true)
+    }
+
+    /// Tokenizes raw prompt text.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text)
+    }
+
+    /// Whether `token_id` is a valid id of this vocabulary.
+    pub fn is_valid_token(&self, token_id: u32) -> bool {
+        (token_id as usize) < self.tokenizer.vocab_size()
+    }
+}

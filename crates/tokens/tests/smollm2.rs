@@ -1,0 +1,106 @@
+//! The default model's tokenizer, template and detokenizer against
+//! references produced by llama.cpp and Python's Jinja2 on the same GGUF.
+//!
+//! The model is fetched into the cache if missing (`turbine model pull`).
+
+use std::sync::OnceLock;
+
+use serde::Deserialize;
+use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+use turbine_tokens::{ChatMessage, ModelCard, Preprocessor};
+
+fn preprocessor() -> &'static Preprocessor {
+    static PREPROCESSOR: OnceLock<Preprocessor> = OnceLock::new();
+    PREPROCESSOR.get_or_init(|| {
+        let model = resolve_model("smollm2-135m", None, &default_cache_dir(), Progress::Quiet).expect("default model");
+        let card = ModelCard::from_gguf_path(&model.name, &model.path, 16).expect("card");
+        Preprocessor::new(card).expect("preprocessor")
+    })
+}
+
+#[derive(Deserialize)]
+struct Fixture {
+    cases: Vec<Case>,
+}
+
+#[derive(Deserialize)]
+struct Case {
+    text: String,
+    ids: Vec<u32>,
+}
+
+#[test]
+fn token_ids_match_llama_cpp() {
+    let fixture: Fixture = serde_json::from_str(include_str!("fixtures/smollm2_llama_cpp_ids.json")).unwrap();
+    assert!(fixture.cases.len() >= 10);
+    let tokenizer = preprocessor().tokenizer();
+    for case in &fixture.cases {
+        let ids = tokenizer.encode(&case.text).unwrap();
+        assert_eq!(ids, case.ids, "text {:?}", case.text);
+    }
+}
+
+#[test]
+fn decoding_round_trips_text_without_special_tokens() {
+    let fixture: Fixture = serde_json::from_str(include_str!("fixtures/smollm2_llama_cpp_ids.json")).unwrap();
+    let tokenizer = preprocessor().tokenizer();
+    for case in fixture.cases.iter().filter(|case| !case.text.contains("<|")) {
+        assert_eq!(tokenizer.decode(&case.ids), case.text);
+    }
+}
+
+#[test]
+fn incremental_decoding_equals_whole_decoding_and_never_splits_characters() {
+    let tokenizer = preprocessor().tokenizer();
+    let text = "emoji: 😀🎉👩‍👩‍👧‍👦 日本語 naïve — done";
+    let ids = tokenizer.encode(text).unwrap();
+    let mut decoder = tokenizer.token_bytes().decoder();
+    let mut streamed = String::new();
+    for id in ids {
+        let before = streamed.len();
+        decoder.push(id, &mut streamed);
+        // Every delta is a complete string on its own.
+        assert!(std::str::from_utf8(&streamed.as_bytes()[before..]).is_ok());
+        assert!(!streamed.contains('\u{FFFD}'));
+    }
+    decoder.finish(&mut streamed);
+    assert_eq!(streamed, text);
+}
+
+#[test]
+fn card_reads_the_gguf_metadata() {
+    let card = preprocessor().card();
+    assert_eq!(card.context_length, 8192);
+    assert_eq!(card.tokenizer.model, "gpt2");
+    assert_eq!(card.tokenizer.pre, "smollm");
+    assert_eq!(card.tokenizer.tokens.len(), 49_152);
+    assert_eq!(card.tokenizer.eos_token_id, Some(2));
+    assert!(card.tokenizer.eog_token_ids.contains(&2));
+    assert!(!card.tokenizer.add_bos_token);
+    assert_eq!(preprocessor().digest().len(), 64);
+}
+
+#[test]
+fn chat_template_matches_jinja2() {
+    // Expected strings rendered by Python's jinja2 (trim_blocks, lstrip_blocks)
+    // from the template stored in the GGUF.
+    let preprocessor = preprocessor();
+    let one = preprocessor.render_chat(&[ChatMessage::new("user", "What is 12+30?")]).unwrap();
+    assert_eq!(
+        one,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let conversation = [
+        ChatMessage::new("system", "Be terse."),
+        ChatMessage::new("user", "Hi"),
+        ChatMessage::new("assistant", "Hello!"),
+        ChatMessage::new("user", "Bye"),
+    ];
+    assert_eq!(
+        preprocessor.render_chat(&conversation).unwrap(),
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = preprocessor.encode_chat(&[ChatMessage::new("user", "What is 12+30?")]).unwrap();
+    assert_eq!(ids[0], 1, "<|im_start|> is one control token");
+    assert_eq!(&ids[ids.len() - 3..], &[1, 520, 9531, 198][1..]);
+}
