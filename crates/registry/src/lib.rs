@@ -1,0 +1,141 @@
+//! Where workers announce themselves and routers find them.
+//!
+//! A worker registers a [`WorkerRecord`] under a lease with a TTL and keeps
+//! it alive with heartbeats (which also carry its latest load). A worker
+//! that stops heartbeating disappears when its lease expires; one that
+//! shuts down gracefully deregisters at once. Routers [`Registry::list`]
+//! the live workers together with each lease's remaining time, so they can
+//! drop a worker exactly when its lease runs out, between polls too.
+//!
+//! Two backends behind one type: [`MemoryRegistry`] for a single process
+//! (`turbine run`) and [`RedisRegistry`] for distributed deployments (keys
+//! namespaced as `turbine:<namespace>:workers:*`).
+
+mod lease;
+mod memory;
+mod redis_backend;
+
+use std::time::{Duration, Instant};
+
+pub use lease::Lease;
+pub use memory::MemoryRegistry;
+pub use redis_backend::RedisRegistry;
+use serde::{Deserialize, Serialize};
+
+/// A worker as registered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    /// Unique, stable id.
+    pub worker_id: String,
+    /// gRPC endpoint (`http://host:port`).
+    pub endpoint: String,
+    /// Model served.
+    pub model: String,
+    /// Latest load reported with the heartbeat.
+    #[serde(default)]
+    pub load: WorkerLoad,
+}
+
+/// Engine occupancy reported with each heartbeat.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    /// Sequences scheduled.
+    pub running: u32,
+    /// Sequences queued.
+    pub waiting: u32,
+    /// KV blocks in use.
+    pub blocks_used: u32,
+    /// KV blocks in the pool.
+    pub blocks_total: u32,
+}
+
+/// A registered worker and when its lease runs out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveWorker {
+    /// The record.
+    pub record: WorkerRecord,
+    /// The instant (local clock) its lease expires unless renewed.
+    pub expires_at: Instant,
+}
+
+/// Registry failures.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// Redis refused or could not be reached.
+    #[error("registry backend unavailable: {0}")]
+    Unavailable(String),
+    /// A stored record could not be decoded.
+    #[error("corrupt registry record {key}: {message}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl From<redis::RedisError> for RegistryError {
+    fn from(error: redis::RedisError) -> Self {
+        RegistryError::Unavailable(error.to_string())
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = RegistryError> = std::result::Result<T, E>;
+
+/// A worker registry: in memory or in Redis.
+#[derive(Debug, Clone)]
+pub enum Registry {
+    /// One process.
+    Memory(MemoryRegistry),
+    /// Shared through Redis.
+    Redis(RedisRegistry),
+}
+
+impl Registry {
+    /// Registers or refreshes a worker for `ttl`.
+    pub async fn put(&self, record: &WorkerRecord, ttl: Duration) -> Result<()> {
+        match self {
+            Registry::Memory(registry) => {
+                registry.put(record, ttl);
+                Ok(())
+            }
+            Registry::Redis(registry) => registry.put(record, ttl).await,
+        }
+    }
+
+    /// Removes a worker at once.
+    pub async fn remove(&self, worker_id: &str) -> Result<()> {
+        match self {
+            Registry::Memory(registry) => {
+                registry.remove(worker_id);
+                Ok(())
+            }
+            Registry::Redis(registry) => registry.remove(worker_id).await,
+        }
+    }
+
+    /// Every worker whose lease has not expired, ordered by id.
+    pub async fn list(&self) -> Result<Vec<LiveWorker>> {
+        match self {
+            Registry::Memory(registry) => Ok(registry.list()),
+            Registry::Redis(registry) => registry.list().await,
+        }
+    }
+
+    /// Checks that the backend answers.
+    pub async fn ping(&self) -> Result<()> {
+        match self {
+            Registry::Memory(_) => Ok(()),
+            Registry::Redis(registry) => registry.ping().await,
+        }
+    }
+
+    /// A short description for logs.
+    pub fn describe(&self) -> String {
+        match self {
+            Registry::Memory(_) => "in-memory".to_owned(),
+            Registry::Redis(registry) => format!("redis namespace {}", registry.namespace()),
+        }
+    }
+}

@@ -1,0 +1,72 @@
+//! The Redis registry against a real redis-server on a free port.
+
+use std::time::{Duration, Instant};
+
+use turbine_registry::{Lease, RedisRegistry, Registry, WorkerLoad, WorkerRecord};
+use turbine_testkit::RedisServer;
+
+fn record(id: &str) -> WorkerRecord {
+    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: WorkerLoad::default() }
+}
+
+#[tokio::test]
+async fn put_list_remove_and_expiry() {
+    let redis = RedisServer::start();
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "test").unwrap());
+    registry.ping().await.unwrap();
+    registry.put(&record("b"), Duration::from_secs(30)).await.unwrap();
+    registry.put(&record("a"), Duration::from_millis(300)).await.unwrap();
+    let live = registry.list().await.unwrap();
+    let ids: Vec<_> = live.iter().map(|w| w.record.worker_id.as_str()).collect();
+    assert_eq!(ids, ["a", "b"]);
+    let a = &live[0];
+    assert!(a.expires_at <= Instant::now() + Duration::from_millis(300), "the lease deadline is reported");
+
+    // Wait out a's lease: Redis expires the key on its own clock.
+    tokio::time::sleep(a.expires_at.saturating_duration_since(Instant::now()) + Duration::from_millis(50)).await;
+    let ids: Vec<_> = registry.list().await.unwrap().into_iter().map(|w| w.record.worker_id).collect();
+    assert_eq!(ids, ["b"]);
+
+    registry.remove("b").await.unwrap();
+    assert!(registry.list().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn namespaces_do_not_see_each_other() {
+    let redis = RedisServer::start();
+    let one = Registry::Redis(RedisRegistry::new(&redis.url(), "one").unwrap());
+    let two = Registry::Redis(RedisRegistry::new(&redis.url(), "two").unwrap());
+    one.put(&record("w"), Duration::from_secs(30)).await.unwrap();
+    assert_eq!(one.list().await.unwrap().len(), 1);
+    assert!(two.list().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_lease_renews_carries_load_and_revokes() {
+    let redis = RedisServer::start();
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "lease").unwrap());
+    let ttl = Duration::from_millis(300);
+    let lease = Lease::start(registry.clone(), ttl, || WorkerRecord { load: WorkerLoad { running: 3, ..Default::default() }, ..record("w") });
+    // Several TTLs later the record is still there: heartbeats renewed it.
+    let deadline = Instant::now() + ttl * 4;
+    while Instant::now() < deadline {
+        tokio::time::sleep(ttl / 2).await;
+        let live = registry.list().await.unwrap();
+        assert_eq!(live.len(), 1, "lease lapsed despite heartbeats");
+        assert_eq!(live[0].record.load.running, 3);
+    }
+    lease.revoke().await;
+    assert!(registry.list().await.unwrap().is_empty(), "revoke removes at once");
+}
+
+#[tokio::test]
+async fn an_unreachable_redis_is_an_error_not_a_hang() {
+    let mut redis = RedisServer::start();
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "down").unwrap());
+    registry.ping().await.unwrap();
+    redis.kill();
+    let started = Instant::now();
+    assert!(registry.ping().await.is_err());
+    assert!(registry.list().await.is_err());
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

@@ -1,0 +1,95 @@
+//! Readiness: one switch that drives gRPC health (`grpc.health.v1`, the
+//! overall "" service and each named service) and the `/readyz` endpoint.
+//!
+//! A service starts NOT_SERVING, turns SERVING once its dependencies answer
+//! (see [`Readiness::watch_dependencies`]), and goes back to NOT_SERVING
+//! when one stops answering or the process starts draining.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::server::HealthReporter;
+
+/// The readiness of one service process.
+#[derive(Debug, Clone)]
+pub struct Readiness {
+    reporter: HealthReporter,
+    services: Arc<Vec<String>>,
+    ready: Arc<AtomicBool>,
+    draining: Arc<AtomicBool>,
+}
+
+impl Readiness {
+    /// Creates the readiness of a process serving `services` (fully
+    /// qualified gRPC names), NOT_SERVING, and the health service to mount.
+    pub async fn new(services: &[&str]) -> (Self, HealthServer<impl Health>) {
+        let (reporter, server) = tonic_health::server::health_reporter();
+        let readiness = Self {
+            reporter,
+            services: Arc::new(services.iter().map(|s| s.to_string()).collect()),
+            ready: Arc::new(AtomicBool::new(false)),
+            draining: Arc::new(AtomicBool::new(false)),
+        };
+        readiness.publish(false).await;
+        (readiness, server)
+    }
+
+    /// Whether the process is ready for traffic.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// Marks the process ready or not. Ignored once draining began.
+    pub async fn set_ready(&self, ready: bool) {
+        if self.draining.load(Ordering::Acquire) {
+            return;
+        }
+        if self.ready.swap(ready, Ordering::AcqRel) != ready {
+            tracing::info!(ready, "readiness changed");
+        }
+        self.publish(ready).await;
+    }
+
+    /// Marks the process as draining: NOT_SERVING for good.
+    pub async fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+        self.ready.store(false, Ordering::Release);
+        self.publish(false).await;
+    }
+
+    async fn publish(&self, ready: bool) {
+        let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+        self.reporter.set_service_status("", status).await;
+        for service in self.services.iter() {
+            self.reporter.set_service_status(service, status).await;
+        }
+    }
+
+    /// Spawns a task that runs `probe` every `interval` and sets readiness to
+    /// its answer, until `shutdown` fires. The first probe runs at once.
+    pub fn watch_dependencies<P, F>(&self, interval: Duration, shutdown: CancellationToken, probe: P) -> tokio::task::JoinHandle<()>
+    where
+        P: Fn() -> F + Send + 'static,
+        F: Future<Output = bool> + Send,
+    {
+        let readiness = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let ready = tokio::select! {
+                    ready = probe() => ready,
+                    () = shutdown.cancelled() => return,
+                };
+                readiness.set_ready(ready).await;
+                tokio::select! {
+                    () = tokio::time::sleep(interval) => {}
+                    () = shutdown.cancelled() => return,
+                }
+            }
+        })
+    }
+}

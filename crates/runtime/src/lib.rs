@@ -1,0 +1,61 @@
+//! What every Turbine service shares, so each service crate holds only its
+//! own logic.
+//!
+//! - [`config`]: typed, layered configuration (defaults < file <
+//!   `TURBINE_*` env < flags).
+//! - [`telemetry`]: `tracing` logs and, when `OTEL_EXPORTER_OTLP_ENDPOINT`
+//!   is set, OpenTelemetry traces over OTLP/gRPC.
+//! - [`propagation`]: W3C trace context through gRPC metadata and HTTP
+//!   headers, so one request is one trace across services.
+//! - [`health`]: gRPC health (NOT_SERVING until dependencies answer) and the
+//!   readiness behind `/readyz`.
+//! - [`admin`]: `/metrics`, `/livez`, `/readyz` over HTTP.
+//! - [`grpc`]: server wiring (health, reflection, tracing layer, graceful
+//!   drain) and client channels.
+//! - [`shutdown`]: SIGTERM/SIGINT as a cancellation token.
+//! - [`metrics`]: Prometheus registry helpers.
+
+pub mod admin;
+pub mod config;
+pub mod grpc;
+pub mod health;
+pub mod metrics;
+pub mod propagation;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use tokio_util::sync::CancellationToken;
+
+use std::future::Future;
+use std::process::ExitCode;
+
+/// Runs a service process: a multi-threaded Tokio runtime, telemetry for
+/// `service_name`, SIGTERM/SIGINT wired to the shutdown token passed to
+/// `body`. Exits 0 when `body` returns Ok (after a graceful drain), 1 with
+/// the error chain logged otherwise.
+pub fn run_service<F, Fut>(service_name: &'static str, body: F) -> ExitCode
+where
+    F: FnOnce(CancellationToken) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>> + Send,
+{
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("{service_name}: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let _telemetry = telemetry::init(service_name);
+        let shutdown = CancellationToken::new();
+        shutdown::cancel_on_signal(shutdown.clone());
+        match body(shutdown).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                tracing::error!(error = format!("{error:#}"), "{service_name} failed");
+                eprintln!("{service_name}: error: {error:#}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}

@@ -1,0 +1,41 @@
+//! Prometheus metrics: every service registers into the process-wide default
+//! registry (services in one process use distinct metric names, and
+//! per-instance labels where several instances share a process).
+
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, TextEncoder};
+
+/// Renders every registered metric in the Prometheus text format.
+pub fn render() -> String {
+    let mut buffer = Vec::new();
+    let families = prometheus::gather();
+    if let Err(error) = TextEncoder::new().encode(&families, &mut buffer) {
+        tracing::warn!(%error, "metrics encoding failed");
+    }
+    String::from_utf8(buffer).unwrap_or_default()
+}
+
+/// Registers a counter family. Call once per process (e.g. from a `LazyLock`).
+pub fn counter(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let counter = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter definition");
+    prometheus::register(Box::new(counter.clone())).expect("counter registered once");
+    counter
+}
+
+/// Registers a gauge family. Call once per process.
+pub fn gauge(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let gauge = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge definition");
+    prometheus::register(Box::new(gauge.clone())).expect("gauge registered once");
+    gauge
+}
+
+/// Registers a histogram family with `buckets` (seconds). Call once per process.
+pub fn histogram(name: &str, help: &str, labels: &[&str], buckets: Vec<f64>) -> HistogramVec {
+    let histogram = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels).expect("valid histogram definition");
+    prometheus::register(Box::new(histogram.clone())).expect("histogram registered once");
+    histogram
+}
+
+/// Latency buckets from 100 µs to 60 s.
+pub fn latency_buckets() -> Vec<f64> {
+    vec![0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+}

@@ -1,0 +1,255 @@
+//! Worker configuration: defaults < `--config` file < `TURBINE_*` env < flags.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Which engine runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// Simulated timing with the real scheduler and block manager; emits
+    /// synthetic tokens.
+    Mock,
+}
+
+/// The worker's configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Address of the gRPC server (turbine.worker.v1, health, reflection).
+    pub grpc_addr: SocketAddr,
+    /// Address of the admin HTTP server (/metrics, /livez, /readyz).
+    pub admin_addr: SocketAddr,
+    /// Endpoint other services use to reach this worker; derived from the
+    /// gRPC address (or the host name when bound to all interfaces) if unset.
+    pub advertise: Option<String>,
+    /// Stable worker id; a random one if unset.
+    pub worker_id: Option<String>,
+    /// Model: a catalog name (fetched if missing) or a path to a GGUF file.
+    pub model: String,
+    /// Name clients use for the model; defaults to the catalog name or the
+    /// file stem.
+    pub served_model_name: Option<String>,
+    /// Engine kind.
+    pub engine: EngineKind,
+    /// Mocker only: divides every simulated duration.
+    pub speedup: f64,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Tokens computed per engine step.
+    pub max_batched_tokens: usize,
+    /// Requests allowed to wait in the engine queue.
+    pub max_waiting: usize,
+    /// Overrides the model's context length (tokens).
+    pub context_length: Option<u32>,
+    /// Redis URL of the worker registry; without it the worker does not
+    /// register (reach it directly).
+    pub redis: Option<String>,
+    /// Registry namespace (separates clusters sharing a Redis).
+    pub namespace: String,
+    /// Registry lease TTL in seconds; a worker that stops heartbeating
+    /// leaves the registry this long after its last heartbeat.
+    pub lease_ttl_secs: f64,
+    /// Seconds in-flight streams get to finish after SIGTERM.
+    pub shutdown_grace_secs: f64,
+    /// Model cache directory.
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            grpc_addr: ([0, 0, 0, 0], 50061).into(),
+            admin_addr: ([0, 0, 0, 0], 9091).into(),
+            advertise: None,
+            worker_id: None,
+            model: turbine_tokens::pull::DEFAULT_MODEL.to_owned(),
+            served_model_name: None,
+            engine: EngineKind::Mock,
+            speedup: 1.0,
+            block_size: 64,
+            num_blocks: 16_384,
+            max_num_seqs: 256,
+            max_batched_tokens: 8192,
+            max_waiting: 4096,
+            context_length: None,
+            redis: None,
+            namespace: "default".to_owned(),
+            lease_ttl_secs: 5.0,
+            shutdown_grace_secs: 30.0,
+            cache_dir: None,
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// Checks values that types alone do not constrain.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("block_size", self.block_size),
+            ("num_blocks", self.num_blocks),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_batched_tokens", self.max_batched_tokens),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(format!("{name} must be positive"));
+            }
+        }
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return Err(format!("speedup must be a positive number, got {}", self.speedup));
+        }
+        if !(self.lease_ttl_secs.is_finite() && self.lease_ttl_secs >= 0.1) {
+            return Err("lease_ttl_secs must be at least 0.1".to_owned());
+        }
+        if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
+            return Err("shutdown_grace_secs must be non-negative".to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// Command-line flags of `turbine-worker` (each overrides the config file
+/// and its `TURBINE_*` variable).
+#[derive(Debug, Clone, Default, clap::Args, Serialize)]
+pub struct WorkerArgs {
+    /// TOML config file (keys as the long flags, with underscores).
+    #[arg(long, env = "TURBINE_WORKER_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address [default: 0.0.0.0:50061].
+    #[arg(long, env = "TURBINE_WORKER_GRPC_ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc_addr: Option<SocketAddr>,
+    /// Admin HTTP listen address for /metrics, /livez, /readyz [default: 0.0.0.0:9091].
+    #[arg(long, env = "TURBINE_WORKER_ADMIN_ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_addr: Option<SocketAddr>,
+    /// Endpoint published in the registry, e.g. http://worker-0:50061 [default: derived].
+    #[arg(long, env = "TURBINE_WORKER_ADVERTISE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+    /// Stable worker id [default: random].
+    #[arg(long, env = "TURBINE_WORKER_ID")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+    /// Model: catalog name (fetched if missing) or GGUF path [default: smollm2-135m].
+    #[arg(long, env = "TURBINE_MODEL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Name clients use for the model [default: catalog name or file stem].
+    #[arg(long, env = "TURBINE_SERVED_MODEL_NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_model_name: Option<String>,
+    /// Engine [default: mock].
+    #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineKind>,
+    /// Mocker: divide simulated durations by this factor [default: 1].
+    #[arg(long, env = "TURBINE_WORKER_SPEEDUP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speedup: Option<f64>,
+    /// Tokens per KV block [default: 64].
+    #[arg(long, env = "TURBINE_WORKER_BLOCK_SIZE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
+    /// KV blocks in the pool [default: 16384].
+    #[arg(long, env = "TURBINE_WORKER_NUM_BLOCKS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_blocks: Option<usize>,
+    /// Sequences running at once [default: 256].
+    #[arg(long, env = "TURBINE_WORKER_MAX_NUM_SEQS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_num_seqs: Option<usize>,
+    /// Tokens computed per engine step [default: 8192].
+    #[arg(long, env = "TURBINE_WORKER_MAX_BATCHED_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batched_tokens: Option<usize>,
+    /// Requests allowed to queue before new ones are refused [default: 4096].
+    #[arg(long, env = "TURBINE_WORKER_MAX_WAITING")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_waiting: Option<usize>,
+    /// Override the model's context length in tokens.
+    #[arg(long, env = "TURBINE_WORKER_CONTEXT_LENGTH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_length: Option<u32>,
+    /// Redis URL of the registry, e.g. redis://redis:6379/ [default: no registration].
+    #[arg(long, env = "TURBINE_REDIS_URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis: Option<String>,
+    /// Registry namespace [default: default].
+    #[arg(long, env = "TURBINE_NAMESPACE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// Registry lease TTL in seconds [default: 5].
+    #[arg(long, env = "TURBINE_WORKER_LEASE_TTL_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_ttl_secs: Option<f64>,
+    /// Seconds in-flight streams get to finish after SIGTERM [default: 30].
+    #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_grace_secs: Option<f64>,
+    /// Model cache directory [default: $TURBINE_CACHE_DIR or ~/.cache/turbine].
+    #[arg(long, env = "TURBINE_CACHE_DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl WorkerArgs {
+    /// Resolves the full configuration (file, env and flags over defaults).
+    pub fn load(&self) -> anyhow::Result<WorkerConfig> {
+        let config: WorkerConfig = turbine_runtime::config::load(self.config.as_deref(), self)?;
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_flag_is_a_config_key() {
+        // deny_unknown_fields makes a flag without a config field fail here.
+        let args = WorkerArgs {
+            grpc_addr: Some(([127, 0, 0, 1], 1).into()),
+            admin_addr: Some(([127, 0, 0, 1], 2).into()),
+            advertise: Some("http://x:1".into()),
+            worker_id: Some("w".into()),
+            model: Some("m".into()),
+            served_model_name: Some("n".into()),
+            engine: Some(EngineKind::Mock),
+            speedup: Some(2.0),
+            block_size: Some(16),
+            num_blocks: Some(8),
+            max_num_seqs: Some(4),
+            max_batched_tokens: Some(64),
+            max_waiting: Some(3),
+            context_length: Some(100),
+            redis: Some("redis://r/".into()),
+            namespace: Some("ns".into()),
+            lease_ttl_secs: Some(1.0),
+            shutdown_grace_secs: Some(2.0),
+            cache_dir: Some("/tmp/c".into()),
+            config: None,
+        };
+        let config = args.load().unwrap();
+        assert_eq!(config.block_size, 16);
+        assert_eq!(config.namespace, "ns");
+        assert_eq!(config.context_length, Some(100));
+    }
+
+    #[test]
+    fn nonsense_values_are_refused() {
+        let args = WorkerArgs { speedup: Some(0.0), ..Default::default() };
+        assert!(args.load().unwrap_err().to_string().contains("speedup"));
+        let args = WorkerArgs { block_size: Some(0), ..Default::default() };
+        assert!(args.load().is_err());
+    }
+}

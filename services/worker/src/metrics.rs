@@ -1,0 +1,167 @@
+//! Worker metrics: request counters and latencies, plus the engine's own
+//! counters and gauges read at scrape time (one set per worker, labelled by
+//! worker id, so several workers can share a process).
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts};
+use turbine_engine::{EngineError, EngineHandle};
+use turbine_runtime::metrics::{counter, histogram, latency_buckets};
+
+static REQUESTS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_worker_requests_total", "Generate calls by outcome", &["worker", "outcome"]));
+static TIME_TO_FIRST_TOKEN: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram("turbine_worker_time_to_first_token_seconds", "Time from accepting a request to its first tokens", &["worker"], latency_buckets())
+});
+static REQUEST_DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram("turbine_worker_request_duration_seconds", "Time from accepting a request to its last token", &["worker"], latency_buckets())
+});
+
+pub(crate) fn request_refused(worker: &str, error: &EngineError) {
+    let outcome = match error {
+        EngineError::InvalidRequest(_) => "invalid",
+        EngineError::Overloaded(_) => "overloaded",
+        EngineError::ShuttingDown => "shutting_down",
+        EngineError::Executor(_) => "failed",
+    };
+    REQUESTS.with_label_values(&[worker, outcome]).inc();
+}
+
+pub(crate) fn first_token(worker: &str, elapsed: Duration) {
+    TIME_TO_FIRST_TOKEN.with_label_values(&[worker]).observe(elapsed.as_secs_f64());
+}
+
+pub(crate) fn request_finished(worker: &str, elapsed: Duration) {
+    REQUESTS.with_label_values(&[worker, "finished"]).inc();
+    REQUEST_DURATION.with_label_values(&[worker]).observe(elapsed.as_secs_f64());
+}
+
+/// Exposes one engine's statistics, read when scraped.
+pub struct EngineCollector {
+    engine: EngineHandle,
+    running: IntGauge,
+    waiting: IntGauge,
+    blocks_used: IntGauge,
+    blocks_total: IntGauge,
+    steps: IntCounter,
+    generated: IntCounter,
+    prefill: IntCounter,
+    cached: IntCounter,
+    preemptions: IntCounter,
+    descs: Vec<Desc>,
+}
+
+impl EngineCollector {
+    /// A collector for `engine`, labelled `worker=<worker_id>`.
+    pub fn new(worker_id: &str, engine: EngineHandle) -> Self {
+        let opts = |name: &str, help: &str| Opts::new(name, help).const_label("worker", worker_id);
+        let gauge = |name: &str, help: &str| IntGauge::with_opts(opts(name, help)).expect("valid gauge");
+        let count = |name: &str, help: &str| IntCounter::with_opts(opts(name, help)).expect("valid counter");
+        let mut collector = Self {
+            engine,
+            running: gauge("turbine_worker_running_sequences", "Sequences scheduled (prefilling or decoding)"),
+            waiting: gauge("turbine_worker_waiting_sequences", "Sequences queued"),
+            blocks_used: gauge("turbine_worker_kv_blocks_used", "KV blocks referenced by sequences"),
+            blocks_total: gauge("turbine_worker_kv_blocks_total", "KV blocks in the pool"),
+            steps: count("turbine_worker_engine_steps_total", "Engine steps run"),
+            generated: count("turbine_worker_generated_tokens_total", "Tokens generated"),
+            prefill: count("turbine_worker_prefill_tokens_total", "Prompt tokens computed"),
+            cached: count("turbine_worker_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache"),
+            preemptions: count("turbine_worker_preemptions_total", "Sequences preempted for lack of KV blocks"),
+            descs: Vec::new(),
+        };
+        collector.descs = collector.metrics().iter().flat_map(|metric| metric.desc().into_iter().cloned()).collect();
+        collector
+    }
+
+    fn metrics(&self) -> [&dyn Collector; 9] {
+        [
+            &self.running,
+            &self.waiting,
+            &self.blocks_used,
+            &self.blocks_total,
+            &self.steps,
+            &self.generated,
+            &self.prefill,
+            &self.cached,
+            &self.preemptions,
+        ]
+    }
+}
+
+fn set_counter(counter: &IntCounter, total: u64) {
+    let current = counter.get();
+    if total > current {
+        counter.inc_by(total - current);
+    }
+}
+
+impl Collector for EngineCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let load = self.engine.load();
+        self.running.set(load.running.into());
+        self.waiting.set(load.waiting.into());
+        self.blocks_used.set(load.blocks_used.into());
+        self.blocks_total.set(load.blocks_total.into());
+        let stats = self.engine.stats();
+        set_counter(&self.steps, stats.steps.load(Relaxed));
+        set_counter(&self.generated, stats.generated_tokens.load(Relaxed));
+        set_counter(&self.prefill, stats.prefill_tokens.load(Relaxed));
+        set_counter(&self.cached, stats.cached_prompt_tokens.load(Relaxed));
+        set_counter(&self.preemptions, stats.preemptions.load(Relaxed));
+        self.metrics().iter().flat_map(|metric| metric.collect()).collect()
+    }
+}
+
+/// Registers the engine collector of a worker; returns a guard that
+/// unregisters it.
+pub fn register_engine(worker_id: &str, engine: EngineHandle) -> EngineMetricsGuard {
+    let collector = Box::new(EngineCollector::new(worker_id, engine));
+    let descs: Vec<Desc> = collector.descs.clone();
+    if let Err(error) = prometheus::register(collector) {
+        tracing::warn!(%error, worker = worker_id, "engine metrics not registered");
+        return EngineMetricsGuard { registered: None };
+    }
+    EngineMetricsGuard { registered: Some(descs) }
+}
+
+/// Unregisters a worker's engine metrics when dropped.
+pub struct EngineMetricsGuard {
+    registered: Option<Vec<Desc>>,
+}
+
+impl std::fmt::Debug for EngineMetricsGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineMetricsGuard").finish_non_exhaustive()
+    }
+}
+
+impl Drop for EngineMetricsGuard {
+    fn drop(&mut self) {
+        if let Some(descs) = self.registered.take() {
+            // The registry finds a collector by its descriptors.
+            let _ = prometheus::unregister(Box::new(DescriptorsOnly(descs)));
+        }
+    }
+}
+
+/// Stands in for a registered collector when unregistering it.
+struct DescriptorsOnly(Vec<Desc>);
+
+impl Collector for DescriptorsOnly {
+    fn desc(&self) -> Vec<&Desc> {
+        self.0.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        Vec::new()
+    }
+}

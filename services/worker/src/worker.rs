@@ -1,0 +1,95 @@
+//! A loaded worker: the served model's card and a running engine.
+
+use std::sync::Arc;
+
+use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
+use turbine_engine::{EngineHandle, Load, SchedulerConfig};
+use turbine_proto::worker::v1 as pb;
+use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+use turbine_tokens::{ModelCard, Preprocessor};
+
+use crate::config::{EngineKind, WorkerConfig};
+use crate::convert::card_to_proto;
+
+/// A worker with its model loaded and its engine running.
+#[derive(Debug)]
+pub struct Worker {
+    id: String,
+    card: ModelCard,
+    card_proto: pb::ModelCard,
+    engine: EngineHandle,
+}
+
+impl Worker {
+    /// Resolves (fetching if needed) and loads the model, then starts the
+    /// engine. Blocking: call from a blocking context.
+    pub fn start(config: &WorkerConfig) -> anyhow::Result<Arc<Self>> {
+        let id = config.worker_id.clone().unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
+        let cache_dir = config.cache_dir.clone().unwrap_or_else(default_cache_dir);
+        let model = resolve_model(&config.model, config.served_model_name.as_deref(), &cache_dir, Progress::Quiet)?;
+        let mut card = ModelCard::from_gguf_path(&model.name, &model.path, config.block_size as u32)?;
+        if let Some(context_length) = config.context_length {
+            card.context_length = context_length;
+        }
+        let scheduler = SchedulerConfig {
+            block_size: config.block_size,
+            num_blocks: config.num_blocks,
+            max_num_seqs: config.max_num_seqs,
+            max_batched_tokens: config.max_batched_tokens,
+            max_model_len: card.context_length as usize,
+            max_waiting: config.max_waiting,
+            ..SchedulerConfig::default()
+        };
+        let engine = match config.engine {
+            EngineKind::Mock => {
+                // The mocker speaks the served model's vocabulary: tokenize its text once.
+                let preprocessor = Preprocessor::new(card.clone())?;
+                let corpus = preprocessor.encode_text(MOCK_TEXT)?;
+                let executor = MockExecutor::new(MockTiming { speedup: config.speedup }, corpus);
+                EngineHandle::spawn(scheduler, card.tokenizer.eog_token_ids.clone(), Box::new(executor))
+            }
+        };
+        tracing::info!(
+            worker = %id,
+            model = %card.name,
+            path = %model.path.display(),
+            engine = ?config.engine,
+            context_length = card.context_length,
+            block_size = config.block_size,
+            num_blocks = config.num_blocks,
+            "worker loaded"
+        );
+        let card_proto = card_to_proto(&card);
+        Ok(Arc::new(Self { id, card, card_proto, engine }))
+    }
+
+    /// The worker id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The served model's card.
+    pub fn card(&self) -> &ModelCard {
+        &self.card
+    }
+
+    /// The card as sent on the wire (converted once).
+    pub fn card_proto(&self) -> &pb::ModelCard {
+        &self.card_proto
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &EngineHandle {
+        &self.engine
+    }
+
+    /// Current load.
+    pub fn load(&self) -> Load {
+        self.engine.load()
+    }
+
+    /// Stops the engine; sequences still running fail.
+    pub fn shutdown(&self) {
+        self.engine.shutdown();
+    }
+}
