@@ -1,0 +1,112 @@
+//! Router configuration: defaults < `--config` file < `TURBINE_*` env < flags.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::policy::Policy;
+
+/// The router's configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// Address of the gRPC server (turbine.router.v1, health, reflection).
+    pub grpc_addr: SocketAddr,
+    /// Address of the admin HTTP server (/metrics, /livez, /readyz).
+    pub admin_addr: SocketAddr,
+    /// Redis URL of the worker registry (required for a standalone router).
+    pub redis: Option<String>,
+    /// Registry namespace.
+    pub namespace: String,
+    /// Default worker selection policy.
+    pub policy: Policy,
+    /// How often the registry is read, in milliseconds.
+    pub poll_interval_ms: u64,
+    /// A booking never released (lost RequestFinished) is dropped after this
+    /// many seconds.
+    pub booking_ttl_secs: f64,
+    /// Seconds in-flight calls get to finish after SIGTERM.
+    pub shutdown_grace_secs: f64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            grpc_addr: ([0, 0, 0, 0], 50051).into(),
+            admin_addr: ([0, 0, 0, 0], 9092).into(),
+            redis: None,
+            namespace: "default".to_owned(),
+            policy: Policy::LeastLoaded,
+            poll_interval_ms: 250,
+            booking_ttl_secs: 600.0,
+            shutdown_grace_secs: 30.0,
+        }
+    }
+}
+
+impl RouterConfig {
+    /// Checks values that types alone do not constrain.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.poll_interval_ms == 0 || self.poll_interval_ms > 60_000 {
+            return Err("poll_interval_ms must be between 1 and 60000".into());
+        }
+        if !(self.booking_ttl_secs.is_finite() && self.booking_ttl_secs > 0.0) {
+            return Err("booking_ttl_secs must be positive".into());
+        }
+        if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
+            return Err("shutdown_grace_secs must be non-negative".into());
+        }
+        Ok(())
+    }
+}
+
+/// Command-line flags of `turbine-router`.
+#[derive(Debug, Clone, Default, clap::Args, Serialize)]
+pub struct RouterArgs {
+    /// TOML config file (keys as the long flags, with underscores).
+    #[arg(long, env = "TURBINE_ROUTER_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address [default: 0.0.0.0:50051].
+    #[arg(long, env = "TURBINE_ROUTER_GRPC_ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc_addr: Option<SocketAddr>,
+    /// Admin HTTP listen address for /metrics, /livez, /readyz [default: 0.0.0.0:9092].
+    #[arg(long, env = "TURBINE_ROUTER_ADMIN_ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_addr: Option<SocketAddr>,
+    /// Redis URL of the worker registry, e.g. redis://redis:6379/ (required).
+    #[arg(long, env = "TURBINE_REDIS_URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis: Option<String>,
+    /// Registry namespace [default: default].
+    #[arg(long, env = "TURBINE_NAMESPACE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// Default policy [default: least-loaded].
+    #[arg(long, value_enum, env = "TURBINE_ROUTER_POLICY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<Policy>,
+    /// Registry poll interval in milliseconds [default: 250].
+    #[arg(long, env = "TURBINE_ROUTER_POLL_INTERVAL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poll_interval_ms: Option<u64>,
+    /// Seconds after which an unreleased booking is dropped [default: 600].
+    #[arg(long, env = "TURBINE_ROUTER_BOOKING_TTL_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub booking_ttl_secs: Option<f64>,
+    /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
+    #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_grace_secs: Option<f64>,
+}
+
+impl RouterArgs {
+    /// Resolves the full configuration.
+    pub fn load(&self) -> anyhow::Result<RouterConfig> {
+        let config: RouterConfig = turbine_runtime::config::load(self.config.as_deref(), self)?;
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(config)
+    }
+}

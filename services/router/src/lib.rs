@@ -1,0 +1,23 @@
+//! The router service: chooses the worker for each request.
+//!
+//! - [`Router`]: live workers mirrored from the registry, bookings
+//!   (booked at route, released at finish, dropped when stale), and the
+//!   decision; transport-free.
+//! - [`policy`]: round-robin, random, least-loaded.
+//! - [`RouterService`]: the `turbine.router.v1.Router` gRPC shell.
+//! - [`RouterClient`]: in-process or gRPC, one type.
+//! - [`serve`]: the process and the registry watch.
+
+pub mod client;
+pub mod config;
+pub mod metrics;
+pub mod policy;
+pub mod router;
+pub mod serve;
+pub mod service;
+
+pub use client::{RouterCallError, RouterClient};
+pub use config::{RouterArgs, RouterConfig};
+pub use policy::Policy;
+pub use router::{RouteError, RouteRequest, RoutedWorker, Router};
+pub use service::RouterService;

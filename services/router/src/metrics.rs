@@ -1,0 +1,43 @@
+//! Router metrics.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
+use turbine_runtime::metrics::{counter, gauge, histogram};
+
+use crate::router::{RouteError, RoutedWorker};
+
+static DECISIONS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_router_decisions_total", "Routing decisions by policy and outcome", &["policy", "outcome"]));
+static DECISION_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram(
+        "turbine_router_decision_seconds",
+        "Time to choose a worker",
+        &["policy"],
+        vec![0.000_001, 0.000_005, 0.00001, 0.000_025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.005, 0.01],
+    )
+});
+static WORKERS: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_router_live_workers", "Live workers by model", &["model"]));
+static IN_FLIGHT: LazyLock<IntGaugeVec> =
+    LazyLock::new(|| gauge("turbine_router_in_flight_requests", "Requests booked against each worker", &["worker"]));
+
+pub(crate) fn decision(policy: crate::Policy, result: &Result<(RoutedWorker, u32), RouteError>, elapsed: Duration) {
+    let outcome = match result {
+        Ok(_) => "routed",
+        Err(RouteError::NoWorkers(_)) => "no_workers",
+        Err(RouteError::InvalidRequest(_)) => "invalid",
+    };
+    DECISIONS.with_label_values(&[policy.name(), outcome]).inc();
+    DECISION_SECONDS.with_label_values(&[policy.name()]).observe(elapsed.as_secs_f64());
+}
+
+/// Publishes the live worker set (called after each registry poll).
+pub(crate) fn workers(workers: &[RoutedWorker]) {
+    WORKERS.reset();
+    IN_FLIGHT.reset();
+    for worker in workers {
+        WORKERS.with_label_values(&[worker.model.as_str()]).inc();
+        IN_FLIGHT.with_label_values(&[worker.worker_id.as_str()]).set(worker.in_flight.into());
+    }
+}

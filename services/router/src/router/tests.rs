@@ -1,0 +1,119 @@
+use proptest::prelude::*;
+use turbine_registry::WorkerRecord;
+
+use super::*;
+
+fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
+    LiveWorker {
+        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default() },
+        expires_at: Instant::now() + ttl,
+    }
+}
+
+fn request(id: &str, model: &str) -> RouteRequest {
+    RouteRequest { request_id: id.into(), model: model.into(), ..Default::default() }
+}
+
+#[test]
+fn bookings_are_made_at_route_and_released_at_finish() {
+    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600));
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60))]);
+    let (first, _) = router.route(&request("r1", "m")).unwrap();
+    let (second, in_flight) = router.route(&request("r2", "m")).unwrap();
+    assert_ne!(first.worker_id, second.worker_id, "least-loaded spreads two requests");
+    assert_eq!(in_flight, 1);
+    assert_eq!(router.total_in_flight(), 2);
+    assert!(router.finished("r1"));
+    assert!(!router.finished("r1"), "finishing twice is harmless");
+    assert_eq!(router.total_in_flight(), 1);
+}
+
+#[test]
+fn only_workers_of_the_model_and_not_excluded_are_chosen() {
+    let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "other", Duration::from_secs(60))]);
+    for i in 0..5 {
+        assert_eq!(router.route(&request(&format!("r{i}"), "m")).unwrap().0.worker_id, "a");
+    }
+    let excluded = RouteRequest { exclude_worker_ids: vec!["a".into()], ..request("x", "m") };
+    assert_eq!(router.route(&excluded), Err(RouteError::NoWorkers("m".into())));
+    assert_eq!(router.route(&request("y", "nope")), Err(RouteError::NoWorkers("nope".into())));
+}
+
+#[test]
+fn an_expired_lease_stops_traffic_and_drops_its_bookings() {
+    let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
+    router.update_workers(vec![live("a", "m", Duration::from_millis(1)), live("b", "m", Duration::from_secs(60))]);
+    std::thread::sleep(Duration::from_millis(5));
+    // Even before the next expire() sweep, an expired worker is not chosen.
+    for i in 0..4 {
+        assert_eq!(router.route(&request(&format!("r{i}"), "m")).unwrap().0.worker_id, "b");
+    }
+    router.expire(Instant::now());
+    assert_eq!(router.workers(None).len(), 1);
+}
+
+#[test]
+fn a_worker_leaving_the_registry_drops_its_bookings() {
+    let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60))]);
+    router.route(&request("r", "m")).unwrap();
+    router.update_workers(vec![]);
+    assert_eq!(router.total_in_flight(), 0);
+}
+
+#[test]
+fn stale_bookings_expire() {
+    let router = Router::new(Policy::RoundRobin, Duration::from_millis(1));
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60))]);
+    router.route(&request("r", "m")).unwrap();
+    router.expire(Instant::now() + Duration::from_millis(10));
+    assert_eq!(router.total_in_flight(), 0);
+}
+
+#[test]
+fn a_retried_request_id_moves_its_booking() {
+    let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60))]);
+    let (first, _) = router.route(&request("r", "m")).unwrap();
+    let retry = RouteRequest { exclude_worker_ids: vec![first.worker_id.clone()], ..request("r", "m") };
+    let (second, _) = router.route(&retry).unwrap();
+    assert_ne!(first.worker_id, second.worker_id);
+    assert_eq!(router.total_in_flight(), 1);
+    let counts: Vec<u32> = router.workers(None).iter().map(|w| w.in_flight).collect();
+    assert_eq!(counts.iter().sum::<u32>(), 1);
+}
+
+proptest! {
+    /// Per-worker in-flight counts always equal the bookings, whatever the
+    /// interleaving of routes, finishes and membership changes.
+    #[test]
+    fn in_flight_counts_match_bookings(ops in prop::collection::vec((0u8..4, 0usize..6), 1..80)) {
+        let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600));
+        let all = ["a", "b", "c"];
+        router.update_workers(all.iter().map(|id| live(id, "m", Duration::from_secs(60))).collect());
+        let mut open = std::collections::HashSet::new();
+        for (kind, n) in ops {
+            match kind {
+                0 | 1 => {
+                    let id = format!("r{n}");
+                    if router.route(&request(&id, "m")).is_ok() { open.insert(id); }
+                }
+                2 => {
+                    let id = format!("r{n}");
+                    prop_assert_eq!(router.finished(&id), open.remove(&id));
+                }
+                _ => {
+                    // Membership change: keep a prefix of the workers.
+                    let keep = n % (all.len() + 1);
+                    router.update_workers(all[..keep].iter().map(|id| live(id, "m", Duration::from_secs(60))).collect());
+                    let state = router.state.lock();
+                    open.retain(|id| state.bookings.contains_key(id));
+                }
+            }
+            let total: u32 = router.workers(None).iter().map(|w| w.in_flight).sum();
+            prop_assert_eq!(total as usize, open.len());
+            prop_assert_eq!(router.total_in_flight(), open.len());
+        }
+    }
+}

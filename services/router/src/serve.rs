@@ -1,0 +1,98 @@
+//! Running a router process, and the registry watch shared with embedded
+//! mode.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
+use turbine_proto::service_names;
+use turbine_registry::{RedisRegistry, Registry};
+use turbine_runtime::grpc::{base_routes, serve as serve_grpc};
+use turbine_runtime::health::Readiness;
+use turbine_runtime::{CancellationToken, admin};
+
+use crate::config::RouterConfig;
+use crate::router::Router;
+use crate::service::RouterService;
+
+/// Mirrors the registry into `router` every `interval` until `shutdown`:
+/// joins and departures, lease deadlines, stale bookings. While the
+/// registry is unreachable the last known workers are kept (their leases
+/// cannot be renewed either) and routing goes on.
+pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duration, shutdown: CancellationToken) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut reachable = true;
+        loop {
+            match registry.list().await {
+                Ok(workers) => {
+                    if !reachable {
+                        tracing::info!(registry = %registry.describe(), "registry reachable again");
+                        reachable = true;
+                    }
+                    router.update_workers(workers);
+                }
+                Err(error) => {
+                    if reachable {
+                        tracing::warn!(%error, "registry unreachable; keeping the last known workers");
+                        reachable = false;
+                    }
+                    router.extend_leases(interval * 4);
+                }
+            }
+            router.expire(Instant::now());
+            crate::metrics::workers(&router.workers(None));
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = shutdown.cancelled() => return,
+            }
+        }
+    })
+}
+
+/// Runs a router process until `shutdown` fires, then drains and returns.
+pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let redis = config.redis.as_deref().context(
+        "turbine-router needs the worker registry: pass --redis redis://HOST:PORT/ (or run everything in one process with `turbine run`)",
+    )?;
+    let registry = Registry::Redis(RedisRegistry::new(redis, &config.namespace)?);
+    let grpc_listener = TcpListener::bind(config.grpc_addr).await.with_context(|| format!("cannot bind gRPC on {}", config.grpc_addr))?;
+    let admin_listener = TcpListener::bind(config.admin_addr).await.with_context(|| format!("cannot bind admin on {}", config.admin_addr))?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let admin_addr = admin_listener.local_addr()?;
+
+    let router = Arc::new(Router::new(config.policy, Duration::from_secs_f64(config.booking_ttl_secs)));
+    let (readiness, health) = Readiness::new(&[service_names::ROUTER]).await;
+    let routes = base_routes(health, &[FILE_DESCRIPTOR_SET]).add_service(RouterServer::new(RouterService::new(router.clone())));
+    let grace = Duration::from_secs_f64(config.shutdown_grace_secs);
+    let grpc_task = tokio::spawn(serve_grpc(grpc_listener, routes, shutdown.clone(), grace));
+    let admin_stop = CancellationToken::new();
+    let admin_task = tokio::spawn(admin::serve(admin_listener, readiness.clone(), admin_stop.clone()));
+    let interval = Duration::from_millis(config.poll_interval_ms);
+    let watch = watch_registry(router.clone(), registry.clone(), interval, shutdown.clone());
+    readiness.watch_dependencies(Duration::from_secs(1), shutdown.clone(), move || {
+        let registry = registry.clone();
+        async move { registry.ping().await.is_ok() }
+    });
+    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, policy = config.policy.name(), "router listening");
+
+    shutdown.cancelled().await;
+    readiness.drain().await;
+    let served = grpc_task.await.context("gRPC server panicked")?;
+    let _ = watch.await;
+    admin_stop.cancel();
+    let _ = admin_task.await;
+    served.context("gRPC server failed")?;
+    tracing::info!("router stopped");
+    Ok(())
+}
+
+/// Entry point shared by `turbine-router` and `turbine router`.
+pub fn main(args: crate::RouterArgs) -> std::process::ExitCode {
+    turbine_runtime::run_service("turbine-router", move |shutdown| async move {
+        let config = args.load()?;
+        run(config, shutdown).await
+    })
+}

@@ -1,0 +1,121 @@
+//! The `turbine-router` binary against a real Redis registry: workers that
+//! join take traffic within 2 s, a worker whose heartbeats stop loses
+//! traffic within its lease TTL, a deregistered one at the next poll, and a
+//! Redis outage keeps routing to the last known workers.
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use turbine_proto::router::v1 as pb;
+use turbine_proto::router::v1::router_client::RouterClient;
+use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port};
+
+fn record(id: &str) -> WorkerRecord {
+    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default() }
+}
+
+fn start_router(redis: &RedisServer) -> (ChildProcess, String) {
+    let port = free_port();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-router"));
+    command.args(["--grpc-addr", &format!("127.0.0.1:{port}"), "--admin-addr", "127.0.0.1:0", "--redis", &redis.url(), "--namespace", "t"]);
+    let mut process = ChildProcess::spawn("turbine-router", command);
+    process.wait_for_line("router listening", STARTUP_TIMEOUT);
+    (process, format!("http://127.0.0.1:{port}"))
+}
+
+/// Routes `n` requests round-robin and returns the chosen worker ids.
+async fn chosen(client: &mut RouterClient<tonic::transport::Channel>, n: usize) -> HashSet<String> {
+    let mut ids = HashSet::new();
+    for i in 0..n {
+        let request = pb::RouteRequest { request_id: format!("r{i}"), model: "m".into(), policy: pb::Policy::RoundRobin as i32, ..Default::default() };
+        if let Ok(response) = client.route(request).await {
+            ids.insert(response.into_inner().worker.unwrap().worker_id);
+        }
+    }
+    ids
+}
+
+async fn wait_until(deadline: Duration, mut condition: impl AsyncFnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !condition().await {
+        assert!(started.elapsed() < deadline, "condition not met within {deadline:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn membership_follows_the_registry() {
+    let redis = RedisServer::start();
+    let (_router, endpoint) = start_router(&redis);
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
+    let mut client = RouterClient::connect(endpoint.clone()).await.unwrap();
+
+    let channel = tonic::transport::Channel::from_shared(endpoint.clone()).unwrap().connect().await.unwrap();
+    let mut health = HealthClient::new(channel);
+    wait_until(Duration::from_secs(5), async || {
+        health.check(HealthCheckRequest { service: "turbine.router.v1.Router".into() }).await.unwrap().into_inner().status() == ServingStatus::Serving
+    })
+    .await;
+
+    // No workers yet: UNAVAILABLE, marked as "no workers".
+    let status = client.route(pb::RouteRequest { request_id: "x".into(), model: "m".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+
+    let ttl = Duration::from_millis(1500);
+    let lease_a = Lease::start(registry.clone(), ttl, || record("a"));
+    let joined = wait_until(Duration::from_secs(2), async || chosen(&mut client, 1).await.contains("a")).await;
+    println!("worker a took traffic {joined:?} after registering");
+    let lease_b = Lease::start(registry.clone(), ttl, || record("b"));
+    let joined = wait_until(Duration::from_secs(2), async || chosen(&mut client, 4).await.contains("b")).await;
+    println!("worker b took traffic {joined:?} after registering");
+
+    let workers = client.list_workers(pb::ListWorkersRequest::default()).await.unwrap().into_inner().workers;
+    assert_eq!(workers.iter().map(|w| w.worker_id.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+
+    // b crashes: heartbeats stop (no deregistration). Traffic stops within the TTL.
+    drop(lease_b);
+    let vanished = wait_until(ttl + Duration::from_millis(100), async || !chosen(&mut client, 4).await.contains("b")).await;
+    println!("crashed worker b lost traffic {vanished:?} after its last heartbeat (ttl {ttl:?})");
+    assert_eq!(chosen(&mut client, 8).await, HashSet::from(["a".to_owned()]));
+
+    // Redis goes away: routing continues with the last known workers, health says NOT_SERVING.
+    let mut redis = redis;
+    redis.kill();
+    wait_until(Duration::from_secs(10), async || {
+        health.check(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner().status() == ServingStatus::NotServing
+    })
+    .await;
+    tokio::time::sleep(ttl * 2).await;
+    assert_eq!(chosen(&mut client, 4).await, HashSet::from(["a".to_owned()]), "routing survives a registry outage");
+    drop(lease_a);
+}
+
+#[tokio::test]
+async fn a_graceful_deregistration_stops_traffic_at_the_next_poll() {
+    let redis = RedisServer::start();
+    let (_router, endpoint) = start_router(&redis);
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
+    let mut client = RouterClient::connect(endpoint).await.unwrap();
+    let _a = Lease::start(registry.clone(), Duration::from_secs(30), || record("a"));
+    let b = Lease::start(registry.clone(), Duration::from_secs(30), || record("b"));
+    wait_until(Duration::from_secs(2), async || chosen(&mut client, 4).await.len() == 2).await;
+    b.revoke().await;
+    let gone = wait_until(Duration::from_secs(1), async || !chosen(&mut client, 4).await.contains("b")).await;
+    println!("deregistered worker lost traffic after {gone:?}");
+}
+
+#[tokio::test]
+async fn the_binary_refuses_to_start_without_a_registry() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-router"));
+    command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"]);
+    let mut process = ChildProcess::spawn("turbine-router", command);
+    let status = process.wait(Duration::from_secs(30)).expect("router should exit");
+    assert!(!status.success());
+    assert!(process.output().iter().any(|line| line.contains("--redis")), "{:?}", process.output());
+}
