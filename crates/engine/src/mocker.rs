@@ -1,7 +1,10 @@
 //! The mocker: a simulated model behind the real scheduler and block
 //! manager. Step times follow Dynamo's default timing polynomials (divided
 //! by a speedup factor); sampled tokens come from a fixed text, so streams
-//! decode to readable words with exact token counts.
+//! decode to readable words with exact token counts. Each answer is one
+//! pass over the text (starting at a point chosen by the seed or the
+//! prompt) followed by the end-of-sequence token, unless the request
+//! ignores EOS, in which case the text repeats until `max_tokens`.
 
 use std::time::{Duration, Instant};
 
@@ -57,6 +60,7 @@ impl MockTiming {
 pub struct MockExecutor {
     timing: MockTiming,
     corpus: Vec<u32>,
+    eos: Option<u32>,
     /// Time slept beyond what was asked, paid back on later steps so the
     /// simulated rate stays right on average.
     overslept: Duration,
@@ -64,10 +68,11 @@ pub struct MockExecutor {
 
 impl MockExecutor {
     /// A mocker that emits tokens from `corpus` (the served model's
-    /// tokenization of [`MOCK_TEXT`]); `corpus` must not be empty.
-    pub fn new(timing: MockTiming, corpus: Vec<u32>) -> Self {
+    /// tokenization of [`MOCK_TEXT`]) and ends answers with `eos` (if the
+    /// model has one); `corpus` must not be empty.
+    pub fn new(timing: MockTiming, corpus: Vec<u32>, eos: Option<u32>) -> Self {
         assert!(!corpus.is_empty(), "the mocker needs tokens to emit");
-        Self { timing, corpus, overslept: Duration::ZERO }
+        Self { timing, corpus, eos, overslept: Duration::ZERO }
     }
 
     fn sleep(&mut self, target: Duration) {
@@ -96,7 +101,10 @@ impl Executor for MockExecutor {
                         Some(seed) => xxh3_64(&seed.to_le_bytes()),
                         None => xxh3_64(&prompt.iter().take(64).flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()),
                     } as usize;
-                    self.corpus[(start + item.generated) % self.corpus.len()]
+                    match self.eos {
+                        Some(eos) if !item.ignore_eos && item.generated == self.corpus.len() => eos,
+                        _ => self.corpus[(start + item.generated) % self.corpus.len()],
+                    }
                 })
             })
             .collect();

@@ -164,6 +164,8 @@ pub struct BatchItem<'a> {
     pub sampling: &'a SamplingParams,
     /// Tokens generated so far (for seeded sampling streams).
     pub generated: usize,
+    /// End-of-sequence tokens do not end this sequence.
+    pub ignore_eos: bool,
 }
 
 /// One engine step: the chunks to compute, in order.
@@ -438,6 +440,7 @@ impl Scheduler {
                     sample: chunk.sample,
                     sampling: &sequence.sampling,
                     generated: sequence.generated(),
+                    ignore_eos: sequence.stop.ignore_eos,
                 }
             })
             .collect();

@@ -7,7 +7,7 @@ use turbine_engine::mocker::{MockExecutor, MockTiming};
 use turbine_engine::{EngineError, EngineHandle, EngineOutput, FinishReason, GenerateRequest, SchedulerConfig, StopConditions};
 
 fn engine(speedup: f64, config: SchedulerConfig) -> EngineHandle {
-    let executor = MockExecutor::new(MockTiming { speedup }, (100..200).collect());
+    let executor = MockExecutor::new(MockTiming { speedup }, (100..200).collect(), Some(2));
     EngineHandle::spawn(config, vec![2], Box::new(executor))
 }
 
@@ -15,7 +15,7 @@ fn request(prompt_len: usize, max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         request_id: "test".into(),
         prompt: (0..prompt_len as u32).map(|t| t % 50 + 10).collect(),
-        stop: StopConditions { max_tokens, ..Default::default() },
+        stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
         ..Default::default()
     }
 }
@@ -44,6 +44,19 @@ async fn concurrent_requests_stream_exact_token_counts() {
         assert_eq!(usage.completion_tokens as usize, 20 + i);
     }
     assert_eq!(engine.load().blocks_used, 0);
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn a_mock_answer_is_one_pass_over_the_text_then_eos() {
+    let engine = engine(1e6, SchedulerConfig::default());
+    let mut answer = request(40, 1000);
+    answer.stop.ignore_eos = false;
+    let (tokens, last) = collect(engine.generate(answer).unwrap()).await;
+    assert_eq!(tokens.len(), 100, "the corpus has 100 tokens");
+    let EngineOutput::Finished { reason, usage } = last else { panic!("{last:?}") };
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(usage.completion_tokens, 100, "the EOS token is not counted");
     engine.shutdown();
 }
 

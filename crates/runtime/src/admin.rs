@@ -33,3 +33,22 @@ async fn ready(State(readiness): State<Readiness>) -> impl IntoResponse {
 pub async fn serve(listener: TcpListener, readiness: Readiness, shutdown: CancellationToken) -> std::io::Result<()> {
     axum::serve(listener, router(readiness)).with_graceful_shutdown(shutdown.cancelled_owned()).await
 }
+
+/// Serves an HTTP router until `shutdown` fires, then stops accepting and
+/// lets in-flight requests (streams included) finish for up to `grace`.
+pub async fn serve_with_grace(listener: TcpListener, router: Router, shutdown: CancellationToken, grace: std::time::Duration) -> std::io::Result<()> {
+    let server = axum::serve(listener, router).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = std::future::IntoFuture::into_future(server);
+    tokio::pin!(server);
+    tokio::select! {
+        result = &mut server => return result,
+        () = shutdown.cancelled() => {}
+    }
+    match tokio::time::timeout(grace, server).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(grace_secs = grace.as_secs_f64(), "grace period over: dropping HTTP requests still in flight");
+            Ok(())
+        }
+    }
+}

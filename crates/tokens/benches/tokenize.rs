@@ -20,7 +20,7 @@ fn bench(c: &mut Criterion) {
     group.bench_function(format!("encode_{}_tokens", ids.len()), |b| b.iter(|| preprocessor.encode_text(&text).unwrap()));
     group.bench_function(format!("detokenize_{}_tokens", ids.len()), |b| {
         b.iter(|| {
-            let mut decoder = preprocessor.tokenizer().token_bytes().decoder();
+            let mut decoder = preprocessor.tokenizer().decoder();
             let mut out = String::new();
             for &id in &ids {
                 decoder.push(id, &mut out);

@@ -6,6 +6,8 @@
 //! detokenizing is appending bytes and emitting the longest complete UTF-8
 //! prefix: O(1) per token, no re-decoding of a window.
 
+use std::sync::Arc;
+
 use crate::tokenizer::{TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TokenizerSpec};
 
 /// The raw bytes of every token of a vocabulary.
@@ -54,21 +56,24 @@ impl TokenBytes {
         self.special.get(token_id as usize).copied().unwrap_or(false)
     }
 
-    /// A fresh incremental decoder over this vocabulary.
-    pub fn decoder(&self) -> IncrementalDecoder<'_> {
-        IncrementalDecoder { vocabulary: self, pending: Vec::with_capacity(8) }
+}
+
+impl IncrementalDecoder {
+    /// A fresh decoder over `vocabulary`.
+    pub fn new(vocabulary: Arc<TokenBytes>) -> Self {
+        Self { vocabulary, pending: Vec::with_capacity(8) }
     }
 }
 
 /// Turns a stream of token ids into a stream of complete UTF-8 text.
 #[derive(Debug)]
-pub struct IncrementalDecoder<'a> {
-    vocabulary: &'a TokenBytes,
+pub struct IncrementalDecoder {
+    vocabulary: Arc<TokenBytes>,
     /// Bytes of an incomplete UTF-8 character carried to the next token.
     pending: Vec<u8>,
 }
 
-impl IncrementalDecoder<'_> {
+impl IncrementalDecoder {
     /// Appends the text completed by `token_id` to `out`. Control tokens add
     /// nothing; bytes of a character split across tokens wait for the rest.
     pub fn push(&mut self, token_id: u32, out: &mut String) {
@@ -178,10 +183,10 @@ mod tests {
     #[test]
     fn byte_level_tokens_map_back_to_bytes() {
         // "Ġ" is a space, "Ċ" a newline; "ðŁ" + "ĺ" + "Ģ" spell the bytes of 😀.
-        let vocabulary = TokenBytes::new(&spec("gpt2", &["Ġhi", "Ċ", "ðŁ", "ĺ", "Ģ", "<|im_end|>"], &[1, 1, 1, 1, 1, 3]));
+        let vocabulary = Arc::new(TokenBytes::new(&spec("gpt2", &["Ġhi", "Ċ", "ðŁ", "ĺ", "Ģ", "<|im_end|>"], &[1, 1, 1, 1, 1, 3])));
         assert_eq!(vocabulary.get(0), b" hi");
         assert_eq!(vocabulary.get(1), b"\n");
-        let mut decoder = vocabulary.decoder();
+        let mut decoder = IncrementalDecoder::new(vocabulary);
         let mut out = String::new();
         decoder.push(0, &mut out);
         decoder.push(2, &mut out);
@@ -197,8 +202,8 @@ mod tests {
 
     #[test]
     fn sentencepiece_pieces_and_byte_tokens() {
-        let vocabulary = TokenBytes::new(&spec("llama", &["▁Hello", "<0xE2>", "<0x82>", "<0xAC>", "</s>"], &[1, 6, 6, 6, 3]));
-        let mut decoder = vocabulary.decoder();
+        let vocabulary = Arc::new(TokenBytes::new(&spec("llama", &["▁Hello", "<0xE2>", "<0x82>", "<0xAC>", "</s>"], &[1, 6, 6, 6, 3])));
+        let mut decoder = IncrementalDecoder::new(vocabulary);
         let mut out = String::new();
         for id in [0, 1, 2] {
             decoder.push(id, &mut out);
@@ -210,8 +215,8 @@ mod tests {
 
     #[test]
     fn invalid_and_truncated_bytes_become_replacement_characters() {
-        let vocabulary = TokenBytes::new(&spec("llama", &["<0xFF>", "<0xE2>", "a"], &[6, 6, 1]));
-        let mut decoder = vocabulary.decoder();
+        let vocabulary = Arc::new(TokenBytes::new(&spec("llama", &["<0xFF>", "<0xE2>", "a"], &[6, 6, 1])));
+        let mut decoder = IncrementalDecoder::new(vocabulary);
         let mut out = String::new();
         decoder.push(0, &mut out);
         decoder.push(2, &mut out);

@@ -7,6 +7,7 @@
 //! refused with an error naming the family.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -18,7 +19,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use crate::detokenize::TokenBytes;
+use crate::detokenize::{IncrementalDecoder, TokenBytes};
 use crate::gguf::{Gguf, Value};
 use crate::{Error, Result};
 
@@ -152,7 +153,7 @@ impl TokenizerSpec {
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     spec: TokenizerSpec,
-    token_bytes: TokenBytes,
+    token_bytes: Arc<TokenBytes>,
 }
 
 impl Tokenizer {
@@ -183,7 +184,7 @@ impl Tokenizer {
             .map(|(_, text)| AddedToken::from(text.clone(), false))
             .collect();
         inner.add_tokens(user_defined).map_err(tokenizer_error)?;
-        let token_bytes = TokenBytes::new(&spec);
+        let token_bytes = Arc::new(TokenBytes::new(&spec));
         Ok(Self { inner, spec, token_bytes })
     }
 
@@ -211,7 +212,7 @@ impl Tokenizer {
 
     /// Decodes token ids to text in one go (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> String {
-        let mut decoder = self.token_bytes.decoder();
+        let mut decoder = self.decoder();
         let mut text = String::new();
         for &id in ids {
             decoder.push(id, &mut text);
@@ -220,9 +221,14 @@ impl Tokenizer {
         text
     }
 
-    /// The raw bytes of every token, for incremental detokenization.
-    pub fn token_bytes(&self) -> &TokenBytes {
+    /// The raw bytes of every token.
+    pub fn token_bytes(&self) -> &Arc<TokenBytes> {
         &self.token_bytes
+    }
+
+    /// A fresh incremental decoder for this vocabulary.
+    pub fn decoder(&self) -> IncrementalDecoder {
+        IncrementalDecoder::new(self.token_bytes.clone())
     }
 
     /// The definition this tokenizer was built from.

@@ -54,7 +54,7 @@ fn incremental_decoding_equals_whole_decoding_and_never_splits_characters() {
     let tokenizer = preprocessor().tokenizer();
     let text = "emoji: 😀🎉👩‍👩‍👧‍👦 日本語 naïve — done";
     let ids = tokenizer.encode(text).unwrap();
-    let mut decoder = tokenizer.token_bytes().decoder();
+    let mut decoder = tokenizer.decoder();
     let mut streamed = String::new();
     for id in ids {
         let before = streamed.len();

@@ -45,7 +45,7 @@ impl Worker {
                 // The mocker speaks the served model's vocabulary: tokenize its text once.
                 let preprocessor = Preprocessor::new(card.clone())?;
                 let corpus = preprocessor.encode_text(MOCK_TEXT)?;
-                let executor = MockExecutor::new(MockTiming { speedup: config.speedup }, corpus);
+                let executor = MockExecutor::new(MockTiming { speedup: config.speedup }, corpus, card.tokenizer.eos_token_id);
                 EngineHandle::spawn(scheduler, card.tokenizer.eog_token_ids.clone(), Box::new(executor))
             }
         };

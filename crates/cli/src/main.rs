@@ -1,0 +1,56 @@
+//! `turbine`: one command for every way to run Turbine.
+
+mod bench;
+mod model;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Turbine serves language models across many machines.
+///
+/// `turbine run` starts everything in one process (the quick start). The
+/// service subcommands run one service each, as the turbine-gateway,
+/// turbine-router and turbine-worker binaries do.
+#[derive(Debug, Parser)]
+#[command(name = "turbine", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run gateway, router and workers in one process (fetches the default model).
+    Run(run::RunArgs),
+    /// Manage the model cache.
+    #[command(subcommand)]
+    Model(model::ModelCommand),
+    /// Run the gateway service (OpenAI REST + gRPC).
+    Gateway(turbine_gateway::GatewayArgs),
+    /// Run the router service.
+    Router(turbine_router::RouterArgs),
+    /// Run a worker service.
+    Worker(turbine_worker::WorkerArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Run(args) => turbine_runtime::run_service("turbine", move |shutdown| run::run(args, shutdown)),
+        Command::Model(command) => match model::run(command) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("turbine: error: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Gateway(args) => turbine_gateway::serve::main(args),
+        Command::Router(args) => turbine_router::serve::main(args),
+        Command::Worker(args) => turbine_worker::serve::main(args),
+        Command::Bench(command) => bench::main(command),
+    }
+}

@@ -1,0 +1,154 @@
+//! `turbine run`: gateway, router and workers in one process, with an
+//! in-memory registry. The default model is fetched on first use.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use turbine_gateway::serve::{GatewayListeners, serve as serve_gateway};
+use turbine_gateway::{GatewayConfig, WorkerPool};
+use turbine_registry::{MemoryRegistry, Registry};
+use turbine_router::serve::watch_registry;
+use turbine_router::{Policy, Router, RouterClient};
+use turbine_runtime::CancellationToken;
+use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
+use turbine_worker::serve::register_local;
+use turbine_worker::{EngineKind, Worker, WorkerConfig};
+
+/// Flags of `turbine run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Model: catalog name (fetched if missing) or path to a GGUF file.
+    #[arg(long, env = "TURBINE_MODEL", default_value = turbine_tokens::pull::DEFAULT_MODEL)]
+    pub model: String,
+    /// Name clients use for the model [default: catalog name or file stem].
+    #[arg(long, env = "TURBINE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Number of workers (engines) in the process.
+    #[arg(long, env = "TURBINE_WORKERS", default_value_t = 1)]
+    pub workers: usize,
+    /// Engine of every worker.
+    #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE", default_value = "mock")]
+    pub engine: EngineKind,
+    /// Address to listen on.
+    #[arg(long, env = "TURBINE_HOST", default_value = "0.0.0.0")]
+    pub host: IpAddr,
+    /// OpenAI REST port.
+    #[arg(long, env = "TURBINE_HTTP_PORT", default_value_t = 8000)]
+    pub http_port: u16,
+    /// gRPC port (turbine.gateway.v1.Inference).
+    #[arg(long, env = "TURBINE_GRPC_PORT", default_value_t = 50050)]
+    pub grpc_port: u16,
+    /// Worker selection policy.
+    #[arg(long, value_enum, env = "TURBINE_ROUTER_POLICY", default_value = "least-loaded")]
+    pub policy: Policy,
+    /// Mocker: divide simulated durations by this factor.
+    #[arg(long, env = "TURBINE_WORKER_SPEEDUP", default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Tokens per KV block.
+    #[arg(long, env = "TURBINE_WORKER_BLOCK_SIZE", default_value_t = 64)]
+    pub block_size: usize,
+    /// KV blocks per worker.
+    #[arg(long, env = "TURBINE_WORKER_NUM_BLOCKS", default_value_t = 16_384)]
+    pub num_blocks: usize,
+    /// Sequences running at once per worker.
+    #[arg(long, env = "TURBINE_WORKER_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Tokens computed per engine step.
+    #[arg(long, env = "TURBINE_WORKER_MAX_BATCHED_TOKENS", default_value_t = 8192)]
+    pub max_batched_tokens: usize,
+    /// Requests served at once before 429.
+    #[arg(long, env = "TURBINE_GATEWAY_MAX_CONCURRENT_REQUESTS", default_value_t = 4096)]
+    pub max_concurrent_requests: usize,
+    /// Seconds in-flight streams get to finish after SIGTERM.
+    #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS", default_value_t = 30.0)]
+    pub shutdown_grace_secs: f64,
+}
+
+/// Runs everything until SIGTERM/SIGINT, then drains and returns.
+pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let cache_dir = default_cache_dir();
+    // Fetch the model up front, with progress bars, so workers find it cached.
+    if let Some(entry) = catalog_entry(&args.model) {
+        let model = args.model.clone();
+        tokio::task::spawn_blocking(move || pull(entry, &cache_dir, Progress::Bars))
+            .await?
+            .with_context(|| format!("fetching model {model}"))?;
+    }
+    let gateway_config = GatewayConfig {
+        http_addr: SocketAddr::new(args.host, args.http_port),
+        grpc_addr: SocketAddr::new(args.host, args.grpc_port),
+        router: None,
+        max_concurrent_requests: args.max_concurrent_requests,
+        shutdown_grace_secs: args.shutdown_grace_secs,
+        model_refresh_ms: 500,
+        ..GatewayConfig::default()
+    };
+    gateway_config.validate().map_err(anyhow::Error::msg)?;
+    // Bind first: a busy port should fail before the model loads.
+    let listeners = GatewayListeners::bind(&gateway_config).await?;
+    let http_port = listeners.http.local_addr()?.port();
+    let grpc_port = listeners.grpc.local_addr()?.port();
+
+    let mut workers = Vec::with_capacity(args.workers);
+    for index in 0..args.workers {
+        let config = WorkerConfig {
+            worker_id: Some(format!("worker-{index}")),
+            model: args.model.clone(),
+            served_model_name: args.served_model_name.clone(),
+            engine: args.engine,
+            speedup: args.speedup,
+            block_size: args.block_size,
+            num_blocks: args.num_blocks,
+            max_num_seqs: args.max_num_seqs,
+            max_batched_tokens: args.max_batched_tokens,
+            ..WorkerConfig::default()
+        };
+        config.validate().map_err(anyhow::Error::msg)?;
+        let worker: Arc<Worker> = tokio::task::spawn_blocking(move || Worker::start(&config)).await??;
+        workers.push(worker);
+    }
+    let model_name = workers[0].card().name.clone();
+
+    let registry = Registry::Memory(MemoryRegistry::new());
+    let lease_ttl = Duration::from_secs(5);
+    let leases: Vec<_> = workers.iter().map(|worker| register_local(registry.clone(), worker.clone(), lease_ttl)).collect();
+    let router = Arc::new(Router::new(args.policy, Duration::from_secs(600)));
+    let watch = watch_registry(router.clone(), registry, Duration::from_millis(100), shutdown.clone());
+    let pool = WorkerPool::new(&workers);
+
+    let gateway = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { serve_gateway(&gateway_config, listeners, RouterClient::Local(router), pool, shutdown).await }
+    });
+    print_banner(http_port, grpc_port, &model_name, args.workers);
+
+    let served = gateway.await.context("gateway panicked")?;
+    let _ = watch.await;
+    for lease in leases {
+        lease.revoke().await;
+    }
+    for worker in &workers {
+        worker.shutdown();
+    }
+    served?;
+    tracing::info!("turbine stopped");
+    Ok(())
+}
+
+fn print_banner(http_port: u16, grpc_port: u16, model: &str, workers: usize) {
+    let base = format!("http://localhost:{http_port}");
+    println!();
+    println!("Turbine is ready: {model} on {workers} worker(s)");
+    println!("  OpenAI API  {base}/v1");
+    println!("  gRPC        localhost:{grpc_port} (turbine.gateway.v1.Inference)");
+    println!("  metrics     {base}/metrics");
+    println!();
+    println!("Try it:");
+    println!(
+        "  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    );
+    println!();
+}

@@ -1,0 +1,128 @@
+//! `turbine.gateway.v1.Inference`: the same pipeline as the REST API, for
+//! gRPC clients, streaming text deltas.
+
+use std::pin::Pin;
+
+use futures::Stream;
+use tonic::{Request, Response, Status};
+use turbine_proto::gateway::v1 as pb;
+use turbine_tokens::ChatMessage;
+
+use crate::error::GatewayError;
+use crate::metrics::InFlight;
+use crate::openai::AppState;
+use crate::openai::types::{CommonParams, StopField};
+use crate::pipeline::{DEFAULT_COMPLETION_MAX_TOKENS, Prompt, TextEvent, TextRequest};
+
+/// The gRPC Inference service.
+#[derive(Debug, Clone)]
+pub struct InferenceService {
+    state: AppState,
+}
+
+impl InferenceService {
+    /// Serves requests through the same state as the REST API.
+    pub fn new(state: AppState) -> Self {
+        Self { state }
+    }
+}
+
+fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayError> {
+    let pb::GenerateRequest { model, input, max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, ignore_eos } = request;
+    let common = CommonParams {
+        model,
+        max_tokens: max_tokens.map(i64::from),
+        temperature: temperature.map(f64::from),
+        top_p: top_p.map(f64::from),
+        seed: seed.map(|seed| seed as i64),
+        stop: Some(StopField::Many(stop)),
+        presence_penalty: presence_penalty.map(f64::from),
+        frequency_penalty: frequency_penalty.map(f64::from),
+        ignore_eos: Some(ignore_eos),
+        ..Default::default()
+    };
+    let (prompt, default_max_tokens) = match input {
+        Some(pb::generate_request::Input::Chat(chat)) => {
+            if chat.messages.is_empty() {
+                return Err(GatewayError::invalid("chat.messages", "a chat needs at least one message"));
+            }
+            let messages = chat.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect();
+            (Prompt::Chat(messages), None)
+        }
+        Some(pb::generate_request::Input::Prompt(prompt)) => (Prompt::Text(prompt), Some(DEFAULT_COMPLETION_MAX_TOKENS)),
+        None => return Err(GatewayError::invalid("input", "set either chat or prompt")),
+    };
+    let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
+    let validated = common.validate_shared(max_tokens)?;
+    Ok(TextRequest {
+        model: validated.model,
+        prompt,
+        max_tokens: validated.max_tokens.or(default_max_tokens),
+        sampling: validated.sampling,
+        stop: validated.stop,
+        ignore_eos: validated.ignore_eos,
+    })
+}
+
+fn finish_reason(reason: turbine_engine::FinishReason) -> pb::FinishReason {
+    match reason {
+        turbine_engine::FinishReason::Stop => pb::FinishReason::Stop,
+        turbine_engine::FinishReason::Length => pb::FinishReason::Length,
+    }
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::inference_server::Inference for InferenceService {
+    type GenerateStream = GenerateStream;
+
+    #[tracing::instrument(skip_all, name = "gateway.grpc.generate")]
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let permit = self.state.admit()?;
+        let in_flight = InFlight::start();
+        let request = text_request(request.into_inner())?;
+        let request_id = format!("gen-{}", uuid::Uuid::new_v4().simple());
+        let text = self.state.pipeline.start(request, request_id.clone()).await?;
+        let stream = futures::stream::unfold(Some((text, permit, in_flight)), move |state| {
+            let request_id = request_id.clone();
+            async move {
+                let (mut text, permit, in_flight) = state?;
+                match text.next().await {
+                    Some(Ok(TextEvent::Delta(delta))) => {
+                        let message = pb::GenerateResponse { text: delta, finish_reason: 0, usage: None, request_id };
+                        Some((Ok(message), Some((text, permit, in_flight))))
+                    }
+                    Some(Ok(TextEvent::Finished { reason, usage })) => {
+                        let message = pb::GenerateResponse {
+                            text: String::new(),
+                            finish_reason: finish_reason(reason) as i32,
+                            usage: Some(pb::Usage {
+                                prompt_tokens: usage.prompt_tokens,
+                                completion_tokens: usage.completion_tokens,
+                                cached_prompt_tokens: usage.cached_prompt_tokens,
+                            }),
+                            request_id,
+                        };
+                        Some((Ok(message), None))
+                    }
+                    Some(Err(error)) => Some((Err(Status::from(error)), None)),
+                    None => None,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn list_models(&self, _request: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let models = self
+            .state
+            .pipeline
+            .catalog()
+            .listed()
+            .into_iter()
+            .map(|model| pb::Model { name: model.name, context_length: model.context_length, workers: model.workers })
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+}

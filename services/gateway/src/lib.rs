@@ -1,0 +1,28 @@
+//! The gateway: OpenAI-compatible REST and `turbine.gateway.v1` gRPC in
+//! front of the router and the workers.
+//!
+//! - [`pipeline`]: one request from text to a text stream (template,
+//!   tokenize, limits, route, call the worker with retry and mid-stream
+//!   migration, incremental detokenization, stop strings, usage).
+//! - [`openai`]: REST handlers, request validation, response shapes, SSE.
+//! - [`grpc`]: the Inference gRPC service over the same pipeline.
+//! - [`catalog`]: served models learned from live workers' cards.
+//! - [`pool`]: worker clients (in-process or remote).
+//! - [`error`]: client-facing errors with one mapping to HTTP and gRPC.
+//! - [`serve`]: the process.
+
+pub mod catalog;
+pub mod config;
+pub mod error;
+pub mod grpc;
+pub mod metrics;
+pub mod openai;
+pub mod pipeline;
+pub mod pool;
+pub mod serve;
+pub mod stop;
+
+pub use config::{GatewayArgs, GatewayConfig};
+pub use error::{ErrorKind, GatewayError};
+pub use pipeline::{Pipeline, Prompt, TextEvent, TextRequest, TextStream};
+pub use pool::WorkerPool;

@@ -1,0 +1,84 @@
+//! Gateway metrics.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use turbine_engine::Usage;
+use turbine_runtime::metrics::{counter, gauge, histogram, latency_buckets};
+
+static REQUESTS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_gateway_requests_total", "Requests by endpoint and HTTP status", &["endpoint", "status"]));
+static IN_FLIGHT: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("turbine_gateway_in_flight_requests", "Requests being served", &[]).with_label_values(&[] as &[&str]));
+static TTFT: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram("turbine_gateway_time_to_first_token_seconds", "Time from request to the first generated token", &["model"], latency_buckets())
+});
+static DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram("turbine_gateway_request_duration_seconds", "Time from request to the last token", &["model"], latency_buckets())
+});
+static TOKENS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_gateway_tokens_total", "Tokens by model and kind (prompt, cached_prompt, completion)", &["model", "kind"]));
+static RETRIES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("turbine_gateway_worker_retries_total", "Requests re-routed before their first token", &[]).with_label_values(&[] as &[&str])
+});
+static MIGRATIONS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("turbine_gateway_migrations_total", "Requests continued on another worker after one failed mid-stream", &[])
+        .with_label_values(&[] as &[&str])
+});
+
+/// Counts a response by endpoint and status.
+pub fn response(endpoint: &str, status: u16) {
+    REQUESTS.with_label_values(&[endpoint, itoa(status)]).inc();
+}
+
+fn itoa(status: u16) -> &'static str {
+    match status {
+        200 => "200",
+        400 => "400",
+        404 => "404",
+        405 => "405",
+        413 => "413",
+        429 => "429",
+        500 => "500",
+        503 => "503",
+        _ => "other",
+    }
+}
+
+/// Tracks one request in flight while alive.
+#[derive(Debug)]
+pub struct InFlight;
+
+impl InFlight {
+    /// Starts tracking.
+    pub fn start() -> Self {
+        IN_FLIGHT.inc();
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.dec();
+    }
+}
+
+pub(crate) fn time_to_first_token(model: &str, elapsed: Duration) {
+    TTFT.with_label_values(&[model]).observe(elapsed.as_secs_f64());
+}
+
+pub(crate) fn request_tokens(model: &str, usage: &Usage, elapsed: Duration) {
+    DURATION.with_label_values(&[model]).observe(elapsed.as_secs_f64());
+    TOKENS.with_label_values(&[model, "prompt"]).inc_by(usage.prompt_tokens.into());
+    TOKENS.with_label_values(&[model, "cached_prompt"]).inc_by(usage.cached_prompt_tokens.into());
+    TOKENS.with_label_values(&[model, "completion"]).inc_by(usage.completion_tokens.into());
+}
+
+pub(crate) fn retry() {
+    RETRIES.inc();
+}
+
+pub(crate) fn migration() {
+    MIGRATIONS.inc();
+}

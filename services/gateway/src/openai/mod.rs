@@ -1,0 +1,239 @@
+//! The OpenAI-compatible REST API: `/v1/chat/completions`,
+//! `/v1/completions` (streaming over SSE or not), `/v1/models`, plus
+//! `/openapi.json`, `/health` and the admin routes.
+
+pub mod body;
+pub mod responses;
+pub mod types;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::Stream;
+use serde::Serialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tower_http::trace::TraceLayer;
+use turbine_engine::Usage;
+use turbine_runtime::health::Readiness;
+use turbine_runtime::propagation::set_parent_from_headers;
+
+use crate::error::{ErrorKind, GatewayError};
+use crate::metrics::{self, InFlight};
+use crate::openai::body::read_limited;
+use crate::openai::responses::{ChunkContent, Endpoint, ResponseMeta, chunk, whole};
+use crate::openai::types::{Delivery, parse_chat, parse_completion};
+use crate::pipeline::{Pipeline, TextEvent, TextRequest, TextStream};
+
+/// The OpenAPI description of this API.
+pub const OPENAPI_JSON: &str = include_str!("../../openapi.json");
+
+/// What every handler shares.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// The generation pipeline.
+    pub pipeline: Pipeline,
+    /// Admission control: one permit per request in flight.
+    pub admission: Arc<Semaphore>,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Readiness (for `/health`).
+    pub readiness: Readiness,
+}
+
+impl AppState {
+    /// A permit for one more request, or 429.
+    pub fn admit(&self) -> Result<OwnedSemaphorePermit, GatewayError> {
+        self.admission.clone().try_acquire_owned().map_err(|_| {
+            GatewayError::new(ErrorKind::Overloaded, "The server is at its limit of concurrent requests; retry shortly.")
+        })
+    }
+}
+
+/// The REST router.
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{model}", get(get_model))
+        .route("/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI_JSON) }))
+        .route("/health", get(health))
+        .fallback(|| async { GatewayError::new(ErrorKind::NotFound, "Unknown path; see /openapi.json.") })
+        .method_not_allowed_fallback(|| async { GatewayError::new(ErrorKind::MethodNotAllowed, "Method not allowed for this path.") })
+        .with_state(state.clone());
+    api.merge(turbine_runtime::admin::router(state.readiness)).layer(TraceLayer::new_for_http().make_span_with(http_span))
+}
+
+fn http_span(request: &axum::http::Request<Body>) -> tracing::Span {
+    let span = tracing::info_span!(
+        "http.request",
+        otel.name = %format!("{} {}", request.method(), request.uri().path()),
+        otel.kind = "server",
+        http.method = %request.method(),
+        http.path = %request.uri().path(),
+    );
+    set_parent_from_headers(&span, request.headers());
+    span
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.readiness.is_ready() {
+        (StatusCode::OK, axum::Json(serde_json::json!({"status": "ok"}))).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "unavailable"}))).into_response()
+    }
+}
+
+#[derive(Serialize)]
+struct ModelObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    owned_by: &'static str,
+    context_length: u32,
+}
+
+async fn list_models(State(state): State<AppState>) -> Response {
+    let models = state.pipeline.catalog().listed();
+    let data: Vec<ModelObject<'_>> = models
+        .iter()
+        .map(|model| ModelObject { id: &model.name, object: "model", created: 0, owned_by: "turbine", context_length: model.context_length })
+        .collect();
+    axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> Response {
+    let models = state.pipeline.catalog().listed();
+    match models.iter().find(|listed| listed.name == model) {
+        Some(listed) => axum::Json(ModelObject {
+            id: &listed.name,
+            object: "model",
+            created: 0,
+            owned_by: "turbine",
+            context_length: listed.context_length,
+        })
+        .into_response(),
+        None => GatewayError::model_not_found(&model).into_response(),
+    }
+}
+
+async fn chat_completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let response = generate(&state, Endpoint::Chat, &headers, body).await.unwrap_or_else(IntoResponse::into_response);
+    metrics::response("chat_completions", response.status().as_u16());
+    response
+}
+
+async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let response = generate(&state, Endpoint::Completion, &headers, body).await.unwrap_or_else(IntoResponse::into_response);
+    metrics::response("completions", response.status().as_u16());
+    response
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default()
+}
+
+/// Holds what a request keeps while it streams.
+struct Guards {
+    _permit: OwnedSemaphorePermit,
+    _in_flight: InFlight,
+}
+
+async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Result<Response, GatewayError> {
+    let guards = Guards { _permit: state.admit()?, _in_flight: InFlight::start() };
+    let bytes = read_limited(headers, body, state.max_body_bytes).await?;
+    let (request, delivery): (TextRequest, Delivery) = match endpoint {
+        Endpoint::Chat => parse_chat(&bytes)?,
+        Endpoint::Completion => parse_completion(&bytes)?,
+    };
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completion => "cmpl",
+    };
+    let meta = ResponseMeta { id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()), created: unix_now(), model: request.model.clone(), endpoint };
+    let text = state.pipeline.start(request, meta.id.clone()).await?;
+    if delivery.stream {
+        let events = sse_events(text, meta, delivery.include_usage, guards);
+        Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
+    } else {
+        let (content, reason, usage) = collect(text).await?;
+        drop(guards);
+        Ok(([(header::CONTENT_TYPE, "application/json")], whole(&meta, &content, reason, usage)).into_response())
+    }
+}
+
+/// Runs a stream to its end, concatenating the text.
+pub async fn collect(mut text: TextStream) -> Result<(String, turbine_engine::FinishReason, Usage), GatewayError> {
+    let mut content = String::new();
+    while let Some(event) = text.next().await {
+        match event? {
+            TextEvent::Delta(delta) => content.push_str(&delta),
+            TextEvent::Finished { reason, usage } => return Ok((content, reason, usage)),
+        }
+    }
+    Err(GatewayError::new(ErrorKind::Internal, "generation ended without finishing"))
+}
+
+enum Phase {
+    Opening,
+    Streaming,
+    Usage(Usage),
+    Done,
+    End,
+}
+
+struct SseState {
+    text: TextStream,
+    meta: ResponseMeta,
+    include_usage: bool,
+    phase: Phase,
+    _guards: Guards,
+}
+
+/// The SSE event stream of one response: an opening chunk (chat), text
+/// chunks, a finish chunk, the usage chunk if asked, then `[DONE]`. A
+/// client that disconnects drops this stream, which cancels the worker's
+/// sequence and releases the router booking.
+fn sse_events(text: TextStream, meta: ResponseMeta, include_usage: bool, guards: Guards) -> impl Stream<Item = Result<Event, Infallible>> {
+    let phase = if meta.endpoint == Endpoint::Chat { Phase::Opening } else { Phase::Streaming };
+    let state = SseState { text, meta, include_usage, phase, _guards: guards };
+    futures::stream::unfold(state, |mut state| async move {
+        let data = match std::mem::replace(&mut state.phase, Phase::Streaming) {
+            Phase::Opening => chunk(&state.meta, ChunkContent::Role, state.include_usage),
+            Phase::Streaming => match state.text.next().await {
+                Some(Ok(TextEvent::Delta(delta))) => chunk(&state.meta, ChunkContent::Text(&delta), state.include_usage),
+                Some(Ok(TextEvent::Finished { reason, usage })) => {
+                    state.phase = if state.include_usage { Phase::Usage(usage) } else { Phase::Done };
+                    chunk(&state.meta, ChunkContent::Finish(reason), state.include_usage)
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(%error, id = %state.meta.id, "stream failed after it started");
+                    state.phase = Phase::Done;
+                    serde_json::to_string(&error.body()).expect("error bodies serialize")
+                }
+                None => {
+                    state.phase = Phase::End;
+                    "[DONE]".to_owned()
+                }
+            },
+            Phase::Usage(usage) => {
+                state.phase = Phase::Done;
+                chunk(&state.meta, ChunkContent::Usage(usage), true)
+            }
+            Phase::Done => {
+                state.phase = Phase::End;
+                "[DONE]".to_owned()
+            }
+            Phase::End => return None,
+        };
+        Some((Ok(Event::default().data(data)), state))
+    })
+}

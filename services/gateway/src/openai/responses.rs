@@ -1,0 +1,293 @@
+//! OpenAI response bodies and streaming chunks, serialized with borrowed
+//! strings (one allocation per chunk: the JSON text).
+
+use serde::Serialize;
+use turbine_engine::{FinishReason, Usage};
+
+/// Which endpoint's shapes to produce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `chat.completion` / `chat.completion.chunk`.
+    Chat,
+    /// `text_completion`.
+    Completion,
+}
+
+/// OpenAI's finish reason string.
+pub fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct UsageBody {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+    /// Both.
+    pub total_tokens: u32,
+    /// Prompt details.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u32,
+}
+
+impl From<Usage> for UsageBody {
+    fn from(usage: Usage) -> Self {
+        UsageBody {
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
+            total_tokens: usage.prompt_tokens + usage.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: usage.cached_prompt_tokens },
+        }
+    }
+}
+
+/// Identity fields shared by every body of one response.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    /// `chatcmpl-…` or `cmpl-…`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name as requested.
+    pub model: String,
+    /// Shapes to produce.
+    pub endpoint: Endpoint,
+}
+
+#[derive(Serialize)]
+struct ChatMessageBody<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: ChatMessageBody<'a>,
+    logprobs: Option<()>,
+    finish_reason: &'static str,
+}
+
+#[derive(Serialize)]
+struct TextChoice<'a> {
+    text: &'a str,
+    index: u32,
+    logprobs: Option<()>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct Whole<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [C; 1],
+    usage: UsageBody,
+    system_fingerprint: Option<()>,
+}
+
+/// The non-streaming response body.
+pub fn whole(meta: &ResponseMeta, text: &str, reason: FinishReason, usage: Usage) -> Vec<u8> {
+    let finish_reason = finish_reason(reason);
+    let result = match meta.endpoint {
+        Endpoint::Chat => serde_json::to_vec(&Whole {
+            id: &meta.id,
+            object: "chat.completion",
+            created: meta.created,
+            model: &meta.model,
+            choices: [ChatChoice { index: 0, message: ChatMessageBody { role: "assistant", content: text }, logprobs: None, finish_reason }],
+            usage: usage.into(),
+            system_fingerprint: None,
+        }),
+        Endpoint::Completion => serde_json::to_vec(&Whole {
+            id: &meta.id,
+            object: "text_completion",
+            created: meta.created,
+            model: &meta.model,
+            choices: [TextChoice { text, index: 0, logprobs: None, finish_reason: Some(finish_reason) }],
+            usage: usage.into(),
+            system_fingerprint: None,
+        }),
+    };
+    result.expect("response bodies serialize")
+}
+
+#[derive(Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct ChatChunkChoice<'a> {
+    index: u32,
+    delta: Delta<'a>,
+    logprobs: Option<()>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct Chunk<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: C,
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    usage: UsageField,
+}
+
+/// `usage` on a chunk: absent (no include_usage), null, or the totals.
+#[derive(Debug, Clone, Copy)]
+pub enum UsageField {
+    /// Field omitted.
+    Absent,
+    /// `"usage": null`.
+    Null,
+    /// The totals.
+    Totals(UsageBody),
+}
+
+impl UsageField {
+    fn is_absent(&self) -> bool {
+        matches!(self, UsageField::Absent)
+    }
+}
+
+impl Serialize for UsageField {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            UsageField::Absent | UsageField::Null => serializer.serialize_none(),
+            UsageField::Totals(usage) => usage.serialize(serializer),
+        }
+    }
+}
+
+/// What one streamed chunk carries.
+#[derive(Debug, Clone, Copy)]
+pub enum ChunkContent<'a> {
+    /// The chat stream's opening chunk (`role: assistant`).
+    Role,
+    /// Generated text.
+    Text(&'a str),
+    /// The end of the choice.
+    Finish(FinishReason),
+    /// The usage chunk (no choices).
+    Usage(Usage),
+}
+
+/// One streamed chunk's JSON; `include_usage` adds `"usage": null` to
+/// chunks other than the usage chunk.
+pub fn chunk(meta: &ResponseMeta, content: ChunkContent<'_>, include_usage: bool) -> String {
+    let usage = match content {
+        ChunkContent::Usage(usage) => UsageField::Totals(usage.into()),
+        _ if include_usage => UsageField::Null,
+        _ => UsageField::Absent,
+    };
+    let result = match (meta.endpoint, content) {
+        (_, ChunkContent::Usage(_)) => serde_json::to_string(&Chunk {
+            id: &meta.id,
+            object: chunk_object(meta.endpoint),
+            created: meta.created,
+            model: &meta.model,
+            choices: [(); 0],
+            usage,
+        }),
+        (Endpoint::Chat, content) => {
+            let (delta, finish_reason) = match content {
+                ChunkContent::Role => (Delta { role: Some("assistant"), content: Some("") }, None),
+                ChunkContent::Text(text) => (Delta { role: None, content: Some(text) }, None),
+                ChunkContent::Finish(reason) => (Delta { role: None, content: None }, Some(finish_reason(reason))),
+                ChunkContent::Usage(_) => unreachable!("handled above"),
+            };
+            serde_json::to_string(&Chunk {
+                id: &meta.id,
+                object: "chat.completion.chunk",
+                created: meta.created,
+                model: &meta.model,
+                choices: [ChatChunkChoice { index: 0, delta, logprobs: None, finish_reason }],
+                usage,
+            })
+        }
+        (Endpoint::Completion, content) => {
+            let (text, finish_reason) = match content {
+                ChunkContent::Role => ("", None),
+                ChunkContent::Text(text) => (text, None),
+                ChunkContent::Finish(reason) => ("", Some(finish_reason(reason))),
+                ChunkContent::Usage(_) => unreachable!("handled above"),
+            };
+            serde_json::to_string(&Chunk {
+                id: &meta.id,
+                object: "text_completion",
+                created: meta.created,
+                model: &meta.model,
+                choices: [TextChoice { text, index: 0, logprobs: None, finish_reason }],
+                usage,
+            })
+        }
+    };
+    result.expect("chunks serialize")
+}
+
+fn chunk_object(endpoint: Endpoint) -> &'static str {
+    match endpoint {
+        Endpoint::Chat => "chat.completion.chunk",
+        Endpoint::Completion => "text_completion",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(endpoint: Endpoint) -> ResponseMeta {
+        ResponseMeta { id: "id-1".into(), created: 7, model: "m".into(), endpoint }
+    }
+
+    #[test]
+    fn chat_chunks_have_openai_shapes() {
+        let role: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Role, false)).unwrap();
+        assert_eq!(role["object"], "chat.completion.chunk");
+        assert_eq!(role["choices"][0]["delta"], serde_json::json!({"role": "assistant", "content": ""}));
+        assert!(role.get("usage").is_none());
+        let text: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Text("hé"), true)).unwrap();
+        assert_eq!(text["choices"][0]["delta"]["content"], "hé");
+        assert!(text["usage"].is_null() && text.get("usage").is_some());
+        let finish: serde_json::Value =
+            serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Finish(FinishReason::Length), false)).unwrap();
+        assert_eq!(finish["choices"][0]["finish_reason"], "length");
+        assert_eq!(finish["choices"][0]["delta"], serde_json::json!({}));
+        let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_prompt_tokens: 1 };
+        let totals: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Usage(usage), true)).unwrap();
+        assert_eq!(totals["choices"], serde_json::json!([]));
+        assert_eq!(totals["usage"]["total_tokens"], 7);
+        assert_eq!(totals["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
+    }
+
+    #[test]
+    fn whole_bodies_have_openai_shapes() {
+        let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_prompt_tokens: 0 };
+        let chat: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Chat), "hi", FinishReason::Stop, usage)).unwrap();
+        assert_eq!(chat["object"], "chat.completion");
+        assert_eq!(chat["choices"][0]["message"], serde_json::json!({"role": "assistant", "content": "hi"}));
+        assert_eq!(chat["choices"][0]["finish_reason"], "stop");
+        let text: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Completion), "hi", FinishReason::Length, usage)).unwrap();
+        assert_eq!(text["object"], "text_completion");
+        assert_eq!(text["choices"][0]["text"], "hi");
+        assert_eq!(text["usage"]["completion_tokens"], 4);
+    }
+}

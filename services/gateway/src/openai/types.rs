@@ -1,0 +1,469 @@
+//! OpenAI request bodies and their validation into a [`TextRequest`].
+//!
+//! Unknown fields are ignored (SDKs add fields over time); known fields
+//! whose features Turbine does not implement are refused with a 400 rather
+//! than silently ignored.
+
+use serde::Deserialize;
+use serde_json::Value;
+use turbine_engine::SamplingParams;
+use turbine_tokens::ChatMessage;
+
+use crate::error::GatewayError;
+use crate::openai::body::parse_json;
+use crate::pipeline::{DEFAULT_COMPLETION_MAX_TOKENS, Prompt, TextRequest};
+
+/// OpenAI allows at most four stop sequences.
+const MAX_STOP_SEQUENCES: usize = 4;
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a final chunk with the usage of the whole request.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Parameters shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonParams {
+    /// Model name.
+    pub model: String,
+    /// Maximum tokens to generate.
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    /// Temperature (0..2).
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling (0, 1].
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Number of choices (only 1).
+    #[serde(default)]
+    pub n: Option<i64>,
+    /// Stream with server-sent events.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<StopField>,
+    /// Sampler seed.
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Presence penalty (-2..2).
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty (-2..2).
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// Not supported beyond `{}`.
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+}
+
+/// How the response is delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delivery {
+    /// Stream chunks over SSE.
+    pub stream: bool,
+    /// Add a usage chunk at the end of the stream.
+    pub include_usage: bool,
+}
+
+/// `POST /v1/chat/completions` (besides [`CommonParams`], which are
+/// parsed from the same body separately: `serde(flatten)` would lose the
+/// path of a mistyped field).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// The conversation.
+    pub messages: Vec<RequestMessage>,
+    /// Newer name of `max_tokens`.
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    /// Log probabilities (not supported).
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    /// Not supported.
+    #[serde(default)]
+    pub top_logprobs: Option<i64>,
+    /// Function calling (not supported).
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+    /// Output format; only `{"type": "text"}`.
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponseFormat {
+    /// `text`, `json_object`, `json_schema`.
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Text, or a list of content parts; null for assistant tool calls.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+/// Message content.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// `text` (others, such as `image_url`, are refused).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// `POST /v1/completions` (besides [`CommonParams`]).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: PromptField,
+    /// Echo the prompt (not supported).
+    #[serde(default)]
+    pub echo: Option<bool>,
+    /// Log probabilities (not supported).
+    #[serde(default)]
+    pub logprobs: Option<i64>,
+    /// Insertion suffix (not supported).
+    #[serde(default)]
+    pub suffix: Option<String>,
+    /// Server-side best-of (only 1).
+    #[serde(default)]
+    pub best_of: Option<i64>,
+}
+
+/// `prompt`: text, token ids, or a batch of either (of one).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A batch of texts.
+    Texts(Vec<String>),
+    /// A batch of token id lists.
+    TokenLists(Vec<Vec<u32>>),
+}
+
+fn unsupported(param: &str, what: &str) -> GatewayError {
+    GatewayError::invalid(param, format!("{what} is not supported by this server."))
+}
+
+fn range(param: &str, value: Option<f64>, low: f64, high: f64, low_inclusive: bool) -> Result<Option<f32>, GatewayError> {
+    let Some(value) = value else { return Ok(None) };
+    let above_low = if low_inclusive { value >= low } else { value > low };
+    if !(value.is_finite() && above_low && value <= high) {
+        let bracket = if low_inclusive { "[" } else { "(" };
+        return Err(GatewayError::invalid(param, format!("'{param}' must be in {bracket}{low}, {high}], got {value}.")));
+    }
+    Ok(Some(value as f32))
+}
+
+/// Shared parameters after validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedParams {
+    /// Model name.
+    pub model: String,
+    /// Tokens to generate at most, if given.
+    pub max_tokens: Option<u32>,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Generate past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Response delivery.
+    pub delivery: Delivery,
+}
+
+impl CommonParams {
+    /// Validates the shared parameters; `max_tokens` comes from whichever
+    /// field the endpoint uses (named for error messages).
+    pub fn validate_shared(self, max_tokens: Option<(&str, i64)>) -> Result<ValidatedParams, GatewayError> {
+        let CommonParams {
+            model,
+            max_tokens: _,
+            temperature,
+            top_p,
+            n,
+            stream,
+            stream_options,
+            stop,
+            seed,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
+            ignore_eos,
+        } = self;
+        if model.trim().is_empty() {
+            return Err(GatewayError::invalid("model", "'model' must name a model."));
+        }
+        let max_tokens = match max_tokens {
+            None => None,
+            Some((param, value)) if value < 1 => {
+                return Err(GatewayError::invalid(param, format!("'{param}' must be at least 1, got {value}.")));
+            }
+            Some((param, value)) => Some(u32::try_from(value).map_err(|_| {
+                GatewayError::invalid(param, format!("'{param}' is too large: {value} exceeds any model's context length."))
+            })?),
+        };
+        if let Some(n) = n
+            && n != 1
+        {
+            return Err(GatewayError::invalid("n", format!("Only n=1 is supported, got {n}.")));
+        }
+        if logit_bias.is_some_and(|bias| !bias.is_empty()) {
+            return Err(unsupported("logit_bias", "logit_bias"));
+        }
+        let sampling = SamplingParams {
+            temperature: range("temperature", temperature, 0.0, 2.0, true)?,
+            top_p: range("top_p", top_p, 0.0, 1.0, false)?,
+            top_k: None,
+            seed: seed.map(|seed| seed as u64),
+            presence_penalty: range("presence_penalty", presence_penalty, -2.0, 2.0, true)?,
+            frequency_penalty: range("frequency_penalty", frequency_penalty, -2.0, 2.0, true)?,
+        };
+        let stop = match stop {
+            None => Vec::new(),
+            Some(StopField::One(stop)) => vec![stop],
+            Some(StopField::Many(stops)) => stops,
+        };
+        if stop.len() > MAX_STOP_SEQUENCES {
+            return Err(GatewayError::invalid("stop", format!("At most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {}.", stop.len())));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(GatewayError::invalid("stop", "Stop sequences must not be empty."));
+        }
+        let stream = stream.unwrap_or(false);
+        if stream_options.is_some() && !stream {
+            return Err(GatewayError::invalid("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled."));
+        }
+        let include_usage = stream_options.and_then(|options| options.include_usage).unwrap_or(false);
+        let ignore_eos = ignore_eos.unwrap_or(false);
+        Ok(ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, delivery: Delivery { stream, include_usage } })
+    }
+}
+
+/// Parses and validates a chat completion body.
+pub fn parse_chat(body: &[u8]) -> Result<(TextRequest, Delivery), GatewayError> {
+    let common: CommonParams = parse_json(body)?;
+    parse_json::<ChatCompletionRequest>(body)?.into_text_request(common)
+}
+
+/// Parses and validates a completion body.
+pub fn parse_completion(body: &[u8]) -> Result<(TextRequest, Delivery), GatewayError> {
+    let common: CommonParams = parse_json(body)?;
+    parse_json::<CompletionRequest>(body)?.into_text_request(common)
+}
+
+impl ChatCompletionRequest {
+    /// Validates the request.
+    pub fn into_text_request(self, common: CommonParams) -> Result<(TextRequest, Delivery), GatewayError> {
+        let ChatCompletionRequest { messages, max_completion_tokens, logprobs, top_logprobs, tools, response_format } = self;
+        if logprobs == Some(true) || top_logprobs.is_some() {
+            return Err(unsupported("logprobs", "logprobs"));
+        }
+        if tools.is_some_and(|tools| !tools.is_empty()) {
+            return Err(unsupported("tools", "Tool calling"));
+        }
+        if let Some(format) = response_format
+            && format.kind != "text"
+        {
+            return Err(unsupported("response_format", &format!("response_format {:?}", format.kind)));
+        }
+        if messages.is_empty() {
+            return Err(GatewayError::invalid("messages", "'messages' must contain at least one message."));
+        }
+        let messages = messages
+            .into_iter()
+            .enumerate()
+            .map(|(index, message)| chat_message(index, message))
+            .collect::<Result<Vec<_>, _>>()?;
+        let max_tokens = match (max_completion_tokens, common.max_tokens) {
+            (Some(value), _) => Some(("max_completion_tokens", value)),
+            (None, Some(value)) => Some(("max_tokens", value)),
+            (None, None) => None,
+        };
+        let ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        Ok((TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos }, delivery))
+    }
+}
+
+fn chat_message(index: usize, message: RequestMessage) -> Result<ChatMessage, GatewayError> {
+    let RequestMessage { role, content } = message;
+    let role = match role.as_str() {
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => "assistant",
+        "tool" => "tool",
+        other => {
+            return Err(GatewayError::invalid(
+                format!("messages[{index}].role"),
+                format!("Invalid role {other:?}; expected system, developer, user, assistant or tool."),
+            ));
+        }
+    };
+    let content = match content {
+        None => String::new(),
+        Some(MessageContent::Text(text)) => text,
+        Some(MessageContent::Parts(parts)) => {
+            let mut text = String::new();
+            for (part_index, part) in parts.into_iter().enumerate() {
+                match (part.kind.as_str(), part.text) {
+                    ("text", Some(part_text)) => text.push_str(&part_text),
+                    (kind, _) => {
+                        return Err(GatewayError::invalid(
+                            format!("messages[{index}].content[{part_index}]"),
+                            format!("Content parts of type {kind:?} are not supported; send text."),
+                        ));
+                    }
+                }
+            }
+            text
+        }
+    };
+    Ok(ChatMessage::new(role, content))
+}
+
+impl CompletionRequest {
+    /// Validates the request.
+    pub fn into_text_request(self, common: CommonParams) -> Result<(TextRequest, Delivery), GatewayError> {
+        let CompletionRequest { prompt, echo, logprobs, suffix, best_of } = self;
+        if echo == Some(true) {
+            return Err(unsupported("echo", "echo"));
+        }
+        if logprobs.is_some() {
+            return Err(unsupported("logprobs", "logprobs"));
+        }
+        if suffix.is_some_and(|suffix| !suffix.is_empty()) {
+            return Err(unsupported("suffix", "suffix"));
+        }
+        if best_of.is_some_and(|best_of| best_of != 1) {
+            return Err(GatewayError::invalid("best_of", "Only best_of=1 is supported."));
+        }
+        let batch_error = || GatewayError::invalid("prompt", "Batched prompts are not supported; send one prompt per request.");
+        let prompt = match prompt {
+            PromptField::Text(text) => Prompt::Text(text),
+            PromptField::Tokens(tokens) => Prompt::Tokens(tokens),
+            PromptField::Texts(mut texts) if texts.len() == 1 => Prompt::Text(texts.remove(0)),
+            PromptField::TokenLists(mut lists) if lists.len() == 1 => Prompt::Tokens(lists.remove(0)),
+            PromptField::Texts(_) | PromptField::TokenLists(_) => return Err(batch_error()),
+        };
+        let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
+        let ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        let max_tokens = Some(max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS));
+        Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos }, delivery))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(json: &str) -> Result<(TextRequest, Delivery), GatewayError> {
+        parse_chat(json.as_bytes())
+    }
+
+    fn completion(json: &str) -> Result<(TextRequest, Delivery), GatewayError> {
+        parse_completion(json.as_bytes())
+    }
+
+    #[test]
+    fn a_typical_chat_request_validates() {
+        let (request, delivery) = chat(
+            r#"{"model":"m","messages":[{"role":"developer","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],
+                "max_completion_tokens":5,"temperature":0.7,"stop":"x","stream":true,"stream_options":{"include_usage":true},"seed":-1}"#,
+        )
+        .unwrap();
+        assert_eq!(request.prompt, Prompt::Chat(vec![ChatMessage::new("system", "be brief"), ChatMessage::new("user", "hi")]));
+        assert_eq!(request.max_tokens, Some(5));
+        assert_eq!(request.stop, vec!["x".to_owned()]);
+        assert_eq!(delivery, Delivery { stream: true, include_usage: true });
+        assert_eq!(request.sampling.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn completions_default_to_sixteen_tokens_and_accept_token_prompts() {
+        let (request, delivery) = completion(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(request.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(request.max_tokens, Some(16));
+        assert!(!delivery.stream);
+        let (request, _) = completion(r#"{"model":"m","prompt":["once"]}"#).unwrap();
+        assert_eq!(request.prompt, Prompt::Text("once".into()));
+    }
+
+    #[test]
+    fn bad_parameters_are_named() {
+        let cases = [
+            (r#"{"model":"m","messages":[]}"#, "messages"),
+            (r#"{"model":"m","messages":[{"role":"robot","content":"x"}]}"#, "messages[0].role"),
+            (r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#, "messages[0].content[0]"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":-5}"#, "max_tokens"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#, "max_tokens"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":99999999999}"#, "max_tokens"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":-1}"#, "max_completion_tokens"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0}"#, "top_p"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#, "n"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#, "stop"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#, "stream_options"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#, "tools"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true}"#, "logprobs"),
+            (r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#, "model"),
+            (r#"{"messages":[{"role":"user","content":"x"}]}"#, "model"),
+            (r#"{"model":"m","messages":"hi"}"#, "messages"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#, "temperature"),
+        ];
+        for (json, param) in cases {
+            let error = chat(json).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param), "{json}: {error:?}");
+            assert_eq!(error.status(), 400);
+        }
+        for (json, param) in [
+            (r#"{"model":"m","prompt":["a","b"]}"#, "prompt"),
+            (r#"{"model":"m","prompt":"a","echo":true}"#, "echo"),
+            (r#"{"model":"m","prompt":"a","best_of":3}"#, "best_of"),
+            (r#"{"model":"m","prompt":{"text":"a"}}"#, "prompt"),
+        ] {
+            let error = completion(json).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param), "{json}: {error:?}");
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! One request, from text to a text stream: template, tokenize, check
+//! limits, route, call the worker, detokenize incrementally, apply stop
+//! strings, account tokens. Shared by the REST and gRPC front ends.
+//!
+//! Failures before the first token are retried on another worker. A worker
+//! that fails mid-stream is replaced: the request continues on another
+//! worker with the prompt plus the tokens generated so far, and the client
+//! sees one continuous stream.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt;
+use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditions, Usage};
+use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
+use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor};
+use turbine_worker::{TokenStream, WorkerError};
+
+use crate::catalog::ModelCatalog;
+use crate::error::{ErrorKind, GatewayError};
+use crate::metrics;
+use crate::pool::WorkerPool;
+use crate::stop::StopMatcher;
+
+/// Default `max_tokens` of raw completions (OpenAI's).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+
+/// What to complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// A conversation rendered with the model's chat template.
+    Chat(Vec<ChatMessage>),
+    /// Raw text.
+    Text(String),
+    /// Token ids of the model's vocabulary.
+    Tokens(Vec<u32>),
+}
+
+/// A validated text generation request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextRequest {
+    /// Model name.
+    pub model: String,
+    /// Input.
+    pub prompt: Prompt,
+    /// Tokens to generate at most; `None`: up to the context window for
+    /// chats, 16 for raw prompts.
+    pub max_tokens: Option<u32>,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop strings (not included in the output).
+    pub stop: Vec<String>,
+    /// Generate past end-of-sequence tokens (for benchmarks).
+    pub ignore_eos: bool,
+}
+
+/// How often a request may be dispatched (first try included).
+const MAX_ATTEMPTS: usize = 3;
+
+/// The pipeline's dependencies.
+#[derive(Debug, Clone)]
+pub struct Pipeline {
+    router: RouterClient,
+    pool: WorkerPool,
+    catalog: Arc<ModelCatalog>,
+}
+
+/// Something the client sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TextEvent {
+    /// More text (never empty).
+    Delta(String),
+    /// The end.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token accounting.
+        usage: Usage,
+    },
+}
+
+impl Pipeline {
+    /// A pipeline over a router, worker clients and the model catalog.
+    pub fn new(router: RouterClient, pool: WorkerPool, catalog: Arc<ModelCatalog>) -> Self {
+        Self { router, pool, catalog }
+    }
+
+    /// The model catalog.
+    pub fn catalog(&self) -> &Arc<ModelCatalog> {
+        &self.catalog
+    }
+
+    /// Validates, tokenizes, routes and starts generating. Errors here are
+    /// the client's (4xx) or capacity (429/503); once a stream is returned,
+    /// text follows.
+    pub async fn start(&self, request: TextRequest, request_id: String) -> Result<TextStream, GatewayError> {
+        let started = Instant::now();
+        let model = self.catalog.get(&request.model).await?;
+        let prompt = tokenize(&model, request.prompt)?;
+        let context = model.card().context_length;
+        let prompt_len = prompt.len() as u64;
+        if prompt_len >= u64::from(context) {
+            return Err(GatewayError::invalid(
+                "messages",
+                format!("This model's maximum context length is {context} tokens. However, your prompt is {prompt_len} tokens."),
+            ));
+        }
+        let max_tokens = match request.max_tokens {
+            Some(max_tokens) => {
+                if prompt_len + u64::from(max_tokens) > u64::from(context) {
+                    return Err(GatewayError::invalid(
+                        "max_tokens",
+                        format!(
+                            "This model's maximum context length is {context} tokens. However, you requested {} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). Please reduce the prompt or the completion length.",
+                            prompt_len + u64::from(max_tokens)
+                        ),
+                    ));
+                }
+                max_tokens
+            }
+            None => context - prompt_len as u32,
+        };
+        let engine_request = GenerateRequest {
+            request_id: request_id.clone(),
+            prompt,
+            sampling: request.sampling,
+            stop: StopConditions { max_tokens, stop_token_ids: Vec::new(), ignore_eos: request.ignore_eos },
+        };
+        let booking = Booking { router: self.router.clone(), request_id: request_id.clone() };
+        let mut excluded = Vec::new();
+        let tokens = self.dispatch(&request.model, &engine_request, &mut excluded).await?;
+        Ok(TextStream {
+            pipeline: self.clone(),
+            model: request.model,
+            request: engine_request,
+            decoder: model.tokenizer().decoder(),
+            stop: StopMatcher::new(request.stop),
+            tokens: Some(tokens),
+            generated: Vec::new(),
+            excluded,
+            attempts: 1,
+            cached_prompt_tokens: None,
+            pending: VecDeque::new(),
+            started,
+            first_token_at: None,
+            _booking: booking,
+        })
+    }
+
+    /// Routes and opens a worker stream, trying other workers when one is
+    /// unavailable or full.
+    async fn dispatch(&self, model: &str, request: &GenerateRequest, excluded: &mut Vec<String>) -> Result<TokenStream, GatewayError> {
+        let mut last_error = None;
+        for _ in 0..MAX_ATTEMPTS {
+            let route = RouteRequest {
+                request_id: request.request_id.clone(),
+                model: model.to_owned(),
+                prompt_tokens: request.prompt.len() as u32,
+                policy: None,
+                exclude_worker_ids: excluded.clone(),
+            };
+            let worker: RoutedWorker = match self.router.route(&route).await {
+                Ok(worker) => worker,
+                // Every worker was tried: report the last worker error.
+                Err(error) => return Err(last_error.unwrap_or_else(|| error.into())),
+            };
+            let client = self.pool.client(&worker)?;
+            match client.generate(request.clone()).await {
+                Ok(stream) => return Ok(stream),
+                Err(error @ (WorkerError::Unavailable(_) | WorkerError::Overloaded(_))) => {
+                    tracing::warn!(worker = %worker.worker_id, %error, "worker refused the request; trying another");
+                    metrics::retry();
+                    excluded.push(worker.worker_id);
+                    last_error = Some(GatewayError::from(error));
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| GatewayError::new(ErrorKind::Unavailable, "no worker could serve the request")))
+    }
+}
+
+fn tokenize(model: &Preprocessor, prompt: Prompt) -> Result<Vec<u32>, GatewayError> {
+    let tokens = match prompt {
+        Prompt::Chat(messages) => model.encode_chat(&messages)?,
+        Prompt::Text(text) => model.encode_text(&text)?,
+        Prompt::Tokens(tokens) => {
+            if let Some(bad) = tokens.iter().find(|&&t| !model.is_valid_token(t)) {
+                return Err(GatewayError::invalid("prompt", format!("token id {bad} is outside the model's vocabulary")));
+            }
+            tokens
+        }
+    };
+    if tokens.is_empty() {
+        return Err(GatewayError::invalid("prompt", "the prompt is empty"));
+    }
+    Ok(tokens)
+}
+
+/// Releases the router booking when the request ends, however it ends.
+#[derive(Debug)]
+struct Booking {
+    router: RouterClient,
+    request_id: String,
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        match &self.router {
+            RouterClient::Local(router) => {
+                router.finished(&self.request_id);
+            }
+            RouterClient::Remote(_) => {
+                let router = self.router.clone();
+                let request_id = std::mem::take(&mut self.request_id);
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        if let Err(error) = router.finished(&request_id).await {
+                            tracing::debug!(%error, request_id, "booking release failed; the router will expire it");
+                        }
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The text of one request as it is generated. Dropping it cancels the
+/// worker's sequence and releases the booking.
+pub struct TextStream {
+    pipeline: Pipeline,
+    model: String,
+    request: GenerateRequest,
+    decoder: IncrementalDecoder,
+    stop: StopMatcher,
+    tokens: Option<TokenStream>,
+    generated: Vec<u32>,
+    excluded: Vec<String>,
+    attempts: usize,
+    cached_prompt_tokens: Option<u32>,
+    /// Events ready to hand out (the last delta and `Finished`).
+    pending: VecDeque<TextEvent>,
+    started: Instant,
+    first_token_at: Option<Instant>,
+    _booking: Booking,
+}
+
+impl std::fmt::Debug for TextStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextStream")
+            .field("request_id", &self.request.request_id)
+            .field("model", &self.model)
+            .field("generated", &self.generated.len())
+            .field("attempts", &self.attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TextStream {
+    /// The request id.
+    pub fn request_id(&self) -> &str {
+        &self.request.request_id
+    }
+
+    /// Prompt length in tokens.
+    pub fn prompt_tokens(&self) -> u32 {
+        self.request.prompt.len() as u32
+    }
+
+    /// The next event; `None` after `Finished` or an error.
+    pub async fn next(&mut self) -> Option<Result<TextEvent, GatewayError>> {
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                return Some(Ok(event));
+            }
+            let tokens = self.tokens.as_mut()?;
+            let chunk = match tokens.next().await {
+                Some(Ok(chunk)) => chunk,
+                Some(Err(WorkerError::Unavailable(cause) | WorkerError::Internal(cause))) => {
+                    if let Err(error) = self.migrate(&cause).await {
+                        return Some(Err(error));
+                    }
+                    continue;
+                }
+                Some(Err(error)) => {
+                    self.tokens = None;
+                    return Some(Err(error.into()));
+                }
+                None => {
+                    if let Err(error) = self.migrate("the worker stream ended early").await {
+                        return Some(Err(error));
+                    }
+                    continue;
+                }
+            };
+            if self.first_token_at.is_none() && !chunk.tokens.is_empty() {
+                let now = Instant::now();
+                metrics::time_to_first_token(&self.model, now - self.started);
+                self.first_token_at = Some(now);
+            }
+            let mut text = String::new();
+            for &token in &chunk.tokens {
+                self.generated.push(token);
+                self.decoder.push(token, &mut text);
+            }
+            if let Some((_, usage)) = &chunk.finished {
+                self.cached_prompt_tokens.get_or_insert(usage.cached_prompt_tokens.min(self.prompt_tokens()));
+                self.decoder.finish(&mut text);
+            }
+            let scan = self.stop.push(&text);
+            match chunk.finished {
+                _ if scan.stopped => self.finish(scan.emit, FinishReason::Stop),
+                Some((reason, _)) => {
+                    let mut last = scan.emit;
+                    last.push_str(&self.stop.finish());
+                    self.finish(last, reason);
+                }
+                None if scan.emit.is_empty() => {}
+                None => return Some(Ok(TextEvent::Delta(scan.emit))),
+            }
+        }
+    }
+
+    /// Ends the stream: queues the last text and the `Finished` event and
+    /// drops the worker stream (cancelling it if still running).
+    fn finish(&mut self, last_text: String, reason: FinishReason) {
+        self.tokens = None;
+        let usage = Usage {
+            prompt_tokens: self.prompt_tokens(),
+            completion_tokens: self.generated.len() as u32,
+            cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
+        };
+        metrics::request_tokens(&self.model, &usage, self.started.elapsed());
+        if !last_text.is_empty() {
+            self.pending.push_back(TextEvent::Delta(last_text));
+        }
+        self.pending.push_back(TextEvent::Finished { reason, usage });
+    }
+
+    /// Continues on another worker with the prompt plus the tokens so far.
+    async fn migrate(&mut self, cause: &str) -> Result<(), GatewayError> {
+        self.tokens = None;
+        let generated = self.generated.len() as u32;
+        if generated >= self.request.stop.max_tokens {
+            // Everything asked for arrived; only the end marker was lost.
+            let mut text = String::new();
+            self.decoder.finish(&mut text);
+            text.push_str(&self.stop.finish());
+            self.finish(text, FinishReason::Length);
+            return Ok(());
+        }
+        if self.attempts >= MAX_ATTEMPTS {
+            tracing::error!(request_id = %self.request.request_id, cause, "worker failed mid-stream; no attempts left");
+            return Err(GatewayError::new(ErrorKind::Unavailable, "the worker serving this request failed"));
+        }
+        self.attempts += 1;
+        let mut continuation = self.request.clone();
+        continuation.prompt.extend_from_slice(&self.generated);
+        continuation.stop.max_tokens = self.request.stop.max_tokens - generated;
+        tracing::warn!(request_id = %self.request.request_id, cause, generated, "worker failed mid-stream; continuing on another");
+        metrics::migration();
+        let stream = self.pipeline.dispatch(&self.model, &continuation, &mut self.excluded).await?;
+        self.tokens = Some(stream);
+        Ok(())
+    }
+}
