@@ -13,6 +13,7 @@ use turbine_router::serve::watch_registry;
 use turbine_router::{Policy, Router, RouterClient};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
+use turbine_worker::metrics::register_engine;
 use turbine_worker::serve::register_local;
 use turbine_worker::{EngineKind, Worker, WorkerConfig};
 
@@ -111,6 +112,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         workers.push(worker);
     }
     let model_name = workers[0].card().name.clone();
+    let _engine_metrics: Vec<_> = workers.iter().map(|worker| register_engine(worker.id(), worker.engine().clone())).collect();
 
     let registry = Registry::Memory(MemoryRegistry::new());
     let lease_ttl = Duration::from_secs(5);

@@ -11,6 +11,7 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
@@ -78,5 +79,9 @@ fn build_provider(service_name: &str) -> Option<SdkTracerProvider> {
     };
     let name = std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| service_name.to_owned());
     let resource = Resource::builder().with_service_name(name).build();
-    Some(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource).build())
+    // Export from Tokio tasks: the gRPC exporter's connection needs the
+    // runtime's reactor, which the SDK's default dedicated export thread
+    // lacks (its exports fail once the channel has to (re)connect).
+    let processor = BatchSpanProcessor::builder(exporter, opentelemetry_sdk::runtime::Tokio).build();
+    Some(SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build())
 }

@@ -41,3 +41,8 @@ pub(crate) fn workers(workers: &[RoutedWorker]) {
         IN_FLIGHT.with_label_values(&[worker.worker_id.as_str()]).set(worker.in_flight.into());
     }
 }
+
+/// Publishes one worker's booking count as it changes.
+pub(crate) fn in_flight(worker_id: &str, count: u32) {
+    IN_FLIGHT.with_label_values(&[worker_id]).set(count.into());
+}

@@ -72,11 +72,19 @@ impl State {
         let Some(booking) = self.bookings.remove(request_id) else { return false };
         if let Some(count) = self.in_flight.get_mut(&booking.worker_id) {
             *count = count.saturating_sub(1);
+            crate::metrics::in_flight(&booking.worker_id, *count);
             if *count == 0 {
                 self.in_flight.remove(&booking.worker_id);
             }
         }
         true
+    }
+
+    fn book(&mut self, request_id: &str, worker_id: &str, now: Instant) {
+        self.bookings.insert(request_id.to_owned(), Booking { worker_id: worker_id.to_owned(), booked_at: now });
+        let count = self.in_flight.entry(worker_id.to_owned()).or_default();
+        *count += 1;
+        crate::metrics::in_flight(worker_id, *count);
     }
 }
 
@@ -188,8 +196,7 @@ impl Router {
             load: chosen.load,
             in_flight: candidates[index].in_flight + 1,
         };
-        state.bookings.insert(request.request_id.clone(), Booking { worker_id: routed.worker_id.clone(), booked_at: now });
-        *state.in_flight.entry(routed.worker_id.clone()).or_default() += 1;
+        state.book(&request.request_id, &routed.worker_id, now);
         let in_flight = routed.in_flight;
         Ok((routed, in_flight))
     }

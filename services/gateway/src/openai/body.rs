@@ -9,18 +9,44 @@ use serde::de::DeserializeOwned;
 
 use crate::error::{ErrorKind, GatewayError};
 
+/// An oversized body is read and discarded up to this many bytes, so the
+/// client (still sending) gets to read the 413 instead of a reset
+/// connection; beyond it the connection is closed.
+const DRAIN_LIMIT: u64 = 64 << 20;
+
 /// Reads the whole body, refusing more than `limit` bytes.
 pub async fn read_limited(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, GatewayError> {
     let too_large = || GatewayError::new(ErrorKind::PayloadTooLarge, format!("The request body exceeds the limit of {limit} bytes."));
     let declared = headers.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > limit as u64) {
+    if let Some(length) = declared
+        && length > limit as u64
+    {
+        if length <= DRAIN_LIMIT {
+            drain(body).await;
+        }
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(error) => Err(GatewayError::new(ErrorKind::InvalidRequest, format!("could not read the request body: {error}"))),
+    let mut body = body;
+    let mut collected = Vec::new();
+    loop {
+        match body.frame().await {
+            None => return Ok(Bytes::from(collected)),
+            Some(Ok(frame)) => {
+                let Ok(data) = frame.into_data() else { continue };
+                if collected.len() + data.len() > limit {
+                    drain(body).await;
+                    return Err(too_large());
+                }
+                collected.extend_from_slice(&data);
+            }
+            Some(Err(error)) => return Err(GatewayError::new(ErrorKind::InvalidRequest, format!("could not read the request body: {error}"))),
+        }
     }
+}
+
+/// Reads and discards up to [`DRAIN_LIMIT`] bytes of a body.
+async fn drain(body: Body) {
+    let _ = Limited::new(body, DRAIN_LIMIT as usize).collect().await;
 }
 
 /// Parses JSON, naming the parameter whose value has the wrong type.

@@ -1,0 +1,223 @@
+//! The distributed stack: `turbine-worker` ×2, `turbine-router` and
+//! `turbine-gateway` as separate processes sharing a real Redis registry,
+//! on free ports. Requests flow end to end, a worker killed mid-stream is
+//! replaced without the client noticing, SIGTERM drains the gateway, and
+//! one request is one trace across the three services.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{metric, post, read_events, sse, streamed_text, wait_for_model};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use serde_json::json;
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, workspace_binary};
+
+const MODEL: &str = "smollm2-135m";
+
+struct Service {
+    process: ChildProcess,
+    admin: String,
+}
+
+struct Cluster {
+    _redis: RedisServer,
+    workers: Vec<Service>,
+    router: Service,
+    gateway: ChildProcess,
+    base: String,
+}
+
+fn spawn(binary: &str, args: Vec<String>, env: &[(&str, String)]) -> ChildProcess {
+    let mut command = Command::new(workspace_binary(binary));
+    command.args(args);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    ChildProcess::spawn(binary, command)
+}
+
+async fn start_cluster(workers: usize, speedup: &str, env: &[(&str, String)]) -> Cluster {
+    let redis = RedisServer::start();
+    let mut started = Vec::new();
+    for index in 0..workers {
+        let admin = free_port();
+        let args = [
+            "--grpc-addr", "127.0.0.1:0", "--admin-addr", &format!("127.0.0.1:{admin}"), "--engine", "mock", "--speedup", speedup,
+            "--redis", &redis.url(), "--namespace", "e2e", "--worker-id", &format!("worker-{index}"), "--lease-ttl-secs", "2",
+        ];
+        let mut process = spawn("turbine-worker", args.iter().map(|s| s.to_string()).collect(), env);
+        process.wait_for_line("worker ready", STARTUP_TIMEOUT);
+        started.push(Service { process, admin: format!("http://127.0.0.1:{admin}") });
+    }
+    let (router_port, router_admin) = (free_port(), free_port());
+    let args = [
+        "--grpc-addr", &format!("127.0.0.1:{router_port}"), "--admin-addr", &format!("127.0.0.1:{router_admin}"),
+        "--redis", &redis.url(), "--namespace", "e2e", "--policy", "round-robin",
+    ];
+    let mut router = spawn("turbine-router", args.iter().map(|s| s.to_string()).collect(), env);
+    router.wait_for_line("router listening", STARTUP_TIMEOUT);
+    let http_port = free_port();
+    let args = ["--http-addr", &format!("127.0.0.1:{http_port}"), "--grpc-addr", "127.0.0.1:0", "--router", &format!("127.0.0.1:{router_port}")];
+    let mut gateway = spawn("turbine-gateway", args.iter().map(|s| s.to_string()).collect(), env);
+    gateway.wait_for_line("gateway listening", STARTUP_TIMEOUT);
+    let base = format!("http://127.0.0.1:{http_port}");
+    wait_for_model(&base).await;
+    // Both workers registered before traffic starts.
+    let router_admin = format!("http://127.0.0.1:{router_admin}");
+    let deadline = tokio::time::Instant::now() + STARTUP_TIMEOUT;
+    while metric(&router_admin, "turbine_router_live_workers").await < workers as f64 {
+        assert!(tokio::time::Instant::now() < deadline, "workers never registered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Cluster { _redis: redis, workers: started, router: Service { process: router, admin: router_admin }, gateway, base }
+}
+
+#[tokio::test]
+async fn requests_flow_through_separate_processes_and_spread_over_workers() {
+    let cluster = start_cluster(2, "1000", &[]).await;
+    for i in 0..8 {
+        let (status, body) = post(
+            &cluster.base,
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": format!("question {i}")}], "max_tokens": 8, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 8);
+    }
+    for worker in &cluster.workers {
+        let finished = metric(&worker.admin, "turbine_worker_requests_total").await;
+        assert_eq!(finished, 4.0, "round-robin spreads 8 requests over 2 workers");
+    }
+    let events = sse(&cluster.base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": true, "ignore_eos": true})).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    assert_eq!(reqwest::get(format!("{}/readyz", cluster.router.admin)).await.unwrap().status(), 200);
+    assert_eq!(reqwest::get(format!("{}/health", cluster.base)).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn a_worker_killed_mid_stream_is_replaced_and_the_client_sees_one_stream() {
+    let mut cluster = start_cluster(2, "1", &[]).await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/completions", cluster.base))
+        .json(&json!({"model": MODEL, "prompt": "A long story", "max_tokens": 300, "stream": true, "ignore_eos": true,
+                      "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    let reading = tokio::spawn(read_events(response));
+    // Find the worker holding the request (its engine runs one sequence) and kill it.
+    let mut victim = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while victim.is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "no worker picked up the request");
+        for (index, worker) in cluster.workers.iter().enumerate() {
+            if metric(&worker.admin, "turbine_worker_generated_tokens_total").await >= 20.0 {
+                victim = Some(index);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.workers[victim.unwrap()].process.kill();
+    let events = reading.await.unwrap();
+    let usage: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 300, "the stream continued on the other worker to the full length");
+    assert!(!streamed_text(&events).is_empty());
+    assert_eq!(metric(&cluster.base, "turbine_gateway_migrations_total").await, 1.0);
+}
+
+#[tokio::test]
+async fn sigterm_drains_the_gateway_with_32_streams_in_flight() {
+    let mut cluster = start_cluster(1, "1", &[]).await;
+    let client = reqwest::Client::new();
+    let mut responses = Vec::new();
+    for i in 0..32 {
+        let body = json!({"model": MODEL, "prompt": format!("stream {i}"), "max_tokens": 120, "stream": true, "ignore_eos": true,
+                          "stream_options": {"include_usage": true}});
+        responses.push(client.post(format!("{}/v1/completions", cluster.base)).json(&body).send().await.unwrap());
+    }
+    cluster.gateway.terminate();
+    for events in futures::future::join_all(responses.into_iter().map(read_events)).await {
+        let usage: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+        assert_eq!(usage["usage"]["completion_tokens"], 120);
+    }
+    let status = cluster.gateway.wait(Duration::from_secs(30)).expect("gateway did not exit");
+    assert!(status.success(), "gateway exit status {status}");
+}
+
+/// An OTLP collector that records (service, trace id, span name).
+#[derive(Clone, Default)]
+struct Collector {
+    spans: Arc<parking_lot::Mutex<Vec<(String, String, String)>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(&self, request: tonic::Request<ExportTraceServiceRequest>) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock();
+        for resource_spans in request.into_inner().resource_spans {
+            let service = resource_spans
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref())
+                .map(|v| format!("{:?}", v.value))
+                .unwrap_or_default();
+            for scope in resource_spans.scope_spans {
+                for span in scope.spans {
+                    spans.push((service.clone(), hex::encode(&span.trace_id), span.name));
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
+    }
+}
+
+// Multi-threaded: the collector must keep answering while the test thread
+// blocks waiting for the services to exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_is_one_trace_across_gateway_router_and_worker() {
+    let collector = Collector::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(collector.clone()))
+            .serve_with_incoming(tokio_stream_listener(listener)),
+    );
+    let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned())];
+    let mut cluster = start_cluster(1, "1000", &env).await;
+
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", cluster.base))
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+
+    // A graceful exit flushes every pending span.
+    cluster.gateway.terminate();
+    cluster.router.process.terminate();
+    cluster.workers[0].process.terminate();
+    for process in [&mut cluster.gateway, &mut cluster.router.process, &mut cluster.workers[0].process] {
+        assert!(process.wait(Duration::from_secs(30)).expect("exit").success());
+    }
+    let spans = collector.spans.lock().clone();
+    let services: HashSet<&str> = spans.iter().filter(|(_, id, _)| id == trace_id).map(|(service, _, _)| service.as_str()).collect();
+    for service in ["turbine-gateway", "turbine-router", "turbine-worker"] {
+        assert!(services.iter().any(|s| s.contains(service)), "no {service} span in trace {trace_id}: {spans:#?}");
+    }
+}
+
+fn tokio_stream_listener(listener: tokio::net::TcpListener) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    futures::stream::unfold(listener, |listener| async move { Some((listener.accept().await.map(|(stream, _)| stream), listener)) })
+}

@@ -1,0 +1,47 @@
+//! The `turbine-gateway` binary on its own: it refuses to start without a
+//! router, and while its router is unreachable it reports not ready and
+//! answers 503 with OpenAI error JSON instead of failing.
+
+use std::process::Command;
+use std::time::Duration;
+
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, free_port};
+
+#[tokio::test]
+async fn without_a_reachable_router_it_is_not_ready_and_answers_503() {
+    let http_port = free_port();
+    let dead_router = free_port();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-gateway"));
+    command.args(["--http-addr", &format!("127.0.0.1:{http_port}"), "--grpc-addr", "127.0.0.1:0", "--router", &format!("127.0.0.1:{dead_router}")]);
+    let mut gateway = ChildProcess::spawn("turbine-gateway", command);
+    gateway.wait_for_line("gateway listening", STARTUP_TIMEOUT);
+    let base = format!("http://127.0.0.1:{http_port}");
+
+    assert_eq!(reqwest::get(format!("{base}/readyz")).await.unwrap().status(), 503);
+    assert_eq!(reqwest::get(format!("{base}/health")).await.unwrap().status(), 503);
+    assert_eq!(reqwest::get(format!("{base}/livez")).await.unwrap().status(), 200);
+    let response = reqwest::Client::new()
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(response.headers()["retry-after"], "1");
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "server_error");
+
+    gateway.terminate();
+    let status = gateway.wait(Duration::from_secs(30)).expect("gateway exits on SIGTERM");
+    assert!(status.success());
+}
+
+#[test]
+fn it_refuses_to_start_without_a_router() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-gateway"));
+    command.args(["--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0"]);
+    let mut gateway = ChildProcess::spawn("turbine-gateway", command);
+    let status = gateway.wait(Duration::from_secs(30)).expect("exits");
+    assert!(!status.success());
+    assert!(gateway.output().iter().any(|line| line.contains("--router")), "{:?}", gateway.output());
+}
