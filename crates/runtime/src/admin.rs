@@ -6,6 +6,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -31,13 +32,21 @@ async fn ready(State(readiness): State<Readiness>) -> impl IntoResponse {
 
 /// Serves the admin routes until `shutdown` fires.
 pub async fn serve(listener: TcpListener, readiness: Readiness, shutdown: CancellationToken) -> std::io::Result<()> {
-    axum::serve(listener, router(readiness)).with_graceful_shutdown(shutdown.cancelled_owned()).await
+    axum::serve(listener.tap_io(set_nodelay), router(readiness)).with_graceful_shutdown(shutdown.cancelled_owned()).await
+}
+
+/// Small writes (SSE chunks) must leave at once: Nagle's algorithm plus the
+/// client's delayed ACK would hold each for ~40 ms.
+fn set_nodelay(stream: &mut tokio::net::TcpStream) {
+    if let Err(error) = stream.set_nodelay(true) {
+        tracing::debug!(%error, "cannot set TCP_NODELAY");
+    }
 }
 
 /// Serves an HTTP router until `shutdown` fires, then stops accepting and
 /// lets in-flight requests (streams included) finish for up to `grace`.
 pub async fn serve_with_grace(listener: TcpListener, router: Router, shutdown: CancellationToken, grace: std::time::Duration) -> std::io::Result<()> {
-    let server = axum::serve(listener, router).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = axum::serve(listener.tap_io(set_nodelay), router).with_graceful_shutdown(shutdown.clone().cancelled_owned());
     let server = std::future::IntoFuture::into_future(server);
     tokio::pin!(server);
     tokio::select! {

@@ -1,5 +1,6 @@
-//! Tokenizer cost on the default model: encoding a ~1,000-token prompt and
-//! incremental detokenization per token.
+//! Tokenizer cost on the default model: encoding a ~1,000-token prompt with
+//! the fast byte-level encoder and with the HF pipeline it reproduces (side
+//! by side), and incremental detokenization per token.
 //!
 //! Run: `cargo bench -p turbine-tokens --bench tokenize`
 //! (fetches the default model into the cache if missing).
@@ -17,7 +18,18 @@ fn bench(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("tokenize");
     group.throughput(Throughput::Elements(ids.len() as u64));
-    group.bench_function(format!("encode_{}_tokens", ids.len()), |b| b.iter(|| preprocessor.encode_text(&text).unwrap()));
+    let tokenizer = preprocessor.tokenizer();
+    group.bench_function(format!("encode_fast_{}_tokens", ids.len()), |b| b.iter(|| tokenizer.encode(&text).unwrap()));
+    group.bench_function(format!("encode_hf_{}_tokens", ids.len()), |b| b.iter(|| tokenizer.encode_reference(&text).unwrap()));
+    // Fresh text every time: no piece is in the cache.
+    let mut counter = 0u64;
+    group.bench_function(format!("encode_fast_uncached_{}_tokens", ids.len()), |b| {
+        b.iter(|| {
+            counter += 1;
+            let unique: String = text.split(' ').map(|word| format!("{word}{counter} ")).collect();
+            tokenizer.encode(&unique).unwrap()
+        })
+    });
     group.bench_function(format!("detokenize_{}_tokens", ids.len()), |b| {
         b.iter(|| {
             let mut decoder = preprocessor.tokenizer().decoder();

@@ -13,6 +13,7 @@
 pub mod card;
 pub mod chat;
 pub mod detokenize;
+mod fast_bpe;
 pub mod gguf;
 pub mod pull;
 pub mod tokenizer;

@@ -20,6 +20,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::detokenize::{IncrementalDecoder, TokenBytes};
+use crate::fast_bpe::{ByteLevelBpe, GPT2_REGEX, PreTokenizer};
 use crate::gguf::{Gguf, Value};
 use crate::{Error, Result};
 
@@ -149,9 +150,14 @@ impl TokenizerSpec {
 }
 
 /// A ready-to-use tokenizer: text to ids, ids to bytes.
+///
+/// Built with HF `tokenizers`; byte-level BPE vocabularies also get a fast
+/// encoder that produces the same ids (see [`crate::fast_bpe`]), used for
+/// [`encode`](Self::encode).
 #[derive(Debug)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    fast: Option<ByteLevelBpe>,
     spec: TokenizerSpec,
     token_bytes: Arc<TokenBytes>,
 }
@@ -185,7 +191,13 @@ impl Tokenizer {
             .collect();
         inner.add_tokens(user_defined).map_err(tokenizer_error)?;
         let token_bytes = Arc::new(TokenBytes::new(&spec));
-        Ok(Self { inner, spec, token_bytes })
+        let fast = if spec.model == "gpt2" {
+            let (regex, isolate_numeric) = pre_tokenizer_rule(&spec.pre);
+            PreTokenizer::new(regex, isolate_numeric).and_then(|pre| ByteLevelBpe::new(&spec, &token_bytes, pre))
+        } else {
+            None
+        };
+        Ok(Self { inner, fast, spec, token_bytes })
     }
 
     /// Builds the tokenizer stored in a GGUF file's metadata.
@@ -197,17 +209,32 @@ impl Tokenizer {
     /// `<|im_start|>` in a rendered chat template) become their ids; BOS is
     /// prepended when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self.inner.encode_fast(text, false).map_err(tokenizer_error)?;
-        let ids = encoding.get_ids();
-        match self.spec.bos_token_id {
-            Some(bos) if self.spec.add_bos_token && ids.first() != Some(&bos) => {
-                let mut with_bos = Vec::with_capacity(ids.len() + 1);
-                with_bos.push(bos);
-                with_bos.extend_from_slice(ids);
-                Ok(with_bos)
-            }
-            _ => Ok(ids.to_vec()),
+        match &self.fast {
+            Some(fast) => Ok(self.with_bos(fast.encode(text))),
+            None => self.encode_reference(text),
         }
+    }
+
+    /// Encodes with the HF pipeline alone (the reference the fast encoder
+    /// is tested against).
+    pub fn encode_reference(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self.inner.encode_fast(text, false).map_err(tokenizer_error)?;
+        Ok(self.with_bos(encoding.get_ids().to_vec()))
+    }
+
+    /// Whether the fast encoder is in use.
+    pub fn has_fast_encoder(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    fn with_bos(&self, mut ids: Vec<u32>) -> Vec<u32> {
+        if let Some(bos) = self.spec.bos_token_id
+            && self.spec.add_bos_token
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        ids
     }
 
     /// Decodes token ids to text in one go (special tokens skipped).
@@ -265,28 +292,35 @@ fn vocabulary(spec: &TokenizerSpec) -> Vocab {
     vocab.into_iter().collect()
 }
 
-/// The regex pre-tokenizer for a GGUF `tokenizer.ggml.pre` name.
-fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
-    let split = |regex: &str| -> Result<PreTokenizerWrapper> {
-        let split = Split::new(SplitPattern::Regex(regex.to_owned()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(tokenizer_error)?;
-        Ok(PreTokenizerSequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into())
-    };
+/// How a GGUF `tokenizer.ggml.pre` name pre-tokenizes: the split regex,
+/// and whether every numeric character is isolated first. Both the HF
+/// pipeline and the fast encoder are built from this one rule.
+fn pre_tokenizer_rule(pre: &str) -> (&'static str, bool) {
     match pre {
         // GPT-2's regex after splitting every digit on its own.
-        "smollm" | "starcoder" | "refact" | "codeshell" => Ok(PreTokenizerSequence::new(vec![
-            Digits::new(true).into(),
-            ByteLevel::new(false, true, true).into(),
-        ])
-        .into()),
-        "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" => split(LLAMA3_REGEX),
-        "qwen2" | "deepseek-r1-qwen" => split(QWEN2_REGEX),
-        "" | "default" | "gpt2" | "gpt-2" => Ok(ByteLevel::new(false, true, true).into()),
+        "smollm" | "starcoder" | "refact" | "codeshell" => (GPT2_REGEX, true),
+        "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" => (LLAMA3_REGEX, false),
+        "qwen2" | "deepseek-r1-qwen" => (QWEN2_REGEX, false),
+        "" | "default" | "gpt2" | "gpt-2" => (GPT2_REGEX, false),
         other => {
             tracing::warn!(pre = other, "unknown pre-tokenizer, using GPT-2's; token ids may differ from llama.cpp");
-            Ok(ByteLevel::new(false, true, true).into())
+            (GPT2_REGEX, false)
         }
     }
+}
+
+/// The HF pre-tokenizer for a rule: the regex split (matches and gaps), then
+/// byte-level mapping.
+fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
+    let (regex, isolate_numeric) = pre_tokenizer_rule(pre);
+    let split = Split::new(SplitPattern::Regex(regex.to_owned()), SplitDelimiterBehavior::Isolated, false).map_err(tokenizer_error)?;
+    let mut steps: Vec<PreTokenizerWrapper> = Vec::new();
+    if isolate_numeric {
+        steps.push(Digits::new(true).into());
+    }
+    steps.push(split.into());
+    steps.push(ByteLevel::new(false, true, false).into());
+    Ok(PreTokenizerSequence::new(steps).into())
 }
 
 fn build_byte_level(spec: &TokenizerSpec) -> Result<tokenizers::Tokenizer> {

@@ -5,6 +5,7 @@
 
 use std::sync::OnceLock;
 
+use proptest::prelude::*;
 use serde::Deserialize;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ChatMessage, ModelCard, Preprocessor};
@@ -37,6 +38,46 @@ fn token_ids_match_llama_cpp() {
     for case in &fixture.cases {
         let ids = tokenizer.encode(&case.text).unwrap();
         assert_eq!(ids, case.ids, "text {:?}", case.text);
+    }
+}
+
+#[test]
+fn the_fast_encoder_is_in_use_and_matches_the_hf_pipeline_on_the_fixtures() {
+    let tokenizer = preprocessor().tokenizer();
+    assert!(tokenizer.has_fast_encoder());
+    let fixture: Fixture = serde_json::from_str(include_str!("fixtures/smollm2_llama_cpp_ids.json")).unwrap();
+    for case in &fixture.cases {
+        assert_eq!(tokenizer.encode_reference(&case.text).unwrap(), case.ids, "HF pipeline on {:?}", case.text);
+    }
+}
+
+/// Characters that exercise every branch of the pre-tokenizer and BPE:
+/// letters of several scripts, digits (ASCII and not), whitespace runs,
+/// punctuation, contractions, emoji with joiners, and control tokens.
+fn fragment() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("a".to_owned()), Just("Hello".to_owned()), Just(" world".to_owned()), Just("'s".to_owned()), Just("'ll".to_owned()),
+        Just(" ".to_owned()), Just("  ".to_owned()), Just("\n".to_owned()), Just("\n\n".to_owned()), Just("\t".to_owned()),
+        Just(" \n ".to_owned()), Just("7".to_owned()), Just("2024".to_owned()), Just("١٢٣".to_owned()), Just("Ⅷ".to_owned()),
+        Just("½".to_owned()), Just("3.14".to_owned()), Just("\u{4}x\u{1d}".to_owned()),
+        Just("\u{a0}".to_owned()), Just("\u{3000}".to_owned()), Just("\u{85}".to_owned()), Just("\u{2028}".to_owned()),
+        Just("e\u{301}".to_owned()), Just("\u{13460}".to_owned()), Just("'re".to_owned()), Just("'RE".to_owned()), Just(" '".to_owned()), Just("!!".to_owned()), Just("...".to_owned()), Just("(x)".to_owned()),
+        Just("é".to_owned()), Just("naïve".to_owned()), Just("日本語".to_owned()), Just("Привет".to_owned()), Just("مرحبا".to_owned()),
+        Just("😀".to_owned()), Just("👩‍👩‍👧".to_owned()), Just("\u{200b}".to_owned()), Just("<|im_start|>".to_owned()),
+        Just("<|im_end|>".to_owned()), Just("<|endoftext|>".to_owned()), Just("<|im_".to_owned()), Just("<".to_owned()),
+        "[a-zA-Z0-9 ]{1,12}",
+        any::<char>().prop_map(String::from),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+    /// The fast encoder gives exactly the HF pipeline's ids on any mix.
+    #[test]
+    fn the_fast_encoder_equals_the_hf_pipeline(parts in prop::collection::vec(fragment(), 0..24)) {
+        let text: String = parts.concat();
+        let tokenizer = preprocessor().tokenizer();
+        prop_assert_eq!(tokenizer.encode(&text).unwrap(), tokenizer.encode_reference(&text).unwrap(), "text {:?}", text);
     }
 }
 
