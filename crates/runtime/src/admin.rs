@@ -47,17 +47,5 @@ fn set_nodelay(stream: &mut tokio::net::TcpStream) {
 /// lets in-flight requests (streams included) finish for up to `grace`.
 pub async fn serve_with_grace(listener: TcpListener, router: Router, shutdown: CancellationToken, grace: std::time::Duration) -> std::io::Result<()> {
     let server = axum::serve(listener.tap_io(set_nodelay), router).with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    let server = std::future::IntoFuture::into_future(server);
-    tokio::pin!(server);
-    tokio::select! {
-        result = &mut server => return result,
-        () = shutdown.cancelled() => {}
-    }
-    match tokio::time::timeout(grace, server).await {
-        Ok(result) => result,
-        Err(_) => {
-            tracing::warn!(grace_secs = grace.as_secs_f64(), "grace period over: dropping HTTP requests still in flight");
-            Ok(())
-        }
-    }
+    crate::shutdown::drain_within(std::future::IntoFuture::into_future(server), &shutdown, grace, "HTTP requests").await
 }

@@ -58,18 +58,7 @@ pub async fn serve(listener: TcpListener, routes: Routes, shutdown: Cancellation
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
-    tokio::pin!(server);
-    tokio::select! {
-        result = &mut server => return result,
-        () = shutdown.cancelled() => {}
-    }
-    match tokio::time::timeout(grace, server).await {
-        Ok(result) => result,
-        Err(_) => {
-            tracing::warn!(grace_secs = grace.as_secs_f64(), "grace period over: dropping calls still in flight");
-            Ok(())
-        }
-    }
+    crate::shutdown::drain_within(server, &shutdown, grace, "gRPC calls").await
 }
 
 /// A lazily connecting channel to `endpoint` (e.g. `http://10.0.0.7:50061`)

@@ -29,3 +29,24 @@ pub async fn wait_for_signal() -> &'static str {
         "ctrl-c"
     }
 }
+
+/// Runs a server future that starts draining when `shutdown` fires, and
+/// gives the drain at most `grace`: requests still in flight after that
+/// are dropped (with a warning naming `what`).
+pub async fn drain_within<F, E>(server: F, shutdown: &CancellationToken, grace: std::time::Duration, what: &str) -> Result<(), E>
+where
+    F: std::future::Future<Output = Result<(), E>>,
+{
+    tokio::pin!(server);
+    tokio::select! {
+        result = &mut server => return result,
+        () = shutdown.cancelled() => {}
+    }
+    match tokio::time::timeout(grace, server).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(grace_secs = grace.as_secs_f64(), "grace period over: dropping {what} still in flight");
+            Ok(())
+        }
+    }
+}
