@@ -23,16 +23,16 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run gateway, router and workers in one process (fetches the default model).
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Manage the model cache.
     #[command(subcommand)]
     Model(model::ModelCommand),
     /// Run the gateway service (OpenAI REST + gRPC).
-    Gateway(turbine_gateway::GatewayArgs),
+    Gateway(Box<turbine_gateway::GatewayArgs>),
     /// Run the router service.
-    Router(turbine_router::RouterArgs),
+    Router(Box<turbine_router::RouterArgs>),
     /// Run a worker service.
-    Worker(turbine_worker::WorkerArgs),
+    Worker(Box<turbine_worker::WorkerArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -40,7 +40,7 @@ enum Command {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Run(args) => turbine_runtime::run_service("turbine", move |shutdown| run::run(args, shutdown)),
+        Command::Run(args) => turbine_runtime::run_service("turbine", move |shutdown| run::run(*args, shutdown)),
         Command::Model(command) => match model::run(command) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
@@ -48,9 +48,9 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Gateway(args) => turbine_gateway::serve::main(args),
-        Command::Router(args) => turbine_router::serve::main(args),
-        Command::Worker(args) => turbine_worker::serve::main(args),
+        Command::Gateway(args) => turbine_gateway::serve::main(*args),
+        Command::Router(args) => turbine_router::serve::main(*args),
+        Command::Worker(args) => turbine_worker::serve::main(*args),
         Command::Bench(command) => bench::main(command),
     }
 }

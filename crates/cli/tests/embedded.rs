@@ -278,3 +278,37 @@ async fn grpc_inference_health_and_reflection() {
     assert!(names.contains(&"turbine.gateway.v1.Inference".to_owned()), "{names:?}");
     assert!(names.contains(&"grpc.health.v1.Health".to_owned()), "{names:?}");
 }
+
+#[tokio::test]
+async fn requests_beyond_the_concurrency_limit_get_429_with_retry_after() {
+    let turbine = start_turbine(&["--speedup", "1", "--max-concurrent-requests", "1"]).await;
+    let base = &turbine.base;
+    let long = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": "hold the slot", "max_tokens": 2000, "stream": true, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    let response = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": "one more", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 429);
+    assert_eq!(response.headers()["retry-after"], "1");
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    drop(long);
+    // The slot frees when the first client leaves.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (status, _) = post(base, "/v1/completions", &json!({"model": MODEL, "prompt": "now", "max_tokens": 2})).await;
+        if status == 200 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the slot was never released");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -108,9 +108,11 @@ impl ChildProcess {
         &self.seen
     }
 
-    /// Drains the output read so far into the log (for diagnostics).
-    pub fn drain_output(&mut self) {
-        while let Ok(line) = self.lines.try_recv() {
+    /// Collects the output still buffered, after the process exited: waits
+    /// (briefly) for the readers to reach the end of the pipes.
+    fn drain_output(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while let Ok(line) = self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             self.seen.push(line);
         }
     }

@@ -23,6 +23,9 @@ use crate::tokenizer::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TokenizerSpe
 /// GPT-2's pre-tokenizer regex (what HF's ByteLevel uses with `use_regex`).
 pub(crate) const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
+/// Ids of pieces already encoded, by the piece's bytes.
+type PieceCache = FxHashMap<Box<[u8]>, Box<[u32]>>;
+
 /// Marks a byte without a token.
 const NO_TOKEN: u32 = u32::MAX;
 
@@ -225,7 +228,7 @@ pub(crate) struct ByteLevelBpe {
     pre_tokenizer: PreTokenizer,
     /// Control and user-defined tokens, matched before anything else.
     added: Option<(AhoCorasick, Vec<u32>)>,
-    cache: RwLock<FxHashMap<Box<[u8]>, Box<[u32]>>>,
+    cache: RwLock<PieceCache>,
 }
 
 impl ByteLevelBpe {

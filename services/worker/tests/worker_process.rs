@@ -17,11 +17,16 @@ struct RunningWorker {
 }
 
 fn start_worker(speedup: &str) -> RunningWorker {
+    start_worker_with(speedup, &[])
+}
+
+fn start_worker_with(speedup: &str, extra: &[&str]) -> RunningWorker {
     let grpc_port = free_port();
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
     command
         .args(["--grpc-addr", &format!("127.0.0.1:{grpc_port}"), "--admin-addr", "127.0.0.1:0"])
-        .args(["--engine", "mock", "--speedup", speedup, "--worker-id", "w-test"]);
+        .args(["--engine", "mock", "--speedup", speedup, "--worker-id", "w-test"])
+        .args(extra);
     let mut process = ChildProcess::spawn("turbine-worker", command);
     process.wait_for_line("worker ready", STARTUP_TIMEOUT);
     RunningWorker { process, endpoint: format!("http://127.0.0.1:{grpc_port}") }
@@ -116,4 +121,32 @@ async fn sigterm_lets_32_in_flight_streams_finish_then_exits_zero() {
     assert_eq!(finished, 32);
     let status = worker.process.wait(Duration::from_secs(30)).expect("worker did not exit after draining");
     assert!(status.success(), "exit status {status}");
+}
+
+#[tokio::test]
+async fn any_gguf_path_is_served_under_the_given_name() {
+    let model = turbine_tokens::pull::resolve_model(
+        "smollm2-135m",
+        None,
+        &turbine_tokens::pull::default_cache_dir(),
+        turbine_tokens::pull::Progress::Quiet,
+    )
+    .unwrap();
+    let path = model.path.to_str().unwrap();
+    let worker = start_worker_with("1000", &["--model", path, "--served-model-name", "my-model", "--block-size", "16", "--context-length", "2048"]);
+    let mut client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap().max_decoding_message_size(64 << 20);
+    let card = client.get_model_card(pb::GetModelCardRequest {}).await.unwrap().into_inner().card.unwrap();
+    assert_eq!((card.name.as_str(), card.kv_block_size, card.context_length), ("my-model", 16, 2048));
+    let status = client.generate(request(2000, 100)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "the overridden context length applies");
+}
+
+#[test]
+fn a_missing_model_file_is_a_clear_startup_error() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
+    command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--model", "/nonexistent/model.gguf"]);
+    let mut worker = ChildProcess::spawn("turbine-worker", command);
+    let status = worker.wait(Duration::from_secs(60)).expect("exits");
+    assert!(!status.success());
+    assert!(worker.output().iter().any(|line| line.contains("neither a GGUF file nor a known model")), "{:?}", worker.output());
 }
