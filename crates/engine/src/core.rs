@@ -278,7 +278,10 @@ impl EngineLoop {
                 return;
             }
         };
-        for update in self.scheduler.complete(&plan, &sampled) {
+        let updates = self.scheduler.complete(&plan, &sampled);
+        // Load first: a caller that sees its sequence finish sees its blocks freed.
+        self.stats.set_load(self.scheduler.load());
+        for update in updates {
             let Some(sender) = self.outputs.get(&update.seq_id) else { continue };
             if let Some(token) = update.token {
                 self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);

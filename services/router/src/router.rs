@@ -126,13 +126,14 @@ impl Router {
         forget_bookings_of(&mut state, &left);
     }
 
-    /// Keeps the current workers alive for `extension` past now (used while
-    /// the registry is unreachable: leases cannot be renewed then either).
+    /// Keeps the workers whose lease is still running alive for `extension`
+    /// past now (used while the registry is unreachable: leases cannot be
+    /// renewed then either). A lease that already ran out stays expired.
     pub fn extend_leases(&self, extension: Duration) {
-        let until = Instant::now() + extension;
+        let now = Instant::now();
         let mut state = self.state.lock();
-        for worker in state.workers.values_mut() {
-            worker.expires_at = worker.expires_at.max(until);
+        for worker in state.workers.values_mut().filter(|worker| worker.expires_at > now) {
+            worker.expires_at = worker.expires_at.max(now + extension);
         }
     }
 

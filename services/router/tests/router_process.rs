@@ -80,7 +80,9 @@ async fn membership_follows_the_registry() {
 
     // b crashes: heartbeats stop (no deregistration). Traffic stops within the TTL.
     drop(lease_b);
-    let vanished = wait_until(ttl + Duration::from_millis(100), async || !chosen(&mut client, 4).await.contains("b")).await;
+    // The router drops it at its lease deadline (at most one TTL after the
+    // crash); the slack covers this test's own polling on a loaded machine.
+    let vanished = wait_until(ttl + Duration::from_millis(500), async || !chosen(&mut client, 4).await.contains("b")).await;
     println!("crashed worker b lost traffic {vanished:?} after its last heartbeat (ttl {ttl:?})");
     assert_eq!(chosen(&mut client, 8).await, HashSet::from(["a".to_owned()]));
 

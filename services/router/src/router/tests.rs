@@ -54,6 +54,16 @@ fn an_expired_lease_stops_traffic_and_drops_its_bookings() {
 }
 
 #[test]
+fn a_registry_outage_keeps_live_workers_but_not_expired_ones() {
+    let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
+    router.update_workers(vec![live("a", "m", Duration::from_millis(1)), live("b", "m", Duration::from_secs(60))]);
+    std::thread::sleep(Duration::from_millis(5));
+    router.extend_leases(Duration::from_secs(60));
+    let ids: Vec<String> = router.workers(None).into_iter().map(|w| w.worker_id).collect();
+    assert_eq!(ids, ["b"], "a crashed worker is not resurrected by an outage");
+}
+
+#[test]
 fn a_worker_leaving_the_registry_drops_its_bookings() {
     let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
     router.update_workers(vec![live("a", "m", Duration::from_secs(60))]);
