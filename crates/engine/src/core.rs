@@ -16,7 +16,7 @@ use std::time::Instant;
 use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
 use crate::events::{KvEvent, NumberedEvent};
-use crate::request::{EngineOutput, GenerateRequest, Load};
+use crate::request::{EngineOutput, GenerateRequest, Load, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
 use crate::{EngineError, Result};
 
@@ -28,7 +28,7 @@ use crate::{EngineError, Result};
 /// sampled).
 pub trait Executor: Send + 'static {
     /// Computes one step.
-    fn execute(&mut self, batch: &Batch<'_>) -> std::result::Result<Vec<Option<u32>>, String>;
+    fn execute(&mut self, batch: &Batch<'_>) -> std::result::Result<Vec<Option<Sampled>>, String>;
 
     /// Called when a sequence ends or is aborted, to drop per-sequence state.
     fn release(&mut self, _seq_id: SeqId) {}
@@ -278,14 +278,22 @@ impl EngineLoop {
                 return;
             }
         };
-        let updates = self.scheduler.complete(&plan, &sampled);
+        let tokens: Vec<Option<u32>> = sampled.iter().map(|s| s.as_ref().map(|s| s.token)).collect();
+        let updates = self.scheduler.complete(&plan, &tokens);
+        // Log-probabilities ride along with the token the scheduler accepted.
+        let mut logprobs: Vec<(SeqId, TokenLogprobs)> = plan
+            .iter()
+            .zip(sampled)
+            .filter_map(|(chunk, sampled)| Some((chunk.seq_id, sampled?.logprobs?)))
+            .collect();
         // Load first: a caller that sees its sequence finish sees its blocks freed.
         self.stats.set_load(self.scheduler.load());
         for update in updates {
             let Some(sender) = self.outputs.get(&update.seq_id) else { continue };
             if let Some(token) = update.token {
                 self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-                let _ = sender.send(EngineOutput::Token(token));
+                let token_logprobs = logprobs.iter().position(|(id, _)| *id == update.seq_id).map(|i| logprobs.swap_remove(i).1);
+                let _ = sender.send(EngineOutput::Token(token, token_logprobs));
             }
             if let Some((reason, usage)) = update.finished {
                 self.stats.cached_prompt_tokens.fetch_add(usage.cached_prompt_tokens as u64, Ordering::Relaxed);

@@ -21,7 +21,7 @@ pub mod scheduler;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
 pub use events::{KvEvent, NumberedEvent, StoredBlock};
-pub use request::{EngineOutput, FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
+pub use request::{EngineOutput, FinishReason, GenerateRequest, Load, Sampled, SamplingParams, StopConditions, TokenLogprobs, Usage};
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
 
 /// Errors of an engine, as callers see them.

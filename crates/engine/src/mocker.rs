@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::core::Executor;
+use crate::request::Sampled;
 use crate::scheduler::Batch;
 
 /// English text the mocker "generates", tokenized by the served model.
@@ -88,7 +89,7 @@ impl MockExecutor {
 }
 
 impl Executor for MockExecutor {
-    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<u32>>, String> {
+    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, String> {
         self.sleep(self.timing.step_duration(batch));
         let sampled = batch
             .items
@@ -101,10 +102,10 @@ impl Executor for MockExecutor {
                         Some(seed) => xxh3_64(&seed.to_le_bytes()),
                         None => xxh3_64(&prompt.iter().take(64).flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()),
                     } as usize;
-                    match self.eos {
+                    Sampled::token(match self.eos {
                         Some(eos) if !item.ignore_eos && item.generated == self.corpus.len() => eos,
                         _ => self.corpus[(start + item.generated) % self.corpus.len()],
-                    }
+                    })
                 })
             })
             .collect();

@@ -15,6 +15,40 @@ pub struct SamplingParams {
     pub presence_penalty: Option<f32>,
     /// Penalty proportional to a token's count so far (-2..2).
     pub frequency_penalty: Option<f32>,
+    /// Keep tokens whose probability is at least this fraction of the most
+    /// likely one's (0..1).
+    pub min_p: Option<f32>,
+    /// Divides positive logits (multiplies negative ones) of every token
+    /// already in the prompt or output; 1 disables.
+    pub repetition_penalty: Option<f32>,
+    /// Return this many most likely alternatives (with log-probabilities)
+    /// for each generated token.
+    pub logprobs: Option<u32>,
+}
+
+/// Log-probabilities of one generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// Log-probability of the generated token.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, descending.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What an executor samples for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// The token.
+    pub token: u32,
+    /// Its log-probabilities, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+impl Sampled {
+    /// A token without log-probabilities.
+    pub fn token(token: u32) -> Self {
+        Self { token, logprobs: None }
+    }
 }
 
 /// When a sequence ends.
@@ -62,10 +96,10 @@ pub struct Usage {
 }
 
 /// What an engine streams back for one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum EngineOutput {
-    /// One generated token.
-    Token(u32),
+    /// One generated token (with log-probabilities if asked).
+    Token(u32, Option<TokenLogprobs>),
     /// The sequence ended; nothing follows.
     Finished {
         /// Why.

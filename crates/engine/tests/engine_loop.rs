@@ -24,7 +24,7 @@ async fn collect(mut outputs: tokio::sync::mpsc::UnboundedReceiver<EngineOutput>
     let mut tokens = Vec::new();
     while let Some(output) = outputs.recv().await {
         match output {
-            EngineOutput::Token(token) => tokens.push(token),
+            EngineOutput::Token(token, _) => tokens.push(token),
             last => return (tokens, last),
         }
     }
@@ -76,7 +76,7 @@ async fn dropping_the_stream_frees_the_sequence() {
     // Real-time mocker: a 10,000-token request takes far longer than this test.
     let engine = engine(1.0, SchedulerConfig::default());
     let mut stream = engine.generate(request(64, 5_000)).unwrap();
-    assert!(matches!(stream.recv().await, Some(EngineOutput::Token(_))));
+    assert!(matches!(stream.recv().await, Some(EngineOutput::Token(..))));
     assert!(engine.load().blocks_used > 0);
     drop(stream);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

@@ -5,20 +5,22 @@ use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use tonic::Code;
-use turbine_engine::{EngineError, EngineOutput, FinishReason, GenerateRequest, Load, Usage};
+use turbine_engine::{EngineError, EngineOutput, FinishReason, GenerateRequest, Load, TokenLogprobs, Usage};
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient as GrpcWorkerClient;
 use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, TracedChannel, traced_channel};
 use turbine_tokens::ModelCard;
 
-use crate::convert::{card_from_proto, finish_reason_from_proto, generate_request_to_proto, load_from_proto, usage_from_proto};
+use crate::convert::{card_from_proto, finish_reason_from_proto, generate_request_to_proto, load_from_proto, logprobs_from_proto, usage_from_proto};
 use crate::worker::Worker;
 
 /// Tokens produced since the previous chunk, and the end of the stream.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct TokenChunk {
     /// Generated token ids, in order.
     pub tokens: Vec<u32>,
+    /// Their log-probabilities (one per token) when the request asked.
+    pub logprobs: Vec<TokenLogprobs>,
     /// Set on the last chunk.
     pub finished: Option<(FinishReason, Usage)>,
 }
@@ -120,7 +122,8 @@ impl WorkerClient {
                     let message = message?;
                     let finished = finish_reason_from_proto(message.finish_reason())
                         .map(|reason| (reason, usage_from_proto(message.usage.unwrap_or_default())));
-                    Ok(TokenChunk { tokens: message.token_ids, finished })
+                    let logprobs = message.logprobs.into_iter().map(logprobs_from_proto).collect();
+                    Ok(TokenChunk { tokens: message.token_ids, logprobs, finished })
                 });
                 Ok(Box::pin(stream))
             }
@@ -159,7 +162,10 @@ pub fn engine_chunks(receiver: tokio::sync::mpsc::UnboundedReceiver<EngineOutput
         let mut next = receiver.recv().await;
         loop {
             match next {
-                Some(EngineOutput::Token(token)) => chunk.tokens.push(token),
+                Some(EngineOutput::Token(token, logprobs)) => {
+                    chunk.tokens.push(token);
+                    chunk.logprobs.extend(logprobs);
+                }
                 Some(EngineOutput::Finished { reason, usage }) => {
                     chunk.finished = Some((reason, usage));
                     return Some((Ok(chunk), None));

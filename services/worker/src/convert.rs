@@ -1,9 +1,12 @@
 //! Conversions between `turbine.worker.v1` messages and domain types, with
 //! validation at the edge.
 
-use turbine_engine::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
+use turbine_engine::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_proto::worker::v1 as pb;
 use turbine_tokens::{ModelCard, TokenizerSpec};
+
+/// Most alternatives a request may ask log-probabilities for.
+pub const MAX_LOGPROBS: u32 = 20;
 
 /// Validates a Generate request for a model with `vocab_size` tokens.
 pub fn generate_request_from_proto(request: pb::GenerateRequest, vocab_size: usize) -> Result<GenerateRequest, String> {
@@ -28,7 +31,7 @@ pub fn generate_request_from_proto(request: pb::GenerateRequest, vocab_size: usi
 }
 
 fn sampling_from_proto(sampling: pb::SamplingParams) -> Result<SamplingParams, String> {
-    let pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty } = sampling;
+    let pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = sampling;
     if let Some(t) = temperature
         && !(t.is_finite() && (0.0..=2.0).contains(&t))
     {
@@ -46,22 +49,50 @@ fn sampling_from_proto(sampling: pb::SamplingParams) -> Result<SamplingParams, S
             return Err(format!("{name} must be between -2 and 2, got {v}"));
         }
     }
-    Ok(SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty })
+    if let Some(p) = min_p
+        && !(p.is_finite() && (0.0..=1.0).contains(&p))
+    {
+        return Err(format!("min_p must be between 0 and 1, got {p}"));
+    }
+    if let Some(p) = repetition_penalty
+        && !(p.is_finite() && p > 0.0)
+    {
+        return Err(format!("repetition_penalty must be positive, got {p}"));
+    }
+    if let Some(n) = logprobs
+        && n > MAX_LOGPROBS
+    {
+        return Err(format!("logprobs must be at most {MAX_LOGPROBS}, got {n}"));
+    }
+    Ok(SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs })
 }
 
 /// The domain request as a Generate message (client side).
 pub fn generate_request_to_proto(request: &GenerateRequest) -> pb::GenerateRequest {
-    let SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty } = request.sampling.clone();
+    let SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } =
+        request.sampling.clone();
     pb::GenerateRequest {
         request_id: request.request_id.clone(),
         prompt_token_ids: request.prompt.clone(),
-        sampling: Some(pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty }),
+        sampling: Some(pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs }),
         stop: Some(pb::StopConditions {
             max_tokens: request.stop.max_tokens,
             stop_token_ids: request.stop.stop_token_ids.clone(),
             ignore_eos: request.stop.ignore_eos,
         }),
     }
+}
+
+/// Token log-probabilities to the wire.
+pub fn logprobs_to_proto(logprobs: TokenLogprobs) -> pb::TokenLogprobs {
+    let TokenLogprobs { logprob, top } = logprobs;
+    pb::TokenLogprobs { logprob, top: top.into_iter().map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob }).collect() }
+}
+
+/// Token log-probabilities from the wire.
+pub fn logprobs_from_proto(logprobs: pb::TokenLogprobs) -> TokenLogprobs {
+    let pb::TokenLogprobs { logprob, top } = logprobs;
+    TokenLogprobs { logprob, top: top.into_iter().map(|t| (t.token_id, t.logprob)).collect() }
 }
 
 /// Finish reason to the wire.
@@ -224,6 +255,9 @@ mod tests {
             (pb::GenerateRequest { sampling: Some(pb::SamplingParams { temperature: Some(-1.0), ..Default::default() }), ..request() }, "temperature"),
             (pb::GenerateRequest { sampling: Some(pb::SamplingParams { top_p: Some(0.0), ..Default::default() }), ..request() }, "top_p"),
             (pb::GenerateRequest { sampling: Some(pb::SamplingParams { presence_penalty: Some(f32::NAN), ..Default::default() }), ..request() }, "presence_penalty"),
+            (pb::GenerateRequest { sampling: Some(pb::SamplingParams { min_p: Some(1.5), ..Default::default() }), ..request() }, "min_p"),
+            (pb::GenerateRequest { sampling: Some(pb::SamplingParams { repetition_penalty: Some(0.0), ..Default::default() }), ..request() }, "repetition_penalty"),
+            (pb::GenerateRequest { sampling: Some(pb::SamplingParams { logprobs: Some(21), ..Default::default() }), ..request() }, "logprobs"),
         ];
         for (request, needle) in cases {
             let error = generate_request_from_proto(request, 10).unwrap_err();

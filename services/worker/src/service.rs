@@ -10,7 +10,7 @@ use tonic::{Request, Response, Status};
 use turbine_proto::worker::v1 as pb;
 
 use crate::client::engine_chunks;
-use crate::convert::{finish_reason_to_proto, generate_request_from_proto, load_to_proto, usage_to_proto};
+use crate::convert::{finish_reason_to_proto, generate_request_from_proto, load_to_proto, logprobs_to_proto, usage_to_proto};
 use crate::metrics;
 use crate::worker::Worker;
 
@@ -71,7 +71,8 @@ impl pb::worker_server::Worker for WorkerService {
                 }
                 None => (pb::FinishReason::Unspecified as i32, None),
             };
-            Ok(pb::GenerateResponse { token_ids: chunk.tokens, finish_reason, usage })
+            let logprobs = chunk.logprobs.into_iter().map(logprobs_to_proto).collect();
+            Ok(pb::GenerateResponse { token_ids: chunk.tokens, finish_reason, usage, logprobs })
         });
         Ok(Response::new(Box::pin(stream)))
     }

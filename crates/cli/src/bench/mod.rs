@@ -1,6 +1,7 @@
 //! `turbine bench`: benchmarks that start real processes and report numbers
 //! measured side by side in one run.
 
+pub mod engine;
 pub mod gateway;
 
 use std::process::ExitCode;
@@ -10,10 +11,18 @@ use std::process::ExitCode;
 pub enum BenchCommand {
     /// Gateway + router overhead versus calling the worker's gRPC directly.
     Gateway(gateway::GatewayBenchArgs),
+    /// The native engine's speed, side by side with llama.cpp.
+    Engine(engine::EngineBenchArgs),
 }
 
 /// Runs a benchmark and prints its report.
 pub fn main(command: BenchCommand) -> ExitCode {
+    if let BenchCommand::Engine(args) = &command {
+        return finish(engine::run_bench(args).and_then(|report| {
+            engine::print(&report);
+            write_json(args.json.as_deref(), &report)
+        }));
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let result = runtime.block_on(async move {
         match command {
@@ -21,14 +30,23 @@ pub fn main(command: BenchCommand) -> ExitCode {
                 let json = args.json.clone();
                 let report = gateway::run(args).await?;
                 gateway::print(&report);
-                if let Some(path) = json {
-                    std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
-                    println!("wrote {}", path.display());
-                }
-                anyhow::Ok(())
+                write_json(json.as_deref(), &report)
             }
+            BenchCommand::Engine(_) => unreachable!("handled above"),
         }
     });
+    finish(result)
+}
+
+fn write_json(path: Option<&std::path::Path>, report: &impl serde::Serialize) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        std::fs::write(path, serde_json::to_string_pretty(report)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn finish(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

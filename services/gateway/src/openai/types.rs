@@ -259,6 +259,7 @@ impl CommonParams {
             seed: seed.map(|seed| seed as u64),
             presence_penalty: range("presence_penalty", presence_penalty, -2.0, 2.0, true)?,
             frequency_penalty: range("frequency_penalty", frequency_penalty, -2.0, 2.0, true)?,
+            ..SamplingParams::default()
         };
         let stop = match stop {
             None => Vec::new(),
