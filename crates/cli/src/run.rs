@@ -29,8 +29,8 @@ pub struct RunArgs {
     /// Number of workers (engines) in the process.
     #[arg(long, env = "TURBINE_WORKERS", default_value_t = 1)]
     pub workers: usize,
-    /// Engine of every worker.
-    #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE", default_value = "mock")]
+    /// Engine of every worker: native computes the model, mock simulates it.
+    #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE", default_value = "native")]
     pub engine: EngineKind,
     /// Address to listen on.
     #[arg(long, env = "TURBINE_HOST", default_value = "0.0.0.0")]
@@ -47,14 +47,23 @@ pub struct RunArgs {
     /// Mocker: divide simulated durations by this factor.
     #[arg(long, env = "TURBINE_WORKER_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
-    /// Tokens per KV block.
-    #[arg(long, env = "TURBINE_WORKER_BLOCK_SIZE", default_value_t = 64)]
-    pub block_size: usize,
-    /// KV blocks per worker.
-    #[arg(long, env = "TURBINE_WORKER_NUM_BLOCKS", default_value_t = 16_384)]
-    pub num_blocks: usize,
+    /// Tokens per KV block [default: 16 native, 64 mock].
+    #[arg(long, env = "TURBINE_WORKER_BLOCK_SIZE")]
+    pub block_size: Option<usize>,
+    /// KV blocks per worker; overrides --kv-cache-mib [default: from --kv-cache-mib, mock 16384].
+    #[arg(long, env = "TURBINE_WORKER_NUM_BLOCKS")]
+    pub num_blocks: Option<usize>,
+    /// Native: KV cache pool per worker in MiB.
+    #[arg(long, env = "TURBINE_WORKER_KV_CACHE_MIB", default_value_t = 512)]
+    pub kv_cache_mib: usize,
+    /// Native: kernel threads per worker [default: the available cores shared among the workers].
+    #[arg(long, env = "TURBINE_WORKER_THREADS")]
+    pub threads: Option<usize>,
+    /// Native: device to run on: cpu, cuda or cuda:N.
+    #[arg(long, env = "TURBINE_WORKER_DEVICE", default_value = "cpu")]
+    pub device: String,
     /// Sequences running at once per worker.
-    #[arg(long, env = "TURBINE_WORKER_MAX_NUM_SEQS", default_value_t = 256)]
+    #[arg(long, visible_alias = "max-seqs", env = "TURBINE_WORKER_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
     /// Tokens computed per engine step.
     #[arg(long, env = "TURBINE_WORKER_MAX_BATCHED_TOKENS", default_value_t = 8192)]
@@ -93,6 +102,8 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
     let http_port = listeners.http.local_addr()?.port();
     let grpc_port = listeners.grpc.local_addr()?.port();
 
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads = args.threads.unwrap_or_else(|| (cores / args.workers).max(1));
     let mut workers = Vec::with_capacity(args.workers);
     for index in 0..args.workers {
         let config = WorkerConfig {
@@ -103,6 +114,9 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
             speedup: args.speedup,
             block_size: args.block_size,
             num_blocks: args.num_blocks,
+            kv_cache_mib: args.kv_cache_mib,
+            threads: Some(threads),
+            device: args.device.clone(),
             max_num_seqs: args.max_num_seqs,
             max_batched_tokens: args.max_batched_tokens,
             ..WorkerConfig::default()

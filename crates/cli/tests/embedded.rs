@@ -20,7 +20,7 @@ fn preprocessor() -> Preprocessor {
 
 #[tokio::test]
 async fn rest_api_serves_openai_shapes_with_exact_usage() {
-    let turbine = start_turbine(&["--speedup", "1000"]).await;
+    let turbine = start_turbine(&["--engine", "mock", "--speedup", "1000"]).await;
     let base = &turbine.base;
     let tokens = preprocessor();
 
@@ -101,7 +101,7 @@ async fn rest_api_serves_openai_shapes_with_exact_usage() {
 
 #[tokio::test]
 async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
-    let turbine = start_turbine(&["--speedup", "1000"]).await;
+    let turbine = start_turbine(&["--engine", "mock", "--speedup", "1000"]).await;
     let base = &turbine.base;
     let client = reqwest::Client::new();
     let chat = format!("{base}/v1/chat/completions");
@@ -147,7 +147,7 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
 #[tokio::test]
 async fn stop_strings_match_across_token_boundaries() {
     // Real-time mocker: one token per chunk, so chunk boundaries are token boundaries.
-    let turbine = start_turbine(&["--speedup", "1"]).await;
+    let turbine = start_turbine(&["--engine", "mock", "--speedup", "1"]).await;
     let base = &turbine.base;
     let request = |stop: Option<&str>| {
         let mut body = json!({"model": MODEL, "prompt": "Tell me about turbines", "max_tokens": 40, "seed": 7, "stream": true, "ignore_eos": true});
@@ -176,7 +176,7 @@ async fn stop_strings_match_across_token_boundaries() {
 #[tokio::test]
 async fn a_client_disconnect_cancels_the_worker_sequence() {
     // Real-time mocker: the request would run for tens of seconds.
-    let turbine = start_turbine(&["--speedup", "1"]).await;
+    let turbine = start_turbine(&["--engine", "mock", "--speedup", "1"]).await;
     let base = &turbine.base;
     let response = reqwest::Client::new()
         .post(format!("{base}/v1/completions"))
@@ -201,7 +201,7 @@ async fn a_client_disconnect_cancels_the_worker_sequence() {
 
 #[tokio::test]
 async fn sigterm_during_32_streams_completes_them_all_then_exits_zero() {
-    let mut turbine = start_turbine(&["--speedup", "1"]).await;
+    let mut turbine = start_turbine(&["--engine", "mock", "--speedup", "1"]).await;
     let url = format!("{}/v1/chat/completions", turbine.base);
     let client = reqwest::Client::new();
     let mut responses = Vec::new();
@@ -230,7 +230,7 @@ async fn grpc_inference_health_and_reflection() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use turbine_proto::gateway::v1 as pb;
 
-    let turbine = start_turbine(&["--speedup", "1000"]).await;
+    let turbine = start_turbine(&["--engine", "mock", "--speedup", "1000"]).await;
     let channel = tonic::transport::Channel::from_shared(turbine.grpc.clone()).unwrap().connect().await.unwrap();
 
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
@@ -281,7 +281,7 @@ async fn grpc_inference_health_and_reflection() {
 
 #[tokio::test]
 async fn requests_beyond_the_concurrency_limit_get_429_with_retry_after() {
-    let turbine = start_turbine(&["--speedup", "1", "--max-concurrent-requests", "1"]).await;
+    let turbine = start_turbine(&["--engine", "mock", "--speedup", "1", "--max-concurrent-requests", "1"]).await;
     let base = &turbine.base;
     let long = reqwest::Client::new()
         .post(format!("{base}/v1/completions"))

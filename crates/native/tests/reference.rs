@@ -153,41 +153,49 @@ fn tokens_of(steps: &[(u32, f32)]) -> Vec<u32> {
     steps.iter().map(|(token, _)| *token).collect()
 }
 
-/// Runs prompts through the real engine (scheduler, paged cache, batching)
-/// and returns each one's greedy tokens.
-fn engine_greedy(prompts: &[Vec<u32>], steps: u32, scheduler: SchedulerConfig) -> Vec<Vec<u32>> {
+fn start_engine(scheduler: SchedulerConfig) -> EngineHandle {
     let options = NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
-    let engine = EngineHandle::spawn(scheduler, vec![], Box::new(executor));
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|prompt| {
-            engine
-                .generate(GenerateRequest {
-                    request_id: String::new(),
-                    prompt: prompt.clone(),
-                    sampling: Default::default(),
-                    stop: StopConditions { max_tokens: steps, stop_token_ids: vec![], ignore_eos: true },
-                })
-                .unwrap()
+    EngineHandle::spawn(scheduler, vec![], Box::new(executor))
+}
+
+fn submit(engine: &EngineHandle, prompt: &[u32], steps: u32) -> tokio::sync::mpsc::UnboundedReceiver<EngineOutput> {
+    engine
+        .generate(GenerateRequest {
+            request_id: String::new(),
+            prompt: prompt.to_vec(),
+            sampling: Default::default(),
+            stop: StopConditions { max_tokens: steps, stop_token_ids: vec![], ignore_eos: true },
         })
-        .collect();
-    let outputs = streams
-        .into_iter()
-        .map(|mut stream| {
-            let mut tokens = Vec::new();
-            while let Some(output) = stream.blocking_recv() {
-                match output {
-                    EngineOutput::Token(token, _) => tokens.push(token),
-                    EngineOutput::Finished { .. } => break,
-                    EngineOutput::Failed(error) => panic!("{error}"),
-                }
-            }
-            tokens
-        })
-        .collect();
+        .unwrap()
+}
+
+/// A stream's tokens and how many prompt tokens came from the prefix cache.
+fn finish(mut stream: tokio::sync::mpsc::UnboundedReceiver<EngineOutput>) -> (Vec<u32>, u32) {
+    let mut tokens = Vec::new();
+    while let Some(output) = stream.blocking_recv() {
+        match output {
+            EngineOutput::Token(token, _) => tokens.push(token),
+            EngineOutput::Finished { usage, .. } => return (tokens, usage.cached_prompt_tokens),
+            EngineOutput::Failed(error) => panic!("{error}"),
+        }
+    }
+    panic!("stream ended without finishing");
+}
+
+/// Runs prompts through the real engine (scheduler, paged cache, batching)
+/// all at once and returns each one's greedy tokens, and the preemptions.
+fn engine_greedy_counting(prompts: &[Vec<u32>], steps: u32, scheduler: SchedulerConfig) -> (Vec<Vec<u32>>, u64) {
+    let engine = start_engine(scheduler);
+    let streams: Vec<_> = prompts.iter().map(|prompt| submit(&engine, prompt, steps)).collect();
+    let outputs = streams.into_iter().map(|stream| finish(stream).0).collect();
+    let preemptions = engine.stats().preemptions.load(std::sync::atomic::Ordering::Relaxed);
     engine.shutdown();
-    outputs
+    (outputs, preemptions)
+}
+
+fn engine_greedy(prompts: &[Vec<u32>], steps: u32, scheduler: SchedulerConfig) -> Vec<Vec<u32>> {
+    engine_greedy_counting(prompts, steps, scheduler).0
 }
 
 #[test]
@@ -330,6 +338,38 @@ fn alone_and_in_a_batch_of_8_the_greedy_output_is_the_same() {
     let batch: Vec<Vec<u32>> = prompts[..8].to_vec();
     let together = engine_greedy(&batch, 16, scheduler);
     assert_eq!(alone[0], together[3]);
+}
+
+#[test]
+fn preempted_and_recomputed_sequences_still_equal_the_reference() {
+    let prompts = prompts();
+    // 100 blocks of 16 tokens hold the longest prompt but not all 20 at
+    // once: sequences are preempted while they decode and recomputed later.
+    let scheduler = SchedulerConfig { block_size: 16, num_blocks: 100, max_batched_tokens: 512, max_model_len: 8192, ..SchedulerConfig::default() };
+    let (engine, preemptions) = engine_greedy_counting(&prompts, STEPS as u32, scheduler);
+    assert!(preemptions > 0, "the pool was never short: the test did not exercise preemption");
+    for ((prompt, ours), reference) in prompts.iter().zip(&engine).zip(dense_outputs()) {
+        assert_eq!(ours, &tokens_of(reference), "prompt of {} tokens", prompt.len());
+    }
+    eprintln!("{preemptions} preemptions");
+}
+
+#[test]
+fn a_prefix_cache_hit_gives_the_same_output_as_a_miss() {
+    let prompts = prompts();
+    let scheduler = SchedulerConfig { block_size: 16, num_blocks: 512, max_model_len: 8192, ..SchedulerConfig::default() };
+    let engine = start_engine(scheduler);
+    // Prompt lengths on and off block boundaries; the longer prompts of the
+    // passage extend the shorter ones, so they hit their cached prefix.
+    for (index, prompt) in prompts.iter().enumerate().filter(|(_, prompt)| prompt.len() <= 600) {
+        let (first, _) = finish(submit(&engine, prompt, STEPS as u32));
+        let (hit, cached) = finish(submit(&engine, prompt, STEPS as u32));
+        let full_blocks = (prompt.len() - 1) / 16 * 16;
+        assert_eq!(cached as usize, full_blocks, "prompt {index} of {} tokens: every full block but the last token's is reused", prompt.len());
+        assert_eq!(hit, first, "prompt {index} of {} tokens", prompt.len());
+        assert_eq!(first, tokens_of(&dense_outputs()[index]), "prompt {index} of {} tokens", prompt.len());
+    }
+    engine.shutdown();
 }
 
 /// A GGUF v3 file with only `general.architecture` set.

@@ -9,9 +9,22 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
+    /// Turbine's own engine: the model computed on this machine.
+    Native,
     /// Simulated timing with the real scheduler and block manager; emits
     /// synthetic tokens.
     Mock,
+}
+
+impl EngineKind {
+    /// Tokens per KV block unless configured: 16 for the native engine,
+    /// 64 for the mocker (DESIGN §5).
+    pub fn default_block_size(self) -> usize {
+        match self {
+            EngineKind::Native => 16,
+            EngineKind::Mock => 64,
+        }
+    }
 }
 
 /// The worker's configuration.
@@ -36,10 +49,17 @@ pub struct WorkerConfig {
     pub engine: EngineKind,
     /// Mocker only: divides every simulated duration.
     pub speedup: f64,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// KV blocks in the pool.
-    pub num_blocks: usize,
+    /// Tokens per KV block; unset: the engine's default (native 16, mock 64).
+    pub block_size: Option<usize>,
+    /// KV blocks in the pool; unset: sized from `kv_cache_mib` (native) or
+    /// 16,384 (mock).
+    pub num_blocks: Option<usize>,
+    /// Native: KV pool size in MiB (when `num_blocks` is unset).
+    pub kv_cache_mib: usize,
+    /// Native: kernel threads; unset: the cores available to the process.
+    pub threads: Option<usize>,
+    /// Native: where the model runs (`cpu`, `cuda`, `cuda:N`).
+    pub device: String,
     /// Sequences running at once.
     pub max_num_seqs: usize,
     /// Tokens computed per engine step.
@@ -71,10 +91,13 @@ impl Default for WorkerConfig {
             worker_id: None,
             model: turbine_tokens::pull::DEFAULT_MODEL.to_owned(),
             served_model_name: None,
-            engine: EngineKind::Mock,
+            engine: EngineKind::Native,
             speedup: 1.0,
-            block_size: 64,
-            num_blocks: 16_384,
+            block_size: None,
+            num_blocks: None,
+            kv_cache_mib: 512,
+            threads: None,
+            device: "cpu".to_owned(),
             max_num_seqs: 256,
             max_batched_tokens: 8192,
             max_waiting: 4096,
@@ -92,8 +115,10 @@ impl WorkerConfig {
     /// Checks values that types alone do not constrain.
     pub fn validate(&self) -> Result<(), String> {
         let positive = [
-            ("block_size", self.block_size),
-            ("num_blocks", self.num_blocks),
+            ("block_size", self.block_size()),
+            ("num_blocks", self.num_blocks.unwrap_or(1)),
+            ("kv_cache_mib", self.kv_cache_mib),
+            ("threads", self.threads.unwrap_or(1)),
             ("max_num_seqs", self.max_num_seqs),
             ("max_batched_tokens", self.max_batched_tokens),
         ];
@@ -102,6 +127,7 @@ impl WorkerConfig {
                 return Err(format!("{name} must be positive"));
             }
         }
+        self.device.parse::<turbine_native::Device>()?;
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
             return Err(format!("speedup must be a positive number, got {}", self.speedup));
         }
@@ -112,6 +138,16 @@ impl WorkerConfig {
             return Err("shutdown_grace_secs must be non-negative".to_owned());
         }
         Ok(())
+    }
+
+    /// Tokens per KV block: configured, or the engine's default.
+    pub fn block_size(&self) -> usize {
+        self.block_size.unwrap_or_else(|| self.engine.default_block_size())
+    }
+
+    /// Kernel threads: configured, or the cores available to the process.
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
     }
 }
 
@@ -147,7 +183,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "TURBINE_SERVED_MODEL_NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub served_model_name: Option<String>,
-    /// Engine [default: mock].
+    /// Engine: native computes the model, mock simulates it [default: native].
     #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineKind>,
@@ -155,16 +191,28 @@ pub struct WorkerArgs {
     #[arg(long, env = "TURBINE_WORKER_SPEEDUP")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speedup: Option<f64>,
-    /// Tokens per KV block [default: 64].
+    /// Tokens per KV block [default: 16 native, 64 mock].
     #[arg(long, env = "TURBINE_WORKER_BLOCK_SIZE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size: Option<usize>,
-    /// KV blocks in the pool [default: 16384].
+    /// KV blocks in the pool; overrides --kv-cache-mib [default: from --kv-cache-mib, mock 16384].
     #[arg(long, env = "TURBINE_WORKER_NUM_BLOCKS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub num_blocks: Option<usize>,
+    /// Native: KV cache pool size in MiB [default: 512].
+    #[arg(long, env = "TURBINE_WORKER_KV_CACHE_MIB")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_mib: Option<usize>,
+    /// Native: kernel threads [default: the cores available].
+    #[arg(long, env = "TURBINE_WORKER_THREADS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub threads: Option<usize>,
+    /// Native: device to run on: cpu, cuda or cuda:N [default: cpu].
+    #[arg(long, env = "TURBINE_WORKER_DEVICE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
     /// Sequences running at once [default: 256].
-    #[arg(long, env = "TURBINE_WORKER_MAX_NUM_SEQS")]
+    #[arg(long, visible_alias = "max-seqs", env = "TURBINE_WORKER_MAX_NUM_SEQS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_num_seqs: Option<usize>,
     /// Tokens computed per engine step [default: 8192].
@@ -228,6 +276,9 @@ mod tests {
             speedup: Some(2.0),
             block_size: Some(16),
             num_blocks: Some(8),
+            kv_cache_mib: Some(64),
+            threads: Some(2),
+            device: Some("cpu".into()),
             max_num_seqs: Some(4),
             max_batched_tokens: Some(64),
             max_waiting: Some(3),
@@ -240,7 +291,8 @@ mod tests {
             config: None,
         };
         let config = args.load().unwrap();
-        assert_eq!(config.block_size, 16);
+        assert_eq!(config.block_size(), 16);
+        assert_eq!(config.threads(), 2);
         assert_eq!(config.namespace, "ns");
         assert_eq!(config.context_length, Some(100));
     }
@@ -251,5 +303,15 @@ mod tests {
         assert!(args.load().unwrap_err().to_string().contains("speedup"));
         let args = WorkerArgs { block_size: Some(0), ..Default::default() };
         assert!(args.load().is_err());
+        let args = WorkerArgs { device: Some("tpu".into()), ..Default::default() };
+        assert!(args.load().unwrap_err().to_string().contains("unknown device"));
+    }
+
+    #[test]
+    fn block_size_defaults_per_engine() {
+        let native = WorkerConfig::default();
+        assert_eq!(native.block_size(), 16);
+        let mock = WorkerConfig { engine: EngineKind::Mock, ..WorkerConfig::default() };
+        assert_eq!(mock.block_size(), 64);
     }
 }

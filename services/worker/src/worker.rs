@@ -3,13 +3,17 @@
 use std::sync::Arc;
 
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
-use turbine_engine::{EngineHandle, Load, SchedulerConfig};
+use turbine_engine::{EngineHandle, Executor, Load, SchedulerConfig};
+use turbine_native::{NativeExecutor, NativeOptions};
 use turbine_proto::worker::v1 as pb;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
 use crate::config::{EngineKind, WorkerConfig};
 use crate::convert::card_to_proto;
+
+/// The mocker's pool unless configured (DESIGN §5: 16,384 blocks of 64 tokens).
+const MOCK_NUM_BLOCKS: usize = 16_384;
 
 /// A worker with its model loaded and its engine running.
 #[derive(Debug)]
@@ -27,36 +31,50 @@ impl Worker {
         let id = config.worker_id.clone().unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
         let cache_dir = config.cache_dir.clone().unwrap_or_else(default_cache_dir);
         let model = resolve_model(&config.model, config.served_model_name.as_deref(), &cache_dir, Progress::Quiet)?;
-        let mut card = ModelCard::from_gguf_path(&model.name, &model.path, config.block_size as u32)?;
+        let block_size = config.block_size();
+        let mut card = ModelCard::from_gguf_path(&model.name, &model.path, block_size as u32)?;
         if let Some(context_length) = config.context_length {
             card.context_length = context_length;
         }
+        let (executor, num_blocks): (Box<dyn Executor>, usize) = match config.engine {
+            EngineKind::Native => {
+                let options = NativeOptions {
+                    block_size,
+                    kv_cache_mib: config.kv_cache_mib,
+                    kv_blocks: config.num_blocks,
+                    threads: config.threads(),
+                    device: config.device.parse().map_err(anyhow::Error::msg)?,
+                };
+                let executor = NativeExecutor::load(&model.path, &options)?;
+                let num_blocks = executor.num_blocks();
+                (Box::new(executor), num_blocks)
+            }
+            EngineKind::Mock => {
+                // The mocker speaks the served model's vocabulary: tokenize its text once.
+                let preprocessor = Preprocessor::new(card.clone())?;
+                let corpus = preprocessor.encode_text(MOCK_TEXT)?;
+                let executor = MockExecutor::new(MockTiming { speedup: config.speedup }, corpus, card.tokenizer.eos_token_id);
+                (Box::new(executor), config.num_blocks.unwrap_or(MOCK_NUM_BLOCKS))
+            }
+        };
         let scheduler = SchedulerConfig {
-            block_size: config.block_size,
-            num_blocks: config.num_blocks,
+            block_size,
+            num_blocks,
             max_num_seqs: config.max_num_seqs,
             max_batched_tokens: config.max_batched_tokens,
             max_model_len: card.context_length as usize,
             max_waiting: config.max_waiting,
             ..SchedulerConfig::default()
         };
-        let engine = match config.engine {
-            EngineKind::Mock => {
-                // The mocker speaks the served model's vocabulary: tokenize its text once.
-                let preprocessor = Preprocessor::new(card.clone())?;
-                let corpus = preprocessor.encode_text(MOCK_TEXT)?;
-                let executor = MockExecutor::new(MockTiming { speedup: config.speedup }, corpus, card.tokenizer.eos_token_id);
-                EngineHandle::spawn(scheduler, card.tokenizer.eog_token_ids.clone(), Box::new(executor))
-            }
-        };
+        let engine = EngineHandle::spawn(scheduler, card.tokenizer.eog_token_ids.clone(), executor);
         tracing::info!(
             worker = %id,
             model = %card.name,
             path = %model.path.display(),
             engine = ?config.engine,
             context_length = card.context_length,
-            block_size = config.block_size,
-            num_blocks = config.num_blocks,
+            block_size,
+            num_blocks,
             "worker loaded"
         );
         let card_proto = card_to_proto(&card);

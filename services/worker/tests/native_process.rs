@@ -1,0 +1,118 @@
+//! `turbine-worker --engine native` as a real process: the real model under
+//! a burst larger than its KV pool, resident memory within budget, and
+//! devices this build cannot use refused at startup.
+
+use std::process::Command;
+use std::time::Duration;
+
+use turbine_proto::worker::v1 as pb;
+use turbine_proto::worker::v1::worker_client::WorkerClient;
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, free_port};
+use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+use turbine_tokens::{ModelCard, Preprocessor};
+
+const MODEL: &str = "smollm2-135m";
+
+fn native_worker(extra: &[&str]) -> (ChildProcess, String, u16) {
+    let grpc_port = free_port();
+    let admin_port = free_port();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
+    command
+        .args(["--grpc-addr", &format!("127.0.0.1:{grpc_port}"), "--admin-addr", &format!("127.0.0.1:{admin_port}")])
+        .args(["--engine", "native", "--model", MODEL, "--threads", "2"])
+        .args(extra);
+    let mut process = ChildProcess::spawn("turbine-worker", command);
+    process.wait_for_line("worker ready", STARTUP_TIMEOUT);
+    (process, format!("http://127.0.0.1:{grpc_port}"), admin_port)
+}
+
+/// Peak resident memory of a process (VmHWM), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|line| line.starts_with("VmHWM:")).expect("VmHWM in /proc status");
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+fn greedy(prompt: &[u32], max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: String::new(),
+        prompt_token_ids: prompt.to_vec(),
+        sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
+        stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
+    }
+}
+
+async fn generate(mut client: WorkerClient<tonic::transport::Channel>, request: pb::GenerateRequest) -> Result<(Vec<u32>, pb::FinishReason), tonic::Status> {
+    let mut stream = client.generate(request).await?.into_inner();
+    let mut tokens = Vec::new();
+    while let Some(message) = stream.message().await? {
+        tokens.extend(&message.token_ids);
+        if message.finish_reason() != pb::FinishReason::Unspecified {
+            return Ok((tokens, message.finish_reason()));
+        }
+    }
+    Err(tonic::Status::internal("stream ended without finish_reason"))
+}
+
+async fn metric(admin_port: u16, name: &str) -> f64 {
+    let body = reqwest::get(format!("http://127.0.0.1:{admin_port}/metrics")).await.unwrap().text().await.unwrap();
+    body.lines()
+        .filter(|line| line.starts_with(name))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budget() {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    let model_bytes = std::fs::metadata(&model.path).unwrap().len();
+    let kv_cache_mib = 24u64;
+    let (worker, endpoint, admin_port) = native_worker(&["--kv-cache-mib", &kv_cache_mib.to_string(), "--max-seqs", "64"]);
+    let client = WorkerClient::connect(endpoint).await.unwrap();
+
+    // Eight prompts (block-boundary lengths among them), eight copies of
+    // each: 64 sequences of up to 144 tokens need about 400 blocks, and a
+    // 24 MiB pool holds 68.
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    let passage = tokens
+        .encode_text(&"Rivers carry water from the mountains to the sea, shaping valleys and feeding the towns along their banks. ".repeat(12))
+        .unwrap();
+    let lengths = [16, 31, 32, 33, 47, 64, 90, 120];
+    let max_tokens = 24;
+    let requests: Vec<_> = (0..8).flat_map(|_| lengths.iter().map(|&n| greedy(&passage[..n], max_tokens))).collect();
+    let tasks: Vec<_> = requests.into_iter().map(|request| tokio::spawn(generate(client.clone(), request))).collect();
+    let mut outputs = Vec::new();
+    for task in tasks {
+        let (tokens, finish) = task.await.unwrap().expect("a request of the burst failed");
+        assert_eq!((tokens.len(), finish), (max_tokens as usize, pb::FinishReason::Length));
+        outputs.push(tokens);
+    }
+    // Every copy of a prompt decoded the same greedy tokens, whether it ran
+    // first, shared cached blocks, or was preempted and recomputed.
+    for (index, &length) in lengths.iter().enumerate() {
+        let copies: Vec<_> = outputs.iter().skip(index).step_by(lengths.len()).collect();
+        assert!(copies.iter().all(|copy| *copy == copies[0]), "copies of the {length}-token prompt differ");
+    }
+    let preemptions = metric(admin_port, "turbine_worker_preemptions_total").await;
+    let cached = metric(admin_port, "turbine_worker_cached_prompt_tokens_total").await;
+    assert!(cached > 0.0, "copies of a prompt shared no cached blocks");
+    assert!(preemptions > 0.0, "the pool was never short: the burst did not exercise preemption");
+
+    let peak = peak_rss(worker.pid());
+    let budget = model_bytes + (kv_cache_mib << 20) + (300 << 20);
+    eprintln!("peak RSS {} MiB, budget {} MiB (model {} MiB); {preemptions} preemptions", peak >> 20, budget >> 20, model_bytes >> 20);
+    assert!(peak <= budget, "peak RSS {} MiB exceeds model + KV pool + 300 MiB = {} MiB", peak >> 20, budget >> 20);
+}
+
+#[test]
+fn a_device_this_build_cannot_use_is_refused_at_startup() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
+    command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--engine", "native", "--device", "cuda"]);
+    let mut worker = ChildProcess::spawn("turbine-worker", command);
+    let status = worker.wait(Duration::from_secs(60)).expect("exits");
+    assert!(!status.success());
+    let output = worker.output().join("\n");
+    assert!(!output.contains("panicked"), "{output}");
+    assert!(output.contains("CUDA"), "the error names the problem: {output}");
+}
