@@ -115,6 +115,13 @@ def openai_sdk_suite(base):
     answer = natural.choices[0].message.content
     check(natural.choices[0].finish_reason == "stop" and "Paris" in answer, f"{natural}")
 
+    scored = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    entries = scored.choices[0].logprobs.content
+    check(len(entries) == scored.usage.completion_tokens and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries), f"{scored}")
+    check("".join(e.token for e in entries) == scored.choices[0].message.content, f"{scored}")
+
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Stream a few words."}],

@@ -312,3 +312,84 @@ async fn requests_beyond_the_concurrency_limit_get_429_with_retry_after() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn the_native_engine_answers_through_the_gateway() {
+    // The default engine: the real model.
+    let turbine = start_turbine(&["--kv-cache-mib", "64"]).await;
+    let base = &turbine.base;
+    let question = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        "temperature": 0,
+        "max_tokens": 32,
+    });
+    let (status, first) = post(base, "/v1/chat/completions", &question).await;
+    assert_eq!(status, 200, "{first}");
+    let answer = first["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "greedy answer {answer:?}");
+    assert_eq!(first["choices"][0]["finish_reason"], "stop", "the model ends its answer on its own");
+
+    // Again: the prompt's full blocks come from the prefix cache, and the
+    // greedy answer is the same.
+    let (_, second) = post(base, "/v1/chat/completions", &question).await;
+    assert_eq!(second["choices"][0]["message"]["content"], answer);
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), (prompt_tokens - 1) / 16 * 16);
+
+    // Seeded sampling with every sampler knob repeats itself.
+    let seeded = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a sentence about rivers."}],
+        "temperature": 0.9, "top_p": 0.95, "top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1,
+        "presence_penalty": 0.2, "frequency_penalty": 0.2, "seed": 7, "max_tokens": 20, "ignore_eos": true,
+    });
+    let (_, a) = post(base, "/v1/chat/completions", &seeded).await;
+    let (_, b) = post(base, "/v1/chat/completions", &seeded).await;
+    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+    assert_eq!(a["usage"]["completion_tokens"], 20);
+
+    // Chat log-probabilities: one entry per token, spelling out the text,
+    // the greedy token first among its alternatives.
+    let (status, body) = post(
+        base,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "Count to five."}], "temperature": 0,
+                "max_tokens": 6, "ignore_eos": true, "logprobs": true, "top_logprobs": 3}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let entries = body["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(entries.len(), 6);
+    let spelled: String = entries.iter().map(|entry| entry["token"].as_str().unwrap()).collect();
+    assert_eq!(spelled, body["choices"][0]["message"]["content"].as_str().unwrap());
+    for entry in entries {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["token"], entry["token"], "greedy picks the most likely token");
+        let logprob = entry["logprob"].as_f64().unwrap();
+        assert!(logprob <= 0.0 && (logprob - top[0]["logprob"].as_f64().unwrap()).abs() < 1e-6);
+        assert!(top.windows(2).all(|pair| pair[0]["logprob"].as_f64() >= pair[1]["logprob"].as_f64()));
+    }
+
+    // Streamed completion log-probabilities: chunks carry their tokens' entries.
+    let events = sse(
+        base,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5, "ignore_eos": true, "temperature": 0, "logprobs": 2, "stream": true}),
+    )
+    .await;
+    let chunks: Vec<serde_json::Value> = events.iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+    let tokens: Vec<String> = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["logprobs"]["tokens"].as_array().cloned())
+        .flatten()
+        .map(|token| token.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(tokens.len(), 5);
+    assert_eq!(tokens.concat(), streamed_text(&events));
+    let offsets: Vec<u64> =
+        chunks.iter().filter_map(|chunk| chunk["choices"][0]["logprobs"]["text_offset"].as_array().cloned()).flatten().map(|o| o.as_u64().unwrap()).collect();
+    assert_eq!(offsets[0], 0);
+    assert_eq!(offsets[4] as usize, tokens[..4].concat().chars().count());
+}

@@ -89,7 +89,7 @@ impl pb::inference_server::Inference for InferenceService {
             async move {
                 let (mut text, permit, in_flight) = state?;
                 match text.next().await {
-                    Some(Ok(TextEvent::Delta(delta))) => {
+                    Some(Ok(TextEvent::Delta { text: delta, .. })) => {
                         let message = pb::GenerateResponse { text: delta, finish_reason: 0, usage: None, request_id };
                         Some((Ok(message), Some((text, permit, in_flight))))
                     }

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditions, Usage};
+use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
-use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor};
+use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
 use turbine_worker::{TokenStream, WorkerError};
 
 use crate::catalog::ModelCatalog;
@@ -66,11 +66,27 @@ pub struct Pipeline {
     catalog: Arc<ModelCatalog>,
 }
 
+/// A generated token with its log-probabilities (requests that asked).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability and the most likely alternatives.
+    pub logprobs: TokenLogprobs,
+}
+
 /// Something the client sees.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum TextEvent {
-    /// More text (never empty).
-    Delta(String),
+    /// More text, with the log-probabilities of the tokens generated since
+    /// the last delta when the request asked for them (text may be empty
+    /// only when log-probabilities come with it).
+    Delta {
+        /// The text.
+        text: String,
+        /// Log-probabilities of the tokens behind it.
+        logprobs: Vec<GeneratedLogprob>,
+    },
     /// The end.
     Finished {
         /// Why.
@@ -134,7 +150,9 @@ impl Pipeline {
             pipeline: self.clone(),
             model: request.model,
             request: engine_request,
+            token_bytes: model.tokenizer().token_bytes().clone(),
             decoder: model.tokenizer().decoder(),
+            logprobs: Vec::new(),
             stop: StopMatcher::new(request.stop),
             tokens: Some(tokens),
             generated: Vec::new(),
@@ -232,7 +250,10 @@ pub struct TextStream {
     pipeline: Pipeline,
     model: String,
     request: GenerateRequest,
+    token_bytes: Arc<TokenBytes>,
     decoder: IncrementalDecoder,
+    /// Log-probabilities of tokens whose text has not been handed out yet.
+    logprobs: Vec<GeneratedLogprob>,
     stop: StopMatcher,
     tokens: Option<TokenStream>,
     generated: Vec<u32>,
@@ -261,6 +282,17 @@ impl TextStream {
     /// The request id.
     pub fn request_id(&self) -> &str {
         &self.request.request_id
+    }
+
+    /// The raw bytes of every token of the model's vocabulary (to spell out
+    /// log-probabilities).
+    pub fn token_bytes(&self) -> &Arc<TokenBytes> {
+        &self.token_bytes
+    }
+
+    /// Whether the request asked for log-probabilities.
+    pub fn wants_logprobs(&self) -> bool {
+        self.request.sampling.logprobs.is_some()
     }
 
     /// Prompt length in tokens.
@@ -304,6 +336,7 @@ impl TextStream {
                 self.generated.push(token);
                 self.decoder.push(token, &mut text);
             }
+            self.logprobs.extend(chunk.tokens.iter().zip(chunk.logprobs).map(|(&token, logprobs)| GeneratedLogprob { token, logprobs }));
             if let Some((_, usage)) = &chunk.finished {
                 self.cached_prompt_tokens.get_or_insert(usage.cached_prompt_tokens.min(self.prompt_tokens()));
                 self.decoder.finish(&mut text);
@@ -317,7 +350,7 @@ impl TextStream {
                     self.finish(last, reason);
                 }
                 None if scan.emit.is_empty() => {}
-                None => return Some(Ok(TextEvent::Delta(scan.emit))),
+                None => return Some(Ok(TextEvent::Delta { text: scan.emit, logprobs: std::mem::take(&mut self.logprobs) })),
             }
         }
     }
@@ -332,8 +365,8 @@ impl TextStream {
             cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
         };
         metrics::request_tokens(&self.model, &usage, self.started.elapsed());
-        if !last_text.is_empty() {
-            self.pending.push_back(TextEvent::Delta(last_text));
+        if !last_text.is_empty() || !self.logprobs.is_empty() {
+            self.pending.push_back(TextEvent::Delta { text: last_text, logprobs: std::mem::take(&mut self.logprobs) });
         }
         self.pending.push_back(TextEvent::Finished { reason, usage });
     }

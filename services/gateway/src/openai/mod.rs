@@ -28,9 +28,9 @@ use turbine_runtime::propagation::set_parent_from_headers;
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::{self, InFlight};
 use crate::openai::body::read_limited;
-use crate::openai::responses::{ChunkContent, Endpoint, ResponseMeta, chunk, whole};
+use crate::openai::responses::{ChunkContent, Endpoint, ResponseMeta, chunk, logprobs_body, whole};
 use crate::openai::types::{Delivery, parse_chat, parse_completion};
-use crate::pipeline::{Pipeline, TextEvent, TextRequest, TextStream};
+use crate::pipeline::{GeneratedLogprob, Pipeline, TextEvent, TextRequest, TextStream};
 
 /// The OpenAPI description of this API.
 pub const OPENAPI_JSON: &str = include_str!("../../openapi.json");
@@ -164,19 +164,26 @@ async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, bod
         let events = sse_events(text, meta, delivery.include_usage, guards);
         Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
     } else {
-        let (content, reason, usage) = collect(text).await?;
+        let vocabulary = text.wants_logprobs().then(|| text.token_bytes().clone());
+        let (content, reason, usage, logprobs) = collect(text).await?;
         drop(guards);
-        Ok(([(header::CONTENT_TYPE, "application/json")], whole(&meta, &content, reason, usage)).into_response())
+        let logprobs = vocabulary.map(|vocabulary| logprobs_body(endpoint, &logprobs, &vocabulary, &mut 0));
+        Ok(([(header::CONTENT_TYPE, "application/json")], whole(&meta, &content, reason, usage, logprobs.as_ref())).into_response())
     }
 }
 
-/// Runs a stream to its end, concatenating the text.
-pub async fn collect(mut text: TextStream) -> Result<(String, turbine_engine::FinishReason, Usage), GatewayError> {
+/// Runs a stream to its end, concatenating the text (and the
+/// log-probabilities, if asked).
+pub async fn collect(mut text: TextStream) -> Result<(String, turbine_engine::FinishReason, Usage, Vec<GeneratedLogprob>), GatewayError> {
     let mut content = String::new();
+    let mut all_logprobs = Vec::new();
     while let Some(event) = text.next().await {
         match event? {
-            TextEvent::Delta(delta) => content.push_str(&delta),
-            TextEvent::Finished { reason, usage } => return Ok((content, reason, usage)),
+            TextEvent::Delta { text, logprobs } => {
+                content.push_str(&text);
+                all_logprobs.extend(logprobs);
+            }
+            TextEvent::Finished { reason, usage } => return Ok((content, reason, usage, all_logprobs)),
         }
     }
     Err(GatewayError::new(ErrorKind::Internal, "generation ended without finishing"))
@@ -194,6 +201,8 @@ struct SseState {
     text: TextStream,
     meta: ResponseMeta,
     include_usage: bool,
+    /// Completions: characters of text streamed so far (`text_offset`).
+    offset: usize,
     phase: Phase,
     _guards: Guards,
 }
@@ -204,12 +213,18 @@ struct SseState {
 /// sequence and releases the router booking.
 fn sse_events(text: TextStream, meta: ResponseMeta, include_usage: bool, guards: Guards) -> impl Stream<Item = Result<Event, Infallible>> {
     let phase = if meta.endpoint == Endpoint::Chat { Phase::Opening } else { Phase::Streaming };
-    let state = SseState { text, meta, include_usage, phase, _guards: guards };
+    let state = SseState { text, meta, include_usage, offset: 0, phase, _guards: guards };
     futures::stream::unfold(state, |mut state| async move {
         let data = match std::mem::replace(&mut state.phase, Phase::Streaming) {
             Phase::Opening => chunk(&state.meta, ChunkContent::Role, state.include_usage),
             Phase::Streaming => match state.text.next().await {
-                Some(Ok(TextEvent::Delta(delta))) => chunk(&state.meta, ChunkContent::Text(&delta), state.include_usage),
+                Some(Ok(TextEvent::Delta { text, logprobs })) => {
+                    let logprobs = state
+                        .text
+                        .wants_logprobs()
+                        .then(|| logprobs_body(state.meta.endpoint, &logprobs, state.text.token_bytes(), &mut state.offset));
+                    chunk(&state.meta, ChunkContent::Text(&text, logprobs.as_ref()), state.include_usage)
+                }
                 Some(Ok(TextEvent::Finished { reason, usage })) => {
                     state.phase = if state.include_usage { Phase::Usage(usage) } else { Phase::Done };
                     chunk(&state.meta, ChunkContent::Finish(reason), state.include_usage)

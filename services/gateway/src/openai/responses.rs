@@ -2,7 +2,11 @@
 //! strings (one allocation per chunk: the JSON text).
 
 use serde::Serialize;
+use serde_json::{Map, Value, json};
 use turbine_engine::{FinishReason, Usage};
+use turbine_tokens::TokenBytes;
+
+use crate::pipeline::GeneratedLogprob;
 
 /// Which endpoint's shapes to produce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +69,47 @@ pub struct ResponseMeta {
     pub endpoint: Endpoint,
 }
 
+/// The `logprobs` object of a choice (or chunk) in the endpoint's shape:
+/// chat `{"content": [{token, logprob, bytes, top_logprobs}]}`, completions
+/// `{tokens, token_logprobs, top_logprobs, text_offset}`. `offset` is the
+/// completion text's length in characters before these tokens; it advances.
+pub fn logprobs_body(endpoint: Endpoint, entries: &[GeneratedLogprob], vocabulary: &TokenBytes, offset: &mut usize) -> Value {
+    let spell = |token: u32| String::from_utf8_lossy(vocabulary.get(token)).into_owned();
+    match endpoint {
+        Endpoint::Chat => {
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|entry| {
+                    let top: Vec<Value> = entry
+                        .logprobs
+                        .top
+                        .iter()
+                        .map(|&(token, logprob)| json!({"token": spell(token), "logprob": logprob, "bytes": vocabulary.get(token)}))
+                        .collect();
+                    json!({"token": spell(entry.token), "logprob": entry.logprobs.logprob, "bytes": vocabulary.get(entry.token), "top_logprobs": top})
+                })
+                .collect();
+            json!({ "content": content })
+        }
+        Endpoint::Completion => {
+            let mut tokens = Vec::with_capacity(entries.len());
+            let mut token_logprobs = Vec::with_capacity(entries.len());
+            let mut top_logprobs = Vec::with_capacity(entries.len());
+            let mut text_offset = Vec::with_capacity(entries.len());
+            for entry in entries {
+                let token = spell(entry.token);
+                text_offset.push(*offset);
+                *offset += token.chars().count();
+                tokens.push(token);
+                token_logprobs.push(entry.logprobs.logprob);
+                let top: Map<String, Value> = entry.logprobs.top.iter().map(|&(token, logprob)| (spell(token), json!(logprob))).collect();
+                top_logprobs.push(top);
+            }
+            json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset})
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct ChatMessageBody<'a> {
     role: &'static str,
@@ -75,7 +120,7 @@ struct ChatMessageBody<'a> {
 struct ChatChoice<'a> {
     index: u32,
     message: ChatMessageBody<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<&'a Value>,
     finish_reason: &'static str,
 }
 
@@ -83,7 +128,7 @@ struct ChatChoice<'a> {
 struct TextChoice<'a> {
     text: &'a str,
     index: u32,
-    logprobs: Option<()>,
+    logprobs: Option<&'a Value>,
     finish_reason: Option<&'static str>,
 }
 
@@ -98,8 +143,9 @@ struct Whole<'a, C> {
     system_fingerprint: Option<()>,
 }
 
-/// The non-streaming response body.
-pub fn whole(meta: &ResponseMeta, text: &str, reason: FinishReason, usage: Usage) -> Vec<u8> {
+/// The non-streaming response body (`logprobs` from [`logprobs_body`] when
+/// the request asked).
+pub fn whole(meta: &ResponseMeta, text: &str, reason: FinishReason, usage: Usage, logprobs: Option<&Value>) -> Vec<u8> {
     let finish_reason = finish_reason(reason);
     let result = match meta.endpoint {
         Endpoint::Chat => serde_json::to_vec(&Whole {
@@ -107,7 +153,7 @@ pub fn whole(meta: &ResponseMeta, text: &str, reason: FinishReason, usage: Usage
             object: "chat.completion",
             created: meta.created,
             model: &meta.model,
-            choices: [ChatChoice { index: 0, message: ChatMessageBody { role: "assistant", content: text }, logprobs: None, finish_reason }],
+            choices: [ChatChoice { index: 0, message: ChatMessageBody { role: "assistant", content: text }, logprobs, finish_reason }],
             usage: usage.into(),
             system_fingerprint: None,
         }),
@@ -116,7 +162,7 @@ pub fn whole(meta: &ResponseMeta, text: &str, reason: FinishReason, usage: Usage
             object: "text_completion",
             created: meta.created,
             model: &meta.model,
-            choices: [TextChoice { text, index: 0, logprobs: None, finish_reason: Some(finish_reason) }],
+            choices: [TextChoice { text, index: 0, logprobs, finish_reason: Some(finish_reason) }],
             usage: usage.into(),
             system_fingerprint: None,
         }),
@@ -136,7 +182,7 @@ struct Delta<'a> {
 struct ChatChunkChoice<'a> {
     index: u32,
     delta: Delta<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<&'a Value>,
     finish_reason: Option<&'static str>,
 }
 
@@ -182,8 +228,8 @@ impl Serialize for UsageField {
 pub enum ChunkContent<'a> {
     /// The chat stream's opening chunk (`role: assistant`).
     Role,
-    /// Generated text.
-    Text(&'a str),
+    /// Generated text, with its tokens' log-probabilities if asked.
+    Text(&'a str, Option<&'a Value>),
     /// The end of the choice.
     Finish(FinishReason),
     /// The usage chunk (no choices).
@@ -208,10 +254,10 @@ pub fn chunk(meta: &ResponseMeta, content: ChunkContent<'_>, include_usage: bool
             usage,
         }),
         (Endpoint::Chat, content) => {
-            let (delta, finish_reason) = match content {
-                ChunkContent::Role => (Delta { role: Some("assistant"), content: Some("") }, None),
-                ChunkContent::Text(text) => (Delta { role: None, content: Some(text) }, None),
-                ChunkContent::Finish(reason) => (Delta { role: None, content: None }, Some(finish_reason(reason))),
+            let (delta, logprobs, finish_reason) = match content {
+                ChunkContent::Role => (Delta { role: Some("assistant"), content: Some("") }, None, None),
+                ChunkContent::Text(text, logprobs) => (Delta { role: None, content: Some(text) }, logprobs, None),
+                ChunkContent::Finish(reason) => (Delta { role: None, content: None }, None, Some(finish_reason(reason))),
                 ChunkContent::Usage(_) => unreachable!("handled above"),
             };
             serde_json::to_string(&Chunk {
@@ -219,15 +265,15 @@ pub fn chunk(meta: &ResponseMeta, content: ChunkContent<'_>, include_usage: bool
                 object: "chat.completion.chunk",
                 created: meta.created,
                 model: &meta.model,
-                choices: [ChatChunkChoice { index: 0, delta, logprobs: None, finish_reason }],
+                choices: [ChatChunkChoice { index: 0, delta, logprobs, finish_reason }],
                 usage,
             })
         }
         (Endpoint::Completion, content) => {
-            let (text, finish_reason) = match content {
-                ChunkContent::Role => ("", None),
-                ChunkContent::Text(text) => (text, None),
-                ChunkContent::Finish(reason) => ("", Some(finish_reason(reason))),
+            let (text, logprobs, finish_reason) = match content {
+                ChunkContent::Role => ("", None, None),
+                ChunkContent::Text(text, logprobs) => (text, logprobs, None),
+                ChunkContent::Finish(reason) => ("", None, Some(finish_reason(reason))),
                 ChunkContent::Usage(_) => unreachable!("handled above"),
             };
             serde_json::to_string(&Chunk {
@@ -235,7 +281,7 @@ pub fn chunk(meta: &ResponseMeta, content: ChunkContent<'_>, include_usage: bool
                 object: "text_completion",
                 created: meta.created,
                 model: &meta.model,
-                choices: [TextChoice { text, index: 0, logprobs: None, finish_reason }],
+                choices: [TextChoice { text, index: 0, logprobs, finish_reason }],
                 usage,
             })
         }
@@ -264,7 +310,7 @@ mod tests {
         assert_eq!(role["object"], "chat.completion.chunk");
         assert_eq!(role["choices"][0]["delta"], serde_json::json!({"role": "assistant", "content": ""}));
         assert!(role.get("usage").is_none());
-        let text: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Text("hé"), true)).unwrap();
+        let text: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Text("hé", None), true)).unwrap();
         assert_eq!(text["choices"][0]["delta"]["content"], "hé");
         assert!(text["usage"].is_null() && text.get("usage").is_some());
         let finish: serde_json::Value =
@@ -281,11 +327,11 @@ mod tests {
     #[test]
     fn whole_bodies_have_openai_shapes() {
         let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_prompt_tokens: 0 };
-        let chat: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Chat), "hi", FinishReason::Stop, usage)).unwrap();
+        let chat: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Chat), "hi", FinishReason::Stop, usage, None)).unwrap();
         assert_eq!(chat["object"], "chat.completion");
         assert_eq!(chat["choices"][0]["message"], serde_json::json!({"role": "assistant", "content": "hi"}));
         assert_eq!(chat["choices"][0]["finish_reason"], "stop");
-        let text: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Completion), "hi", FinishReason::Length, usage)).unwrap();
+        let text: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Completion), "hi", FinishReason::Length, usage, None)).unwrap();
         assert_eq!(text["object"], "text_completion");
         assert_eq!(text["choices"][0]["text"], "hi");
         assert_eq!(text["usage"]["completion_tokens"], 4);

@@ -9,6 +9,8 @@ use serde_json::Value;
 use turbine_engine::SamplingParams;
 use turbine_tokens::ChatMessage;
 
+use turbine_worker::convert::MAX_LOGPROBS;
+
 use crate::error::GatewayError;
 use crate::openai::body::parse_json;
 use crate::pipeline::{DEFAULT_COMPLETION_MAX_TOKENS, Prompt, TextRequest};
@@ -75,6 +77,16 @@ pub struct CommonParams {
     /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// Extension: sample among the k most likely tokens (0 or -1: all).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Extension: drop tokens less likely than `min_p` times the most likely.
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    /// Extension: divide (multiply, if negative) the logits of tokens already
+    /// in the prompt or output by this factor (1: off).
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
 }
 
 /// How the response is delivered.
@@ -96,10 +108,10 @@ pub struct ChatCompletionRequest {
     /// Newer name of `max_tokens`.
     #[serde(default)]
     pub max_completion_tokens: Option<i64>,
-    /// Log probabilities (not supported).
+    /// Return the log-probability of each generated token.
     #[serde(default)]
     pub logprobs: Option<bool>,
-    /// Not supported.
+    /// With `logprobs`: also the most likely alternatives at each step (0..=20).
     #[serde(default)]
     pub top_logprobs: Option<i64>,
     /// Function calling (not supported).
@@ -157,7 +169,8 @@ pub struct CompletionRequest {
     /// Echo the prompt (not supported).
     #[serde(default)]
     pub echo: Option<bool>,
-    /// Log probabilities (not supported).
+    /// Return the log-probability of each generated token and this many
+    /// most likely alternatives (0..=20).
     #[serde(default)]
     pub logprobs: Option<i64>,
     /// Insertion suffix (not supported).
@@ -196,6 +209,14 @@ fn range(param: &str, value: Option<f64>, low: f64, high: f64, low_inclusive: bo
     Ok(Some(value as f32))
 }
 
+/// How many alternatives per token a request may ask for.
+fn logprob_count(param: &str, count: i64) -> Result<u32, GatewayError> {
+    match u32::try_from(count) {
+        Ok(count) if count <= MAX_LOGPROBS => Ok(count),
+        _ => Err(GatewayError::invalid(param, format!("'{param}' must be between 0 and {MAX_LOGPROBS}, got {count}."))),
+    }
+}
+
 /// Shared parameters after validation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidatedParams {
@@ -231,6 +252,9 @@ impl CommonParams {
             frequency_penalty,
             logit_bias,
             ignore_eos,
+            top_k,
+            min_p,
+            repetition_penalty,
         } = self;
         if model.trim().is_empty() {
             return Err(GatewayError::invalid("model", "'model' must name a model."));
@@ -255,11 +279,16 @@ impl CommonParams {
         let sampling = SamplingParams {
             temperature: range("temperature", temperature, 0.0, 2.0, true)?,
             top_p: range("top_p", top_p, 0.0, 1.0, false)?,
-            top_k: None,
+            top_k: match top_k {
+                None | Some(-1 | 0) => None,
+                Some(k) => Some(u32::try_from(k).map_err(|_| GatewayError::invalid("top_k", format!("'top_k' must be -1, 0 or positive, got {k}.")))?),
+            },
             seed: seed.map(|seed| seed as u64),
             presence_penalty: range("presence_penalty", presence_penalty, -2.0, 2.0, true)?,
             frequency_penalty: range("frequency_penalty", frequency_penalty, -2.0, 2.0, true)?,
-            ..SamplingParams::default()
+            min_p: range("min_p", min_p, 0.0, 1.0, true)?,
+            repetition_penalty: range("repetition_penalty", repetition_penalty, 0.0, 10.0, false)?,
+            logprobs: None,
         };
         let stop = match stop {
             None => Vec::new(),
@@ -298,9 +327,11 @@ impl ChatCompletionRequest {
     /// Validates the request.
     pub fn into_text_request(self, common: CommonParams) -> Result<(TextRequest, Delivery), GatewayError> {
         let ChatCompletionRequest { messages, max_completion_tokens, logprobs, top_logprobs, tools, response_format } = self;
-        if logprobs == Some(true) || top_logprobs.is_some() {
-            return Err(unsupported("logprobs", "logprobs"));
-        }
+        let logprobs = match (logprobs.unwrap_or(false), top_logprobs) {
+            (false, None) => None,
+            (false, Some(_)) => return Err(GatewayError::invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")),
+            (true, top) => Some(logprob_count("top_logprobs", top.unwrap_or(0))?),
+        };
         if tools.is_some_and(|tools| !tools.is_empty()) {
             return Err(unsupported("tools", "Tool calling"));
         }
@@ -322,7 +353,8 @@ impl ChatCompletionRequest {
             (None, Some(value)) => Some(("max_tokens", value)),
             (None, None) => None,
         };
-        let ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        sampling.logprobs = logprobs;
         Ok((TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos }, delivery))
     }
 }
@@ -370,9 +402,7 @@ impl CompletionRequest {
         if echo == Some(true) {
             return Err(unsupported("echo", "echo"));
         }
-        if logprobs.is_some() {
-            return Err(unsupported("logprobs", "logprobs"));
-        }
+        let logprobs = logprobs.map(|count| logprob_count("logprobs", count)).transpose()?;
         if suffix.is_some_and(|suffix| !suffix.is_empty()) {
             return Err(unsupported("suffix", "suffix"));
         }
@@ -388,7 +418,8 @@ impl CompletionRequest {
             PromptField::Texts(_) | PromptField::TokenLists(_) => return Err(batch_error()),
         };
         let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
-        let ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        sampling.logprobs = logprobs;
         let max_tokens = Some(max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS));
         Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos }, delivery))
     }
@@ -421,6 +452,20 @@ mod tests {
     }
 
     #[test]
+    fn sampling_extensions_and_logprobs_reach_the_engine() {
+        let (request, _) = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":3,"top_k":40,"min_p":0.05,"repetition_penalty":1.1}"#,
+        )
+        .unwrap();
+        let sampling = request.sampling;
+        assert_eq!((sampling.logprobs, sampling.top_k, sampling.min_p, sampling.repetition_penalty), (Some(3), Some(40), Some(0.05), Some(1.1)));
+        let (request, _) = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":false,"top_k":-1}"#).unwrap();
+        assert_eq!((request.sampling.logprobs, request.sampling.top_k), (None, None));
+        let (request, _) = completion(r#"{"model":"m","prompt":"a","logprobs":0}"#).unwrap();
+        assert_eq!(request.sampling.logprobs, Some(0));
+    }
+
+    #[test]
     fn completions_default_to_sixteen_tokens_and_accept_token_prompts() {
         let (request, delivery) = completion(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
         assert_eq!(request.prompt, Prompt::Tokens(vec![1, 2, 3]));
@@ -446,7 +491,11 @@ mod tests {
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#, "stop"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#, "stream_options"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#, "tools"),
-            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true}"#, "logprobs"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#, "top_logprobs"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#, "top_logprobs"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_k":-2}"#, "top_k"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"min_p":1.5}"#, "min_p"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"repetition_penalty":0}"#, "repetition_penalty"),
             (r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#, "model"),
             (r#"{"messages":[{"role":"user","content":"x"}]}"#, "model"),
             (r#"{"model":"m","messages":"hi"}"#, "messages"),
@@ -461,6 +510,7 @@ mod tests {
             (r#"{"model":"m","prompt":["a","b"]}"#, "prompt"),
             (r#"{"model":"m","prompt":"a","echo":true}"#, "echo"),
             (r#"{"model":"m","prompt":"a","best_of":3}"#, "best_of"),
+            (r#"{"model":"m","prompt":"a","logprobs":-1}"#, "logprobs"),
             (r#"{"model":"m","prompt":{"text":"a"}}"#, "prompt"),
         ] {
             let error = completion(json).unwrap_err();
