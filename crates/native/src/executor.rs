@@ -5,7 +5,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use turbine_engine::{Batch, Executor, Sampled};
+use turbine_tokens::Gguf;
 
+use crate::candle_backend::{CandleCache, CandleModel};
+use crate::config::LlamaConfig;
 use crate::model::{KvCache, LlamaModel, SequenceRows};
 use crate::pool::ThreadPool;
 use crate::sampling::sample;
@@ -35,6 +38,20 @@ impl std::str::FromStr for Device {
     }
 }
 
+/// Which implementation computes the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// The device's natural choice: this crate's kernels on the CPU, candle
+    /// on CUDA.
+    #[default]
+    Auto,
+    /// This crate's CPU kernels (fastest on CPU).
+    Kernels,
+    /// Candle tensor operations on the device (the CUDA path; on the CPU it
+    /// checks that path against the kernels).
+    Candle,
+}
+
 /// How to size and run the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NativeOptions {
@@ -48,6 +65,8 @@ pub struct NativeOptions {
     pub threads: usize,
     /// Where to run.
     pub device: Device,
+    /// Which implementation runs the forward pass.
+    pub backend: Backend,
 }
 
 impl Default for NativeOptions {
@@ -58,6 +77,7 @@ impl Default for NativeOptions {
             kv_blocks: None,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             device: Device::Cpu,
+            backend: Backend::Auto,
         }
     }
 }
@@ -65,20 +85,25 @@ impl Default for NativeOptions {
 /// The native engine's executor.
 #[derive(Debug)]
 pub struct NativeExecutor {
-    model: Arc<LlamaModel>,
-    cache: KvCache,
-    pool: ThreadPool,
+    config: LlamaConfig,
+    compute: Compute,
+}
+
+#[derive(Debug)]
+enum Compute {
+    Kernels { model: Arc<LlamaModel>, cache: KvCache, pool: ThreadPool },
+    Candle { model: Box<CandleModel>, cache: CandleCache },
 }
 
 impl NativeExecutor {
-    /// Loads the model and allocates the KV pool.
+    /// Loads the model and allocates the KV pool on the chosen device.
     pub fn load(path: &Path, options: &NativeOptions) -> Result<Self> {
-        check_device(options.device)?;
+        let device = open_device(options.device)?;
         if options.block_size == 0 {
             return Err(Error::Config("block_size must be positive".into()));
         }
-        let model = LlamaModel::load(path)?;
-        let bytes_per_block = model.config().kv_bytes_per_token() * options.block_size;
+        let config = LlamaConfig::from_gguf(&Gguf::open(path)?)?;
+        let bytes_per_block = config.kv_bytes_per_token() * options.block_size;
         let num_blocks = options.kv_blocks.unwrap_or(options.kv_cache_mib * (1 << 20) / bytes_per_block);
         if num_blocks == 0 {
             return Err(Error::Config(format!(
@@ -88,50 +113,77 @@ impl NativeExecutor {
                 bytes_per_block / 1024
             )));
         }
-        let cache = KvCache::new(model.config(), num_blocks, options.block_size);
+        let backend = match (options.backend, options.device) {
+            (Backend::Auto, Device::Cpu) => Backend::Kernels,
+            (Backend::Auto, Device::Cuda(_)) => Backend::Candle,
+            (Backend::Kernels, Device::Cuda(_)) => return Err(Error::Config("the CPU kernels cannot run on a CUDA device".into())),
+            (backend, _) => backend,
+        };
+        let compute = match backend {
+            Backend::Candle => {
+                let model = CandleModel::load(path, config.clone(), device)?;
+                let cache = model.new_cache(num_blocks, options.block_size)?;
+                Compute::Candle { model: Box::new(model), cache }
+            }
+            Backend::Kernels | Backend::Auto => {
+                let model = LlamaModel::load(path)?;
+                let cache = KvCache::new(model.config(), num_blocks, options.block_size);
+                tracing::info!(weights_mib = model.weight_bytes() >> 20, threads = options.threads, "native model mapped");
+                Compute::Kernels { model: Arc::new(model), cache, pool: ThreadPool::new(options.threads) }
+            }
+        };
         tracing::info!(
-            weights_mib = model.weight_bytes() >> 20,
+            device = ?options.device,
+            ?backend,
             kv_blocks = num_blocks,
             kv_mib = (num_blocks * bytes_per_block) >> 20,
-            threads = options.threads,
-            "native model loaded"
+            "native engine loaded"
         );
-        Ok(Self { model: Arc::new(model), cache, pool: ThreadPool::new(options.threads) })
+        Ok(Self { config, compute })
     }
 
-    /// The model.
-    pub fn model(&self) -> &LlamaModel {
-        &self.model
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
     }
 
     /// Blocks in the KV pool.
     pub fn num_blocks(&self) -> usize {
-        self.cache.num_blocks()
+        match &self.compute {
+            Compute::Kernels { cache, .. } => cache.num_blocks(),
+            Compute::Candle { cache, .. } => cache.num_blocks(),
+        }
     }
 }
 
 /// Refuses devices this build or machine cannot use, with a clear error
 /// (never a panic: without a driver, CUDA initialisation would abort).
 pub fn check_device(device: Device) -> Result<()> {
+    open_device(device).map(drop)
+}
+
+/// The candle device for `device`, or a clear error.
+fn open_device(device: Device) -> Result<candle_core::Device> {
     match device {
-        Device::Cpu => Ok(()),
-        Device::Cuda(ordinal) => cuda_available(ordinal),
+        Device::Cpu => Ok(candle_core::Device::Cpu),
+        Device::Cuda(ordinal) => open_cuda(ordinal),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_available(_ordinal: usize) -> Result<()> {
-    Err(Error::Config("this build has no CUDA support; rebuild with `--features cuda` or use --device cpu".into()))
+fn open_cuda(_ordinal: usize) -> Result<candle_core::Device> {
+    Err(Error::Device("this build has no CUDA support; rebuild with `--features cuda` or use --device cpu".into()))
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_available(_ordinal: usize) -> Result<()> {
-    if !candle_core::utils::cuda_is_available() {
-        return Err(Error::Config("CUDA requested but candle was built without CUDA".into()));
+fn open_cuda(ordinal: usize) -> Result<candle_core::Device> {
+    // The driver may be missing or have no such GPU; cudarc reports some of
+    // these by panicking, so contain any panic and report it as an error.
+    match std::panic::catch_unwind(|| candle_core::Device::new_cuda(ordinal)) {
+        Ok(Ok(device)) => Ok(device),
+        Ok(Err(error)) => Err(Error::Device(format!("cannot open CUDA device {ordinal}: {error}"))),
+        Err(_) => Err(Error::Device(format!("cannot open CUDA device {ordinal}: no usable CUDA driver or GPU on this machine"))),
     }
-    Err(Error::Config(
-        "the native engine runs on CPU in this version; --device cuda is not wired to the paged engine yet".into(),
-    ))
 }
 
 impl Executor for NativeExecutor {
@@ -146,8 +198,12 @@ impl Executor for NativeExecutor {
                 needs_logits: item.sample,
             })
             .collect();
-        let mut logits = self.model.forward(&sequences, &mut self.cache, &self.pool).map_err(|error| error.to_string())?;
-        let vocab = self.model.config().vocab;
+        let logits = match &mut self.compute {
+            Compute::Kernels { model, cache, pool } => model.forward(&sequences, cache, pool),
+            Compute::Candle { model, cache } => model.forward(&sequences, cache),
+        };
+        let mut logits = logits.map_err(|error| error.to_string())?;
+        let vocab = self.config.vocab;
         let mut rows = logits.chunks_exact_mut(vocab);
         Ok(batch
             .items

@@ -13,8 +13,11 @@
 //! - [`sampling`]: penalties, temperature, top-k/top-p/min-p, seeds,
 //!   log-probabilities.
 //! - [`pool`]: the low-latency thread pool the kernels run on.
+//! - [`candle_backend`]: the same forward pass in candle tensor operations,
+//!   for candle's devices (CUDA with the `cuda` feature; CPU for checking).
 //! - [`executor`]: the engine executor.
 
+pub mod candle_backend;
 pub mod config;
 pub mod executor;
 pub mod model;
@@ -27,7 +30,7 @@ pub mod weights;
 use std::path::PathBuf;
 
 pub use config::LlamaConfig;
-pub use executor::{Device, NativeExecutor, NativeOptions, check_device};
+pub use executor::{Backend, Device, NativeExecutor, NativeOptions, check_device};
 pub use model::{KvCache, LlamaModel, SequenceRows};
 
 /// Errors of the native engine.
@@ -51,6 +54,9 @@ pub enum Error {
     /// The engine options are unusable.
     #[error("{0}")]
     Config(String),
+    /// The compute device failed or is unavailable.
+    #[error("device: {0}")]
+    Device(String),
 }
 
 impl From<turbine_tokens::Error> for Error {

@@ -199,6 +199,11 @@ impl Rope {
         Self { dims, cos, sin }
     }
 
+    /// The cosine and sine tables, `max_positions × dims / 2` each.
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// Positions the tables cover.
     pub fn max_positions(&self) -> usize {
         self.cos.len() / (self.dims / 2).max(1)

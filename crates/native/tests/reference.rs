@@ -23,7 +23,7 @@ use candle_transformers::models::quantized_llama::ModelWeights;
 use serde::Deserialize;
 use turbine_engine::{EngineHandle, EngineOutput, GenerateRequest, SchedulerConfig, StopConditions};
 use turbine_native::pool::ThreadPool;
-use turbine_native::{KvCache, LlamaModel, NativeExecutor, NativeOptions, SequenceRows, ops};
+use turbine_native::{Backend, Device as EngineDevice, KvCache, LlamaModel, NativeExecutor, NativeOptions, SequenceRows, ops};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ChatMessage, ModelCard, Preprocessor};
 
@@ -154,7 +154,16 @@ fn tokens_of(steps: &[(u32, f32)]) -> Vec<u32> {
 }
 
 fn start_engine(scheduler: SchedulerConfig) -> EngineHandle {
-    let options = NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, ..NativeOptions::default() };
+    start_engine_on(scheduler, Backend::Kernels)
+}
+
+fn start_engine_on(scheduler: SchedulerConfig, backend: Backend) -> EngineHandle {
+    start_engine_with(scheduler, backend, EngineDevice::Cpu)
+}
+
+fn start_engine_with(scheduler: SchedulerConfig, backend: Backend, device: EngineDevice) -> EngineHandle {
+    let options =
+        NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend, device, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
     EngineHandle::spawn(scheduler, vec![], Box::new(executor))
 }
@@ -370,6 +379,47 @@ fn a_prefix_cache_hit_gives_the_same_output_as_a_miss() {
         assert_eq!(first, tokens_of(&dense_outputs()[index]), "prompt {index} of {} tokens", prompt.len());
     }
     engine.shutdown();
+}
+
+/// Greedy tokens of the candle backend on `device` for the prompts of up
+/// to 256 tokens, batched with chunked prefill through the real scheduler,
+/// against the reference: equal, or parted at a near-tie.
+fn candle_backend_agrees_with_the_reference(device: EngineDevice) {
+    let chosen: Vec<usize> = prompts().iter().enumerate().filter(|(_, p)| p.len() <= 256).map(|(i, _)| i).collect();
+    let all = prompts();
+    let batch: Vec<Vec<u32>> = chosen.iter().map(|&i| all[i].clone()).collect();
+    let scheduler = SchedulerConfig { block_size: 16, num_blocks: 256, max_batched_tokens: 256, max_model_len: 8192, ..SchedulerConfig::default() };
+    let engine = start_engine_with(scheduler, Backend::Candle, device);
+    let streams: Vec<_> = batch.iter().map(|prompt| submit(&engine, prompt, STEPS as u32)).collect();
+    let outputs: Vec<Vec<u32>> = streams.into_iter().map(|stream| finish(stream).0).collect();
+    engine.shutdown();
+    let mut exact = 0;
+    for (&index, theirs) in chosen.iter().zip(&outputs) {
+        let reference = &dense_outputs()[index];
+        match reference.iter().zip(theirs).position(|((a, _), b)| a != b) {
+            None => exact += 1,
+            Some(step) => {
+                let margin = reference[step].1;
+                assert!(margin < NEAR_TIE, "prompt of {} tokens: step {step} differs at a clear margin {margin}", all[index].len());
+            }
+        }
+    }
+    eprintln!("{exact} of {} prompts matched the kernels exactly for {STEPS} tokens", chosen.len());
+    assert!(exact * 2 >= chosen.len(), "only {exact} of {} prompts matched exactly", chosen.len());
+}
+
+#[test]
+fn the_candle_backend_agrees_with_the_reference_up_to_near_ties() {
+    // The code path the CUDA build runs (candle ops over the same paged
+    // cache and block tables), checked on candle's CPU device.
+    candle_backend_agrees_with_the_reference(EngineDevice::Cpu);
+}
+
+/// On a GPU machine: `cargo test -p turbine-native --features cuda --test reference cuda`.
+#[cfg(feature = "cuda")]
+#[test]
+fn on_cuda_the_engine_agrees_with_the_reference_up_to_near_ties() {
+    candle_backend_agrees_with_the_reference(EngineDevice::Cuda(0));
 }
 
 /// A GGUF v3 file with only `general.architecture` set.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
 use turbine_engine::{EngineHandle, Executor, Load, SchedulerConfig};
-use turbine_native::{NativeExecutor, NativeOptions};
+use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_proto::worker::v1 as pb;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
@@ -44,6 +44,7 @@ impl Worker {
                     kv_blocks: config.num_blocks,
                     threads: config.threads(),
                     device: config.device.parse().map_err(anyhow::Error::msg)?,
+                    backend: Backend::Auto,
                 };
                 let executor = NativeExecutor::load(&model.path, &options)?;
                 let num_blocks = executor.num_blocks();

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Checks that the `cuda` feature (the native engine on candle's CUDA backend)
+# compiles, on any machine: a GPU and a CUDA installation are not needed.
+#
+# candle compiles its CUDA kernels to PTX with nvcc at build time; without a
+# CUDA toolkit on PATH this fetches NVIDIA's nvcc (CUDA 13.0) from PyPI into
+# the Turbine cache directory once. Linking a CUDA binary needs the CUDA
+# libraries, so this type-checks (`cargo check`) rather than links; on a GPU
+# machine build and test with:
+#   cargo build --release -p turbine-cli --features cuda
+#   cargo test -p turbine-native --features cuda --test reference cuda
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v nvcc >/dev/null 2>&1; then
+  toolkit="${TURBINE_CUDA_TOOLKIT:-${TURBINE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/turbine}/cuda-13.0}"
+  if ! "$toolkit/nvidia/cu13/bin/nvcc" --version >/dev/null 2>&1; then
+    echo "fetching nvcc into $toolkit"
+    rm -rf "$toolkit"
+    python3 -m pip install --quiet --disable-pip-version-check --target "$toolkit" -r scripts/requirements-cuda.txt
+  fi
+  export PATH="$toolkit/nvidia/cu13/bin:$PATH" CUDA_HOME="$toolkit/nvidia/cu13"
+fi
+# The GPU generation to compile kernels for (no GPU here to ask): Hopper.
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+cargo check --locked -p turbine-cli -p turbine-native --features turbine-cli/cuda,turbine-native/cuda --all-targets
