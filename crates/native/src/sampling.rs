@@ -183,7 +183,7 @@ mod tests {
     #[test]
     fn logprobs_are_normalized_and_sorted() {
         let p = SamplingParams { logprobs: Some(2), ..params() };
-        let choice = sample(&mut vec![0.0, 1.0, 2.0], &p, &[], 0);
+        let choice = sample(&mut [0.0, 1.0, 2.0], &p, &[], 0);
         let logprobs = choice.logprobs.unwrap();
         assert_eq!(choice.token, 2);
         assert_eq!(logprobs.top.iter().map(|t| t.0).collect::<Vec<_>>(), [2, 1]);
