@@ -53,6 +53,11 @@ impl std::fmt::Debug for ThreadPool {
     }
 }
 
+/// Calls the closure behind a [`Job`]'s type-erased pointer.
+///
+/// # Safety
+/// `data` must come from a live `&F` (as `run` makes it, keeping the borrow
+/// until every worker has finished the job).
 unsafe fn call_closure<F: Fn(usize) + Sync>(data: *const (), task: usize) {
     // SAFETY: `data` was made from `&F` in `run`, which outlives the job.
     let closure = unsafe { &*(data as *const F) };
