@@ -10,9 +10,11 @@ use turbine_gateway::serve::{GatewayListeners, serve as serve_gateway};
 use turbine_gateway::{GatewayConfig, WorkerPool};
 use turbine_registry::{MemoryRegistry, Registry};
 use turbine_router::serve::watch_registry;
-use turbine_router::{Policy, Router, RouterClient};
+use turbine_kv::KvIndex;
+use turbine_router::{KvConfig, KvState, KvWeights, Policy, Router, RouterClient};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
+use turbine_worker::kv_events::feed_index;
 use turbine_worker::metrics::register_engine;
 use turbine_worker::serve::register_local;
 use turbine_worker::{EngineKind, Worker, WorkerConfig};
@@ -41,9 +43,16 @@ pub struct RunArgs {
     /// gRPC port (turbine.gateway.v1.Inference).
     #[arg(long, env = "TURBINE_GRPC_PORT", default_value_t = 50050)]
     pub grpc_port: u16,
-    /// Worker selection policy.
-    #[arg(long, value_enum, env = "TURBINE_ROUTER_POLICY", default_value = "least-loaded")]
+    /// Worker selection policy (kv: cache overlap against load, fed by the
+    /// workers' KV events).
+    #[arg(long, value_enum, env = "TURBINE_ROUTER_POLICY", default_value = "kv")]
     pub policy: Policy,
+    /// kv policy: weight of prefill work against decode load.
+    #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE", default_value_t = KvWeights::default().prefill_load_scale)]
+    pub kv_prefill_load_scale: f64,
+    /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
+    #[arg(long, env = "TURBINE_ROUTER_KV_TEMPERATURE", default_value_t = 0.0)]
+    pub kv_temperature: f64,
     /// Mocker: divide simulated durations by this factor.
     #[arg(long, env = "TURBINE_WORKER_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
@@ -62,6 +71,9 @@ pub struct RunArgs {
     /// Native: device to run on: cpu, cuda or cuda:N.
     #[arg(long, env = "TURBINE_WORKER_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// Override the model's context length in tokens (e.g. long mocker prompts).
+    #[arg(long, env = "TURBINE_WORKER_CONTEXT_LENGTH")]
+    pub context_length: Option<u32>,
     /// Sequences running at once per worker.
     #[arg(long, visible_alias = "max-seqs", env = "TURBINE_WORKER_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -78,6 +90,27 @@ pub struct RunArgs {
 
 /// Runs everything until SIGTERM/SIGINT, then drains and returns.
 pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let workers = args.workers;
+    let stack = start(args, shutdown).await?;
+    print_banner(stack.http_port, stack.grpc_port, &stack.model, workers);
+    stack.finished.await.context("turbine panicked")?
+}
+
+/// A started stack.
+#[derive(Debug)]
+pub struct Stack {
+    /// Bound OpenAI REST port.
+    pub http_port: u16,
+    /// Bound gRPC port.
+    pub grpc_port: u16,
+    /// The served model name.
+    pub model: String,
+    /// Resolves once the stack has drained after its shutdown token fired.
+    pub finished: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Starts everything (ports 0 pick free ones) and returns once it serves.
+pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<Stack> {
     anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
     let cache_dir = default_cache_dir();
     // Fetch the model up front, with progress bars, so workers find it cached.
@@ -119,6 +152,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
             device: args.device.clone(),
             max_num_seqs: args.max_num_seqs,
             max_batched_tokens: args.max_batched_tokens,
+            context_length: args.context_length,
             ..WorkerConfig::default()
         };
         config.validate().map_err(anyhow::Error::msg)?;
@@ -126,12 +160,20 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         workers.push(worker);
     }
     let model_name = workers[0].card().name.clone();
-    let _engine_metrics: Vec<_> = workers.iter().map(|worker| register_engine(worker.id(), worker.engine().clone())).collect();
+    let engine_metrics: Vec<_> = workers.iter().map(|worker| register_engine(worker.id(), worker.engine().clone())).collect();
 
     let registry = Registry::Memory(MemoryRegistry::new());
     let lease_ttl = Duration::from_secs(5);
     let leases: Vec<_> = workers.iter().map(|worker| register_local(registry.clone(), worker.clone(), lease_ttl)).collect();
-    let router = Arc::new(Router::new(args.policy, Duration::from_secs(600)));
+    let index = Arc::new(KvIndex::new());
+    let feeds: Vec<_> = workers.iter().map(|worker| feed_index(worker.clone(), index.clone(), shutdown.clone())).collect();
+    let kv_config = KvConfig {
+        weights: KvWeights { prefill_load_scale: args.kv_prefill_load_scale, temperature: args.kv_temperature, ..KvWeights::default() },
+        ..KvConfig::default()
+    };
+    kv_config.validate().map_err(anyhow::Error::msg)?;
+    let kv = Arc::new(KvState::new(kv_config, index));
+    let router = Arc::new(Router::with_kv(args.policy, Duration::from_secs(600), kv));
     let watch = watch_registry(router.clone(), registry, Duration::from_millis(100), shutdown.clone());
     let pool = WorkerPool::new(&workers);
 
@@ -139,19 +181,25 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         let shutdown = shutdown.clone();
         async move { serve_gateway(&gateway_config, listeners, RouterClient::Local(router), pool, shutdown).await }
     });
-    print_banner(http_port, grpc_port, &model_name, args.workers);
-
-    let served = gateway.await.context("gateway panicked")?;
-    let _ = watch.await;
-    for lease in leases {
-        lease.revoke().await;
-    }
-    for worker in &workers {
-        worker.shutdown();
-    }
-    served?;
-    tracing::info!("turbine stopped");
-    Ok(())
+    let finished = tokio::spawn(async move {
+        // Engine metrics stay registered while the stack runs.
+        let _engine_metrics = engine_metrics;
+        let served = gateway.await.context("gateway panicked")?;
+        let _ = watch.await;
+        for lease in leases {
+            lease.revoke().await;
+        }
+        for worker in &workers {
+            worker.shutdown();
+        }
+        for feed in feeds {
+            let _ = feed.await;
+        }
+        served?;
+        tracing::info!("turbine stopped");
+        Ok(())
+    });
+    Ok(Stack { http_port, grpc_port, model: model_name, finished })
 }
 
 fn print_banner(http_port: u16, grpc_port: u16, model: &str, workers: usize) {

@@ -393,3 +393,35 @@ async fn the_native_engine_answers_through_the_gateway() {
     assert_eq!(offsets[0], 0);
     assert_eq!(offsets[4] as usize, tokens[..4].concat().chars().count());
 }
+
+/// With the kv policy, a prompt sent again goes to the worker whose cache
+/// holds it (the engines report the cached tokens); round-robin, over the
+/// same four workers, misses most repeats.
+#[tokio::test]
+async fn kv_routing_sends_repeated_prefixes_to_the_worker_that_cached_them() {
+    async fn cached_share(policy: &str) -> f64 {
+        let turbine = start_turbine(&["--engine", "mock", "--speedup", "1000", "--workers", "4", "--policy", policy]).await;
+        let mut cached = 0;
+        let mut total = 0;
+        for round in 0..4u32 {
+            // Three distinct 320-token prompts (5 blocks of 64), each sent four
+            // times: three prompts over four workers, so round-robin moves
+            // each prompt to another worker every round.
+            for prompt in 0..3u32 {
+                let tokens: Vec<u32> = (0..320).map(|i| 1000 + prompt * 1000 + i).collect();
+                let (status, body) = post(&turbine.base, "/v1/completions", &json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true})).await;
+                assert_eq!(status, 200, "{body}");
+                if round > 0 {
+                    cached += body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+                    total += 320;
+                }
+            }
+        }
+        cached as f64 / total as f64
+    }
+    let kv = cached_share("kv").await;
+    // The engine always computes the last prompt token: 4 of 5 blocks is all a repeat can reuse.
+    assert!((kv - 0.8).abs() < 1e-9, "every repeat should reuse 4 of its 5 blocks: {kv}");
+    let round_robin = cached_share("round-robin").await;
+    assert!(kv > round_robin, "kv {kv} vs round-robin {round_robin}");
+}

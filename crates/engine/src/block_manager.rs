@@ -13,9 +13,7 @@
 
 use std::collections::HashMap;
 
-use turbine_kv::{BlockHashes, SequenceHash};
-
-use crate::events::{KvEvent, StoredBlock};
+use turbine_kv::{BlockHashes, CachedBlock, KvEvent, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
@@ -27,6 +25,8 @@ struct BlockMeta {
     ref_count: u32,
     /// Set while the block is registered in the prefix cache.
     hash: Option<SequenceHash>,
+    /// Hash of the block's own tokens (meaningful while `hash` is set).
+    local: LocalBlockHash,
     /// Links of the eviction list (free cached blocks only).
     prev: u32,
     next: u32,
@@ -55,7 +55,7 @@ impl BlockManager {
     pub fn new(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
         assert!(block_size > 0 && num_blocks > 0, "pool must have blocks of positive size");
         assert!(num_blocks < NIL as usize, "too many blocks");
-        let blocks = vec![BlockMeta { ref_count: 0, hash: None, prev: NIL, next: NIL, in_lru: false }; num_blocks];
+        let blocks = vec![BlockMeta { ref_count: 0, hash: None, local: LocalBlockHash(0), prev: NIL, next: NIL, in_lru: false }; num_blocks];
         // Pop order 0, 1, 2, ... for readable block tables.
         let free_uncached = (0..num_blocks as BlockId).rev().collect();
         Self {
@@ -171,17 +171,18 @@ impl BlockManager {
             if newly_stored {
                 self.cached.insert(hashes.sequence, block);
                 self.blocks[block as usize].hash = Some(hashes.sequence);
+                self.blocks[block as usize].local = hashes.local;
                 if run.is_empty() {
                     run_parent = previous;
                 }
                 run.push(StoredBlock { sequence_hash: hashes.sequence, local_hash: hashes.local });
             } else if !run.is_empty() {
-                self.events.push(KvEvent::Stored { parent: run_parent, blocks: std::mem::take(&mut run) });
+                self.events.push(KvEvent::Stored { parent: run_parent, blocks: std::mem::take(&mut run), tier: Tier::Device });
             }
             previous = Some(hashes.sequence);
         }
         if !run.is_empty() {
-            self.events.push(KvEvent::Stored { parent: run_parent, blocks: run });
+            self.events.push(KvEvent::Stored { parent: run_parent, blocks: run, tier: Tier::Device });
         }
     }
 
@@ -219,13 +220,20 @@ impl BlockManager {
         if self.cached.is_empty() {
             self.events.push(KvEvent::Cleared);
         } else if !removed.is_empty() {
-            self.events.push(KvEvent::Removed { sequence_hashes: removed });
+            self.events.push(KvEvent::Removed { sequence_hashes: removed, tier: Tier::Device });
         }
     }
 
-    /// Every cached block's hash, for an index resynchronisation dump.
-    pub fn cached_hashes(&self) -> Vec<SequenceHash> {
-        self.cached.keys().copied().collect()
+    /// Every cached block, for an index resynchronisation dump.
+    pub fn cached_blocks(&self) -> Vec<CachedBlock> {
+        self.cached
+            .iter()
+            .map(|(&sequence_hash, &block)| CachedBlock {
+                sequence_hash,
+                local_hash: self.blocks[block as usize].local,
+                tiers: TierSet(Tier::Device.bit()),
+            })
+            .collect()
     }
 
     /// Moves the events recorded since the last call into `out`.
@@ -250,8 +258,8 @@ impl BlockManager {
         let hash = self.blocks[block as usize].hash.take().expect("lru blocks are cached");
         self.cached.remove(&hash);
         match self.events.last_mut() {
-            Some(KvEvent::Removed { sequence_hashes }) => sequence_hashes.push(hash),
-            _ => self.events.push(KvEvent::Removed { sequence_hashes: vec![hash] }),
+            Some(KvEvent::Removed { sequence_hashes, .. }) => sequence_hashes.push(hash),
+            _ => self.events.push(KvEvent::Removed { sequence_hashes: vec![hash], tier: Tier::Device }),
         }
         block
     }

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
-use crate::events::{KvEvent, NumberedEvent};
+use turbine_kv::{Dump, KvEvent, NumberedEvent};
 use crate::request::{EngineOutput, GenerateRequest, Load, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
 use crate::{EngineError, Result};
@@ -76,6 +76,7 @@ impl EngineStats {
 
 enum Command {
     Submit { request: GenerateRequest, outputs: tokio_mpsc::UnboundedSender<EngineOutput> },
+    Dump { reply: tokio::sync::oneshot::Sender<Dump> },
     Shutdown,
 }
 
@@ -164,6 +165,15 @@ impl EngineHandle {
         self.events.subscribe()
     }
 
+    /// Every block in the prefix cache, as of an event number: a consumer
+    /// that lagged (or joined late) loads this, then applies events from
+    /// `next_event_id` on.
+    pub async fn dump(&self) -> Result<Dump> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.commands.send(Command::Dump { reply }).map_err(|_| EngineError::ShuttingDown)?;
+        answer.await.map_err(|_| EngineError::ShuttingDown)
+    }
+
     /// Stops the loop (sequences still running fail) and joins the thread.
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
@@ -233,6 +243,12 @@ impl EngineLoop {
                         let _ = outputs.send(EngineOutput::Failed(EngineError::from(error)));
                     }
                 }
+                true
+            }
+            Command::Dump { reply } => {
+                // Publish first, so the dump reflects every numbered event.
+                self.publish();
+                let _ = reply.send(Dump { next_event_id: self.next_event_id, blocks: self.scheduler.cached_blocks() });
                 true
             }
             Command::Shutdown => false,

@@ -14,13 +14,12 @@
 
 pub mod block_manager;
 pub mod core;
-pub mod events;
 pub mod mocker;
 pub mod request;
 pub mod scheduler;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
-pub use events::{KvEvent, NumberedEvent, StoredBlock};
+pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
 pub use request::{EngineOutput, FinishReason, GenerateRequest, Load, Sampled, SamplingParams, StopConditions, TokenLogprobs, Usage};
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
 

@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use turbine_kv::{BlockHasher, BlockHashes, SequenceHash};
 
 use crate::block_manager::{BlockId, BlockManager};
-use crate::events::KvEvent;
+use turbine_kv::KvEvent;
 use crate::request::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
 
 /// Engine-local sequence id.
@@ -317,6 +317,11 @@ impl Scheduler {
     /// Moves the KV events recorded since the last call into `out`.
     pub fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
         self.blocks.drain_events(out);
+    }
+
+    /// Every block in the prefix cache (events drained or not).
+    pub fn cached_blocks(&self) -> Vec<turbine_kv::CachedBlock> {
+        self.blocks.cached_blocks()
     }
 
     /// Plans the next step. An empty plan means nothing can run now.

@@ -7,7 +7,13 @@
 //! Dynamo's (XXH3-64, seed 1337, tokens as little-endian `u32`), so traces
 //! and tools interoperate. A LoRA adapter or tenant salt changes the seed.
 
+pub mod events;
+pub mod index;
+
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+pub use events::{CachedBlock, Dump, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet};
+pub use index::{FindMatches, KvIndex, WorkerMatch};
 
 /// Seed of the block hash when no salt is in use.
 pub const DEFAULT_SEED: u64 = 1337;
@@ -52,10 +58,16 @@ impl BlockHasher {
     /// Local hash of one block of tokens.
     pub fn local(&self, tokens: &[u32]) -> LocalBlockHash {
         let mut bytes = Vec::with_capacity(tokens.len() * 4);
+        self.local_with(tokens, &mut bytes)
+    }
+
+    /// [`local`](Self::local) reusing `scratch` for the serialized tokens.
+    fn local_with(&self, tokens: &[u32], scratch: &mut Vec<u8>) -> LocalBlockHash {
+        scratch.clear();
         for token in tokens {
-            bytes.extend_from_slice(&token.to_le_bytes());
+            scratch.extend_from_slice(&token.to_le_bytes());
         }
-        LocalBlockHash(xxh3_64_with_seed(&bytes, self.seed))
+        LocalBlockHash(xxh3_64_with_seed(scratch, self.seed))
     }
 
     /// Sequence hash of a block given its parent's sequence hash (`None` for
@@ -77,15 +89,21 @@ impl BlockHasher {
     pub fn hash_blocks(&self, tokens: &[u32], block_size: usize) -> Vec<BlockHashes> {
         assert!(block_size > 0, "block size must be positive");
         let mut parent = None;
+        let mut scratch = Vec::with_capacity(block_size * 4);
         tokens
             .chunks_exact(block_size)
             .map(|block| {
-                let local = self.local(block);
+                let local = self.local_with(block, &mut scratch);
                 let sequence = self.chain(parent, local);
                 parent = Some(sequence);
                 BlockHashes { local, sequence }
             })
             .collect()
+    }
+
+    /// Sequence hashes of every complete block of `tokens`.
+    pub fn sequence_hashes(&self, tokens: &[u32], block_size: usize) -> Vec<SequenceHash> {
+        self.hash_blocks(tokens, block_size).into_iter().map(|block| block.sequence).collect()
     }
 }
 

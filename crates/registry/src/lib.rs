@@ -34,6 +34,14 @@ pub struct WorkerRecord {
     /// Latest load reported with the heartbeat.
     #[serde(default)]
     pub load: WorkerLoad,
+    /// Tokens per KV block of the worker's engine (0: unknown), the block
+    /// size routers hash prompts in.
+    #[serde(default)]
+    pub kv_block_size: u32,
+    /// Random per process start: a new value means the worker restarted
+    /// (its KV cache and event numbering started over).
+    #[serde(default)]
+    pub instance: u64,
 }
 
 /// Engine occupancy reported with each heartbeat.

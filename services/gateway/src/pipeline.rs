@@ -162,7 +162,7 @@ impl Pipeline {
             pending: VecDeque::new(),
             started,
             first_token_at: None,
-            _booking: booking,
+            booking,
         })
     }
 
@@ -177,9 +177,11 @@ impl Pipeline {
                 prompt_tokens: request.prompt.len() as u32,
                 policy: None,
                 exclude_worker_ids: excluded.clone(),
+                token_ids: request.prompt.as_slice().into(),
+                kv: None,
             };
             let worker: RoutedWorker = match self.router.route(&route).await {
-                Ok(worker) => worker,
+                Ok(routed) => routed.worker,
                 // Every worker was tried: report the last worker error.
                 Err(error) => return Err(last_error.unwrap_or_else(|| error.into())),
             };
@@ -223,6 +225,26 @@ struct Booking {
     request_id: String,
 }
 
+impl Booking {
+    /// Tells the router the prompt is computed (the first token came).
+    fn prefill_done(&self) {
+        match &self.router {
+            RouterClient::Local(router) => {
+                router.prefill_done(&self.request_id);
+            }
+            RouterClient::Remote(_) => {
+                let router = self.router.clone();
+                let request_id = self.request_id.clone();
+                tokio::spawn(async move {
+                    if let Err(error) = router.prefill_done(&request_id).await {
+                        tracing::debug!(%error, request_id, "prefill-done notice failed; the booking keeps its prefill until it ends");
+                    }
+                });
+            }
+        }
+    }
+}
+
 impl Drop for Booking {
     fn drop(&mut self) {
         match &self.router {
@@ -264,7 +286,7 @@ pub struct TextStream {
     pending: VecDeque<TextEvent>,
     started: Instant,
     first_token_at: Option<Instant>,
-    _booking: Booking,
+    booking: Booking,
 }
 
 impl std::fmt::Debug for TextStream {
@@ -330,6 +352,7 @@ impl TextStream {
                 let now = Instant::now();
                 metrics::time_to_first_token(&self.model, now - self.started);
                 self.first_token_at = Some(now);
+                self.booking.prefill_done();
             }
             let mut text = String::new();
             for &token in &chunk.tokens {

@@ -8,8 +8,8 @@ use turbine_proto::router::v1::router_client::RouterClient as GrpcRouterClient;
 use turbine_registry::WorkerLoad;
 use turbine_runtime::grpc::{TracedChannel, traced_channel};
 
-use crate::router::{RouteError, RouteRequest, RoutedWorker, Router};
-use crate::service::{ERROR_KIND_KEY, NO_WORKERS, policy_to_proto};
+use crate::router::{RouteError, RouteRequest, Routed, RoutedWorker, Router};
+use crate::service::{ERROR_KIND_KEY, NO_WORKERS, kv_overrides_to_proto, policy_to_proto};
 
 /// Why a router call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -78,9 +78,9 @@ impl RouterClient {
     }
 
     /// Chooses a worker and books the request.
-    pub async fn route(&self, request: &RouteRequest) -> Result<RoutedWorker, RouterCallError> {
+    pub async fn route(&self, request: &RouteRequest) -> Result<Routed, RouterCallError> {
         match self {
-            RouterClient::Local(router) => Ok(router.route(request)?.0),
+            RouterClient::Local(router) => Ok(router.route(request)?),
             RouterClient::Remote(client) => {
                 let message = pb::RouteRequest {
                     request_id: request.request_id.clone(),
@@ -88,9 +88,27 @@ impl RouterClient {
                     prompt_tokens: request.prompt_tokens,
                     policy: policy_to_proto(request.policy) as i32,
                     exclude_worker_ids: request.exclude_worker_ids.clone(),
+                    token_ids: request.token_ids.to_vec(),
+                    kv_weights: request.kv.map(kv_overrides_to_proto),
                 };
                 let response = client.clone().route(message).await?.into_inner();
-                response.worker.map(worker_from_proto).ok_or_else(|| RouterCallError::Unavailable("router returned no worker".into()))
+                let pb::RouteResponse { worker, in_flight, prompt_blocks, overlap_blocks } = response;
+                let worker = worker.map(worker_from_proto).ok_or_else(|| RouterCallError::Unavailable("router returned no worker".into()))?;
+                Ok(Routed { worker, in_flight, prompt_blocks, overlap_blocks })
+            }
+        }
+    }
+
+    /// Tells the router a request's first token came.
+    pub async fn prefill_done(&self, request_id: &str) -> Result<(), RouterCallError> {
+        match self {
+            RouterClient::Local(router) => {
+                router.prefill_done(request_id);
+                Ok(())
+            }
+            RouterClient::Remote(client) => {
+                client.clone().prefill_done(pb::PrefillDoneRequest { request_id: request_id.to_owned() }).await?;
+                Ok(())
             }
         }
     }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::kv::{KvConfig, KvWeights};
 use crate::policy::Policy;
 
 /// The router's configuration.
@@ -28,6 +29,15 @@ pub struct RouterConfig {
     pub booking_ttl_secs: f64,
     /// Seconds in-flight calls get to finish after SIGTERM.
     pub shutdown_grace_secs: f64,
+    /// kv policy: weight of prefill work against decode load.
+    pub kv_prefill_load_scale: f64,
+    /// kv policy: 0 picks the cheapest worker; above 0 samples.
+    pub kv_temperature: f64,
+    /// kv policy: index the router's own decisions (for engines that
+    /// publish no KV events).
+    pub kv_approximate: bool,
+    /// Approximate mode: seconds a decision is remembered.
+    pub kv_approx_ttl_secs: f64,
 }
 
 impl Default for RouterConfig {
@@ -41,6 +51,10 @@ impl Default for RouterConfig {
             poll_interval_ms: 250,
             booking_ttl_secs: 600.0,
             shutdown_grace_secs: 30.0,
+            kv_prefill_load_scale: 1.0,
+            kv_temperature: 0.0,
+            kv_approximate: false,
+            kv_approx_ttl_secs: 120.0,
         }
     }
 }
@@ -57,7 +71,18 @@ impl RouterConfig {
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err("shutdown_grace_secs must be non-negative".into());
         }
-        Ok(())
+        self.kv().validate()
+    }
+
+    /// The KV routing configuration.
+    pub fn kv(&self) -> KvConfig {
+        let defaults = KvConfig::default();
+        KvConfig {
+            weights: KvWeights { prefill_load_scale: self.kv_prefill_load_scale, temperature: self.kv_temperature, ..defaults.weights },
+            approximate: self.kv_approximate,
+            approx_ttl_secs: self.kv_approx_ttl_secs,
+            ..defaults
+        }
     }
 }
 
@@ -100,6 +125,23 @@ pub struct RouterArgs {
     #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_secs: Option<f64>,
+    /// kv policy: weight of prefill work against decode load [default: 1.0].
+    #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_prefill_load_scale: Option<f64>,
+    /// kv policy: 0 picks the cheapest worker, above 0 samples by cost [default: 0].
+    #[arg(long, env = "TURBINE_ROUTER_KV_TEMPERATURE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_temperature: Option<f64>,
+    /// kv policy: index the router's own decisions instead of worker KV events
+    /// (for engines that publish none).
+    #[arg(long, env = "TURBINE_ROUTER_KV_APPROXIMATE", num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_approximate: Option<bool>,
+    /// Approximate mode: seconds a routing decision is remembered [default: 120].
+    #[arg(long, env = "TURBINE_ROUTER_KV_APPROX_TTL_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_approx_ttl_secs: Option<f64>,
 }
 
 impl RouterArgs {

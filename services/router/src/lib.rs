@@ -4,12 +4,15 @@
 //!   (booked at route, released at finish, dropped when stale), and the
 //!   decision; transport-free.
 //! - [`policy`]: round-robin, random, least-loaded.
+//! - [`kv`]: KV-aware routing: the cost function over the KV index, and
+//!   approximate mode.
 //! - [`RouterService`]: the `turbine.router.v1.Router` gRPC shell.
 //! - [`RouterClient`]: in-process or gRPC, one type.
 //! - [`serve`]: the process and the registry watch.
 
 pub mod client;
 pub mod config;
+pub mod kv;
 pub mod metrics;
 pub mod policy;
 pub mod router;
@@ -19,5 +22,6 @@ pub mod service;
 pub use client::{RouterCallError, RouterClient};
 pub use config::{RouterArgs, RouterConfig};
 pub use policy::Policy;
-pub use router::{RouteError, RouteRequest, RoutedWorker, Router};
+pub use kv::{KvConfig, KvOverrides, KvState, KvWeights};
+pub use router::{RouteError, RouteRequest, Routed, RoutedWorker, Router};
 pub use service::RouterService;

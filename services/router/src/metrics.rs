@@ -22,7 +22,27 @@ static WORKERS: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_router_l
 static IN_FLIGHT: LazyLock<IntGaugeVec> =
     LazyLock::new(|| gauge("turbine_router_in_flight_requests", "Requests booked against each worker", &["worker"]));
 
-pub(crate) fn decision(policy: crate::Policy, result: &Result<(RoutedWorker, u32), RouteError>, elapsed: Duration) {
+static KV_OVERLAP: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram(
+        "turbine_router_kv_overlap_ratio",
+        "Share of each kv-routed prompt's blocks the chosen worker caches",
+        &[],
+        vec![0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0],
+    )
+});
+static KV_BLOCKS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_router_kv_prompt_blocks_total", "Prompt blocks of kv-routed requests, cached on the chosen worker or not", &["cached"]));
+
+/// Records one kv decision's overlap.
+pub(crate) fn kv_overlap(overlap_blocks: u32, prompt_blocks: u32) {
+    if prompt_blocks > 0 {
+        KV_OVERLAP.with_label_values(&[] as &[&str]).observe(f64::from(overlap_blocks) / f64::from(prompt_blocks));
+    }
+    KV_BLOCKS.with_label_values(&["true"]).inc_by(overlap_blocks.into());
+    KV_BLOCKS.with_label_values(&["false"]).inc_by(prompt_blocks.saturating_sub(overlap_blocks).into());
+}
+
+pub(crate) fn decision(policy: crate::Policy, result: &Result<crate::router::Routed, RouteError>, elapsed: Duration) {
     let outcome = match result {
         Ok(_) => "routed",
         Err(RouteError::NoWorkers(_)) => "no_workers",

@@ -13,6 +13,9 @@ pub enum Policy {
     Random,
     /// Fewest booked requests, then least reported queue and KV use.
     LeastLoaded,
+    /// Cache overlap against booked load (DESIGN §5's cost function);
+    /// needs a KV index.
+    Kv,
 }
 
 impl Policy {
@@ -22,6 +25,7 @@ impl Policy {
             Policy::RoundRobin => "round-robin",
             Policy::Random => "random",
             Policy::LeastLoaded => "least-loaded",
+            Policy::Kv => "kv",
         }
     }
 }
@@ -47,7 +51,8 @@ pub fn choose(policy: Policy, candidates: &[Candidate], turn: usize, rng: &mut i
     match policy {
         Policy::RoundRobin => turn % candidates.len(),
         Policy::Random => rng.random_range(0..candidates.len()),
-        Policy::LeastLoaded => {
+        // Without cache overlap to weigh, kv routing is load balancing.
+        Policy::LeastLoaded | Policy::Kv => {
             let key = |c: &Candidate| {
                 let kv_permille = if c.blocks_total == 0 { 0 } else { (c.blocks_used as u64 * 1000 / c.blocks_total as u64) as u32 };
                 (c.in_flight, c.reported_queue, kv_permille)

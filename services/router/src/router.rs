@@ -2,16 +2,19 @@
 //! requests booked against each, and the decision itself. No transport.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use turbine_kv::{BlockHasher, FindMatches, SequenceHash, WorkerMatch};
 use turbine_registry::{LiveWorker, WorkerLoad};
 
+use crate::kv::{KvCandidate, KvOverrides, KvState};
 use crate::policy::{Candidate, Policy, choose};
 
 /// A request to route.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct RouteRequest {
     /// Caller's id, unique per request; `finished` refers to it.
     pub request_id: String,
@@ -23,6 +26,25 @@ pub struct RouteRequest {
     pub policy: Option<Policy>,
     /// Workers not to choose.
     pub exclude_worker_ids: Vec<String>,
+    /// The prompt's token ids (the `kv` policy matches them against the
+    /// index; other policies ignore them).
+    pub token_ids: Arc<[u32]>,
+    /// Per-request overrides of the `kv` cost function.
+    pub kv: Option<KvOverrides>,
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Routed {
+    /// The chosen worker.
+    pub worker: RoutedWorker,
+    /// Requests booked against it, this one included.
+    pub in_flight: u32,
+    /// Prompt blocks (complete and partial) in the chosen worker's block size.
+    pub prompt_blocks: u32,
+    /// Leading prompt blocks the chosen worker caches, per the index
+    /// (0 unless the `kv` policy routed).
+    pub overlap_blocks: u32,
 }
 
 /// A live worker as the router reports it.
@@ -55,6 +77,18 @@ pub enum RouteError {
 struct Booking {
     worker_id: String,
     booked_at: Instant,
+    /// Blocks still to prefill (0 once the first token came).
+    prefill_blocks: u64,
+    /// Blocks of the sequence.
+    decode_blocks: u64,
+}
+
+/// What is booked against one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct WorkerBook {
+    in_flight: u32,
+    prefill_blocks: u64,
+    decode_blocks: u64,
 }
 
 #[derive(Debug, Default)]
@@ -63,28 +97,74 @@ struct State {
     workers: BTreeMap<String, LiveWorker>,
     /// Bookings by request id.
     bookings: HashMap<String, Booking>,
-    /// Booked requests per worker.
-    in_flight: HashMap<String, u32>,
+    /// Booked work per worker.
+    books: HashMap<String, WorkerBook>,
 }
 
 impl State {
     fn release(&mut self, request_id: &str) -> bool {
         let Some(booking) = self.bookings.remove(request_id) else { return false };
-        if let Some(count) = self.in_flight.get_mut(&booking.worker_id) {
-            *count = count.saturating_sub(1);
-            crate::metrics::in_flight(&booking.worker_id, *count);
-            if *count == 0 {
-                self.in_flight.remove(&booking.worker_id);
+        if let Some(book) = self.books.get_mut(&booking.worker_id) {
+            book.in_flight = book.in_flight.saturating_sub(1);
+            book.prefill_blocks = book.prefill_blocks.saturating_sub(booking.prefill_blocks);
+            book.decode_blocks = book.decode_blocks.saturating_sub(booking.decode_blocks);
+            crate::metrics::in_flight(&booking.worker_id, book.in_flight);
+            if book.in_flight == 0 {
+                self.books.remove(&booking.worker_id);
             }
         }
         true
     }
 
-    fn book(&mut self, request_id: &str, worker_id: &str, now: Instant) {
-        self.bookings.insert(request_id.to_owned(), Booking { worker_id: worker_id.to_owned(), booked_at: now });
-        let count = self.in_flight.entry(worker_id.to_owned()).or_default();
-        *count += 1;
-        crate::metrics::in_flight(worker_id, *count);
+    fn book(&mut self, request_id: &str, worker_id: &str, now: Instant, prefill_blocks: u64, decode_blocks: u64) {
+        let booking = Booking { worker_id: worker_id.to_owned(), booked_at: now, prefill_blocks, decode_blocks };
+        self.bookings.insert(request_id.to_owned(), booking);
+        let book = self.books.entry(worker_id.to_owned()).or_default();
+        book.in_flight += 1;
+        book.prefill_blocks += prefill_blocks;
+        book.decode_blocks += decode_blocks;
+        crate::metrics::in_flight(worker_id, book.in_flight);
+    }
+
+    fn prefill_done(&mut self, request_id: &str) -> bool {
+        let Some(booking) = self.bookings.get_mut(request_id) else { return false };
+        let blocks = std::mem::take(&mut booking.prefill_blocks);
+        if let Some(book) = self.books.get_mut(&booking.worker_id) {
+            book.prefill_blocks = book.prefill_blocks.saturating_sub(blocks);
+        }
+        true
+    }
+
+    fn book_of(&self, worker_id: &str) -> WorkerBook {
+        self.books.get(worker_id).copied().unwrap_or_default()
+    }
+}
+
+/// The prompt's block hashes in each block size the candidates use.
+struct PromptHashes<'a> {
+    tokens: &'a [u32],
+    hasher: BlockHasher,
+    by_size: Vec<(u32, Vec<SequenceHash>, HashMap<Arc<str>, WorkerMatch>)>,
+}
+
+impl PromptHashes<'_> {
+    /// Hashes and index matches for `block_size` (computed once per size).
+    fn matches(&mut self, block_size: u32, kv: &KvState) -> &HashMap<Arc<str>, WorkerMatch> {
+        let at = match self.by_size.iter().position(|(size, _, _)| *size == block_size) {
+            Some(at) => at,
+            None => {
+                let hashes = self.hasher.sequence_hashes(self.tokens, block_size as usize);
+                let matches = if kv.healthy() { kv.index().find_matches(&hashes) } else { FindMatches::default() };
+                let matches = matches.workers.into_iter().map(|m| (m.worker_id.clone(), m)).collect();
+                self.by_size.push((block_size, hashes, matches));
+                self.by_size.len() - 1
+            }
+        };
+        &self.by_size[at].2
+    }
+
+    fn hashes(&self, block_size: u32) -> &[SequenceHash] {
+        self.by_size.iter().find(|(size, _, _)| *size == block_size).map_or(&[], |(_, hashes, _)| hashes)
     }
 }
 
@@ -92,6 +172,7 @@ impl State {
 #[derive(Debug)]
 pub struct Router {
     policy: Policy,
+    kv: Option<Arc<KvState>>,
     /// A booking never released is dropped after this long.
     booking_ttl: Duration,
     state: Mutex<State>,
@@ -101,7 +182,17 @@ pub struct Router {
 impl Router {
     /// A router with no workers yet.
     pub fn new(policy: Policy, booking_ttl: Duration) -> Self {
-        Self { policy, booking_ttl, state: Mutex::new(State::default()), turn: AtomicUsize::new(0) }
+        Self { policy, kv: None, booking_ttl, state: Mutex::new(State::default()), turn: AtomicUsize::new(0) }
+    }
+
+    /// A router that can route on KV cache overlap (the `kv` policy).
+    pub fn with_kv(policy: Policy, booking_ttl: Duration, kv: Arc<KvState>) -> Self {
+        Self { kv: Some(kv), ..Self::new(policy, booking_ttl) }
+    }
+
+    /// The KV routing state, if this router has one.
+    pub fn kv(&self) -> Option<&Arc<KvState>> {
+        self.kv.as_ref()
     }
 
     /// The configured policy.
@@ -124,6 +215,18 @@ impl Router {
         }
         state.workers = fresh;
         forget_bookings_of(&mut state, &left);
+        drop(state);
+        self.forget_cache_of(&left);
+    }
+
+    /// A worker that left (or whose lease ran out) loses its blocks in the
+    /// index: its cache is gone or unreachable.
+    fn forget_cache_of(&self, workers: &[String]) {
+        if let Some(kv) = &self.kv {
+            for id in workers {
+                kv.index().remove_worker(id);
+            }
+        }
     }
 
     /// Keeps the workers whose lease is still running alive for `extension`
@@ -147,6 +250,10 @@ impl Router {
                 state.workers.remove(id);
             }
             forget_bookings_of(&mut state, &expired);
+            self.forget_cache_of(&expired);
+        }
+        if let Some(kv) = &self.kv {
+            kv.expire(now);
         }
         let stale: Vec<String> = state
             .bookings
@@ -161,11 +268,27 @@ impl Router {
     }
 
     /// Chooses a worker and books the request against it.
-    pub fn route(&self, request: &RouteRequest) -> Result<(RoutedWorker, u32), RouteError> {
+    pub fn route(&self, request: &RouteRequest) -> Result<Routed, RouteError> {
         if request.request_id.is_empty() {
             return Err(RouteError::InvalidRequest("request_id must not be empty".into()));
         }
+        let policy = request.policy.unwrap_or(self.policy);
+        let kv = match (policy, &self.kv) {
+            (Policy::Kv, Some(kv)) => Some(kv),
+            (Policy::Kv, None) => return Err(RouteError::InvalidRequest("this router has no KV index; the kv policy is unavailable".into())),
+            _ => None,
+        };
+        let weights = match (kv, &request.kv) {
+            (Some(kv), Some(overrides)) => {
+                let weights = overrides.apply(kv.config().weights);
+                weights.validate().map_err(RouteError::InvalidRequest)?;
+                Some(weights)
+            }
+            (Some(kv), None) => Some(kv.config().weights),
+            _ => None,
+        };
         let now = Instant::now();
+        let mut prompt = PromptHashes { tokens: &request.token_ids, hasher: BlockHasher::default(), by_size: Vec::new() };
         let mut state = self.state.lock();
         // A retried request id replaces its earlier booking.
         state.release(&request.request_id);
@@ -177,29 +300,72 @@ impl Router {
         if eligible.is_empty() {
             return Err(RouteError::NoWorkers(request.model.clone()));
         }
-        let candidates: Vec<Candidate> = eligible
-            .iter()
-            .map(|w| Candidate {
-                in_flight: state.in_flight.get(&w.record.worker_id).copied().unwrap_or(0),
-                reported_queue: w.record.load.running + w.record.load.waiting,
-                blocks_used: w.record.load.blocks_used,
-                blocks_total: w.record.load.blocks_total,
-            })
-            .collect();
-        let policy = request.policy.unwrap_or(self.policy);
-        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
-        let index = choose(policy, &candidates, turn, &mut rand::rng());
+        let prompt_tokens = (request.prompt_tokens as usize).max(request.token_ids.len());
+        let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;
+        let (index, overlap_blocks) = match (kv, weights) {
+            (Some(kv), Some(weights)) => {
+                let candidates: Vec<KvCandidate> = eligible
+                    .iter()
+                    .map(|w| {
+                        let id = &w.record.worker_id;
+                        let book = state.book_of(id);
+                        let matched = if w.record.kv_block_size == 0 { None } else { prompt.matches(w.record.kv_block_size, kv).get(id.as_str()) };
+                        KvCandidate {
+                            prompt_blocks: prompt_blocks(w),
+                            active_prefill_blocks: book.prefill_blocks,
+                            active_decode_blocks: book.decode_blocks,
+                            cached_tree: kv.index().cached_blocks(id),
+                            ..KvCandidate::default()
+                        }
+                        .with_match(matched)
+                    })
+                    .collect();
+                let index = crate::kv::choose(&weights, &candidates, &mut rand::rng());
+                (index, candidates[index].matched())
+            }
+            _ => {
+                let candidates: Vec<Candidate> = eligible
+                    .iter()
+                    .map(|w| Candidate {
+                        in_flight: state.book_of(&w.record.worker_id).in_flight,
+                        reported_queue: w.record.load.running + w.record.load.waiting,
+                        blocks_used: w.record.load.blocks_used,
+                        blocks_total: w.record.load.blocks_total,
+                    })
+                    .collect();
+                let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+                (choose(policy, &candidates, turn, &mut rand::rng()), 0)
+            }
+        };
         let chosen = &eligible[index].record;
+        let chosen_blocks = prompt_blocks(eligible[index]);
         let routed = RoutedWorker {
             worker_id: chosen.worker_id.clone(),
             endpoint: chosen.endpoint.clone(),
             model: chosen.model.clone(),
             load: chosen.load,
-            in_flight: candidates[index].in_flight + 1,
+            in_flight: state.book_of(&chosen.worker_id).in_flight + 1,
         };
-        state.book(&request.request_id, &routed.worker_id, now);
+        let block_size = chosen.kv_block_size;
+        let uncached = u64::from(chosen_blocks.saturating_sub(overlap_blocks));
+        state.book(&request.request_id, &routed.worker_id, now, uncached, u64::from(chosen_blocks));
+        drop(state);
+        if let Some(kv) = kv {
+            if block_size > 0 {
+                // Approximate mode learns from its own decision.
+                prompt.matches(block_size, kv);
+                kv.record_decision(&routed.worker_id, prompt.hashes(block_size), now);
+            }
+            crate::metrics::kv_overlap(overlap_blocks, chosen_blocks);
+        }
         let in_flight = routed.in_flight;
-        Ok((routed, in_flight))
+        Ok(Routed { worker: routed, in_flight, prompt_blocks: chosen_blocks, overlap_blocks })
+    }
+
+    /// Marks a request's prefill done (its first token came): its blocks
+    /// stop counting as prefill work. False if there was no booking.
+    pub fn prefill_done(&self, request_id: &str) -> bool {
+        self.state.lock().prefill_done(request_id)
     }
 
     /// Releases a booking; false if there was none.
@@ -220,7 +386,7 @@ impl Router {
                 endpoint: w.record.endpoint.clone(),
                 model: w.record.model.clone(),
                 load: w.record.load,
-                in_flight: state.in_flight.get(&w.record.worker_id).copied().unwrap_or(0),
+                in_flight: state.book_of(&w.record.worker_id).in_flight,
             })
             .collect()
     }
@@ -237,7 +403,7 @@ fn forget_bookings_of(state: &mut State, workers: &[String]) {
     }
     state.bookings.retain(|_, booking| !workers.contains(&booking.worker_id));
     for id in workers {
-        state.in_flight.remove(id);
+        state.books.remove(id);
     }
 }
 

@@ -9,12 +9,14 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
 use turbine_proto::service_names;
+use turbine_kv::KvIndex;
 use turbine_registry::{RedisRegistry, Registry};
 use turbine_runtime::grpc::{base_routes, serve as serve_grpc};
 use turbine_runtime::health::Readiness;
 use turbine_runtime::{CancellationToken, admin};
 
 use crate::config::RouterConfig;
+use crate::kv::KvState;
 use crate::router::Router;
 use crate::service::RouterService;
 
@@ -63,7 +65,8 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     let grpc_addr = grpc_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
-    let router = Arc::new(Router::new(config.policy, Duration::from_secs_f64(config.booking_ttl_secs)));
+    let kv = Arc::new(KvState::new(config.kv(), Arc::new(KvIndex::new())));
+    let router = Arc::new(Router::with_kv(config.policy, Duration::from_secs_f64(config.booking_ttl_secs), kv));
     let (readiness, health) = Readiness::new(&[service_names::ROUTER]).await;
     let routes = base_routes(health, &[FILE_DESCRIPTOR_SET]).add_service(RouterServer::new(RouterService::new(router.clone())));
     let grace = Duration::from_secs_f64(config.shutdown_grace_secs);

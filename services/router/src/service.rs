@@ -8,7 +8,8 @@ use turbine_proto::router::v1 as pb;
 
 use crate::metrics;
 use crate::policy::Policy;
-use crate::router::{RouteError, RouteRequest, RoutedWorker, Router};
+use crate::kv::KvOverrides;
+use crate::router::{RouteError, RouteRequest, Routed, RoutedWorker, Router};
 
 /// Metadata key naming the kind of a router error, so clients need not
 /// parse messages.
@@ -36,6 +37,7 @@ pub fn policy_from_proto(policy: pb::Policy) -> Option<Policy> {
         pb::Policy::RoundRobin => Some(Policy::RoundRobin),
         pb::Policy::Random => Some(Policy::Random),
         pb::Policy::LeastLoaded => Some(Policy::LeastLoaded),
+        pb::Policy::Kv => Some(Policy::Kv),
     }
 }
 
@@ -46,7 +48,20 @@ pub fn policy_to_proto(policy: Option<Policy>) -> pb::Policy {
         Some(Policy::RoundRobin) => pb::Policy::RoundRobin,
         Some(Policy::Random) => pb::Policy::Random,
         Some(Policy::LeastLoaded) => pb::Policy::LeastLoaded,
+        Some(Policy::Kv) => pb::Policy::Kv,
     }
+}
+
+/// KV weight overrides from the wire.
+pub fn kv_overrides_from_proto(weights: pb::KvWeights) -> KvOverrides {
+    let pb::KvWeights { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature } = weights;
+    KvOverrides { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature }
+}
+
+/// KV weight overrides to the wire.
+pub fn kv_overrides_to_proto(overrides: KvOverrides) -> pb::KvWeights {
+    let KvOverrides { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature } = overrides;
+    pb::KvWeights { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature }
 }
 
 /// A routed worker to the wire.
@@ -81,14 +96,27 @@ impl pb::router_server::Router for RouterService {
         let started = Instant::now();
         let request = request.into_inner();
         let policy = policy_from_proto(request.policy());
-        let pb::RouteRequest { request_id, model, prompt_tokens, policy: _, exclude_worker_ids } = request;
+        let pb::RouteRequest { request_id, model, prompt_tokens, policy: _, exclude_worker_ids, token_ids, kv_weights } = request;
         tracing::Span::current().record("request_id", request_id.as_str());
-        let route = RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids };
+        let route = RouteRequest {
+            request_id,
+            model,
+            prompt_tokens,
+            policy,
+            exclude_worker_ids,
+            token_ids: token_ids.into(),
+            kv: kv_weights.map(kv_overrides_from_proto),
+        };
         let result = self.router.route(&route);
         metrics::decision(policy.unwrap_or(self.router.policy()), &result, started.elapsed());
-        let (worker, in_flight) = result?;
+        let Routed { worker, in_flight, prompt_blocks, overlap_blocks } = result?;
         tracing::Span::current().record("worker", worker.worker_id.as_str());
-        Ok(Response::new(pb::RouteResponse { worker: Some(worker_to_proto(worker)), in_flight }))
+        Ok(Response::new(pb::RouteResponse { worker: Some(worker_to_proto(worker)), in_flight, prompt_blocks, overlap_blocks }))
+    }
+
+    async fn prefill_done(&self, request: Request<pb::PrefillDoneRequest>) -> Result<Response<pb::PrefillDoneResponse>, Status> {
+        let found = self.router.prefill_done(&request.into_inner().request_id);
+        Ok(Response::new(pb::PrefillDoneResponse { found }))
     }
 
     async fn request_finished(&self, request: Request<pb::RequestFinishedRequest>) -> Result<Response<pb::RequestFinishedResponse>, Status> {

@@ -4,6 +4,8 @@
 //! - [`WorkerService`]: the gRPC shell (`Generate`, `Load`, `GetModelCard`).
 //! - [`WorkerClient`]: how other services call a worker, in-process or over
 //!   gRPC, through one type.
+//! - [`kv_events::feed_index`]: the engine's KV events into an index in the
+//!   same process.
 //! - [`serve::run`]: the process: servers, model load, registry lease,
 //!   health, graceful drain.
 //! - [`WorkerConfig`] / [`WorkerArgs`]: configuration and flags.
@@ -11,6 +13,7 @@
 pub mod client;
 pub mod config;
 pub mod convert;
+pub mod kv_events;
 pub mod metrics;
 pub mod serve;
 pub mod service;

@@ -33,6 +33,8 @@ pub fn worker_record(worker: &Worker, endpoint: &str) -> WorkerRecord {
         endpoint: endpoint.to_owned(),
         model: worker.card().name.clone(),
         load: WorkerLoad { running: load.running, waiting: load.waiting, blocks_used: load.blocks_used, blocks_total: load.blocks_total },
+        kv_block_size: worker.block_size() as u32,
+        instance: worker.instance(),
     }
 }
 

@@ -22,6 +22,8 @@ pub struct Worker {
     card: ModelCard,
     card_proto: pb::ModelCard,
     engine: EngineHandle,
+    /// Random per start: KV event consumers detect a restart by it.
+    instance: u64,
 }
 
 impl Worker {
@@ -79,12 +81,23 @@ impl Worker {
             "worker loaded"
         );
         let card_proto = card_to_proto(&card);
-        Ok(Arc::new(Self { id, card, card_proto, engine }))
+        let instance = uuid::Uuid::new_v4().as_u64_pair().0;
+        Ok(Arc::new(Self { id, card, card_proto, engine, instance }))
     }
 
     /// The worker id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// This start's random incarnation number (KV events carry it).
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+
+    /// Tokens per KV block of the engine.
+    pub fn block_size(&self) -> usize {
+        self.engine.config().block_size
     }
 
     /// The served model's card.

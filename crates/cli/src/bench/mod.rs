@@ -3,6 +3,8 @@
 
 pub mod engine;
 pub mod gateway;
+pub mod indexer;
+pub mod replay;
 
 use std::process::ExitCode;
 
@@ -13,6 +15,11 @@ pub enum BenchCommand {
     Gateway(gateway::GatewayBenchArgs),
     /// The native engine's speed, side by side with llama.cpp.
     Engine(engine::EngineBenchArgs),
+    /// A Mooncake-format trace through gateway and router onto mocker
+    /// workers, once per routing policy.
+    Replay(replay::ReplayArgs),
+    /// The KV index applying a trace's events under concurrent lookups.
+    Indexer(indexer::IndexerBenchArgs),
 }
 
 /// Runs a benchmark and prints its report.
@@ -20,6 +27,12 @@ pub fn main(command: BenchCommand) -> ExitCode {
     if let BenchCommand::Engine(args) = &command {
         return finish(engine::run_bench(args).and_then(|report| {
             engine::print(&report);
+            write_json(args.json.as_deref(), &report)
+        }));
+    }
+    if let BenchCommand::Indexer(args) = &command {
+        return finish(indexer::run(args).and_then(|report| {
+            indexer::print(&report);
             write_json(args.json.as_deref(), &report)
         }));
     }
@@ -32,7 +45,13 @@ pub fn main(command: BenchCommand) -> ExitCode {
                 gateway::print(&report);
                 write_json(json.as_deref(), &report)
             }
-            BenchCommand::Engine(_) => unreachable!("handled above"),
+            BenchCommand::Replay(args) => {
+                let json = args.json.clone();
+                let report = replay::run(args).await?;
+                replay::print(&report);
+                write_json(json.as_deref(), &report)
+            }
+            BenchCommand::Engine(_) | BenchCommand::Indexer(_) => unreachable!("handled above"),
         }
     });
     finish(result)

@@ -51,7 +51,7 @@ fn eviction_takes_the_least_recently_released_block_and_reports_it() {
     manager.release(blocks.iter().rev().copied());
     let fresh = manager.allocate(1).unwrap();
     assert_eq!(fresh, vec![blocks[2]]);
-    assert_eq!(drain(&mut manager), vec![KvEvent::Removed { sequence_hashes: vec![block_hashes[2].sequence] }]);
+    assert_eq!(drain(&mut manager), vec![KvEvent::Removed { sequence_hashes: vec![block_hashes[2].sequence], tier: turbine_kv::Tier::Device }]);
     // The first two blocks still form a matchable prefix.
     assert_eq!(manager.match_prefix(&sequence_hashes(&block_hashes)), 2);
     manager.check_invariants();
@@ -182,11 +182,11 @@ proptest! {
             for event in drain(&mut manager) {
                 match event {
                     KvEvent::Stored { blocks, .. } => for block in blocks { prop_assert!(mirror.insert(block.sequence_hash)); },
-                    KvEvent::Removed { sequence_hashes } => for hash in sequence_hashes { prop_assert!(mirror.remove(&hash)); },
+                    KvEvent::Removed { sequence_hashes, .. } => for hash in sequence_hashes { prop_assert!(mirror.remove(&hash)); },
                     KvEvent::Cleared => mirror.clear(),
                 }
             }
-            let cached: std::collections::HashSet<_> = manager.cached_hashes().into_iter().collect();
+            let cached: std::collections::HashSet<_> = manager.cached_blocks().into_iter().map(|block| block.sequence_hash).collect();
             prop_assert_eq!(&cached, &mirror);
             let referenced: usize = live.iter().map(Vec::len).sum();
             prop_assert!(manager.num_used() <= referenced);

@@ -5,7 +5,7 @@ use super::*;
 
 fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
     LiveWorker {
-        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default() },
+        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1 },
         expires_at: Instant::now() + ttl,
     }
 }
@@ -18,8 +18,8 @@ fn request(id: &str, model: &str) -> RouteRequest {
 fn bookings_are_made_at_route_and_released_at_finish() {
     let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600));
     router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60))]);
-    let (first, _) = router.route(&request("r1", "m")).unwrap();
-    let (second, in_flight) = router.route(&request("r2", "m")).unwrap();
+    let first = router.route(&request("r1", "m")).unwrap().worker;
+    let Routed { worker: second, in_flight, .. } = router.route(&request("r2", "m")).unwrap();
     assert_ne!(first.worker_id, second.worker_id, "least-loaded spreads two requests");
     assert_eq!(in_flight, 1);
     assert_eq!(router.total_in_flight(), 2);
@@ -33,7 +33,7 @@ fn only_workers_of_the_model_and_not_excluded_are_chosen() {
     let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
     router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "other", Duration::from_secs(60))]);
     for i in 0..5 {
-        assert_eq!(router.route(&request(&format!("r{i}"), "m")).unwrap().0.worker_id, "a");
+        assert_eq!(router.route(&request(&format!("r{i}"), "m")).unwrap().worker.worker_id, "a");
     }
     let excluded = RouteRequest { exclude_worker_ids: vec!["a".into()], ..request("x", "m") };
     assert_eq!(router.route(&excluded), Err(RouteError::NoWorkers("m".into())));
@@ -47,7 +47,7 @@ fn an_expired_lease_stops_traffic_and_drops_its_bookings() {
     std::thread::sleep(Duration::from_millis(5));
     // Even before the next expire() sweep, an expired worker is not chosen.
     for i in 0..4 {
-        assert_eq!(router.route(&request(&format!("r{i}"), "m")).unwrap().0.worker_id, "b");
+        assert_eq!(router.route(&request(&format!("r{i}"), "m")).unwrap().worker.worker_id, "b");
     }
     router.expire(Instant::now());
     assert_eq!(router.workers(None).len(), 1);
@@ -85,9 +85,9 @@ fn stale_bookings_expire() {
 fn a_retried_request_id_moves_its_booking() {
     let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
     router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60))]);
-    let (first, _) = router.route(&request("r", "m")).unwrap();
+    let first = router.route(&request("r", "m")).unwrap().worker;
     let retry = RouteRequest { exclude_worker_ids: vec![first.worker_id.clone()], ..request("r", "m") };
-    let (second, _) = router.route(&retry).unwrap();
+    let second = router.route(&retry).unwrap().worker;
     assert_ne!(first.worker_id, second.worker_id);
     assert_eq!(router.total_in_flight(), 1);
     let counts: Vec<u32> = router.workers(None).iter().map(|w| w.in_flight).collect();

@@ -1,0 +1,499 @@
+//! `turbine bench replay`: a Mooncake-format request trace replayed through
+//! the real gateway and router onto mocker workers, once per routing
+//! policy, side by side in one run.
+//!
+//! Each trace line has an arrival time (ms), an input and an output length,
+//! and `hash_ids`: one id per 512-token block of the prompt, where equal
+//! leading ids mean an equal prompt prefix. Every id becomes 512 fixed
+//! synthetic token ids (a function of the id and the position), so prefix
+//! sharing survives whatever block size the engine uses; the last id is cut
+//! to the input length. Requests go to `/v1/completions` as token-id
+//! prompts, streamed, at the trace's arrival times divided by `--speedup`
+//! (the mocker runs `--speedup` times faster than its model of a GPU too,
+//! so the replay is the trace with time compressed).
+//!
+//! Reported per policy: TTFT, inter-token latency and end-to-end latency
+//! (p50/p90/p99/mean), output tokens/s, the prefix hit rate the engines
+//! reported (`usage.prompt_tokens_details.cached_tokens` over prompt
+//! tokens), and the oracle hit rate: every prefix block seen before in the
+//! trace counts as a hit (an infinite cache on one worker).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use turbine_router::Policy;
+use turbine_runtime::CancellationToken;
+use turbine_worker::EngineKind;
+
+use crate::run::{RunArgs, start};
+
+/// Tokens per `hash_ids` entry in Mooncake traces.
+const TRACE_BLOCK_TOKENS: usize = 512;
+
+/// Flags of `turbine bench replay`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Mocker workers behind the router.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Routing policies to compare, each replayed on a fresh stack (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,round-robin")]
+    pub router: Vec<Policy>,
+    /// Time compression: arrivals come this many times faster than in the trace.
+    #[arg(long, default_value_t = 10.0)]
+    pub speedup: f64,
+    /// The mocker's speedup over its model of a GPU [default: --speedup, so
+    /// the replay is the trace with time compressed]. Lower it to load the
+    /// workers more (slower engines for the same traffic).
+    #[arg(long)]
+    pub engine_speedup: Option<f64>,
+    /// Replay only the first N requests [default: all].
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Cap on each request's output tokens [default: the trace's].
+    #[arg(long)]
+    pub max_output_tokens: Option<u32>,
+    /// Tokens per KV block of the mocker.
+    #[arg(long, default_value_t = 64)]
+    pub block_size: usize,
+    /// KV blocks per mocker worker (sets the cache pressure).
+    #[arg(long, default_value_t = 16_384)]
+    pub num_blocks: usize,
+    /// kv policy: weight of prefill work against decode load.
+    #[arg(long, default_value_t = turbine_router::KvWeights::default().prefill_load_scale)]
+    pub kv_prefill_load_scale: f64,
+    /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
+    #[arg(long, default_value_t = 0.0)]
+    pub kv_temperature: f64,
+    /// Model whose card and vocabulary the mocker uses.
+    #[arg(long, default_value = turbine_tokens::pull::DEFAULT_MODEL)]
+    pub model: String,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One trace line.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TraceRequest {
+    /// Arrival, ms from trace start.
+    pub timestamp: u64,
+    /// Prompt tokens.
+    pub input_length: usize,
+    /// Generated tokens.
+    pub output_length: u32,
+    /// Prefix block ids (512 tokens each; the last may be partial).
+    pub hash_ids: Vec<u64>,
+}
+
+/// Reads a Mooncake-format trace.
+pub fn read_trace(path: &std::path::Path, limit: Option<usize>) -> anyhow::Result<Vec<TraceRequest>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading trace {}", path.display()))?;
+    let mut requests = Vec::new();
+    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+        if limit.is_some_and(|limit| requests.len() >= limit) {
+            break;
+        }
+        let request: TraceRequest = serde_json::from_str(line).with_context(|| format!("{}:{}: not a Mooncake trace line", path.display(), number + 1))?;
+        if request.input_length == 0 || request.hash_ids.is_empty() {
+            bail!("{}:{}: a request needs input_length > 0 and hash_ids", path.display(), number + 1);
+        }
+        if request.hash_ids.len() < request.input_length.div_ceil(TRACE_BLOCK_TOKENS) {
+            bail!("{}:{}: {} hash_ids cannot cover {} tokens", path.display(), number + 1, request.hash_ids.len(), request.input_length);
+        }
+        requests.push(request);
+    }
+    if requests.is_empty() {
+        bail!("{}: no requests", path.display());
+    }
+    Ok(requests)
+}
+
+/// A token id for position `position` of trace block `hash_id`: fixed per
+/// (id, position), spread over `range` so blocks differ.
+fn synthetic_token(hash_id: u64, position: usize, range: std::ops::Range<u32>) -> u32 {
+    let mut x = hash_id.wrapping_mul(TRACE_BLOCK_TOKENS as u64).wrapping_add(position as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    // splitmix64
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    range.start + (x % u64::from(range.end - range.start)) as u32
+}
+
+/// The prompt of one trace request.
+pub fn prompt_tokens(request: &TraceRequest, range: std::ops::Range<u32>) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(request.input_length);
+    'ids: for &id in &request.hash_ids {
+        for position in 0..TRACE_BLOCK_TOKENS {
+            if tokens.len() == request.input_length {
+                break 'ids;
+            }
+            tokens.push(synthetic_token(id, position, range.clone()));
+        }
+    }
+    tokens
+}
+
+/// Prompt tokens an ideal cache could serve for each request: the leading
+/// trace blocks seen before (as far as earlier requests had them), cut to
+/// whole engine blocks and leaving at least one token to compute.
+pub fn oracle_hits(requests: &[TraceRequest], block_size: usize) -> Vec<usize> {
+    // Longest run of each id's tokens any earlier request carried.
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    requests
+        .iter()
+        .map(|request| {
+            let mut hit = 0;
+            for (index, &id) in request.hash_ids.iter().enumerate() {
+                let here = (request.input_length - index * TRACE_BLOCK_TOKENS).min(TRACE_BLOCK_TOKENS);
+                let before = seen.get(&id).copied().unwrap_or(0);
+                hit += before.min(here);
+                if before < here {
+                    break;
+                }
+            }
+            for (index, &id) in request.hash_ids.iter().enumerate() {
+                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS) else { break };
+                let entry = seen.entry(id).or_default();
+                *entry = (*entry).max(here.min(TRACE_BLOCK_TOKENS));
+            }
+            let usable = hit.min(request.input_length - 1);
+            usable / block_size * block_size
+        })
+        .collect()
+}
+
+/// Latency summary in milliseconds.
+#[derive(Debug, Clone, Copy, Serialize, Default)]
+pub struct Summary {
+    /// Median.
+    pub p50_ms: f64,
+    /// 90th percentile.
+    pub p90_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Mean.
+    pub mean_ms: f64,
+}
+
+fn summarize(mut samples: Vec<f64>) -> Summary {
+    if samples.is_empty() {
+        return Summary::default();
+    }
+    samples.sort_by(f64::total_cmp);
+    let pick = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
+    Summary { p50_ms: pick(0.5), p90_ms: pick(0.9), p99_ms: pick(0.99), mean_ms: samples.iter().sum::<f64>() / samples.len() as f64 }
+}
+
+/// One policy's replay.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyReport {
+    /// Routing policy.
+    pub router: String,
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed (non-200 or a broken stream).
+    pub failed: usize,
+    /// Time to first token.
+    pub ttft: Summary,
+    /// Mean time between tokens, per request.
+    pub itl: Summary,
+    /// End-to-end latency.
+    pub end_to_end: Summary,
+    /// Output tokens per second of wall time.
+    pub output_tokens_per_sec: f64,
+    /// Cached prompt tokens / prompt tokens, as the engines reported.
+    pub prefix_hit_rate: f64,
+    /// The same for an ideal cache (see the module docs).
+    pub oracle_hit_rate: f64,
+    /// prefix_hit_rate / oracle_hit_rate.
+    pub share_of_oracle: f64,
+    /// Wall time of the replay in seconds.
+    pub wall_secs: f64,
+}
+
+/// Everything `turbine bench replay` measures.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplayReport {
+    /// The trace file.
+    pub trace: String,
+    /// Mocker workers.
+    pub workers: usize,
+    /// Time compression of arrivals.
+    pub speedup: f64,
+    /// The mocker's speedup.
+    pub engine_speedup: f64,
+    /// Mocker block size and pool.
+    pub block_size: usize,
+    /// KV blocks per worker.
+    pub num_blocks: usize,
+    /// One entry per policy, in the order run.
+    pub policies: Vec<PolicyReport>,
+}
+
+struct Outcome {
+    ttft: Duration,
+    end_to_end: Duration,
+    text_events: usize,
+    completion_tokens: u64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// Runs the replay for every policy.
+pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
+    anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    anyhow::ensure!(args.speedup.is_finite() && args.speedup > 0.0, "--speedup must be positive");
+    anyhow::ensure!(!args.router.is_empty(), "--router needs at least one policy");
+    let requests = read_trace(&args.trace, args.limit)?;
+    let longest = requests.iter().map(|r| r.input_length as u64 + u64::from(r.output_length)).max().unwrap_or(0);
+    let context_length = u32::try_from(longest + 1).context("a trace request exceeds 2^32 tokens")?;
+    let oracle = oracle_hits(&requests, args.block_size);
+    let prompt_total: usize = requests.iter().map(|r| r.input_length).sum();
+    let oracle_rate = oracle.iter().sum::<usize>() as f64 / prompt_total as f64;
+    // Ids well inside the vocabulary of the default model, clear of its special tokens.
+    let prompts: Arc<Vec<Arc<Vec<u32>>>> = Arc::new(requests.iter().map(|r| Arc::new(prompt_tokens(r, 1000..40_000))).collect());
+    let mut policies = Vec::new();
+    for &policy in &args.router {
+        eprintln!("replaying {} requests with the {} router...", requests.len(), policy.name());
+        let report = replay_one(&args, policy, &requests, &prompts, context_length, oracle_rate).await?;
+        eprintln!(
+            "  {}: ttft mean {:.0} ms p90 {:.0} ms, hit rate {:.3} (oracle {:.3}), {} failed",
+            report.router, report.ttft.mean_ms, report.ttft.p90_ms, report.prefix_hit_rate, report.oracle_hit_rate, report.failed
+        );
+        policies.push(report);
+    }
+    Ok(ReplayReport {
+        trace: args.trace.display().to_string(),
+        workers: args.workers,
+        speedup: args.speedup,
+        engine_speedup: args.engine_speedup.unwrap_or(args.speedup),
+        block_size: args.block_size,
+        num_blocks: args.num_blocks,
+        policies,
+    })
+}
+
+async fn replay_one(
+    args: &ReplayArgs,
+    policy: Policy,
+    requests: &[TraceRequest],
+    prompts: &Arc<Vec<Arc<Vec<u32>>>>,
+    context_length: u32,
+    oracle_rate: f64,
+) -> anyhow::Result<PolicyReport> {
+    let shutdown = CancellationToken::new();
+    let run_args = RunArgs {
+        model: args.model.clone(),
+        served_model_name: Some("replay".into()),
+        workers: args.workers,
+        engine: EngineKind::Mock,
+        host: [127, 0, 0, 1].into(),
+        http_port: 0,
+        grpc_port: 0,
+        policy,
+        kv_prefill_load_scale: args.kv_prefill_load_scale,
+        kv_temperature: args.kv_temperature,
+        speedup: args.engine_speedup.unwrap_or(args.speedup),
+        block_size: Some(args.block_size),
+        num_blocks: Some(args.num_blocks),
+        kv_cache_mib: 512,
+        threads: Some(1),
+        device: "cpu".into(),
+        context_length: Some(context_length),
+        max_num_seqs: 256,
+        max_batched_tokens: 8192,
+        max_concurrent_requests: 65_536,
+        shutdown_grace_secs: 1.0,
+    };
+    let stack = start(run_args, shutdown.clone()).await?;
+    let url = format!("http://127.0.0.1:{}/v1/completions", stack.http_port);
+    let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build()?;
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(requests.len());
+    for (index, request) in requests.iter().enumerate() {
+        let due = started + Duration::from_secs_f64(request.timestamp as f64 / 1000.0 / args.speedup);
+        tokio::time::sleep_until(due.into()).await;
+        let max_tokens = args.max_output_tokens.map_or(request.output_length, |cap| request.output_length.min(cap)).max(1);
+        let body = serde_json::json!({
+            "model": "replay",
+            "prompt": &*prompts[index],
+            "max_tokens": max_tokens,
+            "ignore_eos": true,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        let (http, url) = (http.clone(), url.clone());
+        tasks.push(tokio::spawn(async move { stream_completion(&http, &url, &body).await }));
+    }
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    let mut failed = 0;
+    for task in tasks {
+        match task.await? {
+            Ok(outcome) => outcomes.push(outcome),
+            Err(error) => {
+                failed += 1;
+                if failed <= 5 {
+                    eprintln!("  request failed: {error:#}");
+                }
+            }
+        }
+    }
+    let wall = started.elapsed();
+    shutdown.cancel();
+    stack.finished.await.context("stack panicked")??;
+
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let ttft = summarize(outcomes.iter().map(|o| ms(o.ttft)).collect());
+    let itl = summarize(
+        outcomes.iter().filter(|o| o.text_events > 1).map(|o| ms(o.end_to_end - o.ttft) / (o.text_events - 1) as f64).collect(),
+    );
+    let end_to_end = summarize(outcomes.iter().map(|o| ms(o.end_to_end)).collect());
+    let completion: u64 = outcomes.iter().map(|o| o.completion_tokens).sum();
+    let prompt: u64 = outcomes.iter().map(|o| o.prompt_tokens).sum();
+    let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
+    let prefix_hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
+    Ok(PolicyReport {
+        router: policy.name().to_owned(),
+        requests: requests.len(),
+        failed,
+        ttft,
+        itl,
+        end_to_end,
+        output_tokens_per_sec: completion as f64 / wall.as_secs_f64(),
+        prefix_hit_rate,
+        oracle_hit_rate: oracle_rate,
+        share_of_oracle: if oracle_rate > 0.0 { prefix_hit_rate / oracle_rate } else { 0.0 },
+        wall_secs: wall.as_secs_f64(),
+    })
+}
+
+/// One streamed completion: first text, end, text events and usage.
+async fn stream_completion(http: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<Outcome> {
+    let started = Instant::now();
+    let response = http.post(url).json(body).send().await?;
+    let status = response.status();
+    if !status.is_success() {
+        let text = response.text().await.unwrap_or_default();
+        bail!("gateway answered {status}: {text}");
+    }
+    let mut stream = response.bytes_stream();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut first = None;
+    let mut text_events = 0;
+    let mut usage = None;
+    while let Some(bytes) = stream.next().await {
+        pending.extend_from_slice(&bytes?);
+        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            let Some(data) = event.strip_prefix(b"data: ") else { continue };
+            if data.starts_with(b"[DONE]") {
+                let (prompt_tokens, completion_tokens, cached_tokens) = usage.context("the stream carried no usage")?;
+                return Ok(Outcome {
+                    ttft: first.unwrap_or_else(|| started.elapsed()),
+                    end_to_end: started.elapsed(),
+                    text_events,
+                    completion_tokens,
+                    prompt_tokens,
+                    cached_tokens,
+                });
+            }
+            if data.windows(8).any(|w| w == b"\"text\":\"") && !data.windows(9).any(|w| w == b"\"text\":\"\"") {
+                text_events += 1;
+                first.get_or_insert_with(|| started.elapsed());
+            }
+            if data.windows(8).any(|w| w == b"\"usage\":") {
+                let chunk: serde_json::Value = serde_json::from_slice(data.trim_ascii_end())?;
+                let usage_json = &chunk["usage"];
+                if usage_json.is_object() {
+                    usage = Some((
+                        usage_json["prompt_tokens"].as_u64().unwrap_or(0),
+                        usage_json["completion_tokens"].as_u64().unwrap_or(0),
+                        usage_json["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+                    ));
+                }
+            }
+        }
+    }
+    bail!("the stream ended without [DONE]")
+}
+
+/// Prints the side-by-side table.
+pub fn print(report: &ReplayReport) {
+    println!(
+        "replay of {} on {} mocker workers ({} blocks of {} tokens each), arrivals {}x, engines {}x",
+        report.trace, report.workers, report.num_blocks, report.block_size, report.speedup, report.engine_speedup
+    );
+    println!(
+        "{:<14} {:>8} {:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>8}",
+        "router", "requests", "failed", "ttft mean", "ttft p50", "ttft p90", "itl mean", "itl p90", "e2e mean", "out tok/s", "hit", "oracle"
+    );
+    for p in &report.policies {
+        println!(
+            "{:<14} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.0} {:>8.3} {:>8.3}",
+            p.router,
+            p.requests,
+            p.failed,
+            p.ttft.mean_ms,
+            p.ttft.p50_ms,
+            p.ttft.p90_ms,
+            p.itl.mean_ms,
+            p.itl.p90_ms,
+            p.end_to_end.mean_ms,
+            p.output_tokens_per_sec,
+            p.prefix_hit_rate,
+            p.oracle_hit_rate
+        );
+    }
+    if let (Some(kv), Some(rr)) = (report.policies.iter().find(|p| p.router == "kv"), report.policies.iter().find(|p| p.router == "round-robin")) {
+        println!(
+            "kv vs round-robin: mean TTFT {:.2}x lower, p90 TTFT {:.2}x lower; kv captures {:.1}% of the oracle hit rate",
+            rr.ttft.mean_ms / kv.ttft.mean_ms,
+            rr.ttft.p90_ms / kv.ttft.p90_ms,
+            kv.share_of_oracle * 100.0
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(input_length: usize, hash_ids: Vec<u64>) -> TraceRequest {
+        TraceRequest { timestamp: 0, input_length, output_length: 1, hash_ids }
+    }
+
+    #[test]
+    fn shared_ids_give_shared_prefixes() {
+        let a = prompt_tokens(&request(1100, vec![7, 8, 9]), 1000..40_000);
+        let b = prompt_tokens(&request(600, vec![7, 5]), 1000..40_000);
+        assert_eq!((a.len(), b.len()), (1100, 600));
+        assert_eq!(a[..512], b[..512]);
+        assert_ne!(a[512..600], b[512..600]);
+        assert!(a.iter().all(|t| (1000..40_000).contains(t)));
+    }
+
+    #[test]
+    fn the_oracle_counts_prefix_blocks_seen_before() {
+        let requests = vec![request(1100, vec![1, 2, 3]), request(1100, vec![1, 2, 4]), request(700, vec![1, 2]), request(600, vec![9, 2])];
+        // 2nd: ids 1 and 2 seen in full (1024). 3rd: id 1 in full, id 2 only
+        // its first 188 tokens here (all of them seen) = 700, minus the last
+        // token, cut to blocks of 64 = 640. 4th: id 9 unseen.
+        assert_eq!(oracle_hits(&requests, 64), vec![0, 1024, 640, 0]);
+    }
+
+    #[test]
+    fn a_partial_block_seen_before_only_covers_what_was_seen() {
+        let requests = vec![request(600, vec![1, 2]), request(1100, vec![1, 2, 3])];
+        // Request 1 carried 88 tokens of id 2: 512 + 88 = 600, cut to 576.
+        assert_eq!(oracle_hits(&requests, 64), vec![0, 576]);
+    }
+}

@@ -1,0 +1,51 @@
+//! One kv routing decision for a 32,000-token prompt over 100 workers,
+//! hashing included, next to a least-loaded decision.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use turbine_kv::{BlockHasher, KvEvent, KvIndex, StoredBlock, Tier};
+use turbine_registry::{LiveWorker, WorkerLoad, WorkerRecord};
+use turbine_router::{KvConfig, KvState, Policy, RouteRequest, Router};
+
+fn router() -> (Router, Arc<[u32]>) {
+    let tokens: Arc<[u32]> = (0..32_000u32).map(|i| i.wrapping_mul(2_654_435_761) % 49_152).collect();
+    let hashes = BlockHasher::default().hash_blocks(&tokens, 16);
+    let index = Arc::new(KvIndex::new());
+    let workers: Vec<LiveWorker> = (0..100)
+        .map(|w| {
+            // Worker w caches the first 20·w blocks of the prompt (up to all 2,000).
+            let blocks = hashes[..(20 * w).min(hashes.len())].iter().map(|h| StoredBlock { sequence_hash: h.sequence, local_hash: h.local }).collect();
+            let id = format!("worker-{w:03}");
+            index.apply_unnumbered(&id, &KvEvent::Stored { parent: None, blocks, tier: Tier::Device });
+            LiveWorker {
+                record: WorkerRecord { worker_id: id.clone(), endpoint: format!("http://{id}"), model: "m".into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1 },
+                expires_at: Instant::now() + Duration::from_secs(3600),
+            }
+        })
+        .collect();
+    let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::new(KvConfig::default(), index)));
+    router.update_workers(workers);
+    (router, tokens)
+}
+
+fn decision(c: &mut Criterion) {
+    let (router, tokens) = router();
+    let mut group = c.benchmark_group("route_32k_tokens_100_workers");
+    for policy in [Policy::Kv, Policy::LeastLoaded] {
+        let request = RouteRequest { request_id: "r".into(), model: "m".into(), prompt_tokens: 32_000, policy: Some(policy), token_ids: tokens.clone(), ..Default::default() };
+        group.bench_function(policy.name(), |b| {
+            b.iter(|| {
+                let routed = router.route(black_box(&request)).unwrap();
+                router.finished("r");
+                routed
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decision);
+criterion_main!(benches);

@@ -1,0 +1,412 @@
+//! KV-aware routing: DESIGN §5's cost function over the global KV index.
+//!
+//! For each candidate worker the router knows how many leading blocks of the
+//! prompt it caches (per tier, from the [`KvIndex`]) and how much work is
+//! already booked on it (blocks still to prefill, blocks being decoded):
+//!
+//! ```text
+//! credits = device·d + host·h + disk·k + remote·r        (matched blocks per tier)
+//! prefill = max(active_prefill_blocks + prompt_blocks − credits, 0)
+//! cost    = prefill_load_scale·prefill + active_decode_blocks + prompt_blocks
+//! ```
+//!
+//! Temperature 0 picks the cheapest (ties: the smaller cached tree, so new
+//! prefixes spread out; then random); a positive temperature samples with
+//! probability ∝ exp(−(cost/(max−min))/T).
+//!
+//! Without KV events (engines that publish none) the router runs in
+//! *approximate* mode: it records its own decisions as if the chosen worker
+//! had stored the prompt's blocks, and forgets them after a TTL or when the
+//! record outgrows its size bound.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use turbine_kv::{KvEvent, KvIndex, SequenceHash, StoredBlock, Tier, WorkerMatch};
+
+/// Weights of the cost function; every field can be overridden per request.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvWeights {
+    /// Credit for a matched block in engine memory.
+    pub device_credit: f64,
+    /// Credit for a matched block in host memory.
+    pub host_credit: f64,
+    /// Credit for a matched block on local disk.
+    pub disk_credit: f64,
+    /// Credit for a matched block in a remote KV store.
+    pub remote_credit: f64,
+    /// Weight of prefill work against decode load.
+    pub prefill_load_scale: f64,
+    /// 0 picks the cheapest worker; above 0 samples, hotter is more random.
+    pub temperature: f64,
+}
+
+impl Default for KvWeights {
+    fn default() -> Self {
+        Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 }
+    }
+}
+
+impl KvWeights {
+    /// Checks that every weight is finite and non-negative.
+    pub fn validate(&self) -> Result<(), String> {
+        let fields = [
+            ("device_credit", self.device_credit),
+            ("host_credit", self.host_credit),
+            ("disk_credit", self.disk_credit),
+            ("remote_credit", self.remote_credit),
+            ("prefill_load_scale", self.prefill_load_scale),
+            ("temperature", self.temperature),
+        ];
+        for (name, value) in fields {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!("kv weight {name} must be a finite non-negative number, got {value}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The credit of one matched block in `tier`.
+    pub fn credit(&self, tier: Tier) -> f64 {
+        match tier {
+            Tier::Device => self.device_credit,
+            Tier::Host => self.host_credit,
+            Tier::Disk => self.disk_credit,
+            Tier::Remote => self.remote_credit,
+        }
+    }
+}
+
+/// Per-request overrides of [`KvWeights`]; unset fields keep the router's.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KvOverrides {
+    /// See [`KvWeights::device_credit`].
+    pub device_credit: Option<f64>,
+    /// See [`KvWeights::host_credit`].
+    pub host_credit: Option<f64>,
+    /// See [`KvWeights::disk_credit`].
+    pub disk_credit: Option<f64>,
+    /// See [`KvWeights::remote_credit`].
+    pub remote_credit: Option<f64>,
+    /// See [`KvWeights::prefill_load_scale`].
+    pub prefill_load_scale: Option<f64>,
+    /// See [`KvWeights::temperature`].
+    pub temperature: Option<f64>,
+}
+
+impl KvOverrides {
+    /// `base` with these overrides applied.
+    pub fn apply(&self, base: KvWeights) -> KvWeights {
+        KvWeights {
+            device_credit: self.device_credit.unwrap_or(base.device_credit),
+            host_credit: self.host_credit.unwrap_or(base.host_credit),
+            disk_credit: self.disk_credit.unwrap_or(base.disk_credit),
+            remote_credit: self.remote_credit.unwrap_or(base.remote_credit),
+            prefill_load_scale: self.prefill_load_scale.unwrap_or(base.prefill_load_scale),
+            temperature: self.temperature.unwrap_or(base.temperature),
+        }
+    }
+}
+
+/// What the cost function sees of one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KvCandidate {
+    /// The prompt's length in the worker's blocks.
+    pub prompt_blocks: u32,
+    /// Leading prompt blocks the worker caches, by fastest tier.
+    pub matched_by_tier: [u32; 4],
+    /// Blocks booked on the worker and not yet prefilled.
+    pub active_prefill_blocks: u64,
+    /// Blocks of the sequences booked on the worker.
+    pub active_decode_blocks: u64,
+    /// Blocks the worker caches in all (tie-break: smaller first).
+    pub cached_tree: usize,
+}
+
+impl KvCandidate {
+    /// Leading prompt blocks cached in any tier.
+    pub fn matched(&self) -> u32 {
+        self.matched_by_tier.iter().sum()
+    }
+
+    /// Fills the match from an index answer.
+    pub fn with_match(mut self, matched: Option<&WorkerMatch>) -> Self {
+        if let Some(matched) = matched {
+            self.matched_by_tier = matched.by_tier;
+        }
+        self
+    }
+}
+
+/// DESIGN §5's cost of sending the request to `candidate`.
+pub fn cost(weights: &KvWeights, candidate: &KvCandidate) -> f64 {
+    let prompt_blocks = candidate.prompt_blocks;
+    let credits: f64 = Tier::ALL.iter().map(|&tier| weights.credit(tier) * f64::from(candidate.matched_by_tier[tier as usize])).sum();
+    let prefill = (candidate.active_prefill_blocks as f64 + f64::from(prompt_blocks) - credits).max(0.0);
+    weights.prefill_load_scale * prefill + candidate.active_decode_blocks as f64 + f64::from(prompt_blocks)
+}
+
+/// Picks a candidate index (`candidates` must not be empty).
+pub fn choose(weights: &KvWeights, candidates: &[KvCandidate], rng: &mut impl Rng) -> usize {
+    debug_assert!(!candidates.is_empty());
+    let costs: Vec<f64> = candidates.iter().map(|c| cost(weights, c)).collect();
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if weights.temperature > 0.0 && max > min {
+        let range = max - min;
+        let logits: Vec<f64> = costs.iter().map(|c| -((c - min) / range) / weights.temperature).collect();
+        let total: f64 = logits.iter().map(|l| l.exp()).sum();
+        let mut draw = rng.random::<f64>() * total;
+        for (index, logit) in logits.iter().enumerate() {
+            draw -= logit.exp();
+            if draw <= 0.0 {
+                return index;
+            }
+        }
+        return logits.len() - 1;
+    }
+    let cheapest: Vec<usize> = (0..costs.len()).filter(|&i| costs[i] <= min + 1e-9).collect();
+    let smallest_tree = cheapest.iter().map(|&i| candidates[i].cached_tree).min().expect("candidates not empty");
+    let ties: Vec<usize> = cheapest.into_iter().filter(|&i| candidates[i].cached_tree == smallest_tree).collect();
+    ties[rng.random_range(0..ties.len())]
+}
+
+/// KV routing configuration (part of the router's).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvConfig {
+    /// Default cost-function weights.
+    #[serde(flatten)]
+    pub weights: KvWeights,
+    /// Index the router's own decisions instead of worker KV events.
+    pub approximate: bool,
+    /// Approximate mode: seconds a decision is remembered.
+    pub approx_ttl_secs: f64,
+    /// Approximate mode: (worker, block) entries remembered at most.
+    pub approx_max_blocks: usize,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self { weights: KvWeights::default(), approximate: false, approx_ttl_secs: 120.0, approx_max_blocks: 4_000_000 }
+    }
+}
+
+impl KvConfig {
+    /// Checks values that types alone do not constrain.
+    pub fn validate(&self) -> Result<(), String> {
+        self.weights.validate()?;
+        if !(self.approx_ttl_secs.is_finite() && self.approx_ttl_secs > 0.0) {
+            return Err("approx_ttl_secs must be positive".into());
+        }
+        if self.approx_max_blocks == 0 {
+            return Err("approx_max_blocks must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// The index a router routes on, and whether it can be trusted now.
+#[derive(Debug)]
+pub struct KvState {
+    config: KvConfig,
+    index: Arc<KvIndex>,
+    /// False while the feed keeping `index` current is broken: routing then
+    /// uses load only.
+    healthy: AtomicBool,
+    approx: Option<Mutex<ApproxLog>>,
+}
+
+#[derive(Debug, Default)]
+struct ApproxLog {
+    /// (expiry, worker, blocks) in decision order.
+    entries: VecDeque<(Instant, Arc<str>, Vec<SequenceHash>)>,
+    /// Sum of the entries' lengths.
+    blocks: usize,
+    /// The latest expiry recorded for each (worker, block).
+    latest: HashMap<(Arc<str>, SequenceHash), Instant>,
+}
+
+impl KvState {
+    /// KV state over `index`: fed by worker events, or (approximate mode)
+    /// by the router's own decisions.
+    pub fn new(config: KvConfig, index: Arc<KvIndex>) -> Self {
+        let approx = config.approximate.then(|| Mutex::new(ApproxLog::default()));
+        Self { config, index, healthy: AtomicBool::new(true), approx }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &KvConfig {
+        &self.config
+    }
+
+    /// The index routed on.
+    pub fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+
+    /// Marks the index feed broken (routing by load only) or working.
+    pub fn set_healthy(&self, healthy: bool) {
+        if self.healthy.swap(healthy, Ordering::Relaxed) != healthy {
+            if healthy {
+                tracing::info!("KV index feed recovered; routing on cache overlap again");
+            } else {
+                tracing::warn!("KV index feed broken; routing on load only until it returns");
+            }
+        }
+    }
+
+    /// Whether the index is trusted now.
+    pub fn healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Approximate mode: remembers that `worker_id` now holds `hashes`.
+    pub fn record_decision(&self, worker_id: &str, hashes: &[SequenceHash], now: Instant) {
+        let Some(approx) = &self.approx else { return };
+        if hashes.is_empty() {
+            return;
+        }
+        let blocks = hashes.iter().map(|&h| StoredBlock { sequence_hash: h, local_hash: turbine_kv::LocalBlockHash(h.0) }).collect();
+        self.index.apply_unnumbered(worker_id, &KvEvent::Stored { parent: None, blocks, tier: Tier::Device });
+        let ttl = Duration::from_secs_f64(self.config.approx_ttl_secs);
+        let worker: Arc<str> = Arc::from(worker_id);
+        let mut log = approx.lock();
+        log.blocks += hashes.len();
+        for &hash in hashes {
+            log.latest.insert((worker.clone(), hash), now + ttl);
+        }
+        log.entries.push_back((now + ttl, worker, hashes.to_vec()));
+        self.expire_locked(&mut log, now);
+    }
+
+    /// Approximate mode: forgets decisions past their TTL.
+    pub fn expire(&self, now: Instant) {
+        if let Some(approx) = &self.approx {
+            self.expire_locked(&mut approx.lock(), now);
+        }
+    }
+
+    fn expire_locked(&self, log: &mut ApproxLog, now: Instant) {
+        while let Some((expiry, _, _)) = log.entries.front() {
+            if *expiry > now && log.blocks <= self.config.approx_max_blocks {
+                break;
+            }
+            let (expiry, worker, hashes) = log.entries.pop_front().expect("front exists");
+            log.blocks -= hashes.len();
+            // Forget only blocks no later decision recorded again.
+            let forget: Vec<SequenceHash> = hashes
+                .into_iter()
+                .filter(|&hash| {
+                    let key = (worker.clone(), hash);
+                    if log.latest.get(&key) == Some(&expiry) {
+                        log.latest.remove(&key);
+                        true
+                    } else {
+                        false
+                    }
+                })
+                .collect();
+            self.index.apply_unnumbered(&worker, &KvEvent::Removed { sequence_hashes: forget, tier: Tier::Device });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::*;
+
+    fn candidate(prompt_blocks: u32, device: u32, prefill: u64, decode: u64) -> KvCandidate {
+        KvCandidate { prompt_blocks, matched_by_tier: [device, 0, 0, 0], active_prefill_blocks: prefill, active_decode_blocks: decode, cached_tree: 0 }
+    }
+
+    #[test]
+    fn cost_follows_the_design_formula() {
+        let weights = KvWeights::default();
+        // 10-block prompt, 4 cached on device, 3 blocks queued for prefill, 20 decoding.
+        assert_eq!(cost(&weights, &candidate(10, 4, 3, 20)), (3.0 + 10.0 - 4.0) + 20.0 + 10.0);
+        let host = KvCandidate { matched_by_tier: [0, 4, 0, 0], ..candidate(10, 0, 3, 20) };
+        assert_eq!(cost(&weights, &host), (3.0 + 10.0 - 3.0) + 20.0 + 10.0);
+        // Credits never make prefill negative.
+        assert_eq!(cost(&weights, &candidate(2, 2, 0, 0)), 2.0);
+    }
+
+    #[test]
+    fn overlap_wins_until_load_outweighs_it() {
+        let weights = KvWeights::default();
+        let mut rng = StdRng::seed_from_u64(3);
+        let cached_but_busy = candidate(60, 50, 0, 30);
+        let idle = candidate(60, 0, 0, 0);
+        assert_eq!(choose(&weights, &[idle, cached_but_busy], &mut rng), 1, "50 saved blocks beat 30 decoding");
+        let overloaded = candidate(60, 50, 0, 80);
+        assert_eq!(choose(&weights, &[idle, overloaded], &mut rng), 0);
+    }
+
+    #[test]
+    fn ties_go_to_the_smaller_cached_tree() {
+        let weights = KvWeights::default();
+        let mut rng = StdRng::seed_from_u64(3);
+        let big = KvCandidate { cached_tree: 500, ..candidate(8, 0, 0, 0) };
+        let small = KvCandidate { cached_tree: 5, ..candidate(8, 0, 0, 0) };
+        for _ in 0..20 {
+            assert_eq!(choose(&weights, &[big, small], &mut rng), 1);
+        }
+    }
+
+    #[test]
+    fn temperature_spreads_choices_by_cost() {
+        let weights = KvWeights { temperature: 1.0, ..KvWeights::default() };
+        let mut rng = StdRng::seed_from_u64(9);
+        let cheap = candidate(10, 10, 0, 0);
+        let dear = candidate(10, 0, 0, 10);
+        let picks: Vec<usize> = (0..2000).map(|_| choose(&weights, &[cheap, dear], &mut rng)).collect();
+        let cheap_share = picks.iter().filter(|&&i| i == 0).count() as f64 / 2000.0;
+        // p(cheap) = 1 / (1 + e^-1) ≈ 0.73.
+        assert!((0.68..0.78).contains(&cheap_share), "cheap share {cheap_share}");
+    }
+
+    #[test]
+    fn overrides_replace_only_what_they_set() {
+        let overrides = KvOverrides { temperature: Some(0.5), ..KvOverrides::default() };
+        let weights = overrides.apply(KvWeights::default());
+        assert_eq!(weights.temperature, 0.5);
+        assert_eq!(weights.device_credit, 1.0);
+        assert!(KvWeights { host_credit: -1.0, ..KvWeights::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn approximate_mode_remembers_decisions_until_the_ttl() {
+        let config = KvConfig { approximate: true, approx_ttl_secs: 10.0, ..KvConfig::default() };
+        let state = KvState::new(config, Arc::new(KvIndex::new()));
+        let hashes = [SequenceHash(1), SequenceHash(2)];
+        let now = Instant::now();
+        state.record_decision("a", &hashes, now);
+        assert_eq!(state.index().find_matches(&hashes).deepest(), 2);
+        state.record_decision("a", &hashes[..1], now + Duration::from_secs(5));
+        state.expire(now + Duration::from_secs(11));
+        // Block 1 was re-recorded at 5 s; block 2 expired.
+        assert_eq!(state.index().find_matches(&hashes).deepest(), 1);
+        state.expire(now + Duration::from_secs(16));
+        assert_eq!(state.index().find_matches(&hashes).deepest(), 0);
+    }
+
+    #[test]
+    fn approximate_mode_is_bounded_in_size() {
+        let config = KvConfig { approximate: true, approx_max_blocks: 3, ..KvConfig::default() };
+        let state = KvState::new(config, Arc::new(KvIndex::new()));
+        let now = Instant::now();
+        state.record_decision("a", &[SequenceHash(1), SequenceHash(2)], now);
+        state.record_decision("b", &[SequenceHash(3), SequenceHash(4)], now);
+        assert_eq!(state.index().stats().entries, 2, "the oldest decision made room");
+        assert_eq!(state.index().cached_blocks("a"), 0);
+    }
+}

@@ -1,0 +1,60 @@
+//! Feeding a worker's KV events to an index in the same process.
+//!
+//! The feed subscribes to the engine's events first, then loads a dump, so
+//! nothing falls between the two: events the dump already reflects are
+//! duplicates and skipped. A lagging feed (the engine's event buffer
+//! overflowed) or a numbering gap resynchronises from a fresh dump.
+
+use std::sync::Arc;
+
+use tokio::sync::broadcast::error::RecvError;
+use turbine_kv::KvIndex;
+use turbine_kv::index::Applied;
+use turbine_runtime::CancellationToken;
+
+use crate::worker::Worker;
+
+/// Keeps `index` in step with `worker`'s prefix cache until `shutdown`
+/// (or the engine stops); the worker is removed from the index then.
+pub fn feed_index(worker: Arc<Worker>, index: Arc<KvIndex>, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let id = worker.id().to_owned();
+        let instance = worker.instance();
+        let mut events = worker.engine().subscribe_events();
+        let resync = |reason: String| {
+            let worker = worker.clone();
+            let index = index.clone();
+            async move {
+                tracing::debug!(worker = worker.id(), reason, "resynchronising the KV index from a dump");
+                match worker.engine().dump().await {
+                    Ok(dump) => {
+                        index.load_dump(worker.id(), worker.instance(), &dump);
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+        };
+        if !resync("start".into()).await {
+            return;
+        }
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => break,
+                event = events.recv() => event,
+            };
+            let synced = match event {
+                Ok(event) => match index.apply(&id, instance, &event) {
+                    Applied::Applied | Applied::Duplicate => true,
+                    Applied::Gap { expected } => resync(format!("event {} after {}", event.event_id, expected)).await,
+                },
+                Err(RecvError::Lagged(missed)) => resync(format!("missed {missed} events")).await,
+                Err(RecvError::Closed) => false,
+            };
+            if !synced {
+                break;
+            }
+        }
+        index.remove_worker(&id);
+    })
+}
