@@ -140,16 +140,19 @@ impl State {
     }
 }
 
+/// Index matches keyed by worker id.
+type MatchesByWorker = HashMap<Arc<str>, WorkerMatch>;
+
 /// The prompt's block hashes in each block size the candidates use.
 struct PromptHashes<'a> {
     tokens: &'a [u32],
     hasher: BlockHasher,
-    by_size: Vec<(u32, Vec<SequenceHash>, HashMap<Arc<str>, WorkerMatch>)>,
+    by_size: Vec<(u32, Vec<SequenceHash>, MatchesByWorker)>,
 }
 
 impl PromptHashes<'_> {
     /// Hashes and index matches for `block_size` (computed once per size).
-    fn matches(&mut self, block_size: u32, kv: &KvState) -> &HashMap<Arc<str>, WorkerMatch> {
+    fn matches(&mut self, block_size: u32, kv: &KvState) -> &MatchesByWorker {
         let at = match self.by_size.iter().position(|(size, _, _)| *size == block_size) {
             Some(at) => at,
             None => {
