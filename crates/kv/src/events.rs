@@ -30,20 +30,6 @@ impl Tier {
         1 << self as u8
     }
 
-    /// The tier at `index` in [`Tier::ALL`].
-    pub fn from_index(index: usize) -> Option<Tier> {
-        Tier::ALL.get(index).copied()
-    }
-
-    /// Lower-case name, as in metrics and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::Disk => "disk",
-            Tier::Remote => "remote",
-        }
-    }
 }
 
 /// A set of tiers, one bit each.

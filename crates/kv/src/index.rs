@@ -125,15 +125,9 @@ pub struct FindMatches {
 }
 
 impl FindMatches {
-    /// The match of one worker, if it holds the first block (a linear scan;
-    /// see [`by_worker`](Self::by_worker) for many lookups).
+    /// The match of one worker, if it holds the first block (a linear scan).
     pub fn of(&self, worker_id: &str) -> Option<&WorkerMatch> {
         self.workers.iter().find(|m| &*m.worker_id == worker_id)
-    }
-
-    /// The matches keyed by worker id.
-    pub fn by_worker(&self) -> std::collections::HashMap<&str, &WorkerMatch> {
-        self.workers.iter().map(|m| (&*m.worker_id, m)).collect()
     }
 
     /// The deepest match, in blocks (0 when no worker matched).
@@ -153,19 +147,6 @@ pub struct IndexStats {
     pub entries: usize,
     /// Events applied since creation.
     pub events_applied: u64,
-}
-
-/// A worker's view as the index holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WorkerView {
-    /// The worker.
-    pub worker_id: Arc<str>,
-    /// The incarnation whose events the view reflects.
-    pub instance: u64,
-    /// The next event number expected.
-    pub next_event_id: u64,
-    /// Blocks held.
-    pub blocks: usize,
 }
 
 /// The index; cheap to share (`Arc`), safe to read and write from many
@@ -305,6 +286,8 @@ impl KvIndex {
                 }
                 if cursor < holders.len() && holders[cursor].slot == slot {
                     count(&mut active[index].by_tier, holders[cursor].tiers);
+                    // Survivors stay sorted: they are visited in order and
+                    // each moves to the lowest free index.
                     active.swap(kept, index);
                     kept += 1;
                 }
@@ -316,8 +299,6 @@ impl KvIndex {
                 break;
             }
             depth += 1;
-            // `swap` kept the survivors in order: they were visited in order
-            // and each moved only to a lower index than any later survivor.
         }
         for survivor in active {
             finish(&mut results, survivor, depth);
@@ -346,24 +327,6 @@ impl KvIndex {
             })
             .collect();
         Some((state.instance, Dump { next_event_id: state.next_event_id, blocks }))
-    }
-
-    /// Every worker's view, by id.
-    pub fn workers(&self) -> Vec<WorkerView> {
-        let tree = self.tree.read();
-        let mut views: Vec<WorkerView> = tree
-            .slots
-            .iter()
-            .flatten()
-            .map(|state| WorkerView {
-                worker_id: state.id.clone(),
-                instance: state.instance,
-                next_event_id: state.next_event_id,
-                blocks: state.blocks.len(),
-            })
-            .collect();
-        views.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
-        views
     }
 
     /// Sizes and counters.

@@ -21,7 +21,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -212,14 +211,11 @@ impl KvConfig {
     }
 }
 
-/// The index a router routes on, and whether it can be trusted now.
+/// The index a router routes on.
 #[derive(Debug)]
 pub struct KvState {
     config: KvConfig,
     index: Arc<KvIndex>,
-    /// False while the feed keeping `index` current is broken: routing then
-    /// uses load only.
-    healthy: AtomicBool,
     approx: Option<Mutex<ApproxLog>>,
 }
 
@@ -238,7 +234,7 @@ impl KvState {
     /// by the router's own decisions.
     pub fn new(config: KvConfig, index: Arc<KvIndex>) -> Self {
         let approx = config.approximate.then(|| Mutex::new(ApproxLog::default()));
-        Self { config, index, healthy: AtomicBool::new(true), approx }
+        Self { config, index, approx }
     }
 
     /// The configuration.
@@ -249,22 +245,6 @@ impl KvState {
     /// The index routed on.
     pub fn index(&self) -> &Arc<KvIndex> {
         &self.index
-    }
-
-    /// Marks the index feed broken (routing by load only) or working.
-    pub fn set_healthy(&self, healthy: bool) {
-        if self.healthy.swap(healthy, Ordering::Relaxed) != healthy {
-            if healthy {
-                tracing::info!("KV index feed recovered; routing on cache overlap again");
-            } else {
-                tracing::warn!("KV index feed broken; routing on load only until it returns");
-            }
-        }
-    }
-
-    /// Whether the index is trusted now.
-    pub fn healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
     }
 
     /// Approximate mode: remembers that `worker_id` now holds `hashes`.

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use turbine_kv::{BlockHasher, FindMatches, SequenceHash, WorkerMatch};
+use turbine_kv::{BlockHasher, SequenceHash, WorkerMatch};
 use turbine_registry::{LiveWorker, WorkerLoad};
 
 use crate::kv::{KvCandidate, KvOverrides, KvState};
@@ -157,8 +157,7 @@ impl PromptHashes<'_> {
             Some(at) => at,
             None => {
                 let hashes = self.hasher.sequence_hashes(self.tokens, block_size as usize);
-                let matches = if kv.healthy() { kv.index().find_matches(&hashes) } else { FindMatches::default() };
-                let matches = matches.workers.into_iter().map(|m| (m.worker_id.clone(), m)).collect();
+                let matches = kv.index().find_matches(&hashes).workers.into_iter().map(|m| (m.worker_id.clone(), m)).collect();
                 self.by_size.push((block_size, hashes, matches));
                 self.by_size.len() - 1
             }

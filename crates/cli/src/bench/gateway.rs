@@ -28,7 +28,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use futures::StreamExt;
 use serde::Serialize;
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
@@ -281,25 +280,23 @@ async fn gateway_request(client: &reqwest::Client, url: &str, body: &serde_json:
     let started = Instant::now();
     let response = client.post(url).json(body).send().await?;
     anyhow::ensure!(response.status().is_success(), "gateway answered {}", response.status());
-    let mut stream = response.bytes_stream();
     let mut first = None;
-    let mut pending: Vec<u8> = Vec::new();
     let mut text_events = 0;
-    while let Some(bytes) = stream.next().await {
-        pending.extend_from_slice(&bytes?);
-        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = pending.drain(..end + 2).collect();
-            if event.starts_with(b"data: [DONE]") {
-                return Ok((first.unwrap_or_default(), started.elapsed(), text_events));
-            }
-            // A completion chunk with non-empty text.
-            if event.windows(8).any(|w| w == b"\"text\":\"") && !event.windows(9).any(|w| w == b"\"text\":\"\"") {
-                text_events += 1;
-                first.get_or_insert_with(|| started.elapsed());
-            }
+    let done = super::for_each_sse_data(response, |data| {
+        if data == b"[DONE]" {
+            return Ok(false);
         }
+        if super::carries_text(data) {
+            text_events += 1;
+            first.get_or_insert_with(|| started.elapsed());
+        }
+        Ok(true)
+    })
+    .await?;
+    if !done {
+        bail!("the gateway stream ended without [DONE]");
     }
-    bail!("the gateway stream ended without [DONE]")
+    Ok((first.unwrap_or_default(), started.elapsed(), text_events))
 }
 
 async fn cpu_phase(stack: &Stack, http: &reqwest::Client, body: &serde_json::Value, requests: usize, concurrency: usize, idle_rate: (f64, f64)) -> anyhow::Result<CpuPhase> {

@@ -57,6 +57,32 @@ pub fn main(command: BenchCommand) -> ExitCode {
     finish(result)
 }
 
+/// Reads a server-sent-events response, handing each event's `data:`
+/// payload to `on_data` until it returns false (true: the stream was
+/// stopped there, false: it ended first).
+async fn for_each_sse_data(response: reqwest::Response, mut on_data: impl FnMut(&[u8]) -> anyhow::Result<bool>) -> anyhow::Result<bool> {
+    use futures::StreamExt;
+    let mut stream = response.bytes_stream();
+    let mut pending: Vec<u8> = Vec::new();
+    while let Some(bytes) = stream.next().await {
+        pending.extend_from_slice(&bytes?);
+        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            if let Some(data) = event.strip_prefix(b"data: ")
+                && !on_data(data.trim_ascii_end())?
+            {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// Whether a completion chunk carries non-empty text.
+fn carries_text(data: &[u8]) -> bool {
+    data.windows(8).any(|w| w == b"\"text\":\"") && !data.windows(9).any(|w| w == b"\"text\":\"\"")
+}
+
 fn write_json(path: Option<&std::path::Path>, report: &impl serde::Serialize) -> anyhow::Result<()> {
     if let Some(path) = path {
         std::fs::write(path, serde_json::to_string_pretty(report)?)?;

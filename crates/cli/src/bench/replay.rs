@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use turbine_router::Policy;
 use turbine_runtime::CancellationToken;
@@ -153,7 +152,9 @@ pub fn oracle_hits(requests: &[TraceRequest], block_size: usize) -> Vec<usize> {
         .map(|request| {
             let mut hit = 0;
             for (index, &id) in request.hash_ids.iter().enumerate() {
-                let here = (request.input_length - index * TRACE_BLOCK_TOKENS).min(TRACE_BLOCK_TOKENS);
+                // Ids past the input length carry no tokens.
+                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS).filter(|&n| n > 0) else { break };
+                let here = here.min(TRACE_BLOCK_TOKENS);
                 let before = seen.get(&id).copied().unwrap_or(0);
                 hit += before.min(here);
                 if before < here {
@@ -161,7 +162,7 @@ pub fn oracle_hits(requests: &[TraceRequest], block_size: usize) -> Vec<usize> {
                 }
             }
             for (index, &id) in request.hash_ids.iter().enumerate() {
-                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS) else { break };
+                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS).filter(|&n| n > 0) else { break };
                 let entry = seen.entry(id).or_default();
                 *entry = (*entry).max(here.min(TRACE_BLOCK_TOKENS));
             }
@@ -385,45 +386,36 @@ async fn stream_completion(http: &reqwest::Client, url: &str, body: &serde_json:
         let text = response.text().await.unwrap_or_default();
         bail!("gateway answered {status}: {text}");
     }
-    let mut stream = response.bytes_stream();
-    let mut pending: Vec<u8> = Vec::new();
     let mut first = None;
     let mut text_events = 0;
     let mut usage = None;
-    while let Some(bytes) = stream.next().await {
-        pending.extend_from_slice(&bytes?);
-        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = pending.drain(..end + 2).collect();
-            let Some(data) = event.strip_prefix(b"data: ") else { continue };
-            if data.starts_with(b"[DONE]") {
-                let (prompt_tokens, completion_tokens, cached_tokens) = usage.context("the stream carried no usage")?;
-                return Ok(Outcome {
-                    ttft: first.unwrap_or_else(|| started.elapsed()),
-                    end_to_end: started.elapsed(),
-                    text_events,
-                    completion_tokens,
-                    prompt_tokens,
-                    cached_tokens,
-                });
-            }
-            if data.windows(8).any(|w| w == b"\"text\":\"") && !data.windows(9).any(|w| w == b"\"text\":\"\"") {
-                text_events += 1;
-                first.get_or_insert_with(|| started.elapsed());
-            }
-            if data.windows(8).any(|w| w == b"\"usage\":") {
-                let chunk: serde_json::Value = serde_json::from_slice(data.trim_ascii_end())?;
-                let usage_json = &chunk["usage"];
-                if usage_json.is_object() {
-                    usage = Some((
-                        usage_json["prompt_tokens"].as_u64().unwrap_or(0),
-                        usage_json["completion_tokens"].as_u64().unwrap_or(0),
-                        usage_json["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
-                    ));
-                }
+    let done = super::for_each_sse_data(response, |data| {
+        if data == b"[DONE]" {
+            return Ok(false);
+        }
+        if super::carries_text(data) {
+            text_events += 1;
+            first.get_or_insert_with(|| started.elapsed());
+        }
+        if data.windows(8).any(|w| w == b"\"usage\":") {
+            let chunk: serde_json::Value = serde_json::from_slice(data)?;
+            let usage_json = &chunk["usage"];
+            if usage_json.is_object() {
+                usage = Some((
+                    usage_json["prompt_tokens"].as_u64().unwrap_or(0),
+                    usage_json["completion_tokens"].as_u64().unwrap_or(0),
+                    usage_json["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+                ));
             }
         }
+        Ok(true)
+    })
+    .await?;
+    if !done {
+        bail!("the stream ended without [DONE]");
     }
-    bail!("the stream ended without [DONE]")
+    let (prompt_tokens, completion_tokens, cached_tokens) = usage.context("the stream carried no usage")?;
+    Ok(Outcome { ttft: first.unwrap_or_else(|| started.elapsed()), end_to_end: started.elapsed(), text_events, completion_tokens, prompt_tokens, cached_tokens })
 }
 
 /// Prints the side-by-side table.
@@ -488,6 +480,13 @@ mod tests {
         // its first 188 tokens here (all of them seen) = 700, minus the last
         // token, cut to blocks of 64 = 640. 4th: id 9 unseen.
         assert_eq!(oracle_hits(&requests, 64), vec![0, 1024, 640, 0]);
+    }
+
+    #[test]
+    fn ids_beyond_the_input_length_carry_no_tokens() {
+        let requests = vec![request(600, vec![1, 2, 3]), request(600, vec![1, 2, 3])];
+        // Id 3 lies past 600 tokens in both; the repeat hits 599 tokens, cut to 576.
+        assert_eq!(oracle_hits(&requests, 64), vec![0, 576]);
     }
 
     #[test]
