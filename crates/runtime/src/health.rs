@@ -70,25 +70,30 @@ impl Readiness {
         }
     }
 
-    /// Spawns a task that runs `probe` every `interval` and sets readiness to
-    /// its answer, until `shutdown` fires. The first probe runs at once.
-    pub fn watch_dependencies<P, F>(&self, interval: Duration, shutdown: CancellationToken, probe: P) -> tokio::task::JoinHandle<()>
+    /// Runs `probe` once and sets readiness to its answer before returning
+    /// (so a caller that then announces itself ready is), then spawns a task
+    /// that probes again every `interval` until `shutdown` fires.
+    pub async fn watch_dependencies<P, F>(&self, interval: Duration, shutdown: CancellationToken, probe: P) -> tokio::task::JoinHandle<()>
     where
         P: Fn() -> F + Send + 'static,
         F: Future<Output = bool> + Send,
     {
+        tokio::select! {
+            ready = probe() => self.set_ready(ready).await,
+            () = shutdown.cancelled() => {}
+        }
         let readiness = self.clone();
         tokio::spawn(async move {
             loop {
+                tokio::select! {
+                    () = tokio::time::sleep(interval) => {}
+                    () = shutdown.cancelled() => return,
+                }
                 let ready = tokio::select! {
                     ready = probe() => ready,
                     () = shutdown.cancelled() => return,
                 };
                 readiness.set_ready(ready).await;
-                tokio::select! {
-                    () = tokio::time::sleep(interval) => {}
-                    () = shutdown.cancelled() => return,
-                }
             }
         })
     }

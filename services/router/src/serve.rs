@@ -78,7 +78,8 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     readiness.watch_dependencies(Duration::from_secs(1), shutdown.clone(), move || {
         let registry = registry.clone();
         async move { registry.ping().await.is_ok() }
-    });
+    })
+    .await;
     tracing::info!(grpc = %grpc_addr, admin = %admin_addr, policy = config.policy.name(), "router listening");
 
     shutdown.cancelled().await;

@@ -114,7 +114,8 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 None => true,
             }
         }
-    });
+    })
+    .await;
     tracing::info!(worker = %worker.id(), model = %worker.card().name, %endpoint, "worker ready");
 
     shutdown.cancelled().await;
