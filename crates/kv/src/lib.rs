@@ -57,17 +57,7 @@ impl BlockHasher {
 
     /// Local hash of one block of tokens.
     pub fn local(&self, tokens: &[u32]) -> LocalBlockHash {
-        let mut bytes = Vec::with_capacity(tokens.len() * 4);
-        self.local_with(tokens, &mut bytes)
-    }
-
-    /// [`local`](Self::local) reusing `scratch` for the serialized tokens.
-    fn local_with(&self, tokens: &[u32], scratch: &mut Vec<u8>) -> LocalBlockHash {
-        scratch.clear();
-        for token in tokens {
-            scratch.extend_from_slice(&token.to_le_bytes());
-        }
-        LocalBlockHash(xxh3_64_with_seed(scratch, self.seed))
+        LocalBlockHash(xxh3_64_with_seed(&le_bytes(tokens), self.seed))
     }
 
     /// Sequence hash of a block given its parent's sequence hash (`None` for
@@ -89,11 +79,10 @@ impl BlockHasher {
     pub fn hash_blocks(&self, tokens: &[u32], block_size: usize) -> Vec<BlockHashes> {
         assert!(block_size > 0, "block size must be positive");
         let mut parent = None;
-        let mut scratch = Vec::with_capacity(block_size * 4);
         tokens
             .chunks_exact(block_size)
             .map(|block| {
-                let local = self.local_with(block, &mut scratch);
+                let local = self.local(block);
                 let sequence = self.chain(parent, local);
                 parent = Some(sequence);
                 BlockHashes { local, sequence }
@@ -103,7 +92,26 @@ impl BlockHasher {
 
     /// Sequence hashes of every complete block of `tokens`.
     pub fn sequence_hashes(&self, tokens: &[u32], block_size: usize) -> Vec<SequenceHash> {
-        self.hash_blocks(tokens, block_size).into_iter().map(|block| block.sequence).collect()
+        assert!(block_size > 0, "block size must be positive");
+        let mut parent = None;
+        tokens
+            .chunks_exact(block_size)
+            .map(|block| {
+                let sequence = self.chain(parent, self.local(block));
+                parent = Some(sequence);
+                sequence
+            })
+            .collect()
+    }
+}
+
+/// Tokens as little-endian bytes: borrowed as they are on little-endian
+/// machines, copied elsewhere.
+fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(tokens))
+    } else {
+        std::borrow::Cow::Owned(tokens.iter().flat_map(|token| token.to_le_bytes()).collect())
     }
 }
 

@@ -1,7 +1,9 @@
 //! The router's state: the live workers (mirrored from the registry), the
 //! requests booked against each, and the decision itself. No transport.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -96,9 +98,9 @@ struct State {
     /// Live workers by id (ordered, for stable round-robin).
     workers: BTreeMap<String, LiveWorker>,
     /// Bookings by request id.
-    bookings: HashMap<String, Booking>,
+    bookings: FxHashMap<String, Booking>,
     /// Booked work per worker.
-    books: HashMap<String, WorkerBook>,
+    books: FxHashMap<String, WorkerBook>,
 }
 
 impl State {
@@ -141,7 +143,7 @@ impl State {
 }
 
 /// Index matches keyed by worker id.
-type MatchesByWorker = HashMap<Arc<str>, WorkerMatch>;
+type MatchesByWorker = FxHashMap<Arc<str>, WorkerMatch>;
 
 /// The prompt's block hashes in each block size the candidates use.
 struct PromptHashes<'a> {
@@ -157,7 +159,7 @@ impl PromptHashes<'_> {
             Some(at) => at,
             None => {
                 let hashes = self.hasher.sequence_hashes(self.tokens, block_size as usize);
-                let matches = kv.index().find_matches(&hashes).workers.into_iter().map(|m| (m.worker_id.clone(), m)).collect();
+                let matches = kv.index().find_matches(&hashes).iter().map(|m| (m.worker_id.clone(), m)).collect();
                 self.by_size.push((block_size, hashes, matches));
                 self.by_size.len() - 1
             }
@@ -306,9 +308,11 @@ impl Router {
         let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;
         let (index, overlap_blocks) = match (kv, weights) {
             (Some(kv), Some(weights)) => {
+                let trees = kv.index().cached_blocks_of(eligible.iter().map(|w| w.record.worker_id.as_str()));
                 let candidates: Vec<KvCandidate> = eligible
                     .iter()
-                    .map(|w| {
+                    .zip(trees)
+                    .map(|(w, cached_tree)| {
                         let id = &w.record.worker_id;
                         let book = state.book_of(id);
                         let matched = if w.record.kv_block_size == 0 { None } else { prompt.matches(w.record.kv_block_size, kv).get(id.as_str()) };
@@ -316,7 +320,7 @@ impl Router {
                             prompt_blocks: prompt_blocks(w),
                             active_prefill_blocks: book.prefill_blocks,
                             active_decode_blocks: book.decode_blocks,
-                            cached_tree: kv.index().cached_blocks(id),
+                            cached_tree,
                             ..KvCandidate::default()
                         }
                         .with_match(matched)

@@ -22,7 +22,7 @@ fn seq(hashes: &[u64]) -> Vec<SequenceHash> {
 }
 
 fn depths(matches: &FindMatches) -> BTreeMap<String, u32> {
-    matches.workers.iter().map(|m| (m.worker_id.to_string(), m.blocks)).collect()
+    matches.iter().map(|m| (m.worker_id.to_string(), m.blocks)).collect()
 }
 
 #[test]
@@ -34,8 +34,8 @@ fn workers_drop_out_where_their_prefix_ends() {
     let matches = index.find_matches(&seq(&[1, 2, 3, 5]));
     assert_eq!(depths(&matches), BTreeMap::from([("a".into(), 3), ("b".into(), 2)]));
     assert_eq!(matches.deepest(), 3);
-    assert!(index.find_matches(&seq(&[7, 1])).workers.is_empty(), "no match without the first block");
-    assert!(index.find_matches(&[]).workers.is_empty());
+    assert!(index.find_matches(&seq(&[7, 1])).is_empty(), "no match without the first block");
+    assert!(index.find_matches(&[]).is_empty());
 }
 
 #[test]
@@ -56,7 +56,7 @@ fn tiers_are_counted_by_the_fastest_copy() {
     assert_eq!((a.blocks, a.in_tier(Tier::Device), a.in_tier(Tier::Host)), (3, 1, 2));
     // Leaving the host tier keeps the device copy of block 1 only.
     index.apply_unnumbered("a", &removed(&[1, 2], Tier::Host));
-    let a = index.find_matches(&seq(&[1, 2, 3])).of("a").cloned().unwrap();
+    let a = index.find_matches(&seq(&[1, 2, 3])).of("a").unwrap();
     assert_eq!((a.blocks, a.in_tier(Tier::Device), a.in_tier(Tier::Host)), (1, 1, 0));
 }
 
@@ -77,11 +77,11 @@ fn numbering_detects_duplicates_gaps_and_restarts() {
     assert_eq!(index.apply("w", 7, &event(2, &[2])), Applied::Duplicate);
     assert_eq!(index.apply("w", 7, &event(3, &[6])), Applied::Applied);
     assert_eq!(depths(&index.find_matches(&seq(&[5, 6]))), BTreeMap::from([("w".into(), 2)]));
-    assert_eq!(index.find_matches(&seq(&[1])).workers.len(), 0, "the dump replaced the old view");
+    assert_eq!(index.find_matches(&seq(&[1])).len(), 0, "the dump replaced the old view");
     // A restarted worker (new instance) starts from nothing at event 0.
     assert_eq!(index.apply("w", 8, &event(0, &[9])), Applied::Applied);
     assert_eq!(index.cached_blocks("w"), 1);
-    assert!(index.find_matches(&seq(&[5])).workers.is_empty());
+    assert!(index.find_matches(&seq(&[5])).is_empty());
 }
 
 #[test]
@@ -192,8 +192,7 @@ proptest! {
                 Op::Find(query) => {
                     let got: BTreeMap<String, (u32, [u32; 4])> = index
                         .find_matches(&seq(&query))
-                        .workers
-                        .into_iter()
+                        .iter()
                         .map(|m| (m.worker_id.to_string(), (m.blocks, m.by_tier)))
                         .collect();
                     prop_assert_eq!(got, brute_force(&model, &query));
@@ -204,5 +203,34 @@ proptest! {
             let nodes: std::collections::HashSet<u64> = model.values().flat_map(|blocks| blocks.keys().copied()).collect();
             prop_assert_eq!(index.stats().nodes, nodes.len());
         }
+    }
+}
+
+/// Lopsided holder sets (one side more than 8× the other) take the
+/// binary-search paths of the intersection; they must agree with the brute
+/// force too. All 120 workers hold block 1, six hold the chain 1..=9, and
+/// the 60 odd ones hold 3..=6 without 2 (orphans): level 2 has 6 holders
+/// against 120 active, level 3 has 66 holders against 6 active.
+#[test]
+fn lopsided_holder_sets_agree_with_a_brute_force_scan() {
+    let index = KvIndex::new();
+    let mut model: HashMap<String, HashMap<u64, TierSet>> = HashMap::new();
+    for worker in 0..120u64 {
+        let hashes: Vec<u64> = match worker {
+            w if w % 20 == 0 => (1..=9).collect(),
+            w if w % 2 == 1 => vec![1, 3, 4, 5, 6],
+            _ => vec![1],
+        };
+        let tier = Tier::ALL[(worker * 7 % 4) as usize];
+        index.apply_unnumbered(&format!("w{worker}"), &stored(&hashes, tier));
+        let blocks = model.entry(format!("w{worker}")).or_default();
+        for h in hashes {
+            blocks.entry(h).or_default().insert(tier);
+        }
+    }
+    for query in [vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10], vec![1, 3, 4], vec![1, 2, 2, 3], vec![3, 4, 5]] {
+        let got: BTreeMap<String, (u32, [u32; 4])> =
+            index.find_matches(&seq(&query)).iter().map(|m| (m.worker_id.to_string(), (m.blocks, m.by_tier))).collect();
+        assert_eq!(got, brute_force(&model, &query), "query {query:?}");
     }
 }
