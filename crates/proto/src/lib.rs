@@ -1,7 +1,7 @@
 //! Turbine's gRPC contracts, generated from `proto/` at build time.
 //!
-//! One module per package and version (`gateway::v1`, `router::v1`,
-//! `worker::v1`), mirroring `proto/turbine/<service>/v1/`. Each module also
+//! One module per package and version (`gateway::v1`, `kvindex::v1`,
+//! `router::v1`, `worker::v1`), mirroring `proto/turbine/<service>/v1/`. Each module also
 //! exports its encoded `FILE_DESCRIPTOR_SET` (with comments), which servers
 //! register with gRPC reflection so `grpcurl list` and `describe` work.
 //!
@@ -18,6 +18,17 @@ pub mod gateway {
         /// Encoded descriptor set of `turbine.gateway.v1`, source info included.
         pub const FILE_DESCRIPTOR_SET: &[u8] =
             include_bytes!(concat!(env!("OUT_DIR"), "/turbine.gateway.v1.bin"));
+    }
+}
+
+/// `turbine.kvindex.*` packages.
+pub mod kvindex {
+    /// `turbine.kvindex.v1`: KV events, event batches and cache dumps.
+    pub mod v1 {
+        tonic::include_proto!("turbine.kvindex.v1");
+        /// Encoded descriptor set of `turbine.kvindex.v1`, source info included.
+        pub const FILE_DESCRIPTOR_SET: &[u8] =
+            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.kvindex.v1.bin"));
     }
 }
 

@@ -4,7 +4,7 @@
 
 use prost::Message;
 use prost_types::{FileDescriptorProto, FileDescriptorSet, SourceCodeInfo};
-use turbine_proto::{gateway, router, worker};
+use turbine_proto::{gateway, kvindex, router, worker};
 
 fn decode(bytes: &[u8]) -> FileDescriptorSet {
     FileDescriptorSet::decode(bytes).expect("descriptor set decodes")
@@ -74,6 +74,12 @@ fn gateway_descriptor_set_follows_the_contract_rules() {
 }
 
 #[test]
+fn kvindex_descriptor_set_follows_the_contract_rules() {
+    let set = decode(kvindex::v1::FILE_DESCRIPTOR_SET);
+    check_contract_rules(&set, "turbine.kvindex.v1", &[]);
+}
+
+#[test]
 fn router_descriptor_set_follows_the_contract_rules() {
     let set = decode(router::v1::FILE_DESCRIPTOR_SET);
     check_contract_rules(&set, "turbine.router.v1", &["Router"]);
@@ -89,6 +95,7 @@ fn worker_descriptor_set_follows_the_contract_rules() {
 fn file_paths_match_package_and_version() {
     for (bytes, package) in [
         (gateway::v1::FILE_DESCRIPTOR_SET, "turbine.gateway.v1"),
+        (kvindex::v1::FILE_DESCRIPTOR_SET, "turbine.kvindex.v1"),
         (router::v1::FILE_DESCRIPTOR_SET, "turbine.router.v1"),
         (worker::v1::FILE_DESCRIPTOR_SET, "turbine.worker.v1"),
     ] {

@@ -1,0 +1,152 @@
+//! Keeping an index replica in step with the event log.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use prost::Message;
+use rustc_hash::{FxHashMap, FxHashSet};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use turbine_kv::index::Applied;
+use turbine_kv::{Dump, KvIndex};
+use turbine_proto::kvindex::v1 as pb;
+
+use crate::convert::{Batch, batch_from_proto};
+use crate::log::EventLog;
+
+/// Fetches a worker's cache dump, `(instance, dump)`, or `None` when the
+/// worker cannot be reached (it is retried at the worker's next gap).
+pub type DumpFetcher = Arc<dyn Fn(String) -> Pin<Box<dyn Future<Output = Option<(u64, Dump)>> + Send>> + Send + Sync>;
+
+/// Longest wait for new entries per read.
+const READ_BLOCK: Duration = Duration::from_millis(500);
+/// Entries per read.
+const READ_COUNT: usize = 1024;
+/// Abandoned incarnations remembered per worker.
+const RETIRED_PER_WORKER: usize = 8;
+
+/// What a follower has done; shared with whoever reports on it.
+#[derive(Debug, Default)]
+pub struct FollowerStatus {
+    reachable: AtomicBool,
+    batches: AtomicU64,
+    events: AtomicU64,
+    resyncs: AtomicU64,
+}
+
+impl FollowerStatus {
+    /// Whether the last read of the log succeeded: while false, the index
+    /// may be stale and callers should route by load alone.
+    pub fn reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// Batches read.
+    pub fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+
+    /// Events applied (duplicates not counted).
+    pub fn events_applied(&self) -> u64 {
+        self.events.load(Ordering::Relaxed)
+    }
+
+    /// Dumps loaded after a gap or an unknown incarnation.
+    pub fn resyncs(&self) -> u64 {
+        self.resyncs.load(Ordering::Relaxed)
+    }
+}
+
+/// Applies the log to `index` from its oldest retained entry, then as
+/// entries arrive, until `shutdown`. While Redis is unreachable the task
+/// retries with backoff and `status` says so; it continues where it left.
+pub fn follow(index: Arc<KvIndex>, log: &EventLog, fetch: DumpFetcher, status: Arc<FollowerStatus>, shutdown: CancellationToken) -> JoinHandle<()> {
+    let mut reader = log.reader();
+    let key = log.key().to_owned();
+    tokio::spawn(async move {
+        let mut follower = Follower { index, fetch, status, retired: FxHashMap::default() };
+        let mut after = String::from("0-0");
+        let mut failures = 0u32;
+        loop {
+            let read = tokio::select! {
+                () = shutdown.cancelled() => break,
+                read = reader.read(&after, READ_BLOCK, READ_COUNT) => read,
+            };
+            match read {
+                Ok(entries) => {
+                    if !follower.status.reachable.swap(true, Ordering::Relaxed) {
+                        tracing::info!(stream = key, "following the KV event log");
+                    }
+                    failures = 0;
+                    for (id, payload) in entries {
+                        after = id;
+                        match pb::EventBatch::decode(payload.as_slice()).map_err(|error| error.to_string()).and_then(batch_from_proto) {
+                            Ok(batch) => follower.apply(batch).await,
+                            Err(error) => tracing::warn!(entry = after, error, "skipping a malformed KV event batch"),
+                        }
+                    }
+                }
+                Err(error) => {
+                    failures += 1;
+                    if follower.status.reachable.swap(false, Ordering::Relaxed) || failures == 1 {
+                        tracing::warn!(stream = key, %error, "KV event log unreachable; retrying");
+                    }
+                    let backoff = Duration::from_millis(100 << failures.min(5)).min(Duration::from_secs(2));
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                }
+            }
+        }
+    })
+}
+
+struct Follower {
+    index: Arc<KvIndex>,
+    fetch: DumpFetcher,
+    status: Arc<FollowerStatus>,
+    /// Incarnations replaced by a newer one's dump: their remaining
+    /// entries in the log are stale.
+    retired: FxHashMap<String, FxHashSet<u64>>,
+}
+
+impl Follower {
+    async fn apply(&mut self, batch: Batch) {
+        self.status.batches.fetch_add(1, Ordering::Relaxed);
+        let Batch { worker_id, instance, events } = batch;
+        if self.retired.get(&worker_id).is_some_and(|retired| retired.contains(&instance)) {
+            return;
+        }
+        for event in &events {
+            match self.index.apply(&worker_id, instance, event) {
+                Applied::Applied => {
+                    self.status.events.fetch_add(1, Ordering::Relaxed);
+                }
+                Applied::Duplicate => {}
+                Applied::Gap { expected } => {
+                    tracing::debug!(worker = worker_id, expected, got = event.event_id, "gap in a worker's KV events; loading a dump");
+                    let Some((current, dump)) = (self.fetch)(worker_id.clone()).await else {
+                        tracing::warn!(worker = worker_id, "could not fetch a KV cache dump; retrying at the worker's next event");
+                        return;
+                    };
+                    self.status.resyncs.fetch_add(1, Ordering::Relaxed);
+                    self.index.load_dump(&worker_id, current, &dump);
+                    if current != instance {
+                        // The worker restarted since this batch: everything
+                        // left of this incarnation is stale.
+                        let retired = self.retired.entry(worker_id.clone()).or_default();
+                        if retired.len() >= RETIRED_PER_WORKER {
+                            retired.clear();
+                        }
+                        retired.insert(instance);
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}

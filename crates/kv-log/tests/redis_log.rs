@@ -1,0 +1,157 @@
+//! The event log on a real Redis: two followers (one started late) reach
+//! the same index, a gap in a worker's numbering loads its dump, a restarted
+//! worker replaces its old view, and a Redis restart is survived.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use turbine_kv::{Dump, KvEvent, KvIndex, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier};
+use turbine_kv_log::convert::batch_to_proto;
+use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow};
+use turbine_testkit::RedisServer;
+use tokio_util::sync::CancellationToken;
+
+fn stored(id: u64, hashes: &[u64]) -> NumberedEvent {
+    NumberedEvent {
+        event_id: id,
+        event: KvEvent::Stored {
+            parent: None,
+            blocks: hashes.iter().map(|&h| StoredBlock { sequence_hash: SequenceHash(h), local_hash: LocalBlockHash(h) }).collect(),
+            tier: Tier::Device,
+        },
+    }
+}
+
+fn removed(id: u64, hashes: &[u64]) -> NumberedEvent {
+    NumberedEvent { event_id: id, event: KvEvent::Removed { sequence_hashes: hashes.iter().map(|&h| SequenceHash(h)).collect(), tier: Tier::Device } }
+}
+
+fn seq(hashes: &[u64]) -> Vec<SequenceHash> {
+    hashes.iter().map(|&h| SequenceHash(h)).collect()
+}
+
+/// What a worker's own cache holds, kept by applying its events: the
+/// source of truth that dumps are made from.
+struct Truth {
+    index: KvIndex,
+}
+
+impl Truth {
+    fn new() -> Arc<Self> {
+        Arc::new(Self { index: KvIndex::new() })
+    }
+
+    fn fetcher(self: &Arc<Self>) -> DumpFetcher {
+        let truth = self.clone();
+        Arc::new(move |worker: String| {
+            let truth = truth.clone();
+            Box::pin(async move { truth.index.dump(&worker) })
+        })
+    }
+}
+
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn depths(index: &KvIndex, query: &[u64]) -> Vec<(String, u32)> {
+    let mut out: Vec<(String, u32)> = index.find_matches(&seq(query)).iter().map(|m| (m.worker_id.to_string(), m.blocks)).collect();
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_agree_resync_from_dumps_and_survive_a_redis_restart() {
+    let mut redis = RedisServer::start();
+    let log = EventLog::new(&redis.url(), "t").unwrap();
+    let truth = Truth::new();
+    let shutdown = CancellationToken::new();
+    let publish = |worker: &'static str, instance: u64, events: Vec<NumberedEvent>| {
+        for event in &events {
+            truth.index.apply(worker, instance, event);
+        }
+        let log = log.clone();
+        async move { log.publish(&batch_to_proto(worker, instance, &events)).await.unwrap() }
+    };
+
+    // The first follower runs from the start; the second joins later and
+    // reads the retained history.
+    let (early, early_status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
+    follow(early.clone(), &log, truth.fetcher(), early_status.clone(), shutdown.clone());
+    publish("a", 1, vec![stored(0, &[1, 2, 3]), stored(1, &[4])]).await;
+    publish("b", 7, vec![stored(0, &[1, 2])]).await;
+    let (late, late_status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
+    follow(late.clone(), &log, truth.fetcher(), late_status.clone(), shutdown.clone());
+    let expected = vec![("a".to_string(), 4), ("b".to_string(), 2)];
+    for (name, index) in [("early", &early), ("late", &late)] {
+        wait_until(name, || depths(index, &[1, 2, 3, 4, 5]) == expected).await;
+    }
+    assert!(early_status.reachable() && late_status.reachable());
+
+    // A gap: event 2 of worker a never reaches the log (a failed publish).
+    // The followers load a's dump, which reflects it, and go on.
+    truth.index.apply("a", 1, &removed(2, &[4]));
+    publish("a", 1, vec![stored(3, &[9])]).await;
+    let expected_a = vec![("a".to_string(), 3), ("b".to_string(), 2)];
+    for (name, index) in [("early", &early), ("late", &late)] {
+        wait_until(name, || depths(index, &[1, 2, 3, 4]) == expected_a && depths(index, &[9]) == vec![("a".to_string(), 1)]).await;
+    }
+    assert!(early_status.resyncs() >= 1 && late_status.resyncs() >= 1);
+
+    // Worker b restarts (new instance, empty cache, numbering from 0).
+    publish("b", 8, vec![stored(0, &[5])]).await;
+    for (name, index) in [("early", &early), ("late", &late)] {
+        wait_until(name, || depths(index, &[1, 2]) == vec![("a".to_string(), 2)] && depths(index, &[5]) == vec![("b".to_string(), 1)]).await;
+    }
+
+    // Redis dies: the followers notice and keep their index; a new Redis on
+    // the same port (empty: no persistence) carries the next events.
+    let port = redis.port();
+    redis.kill();
+    wait_until("the followers to notice", || !early_status.reachable() && !late_status.reachable()).await;
+    assert_eq!(depths(&early, &[1, 2, 3]), vec![("a".to_string(), 3)]);
+    let _redis = RedisServer::start_on(port);
+    let publish_again = async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let event = vec![stored(1, &[6])];
+            match log.publish(&batch_to_proto("b", 8, &event)).await {
+                Ok(_) => {
+                    truth.index.apply("b", 8, &event[0]);
+                    break;
+                }
+                Err(error) => {
+                    assert!(Instant::now() < deadline, "publishing after the restart: {error}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    };
+    publish_again.await;
+    for (name, index) in [("early", &early), ("late", &late)] {
+        wait_until(name, || depths(index, &[6]) == vec![("b".to_string(), 1)]).await;
+    }
+    assert!(early_status.reachable() && late_status.reachable());
+    assert_eq!(early.find_matches(&seq(&[1, 2, 3, 4])), late.find_matches(&seq(&[1, 2, 3, 4])));
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn malformed_entries_are_skipped() {
+    let redis = RedisServer::start();
+    let log = EventLog::new(&redis.url(), "m").unwrap();
+    let mut connection = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let _: String = redis::cmd("XADD").arg(log.key()).arg("*").arg("b").arg(&b"\xff\xfe not protobuf"[..]).query_async(&mut connection).await.unwrap();
+    log.publish(&batch_to_proto("w", 1, &[stored(0, &[1])])).await.unwrap();
+    let (index, status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
+    let shutdown = CancellationToken::new();
+    let no_dumps: DumpFetcher = Arc::new(|_| Box::pin(async { None::<(u64, Dump)> }));
+    follow(index.clone(), &log, no_dumps, status.clone(), shutdown.clone());
+    wait_until("the valid batch", || depths(&index, &[1]) == vec![("w".to_string(), 1)]).await;
+    assert_eq!(status.batches(), 1, "the malformed entry is not a batch");
+    shutdown.cancel();
+}
