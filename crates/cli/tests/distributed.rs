@@ -98,6 +98,28 @@ async fn requests_flow_through_separate_processes_and_spread_over_workers() {
     assert_eq!(events.last().unwrap(), "[DONE]");
     assert_eq!(reqwest::get(format!("{}/readyz", cluster.router.admin)).await.unwrap().status(), 200);
     assert_eq!(reqwest::get(format!("{}/health", cluster.base)).await.unwrap().status(), 200);
+
+    // Both workers published their KV events (numbered from 0) to the
+    // namespace's event log: round-robin sends one long prompt (complete
+    // KV blocks) to each.
+    for i in 0..2 {
+        let prompt = format!("{i} {}", "many words fill whole blocks ".repeat(60));
+        let (status, body) = post(&cluster.base, "/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 1})).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let log = turbine_kv_log::EventLog::new(&cluster._redis.url(), "e2e").unwrap();
+    let expected: std::collections::BTreeMap<String, u64> = [("worker-0".to_string(), 0), ("worker-1".to_string(), 0)].into();
+    let mut first_ids = std::collections::BTreeMap::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    // Published asynchronously: wait for both.
+    while first_ids != expected && std::time::Instant::now() < deadline {
+        first_ids.clear();
+        for (_, payload) in log.reader().read("0-0", Duration::from_millis(100), 10_000).await.unwrap() {
+            let batch = turbine_kv_log::convert::batch_from_proto(prost::Message::decode(payload.as_slice()).unwrap()).unwrap();
+            first_ids.entry(batch.worker_id).or_insert(batch.events[0].event_id);
+        }
+    }
+    assert_eq!(first_ids, expected, "each worker's events start at 0");
 }
 
 #[tokio::test]

@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use turbine_kv::{KvEvent, KvIndex, SequenceHash, StoredBlock, Tier, WorkerMatch};
+use turbine_kv_log::FollowerStatus;
 
 /// Weights of the cost function; every field can be overridden per request.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -217,6 +218,8 @@ pub struct KvState {
     config: KvConfig,
     index: Arc<KvIndex>,
     approx: Option<Mutex<ApproxLog>>,
+    /// The event-log follower feeding `index`, when there is one.
+    events: Option<Arc<FollowerStatus>>,
 }
 
 #[derive(Debug, Default)]
@@ -234,7 +237,20 @@ impl KvState {
     /// by the router's own decisions.
     pub fn new(config: KvConfig, index: Arc<KvIndex>) -> Self {
         let approx = config.approximate.then(|| Mutex::new(ApproxLog::default()));
-        Self { config, index, approx }
+        Self { config, index, approx, events: None }
+    }
+
+    /// Routes by load alone whenever `status` says the event log is
+    /// unreachable (the index may be stale then).
+    pub fn with_event_status(mut self, status: Arc<FollowerStatus>) -> Self {
+        self.events = Some(status);
+        self
+    }
+
+    /// Whether the index can be trusted: no follower, or one that reaches
+    /// the event log.
+    pub fn usable(&self) -> bool {
+        self.events.as_ref().is_none_or(|status| status.reachable())
     }
 
     /// The configuration.

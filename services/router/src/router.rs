@@ -276,8 +276,13 @@ impl Router {
         if request.request_id.is_empty() {
             return Err(RouteError::InvalidRequest("request_id must not be empty".into()));
         }
-        let policy = request.policy.unwrap_or(self.policy);
+        let mut policy = request.policy.unwrap_or(self.policy);
         let kv = match (policy, &self.kv) {
+            // The index is stale while its event log is unreachable: load only.
+            (Policy::Kv, Some(kv)) if !kv.usable() => {
+                policy = Policy::LeastLoaded;
+                None
+            }
             (Policy::Kv, Some(kv)) => Some(kv),
             (Policy::Kv, None) => return Err(RouteError::InvalidRequest("this router has no KV index; the kv policy is unavailable".into())),
             _ => None,

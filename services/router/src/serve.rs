@@ -10,8 +10,11 @@ use tokio::task::JoinHandle;
 use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
 use turbine_proto::service_names;
 use turbine_kv::KvIndex;
+use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow};
+use turbine_proto::worker::v1::DumpKvCacheRequest;
+use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_registry::{RedisRegistry, Registry};
-use turbine_runtime::grpc::{base_routes, serve as serve_grpc};
+use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, base_routes, serve as serve_grpc};
 use turbine_runtime::health::Readiness;
 use turbine_runtime::{CancellationToken, admin};
 
@@ -65,8 +68,21 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     let grpc_addr = grpc_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
-    let kv = Arc::new(KvState::new(config.kv(), Arc::new(KvIndex::new())));
-    let router = Arc::new(Router::with_kv(config.policy, Duration::from_secs_f64(config.booking_ttl_secs), kv));
+    let mut kv = KvState::new(config.kv(), Arc::new(KvIndex::new()));
+    // Exact mode: the index replica follows the workers' KV event log.
+    let events = (!config.kv().approximate).then(|| Arc::new(FollowerStatus::default()));
+    if let Some(status) = &events {
+        kv = kv.with_event_status(status.clone());
+    }
+    let kv = Arc::new(kv);
+    let router = Arc::new(Router::with_kv(config.policy, Duration::from_secs_f64(config.booking_ttl_secs), kv.clone()));
+    let follower = match &events {
+        Some(status) => {
+            let log = EventLog::new(redis, &config.namespace).context("bad Redis URL for the KV event log")?;
+            Some(follow(kv.index().clone(), &log, dump_fetcher(router.clone()), status.clone(), shutdown.clone()))
+        }
+        None => None,
+    };
     let (readiness, health) = Readiness::new(&[service_names::ROUTER]).await;
     let routes = base_routes(health, &[FILE_DESCRIPTOR_SET]).add_service(RouterServer::new(RouterService::new(router.clone())));
     let grace = Duration::from_secs_f64(config.shutdown_grace_secs);
@@ -86,11 +102,31 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     readiness.drain().await;
     let served = grpc_task.await.context("gRPC server panicked")?;
     let _ = watch.await;
+    if let Some(follower) = follower {
+        let _ = follower.await;
+    }
     admin_stop.cancel();
     let _ = admin_task.await;
     served.context("gRPC server failed")?;
     tracing::info!("router stopped");
     Ok(())
+}
+
+/// Fetches a worker's KV cache dump over its gRPC endpoint (as the
+/// registry gives it) for the event-log follower.
+pub fn dump_fetcher(router: Arc<Router>) -> DumpFetcher {
+    Arc::new(move |worker_id: String| {
+        let endpoint = router.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint);
+        Box::pin(async move {
+            let endpoint = endpoint?;
+            let fetch = async {
+                let mut client = WorkerClient::connect(endpoint).await.ok()?.max_decoding_message_size(MAX_MESSAGE_BYTES);
+                let dump = client.dump_kv_cache(DumpKvCacheRequest {}).await.ok()?.into_inner().dump?;
+                turbine_kv_log::convert::dump_from_proto(dump).ok()
+            };
+            tokio::time::timeout(Duration::from_secs(10), fetch).await.ok().flatten()
+        })
+    })
 }
 
 /// Entry point shared by `turbine-router` and `turbine router`.

@@ -121,3 +121,71 @@ async fn the_binary_refuses_to_start_without_a_registry() {
     assert!(!status.success());
     assert!(process.output().iter().any(|line| line.contains("--redis")), "{:?}", process.output());
 }
+
+/// Two router processes follow one KV event log through Redis: a worker's
+/// published blocks steer both to it, with the same overlap. With Redis
+/// killed, kv routing falls back to load and no request fails.
+#[tokio::test]
+async fn router_replicas_share_the_kv_index_through_redis() {
+    use turbine_kv::{BlockHasher, KvEvent, NumberedEvent, StoredBlock, Tier};
+    use turbine_kv_log::EventLog;
+    use turbine_kv_log::convert::batch_to_proto;
+
+    let mut redis = RedisServer::start();
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
+    let ttl = Duration::from_secs(30);
+    let _leases = [Lease::start(registry.clone(), ttl, || record("a")), Lease::start(registry.clone(), ttl, || record("b"))];
+    let routers = [start_router(&redis), start_router(&redis)];
+
+    let prompt: Vec<u32> = (1000..1128).collect();
+    let blocks = BlockHasher::default().hash_blocks(&prompt, 16);
+    let stored = NumberedEvent {
+        event_id: 0,
+        event: KvEvent::Stored {
+            parent: None,
+            blocks: blocks.iter().map(|b| StoredBlock { sequence_hash: b.sequence, local_hash: b.local }).collect(),
+            tier: Tier::Device,
+        },
+    };
+    EventLog::new(&redis.url(), "t").unwrap().publish(&batch_to_proto("a", 1, &[stored])).await.unwrap();
+
+    let route = |client: &mut RouterClient<tonic::transport::Channel>, id: String| {
+        let request = pb::RouteRequest {
+            request_id: id,
+            model: "m".into(),
+            prompt_tokens: prompt.len() as u32,
+            policy: pb::Policy::Kv as i32,
+            token_ids: prompt.clone(),
+            ..Default::default()
+        };
+        let mut client = client.clone();
+        async move {
+            let response = client.route(request.clone()).await?.into_inner();
+            client.request_finished(pb::RequestFinishedRequest { request_id: request.request_id }).await?;
+            Ok::<_, tonic::Status>(response)
+        }
+    };
+    let mut clients = Vec::new();
+    for (_, endpoint) in &routers {
+        clients.push(RouterClient::connect(endpoint.clone()).await.unwrap());
+    }
+    for (replica, client) in clients.iter_mut().enumerate() {
+        let mut turn = 0;
+        wait_until(Duration::from_secs(10), async || {
+            turn += 1;
+            // Errors until the replica has seen the workers register.
+            route(client, format!("r{replica}-{turn}"))
+                .await
+                .is_ok_and(|response| response.worker.unwrap().worker_id == "a" && response.overlap_blocks == blocks.len() as u32)
+        })
+        .await;
+    }
+
+    redis.kill();
+    for (replica, client) in clients.iter_mut().enumerate() {
+        for turn in 0..20 {
+            let response = route(client, format!("down{replica}-{turn}")).await;
+            assert!(response.is_ok(), "replica {replica}: a request failed with Redis down: {response:?}");
+        }
+    }
+}

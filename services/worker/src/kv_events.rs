@@ -1,6 +1,7 @@
-//! Feeding a worker's KV events to an index in the same process.
+//! A worker's KV events: fed to an index in the same process, or published
+//! to the KV event log (a Redis stream) for every router and kv-index.
 //!
-//! The feed subscribes to the engine's events first, then loads a dump, so
+//! The in-process feed subscribes to the engine's events first, then loads a dump, so
 //! nothing falls between the two: events the dump already reflects are
 //! duplicates and skipped. A lagging feed (the engine's event buffer
 //! overflowed) or a numbering gap resynchronises from a fresh dump.
@@ -13,6 +14,12 @@ use turbine_kv::index::Applied;
 use turbine_runtime::CancellationToken;
 
 use crate::worker::Worker;
+
+/// Events per published batch at most.
+const BATCH_EVENTS: usize = 256;
+/// Batches waiting for Redis at most; beyond that they are dropped and the
+/// followers resynchronise from a dump (they see the numbering gap).
+const PENDING_BATCHES: usize = 64;
 
 /// Keeps `index` in step with `worker`'s prefix cache until `shutdown`
 /// (or the engine stops); the worker is removed from the index then.
@@ -56,5 +63,77 @@ pub fn feed_index(worker: Arc<Worker>, index: Arc<KvIndex>, shutdown: Cancellati
             }
         }
         index.remove_worker(&id);
+    })
+}
+
+/// Publishes `worker`'s KV events to `log` until `shutdown` (or the engine
+/// stops): every event available at once goes into one batch. While Redis
+/// is unreachable a bounded number of batches wait; beyond that the oldest
+/// are dropped, which followers see as a gap and repair with a dump.
+pub fn publish_events(worker: Arc<Worker>, log: turbine_kv_log::EventLog, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut events = worker.engine().subscribe_events();
+        let mut pending: std::collections::VecDeque<turbine_proto::kvindex::v1::EventBatch> = std::collections::VecDeque::new();
+        let mut failing = false;
+        loop {
+            let first = if pending.is_empty() {
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    event = events.recv() => Some(event),
+                }
+            } else {
+                None
+            };
+            let mut batch = Vec::new();
+            let mut closed = false;
+            let mut take = |event: Result<turbine_kv::NumberedEvent, RecvError>, batch: &mut Vec<turbine_kv::NumberedEvent>| match event {
+                Ok(event) => batch.push(event),
+                // Missed events leave a gap in the numbering: followers
+                // load a dump.
+                Err(RecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
+                Err(RecvError::Closed) => closed = true,
+            };
+            if let Some(event) = first {
+                take(event, &mut batch);
+            }
+            while batch.len() < BATCH_EVENTS {
+                match events.try_recv() {
+                    Ok(event) => batch.push(event),
+                    Err(tokio::sync::broadcast::error::TryRecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
+                    Err(_) => break,
+                }
+            }
+            if !batch.is_empty() {
+                if pending.len() >= PENDING_BATCHES {
+                    pending.pop_front();
+                }
+                pending.push_back(turbine_kv_log::convert::batch_to_proto(worker.id(), worker.instance(), &batch));
+            }
+            while let Some(next) = pending.front() {
+                match log.publish(next).await {
+                    Ok(_) => {
+                        pending.pop_front();
+                        if failing {
+                            tracing::info!("publishing KV events again");
+                            failing = false;
+                        }
+                    }
+                    Err(error) => {
+                        if !failing {
+                            tracing::warn!(%error, "cannot publish KV events; keeping the last {PENDING_BATCHES} batches");
+                            failing = true;
+                        }
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                        }
+                        break;
+                    }
+                }
+            }
+            if closed {
+                break;
+            }
+        }
     })
 }

@@ -105,6 +105,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         let endpoint = endpoint.clone();
         Lease::start(registry, Duration::from_secs_f64(config.lease_ttl_secs), move || worker_record(&worker, &endpoint))
     });
+    let publisher = match &config.redis {
+        Some(url) => Some(crate::kv_events::publish_events(worker.clone(), turbine_kv_log::EventLog::new(url, &config.namespace)?, shutdown.clone())),
+        None => None,
+    };
     let probe_registry = registry.clone();
     readiness.watch_dependencies(Duration::from_secs(1), shutdown.clone(), move || {
         let registry = probe_registry.clone();
@@ -125,6 +129,9 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     }
     let served = grpc_task.await.context("gRPC server panicked")?;
     worker.shutdown();
+    if let Some(publisher) = publisher {
+        let _ = publisher.await;
+    }
     admin_stop.cancel();
     let _ = admin_task.await;
     served.context("gRPC server failed")?;

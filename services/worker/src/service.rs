@@ -86,4 +86,10 @@ impl pb::worker_server::Worker for WorkerService {
         let card = self.worker()?.card_proto().clone();
         Ok(Response::new(pb::GetModelCardResponse { card: Some(card) }))
     }
+
+    async fn dump_kv_cache(&self, _request: Request<pb::DumpKvCacheRequest>) -> Result<Response<pb::DumpKvCacheResponse>, Status> {
+        let worker = self.worker()?;
+        let dump = worker.engine().dump().await.map_err(|_| Status::unavailable("the engine is shutting down"))?;
+        Ok(Response::new(pb::DumpKvCacheResponse { dump: Some(turbine_kv_log::convert::dump_to_proto(worker.id(), worker.instance(), &dump)) }))
+    }
 }
