@@ -494,14 +494,13 @@ impl KvIndex {
 
     /// Blocks a worker holds (0 if unknown): the size of its cached tree.
     pub fn cached_blocks(&self, worker_id: &str) -> usize {
-        let tree = self.tree.read();
-        tree.by_id.get(worker_id).and_then(|&slot| tree.slots[slot as usize].as_ref()).map_or(0, |state| state.blocks.len())
+        self.tree.read().tree_size(worker_id)
     }
 
     /// [`cached_blocks`](Self::cached_blocks) of several workers at once.
     pub fn cached_blocks_of<'a>(&self, worker_ids: impl IntoIterator<Item = &'a str>) -> Vec<usize> {
         let tree = self.tree.read();
-        worker_ids.into_iter().map(|id| tree.by_id.get(id).and_then(|&slot| tree.slots[slot as usize].as_ref()).map_or(0, |state| state.blocks.len())).collect()
+        worker_ids.into_iter().map(|id| tree.tree_size(id)).collect()
     }
 
     /// Everything a worker holds, as a dump (None if unknown).
@@ -637,6 +636,11 @@ fn intersect(entries: &mut [MatchEntry], active: &mut Vec<Active>, holders: &[Ho
 }
 
 impl Tree {
+    /// Blocks `worker_id` holds (0 if unknown).
+    fn tree_size(&self, worker_id: &str) -> usize {
+        self.by_id.get(worker_id).and_then(|&slot| self.slots[slot as usize].as_ref()).map_or(0, |state| state.blocks.len())
+    }
+
     /// The worker's slot, created if new; a different `instance` resets it.
     fn slot_for(&mut self, worker_id: &str, instance: u64) -> u32 {
         let slot = self.slot_or_create(worker_id);

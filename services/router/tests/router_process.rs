@@ -181,11 +181,21 @@ async fn router_replicas_share_the_kv_index_through_redis() {
         .await;
     }
 
+    // Redis down: once a replica notices, it routes by load (no overlap
+    // credited) and no request fails before or after.
     redis.kill();
     for (replica, client) in clients.iter_mut().enumerate() {
-        for turn in 0..20 {
+        let mut turn = 0;
+        wait_until(Duration::from_secs(10), async || {
+            turn += 1;
             let response = route(client, format!("down{replica}-{turn}")).await;
-            assert!(response.is_ok(), "replica {replica}: a request failed with Redis down: {response:?}");
+            let response = response.unwrap_or_else(|error| panic!("replica {replica}: a request failed with Redis down: {error}"));
+            response.overlap_blocks == 0
+        })
+        .await;
+        for turn in 0..20 {
+            let response = route(client, format!("load{replica}-{turn}")).await;
+            assert!(response.is_ok_and(|r| r.overlap_blocks == 0), "replica {replica}: load-only routing with Redis down");
         }
     }
 }

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use turbine_kv::KvIndex;
 use turbine_kv::index::Applied;
 use turbine_runtime::CancellationToken;
@@ -73,34 +73,29 @@ pub fn feed_index(worker: Arc<Worker>, index: Arc<KvIndex>, shutdown: Cancellati
 pub fn publish_events(worker: Arc<Worker>, log: turbine_kv_log::EventLog, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut events = worker.engine().subscribe_events();
-        let mut pending: std::collections::VecDeque<turbine_proto::kvindex::v1::EventBatch> = std::collections::VecDeque::new();
+        let mut pending = std::collections::VecDeque::new();
         let mut failing = false;
         loop {
-            let first = if pending.is_empty() {
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    event = events.recv() => Some(event),
-                }
-            } else {
-                None
-            };
             let mut batch = Vec::new();
-            let mut closed = false;
-            let mut take = |event: Result<turbine_kv::NumberedEvent, RecvError>, batch: &mut Vec<turbine_kv::NumberedEvent>| match event {
-                Ok(event) => batch.push(event),
-                // Missed events leave a gap in the numbering: followers
-                // load a dump.
-                Err(RecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
-                Err(RecvError::Closed) => closed = true,
-            };
-            if let Some(event) = first {
-                take(event, &mut batch);
+            // Wait for an event unless batches are already waiting for Redis.
+            if pending.is_empty() {
+                let event = tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    event = events.recv() => event,
+                };
+                match event {
+                    Ok(event) => batch.push(event),
+                    // Missed events leave a gap in the numbering: followers
+                    // load a dump.
+                    Err(RecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
+                    Err(RecvError::Closed) => break,
+                }
             }
             while batch.len() < BATCH_EVENTS {
                 match events.try_recv() {
                     Ok(event) => batch.push(event),
-                    Err(tokio::sync::broadcast::error::TryRecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
-                    Err(_) => break,
+                    Err(TryRecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
+                    Err(TryRecvError::Empty | TryRecvError::Closed) => break,
                 }
             }
             if !batch.is_empty() {
@@ -130,9 +125,6 @@ pub fn publish_events(worker: Arc<Worker>, log: turbine_kv_log::EventLog, shutdo
                         break;
                     }
                 }
-            }
-            if closed {
-                break;
             }
         }
     })
