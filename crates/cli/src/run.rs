@@ -50,6 +50,10 @@ pub struct RunArgs {
     /// kv policy: weight of prefill work against decode load.
     #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE", default_value_t = KvWeights::default().prefill_load_scale)]
     pub kv_prefill_load_scale: f64,
+    /// kv policy: prefill blocks one cached device block is worth (above 1
+    /// keeps a conversation on the worker holding its prefix under load).
+    #[arg(long, env = "TURBINE_ROUTER_KV_DEVICE_CREDIT", default_value_t = KvWeights::default().device_credit)]
+    pub kv_device_credit: f64,
     /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
     #[arg(long, env = "TURBINE_ROUTER_KV_TEMPERATURE", default_value_t = 0.0)]
     pub kv_temperature: f64,
@@ -168,7 +172,12 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
     let index = Arc::new(KvIndex::new());
     let feeds: Vec<_> = workers.iter().map(|worker| feed_index(worker.clone(), index.clone(), shutdown.clone())).collect();
     let kv_config = KvConfig {
-        weights: KvWeights { prefill_load_scale: args.kv_prefill_load_scale, temperature: args.kv_temperature, ..KvWeights::default() },
+        weights: KvWeights {
+            device_credit: args.kv_device_credit,
+            prefill_load_scale: args.kv_prefill_load_scale,
+            temperature: args.kv_temperature,
+            ..KvWeights::default()
+        },
         ..KvConfig::default()
     };
     kv_config.validate().map_err(anyhow::Error::msg)?;

@@ -31,6 +31,8 @@ pub struct RouterConfig {
     pub shutdown_grace_secs: f64,
     /// kv policy: weight of prefill work against decode load.
     pub kv_prefill_load_scale: f64,
+    /// kv policy: prefill blocks one cached device block is worth.
+    pub kv_device_credit: f64,
     /// kv policy: 0 picks the cheapest worker; above 0 samples.
     pub kv_temperature: f64,
     /// kv policy: index the router's own decisions (for engines that
@@ -51,7 +53,8 @@ impl Default for RouterConfig {
             poll_interval_ms: 250,
             booking_ttl_secs: 600.0,
             shutdown_grace_secs: 30.0,
-            kv_prefill_load_scale: 1.0,
+            kv_prefill_load_scale: KvWeights::default().prefill_load_scale,
+            kv_device_credit: KvWeights::default().device_credit,
             kv_temperature: 0.0,
             kv_approximate: false,
             kv_approx_ttl_secs: 120.0,
@@ -78,7 +81,12 @@ impl RouterConfig {
     pub fn kv(&self) -> KvConfig {
         let defaults = KvConfig::default();
         KvConfig {
-            weights: KvWeights { prefill_load_scale: self.kv_prefill_load_scale, temperature: self.kv_temperature, ..defaults.weights },
+            weights: KvWeights {
+                device_credit: self.kv_device_credit,
+                prefill_load_scale: self.kv_prefill_load_scale,
+                temperature: self.kv_temperature,
+                ..defaults.weights
+            },
             approximate: self.kv_approximate,
             approx_ttl_secs: self.kv_approx_ttl_secs,
             ..defaults
@@ -125,10 +133,15 @@ pub struct RouterArgs {
     #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_secs: Option<f64>,
-    /// kv policy: weight of prefill work against decode load [default: 1.0].
+    /// kv policy: weight of prefill work against decode load [default: 100].
     #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_prefill_load_scale: Option<f64>,
+    /// kv policy: prefill blocks one cached device block is worth [default: 8;
+    /// host, disk and remote blocks: 6, 2, 0.8].
+    #[arg(long, env = "TURBINE_ROUTER_KV_DEVICE_CREDIT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_device_credit: Option<f64>,
     /// kv policy: 0 picks the cheapest worker, above 0 samples by cost [default: 0].
     #[arg(long, env = "TURBINE_ROUTER_KV_TEMPERATURE")]
     #[serde(skip_serializing_if = "Option::is_none")]

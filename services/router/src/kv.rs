@@ -47,13 +47,24 @@ pub struct KvWeights {
     pub temperature: f64,
 }
 
+/// Turbine's defaults, tuned on the Mooncake replays (docs/benchmarks.md).
+/// Against [`KvWeights::DYNAMO`]: prefill work is weighed 100× the decode
+/// load, because in an engine with chunked prefill a request waits for the
+/// prefill queued ahead of it, while decoding sequences only stretch each
+/// step a little; and a cached block is worth 8 blocks of prefill, not 1,
+/// because a hit given up to balance load is computed again and that work
+/// delays every later request too. The tiers keep Dynamo's proportions.
 impl Default for KvWeights {
     fn default() -> Self {
-        Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 }
+        Self { device_credit: 8.0, host_credit: 6.0, disk_credit: 2.0, remote_credit: 0.8, prefill_load_scale: 100.0, temperature: 0.0 }
     }
 }
 
 impl KvWeights {
+    /// Dynamo's default weights (DESIGN §5's baseline): a cached block
+    /// saves one block of prefill, prefill and decode blocks weigh the same.
+    pub const DYNAMO: Self = Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 };
+
     /// Checks that every weight is finite and non-negative.
     pub fn validate(&self) -> Result<(), String> {
         let fields = [
@@ -327,7 +338,7 @@ mod tests {
 
     #[test]
     fn cost_follows_the_design_formula() {
-        let weights = KvWeights::default();
+        let weights = KvWeights::DYNAMO;
         // 10-block prompt, 4 cached on device, 3 blocks queued for prefill, 20 decoding.
         assert_eq!(cost(&weights, &candidate(10, 4, 3, 20)), (3.0 + 10.0 - 4.0) + 20.0 + 10.0);
         let host = KvCandidate { matched_by_tier: [0, 4, 0, 0], ..candidate(10, 0, 3, 20) };
@@ -338,13 +349,27 @@ mod tests {
 
     #[test]
     fn overlap_wins_until_load_outweighs_it() {
-        let weights = KvWeights::default();
+        let weights = KvWeights::DYNAMO;
         let mut rng = StdRng::seed_from_u64(3);
         let cached_but_busy = candidate(60, 50, 0, 30);
         let idle = candidate(60, 0, 0, 0);
         assert_eq!(choose(&weights, &[idle, cached_but_busy], &mut rng), 1, "50 saved blocks beat 30 decoding");
         let overloaded = candidate(60, 50, 0, 80);
         assert_eq!(choose(&weights, &[idle, overloaded], &mut rng), 0);
+    }
+
+    #[test]
+    fn default_weights_keep_a_prefix_on_its_worker_under_load() {
+        let mut rng = StdRng::seed_from_u64(5);
+        // A 200-block follow-up turn, 180 blocks cached on a worker with 300
+        // blocks queued for prefill and 6,000 decoding; another worker idle.
+        let holder = candidate(200, 180, 300, 6_000);
+        let idle = candidate(200, 0, 0, 0);
+        assert_eq!(choose(&KvWeights::default(), &[idle, holder], &mut rng), 1, "the hit is worth more than the queue");
+        assert_eq!(choose(&KvWeights::DYNAMO, &[idle, holder], &mut rng), 0, "Dynamo's weights give it up");
+        // Queued prefill still counts: far behind, the holder loses.
+        let swamped = candidate(200, 180, 2_000, 6_000);
+        assert_eq!(choose(&KvWeights::default(), &[idle, swamped], &mut rng), 0);
     }
 
     #[test]
@@ -375,7 +400,7 @@ mod tests {
         let overrides = KvOverrides { temperature: Some(0.5), ..KvOverrides::default() };
         let weights = overrides.apply(KvWeights::default());
         assert_eq!(weights.temperature, 0.5);
-        assert_eq!(weights.device_credit, 1.0);
+        assert_eq!(weights.device_credit, KvWeights::default().device_credit);
         assert!(KvWeights { host_credit: -1.0, ..KvWeights::default() }.validate().is_err());
     }
 

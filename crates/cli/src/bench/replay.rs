@@ -69,6 +69,9 @@ pub struct ReplayArgs {
     /// kv policy: weight of prefill work against decode load.
     #[arg(long, default_value_t = turbine_router::KvWeights::default().prefill_load_scale)]
     pub kv_prefill_load_scale: f64,
+    /// kv policy: prefill blocks one cached device block is worth.
+    #[arg(long, default_value_t = turbine_router::KvWeights::default().device_credit)]
+    pub kv_device_credit: f64,
     /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
     #[arg(long, default_value_t = 0.0)]
     pub kv_temperature: f64,
@@ -302,6 +305,7 @@ async fn replay_one(
         grpc_port: 0,
         policy,
         kv_prefill_load_scale: args.kv_prefill_load_scale,
+        kv_device_credit: args.kv_device_credit,
         kv_temperature: args.kv_temperature,
         speedup: args.engine_speedup.unwrap_or(args.speedup),
         block_size: Some(args.block_size),
