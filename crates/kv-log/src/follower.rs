@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -13,6 +14,9 @@ use tokio_util::sync::CancellationToken;
 use turbine_kv::index::Applied;
 use turbine_kv::{Dump, KvIndex};
 use turbine_proto::kvindex::v1 as pb;
+use turbine_proto::worker::v1::DumpKvCacheRequest;
+use turbine_proto::worker::v1::worker_client::WorkerClient;
+use turbine_runtime::grpc::MAX_MESSAGE_BYTES;
 
 use crate::convert::{Batch, batch_from_proto};
 use crate::log::EventLog;
@@ -35,6 +39,8 @@ pub struct FollowerStatus {
     batches: AtomicU64,
     events: AtomicU64,
     resyncs: AtomicU64,
+    /// The last entry applied.
+    position: Mutex<String>,
 }
 
 impl FollowerStatus {
@@ -58,17 +64,44 @@ impl FollowerStatus {
     pub fn resyncs(&self) -> u64 {
         self.resyncs.load(Ordering::Relaxed)
     }
+
+    /// The id of the last stream entry applied (`"0-0"` before the first).
+    /// Everything up to it is reflected in the index.
+    pub fn position(&self) -> String {
+        let position = self.position.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if position.is_empty() { "0-0".to_owned() } else { position.clone() }
+    }
+
+    fn set_position(&self, id: &str) {
+        let mut position = self.position.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        position.clear();
+        position.push_str(id);
+    }
 }
 
 /// Applies the log to `index` from its oldest retained entry, then as
 /// entries arrive, until `shutdown`. While Redis is unreachable the task
 /// retries with backoff and `status` says so; it continues where it left.
 pub fn follow(index: Arc<KvIndex>, log: &EventLog, fetch: DumpFetcher, status: Arc<FollowerStatus>, shutdown: CancellationToken) -> JoinHandle<()> {
+    follow_from(index, log, "0-0".to_owned(), fetch, status, shutdown)
+}
+
+/// [`follow`], reading the entries after `after` (a snapshot's position:
+/// the index already reflects everything up to it).
+pub fn follow_from(
+    index: Arc<KvIndex>,
+    log: &EventLog,
+    after: String,
+    fetch: DumpFetcher,
+    status: Arc<FollowerStatus>,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
     let mut reader = log.reader();
     let key = log.key().to_owned();
+    status.set_position(&after);
     tokio::spawn(async move {
         let mut follower = Follower { index, fetch, status, retired: FxHashMap::default() };
-        let mut after = String::from("0-0");
+        let mut after = after;
         let mut failures = 0u32;
         loop {
             let read = tokio::select! {
@@ -87,6 +120,7 @@ pub fn follow(index: Arc<KvIndex>, log: &EventLog, fetch: DumpFetcher, status: A
                             Ok(batch) => follower.apply(batch).await,
                             Err(error) => tracing::warn!(entry = after, error, "skipping a malformed KV event batch"),
                         }
+                        follower.status.set_position(&after);
                     }
                 }
                 Err(error) => {
@@ -149,4 +183,21 @@ impl Follower {
             }
         }
     }
+}
+
+/// A [`DumpFetcher`] that calls `Worker/DumpKvCache` on the endpoint
+/// `endpoint_of` gives for the worker (the registry's), within 10 s.
+pub fn grpc_dump_fetcher(endpoint_of: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> DumpFetcher {
+    Arc::new(move |worker_id: String| {
+        let endpoint = endpoint_of(&worker_id);
+        Box::pin(async move {
+            let endpoint = endpoint?;
+            let fetch = async {
+                let mut client = WorkerClient::connect(endpoint).await.ok()?.max_decoding_message_size(MAX_MESSAGE_BYTES);
+                let dump = client.dump_kv_cache(DumpKvCacheRequest {}).await.ok()?.into_inner().dump?;
+                crate::convert::dump_from_proto(dump).ok()
+            };
+            tokio::time::timeout(Duration::from_secs(10), fetch).await.ok().flatten()
+        })
+    })
 }

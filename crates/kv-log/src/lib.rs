@@ -9,10 +9,16 @@
 //! stream was trimmed, a publish failed) or an unknown incarnation it asks
 //! the worker for a dump of its cache and continues from there. Every
 //! replica that has read the same stream entries holds the same index.
+//!
+//! Snapshots (`turbine:<namespace>:kv:snapshot`, an `IndexSnapshot`) hold
+//! the whole index at one stream position: a starting replica loads the
+//! latest one and follows the stream from there.
 
 pub mod convert;
 mod follower;
 mod log;
+mod snapshot;
 
-pub use follower::{DumpFetcher, FollowerStatus, follow};
+pub use follower::{DumpFetcher, FollowerStatus, follow, follow_from, grpc_dump_fetcher};
 pub use log::{EventLog, EventReader};
+pub use snapshot::{LoadedSnapshot, start_from_snapshot};

@@ -18,6 +18,7 @@ pub struct EventLog {
     client: redis::Client,
     publisher: ConnectionManager,
     key: String,
+    snapshot_key: String,
     max_len: usize,
 }
 
@@ -38,7 +39,13 @@ impl EventLog {
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));
         let publisher = ConnectionManager::new_lazy_with_config(client.clone(), config)?;
-        Ok(Self { client, publisher, key: format!("turbine:{namespace}:kv:events"), max_len: DEFAULT_MAX_LEN })
+        Ok(Self {
+            client,
+            publisher,
+            key: format!("turbine:{namespace}:kv:events"),
+            snapshot_key: format!("turbine:{namespace}:kv:snapshot"),
+            max_len: DEFAULT_MAX_LEN,
+        })
     }
 
     /// Keeps about `max_len` entries instead of [`DEFAULT_MAX_LEN`].
@@ -50,6 +57,16 @@ impl EventLog {
     /// The stream's key.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The key of the namespace's index snapshot.
+    pub fn snapshot_key(&self) -> &str {
+        &self.snapshot_key
+    }
+
+    /// The shared connection for commands that do not block.
+    pub(crate) fn publisher(&self) -> ConnectionManager {
+        self.publisher.clone()
     }
 
     /// Appends one batch; returns its entry id.

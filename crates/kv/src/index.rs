@@ -503,6 +503,13 @@ impl KvIndex {
         worker_ids.into_iter().map(|id| tree.tree_size(id)).collect()
     }
 
+    /// The workers with a view in the index, sorted.
+    pub fn worker_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.tree.read().by_id.keys().map(|id| id.to_string()).collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Everything a worker holds, as a dump (None if unknown).
     pub fn dump(&self, worker_id: &str) -> Option<(u64, Dump)> {
         let tree = self.tree.read();

@@ -23,7 +23,8 @@ pub mod gateway {
 
 /// `turbine.kvindex.*` packages.
 pub mod kvindex {
-    /// `turbine.kvindex.v1`: KV events, event batches and cache dumps.
+    /// `turbine.kvindex.v1`: the global KV index service, KV events, event
+    /// batches, cache dumps and index snapshots.
     pub mod v1 {
         tonic::include_proto!("turbine.kvindex.v1");
         /// Encoded descriptor set of `turbine.kvindex.v1`, source info included.
@@ -58,6 +59,8 @@ pub mod worker {
 pub mod service_names {
     /// `turbine.gateway.v1.Inference`
     pub const GATEWAY_INFERENCE: &str = "turbine.gateway.v1.Inference";
+    /// `turbine.kvindex.v1.KvIndex`
+    pub const KV_INDEX: &str = "turbine.kvindex.v1.KvIndex";
     /// `turbine.router.v1.Router`
     pub const ROUTER: &str = "turbine.router.v1.Router";
     /// `turbine.worker.v1.Worker`

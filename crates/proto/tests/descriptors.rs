@@ -76,7 +76,7 @@ fn gateway_descriptor_set_follows_the_contract_rules() {
 #[test]
 fn kvindex_descriptor_set_follows_the_contract_rules() {
     let set = decode(kvindex::v1::FILE_DESCRIPTOR_SET);
-    check_contract_rules(&set, "turbine.kvindex.v1", &[]);
+    check_contract_rules(&set, "turbine.kvindex.v1", &["KvIndex"]);
 }
 
 #[test]

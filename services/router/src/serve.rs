@@ -10,11 +10,9 @@ use tokio::task::JoinHandle;
 use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
 use turbine_proto::service_names;
 use turbine_kv::KvIndex;
-use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow};
-use turbine_proto::worker::v1::DumpKvCacheRequest;
-use turbine_proto::worker::v1::worker_client::WorkerClient;
+use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow_from, grpc_dump_fetcher};
 use turbine_registry::{RedisRegistry, Registry};
-use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, base_routes, serve as serve_grpc};
+use turbine_runtime::grpc::{base_routes, serve as serve_grpc};
 use turbine_runtime::health::Readiness;
 use turbine_runtime::{CancellationToken, admin};
 
@@ -79,7 +77,8 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     let follower = match &events {
         Some(status) => {
             let log = EventLog::new(redis, &config.namespace).context("bad Redis URL for the KV event log")?;
-            Some(follow(kv.index().clone(), &log, dump_fetcher(router.clone()), status.clone(), shutdown.clone()))
+            let start = turbine_kv_log::start_from_snapshot(&log, kv.index()).await;
+            Some(follow_from(kv.index().clone(), &log, start, dump_fetcher(router.clone()), status.clone(), shutdown.clone()))
         }
         None => None,
     };
@@ -115,18 +114,7 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
 /// Fetches a worker's KV cache dump over its gRPC endpoint (as the
 /// registry gives it) for the event-log follower.
 pub fn dump_fetcher(router: Arc<Router>) -> DumpFetcher {
-    Arc::new(move |worker_id: String| {
-        let endpoint = router.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint);
-        Box::pin(async move {
-            let endpoint = endpoint?;
-            let fetch = async {
-                let mut client = WorkerClient::connect(endpoint).await.ok()?.max_decoding_message_size(MAX_MESSAGE_BYTES);
-                let dump = client.dump_kv_cache(DumpKvCacheRequest {}).await.ok()?.into_inner().dump?;
-                turbine_kv_log::convert::dump_from_proto(dump).ok()
-            };
-            tokio::time::timeout(Duration::from_secs(10), fetch).await.ok().flatten()
-        })
-    })
+    grpc_dump_fetcher(move |worker_id| router.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint))
 }
 
 /// Entry point shared by `turbine-router` and `turbine router`.

@@ -1,0 +1,175 @@
+//! The `turbine-kv-index` binary against a real Redis: events published
+//! through it are answered by FindMatches, Dump and Stats; a second replica
+//! started later, and a replica killed with SIGKILL and restarted, start
+//! from the snapshot and reach the same answers; a worker whose registry
+//! lease expires loses its blocks; bad requests get INVALID_ARGUMENT and
+//! the service keeps serving.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tonic::transport::Channel;
+use turbine_kv::{BlockHasher, KvEvent, NumberedEvent, SequenceHash, StoredBlock, Tier};
+use turbine_kv_log::convert::batch_to_proto;
+use turbine_proto::kvindex::v1 as pb;
+use turbine_proto::kvindex::v1::kv_index_client::KvIndexClient;
+use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port};
+
+const BLOCK: usize = 16;
+
+fn record(id: &str) -> WorkerRecord {
+    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1 }
+}
+
+struct Replica {
+    process: ChildProcess,
+    client: KvIndexClient<Channel>,
+}
+
+async fn start_replica(redis: &RedisServer, port: u16, extra: &[&str]) -> Replica {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-kv-index"));
+    command.args(["--grpc-addr", &format!("127.0.0.1:{port}"), "--admin-addr", "127.0.0.1:0", "--redis", &redis.url(), "--namespace", "t"]);
+    command.args(["--registry-poll-ms", "100"]).args(extra);
+    let mut process = ChildProcess::spawn("turbine-kv-index", command);
+    process.wait_for_line("kv-index listening", STARTUP_TIMEOUT);
+    let client = KvIndexClient::connect(format!("http://127.0.0.1:{port}")).await.unwrap();
+    Replica { process, client }
+}
+
+/// The prompt of conversation `n`: `blocks` blocks of its own tokens.
+fn prompt(n: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BLOCK) as u32).map(|i| 1000 + n * 100_000 + i).collect()
+}
+
+fn stored(event_id: u64, tokens: &[u32]) -> NumberedEvent {
+    let blocks = BlockHasher::default()
+        .hash_blocks(tokens, BLOCK)
+        .into_iter()
+        .map(|b| StoredBlock { sequence_hash: b.sequence, local_hash: b.local })
+        .collect();
+    NumberedEvent { event_id, event: KvEvent::Stored { parent: None, blocks, tier: Tier::Device } }
+}
+
+fn query(tokens: &[u32]) -> pb::FindMatchesRequest {
+    pb::FindMatchesRequest { token_ids: tokens.to_vec(), block_size: BLOCK as u32, ..Default::default() }
+}
+
+/// (worker, matched blocks) pairs.
+async fn matches(client: &mut KvIndexClient<Channel>, tokens: &[u32]) -> Vec<(String, u32)> {
+    let response = client.find_matches(query(tokens)).await.unwrap().into_inner();
+    response.matches.into_iter().map(|m| (m.worker_id, m.matched_blocks)).collect()
+}
+
+async fn stats(client: &mut KvIndexClient<Channel>) -> pb::StatsResponse {
+    client.stats(pb::StatsRequest {}).await.unwrap().into_inner()
+}
+
+async fn wait_until(what: &str, deadline: Duration, mut condition: impl AsyncFnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !condition().await {
+        assert!(started.elapsed() < deadline, "{what}: not within {deadline:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
+    let redis = RedisServer::start();
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
+    let ttl = Duration::from_millis(1500);
+    let _lease_a = Lease::start(registry.clone(), ttl, || record("a"));
+    let lease_b = Lease::start(registry.clone(), ttl, || record("b"));
+
+    let port = free_port();
+    let mut first = start_replica(&redis, port, &["--snapshot-interval-secs", "0.2", "--lease-grace-secs", "1"]).await;
+
+    // Worker a caches conversation 1 (6 blocks); b caches conversation 2 (4
+    // blocks) and, later, a longer conversation 1 prefix in host memory.
+    let (one, two) = (prompt(1, 6), prompt(2, 4));
+    let mut b_host = stored(1, &one[..3 * BLOCK]);
+    if let KvEvent::Stored { tier, .. } = &mut b_host.event {
+        *tier = Tier::Host;
+    }
+    let batches = vec![batch_to_proto("a", 7, &[stored(0, &one)]), batch_to_proto("b", 9, &[stored(0, &two), b_host])];
+    let published = first.client.publish_events(pb::PublishEventsRequest { batches }).await.unwrap().into_inner();
+    assert_eq!(published.entry_ids.len(), 2);
+
+    let expected = vec![("a".to_owned(), 6), ("b".to_owned(), 3)];
+    let client = &mut first.client;
+    wait_until("events applied", Duration::from_secs(5), async || matches(client, &one).await == expected).await;
+    let full = first.client.find_matches(query(&one)).await.unwrap().into_inner();
+    assert_eq!(full.query_blocks, 6);
+    assert_eq!((full.matches[1].device_blocks, full.matches[1].host_blocks), (0, 3), "b holds its match in host memory");
+    // Sequence hashes give the same answer as tokens.
+    let hashes: Vec<u64> = BlockHasher::default().sequence_hashes(&one, BLOCK).into_iter().map(|SequenceHash(h)| h).collect();
+    let by_hash = first.client.find_matches(pb::FindMatchesRequest { sequence_hashes: hashes, ..Default::default() }).await.unwrap().into_inner();
+    assert_eq!(by_hash, full);
+    assert_eq!(matches(&mut first.client, &two).await, vec![("b".to_owned(), 4)]);
+
+    // Dump: all workers, one worker, an unknown one.
+    let mut all = first.client.dump(pb::DumpRequest::default()).await.unwrap().into_inner();
+    let mut dumped = Vec::new();
+    while let Some(dump) = all.message().await.unwrap() {
+        dumped.push((dump.worker_id, dump.instance, dump.next_event_id, dump.blocks.len()));
+    }
+    assert_eq!(dumped, vec![("a".to_owned(), 7, 1, 6), ("b".to_owned(), 9, 2, 7)]);
+    let missing = first.client.dump(pb::DumpRequest { worker_id: "nobody".into() }).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound);
+
+    // Bad input: INVALID_ARGUMENT, nothing appended, still serving.
+    let bad = first.client.find_matches(pb::FindMatchesRequest { token_ids: vec![1, 2, 3], ..Default::default() }).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    let mut malformed = batch_to_proto("a", 7, &[stored(1, &two)]);
+    malformed.events[0].kind = None;
+    let refused = first
+        .client
+        .publish_events(pb::PublishEventsRequest { batches: vec![batch_to_proto("a", 7, &[stored(1, &two)]), malformed] })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(refused.message().contains("batch 1"), "{}", refused.message());
+    assert_eq!(matches(&mut first.client, &two).await, vec![("b".to_owned(), 4)], "the valid batch of a refused call was not appended either");
+
+    // A snapshot is written; a replica started later begins from it.
+    let client = &mut first.client;
+    wait_until("a snapshot", Duration::from_secs(5), async || stats(client).await.snapshots_written > 0).await;
+    let second_port = free_port();
+    let mut second = start_replica(&redis, second_port, &["--snapshot-interval-secs", "0"]).await;
+    let second_stats = stats(&mut second.client).await;
+    assert!(!second_stats.started_from_snapshot.is_empty(), "the late replica loaded the snapshot");
+    for tokens in [&one, &two] {
+        assert_eq!(matches(&mut second.client, tokens).await, matches(&mut first.client, tokens).await);
+    }
+
+    // SIGKILL the first replica; more events arrive while it is down
+    // (through the second); restarted on its port, it catches up.
+    first.process.kill();
+    let three = prompt(3, 5);
+    second.client.publish_events(pb::PublishEventsRequest { batches: vec![batch_to_proto("a", 7, &[stored(1, &three)])] }).await.unwrap();
+    let mut restarted = start_replica(&redis, port, &["--snapshot-interval-secs", "0.2", "--lease-grace-secs", "1"]).await;
+    assert!(!stats(&mut restarted.client).await.started_from_snapshot.is_empty());
+    let client = &mut restarted.client;
+    let caught_up = wait_until("the restarted replica catches up", Duration::from_secs(10), async || matches(client, &three).await == [("a".to_owned(), 5)]).await;
+    println!("restarted replica answered like the live one {caught_up:?} after starting");
+    for tokens in [&one, &two, &three] {
+        assert_eq!(matches(&mut restarted.client, tokens).await, matches(&mut second.client, tokens).await);
+    }
+
+    // b's lease expires: its blocks leave the index (both replicas).
+    lease_b.revoke().await;
+    let client = &mut restarted.client;
+    let gone = wait_until("b's blocks dropped", Duration::from_secs(10), async || matches(client, &two).await.is_empty()).await;
+    println!("b dropped {gone:?} after its lease was revoked");
+    assert_eq!(matches(&mut restarted.client, &one).await, vec![("a".to_owned(), 6)]);
+    assert_eq!(stats(&mut restarted.client).await.workers_expired, 1);
+
+    // RemoveWorker drops a worker from one replica on request.
+    let removed = second.client.remove_worker(pb::RemoveWorkerRequest { worker_id: "a".into() }).await.unwrap().into_inner();
+    assert_eq!((removed.removed, removed.blocks), (true, 11));
+    let again = second.client.remove_worker(pb::RemoveWorkerRequest { worker_id: "a".into() }).await.unwrap().into_inner();
+    assert!(!again.removed);
+    let empty = second.client.remove_worker(pb::RemoveWorkerRequest::default()).await.unwrap_err();
+    assert_eq!(empty.code(), tonic::Code::InvalidArgument);
+}
