@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prost::Message;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -31,6 +31,8 @@ const READ_BLOCK: Duration = Duration::from_millis(500);
 const READ_COUNT: usize = 1024;
 /// Abandoned incarnations remembered per worker.
 const RETIRED_PER_WORKER: usize = 8;
+/// Wait before asking an unreachable worker for its dump again.
+const RESYNC_RETRY: Duration = Duration::from_secs(1);
 
 /// What a follower has done; shared with whoever reports on it.
 #[derive(Debug, Default)]
@@ -100,7 +102,7 @@ pub fn follow_from(
     let key = log.key().to_owned();
     status.set_position(&after);
     tokio::spawn(async move {
-        let mut follower = Follower { index, fetch, status, retired: FxHashMap::default() };
+        let mut follower = Follower { index, fetch, status, retired: FxHashMap::default(), stale: FxHashMap::default() };
         let mut after = after;
         let mut failures = 0u32;
         loop {
@@ -122,6 +124,7 @@ pub fn follow_from(
                         }
                         follower.status.set_position(&after);
                     }
+                    follower.retry_stale().await;
                 }
                 Err(error) => {
                     failures += 1;
@@ -146,6 +149,10 @@ struct Follower {
     /// Incarnations replaced by a newer one's dump: their remaining
     /// entries in the log are stale.
     retired: FxHashMap<String, FxHashSet<u64>>,
+    /// Workers whose view waits for a dump that could not be fetched: the
+    /// incarnation last seen and when to try again. Their events are
+    /// skipped meanwhile (the dump will cover them).
+    stale: FxHashMap<String, (u64, Instant)>,
 }
 
 impl Follower {
@@ -153,6 +160,9 @@ impl Follower {
         self.status.batches.fetch_add(1, Ordering::Relaxed);
         let Batch { worker_id, instance, events } = batch;
         if self.retired.get(&worker_id).is_some_and(|retired| retired.contains(&instance)) {
+            return;
+        }
+        if self.stale.get(&worker_id).is_some_and(|&(_, retry_at)| Instant::now() < retry_at) {
             return;
         }
         for event in &events {
@@ -163,24 +173,43 @@ impl Follower {
                 Applied::Duplicate => {}
                 Applied::Gap { expected } => {
                     tracing::debug!(worker = worker_id, expected, got = event.event_id, "gap in a worker's KV events; loading a dump");
-                    let Some((current, dump)) = (self.fetch)(worker_id.clone()).await else {
-                        tracing::warn!(worker = worker_id, "could not fetch a KV cache dump; retrying at the worker's next event");
-                        return;
-                    };
-                    self.status.resyncs.fetch_add(1, Ordering::Relaxed);
-                    self.index.load_dump(&worker_id, current, &dump);
-                    if current != instance {
-                        // The worker restarted since this batch: everything
-                        // left of this incarnation is stale.
-                        let retired = self.retired.entry(worker_id.clone()).or_default();
-                        if retired.len() >= RETIRED_PER_WORKER {
-                            retired.clear();
-                        }
-                        retired.insert(instance);
-                        return;
-                    }
+                    // The dump reflects this batch (or a later incarnation).
+                    self.resync(&worker_id, instance).await;
+                    return;
                 }
             }
+        }
+    }
+
+    /// Replaces the view of `worker_id` (last seen as `instance`) with its
+    /// dump; if the worker cannot be reached, tries again later.
+    async fn resync(&mut self, worker_id: &str, instance: u64) {
+        let Some((current, dump)) = (self.fetch)(worker_id.to_owned()).await else {
+            if self.stale.insert(worker_id.to_owned(), (instance, Instant::now() + RESYNC_RETRY)).is_none() {
+                tracing::warn!(worker = worker_id, "could not fetch a KV cache dump; retrying every {RESYNC_RETRY:?}");
+            }
+            return;
+        };
+        self.stale.remove(worker_id);
+        self.status.resyncs.fetch_add(1, Ordering::Relaxed);
+        self.index.load_dump(worker_id, current, &dump);
+        if current != instance {
+            // The worker restarted since: everything left of the old
+            // incarnation in the log is stale.
+            let retired = self.retired.entry(worker_id.to_owned()).or_default();
+            if retired.len() >= RETIRED_PER_WORKER {
+                retired.clear();
+            }
+            retired.insert(instance);
+        }
+    }
+
+    /// Retries the dumps that are due.
+    async fn retry_stale(&mut self) {
+        let now = Instant::now();
+        let due: Vec<(String, u64)> = self.stale.iter().filter(|(_, (_, at))| *at <= now).map(|(id, (instance, _))| (id.clone(), *instance)).collect();
+        for (worker_id, instance) in due {
+            self.resync(&worker_id, instance).await;
         }
     }
 }

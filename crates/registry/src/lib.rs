@@ -131,6 +131,17 @@ impl Registry {
         }
     }
 
+    /// Identifies the backend's current incarnation: it changes when the
+    /// Redis server restarts (and may have lost every record, so workers
+    /// missing from the next listings may only be about to re-register).
+    /// `None` for the in-memory registry.
+    pub async fn generation(&self) -> Result<Option<String>> {
+        match self {
+            Registry::Memory(_) => Ok(None),
+            Registry::Redis(registry) => registry.generation().await,
+        }
+    }
+
     /// Checks that the backend answers.
     pub async fn ping(&self) -> Result<()> {
         match self {

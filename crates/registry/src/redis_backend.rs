@@ -115,6 +115,13 @@ impl RedisRegistry {
         Ok(live)
     }
 
+    /// The Redis server's run id, new at every server start.
+    pub(crate) async fn generation(&self) -> Result<Option<String>> {
+        let mut connection = self.connection.clone();
+        let info: String = redis::cmd("INFO").arg("server").query_async(&mut connection).await?;
+        Ok(info.lines().find_map(|line| line.strip_prefix("run_id:")).map(|id| id.trim().to_owned()))
+    }
+
     pub(crate) async fn ping(&self) -> Result<()> {
         let mut connection = self.connection.clone();
         let _: String = redis::cmd("PING").query_async(&mut connection).await?;

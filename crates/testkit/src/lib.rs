@@ -103,6 +103,15 @@ impl ChildProcess {
         }
     }
 
+    /// Reads the lines printed so far without waiting; returns every line
+    /// read (for a test that reports a process's log when it fails).
+    pub fn drain(&mut self) -> &[String] {
+        while let Ok(line) = self.lines.try_recv() {
+            self.seen.push(line);
+        }
+        &self.seen
+    }
+
     /// Every output line read so far.
     pub fn output(&self) -> &[String] {
         &self.seen

@@ -42,6 +42,10 @@ pub async fn run(config: KvIndexConfig, shutdown: CancellationToken) -> anyhow::
     }
     let status = Arc::new(FollowerStatus::default());
     let endpoints: Endpoints = Arc::default();
+    // Know the workers' endpoints before the first gap needs a dump.
+    if let Ok(workers) = registry.list().await {
+        *endpoints.write() = workers.into_iter().map(|w| (w.record.worker_id, w.record.endpoint)).collect();
+    }
     let fetch = {
         let endpoints = endpoints.clone();
         grpc_dump_fetcher(move |worker_id| endpoints.read().get(worker_id).cloned())

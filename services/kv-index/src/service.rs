@@ -95,7 +95,7 @@ impl KvIndexRpc for KvIndexService {
             })
             .collect();
         matches.sort_by(|a, b| b.matched_blocks.cmp(&a.matched_blocks).then_with(|| a.worker_id.cmp(&b.worker_id)));
-        Ok(Response::new(pb::FindMatchesResponse { query_blocks: hashes.len() as u32, matches }))
+        Ok(Response::new(pb::FindMatchesResponse { query_blocks: hashes.len() as u32, matches, log_reachable: self.status.reachable() }))
     }
 
     type DumpStream = DumpStream;

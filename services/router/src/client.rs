@@ -80,7 +80,7 @@ impl RouterClient {
     /// Chooses a worker and books the request.
     pub async fn route(&self, request: &RouteRequest) -> Result<Routed, RouterCallError> {
         match self {
-            RouterClient::Local(router) => Ok(router.route(request)?),
+            RouterClient::Local(router) => Ok(router.route_async(request).await?),
             RouterClient::Remote(client) => {
                 let message = pb::RouteRequest {
                     request_id: request.request_id.clone(),

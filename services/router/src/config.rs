@@ -40,6 +40,12 @@ pub struct RouterConfig {
     pub kv_approximate: bool,
     /// Approximate mode: seconds a decision is remembered.
     pub kv_approx_ttl_secs: f64,
+    /// kv policy: ask this kv-index service instead of following the event
+    /// log into the router's own replica.
+    pub kv_index: Option<String>,
+    /// kv policy: milliseconds a kv-index lookup may take before the
+    /// request is routed by load.
+    pub kv_index_timeout_ms: u64,
 }
 
 impl Default for RouterConfig {
@@ -58,6 +64,8 @@ impl Default for RouterConfig {
             kv_temperature: 0.0,
             kv_approximate: false,
             kv_approx_ttl_secs: 120.0,
+            kv_index: None,
+            kv_index_timeout_ms: 100,
         }
     }
 }
@@ -73,6 +81,12 @@ impl RouterConfig {
         }
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err("shutdown_grace_secs must be non-negative".into());
+        }
+        if self.kv_index.is_some() && self.kv_approximate {
+            return Err("kv_index and kv_approximate exclude each other: the kv-index follows the workers' events".into());
+        }
+        if self.kv_index_timeout_ms == 0 || self.kv_index_timeout_ms > 10_000 {
+            return Err("kv_index_timeout_ms must be between 1 and 10000".into());
         }
         self.kv().validate()
     }
@@ -155,6 +169,17 @@ pub struct RouterArgs {
     #[arg(long, env = "TURBINE_ROUTER_KV_APPROX_TTL_SECS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_approx_ttl_secs: Option<f64>,
+    /// kv policy: ask the kv-index service at this URL (e.g.
+    /// http://kv-index:50052) for each decision instead of keeping an index
+    /// replica in the router; while it cannot answer, kv requests are routed
+    /// by load.
+    #[arg(long, env = "TURBINE_ROUTER_KV_INDEX")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_index: Option<String>,
+    /// Milliseconds a kv-index lookup may take [default: 100].
+    #[arg(long, env = "TURBINE_ROUTER_KV_INDEX_TIMEOUT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_index_timeout_ms: Option<u64>,
 }
 
 impl RouterArgs {

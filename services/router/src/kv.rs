@@ -6,9 +6,16 @@
 //!
 //! ```text
 //! credits = device·d + host·h + disk·k + remote·r        (matched blocks per tier)
-//! prefill = max(active_prefill_blocks + prompt_blocks − credits, 0)
+//! prefill = active_prefill_blocks + prompt_blocks − credits
 //! cost    = prefill_load_scale·prefill + active_decode_blocks + prompt_blocks
 //! ```
+//!
+//! DESIGN §5 (Dynamo) clamps `prefill` at 0. With credits of at most 1 per
+//! block (Dynamo's weights) the clamp never binds, since credits never
+//! exceed the prompt's blocks. With Turbine's default device credit of 8 it
+//! would: every worker matching an eighth of an idle prompt would cost the
+//! same, and a conversation's turn could go to a worker holding only its
+//! first turns. Unclamped, a deeper match is always cheaper.
 //!
 //! Temperature 0 picks the cheapest (ties: the smaller cached tree, so new
 //! prefixes spread out; then random); a positive temperature samples with
@@ -28,6 +35,8 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use turbine_kv::{KvEvent, KvIndex, SequenceHash, StoredBlock, Tier, WorkerMatch};
 use turbine_kv_log::FollowerStatus;
+use turbine_proto::kvindex::v1 as pb;
+use turbine_proto::kvindex::v1::kv_index_client::KvIndexClient;
 
 /// Weights of the cost function; every field can be overridden per request.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -159,7 +168,8 @@ impl KvCandidate {
 pub fn cost(weights: &KvWeights, candidate: &KvCandidate) -> f64 {
     let prompt_blocks = candidate.prompt_blocks;
     let credits: f64 = Tier::ALL.iter().map(|&tier| weights.credit(tier) * f64::from(candidate.matched_by_tier[tier as usize])).sum();
-    let prefill = (candidate.active_prefill_blocks as f64 + f64::from(prompt_blocks) - credits).max(0.0);
+    // Not clamped at 0: see the module docs.
+    let prefill = candidate.active_prefill_blocks as f64 + f64::from(prompt_blocks) - credits;
     weights.prefill_load_scale * prefill + candidate.active_decode_blocks as f64 + f64::from(prompt_blocks)
 }
 
@@ -223,6 +233,87 @@ impl KvConfig {
     }
 }
 
+/// Why a remote lookup gave no usable answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteError {
+    /// The kv-index could not be reached or failed the call.
+    Unreachable,
+    /// No answer within the lookup timeout.
+    TimedOut,
+    /// It answered, but its event log is unreachable (the answer may be stale).
+    Stale,
+}
+
+impl RemoteError {
+    /// Label for metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            RemoteError::Unreachable => "unreachable",
+            RemoteError::TimedOut => "timed_out",
+            RemoteError::Stale => "stale",
+        }
+    }
+}
+
+/// A kv-index service asked instead of a replica in the router's memory
+/// (`--kv-index URL`): one `FindMatches` call per decision.
+#[derive(Debug, Clone)]
+pub struct RemoteIndex {
+    client: KvIndexClient<turbine_runtime::grpc::TracedChannel>,
+    timeout: Duration,
+    /// After a failure, lookups are skipped (load routing) until then, so
+    /// a dead or hung kv-index does not cost every request a timeout.
+    resting_until: Arc<Mutex<Option<Instant>>>,
+}
+
+/// How long a failed kv-index is left alone.
+const REMOTE_REST: Duration = Duration::from_millis(500);
+
+impl RemoteIndex {
+    /// A lazily connecting client for the kv-index at `endpoint`; a lookup
+    /// slower than `timeout` counts as failed.
+    pub fn connect(endpoint: &str, timeout: Duration) -> Result<Self, String> {
+        let channel = turbine_runtime::grpc::traced_channel(&turbine_runtime::grpc::endpoint_uri(endpoint)).map_err(|error| format!("bad kv-index endpoint {endpoint:?}: {error}"))?;
+        let client = KvIndexClient::new(channel).max_decoding_message_size(turbine_runtime::grpc::MAX_MESSAGE_BYTES);
+        Ok(Self { client, timeout, resting_until: Arc::default() })
+    }
+
+    /// Each worker's match for the prompt's `hashes`.
+    pub async fn find_matches(&self, hashes: &[SequenceHash]) -> Result<Vec<WorkerMatch>, RemoteError> {
+        let request = pb::FindMatchesRequest { sequence_hashes: hashes.iter().map(|h| h.0).collect(), ..Default::default() };
+        if self.resting_until.lock().is_some_and(|until| Instant::now() < until) {
+            return Err(RemoteError::Unreachable);
+        }
+        let mut client = self.client.clone();
+        let response = match tokio::time::timeout(self.timeout, client.find_matches(request)).await {
+            Ok(Ok(response)) => response.into_inner(),
+            failed => {
+                let was_resting = self.resting_until.lock().replace(Instant::now() + REMOTE_REST).is_some();
+                let error = if failed.is_err() { RemoteError::TimedOut } else { RemoteError::Unreachable };
+                if !was_resting {
+                    tracing::warn!(error = error.name(), "kv-index lookup failed; routing kv requests by load until it answers");
+                }
+                return Err(error);
+            }
+        };
+        if self.resting_until.lock().take().is_some() {
+            tracing::info!("kv-index answers again; routing kv requests by cache overlap");
+        }
+        if !response.log_reachable {
+            return Err(RemoteError::Stale);
+        }
+        Ok(response
+            .matches
+            .into_iter()
+            .map(|m| WorkerMatch {
+                worker_id: m.worker_id.into(),
+                blocks: m.matched_blocks,
+                by_tier: [m.device_blocks, m.host_blocks, m.disk_blocks, m.remote_blocks],
+            })
+            .collect())
+    }
+}
+
 /// The index a router routes on.
 #[derive(Debug)]
 pub struct KvState {
@@ -231,6 +322,8 @@ pub struct KvState {
     approx: Option<Mutex<ApproxLog>>,
     /// The event-log follower feeding `index`, when there is one.
     events: Option<Arc<FollowerStatus>>,
+    /// A kv-index service answering instead of `index`.
+    remote: Option<RemoteIndex>,
 }
 
 #[derive(Debug, Default)]
@@ -248,7 +341,18 @@ impl KvState {
     /// by the router's own decisions.
     pub fn new(config: KvConfig, index: Arc<KvIndex>) -> Self {
         let approx = config.approximate.then(|| Mutex::new(ApproxLog::default()));
-        Self { config, index, approx, events: None }
+        Self { config, index, approx, events: None, remote: None }
+    }
+
+    /// Asks the kv-index service `remote` instead of the local index.
+    pub fn with_remote(mut self, remote: RemoteIndex) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// The kv-index service asked, if any.
+    pub fn remote(&self) -> Option<&RemoteIndex> {
+        self.remote.as_ref()
     }
 
     /// Routes by load alone whenever `status` says the event log is
@@ -343,8 +447,21 @@ mod tests {
         assert_eq!(cost(&weights, &candidate(10, 4, 3, 20)), (3.0 + 10.0 - 4.0) + 20.0 + 10.0);
         let host = KvCandidate { matched_by_tier: [0, 4, 0, 0], ..candidate(10, 0, 3, 20) };
         assert_eq!(cost(&weights, &host), (3.0 + 10.0 - 3.0) + 20.0 + 10.0);
-        // Credits never make prefill negative.
+        // Dynamo's credits never exceed the prompt: prefill stays ≥ 0.
         assert_eq!(cost(&weights, &candidate(2, 2, 0, 0)), 2.0);
+    }
+
+    #[test]
+    fn a_deeper_match_is_cheaper_even_when_credits_exceed_the_prompt() {
+        let mut rng = StdRng::seed_from_u64(1);
+        // Turn 7 of a conversation (16 blocks): one idle worker holds turn 6
+        // (14 blocks), another an early turn (10 blocks). With a device
+        // credit of 8 both "save" more than the prompt.
+        let deep = candidate(16, 14, 0, 0);
+        let shallow = candidate(16, 10, 0, 0);
+        for _ in 0..20 {
+            assert_eq!(choose(&KvWeights::default(), &[shallow, deep], &mut rng), 1);
+        }
     }
 
     #[test]

@@ -33,6 +33,15 @@ static KV_OVERLAP: LazyLock<HistogramVec> = LazyLock::new(|| {
 static KV_BLOCKS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_router_kv_prompt_blocks_total", "Prompt blocks of kv-routed requests, cached on the chosen worker or not", &["cached"]));
 
+static KV_INDEX_ERRORS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter("turbine_router_kv_index_errors_total", "kv decisions routed by load alone because the kv-index could not answer", &["reason"])
+});
+
+/// Counts a kv decision the kv-index could not serve.
+pub(crate) fn kv_index_error(reason: &'static str) {
+    KV_INDEX_ERRORS.with_label_values(&[reason]).inc();
+}
+
 /// Records one kv decision's overlap.
 pub(crate) fn kv_overlap(overlap_blocks: u32, prompt_blocks: u32) {
     if prompt_blocks > 0 {

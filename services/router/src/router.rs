@@ -145,11 +145,14 @@ impl State {
 /// Index matches keyed by worker id.
 type MatchesByWorker = FxHashMap<Arc<str>, WorkerMatch>;
 
+/// Per block size: the prompt's hashes and the index's matches.
+type Prefetched = Vec<(u32, Vec<SequenceHash>, MatchesByWorker)>;
+
 /// The prompt's block hashes in each block size the candidates use.
 struct PromptHashes<'a> {
     tokens: &'a [u32],
     hasher: BlockHasher,
-    by_size: Vec<(u32, Vec<SequenceHash>, MatchesByWorker)>,
+    by_size: Prefetched,
 }
 
 impl PromptHashes<'_> {
@@ -223,6 +226,19 @@ impl Router {
         self.forget_cache_of(&left);
     }
 
+    /// Adds and refreshes the listed workers but keeps the unlisted ones
+    /// until their known lease deadline (used right after the registry's
+    /// Redis restarted empty: workers re-register within one renewal).
+    pub fn merge_workers(&self, workers: Vec<LiveWorker>) {
+        let mut state = self.state.lock();
+        for worker in workers {
+            if !state.workers.contains_key(&worker.record.worker_id) {
+                tracing::info!(worker = worker.record.worker_id, "worker joined");
+            }
+            state.workers.insert(worker.record.worker_id.clone(), worker);
+        }
+    }
+
     /// A worker that left (or whose lease ran out) loses its blocks in the
     /// index: its cache is gone or unreachable.
     fn forget_cache_of(&self, workers: &[String]) {
@@ -271,15 +287,58 @@ impl Router {
         }
     }
 
-    /// Chooses a worker and books the request against it.
+    /// Chooses a worker and books the request against it. With a remote
+    /// kv-index ([`KvState::with_remote`]) only [`route_async`]
+    /// (Self::route_async) asks it; this routes `kv` requests by load.
     pub fn route(&self, request: &RouteRequest) -> Result<Routed, RouteError> {
+        let remote = if self.kv.as_ref().is_some_and(|kv| kv.remote().is_some()) { Some(None) } else { None };
+        self.decide(request, remote)
+    }
+
+    /// [`route`](Self::route), asking the remote kv-index first when there
+    /// is one and the request is routed by `kv`. If it cannot answer (down,
+    /// slow, or stale), the request is routed by load.
+    pub async fn route_async(&self, request: &RouteRequest) -> Result<Routed, RouteError> {
+        let remote = match &self.kv {
+            Some(kv) if request.policy.unwrap_or(self.policy) == Policy::Kv => kv.remote(),
+            _ => None,
+        };
+        let Some(remote) = remote else { return self.decide(request, None) };
+        let sizes: Vec<u32> = {
+            let state = self.state.lock();
+            let mut sizes: Vec<u32> = state.workers.values().filter(|w| w.record.model == request.model).map(|w| w.record.kv_block_size).collect();
+            sizes.sort_unstable();
+            sizes.dedup();
+            sizes.retain(|&size| size > 0);
+            sizes
+        };
+        let hasher = BlockHasher::default();
+        let mut fetched = Vec::with_capacity(sizes.len());
+        for size in sizes {
+            let hashes = hasher.sequence_hashes(&request.token_ids, size as usize);
+            match remote.find_matches(&hashes).await {
+                Ok(matches) => fetched.push((size, hashes, matches.into_iter().map(|m| (m.worker_id.clone(), m)).collect())),
+                Err(error) => {
+                    crate::metrics::kv_index_error(error.name());
+                    return self.decide(request, Some(None));
+                }
+            }
+        }
+        self.decide(request, Some(Some(fetched)))
+    }
+
+    /// The decision. `remote`: `None` without a remote kv-index, else its
+    /// answers per block size (`Some(None)`: it could not answer).
+    fn decide(&self, request: &RouteRequest, remote: Option<Option<Prefetched>>) -> Result<Routed, RouteError> {
         if request.request_id.is_empty() {
             return Err(RouteError::InvalidRequest("request_id must not be empty".into()));
         }
         let mut policy = request.policy.unwrap_or(self.policy);
+        let remote_failed = matches!(remote, Some(None));
         let kv = match (policy, &self.kv) {
-            // The index is stale while its event log is unreachable: load only.
-            (Policy::Kv, Some(kv)) if !kv.usable() => {
+            // The index is stale while its event log (or the remote
+            // kv-index) is unreachable: load only.
+            (Policy::Kv, Some(kv)) if !kv.usable() || remote_failed => {
                 policy = Policy::LeastLoaded;
                 None
             }
@@ -297,7 +356,8 @@ impl Router {
             _ => None,
         };
         let now = Instant::now();
-        let mut prompt = PromptHashes { tokens: &request.token_ids, hasher: BlockHasher::default(), by_size: Vec::new() };
+        let by_size = remote.flatten().unwrap_or_default();
+        let mut prompt = PromptHashes { tokens: &request.token_ids, hasher: BlockHasher::default(), by_size };
         let mut state = self.state.lock();
         // A retried request id replaces its earlier booking.
         state.release(&request.request_id);

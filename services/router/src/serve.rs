@@ -17,9 +17,13 @@ use turbine_runtime::health::Readiness;
 use turbine_runtime::{CancellationToken, admin};
 
 use crate::config::RouterConfig;
-use crate::kv::KvState;
+use crate::kv::{KvState, RemoteIndex};
 use crate::router::Router;
 use crate::service::RouterService;
+
+/// After the registry's Redis restarts, how long workers missing from its
+/// listings are kept (until their known lease deadline) instead of dropped.
+const RESTART_GRACE: Duration = Duration::from_secs(10);
 
 /// Mirrors the registry into `router` every `interval` until `shutdown`:
 /// joins and departures, lease deadlines, stale bookings. While the
@@ -28,6 +32,8 @@ use crate::service::RouterService;
 pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duration, shutdown: CancellationToken) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut reachable = true;
+        let mut generation = None;
+        let mut lenient_until = None;
         loop {
             match registry.list().await {
                 Ok(workers) => {
@@ -35,7 +41,20 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
                         tracing::info!(registry = %registry.describe(), "registry reachable again");
                         reachable = true;
                     }
-                    router.update_workers(workers);
+                    // Asked after the listing: a restart between the two
+                    // still counts for this listing.
+                    if let Ok(Some(current)) = registry.generation().await {
+                        if generation.as_ref().is_some_and(|known| *known != current) {
+                            tracing::warn!(registry = %registry.describe(), "the registry's Redis restarted; keeping known workers until they re-register or their leases run out");
+                            lenient_until = Some(Instant::now() + RESTART_GRACE);
+                        }
+                        generation = Some(current);
+                    }
+                    if lenient_until.is_some_and(|until| Instant::now() < until) {
+                        router.merge_workers(workers);
+                    } else {
+                        router.update_workers(workers);
+                    }
                 }
                 Err(error) => {
                     if reachable {
@@ -67,13 +86,21 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     let admin_addr = admin_listener.local_addr()?;
 
     let mut kv = KvState::new(config.kv(), Arc::new(KvIndex::new()));
-    // Exact mode: the index replica follows the workers' KV event log.
-    let events = (!config.kv().approximate).then(|| Arc::new(FollowerStatus::default()));
+    if let Some(endpoint) = &config.kv_index {
+        kv = kv.with_remote(RemoteIndex::connect(endpoint, Duration::from_millis(config.kv_index_timeout_ms)).map_err(anyhow::Error::msg)?);
+    }
+    // Exact mode without a kv-index: the router's own replica follows the
+    // workers' KV event log.
+    let events = (!config.kv().approximate && config.kv_index.is_none()).then(|| Arc::new(FollowerStatus::default()));
     if let Some(status) = &events {
         kv = kv.with_event_status(status.clone());
     }
     let kv = Arc::new(kv);
     let router = Arc::new(Router::with_kv(config.policy, Duration::from_secs_f64(config.booking_ttl_secs), kv.clone()));
+    // Know the workers (and their endpoints, for dumps) before following.
+    if let Ok(workers) = registry.list().await {
+        router.update_workers(workers);
+    }
     let follower = match &events {
         Some(status) => {
             let log = EventLog::new(redis, &config.namespace).context("bad Redis URL for the KV event log")?;

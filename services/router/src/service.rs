@@ -107,7 +107,7 @@ impl pb::router_server::Router for RouterService {
             token_ids: token_ids.into(),
             kv: kv_weights.map(kv_overrides_from_proto),
         };
-        let result = self.router.route(&route);
+        let result = self.router.route_async(&route).await;
         metrics::decision(policy.unwrap_or(self.router.policy()), &result, started.elapsed());
         let Routed { worker, in_flight, prompt_blocks, overlap_blocks } = result?;
         tracing::Span::current().record("worker", worker.worker_id.as_str());
