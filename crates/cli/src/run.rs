@@ -14,7 +14,8 @@ use turbine_kv::KvIndex;
 use turbine_router::{KvConfig, KvState, KvWeights, Policy, Router, RouterClient};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
-use turbine_worker::kv_events::feed_index;
+use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow};
+use turbine_worker::kv_events::{feed_index, publish_events};
 use turbine_worker::metrics::register_engine;
 use turbine_worker::serve::register_local;
 use turbine_worker::{EngineKind, Worker, WorkerConfig};
@@ -90,6 +91,15 @@ pub struct RunArgs {
     /// Seconds in-flight streams get to finish after SIGTERM.
     #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS", default_value_t = 30.0)]
     pub shutdown_grace_secs: f64,
+    /// Router replicas, each behind its own gateway (0 or 1: one). More
+    /// than one needs `event_log`. Set by `turbine bench replay`.
+    #[arg(skip)]
+    pub routers: usize,
+    /// KV events through Redis instead of in process: the workers publish
+    /// to this (URL, namespace)'s event log and every router follows it
+    /// into its own index replica. Set by `turbine bench replay`.
+    #[arg(skip)]
+    pub event_log: Option<(String, String)>,
 }
 
 /// Runs everything until SIGTERM/SIGINT, then drains and returns.
@@ -103,8 +113,10 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
 /// A started stack.
 #[derive(Debug)]
 pub struct Stack {
-    /// Bound OpenAI REST port.
+    /// Bound OpenAI REST port (of the first gateway).
     pub http_port: u16,
+    /// Every gateway's REST port, one per router replica.
+    pub http_ports: Vec<u16>,
     /// Bound gRPC port.
     pub grpc_port: u16,
     /// The served model name.
@@ -116,6 +128,8 @@ pub struct Stack {
 /// Starts everything (ports 0 pick free ones) and returns once it serves.
 pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<Stack> {
     anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let routers = args.routers.max(1);
+    anyhow::ensure!(routers == 1 || args.event_log.is_some(), "several routers share their KV index through Redis: an event log is needed");
     let cache_dir = default_cache_dir();
     // Fetch the model up front, with progress bars, so workers find it cached.
     if let Some(entry) = catalog_entry(&args.model) {
@@ -134,10 +148,16 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
         ..GatewayConfig::default()
     };
     gateway_config.validate().map_err(anyhow::Error::msg)?;
-    // Bind first: a busy port should fail before the model loads.
-    let listeners = GatewayListeners::bind(&gateway_config).await?;
-    let http_port = listeners.http.local_addr()?.port();
-    let grpc_port = listeners.grpc.local_addr()?.port();
+    // Bind first: a busy port should fail before the model loads. Extra
+    // gateways (one per extra router) take free ports.
+    let mut listeners = vec![GatewayListeners::bind(&gateway_config).await?];
+    for _ in 1..routers {
+        let extra = GatewayConfig { http_addr: SocketAddr::new(args.host, 0), grpc_addr: SocketAddr::new(args.host, 0), ..gateway_config.clone() };
+        listeners.push(GatewayListeners::bind(&extra).await?);
+    }
+    let http_ports = listeners.iter().map(|l| l.http.local_addr().map(|a| a.port())).collect::<Result<Vec<u16>, _>>()?;
+    let http_port = http_ports[0];
+    let grpc_port = listeners[0].grpc.local_addr()?.port();
 
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = args.threads.unwrap_or_else(|| (cores / args.workers).max(1));
@@ -169,8 +189,6 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
     let registry = Registry::Memory(MemoryRegistry::new());
     let lease_ttl = Duration::from_secs(5);
     let leases: Vec<_> = workers.iter().map(|worker| register_local(registry.clone(), worker.clone(), lease_ttl)).collect();
-    let index = Arc::new(KvIndex::new());
-    let feeds: Vec<_> = workers.iter().map(|worker| feed_index(worker.clone(), index.clone(), shutdown.clone())).collect();
     let kv_config = KvConfig {
         weights: KvWeights {
             device_credit: args.kv_device_credit,
@@ -181,20 +199,46 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
         ..KvConfig::default()
     };
     kv_config.validate().map_err(anyhow::Error::msg)?;
-    let kv = Arc::new(KvState::new(kv_config, index));
-    let router = Arc::new(Router::with_kv(args.policy, Duration::from_secs(600), kv));
-    let watch = watch_registry(router.clone(), registry, Duration::from_millis(100), shutdown.clone());
+    // KV events: straight into one shared index, or through Redis into one
+    // replica per router.
+    let log = match &args.event_log {
+        Some((url, namespace)) => Some(EventLog::new(url, namespace).context("bad Redis URL for the KV event log")?),
+        None => None,
+    };
+    let shared_index = Arc::new(KvIndex::new());
+    let feeds: Vec<_> = match &log {
+        None => workers.iter().map(|worker| feed_index(worker.clone(), shared_index.clone(), shutdown.clone())).collect(),
+        Some(log) => workers.iter().map(|worker| publish_events(worker.clone(), log.clone(), shutdown.clone())).collect(),
+    };
     let pool = WorkerPool::new(&workers);
+    let mut tasks = Vec::new();
+    let mut gateways = Vec::new();
+    for listeners in listeners {
+        let kv = match &log {
+            None => KvState::new(kv_config, shared_index.clone()),
+            Some(log) => {
+                let (index, status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
+                tasks.push(follow(index.clone(), log, local_dumps(&workers), status.clone(), shutdown.clone()));
+                KvState::new(kv_config, index).with_event_status(status)
+            }
+        };
+        let router = Arc::new(Router::with_kv(args.policy, Duration::from_secs(600), Arc::new(kv)));
+        tasks.push(watch_registry(router.clone(), registry.clone(), Duration::from_millis(100), shutdown.clone()));
+        let (config, pool, shutdown) = (gateway_config.clone(), pool.clone(), shutdown.clone());
+        gateways.push(tokio::spawn(async move { serve_gateway(&config, listeners, RouterClient::Local(router), pool, shutdown).await }));
+    }
 
-    let gateway = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { serve_gateway(&gateway_config, listeners, RouterClient::Local(router), pool, shutdown).await }
-    });
     let finished = tokio::spawn(async move {
         // Engine metrics stay registered while the stack runs.
         let _engine_metrics = engine_metrics;
-        let served = gateway.await.context("gateway panicked")?;
-        let _ = watch.await;
+        let mut served = Ok(());
+        for gateway in gateways {
+            let result = gateway.await.context("gateway panicked")?;
+            served = served.and(result);
+        }
+        for task in tasks {
+            let _ = task.await;
+        }
         for lease in leases {
             lease.revoke().await;
         }
@@ -208,7 +252,20 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
         tracing::info!("turbine stopped");
         Ok(())
     });
-    Ok(Stack { http_port, grpc_port, model: model_name, finished })
+    Ok(Stack { http_port, http_ports, grpc_port, model: model_name, finished })
+}
+
+/// Dumps straight from the in-process workers, for event-log followers.
+fn local_dumps(workers: &[Arc<Worker>]) -> DumpFetcher {
+    let workers = workers.to_vec();
+    Arc::new(move |worker_id: String| {
+        let worker = workers.iter().find(|w| w.id() == worker_id).cloned();
+        Box::pin(async move {
+            let worker = worker?;
+            let dump = worker.engine().dump().await.ok()?;
+            Some((worker.instance(), dump))
+        })
+    })
 }
 
 fn print_banner(http_port: u16, grpc_port: u16, model: &str, workers: usize) {

@@ -46,6 +46,16 @@ pub struct ReplayArgs {
     /// Routing policies to compare, each replayed on a fresh stack (comma-separated).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "kv,round-robin")]
     pub router: Vec<Policy>,
+    /// Router replicas to compare, each behind its own gateway, requests
+    /// spread over the gateways in turn (comma-separated, e.g. 1,2). Every
+    /// policy is replayed with each count. Above 1 needs --redis.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub routers: Vec<usize>,
+    /// Redis URL: workers publish their KV events to it and every router
+    /// follows them into its own index replica (as separate processes do);
+    /// without it, events go straight into one shared index.
+    #[arg(long)]
+    pub redis: Option<String>,
     /// Time compression: arrivals come this many times faster than in the trace.
     #[arg(long, default_value_t = 10.0)]
     pub speedup: f64,
@@ -202,6 +212,8 @@ fn summarize(mut samples: Vec<f64>) -> Summary {
 pub struct PolicyReport {
     /// Routing policy.
     pub router: String,
+    /// Router replicas (each behind its own gateway).
+    pub routers: usize,
     /// Requests sent.
     pub requests: usize,
     /// Requests that failed (non-200 or a broken stream).
@@ -265,15 +277,19 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     let oracle_rate = oracle.iter().sum::<usize>() as f64 / prompt_total as f64;
     // Ids well inside the vocabulary of the default model, clear of its special tokens.
     let prompts: Arc<Vec<Arc<Vec<u32>>>> = Arc::new(requests.iter().map(|r| Arc::new(prompt_tokens(r, 1000..40_000))).collect());
+    anyhow::ensure!(args.routers.iter().all(|&n| n >= 1), "--routers counts must be at least 1");
+    anyhow::ensure!(args.redis.is_some() || args.routers.iter().all(|&n| n == 1), "several routers share their index through Redis: pass --redis URL");
     let mut policies = Vec::new();
     for &policy in &args.router {
-        eprintln!("replaying {} requests with the {} router...", requests.len(), policy.name());
-        let report = replay_one(&args, policy, &requests, &prompts, context_length, oracle_rate).await?;
-        eprintln!(
-            "  {}: ttft mean {:.0} ms p90 {:.0} ms, hit rate {:.3} (oracle {:.3}), {} failed",
-            report.router, report.ttft.mean_ms, report.ttft.p90_ms, report.prefix_hit_rate, report.oracle_hit_rate, report.failed
-        );
-        policies.push(report);
+        for &routers in &args.routers {
+            eprintln!("replaying {} requests with the {} router (x{routers})...", requests.len(), policy.name());
+            let report = replay_one(&args, policy, routers, &requests, &prompts, context_length, oracle_rate).await?;
+            eprintln!(
+                "  {} x{}: ttft mean {:.0} ms p90 {:.0} ms, hit rate {:.3} (oracle {:.3}), {} failed",
+                report.router, report.routers, report.ttft.mean_ms, report.ttft.p90_ms, report.prefix_hit_rate, report.oracle_hit_rate, report.failed
+            );
+            policies.push(report);
+        }
     }
     Ok(ReplayReport {
         trace: args.trace.display().to_string(),
@@ -286,9 +302,11 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn replay_one(
     args: &ReplayArgs,
     policy: Policy,
+    routers: usize,
     requests: &[TraceRequest],
     prompts: &Arc<Vec<Arc<Vec<u32>>>>,
     context_length: u32,
@@ -318,9 +336,12 @@ async fn replay_one(
         max_batched_tokens: 8192,
         max_concurrent_requests: 65_536,
         shutdown_grace_secs: 1.0,
+        routers,
+        // A namespace of its own per replay, so runs never share a stream.
+        event_log: args.redis.clone().map(|url| (url, format!("replay-{}-{}-{}x{routers}", std::process::id(), unix_millis(), policy.name()))),
     };
     let stack = start(run_args, shutdown.clone()).await?;
-    let url = format!("http://127.0.0.1:{}/v1/completions", stack.http_port);
+    let urls: Vec<String> = stack.http_ports.iter().map(|port| format!("http://127.0.0.1:{port}/v1/completions")).collect();
     let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build()?;
     let started = Instant::now();
     let mut tasks = Vec::with_capacity(requests.len());
@@ -336,7 +357,8 @@ async fn replay_one(
             "stream": true,
             "stream_options": {"include_usage": true},
         });
-        let (http, url) = (http.clone(), url.clone());
+        // Gateways in turn, as a load balancer in front of them would.
+        let (http, url) = (http.clone(), urls[index % urls.len()].clone());
         tasks.push(tokio::spawn(async move { stream_completion(&http, &url, &body).await }));
     }
     let mut outcomes = Vec::with_capacity(tasks.len());
@@ -368,6 +390,7 @@ async fn replay_one(
     let prefix_hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
     Ok(PolicyReport {
         router: policy.name().to_owned(),
+        routers,
         requests: requests.len(),
         failed,
         ttft,
@@ -422,6 +445,10 @@ async fn stream_completion(http: &reqwest::Client, url: &str, body: &serde_json:
     Ok(Outcome { ttft: first.unwrap_or_else(|| started.elapsed()), end_to_end: started.elapsed(), text_events, completion_tokens, prompt_tokens, cached_tokens })
 }
 
+fn unix_millis() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
+}
+
 /// Prints the side-by-side table.
 pub fn print(report: &ReplayReport) {
     println!(
@@ -433,9 +460,10 @@ pub fn print(report: &ReplayReport) {
         "router", "requests", "failed", "ttft mean", "ttft p50", "ttft p90", "itl mean", "itl p90", "e2e mean", "out tok/s", "hit", "oracle"
     );
     for p in &report.policies {
+        let label = if p.routers > 1 { format!("{} x{}", p.router, p.routers) } else { p.router.clone() };
         println!(
             "{:<14} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.0} {:>8.3} {:>8.3}",
-            p.router,
+            label,
             p.requests,
             p.failed,
             p.ttft.mean_ms,
@@ -449,13 +477,25 @@ pub fn print(report: &ReplayReport) {
             p.oracle_hit_rate
         );
     }
-    if let (Some(kv), Some(rr)) = (report.policies.iter().find(|p| p.router == "kv"), report.policies.iter().find(|p| p.router == "round-robin")) {
+    let one = |name: &str| report.policies.iter().find(|p| p.router == name && p.routers == 1);
+    if let (Some(kv), Some(rr)) = (one("kv"), one("round-robin")) {
         println!(
             "kv vs round-robin: mean TTFT {:.2}x lower, p90 TTFT {:.2}x lower; kv captures {:.1}% of the oracle hit rate",
             rr.ttft.mean_ms / kv.ttft.mean_ms,
             rr.ttft.p90_ms / kv.ttft.p90_ms,
             kv.share_of_oracle * 100.0
         );
+    }
+    for p in report.policies.iter().filter(|p| p.routers > 1) {
+        if let Some(single) = one(&p.router) {
+            println!(
+                "{} x{} vs one router: hit rate {:+.1} points, mean TTFT {:.2}x",
+                p.router,
+                p.routers,
+                (p.prefix_hit_rate - single.prefix_hit_rate) * 100.0,
+                p.ttft.mean_ms / single.ttft.mean_ms
+            );
+        }
     }
 }
 
