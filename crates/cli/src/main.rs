@@ -37,7 +37,7 @@ enum Command {
     KvIndex(Box<turbine_kv_index::KvIndexArgs>),
     /// Benchmarks.
     #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    Bench(Box<bench::BenchCommand>),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +54,6 @@ fn main() -> ExitCode {
         Command::Router(args) => turbine_router::serve::main(*args),
         Command::Worker(args) => turbine_worker::serve::main(*args),
         Command::KvIndex(args) => turbine_kv_index::serve::main(*args),
-        Command::Bench(command) => bench::main(command),
+        Command::Bench(command) => bench::main(*command),
     }
 }
