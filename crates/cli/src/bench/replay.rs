@@ -88,6 +88,16 @@ pub struct ReplayArgs {
     /// Model whose card and vocabulary the mocker uses.
     #[arg(long, default_value = turbine_tokens::pull::DEFAULT_MODEL)]
     pub model: String,
+    /// Replay against a running deployment at this gateway URL (e.g.
+    /// http://127.0.0.1:8000) instead of starting a stack: --router,
+    /// --routers and the worker flags are then ignored, but --block-size
+    /// should match the workers' (it sets the oracle's block rounding).
+    #[arg(long)]
+    pub gateway: Option<String>,
+    /// Also report the hit rate in windows of this many seconds of arrival
+    /// time (0: no timeline), e.g. to watch recovery after a failure.
+    #[arg(long, default_value_t = 0.0)]
+    pub window_secs: f64,
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -234,6 +244,24 @@ pub struct PolicyReport {
     pub share_of_oracle: f64,
     /// Wall time of the replay in seconds.
     pub wall_secs: f64,
+    /// Hit rates by arrival window (with --window-secs).
+    pub timeline: Vec<Window>,
+}
+
+/// The requests that arrived in one window of the replay.
+#[derive(Debug, Clone, Serialize)]
+pub struct Window {
+    /// Window start, seconds after the first arrival.
+    pub start_secs: f64,
+    /// Requests that arrived in it.
+    pub requests: usize,
+    /// Of those, requests that failed.
+    pub failed: usize,
+    /// Cached prompt tokens over prompt tokens (successful requests).
+    pub hit_rate: f64,
+    /// Cached tokens the oracle could serve, over what it could serve:
+    /// how much of the reuse available in this window was captured.
+    pub oracle_share: Option<f64>,
 }
 
 /// Everything `turbine bench replay` measures.
@@ -241,6 +269,9 @@ pub struct PolicyReport {
 pub struct ReplayReport {
     /// The trace file.
     pub trace: String,
+    /// The deployment replayed against (--gateway); the stack fields
+    /// below then describe nothing.
+    pub gateway: Option<String>,
     /// Mocker workers.
     pub workers: usize,
     /// Time compression of arrivals.
@@ -280,10 +311,22 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     anyhow::ensure!(args.routers.iter().all(|&n| n >= 1), "--routers counts must be at least 1");
     anyhow::ensure!(args.redis.is_some() || args.routers.iter().all(|&n| n == 1), "several routers share their index through Redis: pass --redis URL");
     let mut policies = Vec::new();
-    for &policy in &args.router {
+    if let Some(gateway) = &args.gateway {
+        let base = gateway.trim_end_matches('/').trim_end_matches("/v1");
+        let models: serde_json::Value = reqwest::get(format!("{base}/v1/models")).await?.error_for_status()?.json().await?;
+        let model = models["data"][0]["id"].as_str().with_context(|| format!("{base}/v1/models lists no model"))?.to_owned();
+        eprintln!("replaying {} requests against {base} (model {model})...", requests.len());
+        let urls = [format!("{base}/v1/completions")];
+        let mut report = drive(&args, &urls, &model, &requests, &prompts, &oracle, oracle_rate).await?;
+        report.router = "deployment".into();
+        print_timeline(&report);
+        policies.push(report);
+    }
+    for &policy in args.router.iter().filter(|_| args.gateway.is_none()) {
         for &routers in &args.routers {
             eprintln!("replaying {} requests with the {} router (x{routers})...", requests.len(), policy.name());
-            let report = replay_one(&args, policy, routers, &requests, &prompts, context_length, oracle_rate).await?;
+            let report = replay_one(&args, policy, routers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+            print_timeline(&report);
             eprintln!(
                 "  {} x{}: ttft mean {:.0} ms p90 {:.0} ms, hit rate {:.3} (oracle {:.3}), {} failed",
                 report.router, report.routers, report.ttft.mean_ms, report.ttft.p90_ms, report.prefix_hit_rate, report.oracle_hit_rate, report.failed
@@ -293,6 +336,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     }
     Ok(ReplayReport {
         trace: args.trace.display().to_string(),
+        gateway: args.gateway.clone(),
         workers: args.workers,
         speedup: args.speedup,
         engine_speedup: args.engine_speedup.unwrap_or(args.speedup),
@@ -310,6 +354,7 @@ async fn replay_one(
     requests: &[TraceRequest],
     prompts: &Arc<Vec<Arc<Vec<u32>>>>,
     context_length: u32,
+    oracle: &[usize],
     oracle_rate: f64,
 ) -> anyhow::Result<PolicyReport> {
     let shutdown = CancellationToken::new();
@@ -342,15 +387,32 @@ async fn replay_one(
     };
     let stack = start(run_args, shutdown.clone()).await?;
     let urls: Vec<String> = stack.http_ports.iter().map(|port| format!("http://127.0.0.1:{port}/v1/completions")).collect();
+    let report = drive(args, &urls, "replay", requests, prompts, oracle, oracle_rate).await;
+    shutdown.cancel();
+    stack.finished.await.context("stack panicked")??;
+    Ok(PolicyReport { router: policy.name().to_owned(), routers, ..report? })
+}
+
+/// Sends the trace to the gateways at `urls` (in turn) at its arrival times
+/// and summarizes what came back.
+async fn drive(
+    args: &ReplayArgs,
+    urls: &[String],
+    model: &str,
+    requests: &[TraceRequest],
+    prompts: &Arc<Vec<Arc<Vec<u32>>>>,
+    oracle: &[usize],
+    oracle_rate: f64,
+) -> anyhow::Result<PolicyReport> {
     let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build()?;
+    let arrival = |request: &TraceRequest| request.timestamp.saturating_sub(requests[0].timestamp) as f64 / 1000.0 / args.speedup;
     let started = Instant::now();
     let mut tasks = Vec::with_capacity(requests.len());
     for (index, request) in requests.iter().enumerate() {
-        let due = started + Duration::from_secs_f64(request.timestamp as f64 / 1000.0 / args.speedup);
-        tokio::time::sleep_until(due.into()).await;
+        tokio::time::sleep_until((started + Duration::from_secs_f64(arrival(request))).into()).await;
         let max_tokens = args.max_output_tokens.map_or(request.output_length, |cap| request.output_length.min(cap)).max(1);
         let body = serde_json::json!({
-            "model": "replay",
+            "model": model,
             "prompt": &*prompts[index],
             "max_tokens": max_tokens,
             "ignore_eos": true,
@@ -361,22 +423,25 @@ async fn replay_one(
         let (http, url) = (http.clone(), urls[index % urls.len()].clone());
         tasks.push(tokio::spawn(async move { stream_completion(&http, &url, &body).await }));
     }
-    let mut outcomes = Vec::with_capacity(tasks.len());
+    let mut results = Vec::with_capacity(tasks.len());
     let mut failed = 0;
     for task in tasks {
-        match task.await? {
-            Ok(outcome) => outcomes.push(outcome),
-            Err(error) => {
-                failed += 1;
-                if failed <= 5 {
-                    eprintln!("  request failed: {error:#}");
-                }
+        let result = task.await?;
+        if let Err(error) = &result {
+            failed += 1;
+            if failed <= 5 {
+                eprintln!("  request failed: {error:#}");
             }
         }
+        results.push(result);
     }
     let wall = started.elapsed();
-    shutdown.cancel();
-    stack.finished.await.context("stack panicked")??;
+    let timeline = if args.window_secs > 0.0 {
+        timeline(args.window_secs, requests.iter().map(arrival).collect(), &results, oracle)
+    } else {
+        Vec::new()
+    };
+    let outcomes: Vec<&Outcome> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let ttft = summarize(outcomes.iter().map(|o| ms(o.ttft)).collect());
@@ -389,8 +454,8 @@ async fn replay_one(
     let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
     let prefix_hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
     Ok(PolicyReport {
-        router: policy.name().to_owned(),
-        routers,
+        router: String::new(),
+        routers: urls.len(),
         requests: requests.len(),
         failed,
         ttft,
@@ -401,7 +466,48 @@ async fn replay_one(
         oracle_hit_rate: oracle_rate,
         share_of_oracle: if oracle_rate > 0.0 { prefix_hit_rate / oracle_rate } else { 0.0 },
         wall_secs: wall.as_secs_f64(),
+        timeline,
     })
+}
+
+/// Hit rates per window of `window` seconds of arrival time.
+fn timeline(window: f64, arrivals: Vec<f64>, results: &[anyhow::Result<Outcome>], oracle: &[usize]) -> Vec<Window> {
+    let count = arrivals.iter().map(|&a| (a / window) as usize + 1).max().unwrap_or(0);
+    let mut windows: Vec<(Window, u64, u64, u64, u64)> =
+        (0..count).map(|i| (Window { start_secs: i as f64 * window, requests: 0, failed: 0, hit_rate: 0.0, oracle_share: None }, 0, 0, 0, 0)).collect();
+    for ((arrival, result), &oracle) in arrivals.iter().zip(results).zip(oracle) {
+        let (window, prompt, cached, captured, available) = &mut windows[(arrival / window) as usize];
+        window.requests += 1;
+        match result {
+            Ok(outcome) => {
+                *prompt += outcome.prompt_tokens;
+                *cached += outcome.cached_tokens;
+                *captured += outcome.cached_tokens.min(oracle as u64);
+                *available += oracle as u64;
+            }
+            Err(_) => window.failed += 1,
+        }
+    }
+    windows
+        .into_iter()
+        .map(|(mut window, prompt, cached, captured, available)| {
+            window.hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
+            window.oracle_share = (available > 0).then(|| captured as f64 / available as f64);
+            window
+        })
+        .collect()
+}
+
+/// Prints a report's timeline, if it has one.
+fn print_timeline(report: &PolicyReport) {
+    if report.timeline.is_empty() {
+        return;
+    }
+    eprintln!("  {:>8} {:>8} {:>6} {:>8} {:>13}", "from", "requests", "failed", "hit", "oracle share");
+    for window in &report.timeline {
+        let share = window.oracle_share.map_or("-".to_owned(), |share| format!("{:.1}%", share * 100.0));
+        eprintln!("  {:>7.0}s {:>8} {:>6} {:>8.3} {:>13}", window.start_secs, window.requests, window.failed, window.hit_rate, share);
+    }
 }
 
 /// One streamed completion: first text, end, text events and usage.
@@ -451,10 +557,13 @@ fn unix_millis() -> u128 {
 
 /// Prints the side-by-side table.
 pub fn print(report: &ReplayReport) {
-    println!(
-        "replay of {} on {} mocker workers ({} blocks of {} tokens each), arrivals {}x, engines {}x",
-        report.trace, report.workers, report.num_blocks, report.block_size, report.speedup, report.engine_speedup
-    );
+    match &report.gateway {
+        Some(gateway) => println!("replay of {} against {gateway}, arrivals {}x", report.trace, report.speedup),
+        None => println!(
+            "replay of {} on {} mocker workers ({} blocks of {} tokens each), arrivals {}x, engines {}x",
+            report.trace, report.workers, report.num_blocks, report.block_size, report.speedup, report.engine_speedup
+        ),
+    }
     println!(
         "{:<14} {:>8} {:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>8}",
         "router", "requests", "failed", "ttft mean", "ttft p50", "ttft p90", "itl mean", "itl p90", "e2e mean", "out tok/s", "hit", "oracle"
