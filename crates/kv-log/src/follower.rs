@@ -38,9 +38,9 @@ const RESYNC_RETRY: Duration = Duration::from_secs(1);
 #[derive(Debug, Default)]
 pub struct FollowerStatus {
     reachable: AtomicBool,
-    batches: AtomicU64,
-    events: AtomicU64,
-    resyncs: AtomicU64,
+    pub(crate) batches: AtomicU64,
+    pub(crate) events: AtomicU64,
+    pub(crate) resyncs: AtomicU64,
     /// The last entry applied.
     position: Mutex<String>,
 }

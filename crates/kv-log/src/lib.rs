@@ -17,8 +17,10 @@
 pub mod convert;
 mod follower;
 mod log;
+mod metrics;
 mod snapshot;
 
 pub use follower::{DumpFetcher, FollowerStatus, follow, follow_from, grpc_dump_fetcher};
 pub use log::{EventLog, EventReader};
+pub use metrics::export_metrics;
 pub use snapshot::{LoadedSnapshot, start_from_snapshot};

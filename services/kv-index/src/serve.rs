@@ -51,6 +51,7 @@ pub async fn run(config: KvIndexConfig, shutdown: CancellationToken) -> anyhow::
         grpc_dump_fetcher(move |worker_id| endpoints.read().get(worker_id).cloned())
     };
     let follower = follow_from(index.clone(), &log, start, fetch, status.clone(), shutdown.clone());
+    let metrics = turbine_kv_log::export_metrics("kv-index", index.clone(), status.clone(), shutdown.clone());
     let sweeper = sweep_expired(index.clone(), registry.clone(), endpoints, &config, counters.clone(), shutdown.clone());
     let snapshots = (config.snapshot_interval_secs > 0.0).then(|| {
         let interval = Duration::from_secs_f64(config.snapshot_interval_secs);
@@ -76,7 +77,7 @@ pub async fn run(config: KvIndexConfig, shutdown: CancellationToken) -> anyhow::
     shutdown.cancelled().await;
     readiness.drain().await;
     let served = grpc_task.await.context("gRPC server panicked")?;
-    for task in [Some(follower), Some(sweeper), snapshots].into_iter().flatten() {
+    for task in [Some(follower), Some(sweeper), Some(metrics), snapshots].into_iter().flatten() {
         let _ = task.await;
     }
     admin_stop.cancel();

@@ -105,6 +105,7 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
         Some(status) => {
             let log = EventLog::new(redis, &config.namespace).context("bad Redis URL for the KV event log")?;
             let start = turbine_kv_log::start_from_snapshot(&log, kv.index()).await;
+            let _ = turbine_kv_log::export_metrics("router", kv.index().clone(), status.clone(), shutdown.clone());
             Some(follow_from(kv.index().clone(), &log, start, dump_fetcher(router.clone()), status.clone(), shutdown.clone()))
         }
         None => None,

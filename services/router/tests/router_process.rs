@@ -20,12 +20,24 @@ fn record(id: &str) -> WorkerRecord {
 }
 
 fn start_router(redis: &RedisServer) -> (ChildProcess, String) {
-    let port = free_port();
+    let (process, endpoint, _) = start_router_with_admin(redis);
+    (process, endpoint)
+}
+
+/// Also returns the admin base URL (for /metrics).
+fn start_router_with_admin(redis: &RedisServer) -> (ChildProcess, String, String) {
+    let (port, admin) = (free_port(), free_port());
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-router"));
-    command.args(["--grpc-addr", &format!("127.0.0.1:{port}"), "--admin-addr", "127.0.0.1:0", "--redis", &redis.url(), "--namespace", "t"]);
+    command.args(["--grpc-addr", &format!("127.0.0.1:{port}"), "--admin-addr", &format!("127.0.0.1:{admin}"), "--redis", &redis.url(), "--namespace", "t"]);
     let mut process = ChildProcess::spawn("turbine-router", command);
     process.wait_for_line("router listening", STARTUP_TIMEOUT);
-    (process, format!("http://127.0.0.1:{port}"))
+    (process, format!("http://127.0.0.1:{port}"), format!("http://127.0.0.1:{admin}"))
+}
+
+/// The value of an unlabelled-or-summed metric on an admin /metrics page.
+async fn metric(admin: &str, name: &str) -> f64 {
+    let text = reqwest::get(format!("{admin}/metrics")).await.unwrap().text().await.unwrap();
+    text.lines().filter(|line| line.starts_with(name) && !line.starts_with('#')).filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok()).sum()
 }
 
 /// Routes `n` requests round-robin and returns the chosen worker ids.
@@ -135,7 +147,7 @@ async fn router_replicas_share_the_kv_index_through_redis() {
     let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
     let ttl = Duration::from_secs(30);
     let _leases = [Lease::start(registry.clone(), ttl, || record("a")), Lease::start(registry.clone(), ttl, || record("b"))];
-    let routers = [start_router(&redis), start_router(&redis)];
+    let routers = [start_router_with_admin(&redis), start_router_with_admin(&redis)];
 
     let prompt: Vec<u32> = (1000..1128).collect();
     let blocks = BlockHasher::default().hash_blocks(&prompt, 16);
@@ -166,7 +178,7 @@ async fn router_replicas_share_the_kv_index_through_redis() {
         }
     };
     let mut clients = Vec::new();
-    for (_, endpoint) in &routers {
+    for (_, endpoint, _) in &routers {
         clients.push(RouterClient::connect(endpoint.clone()).await.unwrap());
     }
     for (replica, client) in clients.iter_mut().enumerate() {
@@ -179,6 +191,19 @@ async fn router_replicas_share_the_kv_index_through_redis() {
                 .is_ok_and(|response| response.worker.unwrap().worker_id == "a" && response.overlap_blocks == blocks.len() as u32)
         })
         .await;
+    }
+
+    // Each replica reports the event it applied and the index it holds.
+    for (_, _, admin) in &routers {
+        let mut applied = 0.0;
+        wait_until(Duration::from_secs(3), async || {
+            applied = metric(admin, "turbine_kv_events_applied_total").await;
+            applied >= 1.0
+        })
+        .await;
+        assert_eq!(applied, 1.0);
+        assert_eq!(metric(admin, "turbine_kv_index_blocks").await, blocks.len() as f64);
+        assert_eq!(metric(admin, "turbine_kv_event_log_reachable").await, 1.0);
     }
 
     // Redis down: once a replica notices, it routes by load (no overlap
