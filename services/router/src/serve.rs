@@ -105,8 +105,8 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
         Some(status) => {
             let log = EventLog::new(redis, &config.namespace).context("bad Redis URL for the KV event log")?;
             let start = turbine_kv_log::start_from_snapshot(&log, kv.index()).await;
-            let _ = turbine_kv_log::export_metrics("router", kv.index().clone(), status.clone(), shutdown.clone());
-            Some(follow_from(kv.index().clone(), &log, start, dump_fetcher(router.clone()), status.clone(), shutdown.clone()))
+            let metrics = turbine_kv_log::export_metrics("router", kv.index().clone(), status.clone(), shutdown.clone());
+            Some([metrics, follow_from(kv.index().clone(), &log, start, dump_fetcher(router.clone()), status.clone(), shutdown.clone())])
         }
         None => None,
     };
@@ -129,8 +129,8 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     readiness.drain().await;
     let served = grpc_task.await.context("gRPC server panicked")?;
     let _ = watch.await;
-    if let Some(follower) = follower {
-        let _ = follower.await;
+    for task in follower.into_iter().flatten() {
+        let _ = task.await;
     }
     admin_stop.cancel();
     let _ = admin_task.await;
