@@ -21,9 +21,12 @@ KILL_KV_AT=${KILL_KV_AT:-12}          # seconds into the replay
 KV_DOWN=${KV_DOWN:-3}
 KILL_REDIS_AT=${KILL_REDIS_AT:-25}
 REDIS_DOWN=${REDIS_DOWN:-2}
-OUT=${OUT:-kv-failover-replay.json}
+OUT=${OUT:-/tmp/kv-failover-replay.json}
 # WINDOW: seconds per line of the hit-rate timeline (default 2)
 
+if (( KILL_REDIS_AT < KILL_KV_AT + KV_DOWN )); then
+  echo "KILL_REDIS_AT must come after the kv-index is back (KILL_KV_AT + KV_DOWN)" >&2; exit 2
+fi
 dir=$(mktemp -d)
 pids=()
 cleanup() {

@@ -52,7 +52,8 @@ pub struct RunArgs {
     #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE", default_value_t = KvWeights::default().prefill_load_scale)]
     pub kv_prefill_load_scale: f64,
     /// kv policy: prefill blocks one cached device block is worth (above 1
-    /// keeps a conversation on the worker holding its prefix under load).
+    /// keeps a conversation on the worker holding its prefix under load);
+    /// host, disk and remote blocks are worth 0.75, 0.25 and 0.1 of it.
     #[arg(long, env = "TURBINE_ROUTER_KV_DEVICE_CREDIT", default_value_t = KvWeights::default().device_credit)]
     pub kv_device_credit: f64,
     /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
@@ -190,12 +191,8 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
     let lease_ttl = Duration::from_secs(5);
     let leases: Vec<_> = workers.iter().map(|worker| register_local(registry.clone(), worker.clone(), lease_ttl)).collect();
     let kv_config = KvConfig {
-        weights: KvWeights {
-            device_credit: args.kv_device_credit,
-            prefill_load_scale: args.kv_prefill_load_scale,
-            temperature: args.kv_temperature,
-            ..KvWeights::default()
-        },
+        weights: KvWeights { prefill_load_scale: args.kv_prefill_load_scale, temperature: args.kv_temperature, ..KvWeights::default() }
+            .with_device_credit(args.kv_device_credit),
         ..KvConfig::default()
     };
     kv_config.validate().map_err(anyhow::Error::msg)?;

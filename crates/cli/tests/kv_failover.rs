@@ -109,7 +109,7 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     for _ in 0..3 {
         turn += 1;
         // Events reach the kv-index through Redis asynchronously.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(round(&base, turn, &mut failed).await, CONVERSATIONS, "turn {turn}: every conversation hits its prefix");
     }
 

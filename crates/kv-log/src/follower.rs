@@ -1,5 +1,6 @@
 //! Keeping an index replica in step with the event log.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use prost::Message;
 use rustc_hash::{FxHashMap, FxHashSet};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use turbine_kv::index::Applied;
 use turbine_kv::{Dump, KvIndex};
@@ -33,6 +34,10 @@ const READ_COUNT: usize = 1024;
 const RETIRED_PER_WORKER: usize = 8;
 /// Wait before asking an unreachable worker for its dump again.
 const RESYNC_RETRY: Duration = Duration::from_secs(1);
+/// Batches held per worker while its dump is awaited.
+const HELD_BATCHES: usize = 1024;
+/// A worker without a dump for this long is dropped from the index.
+const STALE_GIVE_UP: Duration = Duration::from_secs(300);
 
 /// What a follower has done; shared with whoever reports on it.
 #[derive(Debug, Default)]
@@ -43,6 +48,8 @@ pub struct FollowerStatus {
     pub(crate) resyncs: AtomicU64,
     /// The last entry applied.
     position: Mutex<String>,
+    /// Workers whose view waits for a dump.
+    stale: Mutex<Vec<String>>,
 }
 
 impl FollowerStatus {
@@ -74,6 +81,12 @@ impl FollowerStatus {
         if position.is_empty() { "0-0".to_owned() } else { position.clone() }
     }
 
+    /// Workers whose view in the index is stale (waiting for a dump):
+    /// a snapshot leaves them out, so whoever loads it resynchronises them.
+    pub fn stale_workers(&self) -> Vec<String> {
+        self.stale.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
     fn set_position(&self, id: &str) {
         let mut position = self.position.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         position.clear();
@@ -102,7 +115,8 @@ pub fn follow_from(
     let key = log.key().to_owned();
     status.set_position(&after);
     tokio::spawn(async move {
-        let mut follower = Follower { index, fetch, status, retired: FxHashMap::default(), stale: FxHashMap::default() };
+        let mut follower =
+            Follower { index, fetch, status, retired: FxHashMap::default(), stale: FxHashMap::default(), fetches: JoinSet::new() };
         let mut after = after;
         let mut failures = 0u32;
         loop {
@@ -119,12 +133,11 @@ pub fn follow_from(
                     for (id, payload) in entries {
                         after = id;
                         match pb::EventBatch::decode(payload.as_slice()).map_err(|error| error.to_string()).and_then(batch_from_proto) {
-                            Ok(batch) => follower.apply(batch).await,
+                            Ok(batch) => follower.apply(batch),
                             Err(error) => tracing::warn!(entry = after, error, "skipping a malformed KV event batch"),
                         }
                         follower.status.set_position(&after);
                     }
-                    follower.retry_stale().await;
                 }
                 Err(error) => {
                     failures += 1;
@@ -138,8 +151,26 @@ pub fn follow_from(
                     }
                 }
             }
+            follower.finish_fetches();
+            follower.retry_due();
         }
+        follower.fetches.abort_all();
     })
+}
+
+/// A worker whose view waits for a dump.
+struct Stale {
+    /// The incarnation whose events showed the gap.
+    instance: u64,
+    /// Its batches read meanwhile, applied after the dump (what the dump
+    /// already reflects is skipped by number).
+    held: VecDeque<Batch>,
+    /// When to ask again; `None` while a fetch runs.
+    retry_at: Option<Instant>,
+    /// When its view went stale.
+    since: Instant,
+    /// Whether a failed fetch was reported.
+    warned: bool,
 }
 
 struct Follower {
@@ -149,67 +180,114 @@ struct Follower {
     /// Incarnations replaced by a newer one's dump: their remaining
     /// entries in the log are stale.
     retired: FxHashMap<String, FxHashSet<u64>>,
-    /// Workers whose view waits for a dump that could not be fetched: the
-    /// incarnation last seen and when to try again. Their events are
-    /// skipped meanwhile (the dump will cover them).
-    stale: FxHashMap<String, (u64, Instant)>,
+    /// Workers waiting for a dump.
+    stale: FxHashMap<String, Stale>,
+    /// Dump fetches in flight, off the follower's path: one slow worker
+    /// never holds up the others' events.
+    fetches: JoinSet<(String, Option<(u64, Dump)>)>,
 }
 
 impl Follower {
-    async fn apply(&mut self, batch: Batch) {
+    fn apply(&mut self, batch: Batch) {
         self.status.batches.fetch_add(1, Ordering::Relaxed);
-        let Batch { worker_id, instance, events } = batch;
-        if self.retired.get(&worker_id).is_some_and(|retired| retired.contains(&instance)) {
+        self.apply_batch(batch);
+    }
+
+    fn apply_batch(&mut self, batch: Batch) {
+        if self.retired.get(&batch.worker_id).is_some_and(|retired| retired.contains(&batch.instance)) {
             return;
         }
-        if self.stale.get(&worker_id).is_some_and(|&(_, retry_at)| Instant::now() < retry_at) {
+        if let Some(stale) = self.stale.get_mut(&batch.worker_id) {
+            if stale.held.len() >= HELD_BATCHES {
+                // The dump will not cover what is dropped: the next batch
+                // after it shows a gap again.
+                stale.held.pop_front();
+            }
+            stale.held.push_back(batch);
             return;
         }
-        for event in &events {
-            match self.index.apply(&worker_id, instance, event) {
+        for (at, event) in batch.events.iter().enumerate() {
+            match self.index.apply(&batch.worker_id, batch.instance, event) {
                 Applied::Applied => {
                     self.status.events.fetch_add(1, Ordering::Relaxed);
                 }
                 Applied::Duplicate => {}
                 Applied::Gap { expected } => {
-                    tracing::debug!(worker = worker_id, expected, got = event.event_id, "gap in a worker's KV events; loading a dump");
-                    // The dump reflects this batch (or a later incarnation).
-                    self.resync(&worker_id, instance).await;
+                    tracing::debug!(worker = batch.worker_id, expected, got = event.event_id, "gap in a worker's KV events; loading a dump");
+                    let rest = Batch { worker_id: batch.worker_id.clone(), instance: batch.instance, events: batch.events[at..].to_vec() };
+                    let stale = Stale { instance: batch.instance, held: VecDeque::from([rest]), retry_at: None, since: Instant::now(), warned: false };
+                    self.stale.insert(batch.worker_id.clone(), stale);
+                    self.start_fetch(batch.worker_id);
+                    self.publish_stale();
                     return;
                 }
             }
         }
     }
 
-    /// Replaces the view of `worker_id` (last seen as `instance`) with its
-    /// dump; if the worker cannot be reached, tries again later.
-    async fn resync(&mut self, worker_id: &str, instance: u64) {
-        let Some((current, dump)) = (self.fetch)(worker_id.to_owned()).await else {
-            if self.stale.insert(worker_id.to_owned(), (instance, Instant::now() + RESYNC_RETRY)).is_none() {
-                tracing::warn!(worker = worker_id, "could not fetch a KV cache dump; retrying every {RESYNC_RETRY:?}");
+    fn start_fetch(&mut self, worker_id: String) {
+        if let Some(stale) = self.stale.get_mut(&worker_id) {
+            stale.retry_at = None;
+        }
+        let fetch = (self.fetch)(worker_id.clone());
+        self.fetches.spawn(async move { (worker_id, fetch.await) });
+    }
+
+    /// Loads the dumps that arrived and replays what was held meanwhile.
+    fn finish_fetches(&mut self) {
+        while let Some(done) = self.fetches.try_join_next() {
+            let Ok((worker_id, fetched)) = done else { continue };
+            let Some((current, dump)) = fetched else {
+                if let Some(stale) = self.stale.get_mut(&worker_id) {
+                    if !std::mem::replace(&mut stale.warned, true) {
+                        tracing::warn!(worker = worker_id, "could not fetch a KV cache dump; retrying every {RESYNC_RETRY:?}");
+                    }
+                    stale.retry_at = Some(Instant::now() + RESYNC_RETRY);
+                }
+                continue;
+            };
+            let Some(stale) = self.stale.remove(&worker_id) else { continue };
+            self.status.resyncs.fetch_add(1, Ordering::Relaxed);
+            self.index.load_dump(&worker_id, current, &dump);
+            if stale.instance != current {
+                // The worker restarted since the gap: what is left of that
+                // incarnation in the log is stale.
+                let retired = self.retired.entry(worker_id.clone()).or_default();
+                if retired.len() >= RETIRED_PER_WORKER {
+                    retired.clear();
+                }
+                retired.insert(stale.instance);
             }
-            return;
-        };
-        self.stale.remove(worker_id);
-        self.status.resyncs.fetch_add(1, Ordering::Relaxed);
-        self.index.load_dump(worker_id, current, &dump);
-        if current != instance {
-            // The worker restarted since: everything left of the old
-            // incarnation in the log is stale.
-            let retired = self.retired.entry(worker_id.to_owned()).or_default();
-            if retired.len() >= RETIRED_PER_WORKER {
-                retired.clear();
+            // What was held, as if just read: events the dump reflects are
+            // duplicates; a later incarnation's replace the view.
+            for batch in stale.held {
+                self.apply_batch(batch);
             }
-            retired.insert(instance);
+            self.publish_stale();
         }
     }
 
-    /// Retries the dumps that are due.
-    async fn retry_stale(&mut self) {
+    /// Asks again where a fetch failed a while ago; gives up on workers
+    /// unreachable for long (they are gone: their view leaves the index).
+    fn retry_due(&mut self) {
         let now = Instant::now();
-        let due: Vec<(String, u64)> = self.stale.iter().filter(|(_, (_, at))| *at <= now).map(|(id, (instance, _))| (id.clone(), *instance)).collect();
-        for (worker_id, instance) in due {
-            self.resync(&worker_id, instance).await;
+        let gone: Vec<String> = self.stale.iter().filter(|(_, s)| now.duration_since(s.since) > STALE_GIVE_UP && s.retry_at.is_some()).map(|(id, _)| id.clone()).collect();
+        for worker_id in gone {
+            tracing::warn!(worker = worker_id, "no KV cache dump for {STALE_GIVE_UP:?}; dropping the worker from the index");
+            self.stale.remove(&worker_id);
+            self.index.remove_worker(&worker_id);
+        }
+        let due: Vec<String> = self.stale.iter().filter(|(_, s)| s.retry_at.is_some_and(|at| at <= now)).map(|(id, _)| id.clone()).collect();
+        for worker_id in due {
+            self.start_fetch(worker_id);
+        }
+        self.publish_stale();
+    }
+
+    fn publish_stale(&self) {
+        let mut published = self.status.stale.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if published.len() != self.stale.len() || published.iter().any(|id| !self.stale.contains_key(id)) {
+            *published = self.stale.keys().cloned().collect();
         }
     }
 }

@@ -64,9 +64,11 @@ impl EventLog {
         &self.snapshot_key
     }
 
-    /// The shared connection for commands that do not block.
-    pub(crate) fn publisher(&self) -> ConnectionManager {
-        self.publisher.clone()
+    /// A connection of its own for a slow command (snapshots), so the
+    /// shared one is not held up and its short timeout does not apply.
+    pub(crate) async fn slow_connection(&self, timeout: Duration) -> RedisResult<MultiplexedConnection> {
+        let config = AsyncConnectionConfig::new().set_connection_timeout(Some(Duration::from_secs(1))).set_response_timeout(Some(timeout));
+        self.client.get_multiplexed_async_connection_with_config(&config).await
     }
 
     /// Appends one batch; returns its entry id.

@@ -2,7 +2,8 @@
 //! log, so a starting replica loads it and reads only the entries after
 //! that position (instead of the whole stream, or a dump from every worker).
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 use redis::RedisResult;
@@ -23,32 +24,62 @@ pub struct LoadedSnapshot {
     pub taken_unix_ms: i64,
 }
 
+/// Writes the snapshot unless the stored one is at the same or a later log
+/// position (replicas write the same key; a lagging one must not replace a
+/// newer snapshot). KEYS[1]: the hash; ARGV: position, snapshot bytes.
+const WRITE_IF_NEWER: &str = r"
+local old = redis.call('HGET', KEYS[1], 'position')
+if old then
+  local om, os = string.match(old, '^(%d+)-(%d+)$')
+  local nm, ns = string.match(ARGV[1], '^(%d+)-(%d+)$')
+  if om and nm then
+    om, os, nm, ns = tonumber(om), tonumber(os), tonumber(nm), tonumber(ns)
+    if om > nm or (om == nm and os >= ns) then return 0 end
+  end
+end
+redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2])
+return 1
+";
+
+/// Longest a snapshot read or write may take (a big index is many MB).
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(60);
+
 impl EventLog {
-    /// Writes `index` as the namespace's snapshot. `position` must be an
-    /// entry the index already reflected when this call began (a follower's
+    /// Writes `index` as the namespace's snapshot, leaving out the workers
+    /// in `exclude` (views waiting for a dump: whoever loads the snapshot
+    /// resynchronises them). `position` must be an entry the index already
+    /// reflected when this call began (a follower's
     /// [`position`](crate::FollowerStatus::position) read first): later
-    /// events in the dumps are skipped by number on replay. Returns the
-    /// snapshot's size in bytes.
-    pub async fn save_snapshot(&self, index: &KvIndex, position: &str) -> RedisResult<usize> {
-        let workers = index
-            .worker_ids()
-            .into_iter()
-            .filter_map(|worker_id| index.dump(&worker_id).map(|(instance, dump)| dump_to_proto(&worker_id, instance, &dump)))
-            .collect();
-        let taken_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-        let bytes = pb::IndexSnapshot { log_position: position.to_owned(), workers, taken_unix_ms }.encode_to_vec();
+    /// events in the dumps are skipped by number on replay. The encoding
+    /// runs off the async threads and the write on a connection of its own.
+    /// Returns the snapshot's size in bytes, or `None` if the stored
+    /// snapshot was already at this position or later.
+    pub async fn save_snapshot(&self, index: Arc<KvIndex>, position: String, exclude: Vec<String>) -> RedisResult<Option<usize>> {
+        let encode_position = position.clone();
+        let bytes = tokio::task::spawn_blocking(move || {
+            let workers = index
+                .worker_ids()
+                .into_iter()
+                .filter(|worker_id| !exclude.contains(worker_id))
+                .filter_map(|worker_id| index.dump(&worker_id).map(|(instance, dump)| dump_to_proto(&worker_id, instance, &dump)))
+                .collect();
+            let taken_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+            pb::IndexSnapshot { log_position: encode_position, workers, taken_unix_ms }.encode_to_vec()
+        })
+        .await
+        .map_err(|error| redis::RedisError::from((redis::ErrorKind::Client, "encoding the snapshot failed", error.to_string())))?;
         let size = bytes.len();
-        let mut connection = self.publisher();
-        redis::cmd("SET").arg(self.snapshot_key()).arg(bytes).query_async::<()>(&mut connection).await?;
-        Ok(size)
+        let mut connection = self.slow_connection(SNAPSHOT_TIMEOUT).await?;
+        let written: i64 = redis::cmd("EVAL").arg(WRITE_IF_NEWER).arg(1).arg(self.snapshot_key()).arg(position).arg(bytes).query_async(&mut connection).await?;
+        Ok((written == 1).then_some(size))
     }
 
     /// Loads the namespace's snapshot into `index` (each worker's view is
     /// replaced); `None` when there is none. A snapshot that does not decode
     /// is ignored with a warning (the log is replayed instead).
     pub async fn load_snapshot(&self, index: &KvIndex) -> RedisResult<Option<LoadedSnapshot>> {
-        let mut connection = self.publisher();
-        let bytes: Option<Vec<u8>> = redis::cmd("GET").arg(self.snapshot_key()).query_async(&mut connection).await?;
+        let mut connection = self.slow_connection(SNAPSHOT_TIMEOUT).await?;
+        let bytes: Option<Vec<u8>> = redis::cmd("HGET").arg(self.snapshot_key()).arg("data").query_async(&mut connection).await?;
         let Some(bytes) = bytes else { return Ok(None) };
         let snapshot = match pb::IndexSnapshot::decode(bytes.as_slice()) {
             Ok(snapshot) => snapshot,

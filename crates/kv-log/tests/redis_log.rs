@@ -1,6 +1,7 @@
 //! The event log on a real Redis: two followers (one started late) reach
 //! the same index, a gap in a worker's numbering loads its dump, a restarted
-//! worker replaces its old view, and a Redis restart is survived.
+//! worker replaces its old view, and a Redis restart is survived; a hung
+//! dump holds up only its own worker; snapshots only move forward.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -154,4 +155,73 @@ async fn malformed_entries_are_skipped() {
     wait_until("the valid batch", || depths(&index, &[1]) == vec![("w".to_string(), 1)]).await;
     assert_eq!(status.batches(), 1, "the malformed entry is not a batch");
     shutdown.cancel();
+}
+
+/// A worker whose dump hangs does not hold up the others: its events wait
+/// for the dump (and are applied after it), everyone else's flow on.
+#[tokio::test]
+async fn a_hung_dump_holds_up_only_its_own_worker() {
+    let redis = RedisServer::start();
+    let log = EventLog::new(&redis.url(), "hung").unwrap();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let released = Arc::new(tokio::sync::Mutex::new(Some(released)));
+    // "slow"'s cache really holds blocks 1 and 2 (event 0 was lost).
+    let truth = KvIndex::new();
+    truth.apply("slow", 5, &stored(0, &[1]));
+    truth.apply("slow", 5, &stored(1, &[2]));
+    let truth = Arc::new(truth);
+    let fetch: DumpFetcher = Arc::new(move |worker: String| {
+        let (truth, released) = (truth.clone(), released.clone());
+        Box::pin(async move {
+            if let Some(released) = released.lock().await.take() {
+                let _ = released.await; // hangs until the test lets it go
+            }
+            truth.dump(&worker)
+        })
+    });
+    let index = Arc::new(KvIndex::new());
+    let status = Arc::new(FollowerStatus::default());
+    let shutdown = CancellationToken::new();
+    let task = follow(index.clone(), &log, fetch, status.clone(), shutdown.clone());
+
+    // slow's event 1 shows a gap; its event 2 arrives while the dump hangs.
+    log.publish(&batch_to_proto("slow", 5, &[stored(1, &[2])])).await.unwrap();
+    log.publish(&batch_to_proto("slow", 5, &[stored(2, &[3])])).await.unwrap();
+    log.publish(&batch_to_proto("fast", 1, &[stored(0, &[10])])).await.unwrap();
+    wait_until("fast's event applied while slow's dump hangs", || index.find_matches(&seq(&[10])).deepest() == 1).await;
+    assert_eq!(status.stale_workers(), ["slow"]);
+    assert_eq!(index.find_matches(&seq(&[1, 2, 3])).deepest(), 0, "slow's view waits for the dump");
+
+    release.send(()).unwrap();
+    wait_until("slow's dump and held event applied", || index.find_matches(&seq(&[1, 2, 3])).deepest() == 3).await;
+    assert!(status.stale_workers().is_empty());
+    assert_eq!(status.resyncs(), 1);
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
+/// Snapshots: only a later position replaces the stored one, excluded
+/// (stale) workers are left out, and loading restores the rest.
+#[tokio::test]
+async fn snapshots_only_move_forward_and_leave_out_stale_workers() {
+    let redis = RedisServer::start();
+    let log = EventLog::new(&redis.url(), "snap").unwrap();
+    let index = Arc::new(KvIndex::new());
+    index.apply("a", 1, &stored(0, &[1, 2]));
+    index.apply("b", 2, &stored(0, &[1]));
+    assert!(log.save_snapshot(index.clone(), "100-5".into(), vec!["b".into()]).await.unwrap().is_some());
+    index.apply("a", 1, &stored(1, &[3]));
+    assert_eq!(log.save_snapshot(index.clone(), "100-4".into(), vec![]).await.unwrap(), None, "an older position is refused");
+    assert_eq!(log.save_snapshot(index.clone(), "99-9".into(), vec![]).await.unwrap(), None);
+
+    let loaded = KvIndex::new();
+    let snapshot = log.load_snapshot(&loaded).await.unwrap().unwrap();
+    assert_eq!((snapshot.log_position.as_str(), snapshot.workers), ("100-5", 1));
+    assert_eq!(loaded.worker_ids(), ["a"]);
+    assert_eq!(loaded.find_matches(&seq(&[1, 2, 3])).deepest(), 2, "the snapshot of 100-5, not the refused later state");
+
+    assert!(log.save_snapshot(index.clone(), "101-0".into(), vec![]).await.unwrap().is_some());
+    let reloaded = KvIndex::new();
+    assert_eq!(log.load_snapshot(&reloaded).await.unwrap().unwrap().workers, 2);
+    assert_eq!(reloaded.find_matches(&seq(&[1, 2, 3])).deepest(), 3);
 }

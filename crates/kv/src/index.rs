@@ -503,6 +503,11 @@ impl KvIndex {
         worker_ids.into_iter().map(|id| tree.tree_size(id)).collect()
     }
 
+    /// Whether `worker_id` has a view in the index.
+    pub fn has_worker(&self, worker_id: &str) -> bool {
+        self.tree.read().by_id.contains_key(worker_id)
+    }
+
     /// The workers with a view in the index, sorted.
     pub fn worker_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self.tree.read().by_id.keys().map(|id| id.to_string()).collect();

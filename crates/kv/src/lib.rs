@@ -9,11 +9,13 @@
 
 pub mod events;
 pub mod index;
+pub mod unregistered;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 pub use events::{CachedBlock, Dump, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet};
 pub use index::{FindMatches, KvIndex, WorkerMatch};
+pub use unregistered::Unregistered;
 
 /// Seed of the block hash when no salt is in use.
 pub const DEFAULT_SEED: u64 = 1337;

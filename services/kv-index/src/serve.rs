@@ -9,7 +9,7 @@ use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use turbine_kv::KvIndex;
+use turbine_kv::{KvIndex, Unregistered};
 use turbine_kv_log::{EventLog, FollowerStatus, follow_from, grpc_dump_fetcher, start_from_snapshot};
 use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexServer};
 use turbine_proto::service_names;
@@ -23,6 +23,9 @@ use crate::service::{KvIndexService, ReplicaCounters};
 
 /// Registered workers' gRPC endpoints, by id (where dumps come from).
 type Endpoints = Arc<RwLock<FxHashMap<String, String>>>;
+
+/// After the registry's Redis restarts, how long no worker is dropped.
+const RESTART_GRACE: Duration = Duration::from_secs(10);
 
 /// Runs a replica until `shutdown` fires, then drains and returns.
 pub async fn run(config: KvIndexConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -102,28 +105,30 @@ fn sweep_expired(
     let poll = Duration::from_millis(config.registry_poll_ms);
     let grace = Duration::from_secs_f64(config.lease_grace_secs);
     tokio::spawn(async move {
-        let mut missing_since: FxHashMap<String, Instant> = FxHashMap::default();
+        let mut unregistered = Unregistered::new(grace);
+        let mut generation = None;
+        let mut hold_until = None;
         loop {
             if let Ok(workers) = registry.list().await {
                 let now = Instant::now();
+                // A Redis that restarted empty lists nobody until the
+                // workers' next renewal: hold off meanwhile.
+                if let Ok(Some(current)) = registry.generation().await {
+                    if generation.as_ref().is_some_and(|known| *known != current) {
+                        tracing::warn!("the registry's Redis restarted; no worker leaves the index for {RESTART_GRACE:?}");
+                        hold_until = Some(now + RESTART_GRACE);
+                        unregistered.reset();
+                    }
+                    generation = Some(current);
+                }
                 let live: FxHashMap<String, String> =
                     workers.into_iter().filter(|w| w.expires_at > now).map(|w| (w.record.worker_id, w.record.endpoint)).collect();
-                for worker_id in index.worker_ids() {
-                    if live.contains_key(&worker_id) {
-                        missing_since.remove(&worker_id);
-                        continue;
-                    }
-                    let since = *missing_since.entry(worker_id.clone()).or_insert(now);
-                    if now.duration_since(since) >= grace {
-                        let blocks = index.cached_blocks(&worker_id);
-                        if index.remove_worker(&worker_id) {
-                            counters.workers_expired.fetch_add(1, Ordering::Relaxed);
-                            tracing::info!(worker = worker_id, blocks, "worker's registry lease expired; its blocks left the KV index");
-                        }
-                        missing_since.remove(&worker_id);
+                if hold_until.is_none_or(|until| now >= until) {
+                    for (worker_id, blocks) in unregistered.sweep(&index, |id| live.contains_key(id), now) {
+                        counters.workers_expired.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(worker = worker_id, blocks, "worker's registry lease expired; its blocks left the KV index");
                     }
                 }
-                missing_since.retain(|worker_id, _| !live.contains_key(worker_id));
                 *endpoints.write() = live;
             }
             tokio::select! {
@@ -158,10 +163,14 @@ fn write_snapshots(
                 continue;
             }
             let started = Instant::now();
-            match log.save_snapshot(&index, &position).await {
-                Ok(bytes) => {
+            match log.save_snapshot(index.clone(), position.clone(), status.stale_workers()).await {
+                Ok(Some(bytes)) => {
                     counters.snapshots_written.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(position, bytes, took_ms = started.elapsed().as_millis() as u64, "KV index snapshot written");
+                    last_written = Some(position);
+                }
+                Ok(None) => {
+                    tracing::debug!(position, "a newer KV index snapshot is already stored");
                     last_written = Some(position);
                 }
                 Err(error) => tracing::warn!(%error, "could not write the KV index snapshot"),

@@ -95,7 +95,10 @@ impl KvIndexRpc for KvIndexService {
             })
             .collect();
         matches.sort_by(|a, b| b.matched_blocks.cmp(&a.matched_blocks).then_with(|| a.worker_id.cmp(&b.worker_id)));
-        Ok(Response::new(pb::FindMatchesResponse { query_blocks: hashes.len() as u32, matches, log_reachable: self.status.reachable() }))
+        let names = &request.get_ref().cached_blocks_of;
+        let sizes = self.index.cached_blocks_of(names.iter().map(String::as_str));
+        let cached_blocks = names.iter().cloned().zip(sizes.into_iter().map(|n| n as u64)).collect();
+        Ok(Response::new(pb::FindMatchesResponse { query_blocks: hashes.len() as u32, matches, log_reachable: self.status.reachable(), cached_blocks }))
     }
 
     type DumpStream = DumpStream;
@@ -104,7 +107,7 @@ impl KvIndexRpc for KvIndexService {
         let worker_id = request.into_inner().worker_id;
         let ids = if worker_id.is_empty() {
             self.index.worker_ids()
-        } else if self.index.dump(&worker_id).is_some() {
+        } else if self.index.has_worker(&worker_id) {
             vec![worker_id]
         } else {
             return Err(Status::not_found(format!("worker {worker_id:?} has no view in this index")));

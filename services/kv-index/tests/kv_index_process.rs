@@ -130,6 +130,12 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     assert!(refused.message().contains("batch 1"), "{}", refused.message());
+    // Had the refused call's valid batch (a caching conversation 2) been
+    // appended, it would be applied before this one, which is awaited.
+    let four = prompt(4, 2);
+    first.client.publish_events(pb::PublishEventsRequest { batches: vec![batch_to_proto("b", 9, &[stored(2, &four)])] }).await.unwrap();
+    let client = &mut first.client;
+    wait_until("a later batch applied", Duration::from_secs(5), async || matches(client, &four).await == [("b".to_owned(), 2)]).await;
     assert_eq!(matches(&mut first.client, &two).await, vec![("b".to_owned(), 4)], "the valid batch of a refused call was not appended either");
 
     // A snapshot is written; a replica started later begins from it.
@@ -157,7 +163,7 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
         assert_eq!(matches(&mut restarted.client, tokens).await, matches(&mut second.client, tokens).await);
     }
 
-    // b's lease expires: its blocks leave the index (both replicas).
+    // b's lease expires: its blocks leave the restarted replica's index.
     lease_b.revoke().await;
     let client = &mut restarted.client;
     let gone = wait_until("b's blocks dropped", Duration::from_secs(10), async || matches(client, &two).await.is_empty()).await;

@@ -95,12 +95,8 @@ impl RouterConfig {
     pub fn kv(&self) -> KvConfig {
         let defaults = KvConfig::default();
         KvConfig {
-            weights: KvWeights {
-                device_credit: self.kv_device_credit,
-                prefill_load_scale: self.kv_prefill_load_scale,
-                temperature: self.kv_temperature,
-                ..defaults.weights
-            },
+            weights: KvWeights { prefill_load_scale: self.kv_prefill_load_scale, temperature: self.kv_temperature, ..defaults.weights }
+                .with_device_credit(self.kv_device_credit),
             approximate: self.kv_approximate,
             approx_ttl_secs: self.kv_approx_ttl_secs,
             ..defaults
@@ -151,8 +147,8 @@ pub struct RouterArgs {
     #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_prefill_load_scale: Option<f64>,
-    /// kv policy: prefill blocks one cached device block is worth [default: 8;
-    /// host, disk and remote blocks: 6, 2, 0.8].
+    /// kv policy: prefill blocks one cached device block is worth; host,
+    /// disk and remote blocks are worth 0.75, 0.25 and 0.1 of it [default: 8].
     #[arg(long, env = "TURBINE_ROUTER_KV_DEVICE_CREDIT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_device_credit: Option<f64>,

@@ -92,6 +92,12 @@ impl KvWeights {
         Ok(())
     }
 
+    /// These weights with a device credit of `device` and the other tiers
+    /// in Dynamo's proportions to it (host 0.75, disk 0.25, remote 0.1).
+    pub fn with_device_credit(self, device: f64) -> Self {
+        Self { device_credit: device, host_credit: 0.75 * device, disk_credit: 0.25 * device, remote_credit: 0.1 * device, ..self }
+    }
+
     /// The credit of one matched block in `tier`.
     pub fn credit(&self, tier: Tier) -> f64 {
         match tier {
@@ -278,12 +284,19 @@ impl RemoteIndex {
         Ok(Self { client, timeout, resting_until: Arc::default() })
     }
 
-    /// Each worker's match for the prompt's `hashes`.
-    pub async fn find_matches(&self, hashes: &[SequenceHash]) -> Result<Vec<WorkerMatch>, RemoteError> {
-        let request = pb::FindMatchesRequest { sequence_hashes: hashes.iter().map(|h| h.0).collect(), ..Default::default() };
+    /// Each worker's match for the prompt's `hashes`, and the cached tree
+    /// size of each of `candidates` (for the tie-break).
+    pub async fn find_matches(&self, hashes: &[SequenceHash], candidates: &[String]) -> Result<RemoteAnswer, RemoteError> {
         if self.resting_until.lock().is_some_and(|until| Instant::now() < until) {
             return Err(RemoteError::Unreachable);
         }
+        let request = pb::FindMatchesRequest {
+            // A prompt shorter than one block matches nothing: a hash no
+            // block has, so only the tree sizes are answered.
+            sequence_hashes: if hashes.is_empty() { vec![0] } else { hashes.iter().map(|h| h.0).collect() },
+            cached_blocks_of: candidates.to_vec(),
+            ..Default::default()
+        };
         let mut client = self.client.clone();
         let response = match tokio::time::timeout(self.timeout, client.find_matches(request)).await {
             Ok(Ok(response)) => response.into_inner(),
@@ -302,16 +315,31 @@ impl RemoteIndex {
         if !response.log_reachable {
             return Err(RemoteError::Stale);
         }
-        Ok(response
-            .matches
-            .into_iter()
-            .map(|m| WorkerMatch {
-                worker_id: m.worker_id.into(),
-                blocks: m.matched_blocks,
-                by_tier: [m.device_blocks, m.host_blocks, m.disk_blocks, m.remote_blocks],
-            })
-            .collect())
+        let matches = if hashes.is_empty() {
+            Vec::new()
+        } else {
+            response
+                .matches
+                .into_iter()
+                .map(|m| WorkerMatch {
+                    worker_id: m.worker_id.into(),
+                    blocks: m.matched_blocks,
+                    by_tier: [m.device_blocks, m.host_blocks, m.disk_blocks, m.remote_blocks],
+                })
+                .collect()
+        };
+        let cached_blocks = response.cached_blocks.into_iter().map(|(id, n)| (id, n as usize)).collect();
+        Ok(RemoteAnswer { matches, cached_blocks })
     }
+}
+
+/// A kv-index's answer for one prompt and block size.
+#[derive(Debug, Clone, Default)]
+pub struct RemoteAnswer {
+    /// Each matching worker's depth.
+    pub matches: Vec<WorkerMatch>,
+    /// The candidates' cached tree sizes.
+    pub cached_blocks: rustc_hash::FxHashMap<String, usize>,
 }
 
 /// The index a router routes on.
@@ -519,6 +547,11 @@ mod tests {
         assert_eq!(weights.temperature, 0.5);
         assert_eq!(weights.device_credit, KvWeights::default().device_credit);
         assert!(KvWeights { host_credit: -1.0, ..KvWeights::default() }.validate().is_err());
+        // Setting the device credit keeps the tiers' proportions: Dynamo's
+        // weights from two numbers.
+        let dynamo = KvWeights { prefill_load_scale: 1.0, ..KvWeights::default().with_device_credit(1.0) };
+        assert_eq!(dynamo, KvWeights::DYNAMO);
+        assert_eq!(KvWeights::default().with_device_credit(8.0), KvWeights::default());
     }
 
     #[test]

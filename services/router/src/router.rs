@@ -148,6 +148,14 @@ type MatchesByWorker = FxHashMap<Arc<str>, WorkerMatch>;
 /// Per block size: the prompt's hashes and the index's matches.
 type Prefetched = Vec<(u32, Vec<SequenceHash>, MatchesByWorker)>;
 
+/// What a remote kv-index answered before the decision.
+#[derive(Debug, Default)]
+struct Remote {
+    by_size: Prefetched,
+    /// Cached tree sizes of the candidates.
+    cached_blocks: FxHashMap<String, usize>,
+}
+
 /// The prompt's block hashes in each block size the candidates use.
 struct PromptHashes<'a> {
     tokens: &'a [u32],
@@ -303,7 +311,7 @@ impl Router {
             Some(kv) if request.policy.unwrap_or(self.policy) == Policy::Kv => kv.remote(),
             _ => None,
         };
-        let Some(remote) = remote else { return self.decide(request, None) };
+        let Some(remote) = remote.filter(|_| !request.request_id.is_empty()) else { return self.decide(request, None) };
         let sizes: Vec<u32> = {
             let state = self.state.lock();
             let mut sizes: Vec<u32> = state.workers.values().filter(|w| w.record.model == request.model).map(|w| w.record.kv_block_size).collect();
@@ -312,12 +320,18 @@ impl Router {
             sizes.retain(|&size| size > 0);
             sizes
         };
+        let candidates: Vec<String> = self.workers(Some(&request.model)).into_iter().map(|w| w.worker_id).collect();
         let hasher = BlockHasher::default();
-        let mut fetched = Vec::with_capacity(sizes.len());
+        let mut fetched = Remote::default();
         for size in sizes {
             let hashes = hasher.sequence_hashes(&request.token_ids, size as usize);
-            match remote.find_matches(&hashes).await {
-                Ok(matches) => fetched.push((size, hashes, matches.into_iter().map(|m| (m.worker_id.clone(), m)).collect())),
+            // Tree sizes with the first lookup only.
+            let names = if fetched.by_size.is_empty() { candidates.as_slice() } else { &[] };
+            match remote.find_matches(&hashes, names).await {
+                Ok(answer) => {
+                    fetched.by_size.push((size, hashes, answer.matches.into_iter().map(|m| (m.worker_id.clone(), m)).collect()));
+                    fetched.cached_blocks.extend(answer.cached_blocks);
+                }
                 Err(error) => {
                     crate::metrics::kv_index_error(error.name());
                     return self.decide(request, Some(None));
@@ -329,7 +343,7 @@ impl Router {
 
     /// The decision. `remote`: `None` without a remote kv-index, else its
     /// answers per block size (`Some(None)`: it could not answer).
-    fn decide(&self, request: &RouteRequest, remote: Option<Option<Prefetched>>) -> Result<Routed, RouteError> {
+    fn decide(&self, request: &RouteRequest, remote: Option<Option<Remote>>) -> Result<Routed, RouteError> {
         if request.request_id.is_empty() {
             return Err(RouteError::InvalidRequest("request_id must not be empty".into()));
         }
@@ -356,7 +370,7 @@ impl Router {
             _ => None,
         };
         let now = Instant::now();
-        let by_size = remote.flatten().unwrap_or_default();
+        let Remote { by_size, cached_blocks: remote_trees } = remote.flatten().unwrap_or_default();
         let mut prompt = PromptHashes { tokens: &request.token_ids, hasher: BlockHasher::default(), by_size };
         let mut state = self.state.lock();
         // A retried request id replaces its earlier booking.
@@ -373,7 +387,11 @@ impl Router {
         let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;
         let (index, overlap_blocks) = match (kv, weights) {
             (Some(kv), Some(weights)) => {
-                let trees = kv.index().cached_blocks_of(eligible.iter().map(|w| w.record.worker_id.as_str()));
+                let trees = if kv.remote().is_some() {
+                    eligible.iter().map(|w| remote_trees.get(&w.record.worker_id).copied().unwrap_or(0)).collect()
+                } else {
+                    kv.index().cached_blocks_of(eligible.iter().map(|w| w.record.worker_id.as_str()))
+                };
                 let candidates: Vec<KvCandidate> = eligible
                     .iter()
                     .zip(trees)

@@ -9,7 +9,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
 use turbine_proto::service_names;
-use turbine_kv::KvIndex;
+use rustc_hash::FxHashSet;
+use turbine_kv::{KvIndex, Unregistered};
 use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow_from, grpc_dump_fetcher};
 use turbine_registry::{RedisRegistry, Registry};
 use turbine_runtime::grpc::{base_routes, serve as serve_grpc};
@@ -24,6 +25,8 @@ use crate::service::RouterService;
 /// After the registry's Redis restarts, how long workers missing from its
 /// listings are kept (until their known lease deadline) instead of dropped.
 const RESTART_GRACE: Duration = Duration::from_secs(10);
+/// A worker in the KV index but not in the registry is dropped after this.
+const UNREGISTERED_GRACE: Duration = Duration::from_secs(5);
 
 /// Mirrors the registry into `router` every `interval` until `shutdown`:
 /// joins and departures, lease deadlines, stale bookings. While the
@@ -34,6 +37,7 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
         let mut reachable = true;
         let mut generation = None;
         let mut lenient_until = None;
+        let mut unregistered = Unregistered::new(UNREGISTERED_GRACE);
         loop {
             match registry.list().await {
                 Ok(workers) => {
@@ -52,8 +56,18 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
                     }
                     if lenient_until.is_some_and(|until| Instant::now() < until) {
                         router.merge_workers(workers);
+                        unregistered.reset();
                     } else {
+                        let live: FxHashSet<String> = workers.iter().map(|w| w.record.worker_id.clone()).collect();
                         router.update_workers(workers);
+                        // Views of workers the registry does not list (gone
+                        // before this router replayed their events) leave the
+                        // index after a grace.
+                        if let Some(kv) = router.kv() {
+                            for (worker_id, blocks) in unregistered.sweep(kv.index(), |id| live.contains(id), Instant::now()) {
+                                tracing::info!(worker = worker_id, blocks, "unregistered worker dropped from the KV index");
+                            }
+                        }
                     }
                 }
                 Err(error) => {

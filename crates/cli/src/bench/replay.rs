@@ -300,6 +300,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
     anyhow::ensure!(args.speedup.is_finite() && args.speedup > 0.0, "--speedup must be positive");
     anyhow::ensure!(!args.router.is_empty(), "--router needs at least one policy");
+    anyhow::ensure!(args.window_secs == 0.0 || (args.window_secs.is_finite() && args.window_secs >= 0.1), "--window-secs must be 0 (no timeline) or at least 0.1");
     let requests = read_trace(&args.trace, args.limit)?;
     let longest = requests.iter().map(|r| r.input_length as u64 + u64::from(r.output_length)).max().unwrap_or(0);
     let context_length = u32::try_from(longest + 1).context("a trace request exceeds 2^32 tokens")?;
