@@ -9,6 +9,7 @@ use anyhow::Context;
 use turbine_gateway::serve::{GatewayListeners, serve as serve_gateway};
 use turbine_gateway::{GatewayConfig, WorkerPool};
 use turbine_registry::{MemoryRegistry, Registry};
+use turbine_router::peers::{PeerLoad, share_load};
 use turbine_router::serve::watch_registry;
 use turbine_kv::KvIndex;
 use turbine_router::{KvConfig, KvState, KvWeights, Policy, Router, RouterClient};
@@ -210,7 +211,7 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
     let pool = WorkerPool::new(&workers);
     let mut tasks = Vec::new();
     let mut gateways = Vec::new();
-    for listeners in listeners {
+    for (replica, listeners) in listeners.into_iter().enumerate() {
         let kv = match &log {
             None => KvState::new(kv_config, shared_index.clone()),
             Some(log) => {
@@ -221,6 +222,11 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
         };
         let router = Arc::new(Router::with_kv(args.policy, Duration::from_secs(600), Arc::new(kv)));
         tasks.push(watch_registry(router.clone(), registry.clone(), Duration::from_millis(100), shutdown.clone()));
+        if let (Some((url, namespace)), true) = (&args.event_log, routers > 1) {
+            // Replicas see each other's bookings, as separate processes do.
+            let peers = PeerLoad::new(url, namespace, &format!("embedded-{}-{replica}", std::process::id())).context("bad Redis URL for sharing load")?;
+            tasks.push(share_load(router.clone(), peers, shutdown.clone()));
+        }
         let (config, pool, shutdown) = (gateway_config.clone(), pool.clone(), shutdown.clone());
         gateways.push(tokio::spawn(async move { serve_gateway(&config, listeners, RouterClient::Local(router), pool, shutdown).await }));
     }

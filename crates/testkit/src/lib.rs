@@ -216,3 +216,14 @@ impl RedisServer {
         self.process.kill();
     }
 }
+
+/// Polls `condition` every 20 ms until it holds and returns how long that
+/// took; panics naming `what` if it does not hold within `deadline`.
+pub async fn wait_until(what: &str, deadline: Duration, mut condition: impl AsyncFnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !condition().await {
+        assert!(started.elapsed() < deadline, "{what}: not within {deadline:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}

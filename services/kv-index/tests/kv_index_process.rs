@@ -6,7 +6,7 @@
 //! the service keeps serving.
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tonic::transport::Channel;
 use turbine_kv::{BlockHasher, KvEvent, NumberedEvent, SequenceHash, StoredBlock, Tier};
@@ -14,7 +14,7 @@ use turbine_kv_log::convert::batch_to_proto;
 use turbine_proto::kvindex::v1 as pb;
 use turbine_proto::kvindex::v1::kv_index_client::KvIndexClient;
 use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port};
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, wait_until};
 
 const BLOCK: usize = 16;
 
@@ -63,15 +63,6 @@ async fn matches(client: &mut KvIndexClient<Channel>, tokens: &[u32]) -> Vec<(St
 
 async fn stats(client: &mut KvIndexClient<Channel>) -> pb::StatsResponse {
     client.stats(pb::StatsRequest {}).await.unwrap().into_inner()
-}
-
-async fn wait_until(what: &str, deadline: Duration, mut condition: impl AsyncFnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    while !condition().await {
-        assert!(started.elapsed() < deadline, "{what}: not within {deadline:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    started.elapsed()
 }
 
 #[tokio::test]

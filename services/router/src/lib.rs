@@ -8,12 +8,14 @@
 //!   approximate mode.
 //! - [`RouterService`]: the `turbine.router.v1.Router` gRPC shell.
 //! - [`RouterClient`]: in-process or gRPC, one type.
+//! - [`peers`]: load booked by the other router replicas, through Redis.
 //! - [`serve`]: the process and the registry watch.
 
 pub mod client;
 pub mod config;
 pub mod kv;
 pub mod metrics;
+pub mod peers;
 pub mod policy;
 pub mod router;
 pub mod serve;
@@ -23,5 +25,5 @@ pub use client::{RouterCallError, RouterClient};
 pub use config::{RouterArgs, RouterConfig};
 pub use policy::Policy;
 pub use kv::{KvConfig, KvOverrides, KvState, KvWeights};
-pub use router::{RouteError, RouteRequest, Routed, RoutedWorker, Router};
+pub use router::{RouteError, RouteRequest, Routed, RoutedWorker, Router, WorkerBook};
 pub use service::RouterService;

@@ -87,10 +87,25 @@ struct Booking {
 
 /// What is booked against one worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct WorkerBook {
-    in_flight: u32,
-    prefill_blocks: u64,
-    decode_blocks: u64,
+pub struct WorkerBook {
+    /// Requests booked.
+    pub in_flight: u32,
+    /// Their blocks still to prefill.
+    pub prefill_blocks: u64,
+    /// Their blocks in all.
+    pub decode_blocks: u64,
+}
+
+impl std::ops::Add for WorkerBook {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
+        Self {
+            in_flight: self.in_flight + other.in_flight,
+            prefill_blocks: self.prefill_blocks + other.prefill_blocks,
+            decode_blocks: self.decode_blocks + other.decode_blocks,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -101,6 +116,9 @@ struct State {
     bookings: FxHashMap<String, Booking>,
     /// Booked work per worker.
     books: FxHashMap<String, WorkerBook>,
+    /// Work other router replicas booked per worker (as they last
+    /// published it): counted in decisions, never released here.
+    peers: FxHashMap<String, WorkerBook>,
 }
 
 impl State {
@@ -139,6 +157,11 @@ impl State {
 
     fn book_of(&self, worker_id: &str) -> WorkerBook {
         self.books.get(worker_id).copied().unwrap_or_default()
+    }
+
+    /// This router's bookings plus the other replicas': what decisions weigh.
+    fn load_of(&self, worker_id: &str) -> WorkerBook {
+        self.book_of(worker_id) + self.peers.get(worker_id).copied().unwrap_or_default()
     }
 }
 
@@ -397,7 +420,7 @@ impl Router {
                     .zip(trees)
                     .map(|(w, cached_tree)| {
                         let id = &w.record.worker_id;
-                        let book = state.book_of(id);
+                        let book = state.load_of(id);
                         let matched = if w.record.kv_block_size == 0 { None } else { prompt.matches(w.record.kv_block_size, kv).get(id.as_str()) };
                         KvCandidate {
                             prompt_blocks: prompt_blocks(w),
@@ -416,7 +439,7 @@ impl Router {
                 let candidates: Vec<Candidate> = eligible
                     .iter()
                     .map(|w| Candidate {
-                        in_flight: state.book_of(&w.record.worker_id).in_flight,
+                        in_flight: state.load_of(&w.record.worker_id).in_flight,
                         reported_queue: w.record.load.running + w.record.load.waiting,
                         blocks_used: w.record.load.blocks_used,
                         blocks_total: w.record.load.blocks_total,
@@ -478,6 +501,17 @@ impl Router {
                 in_flight: state.book_of(&w.record.worker_id).in_flight,
             })
             .collect()
+    }
+
+    /// This router's booked work per worker (what it shares with the
+    /// other replicas).
+    pub fn own_books(&self) -> FxHashMap<String, WorkerBook> {
+        self.state.lock().books.clone()
+    }
+
+    /// Replaces the work the other router replicas booked per worker.
+    pub fn set_peer_books(&self, peers: FxHashMap<String, WorkerBook>) {
+        self.state.lock().peers = peers;
     }
 
     /// Requests booked and not released.

@@ -19,6 +19,7 @@ use turbine_runtime::{CancellationToken, admin};
 
 use crate::config::RouterConfig;
 use crate::kv::{KvState, RemoteIndex};
+use crate::peers::{PeerLoad, share_load};
 use crate::router::Router;
 use crate::service::RouterService;
 
@@ -132,6 +133,10 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     let admin_task = tokio::spawn(admin::serve(admin_listener, readiness.clone(), admin_stop.clone()));
     let interval = Duration::from_millis(config.poll_interval_ms);
     let watch = watch_registry(router.clone(), registry.clone(), interval, shutdown.clone());
+    // Other replicas' bookings count in this one's decisions.
+    let router_id = format!("{:016x}", rand::random::<u64>());
+    let peers = PeerLoad::new(redis, &config.namespace, &router_id).context("bad Redis URL for sharing load")?;
+    let sharing = share_load(router.clone(), peers, shutdown.clone());
     readiness.watch_dependencies(Duration::from_secs(1), shutdown.clone(), move || {
         let registry = registry.clone();
         async move { registry.ping().await.is_ok() }
@@ -143,6 +148,7 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
     readiness.drain().await;
     let served = grpc_task.await.context("gRPC server panicked")?;
     let _ = watch.await;
+    let _ = sharing.await;
     for task in follower.into_iter().flatten() {
         let _ = task.await;
     }

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -13,7 +13,7 @@ use tonic_health::pb::health_client::HealthClient;
 use turbine_proto::router::v1 as pb;
 use turbine_proto::router::v1::router_client::RouterClient;
 use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port};
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, wait_until};
 
 fn record(id: &str) -> WorkerRecord {
     WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1 }
@@ -52,15 +52,6 @@ async fn chosen(client: &mut RouterClient<tonic::transport::Channel>, n: usize) 
     ids
 }
 
-async fn wait_until(deadline: Duration, mut condition: impl AsyncFnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    while !condition().await {
-        assert!(started.elapsed() < deadline, "condition not met within {deadline:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    started.elapsed()
-}
-
 #[tokio::test]
 async fn membership_follows_the_registry() {
     let redis = RedisServer::start();
@@ -70,7 +61,7 @@ async fn membership_follows_the_registry() {
 
     let channel = tonic::transport::Channel::from_shared(endpoint.clone()).unwrap().connect().await.unwrap();
     let mut health = HealthClient::new(channel);
-    wait_until(Duration::from_secs(5), async || {
+    wait_until("router serving", Duration::from_secs(5), async || {
         health.check(HealthCheckRequest { service: "turbine.router.v1.Router".into() }).await.unwrap().into_inner().status() == ServingStatus::Serving
     })
     .await;
@@ -81,10 +72,10 @@ async fn membership_follows_the_registry() {
 
     let ttl = Duration::from_millis(1500);
     let lease_a = Lease::start(registry.clone(), ttl, || record("a"));
-    let joined = wait_until(Duration::from_secs(2), async || chosen(&mut client, 1).await.contains("a")).await;
+    let joined = wait_until("worker a takes traffic", Duration::from_secs(2), async || chosen(&mut client, 1).await.contains("a")).await;
     println!("worker a took traffic {joined:?} after registering");
     let lease_b = Lease::start(registry.clone(), ttl, || record("b"));
-    let joined = wait_until(Duration::from_secs(2), async || chosen(&mut client, 4).await.contains("b")).await;
+    let joined = wait_until("worker b takes traffic", Duration::from_secs(2), async || chosen(&mut client, 4).await.contains("b")).await;
     println!("worker b took traffic {joined:?} after registering");
 
     let workers = client.list_workers(pb::ListWorkersRequest::default()).await.unwrap().into_inner().workers;
@@ -94,14 +85,14 @@ async fn membership_follows_the_registry() {
     drop(lease_b);
     // The router drops it at its lease deadline (at most one TTL after the
     // crash); the slack covers this test's own polling on a loaded machine.
-    let vanished = wait_until(ttl + Duration::from_millis(500), async || !chosen(&mut client, 4).await.contains("b")).await;
+    let vanished = wait_until("worker b loses traffic", ttl + Duration::from_millis(500), async || !chosen(&mut client, 4).await.contains("b")).await;
     println!("crashed worker b lost traffic {vanished:?} after its last heartbeat (ttl {ttl:?})");
     assert_eq!(chosen(&mut client, 8).await, HashSet::from(["a".to_owned()]));
 
     // Redis goes away: routing continues with the last known workers, health says NOT_SERVING.
     let mut redis = redis;
     redis.kill();
-    wait_until(Duration::from_secs(10), async || {
+    wait_until("routing outcome", Duration::from_secs(10), async || {
         health.check(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner().status() == ServingStatus::NotServing
     })
     .await;
@@ -118,9 +109,9 @@ async fn a_graceful_deregistration_stops_traffic_at_the_next_poll() {
     let mut client = RouterClient::connect(endpoint).await.unwrap();
     let _a = Lease::start(registry.clone(), Duration::from_secs(30), || record("a"));
     let b = Lease::start(registry.clone(), Duration::from_secs(30), || record("b"));
-    wait_until(Duration::from_secs(2), async || chosen(&mut client, 4).await.len() == 2).await;
+    wait_until("both workers take traffic", Duration::from_secs(2), async || chosen(&mut client, 4).await.len() == 2).await;
     b.revoke().await;
-    let gone = wait_until(Duration::from_secs(1), async || !chosen(&mut client, 4).await.contains("b")).await;
+    let gone = wait_until("deregistered worker b loses traffic", Duration::from_secs(1), async || !chosen(&mut client, 4).await.contains("b")).await;
     println!("deregistered worker lost traffic after {gone:?}");
 }
 
@@ -183,7 +174,7 @@ async fn router_replicas_share_the_kv_index_through_redis() {
     }
     for (replica, client) in clients.iter_mut().enumerate() {
         let mut turn = 0;
-        wait_until(Duration::from_secs(10), async || {
+        wait_until("routing outcome", Duration::from_secs(10), async || {
             turn += 1;
             // Errors until the replica has seen the workers register.
             route(client, format!("r{replica}-{turn}"))
@@ -196,7 +187,7 @@ async fn router_replicas_share_the_kv_index_through_redis() {
     // Each replica reports the event it applied and the index it holds.
     for (_, _, admin) in &routers {
         let mut applied = 0.0;
-        wait_until(Duration::from_secs(3), async || {
+        wait_until("replica metrics", Duration::from_secs(3), async || {
             applied = metric(admin, "turbine_kv_events_applied_total").await;
             applied >= 1.0
         })
@@ -211,7 +202,7 @@ async fn router_replicas_share_the_kv_index_through_redis() {
     redis.kill();
     for (replica, client) in clients.iter_mut().enumerate() {
         let mut turn = 0;
-        wait_until(Duration::from_secs(10), async || {
+        wait_until("routing outcome", Duration::from_secs(10), async || {
             turn += 1;
             let response = route(client, format!("down{replica}-{turn}")).await;
             let response = response.unwrap_or_else(|error| panic!("replica {replica}: a request failed with Redis down: {error}"));
@@ -223,4 +214,63 @@ async fn router_replicas_share_the_kv_index_through_redis() {
             assert!(response.is_ok_and(|r| r.overlap_blocks == 0), "replica {replica}: load-only routing with Redis down");
         }
     }
+}
+
+/// Router replicas see each other's bookings: requests booked on worker a
+/// through one replica steer the other's least-loaded choices to b.
+#[tokio::test]
+async fn replicas_weigh_each_others_bookings() {
+    let redis = RedisServer::start();
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
+    let ttl = Duration::from_secs(30);
+    let _leases = [Lease::start(registry.clone(), ttl, || record("a")), Lease::start(registry.clone(), ttl, || record("b"))];
+    let (_first, first_endpoint) = start_router(&redis);
+    let (_second, second_endpoint) = start_router(&redis);
+    let mut first = RouterClient::connect(first_endpoint).await.unwrap();
+    let mut second = RouterClient::connect(second_endpoint).await.unwrap();
+    let least_loaded = |id: String, exclude: Vec<String>| pb::RouteRequest {
+        request_id: id,
+        model: "m".into(),
+        policy: pb::Policy::LeastLoaded as i32,
+        exclude_worker_ids: exclude,
+        ..Default::default()
+    };
+    // One least-loaded request through `client`, finished at once: the worker.
+    let mut turn = 0;
+    let mut probe = async |client: &mut RouterClient<tonic::transport::Channel>| {
+        turn += 1;
+        let id = format!("probe-{turn}");
+        let routed = client.route(least_loaded(id.clone(), vec![])).await.ok()?.into_inner();
+        client.request_finished(pb::RequestFinishedRequest { request_id: id }).await.unwrap();
+        Some(routed.worker?.worker_id)
+    };
+    for client in [&mut first, &mut second] {
+        let mut seen = HashSet::new();
+        wait_until("the replica sees both workers", Duration::from_secs(5), async || {
+            seen.extend(probe(client).await);
+            seen.len() == 2
+        })
+        .await;
+    }
+
+    // Three long requests on a, booked by the first replica only.
+    for i in 0..3 {
+        let routed = first.route(least_loaded(format!("long-{i}"), vec!["b".into()])).await.unwrap().into_inner();
+        assert_eq!(routed.worker.unwrap().worker_id, "a");
+    }
+    // Within an exchange or two the second replica counts them.
+    let mut streak = 0;
+    wait_until("the second replica weighs the first's bookings", Duration::from_secs(3), async || {
+        streak = if probe(&mut second).await.as_deref() == Some("b") { streak + 1 } else { 0 };
+        streak == 10
+    })
+    .await;
+    for _ in 0..20 {
+        assert_eq!(probe(&mut second).await.as_deref(), Some("b"), "a carries the first replica's three requests");
+    }
+    // Released there, they stop counting here.
+    for i in 0..3 {
+        first.request_finished(pb::RequestFinishedRequest { request_id: format!("long-{i}") }).await.unwrap();
+    }
+    wait_until("the release reaches the second replica", Duration::from_secs(3), async || probe(&mut second).await.as_deref() == Some("a")).await;
 }
