@@ -1,0 +1,386 @@
+//! One-sided reads over UCX (the KV transfer data path).
+//!
+//! The owner of some memory registers it ([`MemoryRegion`]) and hands the
+//! reader three things over the control path: its worker's address
+//! ([`Worker::address`]), the region's packed remote key
+//! ([`MemoryRegion::packed_rkey`]) and the region's base address. The reader
+//! connects an [`Endpoint`] to that worker address, unpacks the key
+//! ([`Endpoint::remote_key`]) and posts reads ([`Endpoint::get`]), then
+//! drives its worker until they complete ([`Worker::wait_all`]). The owner's
+//! CPU takes no part in the reads (GPUDirect-capable transports read device
+//! memory the same way).
+//!
+//! Threading: a [`Worker`] and everything made from it belong to one thread
+//! at a time (UCX's single-thread mode); the types are `Send`, not `Sync`.
+
+#![allow(unsafe_code)]
+
+use std::ffi::CStr;
+use std::marker::PhantomData;
+use std::ptr;
+use std::sync::Arc;
+
+use turbine_ucx_sys as sys;
+
+/// A UCX call failed.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("UCX {call}: {message} ({status})")]
+pub struct UcxError {
+    /// The function that failed.
+    pub call: &'static str,
+    /// UCX's status code.
+    pub status: i32,
+    /// UCX's description.
+    pub message: String,
+}
+
+fn check(call: &'static str, status: sys::ucs_status_t::Type) -> Result<(), UcxError> {
+    if status == sys::ucs_status_t::UCS_OK {
+        return Ok(());
+    }
+    // SAFETY: ucs_status_string returns a static string for any status.
+    let message = unsafe { CStr::from_ptr(sys::ucs_status_string(status)) }.to_string_lossy().into_owned();
+    Err(UcxError { call, status: i32::from(status), message })
+}
+
+struct ContextHandle(sys::ucp_context_h);
+
+// SAFETY: a UCP context may be used from any thread (workers carry the
+// thread affinity); it is only destroyed when the last reference goes.
+unsafe impl Send for ContextHandle {}
+unsafe impl Sync for ContextHandle {}
+
+impl Drop for ContextHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by ucp_init; every worker and registration holds
+        // an Arc to it, so none outlives it.
+        unsafe { sys::ucp_cleanup(self.0) };
+    }
+}
+
+/// A UCP context with remote memory access enabled.
+#[derive(Clone)]
+pub struct Context {
+    handle: Arc<ContextHandle>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").finish_non_exhaustive()
+    }
+}
+
+impl Context {
+    /// Initializes UCX with the RMA feature (transports from the usual
+    /// `UCX_*` environment variables, e.g. `UCX_TLS=tcp`).
+    pub fn new() -> Result<Self, UcxError> {
+        // SAFETY: zeroed params with only the features field set, as UCX
+        // documents; the out-pointer is valid.
+        unsafe {
+            let mut params: sys::ucp_params_t = std::mem::zeroed();
+            params.field_mask = sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES as u64;
+            params.features = sys::ucp_feature::UCP_FEATURE_RMA as u64;
+            let mut context = ptr::null_mut();
+            check("ucp_init", sys::ucp_init(&params, ptr::null(), &mut context))?;
+            Ok(Self { handle: Arc::new(ContextHandle(context)) })
+        }
+    }
+}
+
+/// A progress engine and its network address.
+pub struct Worker {
+    handle: sys::ucp_worker_h,
+    context: Context,
+    _not_sync: PhantomData<std::cell::Cell<()>>,
+}
+
+// SAFETY: single-thread mode means one thread at a time, which `Send`
+// without `Sync` guarantees.
+unsafe impl Send for Worker {}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// A worker of `context` in single-thread mode.
+    pub fn new(context: &Context) -> Result<Self, UcxError> {
+        // SAFETY: zeroed params with the thread mode set; valid out-pointer.
+        unsafe {
+            let mut params: sys::ucp_worker_params_t = std::mem::zeroed();
+            params.field_mask = sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+            params.thread_mode = sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE;
+            let mut worker = ptr::null_mut();
+            check("ucp_worker_create", sys::ucp_worker_create(context.handle.0, &params, &mut worker))?;
+            Ok(Self { handle: worker, context: context.clone(), _not_sync: PhantomData })
+        }
+    }
+
+    /// This worker's address, for a peer's [`Endpoint`] (opaque bytes).
+    pub fn address(&self) -> Result<Vec<u8>, UcxError> {
+        // SAFETY: UCX allocates the address; it is copied, then released.
+        unsafe {
+            let mut address = ptr::null_mut();
+            let mut length = 0usize;
+            check("ucp_worker_get_address", sys::ucp_worker_get_address(self.handle, &mut address, &mut length))?;
+            let bytes = std::slice::from_raw_parts(address as *const u8, length).to_vec();
+            sys::ucp_worker_release_address(self.handle, address);
+            Ok(bytes)
+        }
+    }
+
+    /// Makes progress on outstanding operations; true if any advanced.
+    pub fn progress(&self) -> bool {
+        // SAFETY: a live worker, used from its one thread.
+        unsafe { sys::ucp_worker_progress(self.handle) != 0 }
+    }
+
+    /// Drives this worker until every request in `requests` completes;
+    /// returns the first failure (all are completed or freed either way).
+    pub fn wait_all(&self, requests: Vec<Request<'_>>) -> Result<(), UcxError> {
+        let mut first_error = None;
+        for request in requests {
+            if let Err(error) = request.wait(self) {
+                first_error.get_or_insert(error);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// An endpoint to the worker whose [`address`](Self::address) is `peer`.
+    pub fn connect(&self, peer: &[u8]) -> Result<Endpoint<'_>, UcxError> {
+        // SAFETY: the address bytes stay alive during the call; zeroed
+        // params with only the remote address set.
+        unsafe {
+            let mut params: sys::ucp_ep_params_t = std::mem::zeroed();
+            params.field_mask = sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
+            params.address = peer.as_ptr() as *const sys::ucp_address_t;
+            let mut endpoint = ptr::null_mut();
+            check("ucp_ep_create", sys::ucp_ep_create(self.handle, &params, &mut endpoint))?;
+            Ok(Endpoint { handle: endpoint, worker: self })
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: endpoints borrow the worker, so none is left.
+        unsafe { sys::ucp_worker_destroy(self.handle) };
+        let _ = &self.context;
+    }
+}
+
+/// Memory registered for remote reads.
+pub struct MemoryRegion {
+    handle: sys::ucp_mem_h,
+    context: Context,
+    address: u64,
+    length: usize,
+}
+
+// SAFETY: a registration is a context-level object, usable from any thread.
+unsafe impl Send for MemoryRegion {}
+unsafe impl Sync for MemoryRegion {}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion").field("address", &self.address).field("length", &self.length).finish()
+    }
+}
+
+impl MemoryRegion {
+    /// Registers `length` bytes at `address` with `context`.
+    ///
+    /// # Safety
+    /// The memory must stay allocated (and at the same place) until the
+    /// region is dropped; peers may read it at any time meanwhile.
+    pub unsafe fn register(context: &Context, address: *mut u8, length: usize) -> Result<Self, UcxError> {
+        // SAFETY: per the caller's promise; zeroed params with address and
+        // length set.
+        unsafe {
+            let mut params: sys::ucp_mem_map_params_t = std::mem::zeroed();
+            params.field_mask =
+                (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
+            params.address = address as *mut _;
+            params.length = length;
+            let mut memh = ptr::null_mut();
+            check("ucp_mem_map", sys::ucp_mem_map(context.handle.0, &params, &mut memh))?;
+            Ok(Self { handle: memh, context: context.clone(), address: address as u64, length })
+        }
+    }
+
+    /// The base address peers read at (plus an offset).
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// Registered bytes.
+    pub fn len(&self) -> usize {
+        self.length
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.length == 0
+    }
+
+    /// The remote key a peer needs to read this region (opaque bytes).
+    pub fn packed_rkey(&self) -> Result<Vec<u8>, UcxError> {
+        // SAFETY: UCX allocates the buffer; it is copied, then released.
+        unsafe {
+            let mut buffer = ptr::null_mut();
+            let mut size = 0usize;
+            check("ucp_rkey_pack", sys::ucp_rkey_pack(self.context.handle.0, self.handle, &mut buffer, &mut size))?;
+            let bytes = std::slice::from_raw_parts(buffer as *const u8, size).to_vec();
+            sys::ucp_rkey_buffer_release(buffer);
+            Ok(bytes)
+        }
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: mapped by ucp_mem_map on this context.
+        unsafe { sys::ucp_mem_unmap(self.context.handle.0, self.handle) };
+    }
+}
+
+/// A connection to a peer worker.
+pub struct Endpoint<'w> {
+    handle: sys::ucp_ep_h,
+    worker: &'w Worker,
+}
+
+impl std::fmt::Debug for Endpoint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint").finish_non_exhaustive()
+    }
+}
+
+impl<'w> Endpoint<'w> {
+    /// Unpacks a peer's [`MemoryRegion::packed_rkey`] for reads through
+    /// this endpoint.
+    pub fn remote_key(&self, packed: &[u8]) -> Result<RemoteKey<'_>, UcxError> {
+        // SAFETY: the buffer is alive during the call; valid out-pointer.
+        unsafe {
+            let mut rkey = ptr::null_mut();
+            check("ucp_ep_rkey_unpack", sys::ucp_ep_rkey_unpack(self.handle, packed.as_ptr() as *const _, &mut rkey))?;
+            Ok(RemoteKey { handle: rkey, _endpoint: PhantomData })
+        }
+    }
+
+    /// Posts a read of `into.len()` bytes at the peer's `remote_address`
+    /// into `into`. The read may complete at once (`Request` is then done)
+    /// or later: drive the worker until it does.
+    pub fn get<'a>(&'a self, into: &'a mut [u8], remote_address: u64, key: &'a RemoteKey<'_>) -> Result<Request<'a>, UcxError> {
+        // SAFETY: `into` is borrowed for the request's lifetime, so the
+        // buffer outlives the read; zeroed params mean no callback.
+        unsafe {
+            let params: sys::ucp_request_param_t = std::mem::zeroed();
+            let status = sys::ucp_get_nbx(self.handle, into.as_mut_ptr() as *mut _, into.len(), remote_address, key.handle, &params);
+            Request::from_status("ucp_get_nbx", status)
+        }
+    }
+
+    /// The worker this endpoint belongs to.
+    pub fn worker(&self) -> &'w Worker {
+        self.worker
+    }
+}
+
+impl Drop for Endpoint<'_> {
+    fn drop(&mut self) {
+        // SAFETY: a forced close completes locally (a flushing close would
+        // wait for the peer, which may be gone or not progressing).
+        unsafe {
+            let mut params: sys::ucp_request_param_t = std::mem::zeroed();
+            params.op_attr_mask = sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS;
+            params.flags = sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE;
+            let status = sys::ucp_ep_close_nbx(self.handle, &params);
+            if let Ok(request) = Request::from_status("ucp_ep_close_nbx", status) {
+                let _ = request.wait(self.worker);
+            }
+        }
+    }
+}
+
+/// A peer region's key, unpacked for one endpoint.
+pub struct RemoteKey<'e> {
+    handle: sys::ucp_rkey_h,
+    _endpoint: PhantomData<&'e ()>,
+}
+
+impl std::fmt::Debug for RemoteKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteKey").finish_non_exhaustive()
+    }
+}
+
+impl Drop for RemoteKey<'_> {
+    fn drop(&mut self) {
+        // SAFETY: unpacked by ucp_ep_rkey_unpack.
+        unsafe { sys::ucp_rkey_destroy(self.handle) };
+    }
+}
+
+/// An operation in flight (or already done).
+#[must_use = "a request must be waited for"]
+pub struct Request<'a> {
+    /// Null when it completed at once.
+    handle: *mut std::ffi::c_void,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl std::fmt::Debug for Request<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("done", &self.handle.is_null()).finish()
+    }
+}
+
+impl Request<'_> {
+    fn from_status(call: &'static str, status: sys::ucs_status_ptr_t) -> Result<Self, UcxError> {
+        if status.is_null() {
+            return Ok(Self { handle: ptr::null_mut(), _borrow: PhantomData });
+        }
+        if sys::ucs_ptr_is_err(status) {
+            check(call, sys::ucs_ptr_status(status))?;
+        }
+        Ok(Self { handle: status, _borrow: PhantomData })
+    }
+
+    /// Whether it completed when posted.
+    pub fn is_done(&self) -> bool {
+        self.handle.is_null()
+    }
+
+    /// Drives `worker` until the request completes.
+    pub fn wait(mut self, worker: &Worker) -> Result<(), UcxError> {
+        if self.handle.is_null() {
+            return Ok(());
+        }
+        loop {
+            // SAFETY: a live request of this worker.
+            let status = unsafe { sys::ucp_request_check_status(self.handle) };
+            if status != sys::ucs_status_t::UCS_INPROGRESS {
+                // SAFETY: completed; freed once (handle cleared).
+                unsafe { sys::ucp_request_free(self.handle) };
+                self.handle = ptr::null_mut();
+                return check("request", status);
+            }
+            worker.progress();
+        }
+    }
+}
+
+impl Drop for Request<'_> {
+    fn drop(&mut self) {
+        if !self.handle.is_null() {
+            // An unwaited request: UCX completes it on its own; release
+            // our reference so it is freed then.
+            // SAFETY: a live request, freed once.
+            unsafe { sys::ucp_request_free(self.handle) };
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! Two UCX workers in one process (standing in for a prefill and a decode
+//! worker): the reader pulls blocks from the owner's registered memory with
+//! one-sided gets, in one batch, and gets exactly the owner's bytes.
+
+#![allow(unsafe_code)]
+
+use std::time::Instant;
+
+use turbine_ucx::{Context, MemoryRegion, Worker};
+
+#[test]
+fn a_batch_of_one_sided_reads_copies_registered_blocks() {
+    const BLOCK: usize = 4096;
+    const BLOCKS: usize = 1000;
+    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 31 % 251) as u8).collect();
+
+    // Owner: a context, a worker, the registered region.
+    let owner_context = Context::new().unwrap();
+    let owner = Worker::new(&owner_context).unwrap();
+    // SAFETY: `owned` outlives the region and does not move.
+    let region = unsafe { MemoryRegion::register(&owner_context, owned.as_mut_ptr(), owned.len()) }.unwrap();
+    let (owner_address, rkey, base) = (owner.address().unwrap(), region.packed_rkey().unwrap(), region.address());
+
+    // Reader: what it learns over the control path is three byte strings.
+    let reader_context = Context::new().unwrap();
+    let reader = Worker::new(&reader_context).unwrap();
+    let endpoint = reader.connect(&owner_address).unwrap();
+    let key = endpoint.remote_key(&rkey).unwrap();
+
+    // Every other block, in reverse order, into a packed buffer.
+    let wanted: Vec<usize> = (0..BLOCKS).rev().step_by(2).collect();
+    let mut pulled = vec![0u8; wanted.len() * BLOCK];
+    let posted = Instant::now();
+    let requests: Vec<_> = pulled
+        .chunks_mut(BLOCK)
+        .zip(&wanted)
+        .map(|(into, &block)| endpoint.get(into, base + (block * BLOCK) as u64, &key).unwrap())
+        .collect();
+    let post_time = posted.elapsed();
+    // The owner's worker must make progress too for transports that need
+    // it (tcp); a real owner runs a progress thread.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let progress = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                owner.progress();
+            }
+            owner
+        }
+    });
+    let done = reader.wait_all(requests);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _owner = progress.join().unwrap();
+    done.unwrap();
+    println!("posted {} reads of {BLOCK} B in {post_time:?}, all done in {:?}", wanted.len(), posted.elapsed());
+    for (chunk, &block) in pulled.chunks(BLOCK).zip(&wanted) {
+        assert_eq!(chunk, &owned[block * BLOCK..(block + 1) * BLOCK], "block {block}");
+    }
+    drop(key);
+    drop(endpoint);
+}
