@@ -21,6 +21,31 @@ use turbine_worker::metrics::register_engine;
 use turbine_worker::serve::register_local;
 use turbine_worker::{EngineKind, Worker, WorkerConfig};
 
+/// The kv policy's weights, as flags (shared by `turbine run` and
+/// `turbine bench replay`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KvFlags {
+    /// kv policy: weight of prefill work against decode load.
+    #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE", default_value_t = KvWeights::default().prefill_load_scale)]
+    pub kv_prefill_load_scale: f64,
+    /// kv policy: prefill blocks one cached device block is worth (above 1
+    /// keeps a conversation on the worker holding its prefix under load);
+    /// host, disk and remote blocks are worth 0.75, 0.25 and 0.1 of it.
+    #[arg(long, env = "TURBINE_ROUTER_KV_DEVICE_CREDIT", default_value_t = KvWeights::default().device_credit)]
+    pub kv_device_credit: f64,
+    /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
+    #[arg(long, env = "TURBINE_ROUTER_KV_TEMPERATURE", default_value_t = 0.0)]
+    pub kv_temperature: f64,
+}
+
+impl KvFlags {
+    /// The weights these flags set.
+    pub fn weights(&self) -> KvWeights {
+        KvWeights { prefill_load_scale: self.kv_prefill_load_scale, temperature: self.kv_temperature, ..KvWeights::default() }
+            .with_device_credit(self.kv_device_credit)
+    }
+}
+
 /// Flags of `turbine run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -49,17 +74,8 @@ pub struct RunArgs {
     /// workers' KV events).
     #[arg(long, value_enum, env = "TURBINE_ROUTER_POLICY", default_value = "kv")]
     pub policy: Policy,
-    /// kv policy: weight of prefill work against decode load.
-    #[arg(long, env = "TURBINE_ROUTER_KV_PREFILL_LOAD_SCALE", default_value_t = KvWeights::default().prefill_load_scale)]
-    pub kv_prefill_load_scale: f64,
-    /// kv policy: prefill blocks one cached device block is worth (above 1
-    /// keeps a conversation on the worker holding its prefix under load);
-    /// host, disk and remote blocks are worth 0.75, 0.25 and 0.1 of it.
-    #[arg(long, env = "TURBINE_ROUTER_KV_DEVICE_CREDIT", default_value_t = KvWeights::default().device_credit)]
-    pub kv_device_credit: f64,
-    /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
-    #[arg(long, env = "TURBINE_ROUTER_KV_TEMPERATURE", default_value_t = 0.0)]
-    pub kv_temperature: f64,
+    #[command(flatten)]
+    pub kv: KvFlags,
     /// Mocker: divide simulated durations by this factor.
     #[arg(long, env = "TURBINE_WORKER_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
@@ -192,8 +208,7 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
     let lease_ttl = Duration::from_secs(5);
     let leases: Vec<_> = workers.iter().map(|worker| register_local(registry.clone(), worker.clone(), lease_ttl)).collect();
     let kv_config = KvConfig {
-        weights: KvWeights { prefill_load_scale: args.kv_prefill_load_scale, temperature: args.kv_temperature, ..KvWeights::default() }
-            .with_device_credit(args.kv_device_credit),
+        weights: args.kv.weights(),
         ..KvConfig::default()
     };
     kv_config.validate().map_err(anyhow::Error::msg)?;

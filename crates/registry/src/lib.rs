@@ -14,12 +14,14 @@
 mod lease;
 mod memory;
 mod redis_backend;
+mod restart;
 
 use std::time::{Duration, Instant};
 
 pub use lease::Lease;
 pub use memory::MemoryRegistry;
 pub use redis_backend::RedisRegistry;
+pub use restart::RestartGrace;
 use serde::{Deserialize, Serialize};
 
 /// A worker as registered.

@@ -227,3 +227,13 @@ pub async fn wait_until(what: &str, deadline: Duration, mut condition: impl Asyn
     }
     started.elapsed()
 }
+
+/// Reads one metric's value (summing its series) from the `/metrics` page
+/// at `base` (e.g. `http://127.0.0.1:9092`).
+pub async fn metric(base: &str, name: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with([' ', '{']))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -90,7 +90,8 @@ impl Context {
 /// A progress engine and its network address.
 pub struct Worker {
     handle: sys::ucp_worker_h,
-    context: Context,
+    /// Held so the context outlives the worker.
+    _context: Context,
     _not_sync: PhantomData<std::cell::Cell<()>>,
 }
 
@@ -114,7 +115,7 @@ impl Worker {
             params.thread_mode = sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE;
             let mut worker = ptr::null_mut();
             check("ucp_worker_create", sys::ucp_worker_create(context.handle.0, &params, &mut worker))?;
-            Ok(Self { handle: worker, context: context.clone(), _not_sync: PhantomData })
+            Ok(Self { handle: worker, _context: context.clone(), _not_sync: PhantomData })
         }
     }
 
@@ -166,9 +167,9 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        // SAFETY: endpoints borrow the worker, so none is left.
+        // SAFETY: endpoints borrow the worker, so none is left; the context
+        // field is dropped after this, so it outlives the worker.
         unsafe { sys::ucp_worker_destroy(self.handle) };
-        let _ = &self.context;
     }
 }
 

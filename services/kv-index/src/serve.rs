@@ -13,7 +13,7 @@ use turbine_kv::{KvIndex, Unregistered};
 use turbine_kv_log::{EventLog, FollowerStatus, follow_from, grpc_dump_fetcher, start_from_snapshot};
 use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexServer};
 use turbine_proto::service_names;
-use turbine_registry::{RedisRegistry, Registry};
+use turbine_registry::{RedisRegistry, Registry, RestartGrace};
 use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, base_routes, serve as serve_grpc};
 use turbine_runtime::health::Readiness;
 use turbine_runtime::{CancellationToken, admin};
@@ -24,8 +24,7 @@ use crate::service::{KvIndexService, ReplicaCounters};
 /// Registered workers' gRPC endpoints, by id (where dumps come from).
 type Endpoints = Arc<RwLock<FxHashMap<String, String>>>;
 
-/// After the registry's Redis restarts, how long no worker is dropped.
-const RESTART_GRACE: Duration = Duration::from_secs(10);
+
 
 /// Runs a replica until `shutdown` fires, then drains and returns.
 pub async fn run(config: KvIndexConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -106,24 +105,17 @@ fn sweep_expired(
     let grace = Duration::from_secs_f64(config.lease_grace_secs);
     tokio::spawn(async move {
         let mut unregistered = Unregistered::new(grace);
-        let mut generation = None;
-        let mut hold_until = None;
+        let mut restart = RestartGrace::new(RestartGrace::DEFAULT);
         loop {
             if let Ok(workers) = registry.list().await {
                 let now = Instant::now();
-                // A Redis that restarted empty lists nobody until the
-                // workers' next renewal: hold off meanwhile.
-                if let Ok(Some(current)) = registry.generation().await {
-                    if generation.as_ref().is_some_and(|known| *known != current) {
-                        tracing::warn!("the registry's Redis restarted; no worker leaves the index for {RESTART_GRACE:?}");
-                        hold_until = Some(now + RESTART_GRACE);
-                        unregistered.reset();
-                    }
-                    generation = Some(current);
-                }
                 let live: FxHashMap<String, String> =
                     workers.into_iter().filter(|w| w.expires_at > now).map(|w| (w.record.worker_id, w.record.endpoint)).collect();
-                if hold_until.is_none_or(|until| now >= until) {
+                // A Redis that restarted empty lists nobody until the
+                // workers' next renewal: no worker leaves meanwhile.
+                if restart.lenient(&registry).await {
+                    unregistered.reset();
+                } else {
                     for (worker_id, blocks) in unregistered.sweep(&index, |id| live.contains_key(id), now) {
                         counters.workers_expired.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(worker = worker_id, blocks, "worker's registry lease expired; its blocks left the KV index");

@@ -50,6 +50,10 @@ fn query_hashes(request: &pb::FindMatchesRequest) -> Result<Vec<SequenceHash>, S
         return Ok(request.sequence_hashes.iter().map(|&h| SequenceHash(h)).collect());
     }
     if request.token_ids.is_empty() {
+        if !request.cached_blocks_of.is_empty() {
+            // Only tree sizes asked (e.g. a prompt shorter than one block).
+            return Ok(Vec::new());
+        }
         return Err(Status::invalid_argument("FindMatches needs sequence_hashes, or token_ids with a block_size"));
     }
     if request.block_size == 0 || request.block_size > MAX_BLOCK_SIZE {
@@ -168,6 +172,8 @@ mod tests {
     #[test]
     fn malformed_queries_are_refused() {
         assert_eq!(query_hashes(&pb::FindMatchesRequest::default()).unwrap_err().code(), tonic::Code::InvalidArgument);
+        let sizes_only = pb::FindMatchesRequest { cached_blocks_of: vec!["w".into()], ..Default::default() };
+        assert_eq!(query_hashes(&sizes_only).unwrap(), vec![], "tree sizes alone are a valid question");
         let no_block_size = pb::FindMatchesRequest { token_ids: vec![1, 2], ..Default::default() };
         assert!(query_hashes(&no_block_size).unwrap_err().message().contains("block_size"));
         let huge = pb::FindMatchesRequest { token_ids: vec![1], block_size: MAX_BLOCK_SIZE + 1, ..Default::default() };

@@ -290,10 +290,12 @@ impl RemoteIndex {
         if self.resting_until.lock().is_some_and(|until| Instant::now() < until) {
             return Err(RemoteError::Unreachable);
         }
+        if hashes.is_empty() && candidates.is_empty() {
+            return Ok(RemoteAnswer::default());
+        }
+        // A prompt shorter than one block asks for the tree sizes alone.
         let request = pb::FindMatchesRequest {
-            // A prompt shorter than one block matches nothing: a hash no
-            // block has, so only the tree sizes are answered.
-            sequence_hashes: if hashes.is_empty() { vec![0] } else { hashes.iter().map(|h| h.0).collect() },
+            sequence_hashes: hashes.iter().map(|h| h.0).collect(),
             cached_blocks_of: candidates.to_vec(),
             ..Default::default()
         };
@@ -315,19 +317,15 @@ impl RemoteIndex {
         if !response.log_reachable {
             return Err(RemoteError::Stale);
         }
-        let matches = if hashes.is_empty() {
-            Vec::new()
-        } else {
-            response
-                .matches
-                .into_iter()
-                .map(|m| WorkerMatch {
-                    worker_id: m.worker_id.into(),
-                    blocks: m.matched_blocks,
-                    by_tier: [m.device_blocks, m.host_blocks, m.disk_blocks, m.remote_blocks],
-                })
-                .collect()
-        };
+        let matches = response
+            .matches
+            .into_iter()
+            .map(|m| WorkerMatch {
+                worker_id: m.worker_id.into(),
+                blocks: m.matched_blocks,
+                by_tier: [m.device_blocks, m.host_blocks, m.disk_blocks, m.remote_blocks],
+            })
+            .collect();
         let cached_blocks = response.cached_blocks.into_iter().map(|(id, n)| (id, n as usize)).collect();
         Ok(RemoteAnswer { matches, cached_blocks })
     }

@@ -59,7 +59,7 @@ impl PeerLoad {
     pub async fn exchange(&self, own: &FxHashMap<String, WorkerBook>) -> RedisResult<FxHashMap<String, WorkerBook>> {
         let mut connection = self.connection.clone();
         let ttl_ms = EXPIRY.as_millis() as u64;
-        let _: () = redis::pipe()
+        let (ids,): (Vec<String>,) = redis::pipe()
             .cmd("SET")
             .arg(format!("{}{}", self.prefix, self.router_id))
             .arg(encode(own))
@@ -68,9 +68,9 @@ impl PeerLoad {
             .ignore()
             .sadd(&self.registry_key, &self.router_id)
             .ignore()
+            .smembers(&self.registry_key)
             .query_async(&mut connection)
             .await?;
-        let ids: Vec<String> = connection.smembers(&self.registry_key).await?;
         let others: Vec<&String> = ids.iter().filter(|id| **id != self.router_id).collect();
         let mut total: FxHashMap<String, WorkerBook> = FxHashMap::default();
         if others.is_empty() {

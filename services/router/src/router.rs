@@ -335,15 +335,16 @@ impl Router {
             _ => None,
         };
         let Some(remote) = remote.filter(|_| !request.request_id.is_empty()) else { return self.decide(request, None) };
-        let sizes: Vec<u32> = {
+        // The model's workers (their tree sizes break ties) and block sizes.
+        let (candidates, sizes) = {
             let state = self.state.lock();
-            let mut sizes: Vec<u32> = state.workers.values().filter(|w| w.record.model == request.model).map(|w| w.record.kv_block_size).collect();
+            let now = Instant::now();
+            let workers: Vec<&LiveWorker> = state.workers.values().filter(|w| w.record.model == request.model && w.expires_at > now).collect();
+            let mut sizes: Vec<u32> = workers.iter().map(|w| w.record.kv_block_size).filter(|&size| size > 0).collect();
             sizes.sort_unstable();
             sizes.dedup();
-            sizes.retain(|&size| size > 0);
-            sizes
+            (workers.iter().map(|w| w.record.worker_id.clone()).collect::<Vec<String>>(), sizes)
         };
-        let candidates: Vec<String> = self.workers(Some(&request.model)).into_iter().map(|w| w.worker_id).collect();
         let hasher = BlockHasher::default();
         let mut fetched = Remote::default();
         for size in sizes {

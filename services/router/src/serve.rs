@@ -12,7 +12,7 @@ use turbine_proto::service_names;
 use rustc_hash::FxHashSet;
 use turbine_kv::{KvIndex, Unregistered};
 use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow_from, grpc_dump_fetcher};
-use turbine_registry::{RedisRegistry, Registry};
+use turbine_registry::{RedisRegistry, Registry, RestartGrace};
 use turbine_runtime::grpc::{base_routes, serve as serve_grpc};
 use turbine_runtime::health::Readiness;
 use turbine_runtime::{CancellationToken, admin};
@@ -23,9 +23,6 @@ use crate::peers::{PeerLoad, share_load};
 use crate::router::Router;
 use crate::service::RouterService;
 
-/// After the registry's Redis restarts, how long workers missing from its
-/// listings are kept (until their known lease deadline) instead of dropped.
-const RESTART_GRACE: Duration = Duration::from_secs(10);
 /// A worker in the KV index but not in the registry is dropped after this.
 const UNREGISTERED_GRACE: Duration = Duration::from_secs(5);
 
@@ -36,8 +33,7 @@ const UNREGISTERED_GRACE: Duration = Duration::from_secs(5);
 pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duration, shutdown: CancellationToken) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut reachable = true;
-        let mut generation = None;
-        let mut lenient_until = None;
+        let mut restart = RestartGrace::new(RestartGrace::DEFAULT);
         let mut unregistered = Unregistered::new(UNREGISTERED_GRACE);
         loop {
             match registry.list().await {
@@ -46,16 +42,9 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
                         tracing::info!(registry = %registry.describe(), "registry reachable again");
                         reachable = true;
                     }
-                    // Asked after the listing: a restart between the two
-                    // still counts for this listing.
-                    if let Ok(Some(current)) = registry.generation().await {
-                        if generation.as_ref().is_some_and(|known| *known != current) {
-                            tracing::warn!(registry = %registry.describe(), "the registry's Redis restarted; keeping known workers until they re-register or their leases run out");
-                            lenient_until = Some(Instant::now() + RESTART_GRACE);
-                        }
-                        generation = Some(current);
-                    }
-                    if lenient_until.is_some_and(|until| Instant::now() < until) {
+                    // Known workers stay until they re-register or their
+                    // leases run out.
+                    if restart.lenient(&registry).await {
                         router.merge_workers(workers);
                         unregistered.reset();
                     } else {

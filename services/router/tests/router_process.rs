@@ -13,7 +13,7 @@ use tonic_health::pb::health_client::HealthClient;
 use turbine_proto::router::v1 as pb;
 use turbine_proto::router::v1::router_client::RouterClient;
 use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, wait_until};
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, metric, wait_until};
 
 fn record(id: &str) -> WorkerRecord {
     WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1 }
@@ -34,11 +34,6 @@ fn start_router_with_admin(redis: &RedisServer) -> (ChildProcess, String, String
     (process, format!("http://127.0.0.1:{port}"), format!("http://127.0.0.1:{admin}"))
 }
 
-/// The value of an unlabelled-or-summed metric on an admin /metrics page.
-async fn metric(admin: &str, name: &str) -> f64 {
-    let text = reqwest::get(format!("{admin}/metrics")).await.unwrap().text().await.unwrap();
-    text.lines().filter(|line| line.starts_with(name) && !line.starts_with('#')).filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok()).sum()
-}
 
 /// Routes `n` requests round-robin and returns the chosen worker ids.
 async fn chosen(client: &mut RouterClient<tonic::transport::Channel>, n: usize) -> HashSet<String> {

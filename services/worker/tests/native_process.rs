@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, free_port};
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, free_port, metric};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
@@ -55,13 +55,6 @@ async fn generate(mut client: WorkerClient<tonic::transport::Channel>, request: 
     Err(tonic::Status::internal("stream ended without finish_reason"))
 }
 
-async fn metric(admin_port: u16, name: &str) -> f64 {
-    let body = reqwest::get(format!("http://127.0.0.1:{admin_port}/metrics")).await.unwrap().text().await.unwrap();
-    body.lines()
-        .filter(|line| line.starts_with(name))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 #[tokio::test]
 async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budget() {
@@ -94,8 +87,8 @@ async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budge
         let copies: Vec<_> = outputs.iter().skip(index).step_by(lengths.len()).collect();
         assert!(copies.iter().all(|copy| *copy == copies[0]), "copies of the {length}-token prompt differ");
     }
-    let preemptions = metric(admin_port, "turbine_worker_preemptions_total").await;
-    let cached = metric(admin_port, "turbine_worker_cached_prompt_tokens_total").await;
+    let preemptions = metric(&format!("http://127.0.0.1:{admin_port}"), "turbine_worker_preemptions_total").await;
+    let cached = metric(&format!("http://127.0.0.1:{admin_port}"), "turbine_worker_cached_prompt_tokens_total").await;
     assert!(cached > 0.0, "copies of a prompt shared no cached blocks");
     assert!(preemptions > 0.0, "the pool was never short: the burst did not exercise preemption");
 

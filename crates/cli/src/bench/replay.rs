@@ -29,7 +29,7 @@ use turbine_router::Policy;
 use turbine_runtime::CancellationToken;
 use turbine_worker::EngineKind;
 
-use crate::run::{RunArgs, start};
+use crate::run::{KvFlags, RunArgs, start};
 
 /// Tokens per `hash_ids` entry in Mooncake traces.
 const TRACE_BLOCK_TOKENS: usize = 512;
@@ -76,15 +76,8 @@ pub struct ReplayArgs {
     /// KV blocks per mocker worker (sets the cache pressure).
     #[arg(long, default_value_t = 16_384)]
     pub num_blocks: usize,
-    /// kv policy: weight of prefill work against decode load.
-    #[arg(long, default_value_t = turbine_router::KvWeights::default().prefill_load_scale)]
-    pub kv_prefill_load_scale: f64,
-    /// kv policy: prefill blocks one cached device block is worth.
-    #[arg(long, default_value_t = turbine_router::KvWeights::default().device_credit)]
-    pub kv_device_credit: f64,
-    /// kv policy: 0 picks the cheapest worker; above 0 samples by cost.
-    #[arg(long, default_value_t = 0.0)]
-    pub kv_temperature: f64,
+    #[command(flatten)]
+    pub kv: KvFlags,
     /// Model whose card and vocabulary the mocker uses.
     #[arg(long, default_value = turbine_tokens::pull::DEFAULT_MODEL)]
     pub model: String,
@@ -368,9 +361,7 @@ async fn replay_one(
         http_port: 0,
         grpc_port: 0,
         policy,
-        kv_prefill_load_scale: args.kv_prefill_load_scale,
-        kv_device_credit: args.kv_device_credit,
-        kv_temperature: args.kv_temperature,
+        kv: args.kv.clone(),
         speedup: args.engine_speedup.unwrap_or(args.speedup),
         block_size: Some(args.block_size),
         num_blocks: Some(args.num_blocks),

@@ -7,6 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use futures::StreamExt;
+pub use turbine_testkit::metric;
 use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT};
 
 /// A `turbine run` process.
@@ -97,11 +98,3 @@ pub fn streamed_text(events: &[String]) -> String {
         .collect()
 }
 
-/// Reads one metric's value (summing its series) from `/metrics`.
-pub async fn metric(base: &str, name: &str) -> f64 {
-    let text = reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with([' ', '{']))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
