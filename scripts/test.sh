@@ -28,14 +28,18 @@ fi
 log "Python test clients"
 python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
 
+# The UCX KV transfer path is a cargo feature (it links the system's UCX);
+# the tests build with it, so both the UCX and the TCP path are exercised.
+features=(--features turbine-cli/ucx,turbine-worker/ucx)
+
 log "building"
-cargo build --workspace --bins --locked
+cargo build --workspace --bins --locked "${features[@]}"
 
 log "default model"
 ./target/debug/turbine model pull smollm2-135m
 
 log "Rust tests"
-cargo test --workspace --locked
+cargo test --workspace --locked "${features[@]}"
 
 log "client end-to-end (OpenAI SDK, grpcurl)"
 python3 scripts/e2e.py

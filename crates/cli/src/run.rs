@@ -12,14 +12,14 @@ use turbine_registry::{MemoryRegistry, Registry};
 use turbine_router::peers::{PeerLoad, share_load};
 use turbine_router::serve::watch_registry;
 use turbine_kv::KvIndex;
-use turbine_router::{KvConfig, KvState, KvWeights, Policy, Router, RouterClient};
+use turbine_router::{DisaggPolicy, KvConfig, KvState, KvWeights, Policy, Router, RouterClient};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
 use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow};
 use turbine_worker::kv_events::{feed_index, publish_events};
 use turbine_worker::metrics::register_engine;
-use turbine_worker::serve::register_local;
-use turbine_worker::{EngineKind, Worker, WorkerConfig};
+use turbine_worker::serve::{register_local, serve_transfer_loopback};
+use turbine_worker::{EngineKind, KvTransport, Worker, WorkerConfig, WorkerRole};
 
 /// The kv policy's weights, as flags (shared by `turbine run` and
 /// `turbine bench replay`).
@@ -58,6 +58,22 @@ pub struct RunArgs {
     /// Number of workers (engines) in the process.
     #[arg(long, env = "TURBINE_WORKERS", default_value_t = 1)]
     pub workers: usize,
+    /// Disaggregated serving: prefill workers (with --decode-workers; the
+    /// two replace --workers). Long prompts are computed on a prefill worker
+    /// and their KV blocks read by a decode worker over loopback sockets.
+    #[arg(long, env = "TURBINE_PREFILL_WORKERS", default_value_t = 0, requires = "decode_workers")]
+    pub prefill_workers: usize,
+    /// Disaggregated serving: decode workers (see --prefill-workers).
+    #[arg(long, env = "TURBINE_DECODE_WORKERS", default_value_t = 0, requires = "prefill_workers")]
+    pub decode_workers: usize,
+    /// Disaggregated serving: prompts with more uncached tokens than this
+    /// go to a prefill worker; shorter ones are computed by the decode worker.
+    #[arg(long, env = "TURBINE_ROUTER_DISAGG_THRESHOLD_TOKENS", default_value_t = DisaggPolicy::default().threshold_tokens)]
+    pub disagg_threshold_tokens: u32,
+    /// Disaggregated serving: how decode workers read prefill workers' KV
+    /// blocks (auto: UCX when this build has it, else TCP).
+    #[arg(long, value_enum, env = "TURBINE_WORKER_KV_TRANSPORT", default_value = "auto")]
+    pub kv_transport: KvTransport,
     /// Engine of every worker: native computes the model, mock simulates it.
     #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE", default_value = "native")]
     pub engine: EngineKind,
@@ -122,7 +138,7 @@ pub struct RunArgs {
 
 /// Runs everything until SIGTERM/SIGINT, then drains and returns.
 pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let workers = args.workers;
+    let workers = if args.prefill_workers + args.decode_workers > 0 { args.prefill_workers + args.decode_workers } else { args.workers };
     let stack = start(args, shutdown).await?;
     print_banner(stack.http_port, stack.grpc_port, &stack.model, workers);
     stack.finished.await.context("turbine panicked")?
@@ -146,6 +162,19 @@ pub struct Stack {
 /// Starts everything (ports 0 pick free ones) and returns once it serves.
 pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<Stack> {
     anyhow::ensure!(args.workers >= 1, "--workers must be at least 1");
+    let disaggregated = args.prefill_workers + args.decode_workers > 0;
+    anyhow::ensure!(
+        !disaggregated || (args.prefill_workers >= 1 && args.decode_workers >= 1),
+        "disaggregated serving needs at least one prefill and one decode worker"
+    );
+    let roles: Vec<(String, WorkerRole)> = if disaggregated {
+        (0..args.prefill_workers)
+            .map(|i| (format!("prefill-{i}"), WorkerRole::Prefill))
+            .chain((0..args.decode_workers).map(|i| (format!("decode-{i}"), WorkerRole::Decode)))
+            .collect()
+    } else {
+        (0..args.workers).map(|i| (format!("worker-{i}"), WorkerRole::Aggregated)).collect()
+    };
     let routers = args.routers.max(1);
     anyhow::ensure!(routers == 1 || args.event_log.is_some(), "several routers share their KV index through Redis: an event log is needed");
     let cache_dir = default_cache_dir();
@@ -178,11 +207,13 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
     let grpc_port = listeners[0].grpc.local_addr()?.port();
 
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let threads = args.threads.unwrap_or_else(|| (cores / args.workers).max(1));
-    let mut workers = Vec::with_capacity(args.workers);
-    for index in 0..args.workers {
+    let threads = args.threads.unwrap_or_else(|| (cores / roles.len()).max(1));
+    let mut workers = Vec::with_capacity(roles.len());
+    for (worker_id, role) in roles {
         let config = WorkerConfig {
-            worker_id: Some(format!("worker-{index}")),
+            worker_id: Some(worker_id),
+            role,
+            kv_transport: args.kv_transport,
             model: args.model.clone(),
             served_model_name: args.served_model_name.clone(),
             engine: args.engine,
@@ -202,6 +233,13 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
         workers.push(worker);
     }
     let model_name = workers[0].card().name.clone();
+    // Prefill workers' blocks are read over real loopback sockets.
+    let mut transfer_servers = Vec::new();
+    for worker in workers.iter().filter(|worker| worker.role() != WorkerRole::Aggregated) {
+        let (endpoint, task) = serve_transfer_loopback(worker.clone(), shutdown.clone()).await?;
+        tracing::info!(worker = worker.id(), role = %worker.role(), %endpoint, ucx = worker.disagg().has_ucx(), "KV transfer endpoint");
+        transfer_servers.push(task);
+    }
     let engine_metrics: Vec<_> = workers.iter().map(|worker| register_engine(worker.id(), worker.engine().clone())).collect();
 
     let registry = Registry::Memory(MemoryRegistry::new());
@@ -235,7 +273,8 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
                 KvState::new(kv_config, index).with_event_status(status)
             }
         };
-        let router = Arc::new(Router::with_kv(args.policy, Duration::from_secs(600), Arc::new(kv)));
+        let disagg = DisaggPolicy { threshold_tokens: args.disagg_threshold_tokens, ..DisaggPolicy::default() };
+        let router = Arc::new(Router::with_kv(args.policy, Duration::from_secs(600), Arc::new(kv)).with_disagg(disagg));
         tasks.push(watch_registry(router.clone(), registry.clone(), Duration::from_millis(100), shutdown.clone()));
         if let (Some((url, namespace)), true) = (&args.event_log, routers > 1) {
             // Replicas see each other's bookings, as separate processes do.
@@ -265,6 +304,9 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
         }
         for feed in feeds {
             let _ = feed.await;
+        }
+        for server in transfer_servers {
+            let _ = server.await;
         }
         served?;
         tracing::info!("turbine stopped");

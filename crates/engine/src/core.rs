@@ -15,8 +15,9 @@ use std::time::Instant;
 
 use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
-use turbine_kv::{Dump, KvEvent, NumberedEvent};
-use crate::request::{EngineOutput, GenerateRequest, Load, Sampled, TokenLogprobs};
+use turbine_kv::{Dump, KvEvent, NumberedEvent, SequenceHash};
+use crate::block_manager::BlockId;
+use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
 use crate::{EngineError, Result};
 
@@ -32,6 +33,14 @@ pub trait Executor: Send + 'static {
 
     /// Called when a sequence ends or is aborted, to drop per-sequence state.
     fn release(&mut self, _seq_id: SeqId) {}
+
+    /// Writes a block's bytes (laid out as the executor's
+    /// [`KvMemory`](crate::KvMemory) describes) into `block` of the pool:
+    /// installing KV computed by another worker. Engines without such
+    /// memory refuse, and the sequence is computed here instead.
+    fn write_block(&mut self, _block: BlockId, _bytes: &[u8]) -> std::result::Result<(), String> {
+        Err("this engine cannot install KV blocks from another worker".into())
+    }
 }
 
 /// Statistics the loop keeps, readable from any thread.
@@ -53,6 +62,8 @@ pub struct EngineStats {
     pub preemptions: AtomicU64,
     /// Nanoseconds spent executing steps since start.
     pub busy_nanos: AtomicU64,
+    /// Blocks installed from other workers since start.
+    pub imported_blocks: AtomicU64,
 }
 
 impl EngineStats {
@@ -75,8 +86,10 @@ impl EngineStats {
 }
 
 enum Command {
-    Submit { request: GenerateRequest, outputs: tokio_mpsc::UnboundedSender<EngineOutput> },
+    Submit { request: GenerateRequest, handoff: Handoff, outputs: tokio_mpsc::UnboundedSender<EngineOutput> },
     Dump { reply: tokio::sync::oneshot::Sender<Dump> },
+    Unpin { pin_id: u64 },
+    CachedPrefix { hashes: Vec<SequenceHash>, reply: tokio::sync::oneshot::Sender<usize> },
     Shutdown,
 }
 
@@ -117,6 +130,8 @@ impl EngineHandle {
             events: events.clone(),
             next_event_id: 0,
             event_buffer: Vec::new(),
+            pins: HashMap::new(),
+            next_pin_id: 1,
         };
         let thread = thread::Builder::new()
             .name("turbine-engine".into())
@@ -135,14 +150,36 @@ impl EngineHandle {
     /// or one arriving while the queue is full, is refused here rather than
     /// on the stream.
     pub fn generate(&self, request: GenerateRequest) -> Result<tokio_mpsc::UnboundedReceiver<EngineOutput>> {
+        self.submit(request, Handoff::None)
+    }
+
+    /// Submits a request with its part in disaggregated serving (see
+    /// [`Handoff`]); checked like [`generate`](Self::generate).
+    pub fn submit(&self, request: GenerateRequest, handoff: Handoff) -> Result<tokio_mpsc::UnboundedReceiver<EngineOutput>> {
         self.config.validate(&request).map_err(EngineError::from)?;
+        if matches!(handoff, Handoff::Prefill) && request.stop.max_tokens != 1 {
+            return Err(EngineError::InvalidRequest("a prefill samples exactly one token (max_tokens 1)".into()));
+        }
         let waiting = self.stats.waiting.load(Ordering::Relaxed) as usize;
         if waiting >= self.config.max_waiting {
             return Err(EngineError::Overloaded(waiting));
         }
         let (outputs, receiver) = tokio_mpsc::unbounded_channel();
-        self.commands.send(Command::Submit { request, outputs }).map_err(|_| EngineError::ShuttingDown)?;
+        self.commands.send(Command::Submit { request, handoff, outputs }).map_err(|_| EngineError::ShuttingDown)?;
         Ok(receiver)
+    }
+
+    /// Releases a prefill's pinned blocks (unknown ids are ignored: a pin
+    /// is released once).
+    pub fn unpin(&self, pin_id: u64) {
+        let _ = self.commands.send(Command::Unpin { pin_id });
+    }
+
+    /// How many leading blocks of `hashes` this engine's prefix cache holds.
+    pub async fn cached_prefix(&self, hashes: Vec<SequenceHash>) -> Result<usize> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.commands.send(Command::CachedPrefix { hashes, reply }).map_err(|_| EngineError::ShuttingDown)?;
+        answer.await.map_err(|_| EngineError::ShuttingDown)
     }
 
     /// The scheduler limits this engine runs with.
@@ -192,6 +229,9 @@ struct EngineLoop {
     events: broadcast::Sender<NumberedEvent>,
     next_event_id: u64,
     event_buffer: Vec<KvEvent>,
+    /// Prefills' pinned blocks by pin id.
+    pins: HashMap<u64, Vec<BlockId>>,
+    next_pin_id: u64,
 }
 
 impl EngineLoop {
@@ -231,8 +271,16 @@ impl EngineLoop {
     /// Returns false on shutdown.
     fn handle(&mut self, command: Command) -> bool {
         match command {
-            Command::Submit { request, outputs } => {
-                match self.scheduler.add(request) {
+            Command::Submit { request, handoff, outputs } => {
+                let (generated, pin) = match handoff {
+                    Handoff::None => (Vec::new(), false),
+                    Handoff::Prefill => (Vec::new(), true),
+                    Handoff::Decode { generated, import } => {
+                        self.install(import);
+                        (generated, false)
+                    }
+                };
+                match self.scheduler.add_with(request, generated, pin) {
                     Ok(seq_id) => {
                         self.outputs.insert(seq_id, outputs);
                         // Keep the queue length the handle checks current.
@@ -251,7 +299,38 @@ impl EngineLoop {
                 let _ = reply.send(Dump { next_event_id: self.next_event_id, blocks: self.scheduler.cached_blocks() });
                 true
             }
+            Command::Unpin { pin_id } => {
+                if let Some(blocks) = self.pins.remove(&pin_id) {
+                    self.scheduler.release_pinned(&blocks);
+                    self.publish();
+                }
+                true
+            }
+            Command::CachedPrefix { hashes, reply } => {
+                let _ = reply.send(self.scheduler.cached_prefix(&hashes));
+                true
+            }
             Command::Shutdown => false,
+        }
+    }
+
+    /// Installs blocks read from another worker into the prefix cache.
+    fn install(&mut self, import: ImportedPrefix) {
+        let hashes = &import.hashes;
+        if hashes.is_empty() {
+            return;
+        }
+        let executor = &mut self.executor;
+        let installed = self.scheduler.install_prefix(import.parent, hashes, |block, index| match executor.write_block(block, import.block(index)) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "cannot install a transferred KV block; computing it here");
+                false
+            }
+        });
+        self.stats.imported_blocks.fetch_add(installed as u64, Ordering::Relaxed);
+        if installed < hashes.len() {
+            tracing::debug!(installed, offered = hashes.len(), "installed part of a transferred prefix");
         }
     }
 
@@ -306,6 +385,16 @@ impl EngineLoop {
         self.stats.set_load(self.scheduler.load());
         for update in updates {
             let Some(sender) = self.outputs.get(&update.seq_id) else { continue };
+            if let Some(blocks) = update.pinned {
+                let pin_id = self.next_pin_id;
+                self.next_pin_id += 1;
+                self.pins.insert(pin_id, blocks.iter().map(|(block, _)| *block).collect());
+                if sender.send(EngineOutput::Pinned(PinnedPrefix { pin_id, blocks })).is_err() {
+                    // Nobody will ever release it.
+                    let blocks = self.pins.remove(&pin_id).unwrap_or_default();
+                    self.scheduler.release_pinned(&blocks);
+                }
+            }
             if let Some(token) = update.token {
                 self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
                 let token_logprobs = logprobs.iter().position(|(id, _)| *id == update.seq_id).map(|i| logprobs.swap_remove(i).1);

@@ -14,13 +14,18 @@
 
 pub mod block_manager;
 pub mod core;
+pub mod kv_memory;
 pub mod mocker;
 pub mod request;
 pub mod scheduler;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
 pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
-pub use request::{EngineOutput, FinishReason, GenerateRequest, Load, Sampled, SamplingParams, StopConditions, TokenLogprobs, Usage};
+pub use kv_memory::{KvBuffer, KvLayout, KvMemory, block_checksum};
+pub use request::{
+    EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, SamplingParams, StopConditions, TokenLogprobs,
+    Usage,
+};
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
 
 /// Errors of an engine, as callers see them.

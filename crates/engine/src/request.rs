@@ -109,6 +109,9 @@ pub enum EngineOutput {
     },
     /// The engine failed the sequence; nothing follows.
     Failed(crate::EngineError),
+    /// A prefill-only request's blocks are pinned (sent just before
+    /// `Finished`).
+    Pinned(PinnedPrefix),
 }
 
 /// A snapshot of an engine's occupancy.
@@ -122,4 +125,58 @@ pub struct Load {
     pub blocks_used: u32,
     /// KV blocks in the pool.
     pub blocks_total: u32,
+}
+
+/// A request's part in disaggregated serving: computed whole here, or only
+/// its prompt here (prefill worker), or decoded here after another worker
+/// computed its prompt (decode worker).
+#[derive(Debug, Default)]
+pub enum Handoff {
+    /// Prefill and decode here (aggregated serving).
+    #[default]
+    None,
+    /// Compute the prompt and sample the first token (`max_tokens` is 1),
+    /// then keep the prompt's full blocks pinned for a decode worker to
+    /// read: [`EngineOutput::Pinned`] arrives before `Finished`.
+    Prefill,
+    /// Continue a sequence prefilled elsewhere: `generated` are the tokens
+    /// already produced there (counted as output, not streamed again), and
+    /// `import` the prompt blocks read from there, installed into the prefix
+    /// cache before the sequence is admitted (whatever is missing is
+    /// computed here).
+    Decode {
+        /// Tokens sampled by the prefill worker.
+        generated: Vec<u32>,
+        /// Blocks to install.
+        import: ImportedPrefix,
+    },
+}
+
+/// Prompt blocks read from another worker, in chain order.
+#[derive(Debug, Default)]
+pub struct ImportedPrefix {
+    /// Sequence hash of the block before the first (None: from the start).
+    pub parent: Option<turbine_kv::SequenceHash>,
+    /// The blocks' hashes.
+    pub hashes: Vec<turbine_kv::BlockHashes>,
+    /// Their bytes, back to back (`block_bytes` each, checked).
+    pub bytes: Vec<u8>,
+}
+
+impl ImportedPrefix {
+    /// The bytes of block `index`.
+    pub fn block(&self, index: usize) -> &[u8] {
+        let block_bytes = self.bytes.len() / self.hashes.len().max(1);
+        &self.bytes[index * block_bytes..(index + 1) * block_bytes]
+    }
+}
+
+/// A prefill's full prompt blocks, held until released (or the engine's
+/// owner lets the lease lapse).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinnedPrefix {
+    /// Pass to [`EngineHandle::unpin`](crate::EngineHandle::unpin).
+    pub pin_id: u64,
+    /// The blocks, in prompt order, with their hashes.
+    pub blocks: Vec<(crate::block_manager::BlockId, turbine_kv::BlockHashes)>,
 }

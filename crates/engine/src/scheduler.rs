@@ -123,6 +123,9 @@ struct Sequence {
     cached_prompt_tokens: Option<usize>,
     /// Times this sequence was preempted and recomputed.
     preemptions: u32,
+    /// A prefill for another worker: keep the prompt's full blocks pinned
+    /// when it finishes.
+    pin: bool,
 }
 
 impl Sequence {
@@ -204,6 +207,9 @@ pub struct SequenceUpdate {
     pub token: Option<u32>,
     /// Set when the sequence ended; it is gone from the scheduler.
     pub finished: Option<(FinishReason, Usage)>,
+    /// A prefill's full prompt blocks, still referenced (release them with
+    /// [`Scheduler::release_pinned`]).
+    pub pinned: Option<Vec<(BlockId, BlockHashes)>>,
 }
 
 /// The scheduler: queues, sequences and the block pool.
@@ -248,17 +254,33 @@ impl Scheduler {
 
     /// Queues a request.
     pub fn add(&mut self, request: GenerateRequest) -> Result<SeqId, AdmissionError> {
+        self.add_with(request, Vec::new(), false)
+    }
+
+    /// Queues a request whose first `generated` output tokens were produced
+    /// elsewhere (a decode after a remote prefill), or, with `pin`, a
+    /// prefill whose full prompt blocks stay referenced when it finishes.
+    pub fn add_with(&mut self, request: GenerateRequest, generated: Vec<u32>, pin: bool) -> Result<SeqId, AdmissionError> {
         self.config.validate(&request)?;
+        if generated.len() >= request.stop.max_tokens as usize {
+            return Err(AdmissionError::Invalid(format!(
+                "{} tokens were already generated of max_tokens {}",
+                generated.len(),
+                request.stop.max_tokens
+            )));
+        }
         if self.waiting.len() >= self.config.max_waiting {
             return Err(AdmissionError::QueueFull(self.waiting.len()));
         }
         let id = self.next_id;
         self.next_id += 1;
         let prompt_len = request.prompt.len();
+        let mut tokens = request.prompt;
+        tokens.extend(generated);
         self.sequences.insert(
             id,
             Sequence {
-                tokens: request.prompt,
+                tokens,
                 prompt_len,
                 num_computed: 0,
                 blocks: Vec::new(),
@@ -268,6 +290,7 @@ impl Scheduler {
                 stop: request.stop,
                 cached_prompt_tokens: None,
                 preemptions: 0,
+                pin,
             },
         );
         self.waiting.push_back(id);
@@ -476,8 +499,14 @@ impl Scheduler {
                     || sequence.tokens.len() >= self.config.max_model_len;
                 (Some(token), at_limit.then_some(FinishReason::Length))
             };
-            let finished = reason.map(|reason| (reason, self.finish(chunk.seq_id)));
-            updates.push(SequenceUpdate { seq_id: chunk.seq_id, token: emitted, finished });
+            let (finished, pinned) = match reason {
+                Some(reason) => {
+                    let (usage, pinned) = self.finish(chunk.seq_id);
+                    (Some((reason, usage)), pinned)
+                }
+                None => (None, None),
+            };
+            updates.push(SequenceUpdate { seq_id: chunk.seq_id, token: emitted, finished, pinned });
         }
         updates
     }
@@ -497,15 +526,59 @@ impl Scheduler {
         self.blocks.register(parent, &pairs);
     }
 
-    fn finish(&mut self, seq_id: SeqId) -> Usage {
+    fn finish(&mut self, seq_id: SeqId) -> (Usage, Option<Vec<(BlockId, BlockHashes)>>) {
         let sequence = self.sequences.remove(&seq_id).expect("finished sequence exists");
         self.running.retain(|&id| id != seq_id);
-        self.blocks.release(sequence.blocks.iter().rev().copied());
-        Usage {
+        // A prefill keeps its full prompt blocks (all computed) referenced.
+        let kept = if sequence.pin { (sequence.prompt_len / self.config.block_size).min(sequence.hashes.len()) } else { 0 };
+        self.blocks.release(sequence.blocks[kept..].iter().rev().copied());
+        let pinned = sequence.pin.then(|| sequence.blocks[..kept].iter().copied().zip(sequence.hashes[..kept].iter().copied()).collect());
+        let usage = Usage {
             prompt_tokens: sequence.prompt_len as u32,
             completion_tokens: sequence.generated() as u32,
             cached_prompt_tokens: sequence.cached_prompt_tokens.unwrap_or(0) as u32,
+        };
+        (usage, pinned)
+    }
+
+    /// Drops the references a finished prefill kept on its blocks.
+    pub fn release_pinned(&mut self, blocks: &[BlockId]) {
+        self.blocks.release(blocks.iter().rev().copied());
+    }
+
+    /// How many leading blocks of `hashes` are in the prefix cache.
+    pub fn cached_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        self.blocks.match_prefix(hashes)
+    }
+
+    /// Installs blocks computed elsewhere into the prefix cache, in chain
+    /// order after `parent`: each gets a free block, `write(block, index)`
+    /// fills it (false stops the install), and the filled ones are
+    /// registered (emitting `Stored` events) and left free-but-cached for
+    /// the next admission to hit. Stops early when the pool has no free
+    /// block. Returns how many were installed.
+    pub fn install_prefix(
+        &mut self,
+        parent: Option<SequenceHash>,
+        hashes: &[BlockHashes],
+        mut write: impl FnMut(BlockId, usize) -> bool,
+    ) -> usize {
+        if !self.config.prefix_caching {
+            return 0;
         }
+        let mut filled = Vec::with_capacity(hashes.len());
+        for (index, &block_hashes) in hashes.iter().enumerate() {
+            let Some(block) = self.blocks.allocate(1).map(|blocks| blocks[0]) else { break };
+            if !write(block, index) {
+                self.blocks.release([block]);
+                break;
+            }
+            filled.push((block, block_hashes));
+        }
+        self.blocks.register(parent, &filled);
+        let installed = filled.len();
+        self.blocks.release(filled.into_iter().rev().map(|(block, _)| block));
+        installed
     }
 
     /// Times the sequence was preempted (None if unknown).

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use turbine_engine::{Batch, Executor, Sampled};
+use turbine_engine::{Batch, Executor, KvMemory, Sampled};
 use turbine_tokens::Gguf;
 
 use crate::candle_backend::{CandleCache, CandleModel};
@@ -147,6 +147,15 @@ impl NativeExecutor {
         &self.config
     }
 
+    /// The KV pool as transfers see it (the CPU kernels' pool only; the
+    /// candle pool is not exposed, so its workers compute every prefill).
+    pub fn kv_memory(&self) -> Option<KvMemory> {
+        match &self.compute {
+            Compute::Kernels { cache, .. } => Some(cache.memory()),
+            Compute::Candle { .. } => None,
+        }
+    }
+
     /// Blocks in the KV pool.
     pub fn num_blocks(&self) -> usize {
         match &self.compute {
@@ -217,5 +226,12 @@ impl Executor for NativeExecutor {
                 Some(Sampled { token: choice.token, logprobs: choice.logprobs })
             })
             .collect())
+    }
+
+    fn write_block(&mut self, block: u32, bytes: &[u8]) -> std::result::Result<(), String> {
+        match &mut self.compute {
+            Compute::Kernels { cache, .. } => cache.write_block(block, bytes).map_err(|error| error.to_string()),
+            Compute::Candle { .. } => Err("the candle backend cannot install KV blocks from another worker".into()),
+        }
     }
 }

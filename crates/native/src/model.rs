@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use half::f16;
 use memmap2::Mmap;
+use turbine_engine::{KvBuffer, KvLayout, KvMemory};
 use turbine_tokens::Gguf;
 
 use crate::config::LlamaConfig;
@@ -58,27 +59,96 @@ impl std::fmt::Debug for LlamaModel {
     }
 }
 
-/// The KV cache of every layer: `slots × kv_heads × head_dim` f16 values
-/// per layer for keys and for values (as llama.cpp stores them), a slot
-/// being `block * block_size + offset`.
+/// The KV cache of every layer in one page-aligned buffer, block-major so
+/// that a block is one contiguous span (one read when it moves to another
+/// worker): block `b` holds, for each layer in order, the keys then the
+/// values of its `block_size` tokens, each token `kv_heads × head_dim` f16
+/// values.
 #[derive(Debug)]
 pub struct KvCache {
-    keys: Vec<Vec<f16>>,
-    values: Vec<Vec<f16>>,
+    buffer: Arc<KvBuffer>,
     block_size: usize,
     num_blocks: usize,
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
 }
 
+#[allow(unsafe_code)]
 impl KvCache {
     /// A zeroed cache of `num_blocks` blocks of `block_size` tokens.
     pub fn new(config: &LlamaConfig, num_blocks: usize, block_size: usize) -> Self {
-        let per_layer = num_blocks * block_size * config.kv_heads * config.head_dim;
-        Self {
-            keys: (0..config.layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
-            values: (0..config.layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
-            block_size,
-            num_blocks,
+        let block_values = config.layers * 2 * block_size * config.kv_heads * config.head_dim;
+        let buffer = Arc::new(KvBuffer::zeroed(num_blocks * block_values * std::mem::size_of::<f16>()));
+        Self { buffer, block_size, num_blocks, layers: config.layers, kv_heads: config.kv_heads, head_dim: config.head_dim }
+    }
+
+    /// f16 values of one layer's keys (or values) in one block.
+    fn half(&self) -> usize {
+        self.block_size * self.kv_heads * self.head_dim
+    }
+
+    /// f16 values from one block to the next.
+    fn block_stride(&self) -> usize {
+        self.layers * 2 * self.half()
+    }
+
+    /// Offset of a layer's keys (`kv` 0) or values (`kv` 1) in block 0.
+    fn layer_offset(&self, layer: usize, kv: usize) -> usize {
+        (layer * 2 + kv) * self.half()
+    }
+
+    /// The whole cache as values.
+    fn values(&self) -> &[f16] {
+        // SAFETY: the buffer holds `num_blocks × block_stride` f16 values
+        // (page-aligned, so aligned for f16). Other threads only read
+        // pinned blocks, which the engine does not write (see
+        // turbine_engine::kv_memory), and this thread writes only through
+        // `slot_mut`, never while this borrow lives (it borrows `self`).
+        unsafe { std::slice::from_raw_parts(self.buffer.as_ptr() as *const f16, self.num_blocks * self.block_stride()) }
+    }
+
+    /// The `kv_heads × head_dim` values of one token's keys (`kv` 0) or
+    /// values (`kv` 1) in a layer; `slot` is `block × block_size + offset`.
+    fn slot_mut(&mut self, layer: usize, kv: usize, slot: usize) -> &mut [f16] {
+        let width = self.kv_heads * self.head_dim;
+        let (block, offset) = (slot / self.block_size, slot % self.block_size);
+        assert!(block < self.num_blocks, "slot outside the cache");
+        let at = block * self.block_stride() + self.layer_offset(layer, kv) + offset * width;
+        // SAFETY: in bounds (the block is checked); the slot belongs to a
+        // sequence being computed, so no pinned block and no other borrow
+        // covers it (`&mut self`).
+        unsafe { std::slice::from_raw_parts_mut((self.buffer.as_ptr() as *mut f16).add(at), width) }
+    }
+
+    /// The cache as transfers see it.
+    pub fn memory(&self) -> KvMemory {
+        let layout = KvLayout {
+            block_bytes: self.block_stride() * std::mem::size_of::<f16>(),
+            block_size: self.block_size,
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype: "f16".into(),
+            order: "layer,kv,token,head,dim".into(),
+        };
+        KvMemory::new(self.buffer.clone(), layout, self.num_blocks)
+    }
+
+    /// Overwrites a block with bytes laid out as [`memory`](Self::memory)
+    /// describes.
+    pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<()> {
+        let block_bytes = self.block_stride() * std::mem::size_of::<f16>();
+        if bytes.len() != block_bytes {
+            return Err(Error::Model(format!("a KV block is {block_bytes} bytes, got {}", bytes.len())));
         }
+        if block as usize >= self.num_blocks {
+            return Err(Error::Model(format!("block {block} is outside the cache")));
+        }
+        // SAFETY: in bounds; the block was just allocated for this install,
+        // so nothing else reads or writes it (`&mut self`).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.buffer.as_ptr().add(block as usize * block_bytes), block_bytes) };
+        Ok(())
     }
 
     /// Tokens per block.
@@ -251,7 +321,8 @@ impl LlamaModel {
         let mut projected = vec![0f32; rows * hidden];
         let mut gate = vec![0f32; rows * c.ffn];
         let mut up = vec![0f32; rows * c.ffn];
-        let shape = AttentionShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, block_size: cache.block_size };
+        let shape =
+            AttentionShape { heads: c.heads, kv_heads: c.kv_heads, head_dim: c.head_dim, block_size: cache.block_size, block_stride: cache.block_stride() };
 
         for (index, layer) in self.layers.iter().enumerate() {
             ops::rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
@@ -260,11 +331,12 @@ impl LlamaModel {
                 self.rope.apply(&mut q[row * q_width..(row + 1) * q_width], c.head_dim, position);
                 self.rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], c.head_dim, position);
             }
-            let (keys, values) = (&mut cache.keys[index], &mut cache.values[index]);
             for (row, &slot) in slots.iter().enumerate() {
-                ops::to_f16(&k[row * kv_width..(row + 1) * kv_width], &mut keys[slot * kv_width..(slot + 1) * kv_width]);
-                ops::to_f16(&v[row * kv_width..(row + 1) * kv_width], &mut values[slot * kv_width..(slot + 1) * kv_width]);
+                ops::to_f16(&k[row * kv_width..(row + 1) * kv_width], cache.slot_mut(index, 0, slot));
+                ops::to_f16(&v[row * kv_width..(row + 1) * kv_width], cache.slot_mut(index, 1, slot));
             }
+            let all = cache.values();
+            let (keys, values) = (&all[cache.layer_offset(index, 0)..], &all[cache.layer_offset(index, 1)..]);
             ops::paged_attention(&q, keys, values, &spans, shape, &mut attention, pool);
             layer.wo.matmul(&attention, rows, &mut projected, pool);
             x.iter_mut().zip(&projected).for_each(|(x, p)| *x += p);

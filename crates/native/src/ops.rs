@@ -245,6 +245,10 @@ pub struct AttentionShape {
     pub head_dim: usize,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// Values from one block's first slot to the next block's in the cache
+    /// slices (`block_size × kv_heads × head_dim` when the slice holds only
+    /// this layer's keys or values; more when blocks interleave layers).
+    pub block_stride: usize,
 }
 
 /// Per-thread buffers of the attention.
@@ -265,7 +269,7 @@ thread_local! {
 /// this step must already be written there). `q` and `out` are
 /// `rows × heads × head_dim`; the caches are `slots × kv_heads × head_dim`.
 pub fn paged_attention(q: &[f32], k_cache: &[f16], v_cache: &[f16], spans: &[SeqSpan<'_>], shape: AttentionShape, out: &mut [f32], pool: &ThreadPool) {
-    let AttentionShape { heads, kv_heads, head_dim, block_size } = shape;
+    let AttentionShape { heads, kv_heads, head_dim, block_size, block_stride } = shape;
     let group = heads / kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     // One task per (row, head): enough tasks to keep every thread busy on a
@@ -289,7 +293,7 @@ pub fn paged_attention(q: &[f32], k_cache: &[f16], v_cache: &[f16], spans: &[Seq
             scores.clear();
             scores.resize(context, 0.0);
             offsets.clear();
-            offsets.extend(positions(span.block_table, block_size, context, kv_heads * head_dim, kv_head * head_dim).map(|(_, at)| at));
+            offsets.extend(positions(span.block_table, block_size, block_stride, context, kv_heads * head_dim, kv_head * head_dim).map(|(_, at)| at));
             let query = &q[(row * heads + head) * head_dim..(row * heads + head + 1) * head_dim];
             qk_scores(query, k_cache, offsets, scale, scores);
             softmax(scores);
@@ -341,10 +345,17 @@ pub fn exp(x: f32) -> f32 {
 
 /// `(position, offset in the cache)` of positions `0..context` of a
 /// sequence, walking its block table (slots are contiguous within a block).
-fn positions(block_table: &[u32], block_size: usize, context: usize, stride: usize, head_offset: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+fn positions(
+    block_table: &[u32],
+    block_size: usize,
+    block_stride: usize,
+    context: usize,
+    stride: usize,
+    head_offset: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
     block_table.iter().enumerate().take(context.div_ceil(block_size)).flat_map(move |(block_index, &block)| {
         let first = block_index * block_size;
-        let base = block as usize * block_size * stride + head_offset;
+        let base = block as usize * block_stride + head_offset;
         (0..block_size.min(context - first)).map(move |offset| (first + offset, base + offset * stride))
     })
 }
@@ -396,7 +407,7 @@ mod tests {
 
     #[test]
     fn paged_attention_equals_dense_attention_through_a_shuffled_block_table() {
-        let shape = AttentionShape { heads: 4, kv_heads: 2, head_dim: 8, block_size: 4 };
+        let shape = AttentionShape { heads: 4, kv_heads: 2, head_dim: 8, block_size: 4, block_stride: 4 * 2 * 8 };
         let context = 10;
         let pool = ThreadPool::new(2);
         // Dense keys/values for positions 0..10, stored in blocks 5, 2, 7 of the cache.

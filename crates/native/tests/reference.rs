@@ -21,7 +21,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use serde::Deserialize;
-use turbine_engine::{EngineHandle, EngineOutput, GenerateRequest, SchedulerConfig, StopConditions};
+use turbine_engine::{EngineHandle, EngineOutput, GenerateRequest, Handoff, ImportedPrefix, KvMemory, SchedulerConfig, StopConditions, block_checksum};
 use turbine_native::pool::ThreadPool;
 use turbine_native::{Backend, Device as EngineDevice, KvCache, LlamaModel, NativeExecutor, NativeOptions, SequenceRows, ops};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -187,6 +187,7 @@ fn finish(mut stream: tokio::sync::mpsc::UnboundedReceiver<EngineOutput>) -> (Ve
             EngineOutput::Token(token, _) => tokens.push(token),
             EngineOutput::Finished { usage, .. } => return (tokens, usage.cached_prompt_tokens),
             EngineOutput::Failed(error) => panic!("{error}"),
+            EngineOutput::Pinned(_) => {}
         }
     }
     panic!("stream ended without finishing");
@@ -450,4 +451,69 @@ fn unsupported_files_are_refused_with_clear_errors() {
     let error = LlamaModel::load(&other).unwrap_err().to_string();
     assert!(error.contains("architecture \"falcon\" is not supported"), "{error}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn start_engine_exposing_kv(scheduler: SchedulerConfig) -> (EngineHandle, KvMemory) {
+    let options = NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, ..NativeOptions::default() };
+    let executor = NativeExecutor::load(&model_path(), &options).unwrap();
+    let memory = executor.kv_memory().expect("the CPU kernels expose their KV pool");
+    (EngineHandle::spawn(scheduler, vec![], Box::new(executor)), memory)
+}
+
+fn greedy_request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: String::new(),
+        prompt: prompt.to_vec(),
+        sampling: Default::default(),
+        stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true },
+    }
+}
+
+/// Disaggregated serving at the engine level: one engine prefills each
+/// prompt and pins its blocks, the blocks' bytes are copied out of its pool
+/// (what a transfer does), a second engine installs them and decodes. The
+/// tokens equal one engine doing both, and asking the second engine again
+/// hits the installed blocks and gives the same tokens again.
+#[test]
+#[allow(unsafe_code)]
+fn a_prefill_on_one_engine_and_decode_on_another_equal_one_engine() {
+    let prompts = prompts();
+    let scheduler = SchedulerConfig { block_size: 16, num_blocks: 1024, max_batched_tokens: 512, max_model_len: 8192, ..SchedulerConfig::default() };
+    let aggregated = engine_greedy(&prompts, STEPS as u32, scheduler.clone());
+    let (prefill, prefill_memory) = start_engine_exposing_kv(scheduler.clone());
+    let (decode, decode_memory) = start_engine_exposing_kv(scheduler);
+    assert_eq!(prefill_memory.layout(), decode_memory.layout());
+    for (prompt, expected) in prompts.iter().zip(&aggregated) {
+        let mut stream = prefill.submit(greedy_request(prompt, 1), Handoff::Prefill).unwrap();
+        let (mut pinned, mut first) = (None, Vec::new());
+        while let Some(output) = stream.blocking_recv() {
+            match output {
+                EngineOutput::Pinned(prefix) => pinned = Some(prefix),
+                EngineOutput::Token(token, _) => first.push(token),
+                EngineOutput::Finished { .. } => break,
+                EngineOutput::Failed(error) => panic!("{error}"),
+            }
+        }
+        let pinned = pinned.expect("a prefill pins its blocks");
+        assert_eq!(pinned.blocks.len(), prompt.len() / 16, "every full prompt block is pinned");
+        // SAFETY: the blocks stay pinned until `unpin` below.
+        let bytes: Vec<u8> = pinned.blocks.iter().flat_map(|(block, _)| unsafe { prefill_memory.block(*block) }.to_vec()).collect();
+        let hashes = pinned.blocks.iter().map(|(_, hashes)| *hashes).collect();
+        let checksums: Vec<u64> = bytes.chunks(prefill_memory.layout().block_bytes).map(block_checksum).collect();
+        prefill.unpin(pinned.pin_id);
+        assert!(checksums.iter().all(|&sum| sum != block_checksum(&vec![0; prefill_memory.layout().block_bytes])), "blocks hold computed KV");
+        let handoff = Handoff::Decode { generated: first.clone(), import: ImportedPrefix { parent: None, hashes, bytes } };
+        let (rest, _) = finish(decode.submit(greedy_request(prompt, STEPS as u32), handoff).unwrap());
+        let mut tokens = first;
+        tokens.extend(rest);
+        assert_eq!(&tokens, expected, "prompt of {} tokens", prompt.len());
+        let (again, cached) = finish(submit(&decode, prompt, STEPS as u32));
+        assert_eq!(&again, expected, "prompt of {} tokens, from the installed blocks", prompt.len());
+        assert!(cached as usize >= (prompt.len() - 1) / 16 * 16, "the installed blocks serve later hits ({cached} cached)");
+    }
+    let imported = decode.stats().imported_blocks.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(imported as usize, prompts.iter().map(|p| p.len() / 16).sum::<usize>());
+    assert_eq!(prefill.load().blocks_used, 0, "every pin was released");
+    prefill.shutdown();
+    decode.shutdown();
 }

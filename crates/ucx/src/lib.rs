@@ -74,12 +74,22 @@ impl Context {
     /// Initializes UCX with the RMA feature (transports from the usual
     /// `UCX_*` environment variables, e.g. `UCX_TLS=tcp`).
     pub fn new() -> Result<Self, UcxError> {
+        Self::with_features(sys::ucp_feature::UCP_FEATURE_RMA as u64)
+    }
+
+    /// Initializes UCX with RMA and wakeup: a thread can sleep in
+    /// [`Worker::wait`] until the network or a [`Waker`] needs it.
+    pub fn with_wakeup() -> Result<Self, UcxError> {
+        Self::with_features((sys::ucp_feature::UCP_FEATURE_RMA | sys::ucp_feature::UCP_FEATURE_WAKEUP) as u64)
+    }
+
+    fn with_features(features: u64) -> Result<Self, UcxError> {
         // SAFETY: zeroed params with only the features field set, as UCX
         // documents; the out-pointer is valid.
         unsafe {
             let mut params: sys::ucp_params_t = std::mem::zeroed();
             params.field_mask = sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES as u64;
-            params.features = sys::ucp_feature::UCP_FEATURE_RMA as u64;
+            params.features = features;
             let mut context = ptr::null_mut();
             check("ucp_init", sys::ucp_init(&params, ptr::null(), &mut context))?;
             Ok(Self { handle: Arc::new(ContextHandle(context)) })
@@ -90,6 +100,9 @@ impl Context {
 /// A progress engine and its network address.
 pub struct Worker {
     handle: sys::ucp_worker_h,
+    /// The handle as wakers see it: cleared (under its lock) before the
+    /// worker is destroyed.
+    wakers: Arc<parking_lot::Mutex<Option<WorkerPtr>>>,
     /// Held so the context outlives the worker.
     _context: Context,
     _not_sync: PhantomData<std::cell::Cell<()>>,
@@ -115,7 +128,8 @@ impl Worker {
             params.thread_mode = sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE;
             let mut worker = ptr::null_mut();
             check("ucp_worker_create", sys::ucp_worker_create(context.handle.0, &params, &mut worker))?;
-            Ok(Self { handle: worker, _context: context.clone(), _not_sync: PhantomData })
+            let wakers = Arc::new(parking_lot::Mutex::new(Some(WorkerPtr(worker))));
+            Ok(Self { handle: worker, wakers, _context: context.clone(), _not_sync: PhantomData })
         }
     }
 
@@ -150,13 +164,71 @@ impl Worker {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// Drives this worker until every request completes or `deadline`
+    /// passes; then the rest are cancelled (and driven until UCX lets go of
+    /// their buffers) and a timeout error is returned.
+    pub fn wait_all_until(&self, requests: Vec<Request<'_>>, deadline: std::time::Instant) -> Result<(), UcxError> {
+        let mut pending: Vec<Request<'_>> = requests.into_iter().filter(|request| !request.is_done()).collect();
+        let mut first_error = None;
+        while !pending.is_empty() {
+            self.progress();
+            pending.retain_mut(|request| match request.poll() {
+                None => true,
+                Some(result) => {
+                    if let Err(error) = result {
+                        first_error.get_or_insert(error);
+                    }
+                    false
+                }
+            });
+            if !pending.is_empty() && std::time::Instant::now() >= deadline {
+                for request in &pending {
+                    // SAFETY: a live request of this worker.
+                    unsafe { sys::ucp_request_cancel(self.handle, request.handle) };
+                }
+                for request in pending.drain(..) {
+                    let _ = request.wait(self);
+                }
+                return Err(UcxError { call: "wait", status: i32::from(sys::ucs_status_t::UCS_ERR_TIMED_OUT), message: "timed out".into() });
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Arms the worker's wakeup: `Ok(true)` when armed (nothing pending;
+    /// [`wait`](Self::wait) may sleep), `Ok(false)` when events arrived
+    /// meanwhile (progress again first). Needs [`Context::with_wakeup`].
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: a live worker, used from its one thread.
+        let status = unsafe { sys::ucp_worker_arm(self.handle) };
+        if status == sys::ucs_status_t::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        check("ucp_worker_arm", status).map(|()| true)
+    }
+
+    /// Sleeps until the network needs this worker or a [`Waker`] wakes it.
+    pub fn wait(&self) -> Result<(), UcxError> {
+        // SAFETY: a live worker, used from its one thread.
+        check("ucp_worker_wait", unsafe { sys::ucp_worker_wait(self.handle) })
+    }
+
+    /// A handle other threads use to interrupt [`wait`](Self::wait).
+    pub fn waker(&self) -> Waker {
+        Waker { worker: self.wakers.clone() }
+    }
+
     /// An endpoint to the worker whose [`address`](Self::address) is `peer`.
+    /// A failure of the peer fails the endpoint's requests instead of
+    /// hanging them (UCX's peer error handling).
     pub fn connect(&self, peer: &[u8]) -> Result<Endpoint<'_>, UcxError> {
         // SAFETY: the address bytes stay alive during the call; zeroed
-        // params with only the remote address set.
+        // params with the remote address and error handling set.
         unsafe {
             let mut params: sys::ucp_ep_params_t = std::mem::zeroed();
-            params.field_mask = sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
+            params.field_mask = (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64;
+            params.err_mode = sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER;
             params.address = peer.as_ptr() as *const sys::ucp_address_t;
             let mut endpoint = ptr::null_mut();
             check("ucp_ep_create", sys::ucp_ep_create(self.handle, &params, &mut endpoint))?;
@@ -167,9 +239,45 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // No waker signals from here on.
+        let mut wakers = self.wakers.lock();
+        *wakers = None;
         // SAFETY: endpoints borrow the worker, so none is left; the context
-        // field is dropped after this, so it outlives the worker.
+        // field is dropped after this, so it outlives the worker; wakers
+        // are locked out.
         unsafe { sys::ucp_worker_destroy(self.handle) };
+    }
+}
+
+#[derive(Clone, Copy)]
+struct WorkerPtr(sys::ucp_worker_h);
+
+// SAFETY: only ucp_worker_signal is called through it, which UCX allows
+// from any thread, and only while the worker lives (see `Waker`).
+unsafe impl Send for WorkerPtr {}
+
+/// Wakes a [`Worker`] sleeping in [`Worker::wait`], from any thread.
+#[derive(Clone)]
+pub struct Waker {
+    worker: Arc<parking_lot::Mutex<Option<WorkerPtr>>>,
+}
+
+impl std::fmt::Debug for Waker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waker").finish_non_exhaustive()
+    }
+}
+
+impl Waker {
+    /// Interrupts the worker's wait (a no-op once the worker is gone).
+    pub fn wake(&self) {
+        let worker = self.worker.lock();
+        if let Some(WorkerPtr(handle)) = *worker {
+            // SAFETY: the worker lives while its pointer is set (it is
+            // cleared under this lock before destruction); signalling is
+            // thread-safe.
+            unsafe { sys::ucp_worker_signal(handle) };
+        }
     }
 }
 
@@ -354,6 +462,23 @@ impl Request<'_> {
     /// Whether it completed when posted.
     pub fn is_done(&self) -> bool {
         self.handle.is_null()
+    }
+
+    /// The result once the request completed (it is then freed), `None`
+    /// while in progress.
+    fn poll(&mut self) -> Option<Result<(), UcxError>> {
+        if self.handle.is_null() {
+            return Some(Ok(()));
+        }
+        // SAFETY: a live request.
+        let status = unsafe { sys::ucp_request_check_status(self.handle) };
+        if status == sys::ucs_status_t::UCS_INPROGRESS {
+            return None;
+        }
+        // SAFETY: completed; freed once (handle cleared).
+        unsafe { sys::ucp_request_free(self.handle) };
+        self.handle = ptr::null_mut();
+        Some(check("request", status))
     }
 
     /// Drives `worker` until the request completes.

@@ -75,6 +75,18 @@ pub(crate) fn request_tokens(model: &str, usage: &Usage, elapsed: Duration) {
     TOKENS.with_label_values(&[model, "completion"]).inc_by(usage.completion_tokens.into());
 }
 
+static DISAGGREGATED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_disaggregated_requests_total",
+        "Requests routed to a prefill worker, by outcome: remote (prefill then decode), prefill_only (the first token finished it), prefill_failed (the decode worker computed the prompt)",
+        &["outcome"],
+    )
+});
+
+pub(crate) fn disaggregated(outcome: &str) {
+    DISAGGREGATED.with_label_values(&[outcome]).inc();
+}
+
 pub(crate) fn retry() {
     RETRIES.inc();
 }

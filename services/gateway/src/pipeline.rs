@@ -15,7 +15,9 @@ use futures::StreamExt;
 use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
-use turbine_worker::{TokenStream, WorkerError};
+use turbine_proto::worker::v1::{KvHandle, RemotePrefill};
+use turbine_worker::disagg::release_handle;
+use turbine_worker::{TokenStream, WorkerClient, WorkerError};
 
 use crate::catalog::ModelCatalog;
 use crate::error::{ErrorKind, GatewayError};
@@ -180,13 +182,17 @@ impl Pipeline {
                 token_ids: request.prompt.as_slice().into(),
                 kv: None,
             };
-            let worker: RoutedWorker = match self.router.route(&route).await {
-                Ok(routed) => routed.worker,
+            let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) = match self.router.route(&route).await {
+                Ok(routed) => (routed.worker, routed.prefill),
                 // Every worker was tried: report the last worker error.
                 Err(error) => return Err(last_error.unwrap_or_else(|| error.into())),
             };
             let client = self.pool.client(&worker)?;
-            match client.generate(request.clone()).await {
+            let started = match prefill {
+                Some(prefill) => self.disaggregated(&client, &prefill, request).await,
+                None => client.generate(request.clone()).await,
+            };
+            match started {
                 Ok(stream) => return Ok(stream),
                 Err(error @ (WorkerError::Unavailable(_) | WorkerError::Overloaded(_))) => {
                     tracing::warn!(worker = %worker.worker_id, %error, "worker refused the request; trying another");
@@ -198,6 +204,72 @@ impl Pipeline {
             }
         }
         Err(last_error.unwrap_or_else(|| GatewayError::new(ErrorKind::Unavailable, "no worker could serve the request")))
+    }
+}
+
+impl Pipeline {
+    /// Prefill on `prefill`, then decode on `decode` from the handle; the
+    /// returned stream starts with the prefill's first token. A prefill
+    /// that fails leaves the decode worker to compute the prompt itself.
+    async fn disaggregated(&self, decode: &WorkerClient, prefill: &RoutedWorker, request: &GenerateRequest) -> Result<TokenStream, WorkerError> {
+        let prefilled = match self.pool.client(prefill) {
+            Ok(client) => client.prefill(request.clone()).await,
+            Err(error) => Err(WorkerError::Internal(error.to_string())),
+        };
+        let prefilled = match prefilled {
+            Ok(prefilled) => prefilled,
+            Err(error) => {
+                tracing::warn!(prefill_worker = %prefill.worker_id, %error, "prefill failed; the decode worker computes the prompt");
+                metrics::disaggregated("prefill_failed");
+                return decode.generate(request.clone()).await;
+            }
+        };
+        let first = prefilled.first;
+        if first.finished.is_some() {
+            // The first token ended the request (or it asked for one).
+            metrics::disaggregated("prefill_only");
+            return Ok(Box::pin(futures::stream::once(async move { Ok(first) })));
+        }
+        // Released if this request goes away before a decode worker has it.
+        let guard = prefilled.handle.map(ReleaseOnDrop::new);
+        let remote = RemotePrefill { handle: guard.as_ref().map(|g| g.handle.clone()), generated_token_ids: first.tokens.clone() };
+        let rest = decode.generate_after_prefill(request.clone(), remote).await?;
+        // The decode worker releases the handle once it has read the blocks.
+        guard.map(ReleaseOnDrop::disarm);
+        metrics::disaggregated("remote");
+        Ok(Box::pin(futures::stream::once(async move { Ok(first) }).chain(rest)))
+    }
+}
+
+/// Releases a prefill handle on drop unless disarmed.
+struct ReleaseOnDrop {
+    handle: KvHandle,
+    armed: bool,
+}
+
+impl ReleaseOnDrop {
+    fn new(handle: KvHandle) -> Self {
+        Self { handle, armed: true }
+    }
+
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let handle = self.handle.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = release_handle(&handle).await {
+                    tracing::debug!(%error, handle_id = handle.handle_id, "releasing a prefill handle failed; its lease frees it");
+                }
+            });
+        }
     }
 }
 

@@ -25,7 +25,7 @@ fn router() -> (Router, Arc<[u32]>) {
             let id = format!("worker-{w:03}");
             index.apply_unnumbered(&id, &KvEvent::Stored { parent: None, blocks, tier: Tier::Device });
             LiveWorker {
-                record: WorkerRecord { worker_id: id.clone(), endpoint: format!("http://{id}"), model: "m".into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1 },
+                record: WorkerRecord { worker_id: id.clone(), endpoint: format!("http://{id}"), model: "m".into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default() },
                 expires_at: Instant::now() + Duration::from_secs(3600),
             }
         })

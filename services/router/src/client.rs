@@ -59,7 +59,8 @@ pub enum RouterClient {
 }
 
 fn worker_from_proto(worker: pb::WorkerInfo) -> RoutedWorker {
-    let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight } = worker;
+    let role = crate::service::role_from_proto(worker.role());
+    let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight, role: _ } = worker;
     let load = load.unwrap_or_default();
     RoutedWorker {
         worker_id,
@@ -67,6 +68,7 @@ fn worker_from_proto(worker: pb::WorkerInfo) -> RoutedWorker {
         model,
         load: WorkerLoad { running: load.running, waiting: load.waiting, blocks_used: load.blocks_used, blocks_total: load.blocks_total },
         in_flight,
+        role,
     }
 }
 
@@ -92,9 +94,9 @@ impl RouterClient {
                     kv_weights: request.kv.map(kv_overrides_to_proto),
                 };
                 let response = client.clone().route(message).await?.into_inner();
-                let pb::RouteResponse { worker, in_flight, prompt_blocks, overlap_blocks } = response;
+                let pb::RouteResponse { worker, in_flight, prompt_blocks, overlap_blocks, prefill_worker } = response;
                 let worker = worker.map(worker_from_proto).ok_or_else(|| RouterCallError::Unavailable("router returned no worker".into()))?;
-                Ok(Routed { worker, in_flight, prompt_blocks, overlap_blocks })
+                Ok(Routed { worker, in_flight, prompt_blocks, overlap_blocks, prefill: prefill_worker.map(worker_from_proto) })
             }
         }
     }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::router::DisaggPolicy;
 use crate::kv::{KvConfig, KvWeights};
 use crate::policy::Policy;
 
@@ -46,6 +47,12 @@ pub struct RouterConfig {
     /// kv policy: milliseconds a kv-index lookup may take before the
     /// request is routed by load.
     pub kv_index_timeout_ms: u64,
+    /// Disaggregated serving: prompts with more uncached tokens than this
+    /// on their decode worker are computed on a prefill worker.
+    pub disagg_threshold_tokens: u32,
+    /// Disaggregated serving: prompts are computed on their decode worker
+    /// while every prefill worker has this many prefills booked or queued.
+    pub prefill_max_queue: u32,
 }
 
 impl Default for RouterConfig {
@@ -66,6 +73,8 @@ impl Default for RouterConfig {
             kv_approx_ttl_secs: 120.0,
             kv_index: None,
             kv_index_timeout_ms: 100,
+            disagg_threshold_tokens: DisaggPolicy::default().threshold_tokens,
+            prefill_max_queue: DisaggPolicy::default().max_prefill_queue,
         }
     }
 }
@@ -88,7 +97,15 @@ impl RouterConfig {
         if self.kv_index_timeout_ms == 0 || self.kv_index_timeout_ms > 10_000 {
             return Err("kv_index_timeout_ms must be between 1 and 10000".into());
         }
+        if self.prefill_max_queue == 0 {
+            return Err("prefill_max_queue must be positive".into());
+        }
         self.kv().validate()
+    }
+
+    /// When prompts go to prefill workers.
+    pub fn disagg(&self) -> DisaggPolicy {
+        DisaggPolicy { threshold_tokens: self.disagg_threshold_tokens, max_prefill_queue: self.prefill_max_queue }
     }
 
     /// The KV routing configuration.
@@ -176,6 +193,16 @@ pub struct RouterArgs {
     #[arg(long, env = "TURBINE_ROUTER_KV_INDEX_TIMEOUT_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_index_timeout_ms: Option<u64>,
+    /// With prefill workers: prompts with more uncached tokens than this on
+    /// their decode worker are computed on a prefill worker [default: 256].
+    #[arg(long, env = "TURBINE_ROUTER_DISAGG_THRESHOLD_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disagg_threshold_tokens: Option<u32>,
+    /// With prefill workers: compute prompts on the decode worker while every
+    /// prefill worker has this many prefills booked or queued [default: 8].
+    #[arg(long, env = "TURBINE_ROUTER_PREFILL_MAX_QUEUE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_max_queue: Option<u32>,
 }
 
 impl RouterArgs {

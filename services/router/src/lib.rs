@@ -25,5 +25,5 @@ pub use client::{RouterCallError, RouterClient};
 pub use config::{RouterArgs, RouterConfig};
 pub use policy::Policy;
 pub use kv::{KvConfig, KvOverrides, KvState, KvWeights};
-pub use router::{RouteError, RouteRequest, Routed, RoutedWorker, Router, WorkerBook};
+pub use router::{DisaggPolicy, RouteError, RouteRequest, Routed, RoutedWorker, Router, WorkerBook};
 pub use service::RouterService;

@@ -75,3 +75,15 @@ pub(crate) fn workers(workers: &[RoutedWorker]) {
 pub(crate) fn in_flight(worker_id: &str, count: u32) {
     IN_FLIGHT.with_label_values(&[worker_id]).set(count.into());
 }
+
+static DISAGG: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_router_prefill_decisions_total",
+        "Where prompts were computed: remote (a prefill worker), local (the decode worker: short prompt or saturated prefill pool), aggregated (no prefill workers)",
+        &["where"],
+    )
+});
+
+pub(crate) fn disagg_decision(place: &str) {
+    DISAGG.with_label_values(&[place]).inc();
+}

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use turbine_kv::{BlockHasher, SequenceHash, WorkerMatch};
-use turbine_registry::{LiveWorker, WorkerLoad};
+use turbine_registry::{LiveWorker, WorkerLoad, WorkerRole};
 
 use crate::kv::{KvCandidate, KvOverrides, KvState};
 use crate::policy::{Candidate, Policy, choose};
@@ -47,7 +47,31 @@ pub struct Routed {
     /// Leading prompt blocks the chosen worker caches, per the index
     /// (0 unless the `kv` policy routed).
     pub overlap_blocks: u32,
+    /// Disaggregated serving: compute the prompt on this prefill worker,
+    /// then decode on `worker`. `None`: `worker` does everything.
+    pub prefill: Option<RoutedWorker>,
 }
+
+/// When a prompt is computed on a prefill worker instead of its decode
+/// worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DisaggPolicy {
+    /// Prompts with more uncached tokens than this (on the chosen decode
+    /// worker) go to a prefill worker; shorter ones are computed locally.
+    pub threshold_tokens: u32,
+    /// The prefill pool is saturated (prompts are computed locally) when
+    /// every prefill worker has this many prefills booked or queued.
+    pub max_prefill_queue: u32,
+}
+
+impl Default for DisaggPolicy {
+    fn default() -> Self {
+        Self { threshold_tokens: 256, max_prefill_queue: 8 }
+    }
+}
+
+/// Suffix of the booking key of a request's prefill on a prefill worker.
+const PREFILL_BOOKING: &str = "\u{0}prefill";
 
 /// A live worker as the router reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +86,8 @@ pub struct RoutedWorker {
     pub load: WorkerLoad,
     /// Requests booked against it.
     pub in_flight: u32,
+    /// Its part in disaggregated serving.
+    pub role: WorkerRole,
 }
 
 /// Why no worker was chosen.
@@ -122,7 +148,13 @@ struct State {
 }
 
 impl State {
+    /// Releases a request's bookings (its prefill's too).
     fn release(&mut self, request_id: &str) -> bool {
+        self.release_one(&format!("{request_id}{PREFILL_BOOKING}"));
+        self.release_one(request_id)
+    }
+
+    fn release_one(&mut self, request_id: &str) -> bool {
         let Some(booking) = self.bookings.remove(request_id) else { return false };
         if let Some(book) = self.books.get_mut(&booking.worker_id) {
             book.in_flight = book.in_flight.saturating_sub(1);
@@ -147,6 +179,8 @@ impl State {
     }
 
     fn prefill_done(&mut self, request_id: &str) -> bool {
+        // A prefill worker's part ends with the prefill.
+        self.release_one(&format!("{request_id}{PREFILL_BOOKING}"));
         let Some(booking) = self.bookings.get_mut(request_id) else { return false };
         let blocks = std::mem::take(&mut booking.prefill_blocks);
         if let Some(book) = self.books.get_mut(&booking.worker_id) {
@@ -210,6 +244,7 @@ impl PromptHashes<'_> {
 #[derive(Debug)]
 pub struct Router {
     policy: Policy,
+    disagg: DisaggPolicy,
     kv: Option<Arc<KvState>>,
     /// A booking never released is dropped after this long.
     booking_ttl: Duration,
@@ -220,12 +255,18 @@ pub struct Router {
 impl Router {
     /// A router with no workers yet.
     pub fn new(policy: Policy, booking_ttl: Duration) -> Self {
-        Self { policy, kv: None, booking_ttl, state: Mutex::new(State::default()), turn: AtomicUsize::new(0) }
+        Self { policy, disagg: DisaggPolicy::default(), kv: None, booking_ttl, state: Mutex::new(State::default()), turn: AtomicUsize::new(0) }
     }
 
     /// A router that can route on KV cache overlap (the `kv` policy).
     pub fn with_kv(policy: Policy, booking_ttl: Duration, kv: Arc<KvState>) -> Self {
         Self { kv: Some(kv), ..Self::new(policy, booking_ttl) }
+    }
+
+    /// Sets when prompts go to prefill workers.
+    pub fn with_disagg(mut self, disagg: DisaggPolicy) -> Self {
+        self.disagg = disagg;
+        self
     }
 
     /// The KV routing state, if this router has one.
@@ -404,6 +445,8 @@ impl Router {
             .values()
             .filter(|w| w.record.model == request.model && w.expires_at > now && !request.exclude_worker_ids.contains(&w.record.worker_id))
             .collect();
+        // Prefill workers only compute prompts for the others.
+        let (prefill_pool, eligible): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.record.role == WorkerRole::Prefill);
         if eligible.is_empty() {
             return Err(RouteError::NoWorkers(request.model.clone()));
         }
@@ -458,10 +501,28 @@ impl Router {
             model: chosen.model.clone(),
             load: chosen.load,
             in_flight: state.book_of(&chosen.worker_id).in_flight + 1,
+            role: chosen.role,
         };
         let block_size = chosen.kv_block_size;
         let uncached = u64::from(chosen_blocks.saturating_sub(overlap_blocks));
-        state.book(&request.request_id, &routed.worker_id, now, uncached, u64::from(chosen_blocks));
+        let uncached_tokens = prompt_tokens.saturating_sub(overlap_blocks as usize * block_size.max(1) as usize);
+        let prefill = self.choose_prefill(&state, &prefill_pool, chosen.role, uncached_tokens).map(|w| w.record.clone());
+        let no_prefill_pool = prefill_pool.is_empty();
+        let prefill = prefill.map(|record| {
+            let blocks = prompt_tokens.div_ceil(record.kv_block_size.max(1) as usize) as u64;
+            state.book(&format!("{}{PREFILL_BOOKING}", request.request_id), &record.worker_id, now, blocks, blocks);
+            RoutedWorker {
+                worker_id: record.worker_id.clone(),
+                endpoint: record.endpoint.clone(),
+                model: record.model.clone(),
+                load: record.load,
+                in_flight: state.book_of(&record.worker_id).in_flight,
+                role: record.role,
+            }
+        });
+        // A decode worker given a prefill computes only the prompt's tail.
+        let own_prefill = if prefill.is_some() { 0 } else { uncached };
+        state.book(&request.request_id, &routed.worker_id, now, own_prefill, u64::from(chosen_blocks));
         drop(state);
         if let Some(kv) = kv {
             if block_size > 0 {
@@ -472,7 +533,28 @@ impl Router {
             crate::metrics::kv_overlap(overlap_blocks, chosen_blocks);
         }
         let in_flight = routed.in_flight;
-        Ok(Routed { worker: routed, in_flight, prompt_blocks: chosen_blocks, overlap_blocks })
+        crate::metrics::disagg_decision(match (&prefill, no_prefill_pool) {
+            (Some(_), _) => "remote",
+            (None, true) => "aggregated",
+            (None, false) => "local",
+        });
+        Ok(Routed { worker: routed, in_flight, prompt_blocks: chosen_blocks, overlap_blocks, prefill })
+    }
+
+    /// The prefill worker for a prompt with `uncached_tokens` not cached on
+    /// its decode worker: none when the decode worker is an aggregated one,
+    /// the prompt is short, or every prefill worker is saturated; else the
+    /// one with the least prefill work booked and queued.
+    fn choose_prefill<'w>(&self, state: &State, pool: &[&'w LiveWorker], decode_role: WorkerRole, uncached_tokens: usize) -> Option<&'w LiveWorker> {
+        if pool.is_empty() || decode_role != WorkerRole::Decode || uncached_tokens <= self.disagg.threshold_tokens as usize {
+            return None;
+        }
+        let queue = |w: &LiveWorker| state.load_of(&w.record.worker_id).in_flight + w.record.load.waiting;
+        let best = pool.iter().min_by_key(|w| (queue(w), state.load_of(&w.record.worker_id).prefill_blocks))?;
+        if queue(best) >= self.disagg.max_prefill_queue {
+            return None;
+        }
+        Some(*best)
     }
 
     /// Marks a request's prefill done (its first token came): its blocks
@@ -500,6 +582,7 @@ impl Router {
                 model: w.record.model.clone(),
                 load: w.record.load,
                 in_flight: state.book_of(&w.record.worker_id).in_flight,
+                role: w.record.role,
             })
             .collect()
     }

@@ -100,7 +100,7 @@ pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::R
         kv = kv.with_event_status(status.clone());
     }
     let kv = Arc::new(kv);
-    let router = Arc::new(Router::with_kv(config.policy, Duration::from_secs_f64(config.booking_ttl_secs), kv.clone()));
+    let router = Arc::new(Router::with_kv(config.policy, Duration::from_secs_f64(config.booking_ttl_secs), kv.clone()).with_disagg(config.disagg()));
     // Know the workers (and their endpoints, for dumps) before following.
     if let Ok(workers) = registry.list().await {
         router.update_workers(workers);

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 use turbine_proto::router::v1 as pb;
+use turbine_registry::WorkerRole;
 
 use crate::metrics;
 use crate::policy::Policy;
@@ -66,13 +67,32 @@ pub fn kv_overrides_to_proto(overrides: KvOverrides) -> pb::KvWeights {
 
 /// A routed worker to the wire.
 pub fn worker_to_proto(worker: RoutedWorker) -> pb::WorkerInfo {
-    let RoutedWorker { worker_id, endpoint, model, load, in_flight } = worker;
+    let RoutedWorker { worker_id, endpoint, model, load, in_flight, role } = worker;
     pb::WorkerInfo {
         worker_id,
         endpoint,
         model,
         load: Some(pb::WorkerLoad { running: load.running, waiting: load.waiting, blocks_used: load.blocks_used, blocks_total: load.blocks_total }),
         in_flight,
+        role: role_to_proto(role) as i32,
+    }
+}
+
+/// A worker role to the wire.
+pub fn role_to_proto(role: WorkerRole) -> pb::WorkerRole {
+    match role {
+        WorkerRole::Aggregated => pb::WorkerRole::Aggregated,
+        WorkerRole::Prefill => pb::WorkerRole::Prefill,
+        WorkerRole::Decode => pb::WorkerRole::Decode,
+    }
+}
+
+/// A worker role from the wire (unspecified: aggregated).
+pub fn role_from_proto(role: pb::WorkerRole) -> WorkerRole {
+    match role {
+        pb::WorkerRole::Unspecified | pb::WorkerRole::Aggregated => WorkerRole::Aggregated,
+        pb::WorkerRole::Prefill => WorkerRole::Prefill,
+        pb::WorkerRole::Decode => WorkerRole::Decode,
     }
 }
 
@@ -109,9 +129,15 @@ impl pb::router_server::Router for RouterService {
         };
         let result = self.router.route_async(&route).await;
         metrics::decision(policy.unwrap_or(self.router.policy()), &result, started.elapsed());
-        let Routed { worker, in_flight, prompt_blocks, overlap_blocks } = result?;
+        let Routed { worker, in_flight, prompt_blocks, overlap_blocks, prefill } = result?;
         tracing::Span::current().record("worker", worker.worker_id.as_str());
-        Ok(Response::new(pb::RouteResponse { worker: Some(worker_to_proto(worker)), in_flight, prompt_blocks, overlap_blocks }))
+        Ok(Response::new(pb::RouteResponse {
+            worker: Some(worker_to_proto(worker)),
+            in_flight,
+            prompt_blocks,
+            overlap_blocks,
+            prefill_worker: prefill.map(worker_to_proto),
+        }))
     }
 
     async fn prefill_done(&self, request: Request<pb::PrefillDoneRequest>) -> Result<Response<pb::PrefillDoneResponse>, Status> {

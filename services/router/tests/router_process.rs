@@ -16,7 +16,7 @@ use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
 use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, metric, wait_until};
 
 fn record(id: &str) -> WorkerRecord {
-    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1 }
+    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default() }
 }
 
 fn start_router(redis: &RedisServer) -> (ChildProcess, String) {

@@ -5,13 +5,14 @@ use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use tonic::Code;
-use turbine_engine::{EngineError, EngineOutput, FinishReason, GenerateRequest, Load, TokenLogprobs, Usage};
+use turbine_engine::{EngineError, EngineOutput, FinishReason, GenerateRequest, Handoff, Load, TokenLogprobs, Usage};
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient as GrpcWorkerClient;
 use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, TracedChannel, traced_channel};
 use turbine_tokens::ModelCard;
 
 use crate::convert::{card_from_proto, finish_reason_from_proto, generate_request_to_proto, load_from_proto, logprobs_from_proto, usage_from_proto};
+use crate::disagg::Prefilled;
 use crate::worker::Worker;
 
 /// Tokens produced since the previous chunk, and the end of the stream.
@@ -118,14 +119,43 @@ impl WorkerClient {
             WorkerClient::Remote(client) => {
                 let mut client = client.clone();
                 let response = client.generate(generate_request_to_proto(&request)).await?;
-                let stream = response.into_inner().map(|message| {
-                    let message = message?;
-                    let finished = finish_reason_from_proto(message.finish_reason())
-                        .map(|reason| (reason, usage_from_proto(message.usage.unwrap_or_default())));
-                    let logprobs = message.logprobs.into_iter().map(logprobs_from_proto).collect();
-                    Ok(TokenChunk { tokens: message.token_ids, logprobs, finished })
-                });
-                Ok(Box::pin(stream))
+                Ok(Box::pin(response.into_inner().map(|message| Ok(chunk_from_proto(message?)))))
+            }
+        }
+    }
+
+    /// Computes the prompt and first token on this (prefill) worker and
+    /// pins the prompt's KV blocks for a decode worker.
+    pub async fn prefill(&self, request: GenerateRequest) -> Result<Prefilled, WorkerError> {
+        match self {
+            WorkerClient::Local(worker) => worker.disagg().prefill(request, None).await,
+            WorkerClient::Remote(client) => {
+                let message = generate_request_to_proto(&request);
+                let message = pb::PrefillRequest {
+                    request_id: message.request_id,
+                    prompt_token_ids: message.prompt_token_ids,
+                    sampling: message.sampling,
+                    stop: message.stop,
+                    lease_ms: 0,
+                };
+                let response = client.clone().prefill(message).await?.into_inner();
+                let first = response.first.unwrap_or_default();
+                Ok(Prefilled { first: chunk_from_proto(first), handle: response.handle })
+            }
+        }
+    }
+
+    /// Continues `request` after a prefill elsewhere: this (decode) worker
+    /// reads the handle's blocks (or computes the prompt if it cannot) and
+    /// streams the tokens after `remote.generated_token_ids`.
+    pub async fn generate_after_prefill(&self, request: GenerateRequest, remote: pb::RemotePrefill) -> Result<TokenStream, WorkerError> {
+        match self {
+            WorkerClient::Local(worker) => Ok(engine_chunks(decode_after_prefill(worker, request, &remote).await?)),
+            WorkerClient::Remote(client) => {
+                let mut message = generate_request_to_proto(&request);
+                message.remote_prefill = Some(remote);
+                let response = client.clone().generate(message).await?;
+                Ok(Box::pin(response.into_inner().map(|message| Ok(chunk_from_proto(message?)))))
             }
         }
     }
@@ -153,6 +183,30 @@ impl WorkerClient {
     }
 }
 
+fn chunk_from_proto(message: pb::GenerateResponse) -> TokenChunk {
+    let finished = finish_reason_from_proto(message.finish_reason()).map(|reason| (reason, usage_from_proto(message.usage.unwrap_or_default())));
+    let logprobs = message.logprobs.into_iter().map(logprobs_from_proto).collect();
+    TokenChunk { tokens: message.token_ids, logprobs, finished }
+}
+
+/// Submits a decode after a remote prefill to a local worker's engine:
+/// installs whatever blocks could be read, then continues after the
+/// prefill's tokens.
+pub(crate) async fn decode_after_prefill(
+    worker: &Worker,
+    request: GenerateRequest,
+    remote: &pb::RemotePrefill,
+) -> Result<tokio::sync::mpsc::UnboundedReceiver<EngineOutput>, EngineError> {
+    worker.engine().config().validate(&request)?;
+    let vocab = worker.card().tokenizer.tokens.len();
+    if let Some(bad) = remote.generated_token_ids.iter().find(|&&token| token as usize >= vocab) {
+        return Err(EngineError::InvalidRequest(format!("generated token id {bad} is outside the vocabulary of {vocab} tokens")));
+    }
+    let import = worker.disagg().import(&request, remote).await;
+    let handoff = Handoff::Decode { generated: remote.generated_token_ids.clone(), import };
+    worker.engine().submit(request, handoff)
+}
+
 /// Turns an engine output channel into token chunks, coalescing whatever
 /// tokens are already queued into one chunk.
 pub fn engine_chunks(receiver: tokio::sync::mpsc::UnboundedReceiver<EngineOutput>) -> TokenStream {
@@ -171,6 +225,8 @@ pub fn engine_chunks(receiver: tokio::sync::mpsc::UnboundedReceiver<EngineOutput
                     return Some((Ok(chunk), None));
                 }
                 Some(EngineOutput::Failed(error)) => return Some((Err(WorkerError::from(error)), None)),
+                // Only prefills pin, and they do not stream through here.
+                Some(EngineOutput::Pinned(_)) => {}
                 None => return Some((Err(WorkerError::Unavailable("the engine stopped".into())), None)),
             }
             match receiver.try_recv() {

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+pub use turbine_registry::WorkerRole;
 
 /// Which engine runs the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -80,6 +81,29 @@ pub struct WorkerConfig {
     pub shutdown_grace_secs: f64,
     /// Model cache directory.
     pub cache_dir: Option<PathBuf>,
+    /// The worker's part in disaggregated serving.
+    pub role: WorkerRole,
+    /// Milliseconds a prefill's blocks stay pinned for a decode worker that
+    /// does not release them.
+    pub kv_lease_ms: u64,
+    /// How this worker reads other workers' KV blocks.
+    pub kv_transport: KvTransport,
+    /// MiB of KV blocks this worker holds in flight while reading them from
+    /// other workers; requests beyond it compute their prompt here.
+    pub kv_transfer_mib: usize,
+}
+
+/// How a decode worker reads a prefill worker's blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KvTransport {
+    /// UCX one-sided reads when both workers have UCX, else TCP.
+    #[default]
+    Auto,
+    /// UCX only (a failed read falls back to computing the prompt here).
+    Ucx,
+    /// The gRPC stream (`KvTransfer/ReadBlocks`).
+    Tcp,
 }
 
 impl Default for WorkerConfig {
@@ -107,6 +131,10 @@ impl Default for WorkerConfig {
             lease_ttl_secs: 5.0,
             shutdown_grace_secs: 30.0,
             cache_dir: None,
+            role: WorkerRole::Aggregated,
+            kv_lease_ms: 30_000,
+            kv_transport: KvTransport::Auto,
+            kv_transfer_mib: 1024,
         }
     }
 }
@@ -121,6 +149,8 @@ impl WorkerConfig {
             ("threads", self.threads.unwrap_or(1)),
             ("max_num_seqs", self.max_num_seqs),
             ("max_batched_tokens", self.max_batched_tokens),
+            ("kv_lease_ms", self.kv_lease_ms as usize),
+            ("kv_transfer_mib", self.kv_transfer_mib),
         ];
         for (name, value) in positive {
             if value == 0 {
@@ -247,6 +277,26 @@ pub struct WorkerArgs {
     #[arg(long, env = "TURBINE_CACHE_DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
+    /// Part in disaggregated serving: aggregated (whole requests), prefill
+    /// (prompts, handed to decode workers) or decode [default: aggregated].
+    #[arg(long, value_enum, env = "TURBINE_WORKER_ROLE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<WorkerRole>,
+    /// Prefill workers: milliseconds pinned blocks wait for their decode
+    /// worker before they are freed [default: 30000].
+    #[arg(long, env = "TURBINE_WORKER_KV_LEASE_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_lease_ms: Option<u64>,
+    /// Decode workers: how to read prefill workers' KV blocks: auto (UCX
+    /// when both sides have it, else TCP), ucx or tcp [default: auto].
+    #[arg(long, value_enum, env = "TURBINE_WORKER_KV_TRANSPORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transport: Option<KvTransport>,
+    /// Decode workers: MiB of KV blocks in flight from prefill workers;
+    /// requests beyond it compute their prompt locally [default: 1024].
+    #[arg(long, env = "TURBINE_WORKER_KV_TRANSFER_MIB")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_mib: Option<usize>,
 }
 
 impl WorkerArgs {
@@ -288,6 +338,10 @@ mod tests {
             lease_ttl_secs: Some(1.0),
             shutdown_grace_secs: Some(2.0),
             cache_dir: Some("/tmp/c".into()),
+            role: Some(WorkerRole::Decode),
+            kv_lease_ms: Some(1000),
+            kv_transport: Some(KvTransport::Tcp),
+            kv_transfer_mib: Some(64),
             config: None,
         };
         let config = args.load().unwrap();

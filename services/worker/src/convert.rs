@@ -10,7 +10,8 @@ pub const MAX_LOGPROBS: u32 = 20;
 
 /// Validates a Generate request for a model with `vocab_size` tokens.
 pub fn generate_request_from_proto(request: pb::GenerateRequest, vocab_size: usize) -> Result<GenerateRequest, String> {
-    let pb::GenerateRequest { request_id, prompt_token_ids, sampling, stop } = request;
+    // A remote prefill is taken out (and checked) by the caller.
+    let pb::GenerateRequest { request_id, prompt_token_ids, sampling, stop, remote_prefill: _ } = request;
     if prompt_token_ids.is_empty() {
         return Err("prompt_token_ids must not be empty".into());
     }
@@ -80,6 +81,7 @@ pub fn generate_request_to_proto(request: &GenerateRequest) -> pb::GenerateReque
             stop_token_ids: request.stop.stop_token_ids.clone(),
             ignore_eos: request.stop.ignore_eos,
         }),
+        remote_prefill: None,
     }
 }
 
@@ -233,6 +235,7 @@ mod tests {
             prompt_token_ids: vec![1, 2, 3],
             sampling: Some(pb::SamplingParams { temperature: Some(0.5), ..Default::default() }),
             stop: Some(pb::StopConditions { max_tokens: 4, stop_token_ids: vec![9], ignore_eos: true }),
+            remote_prefill: None,
         }
     }
 

@@ -165,3 +165,57 @@ impl Collector for DescriptorsOnly {
         Vec::new()
     }
 }
+
+static KV_PINS: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
+    turbine_runtime::metrics::gauge("turbine_worker_kv_pinned_handles", "Prefill handles whose KV blocks are pinned for a decode worker", &["worker"])
+});
+static KV_LEASES_EXPIRED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter("turbine_worker_kv_leases_expired_total", "Prefill handles freed because no decode worker released them in time", &["worker"])
+});
+static KV_IMPORTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_worker_kv_imports_total",
+        "Decode requests after a remote prefill, by transport and outcome (ok, or why the prompt was computed locally)",
+        &["worker", "transport", "outcome"],
+    )
+});
+static KV_IMPORT_BYTES: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_worker_kv_import_bytes_total", "KV block bytes read from prefill workers", &["worker", "transport"]));
+static KV_IMPORT_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram("turbine_worker_kv_import_seconds", "Time to read a remote prefill's blocks (or give up)", &["worker"], latency_buckets())
+});
+static KV_CHECKSUM_MISMATCHES: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_worker_kv_checksum_mismatches_total", "Transferred KV blocks that failed their checksum", &["worker"]));
+static KV_UCX_POST: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram(
+        "turbine_worker_kv_ucx_post_seconds",
+        "Time to post one batch of UCX block reads",
+        &["worker"],
+        vec![1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2],
+    )
+});
+
+pub(crate) fn kv_pins(worker: &str, delta: i64) {
+    KV_PINS.with_label_values(&[worker]).add(delta);
+}
+
+pub(crate) fn kv_lease_expired(worker: &str) {
+    KV_LEASES_EXPIRED.with_label_values(&[worker]).inc();
+}
+
+pub(crate) fn kv_import(worker: &str, transport: &str, outcome: &str, bytes: usize, elapsed: Duration) {
+    KV_IMPORTS.with_label_values(&[worker, transport, outcome]).inc();
+    if bytes > 0 {
+        KV_IMPORT_BYTES.with_label_values(&[worker, transport]).inc_by(bytes as u64);
+    }
+    KV_IMPORT_SECONDS.with_label_values(&[worker]).observe(elapsed.as_secs_f64());
+}
+
+pub(crate) fn kv_checksum_mismatch(worker: &str) {
+    KV_CHECKSUM_MISMATCHES.with_label_values(&[worker]).inc();
+}
+
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+pub(crate) fn kv_ucx_post(worker: &str, elapsed: Duration) {
+    KV_UCX_POST.with_label_values(&[worker]).observe(elapsed.as_secs_f64());
+}

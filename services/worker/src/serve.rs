@@ -9,13 +9,14 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use turbine_proto::service_names;
-use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, worker_server::WorkerServer};
+use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, kv_transfer_server::KvTransferServer, worker_server::WorkerServer};
 use turbine_registry::{Lease, RedisRegistry, Registry, WorkerLoad, WorkerRecord};
 use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, base_routes, serve as serve_grpc};
 use turbine_runtime::health::Readiness;
 use turbine_runtime::{CancellationToken, admin};
 
 use crate::config::WorkerConfig;
+use crate::disagg::service::KvTransferService;
 use crate::metrics::register_engine;
 use crate::service::WorkerService;
 use crate::worker::Worker;
@@ -35,6 +36,7 @@ pub fn worker_record(worker: &Worker, endpoint: &str) -> WorkerRecord {
         load: WorkerLoad { running: load.running, waiting: load.waiting, blocks_used: load.blocks_used, blocks_total: load.blocks_total },
         kv_block_size: worker.block_size() as u32,
         instance: worker.instance(),
+        role: worker.role(),
     }
 }
 
@@ -77,9 +79,13 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
 
     let (readiness, health) = Readiness::new(&[service_names::WORKER]).await;
     let service = WorkerService::new();
-    let routes = base_routes(health, &[FILE_DESCRIPTOR_SET]).add_service(
-        WorkerServer::new(service.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES),
-    );
+    let routes = base_routes(health, &[FILE_DESCRIPTOR_SET])
+        .add_service(WorkerServer::new(service.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES))
+        .add_service(
+            KvTransferServer::new(KvTransferService::new(service.clone()))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        );
     let grace = Duration::from_secs_f64(config.shutdown_grace_secs);
     let grpc_task = tokio::spawn(serve_grpc(grpc_listener, routes, shutdown.clone(), grace));
     let admin_stop = CancellationToken::new();
@@ -97,6 +103,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             return Ok(());
         }
     };
+    worker.disagg().set_endpoint(endpoint.clone());
     service.set_worker(worker.clone());
     let _metrics = register_engine(worker.id(), worker.engine().clone());
 
@@ -151,4 +158,22 @@ pub fn main(args: crate::WorkerArgs) -> std::process::ExitCode {
 pub fn register_local(registry: Registry, worker: Arc<Worker>, ttl: Duration) -> Lease {
     let endpoint = format!("local://{}", worker.id());
     Lease::start(registry, ttl, move || worker_record(&worker, &endpoint))
+}
+
+/// For embedded use: serves an in-process worker's KvTransfer (and Worker)
+/// on a loopback port, so its prefills can be read by other workers over
+/// real sockets (UCX, or the gRPC stream). Returns the endpoint and the
+/// server task (ends when `shutdown` fires).
+pub async fn serve_transfer_loopback(worker: Arc<Worker>, shutdown: CancellationToken) -> anyhow::Result<(String, tokio::task::JoinHandle<anyhow::Result<()>>)> {
+    let listener = bind(([127, 0, 0, 1], 0).into(), "KV transfer").await?;
+    let endpoint = format!("http://{}", listener.local_addr()?);
+    let service = WorkerService::new();
+    service.set_worker(worker.clone());
+    worker.disagg().set_endpoint(endpoint.clone());
+    let routes = tonic::service::Routes::new(
+        KvTransferServer::new(KvTransferService::new(service.clone())).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES),
+    )
+    .add_service(WorkerServer::new(service).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES));
+    let task = tokio::spawn(async move { serve_grpc(listener, routes, shutdown, Duration::from_secs(1)).await.map_err(anyhow::Error::from) });
+    Ok((endpoint, task))
 }

@@ -32,7 +32,7 @@ impl WorkerService {
         let _ = self.worker.set(worker);
     }
 
-    fn worker(&self) -> Result<&Arc<Worker>, Status> {
+    pub(crate) fn worker(&self) -> Result<&Arc<Worker>, Status> {
         self.worker.get().ok_or_else(|| Status::unavailable("the worker is still loading its model"))
     }
 }
@@ -46,10 +46,15 @@ impl pb::worker_server::Worker for WorkerService {
     #[tracing::instrument(skip_all, name = "worker.generate", fields(request_id))]
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
         let worker = self.worker()?.clone();
-        let request = generate_request_from_proto(request.into_inner(), worker.card().tokenizer.tokens.len())
-            .map_err(Status::invalid_argument)?;
+        let mut message = request.into_inner();
+        let remote = message.remote_prefill.take();
+        let request = generate_request_from_proto(message, worker.card().tokenizer.tokens.len()).map_err(Status::invalid_argument)?;
         tracing::Span::current().record("request_id", request.request_id.as_str());
-        let outputs = match worker.engine().generate(request) {
+        let submitted = match remote {
+            Some(remote) => crate::client::decode_after_prefill(&worker, request, &remote).await,
+            None => worker.engine().generate(request),
+        };
+        let outputs = match submitted {
             Ok(outputs) => outputs,
             Err(error) => {
                 metrics::request_refused(worker.id(), &error);
@@ -85,6 +90,34 @@ impl pb::worker_server::Worker for WorkerService {
     async fn get_model_card(&self, _request: Request<pb::GetModelCardRequest>) -> Result<Response<pb::GetModelCardResponse>, Status> {
         let card = self.worker()?.card_proto().clone();
         Ok(Response::new(pb::GetModelCardResponse { card: Some(card) }))
+    }
+
+    #[tracing::instrument(skip_all, name = "worker.prefill", fields(request_id))]
+    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        let worker = self.worker()?.clone();
+        let message = request.into_inner();
+        let lease = (message.lease_ms > 0).then(|| std::time::Duration::from_millis(u64::from(message.lease_ms)));
+        let as_generate = pb::GenerateRequest {
+            request_id: message.request_id,
+            prompt_token_ids: message.prompt_token_ids,
+            sampling: message.sampling,
+            stop: message.stop,
+            remote_prefill: None,
+        };
+        let request = generate_request_from_proto(as_generate, worker.card().tokenizer.tokens.len()).map_err(Status::invalid_argument)?;
+        tracing::Span::current().record("request_id", request.request_id.as_str());
+        let prefilled = worker.disagg().prefill(request, lease).await?;
+        let (finish_reason, usage) = match prefilled.first.finished {
+            Some((reason, usage)) => (finish_reason_to_proto(reason) as i32, Some(usage_to_proto(usage))),
+            None => (pb::FinishReason::Unspecified as i32, None),
+        };
+        let first = pb::GenerateResponse {
+            token_ids: prefilled.first.tokens,
+            finish_reason,
+            usage,
+            logprobs: prefilled.first.logprobs.into_iter().map(logprobs_to_proto).collect(),
+        };
+        Ok(Response::new(pb::PrefillResponse { first: Some(first), handle: prefilled.handle }))
     }
 
     async fn dump_kv_cache(&self, _request: Request<pb::DumpKvCacheRequest>) -> Result<Response<pb::DumpKvCacheResponse>, Status> {

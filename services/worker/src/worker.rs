@@ -1,15 +1,17 @@
 //! A loaded worker: the served model's card and a running engine.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
-use turbine_engine::{EngineHandle, Executor, Load, SchedulerConfig};
+use turbine_engine::{EngineHandle, Executor, KvMemory, Load, SchedulerConfig};
 use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_proto::worker::v1 as pb;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
-use crate::config::{EngineKind, WorkerConfig};
+use crate::config::{EngineKind, WorkerConfig, WorkerRole};
+use crate::disagg::{Disagg, DisaggOptions};
 use crate::convert::card_to_proto;
 
 /// The mocker's pool unless configured (DESIGN §5: 16,384 blocks of 64 tokens).
@@ -24,6 +26,8 @@ pub struct Worker {
     engine: EngineHandle,
     /// Random per start: KV event consumers detect a restart by it.
     instance: u64,
+    /// Prefill handles and KV transfers.
+    disagg: Disagg,
 }
 
 impl Worker {
@@ -38,7 +42,7 @@ impl Worker {
         if let Some(context_length) = config.context_length {
             card.context_length = context_length;
         }
-        let (executor, num_blocks): (Box<dyn Executor>, usize) = match config.engine {
+        let (executor, num_blocks, memory): (Box<dyn Executor>, usize, Option<KvMemory>) = match config.engine {
             EngineKind::Native => {
                 let options = NativeOptions {
                     block_size,
@@ -50,14 +54,15 @@ impl Worker {
                 };
                 let executor = NativeExecutor::load(&model.path, &options)?;
                 let num_blocks = executor.num_blocks();
-                (Box::new(executor), num_blocks)
+                let memory = executor.kv_memory();
+                (Box::new(executor), num_blocks, memory)
             }
             EngineKind::Mock => {
                 // The mocker speaks the served model's vocabulary: tokenize its text once.
                 let preprocessor = Preprocessor::new(card.clone())?;
                 let corpus = preprocessor.encode_text(MOCK_TEXT)?;
                 let executor = MockExecutor::new(MockTiming { speedup: config.speedup }, corpus, card.tokenizer.eos_token_id);
-                (Box::new(executor), config.num_blocks.unwrap_or(MOCK_NUM_BLOCKS))
+                (Box::new(executor), config.num_blocks.unwrap_or(MOCK_NUM_BLOCKS), None)
             }
         };
         let scheduler = SchedulerConfig {
@@ -70,6 +75,16 @@ impl Worker {
             ..SchedulerConfig::default()
         };
         let engine = EngineHandle::spawn(scheduler, card.tokenizer.eog_token_ids.clone(), executor);
+        if config.role != WorkerRole::Aggregated && memory.is_none() {
+            anyhow::bail!("a {} worker needs an engine that can hand over its KV cache (the native engine on the CPU kernels)", config.role);
+        }
+        let options = DisaggOptions {
+            role: config.role,
+            lease: Duration::from_millis(config.kv_lease_ms),
+            transport: config.kv_transport,
+            transfer_mib: config.kv_transfer_mib,
+        };
+        let disagg = Disagg::new(&id, engine.clone(), memory, &options);
         tracing::info!(
             worker = %id,
             model = %card.name,
@@ -78,11 +93,13 @@ impl Worker {
             context_length = card.context_length,
             block_size,
             num_blocks,
+            role = %config.role,
+            ucx = disagg.has_ucx(),
             "worker loaded"
         );
         let card_proto = card_to_proto(&card);
         let instance = uuid::Uuid::new_v4().as_u64_pair().0;
-        Ok(Arc::new(Self { id, card, card_proto, engine, instance }))
+        Ok(Arc::new(Self { id, card, card_proto, engine, instance, disagg }))
     }
 
     /// The worker id.
@@ -108,6 +125,16 @@ impl Worker {
     /// The card as sent on the wire (converted once).
     pub fn card_proto(&self) -> &pb::ModelCard {
         &self.card_proto
+    }
+
+    /// Disaggregated serving: prefill handles, KV transfers.
+    pub fn disagg(&self) -> &Disagg {
+        &self.disagg
+    }
+
+    /// The worker's part in disaggregated serving.
+    pub fn role(&self) -> WorkerRole {
+        self.disagg.role()
     }
 
     /// The engine.

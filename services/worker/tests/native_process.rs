@@ -40,6 +40,7 @@ fn greedy(prompt: &[u32], max_tokens: u32) -> pb::GenerateRequest {
         prompt_token_ids: prompt.to_vec(),
         sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
         stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
+        remote_prefill: None,
     }
 }
 

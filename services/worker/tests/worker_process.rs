@@ -38,6 +38,7 @@ fn request(prompt_len: u32, max_tokens: u32) -> pb::GenerateRequest {
         prompt_token_ids: (0..prompt_len).map(|i| 100 + i % 1000).collect(),
         sampling: None,
         stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
+        remote_prefill: None,
     }
 }
 

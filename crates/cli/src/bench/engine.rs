@@ -160,6 +160,7 @@ fn run(engine: &EngineHandle, requests: Vec<GenerateRequest>) -> anyhow::Result<
                         }
                         Some(EngineOutput::Finished { .. }) => break,
                         Some(EngineOutput::Failed(error)) => anyhow::bail!("engine failed: {error}"),
+                        Some(EngineOutput::Pinned(_)) => {}
                         None => anyhow::bail!("engine stream ended early"),
                     }
                 }

@@ -257,6 +257,7 @@ async fn direct_request(client: &mut WorkerClient<tonic::transport::Channel>, id
         prompt_token_ids: ids.to_vec(),
         sampling: None,
         stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
+        remote_prefill: None,
     };
     let mut stream = client.generate(request).await?.into_inner();
     let mut first = None;

@@ -5,7 +5,7 @@ use super::*;
 
 fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
     LiveWorker {
-        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1 },
+        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default() },
         expires_at: Instant::now() + ttl,
     }
 }
@@ -126,4 +126,58 @@ proptest! {
             prop_assert_eq!(router.total_in_flight(), open.len());
         }
     }
+}
+
+fn with_role(id: &str, role: WorkerRole) -> LiveWorker {
+    let mut worker = live(id, "m", Duration::from_secs(60));
+    worker.record.role = role;
+    worker
+}
+
+fn prompt(id: &str, tokens: u32) -> RouteRequest {
+    RouteRequest { prompt_tokens: tokens, ..request(id, "m") }
+}
+
+#[test]
+fn long_prompts_go_to_a_prefill_worker_and_short_ones_stay_on_the_decode_worker() {
+    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600))
+        .with_disagg(DisaggPolicy { threshold_tokens: 100, max_prefill_queue: 2 });
+    router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("d", WorkerRole::Decode)]);
+    // Prefill workers never decode.
+    let short = router.route(&prompt("short", 100)).unwrap();
+    assert_eq!(short.worker.worker_id, "d");
+    assert_eq!(short.prefill, None, "at the threshold the decode worker computes the prompt");
+    let long = router.route(&prompt("long", 101)).unwrap();
+    assert_eq!(long.worker.worker_id, "d");
+    assert_eq!(long.prefill.as_ref().map(|w| w.worker_id.as_str()), Some("p"));
+    assert_eq!(long.prefill.as_ref().map(|w| w.role), Some(WorkerRole::Prefill));
+    // The prefill booking ends with the prefill; the decode booking stays.
+    assert_eq!(router.own_books()["p"].in_flight, 1);
+    assert!(router.prefill_done("long"));
+    assert!(!router.own_books().contains_key("p"));
+    assert_eq!(router.own_books()["d"].in_flight, 2);
+    assert!(router.finished("long") && router.finished("short"));
+    assert_eq!(router.total_in_flight(), 0);
+}
+
+#[test]
+fn a_saturated_prefill_pool_leaves_prompts_on_the_decode_worker() {
+    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600))
+        .with_disagg(DisaggPolicy { threshold_tokens: 10, max_prefill_queue: 2 });
+    router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("d", WorkerRole::Decode)]);
+    let routed: Vec<bool> = (0..4).map(|i| router.route(&prompt(&format!("r{i}"), 500)).unwrap().prefill.is_some()).collect();
+    assert_eq!(routed, [true, true, false, false], "two prefills queue, then the pool is saturated");
+    // Finishing a request (without its prefill done) frees its prefill slot too.
+    assert!(router.finished("r0"));
+    assert!(router.route(&prompt("r4", 500)).unwrap().prefill.is_some());
+}
+
+#[test]
+fn aggregated_workers_compute_their_own_prompts_and_prefill_only_pools_serve_nothing() {
+    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600));
+    router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("a", WorkerRole::Aggregated)]);
+    let routed = router.route(&prompt("r", 5000)).unwrap();
+    assert_eq!((routed.worker.worker_id.as_str(), routed.prefill), ("a", None));
+    router.update_workers(vec![with_role("p", WorkerRole::Prefill)]);
+    assert_eq!(router.route(&prompt("r2", 5000)), Err(RouteError::NoWorkers("m".into())));
 }

@@ -1,0 +1,145 @@
+//! The KV pool's memory as other parts of a worker see it: one contiguous,
+//! page-aligned allocation in which every block is one contiguous span of
+//! `block_bytes`, so a block moves between workers as one read (a UCX get,
+//! a TCP chunk) and is checked with one checksum.
+//!
+//! The engine computes into the buffer; a transfer reads blocks out of it
+//! (a prefill worker's pinned blocks, read by a decode worker). The rule
+//! that keeps this sound: a block is read by a transfer only while it is
+//! pinned, and a pinned block is full, so the engine never writes it (the
+//! engine writes only the positions a sequence is computing, which lie in
+//! blocks no other sequence or pin holds).
+
+#![allow(unsafe_code)]
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Alignment of the buffer: a page, as memory registration prefers.
+const ALIGN: usize = 4096;
+
+/// How a worker's KV blocks are laid out; two workers exchange blocks only
+/// when their layouts are equal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Bytes of one block (every layer's keys and values).
+    pub block_bytes: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Key/value heads per layer.
+    pub kv_heads: usize,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Element type, e.g. "f16".
+    pub dtype: String,
+    /// Order of a block's contents, e.g. "layer,kv,token,head,dim".
+    pub order: String,
+}
+
+/// A zeroed, page-aligned allocation shared by the engine and transfers.
+pub struct KvBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory; who may touch which bytes when is the
+// module's pinning rule, upheld by the engine and the transfer service.
+unsafe impl Send for KvBuffer {}
+unsafe impl Sync for KvBuffer {}
+
+impl std::fmt::Debug for KvBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvBuffer").field("len", &self.len).finish()
+    }
+}
+
+impl KvBuffer {
+    /// Allocates `len` zeroed bytes (at least one page).
+    pub fn zeroed(len: usize) -> Self {
+        let layout = Layout::from_size_align(len.max(ALIGN), ALIGN).expect("KV buffer size overflows");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self { ptr, len }
+    }
+
+    /// The first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Bytes in the buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for KvBuffer {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len.max(ALIGN), ALIGN).expect("layout was valid at allocation");
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), layout) };
+    }
+}
+
+/// A worker's KV pool as transfers see it: the buffer and its layout.
+#[derive(Debug, Clone)]
+pub struct KvMemory {
+    buffer: Arc<KvBuffer>,
+    layout: KvLayout,
+    num_blocks: usize,
+}
+
+impl KvMemory {
+    /// Describes `buffer` as `num_blocks` blocks of `layout.block_bytes`.
+    pub fn new(buffer: Arc<KvBuffer>, layout: KvLayout, num_blocks: usize) -> Self {
+        assert!(num_blocks * layout.block_bytes <= buffer.len(), "the blocks exceed the buffer");
+        Self { buffer, layout, num_blocks }
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// The buffer (for memory registration).
+    pub fn buffer(&self) -> &Arc<KvBuffer> {
+        &self.buffer
+    }
+
+    /// Byte offset of a block in the buffer.
+    pub fn block_offset(&self, block: u32) -> usize {
+        block as usize * self.layout.block_bytes
+    }
+
+    /// The bytes of a block.
+    ///
+    /// # Safety
+    /// The block must be pinned (see the module's rule) for as long as the
+    /// slice is used.
+    pub unsafe fn block(&self, block: u32) -> &[u8] {
+        assert!((block as usize) < self.num_blocks, "block {block} is outside the pool");
+        // SAFETY: in bounds (checked); not written while pinned (caller).
+        unsafe { std::slice::from_raw_parts(self.buffer.as_ptr().add(self.block_offset(block)), self.layout.block_bytes) }
+    }
+}
+
+/// The checksum every transferred block carries (XXH3-64 of its bytes).
+pub fn block_checksum(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes)
+}
