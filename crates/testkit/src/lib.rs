@@ -237,3 +237,14 @@ pub async fn metric(base: &str, name: &str) -> f64 {
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// Like [`metric`], summing only the series that carry every given
+/// `label="value"` pair.
+pub async fn metric_where(base: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with([' ', '{']))
+        .filter(|line| labels.iter().all(|(label, value)| line.contains(&format!("{label}=\"{value}\""))))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -179,6 +179,9 @@ static KV_IMPORTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["worker", "transport", "outcome"],
     )
 });
+static KV_IMPORTS_IN_FLIGHT: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
+    turbine_runtime::metrics::gauge("turbine_worker_kv_imports_in_flight", "Remote prefills whose blocks this worker is reading now", &["worker"])
+});
 static KV_IMPORT_BYTES: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_worker_kv_import_bytes_total", "KV block bytes read from prefill workers", &["worker", "transport"]));
 static KV_IMPORT_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
@@ -201,6 +204,23 @@ pub(crate) fn kv_pins(worker: &str, delta: i64) {
 
 pub(crate) fn kv_lease_expired(worker: &str) {
     KV_LEASES_EXPIRED.with_label_values(&[worker]).inc();
+}
+
+/// Counts an import in flight until dropped.
+pub(crate) struct ImportInFlight(prometheus::IntGauge);
+
+impl ImportInFlight {
+    pub(crate) fn start(worker: &str) -> Self {
+        let gauge = KV_IMPORTS_IN_FLIGHT.with_label_values(&[worker]);
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for ImportInFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 pub(crate) fn kv_import(worker: &str, transport: &str, outcome: &str, bytes: usize, elapsed: Duration) {

@@ -79,10 +79,11 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
 
     let (readiness, health) = Readiness::new(&[service_names::WORKER]).await;
     let service = WorkerService::new();
+    let transfer = KvTransferService::new();
     let routes = base_routes(health, &[FILE_DESCRIPTOR_SET])
         .add_service(WorkerServer::new(service.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES))
         .add_service(
-            KvTransferServer::new(KvTransferService::new(service.clone()))
+            KvTransferServer::new(transfer.clone())
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         );
@@ -104,6 +105,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         }
     };
     worker.disagg().set_endpoint(endpoint.clone());
+    transfer.set(worker.disagg().clone());
     service.set_worker(worker.clone());
     let _metrics = register_engine(worker.id(), worker.engine().clone());
 
@@ -170,8 +172,10 @@ pub async fn serve_transfer_loopback(worker: Arc<Worker>, shutdown: Cancellation
     let service = WorkerService::new();
     service.set_worker(worker.clone());
     worker.disagg().set_endpoint(endpoint.clone());
+    let transfer = KvTransferService::new();
+    transfer.set(worker.disagg().clone());
     let routes = tonic::service::Routes::new(
-        KvTransferServer::new(KvTransferService::new(service.clone())).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES),
+        KvTransferServer::new(transfer).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES),
     )
     .add_service(WorkerServer::new(service).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES));
     let task = tokio::spawn(async move { serve_grpc(listener, routes, shutdown, Duration::from_secs(1)).await.map_err(anyhow::Error::from) });

@@ -32,7 +32,7 @@ impl WorkerService {
         let _ = self.worker.set(worker);
     }
 
-    pub(crate) fn worker(&self) -> Result<&Arc<Worker>, Status> {
+    fn worker(&self) -> Result<&Arc<Worker>, Status> {
         self.worker.get().ok_or_else(|| Status::unavailable("the worker is still loading its model"))
     }
 }

@@ -27,7 +27,7 @@ pub struct Worker {
     /// Random per start: KV event consumers detect a restart by it.
     instance: u64,
     /// Prefill handles and KV transfers.
-    disagg: Disagg,
+    disagg: Arc<Disagg>,
 }
 
 impl Worker {
@@ -84,7 +84,7 @@ impl Worker {
             transport: config.kv_transport,
             transfer_mib: config.kv_transfer_mib,
         };
-        let disagg = Disagg::new(&id, engine.clone(), memory, &options);
+        let disagg = Arc::new(Disagg::new(&id, engine.clone(), memory, &options));
         tracing::info!(
             worker = %id,
             model = %card.name,
@@ -128,7 +128,7 @@ impl Worker {
     }
 
     /// Disaggregated serving: prefill handles, KV transfers.
-    pub fn disagg(&self) -> &Disagg {
+    pub fn disagg(&self) -> &Arc<Disagg> {
         &self.disagg
     }
 

@@ -168,8 +168,12 @@ impl Disagg {
     /// blocks for a decode worker (see the module). `request.stop.max_tokens`
     /// is the whole request's; one token is generated here.
     pub async fn prefill(&self, mut request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
-        let memory = self.memory.as_ref().ok_or_else(|| WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()))?;
-        let endpoint = self.endpoint().ok_or_else(|| WorkerError::Unavailable("this worker does not serve KvTransfer yet".into()))?.to_owned();
+        if self.memory.is_none() {
+            return Err(WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()));
+        }
+        if self.endpoint().is_none() {
+            return Err(WorkerError::Unavailable("this worker does not serve KvTransfer yet".into()));
+        }
         // Checked as the whole request, so a decode worker will accept it.
         self.engine.config().validate(&request).map_err(|error| WorkerError::InvalidArgument(error.to_string()))?;
         let wanted = request.stop.max_tokens;
@@ -179,7 +183,7 @@ impl Disagg {
         let mut first = TokenChunk::default();
         loop {
             match outputs.recv().await {
-                Some(EngineOutput::Pinned(pinned)) => pin = Some((UnpinOnDrop { engine: self.engine.clone(), pin_id: pinned.pin_id }, pinned.blocks)),
+                Some(EngineOutput::Pinned(pinned)) => pin = Some((UnpinOnDrop { engine: self.engine.clone(), pin_id: pinned.pin_id, armed: true }, pinned.blocks)),
                 Some(EngineOutput::Token(token, logprobs)) => {
                     first.tokens.push(token);
                     first.logprobs.extend(logprobs);
@@ -202,12 +206,28 @@ impl Disagg {
             first.finished = finished.then_some((reason, usage));
             return Ok(Prefilled { first, handle: None });
         }
+        let handle = self.share(guard.pin_id, &blocks, lease.unwrap_or(self.lease)).await?;
+        guard.disarm();
+        Ok(Prefilled { first, handle: Some(handle) })
+    }
+
+    /// Offers pinned blocks to other workers: checksums them, registers a
+    /// handle for `lease`, and returns it. `pin_id` is the engine's pin,
+    /// released with the handle (an id the engine never gave, such as 0,
+    /// releases nothing: blocks pinned some other way).
+    pub async fn share(&self, pin_id: u64, blocks: &[(u32, BlockHashes)], lease: Duration) -> Result<pb::KvHandle, WorkerError> {
+        let memory = self.memory.as_ref().ok_or_else(|| WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()))?;
+        let endpoint = self.endpoint().ok_or_else(|| WorkerError::Unavailable("this worker does not serve KvTransfer yet".into()))?.to_owned();
+        let ids: Vec<u32> = blocks.iter().map(|(block, _)| *block).collect();
+        if let Some(bad) = ids.iter().find(|&&block| block as usize >= memory.num_blocks()) {
+            return Err(WorkerError::InvalidArgument(format!("block {bad} is outside the pool")));
+        }
         // Checksums of the pinned blocks (read-only while pinned).
         let checksums = {
-            let memory = memory.clone();
-            let ids: Vec<u32> = blocks.iter().map(|(block, _)| *block).collect();
+            let (memory, ids) = (memory.clone(), ids.clone());
             tokio::task::spawn_blocking(move || {
-                // SAFETY: pinned until the guard (held across this) drops.
+                // SAFETY: the caller keeps the blocks pinned until the
+                // handle is released.
                 #[allow(unsafe_code)]
                 let sums: Vec<u64> = ids.iter().map(|&block| block_checksum(unsafe { memory.block(block) })).collect();
                 sums
@@ -216,13 +236,11 @@ impl Disagg {
             .map_err(|_| WorkerError::Internal("checksumming panicked".into()))?
         };
         let handle_id = rand_u64();
-        let lease = lease.unwrap_or(self.lease);
-        let layout = layout_to_proto(memory.layout());
         let handle = pb::KvHandle {
             worker_id: self.worker_id.clone(),
             transfer_endpoint: endpoint,
             handle_id,
-            layout: Some(layout),
+            layout: Some(layout_to_proto(memory.layout())),
             blocks: blocks
                 .iter()
                 .zip(&checksums)
@@ -236,8 +254,7 @@ impl Disagg {
             lease_expires_unix_ms: unix_ms(SystemTime::now() + lease),
             memory_id: self.memory_id,
         };
-        let pin_id = guard.disarm();
-        self.pins.lock().insert(handle_id, Pin { pin_id, blocks: blocks.iter().map(|(block, _)| *block).collect() });
+        self.pins.lock().insert(handle_id, Pin { pin_id, blocks: ids });
         metrics::kv_pins(&self.worker_id, 1);
         // The lease: free the blocks if nobody releases them in time.
         let (pins, engine, worker_id) = (self.pins.clone(), self.engine.clone(), self.worker_id.clone());
@@ -251,7 +268,7 @@ impl Disagg {
                 tracing::debug!(handle_id, "a prefill's lease expired before its decode worker released it");
             }
         });
-        Ok(Prefilled { first, handle: Some(handle) })
+        Ok(handle)
     }
 
     /// Unpins a handle; false if it was unknown (released or expired).
@@ -306,6 +323,7 @@ impl Disagg {
     pub async fn import(&self, request: &GenerateRequest, remote: &pb::RemotePrefill) -> ImportedPrefix {
         let Some(handle) = &remote.handle else { return ImportedPrefix::default() };
         let started = Instant::now();
+        let _in_flight = metrics::ImportInFlight::start(&self.worker_id);
         // Once the blocks are read (or will never be, this call cancelled
         // included), the prefill worker can let them go.
         let _release = self.client(&handle.transfer_endpoint).ok().map(|client| ReleaseRemote { client, handle_id: handle.handle_id });
@@ -407,19 +425,7 @@ impl Disagg {
     }
 
     async fn read_tcp(&self, handle: &pb::KvHandle, wanted: &[usize], block_bytes: usize) -> Result<Vec<u8>, ImportError> {
-        let mut client = self.client(&handle.transfer_endpoint)?;
-        let request = pb::ReadBlocksRequest { handle_id: handle.handle_id, indices: wanted.iter().map(|&i| i as u32).collect() };
-        let transfer = |status: tonic::Status| ImportError::Transfer(format!("read blocks: {}", status.message()));
-        let mut stream = client.read_blocks(request).await.map_err(transfer)?.into_inner();
-        let mut bytes = Vec::with_capacity(wanted.len() * block_bytes);
-        for &index in wanted {
-            let block = stream.next().await.ok_or_else(|| ImportError::Transfer("the block stream ended early".into()))?.map_err(transfer)?;
-            if block.index as usize != index || block.data.len() != block_bytes {
-                return Err(ImportError::Transfer(format!("block {} of {} bytes where block {index} of {block_bytes} was due", block.index, block.data.len())));
-            }
-            bytes.extend_from_slice(&block.data);
-        }
-        Ok(bytes)
+        read_blocks_tcp(self.client(&handle.transfer_endpoint)?, handle.handle_id, wanted, block_bytes).await.map_err(ImportError::Transfer)
     }
 
     fn client(&self, endpoint: &str) -> Result<KvTransferClient<TracedChannel>, ImportError> {
@@ -451,6 +457,23 @@ impl Drop for ReleaseRemote {
             }
         });
     }
+}
+
+/// Reads blocks `wanted` (indices into the handle) of a handle over the
+/// `KvTransfer/ReadBlocks` stream, back to back.
+pub async fn read_blocks_tcp(mut client: KvTransferClient<TracedChannel>, handle_id: u64, wanted: &[usize], block_bytes: usize) -> Result<Vec<u8>, String> {
+    let request = pb::ReadBlocksRequest { handle_id, indices: wanted.iter().map(|&i| i as u32).collect() };
+    let transfer = |status: tonic::Status| format!("read blocks: {}", status.message());
+    let mut stream = client.read_blocks(request).await.map_err(transfer)?.into_inner();
+    let mut bytes = Vec::with_capacity(wanted.len() * block_bytes);
+    for &index in wanted {
+        let block = stream.next().await.ok_or("the block stream ended early")?.map_err(transfer)?;
+        if block.index as usize != index || block.data.len() != block_bytes {
+            return Err(format!("block {} of {} bytes where block {index} of {block_bytes} was due", block.index, block.data.len()));
+        }
+        bytes.extend_from_slice(&block.data);
+    }
+    Ok(bytes)
 }
 
 /// Releases a handle on the worker holding it (for a caller that will not
@@ -502,19 +525,20 @@ impl ImportError {
 struct UnpinOnDrop {
     engine: EngineHandle,
     pin_id: u64,
+    armed: bool,
 }
 
 impl UnpinOnDrop {
-    fn disarm(self) -> u64 {
-        let pin_id = self.pin_id;
-        std::mem::forget(self);
-        pin_id
+    fn disarm(mut self) {
+        self.armed = false;
     }
 }
 
 impl Drop for UnpinOnDrop {
     fn drop(&mut self) {
-        self.engine.unpin(self.pin_id);
+        if self.armed {
+            self.engine.unpin(self.pin_id);
+        }
     }
 }
 

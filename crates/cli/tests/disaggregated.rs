@@ -1,0 +1,212 @@
+//! Disaggregated serving across processes: a prefill `turbine-worker`, a
+//! decode `turbine-worker`, `turbine-router` (kv policy, following the
+//! workers' KV events in a real Redis) and `turbine-gateway`, on free ports,
+//! the real model computing every token.
+//!
+//! - Greedy outputs of 20 prompts of 100–2,000 tokens equal those of an
+//!   aggregated `turbine run`, with the KV blocks read over UCX (when built
+//!   with it; four of them over the TCP stream); asked again, the prompts
+//!   hit the blocks installed on the decode worker and give the same
+//!   outputs.
+//! - The prefill worker killed while a decode worker reads its blocks:
+//!   every request still completes with the right text (computed locally).
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{metric, post, start_turbine, wait_for_model};
+use serde_json::json;
+use tokio::sync::OnceCell;
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, metric_where, wait_until, workspace_binary};
+
+const MODEL: &str = "smollm2-135m";
+const MAX_TOKENS: u32 = 8;
+
+/// 20 prompts of 100 to 2,000 tokens: the even ones prefixes of one long
+/// token sequence (so later ones find part of themselves cached), the odd
+/// ones unrelated.
+fn prompts() -> Vec<Vec<u32>> {
+    let tokens = |seed: u64, len: usize| -> Vec<u32> {
+        let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                200 + ((state >> 33) % 40_000) as u32
+            })
+            .collect()
+    };
+    let base = tokens(7, 2000);
+    (0..20).map(|i| {
+        let len = 100 + i * 100;
+        if i % 2 == 0 { base[..len].to_vec() } else { tokens(100 + i as u64, len) }
+    })
+    .collect()
+}
+
+/// Greedy completion text and cached prompt tokens.
+async fn complete(base: &str, prompt: &[u32]) -> (String, u64) {
+    let (status, body) = post(base, "/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": true})).await;
+    assert_eq!(status, 200, "{body}");
+    let text = body["choices"][0]["text"].as_str().unwrap().to_owned();
+    (text, body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+}
+
+/// The prompts' outputs from one aggregated worker (`turbine run`), once
+/// for every test of this file.
+async fn reference() -> &'static [String] {
+    static REFERENCE: OnceCell<Vec<String>> = OnceCell::const_new();
+    REFERENCE
+        .get_or_init(|| async {
+            let mut turbine = start_turbine(&["--workers", "1", "--threads", "1", "--kv-cache-mib", "128"]).await;
+            let mut outputs = Vec::new();
+            for prompt in prompts() {
+                outputs.push(complete(&turbine.base, &prompt).await.0);
+            }
+            turbine.process.kill();
+            outputs
+        })
+        .await
+}
+
+struct Service {
+    process: ChildProcess,
+    admin: String,
+}
+
+struct Cluster {
+    redis: RedisServer,
+    prefill: Service,
+    decode: Service,
+    _router: ChildProcess,
+    _gateway: ChildProcess,
+    base: String,
+}
+
+fn spawn(binary: &str, args: &[&str]) -> ChildProcess {
+    let mut command = Command::new(workspace_binary(binary));
+    command.args(args);
+    ChildProcess::spawn(binary, command)
+}
+
+fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str) -> Service {
+    let admin = free_port();
+    let admin_addr = format!("127.0.0.1:{admin}");
+    let args = [
+        "--grpc-addr", "127.0.0.1:0", "--admin-addr", &admin_addr, "--engine", "native", "--threads", "1", "--kv-cache-mib", "128",
+        "--redis", &redis.url(), "--namespace", "disagg", "--worker-id", id, "--lease-ttl-secs", "2", "--role", role,
+        "--kv-transport", transport,
+    ];
+    let mut process = spawn("turbine-worker", &args);
+    process.wait_for_line("worker ready", STARTUP_TIMEOUT);
+    Service { process, admin: format!("http://{admin_addr}") }
+}
+
+async fn start_cluster(transport: &str) -> Cluster {
+    let redis = RedisServer::start();
+    let prefill = start_worker(&redis, "prefill-0", "prefill", transport);
+    let decode = start_worker(&redis, "decode-0", "decode", transport);
+    let (router_port, router_admin) = (free_port(), free_port());
+    let (router_addr, router_admin_addr) = (format!("127.0.0.1:{router_port}"), format!("127.0.0.1:{router_admin}"));
+    let args = [
+        "--grpc-addr", &router_addr, "--admin-addr", &router_admin_addr, "--redis", &redis.url(), "--namespace", "disagg", "--policy", "kv",
+        "--disagg-threshold-tokens", "64",
+    ];
+    let mut router = spawn("turbine-router", &args);
+    router.wait_for_line("router listening", STARTUP_TIMEOUT);
+    let http_port = free_port();
+    let http_addr = format!("127.0.0.1:{http_port}");
+    let mut gateway = spawn("turbine-gateway", &["--http-addr", &http_addr, "--grpc-addr", "127.0.0.1:0", "--router", &router_addr]);
+    gateway.wait_for_line("gateway listening", STARTUP_TIMEOUT);
+    let base = format!("http://{http_addr}");
+    wait_for_model(&base).await;
+    let router_admin = format!("http://{router_admin_addr}");
+    wait_until("both workers registered", STARTUP_TIMEOUT, async || metric(&router_admin, "turbine_router_live_workers").await >= 2.0).await;
+    Cluster { redis, prefill, decode, _router: router, _gateway: gateway, base }
+}
+
+/// Runs `chosen` prompts through a disaggregated cluster reading blocks
+/// over `transport`, twice.
+async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
+    let reference = reference().await;
+    let cluster = start_cluster(transport).await;
+    let all = prompts();
+    let prompts: Vec<&Vec<u32>> = chosen.iter().map(|&i| &all[i]).collect();
+    let expected: Vec<&String> = chosen.iter().map(|&i| &reference[i]).collect();
+    for (prompt, expected) in prompts.iter().zip(&expected) {
+        let (text, _) = complete(&cluster.base, prompt).await;
+        assert_eq!(&text, *expected, "prompt of {} tokens, disaggregated over {transport}", prompt.len());
+    }
+    let decode = &cluster.decode.admin;
+    let read = metric_where(decode, "turbine_worker_kv_imports_total", &[("transport", transport), ("outcome", "ok")]).await;
+    let cached = metric_where(decode, "turbine_worker_kv_imports_total", &[("transport", "cached"), ("outcome", "ok")]).await;
+    let fallbacks = metric(decode, "turbine_worker_kv_imports_total").await - read - cached;
+    assert_eq!(fallbacks, 0.0, "no prompt fell back to local prefill");
+    assert_eq!(read as usize, chosen.len(), "every prompt was read from the prefill worker over {transport}");
+    assert!(metric_where(decode, "turbine_worker_kv_import_bytes_total", &[("transport", transport)]).await > 0.0);
+    assert_eq!(metric(decode, "turbine_worker_kv_checksum_mismatches_total").await, 0.0);
+    // Every handle was released by its decode worker (none left to expire).
+    wait_until("handles released", Duration::from_secs(5), async || metric(&cluster.prefill.admin, "turbine_worker_kv_pinned_handles").await == 0.0).await;
+    assert_eq!(metric(&cluster.prefill.admin, "turbine_worker_kv_leases_expired_total").await, 0.0);
+
+    // Asked again, every prompt hits the blocks installed on the decode
+    // worker (their Stored events reached the router's index, so it keeps
+    // the prompts there) and gives the same text.
+    for (prompt, expected) in prompts.iter().zip(&expected) {
+        let (text, cached) = complete(&cluster.base, prompt).await;
+        assert_eq!(&text, *expected, "prompt of {} tokens, from installed blocks", prompt.len());
+        let full_blocks = (prompt.len() as u64 - 1) / 16 * 16;
+        assert!(cached >= full_blocks, "prompt of {} tokens: {cached} cached tokens, {full_blocks} expected", prompt.len());
+    }
+    drop(cluster.redis);
+}
+
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_outputs_equal_aggregated_ones_over_ucx() {
+    outputs_equal_aggregated("ucx", &(0..20).collect::<Vec<_>>()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_outputs_equal_aggregated_ones_over_tcp() {
+    // A few, the longest included: the UCX test covers all 20.
+    outputs_equal_aggregated("tcp", &[0, 2, 5, 19]).await;
+}
+
+/// The prefill worker is SIGKILLed at a moment the decode worker is reading
+/// its blocks; every request (those read, those being read, those still
+/// queued for prefill) completes with the right text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
+    let expected = reference().await;
+    let mut cluster = start_cluster("tcp").await;
+    let prompts = prompts();
+    // The longest prompts, all at once: prefills queue, reads overlap them.
+    let chosen: Vec<usize> = (10..16).collect();
+    let requests: Vec<_> = chosen
+        .iter()
+        .map(|&i| {
+            let (base, prompt) = (cluster.base.clone(), prompts[i].clone());
+            tokio::spawn(async move { complete(&base, &prompt).await.0 })
+        })
+        .collect();
+    let decode = cluster.decode.admin.clone();
+    let started = Instant::now();
+    let mut killed_mid_read = false;
+    while started.elapsed() < Duration::from_secs(120) {
+        if metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0 {
+            cluster.prefill.process.kill();
+            killed_mid_read = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(killed_mid_read, "no read of the prefill worker's blocks was ever seen in flight");
+    for (request, &i) in requests.into_iter().zip(&chosen) {
+        let text = request.await.unwrap();
+        assert_eq!(text, expected[i], "prompt of {} tokens after the prefill worker died", prompts[i].len());
+    }
+    let failed_reads = metric_where(&decode, "turbine_worker_kv_imports_total", &[("outcome", "transfer")]).await;
+    assert!(failed_reads >= 1.0, "the read in flight failed over to local prefill ({failed_reads})");
+}
