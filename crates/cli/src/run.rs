@@ -74,6 +74,12 @@ pub struct RunArgs {
     /// blocks (auto: UCX when this build has it, else TCP).
     #[arg(long, value_enum, env = "TURBINE_WORKER_KV_TRANSPORT", default_value = "auto")]
     pub kv_transport: KvTransport,
+    /// Mocker as prefill/decode: modelled KV bytes per token.
+    #[arg(long, env = "TURBINE_WORKER_MOCK_KV_BYTES_PER_TOKEN", default_value_t = turbine_worker::config::MOCK_KV_BYTES_PER_TOKEN)]
+    pub mock_kv_bytes_per_token: usize,
+    /// Mocker as prefill/decode: modelled KV transfer bandwidth in GB/s.
+    #[arg(long, env = "TURBINE_WORKER_MOCK_TRANSFER_GBPS", default_value_t = turbine_worker::config::MOCK_TRANSFER_GBPS)]
+    pub mock_transfer_gbps: f64,
     /// Engine of every worker: native computes the model, mock simulates it.
     #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE", default_value = "native")]
     pub engine: EngineKind,
@@ -214,6 +220,8 @@ pub async fn start(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result
             worker_id: Some(worker_id),
             role,
             kv_transport: args.kv_transport,
+            mock_kv_bytes_per_token: args.mock_kv_bytes_per_token,
+            mock_transfer_gbps: args.mock_transfer_gbps,
             model: args.model.clone(),
             served_model_name: args.served_model_name.clone(),
             engine: args.engine,

@@ -272,15 +272,15 @@ impl EngineLoop {
     fn handle(&mut self, command: Command) -> bool {
         match command {
             Command::Submit { request, handoff, outputs } => {
-                let (generated, pin) = match handoff {
-                    Handoff::None => (Vec::new(), false),
-                    Handoff::Prefill => (Vec::new(), true),
+                let (generated, pin, imported) = match handoff {
+                    Handoff::None => (Vec::new(), false, 0),
+                    Handoff::Prefill => (Vec::new(), true, 0),
                     Handoff::Decode { generated, import } => {
-                        self.install(import);
-                        (generated, false)
+                        let imported = self.install(import) * self.scheduler.config().block_size;
+                        (generated, false, imported)
                     }
                 };
-                match self.scheduler.add_with(request, generated, pin) {
+                match self.scheduler.add_imported(request, generated, pin, imported) {
                     Ok(seq_id) => {
                         self.outputs.insert(seq_id, outputs);
                         // Keep the queue length the handle checks current.
@@ -314,11 +314,12 @@ impl EngineLoop {
         }
     }
 
-    /// Installs blocks read from another worker into the prefix cache.
-    fn install(&mut self, import: ImportedPrefix) {
+    /// Installs blocks read from another worker into the prefix cache;
+    /// returns how many.
+    fn install(&mut self, import: ImportedPrefix) -> usize {
         let hashes = &import.hashes;
         if hashes.is_empty() {
-            return;
+            return 0;
         }
         let executor = &mut self.executor;
         let installed = self.scheduler.install_prefix(import.parent, hashes, |block, index| match executor.write_block(block, import.block(index)) {
@@ -332,6 +333,10 @@ impl EngineLoop {
         if installed < hashes.len() {
             tracing::debug!(installed, offered = hashes.len(), "installed part of a transferred prefix");
         }
+        if let Some(recycle) = import.recycle {
+            recycle(import.bytes);
+        }
+        installed
     }
 
     fn drop_cancelled(&mut self) {

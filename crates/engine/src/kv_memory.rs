@@ -82,6 +82,13 @@ impl KvBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The bytes, while nothing else can see the buffer (before it is
+    /// shared).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes allocated; `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
 }
 
 impl Drop for KvBuffer {

@@ -111,6 +111,12 @@ impl Executor for MockExecutor {
             .collect();
         Ok(sampled)
     }
+
+    /// The mocker holds no KV bytes: an installed block is only its hash
+    /// (its transfer time is modelled by the worker).
+    fn write_block(&mut self, _block: u32, _bytes: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

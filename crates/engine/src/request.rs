@@ -153,7 +153,7 @@ pub enum Handoff {
 }
 
 /// Prompt blocks read from another worker, in chain order.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct ImportedPrefix {
     /// Sequence hash of the block before the first (None: from the start).
     pub parent: Option<turbine_kv::SequenceHash>,
@@ -161,6 +161,14 @@ pub struct ImportedPrefix {
     pub hashes: Vec<turbine_kv::BlockHashes>,
     /// Their bytes, back to back (`block_bytes` each, checked).
     pub bytes: Vec<u8>,
+    /// Takes `bytes` back once installed (a reader's buffer pool).
+    pub recycle: Option<Box<dyn FnOnce(Vec<u8>) + Send>>,
+}
+
+impl std::fmt::Debug for ImportedPrefix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportedPrefix").field("parent", &self.parent).field("blocks", &self.hashes.len()).field("bytes", &self.bytes.len()).finish()
+    }
 }
 
 impl ImportedPrefix {

@@ -126,6 +126,9 @@ struct Sequence {
     /// A prefill for another worker: keep the prompt's full blocks pinned
     /// when it finishes.
     pin: bool,
+    /// Prompt tokens installed from another worker's prefill (not counted
+    /// as cached: they were computed for this request).
+    imported_tokens: usize,
 }
 
 impl Sequence {
@@ -261,6 +264,13 @@ impl Scheduler {
     /// elsewhere (a decode after a remote prefill), or, with `pin`, a
     /// prefill whose full prompt blocks stay referenced when it finishes.
     pub fn add_with(&mut self, request: GenerateRequest, generated: Vec<u32>, pin: bool) -> Result<SeqId, AdmissionError> {
+        self.add_imported(request, generated, pin, 0)
+    }
+
+    /// [`add_with`](Self::add_with) for a sequence whose first
+    /// `imported_tokens` prompt tokens were just installed from another
+    /// worker: they are hits, but not reported as cached.
+    pub fn add_imported(&mut self, request: GenerateRequest, generated: Vec<u32>, pin: bool, imported_tokens: usize) -> Result<SeqId, AdmissionError> {
         self.config.validate(&request)?;
         if generated.len() >= request.stop.max_tokens as usize {
             return Err(AdmissionError::Invalid(format!(
@@ -291,6 +301,7 @@ impl Scheduler {
                 cached_prompt_tokens: None,
                 preemptions: 0,
                 pin,
+                imported_tokens,
             },
         );
         self.waiting.push_back(id);
@@ -444,7 +455,7 @@ impl Scheduler {
             sequence.blocks = table;
             sequence.num_computed = num_computed;
             sequence.num_registered = hit;
-            sequence.cached_prompt_tokens.get_or_insert(num_computed.min(sequence.prompt_len));
+            sequence.cached_prompt_tokens.get_or_insert(num_computed.min(sequence.prompt_len).saturating_sub(sequence.imported_tokens));
             let sample = num_computed + len == sequence.tokens.len();
             self.waiting.pop_front();
             self.running.push_back(seq_id);

@@ -502,7 +502,7 @@ fn a_prefill_on_one_engine_and_decode_on_another_equal_one_engine() {
         let checksums: Vec<u64> = bytes.chunks(prefill_memory.layout().block_bytes).map(block_checksum).collect();
         prefill.unpin(pinned.pin_id);
         assert!(checksums.iter().all(|&sum| sum != block_checksum(&vec![0; prefill_memory.layout().block_bytes])), "blocks hold computed KV");
-        let handoff = Handoff::Decode { generated: first.clone(), import: ImportedPrefix { parent: None, hashes, bytes } };
+        let handoff = Handoff::Decode { generated: first.clone(), import: ImportedPrefix { parent: None, hashes, bytes, recycle: None } };
         let (rest, _) = finish(decode.submit(greedy_request(prompt, STEPS as u32), handoff).unwrap());
         let mut tokens = first;
         tokens.extend(rest);

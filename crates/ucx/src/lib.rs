@@ -22,6 +22,20 @@ use std::sync::Arc;
 
 use turbine_ucx_sys as sys;
 
+/// Why [`Worker::wait_all_until`] gave up.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum WaitError {
+    /// A request failed or timed out and was cancelled; UCX let go of
+    /// every buffer.
+    #[error(transparent)]
+    Failed(#[from] UcxError),
+    /// Requests timed out and did not complete even when cancelled (a
+    /// peer gone on a transport without error handling): their buffers
+    /// must be leaked.
+    #[error("UCX requests timed out and could not be cancelled")]
+    Abandoned,
+}
+
 /// A UCX call failed.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 #[error("UCX {call}: {message} ({status})")]
@@ -83,15 +97,40 @@ impl Context {
         Self::with_features((sys::ucp_feature::UCP_FEATURE_RMA | sys::ucp_feature::UCP_FEATURE_WAKEUP) as u64)
     }
 
+    /// Initializes UCX with RMA and wakeup over only the transports in
+    /// `tls` (UCX's `UCX_TLS` syntax, e.g. `"sm,self"`), whatever the
+    /// environment says.
+    pub fn with_transports(tls: &str) -> Result<Self, UcxError> {
+        let tls = std::ffi::CString::new(tls).map_err(|_| UcxError { call: "ucp_config_modify", status: -5, message: "NUL in transport list".into() })?;
+        // SAFETY: the config is read, modified and released here; the
+        // strings outlive the calls.
+        unsafe {
+            let mut config = ptr::null_mut();
+            check("ucp_config_read", sys::ucp_config_read(ptr::null(), ptr::null(), &mut config))?;
+            let modified = check("ucp_config_modify", sys::ucp_config_modify(config, c"TLS".as_ptr(), tls.as_ptr()));
+            let features = (sys::ucp_feature::UCP_FEATURE_RMA | sys::ucp_feature::UCP_FEATURE_WAKEUP) as u64;
+            let context = modified.and_then(|()| Self::init(features, config));
+            sys::ucp_config_release(config);
+            context
+        }
+    }
+
     fn with_features(features: u64) -> Result<Self, UcxError> {
+        // SAFETY: no config: UCX reads the environment.
+        unsafe { Self::init(features, ptr::null()) }
+    }
+
+    /// # Safety
+    /// `config` is null or a live config.
+    unsafe fn init(features: u64, config: *const sys::ucp_config_t) -> Result<Self, UcxError> {
         // SAFETY: zeroed params with only the features field set, as UCX
-        // documents; the out-pointer is valid.
+        // documents; the out-pointer is valid; config per the caller.
         unsafe {
             let mut params: sys::ucp_params_t = std::mem::zeroed();
             params.field_mask = sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES as u64;
             params.features = features;
             let mut context = ptr::null_mut();
-            check("ucp_init", sys::ucp_init(&params, ptr::null(), &mut context))?;
+            check("ucp_init", sys::ucp_init(&params, config, &mut context))?;
             Ok(Self { handle: Arc::new(ContextHandle(context)) })
         }
     }
@@ -165,11 +204,17 @@ impl Worker {
     }
 
     /// Drives this worker until every request completes or `deadline`
-    /// passes; then the rest are cancelled (and driven until UCX lets go of
-    /// their buffers) and a timeout error is returned.
-    pub fn wait_all_until(&self, requests: Vec<Request<'_>>, deadline: std::time::Instant) -> Result<(), UcxError> {
+    /// passes; then the rest are cancelled and driven for up to `grace`
+    /// more. Requests that still have not let go are abandoned.
+    ///
+    /// # Safety
+    /// On [`WaitError::Abandoned`], UCX may still write into the abandoned
+    /// requests' buffers at any later time: the caller must never free or
+    /// reuse them (leak them).
+    pub unsafe fn wait_all_until(&self, requests: Vec<Request<'_>>, deadline: std::time::Instant, grace: std::time::Duration) -> Result<(), WaitError> {
         let mut pending: Vec<Request<'_>> = requests.into_iter().filter(|request| !request.is_done()).collect();
         let mut first_error = None;
+        let mut cancelled_at = None;
         while !pending.is_empty() {
             self.progress();
             pending.retain_mut(|request| match request.poll() {
@@ -181,18 +226,28 @@ impl Worker {
                     false
                 }
             });
-            if !pending.is_empty() && std::time::Instant::now() >= deadline {
-                for request in &pending {
-                    // SAFETY: a live request of this worker.
-                    unsafe { sys::ucp_request_cancel(self.handle, request.handle) };
+            let now = std::time::Instant::now();
+            match cancelled_at {
+                None if !pending.is_empty() && now >= deadline => {
+                    for request in &pending {
+                        // SAFETY: a live request of this worker.
+                        unsafe { sys::ucp_request_cancel(self.handle, request.handle) };
+                    }
+                    cancelled_at = Some(now);
                 }
-                for request in pending.drain(..) {
-                    let _ = request.wait(self);
+                Some(at) if !pending.is_empty() && now >= at + grace => {
+                    // Dropping a request still in flight only releases our
+                    // reference; its buffer is the caller's to leak.
+                    drop(pending);
+                    return Err(WaitError::Abandoned);
                 }
-                return Err(UcxError { call: "wait", status: i32::from(sys::ucs_status_t::UCS_ERR_TIMED_OUT), message: "timed out".into() });
+                _ => {}
             }
         }
-        first_error.map_or(Ok(()), Err)
+        if cancelled_at.is_some() {
+            return Err(WaitError::Failed(UcxError { call: "wait", status: i32::from(sys::ucs_status_t::UCS_ERR_TIMED_OUT), message: "timed out".into() }));
+        }
+        first_error.map_or(Ok(()), |error| Err(WaitError::Failed(error)))
     }
 
     /// Arms the worker's wakeup: `Ok(true)` when armed (nothing pending;
@@ -207,6 +262,15 @@ impl Worker {
         check("ucp_worker_arm", status).map(|()| true)
     }
 
+    /// A file descriptor that becomes readable when the armed worker has
+    /// events (to wait on several workers with `poll`). Needs wakeup.
+    pub fn event_fd(&self) -> Result<std::os::fd::RawFd, UcxError> {
+        let mut fd = -1;
+        // SAFETY: a live worker; valid out-pointer.
+        check("ucp_worker_get_efd", unsafe { sys::ucp_worker_get_efd(self.handle, &mut fd) })?;
+        Ok(fd)
+    }
+
     /// Sleeps until the network needs this worker or a [`Waker`] wakes it.
     pub fn wait(&self) -> Result<(), UcxError> {
         // SAFETY: a live worker, used from its one thread.
@@ -219,16 +283,22 @@ impl Worker {
     }
 
     /// An endpoint to the worker whose [`address`](Self::address) is `peer`.
-    /// A failure of the peer fails the endpoint's requests instead of
-    /// hanging them (UCX's peer error handling).
-    pub fn connect(&self, peer: &[u8]) -> Result<Endpoint<'_>, UcxError> {
+    /// With `peer_errors`, a failure of the peer fails the endpoint's
+    /// requests instead of hanging them (UCX's peer error handling); UCX's
+    /// shared-memory transports do not support it, so endpoints of a
+    /// shared-memory-only context connect without.
+    pub fn connect(&self, peer: &[u8], peer_errors: bool) -> Result<Endpoint<'_>, UcxError> {
         // SAFETY: the address bytes stay alive during the call; zeroed
         // params with the remote address and error handling set.
         unsafe {
             let mut params: sys::ucp_ep_params_t = std::mem::zeroed();
             params.field_mask = (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64;
-            params.err_mode = sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER;
+            params.err_mode = if peer_errors {
+                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE
+            };
             params.address = peer.as_ptr() as *const sys::ucp_address_t;
             let mut endpoint = ptr::null_mut();
             check("ucp_ep_create", sys::ucp_ep_create(self.handle, &params, &mut endpoint))?;

@@ -24,7 +24,7 @@ fn a_batch_of_one_sided_reads_copies_registered_blocks() {
     // Reader: what it learns over the control path is three byte strings.
     let reader_context = Context::new().unwrap();
     let reader = Worker::new(&reader_context).unwrap();
-    let endpoint = reader.connect(&owner_address).unwrap();
+    let endpoint = reader.connect(&owner_address, true).unwrap();
     let key = endpoint.remote_key(&rkey).unwrap();
 
     // Every other block, in reverse order, into a packed buffer.

@@ -237,6 +237,17 @@ impl Pipeline {
         // The decode worker releases the handle once it has read the blocks.
         guard.map(ReleaseOnDrop::disarm);
         metrics::disaggregated("remote");
+        // Cached prompt tokens: the prefill's hits plus the decode worker's
+        // own (it does not count the blocks it read).
+        let prefill_cached = prefilled.cached_prompt_tokens;
+        let rest = rest.map(move |chunk| {
+            chunk.map(|mut chunk| {
+                if let Some((_, usage)) = &mut chunk.finished {
+                    usage.cached_prompt_tokens = (usage.cached_prompt_tokens + prefill_cached).min(usage.prompt_tokens);
+                }
+                chunk
+            })
+        });
         Ok(Box::pin(futures::stream::once(async move { Ok(first) }).chain(rest)))
     }
 }

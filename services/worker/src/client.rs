@@ -140,7 +140,7 @@ impl WorkerClient {
                 };
                 let response = client.clone().prefill(message).await?.into_inner();
                 let first = response.first.unwrap_or_default();
-                Ok(Prefilled { first: chunk_from_proto(first), handle: response.handle })
+                Ok(Prefilled { first: chunk_from_proto(first), handle: response.handle, cached_prompt_tokens: response.cached_prompt_tokens })
             }
         }
     }

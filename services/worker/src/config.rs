@@ -91,7 +91,23 @@ pub struct WorkerConfig {
     /// MiB of KV blocks this worker holds in flight while reading them from
     /// other workers; requests beyond it compute their prompt here.
     pub kv_transfer_mib: usize,
+    /// Mocker in a prefill or decode role: KV bytes per token of the
+    /// modelled model (a hand-off's transfer time is its bytes over
+    /// `mock_transfer_gbps`).
+    pub mock_kv_bytes_per_token: usize,
+    /// Mocker in a prefill or decode role: modelled transfer bandwidth in
+    /// GB/s.
+    pub mock_transfer_gbps: f64,
 }
+
+/// KV bytes per token the mocker models: Llama-3-8B in f16 (32 layers,
+/// keys and values, 8 KV heads of 128), the class of model its timing
+/// polynomials describe.
+pub const MOCK_KV_BYTES_PER_TOKEN: usize = 32 * 2 * 8 * 128 * 2;
+
+/// Transfer bandwidth the mocker models, GB/s: about what
+/// `turbine bench transfer` measures for UCX between processes here.
+pub const MOCK_TRANSFER_GBPS: f64 = 8.0;
 
 /// How a decode worker reads a prefill worker's blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -135,6 +151,8 @@ impl Default for WorkerConfig {
             kv_lease_ms: 30_000,
             kv_transport: KvTransport::Auto,
             kv_transfer_mib: 1024,
+            mock_kv_bytes_per_token: MOCK_KV_BYTES_PER_TOKEN,
+            mock_transfer_gbps: MOCK_TRANSFER_GBPS,
         }
     }
 }
@@ -163,6 +181,9 @@ impl WorkerConfig {
         }
         if !(self.lease_ttl_secs.is_finite() && self.lease_ttl_secs >= 0.1) {
             return Err("lease_ttl_secs must be at least 0.1".to_owned());
+        }
+        if !(self.mock_transfer_gbps.is_finite() && self.mock_transfer_gbps > 0.0) {
+            return Err("mock_transfer_gbps must be positive".to_owned());
         }
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err("shutdown_grace_secs must be non-negative".to_owned());
@@ -297,6 +318,14 @@ pub struct WorkerArgs {
     #[arg(long, env = "TURBINE_WORKER_KV_TRANSFER_MIB")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_transfer_mib: Option<usize>,
+    /// Mocker as prefill/decode: modelled KV bytes per token [default: 131072, Llama-3-8B f16].
+    #[arg(long, env = "TURBINE_WORKER_MOCK_KV_BYTES_PER_TOKEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mock_kv_bytes_per_token: Option<usize>,
+    /// Mocker as prefill/decode: modelled KV transfer bandwidth in GB/s [default: 8].
+    #[arg(long, env = "TURBINE_WORKER_MOCK_TRANSFER_GBPS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mock_transfer_gbps: Option<f64>,
 }
 
 impl WorkerArgs {
@@ -342,6 +371,8 @@ mod tests {
             kv_lease_ms: Some(1000),
             kv_transport: Some(KvTransport::Tcp),
             kv_transfer_mib: Some(64),
+            mock_kv_bytes_per_token: Some(1024),
+            mock_transfer_gbps: Some(2.0),
             config: None,
         };
         let config = args.load().unwrap();

@@ -117,7 +117,7 @@ impl pb::worker_server::Worker for WorkerService {
             usage,
             logprobs: prefilled.first.logprobs.into_iter().map(logprobs_to_proto).collect(),
         };
-        Ok(Response::new(pb::PrefillResponse { first: Some(first), handle: prefilled.handle }))
+        Ok(Response::new(pb::PrefillResponse { first: Some(first), handle: prefilled.handle, cached_prompt_tokens: prefilled.cached_prompt_tokens }))
     }
 
     async fn dump_kv_cache(&self, _request: Request<pb::DumpKvCacheRequest>) -> Result<Response<pb::DumpKvCacheResponse>, Status> {

@@ -11,7 +11,7 @@ use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
 use crate::config::{EngineKind, WorkerConfig, WorkerRole};
-use crate::disagg::{Disagg, DisaggOptions};
+use crate::disagg::{Disagg, DisaggOptions, SimulatedTransfer};
 use crate::convert::card_to_proto;
 
 /// The mocker's pool unless configured (DESIGN §5: 16,384 blocks of 64 tokens).
@@ -75,7 +75,12 @@ impl Worker {
             ..SchedulerConfig::default()
         };
         let engine = EngineHandle::spawn(scheduler, card.tokenizer.eog_token_ids.clone(), executor);
-        if config.role != WorkerRole::Aggregated && memory.is_none() {
+        // The mocker models hand-offs: no bytes, their transfer time.
+        let simulated = (config.engine == EngineKind::Mock && config.role != WorkerRole::Aggregated).then(|| SimulatedTransfer {
+            block_bytes: config.mock_kv_bytes_per_token * block_size,
+            bytes_per_sec: config.mock_transfer_gbps * 1e9 * config.speedup,
+        });
+        if config.role != WorkerRole::Aggregated && memory.is_none() && simulated.is_none() {
             anyhow::bail!("a {} worker needs an engine that can hand over its KV cache (the native engine on the CPU kernels)", config.role);
         }
         let options = DisaggOptions {
@@ -83,6 +88,7 @@ impl Worker {
             lease: Duration::from_millis(config.kv_lease_ms),
             transport: config.kv_transport,
             transfer_mib: config.kv_transfer_mib,
+            simulated,
         };
         let disagg = Arc::new(Disagg::new(&id, engine.clone(), memory, &options));
         tracing::info!(

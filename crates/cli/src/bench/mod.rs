@@ -5,6 +5,7 @@ pub mod engine;
 pub mod gateway;
 pub mod indexer;
 pub mod replay;
+pub mod transfer;
 
 use std::process::ExitCode;
 
@@ -20,6 +21,9 @@ pub enum BenchCommand {
     Replay(replay::ReplayArgs),
     /// The KV index applying a trace's events under concurrent lookups.
     Indexer(indexer::IndexerBenchArgs),
+    /// KV block transfer between two processes over UCX and TCP, side by
+    /// side with ucx_perftest.
+    Transfer(transfer::TransferBenchArgs),
 }
 
 /// Runs a benchmark and prints its report.
@@ -46,10 +50,19 @@ pub fn main(command: BenchCommand) -> ExitCode {
                 write_json(json.as_deref(), &report)
             }
             BenchCommand::Replay(args) => {
-                let json = args.json.clone();
+                let (json, plot) = (args.json.clone(), args.plot.clone());
                 let report = replay::run(args).await?;
                 replay::print(&report);
+                if let Some(plot) = plot {
+                    replay::write_plot(&report, &plot)?;
+                }
                 write_json(json.as_deref(), &report)
+            }
+            BenchCommand::Transfer(args) if args.serve => transfer::serve(&args).await,
+            BenchCommand::Transfer(args) => {
+                let report = transfer::run(&args).await?;
+                transfer::print(&report);
+                write_json(args.json.as_deref(), &report)
             }
             BenchCommand::Engine(_) | BenchCommand::Indexer(_) => unreachable!("handled above"),
         }

@@ -91,9 +91,36 @@ pub struct ReplayArgs {
     /// time (0: no timeline), e.g. to watch recovery after a failure.
     #[arg(long, default_value_t = 0.0)]
     pub window_secs: f64,
+    /// Disaggregated sweep: prefill:decode worker splits (comma-separated,
+    /// e.g. 1:1,1:2,2:2), each replayed with kv routing and compared with
+    /// aggregated workers of the same count (replaces --workers, --router
+    /// and --routers). The mockers model each hand-off's transfer from its
+    /// bytes (--kv-bytes-per-token) and --transfer-gbps.
+    #[arg(long, value_delimiter = ',')]
+    pub disagg: Vec<String>,
+    /// Sweep: KV bytes per token of the modelled model [default: Llama-3-8B in f16].
+    #[arg(long, default_value_t = turbine_worker::config::MOCK_KV_BYTES_PER_TOKEN)]
+    pub kv_bytes_per_token: usize,
+    /// Sweep: KV transfer bandwidth in GB/s (`turbine bench transfer` measures it).
+    #[arg(long, default_value_t = turbine_worker::config::MOCK_TRANSFER_GBPS)]
+    pub transfer_gbps: f64,
+    /// Sweep: prompts with more uncached tokens than this go to a prefill worker.
+    #[arg(long, default_value_t = turbine_router::DisaggPolicy::default().threshold_tokens)]
+    pub disagg_threshold_tokens: u32,
+    /// Sweep: write a plot of TTFT and ITL per configuration (SVG) here.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// A prefill:decode split of the sweep.
+fn parse_split(text: &str) -> anyhow::Result<(usize, usize)> {
+    let (prefill, decode) = text.split_once(':').with_context(|| format!("--disagg {text:?}: expected PREFILL:DECODE, e.g. 1:2"))?;
+    let (prefill, decode): (usize, usize) = (prefill.trim().parse()?, decode.trim().parse()?);
+    anyhow::ensure!(prefill >= 1 && decode >= 1, "--disagg {text:?}: at least one prefill and one decode worker");
+    Ok((prefill, decode))
 }
 
 /// One trace line.
@@ -316,10 +343,26 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
         print_timeline(&report);
         policies.push(report);
     }
-    for &policy in args.router.iter().filter(|_| args.gateway.is_none()) {
+    let splits = args.disagg.iter().map(|text| parse_split(text)).collect::<anyhow::Result<Vec<_>>>()?;
+    if !splits.is_empty() && args.gateway.is_none() {
+        let mut aggregated_done = Vec::new();
+        for &(prefill, decode) in &splits {
+            let workers = prefill + decode;
+            if !aggregated_done.contains(&workers) {
+                eprintln!("replaying {} requests on {workers} aggregated workers...", requests.len());
+                let report = replay_one(&args, Policy::Kv, 1, None, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+                policies.push(PolicyReport { router: format!("aggregated x{workers}"), ..report });
+                aggregated_done.push(workers);
+            }
+            eprintln!("replaying {} requests on {prefill} prefill + {decode} decode workers...", requests.len());
+            let report = replay_one(&args, Policy::Kv, 1, Some((prefill, decode)), workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+            policies.push(PolicyReport { router: format!("{prefill}P:{decode}D"), ..report });
+        }
+    }
+    for &policy in args.router.iter().filter(|_| args.gateway.is_none() && splits.is_empty()) {
         for &routers in &args.routers {
             eprintln!("replaying {} requests with the {} router (x{routers})...", requests.len(), policy.name());
-            let report = replay_one(&args, policy, routers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+            let report = replay_one(&args, policy, routers, None, args.workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
             print_timeline(&report);
             eprintln!(
                 "  {} x{}: ttft mean {:.0} ms p90 {:.0} ms, hit rate {:.3} (oracle {:.3}), {} failed",
@@ -345,6 +388,8 @@ async fn replay_one(
     args: &ReplayArgs,
     policy: Policy,
     routers: usize,
+    split: Option<(usize, usize)>,
+    workers: usize,
     requests: &[TraceRequest],
     prompts: &Arc<Vec<Arc<Vec<u32>>>>,
     context_length: u32,
@@ -355,11 +400,13 @@ async fn replay_one(
     let run_args = RunArgs {
         model: args.model.clone(),
         served_model_name: Some("replay".into()),
-        workers: args.workers,
-        prefill_workers: 0,
-        decode_workers: 0,
-        disagg_threshold_tokens: 0,
+        workers,
+        prefill_workers: split.map_or(0, |(prefill, _)| prefill),
+        decode_workers: split.map_or(0, |(_, decode)| decode),
+        disagg_threshold_tokens: args.disagg_threshold_tokens,
         kv_transport: turbine_worker::KvTransport::Auto,
+        mock_kv_bytes_per_token: args.kv_bytes_per_token,
+        mock_transfer_gbps: args.transfer_gbps,
         engine: EngineKind::Mock,
         host: [127, 0, 0, 1].into(),
         http_port: 0,
@@ -382,6 +429,23 @@ async fn replay_one(
         event_log: args.redis.clone().map(|url| (url, format!("replay-{}-{}-{}x{routers}", std::process::id(), unix_millis(), policy.name()))),
     };
     let stack = start(run_args, shutdown.clone()).await?;
+    // Traffic starts once every gateway lists the model and the routers
+    // have polled the registry (100 ms) at least twice.
+    for port in &stack.http_ports {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let listed = match reqwest::get(format!("http://127.0.0.1:{port}/v1/models")).await {
+                Ok(response) => response.json::<serde_json::Value>().await.ok().is_some_and(|body| body["data"].as_array().is_some_and(|data| !data.is_empty())),
+                Err(_) => false,
+            };
+            if listed {
+                break;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "the stack never listed its model");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(250)).await;
     let urls: Vec<String> = stack.http_ports.iter().map(|port| format!("http://127.0.0.1:{port}/v1/completions")).collect();
     let report = drive(args, &urls, "replay", requests, prompts, oracle, oracle_rate).await;
     shutdown.cancel();
@@ -591,6 +655,20 @@ pub fn print(report: &ReplayReport) {
             kv.share_of_oracle * 100.0
         );
     }
+    // The disaggregated sweep: each split against aggregated workers of the same count.
+    for p in report.policies.iter().filter(|p| p.router.contains("P:")) {
+        let workers: usize = p.router.trim_end_matches('D').split(['P', ':']).filter_map(|n| n.parse::<usize>().ok()).sum();
+        if let Some(aggregated) = report.policies.iter().find(|a| a.router == format!("aggregated x{workers}")) {
+            println!(
+                "{} vs aggregated x{workers}: TTFT mean {:.2}x, p90 {:.2}x; ITL mean {:.2}x, p90 {:.2}x (below 1: disaggregated is faster)",
+                p.router,
+                p.ttft.mean_ms / aggregated.ttft.mean_ms,
+                p.ttft.p90_ms / aggregated.ttft.p90_ms,
+                p.itl.mean_ms / aggregated.itl.mean_ms,
+                p.itl.p90_ms / aggregated.itl.p90_ms
+            );
+        }
+    }
     for p in report.policies.iter().filter(|p| p.routers > 1) {
         if let Some(single) = one(&p.router) {
             println!(
@@ -644,4 +722,52 @@ mod tests {
         // Request 1 carried 88 tokens of id 2: 512 + 88 = 600, cut to 576.
         assert_eq!(oracle_hits(&requests, 64), vec![0, 576]);
     }
+}
+
+/// Writes grouped bars of TTFT and ITL (mean and p90) per configuration as
+/// an SVG file.
+pub fn write_plot(report: &ReplayReport, path: &std::path::Path) -> anyhow::Result<()> {
+    let panels: [(&str, Box<dyn Fn(&PolicyReport) -> (f64, f64)>); 2] = [
+        ("time to first token (ms)", Box::new(|p| (p.ttft.mean_ms, p.ttft.p90_ms))),
+        ("inter-token latency (ms)", Box::new(|p| (p.itl.mean_ms, p.itl.p90_ms))),
+    ];
+    let (width, panel_height, left, top) = (120.0 + 110.0 * report.policies.len() as f64, 300.0, 70.0, 50.0);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{left}\" y=\"22\" font-size=\"15\">{}</text>\n",
+        top + 2.0 * (panel_height + 60.0),
+        escape(&format!("{} (arrivals {}x, engines {}x): mean (dark) and p90 (light)", report.trace.rsplit('/').next().unwrap_or(&report.trace), report.speedup, report.engine_speedup)),
+    );
+    for (index, (title, values)) in panels.iter().enumerate() {
+        let y0 = top + index as f64 * (panel_height + 60.0);
+        let max = report.policies.iter().map(|p| values(p).1.max(values(p).0)).fold(1e-9, f64::max) * 1.1;
+        let plot_height = panel_height - 40.0;
+        svg += &format!("<text x=\"{left}\" y=\"{}\" font-size=\"13\">{}</text>\n", y0 + 12.0, escape(title));
+        let base = y0 + 20.0 + plot_height;
+        svg += &format!("<line x1=\"{left}\" y1=\"{base}\" x2=\"{}\" y2=\"{base}\" stroke=\"black\"/>\n", width - 20.0);
+        for tick in 0..=4 {
+            let value = max * tick as f64 / 4.0;
+            let y = base - plot_height * tick as f64 / 4.0;
+            svg += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{value:.0}</text>\n", left - 6.0, y + 4.0);
+            svg += &format!("<line x1=\"{left}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"#ddd\"/>\n", width - 20.0);
+        }
+        for (slot, policy) in report.policies.iter().enumerate() {
+            let (mean, p90) = values(policy);
+            let x = left + 20.0 + slot as f64 * 110.0;
+            let color = if policy.router.contains("P:") { ("#1f5fa8", "#8fb4e0") } else { ("#555555", "#b0b0b0") };
+            for (offset, value, fill) in [(0.0, mean, color.0), (40.0, p90, color.1)] {
+                let height = plot_height * value / max;
+                svg += &format!("<rect x=\"{}\" y=\"{}\" width=\"38\" height=\"{height}\" fill=\"{fill}\"/>\n", x + offset, base - height);
+                svg += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"10\">{value:.0}</text>\n", x + offset + 19.0, base - height - 3.0);
+            }
+            svg += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", x + 39.0, base + 16.0, escape(&policy.router));
+        }
+    }
+    svg += "</svg>\n";
+    std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }

@@ -39,6 +39,9 @@ use crate::metrics;
 /// computes the prompt itself.
 const PULL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Read buffers kept for reuse.
+const STAGING_BUFFERS: usize = 4;
+
 /// A prefill's outcome: the first token and, unless that finished the
 /// request, the handle of the pinned blocks.
 #[derive(Debug, Clone)]
@@ -47,6 +50,8 @@ pub struct Prefilled {
     pub first: TokenChunk,
     /// The pinned blocks; `None` when `first` finished the request.
     pub handle: Option<pb::KvHandle>,
+    /// Prompt tokens the prefill served from its prefix cache.
+    pub cached_prompt_tokens: u32,
 }
 
 /// Blocks pinned for a decode worker.
@@ -66,6 +71,7 @@ pub struct Disagg {
     memory_id: u64,
     lease: Duration,
     transport: KvTransport,
+    simulated: Option<SimulatedTransfer>,
     /// MiB of blocks in flight to this worker.
     budget: Arc<Semaphore>,
     budget_mib: usize,
@@ -75,6 +81,9 @@ pub struct Disagg {
     /// release (which unpins after removing) never overlaps a copy.
     pins: Arc<Mutex<HashMap<u64, Pin>>>,
     clients: Mutex<HashMap<String, KvTransferClient<TracedChannel>>>,
+    /// Read buffers given back after their blocks were installed (reused:
+    /// fresh pages would be faulted in on every read).
+    staging: Arc<Mutex<Vec<Vec<u8>>>>,
     #[cfg(feature = "ucx")]
     ucx: Option<ucx_agent::UcxAgent>,
     /// Peers' UCX regions by memory id (None: the peer has no UCX).
@@ -99,6 +108,33 @@ pub struct DisaggOptions {
     pub transport: KvTransport,
     /// MiB of blocks in flight to this worker.
     pub transfer_mib: usize,
+    /// Engines without KV memory (the mocker): hand-offs move no bytes but
+    /// take the time these would take.
+    pub simulated: Option<SimulatedTransfer>,
+}
+
+/// A modelled KV transfer (for mocker workers): blocks of `block_bytes`
+/// read at `bytes_per_sec`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimulatedTransfer {
+    /// Bytes of one block of the modelled model.
+    pub block_bytes: usize,
+    /// Modelled bandwidth (already divided by any simulation speedup).
+    pub bytes_per_sec: f64,
+}
+
+impl SimulatedTransfer {
+    fn layout(&self) -> KvLayout {
+        KvLayout {
+            block_bytes: self.block_bytes,
+            block_size: 0,
+            layers: 0,
+            kv_heads: 0,
+            head_dim: 0,
+            dtype: "simulated".into(),
+            order: "simulated".into(),
+        }
+    }
 }
 
 impl Disagg {
@@ -108,6 +144,7 @@ impl Disagg {
         #[cfg(feature = "ucx")]
         let ucx = match (options.transport, options.role) {
             (KvTransport::Tcp, WorkerRole::Aggregated) => None,
+            _ if options.simulated.is_some() => None,
             _ => match ucx_agent::UcxAgent::start(memory.as_ref()) {
                 Ok(agent) => Some(agent),
                 Err(error) => {
@@ -124,11 +161,13 @@ impl Disagg {
             memory_id: rand_u64(),
             lease: options.lease,
             transport: options.transport,
+            simulated: options.simulated,
             budget: Arc::new(Semaphore::new(options.transfer_mib)),
             budget_mib: options.transfer_mib,
             endpoint: OnceLock::new(),
             pins: Arc::new(Mutex::new(HashMap::new())),
             clients: Mutex::new(HashMap::new()),
+            staging: Arc::new(Mutex::new(Vec::new())),
             #[cfg(feature = "ucx")]
             ucx,
             #[cfg(feature = "ucx")]
@@ -168,7 +207,7 @@ impl Disagg {
     /// blocks for a decode worker (see the module). `request.stop.max_tokens`
     /// is the whole request's; one token is generated here.
     pub async fn prefill(&self, mut request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
-        if self.memory.is_none() {
+        if self.memory.is_none() && self.simulated.is_none() {
             return Err(WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()));
         }
         if self.endpoint().is_none() {
@@ -204,11 +243,11 @@ impl Disagg {
             // move (a decode worker computes it itself).
             drop(guard);
             first.finished = finished.then_some((reason, usage));
-            return Ok(Prefilled { first, handle: None });
+            return Ok(Prefilled { first, handle: None, cached_prompt_tokens: usage.cached_prompt_tokens });
         }
         let handle = self.share(guard.pin_id, &blocks, lease.unwrap_or(self.lease)).await?;
         guard.disarm();
-        Ok(Prefilled { first, handle: Some(handle) })
+        Ok(Prefilled { first, handle: Some(handle), cached_prompt_tokens: usage.cached_prompt_tokens })
     }
 
     /// Offers pinned blocks to other workers: checksums them, registers a
@@ -216,47 +255,56 @@ impl Disagg {
     /// released with the handle (an id the engine never gave, such as 0,
     /// releases nothing: blocks pinned some other way).
     pub async fn share(&self, pin_id: u64, blocks: &[(u32, BlockHashes)], lease: Duration) -> Result<pb::KvHandle, WorkerError> {
-        let memory = self.memory.as_ref().ok_or_else(|| WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()))?;
         let endpoint = self.endpoint().ok_or_else(|| WorkerError::Unavailable("this worker does not serve KvTransfer yet".into()))?.to_owned();
         let ids: Vec<u32> = blocks.iter().map(|(block, _)| *block).collect();
-        if let Some(bad) = ids.iter().find(|&&block| block as usize >= memory.num_blocks()) {
-            return Err(WorkerError::InvalidArgument(format!("block {bad} is outside the pool")));
-        }
-        // Checksums of the pinned blocks (read-only while pinned).
-        let checksums = {
-            let (memory, ids) = (memory.clone(), ids.clone());
-            tokio::task::spawn_blocking(move || {
-                // SAFETY: the caller keeps the blocks pinned until the
-                // handle is released.
-                #[allow(unsafe_code)]
-                let sums: Vec<u64> = ids.iter().map(|&block| block_checksum(unsafe { memory.block(block) })).collect();
-                sums
-            })
-            .await
-            .map_err(|_| WorkerError::Internal("checksumming panicked".into()))?
+        let (layout, offsets, checksums) = match (&self.memory, &self.simulated) {
+            (Some(memory), _) => {
+                if let Some(bad) = ids.iter().find(|&&block| block as usize >= memory.num_blocks()) {
+                    return Err(WorkerError::InvalidArgument(format!("block {bad} is outside the pool")));
+                }
+                let offsets = ids.iter().map(|&block| memory.block_offset(block) as u64).collect();
+                (memory.layout().clone(), offsets, self.checksums(memory, &ids).await?)
+            }
+            (None, Some(simulated)) => (simulated.layout(), vec![0; ids.len()], vec![0; ids.len()]),
+            (None, None) => return Err(WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into())),
         };
         let handle_id = rand_u64();
         let handle = pb::KvHandle {
             worker_id: self.worker_id.clone(),
             transfer_endpoint: endpoint,
             handle_id,
-            layout: Some(layout_to_proto(memory.layout())),
+            layout: Some(layout_to_proto(&layout)),
             blocks: blocks
                 .iter()
-                .zip(&checksums)
-                .map(|((block, hashes), &checksum)| pb::KvBlockRef {
-                    sequence_hash: hashes.sequence.0,
-                    local_hash: hashes.local.0,
-                    offset: memory.block_offset(*block) as u64,
-                    checksum,
-                })
+                .zip(offsets.iter().zip(&checksums))
+                .map(|((_, hashes), (&offset, &checksum))| pb::KvBlockRef { sequence_hash: hashes.sequence.0, local_hash: hashes.local.0, offset, checksum })
                 .collect(),
             lease_expires_unix_ms: unix_ms(SystemTime::now() + lease),
             memory_id: self.memory_id,
         };
-        self.pins.lock().insert(handle_id, Pin { pin_id, blocks: ids });
+        self.register(handle_id, Pin { pin_id, blocks: ids }, lease);
+        Ok(handle)
+    }
+
+    /// Checksums of pinned blocks, computed off the async threads.
+    async fn checksums(&self, memory: &KvMemory, ids: &[u32]) -> Result<Vec<u64>, WorkerError> {
+        let (memory, ids) = (memory.clone(), ids.to_vec());
+        tokio::task::spawn_blocking(move || {
+            // SAFETY: the caller keeps the blocks pinned until the handle
+            // is released.
+            #[allow(unsafe_code)]
+            let sums: Vec<u64> = ids.iter().map(|&block| block_checksum(unsafe { memory.block(block) })).collect();
+            sums
+        })
+        .await
+        .map_err(|_| WorkerError::Internal("checksumming panicked".into()))
+    }
+
+    /// Records a handle and starts its lease: the blocks are freed if
+    /// nobody releases them in time.
+    fn register(&self, handle_id: u64, pin: Pin, lease: Duration) {
+        self.pins.lock().insert(handle_id, pin);
         metrics::kv_pins(&self.worker_id, 1);
-        // The lease: free the blocks if nobody releases them in time.
         let (pins, engine, worker_id) = (self.pins.clone(), self.engine.clone(), self.worker_id.clone());
         tokio::spawn(async move {
             tokio::time::sleep(lease).await;
@@ -268,7 +316,6 @@ impl Disagg {
                 tracing::debug!(handle_id, "a prefill's lease expired before its decode worker released it");
             }
         });
-        Ok(handle)
     }
 
     /// Unpins a handle; false if it was unknown (released or expired).
@@ -342,9 +389,13 @@ impl Disagg {
     }
 
     async fn try_import(&self, request: &GenerateRequest, handle: &pb::KvHandle) -> Result<(ImportedPrefix, &'static str, usize), ImportError> {
-        let memory = self.memory.as_ref().ok_or(ImportError::NoMemory)?;
+        let local_layout = match (&self.memory, &self.simulated) {
+            (Some(memory), _) => memory.layout().clone(),
+            (None, Some(simulated)) => simulated.layout(),
+            (None, None) => return Err(ImportError::NoMemory),
+        };
         let layout = handle.layout.as_ref().map(layout_from_proto).ok_or(ImportError::Layout)?;
-        if &layout != memory.layout() {
+        if layout != local_layout {
             return Err(ImportError::Layout);
         }
         if unix_ms(SystemTime::now()) >= handle.lease_expires_unix_ms {
@@ -368,6 +419,12 @@ impl Disagg {
         }
         let wanted: Vec<usize> = (cached..hashes.len()).collect();
         let bytes = wanted.len() * layout.block_bytes;
+        let parent = cached.checked_sub(1).map(|i| hashes[i].sequence);
+        if let Some(simulated) = &self.simulated {
+            // Modelled: no bytes are held, only the time is taken.
+            tokio::time::sleep(Duration::from_secs_f64(bytes as f64 / simulated.bytes_per_sec)).await;
+            return Ok((ImportedPrefix { parent, hashes: hashes[cached..].to_vec(), ..ImportedPrefix::default() }, "simulated", bytes));
+        }
         let permits = bytes.div_ceil(1 << 20).max(1);
         if permits > self.budget_mib {
             return Err(ImportError::Budget);
@@ -381,8 +438,14 @@ impl Disagg {
             }
         }
         let pulled = bytes.len();
-        let parent = cached.checked_sub(1).map(|i| hashes[i].sequence);
-        Ok((ImportedPrefix { parent, hashes: hashes[cached..].to_vec(), bytes }, transport, pulled))
+        let staging = self.staging.clone();
+        let recycle: Box<dyn FnOnce(Vec<u8>) + Send> = Box::new(move |buffer| {
+            let mut staging = staging.lock();
+            if staging.len() < STAGING_BUFFERS {
+                staging.push(buffer);
+            }
+        });
+        Ok((ImportedPrefix { parent, hashes: hashes[cached..].to_vec(), bytes, recycle: Some(recycle) }, transport, pulled))
     }
 
     /// Reads blocks `wanted` of a handle: UCX when allowed and possible,
@@ -419,13 +482,21 @@ impl Disagg {
         };
         let region = region.ok_or_else(|| ImportError::Transfer("the prefill worker has no UCX".into()))?;
         let offsets: Vec<u64> = wanted.iter().map(|&index| handle.blocks[index].offset).collect();
-        let pulled = agent.pull(&region, &offsets, block_bytes, PULL_TIMEOUT).await.map_err(ImportError::Transfer)?;
+        // A second plus the time at 0.5 GB/s (far below any UCX transport's),
+        // at most PULL_TIMEOUT: a dead peer costs no more than that.
+        let deadline = (Duration::from_secs(1) + Duration::from_secs_f64((offsets.len() * block_bytes) as f64 / 0.5e9)).min(PULL_TIMEOUT);
+        let pulled = agent.pull(&region, &offsets, block_bytes, self.staging_buffer(), deadline).await.map_err(ImportError::Transfer)?;
         metrics::kv_ucx_post(&self.worker_id, pulled.post);
         Ok(pulled.bytes)
     }
 
     async fn read_tcp(&self, handle: &pb::KvHandle, wanted: &[usize], block_bytes: usize) -> Result<Vec<u8>, ImportError> {
-        read_blocks_tcp(self.client(&handle.transfer_endpoint)?, handle.handle_id, wanted, block_bytes).await.map_err(ImportError::Transfer)
+        read_blocks_tcp(self.client(&handle.transfer_endpoint)?, handle.handle_id, wanted, block_bytes, self.staging_buffer()).await.map_err(ImportError::Transfer)
+    }
+
+    /// A buffer to read into: a recycled one if any.
+    fn staging_buffer(&self) -> Vec<u8> {
+        self.staging.lock().pop().unwrap_or_default()
     }
 
     fn client(&self, endpoint: &str) -> Result<KvTransferClient<TracedChannel>, ImportError> {
@@ -461,11 +532,18 @@ impl Drop for ReleaseRemote {
 
 /// Reads blocks `wanted` (indices into the handle) of a handle over the
 /// `KvTransfer/ReadBlocks` stream, back to back.
-pub async fn read_blocks_tcp(mut client: KvTransferClient<TracedChannel>, handle_id: u64, wanted: &[usize], block_bytes: usize) -> Result<Vec<u8>, String> {
+pub async fn read_blocks_tcp(
+    mut client: KvTransferClient<TracedChannel>,
+    handle_id: u64,
+    wanted: &[usize],
+    block_bytes: usize,
+    mut bytes: Vec<u8>,
+) -> Result<Vec<u8>, String> {
     let request = pb::ReadBlocksRequest { handle_id, indices: wanted.iter().map(|&i| i as u32).collect() };
     let transfer = |status: tonic::Status| format!("read blocks: {}", status.message());
     let mut stream = client.read_blocks(request).await.map_err(transfer)?.into_inner();
-    let mut bytes = Vec::with_capacity(wanted.len() * block_bytes);
+    bytes.clear();
+    bytes.reserve(wanted.len() * block_bytes);
     for &index in wanted {
         let block = stream.next().await.ok_or("the block stream ended early")?.map_err(transfer)?;
         if block.index as usize != index || block.data.len() != block_bytes {
