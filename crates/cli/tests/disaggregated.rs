@@ -104,7 +104,9 @@ fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str) -> S
     let admin = free_port();
     let admin_addr = format!("127.0.0.1:{admin}");
     let args = [
-        "--grpc-addr", "127.0.0.1:0", "--admin-addr", &admin_addr, "--engine", "native", "--threads", "1", "--kv-cache-mib", "128",
+        // 640 MiB: 1,777 blocks, room for every prompt of the test at once
+        // (1,312 blocks), so the second pass can expect hits.
+        "--grpc-addr", "127.0.0.1:0", "--admin-addr", &admin_addr, "--engine", "native", "--threads", "1", "--kv-cache-mib", "640",
         "--redis", &redis.url(), "--namespace", "disagg", "--worker-id", id, "--lease-ttl-secs", "2", "--role", role,
         "--kv-transport", transport,
     ];
