@@ -88,7 +88,7 @@ fn router_descriptor_set_follows_the_contract_rules() {
 #[test]
 fn worker_descriptor_set_follows_the_contract_rules() {
     let set = decode(worker::v1::FILE_DESCRIPTOR_SET);
-    check_contract_rules(&set, "turbine.worker.v1", &["Worker"]);
+    check_contract_rules(&set, "turbine.worker.v1", &["Worker", "KvTransfer"]);
 }
 
 #[test]
