@@ -138,6 +138,12 @@ async fn start_cluster(transport: &str) -> Cluster {
     Cluster { redis, prefill, decode, _router: router, gateway, base }
 }
 
+/// Free MiB in /dev/shm, where the prefill worker's pool goes.
+fn shm_free_mib() -> Option<u64> {
+    let output = std::process::Command::new("df").args(["-BM", "--output=avail", "/dev/shm"]).output().ok()?;
+    String::from_utf8_lossy(&output.stdout).lines().nth(1)?.trim().trim_end_matches('M').parse().ok()
+}
+
 /// Runs `chosen` prompts through a disaggregated cluster reading blocks
 /// over `transport`, twice.
 async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
@@ -159,6 +165,17 @@ async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
     assert_eq!(read as usize, chosen.len(), "every prompt was read from the prefill worker over {transport}");
     assert!(metric_where(decode, "turbine_worker_kv_import_bytes_total", &[("transport", transport)]).await > 0.0);
     assert_eq!(metric(decode, "turbine_worker_kv_checksum_mismatches_total").await, 0.0);
+    if transport == "ucx" {
+        // Same machine: the prefill worker's pool is in UCX shared memory
+        // and the decode worker copies blocks straight out of it, unless
+        // the shared-memory file system is too small for the pool (then
+        // gets, also UCX, and the prefill worker says so in its log).
+        let mapped = metric_where(decode, "turbine_worker_kv_ucx_reads_total", &[("path", "mapped")]).await;
+        match shm_free_mib() {
+            Some(free) if free >= 640 + 128 => assert_eq!(mapped as usize, chosen.len(), "every UCX read copied from the mapped pool"),
+            free => eprintln!("/dev/shm has {free:?} MiB free: {mapped} of {} reads mapped", chosen.len()),
+        }
+    }
     // Every handle was released by its decode worker (none left to expire).
     wait_until("handles released", Duration::from_secs(5), async || metric(&cluster.prefill.admin, "turbine_worker_kv_pinned_handles").await == 0.0).await;
     assert_eq!(metric(&cluster.prefill.admin, "turbine_worker_kv_leases_expired_total").await, 0.0);

@@ -41,10 +41,15 @@ pub struct KvLayout {
     pub order: String,
 }
 
-/// A zeroed, page-aligned allocation shared by the engine and transfers.
+/// A zeroed, page-aligned allocation shared by the engine and transfers:
+/// from the heap, or memory someone else provides (shared memory that
+/// peers on the same machine can map, see [`KvAllocator`]).
 pub struct KvBuffer {
     ptr: NonNull<u8>,
     len: usize,
+    /// Who frees the memory: `None` for the heap, else the provider's
+    /// handle, dropped with the buffer.
+    owner: Option<Box<dyn Send + Sync>>,
 }
 
 // SAFETY: the buffer is plain memory; who may touch which bytes when is the
@@ -54,18 +59,34 @@ unsafe impl Sync for KvBuffer {}
 
 impl std::fmt::Debug for KvBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvBuffer").field("len", &self.len).finish()
+        f.debug_struct("KvBuffer").field("len", &self.len).field("provided", &self.owner.is_some()).finish()
     }
 }
 
 impl KvBuffer {
-    /// Allocates `len` zeroed bytes (at least one page).
+    /// Allocates `len` zeroed bytes (at least one page) on the heap.
     pub fn zeroed(len: usize) -> Self {
         let layout = Layout::from_size_align(len.max(ALIGN), ALIGN).expect("KV buffer size overflows");
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Self { ptr, len }
+        Self { ptr, len, owner: None }
+    }
+
+    /// Wraps memory someone else allocated; dropping the buffer drops
+    /// `owner`, which frees it.
+    ///
+    /// # Safety
+    /// `ptr` is page-aligned and points to `len` zeroed, writable bytes
+    /// that nothing else uses and that stay mapped until `owner` drops.
+    pub unsafe fn provided(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> Self {
+        debug_assert_eq!(ptr.as_ptr() as usize % ALIGN, 0, "provided KV memory must be page-aligned");
+        Self { ptr, len, owner: Some(owner) }
+    }
+
+    /// Whether the memory came from a provider rather than the heap.
+    pub fn is_provided(&self) -> bool {
+        self.owner.is_some()
     }
 
     /// The first byte.
@@ -93,9 +114,43 @@ impl KvBuffer {
 
 impl Drop for KvBuffer {
     fn drop(&mut self) {
+        if self.owner.take().is_some() {
+            // The provider's handle, just dropped, freed the memory.
+            return;
+        }
         let layout = Layout::from_size_align(self.len.max(ALIGN), ALIGN).expect("layout was valid at allocation");
         // SAFETY: allocated in `zeroed` with this layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) };
+    }
+}
+
+/// Where an engine gets its KV pool's memory when the heap will not do:
+/// called once with the pool's size in bytes. A provider that cannot
+/// allocate falls back to [`KvBuffer::zeroed`] itself.
+#[derive(Clone)]
+pub struct KvAllocator(Arc<dyn Fn(usize) -> KvBuffer + Send + Sync>);
+
+impl KvAllocator {
+    /// An allocator calling `allocate`.
+    pub fn new(allocate: impl Fn(usize) -> KvBuffer + Send + Sync + 'static) -> Self {
+        Self(Arc::new(allocate))
+    }
+
+    /// A buffer of `len` bytes.
+    pub fn allocate(&self, len: usize) -> KvBuffer {
+        (self.0)(len)
+    }
+}
+
+impl PartialEq for KvAllocator {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for KvAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvAllocator")
     }
 }
 

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use turbine_engine::{Batch, Executor, KvMemory, Sampled};
+use turbine_engine::{Batch, Executor, KvAllocator, KvMemory, Sampled};
 use turbine_tokens::Gguf;
 
 use crate::candle_backend::{CandleCache, CandleModel};
@@ -67,6 +67,8 @@ pub struct NativeOptions {
     pub device: Device,
     /// Which implementation runs the forward pass.
     pub backend: Backend,
+    /// Where the CPU KV pool's memory comes from (the heap when unset).
+    pub kv_allocator: Option<KvAllocator>,
 }
 
 impl Default for NativeOptions {
@@ -78,6 +80,7 @@ impl Default for NativeOptions {
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             device: Device::Cpu,
             backend: Backend::Auto,
+            kv_allocator: None,
         }
     }
 }
@@ -127,7 +130,7 @@ impl NativeExecutor {
             }
             Backend::Kernels | Backend::Auto => {
                 let model = LlamaModel::load(path)?;
-                let cache = KvCache::new(model.config(), num_blocks, options.block_size);
+                let cache = KvCache::new(model.config(), num_blocks, options.block_size, options.kv_allocator.as_ref());
                 tracing::info!(weights_mib = model.weight_bytes() >> 20, threads = options.threads, "native model mapped");
                 Compute::Kernels { model: Arc::new(model), cache, pool: ThreadPool::new(options.threads) }
             }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use half::f16;
 use memmap2::Mmap;
-use turbine_engine::{KvBuffer, KvLayout, KvMemory};
+use turbine_engine::{KvAllocator, KvBuffer, KvLayout, KvMemory};
 use turbine_tokens::Gguf;
 
 use crate::config::LlamaConfig;
@@ -76,10 +76,14 @@ pub struct KvCache {
 
 #[allow(unsafe_code)]
 impl KvCache {
-    /// A zeroed cache of `num_blocks` blocks of `block_size` tokens.
-    pub fn new(config: &LlamaConfig, num_blocks: usize, block_size: usize) -> Self {
+    /// A zeroed cache of `num_blocks` blocks of `block_size` tokens, its
+    /// memory from `allocator` (the heap without one).
+    pub fn new(config: &LlamaConfig, num_blocks: usize, block_size: usize, allocator: Option<&KvAllocator>) -> Self {
         let block_values = config.layers * 2 * block_size * config.kv_heads * config.head_dim;
-        let buffer = Arc::new(KvBuffer::zeroed(num_blocks * block_values * std::mem::size_of::<f16>()));
+        let bytes = num_blocks * block_values * std::mem::size_of::<f16>();
+        let buffer = allocator.map_or_else(|| KvBuffer::zeroed(bytes), |allocator| allocator.allocate(bytes));
+        assert!(buffer.len() >= bytes, "the KV allocator returned {} bytes for a pool of {bytes}", buffer.len());
+        let buffer = Arc::new(buffer);
         Self { buffer, block_size, num_blocks, layers: config.layers, kv_heads: config.kv_heads, head_dim: config.head_dim }
     }
 

@@ -316,7 +316,7 @@ fn chunked_prefill_gives_the_same_tokens_as_one_chunk() {
     let block_size = 16;
     let run = |chunk: usize| {
         let total = prompt.len() + 8;
-        let mut cache = KvCache::new(model.config(), total.div_ceil(block_size), block_size);
+        let mut cache = KvCache::new(model.config(), total.div_ceil(block_size), block_size, None);
         let table: Vec<u32> = (0..total.div_ceil(block_size) as u32).rev().collect();
         let mut tokens = prompt.clone();
         let mut computed = 0usize;

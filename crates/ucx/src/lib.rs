@@ -390,6 +390,40 @@ impl MemoryRegion {
         }
     }
 
+    /// Allocates `length` bytes through UCX and registers them with
+    /// `context`. UCX tries its allocators in `UCX_ALLOC_PRIO` order; on
+    /// one machine the shared-memory ones come first, and memory they hand
+    /// out is what peers on the same machine can map and read without the
+    /// owner's help ([`RemoteKey::local_ptr`]). The memory is zeroed by the
+    /// kernel or by UCX; it lives until the region is dropped.
+    pub fn allocate(context: &Context, length: usize) -> Result<Self, UcxError> {
+        // SAFETY: zeroed params with length and the ALLOCATE flag; the
+        // address UCX chose is read back from the mapping it returned.
+        unsafe {
+            let mut params: sys::ucp_mem_map_params_t = std::mem::zeroed();
+            params.field_mask = (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64;
+            params.address = ptr::null_mut();
+            params.length = length;
+            params.flags = sys::_bindgen_ty_4::UCP_MEM_MAP_ALLOCATE;
+            let mut memh = ptr::null_mut();
+            check("ucp_mem_map", sys::ucp_mem_map(context.handle.0, &params, &mut memh))?;
+            let mut attr: sys::ucp_mem_attr_t = std::mem::zeroed();
+            attr.field_mask = (sys::ucp_mem_attr_field::UCP_MEM_ATTR_FIELD_ADDRESS | sys::ucp_mem_attr_field::UCP_MEM_ATTR_FIELD_LENGTH) as u64;
+            if let Err(error) = check("ucp_mem_query", sys::ucp_mem_query(memh, &mut attr)) {
+                sys::ucp_mem_unmap(context.handle.0, memh);
+                return Err(error);
+            }
+            Ok(Self { handle: memh, context: context.clone(), address: attr.address as u64, length: attr.length.min(length) })
+        }
+    }
+
+    /// The first byte of the region in this process.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.address as *mut u8
+    }
+
     /// The base address peers read at (plus an offset).
     pub fn address(&self) -> u64 {
         self.address
@@ -440,13 +474,15 @@ impl std::fmt::Debug for Endpoint<'_> {
 
 impl<'w> Endpoint<'w> {
     /// Unpacks a peer's [`MemoryRegion::packed_rkey`] for reads through
-    /// this endpoint.
-    pub fn remote_key(&self, packed: &[u8]) -> Result<RemoteKey<'_>, UcxError> {
+    /// this endpoint. The key may outlive the endpoint (not its worker):
+    /// keep it to keep a shared-memory mapping ([`RemoteKey::local_ptr`]);
+    /// gets with it through another endpoint are refused.
+    pub fn remote_key(&self, packed: &[u8]) -> Result<RemoteKey<'w>, UcxError> {
         // SAFETY: the buffer is alive during the call; valid out-pointer.
         unsafe {
             let mut rkey = ptr::null_mut();
             check("ucp_ep_rkey_unpack", sys::ucp_ep_rkey_unpack(self.handle, packed.as_ptr() as *const _, &mut rkey))?;
-            Ok(RemoteKey { handle: rkey, _endpoint: PhantomData })
+            Ok(RemoteKey { handle: rkey, endpoint: self.handle, _worker: PhantomData })
         }
     }
 
@@ -454,6 +490,9 @@ impl<'w> Endpoint<'w> {
     /// into `into`. The read may complete at once (`Request` is then done)
     /// or later: drive the worker until it does.
     pub fn get<'a>(&'a self, into: &'a mut [u8], remote_address: u64, key: &'a RemoteKey<'_>) -> Result<Request<'a>, UcxError> {
+        if key.endpoint != self.handle {
+            return Err(UcxError { call: "ucp_get_nbx", status: i32::from(sys::ucs_status_t::UCS_ERR_INVALID_PARAM), message: "the remote key was unpacked for another endpoint".into() });
+        }
         // SAFETY: `into` is borrowed for the request's lifetime, so the
         // buffer outlives the read; zeroed params mean no callback.
         unsafe {
@@ -485,15 +524,32 @@ impl Drop for Endpoint<'_> {
     }
 }
 
-/// A peer region's key, unpacked for one endpoint.
-pub struct RemoteKey<'e> {
+/// A peer region's key, unpacked for one endpoint of worker `'w`.
+pub struct RemoteKey<'w> {
     handle: sys::ucp_rkey_h,
-    _endpoint: PhantomData<&'e ()>,
+    endpoint: sys::ucp_ep_h,
+    _worker: PhantomData<&'w Worker>,
 }
 
 impl std::fmt::Debug for RemoteKey<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteKey").finish_non_exhaustive()
+    }
+}
+
+impl RemoteKey<'_> {
+    /// Where the peer's byte at `remote_address` is mapped in this process,
+    /// when the peer's memory is shared with it (same machine, memory UCX
+    /// allocated in shared memory); `None` otherwise, and reads must go
+    /// through [`Endpoint::get`].
+    ///
+    /// Reading through the pointer needs nothing from the peer, not even
+    /// its progress; the mapping lives as long as this key.
+    pub fn local_ptr(&self, remote_address: u64) -> Option<*const u8> {
+        let mut local = ptr::null_mut();
+        // SAFETY: a live key; valid out-pointer.
+        let status = unsafe { sys::ucp_rkey_ptr(self.handle, remote_address, &mut local) };
+        (status == sys::ucs_status_t::UCS_OK && !local.is_null()).then_some(local as *const u8)
     }
 }
 

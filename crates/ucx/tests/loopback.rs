@@ -60,3 +60,44 @@ fn a_batch_of_one_sided_reads_copies_registered_blocks() {
     drop(key);
     drop(endpoint);
 }
+
+/// Memory UCX allocates in shared memory is mapped by a same-machine
+/// reader (`local_ptr`) and read with no help from its owner, which never
+/// progresses here; a get through the same key reads the same bytes.
+#[test]
+fn shared_memory_a_peer_allocated_is_read_without_the_peer() {
+    const BYTES: usize = 4 << 20;
+    let owner_context = Context::with_transports("posix,self").unwrap();
+    let owner = Worker::new(&owner_context).unwrap();
+    let region = MemoryRegion::allocate(&owner_context, BYTES).unwrap();
+    assert!(region.len() >= BYTES);
+    // SAFETY: the region is ours, BYTES long, and nothing reads it yet.
+    let owned = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), BYTES) };
+    assert!(owned.iter().all(|&byte| byte == 0), "allocated memory is zeroed");
+    for (i, byte) in owned.iter_mut().enumerate() {
+        *byte = (i * 7 % 253) as u8;
+    }
+    let (owner_address, rkey, base) = (owner.address().unwrap(), region.packed_rkey().unwrap(), region.address());
+
+    let reader_context = Context::with_transports("posix,self").unwrap();
+    let reader = Worker::new(&reader_context).unwrap();
+    let endpoint = reader.connect(&owner_address, false).unwrap();
+    let key = endpoint.remote_key(&rkey).unwrap();
+    let mapped = key.local_ptr(base + 4096).expect("shared memory allocated by UCX is mapped by a same-machine peer");
+    // SAFETY: the mapping covers the region and lives as long as `key`.
+    let seen = unsafe { std::slice::from_raw_parts(mapped, 4096) };
+    assert_eq!(seen, &owned[4096..8192]);
+
+    let mut pulled = vec![0u8; 4096];
+    endpoint.get(&mut pulled, base + 8192, &key).unwrap().wait(&reader).unwrap();
+    assert_eq!(pulled, &owned[8192..12288]);
+
+    // A key unpacked for one endpoint is refused by another.
+    let other = reader.connect(&owner_address, false).unwrap();
+    assert!(other.get(&mut pulled, base, &key).is_err());
+    drop(key);
+    drop(other);
+    drop(endpoint);
+    drop(region);
+    drop(owner);
+}

@@ -235,7 +235,9 @@ impl Pipeline {
         let remote = RemotePrefill { handle: guard.as_ref().map(|g| g.handle.clone()), generated_token_ids: first.tokens.clone() };
         let rest = decode.generate_after_prefill(request.clone(), remote).await?;
         // The decode worker releases the handle once it has read the blocks.
-        guard.map(ReleaseOnDrop::disarm);
+        if let Some(guard) = guard {
+            guard.disarm();
+        }
         metrics::disaggregated("remote");
         // Cached prompt tokens: the prefill's hits plus the decode worker's
         // own (it does not count the blocks it read).

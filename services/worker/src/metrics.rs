@@ -189,6 +189,13 @@ static KV_IMPORT_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
 });
 static KV_CHECKSUM_MISMATCHES: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_worker_kv_checksum_mismatches_total", "Transferred KV blocks that failed their checksum", &["worker"]));
+static KV_UCX_READS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_worker_kv_ucx_reads_total",
+        "Batches of UCX block reads, by path: mapped (copied out of a same-machine peer's shared pool) or get (one-sided gets)",
+        &["worker", "path"],
+    )
+});
 static KV_UCX_POST: LazyLock<HistogramVec> = LazyLock::new(|| {
     histogram(
         "turbine_worker_kv_ucx_post_seconds",
@@ -236,6 +243,10 @@ pub(crate) fn kv_checksum_mismatch(worker: &str) {
 }
 
 #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
-pub(crate) fn kv_ucx_post(worker: &str, elapsed: Duration) {
-    KV_UCX_POST.with_label_values(&[worker]).observe(elapsed.as_secs_f64());
+/// One batch of UCX block reads: the time to post it, and whether the
+/// blocks were copied out of the peer's pool mapped here (`mapped`) or read
+/// with gets (`get`).
+pub(crate) fn kv_ucx_read(worker: &str, post: Duration, mapped: bool) {
+    KV_UCX_POST.with_label_values(&[worker]).observe(post.as_secs_f64());
+    KV_UCX_READS.with_label_values(&[worker, if mapped { "mapped" } else { "get" }]).inc();
 }

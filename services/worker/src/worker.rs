@@ -11,7 +11,7 @@ use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
 use crate::config::{EngineKind, WorkerConfig, WorkerRole};
-use crate::disagg::{Disagg, DisaggOptions, SimulatedTransfer};
+use crate::disagg::{Disagg, DisaggOptions, SharedKvPool, SimulatedTransfer};
 use crate::convert::card_to_proto;
 
 /// The mocker's pool unless configured (DESIGN §5: 16,384 blocks of 64 tokens).
@@ -42,6 +42,7 @@ impl Worker {
         if let Some(context_length) = config.context_length {
             card.context_length = context_length;
         }
+        let pool = SharedKvPool::for_role(config.role, config.kv_transport);
         let (executor, num_blocks, memory): (Box<dyn Executor>, usize, Option<KvMemory>) = match config.engine {
             EngineKind::Native => {
                 let options = NativeOptions {
@@ -51,6 +52,7 @@ impl Worker {
                     threads: config.threads(),
                     device: config.device.parse().map_err(anyhow::Error::msg)?,
                     backend: Backend::Auto,
+                    kv_allocator: pool.allocator(),
                 };
                 let executor = NativeExecutor::load(&model.path, &options)?;
                 let num_blocks = executor.num_blocks();
@@ -89,6 +91,7 @@ impl Worker {
             transport: config.kv_transport,
             transfer_mib: config.kv_transfer_mib,
             simulated,
+            pool,
         };
         let disagg = Arc::new(Disagg::new(&id, engine.clone(), memory, &options));
         tracing::info!(

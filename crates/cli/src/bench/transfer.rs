@@ -27,7 +27,7 @@ use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient;
 use turbine_proto::worker::v1::kv_transfer_server::KvTransferServer;
 use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, traced_channel};
 use turbine_worker::disagg::service::KvTransferService;
-use turbine_worker::disagg::{Disagg, DisaggOptions, read_blocks_tcp};
+use turbine_worker::disagg::{Disagg, DisaggOptions, SharedKvPool, read_blocks_tcp};
 use turbine_worker::{KvTransport, WorkerRole};
 
 /// A transport to measure.
@@ -126,7 +126,13 @@ impl Executor for NoModel {
 /// The owner process: shares a random pool under one handle, prints it,
 /// serves until stdin closes.
 pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
-    let mut buffer = KvBuffer::zeroed(args.blocks * args.block_bytes);
+    // The pool comes from where a prefill worker's would (UCX shared
+    // memory when it can), so the benchmark reads it the way a decode
+    // worker would.
+    let pool = SharedKvPool::for_role(WorkerRole::Prefill, KvTransport::Auto);
+    let bytes = args.blocks * args.block_bytes;
+    let mut buffer = pool.allocator().map_or_else(|| KvBuffer::zeroed(bytes), |allocator| allocator.allocate(bytes));
+    eprintln!("owner pool: {} MiB, {}", bytes >> 20, if buffer.is_provided() { "UCX shared memory" } else { "heap" });
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     for chunk in buffer.as_mut_slice().chunks_mut(8) {
         state ^= state << 13;
@@ -145,7 +151,7 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
     };
     let memory = KvMemory::new(Arc::new(buffer), layout, args.blocks);
     let engine = EngineHandle::spawn(SchedulerConfig { num_blocks: 1, block_size: 1, ..SchedulerConfig::default() }, vec![], Box::new(NoModel));
-    let options = DisaggOptions { role: WorkerRole::Prefill, lease: Duration::from_secs(3600), transport: KvTransport::Auto, transfer_mib: 1, simulated: None };
+    let options = DisaggOptions { role: WorkerRole::Prefill, lease: Duration::from_secs(3600), transport: KvTransport::Auto, transfer_mib: 1, simulated: None, pool };
     let disagg = Arc::new(Disagg::new("bench-owner", engine.clone(), Some(memory), &options));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("http://{}", listener.local_addr()?);
@@ -251,7 +257,7 @@ pub async fn run(args: &TransferBenchArgs) -> anyhow::Result<TransferReport> {
 #[cfg(feature = "ucx")]
 async fn read_ucx(args: &TransferBenchArgs, handle: &pb::KvHandle, mut client: KvTransferClient<turbine_runtime::grpc::TracedChannel>) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     use turbine_worker::disagg::ucx_agent::UcxAgent;
-    let agent = UcxAgent::start(None).map_err(anyhow::Error::msg)?;
+    let agent = UcxAgent::start(None, None).map_err(anyhow::Error::msg)?;
     let described = client.describe(pb::DescribeRequest { handle_id: handle.handle_id }).await?.into_inner();
     let region = described.ucx.context("the owner has no UCX")?;
     let offsets: Vec<u64> = handle.blocks.iter().map(|block| block.offset).collect();

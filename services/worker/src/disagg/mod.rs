@@ -111,6 +111,40 @@ pub struct DisaggOptions {
     /// Engines without KV memory (the mocker): hand-offs move no bytes but
     /// take the time these would take.
     pub simulated: Option<SimulatedTransfer>,
+    /// Where the engine's pool was allocated (see [`SharedKvPool`]).
+    pub pool: SharedKvPool,
+}
+
+/// Shared memory for a prefill worker's KV pool: with UCX, the pool is
+/// allocated by UCX's shared-memory allocator so that decode workers on
+/// the same machine map it and copy blocks out without the prefill
+/// worker's help. Empty (the heap) for other roles, for `--kv-transport
+/// tcp`, when `UCX_TLS` is set, and without the `ucx` feature.
+#[derive(Debug, Clone, Default)]
+pub struct SharedKvPool {
+    #[cfg(feature = "ucx")]
+    shm: Option<Arc<ucx_agent::ShmPool>>,
+}
+
+impl SharedKvPool {
+    /// The pool for a worker of `role` moving blocks over `transport`.
+    pub fn for_role(role: WorkerRole, transport: KvTransport) -> Self {
+        #[cfg(feature = "ucx")]
+        return Self { shm: (role == WorkerRole::Prefill && transport != KvTransport::Tcp).then(ucx_agent::ShmPool::open).flatten() };
+        #[cfg(not(feature = "ucx"))]
+        {
+            let _ = (role, transport);
+            Self::default()
+        }
+    }
+
+    /// The allocator to give the engine (None: the heap).
+    pub fn allocator(&self) -> Option<turbine_engine::KvAllocator> {
+        #[cfg(feature = "ucx")]
+        return self.shm.as_ref().map(ucx_agent::ShmPool::allocator);
+        #[cfg(not(feature = "ucx"))]
+        None
+    }
 }
 
 /// A modelled KV transfer (for mocker workers): blocks of `block_bytes`
@@ -145,7 +179,7 @@ impl Disagg {
         let ucx = match (options.transport, options.role) {
             (KvTransport::Tcp, WorkerRole::Aggregated) => None,
             _ if options.simulated.is_some() => None,
-            _ => match ucx_agent::UcxAgent::start(memory.as_ref()) {
+            _ => match ucx_agent::UcxAgent::start(memory.as_ref(), options.pool.shm.clone()) {
                 Ok(agent) => Some(agent),
                 Err(error) => {
                     tracing::warn!(%error, "UCX is unavailable; KV blocks move over TCP");
@@ -486,7 +520,7 @@ impl Disagg {
         // at most PULL_TIMEOUT: a dead peer costs no more than that.
         let deadline = (Duration::from_secs(1) + Duration::from_secs_f64((offsets.len() * block_bytes) as f64 / 0.5e9)).min(PULL_TIMEOUT);
         let pulled = agent.pull(&region, &offsets, block_bytes, self.staging_buffer(), deadline).await.map_err(ImportError::Transfer)?;
-        metrics::kv_ucx_post(&self.worker_id, pulled.post);
+        metrics::kv_ucx_read(&self.worker_id, pulled.post, pulled.mapped);
         Ok(pulled.bytes)
     }
 
