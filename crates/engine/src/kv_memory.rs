@@ -41,9 +41,10 @@ pub struct KvLayout {
     pub order: String,
 }
 
-/// A zeroed, page-aligned allocation shared by the engine and transfers:
-/// from the heap, or memory someone else provides (shared memory that
-/// peers on the same machine can map, see [`KvAllocator`]).
+/// The KV pool's bytes, shared by the engine and transfers: a zeroed,
+/// page-aligned heap allocation, or memory someone else provides (shared
+/// memory that peers on the same machine can map, see [`KvAllocator`]; a
+/// tensor's storage).
 pub struct KvBuffer {
     ptr: NonNull<u8>,
     len: usize,
@@ -77,10 +78,11 @@ impl KvBuffer {
     /// `owner`, which frees it.
     ///
     /// # Safety
-    /// `ptr` is page-aligned and points to `len` zeroed, writable bytes
-    /// that nothing else uses and that stay mapped until `owner` drops.
+    /// `ptr` points to `len` initialised, writable bytes, aligned for the
+    /// pool's element type (page alignment is best for registration), that
+    /// stay mapped until `owner` drops and that only the engine owning the
+    /// pool writes, under this module's pinning rule.
     pub unsafe fn provided(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> Self {
-        debug_assert_eq!(ptr.as_ptr() as usize % ALIGN, 0, "provided KV memory must be page-aligned");
         Self { ptr, len, owner: Some(owner) }
     }
 

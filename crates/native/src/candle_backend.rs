@@ -4,17 +4,23 @@
 //! CPU.
 //!
 //! Layout and semantics mirror [`crate::model`]: a batch is a flat list of
-//! token rows from several sequences; keys and values live in per-layer
-//! pools of `num_blocks × block_size` slots (`kv_heads × head_dim` f16
-//! values each), a slot being `block * block_size + offset`; a step writes
-//! every row's key and value into its slot, then each sequence attends over
-//! its positions gathered through its block table. Logits come back to the
-//! host only for the rows that sample.
+//! token rows from several sequences; keys and values live in one
+//! block-major pool, byte for byte the CPU kernels' layout (block `b` holds,
+//! for each layer, the keys then the values of its `block_size` tokens,
+//! `kv_heads × head_dim` f16 values each), so a block moves between workers
+//! as one span whichever backend computed it. A slot is `block *
+//! block_size + offset`; a step writes every row's key and value into its
+//! slot, then each sequence attends over its positions gathered through
+//! its block table. Logits come back to the host only for the rows that
+//! sample.
 
 use std::path::Path;
 
+use std::sync::Arc;
+
 use candle_core::quantized::{QMatMul, gguf_file};
-use candle_core::{D, DType, Device, Module, Tensor};
+use candle_core::{CpuStorage, D, DType, Device, Module, Storage, Tensor};
+use turbine_engine::{KvBuffer, KvLayout, KvMemory};
 
 use crate::config::LlamaConfig;
 use crate::model::SequenceRows;
@@ -58,20 +64,91 @@ impl std::fmt::Debug for CandleModel {
     }
 }
 
-/// The paged KV cache on the model's device: per layer, `slots ×
-/// (kv_heads · head_dim)` f16 keys and values.
+/// The paged KV cache on the model's device: one tensor of rows of
+/// `kv_heads · head_dim` f16 values, block-major (see the module docs): the
+/// key (`kv` 0) or value (`kv` 1) of slot `block · block_size + offset` in
+/// `layer` is row `((block · layers + layer) · 2 + kv) · block_size +
+/// offset`.
 #[derive(Debug)]
 pub struct CandleCache {
-    keys: Vec<Tensor>,
-    values: Vec<Tensor>,
+    pool: Tensor,
     block_size: usize,
     num_blocks: usize,
+    layers: usize,
 }
 
 impl CandleCache {
     /// Blocks in the cache.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Rows from one block to the next.
+    fn block_rows(&self) -> usize {
+        self.layers * 2 * self.block_size
+    }
+
+    /// The row of a slot's layer-0 key; layer `l`'s key (value) is
+    /// `(2l) · block_size` (`(2l + 1) · block_size`) rows further.
+    fn base_row(&self, slot: u32) -> u32 {
+        let block_size = self.block_size as u32;
+        (slot / block_size) * self.block_rows() as u32 + slot % block_size
+    }
+
+    /// Rows of `layer`'s keys (`kv` 0) or values (`kv` 1) for slots whose
+    /// base rows are `base`.
+    fn rows(&self, base: &Tensor, layer: usize, kv: usize) -> candle_core::Result<Tensor> {
+        base.affine(1.0, ((layer * 2 + kv) * self.block_size) as f64)
+    }
+
+    /// The pool as transfers see it, when it lives in host memory (the CPU
+    /// device): `None` on a GPU.
+    pub fn memory(&self, config: &LlamaConfig) -> Option<KvMemory> {
+        let width = config.kv_heads * config.head_dim;
+        let block_bytes = self.block_rows() * width * std::mem::size_of::<half::f16>();
+        let pointer = {
+            let (storage, layout) = self.pool.storage_and_layout();
+            match &*storage {
+                Storage::Cpu(CpuStorage::F16(values)) if layout.start_offset() == 0 && layout.is_contiguous() => values.as_ptr() as *mut u8,
+                _ => return None,
+            }
+        };
+        let pointer = std::ptr::NonNull::new(pointer)?;
+        // SAFETY: the tensor's storage holds `num_blocks · block_bytes`
+        // bytes that stay where they are (candle writes the pool in place:
+        // `scatter_set`, `slice_set`) while the clone given as owner keeps
+        // the storage alive. Only the engine writes the pool, under the
+        // pinning rule of turbine_engine::kv_memory. A Vec's data is not
+        // page-aligned, which KvBuffer asks of memory it registers; it is
+        // aligned for f16, and the transfers only need that.
+        #[allow(unsafe_code)]
+        let buffer = unsafe { KvBuffer::provided(pointer, self.num_blocks * block_bytes, Box::new(self.pool.clone())) };
+        let layout = KvLayout {
+            block_bytes,
+            block_size: self.block_size,
+            layers: self.layers,
+            kv_heads: config.kv_heads,
+            head_dim: config.head_dim,
+            dtype: "f16".into(),
+            order: "layer,kv,token,head,dim".into(),
+        };
+        Some(KvMemory::new(Arc::new(buffer), layout, self.num_blocks))
+    }
+
+    /// Overwrites a block with bytes laid out as [`memory`](Self::memory)
+    /// describes (copied to the device).
+    pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<()> {
+        let (rows, width) = (self.block_rows(), self.pool.dim(1)?);
+        let block_bytes = rows * width * std::mem::size_of::<half::f16>();
+        if bytes.len() != block_bytes {
+            return Err(Error::Model(format!("a KV block is {block_bytes} bytes, got {}", bytes.len())));
+        }
+        if block as usize >= self.num_blocks {
+            return Err(Error::Model(format!("block {block} is outside the cache")));
+        }
+        let source = Tensor::from_raw_buffer(bytes, DType::F16, &[rows, width], self.pool.device())?;
+        self.pool.slice_set(&source, 0, block as usize * rows)?;
+        Ok(())
     }
 }
 
@@ -128,14 +205,8 @@ impl CandleModel {
     /// the model's device.
     pub fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<CandleCache> {
         let c = &self.config;
-        let shape = (num_blocks * block_size, c.kv_heads * c.head_dim);
-        let zeros = || Tensor::zeros(shape, DType::F16, &self.device);
-        Ok(CandleCache {
-            keys: (0..c.layers).map(|_| zeros()).collect::<candle_core::Result<_>>()?,
-            values: (0..c.layers).map(|_| zeros()).collect::<candle_core::Result<_>>()?,
-            block_size,
-            num_blocks,
-        })
+        let shape = (num_blocks * c.layers * 2 * block_size, c.kv_heads * c.head_dim);
+        Ok(CandleCache { pool: Tensor::zeros(shape, DType::F16, &self.device)?, block_size, num_blocks, layers: c.layers })
     }
 
     /// Rotates `x` (`rows × heads·head_dim`) by its rows' positions (`cos`
@@ -190,7 +261,7 @@ impl CandleModel {
         let positions = Tensor::from_vec(positions, rows, device)?;
         let (cos, sin) = (self.cos.index_select(&positions, 0)?.contiguous()?, self.sin.index_select(&positions, 0)?.contiguous()?);
         let kv_width = c.kv_heads * c.head_dim;
-        let write_index = Tensor::from_vec(slots, (rows, 1), device)?.broadcast_as((rows, kv_width))?.contiguous()?;
+        let write_base = Tensor::from_vec(slots.iter().map(|&slot| cache.base_row(slot)).collect::<Vec<u32>>(), rows, device)?;
         // Each sequence's slots for every position it attends to, and its causal mask.
         let mut attention = Vec::with_capacity(sequences.len());
         for sequence in sequences.iter().filter(|s| !s.tokens.is_empty()) {
@@ -199,29 +270,34 @@ impl CandleModel {
             let mask: Vec<f32> = (0..sequence.tokens.len())
                 .flat_map(|i| (0..end).map(move |j| if j <= sequence.first_position + i { 0.0 } else { f32::NEG_INFINITY }))
                 .collect();
-            attention.push((sequence.tokens.len(), Tensor::from_vec(slots, end, device)?, Tensor::from_vec(mask, (sequence.tokens.len(), end), device)?));
+            let base: Vec<u32> = slots.iter().map(|&slot| cache.base_row(slot)).collect();
+            attention.push((sequence.tokens.len(), Tensor::from_vec(base, end, device)?, Tensor::from_vec(mask, (sequence.tokens.len(), end), device)?));
         }
 
         let ids = Tensor::from_vec(tokens, rows, device)?;
         let mut x = self.embeddings.index_select(&ids, 0)?;
         let group = c.heads / c.kv_heads;
         let scale = 1.0 / (c.head_dim as f64).sqrt();
-        for (layer, (keys, values)) in self.layers.iter().zip(cache.keys.iter().zip(&cache.values)) {
+        let pool = &cache.pool;
+        for (index, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
             let q = self.rope(&layer.wq.forward(&h)?, c.heads, &cos, &sin)?;
             let k = self.rope(&layer.wk.forward(&h)?, c.kv_heads, &cos, &sin)?;
             let v = layer.wv.forward(&h)?;
-            keys.scatter_set(&write_index, &k.to_dtype(DType::F16)?.contiguous()?, 0)?;
-            values.scatter_set(&write_index, &v.to_dtype(DType::F16)?.contiguous()?, 0)?;
+            for (kv, written) in [(0, &k), (1, &v)] {
+                let at = cache.rows(&write_base, index, kv)?.reshape((rows, 1))?.broadcast_as((rows, kv_width))?.contiguous()?;
+                pool.scatter_set(&at, &written.to_dtype(DType::F16)?.contiguous()?, 0)?;
+            }
 
             let mut outputs = Vec::with_capacity(attention.len());
             let mut offset = 0;
-            for (n, slots, mask) in &attention {
-                let len = slots.dim(0)?;
-                let gather = |pool: &Tensor| -> candle_core::Result<Tensor> {
-                    pool.index_select(slots, 0)?.to_dtype(DType::F32)?.reshape((len, c.kv_heads, c.head_dim))?.transpose(0, 1)?.contiguous()
+            for (n, base, mask) in &attention {
+                let len = base.dim(0)?;
+                let gather = |kv: usize| -> candle_core::Result<Tensor> {
+                    let rows = cache.rows(base, index, kv)?;
+                    pool.index_select(&rows, 0)?.to_dtype(DType::F32)?.reshape((len, c.kv_heads, c.head_dim))?.transpose(0, 1)?.contiguous()
                 };
-                let (k, v) = (gather(keys)?, gather(values)?);
+                let (k, v) = (gather(0)?, gather(1)?);
                 // Heads sharing a KV head are consecutive: fold them into rows.
                 let q = q.narrow(0, offset, *n)?.reshape((*n, c.heads, c.head_dim))?.transpose(0, 1)?.contiguous()?.reshape((c.kv_heads, group * n, c.head_dim))?;
                 let scores = (q.matmul(&k.t()?)? * scale)?.reshape((c.kv_heads, group, *n, len))?.broadcast_add(mask)?;

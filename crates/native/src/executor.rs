@@ -150,12 +150,13 @@ impl NativeExecutor {
         &self.config
     }
 
-    /// The KV pool as transfers see it (the CPU kernels' pool only; the
-    /// candle pool is not exposed, so its workers compute every prefill).
+    /// The KV pool as transfers see it, when it is in host memory (the
+    /// CPU kernels, or candle on the CPU; a GPU pool is not exposed yet, so
+    /// GPU workers compute every prefill).
     pub fn kv_memory(&self) -> Option<KvMemory> {
         match &self.compute {
             Compute::Kernels { cache, .. } => Some(cache.memory()),
-            Compute::Candle { .. } => None,
+            Compute::Candle { cache, .. } => cache.memory(&self.config),
         }
     }
 
@@ -234,7 +235,7 @@ impl Executor for NativeExecutor {
     fn write_block(&mut self, block: u32, bytes: &[u8]) -> std::result::Result<(), String> {
         match &mut self.compute {
             Compute::Kernels { cache, .. } => cache.write_block(block, bytes).map_err(|error| error.to_string()),
-            Compute::Candle { .. } => Err("the candle backend cannot install KV blocks from another worker".into()),
+            Compute::Candle { cache, .. } => cache.write_block(block, bytes).map_err(|error| error.to_string()),
         }
     }
 }

@@ -453,11 +453,41 @@ fn unsupported_files_are_refused_with_clear_errors() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-fn start_engine_exposing_kv(scheduler: SchedulerConfig) -> (EngineHandle, KvMemory) {
-    let options = NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, ..NativeOptions::default() };
+fn start_engine_exposing_kv(scheduler: SchedulerConfig, backend: Backend) -> (EngineHandle, KvMemory) {
+    let options = NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
-    let memory = executor.kv_memory().expect("the CPU kernels expose their KV pool");
+    let memory = executor.kv_memory().expect("a pool in host memory is exposed");
     (EngineHandle::spawn(scheduler, vec![], Box::new(executor)), memory)
+}
+
+/// Prefills `prompt` on one engine (its blocks pinned), copies the blocks'
+/// bytes out of its pool (what a transfer does), installs them on another
+/// and decodes there: the tokens, the first one from the prefill.
+#[allow(unsafe_code)]
+fn hand_off(prefill: &EngineHandle, prefill_memory: &KvMemory, decode: &EngineHandle, prompt: &[u32]) -> Vec<u32> {
+    let mut stream = prefill.submit(greedy_request(prompt, 1), Handoff::Prefill).unwrap();
+    let (mut pinned, mut first) = (None, Vec::new());
+    while let Some(output) = stream.blocking_recv() {
+        match output {
+            EngineOutput::Pinned(prefix) => pinned = Some(prefix),
+            EngineOutput::Token(token, _) => first.push(token),
+            EngineOutput::Finished { .. } => break,
+            EngineOutput::Failed(error) => panic!("{error}"),
+        }
+    }
+    let pinned = pinned.expect("a prefill pins its blocks");
+    assert_eq!(pinned.blocks.len(), prompt.len() / 16, "every full prompt block is pinned");
+    // SAFETY: the blocks stay pinned until `unpin` below.
+    let bytes: Vec<u8> = pinned.blocks.iter().flat_map(|(block, _)| unsafe { prefill_memory.block(*block) }.to_vec()).collect();
+    let hashes = pinned.blocks.iter().map(|(_, hashes)| *hashes).collect();
+    let checksums: Vec<u64> = bytes.chunks(prefill_memory.layout().block_bytes).map(block_checksum).collect();
+    prefill.unpin(pinned.pin_id);
+    assert!(checksums.iter().all(|&sum| sum != block_checksum(&vec![0; prefill_memory.layout().block_bytes])), "blocks hold computed KV");
+    let handoff = Handoff::Decode { generated: first.clone(), import: ImportedPrefix { parent: None, hashes, bytes, recycle: None } };
+    let (rest, _) = finish(decode.submit(greedy_request(prompt, STEPS as u32), handoff).unwrap());
+    let mut tokens = first;
+    tokens.extend(rest);
+    tokens
 }
 
 fn greedy_request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
@@ -475,37 +505,15 @@ fn greedy_request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
 /// tokens equal one engine doing both, and asking the second engine again
 /// hits the installed blocks and gives the same tokens again.
 #[test]
-#[allow(unsafe_code)]
 fn a_prefill_on_one_engine_and_decode_on_another_equal_one_engine() {
     let prompts = prompts();
     let scheduler = SchedulerConfig { block_size: 16, num_blocks: 1024, max_batched_tokens: 512, max_model_len: 8192, ..SchedulerConfig::default() };
     let aggregated = engine_greedy(&prompts, STEPS as u32, scheduler.clone());
-    let (prefill, prefill_memory) = start_engine_exposing_kv(scheduler.clone());
-    let (decode, decode_memory) = start_engine_exposing_kv(scheduler);
+    let (prefill, prefill_memory) = start_engine_exposing_kv(scheduler.clone(), Backend::Kernels);
+    let (decode, decode_memory) = start_engine_exposing_kv(scheduler, Backend::Kernels);
     assert_eq!(prefill_memory.layout(), decode_memory.layout());
     for (prompt, expected) in prompts.iter().zip(&aggregated) {
-        let mut stream = prefill.submit(greedy_request(prompt, 1), Handoff::Prefill).unwrap();
-        let (mut pinned, mut first) = (None, Vec::new());
-        while let Some(output) = stream.blocking_recv() {
-            match output {
-                EngineOutput::Pinned(prefix) => pinned = Some(prefix),
-                EngineOutput::Token(token, _) => first.push(token),
-                EngineOutput::Finished { .. } => break,
-                EngineOutput::Failed(error) => panic!("{error}"),
-            }
-        }
-        let pinned = pinned.expect("a prefill pins its blocks");
-        assert_eq!(pinned.blocks.len(), prompt.len() / 16, "every full prompt block is pinned");
-        // SAFETY: the blocks stay pinned until `unpin` below.
-        let bytes: Vec<u8> = pinned.blocks.iter().flat_map(|(block, _)| unsafe { prefill_memory.block(*block) }.to_vec()).collect();
-        let hashes = pinned.blocks.iter().map(|(_, hashes)| *hashes).collect();
-        let checksums: Vec<u64> = bytes.chunks(prefill_memory.layout().block_bytes).map(block_checksum).collect();
-        prefill.unpin(pinned.pin_id);
-        assert!(checksums.iter().all(|&sum| sum != block_checksum(&vec![0; prefill_memory.layout().block_bytes])), "blocks hold computed KV");
-        let handoff = Handoff::Decode { generated: first.clone(), import: ImportedPrefix { parent: None, hashes, bytes, recycle: None } };
-        let (rest, _) = finish(decode.submit(greedy_request(prompt, STEPS as u32), handoff).unwrap());
-        let mut tokens = first;
-        tokens.extend(rest);
+        let tokens = hand_off(&prefill, &prefill_memory, &decode, prompt);
         assert_eq!(&tokens, expected, "prompt of {} tokens", prompt.len());
         let (again, cached) = finish(submit(&decode, prompt, STEPS as u32));
         assert_eq!(&again, expected, "prompt of {} tokens, from the installed blocks", prompt.len());
@@ -516,4 +524,33 @@ fn a_prefill_on_one_engine_and_decode_on_another_equal_one_engine() {
     assert_eq!(prefill.load().blocks_used, 0, "every pin was released");
     prefill.shutdown();
     decode.shutdown();
+}
+
+/// The candle backend (the CUDA code path, here on the CPU) keeps its pool
+/// in the kernels' block layout and hands off the same way: prefill on one
+/// candle engine, decode on another, equal to one candle engine doing both
+/// (prompts one at a time, so both compute the same batches).
+#[test]
+fn candle_engines_hand_off_in_the_kernels_block_layout() {
+    let all = prompts();
+    let chosen = [1usize, 6, 9, 17];
+    let scheduler = SchedulerConfig { block_size: 16, num_blocks: 256, max_batched_tokens: 512, max_model_len: 8192, ..SchedulerConfig::default() };
+    let (kernels, kernels_memory) = start_engine_exposing_kv(scheduler.clone(), Backend::Kernels);
+    kernels.shutdown();
+    let aggregated = start_engine_on(scheduler.clone(), Backend::Candle);
+    let (prefill, prefill_memory) = start_engine_exposing_kv(scheduler.clone(), Backend::Candle);
+    let (decode, _) = start_engine_exposing_kv(scheduler, Backend::Candle);
+    assert_eq!(prefill_memory.layout(), kernels_memory.layout(), "candle and the kernels exchange blocks");
+    for &i in &chosen {
+        let prompt = &all[i];
+        let (expected, _) = finish(submit(&aggregated, prompt, STEPS as u32));
+        let tokens = hand_off(&prefill, &prefill_memory, &decode, prompt);
+        assert_eq!(tokens, expected, "prompt of {} tokens", prompt.len());
+        let (again, cached) = finish(submit(&decode, prompt, STEPS as u32));
+        assert_eq!(again, expected, "prompt of {} tokens, from the installed blocks", prompt.len());
+        assert!(cached as usize >= (prompt.len() - 1) / 16 * 16, "the installed blocks serve later hits ({cached} cached)");
+    }
+    for engine in [aggregated, prefill, decode] {
+        engine.shutdown();
+    }
 }
