@@ -156,10 +156,44 @@ impl std::fmt::Debug for KvAllocator {
     }
 }
 
-/// A worker's KV pool as transfers see it: the buffer and its layout.
+/// A KV pool in device (GPU) memory: peers read it where it is (UCX
+/// registers it with its memory type), and this worker copies blocks to the
+/// host through the engine's device when it must (checksums, the TCP
+/// stream).
+pub trait DeviceKv: Send + Sync + std::fmt::Debug {
+    /// Device address of the pool's first byte.
+    fn address(&self) -> u64;
+    /// Bytes in the pool.
+    fn len(&self) -> usize;
+    /// Whether the pool is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The memory's kind and device, e.g. CUDA device 0.
+    fn kind(&self) -> DeviceMemory;
+    /// Copies `into.len()` bytes at `offset` to the host.
+    fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), String>;
+}
+
+/// Kinds of device memory a pool can live in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceMemory {
+    /// A CUDA device (ordinal).
+    Cuda(usize),
+}
+
+/// Where a pool's bytes are.
+#[derive(Debug, Clone)]
+enum Storage {
+    Host(Arc<KvBuffer>),
+    Device(Arc<dyn DeviceKv>),
+}
+
+/// A worker's KV pool as transfers see it: where its bytes are and their
+/// layout.
 #[derive(Debug, Clone)]
 pub struct KvMemory {
-    buffer: Arc<KvBuffer>,
+    storage: Storage,
     layout: KvLayout,
     num_blocks: usize,
 }
@@ -168,7 +202,13 @@ impl KvMemory {
     /// Describes `buffer` as `num_blocks` blocks of `layout.block_bytes`.
     pub fn new(buffer: Arc<KvBuffer>, layout: KvLayout, num_blocks: usize) -> Self {
         assert!(num_blocks * layout.block_bytes <= buffer.len(), "the blocks exceed the buffer");
-        Self { buffer, layout, num_blocks }
+        Self { storage: Storage::Host(buffer), layout, num_blocks }
+    }
+
+    /// Describes a device pool as `num_blocks` blocks of `layout.block_bytes`.
+    pub fn on_device(device: Arc<dyn DeviceKv>, layout: KvLayout, num_blocks: usize) -> Self {
+        assert!(num_blocks * layout.block_bytes <= device.len(), "the blocks exceed the device pool");
+        Self { storage: Storage::Device(device), layout, num_blocks }
     }
 
     /// The layout.
@@ -181,29 +221,113 @@ impl KvMemory {
         self.num_blocks
     }
 
-    /// The buffer (for memory registration).
-    pub fn buffer(&self) -> &Arc<KvBuffer> {
-        &self.buffer
+    /// The host buffer (for memory registration); `None` for a device pool.
+    pub fn buffer(&self) -> Option<&Arc<KvBuffer>> {
+        match &self.storage {
+            Storage::Host(buffer) => Some(buffer),
+            Storage::Device(_) => None,
+        }
     }
 
-    /// Byte offset of a block in the buffer.
+    /// The device pool; `None` for a host pool.
+    pub fn device(&self) -> Option<&Arc<dyn DeviceKv>> {
+        match &self.storage {
+            Storage::Host(_) => None,
+            Storage::Device(device) => Some(device),
+        }
+    }
+
+    /// Byte offset of a block in the pool.
     pub fn block_offset(&self, block: u32) -> usize {
         block as usize * self.layout.block_bytes
     }
 
-    /// The bytes of a block.
+    /// The bytes of a host pool's block; `None` for a device pool (see
+    /// [`with_block`](Self::with_block)).
     ///
     /// # Safety
     /// The block must be pinned (see the module's rule) for as long as the
     /// slice is used.
-    pub unsafe fn block(&self, block: u32) -> &[u8] {
+    pub unsafe fn block(&self, block: u32) -> Option<&[u8]> {
         assert!((block as usize) < self.num_blocks, "block {block} is outside the pool");
+        let Storage::Host(buffer) = &self.storage else { return None };
         // SAFETY: in bounds (checked); not written while pinned (caller).
-        unsafe { std::slice::from_raw_parts(self.buffer.as_ptr().add(self.block_offset(block)), self.layout.block_bytes) }
+        Some(unsafe { std::slice::from_raw_parts(buffer.as_ptr().add(self.block_offset(block)), self.layout.block_bytes) })
+    }
+
+    /// Calls `f` with a block's bytes: in place for a host pool, copied to
+    /// the host (into `scratch`) for a device pool.
+    ///
+    /// # Safety
+    /// The block must be pinned (see the module's rule) during the call.
+    pub unsafe fn with_block<R>(&self, block: u32, scratch: &mut Vec<u8>, f: impl FnOnce(&[u8]) -> R) -> Result<R, String> {
+        // SAFETY: the caller's promise.
+        if let Some(bytes) = unsafe { self.block(block) } {
+            return Ok(f(bytes));
+        }
+        let Storage::Device(device) = &self.storage else { unreachable!("a host pool has its blocks in place") };
+        scratch.resize(self.layout.block_bytes, 0);
+        device.read(self.block_offset(block), scratch)?;
+        Ok(f(scratch))
     }
 }
 
 /// The checksum every transferred block carries (XXH3-64 of its bytes).
 pub fn block_checksum(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(block_bytes: usize) -> KvLayout {
+        KvLayout { block_bytes, block_size: 1, layers: 1, kv_heads: 1, head_dim: 1, dtype: "bytes".into(), order: "test".into() }
+    }
+
+    /// Device memory as seen from the host: the copies a GPU pool's reads
+    /// make, out of a buffer standing in for the device.
+    #[derive(Debug)]
+    struct CopiedOut(Vec<u8>);
+
+    impl DeviceKv for CopiedOut {
+        fn address(&self) -> u64 {
+            0x1000
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn kind(&self) -> DeviceMemory {
+            DeviceMemory::Cuda(0)
+        }
+        fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), String> {
+            let bytes = self.0.get(offset..offset + into.len()).ok_or("outside the pool")?;
+            into.copy_from_slice(bytes);
+            Ok(())
+        }
+    }
+
+    #[test]
+    #[allow(unsafe_code)]
+    fn blocks_are_read_in_place_on_the_host_and_copied_out_of_a_device() {
+        let mut buffer = KvBuffer::zeroed(4 * 8);
+        for (i, byte) in buffer.as_mut_slice().iter_mut().enumerate() {
+            *byte = i as u8;
+        }
+        let host = KvMemory::new(Arc::new(buffer), layout(8), 4);
+        let device = KvMemory::on_device(Arc::new(CopiedOut((0..32).collect())), layout(8), 4);
+        assert!(host.buffer().is_some() && host.device().is_none());
+        assert!(device.buffer().is_none() && device.device().is_some());
+        let mut scratch = Vec::new();
+        for block in 0..4 {
+            // SAFETY: nothing writes these pools.
+            let (on_host, on_device) = unsafe {
+                (host.with_block(block, &mut scratch, |bytes| bytes.to_vec()).unwrap(), device.with_block(block, &mut scratch, |bytes| bytes.to_vec()).unwrap())
+            };
+            assert_eq!(on_host, (block as u8 * 8..block as u8 * 8 + 8).collect::<Vec<u8>>());
+            assert_eq!(on_device, on_host);
+            // SAFETY: as above.
+            assert!(unsafe { device.block(block) }.is_none(), "a device block has no host slice");
+        }
+    }
 }

@@ -21,7 +21,7 @@ pub mod scheduler;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
 pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
-pub use kv_memory::{KvAllocator, KvBuffer, KvLayout, KvMemory, block_checksum};
+pub use kv_memory::{DeviceKv, DeviceMemory, KvAllocator, KvBuffer, KvLayout, KvMemory, block_checksum};
 pub use request::{
     EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, SamplingParams, StopConditions, TokenLogprobs,
     Usage,

@@ -101,15 +101,28 @@ impl CandleCache {
         base.affine(1.0, ((layer * 2 + kv) * self.block_size) as f64)
     }
 
-    /// The pool as transfers see it, when it lives in host memory (the CPU
-    /// device): `None` on a GPU.
+    /// The pool as transfers see it: its host memory on the CPU device,
+    /// its device memory on a GPU (`cuda` feature); `None` elsewhere.
     pub fn memory(&self, config: &LlamaConfig) -> Option<KvMemory> {
         let width = config.kv_heads * config.head_dim;
         let block_bytes = self.block_rows() * width * std::mem::size_of::<half::f16>();
+        let layout = KvLayout {
+            block_bytes,
+            block_size: self.block_size,
+            layers: self.layers,
+            kv_heads: config.kv_heads,
+            head_dim: config.head_dim,
+            dtype: "f16".into(),
+            order: "layer,kv,token,head,dim".into(),
+        };
+        #[cfg(feature = "cuda")]
+        if let Some(device) = cuda_pool::CudaPool::new(&self.pool, width) {
+            return Some(KvMemory::on_device(Arc::new(device), layout, self.num_blocks));
+        }
         let pointer = {
-            let (storage, layout) = self.pool.storage_and_layout();
+            let (storage, storage_layout) = self.pool.storage_and_layout();
             match &*storage {
-                Storage::Cpu(CpuStorage::F16(values)) if layout.start_offset() == 0 && layout.is_contiguous() => values.as_ptr() as *mut u8,
+                Storage::Cpu(CpuStorage::F16(values)) if storage_layout.start_offset() == 0 && storage_layout.is_contiguous() => values.as_ptr() as *mut u8,
                 _ => return None,
             }
         };
@@ -123,15 +136,6 @@ impl CandleCache {
         // aligned for f16, and the transfers only need that.
         #[allow(unsafe_code)]
         let buffer = unsafe { KvBuffer::provided(pointer, self.num_blocks * block_bytes, Box::new(self.pool.clone())) };
-        let layout = KvLayout {
-            block_bytes,
-            block_size: self.block_size,
-            layers: self.layers,
-            kv_heads: config.kv_heads,
-            head_dim: config.head_dim,
-            dtype: "f16".into(),
-            order: "layer,kv,token,head,dim".into(),
-        };
         Some(KvMemory::new(Arc::new(buffer), layout, self.num_blocks))
     }
 
@@ -328,5 +332,71 @@ impl CandleModel {
         let last = x.index_select(&Tensor::from_vec(last_rows, count, device)?, 0)?;
         let logits = self.lm_head.forward(&candle_nn::ops::rms_norm(&last, &self.norm, c.rms_eps)?)?;
         Ok(logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+    }
+}
+
+/// A pool in CUDA device memory, as transfers see it.
+#[cfg(feature = "cuda")]
+mod cuda_pool {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    use candle_core::{DeviceLocation, Storage, Tensor};
+    use turbine_engine::{DeviceKv, DeviceMemory};
+
+    /// The pool tensor (kept alive: peers read its memory) and where its
+    /// memory is.
+    #[derive(Debug)]
+    pub struct CudaPool {
+        pool: Tensor,
+        address: u64,
+        len: usize,
+        row_bytes: usize,
+        ordinal: usize,
+    }
+
+    impl CudaPool {
+        /// The device memory of `pool` (rows of `width` f16 values), when
+        /// it is one CUDA allocation.
+        pub fn new(pool: &Tensor, width: usize) -> Option<Self> {
+            let DeviceLocation::Cuda { gpu_id } = pool.device().location() else { return None };
+            let address = {
+                let (storage, layout) = pool.storage_and_layout();
+                let Storage::Cuda(storage) = &*storage else { return None };
+                if layout.start_offset() != 0 || !layout.is_contiguous() {
+                    return None;
+                }
+                let slice = storage.as_cuda_slice::<half::f16>().ok()?;
+                let stream = storage.device.cuda_stream();
+                let (pointer, _synced) = slice.device_ptr(&stream);
+                pointer
+            };
+            let row_bytes = width * std::mem::size_of::<half::f16>();
+            Some(Self { pool: pool.clone(), address, len: pool.dim(0).ok()? * row_bytes, row_bytes, ordinal: gpu_id })
+        }
+    }
+
+    impl DeviceKv for CudaPool {
+        fn address(&self) -> u64 {
+            self.address
+        }
+
+        fn len(&self) -> usize {
+            self.len
+        }
+
+        fn kind(&self) -> DeviceMemory {
+            DeviceMemory::Cuda(self.ordinal)
+        }
+
+        fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), String> {
+            if !offset.is_multiple_of(self.row_bytes) || !into.len().is_multiple_of(self.row_bytes) || offset + into.len() > self.len {
+                return Err(format!("bytes {offset}..{} are not whole rows of the pool", offset + into.len()));
+            }
+            let rows = self.pool.narrow(0, offset / self.row_bytes, into.len() / self.row_bytes).map_err(|error| error.to_string())?;
+            let values: Vec<half::f16> = rows.flatten_all().and_then(|rows| rows.to_vec1()).map_err(|error| error.to_string())?;
+            for (bytes, value) in into.chunks_exact_mut(2).zip(values) {
+                bytes.copy_from_slice(&value.to_le_bytes());
+            }
+            Ok(())
+        }
     }
 }

@@ -150,9 +150,8 @@ impl NativeExecutor {
         &self.config
     }
 
-    /// The KV pool as transfers see it, when it is in host memory (the
-    /// CPU kernels, or candle on the CPU; a GPU pool is not exposed yet, so
-    /// GPU workers compute every prefill).
+    /// The KV pool as transfers see it: host memory (the CPU kernels,
+    /// candle on the CPU) or device memory (candle on a GPU).
     pub fn kv_memory(&self) -> Option<KvMemory> {
         match &self.compute {
             Compute::Kernels { cache, .. } => Some(cache.memory()),

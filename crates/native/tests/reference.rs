@@ -454,9 +454,14 @@ fn unsupported_files_are_refused_with_clear_errors() {
 }
 
 fn start_engine_exposing_kv(scheduler: SchedulerConfig, backend: Backend) -> (EngineHandle, KvMemory) {
-    let options = NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend, ..NativeOptions::default() };
+    start_engine_exposing_kv_on(scheduler, backend, EngineDevice::Cpu)
+}
+
+fn start_engine_exposing_kv_on(scheduler: SchedulerConfig, backend: Backend, device: EngineDevice) -> (EngineHandle, KvMemory) {
+    let options =
+        NativeOptions { block_size: scheduler.block_size, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend, device, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
-    let memory = executor.kv_memory().expect("a pool in host memory is exposed");
+    let memory = executor.kv_memory().expect("the pool is exposed");
     (EngineHandle::spawn(scheduler, vec![], Box::new(executor)), memory)
 }
 
@@ -477,8 +482,10 @@ fn hand_off(prefill: &EngineHandle, prefill_memory: &KvMemory, decode: &EngineHa
     }
     let pinned = pinned.expect("a prefill pins its blocks");
     assert_eq!(pinned.blocks.len(), prompt.len() / 16, "every full prompt block is pinned");
+    let mut scratch = Vec::new();
     // SAFETY: the blocks stay pinned until `unpin` below.
-    let bytes: Vec<u8> = pinned.blocks.iter().flat_map(|(block, _)| unsafe { prefill_memory.block(*block) }.to_vec()).collect();
+    let bytes: Vec<u8> =
+        pinned.blocks.iter().flat_map(|(block, _)| unsafe { prefill_memory.with_block(*block, &mut scratch, <[u8]>::to_vec) }.unwrap()).collect();
     let hashes = pinned.blocks.iter().map(|(_, hashes)| *hashes).collect();
     let checksums: Vec<u64> = bytes.chunks(prefill_memory.layout().block_bytes).map(block_checksum).collect();
     prefill.unpin(pinned.pin_id);
@@ -532,15 +539,28 @@ fn a_prefill_on_one_engine_and_decode_on_another_equal_one_engine() {
 /// (prompts one at a time, so both compute the same batches).
 #[test]
 fn candle_engines_hand_off_in_the_kernels_block_layout() {
+    candle_engines_hand_off(EngineDevice::Cpu);
+}
+
+/// On a GPU machine: the pool is device memory, its blocks copied off the
+/// GPU and installed with host-to-device copies.
+#[cfg(feature = "cuda")]
+#[test]
+fn on_cuda_candle_engines_hand_off_through_device_memory() {
+    candle_engines_hand_off(EngineDevice::Cuda(0));
+}
+
+fn candle_engines_hand_off(device: EngineDevice) {
     let all = prompts();
     let chosen = [1usize, 6, 9, 17];
     let scheduler = SchedulerConfig { block_size: 16, num_blocks: 256, max_batched_tokens: 512, max_model_len: 8192, ..SchedulerConfig::default() };
     let (kernels, kernels_memory) = start_engine_exposing_kv(scheduler.clone(), Backend::Kernels);
     kernels.shutdown();
-    let aggregated = start_engine_on(scheduler.clone(), Backend::Candle);
-    let (prefill, prefill_memory) = start_engine_exposing_kv(scheduler.clone(), Backend::Candle);
-    let (decode, _) = start_engine_exposing_kv(scheduler, Backend::Candle);
+    let aggregated = start_engine_with(scheduler.clone(), Backend::Candle, device);
+    let (prefill, prefill_memory) = start_engine_exposing_kv_on(scheduler.clone(), Backend::Candle, device);
+    let (decode, _) = start_engine_exposing_kv_on(scheduler, Backend::Candle, device);
     assert_eq!(prefill_memory.layout(), kernels_memory.layout(), "candle and the kernels exchange blocks");
+    assert_eq!(prefill_memory.device().is_some(), device != EngineDevice::Cpu, "a GPU pool is device memory");
     for &i in &chosen {
         let prompt = &all[i];
         let (expected, _) = finish(submit(&aggregated, prompt, STEPS as u32));

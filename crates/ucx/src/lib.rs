@@ -115,6 +115,18 @@ impl Context {
         }
     }
 
+    /// Whether this UCX can register and move CUDA device memory (it was
+    /// built with CUDA support and found a driver).
+    pub fn supports_cuda(&self) -> bool {
+        // SAFETY: a live context; zeroed attributes with one field asked.
+        unsafe {
+            let mut attr: sys::ucp_context_attr_t = std::mem::zeroed();
+            attr.field_mask = sys::ucp_context_attr_field::UCP_ATTR_FIELD_MEMORY_TYPES as u64;
+            sys::ucp_context_query(self.handle.0, &mut attr) == sys::ucs_status_t::UCS_OK
+                && attr.memory_types & (1u64 << sys::ucs_memory_type::UCS_MEMORY_TYPE_CUDA) != 0
+        }
+    }
+
     fn with_features(features: u64) -> Result<Self, UcxError> {
         // SAFETY: no config: UCX reads the environment.
         unsafe { Self::init(features, ptr::null()) }
@@ -387,6 +399,40 @@ impl MemoryRegion {
             let mut memh = ptr::null_mut();
             check("ucp_mem_map", sys::ucp_mem_map(context.handle.0, &params, &mut memh))?;
             Ok(Self { handle: memh, context: context.clone(), address: address as u64, length })
+        }
+    }
+
+    /// Registers `length` bytes of CUDA device memory at `address` with
+    /// `context`, so that peers read GPU memory directly (GPUDirect RDMA,
+    /// CUDA IPC on one machine) where UCX was built with CUDA support; a
+    /// UCX without it refuses the registration.
+    ///
+    /// # Safety
+    /// The device memory must stay allocated until the region is dropped;
+    /// peers may read it at any time meanwhile.
+    pub unsafe fn register_cuda(context: &Context, address: u64, length: usize) -> Result<Self, UcxError> {
+        // A UCX without CUDA would register the address as host memory,
+        // and serving a read would then touch device memory from the CPU.
+        if !context.supports_cuda() {
+            return Err(UcxError {
+                call: "ucp_mem_map",
+                status: i32::from(sys::ucs_status_t::UCS_ERR_UNSUPPORTED),
+                message: "this UCX has no CUDA support (built without it, or no CUDA driver)".into(),
+            });
+        }
+        // SAFETY: per the caller's promise; zeroed params with address,
+        // length and memory type set.
+        unsafe {
+            let mut params: sys::ucp_mem_map_params_t = std::mem::zeroed();
+            params.field_mask = (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE) as u64;
+            params.address = address as *mut _;
+            params.length = length;
+            params.memory_type = sys::ucs_memory_type::UCS_MEMORY_TYPE_CUDA;
+            let mut memh = ptr::null_mut();
+            check("ucp_mem_map", sys::ucp_mem_map(context.handle.0, &params, &mut memh))?;
+            Ok(Self { handle: memh, context: context.clone(), address, length })
         }
     }
 

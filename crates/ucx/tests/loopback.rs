@@ -101,3 +101,18 @@ fn shared_memory_a_peer_allocated_is_read_without_the_peer() {
     drop(region);
     drop(owner);
 }
+
+/// A UCX that cannot move CUDA memory (Debian's is built without CUDA; no
+/// GPU here) refuses to register device memory rather than treating the
+/// address as host memory.
+#[test]
+fn device_memory_is_refused_by_a_ucx_without_cuda() {
+    let context = Context::new().unwrap();
+    if context.supports_cuda() {
+        eprintln!("this UCX supports CUDA; nothing to check here");
+        return;
+    }
+    // SAFETY: refused before UCX looks at the address.
+    let refused = unsafe { MemoryRegion::register_cuda(&context, 0x7000_0000_0000, 1 << 20) };
+    assert!(refused.unwrap_err().to_string().contains("no CUDA support"));
+}

@@ -83,7 +83,7 @@ impl Worker {
             bytes_per_sec: config.mock_transfer_gbps * 1e9 * config.speedup,
         });
         if config.role != WorkerRole::Aggregated && memory.is_none() && simulated.is_none() {
-            anyhow::bail!("a {} worker needs an engine that can hand over its KV cache (the native engine with its pool in host memory: on the CPU; GPU pools are not exposed yet)", config.role);
+            anyhow::bail!("a {} worker needs an engine that can hand over its KV cache (the native engine; on a GPU, a build with the cuda feature)", config.role);
         }
         let options = DisaggOptions {
             role: config.role,

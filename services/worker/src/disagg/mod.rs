@@ -324,14 +324,16 @@ impl Disagg {
     async fn checksums(&self, memory: &KvMemory, ids: &[u32]) -> Result<Vec<u64>, WorkerError> {
         let (memory, ids) = (memory.clone(), ids.to_vec());
         tokio::task::spawn_blocking(move || {
+            let mut scratch = Vec::new();
             // SAFETY: the caller keeps the blocks pinned until the handle
             // is released.
             #[allow(unsafe_code)]
-            let sums: Vec<u64> = ids.iter().map(|&block| block_checksum(unsafe { memory.block(block) })).collect();
+            let sums: Result<Vec<u64>, String> = ids.iter().map(|&block| unsafe { memory.with_block(block, &mut scratch, block_checksum) }).collect();
             sums
         })
         .await
-        .map_err(|_| WorkerError::Internal("checksumming panicked".into()))
+        .map_err(|_| WorkerError::Internal("checksumming panicked".into()))?
+        .map_err(|error| WorkerError::Internal(format!("reading a KV block off the device: {error}")))
     }
 
     /// Records a handle and starts its lease: the blocks are freed if
@@ -381,8 +383,8 @@ impl Disagg {
         // SAFETY: pinned while the table lock is held (a release removes
         // the pin under this lock before unpinning).
         #[allow(unsafe_code)]
-        let bytes = unsafe { memory.block(block) }.to_vec();
-        Ok(bytes)
+        let bytes = unsafe { memory.with_block(block, &mut Vec::new(), <[u8]>::to_vec) };
+        bytes.map_err(|error| tonic::Status::internal(format!("reading KV block {index} off the device: {error}")))
     }
 
     /// What `Describe` answers.

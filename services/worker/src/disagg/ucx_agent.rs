@@ -25,7 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
-use turbine_engine::{KvAllocator, KvBuffer, KvMemory};
+use turbine_engine::{DeviceMemory, KvAllocator, KvBuffer, KvMemory};
 use turbine_proto::worker::v1 as pb;
 use turbine_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, UcxError, WaitError, Waker, Worker};
 
@@ -108,7 +108,8 @@ impl ShmPool {
 
     /// The region backing `memory`, when it is the one this pool allocated.
     fn region_of(&self, memory: &KvMemory) -> Option<Arc<MemoryRegion>> {
-        self.region.lock().clone().filter(|region| region.as_ptr() == memory.buffer().as_ptr())
+        let buffer = memory.buffer()?;
+        self.region.lock().clone().filter(|region| region.as_ptr() == buffer.as_ptr())
     }
 }
 
@@ -162,13 +163,20 @@ impl UcxAgent {
         let thread = std::thread::Builder::new()
             .name("turbine-ucx".into())
             .spawn(move || {
-                let register = |context: &Context| -> Result<Option<Arc<MemoryRegion>>, UcxError> {
+                // Host pools are registered with both contexts; a device
+                // pool only with the main one (shared memory cannot map it).
+                let register = |context: &Context, main: bool| -> Result<Option<Arc<MemoryRegion>>, UcxError> {
                     let Some(memory) = &memory else { return Ok(None) };
-                    let buffer = memory.buffer();
-                    // SAFETY: the buffer lives as long as `memory`, which
-                    // this thread holds past the regions' drop.
+                    // SAFETY: the pool lives as long as `memory`, which this
+                    // thread holds past the regions' drop.
                     #[allow(unsafe_code)]
-                    let region = unsafe { MemoryRegion::register(context, buffer.as_ptr(), buffer.len()) }?;
+                    let region = match (memory.buffer(), memory.device()) {
+                        (Some(buffer), _) => unsafe { MemoryRegion::register(context, buffer.as_ptr(), buffer.len()) }?,
+                        (None, Some(device)) if main => match device.kind() {
+                            DeviceMemory::Cuda(_) => unsafe { MemoryRegion::register_cuda(context, device.address(), device.len()) }?,
+                        },
+                        _ => return Ok(None),
+                    };
                     Ok(Some(Arc::new(region)))
                 };
                 type Region = Option<Arc<MemoryRegion>>;
@@ -176,7 +184,7 @@ impl UcxAgent {
                 let setup = || -> Result<Setup, UcxError> {
                     let context = Context::with_wakeup()?;
                     let worker = Worker::new(&context)?;
-                    let region = register(&context)?;
+                    let region = register(&context, true)?;
                     let shm_context = match &pool {
                         Some(pool) => Ok(Some(pool.context.clone())),
                         None if std::env::var_os("UCX_TLS").is_some() => Ok(None),
@@ -190,7 +198,7 @@ impl UcxAgent {
                         };
                         let region = match allocated {
                             Some(region) => Some(region),
-                            None => register(&context)?,
+                            None => register(&context, false)?,
                         };
                         Ok(Some((Worker::new(&context)?, region)))
                     });
