@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use common::{metric, post, start_turbine, wait_for_model};
 use serde_json::json;
 use tokio::sync::OnceCell;
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, metric_where, wait_until, workspace_binary};
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, metric_lines, metric_where, wait_until, workspace_binary};
 
 const MODEL: &str = "smollm2-135m";
 
@@ -225,7 +225,9 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
     let decode = cluster.decode.admin.clone();
     let started = Instant::now();
     let mut killed_mid_read = false;
-    while started.elapsed() < Duration::from_secs(120) {
+    // Until a read is in flight, or every request is over (then no read
+    // was caught: the diagnostics below say why).
+    while started.elapsed() < Duration::from_secs(300) && !requests.iter().all(|request| request.is_finished()) {
         if metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0 {
             cluster.prefill.process.kill();
             killed_mid_read = true;
@@ -233,7 +235,20 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    assert!(killed_mid_read, "no read of the prefill worker's blocks was ever seen in flight");
+    if !killed_mid_read {
+        let imports = metric_lines(&decode, "turbine_worker_kv_imports_total").await;
+        let warnings = |process: &mut ChildProcess| -> Vec<String> {
+            process.drain().iter().filter(|line| line.contains("WARN") || line.contains("ERROR")).cloned().collect()
+        };
+        panic!(
+            "no read of the prefill worker's blocks was seen in flight in {:?}\nimports: {imports:#?}\ngateway: {:#?}\ndecode worker: {:#?}\nprefill worker: {:#?}",
+            started.elapsed(),
+            warnings(&mut cluster.gateway),
+            warnings(&mut cluster.decode.process),
+            warnings(&mut cluster.prefill.process)
+        );
+    }
+    eprintln!("prefill worker killed {:?} after the requests were sent, a read in flight", started.elapsed());
     let mut results = Vec::new();
     for request in requests {
         results.push(request.await.unwrap());

@@ -238,6 +238,13 @@ pub async fn metric(base: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// Every series of one metric on the `/metrics` page at `base`, as
+/// exposition lines (for diagnostics).
+pub async fn metric_lines(base: &str, name: &str) -> Vec<String> {
+    let text = reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap();
+    text.lines().filter(|line| line.starts_with(name) && line[name.len()..].starts_with([' ', '{'])).map(str::to_owned).collect()
+}
+
 /// Like [`metric`], summing only the series that carry every given
 /// `label="value"` pair.
 pub async fn metric_where(base: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
