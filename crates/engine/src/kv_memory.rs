@@ -41,6 +41,14 @@ pub struct KvLayout {
     pub order: String,
 }
 
+impl KvLayout {
+    /// A layout of opaque blocks of `block_bytes` (no model behind them:
+    /// a benchmark's pool, a modelled transfer), told apart by `kind`.
+    pub fn opaque(block_bytes: usize, kind: &str) -> Self {
+        Self { block_bytes, block_size: 0, layers: 0, kv_heads: 0, head_dim: 0, dtype: kind.into(), order: kind.into() }
+    }
+}
+
 /// The KV pool's bytes, shared by the engine and transfers: a zeroed,
 /// page-aligned heap allocation, or memory someone else provides (shared
 /// memory that peers on the same machine can map, see [`KvAllocator`]; a

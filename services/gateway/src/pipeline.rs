@@ -16,7 +16,7 @@ use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditio
 use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
 use turbine_proto::worker::v1::{KvHandle, RemotePrefill};
-use turbine_worker::disagg::release_handle;
+use turbine_worker::disagg::release_handle_in_background;
 use turbine_worker::{TokenStream, WorkerClient, WorkerError};
 
 use crate::catalog::ModelCatalog;
@@ -272,16 +272,8 @@ impl ReleaseOnDrop {
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let handle = self.handle.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(error) = release_handle(&handle).await {
-                    tracing::debug!(%error, handle_id = handle.handle_id, "releasing a prefill handle failed; its lease frees it");
-                }
-            });
+        if self.armed {
+            release_handle_in_background(&self.handle);
         }
     }
 }

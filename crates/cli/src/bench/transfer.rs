@@ -140,15 +140,7 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
         state ^= state << 17;
         chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
     }
-    let layout = KvLayout {
-        block_bytes: args.block_bytes,
-        block_size: 0,
-        layers: 0,
-        kv_heads: 0,
-        head_dim: 0,
-        dtype: "bytes".into(),
-        order: "benchmark".into(),
-    };
+    let layout = KvLayout::opaque(args.block_bytes, "benchmark");
     let memory = KvMemory::new(Arc::new(buffer), layout, args.blocks);
     let engine = EngineHandle::spawn(SchedulerConfig { num_blocks: 1, block_size: 1, ..SchedulerConfig::default() }, vec![], Box::new(NoModel));
     let options = DisaggOptions { role: WorkerRole::Prefill, lease: Duration::from_secs(3600), transport: KvTransport::Auto, transfer_mib: 1, simulated: None, pool };

@@ -159,15 +159,7 @@ pub struct SimulatedTransfer {
 
 impl SimulatedTransfer {
     fn layout(&self) -> KvLayout {
-        KvLayout {
-            block_bytes: self.block_bytes,
-            block_size: 0,
-            layers: 0,
-            kv_heads: 0,
-            head_dim: 0,
-            dtype: "simulated".into(),
-            order: "simulated".into(),
-        }
+        KvLayout::opaque(self.block_bytes, "simulated")
     }
 }
 
@@ -209,6 +201,12 @@ impl Disagg {
         }
     }
 
+    /// The layout of the blocks this worker hands over and takes in (the
+    /// modelled one for a mocker); `None` when it does neither.
+    fn layout(&self) -> Option<KvLayout> {
+        self.memory.as_ref().map(|memory| memory.layout().clone()).or_else(|| self.simulated.map(|simulated| simulated.layout()))
+    }
+
     /// The worker's role.
     pub fn role(&self) -> WorkerRole {
         self.role
@@ -241,7 +239,7 @@ impl Disagg {
     /// blocks for a decode worker (see the module). `request.stop.max_tokens`
     /// is the whole request's; one token is generated here.
     pub async fn prefill(&self, mut request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
-        if self.memory.is_none() && self.simulated.is_none() {
+        if self.layout().is_none() {
             return Err(WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()));
         }
         if self.endpoint().is_none() {
@@ -425,11 +423,7 @@ impl Disagg {
     }
 
     async fn try_import(&self, request: &GenerateRequest, handle: &pb::KvHandle) -> Result<(ImportedPrefix, &'static str, usize), ImportError> {
-        let local_layout = match (&self.memory, &self.simulated) {
-            (Some(memory), _) => memory.layout().clone(),
-            (None, Some(simulated)) => simulated.layout(),
-            (None, None) => return Err(ImportError::NoMemory),
-        };
+        let local_layout = self.layout().ok_or(ImportError::NoMemory)?;
         let layout = handle.layout.as_ref().map(layout_from_proto).ok_or(ImportError::Layout)?;
         if layout != local_layout {
             return Err(ImportError::Layout);
@@ -556,13 +550,7 @@ struct ReleaseRemote {
 
 impl Drop for ReleaseRemote {
     fn drop(&mut self) {
-        let (mut client, handle_id) = (self.client.clone(), self.handle_id);
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        runtime.spawn(async move {
-            if let Err(status) = client.release(pb::ReleaseRequest { handle_id }).await {
-                tracing::debug!(handle_id, error = %status.message(), "releasing a KV handle failed; its lease frees it");
-            }
-        });
+        release_in_background(self.client.clone(), self.handle_id);
     }
 }
 
@@ -590,12 +578,25 @@ pub async fn read_blocks_tcp(
     Ok(bytes)
 }
 
-/// Releases a handle on the worker holding it (for a caller that will not
-/// pass it to a decode worker, e.g. a cancelled request).
-pub async fn release_handle(handle: &pb::KvHandle) -> Result<bool, WorkerError> {
-    let channel = traced_channel(&handle.transfer_endpoint).map_err(|error| WorkerError::Unavailable(error.to_string()))?;
-    let response = KvTransferClient::new(channel).release(pb::ReleaseRequest { handle_id: handle.handle_id }).await?;
-    Ok(response.into_inner().released)
+/// Releases a handle on the worker holding it, in the background on the
+/// current runtime (none: nothing is sent); a failed release leaves the
+/// handle's lease to free its blocks. For a decode worker done reading, or
+/// a caller that will not pass the handle on (e.g. a cancelled request).
+pub fn release_in_background(mut client: KvTransferClient<TracedChannel>, handle_id: u64) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    runtime.spawn(async move {
+        if let Err(status) = client.release(pb::ReleaseRequest { handle_id }).await {
+            tracing::debug!(handle_id, error = %status.message(), "releasing a KV handle failed; its lease frees it");
+        }
+    });
+}
+
+/// [`release_in_background`] for a handle, by its transfer endpoint.
+pub fn release_handle_in_background(handle: &pb::KvHandle) {
+    match traced_channel(&handle.transfer_endpoint) {
+        Ok(channel) => release_in_background(KvTransferClient::new(channel), handle.handle_id),
+        Err(error) => tracing::debug!(%error, handle_id = handle.handle_id, "bad transfer endpoint; the handle's lease frees its blocks"),
+    }
 }
 
 /// Why a decode worker computes a prompt itself.

@@ -357,7 +357,9 @@ impl<'w> Endpoints<'w> {
 fn serve(worker: &Worker, mut shm_worker: Option<&Worker>, jobs: &mpsc::Receiver<Job>) {
     let mut main = Endpoints::new(worker, true);
     let mut shm = shm_worker.map(|shm_worker| Endpoints::new(shm_worker, false));
-    let copier = Copier::new(copy_threads());
+    // Started at the first read of a mapped pool: prefill workers never
+    // need it.
+    let copier = std::cell::OnceCell::new();
     loop {
         // A shared-memory peer that died mid-read leaves reads UCX cannot
         // cancel: stop using (and progressing) shared memory; everything
@@ -430,7 +432,7 @@ fn sleep(worker: &Worker, shm_worker: Option<&Worker>, timeout: Option<Duration>
 
 /// Reads a job's blocks: over shared memory when both sides have it and
 /// the peer is on this machine, else over the main context.
-fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &Copier, mut job: Job) {
+fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &std::cell::OnceCell<Copier>, mut job: Job) {
     if let Some(shm) = shm
         && !job.shm_peer.is_empty()
         && !shm.unreachable.contains(&job.shm_peer)
@@ -478,7 +480,7 @@ fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &Copie
 
 /// Reads a job's blocks through `endpoint`: copied out of the peer's
 /// mapped pool when UCX maps it here, else with one get per block.
-fn read(endpoint: &Endpoint<'_>, key: &RemoteKey<'_>, copier: &Copier, job: &mut Job) -> Result<Pulled, WaitError> {
+fn read(endpoint: &Endpoint<'_>, key: &RemoteKey<'_>, copier: &std::cell::OnceCell<Copier>, job: &mut Job) -> Result<Pulled, WaitError> {
     let worker = endpoint.worker();
     let mut bytes = std::mem::take(&mut job.into);
     bytes.resize(job.addresses.len() * job.block_bytes, 0);
@@ -490,7 +492,7 @@ fn read(endpoint: &Endpoint<'_>, key: &RemoteKey<'_>, copier: &Copier, job: &mut
         // while `key` is, which outlives the wait below; the destinations
         // are disjoint chunks of `bytes`, untouched until the copies end.
         #[allow(unsafe_code)]
-        let copies = unsafe { copier.post(&sources, bytes.as_mut_ptr(), job.block_bytes) };
+        let copies = unsafe { copier.get_or_init(|| Copier::new(copy_threads())).post(&sources, bytes.as_mut_ptr(), job.block_bytes) };
         let post = started.elapsed();
         copies.wait();
         return Ok(Pulled { bytes, post, total: started.elapsed(), mapped: true });
