@@ -105,8 +105,9 @@ pub struct WorkerConfig {
 /// polynomials describe.
 pub const MOCK_KV_BYTES_PER_TOKEN: usize = 32 * 2 * 8 * 128 * 2;
 
-/// Transfer bandwidth the mocker models, GB/s: about what
-/// `turbine bench transfer` measures for UCX between processes here.
+/// Transfer bandwidth the mocker models, GB/s: what `turbine bench
+/// transfer` measured for UCX gets between processes here (the sweep in
+/// docs/benchmarks.md ran at it; reads of a shared pool now measure 11-12).
 pub const MOCK_TRANSFER_GBPS: f64 = 8.0;
 
 /// How a decode worker reads a prefill worker's blocks.
