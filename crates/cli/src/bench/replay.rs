@@ -244,6 +244,12 @@ pub struct PolicyReport {
     pub router: String,
     /// Router replicas (each behind its own gateway).
     pub routers: usize,
+    /// Workers behind the routers, all roles; 0 for a deployment (--gateway).
+    pub workers: usize,
+    /// Of those, prefill workers (0 when aggregated).
+    pub prefill_workers: usize,
+    /// Of those, decode workers (0 when aggregated).
+    pub decode_workers: usize,
     /// Requests sent.
     pub requests: usize,
     /// Requests that failed (non-200 or a broken stream).
@@ -292,7 +298,8 @@ pub struct ReplayReport {
     /// The deployment replayed against (--gateway); the stack fields
     /// below then describe nothing.
     pub gateway: Option<String>,
-    /// Mocker workers.
+    /// Mocker workers of the router policies (--workers); a disaggregated
+    /// sweep's own counts are in each of `policies`.
     pub workers: usize,
     /// Time compression of arrivals.
     pub speedup: f64,
@@ -450,7 +457,8 @@ async fn replay_one(
     let report = drive(args, &urls, "replay", requests, prompts, oracle, oracle_rate).await;
     shutdown.cancel();
     stack.finished.await.context("stack panicked")??;
-    Ok(PolicyReport { router: policy.name().to_owned(), routers, ..report? })
+    let (prefill_workers, decode_workers) = split.unwrap_or((0, 0));
+    Ok(PolicyReport { router: policy.name().to_owned(), routers, workers, prefill_workers, decode_workers, ..report? })
 }
 
 /// Sends the trace to the gateways at `urls` (in turn) at its arrival times
@@ -516,6 +524,9 @@ async fn drive(
     Ok(PolicyReport {
         router: String::new(),
         routers: urls.len(),
+        workers: 0,
+        prefill_workers: 0,
+        decode_workers: 0,
         requests: requests.len(),
         failed,
         ttft,
@@ -620,19 +631,20 @@ pub fn print(report: &ReplayReport) {
     match &report.gateway {
         Some(gateway) => println!("replay of {} against {gateway}, arrivals {}x", report.trace, report.speedup),
         None => println!(
-            "replay of {} on {} mocker workers ({} blocks of {} tokens each), arrivals {}x, engines {}x",
-            report.trace, report.workers, report.num_blocks, report.block_size, report.speedup, report.engine_speedup
+            "replay of {} on mocker workers ({} blocks of {} tokens each), arrivals {}x, engines {}x",
+            report.trace, report.num_blocks, report.block_size, report.speedup, report.engine_speedup
         ),
     }
     println!(
-        "{:<14} {:>8} {:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>8}",
-        "router", "requests", "failed", "ttft mean", "ttft p50", "ttft p90", "itl mean", "itl p90", "e2e mean", "out tok/s", "hit", "oracle"
+        "{:<14} {:>7} {:>8} {:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>8}",
+        "router", "workers", "requests", "failed", "ttft mean", "ttft p50", "ttft p90", "itl mean", "itl p90", "e2e mean", "out tok/s", "hit", "oracle"
     );
     for p in &report.policies {
         let label = if p.routers > 1 { format!("{} x{}", p.router, p.routers) } else { p.router.clone() };
         println!(
-            "{:<14} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.0} {:>8.3} {:>8.3}",
+            "{:<14} {:>7} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.0} {:>8.3} {:>8.3}",
             label,
+            if p.workers == 0 { "-".to_owned() } else { p.workers.to_string() },
             p.requests,
             p.failed,
             p.ttft.mean_ms,
@@ -656,8 +668,8 @@ pub fn print(report: &ReplayReport) {
         );
     }
     // The disaggregated sweep: each split against aggregated workers of the same count.
-    for p in report.policies.iter().filter(|p| p.router.contains("P:")) {
-        let workers: usize = p.router.trim_end_matches('D').split(['P', ':']).filter_map(|n| n.parse::<usize>().ok()).sum();
+    for p in report.policies.iter().filter(|p| p.prefill_workers > 0) {
+        let workers = p.workers;
         if let Some(aggregated) = report.policies.iter().find(|a| a.router == format!("aggregated x{workers}")) {
             println!(
                 "{} vs aggregated x{workers}: TTFT mean {:.2}x, p90 {:.2}x; ITL mean {:.2}x, p90 {:.2}x (below 1: disaggregated is faster)",
@@ -724,12 +736,15 @@ mod tests {
     }
 }
 
+/// A plot panel: its title and the (mean, p90) it draws per configuration.
+type Panel = (&'static str, fn(&PolicyReport) -> (f64, f64));
+
 /// Writes grouped bars of TTFT and ITL (mean and p90) per configuration as
 /// an SVG file.
 pub fn write_plot(report: &ReplayReport, path: &std::path::Path) -> anyhow::Result<()> {
-    let panels: [(&str, Box<dyn Fn(&PolicyReport) -> (f64, f64)>); 2] = [
-        ("time to first token (ms)", Box::new(|p| (p.ttft.mean_ms, p.ttft.p90_ms))),
-        ("inter-token latency (ms)", Box::new(|p| (p.itl.mean_ms, p.itl.p90_ms))),
+    let panels: [Panel; 2] = [
+        ("time to first token (ms)", |p| (p.ttft.mean_ms, p.ttft.p90_ms)),
+        ("inter-token latency (ms)", |p| (p.itl.mean_ms, p.itl.p90_ms)),
     ];
     let (width, panel_height, left, top) = (120.0 + 110.0 * report.policies.len() as f64, 300.0, 70.0, 50.0);
     let mut svg = format!(
@@ -753,7 +768,7 @@ pub fn write_plot(report: &ReplayReport, path: &std::path::Path) -> anyhow::Resu
         for (slot, policy) in report.policies.iter().enumerate() {
             let (mean, p90) = values(policy);
             let x = left + 20.0 + slot as f64 * 110.0;
-            let color = if policy.router.contains("P:") { ("#1f5fa8", "#8fb4e0") } else { ("#555555", "#b0b0b0") };
+            let color = if policy.prefill_workers > 0 { ("#1f5fa8", "#8fb4e0") } else { ("#555555", "#b0b0b0") };
             for (offset, value, fill) in [(0.0, mean, color.0), (40.0, p90, color.1)] {
                 let height = plot_height * value / max;
                 svg += &format!("<rect x=\"{}\" y=\"{}\" width=\"38\" height=\"{height}\" fill=\"{fill}\"/>\n", x + offset, base - height);
