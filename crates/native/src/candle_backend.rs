@@ -20,10 +20,10 @@ use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, gguf_file};
 use candle_core::{CpuStorage, D, DType, Device, Module, Storage, Tensor};
-use turbine_engine::{KvBuffer, KvLayout, KvMemory};
+use turbine_engine::{KvBuffer, KvMemory};
 
 use crate::config::LlamaConfig;
-use crate::model::SequenceRows;
+use crate::model::{SequenceRows, block_layout};
 use crate::ops::Rope;
 use crate::{Error, Result};
 
@@ -104,19 +104,10 @@ impl CandleCache {
     /// The pool as transfers see it: its host memory on the CPU device,
     /// its device memory on a GPU (`cuda` feature); `None` elsewhere.
     pub fn memory(&self, config: &LlamaConfig) -> Option<KvMemory> {
-        let width = config.kv_heads * config.head_dim;
-        let block_bytes = self.block_rows() * width * std::mem::size_of::<half::f16>();
-        let layout = KvLayout {
-            block_bytes,
-            block_size: self.block_size,
-            layers: self.layers,
-            kv_heads: config.kv_heads,
-            head_dim: config.head_dim,
-            dtype: "f16".into(),
-            order: "layer,kv,token,head,dim".into(),
-        };
+        let layout = block_layout(self.block_size, self.layers, config.kv_heads, config.head_dim);
+        let block_bytes = layout.block_bytes;
         #[cfg(feature = "cuda")]
-        if let Some(device) = cuda_pool::CudaPool::new(&self.pool, width) {
+        if let Some(device) = cuda_pool::CudaPool::new(&self.pool, config.kv_heads * config.head_dim) {
             return Some(KvMemory::on_device(Arc::new(device), layout, self.num_blocks));
         }
         let pointer = {

@@ -74,6 +74,21 @@ pub struct KvCache {
     head_dim: usize,
 }
 
+/// The layout of one block of a pool both backends keep (the kernels'
+/// `KvCache`, candle's `CandleCache`): for each layer, the keys then the
+/// values of its `block_size` tokens, `kv_heads × head_dim` f16 each.
+pub(crate) fn block_layout(block_size: usize, layers: usize, kv_heads: usize, head_dim: usize) -> KvLayout {
+    KvLayout {
+        block_bytes: layers * 2 * block_size * kv_heads * head_dim * std::mem::size_of::<f16>(),
+        block_size,
+        layers,
+        kv_heads,
+        head_dim,
+        dtype: "f16".into(),
+        order: "layer,kv,token,head,dim".into(),
+    }
+}
+
 #[allow(unsafe_code)]
 impl KvCache {
     /// A zeroed cache of `num_blocks` blocks of `block_size` tokens, its
@@ -127,16 +142,7 @@ impl KvCache {
 
     /// The cache as transfers see it.
     pub fn memory(&self) -> KvMemory {
-        let layout = KvLayout {
-            block_bytes: self.block_stride() * std::mem::size_of::<f16>(),
-            block_size: self.block_size,
-            layers: self.layers,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            dtype: "f16".into(),
-            order: "layer,kv,token,head,dim".into(),
-        };
-        KvMemory::new(self.buffer.clone(), layout, self.num_blocks)
+        KvMemory::new(self.buffer.clone(), block_layout(self.block_size, self.layers, self.kv_heads, self.head_dim), self.num_blocks)
     }
 
     /// Overwrites a block with bytes laid out as [`memory`](Self::memory)

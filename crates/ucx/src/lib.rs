@@ -388,17 +388,31 @@ impl MemoryRegion {
     /// The memory must stay allocated (and at the same place) until the
     /// region is dropped; peers may read it at any time meanwhile.
     pub unsafe fn register(context: &Context, address: *mut u8, length: usize) -> Result<Self, UcxError> {
-        // SAFETY: per the caller's promise; zeroed params with address and
-        // length set.
+        // SAFETY: per the caller's promise.
+        unsafe { Self::map_existing(context, address as u64, length, None) }
+    }
+
+    /// `ucp_mem_map` of memory someone else allocated, of `memory_type`
+    /// (`None`: UCX detects it).
+    ///
+    /// # Safety
+    /// As [`register`](Self::register).
+    unsafe fn map_existing(context: &Context, address: u64, length: usize, memory_type: Option<sys::ucs_memory_type::Type>) -> Result<Self, UcxError> {
+        // SAFETY: per the caller's promise; zeroed params with address,
+        // length and (when given) the memory type set.
         unsafe {
             let mut params: sys::ucp_mem_map_params_t = std::mem::zeroed();
             params.field_mask =
                 (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
             params.address = address as *mut _;
             params.length = length;
+            if let Some(memory_type) = memory_type {
+                params.field_mask |= sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE as u64;
+                params.memory_type = memory_type;
+            }
             let mut memh = ptr::null_mut();
             check("ucp_mem_map", sys::ucp_mem_map(context.handle.0, &params, &mut memh))?;
-            Ok(Self { handle: memh, context: context.clone(), address: address as u64, length })
+            Ok(Self { handle: memh, context: context.clone(), address, length })
         }
     }
 
@@ -420,20 +434,8 @@ impl MemoryRegion {
                 message: "this UCX has no CUDA support (built without it, or no CUDA driver)".into(),
             });
         }
-        // SAFETY: per the caller's promise; zeroed params with address,
-        // length and memory type set.
-        unsafe {
-            let mut params: sys::ucp_mem_map_params_t = std::mem::zeroed();
-            params.field_mask = (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE) as u64;
-            params.address = address as *mut _;
-            params.length = length;
-            params.memory_type = sys::ucs_memory_type::UCS_MEMORY_TYPE_CUDA;
-            let mut memh = ptr::null_mut();
-            check("ucp_mem_map", sys::ucp_mem_map(context.handle.0, &params, &mut memh))?;
-            Ok(Self { handle: memh, context: context.clone(), address, length })
-        }
+        // SAFETY: per the caller's promise.
+        unsafe { Self::map_existing(context, address, length, Some(sys::ucs_memory_type::UCS_MEMORY_TYPE_CUDA)) }
     }
 
     /// Allocates `length` bytes through UCX and registers them with

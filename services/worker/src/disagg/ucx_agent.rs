@@ -63,11 +63,8 @@ impl ShmPool {
     /// The shared-memory context; `None` when `UCX_TLS` chooses transports
     /// (the operator's choice wins) or UCX cannot start one.
     pub fn open() -> Option<Arc<Self>> {
-        if std::env::var_os("UCX_TLS").is_some() {
-            return None;
-        }
-        match Context::with_transports(SHM_TRANSPORTS) {
-            Ok(context) => Some(Arc::new(Self { context, region: Mutex::new(None) })),
+        match shm_context() {
+            Ok(context) => Some(Arc::new(Self { context: context?, region: Mutex::new(None) })),
             Err(error) => {
                 tracing::debug!(%error, "no shared-memory UCX context; the KV pool stays on the heap");
                 None
@@ -124,8 +121,14 @@ fn free_bytes(dir: &str) -> Option<u64> {
     }
 }
 
-/// Transports of the shared-memory context.
-const SHM_TRANSPORTS: &str = "posix,self";
+/// A context on the shared-memory transports only; `None` when `UCX_TLS`
+/// chooses the transports (the operator's choice wins).
+fn shm_context() -> Result<Option<Context>, UcxError> {
+    if std::env::var_os("UCX_TLS").is_some() {
+        return Ok(None);
+    }
+    Context::with_transports("posix,self").map(Some)
+}
 
 struct Job {
     peer: Vec<u8>,
@@ -187,8 +190,7 @@ impl UcxAgent {
                     let region = register(&context, true)?;
                     let shm_context = match &pool {
                         Some(pool) => Ok(Some(pool.context.clone())),
-                        None if std::env::var_os("UCX_TLS").is_some() => Ok(None),
-                        None => Context::with_transports(SHM_TRANSPORTS).map(Some),
+                        None => shm_context(),
                     };
                     let shm = shm_context.and_then(|context| {
                         let Some(context) = context else { return Ok(None) };
@@ -543,6 +545,21 @@ struct CopyTask {
     done: Arc<Countdown>,
 }
 
+impl CopyTask {
+    /// Copies the spans, then counts the task done.
+    ///
+    /// # Safety
+    /// As [`Copier::post`]'s contract.
+    #[allow(unsafe_code)]
+    unsafe fn run(&self) {
+        for &(source, destination) in &self.spans {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(source as *const u8, destination as *mut u8, self.len) };
+        }
+        self.done.finish_one();
+    }
+}
+
 /// Counts copy tasks down to zero.
 struct Countdown {
     left: Mutex<usize>,
@@ -580,14 +597,11 @@ impl Copier {
             let (sender, tasks) = mpsc::channel::<CopyTask>();
             let spawned = std::thread::Builder::new().name(format!("turbine-kv-copy-{lane}")).spawn(move || {
                 for task in tasks {
-                    for &(source, destination) in &task.spans {
-                        // SAFETY: per `Copier::post`'s contract.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(source as *const u8, destination as *mut u8, task.len)
-                        };
-                    }
-                    task.done.finish_one();
+                    // SAFETY: per `Copier::post`'s contract.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        task.run()
+                    };
                 }
             });
             match spawned {
@@ -624,11 +638,8 @@ impl Copier {
             };
             if let Some(task) = refused {
                 // No thread for this lane: copy here.
-                for &(source, destination) in &task.spans {
-                    // SAFETY: per the caller's contract.
-                    unsafe { std::ptr::copy_nonoverlapping(source as *const u8, destination as *mut u8, len) };
-                }
-                task.done.finish_one();
+                // SAFETY: per the caller's contract.
+                unsafe { task.run() };
             }
         }
         done
