@@ -468,8 +468,20 @@ fn start_engine_exposing_kv_on(scheduler: SchedulerConfig, backend: Backend, dev
 /// Prefills `prompt` on one engine (its blocks pinned), copies the blocks'
 /// bytes out of its pool (what a transfer does), installs them on another
 /// and decodes there: the tokens, the first one from the prefill.
-#[allow(unsafe_code)]
 fn hand_off(prefill: &EngineHandle, prefill_memory: &KvMemory, decode: &EngineHandle, prompt: &[u32]) -> Vec<u32> {
+    let (first, import) = prefill_blocks(prefill, prefill_memory, prompt);
+    let handoff = Handoff::Decode { generated: first.clone(), import };
+    let (rest, _) = finish(decode.submit(greedy_request(prompt, STEPS as u32), handoff).unwrap());
+    let mut tokens = first;
+    tokens.extend(rest);
+    tokens
+}
+
+/// Prefills `prompt` on `engine` and copies its full blocks out of the
+/// pool, then unpins them: the first token, and the blocks as a decode
+/// worker would install them.
+#[allow(unsafe_code)]
+fn prefill_blocks(prefill: &EngineHandle, prefill_memory: &KvMemory, prompt: &[u32]) -> (Vec<u32>, ImportedPrefix) {
     let mut stream = prefill.submit(greedy_request(prompt, 1), Handoff::Prefill).unwrap();
     let (mut pinned, mut first) = (None, Vec::new());
     while let Some(output) = stream.blocking_recv() {
@@ -490,11 +502,7 @@ fn hand_off(prefill: &EngineHandle, prefill_memory: &KvMemory, decode: &EngineHa
     let checksums: Vec<u64> = bytes.chunks(prefill_memory.layout().block_bytes).map(block_checksum).collect();
     prefill.unpin(pinned.pin_id);
     assert!(checksums.iter().all(|&sum| sum != block_checksum(&vec![0; prefill_memory.layout().block_bytes])), "blocks hold computed KV");
-    let handoff = Handoff::Decode { generated: first.clone(), import: ImportedPrefix { parent: None, hashes, bytes, recycle: None } };
-    let (rest, _) = finish(decode.submit(greedy_request(prompt, STEPS as u32), handoff).unwrap());
-    let mut tokens = first;
-    tokens.extend(rest);
-    tokens
+    (first, ImportedPrefix { parent: None, hashes, bytes, recycle: None })
 }
 
 fn greedy_request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
@@ -555,12 +563,25 @@ fn candle_engines_hand_off(device: EngineDevice) {
     let chosen = [1usize, 6, 9, 17];
     let scheduler = SchedulerConfig { block_size: 16, num_blocks: 256, max_batched_tokens: 512, max_model_len: 8192, ..SchedulerConfig::default() };
     let (kernels, kernels_memory) = start_engine_exposing_kv(scheduler.clone(), Backend::Kernels);
-    kernels.shutdown();
     let aggregated = start_engine_with(scheduler.clone(), Backend::Candle, device);
     let (prefill, prefill_memory) = start_engine_exposing_kv_on(scheduler.clone(), Backend::Candle, device);
     let (decode, _) = start_engine_exposing_kv_on(scheduler, Backend::Candle, device);
     assert_eq!(prefill_memory.layout(), kernels_memory.layout(), "candle and the kernels exchange blocks");
     assert_eq!(prefill_memory.device().is_some(), device != EngineDevice::Cpu, "a GPU pool is device memory");
+    // The bytes, not only the descriptions, are laid out alike: the same
+    // prompt's blocks hold the same keys and values, up to the two
+    // backends' rounding (a prompt the loop below does not use).
+    let (_, ours) = prefill_blocks(&prefill, &prefill_memory, &all[4]);
+    let (_, theirs) = prefill_blocks(&kernels, &kernels_memory, &all[4]);
+    kernels.shutdown();
+    let values = |bytes: &[u8]| -> Vec<f32> { bytes.chunks_exact(2).map(|pair| half::f16::from_le_bytes([pair[0], pair[1]]).to_f32()).collect() };
+    let (ours, theirs) = (values(&ours.bytes), values(&theirs.bytes));
+    assert_eq!((ours.len(), theirs.len()), (4 * kernels_memory.layout().block_bytes / 2, 4 * kernels_memory.layout().block_bytes / 2), "four blocks each");
+    let rms = |values: &mut dyn Iterator<Item = f32>| -> f32 { (values.map(|v| v * v).sum::<f32>() / theirs.len() as f32).sqrt() };
+    let (spread, error) = (rms(&mut theirs.iter().copied()), rms(&mut ours.iter().zip(&theirs).map(|(a, b)| a - b)));
+    eprintln!("candle vs kernels KV blocks: values' RMS {spread}, differences' RMS {error}");
+    // Values out of place would differ by about the values themselves.
+    assert!(error < spread * 0.05, "candle's blocks differ from the kernels' (RMS {error} against values' RMS {spread}): not the same layout");
     for &i in &chosen {
         let prompt = &all[i];
         let (expected, _) = finish(submit(&aggregated, prompt, STEPS as u32));
