@@ -33,35 +33,54 @@ STARTUP_TIMEOUT = 120
 
 
 def free_port():
+    """A free port for redis-server, which cannot report the one it bound."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def poll(what, condition, timeout=STARTUP_TIMEOUT, process=None):
+    """Waits until condition() returns a true value and returns it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process is not None and process.proc.poll() is not None:
+            raise RuntimeError(f"{process.name} exited ({process.proc.returncode}) before {what}:\n{process.output()}")
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise RuntimeError(f"{what}: not within {timeout}s")
+
+
 class Process:
-    """A child process whose output lines can be awaited."""
+    """A child process started on port 0: it writes the addresses it bound
+    to a file, which is where the suite learns them."""
 
-    def __init__(self, name, args, env=None):
+    def __init__(self, name, args, env=None, addresses=True):
         self.name = name
-        self.lines = []
-        self.proc = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=dict(os.environ, **(env or {})),
-        )
+        self.dir = tempfile.mkdtemp(prefix=f"e2e-{name.replace(' ', '-')}-")
+        self.addresses_file = os.path.join(self.dir, "addresses.json")
+        self.log = open(os.path.join(self.dir, "output.log"), "w+")
+        if addresses:
+            args = args + ["--addresses-file", self.addresses_file]
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **(env or {})))
 
-    def wait_for(self, needle, timeout=STARTUP_TIMEOUT):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.name} exited before printing {needle!r}:\n" + "".join(self.lines))
-            self.lines.append(line)
-            if needle in line:
-                return line
-        raise RuntimeError(f"{self.name} did not print {needle!r} in {timeout}s")
+    def output(self):
+        self.log.flush()
+        with open(self.log.name) as log:
+            return log.read()
+
+    def addresses(self):
+        """The bound addresses ({"grpc": "127.0.0.1:port", "admin": ..., "http": ...})."""
+
+        def read():
+            try:
+                with open(self.addresses_file) as file:
+                    return json.load(file)
+            except (OSError, ValueError):
+                return None
+
+        return poll(f"{self.name}'s addresses file", read, process=self)
 
     def stop(self):
         if self.proc.poll() is None:
@@ -70,19 +89,39 @@ class Process:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def redis_answers(port):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
+            connection.sendall(b"PING\r\n")
+            return connection.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def serving(binary, address, service, process):
+    """Waits until `service` at `address` reports SERVING on gRPC health."""
+
+    def check_health():
+        command = [binary, "-plaintext", "-d", json.dumps({"service": service}), address, "grpc.health.v1.Health/Check"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        return result.returncode == 0 and json.loads(result.stdout).get("status") == "SERVING"
+
+    poll(f"{process.name} SERVING", check_health, process=process)
 
 
 def wait_for_model(base):
-    deadline = time.time() + STARTUP_TIMEOUT
-    while time.time() < deadline:
+    def listed():
         try:
             with urllib.request.urlopen(f"{base}/v1/models") as response:
-                if json.load(response)["data"]:
-                    return
+                return bool(json.load(response)["data"])
         except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"no model listed at {base}")
+            return False
+
+    poll(f"a model listed at {base}", listed)
 
 
 def check(condition, message):
@@ -203,32 +242,34 @@ def grpcurl_suite(address, package, service, message):
 
 
 def distributed_grpcurl_suite():
-    redis_port, worker_port, router_port, gateway_grpc, gateway_http = (free_port() for _ in range(5))
+    redis_port = free_port()
     redis_dir = tempfile.mkdtemp()
+    binary = grpcurl_binary()
     processes = []
     try:
-        redis = Process("redis-server", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", redis_dir])
+        redis = Process("redis-server", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", redis_dir], addresses=False)
         processes.append(redis)
-        redis.wait_for("Ready to accept connections")
+        poll("redis-server answering PING", lambda: redis_answers(redis_port), process=redis)
         url = f"redis://127.0.0.1:{redis_port}/"
-        worker = Process("worker", [f"{BIN}/turbine-worker", "--grpc-addr", f"127.0.0.1:{worker_port}", "--admin-addr", "127.0.0.1:0",
-                                    "--redis", url, "--namespace", "grpcurl", "--engine", "mock", "--speedup", "1000"])
+        ports = ["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"]
+        worker = Process("worker", [f"{BIN}/turbine-worker", *ports, "--redis", url, "--namespace", "grpcurl", "--engine", "mock", "--speedup", "1000"])
         processes.append(worker)
-        worker.wait_for("worker ready")
-        router = Process("router", [f"{BIN}/turbine-router", "--grpc-addr", f"127.0.0.1:{router_port}", "--admin-addr", "127.0.0.1:0",
-                                    "--redis", url, "--namespace", "grpcurl"])
+        worker_address = worker.addresses()["grpc"]
+        serving(binary, worker_address, "turbine.worker.v1.Worker", worker)
+        router = Process("router", [f"{BIN}/turbine-router", *ports, "--redis", url, "--namespace", "grpcurl"])
         processes.append(router)
-        router.wait_for("router listening")
-        gateway = Process("gateway", [f"{BIN}/turbine-gateway", "--http-addr", f"127.0.0.1:{gateway_http}", "--grpc-addr",
-                                      f"127.0.0.1:{gateway_grpc}", "--router", f"127.0.0.1:{router_port}"])
+        router_address = router.addresses()["grpc"]
+        serving(binary, router_address, "turbine.router.v1.Router", router)
+        gateway = Process("gateway", [f"{BIN}/turbine-gateway", "--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0", "--router", router_address])
         processes.append(gateway)
-        gateway.wait_for("gateway listening")
-        wait_for_model(f"http://127.0.0.1:{gateway_http}")
+        gateway_addresses = gateway.addresses()
+        gateway_grpc = gateway_addresses["grpc"]
+        wait_for_model(f"http://{gateway_addresses['http']}")
 
-        grpcurl_suite(f"127.0.0.1:{worker_port}", "turbine.worker.v1", "Worker", "GenerateRequest")
-        grpcurl_suite(f"127.0.0.1:{router_port}", "turbine.router.v1", "Router", "RouteRequest")
-        binary = grpcurl_suite(f"127.0.0.1:{gateway_grpc}", "turbine.gateway.v1", "Inference", "GenerateRequest")
-        output = grpcurl(binary, f"127.0.0.1:{gateway_grpc}", "turbine.gateway.v1.Inference/Generate",
+        grpcurl_suite(worker_address, "turbine.worker.v1", "Worker", "GenerateRequest")
+        grpcurl_suite(router_address, "turbine.router.v1", "Router", "RouteRequest")
+        grpcurl_suite(gateway_grpc, "turbine.gateway.v1", "Inference", "GenerateRequest")
+        output = grpcurl(binary, gateway_grpc, "turbine.gateway.v1.Inference/Generate",
                          data={"model": MODEL, "prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
         messages = [json.loads(m) for m in re.split(r"(?<=\})\s*(?=\{)", output.strip())]
         check(messages[-1]["finishReason"] == "FINISH_REASON_LENGTH", f"generate: {messages[-1]}")
@@ -241,11 +282,9 @@ def distributed_grpcurl_suite():
 
 
 def main():
-    http_port = free_port()
-    turbine = Process("turbine run", [f"{BIN}/turbine", "run", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", "0"])
+    turbine = Process("turbine run", [f"{BIN}/turbine", "run", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0"])
     try:
-        turbine.wait_for("Turbine is ready")
-        base = f"http://127.0.0.1:{http_port}"
+        base = f"http://{turbine.addresses()['http']}"
         wait_for_model(base)
         openai_sdk_suite(base)
     finally:

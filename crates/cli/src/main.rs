@@ -1,12 +1,17 @@
 //! `turbine`: one command for every way to run Turbine.
 
-mod bench;
 mod model;
 mod run;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use turbine_cluster::RunConfig;
+use turbine_gateway::GatewayConfig;
+use turbine_kv_index::KvIndexConfig;
+use turbine_router::RouterConfig;
+use turbine_runtime::config::Layered;
+use turbine_worker::WorkerConfig;
 
 /// Turbine serves language models across many machines.
 ///
@@ -23,26 +28,28 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run gateway, router and workers in one process (fetches the default model).
-    Run(Box<run::RunArgs>),
+    Run(Box<Layered<RunConfig>>),
     /// Manage the model cache.
     #[command(subcommand)]
     Model(model::ModelCommand),
     /// Run the gateway service (OpenAI REST + gRPC).
-    Gateway(Box<turbine_gateway::GatewayArgs>),
+    Gateway(Box<Layered<GatewayConfig>>),
     /// Run the router service.
-    Router(Box<turbine_router::RouterArgs>),
+    Router(Box<Layered<RouterConfig>>),
     /// Run a worker service.
-    Worker(Box<turbine_worker::WorkerArgs>),
+    Worker(Box<Layered<WorkerConfig>>),
     /// Run the kv-index service (the global KV index over the event log).
-    KvIndex(Box<turbine_kv_index::KvIndexArgs>),
+    KvIndex(Box<Layered<KvIndexConfig>>),
     /// Benchmarks.
     #[command(subcommand)]
-    Bench(Box<bench::BenchCommand>),
+    Bench(Box<turbine_bench::BenchCommand>),
 }
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Run(args) => turbine_runtime::run_service("turbine", move |shutdown| run::run(*args, shutdown)),
+        Command::Run(config) => turbine_runtime::run_service("turbine", move |shutdown| {
+            run::run(config.into_inner(), shutdown)
+        }),
         Command::Model(command) => match model::run(command) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
@@ -50,10 +57,10 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Gateway(args) => turbine_gateway::serve::main(*args),
-        Command::Router(args) => turbine_router::serve::main(*args),
-        Command::Worker(args) => turbine_worker::serve::main(*args),
-        Command::KvIndex(args) => turbine_kv_index::serve::main(*args),
-        Command::Bench(command) => bench::main(*command),
+        Command::Gateway(config) => turbine_gateway::main(config.into_inner()),
+        Command::Router(config) => turbine_router::main(config.into_inner()),
+        Command::Worker(config) => turbine_worker::main(config.into_inner()),
+        Command::KvIndex(config) => turbine_kv_index::main(config.into_inner()),
+        Command::Bench(command) => turbine_bench::main(*command),
     }
 }

@@ -13,15 +13,15 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{metric, post, start_turbine, wait_for_model};
+use common::{MODEL, metric, post, service, until_listed, until_registered};
 use serde_json::json;
 use tokio::sync::OnceCell;
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, metric_lines, metric_where, wait_until, workspace_binary};
-
-const MODEL: &str = "smollm2-135m";
+use turbine_cluster::sandbox::Sandbox;
+use turbine_testkit::{
+    RedisServer, ServiceProcess, metric_lines, metric_where, poll_until, wait_until,
+};
 
 /// One cluster at a time: each runs two native workers, and on two cores
 /// several at once starve each other.
@@ -63,79 +63,106 @@ async fn complete(base: &str, prompt: &[u32]) -> (String, u64) {
     try_complete(base, prompt).await.unwrap()
 }
 
-/// The prompts' outputs from one aggregated worker (`turbine run`), once
-/// for every test of this file.
+/// The prompts' outputs from one aggregated worker (the embedded cluster,
+/// in this process), once for every test of this file.
 async fn reference() -> &'static [String] {
     static REFERENCE: OnceCell<Vec<String>> = OnceCell::const_new();
     REFERENCE
         .get_or_init(|| async {
-            let mut turbine = start_turbine(&["--workers", "1", "--threads", "1", "--kv-cache-mib", "128"]).await;
+            let mut config = Sandbox::native();
+            config.worker.engine.threads = Some(1);
+            config.worker.engine.kv_cache_mib = 128;
+            let sandbox = Sandbox::start(config).await;
             let mut outputs = Vec::new();
             for prompt in prompts() {
-                outputs.push(complete(&turbine.base, &prompt).await.0);
+                outputs.push(complete(sandbox.base(), &prompt).await.0);
             }
-            turbine.process.kill();
+            sandbox.stop().await;
             outputs
         })
         .await
 }
 
-struct Service {
-    process: ChildProcess,
-    admin: String,
-}
-
 struct Cluster {
     redis: RedisServer,
-    prefill: Service,
-    decode: Service,
-    _router: ChildProcess,
-    gateway: ChildProcess,
+    prefill: ServiceProcess,
+    decode: ServiceProcess,
+    _router: ServiceProcess,
+    gateway: ServiceProcess,
     base: String,
 }
 
-fn spawn(binary: &str, args: &[&str]) -> ChildProcess {
-    let mut command = Command::new(workspace_binary(binary));
-    command.args(args);
-    ChildProcess::spawn(binary, command)
-}
-
-fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str) -> Service {
-    let admin = free_port();
-    let admin_addr = format!("127.0.0.1:{admin}");
+async fn start_worker(
+    redis: &RedisServer,
+    id: &str,
+    role: &str,
+    transport: &str,
+) -> ServiceProcess {
+    let url = redis.url();
     let args = [
         // 640 MiB: 1,777 blocks, room for every prompt of the test at once
         // (1,312 blocks), so the second pass can expect hits.
-        "--grpc-addr", "127.0.0.1:0", "--admin-addr", &admin_addr, "--engine", "native", "--threads", "1", "--kv-cache-mib", "640",
-        "--redis", &redis.url(), "--namespace", "disagg", "--worker-id", id, "--lease-ttl-secs", "2", "--role", role,
-        "--kv-transport", transport,
+        "--engine",
+        "native",
+        "--threads",
+        "1",
+        "--kv-cache-mib",
+        "640",
+        "--redis",
+        &url,
+        "--namespace",
+        "disagg",
+        "--worker-id",
+        id,
+        "--lease-ttl-secs",
+        "2",
+        "--role",
+        role,
+        "--kv-transport",
+        transport,
     ];
-    let mut process = spawn("turbine-worker", &args);
-    process.wait_for_line("worker ready", STARTUP_TIMEOUT);
-    Service { process, admin: format!("http://{admin_addr}") }
+    service("turbine-worker", &args, &[], false).await
 }
 
 async fn start_cluster(transport: &str) -> Cluster {
     let redis = RedisServer::start();
-    let prefill = start_worker(&redis, "prefill-0", "prefill", transport);
-    let decode = start_worker(&redis, "decode-0", "decode", transport);
-    let (router_port, router_admin) = (free_port(), free_port());
-    let (router_addr, router_admin_addr) = (format!("127.0.0.1:{router_port}"), format!("127.0.0.1:{router_admin}"));
-    let args = [
-        "--grpc-addr", &router_addr, "--admin-addr", &router_admin_addr, "--redis", &redis.url(), "--namespace", "disagg", "--policy", "kv",
-        "--disagg-threshold-tokens", "64",
-    ];
-    let mut router = spawn("turbine-router", &args);
-    router.wait_for_line("router listening", STARTUP_TIMEOUT);
-    let http_port = free_port();
-    let http_addr = format!("127.0.0.1:{http_port}");
-    let mut gateway = spawn("turbine-gateway", &["--http-addr", &http_addr, "--grpc-addr", "127.0.0.1:0", "--router", &router_addr]);
-    gateway.wait_for_line("gateway listening", STARTUP_TIMEOUT);
-    let base = format!("http://{http_addr}");
-    wait_for_model(&base).await;
-    let router_admin = format!("http://{router_admin_addr}");
-    wait_until("both workers registered", STARTUP_TIMEOUT, async || metric(&router_admin, "turbine_router_live_workers").await >= 2.0).await;
-    Cluster { redis, prefill, decode, _router: router, gateway, base }
+    let prefill = start_worker(&redis, "prefill-0", "prefill", transport).await;
+    let decode = start_worker(&redis, "decode-0", "decode", transport).await;
+    let url = redis.url();
+    let router = service(
+        "turbine-router",
+        &[
+            "--redis",
+            &url,
+            "--namespace",
+            "disagg",
+            "--policy",
+            "kv",
+            "--disagg-threshold-tokens",
+            "64",
+        ],
+        &[],
+        false,
+    )
+    .await;
+    until_registered(&router, 2).await;
+    let gateway = service(
+        "turbine-gateway",
+        &["--router", &router.grpc_endpoint()],
+        &[],
+        true,
+    )
+    .await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
+    Cluster {
+        redis,
+        prefill,
+        decode,
+        _router: router,
+        gateway,
+        base,
+    }
 }
 
 /// Free MiB in /dev/shm, where the prefill worker's pool goes.
@@ -157,9 +184,19 @@ async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
         let (text, _) = complete(&cluster.base, prompt).await;
         assert_eq!(&text, *expected, "prompt of {} tokens, disaggregated over {transport}", prompt.len());
     }
-    let decode = &cluster.decode.admin;
-    let read = metric_where(decode, "turbine_worker_kv_imports_total", &[("transport", transport), ("outcome", "ok")]).await;
-    let cached = metric_where(decode, "turbine_worker_kv_imports_total", &[("transport", "cached"), ("outcome", "ok")]).await;
+    let decode = &cluster.decode.admin_url();
+    let read = metric_where(
+        decode,
+        "turbine_worker_kv_imports_total",
+        &[("transport", transport), ("outcome", "ok")],
+    )
+    .await;
+    let cached = metric_where(
+        decode,
+        "turbine_worker_kv_imports_total",
+        &[("transport", "cached"), ("outcome", "ok")],
+    )
+    .await;
     let fallbacks = metric(decode, "turbine_worker_kv_imports_total").await - read - cached;
     assert_eq!(fallbacks, 0.0, "no prompt fell back to local prefill");
     assert_eq!(read as usize, chosen.len(), "every prompt was read from the prefill worker over {transport}");
@@ -177,8 +214,15 @@ async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
         }
     }
     // Every handle was released by its decode worker (none left to expire).
-    wait_until("handles released", Duration::from_secs(5), async || metric(&cluster.prefill.admin, "turbine_worker_kv_pinned_handles").await == 0.0).await;
-    assert_eq!(metric(&cluster.prefill.admin, "turbine_worker_kv_leases_expired_total").await, 0.0);
+    let prefill = cluster.prefill.admin_url();
+    wait_until("handles released", Duration::from_secs(5), async || {
+        metric(&prefill, "turbine_worker_kv_pinned_handles").await == 0.0
+    })
+    .await;
+    assert_eq!(
+        metric(&prefill, "turbine_worker_kv_leases_expired_total").await,
+        0.0
+    );
 
     // Asked again, every prompt hits the blocks installed on the decode
     // worker (their Stored events reached the router's index, so it keeps
@@ -222,45 +266,45 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
             tokio::spawn(async move { try_complete(&base, &prompt).await.map(|(text, _)| text) })
         })
         .collect();
-    let decode = cluster.decode.admin.clone();
+    let decode = cluster.decode.admin_url();
     let started = Instant::now();
-    let mut killed_mid_read = false;
     // Until a read is in flight, or every request is over (then no read
-    // was caught: the diagnostics below say why).
-    while started.elapsed() < Duration::from_secs(300) && !requests.iter().all(|request| request.is_finished()) {
-        if metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0 {
-            cluster.prefill.process.kill();
-            killed_mid_read = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    if !killed_mid_read {
+    // was caught: the diagnostics below say why). Reads last tens of
+    // milliseconds: look often.
+    let mut reading = false;
+    poll_until(
+        "a read in flight, or every request over",
+        Duration::from_secs(300),
+        Duration::from_millis(2),
+        async || {
+            reading = metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0;
+            reading || requests.iter().all(|request| request.is_finished())
+        },
+    )
+    .await;
+    if !reading {
         let imports = metric_lines(&decode, "turbine_worker_kv_imports_total").await;
-        let warnings = |process: &mut ChildProcess| -> Vec<String> {
-            process.drain().iter().filter(|line| line.contains("WARN") || line.contains("ERROR")).cloned().collect()
-        };
         panic!(
-            "no read of the prefill worker's blocks was seen in flight in {:?}\nimports: {imports:#?}\ngateway: {:#?}\ndecode worker: {:#?}\nprefill worker: {:#?}",
-            started.elapsed(),
-            warnings(&mut cluster.gateway),
-            warnings(&mut cluster.decode.process),
-            warnings(&mut cluster.prefill.process)
+            "no read of the prefill worker's blocks was seen in flight\nimports: {imports:#?}\ngateway: {:#?}\ndecode worker: {:#?}\nprefill worker: {:#?}",
+            warnings(&cluster.gateway),
+            warnings(&cluster.decode),
+            warnings(&cluster.prefill)
         );
     }
-    eprintln!("prefill worker killed {:?} after the requests were sent, a read in flight", started.elapsed());
+    cluster.prefill.kill();
+    eprintln!(
+        "prefill worker killed {:?} after the requests were sent, a read in flight",
+        started.elapsed()
+    );
     let mut results = Vec::new();
     for request in requests {
         results.push(request.await.unwrap());
     }
     if results.iter().any(Result::is_err) {
-        let problems = |process: &mut ChildProcess| -> Vec<String> {
-            process.drain().iter().filter(|line| line.contains("WARN") || line.contains("ERROR")).cloned().collect()
-        };
         panic!(
             "requests failed: {results:?}\ngateway: {:#?}\ndecode worker: {:#?}",
-            problems(&mut cluster.gateway),
-            problems(&mut cluster.decode.process)
+            warnings(&cluster.gateway),
+            warnings(&cluster.decode)
         );
     }
     for (result, &i) in results.into_iter().zip(&chosen) {
@@ -268,4 +312,13 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
     }
     let failed_reads = metric_where(&decode, "turbine_worker_kv_imports_total", &[("outcome", "transfer")]).await;
     assert!(failed_reads >= 1.0, "the read in flight failed over to local prefill ({failed_reads})");
+}
+
+/// A process's warnings and errors so far (for a failure's message).
+fn warnings(process: &ServiceProcess) -> Vec<String> {
+    process
+        .output()
+        .into_iter()
+        .filter(|line| line.contains("WARN") || line.contains("ERROR"))
+        .collect()
 }

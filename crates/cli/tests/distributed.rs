@@ -7,74 +7,84 @@
 mod common;
 
 use std::collections::HashSet;
-use std::process::Command;
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{metric, post, read_events, sse, streamed_text, wait_for_model};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use common::{
+    EXIT_TIMEOUT, MODEL, metric, post, read_events, service, sse, streamed_text, until_listed,
+    until_registered, wait_until,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use serde_json::json;
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, workspace_binary};
-
-const MODEL: &str = "smollm2-135m";
-
-struct Service {
-    process: ChildProcess,
-    admin: String,
-}
+use turbine_kv_log::LogPosition;
+use turbine_testkit::{RedisServer, ServiceProcess};
 
 struct Cluster {
-    _redis: RedisServer,
-    workers: Vec<Service>,
-    router: Service,
-    gateway: ChildProcess,
+    redis: RedisServer,
+    workers: Vec<ServiceProcess>,
+    router: ServiceProcess,
+    gateway: ServiceProcess,
     base: String,
-}
-
-fn spawn(binary: &str, args: Vec<String>, env: &[(&str, String)]) -> ChildProcess {
-    let mut command = Command::new(workspace_binary(binary));
-    command.args(args);
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    ChildProcess::spawn(binary, command)
 }
 
 async fn start_cluster(workers: usize, speedup: &str, env: &[(&str, String)]) -> Cluster {
     let redis = RedisServer::start();
+    let url = redis.url();
     let mut started = Vec::new();
     for index in 0..workers {
-        let admin = free_port();
+        let id = format!("worker-{index}");
         let args = [
-            "--grpc-addr", "127.0.0.1:0", "--admin-addr", &format!("127.0.0.1:{admin}"), "--engine", "mock", "--speedup", speedup,
-            "--redis", &redis.url(), "--namespace", "e2e", "--worker-id", &format!("worker-{index}"), "--lease-ttl-secs", "2",
+            "--engine",
+            "mock",
+            "--speedup",
+            speedup,
+            "--redis",
+            &url,
+            "--namespace",
+            "e2e",
+            "--worker-id",
+            &id,
+            "--lease-ttl-secs",
+            "2",
         ];
-        let mut process = spawn("turbine-worker", args.iter().map(|s| s.to_string()).collect(), env);
-        process.wait_for_line("worker ready", STARTUP_TIMEOUT);
-        started.push(Service { process, admin: format!("http://127.0.0.1:{admin}") });
+        started.push(service("turbine-worker", &args, env, false).await);
     }
-    let (router_port, router_admin) = (free_port(), free_port());
-    let args = [
-        "--grpc-addr", &format!("127.0.0.1:{router_port}"), "--admin-addr", &format!("127.0.0.1:{router_admin}"),
-        "--redis", &redis.url(), "--namespace", "e2e", "--policy", "round-robin",
-    ];
-    let mut router = spawn("turbine-router", args.iter().map(|s| s.to_string()).collect(), env);
-    router.wait_for_line("router listening", STARTUP_TIMEOUT);
-    let http_port = free_port();
-    let args = ["--http-addr", &format!("127.0.0.1:{http_port}"), "--grpc-addr", "127.0.0.1:0", "--router", &format!("127.0.0.1:{router_port}")];
-    let mut gateway = spawn("turbine-gateway", args.iter().map(|s| s.to_string()).collect(), env);
-    gateway.wait_for_line("gateway listening", STARTUP_TIMEOUT);
-    let base = format!("http://127.0.0.1:{http_port}");
-    wait_for_model(&base).await;
-    // Both workers registered before traffic starts.
-    let router_admin = format!("http://127.0.0.1:{router_admin}");
-    let deadline = tokio::time::Instant::now() + STARTUP_TIMEOUT;
-    while metric(&router_admin, "turbine_router_live_workers").await < workers as f64 {
-        assert!(tokio::time::Instant::now() < deadline, "workers never registered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let router = service(
+        "turbine-router",
+        &[
+            "--redis",
+            &url,
+            "--namespace",
+            "e2e",
+            "--policy",
+            "round-robin",
+        ],
+        env,
+        false,
+    )
+    .await;
+    // Every worker registered before traffic starts.
+    until_registered(&router, workers).await;
+    let gateway = service(
+        "turbine-gateway",
+        &["--router", &router.grpc_endpoint()],
+        env,
+        true,
+    )
+    .await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
+    Cluster {
+        redis,
+        workers: started,
+        router,
+        gateway,
+        base,
     }
-    Cluster { _redis: redis, workers: started, router: Service { process: router, admin: router_admin }, gateway, base }
 }
 
 #[tokio::test]
@@ -91,13 +101,28 @@ async fn requests_flow_through_separate_processes_and_spread_over_workers() {
         assert_eq!(body["usage"]["completion_tokens"], 8);
     }
     for worker in &cluster.workers {
-        let finished = metric(&worker.admin, "turbine_worker_requests_total").await;
-        assert_eq!(finished, 4.0, "round-robin spreads 8 requests over 2 workers");
+        let finished = metric(&worker.admin_url(), "turbine_worker_requests_total").await;
+        assert_eq!(
+            finished, 4.0,
+            "round-robin spreads 8 requests over 2 workers"
+        );
     }
     let events = sse(&cluster.base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": true, "ignore_eos": true})).await;
     assert_eq!(events.last().unwrap(), "[DONE]");
-    assert_eq!(reqwest::get(format!("{}/readyz", cluster.router.admin)).await.unwrap().status(), 200);
-    assert_eq!(reqwest::get(format!("{}/health", cluster.base)).await.unwrap().status(), 200);
+    assert_eq!(
+        reqwest::get(format!("{}/readyz", cluster.router.admin_url()))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        reqwest::get(format!("{}/health", cluster.base))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
 
     // Both workers published their KV events (numbered from 0) to the
     // namespace's event log: round-robin sends one long prompt (complete
@@ -107,19 +132,42 @@ async fn requests_flow_through_separate_processes_and_spread_over_workers() {
         let (status, body) = post(&cluster.base, "/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 1})).await;
         assert_eq!(status, 200, "{body}");
     }
-    let log = turbine_kv_log::EventLog::new(&cluster._redis.url(), "e2e").unwrap();
-    let expected: std::collections::BTreeMap<String, u64> = [("worker-0".to_string(), 0), ("worker-1".to_string(), 0)].into();
-    let mut first_ids = std::collections::BTreeMap::new();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    // Published asynchronously: wait for both.
-    while first_ids != expected && std::time::Instant::now() < deadline {
-        first_ids.clear();
-        for (_, payload) in log.reader().read("0-0", Duration::from_millis(100), 10_000).await.unwrap() {
-            let batch = turbine_kv_log::convert::batch_from_proto(prost::Message::decode(payload.as_slice()).unwrap()).unwrap();
-            first_ids.entry(batch.worker_id).or_insert(batch.events[0].event_id);
+    let log = turbine_kv_log::EventLog::new(&cluster.redis.url(), "e2e").unwrap();
+    let expected: std::collections::BTreeMap<String, u64> =
+        [("worker-0".to_string(), 0), ("worker-1".to_string(), 0)].into();
+    let first_ids = async || {
+        let mut first_ids = std::collections::BTreeMap::new();
+        for (_, payload) in log
+            .reader()
+            .read(
+                LogPosition::START,
+                std::time::Duration::from_millis(100),
+                10_000,
+            )
+            .await
+            .unwrap()
+        {
+            let wire: turbine_proto::kvindex::v1::EventBatch =
+                prost::Message::decode(payload.as_slice()).unwrap();
+            let batch = turbine_kv::EventBatch::try_from(wire).unwrap();
+            first_ids
+                .entry(batch.worker_id.to_string())
+                .or_insert(batch.events[0].event_id);
         }
-    }
-    assert_eq!(first_ids, expected, "each worker's events start at 0");
+        first_ids
+    };
+    // Published asynchronously: wait for both.
+    wait_until(
+        "both workers' events are in the log",
+        std::time::Duration::from_secs(5),
+        async || first_ids().await.len() == 2,
+    )
+    .await;
+    assert_eq!(
+        first_ids().await,
+        expected,
+        "each worker's events start at 0"
+    );
 }
 
 #[tokio::test]
@@ -135,17 +183,22 @@ async fn a_worker_killed_mid_stream_is_replaced_and_the_client_sees_one_stream()
     let reading = tokio::spawn(read_events(response));
     // Find the worker holding the request (its engine runs one sequence) and kill it.
     let mut victim = None;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while victim.is_none() {
-        assert!(tokio::time::Instant::now() < deadline, "no worker picked up the request");
-        for (index, worker) in cluster.workers.iter().enumerate() {
-            if metric(&worker.admin, "turbine_worker_generated_tokens_total").await >= 20.0 {
-                victim = Some(index);
+    wait_until(
+        "a worker generates the request",
+        std::time::Duration::from_secs(10),
+        async || {
+            for (index, worker) in cluster.workers.iter().enumerate() {
+                if metric(&worker.admin_url(), "turbine_worker_generated_tokens_total").await
+                    >= 20.0
+                {
+                    victim = Some(index);
+                }
             }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    cluster.workers[victim.unwrap()].process.kill();
+            victim.is_some()
+        },
+    )
+    .await;
+    cluster.workers[victim.unwrap()].kill();
     let events = reading.await.unwrap();
     let usage: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert_eq!(usage["usage"]["completion_tokens"], 300, "the stream continued on the other worker to the full length");
@@ -168,7 +221,10 @@ async fn sigterm_drains_the_gateway_with_32_streams_in_flight() {
         let usage: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
         assert_eq!(usage["usage"]["completion_tokens"], 120);
     }
-    let status = cluster.gateway.wait(Duration::from_secs(30)).expect("gateway did not exit");
+    let status = cluster
+        .gateway
+        .wait(EXIT_TIMEOUT)
+        .expect("gateway did not exit");
     assert!(status.success(), "gateway exit status {status}");
 }
 
@@ -228,10 +284,14 @@ async fn one_request_is_one_trace_across_gateway_router_and_worker() {
 
     // A graceful exit flushes every pending span.
     cluster.gateway.terminate();
-    cluster.router.process.terminate();
-    cluster.workers[0].process.terminate();
-    for process in [&mut cluster.gateway, &mut cluster.router.process, &mut cluster.workers[0].process] {
-        assert!(process.wait(Duration::from_secs(30)).expect("exit").success());
+    cluster.router.terminate();
+    cluster.workers[0].terminate();
+    for process in [
+        &mut cluster.gateway,
+        &mut cluster.router,
+        &mut cluster.workers[0],
+    ] {
+        assert!(process.wait(EXIT_TIMEOUT).expect("exit").success());
     }
     let spans = collector.spans.lock().clone();
     let services: HashSet<&str> = spans.iter().filter(|(_, id, _)| id == trace_id).map(|(service, _, _)| service.as_str()).collect();

@@ -10,26 +10,38 @@
 mod common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{metric, post, wait_for_model};
+use common::{MODEL, metric, post, service, until_listed, until_registered, wait_until};
 use serde_json::json;
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, workspace_binary};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use turbine_kv::BlockHasher;
+use turbine_kv_index::{KvIndexClient, MatchQuery};
+use turbine_router::RouterClient;
+use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, workspace_binary};
 
 const BLOCK: usize = 16;
 const CONVERSATIONS: usize = 6;
 
-fn spawn(binary: &str, args: &[&str]) -> ChildProcess {
-    let mut command = Command::new(workspace_binary(binary));
-    command.args(args);
-    ChildProcess::spawn(binary, command)
-}
-
-fn start_kv_index(redis: &str, port: u16) -> ChildProcess {
-    let grpc = format!("127.0.0.1:{port}");
-    let args = ["--grpc-addr", &grpc, "--admin-addr", "127.0.0.1:0", "--redis", redis, "--namespace", "kv", "--snapshot-interval-secs", "0.5"];
-    let mut process = spawn("turbine-kv-index", &args);
-    process.wait_for_line("kv-index listening", STARTUP_TIMEOUT);
+/// A kv-index replica; `grpc`: its address (a restart takes the same one).
+async fn start_kv_index(redis: &str, grpc: &str) -> ServiceProcess {
+    let mut command = Command::new(workspace_binary("turbine-kv-index"));
+    command.args([
+        "--grpc-addr",
+        grpc,
+        "--redis",
+        redis,
+        "--namespace",
+        "kv",
+        "--snapshot-interval-secs",
+        "0.5",
+    ]);
+    let mut process = ServiceProcess::spawn("turbine-kv-index", command, false)
+        .await
+        .unwrap();
+    process.until_serving("", STARTUP_TIMEOUT).await.unwrap();
     process
 }
 
@@ -41,7 +53,8 @@ fn prompt(c: usize, turn: usize) -> Vec<u32> {
 
 /// Sends one turn; returns (HTTP status, cached prompt tokens).
 async fn send(base: &str, c: usize, turn: usize) -> (u16, u64) {
-    let body = json!({"model": "smollm2-135m", "prompt": prompt(c, turn), "max_tokens": 2, "ignore_eos": true});
+    let body =
+        json!({"model": MODEL, "prompt": prompt(c, turn), "max_tokens": 2, "ignore_eos": true});
     let (status, body) = post(base, "/v1/completions", &body).await;
     if status != 200 {
         eprintln!("conversation {c} turn {turn} failed: {status} {body}");
@@ -64,6 +77,44 @@ async fn round(base: &str, turn: usize, failed: &mut usize) -> usize {
     hits
 }
 
+/// Whether the kv-index knows a worker holding every conversation's turn
+/// `turn` whole (the events of that round reached it through Redis).
+async fn indexed(kv_index: &KvIndexClient, turn: usize) -> bool {
+    for c in 0..CONVERSATIONS {
+        let hashes = BlockHasher::default().sequence_hashes(&prompt(c, turn), BLOCK);
+        let blocks = hashes.len() as u32;
+        let query = MatchQuery {
+            hashes,
+            cached_blocks_of: Vec::new(),
+        };
+        let Ok(answer) = kv_index.find_matches(&query).await else {
+            return false;
+        };
+        if !answer.matches.iter().any(|found| found.blocks == blocks) {
+            return false;
+        }
+    }
+    true
+}
+
+async fn serving(service: &ServiceProcess) -> ServingStatus {
+    let Ok(channel) = tonic::transport::Channel::from_shared(service.grpc_endpoint())
+        .unwrap()
+        .connect()
+        .await
+    else {
+        return ServingStatus::Unknown;
+    };
+    let answer = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await;
+    answer.map_or(ServingStatus::Unknown, |response| {
+        response.into_inner().status()
+    })
+}
+
 #[tokio::test]
 async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     let mut redis = RedisServer::start();
@@ -72,45 +123,67 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     for index in 0..3 {
         let id = format!("worker-{index}");
         let args = [
-            "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--engine", "mock", "--speedup", "1000", "--block-size", "16",
-            "--redis", &redis_url, "--namespace", "kv", "--worker-id", &id, "--lease-ttl-secs", "6",
+            "--engine",
+            "mock",
+            "--speedup",
+            "1000",
+            "--block-size",
+            "16",
+            "--redis",
+            &redis_url,
+            "--namespace",
+            "kv",
+            "--worker-id",
+            &id,
+            "--lease-ttl-secs",
+            "6",
         ];
-        let mut process = spawn("turbine-worker", &args);
-        process.wait_for_line("worker ready", STARTUP_TIMEOUT);
-        workers.push(process);
+        workers.push(service("turbine-worker", &args, &[], false).await);
     }
-    let kv_index_port = free_port();
-    let mut kv_index = start_kv_index(&redis_url, kv_index_port);
-    let (router_port, router_admin) = (free_port(), free_port());
-    let kv_index_url = format!("http://127.0.0.1:{kv_index_port}");
+    let mut kv_index = start_kv_index(&redis_url, "127.0.0.1:0").await;
+    let kv_index_addr = kv_index.addresses().grpc.to_string();
+    let kv_index_client = KvIndexClient::connect(&kv_index.grpc_endpoint()).unwrap();
     let args = [
-        "--grpc-addr", &format!("127.0.0.1:{router_port}"), "--admin-addr", &format!("127.0.0.1:{router_admin}"), "--redis", &redis_url,
-        "--namespace", "kv", "--policy", "kv", "--kv-index", &kv_index_url,
+        "--redis",
+        &redis_url,
+        "--namespace",
+        "kv",
+        "--policy",
+        "kv",
+        "--kv-index",
+        &kv_index.grpc_endpoint(),
     ];
-    let mut router = spawn("turbine-router", &args);
-    router.wait_for_line("router listening", STARTUP_TIMEOUT);
-    let router_admin = format!("http://127.0.0.1:{router_admin}");
-    let http_port = free_port();
-    let args = ["--http-addr", &format!("127.0.0.1:{http_port}"), "--grpc-addr", "127.0.0.1:0", "--router", &format!("127.0.0.1:{router_port}")];
-    let mut gateway = spawn("turbine-gateway", &args);
-    gateway.wait_for_line("gateway listening", STARTUP_TIMEOUT);
-    let base = format!("http://127.0.0.1:{http_port}");
-    wait_for_model(&base).await;
-    let deadline = Instant::now() + STARTUP_TIMEOUT;
-    while metric(&router_admin, "turbine_router_live_workers").await < 3.0 {
-        assert!(Instant::now() < deadline, "workers never registered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let router = service("turbine-router", &args, &[], false).await;
+    until_registered(&router, 3).await;
+    let router_admin = router.admin_url();
+    let gateway = service(
+        "turbine-gateway",
+        &["--router", &router.grpc_endpoint()],
+        &[],
+        true,
+    )
+    .await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
 
     let mut failed = 0;
     let mut turn = 0;
     // Healthy: after the first turn every turn lands on its prefix.
     round(&base, turn, &mut failed).await;
     for _ in 0..3 {
-        turn += 1;
         // Events reach the kv-index through Redis asynchronously.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert_eq!(round(&base, turn, &mut failed).await, CONVERSATIONS, "turn {turn}: every conversation hits its prefix");
+        wait_until(
+            "the kv-index learns the last turn",
+            Duration::from_secs(10),
+            async || indexed(&kv_index_client, turn).await,
+        )
+        .await;
+        turn += 1;
+        assert_eq!(
+            round(&base, turn, &mut failed).await,
+            CONVERSATIONS,
+            "turn {turn}: every conversation hits its prefix"
+        );
     }
 
     // kv-index killed: routing by load, nothing fails.
@@ -122,28 +195,37 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     assert!(metric(&router_admin, "turbine_router_kv_index_errors_total").await > 0.0, "the router noticed the kv-index was gone");
     assert_eq!(failed, 0, "no request failed while the kv-index was down");
 
-    // Restarted: from the snapshot and the log it knows the turns routed
-    // while it was down, and every turn hits again.
-    let mut restarted = start_kv_index(&redis_url, kv_index_port);
-    let restarted_at = Instant::now();
-    loop {
-        turn += 1;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if round(&base, turn, &mut failed).await == CONVERSATIONS {
-            break;
-        }
-        if restarted_at.elapsed() > Duration::from_secs(10) {
-            eprintln!("router:\n{}\nkv-index:\n{}", router.drain().join("\n"), restarted.drain().join("\n"));
-            panic!("hits did not come back within 10 s of the restart");
-        }
-    }
-    println!("every conversation hit again {:?} after the kv-index restarted", restarted_at.elapsed());
+    // Restarted at the same address: from the snapshot and the log it knows
+    // the turns routed while it was down, and every turn hits again.
+    let restarted = start_kv_index(&redis_url, &kv_index_addr).await;
+    wait_until(
+        "the restarted kv-index catches up with the log",
+        Duration::from_secs(10),
+        async || indexed(&kv_index_client, turn).await,
+    )
+    .await;
+    let took = wait_until(
+        "every conversation hits again after the kv-index restarted",
+        Duration::from_secs(10),
+        async || {
+            turn += 1;
+            round(&base, turn, &mut failed).await == CONVERSATIONS
+        },
+    )
+    .await;
+    println!("every conversation hit again {took:?} after the kv-index caught up");
 
     // Redis killed: the kv-index's answers go stale, routing by load,
     // nothing fails; Redis back (empty): workers re-register, events flow.
     let redis_port = redis.port();
     let errors_before = metric(&router_admin, "turbine_router_kv_index_errors_total").await;
     redis.kill();
+    wait_until(
+        "the router reports its registry gone",
+        Duration::from_secs(10),
+        async || serving(&router).await == ServingStatus::NotServing,
+    )
+    .await;
     for _ in 0..2 {
         turn += 1;
         round(&base, turn, &mut failed).await;
@@ -152,20 +234,32 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     let errors = metric(&router_admin, "turbine_router_kv_index_errors_total").await;
     assert!(errors > errors_before, "the kv-index reported its answers stale while its log was down");
     let _redis = RedisServer::start_on(redis_port);
-    let back_at = Instant::now();
-    // Long enough for the router to list the empty new Redis (it polls
-    // every 250 ms), before the workers' next lease renewal re-registers
-    // them: the router must keep them meanwhile.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    loop {
-        turn += 1;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if round(&base, turn, &mut failed).await == CONVERSATIONS {
-            break;
-        }
-        assert!(back_at.elapsed() < Duration::from_secs(15), "hits did not come back within 15 s of Redis");
-    }
-    println!("every conversation hit again {:?} after Redis restarted", back_at.elapsed());
+    // The router lists the empty new Redis before the workers' next lease
+    // renewal re-registers them: it keeps them meanwhile.
+    let router_client = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+    wait_until(
+        "the router answers on the new Redis",
+        Duration::from_secs(10),
+        async || {
+            assert_eq!(
+                router_client.workers(None).await.unwrap().len(),
+                3,
+                "the router kept every worker while Redis came back empty"
+            );
+            serving(&router).await == ServingStatus::Serving
+        },
+    )
+    .await;
+    let took = wait_until(
+        "every conversation hits again after Redis restarted",
+        Duration::from_secs(15),
+        async || {
+            turn += 1;
+            round(&base, turn, &mut failed).await == CONVERSATIONS
+        },
+    )
+    .await;
+    println!("every conversation hit again {took:?} after the router saw Redis back");
     assert_eq!(failed, 0);
-    assert!(router.drain().iter().any(|line| line.contains("Redis restarted")), "the router noticed the registry's restart");
+    drop((restarted, workers, gateway));
 }

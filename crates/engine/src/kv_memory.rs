@@ -49,6 +49,26 @@ impl KvLayout {
     }
 }
 
+/// How peers read a KV pool over UCX without its owner's engine taking
+/// part: the owner's UCX worker addresses and packed remote keys (a main
+/// context for every peer, and a shared-memory one for peers on the same
+/// machine), and where the pool lies in the owner's address space.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct UcxRegion {
+    /// The owner's UCX worker address (main context).
+    pub worker_address: Vec<u8>,
+    /// The pool's packed remote key (main context).
+    pub remote_key: Vec<u8>,
+    /// The pool's first byte in the owner's address space.
+    pub base_address: u64,
+    /// The pool's length in bytes.
+    pub length: u64,
+    /// The owner's shared-memory UCX worker address (empty: none).
+    pub shm_worker_address: Vec<u8>,
+    /// The pool's packed remote key on the shared-memory context (empty: none).
+    pub shm_remote_key: Vec<u8>,
+}
+
 /// The KV pool's bytes, shared by the engine and transfers: a zeroed,
 /// page-aligned heap allocation, or memory someone else provides (shared
 /// memory that peers on the same machine can map, see [`KvAllocator`]; a

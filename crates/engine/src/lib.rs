@@ -20,13 +20,13 @@ pub mod request;
 pub mod scheduler;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
-pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
-pub use kv_memory::{DeviceKv, DeviceMemory, KvAllocator, KvBuffer, KvLayout, KvMemory, block_checksum};
+pub use kv_memory::{DeviceKv, DeviceMemory, KvAllocator, KvBuffer, KvLayout, KvMemory, UcxRegion, block_checksum};
 pub use request::{
-    EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, SamplingParams, StopConditions, TokenLogprobs,
-    Usage,
+    EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
+    StopConditions, TokenLogprobs, Usage,
 };
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
+pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
 
 /// Errors of an engine, as callers see them.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -79,11 +79,12 @@ async fn dropping_the_stream_frees_the_sequence() {
     assert!(matches!(stream.recv().await, Some(EngineOutput::Token(..))));
     assert!(engine.load().blocks_used > 0);
     drop(stream);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while engine.load().blocks_used > 0 || engine.load().running > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "cancelled sequence still holds blocks");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    turbine_testkit::wait_until(
+        "the cancelled sequence frees its blocks",
+        Duration::from_secs(5),
+        async || engine.load().blocks_used == 0 && engine.load().running == 0,
+    )
+    .await;
     engine.shutdown();
 }
 

@@ -13,18 +13,17 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use turbine_kv::index::Applied;
-use turbine_kv::{Dump, KvIndex};
+use turbine_kv::{EventBatch, KvIndex, WorkerDump, WorkerId};
 use turbine_proto::kvindex::v1 as pb;
-use turbine_proto::worker::v1::DumpKvCacheRequest;
-use turbine_proto::worker::v1::worker_client::WorkerClient;
-use turbine_runtime::grpc::MAX_MESSAGE_BYTES;
+use turbine_worker_api::WorkerClients;
 
-use crate::convert::{Batch, batch_from_proto};
+use crate::LogPosition;
 use crate::log::EventLog;
 
-/// Fetches a worker's cache dump, `(instance, dump)`, or `None` when the
-/// worker cannot be reached (it is retried at the worker's next gap).
-pub type DumpFetcher = Arc<dyn Fn(String) -> Pin<Box<dyn Future<Output = Option<(u64, Dump)>> + Send>> + Send + Sync>;
+/// Fetches a worker's cache dump, or `None` when the worker cannot be
+/// reached (it is asked again a second later).
+pub type DumpFetcher =
+    Arc<dyn Fn(WorkerId) -> Pin<Box<dyn Future<Output = Option<WorkerDump>> + Send>> + Send + Sync>;
 
 /// Longest wait for new entries per read.
 const READ_BLOCK: Duration = Duration::from_millis(500);
@@ -47,9 +46,9 @@ pub struct FollowerStatus {
     pub(crate) events: AtomicU64,
     pub(crate) resyncs: AtomicU64,
     /// The last entry applied.
-    position: Mutex<String>,
+    position: Mutex<LogPosition>,
     /// Workers whose view waits for a dump.
-    stale: Mutex<Vec<String>>,
+    stale: Mutex<Vec<WorkerId>>,
 }
 
 impl FollowerStatus {
@@ -74,31 +73,43 @@ impl FollowerStatus {
         self.resyncs.load(Ordering::Relaxed)
     }
 
-    /// The id of the last stream entry applied (`"0-0"` before the first).
-    /// Everything up to it is reflected in the index.
-    pub fn position(&self) -> String {
-        let position = self.position.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if position.is_empty() { "0-0".to_owned() } else { position.clone() }
+    /// The last stream entry applied ([`LogPosition::START`] before the
+    /// first). Everything up to it is reflected in the index.
+    pub fn position(&self) -> LogPosition {
+        *self
+            .position
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Workers whose view in the index is stale (waiting for a dump):
     /// a snapshot leaves them out, so whoever loads it resynchronises them.
-    pub fn stale_workers(&self) -> Vec<String> {
-        self.stale.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    pub fn stale_workers(&self) -> Vec<WorkerId> {
+        self.stale
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
-    fn set_position(&self, id: &str) {
-        let mut position = self.position.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        position.clear();
-        position.push_str(id);
+    fn set_position(&self, position: LogPosition) {
+        *self
+            .position
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = position;
     }
 }
 
 /// Applies the log to `index` from its oldest retained entry, then as
 /// entries arrive, until `shutdown`. While Redis is unreachable the task
 /// retries with backoff and `status` says so; it continues where it left.
-pub fn follow(index: Arc<KvIndex>, log: &EventLog, fetch: DumpFetcher, status: Arc<FollowerStatus>, shutdown: CancellationToken) -> JoinHandle<()> {
-    follow_from(index, log, "0-0".to_owned(), fetch, status, shutdown)
+pub fn follow(
+    index: Arc<KvIndex>,
+    log: &EventLog,
+    fetch: DumpFetcher,
+    status: Arc<FollowerStatus>,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
+    follow_from(index, log, LogPosition::START, fetch, status, shutdown)
 }
 
 /// [`follow`], reading the entries after `after` (a snapshot's position:
@@ -106,14 +117,14 @@ pub fn follow(index: Arc<KvIndex>, log: &EventLog, fetch: DumpFetcher, status: A
 pub fn follow_from(
     index: Arc<KvIndex>,
     log: &EventLog,
-    after: String,
+    after: LogPosition,
     fetch: DumpFetcher,
     status: Arc<FollowerStatus>,
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
     let mut reader = log.reader();
     let key = log.key().to_owned();
-    status.set_position(&after);
+    status.set_position(after);
     tokio::spawn(async move {
         let mut follower =
             Follower { index, fetch, status, retired: FxHashMap::default(), stale: FxHashMap::default(), fetches: JoinSet::new() };
@@ -122,7 +133,7 @@ pub fn follow_from(
         loop {
             let read = tokio::select! {
                 () = shutdown.cancelled() => break,
-                read = reader.read(&after, READ_BLOCK, READ_COUNT) => read,
+                read = reader.read(after, READ_BLOCK, READ_COUNT) => read,
             };
             match read {
                 Ok(entries) => {
@@ -130,13 +141,19 @@ pub fn follow_from(
                         tracing::info!(stream = key, "following the KV event log");
                     }
                     failures = 0;
-                    for (id, payload) in entries {
-                        after = id;
-                        match pb::EventBatch::decode(payload.as_slice()).map_err(|error| error.to_string()).and_then(batch_from_proto) {
+                    for (position, payload) in entries {
+                        after = position;
+                        let batch = pb::EventBatch::decode(payload.as_slice())
+                            .map_err(|error| error.to_string());
+                        match batch.and_then(|batch| {
+                            EventBatch::try_from(batch).map_err(|error| error.to_string())
+                        }) {
                             Ok(batch) => follower.apply(batch),
-                            Err(error) => tracing::warn!(entry = after, error, "skipping a malformed KV event batch"),
+                            Err(error) => {
+                                tracing::warn!(entry = %after, error, "skipping a malformed KV event batch")
+                            }
                         }
-                        follower.status.set_position(&after);
+                        follower.status.set_position(after);
                     }
                 }
                 Err(error) => {
@@ -164,7 +181,7 @@ struct Stale {
     instance: u64,
     /// Its batches read meanwhile, applied after the dump (what the dump
     /// already reflects is skipped by number).
-    held: VecDeque<Batch>,
+    held: VecDeque<EventBatch>,
     /// When to ask again; `None` while a fetch runs.
     retry_at: Option<Instant>,
     /// When its view went stale.
@@ -179,22 +196,26 @@ struct Follower {
     status: Arc<FollowerStatus>,
     /// Incarnations replaced by a newer one's dump: their remaining
     /// entries in the log are stale.
-    retired: FxHashMap<String, FxHashSet<u64>>,
+    retired: FxHashMap<WorkerId, FxHashSet<u64>>,
     /// Workers waiting for a dump.
-    stale: FxHashMap<String, Stale>,
+    stale: FxHashMap<WorkerId, Stale>,
     /// Dump fetches in flight, off the follower's path: one slow worker
     /// never holds up the others' events.
-    fetches: JoinSet<(String, Option<(u64, Dump)>)>,
+    fetches: JoinSet<(WorkerId, Option<WorkerDump>)>,
 }
 
 impl Follower {
-    fn apply(&mut self, batch: Batch) {
+    fn apply(&mut self, batch: EventBatch) {
         self.status.batches.fetch_add(1, Ordering::Relaxed);
         self.apply_batch(batch);
     }
 
-    fn apply_batch(&mut self, batch: Batch) {
-        if self.retired.get(&batch.worker_id).is_some_and(|retired| retired.contains(&batch.instance)) {
+    fn apply_batch(&mut self, batch: EventBatch) {
+        if self
+            .retired
+            .get(&batch.worker_id)
+            .is_some_and(|retired| retired.contains(&batch.instance))
+        {
             return;
         }
         if let Some(stale) = self.stale.get_mut(&batch.worker_id) {
@@ -213,9 +234,19 @@ impl Follower {
                 }
                 Applied::Duplicate => {}
                 Applied::Gap { expected } => {
-                    tracing::debug!(worker = batch.worker_id, expected, got = event.event_id, "gap in a worker's KV events; loading a dump");
-                    let rest = Batch { worker_id: batch.worker_id.clone(), instance: batch.instance, events: batch.events[at..].to_vec() };
-                    let stale = Stale { instance: batch.instance, held: VecDeque::from([rest]), retry_at: None, since: Instant::now(), warned: false };
+                    tracing::debug!(worker = %batch.worker_id, expected, got = event.event_id, "gap in a worker's KV events; loading a dump");
+                    let rest = EventBatch {
+                        worker_id: batch.worker_id.clone(),
+                        instance: batch.instance,
+                        events: batch.events[at..].to_vec(),
+                    };
+                    let stale = Stale {
+                        instance: batch.instance,
+                        held: VecDeque::from([rest]),
+                        retry_at: None,
+                        since: Instant::now(),
+                        warned: false,
+                    };
                     self.stale.insert(batch.worker_id.clone(), stale);
                     self.start_fetch(batch.worker_id);
                     self.publish_stale();
@@ -225,7 +256,7 @@ impl Follower {
         }
     }
 
-    fn start_fetch(&mut self, worker_id: String) {
+    fn start_fetch(&mut self, worker_id: WorkerId) {
         if let Some(stale) = self.stale.get_mut(&worker_id) {
             stale.retry_at = None;
         }
@@ -236,11 +267,18 @@ impl Follower {
     /// Loads the dumps that arrived and replays what was held meanwhile.
     fn finish_fetches(&mut self) {
         while let Some(done) = self.fetches.try_join_next() {
-            let Ok((worker_id, fetched)) = done else { continue };
-            let Some((current, dump)) = fetched else {
+            let Ok((worker_id, fetched)) = done else {
+                continue;
+            };
+            let Some(WorkerDump {
+                instance: current,
+                dump,
+                ..
+            }) = fetched
+            else {
                 if let Some(stale) = self.stale.get_mut(&worker_id) {
                     if !std::mem::replace(&mut stale.warned, true) {
-                        tracing::warn!(worker = worker_id, "could not fetch a KV cache dump; retrying every {RESYNC_RETRY:?}");
+                        tracing::warn!(worker = %worker_id, "could not fetch a KV cache dump; retrying every {RESYNC_RETRY:?}");
                     }
                     stale.retry_at = Some(Instant::now() + RESYNC_RETRY);
                 }
@@ -271,13 +309,23 @@ impl Follower {
     /// unreachable for long (they are gone: their view leaves the index).
     fn retry_due(&mut self) {
         let now = Instant::now();
-        let gone: Vec<String> = self.stale.iter().filter(|(_, s)| now.duration_since(s.since) > STALE_GIVE_UP && s.retry_at.is_some()).map(|(id, _)| id.clone()).collect();
+        let gone: Vec<WorkerId> = self
+            .stale
+            .iter()
+            .filter(|(_, s)| now.duration_since(s.since) > STALE_GIVE_UP && s.retry_at.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
         for worker_id in gone {
-            tracing::warn!(worker = worker_id, "no KV cache dump for {STALE_GIVE_UP:?}; dropping the worker from the index");
+            tracing::warn!(worker = %worker_id, "no KV cache dump for {STALE_GIVE_UP:?}; dropping the worker from the index");
             self.stale.remove(&worker_id);
             self.index.remove_worker(&worker_id);
         }
-        let due: Vec<String> = self.stale.iter().filter(|(_, s)| s.retry_at.is_some_and(|at| at <= now)).map(|(id, _)| id.clone()).collect();
+        let due: Vec<WorkerId> = self
+            .stale
+            .iter()
+            .filter(|(_, s)| s.retry_at.is_some_and(|at| at <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
         for worker_id in due {
             self.start_fetch(worker_id);
         }
@@ -292,19 +340,23 @@ impl Follower {
     }
 }
 
-/// A [`DumpFetcher`] that calls `Worker/DumpKvCache` on the endpoint
-/// `endpoint_of` gives for the worker (the registry's), within 10 s.
-pub fn grpc_dump_fetcher(endpoint_of: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> DumpFetcher {
-    Arc::new(move |worker_id: String| {
-        let endpoint = endpoint_of(&worker_id);
+/// A [`DumpFetcher`] that asks the worker (`Worker/DumpKvCache`, or
+/// directly when it lives in this process) at the endpoint `endpoint_of`
+/// gives for it (the registry's), within 10 s.
+pub fn dump_fetcher(
+    clients: WorkerClients,
+    endpoint_of: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+) -> DumpFetcher {
+    Arc::new(move |worker_id: WorkerId| {
+        let client =
+            endpoint_of(&worker_id).and_then(|endpoint| clients.client(&worker_id, &endpoint).ok());
         Box::pin(async move {
-            let endpoint = endpoint?;
-            let fetch = async {
-                let mut client = WorkerClient::connect(endpoint).await.ok()?.max_decoding_message_size(MAX_MESSAGE_BYTES);
-                let dump = client.dump_kv_cache(DumpKvCacheRequest {}).await.ok()?.into_inner().dump?;
-                crate::convert::dump_from_proto(dump).ok()
-            };
-            tokio::time::timeout(Duration::from_secs(10), fetch).await.ok().flatten()
+            let dump = tokio::time::timeout(Duration::from_secs(10), client?.dump_kv_cache())
+                .await
+                .ok()?
+                .ok()?;
+            // A dump of another worker (a reused endpoint) is no dump.
+            (dump.worker_id == worker_id).then_some(dump)
         })
     })
 }

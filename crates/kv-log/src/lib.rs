@@ -1,7 +1,8 @@
 //! The KV event log.
 //!
 //! Workers publish their numbered KV events in batches
-//! (`turbine.kvindex.v1.EventBatch`, protobuf) to one Redis stream per
+//! ([`EventBatch`](turbine_kv::EventBatch), as `turbine.kvindex.v1.EventBatch`
+//! protobuf) to one Redis stream per
 //! namespace, `turbine:<namespace>:kv:events`, field `b`. Every consumer of
 //! the index (a router's replica, the kv-index service) runs a [`follow`]
 //! task that reads the stream in order and applies the events to its
@@ -14,13 +15,14 @@
 //! the whole index at one stream position: a starting replica loads the
 //! latest one and follows the stream from there.
 
-pub mod convert;
 mod follower;
 mod log;
 mod metrics;
+mod position;
 mod snapshot;
 
-pub use follower::{DumpFetcher, FollowerStatus, follow, follow_from, grpc_dump_fetcher};
+pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_from};
 pub use log::{EventLog, EventReader};
 pub use metrics::export_metrics;
+pub use position::{BadPosition, LogPosition};
 pub use snapshot::{LoadedSnapshot, start_from_snapshot};

@@ -5,7 +5,10 @@ use std::time::Duration;
 use prost::Message;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, RedisResult, Value};
+use turbine_kv::EventBatch;
 use turbine_proto::kvindex::v1 as pb;
+
+use crate::LogPosition;
 
 /// Entries kept in the stream (approximately: Redis trims whole nodes). A
 /// consumer that falls further behind, or starts later, resynchronises
@@ -71,19 +74,26 @@ impl EventLog {
         self.client.get_multiplexed_async_connection_with_config(&config).await
     }
 
-    /// Appends one batch; returns its entry id.
-    pub async fn publish(&self, batch: &pb::EventBatch) -> RedisResult<String> {
+    /// Appends one batch; returns its position.
+    pub async fn publish(&self, batch: &EventBatch) -> RedisResult<LogPosition> {
         let mut connection = self.publisher.clone();
-        redis::cmd("XADD")
+        let id: String = redis::cmd("XADD")
             .arg(&self.key)
             .arg("MAXLEN")
             .arg("~")
             .arg(self.max_len)
             .arg("*")
             .arg("b")
-            .arg(batch.encode_to_vec())
+            .arg(pb::EventBatch::from(batch).encode_to_vec())
             .query_async(&mut connection)
-            .await
+            .await?;
+        id.parse().map_err(|error: crate::position::BadPosition| {
+            redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "XADD answered",
+                error.to_string(),
+            ))
+        })
     }
 
     /// A reader with its own connection (blocking reads would hold up
@@ -101,10 +111,15 @@ pub struct EventReader {
 }
 
 impl EventReader {
-    /// Entries after id `after` (`"0-0"` for the start), waiting up to
-    /// `block` for one to arrive; at most `count`. Each is (id, payload);
-    /// payloads are the raw protobuf bytes.
-    pub async fn read(&mut self, after: &str, block: Duration, count: usize) -> RedisResult<Vec<(String, Vec<u8>)>> {
+    /// Entries after `after` ([`LogPosition::START`] for all), waiting up to
+    /// `block` for one to arrive; at most `count`. Each is (position,
+    /// payload); payloads are the raw protobuf bytes.
+    pub async fn read(
+        &mut self,
+        after: LogPosition,
+        block: Duration,
+        count: usize,
+    ) -> RedisResult<Vec<(LogPosition, Vec<u8>)>> {
         let connection = match &mut self.connection {
             Some(connection) => connection,
             None => {
@@ -121,7 +136,7 @@ impl EventReader {
             .arg(block.as_millis() as u64)
             .arg("STREAMS")
             .arg(&self.key)
-            .arg(after)
+            .arg(after.to_string())
             .query_async(connection)
             .await;
         match reply {
@@ -136,7 +151,7 @@ impl EventReader {
 }
 
 /// The entries of an `XREAD` reply for one stream (nil: none).
-fn entries(reply: Value) -> Vec<(String, Vec<u8>)> {
+fn entries(reply: Value) -> Vec<(LogPosition, Vec<u8>)> {
     let streams = match reply {
         Value::Array(streams) => streams,
         Value::Map(pairs) => pairs.into_iter().map(|(key, entries)| Value::Array(vec![key, entries])).collect(),
@@ -147,10 +162,18 @@ fn entries(reply: Value) -> Vec<(String, Vec<u8>)> {
         let Value::Array(mut parts) = stream else { continue };
         let Some(Value::Array(items)) = parts.pop() else { continue };
         for item in items {
-            let Value::Array(mut pair) = item else { continue };
-            let (Some(fields), Some(id)) = (pair.pop(), pair.pop()) else { continue };
-            let Some(id) = text(id) else { continue };
-            let Value::Array(fields) = fields else { continue };
+            let Value::Array(mut pair) = item else {
+                continue;
+            };
+            let (Some(fields), Some(id)) = (pair.pop(), pair.pop()) else {
+                continue;
+            };
+            let Some(id) = text(id).and_then(|id| id.parse().ok()) else {
+                continue;
+            };
+            let Value::Array(fields) = fields else {
+                continue;
+            };
             let payload = fields.chunks(2).find_map(|field| match field {
                 [name, Value::BulkString(bytes)] if text(name.clone()).as_deref() == Some("b") => Some(bytes.clone()),
                 _ => None,

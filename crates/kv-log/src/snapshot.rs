@@ -7,17 +7,17 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 use redis::RedisResult;
-use turbine_kv::KvIndex;
+use turbine_kv::{KvIndex, WorkerDump, WorkerId};
 use turbine_proto::kvindex::v1 as pb;
 
-use crate::convert::{dump_from_proto, dump_to_proto};
+use crate::LogPosition;
 use crate::log::EventLog;
 
 /// What [`EventLog::load_snapshot`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadedSnapshot {
     /// Continue reading the log after this entry.
-    pub log_position: String,
+    pub log_position: LogPosition,
     /// Workers loaded.
     pub workers: usize,
     /// When the snapshot was taken, Unix milliseconds.
@@ -54,23 +54,49 @@ impl EventLog {
     /// runs off the async threads and the write on a connection of its own.
     /// Returns the snapshot's size in bytes, or `None` if the stored
     /// snapshot was already at this position or later.
-    pub async fn save_snapshot(&self, index: Arc<KvIndex>, position: String, exclude: Vec<String>) -> RedisResult<Option<usize>> {
-        let encode_position = position.clone();
+    pub async fn save_snapshot(
+        &self,
+        index: Arc<KvIndex>,
+        position: LogPosition,
+        exclude: Vec<WorkerId>,
+    ) -> RedisResult<Option<usize>> {
         let bytes = tokio::task::spawn_blocking(move || {
             let workers = index
                 .worker_ids()
                 .into_iter()
                 .filter(|worker_id| !exclude.contains(worker_id))
-                .filter_map(|worker_id| index.dump(&worker_id).map(|(instance, dump)| dump_to_proto(&worker_id, instance, &dump)))
+                .filter_map(|worker_id| {
+                    index.dump(&worker_id).map(|(instance, dump)| {
+                        pb::WorkerDump::from(&WorkerDump {
+                            worker_id,
+                            instance,
+                            dump,
+                        })
+                    })
+                })
                 .collect();
-            let taken_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-            pb::IndexSnapshot { log_position: encode_position, workers, taken_unix_ms }.encode_to_vec()
+            let taken_unix_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64);
+            pb::IndexSnapshot {
+                log_position: position.to_string(),
+                workers,
+                taken_unix_ms,
+            }
+            .encode_to_vec()
         })
         .await
         .map_err(|error| redis::RedisError::from((redis::ErrorKind::Client, "encoding the snapshot failed", error.to_string())))?;
         let size = bytes.len();
         let mut connection = self.slow_connection(SNAPSHOT_TIMEOUT).await?;
-        let written: i64 = redis::cmd("EVAL").arg(WRITE_IF_NEWER).arg(1).arg(self.snapshot_key()).arg(position).arg(bytes).query_async(&mut connection).await?;
+        let written: i64 = redis::cmd("EVAL")
+            .arg(WRITE_IF_NEWER)
+            .arg(1)
+            .arg(self.snapshot_key())
+            .arg(position.to_string())
+            .arg(bytes)
+            .query_async(&mut connection)
+            .await?;
         Ok((written == 1).then_some(size))
     }
 
@@ -88,35 +114,58 @@ impl EventLog {
                 return Ok(None);
             }
         };
+        let pb::IndexSnapshot {
+            log_position,
+            workers: dumps,
+            taken_unix_ms,
+        } = snapshot;
+        let Ok(log_position) = log_position.parse::<LogPosition>() else {
+            tracing::warn!(
+                key = self.snapshot_key(),
+                log_position,
+                "ignoring an index snapshot with a malformed position"
+            );
+            return Ok(None);
+        };
         let mut workers = 0;
-        for dump in snapshot.workers {
+        for dump in dumps {
             let worker_id = dump.worker_id.clone();
-            match dump_from_proto(dump) {
-                Ok((instance, dump)) => {
+            match WorkerDump::try_from(dump) {
+                Ok(WorkerDump {
+                    worker_id,
+                    instance,
+                    dump,
+                }) => {
                     index.load_dump(&worker_id, instance, &dump);
                     workers += 1;
                 }
-                Err(error) => tracing::warn!(worker = worker_id, error, "skipping a malformed worker in the index snapshot"),
+                Err(error) => {
+                    tracing::warn!(worker = worker_id, %error, "skipping a malformed worker in the index snapshot")
+                }
             }
         }
-        Ok(Some(LoadedSnapshot { log_position: snapshot.log_position, workers, taken_unix_ms: snapshot.taken_unix_ms }))
+        Ok(Some(LoadedSnapshot {
+            log_position,
+            workers,
+            taken_unix_ms,
+        }))
     }
 }
 
 /// Loads the namespace's snapshot into `index` if there is one and returns
-/// the log position to follow from (`"0-0"`: the whole log). Redis being
-/// unreachable is not an error: the follower replays the log once it is
-/// back.
-pub async fn start_from_snapshot(log: &EventLog, index: &KvIndex) -> String {
+/// the log position to follow from ([`LogPosition::START`]: the whole log).
+/// Redis being unreachable is not an error: the follower replays the log
+/// once it is back.
+pub async fn start_from_snapshot(log: &EventLog, index: &KvIndex) -> LogPosition {
     match log.load_snapshot(index).await {
         Ok(Some(loaded)) => {
-            tracing::info!(workers = loaded.workers, position = loaded.log_position, "KV index loaded from the snapshot");
+            tracing::info!(workers = loaded.workers, position = %loaded.log_position, "KV index loaded from the snapshot");
             loaded.log_position
         }
-        Ok(None) => "0-0".to_owned(),
+        Ok(None) => LogPosition::START,
         Err(error) => {
             tracing::warn!(%error, "could not read the KV index snapshot; replaying the event log instead");
-            "0-0".to_owned()
+            LogPosition::START
         }
     }
 }

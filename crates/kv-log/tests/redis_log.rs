@@ -4,13 +4,12 @@
 //! dump holds up only its own worker; snapshots only move forward.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use turbine_kv::{Dump, KvEvent, KvIndex, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier};
-use turbine_kv_log::convert::batch_to_proto;
-use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow};
-use turbine_testkit::RedisServer;
 use tokio_util::sync::CancellationToken;
+use turbine_kv::{EventBatch, KvEvent, KvIndex, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, WorkerDump, WorkerId};
+use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, LogPosition, follow};
+use turbine_testkit::RedisServer;
 
 fn stored(id: u64, hashes: &[u64]) -> NumberedEvent {
     NumberedEvent {
@@ -25,6 +24,19 @@ fn stored(id: u64, hashes: &[u64]) -> NumberedEvent {
 
 fn removed(id: u64, hashes: &[u64]) -> NumberedEvent {
     NumberedEvent { event_id: id, event: KvEvent::Removed { sequence_hashes: hashes.iter().map(|&h| SequenceHash(h)).collect(), tier: Tier::Device } }
+}
+
+fn batch(worker: &str, instance: u64, events: &[NumberedEvent]) -> EventBatch {
+    EventBatch { worker_id: worker.into(), instance, events: events.to_vec() }
+}
+
+fn position(text: &str) -> LogPosition {
+    text.parse().unwrap()
+}
+
+/// The dump of `worker` held by `index`, as a worker would answer it.
+fn dump_of(index: &KvIndex, worker: &WorkerId) -> Option<WorkerDump> {
+    index.dump(worker).map(|(instance, dump)| WorkerDump { worker_id: worker.clone(), instance, dump })
 }
 
 fn seq(hashes: &[u64]) -> Vec<SequenceHash> {
@@ -44,19 +56,15 @@ impl Truth {
 
     fn fetcher(self: &Arc<Self>) -> DumpFetcher {
         let truth = self.clone();
-        Arc::new(move |worker: String| {
+        Arc::new(move |worker: WorkerId| {
             let truth = truth.clone();
-            Box::pin(async move { truth.index.dump(&worker) })
+            Box::pin(async move { dump_of(&truth.index, &worker) })
         })
     }
 }
 
 async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    turbine_testkit::wait_until(what, Duration::from_secs(10), async || done()).await;
 }
 
 fn depths(index: &KvIndex, query: &[u64]) -> Vec<(String, u32)> {
@@ -76,7 +84,7 @@ async fn followers_agree_resync_from_dumps_and_survive_a_redis_restart() {
             truth.index.apply(worker, instance, event);
         }
         let log = log.clone();
-        async move { log.publish(&batch_to_proto(worker, instance, &events)).await.unwrap() }
+        async move { log.publish(&batch(worker, instance, &events)).await.unwrap() }
     };
 
     // The first follower runs from the start; the second joins later and
@@ -116,23 +124,12 @@ async fn followers_agree_resync_from_dumps_and_survive_a_redis_restart() {
     wait_until("the followers to notice", || !early_status.reachable() && !late_status.reachable()).await;
     assert_eq!(depths(&early, &[1, 2, 3]), vec![("a".to_string(), 3)]);
     let _redis = RedisServer::start_on(port);
-    let publish_again = async {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let event = vec![stored(1, &[6])];
-            match log.publish(&batch_to_proto("b", 8, &event)).await {
-                Ok(_) => {
-                    truth.index.apply("b", 8, &event[0]);
-                    break;
-                }
-                Err(error) => {
-                    assert!(Instant::now() < deadline, "publishing after the restart: {error}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
-    };
-    publish_again.await;
+    let event = stored(1, &[6]);
+    turbine_testkit::wait_until("a publish to the restarted Redis", Duration::from_secs(10), async || {
+        log.publish(&batch("b", 8, std::slice::from_ref(&event))).await.is_ok()
+    })
+    .await;
+    truth.index.apply("b", 8, &event);
     for (name, index) in [("early", &early), ("late", &late)] {
         wait_until(name, || depths(index, &[6]) == vec![("b".to_string(), 1)]).await;
     }
@@ -146,11 +143,12 @@ async fn malformed_entries_are_skipped() {
     let redis = RedisServer::start();
     let log = EventLog::new(&redis.url(), "m").unwrap();
     let mut connection = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let _: String = redis::cmd("XADD").arg(log.key()).arg("*").arg("b").arg(&b"\xff\xfe not protobuf"[..]).query_async(&mut connection).await.unwrap();
-    log.publish(&batch_to_proto("w", 1, &[stored(0, &[1])])).await.unwrap();
+    let _: String =
+        redis::cmd("XADD").arg(log.key()).arg("*").arg("b").arg(&b"\xff\xfe not protobuf"[..]).query_async(&mut connection).await.unwrap();
+    log.publish(&batch("w", 1, &[stored(0, &[1])])).await.unwrap();
     let (index, status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
     let shutdown = CancellationToken::new();
-    let no_dumps: DumpFetcher = Arc::new(|_| Box::pin(async { None::<(u64, Dump)> }));
+    let no_dumps: DumpFetcher = Arc::new(|_| Box::pin(async { None }));
     follow(index.clone(), &log, no_dumps, status.clone(), shutdown.clone());
     wait_until("the valid batch", || depths(&index, &[1]) == vec![("w".to_string(), 1)]).await;
     assert_eq!(status.batches(), 1, "the malformed entry is not a batch");
@@ -170,13 +168,13 @@ async fn a_hung_dump_holds_up_only_its_own_worker() {
     truth.apply("slow", 5, &stored(0, &[1]));
     truth.apply("slow", 5, &stored(1, &[2]));
     let truth = Arc::new(truth);
-    let fetch: DumpFetcher = Arc::new(move |worker: String| {
+    let fetch: DumpFetcher = Arc::new(move |worker: WorkerId| {
         let (truth, released) = (truth.clone(), released.clone());
         Box::pin(async move {
             if let Some(released) = released.lock().await.take() {
                 let _ = released.await; // hangs until the test lets it go
             }
-            truth.dump(&worker)
+            dump_of(&truth, &worker)
         })
     });
     let index = Arc::new(KvIndex::new());
@@ -185,11 +183,11 @@ async fn a_hung_dump_holds_up_only_its_own_worker() {
     let task = follow(index.clone(), &log, fetch, status.clone(), shutdown.clone());
 
     // slow's event 1 shows a gap; its event 2 arrives while the dump hangs.
-    log.publish(&batch_to_proto("slow", 5, &[stored(1, &[2])])).await.unwrap();
-    log.publish(&batch_to_proto("slow", 5, &[stored(2, &[3])])).await.unwrap();
-    log.publish(&batch_to_proto("fast", 1, &[stored(0, &[10])])).await.unwrap();
+    log.publish(&batch("slow", 5, &[stored(1, &[2])])).await.unwrap();
+    log.publish(&batch("slow", 5, &[stored(2, &[3])])).await.unwrap();
+    log.publish(&batch("fast", 1, &[stored(0, &[10])])).await.unwrap();
     wait_until("fast's event applied while slow's dump hangs", || index.find_matches(&seq(&[10])).deepest() == 1).await;
-    assert_eq!(status.stale_workers(), ["slow"]);
+    assert_eq!(status.stale_workers(), [WorkerId::from("slow")]);
     assert_eq!(index.find_matches(&seq(&[1, 2, 3])).deepest(), 0, "slow's view waits for the dump");
 
     release.send(()).unwrap();
@@ -209,18 +207,18 @@ async fn snapshots_only_move_forward_and_leave_out_stale_workers() {
     let index = Arc::new(KvIndex::new());
     index.apply("a", 1, &stored(0, &[1, 2]));
     index.apply("b", 2, &stored(0, &[1]));
-    assert!(log.save_snapshot(index.clone(), "100-5".into(), vec!["b".into()]).await.unwrap().is_some());
+    assert!(log.save_snapshot(index.clone(), position("100-5"), vec!["b".into()]).await.unwrap().is_some());
     index.apply("a", 1, &stored(1, &[3]));
-    assert_eq!(log.save_snapshot(index.clone(), "100-4".into(), vec![]).await.unwrap(), None, "an older position is refused");
-    assert_eq!(log.save_snapshot(index.clone(), "99-9".into(), vec![]).await.unwrap(), None);
+    assert_eq!(log.save_snapshot(index.clone(), position("100-4"), vec![]).await.unwrap(), None, "an older position is refused");
+    assert_eq!(log.save_snapshot(index.clone(), position("99-9"), vec![]).await.unwrap(), None);
 
     let loaded = KvIndex::new();
     let snapshot = log.load_snapshot(&loaded).await.unwrap().unwrap();
-    assert_eq!((snapshot.log_position.as_str(), snapshot.workers), ("100-5", 1));
-    assert_eq!(loaded.worker_ids(), ["a"]);
+    assert_eq!((snapshot.log_position, snapshot.workers), (position("100-5"), 1));
+    assert_eq!(loaded.worker_ids(), [WorkerId::from("a")]);
     assert_eq!(loaded.find_matches(&seq(&[1, 2, 3])).deepest(), 2, "the snapshot of 100-5, not the refused later state");
 
-    assert!(log.save_snapshot(index.clone(), "101-0".into(), vec![]).await.unwrap().is_some());
+    assert!(log.save_snapshot(index.clone(), position("101-0"), vec![]).await.unwrap().is_some());
     let reloaded = KvIndex::new();
     assert_eq!(log.load_snapshot(&reloaded).await.unwrap().unwrap().workers, 2);
     assert_eq!(reloaded.find_matches(&seq(&[1, 2, 3])).deepest(), 3);

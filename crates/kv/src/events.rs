@@ -5,7 +5,7 @@
 //! when published, so a consumer can detect a gap (or a restarted worker)
 //! and resynchronise from a dump instead.
 
-use crate::{LocalBlockHash, SequenceHash};
+use crate::{LocalBlockHash, SequenceHash, WorkerId};
 
 /// Where a cached block lives, fastest first (DESIGN §5: G1 to G4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -125,4 +125,26 @@ pub struct Dump {
     pub next_event_id: u64,
     /// The cached blocks.
     pub blocks: Vec<CachedBlock>,
+}
+
+/// One worker's events as published to the KV event log, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventBatch {
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// Its incarnation (random per start): events of an older one are stale.
+    pub instance: u64,
+    /// Its events, numbered consecutively.
+    pub events: Vec<NumberedEvent>,
+}
+
+/// A worker's whole cache as of one event number, with whose it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerDump {
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// Its incarnation.
+    pub instance: u64,
+    /// The blocks and the first event they do not reflect.
+    pub dump: Dump,
 }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock, RwLockWriteGuard};
 
 use crate::events::{CachedBlock, Dump, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet};
-use crate::{LocalBlockHash, SequenceHash};
+use crate::{LocalBlockHash, SequenceHash, WorkerId};
 
 /// Blocks of one `Stored` event applied per write-lock hold.
 const STORE_SLICE: usize = 256;
@@ -130,7 +130,7 @@ impl Nodes {
 
 /// Worker ids by slot; replaced (copy on write) when workers come or go,
 /// so a lookup result keeps the names that were current when it was made.
-type SlotNames = Arc<Vec<Option<Arc<str>>>>;
+type SlotNames = Arc<Vec<Option<WorkerId>>>;
 
 #[derive(Debug, Default)]
 struct Tree {
@@ -138,7 +138,7 @@ struct Tree {
     slots: Vec<Option<WorkerState>>,
     names: SlotNames,
     free_slots: Vec<u32>,
-    by_id: rustc_hash::FxHashMap<Arc<str>, u32>,
+    by_id: rustc_hash::FxHashMap<WorkerId, u32>,
     events_applied: u64,
 }
 
@@ -202,7 +202,7 @@ pub enum Applied {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct WorkerMatch {
     /// The worker.
-    pub worker_id: Arc<str>,
+    pub worker_id: WorkerId,
     /// Leading blocks of the request the worker holds, in any tier.
     pub blocks: u32,
     /// Of those, how many are at best in each tier (index: [`Tier`] as usize).
@@ -282,8 +282,10 @@ impl FindMatches {
         self.deeper.iter().map(|entry| entry.blocks).max().unwrap_or(u32::from(!self.first.is_empty()))
     }
 
-    fn name(&self, slot: u32) -> &Arc<str> {
-        self.names[slot as usize].as_ref().expect("a match names a live slot")
+    fn name(&self, slot: u32) -> &WorkerId {
+        self.names[slot as usize]
+            .as_ref()
+            .expect("a match names a live slot")
     }
 
     fn sorted(&self) -> Vec<WorkerMatch> {
@@ -509,8 +511,8 @@ impl KvIndex {
     }
 
     /// The workers with a view in the index, sorted.
-    pub fn worker_ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self.tree.read().by_id.keys().map(|id| id.to_string()).collect();
+    pub fn worker_ids(&self) -> Vec<WorkerId> {
+        let mut ids: Vec<WorkerId> = self.tree.read().by_id.keys().cloned().collect();
         ids.sort_unstable();
         ids
     }
@@ -669,8 +671,12 @@ impl Tree {
         if let Some(&slot) = self.by_id.get(worker_id) {
             return slot;
         }
-        let id: Arc<str> = Arc::from(worker_id);
-        let state = WorkerState { instance: 0, next_event_id: 0, blocks: HashKeyed::default() };
+        let id = WorkerId::from(worker_id);
+        let state = WorkerState {
+            instance: 0,
+            next_event_id: 0,
+            blocks: HashKeyed::default(),
+        };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.slots[slot as usize] = Some(state);

@@ -10,12 +10,16 @@
 pub mod events;
 pub mod index;
 pub mod unregistered;
+mod worker_id;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use events::{CachedBlock, Dump, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet};
+pub use events::{
+    CachedBlock, Dump, EventBatch, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet, WorkerDump,
+};
 pub use index::{FindMatches, KvIndex, WorkerMatch};
 pub use unregistered::Unregistered;
+pub use worker_id::WorkerId;
 
 /// Seed of the block hash when no salt is in use.
 pub const DEFAULT_SEED: u64 = 1337;

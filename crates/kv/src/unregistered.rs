@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
-use crate::KvIndex;
+use crate::{KvIndex, WorkerId};
 
 /// When each index worker was first seen missing from the registry.
 #[derive(Debug)]
 pub struct Unregistered {
     grace: Duration,
-    missing_since: FxHashMap<String, Instant>,
+    missing_since: FxHashMap<WorkerId, Instant>,
 }
 
 impl Unregistered {
@@ -29,7 +29,12 @@ impl Unregistered {
     /// Compares the index with a registry listing (`is_live`) taken at
     /// `now`; drops every worker missing for the grace period and returns
     /// them with the blocks they held.
-    pub fn sweep(&mut self, index: &KvIndex, is_live: impl Fn(&str) -> bool, now: Instant) -> Vec<(String, usize)> {
+    pub fn sweep(
+        &mut self,
+        index: &KvIndex,
+        is_live: impl Fn(&str) -> bool,
+        now: Instant,
+    ) -> Vec<(WorkerId, usize)> {
         let mut dropped = Vec::new();
         let mut still_missing = FxHashMap::default();
         for worker_id in index.worker_ids() {
@@ -75,9 +80,19 @@ mod tests {
         let mut unregistered = Unregistered::new(Duration::from_secs(5));
         let start = Instant::now();
         let live = |id: &str| id == "live";
-        assert!(unregistered.sweep(&index, live, start).is_empty(), "first seen missing");
-        assert!(unregistered.sweep(&index, live, start + Duration::from_secs(4)).is_empty());
-        assert_eq!(unregistered.sweep(&index, live, start + Duration::from_secs(5)), vec![("gone".to_owned(), 1)]);
+        assert!(
+            unregistered.sweep(&index, live, start).is_empty(),
+            "first seen missing"
+        );
+        assert!(
+            unregistered
+                .sweep(&index, live, start + Duration::from_secs(4))
+                .is_empty()
+        );
+        assert_eq!(
+            unregistered.sweep(&index, live, start + Duration::from_secs(5)),
+            vec![(WorkerId::from("gone"), 1)]
+        );
         assert_eq!(index.worker_ids(), ["live"]);
 
         // Back in the listing before the grace ran out: kept, timer cleared.

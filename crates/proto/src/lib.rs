@@ -5,12 +5,19 @@
 //! exports its encoded `FILE_DESCRIPTOR_SET` (with comments), which servers
 //! register with gRPC reflection so `grpcurl list` and `describe` work.
 //!
-//! Generated types stop at the service edge: services convert them to
-//! domain types and validate there.
+//! Generated types stop at the service edge: [`convert`] turns them into the
+//! shared crates' domain types (and back), checked, with a typed
+//! [`ConversionError`]; [`MessageLimits`] bounds every server's and client's
+//! message sizes in one place.
 
-#![allow(clippy::all, missing_docs)]
+pub mod convert;
+mod limits;
+
+pub use convert::{ConversionError, ConversionResult};
+pub use limits::{MAX_MESSAGE_BYTES, MessageLimits};
 
 /// `turbine.gateway.*` packages.
+#[allow(clippy::all, missing_docs)]
 pub mod gateway {
     /// `turbine.gateway.v1`: the text-in, text-out Inference API.
     pub mod v1 {
@@ -22,6 +29,7 @@ pub mod gateway {
 }
 
 /// `turbine.kvindex.*` packages.
+#[allow(clippy::all, missing_docs)]
 pub mod kvindex {
     /// `turbine.kvindex.v1`: the global KV index service, KV events, event
     /// batches, cache dumps and index snapshots.
@@ -34,6 +42,7 @@ pub mod kvindex {
 }
 
 /// `turbine.router.*` packages.
+#[allow(clippy::all, missing_docs)]
 pub mod router {
     /// `turbine.router.v1`: worker selection and load bookkeeping.
     pub mod v1 {
@@ -45,6 +54,7 @@ pub mod router {
 }
 
 /// `turbine.worker.*` packages.
+#[allow(clippy::all, missing_docs)]
 pub mod worker {
     /// `turbine.worker.v1`: token generation on one engine.
     pub mod v1 {

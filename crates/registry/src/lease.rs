@@ -6,14 +6,14 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Registry, WorkerRecord};
+use crate::{Registry, WorkerId, WorkerRecord};
 
 /// A registration renewed every `ttl / 3` until revoked. The record is
 /// re-read from `current` at each heartbeat, so it carries the latest load.
 #[derive(Debug)]
 pub struct Lease {
     registry: Registry,
-    worker_id: String,
+    worker_id: WorkerId,
     stop: CancellationToken,
     task: Option<JoinHandle<()>>,
 }

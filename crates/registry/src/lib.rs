@@ -23,12 +23,13 @@ pub use memory::MemoryRegistry;
 pub use redis_backend::RedisRegistry;
 pub use restart::RestartGrace;
 use serde::{Deserialize, Serialize};
+pub use turbine_kv::WorkerId;
 
 /// A worker as registered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
     /// Unique, stable id.
-    pub worker_id: String,
+    pub worker_id: WorkerId,
     /// gRPC endpoint (`http://host:port`).
     pub endpoint: String,
     /// Model served.

@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::{LiveWorker, WorkerRecord};
+use crate::{LiveWorker, WorkerId, WorkerRecord};
 
 /// Workers in a map guarded by a mutex; expired leases vanish on read.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryRegistry {
-    workers: Arc<Mutex<BTreeMap<String, LiveWorker>>>,
+    workers: Arc<Mutex<BTreeMap<WorkerId, LiveWorker>>>,
 }
 
 impl MemoryRegistry {

@@ -63,7 +63,7 @@ impl RedisRegistry {
             .arg("PX")
             .arg(ttl_ms)
             .ignore()
-            .sadd(&self.prefix, &record.worker_id)
+            .sadd(&self.prefix, record.worker_id.as_str())
             .ignore()
             .query_async::<()>(&mut connection)
             .await?;

@@ -1,18 +1,130 @@
 //! Layered configuration: defaults in code < a TOML file < `TURBINE_*`
 //! environment variables < command-line flags.
 //!
-//! A service declares two structs with the same field names: its config
-//! (`Deserialize + Serialize + Default`, `deny_unknown_fields`) and its clap
-//! arguments (every field an `Option`, `#[arg(long, env = "TURBINE_...")]`,
-//! serialized with `skip_serializing_if = "Option::is_none"`). clap already
-//! gives flags precedence over the environment; [`load`] lays the result
-//! over the file, which lies over the defaults, then deserializes and
-//! refuses unknown keys.
+//! Each setting is declared once, as a field of a struct that is at the
+//! same time the clap arguments and the serde configuration: its doc comment
+//! is the help, its `#[arg]` names the flag, the environment variable and
+//! the default (which `--help` shows). A service's configuration is such a
+//! struct, made of sections: the settings every service shares
+//! ([`ServerConfig`], [`ClusterConfig`]) are flattened into each, and a
+//! service's own groups (`[kv]` in the router's file) are nested or
+//! flattened as the file should read.
+//!
+//! [`Layered<C>`] parses it: clap reads defaults, environment and flags and
+//! says which value came from where; the `--config` file is laid over the
+//! defaults and under what the environment and the flags set explicitly;
+//! keys the configuration does not know are refused with the file's name.
 
-use std::path::Path;
+use std::collections::HashSet;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Command, FromArgMatches};
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// A top-level configuration: a service's, or `turbine run`'s.
+pub trait Settings: clap::Args + FromArgMatches + Serialize + DeserializeOwned {
+    /// The environment variable that names the config file.
+    const CONFIG_ENV: &'static str;
+
+    /// Checks what types alone do not constrain.
+    fn validate(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Changes the parsed command, for a configuration that composes other
+    /// services' sections under defaults of its own (`turbine run` routes by
+    /// KV overlap by default, a standalone router by load).
+    fn adjust(command: Command) -> Command {
+        command
+    }
+}
+
+/// The defaults of a section: what parsing no arguments gives, with the
+/// environment ignored.
+pub fn defaults<C: clap::Args + FromArgMatches>() -> C {
+    defaults_of(C::augment_args(Command::new("defaults")))
+}
+
+/// The defaults of a top-level configuration, its own adjustments included.
+pub fn settings_defaults<C: Settings>() -> C {
+    defaults_of(C::adjust(C::augment_args(Command::new("defaults"))))
+}
+
+fn defaults_of<C: FromArgMatches>(command: Command) -> C {
+    let matches = command
+        .no_binary_name(true)
+        .mut_args(|arg| arg.env(None))
+        .try_get_matches_from(std::iter::empty::<String>());
+    let matches = matches.expect("every setting has a default or is optional");
+    C::from_arg_matches(&matches).expect("defaults parse into the configuration")
+}
+
+/// A configuration parsed with every layer applied (see the module docs):
+/// flatten it into a clap command, and parsing yields the final value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layered<C>(pub C);
+
+impl<C> Layered<C> {
+    /// The configuration.
+    pub fn into_inner(self) -> C {
+        self.0
+    }
+}
+
+/// Id of the `--config` argument.
+const CONFIG_ARG: &str = "config";
+
+impl<C: Settings> clap::Args for Layered<C> {
+    fn augment_args(command: Command) -> Command {
+        C::adjust(C::augment_args(command)).arg(
+            clap::Arg::new(CONFIG_ARG)
+                .long(CONFIG_ARG)
+                .env(C::CONFIG_ENV)
+                .value_name("FILE")
+                .value_parser(clap::value_parser!(PathBuf))
+                .help("TOML config file: keys as the long flags with underscores, a section per [table]; env and flags override it"),
+        )
+    }
+
+    fn augment_args_for_update(command: Command) -> Command {
+        Self::augment_args(command)
+    }
+}
+
+impl<C: Settings> FromArgMatches for Layered<C> {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let parsed = C::from_arg_matches(matches)?;
+        let explicit: HashSet<String> = matches
+            .ids()
+            .map(|id| id.as_str())
+            .filter(|&id| {
+                id != CONFIG_ARG
+                    && matches!(
+                        matches.value_source(id),
+                        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                    )
+            })
+            .map(str::to_owned)
+            .collect();
+        let file = matches.get_one::<PathBuf>(CONFIG_ARG);
+        let config = layer(parsed, &explicit, file.map(PathBuf::as_path)).map_err(|error| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("{error}\n"),
+            )
+        })?;
+        Ok(Self(config))
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
 
 /// Why a configuration could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -25,48 +137,81 @@ pub enum ConfigError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The config file is not valid TOML or has unknown or mistyped keys.
+    /// The config file is not valid TOML or has unknown or mistyped keys,
+    /// or a value is out of its range.
     #[error("invalid configuration{origin}: {message}")]
     Invalid {
-        /// Where the bad value came from (file name), if known.
+        /// Where the bad value came from (` in FILE`), if known.
         origin: String,
         /// What is wrong.
         message: String,
     },
 }
 
-/// Loads a configuration: defaults, then `file` (if any), then the
-/// command-line/environment `overrides`.
-pub fn load<C, O>(file: Option<&Path>, overrides: &O) -> Result<C, ConfigError>
-where
-    C: DeserializeOwned + Serialize + Default,
-    O: Serialize,
-{
-    let mut merged = to_table(&C::default(), "")?;
-    if let Some(path) = file {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        let origin = format!(" in {}", path.display());
-        let table: toml::Table =
-            text.parse().map_err(|error: toml::de::Error| ConfigError::Invalid { origin: origin.clone(), message: error.to_string() })?;
-        // Check the file alone for unknown keys, so the error names the file.
-        let _: C = toml::Value::Table(merge(to_table(&C::default(), "")?, table.clone()))
-            .try_into()
-            .map_err(|error: toml::de::Error| ConfigError::Invalid { origin, message: error.message().to_owned() })?;
-        merged = merge(merged, table);
-    }
-    merged = merge(merged, to_table(overrides, " from flags or environment")?);
-    toml::Value::Table(merged)
-        .try_into()
-        .map_err(|error: toml::de::Error| ConfigError::Invalid { origin: String::new(), message: error.message().to_owned() })
+/// Lays `file` over `parsed` (defaults, environment and flags, as clap
+/// parsed them), then what `explicit` names (set in the environment or on
+/// the command line) over the file, and validates.
+fn layer<C: Settings>(
+    parsed: C,
+    explicit: &HashSet<String>,
+    file: Option<&Path>,
+) -> Result<C, ConfigError> {
+    let parsed = to_table(&parsed)?;
+    let config: C = match file {
+        None => from_table(parsed, "")?,
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.display().to_string(),
+                source,
+            })?;
+            let origin = format!(" in {}", path.display());
+            let table: toml::Table =
+                text.parse()
+                    .map_err(|error: toml::de::Error| ConfigError::Invalid {
+                        origin: origin.clone(),
+                        message: error.to_string(),
+                    })?;
+            // The file over the defaults first, alone, so that a mistyped or
+            // unknown key is reported with the file's name.
+            let merged = merge(parsed.clone(), table.clone());
+            let with_file: C = from_table(merged.clone(), &origin)?;
+            if let Some(key) = unknown_key(&table, &to_table(&with_file)?, "") {
+                return Err(ConfigError::Invalid {
+                    origin,
+                    message: format!("unknown key `{key}`"),
+                });
+            }
+            from_table(merge(merged, only_explicit(parsed, explicit)), "")?
+        }
+    };
+    config.validate().map_err(|message| ConfigError::Invalid {
+        origin: String::new(),
+        message,
+    })?;
+    Ok(config)
 }
 
-fn to_table<T: Serialize>(value: &T, origin: &str) -> Result<toml::Table, ConfigError> {
+fn to_table<T: Serialize>(value: &T) -> Result<toml::Table, ConfigError> {
     match toml::Value::try_from(value) {
         Ok(toml::Value::Table(table)) => Ok(table),
-        Ok(other) => Err(ConfigError::Invalid { origin: origin.to_owned(), message: format!("expected a table, got {other}") }),
-        Err(error) => Err(ConfigError::Invalid { origin: origin.to_owned(), message: error.to_string() }),
+        Ok(other) => Err(ConfigError::Invalid {
+            origin: String::new(),
+            message: format!("expected a table, got {other}"),
+        }),
+        Err(error) => Err(ConfigError::Invalid {
+            origin: String::new(),
+            message: error.to_string(),
+        }),
     }
+}
+
+fn from_table<C: DeserializeOwned>(table: toml::Table, origin: &str) -> Result<C, ConfigError> {
+    toml::Value::Table(table)
+        .try_into()
+        .map_err(|error: toml::de::Error| ConfigError::Invalid {
+            origin: origin.to_owned(),
+            message: error.message().to_owned(),
+        })
 }
 
 /// Lays `over` onto `base`: tables merge key by key, anything else replaces.
@@ -84,99 +229,113 @@ fn merge(mut base: toml::Table, over: toml::Table) -> toml::Table {
     base
 }
 
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-    use serde::{Deserialize, Serialize};
+/// The values of `table` (at any depth) whose key is in `explicit`: a
+/// setting's key is its field name, which is also its clap id.
+fn only_explicit(table: toml::Table, explicit: &HashSet<String>) -> toml::Table {
+    table
+        .into_iter()
+        .filter_map(|(key, value)| match value {
+            toml::Value::Table(inner) => {
+                let inner = only_explicit(inner, explicit);
+                (!inner.is_empty()).then_some((key, toml::Value::Table(inner)))
+            }
+            value => explicit.contains(&key).then_some((key, value)),
+        })
+        .collect()
+}
 
-    use super::*;
+/// A key of `file` the configuration dropped when it read the file: the
+/// configuration has no such setting. (serde's `deny_unknown_fields` cannot
+/// see through flattened sections, so the check is made here.)
+fn unknown_key(file: &toml::Table, known: &toml::Table, prefix: &str) -> Option<String> {
+    file.iter()
+        .find_map(|(key, value)| match (value, known.get(key)) {
+            (_, None) => Some(format!("{prefix}{key}")),
+            (toml::Value::Table(inner), Some(toml::Value::Table(known_inner))) => {
+                unknown_key(inner, known_inner, &format!("{prefix}{key}."))
+            }
+            _ => None,
+        })
+}
 
-    #[derive(Debug, PartialEq, Serialize, Deserialize)]
-    #[serde(deny_unknown_fields, default)]
-    struct Config {
-        port: u16,
-        name: String,
-        ratio: f64,
-    }
+/// Where a service listens by default and what its variables are called.
+/// Implemented by a marker type per service, so that the shared
+/// [`ServerConfig`] shows each service's own defaults.
+pub trait ServiceDefaults: std::fmt::Debug + Clone + PartialEq + Send + Sync + 'static {
+    /// gRPC listen address.
+    const GRPC_ADDR: &'static str;
+    /// Environment variable of the gRPC listen address.
+    const GRPC_ADDR_ENV: &'static str;
+    /// Admin HTTP listen address (`None`: admin routes only where the
+    /// service mounts them itself, e.g. on the gateway's REST port).
+    const ADMIN_ADDR: Option<&'static str>;
+    /// Environment variable of the admin listen address.
+    const ADMIN_ADDR_ENV: &'static str;
+    /// Seconds in-flight calls get to finish after SIGTERM.
+    const SHUTDOWN_GRACE_SECS: &'static str;
+}
 
-    impl Default for Config {
-        fn default() -> Self {
-            Self { port: 1, name: "default".into(), ratio: 0.5 }
-        }
-    }
+/// How a service is served: the settings every service shares.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+#[serde(bound = "")]
+pub struct ServerConfig<S: ServiceDefaults> {
+    /// gRPC listen address: the service, health and reflection.
+    #[arg(long, env = S::GRPC_ADDR_ENV, default_value = S::GRPC_ADDR)]
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address: /metrics, /livez, /readyz.
+    #[arg(long, env = S::ADMIN_ADDR_ENV, default_value = S::ADMIN_ADDR)]
+    pub admin_addr: Option<SocketAddr>,
+    /// Seconds in-flight calls and streams get to finish after SIGTERM.
+    #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS", default_value = S::SHUTDOWN_GRACE_SECS)]
+    pub shutdown_grace_secs: f64,
+    /// Once listening, write the bound addresses here as JSON (for
+    /// supervisors and tests that listen on port 0).
+    #[arg(long, value_name = "FILE")]
+    pub addresses_file: Option<PathBuf>,
+    #[arg(skip)]
+    #[serde(skip)]
+    service: PhantomData<S>,
+}
 
-    #[derive(Debug, Parser, Serialize)]
-    struct Args {
-        #[arg(long, env = "TURBINE_CONFIG_TEST_PORT")]
-        #[serde(skip_serializing_if = "Option::is_none")]
-        port: Option<u16>,
-        #[arg(long, env = "TURBINE_CONFIG_TEST_NAME")]
-        #[serde(skip_serializing_if = "Option::is_none")]
-        name: Option<String>,
-        #[arg(long)]
-        #[serde(skip_serializing_if = "Option::is_none")]
-        ratio: Option<f64>,
-    }
-
-    fn file(contents: &str) -> tempfile::NamedTempFile {
-        let file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(file.path(), contents).unwrap();
-        file
-    }
-
-    #[test]
-    fn precedence_is_defaults_then_file_then_env_then_flags() {
-        let none = Args { port: None, name: None, ratio: None };
-        assert_eq!(load::<Config, _>(None, &none).unwrap(), Config::default());
-
-        let config_file = file("port = 2\nname = \"file\"\nratio = 0.25\n");
-        let from_file: Config = load(Some(config_file.path()), &none).unwrap();
-        assert_eq!(from_file, Config { port: 2, name: "file".into(), ratio: 0.25 });
-
-        let args = Args::try_parse_from(["test", "--port", "4"]).unwrap();
-        let merged: Config = load(Some(config_file.path()), &args).unwrap();
-        assert_eq!(merged, Config { port: 4, name: "file".into(), ratio: 0.25 });
-    }
-
-    #[test]
-    fn environment_lies_between_file_and_flags() {
-        // The variable names are unique to this test, so no other test sees them.
-        in_child_with_env(|| {
-            let config_file = file("port = 2\nname = \"file\"\n");
-            let from_env = Args::try_parse_from(["test"]).unwrap();
-            let config: Config = load(Some(config_file.path()), &from_env).unwrap();
-            assert_eq!(config.name, "env", "env beats the file");
-            let from_flag = Args::try_parse_from(["test", "--name", "flag"]).unwrap();
-            let config: Config = load(Some(config_file.path()), &from_flag).unwrap();
-            assert_eq!(config.name, "flag", "flags beat env");
-        });
-    }
-
-    /// Runs `f` where TURBINE_CONFIG_TEST_NAME=env. Setting a variable
-    /// in-process races other test threads (and is `unsafe` in edition 2024),
-    /// so this re-runs the test binary, filtered to the calling test, with
-    /// the variable set.
-    fn in_child_with_env(f: impl FnOnce()) {
-        if std::env::var("TURBINE_CONFIG_TEST_NAME").as_deref() == Ok("env") {
-            f();
-            return;
-        }
-        let exe = std::env::current_exe().unwrap();
-        let status = std::process::Command::new(exe)
-            .args(["--exact", "config::tests::environment_lies_between_file_and_flags", "--nocapture"])
-            .env("TURBINE_CONFIG_TEST_NAME", "env")
-            .status()
-            .unwrap();
-        assert!(status.success(), "child run failed");
-    }
-
-    #[test]
-    fn unknown_and_mistyped_keys_are_refused_naming_the_file() {
-        let none = Args { port: None, name: None, ratio: None };
-        let unknown = file("prot = 2\n");
-        let error = load::<Config, _>(Some(unknown.path()), &none).unwrap_err().to_string();
-        assert!(error.contains("prot") && error.contains(&unknown.path().display().to_string()), "{error}");
-        let mistyped = file("port = \"eighty\"\n");
-        assert!(load::<Config, _>(Some(mistyped.path()), &none).is_err());
+impl<S: ServiceDefaults> Default for ServerConfig<S> {
+    fn default() -> Self {
+        defaults()
     }
 }
+
+impl<S: ServiceDefaults> ServerConfig<S> {
+    /// Checks the shared settings.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
+            return Err("shutdown_grace_secs must be non-negative".into());
+        }
+        Ok(())
+    }
+
+    /// The drain's grace period.
+    pub fn grace(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.shutdown_grace_secs)
+    }
+}
+
+/// Which cluster a service joins: the settings of every service that reads
+/// or writes the shared state in Redis.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct ClusterConfig {
+    /// Redis URL of the worker registry and the KV event log, e.g.
+    /// redis://redis:6379/.
+    #[arg(long, env = "TURBINE_REDIS_URL")]
+    pub redis: Option<String>,
+    /// Namespace: separates clusters that share one Redis.
+    #[arg(long, env = "TURBINE_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,8 +1,14 @@
 //! gRPC plumbing shared by every service: one way to serve (tracing layer,
-//! health, reflection, keep-alives, graceful drain under a grace period) and
-//! one way to connect (lazy channels with trace propagation).
+//! handler timeout, per-connection concurrency, health, reflection,
+//! keep-alives, graceful drain under a grace period; see [`crate::host`])
+//! and one way to connect (lazy channels with trace propagation, one per
+//! endpoint per process, see [`channel`]).
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -13,10 +19,6 @@ use tonic::transport::{Channel, Endpoint, Server};
 use tower_http::trace::TraceLayer;
 
 use crate::propagation::{TraceContextInterceptor, server_span};
-
-/// Largest gRPC message accepted or sent (model cards carry a vocabulary of
-/// a few MiB; prompts are far smaller).
-pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
 
 /// A channel whose calls carry the caller's trace context.
 pub type TracedChannel = InterceptedService<Channel, TraceContextInterceptor>;
@@ -49,11 +51,22 @@ where
 
 /// Serves `routes` on `listener` until `shutdown` fires, then stops
 /// accepting and lets in-flight calls (streams included) finish for up to
-/// `grace`; calls still open after that are dropped.
-pub async fn serve(listener: TcpListener, routes: Routes, shutdown: CancellationToken, grace: Duration) -> Result<(), tonic::transport::Error> {
+/// `grace`; calls still open after that are dropped. A handler running
+/// longer than `handler_timeout` fails its call; a connection runs at most
+/// `calls_per_connection` handlers at once.
+pub async fn serve(
+    listener: TcpListener,
+    routes: Routes,
+    shutdown: CancellationToken,
+    grace: Duration,
+    handler_timeout: Duration,
+    calls_per_connection: usize,
+) -> Result<(), tonic::transport::Error> {
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = Server::builder()
         .layer(TraceLayer::new_for_grpc().make_span_with(server_span))
+        .timeout(handler_timeout)
+        .concurrency_limit_per_connection(calls_per_connection)
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_routes(routes)
@@ -61,8 +74,41 @@ pub async fn serve(listener: TcpListener, routes: Routes, shutdown: Cancellation
     crate::shutdown::drain_within(server, &shutdown, grace, "gRPC calls").await
 }
 
-/// A lazily connecting channel to `endpoint` (e.g. `http://10.0.0.7:50061`)
-/// that propagates trace context. Fails only on a malformed endpoint.
+/// Channels by endpoint, with their last use.
+static CHANNELS: LazyLock<Mutex<HashMap<String, (TracedChannel, Instant)>>> =
+    LazyLock::new(Mutex::default);
+
+/// Endpoints kept at most; beyond it the least recently used is dropped.
+const MAX_CHANNELS: usize = 1024;
+
+/// The process's channel to `endpoint` (`http://10.0.0.7:50061`, or
+/// `host:port`): every client of one endpoint shares one lazily connected
+/// HTTP/2 connection, multiplexed, instead of opening its own. Fails only
+/// on a malformed endpoint.
+pub fn channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error> {
+    let endpoint = endpoint_uri(endpoint);
+    let mut channels = CHANNELS.lock();
+    let now = Instant::now();
+    if let Some((channel, used)) = channels.get_mut(&endpoint) {
+        *used = now;
+        return Ok(channel.clone());
+    }
+    let channel = traced_channel(&endpoint)?;
+    if channels.len() >= MAX_CHANNELS
+        && let Some(oldest) = channels
+            .iter()
+            .min_by_key(|(_, (_, used))| *used)
+            .map(|(endpoint, _)| endpoint.clone())
+    {
+        channels.remove(&oldest);
+    }
+    channels.insert(endpoint, (channel.clone(), now));
+    Ok(channel)
+}
+
+/// A new lazily connecting channel to `endpoint` (e.g.
+/// `http://10.0.0.7:50061`) that propagates trace context; most callers
+/// want the shared one, [`channel`]. Fails only on a malformed endpoint.
 pub fn traced_channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error> {
     let channel = Endpoint::from_shared(endpoint.to_owned())?
         .tcp_nodelay(true)

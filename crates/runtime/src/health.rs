@@ -98,3 +98,34 @@ impl Readiness {
         })
     }
 }
+
+/// Waits until `service` (`""`: the whole server) at `endpoint` reports
+/// SERVING, following the server's own health stream (`Health/Watch`):
+/// no polling while it answers. While it cannot be reached the watch is
+/// retried every 50 ms, so the caller bounds the wait (a timeout, or the
+/// server's task ending).
+pub async fn until_serving(endpoint: &str, service: &str) {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus as Status;
+    use tonic_health::pb::health_client::HealthClient;
+
+    loop {
+        if let Ok(channel) = crate::grpc::channel(endpoint) {
+            let mut client = HealthClient::new(channel);
+            if let Ok(response) = client
+                .watch(HealthCheckRequest {
+                    service: service.to_owned(),
+                })
+                .await
+            {
+                let mut statuses = response.into_inner();
+                while let Ok(Some(update)) = statuses.message().await {
+                    if update.status() == Status::Serving {
+                        return;
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -2,7 +2,10 @@
 //! own logic.
 //!
 //! - [`config`]: typed, layered configuration (defaults < file <
-//!   `TURBINE_*` env < flags).
+//!   `TURBINE_*` env < flags), each setting declared once; the settings
+//!   every service shares.
+//! - [`host`]: the service host: listeners, health, reflection, message
+//!   limits, the tower stack, bound addresses, the drain.
 //! - [`telemetry`]: `tracing` logs and, when `OTEL_EXPORTER_OTLP_ENDPOINT`
 //!   is set, OpenTelemetry traces over OTLP/gRPC.
 //! - [`propagation`]: W3C trace context through gRPC metadata and HTTP
@@ -10,8 +13,7 @@
 //! - [`health`]: gRPC health (NOT_SERVING until dependencies answer) and the
 //!   readiness behind `/readyz`.
 //! - [`admin`]: `/metrics`, `/livez`, `/readyz` over HTTP.
-//! - [`grpc`]: server wiring (health, reflection, tracing layer, graceful
-//!   drain) and client channels.
+//! - [`grpc`]: server wiring and client channels (one per endpoint).
 //! - [`shutdown`]: SIGTERM/SIGINT as a cancellation token.
 //! - [`metrics`]: Prometheus registry helpers.
 
@@ -19,6 +21,7 @@ pub mod admin;
 pub mod config;
 pub mod grpc;
 pub mod health;
+pub mod host;
 pub mod metrics;
 pub mod propagation;
 pub mod shutdown;

@@ -2,17 +2,17 @@
 //! model's card is fetched once from one of its workers and compiled into a
 //! [`Preprocessor`] (tokenizer + chat template).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
-use turbine_router::RouterClient;
+use turbine_router::{RoutedWorker, RouterClient};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::Preprocessor;
+use turbine_worker_api::WorkerClients;
 
 use crate::error::{ErrorKind, GatewayError};
-use crate::pool::WorkerPool;
 
 /// A model as listed to clients.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,7 +36,7 @@ struct State {
 #[derive(Debug)]
 pub struct ModelCatalog {
     router: RouterClient,
-    pool: WorkerPool,
+    workers: WorkerClients,
     state: RwLock<State>,
     refreshing: tokio::sync::Mutex<()>,
 }
@@ -46,8 +46,13 @@ const MIN_REFRESH_GAP: Duration = Duration::from_millis(100);
 
 impl ModelCatalog {
     /// An empty catalog fed from `router`'s worker list.
-    pub fn new(router: RouterClient, pool: WorkerPool) -> Self {
-        Self { router, pool, state: RwLock::default(), refreshing: tokio::sync::Mutex::new(()) }
+    pub fn new(router: RouterClient, workers: WorkerClients) -> Self {
+        Self {
+            router,
+            workers,
+            state: RwLock::default(),
+            refreshing: tokio::sync::Mutex::new(()),
+        }
     }
 
     /// Re-reads the live workers; fetches and compiles the card of every
@@ -55,7 +60,7 @@ impl ModelCatalog {
     pub async fn refresh(&self) -> Result<(), GatewayError> {
         let _single_flight = self.refreshing.lock().await;
         let workers = self.router.workers(None).await?;
-        let mut by_model: BTreeMap<&str, Vec<&turbine_router::RoutedWorker>> = BTreeMap::new();
+        let mut by_model: BTreeMap<&str, Vec<&RoutedWorker>> = BTreeMap::new();
         for worker in &workers {
             by_model.entry(worker.model.as_str()).or_default().push(worker);
         }
@@ -71,8 +76,6 @@ impl ModelCatalog {
                 listed.insert((*model).to_owned(), ListedModel { name: (*model).to_owned(), context_length, workers: serving.len() as u32 });
             }
         }
-        let live: HashSet<&str> = workers.iter().map(|w| w.endpoint.as_str()).collect();
-        self.pool.retain(&live);
         let mut state = self.state.write();
         state.listed = listed;
         state.refreshed_at = Some(Instant::now());
@@ -80,9 +83,9 @@ impl ModelCatalog {
     }
 
     /// Fetches the card from the first worker that answers and compiles it.
-    async fn compile(&self, model: &str, serving: &[&turbine_router::RoutedWorker]) -> Option<Arc<Preprocessor>> {
+    async fn compile(&self, model: &str, serving: &[&RoutedWorker]) -> Option<Arc<Preprocessor>> {
         for worker in serving {
-            let card = match self.pool.client(worker) {
+            let card = match self.workers.client(&worker.worker_id, &worker.endpoint) {
                 Ok(client) => client.model_card().await,
                 Err(error) => {
                     tracing::warn!(worker = %worker.worker_id, %error, "no client for worker");

@@ -1,45 +1,88 @@
-//! Gateway configuration: defaults < `--config` file < `TURBINE_*` env < flags.
+//! Gateway configuration: defaults < `--config` file < `TURBINE_*` env <
+//! flags (see `turbine_runtime::config`). The admission section is shared
+//! with `turbine run`.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use turbine_runtime::config::{ServerConfig, ServiceDefaults, Settings, defaults};
+
+/// Where a gateway listens by default (its admin routes are on the REST
+/// port unless `--admin-addr` gives them a port of their own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatewayPorts {}
+
+impl ServiceDefaults for GatewayPorts {
+    const GRPC_ADDR: &'static str = "0.0.0.0:50050";
+    const GRPC_ADDR_ENV: &'static str = "TURBINE_GATEWAY_GRPC_ADDR";
+    const ADMIN_ADDR: Option<&'static str> = None;
+    const ADMIN_ADDR_ENV: &'static str = "TURBINE_GATEWAY_ADMIN_ADDR";
+    const SHUTDOWN_GRACE_SECS: &'static str = "30";
+}
 
 /// The gateway's configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct GatewayConfig {
-    /// OpenAI REST (plus /metrics, /livez, /readyz, /health).
+    /// OpenAI REST listen address (also /metrics, /livez, /readyz, /health).
+    #[arg(
+        long,
+        env = "TURBINE_GATEWAY_HTTP_ADDR",
+        default_value = "0.0.0.0:8000"
+    )]
     pub http_addr: SocketAddr,
-    /// gRPC (turbine.gateway.v1.Inference, health, reflection).
-    pub grpc_addr: SocketAddr,
-    /// gRPC endpoint of the router (required for a standalone gateway).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub server: ServerConfig<GatewayPorts>,
+    /// Router gRPC endpoint, e.g. http://router:50051 (required for a
+    /// standalone gateway).
+    #[arg(long, env = "TURBINE_ROUTER_ENDPOINT")]
     pub router: Option<String>,
-    /// Largest request body accepted, in bytes.
-    pub max_body_bytes: usize,
-    /// Requests served at once; more get 429 with Retry-After.
-    pub max_concurrent_requests: usize,
-    /// How often the served models are refreshed, in milliseconds.
-    pub model_refresh_ms: u64,
-    /// Seconds in-flight streams get to finish after SIGTERM.
-    pub shutdown_grace_secs: f64,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub admission: AdmissionConfig,
 }
 
 impl Default for GatewayConfig {
     fn default() -> Self {
-        Self {
-            http_addr: ([0, 0, 0, 0], 8000).into(),
-            grpc_addr: ([0, 0, 0, 0], 50050).into(),
-            router: None,
-            max_body_bytes: 4 << 20,
-            max_concurrent_requests: 4096,
-            model_refresh_ms: 1000,
-            shutdown_grace_secs: 30.0,
-        }
+        turbine_runtime::config::settings_defaults()
     }
 }
 
-impl GatewayConfig {
+impl Settings for GatewayConfig {
+    const CONFIG_ENV: &'static str = "TURBINE_GATEWAY_CONFIG";
+
+    fn validate(&self) -> Result<(), String> {
+        self.server.validate()?;
+        self.admission.validate()
+    }
+}
+
+/// What the gateway admits, and how it learns the served models.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct AdmissionConfig {
+    /// Largest request body accepted, in bytes (413 beyond it).
+    #[arg(long, env = "TURBINE_GATEWAY_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Requests served at once; more get 429 with Retry-After.
+    #[arg(
+        long,
+        env = "TURBINE_GATEWAY_MAX_CONCURRENT_REQUESTS",
+        default_value_t = 4096
+    )]
+    pub max_concurrent_requests: usize,
+    /// How often the served models are refreshed from the router, in
+    /// milliseconds.
+    #[arg(long, env = "TURBINE_GATEWAY_MODEL_REFRESH_MS", default_value_t = 1000)]
+    pub model_refresh_ms: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl AdmissionConfig {
     /// Checks values that types alone do not constrain.
     pub fn validate(&self) -> Result<(), String> {
         if self.max_body_bytes < 1024 {
@@ -51,55 +94,6 @@ impl GatewayConfig {
         if self.model_refresh_ms == 0 {
             return Err("model_refresh_ms must be positive".into());
         }
-        if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
-            return Err("shutdown_grace_secs must be non-negative".into());
-        }
         Ok(())
-    }
-}
-
-/// Command-line flags of `turbine-gateway`.
-#[derive(Debug, Clone, Default, clap::Args, Serialize)]
-pub struct GatewayArgs {
-    /// TOML config file (keys as the long flags, with underscores).
-    #[arg(long, env = "TURBINE_GATEWAY_CONFIG")]
-    #[serde(skip)]
-    pub config: Option<PathBuf>,
-    /// OpenAI REST listen address [default: 0.0.0.0:8000].
-    #[arg(long, env = "TURBINE_GATEWAY_HTTP_ADDR")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub http_addr: Option<SocketAddr>,
-    /// gRPC listen address [default: 0.0.0.0:50050].
-    #[arg(long, env = "TURBINE_GATEWAY_GRPC_ADDR")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub grpc_addr: Option<SocketAddr>,
-    /// Router gRPC endpoint, e.g. http://router:50051 (required).
-    #[arg(long, env = "TURBINE_ROUTER_ENDPOINT")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub router: Option<String>,
-    /// Largest request body in bytes [default: 4194304].
-    #[arg(long, env = "TURBINE_GATEWAY_MAX_BODY_BYTES")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_body_bytes: Option<usize>,
-    /// Requests served at once before 429 [default: 4096].
-    #[arg(long, env = "TURBINE_GATEWAY_MAX_CONCURRENT_REQUESTS")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_concurrent_requests: Option<usize>,
-    /// Model list refresh interval in milliseconds [default: 1000].
-    #[arg(long, env = "TURBINE_GATEWAY_MODEL_REFRESH_MS")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model_refresh_ms: Option<u64>,
-    /// Seconds in-flight streams get to finish after SIGTERM [default: 30].
-    #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub shutdown_grace_secs: Option<f64>,
-}
-
-impl GatewayArgs {
-    /// Resolves the full configuration.
-    pub fn load(&self) -> anyhow::Result<GatewayConfig> {
-        let config: GatewayConfig = turbine_runtime::config::load(self.config.as_deref(), self)?;
-        config.validate().map_err(anyhow::Error::msg)?;
-        Ok(config)
     }
 }

@@ -5,7 +5,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use turbine_router::RouterCallError;
-use turbine_worker::WorkerError;
+use turbine_worker_api::WorkerError;
 
 /// What went wrong, from the client's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +166,7 @@ impl From<WorkerError> for GatewayError {
                 tracing::warn!(error = %message, "worker unavailable");
                 GatewayError::new(ErrorKind::Unavailable, "no worker could serve the request; retry shortly")
             }
-            WorkerError::Internal(message) => {
+            WorkerError::NotFound(message) | WorkerError::Internal(message) => {
                 tracing::error!(error = %message, "worker failed");
                 GatewayError::new(ErrorKind::Internal, "the worker failed to generate")
             }

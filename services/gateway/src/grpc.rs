@@ -5,6 +5,7 @@ use std::pin::Pin;
 
 use futures::Stream;
 use tonic::{Request, Response, Status};
+use turbine_engine::FinishReason;
 use turbine_proto::gateway::v1 as pb;
 use turbine_tokens::ChatMessage;
 
@@ -64,10 +65,10 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
     })
 }
 
-fn finish_reason(reason: turbine_engine::FinishReason) -> pb::FinishReason {
+fn finish_reason(reason: FinishReason) -> pb::FinishReason {
     match reason {
-        turbine_engine::FinishReason::Stop => pb::FinishReason::Stop,
-        turbine_engine::FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
     }
 }
 

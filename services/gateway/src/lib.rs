@@ -7,9 +7,12 @@
 //! - [`openai`]: REST handlers, request validation, response shapes, SSE.
 //! - [`grpc`]: the Inference gRPC service over the same pipeline.
 //! - [`catalog`]: served models learned from live workers' cards.
-//! - [`pool`]: worker clients (in-process or remote).
 //! - [`error`]: client-facing errors with one mapping to HTTP and gRPC.
-//! - [`serve`]: the process.
+//! - [`serve()`]: the gateway on the service host.
+//!
+//! It reaches the router and the workers through their clients
+//! (`turbine-router`'s `RouterClient`, `turbine-worker-api`'s
+//! `WorkerClients`): it links no engine.
 
 pub mod catalog;
 pub mod config;
@@ -18,11 +21,10 @@ pub mod grpc;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
-pub mod pool;
 pub mod serve;
 pub mod stop;
 
-pub use config::{GatewayArgs, GatewayConfig};
+pub use config::{AdmissionConfig, GatewayConfig};
 pub use error::{ErrorKind, GatewayError};
 pub use pipeline::{Pipeline, Prompt, TextEvent, TextRequest, TextStream};
-pub use pool::WorkerPool;
+pub use serve::{GatewayDeps, main, serve};

@@ -1,6 +1,8 @@
 //! `turbine-gateway`: OpenAI REST and gRPC in front of the router.
 
 use clap::Parser;
+use turbine_gateway::GatewayConfig;
+use turbine_runtime::config::Layered;
 
 /// Serve the OpenAI-compatible REST API and turbine.gateway.v1 gRPC,
 /// routing through a turbine-router.
@@ -8,9 +10,9 @@ use clap::Parser;
 #[command(name = "turbine-gateway", version)]
 struct Cli {
     #[command(flatten)]
-    args: turbine_gateway::GatewayArgs,
+    config: Layered<GatewayConfig>,
 }
 
 fn main() -> std::process::ExitCode {
-    turbine_gateway::serve::main(Cli::parse().args)
+    turbine_gateway::main(Cli::parse().config.into_inner())
 }

@@ -12,17 +12,20 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use turbine_engine::{
+    FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage,
+};
+use turbine_kv::WorkerId;
 use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
-use turbine_proto::worker::v1::{KvHandle, RemotePrefill};
-use turbine_worker::disagg::release_handle_in_background;
-use turbine_worker::{TokenStream, WorkerClient, WorkerError};
+use turbine_worker_api::{
+    KvHandle, KvTransferClient, RemotePrefill, TokenStream, WorkerClient, WorkerClients,
+    WorkerError,
+};
 
 use crate::catalog::ModelCatalog;
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics;
-use crate::pool::WorkerPool;
 use crate::stop::StopMatcher;
 
 /// Default `max_tokens` of raw completions (OpenAI's).
@@ -64,7 +67,7 @@ const MAX_ATTEMPTS: usize = 3;
 #[derive(Debug, Clone)]
 pub struct Pipeline {
     router: RouterClient,
-    pool: WorkerPool,
+    workers: WorkerClients,
     catalog: Arc<ModelCatalog>,
 }
 
@@ -100,8 +103,17 @@ pub enum TextEvent {
 
 impl Pipeline {
     /// A pipeline over a router, worker clients and the model catalog.
-    pub fn new(router: RouterClient, pool: WorkerPool, catalog: Arc<ModelCatalog>) -> Self {
-        Self { router, pool, catalog }
+    pub fn new(router: RouterClient, workers: WorkerClients, catalog: Arc<ModelCatalog>) -> Self {
+        Self {
+            router,
+            workers,
+            catalog,
+        }
+    }
+
+    /// The client of a routed worker.
+    fn client(&self, worker: &RoutedWorker) -> Result<WorkerClient, WorkerError> {
+        self.workers.client(&worker.worker_id, &worker.endpoint)
     }
 
     /// The model catalog.
@@ -170,7 +182,12 @@ impl Pipeline {
 
     /// Routes and opens a worker stream, trying other workers when one is
     /// unavailable or full.
-    async fn dispatch(&self, model: &str, request: &GenerateRequest, excluded: &mut Vec<String>) -> Result<TokenStream, GatewayError> {
+    async fn dispatch(
+        &self,
+        model: &str,
+        request: &GenerateRequest,
+        excluded: &mut Vec<WorkerId>,
+    ) -> Result<TokenStream, GatewayError> {
         let mut last_error = None;
         for _ in 0..MAX_ATTEMPTS {
             let route = RouteRequest {
@@ -182,12 +199,13 @@ impl Pipeline {
                 token_ids: request.prompt.as_slice().into(),
                 kv: None,
             };
-            let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) = match self.router.route(&route).await {
-                Ok(routed) => (routed.worker, routed.prefill),
-                // Every worker was tried: report the last worker error.
-                Err(error) => return Err(last_error.unwrap_or_else(|| error.into())),
-            };
-            let client = self.pool.client(&worker)?;
+            let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) =
+                match self.router.route(&route).await {
+                    Ok(routed) => (routed.worker, routed.prefill),
+                    // Every worker was tried: report the last worker error.
+                    Err(error) => return Err(last_error.unwrap_or_else(|| error.into())),
+                };
+            let client = self.client(&worker)?;
             let started = match prefill {
                 Some(prefill) => self.disaggregated(&client, &prefill, request).await,
                 None => client.generate(request.clone()).await,
@@ -211,10 +229,15 @@ impl Pipeline {
     /// Prefill on `prefill`, then decode on `decode` from the handle; the
     /// returned stream starts with the prefill's first token. A prefill
     /// that fails leaves the decode worker to compute the prompt itself.
-    async fn disaggregated(&self, decode: &WorkerClient, prefill: &RoutedWorker, request: &GenerateRequest) -> Result<TokenStream, WorkerError> {
-        let prefilled = match self.pool.client(prefill) {
+    async fn disaggregated(
+        &self,
+        decode: &WorkerClient,
+        prefill: &RoutedWorker,
+        request: &GenerateRequest,
+    ) -> Result<TokenStream, WorkerError> {
+        let prefilled = match self.client(prefill) {
             Ok(client) => client.prefill(request.clone()).await,
-            Err(error) => Err(WorkerError::Internal(error.to_string())),
+            Err(error) => Err(error),
         };
         let prefilled = match prefilled {
             Ok(prefilled) => prefilled,
@@ -232,8 +255,13 @@ impl Pipeline {
         }
         // Released if this request goes away before a decode worker has it.
         let guard = prefilled.handle.map(ReleaseOnDrop::new);
-        let remote = RemotePrefill { handle: guard.as_ref().map(|g| g.handle.clone()), generated_token_ids: first.tokens.clone() };
-        let rest = decode.generate_after_prefill(request.clone(), remote).await?;
+        let remote = RemotePrefill {
+            handle: guard.as_ref().map(|guard| guard.handle.clone()),
+            generated_token_ids: first.tokens.clone(),
+        };
+        let rest = decode
+            .generate_after_prefill(request.clone(), remote)
+            .await?;
         // The decode worker releases the handle once it has read the blocks.
         if let Some(guard) = guard {
             guard.disarm();
@@ -272,8 +300,14 @@ impl ReleaseOnDrop {
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        if self.armed {
-            release_handle_in_background(&self.handle);
+        if !self.armed {
+            return;
+        }
+        match KvTransferClient::connect(&self.handle.transfer_endpoint) {
+            Ok(client) => client.release_in_background(self.handle.handle_id),
+            Err(error) => {
+                tracing::debug!(%error, handle_id = self.handle.handle_id, "the handle's lease frees its blocks")
+            }
         }
     }
 }
@@ -305,41 +339,13 @@ struct Booking {
 impl Booking {
     /// Tells the router the prompt is computed (the first token came).
     fn prefill_done(&self) {
-        match &self.router {
-            RouterClient::Local(router) => {
-                router.prefill_done(&self.request_id);
-            }
-            RouterClient::Remote(_) => {
-                let router = self.router.clone();
-                let request_id = self.request_id.clone();
-                tokio::spawn(async move {
-                    if let Err(error) = router.prefill_done(&request_id).await {
-                        tracing::debug!(%error, request_id, "prefill-done notice failed; the booking keeps its prefill until it ends");
-                    }
-                });
-            }
-        }
+        self.router.prefill_done_in_background(&self.request_id);
     }
 }
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        match &self.router {
-            RouterClient::Local(router) => {
-                router.finished(&self.request_id);
-            }
-            RouterClient::Remote(_) => {
-                let router = self.router.clone();
-                let request_id = std::mem::take(&mut self.request_id);
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    runtime.spawn(async move {
-                        if let Err(error) = router.finished(&request_id).await {
-                            tracing::debug!(%error, request_id, "booking release failed; the router will expire it");
-                        }
-                    });
-                }
-            }
-        }
+        self.router.finished_in_background(&self.request_id);
     }
 }
 
@@ -356,7 +362,7 @@ pub struct TextStream {
     stop: StopMatcher,
     tokens: Option<TokenStream>,
     generated: Vec<u32>,
-    excluded: Vec<String>,
+    excluded: Vec<WorkerId>,
     attempts: usize,
     cached_prompt_tokens: Option<u32>,
     /// Events ready to hand out (the last delta and `Finished`).

@@ -5,17 +5,21 @@
 use std::process::Command;
 use std::time::Duration;
 
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, free_port};
+use turbine_testkit::{ChildProcess, ServiceProcess};
 
 #[tokio::test]
 async fn without_a_reachable_router_it_is_not_ready_and_answers_503() {
-    let http_port = free_port();
-    let dead_router = free_port();
+    // A router address nothing listens on: bound, then closed.
+    let dead_router = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-gateway"));
-    command.args(["--http-addr", &format!("127.0.0.1:{http_port}"), "--grpc-addr", "127.0.0.1:0", "--router", &format!("127.0.0.1:{dead_router}")]);
-    let mut gateway = ChildProcess::spawn("turbine-gateway", command);
-    gateway.wait_for_line("gateway listening", STARTUP_TIMEOUT);
-    let base = format!("http://127.0.0.1:{http_port}");
+    command.args(["--router", &format!("http://{dead_router}")]);
+    let mut gateway = ServiceProcess::spawn("turbine-gateway", command, true)
+        .await
+        .unwrap();
+    let base = gateway.http_url();
 
     assert_eq!(reqwest::get(format!("{base}/readyz")).await.unwrap().status(), 503);
     assert_eq!(reqwest::get(format!("{base}/health")).await.unwrap().status(), 503);

@@ -1,4 +1,5 @@
-//! The kv-index service: the global KV index behind `turbine.kvindex.v1`.
+//! The kv-index service: the global KV index behind `turbine.kvindex.v1`,
+//! and the client every other service uses to ask an index.
 //!
 //! Every replica follows the namespace's KV event log (a Redis stream the
 //! workers publish to, see `turbine-kv-log`) into its own
@@ -7,15 +8,24 @@
 //! registry lease has expired. Replicas never talk to each other: having
 //! read the same log, they answer alike.
 //!
-//! - [`KvIndexService`]: the gRPC shell (PublishEvents, FindMatches, Dump,
-//!   RemoveWorker, Stats).
-//! - [`serve::run`]: the process: snapshot load, follower, snapshot writer,
-//!   lease sweep, servers, health, drain.
-//! - [`KvIndexConfig`] / [`KvIndexArgs`]: configuration and flags.
+//! - [`KvIndexClient`] over a [`KvIndexApi`]: a replica in this process
+//!   ([`LocalKvIndex`]) or the service ([`GrpcKvIndex`]); callers never
+//!   know which.
+//! - [`KvIndexService`]: the gRPC shell over a [`LocalKvIndex`].
+//! - [`serve()`]: the replica on the service host: snapshot load, follower,
+//!   snapshot writer, lease sweep, health, drain.
+//! - [`KvIndexConfig`]: configuration and flags.
 
+pub mod api;
 pub mod config;
+pub mod local;
 pub mod serve;
 pub mod service;
 
-pub use config::{KvIndexArgs, KvIndexConfig};
-pub use service::{KvIndexService, ReplicaCounters};
+pub use api::{
+    GrpcKvIndex, IndexStats, KvIndexApi, KvIndexClient, KvIndexError, MatchAnswer, MatchQuery,
+};
+pub use config::KvIndexConfig;
+pub use local::{LocalKvIndex, ReplicaCounters};
+pub use serve::{IndexFeed, KvIndexDeps, main, serve};
+pub use service::KvIndexService;

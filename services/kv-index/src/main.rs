@@ -1,16 +1,18 @@
-//! `turbine-kv-index`: the global KV index service.
+//! `turbine-kv-index`: the global KV index over the workers' event log.
 
 use clap::Parser;
+use turbine_kv_index::KvIndexConfig;
+use turbine_runtime::config::Layered;
 
-/// Answer which worker caches which prompt prefix (turbine.kvindex.v1),
-/// following the workers' KV event log in Redis.
+/// Serve the global KV index (turbine.kvindex.v1), following the workers'
+/// KV event log in Redis.
 #[derive(Debug, Parser)]
 #[command(name = "turbine-kv-index", version)]
 struct Cli {
     #[command(flatten)]
-    args: turbine_kv_index::KvIndexArgs,
+    config: Layered<KvIndexConfig>,
 }
 
 fn main() -> std::process::ExitCode {
-    turbine_kv_index::serve::main(Cli::parse().args)
+    turbine_kv_index::main(Cli::parse().config.into_inner())
 }

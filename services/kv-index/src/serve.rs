@@ -1,4 +1,4 @@
-//! Running a kv-index replica.
+//! Serving a kv-index replica.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -7,86 +7,168 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
-use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use turbine_kv::{KvIndex, Unregistered};
-use turbine_kv_log::{EventLog, FollowerStatus, follow_from, grpc_dump_fetcher, start_from_snapshot};
+use turbine_kv::{KvIndex, Unregistered, WorkerId};
+use turbine_kv_log::{
+    EventLog, FollowerStatus, LogPosition, dump_fetcher, follow_from, start_from_snapshot,
+};
 use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexServer};
 use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace};
-use turbine_runtime::grpc::{MAX_MESSAGE_BYTES, base_routes, serve as serve_grpc};
-use turbine_runtime::health::Readiness;
-use turbine_runtime::{CancellationToken, admin};
+use turbine_runtime::CancellationToken;
+use turbine_runtime::host::{Host, HostSpec, Listeners};
+use turbine_worker_api::WorkerClients;
 
 use crate::config::KvIndexConfig;
-use crate::service::{KvIndexService, ReplicaCounters};
+use crate::local::{LocalKvIndex, ReplicaCounters};
+use crate::service::KvIndexService;
+
+/// How a replica's index is kept current.
+#[derive(Debug, Clone)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one value per process, built at startup"
+)]
+pub enum IndexFeed {
+    /// Following the namespace's event log (a standalone replica).
+    Log(EventLog),
+    /// Fed by the workers of this process (the embedded cluster): the
+    /// service answers from that index.
+    InProcess(Arc<KvIndex>),
+}
+
+/// What a kv-index needs besides its configuration.
+#[derive(Debug, Clone)]
+pub struct KvIndexDeps {
+    /// The worker registry (endpoints for dumps; expired leases).
+    pub registry: Registry,
+    /// How the index is fed.
+    pub feed: IndexFeed,
+    /// How to reach workers for their dumps.
+    pub workers: WorkerClients,
+}
+
+impl KvIndexDeps {
+    /// A standalone replica's: the registry and event log in Redis.
+    pub fn from_config(config: &KvIndexConfig) -> anyhow::Result<Self> {
+        let redis = config.cluster.redis.as_deref().context(
+            "turbine-kv-index follows the KV event log in Redis: pass --redis redis://HOST:PORT/",
+        )?;
+        Ok(Self {
+            registry: Registry::Redis(RedisRegistry::new(redis, &config.cluster.namespace)?),
+            feed: IndexFeed::Log(
+                EventLog::new(redis, &config.cluster.namespace)
+                    .context("bad Redis URL for the KV event log")?,
+            ),
+            workers: WorkerClients::default(),
+        })
+    }
+}
 
 /// Registered workers' gRPC endpoints, by id (where dumps come from).
-type Endpoints = Arc<RwLock<FxHashMap<String, String>>>;
+type Endpoints = Arc<RwLock<FxHashMap<WorkerId, String>>>;
 
+const SPEC: HostSpec = HostSpec {
+    name: "kv-index",
+    health: &[service_names::KV_INDEX],
+    descriptors: &[FILE_DESCRIPTOR_SET],
+    handler_timeout: Duration::from_secs(30),
+};
 
-
-/// Runs a replica until `shutdown` fires, then drains and returns.
-pub async fn run(config: KvIndexConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let redis = config.redis.as_deref().context("turbine-kv-index follows the KV event log in Redis: pass --redis redis://HOST:PORT/")?;
-    let registry = Registry::Redis(RedisRegistry::new(redis, &config.namespace)?);
-    let log = EventLog::new(redis, &config.namespace).context("bad Redis URL for the KV event log")?;
-    let grpc_listener = TcpListener::bind(config.grpc_addr).await.with_context(|| format!("cannot bind gRPC on {}", config.grpc_addr))?;
-    let admin_listener = TcpListener::bind(config.admin_addr).await.with_context(|| format!("cannot bind admin on {}", config.admin_addr))?;
-    let grpc_addr = grpc_listener.local_addr()?;
-    let admin_addr = admin_listener.local_addr()?;
-
-    let index = Arc::new(KvIndex::new());
-    let counters = Arc::new(ReplicaCounters::default());
-    let start = start_from_snapshot(&log, &index).await;
-    if start != "0-0" {
-        *counters.started_from_snapshot.lock() = start.clone();
-    }
-    let status = Arc::new(FollowerStatus::default());
-    let endpoints: Endpoints = Arc::default();
-    // Know the workers' endpoints before the first gap needs a dump.
-    if let Ok(workers) = registry.list().await {
-        *endpoints.write() = workers.into_iter().map(|w| (w.record.worker_id, w.record.endpoint)).collect();
-    }
-    let fetch = {
-        let endpoints = endpoints.clone();
-        grpc_dump_fetcher(move |worker_id| endpoints.read().get(worker_id).cloned())
+/// Serves a replica on `listeners` until `shutdown` fires, then drains.
+pub async fn serve(
+    config: KvIndexConfig,
+    deps: KvIndexDeps,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut tasks = Vec::new();
+    let replica = match deps.feed {
+        IndexFeed::InProcess(index) => LocalKvIndex::new(index),
+        IndexFeed::Log(log) => {
+            let index = Arc::new(KvIndex::new());
+            let counters = Arc::new(ReplicaCounters::default());
+            let start = start_from_snapshot(&log, &index).await;
+            if !start.is_start() {
+                *counters.started_from_snapshot.lock() = Some(start);
+            }
+            let status = Arc::new(FollowerStatus::default());
+            let endpoints: Endpoints = Arc::default();
+            // Know the workers' endpoints before the first gap needs a dump.
+            if let Ok(workers) = deps.registry.list().await {
+                *endpoints.write() = workers
+                    .into_iter()
+                    .map(|w| (w.record.worker_id, w.record.endpoint))
+                    .collect();
+            }
+            let fetch = {
+                let endpoints = endpoints.clone();
+                dump_fetcher(deps.workers.clone(), move |worker_id| {
+                    endpoints.read().get(worker_id).cloned()
+                })
+            };
+            tasks.push(follow_from(
+                index.clone(),
+                &log,
+                start,
+                fetch,
+                status.clone(),
+                shutdown.clone(),
+            ));
+            tasks.push(turbine_kv_log::export_metrics(
+                "kv-index",
+                index.clone(),
+                status.clone(),
+                shutdown.clone(),
+            ));
+            tasks.push(sweep_expired(
+                index.clone(),
+                deps.registry.clone(),
+                endpoints,
+                &config,
+                counters.clone(),
+                shutdown.clone(),
+            ));
+            if config.snapshot_interval_secs > 0.0 {
+                let interval = Duration::from_secs_f64(config.snapshot_interval_secs);
+                tasks.push(write_snapshots(
+                    index.clone(),
+                    log.clone(),
+                    status.clone(),
+                    counters.clone(),
+                    interval,
+                    shutdown.clone(),
+                ));
+            }
+            LocalKvIndex::new(index)
+                .with_follower(Some(status))
+                .with_log(log)
+                .with_counters(counters)
+        }
     };
-    let follower = follow_from(index.clone(), &log, start, fetch, status.clone(), shutdown.clone());
-    let metrics = turbine_kv_log::export_metrics("kv-index", index.clone(), status.clone(), shutdown.clone());
-    let sweeper = sweep_expired(index.clone(), registry.clone(), endpoints, &config, counters.clone(), shutdown.clone());
-    let snapshots = (config.snapshot_interval_secs > 0.0).then(|| {
-        let interval = Duration::from_secs_f64(config.snapshot_interval_secs);
-        write_snapshots(index.clone(), log.clone(), status.clone(), counters.clone(), interval, shutdown.clone())
-    });
-
-    let (readiness, health) = Readiness::new(&[service_names::KV_INDEX]).await;
-    let service = KvIndexService::new(index, log, status, counters);
-    let server = KvIndexServer::new(service).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let routes = base_routes(health, &[FILE_DESCRIPTOR_SET]).add_service(server);
-    let grace = Duration::from_secs_f64(config.shutdown_grace_secs);
-    let grpc_task = tokio::spawn(serve_grpc(grpc_listener, routes, shutdown.clone(), grace));
-    let admin_stop = CancellationToken::new();
-    let admin_task = tokio::spawn(admin::serve(admin_listener, readiness.clone(), admin_stop.clone()));
-    readiness
-        .watch_dependencies(Duration::from_secs(1), shutdown.clone(), move || {
+    let mut host = Host::new(SPEC, &config.server, listeners).await?;
+    host.add_service(KvIndexServer::new(KvIndexService::new(replica)));
+    let mut serving = host.start(shutdown)?;
+    for task in tasks {
+        serving.spawn(task);
+    }
+    let registry = deps.registry;
+    serving
+        .ready_when(Duration::from_secs(1), move || {
             let registry = registry.clone();
             async move { registry.ping().await.is_ok() }
         })
         .await;
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, namespace = config.namespace, "kv-index listening");
+    serving.until_shutdown(async {}).await
+}
 
-    shutdown.cancelled().await;
-    readiness.drain().await;
-    let served = grpc_task.await.context("gRPC server panicked")?;
-    for task in [Some(follower), Some(sweeper), Some(metrics), snapshots].into_iter().flatten() {
-        let _ = task.await;
-    }
-    admin_stop.cancel();
-    let _ = admin_task.await;
-    served.context("gRPC server failed")?;
-    tracing::info!("kv-index stopped");
-    Ok(())
+/// Entry point shared by `turbine-kv-index` and `turbine kv-index`.
+pub fn main(config: KvIndexConfig) -> std::process::ExitCode {
+    turbine_runtime::run_service("turbine-kv-index", move |shutdown| async move {
+        let deps = KvIndexDeps::from_config(&config)?;
+        let listeners = Listeners::bind(&config.server).await?;
+        serve(config, deps, listeners, shutdown).await
+    })
 }
 
 /// Reads the registry every poll: keeps the workers' endpoints for dumps,
@@ -109,8 +191,11 @@ fn sweep_expired(
         loop {
             if let Ok(workers) = registry.list().await {
                 let now = Instant::now();
-                let live: FxHashMap<String, String> =
-                    workers.into_iter().filter(|w| w.expires_at > now).map(|w| (w.record.worker_id, w.record.endpoint)).collect();
+                let live: FxHashMap<WorkerId, String> = workers
+                    .into_iter()
+                    .filter(|w| w.expires_at > now)
+                    .map(|w| (w.record.worker_id, w.record.endpoint))
+                    .collect();
                 // A Redis that restarted empty lists nobody until the
                 // workers' next renewal: no worker leaves meanwhile.
                 if restart.lenient(&registry).await {
@@ -118,7 +203,7 @@ fn sweep_expired(
                 } else {
                     for (worker_id, blocks) in unregistered.sweep(&index, |id| live.contains_key(id), now) {
                         counters.workers_expired.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(worker = worker_id, blocks, "worker's registry lease expired; its blocks left the KV index");
+                        tracing::info!(worker = %worker_id, blocks, "worker's registry lease expired; its blocks left the KV index");
                     }
                 }
                 *endpoints.write() = live;
@@ -142,7 +227,7 @@ fn write_snapshots(
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let mut last_written = None;
+        let mut last_written: Option<LogPosition> = None;
         loop {
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
@@ -151,30 +236,25 @@ fn write_snapshots(
             // The position first: the dumps taken after it reflect at least
             // that much of the log.
             let position = status.position();
-            if !status.reachable() || position == "0-0" || last_written.as_ref() == Some(&position) {
+            if !status.reachable() || position.is_start() || last_written == Some(position) {
                 continue;
             }
             let started = Instant::now();
-            match log.save_snapshot(index.clone(), position.clone(), status.stale_workers()).await {
+            match log
+                .save_snapshot(index.clone(), position, status.stale_workers())
+                .await
+            {
                 Ok(Some(bytes)) => {
                     counters.snapshots_written.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(position, bytes, took_ms = started.elapsed().as_millis() as u64, "KV index snapshot written");
+                    tracing::debug!(%position, bytes, took_ms = started.elapsed().as_millis() as u64, "KV index snapshot written");
                     last_written = Some(position);
                 }
                 Ok(None) => {
-                    tracing::debug!(position, "a newer KV index snapshot is already stored");
+                    tracing::debug!(%position, "a newer KV index snapshot is already stored");
                     last_written = Some(position);
                 }
                 Err(error) => tracing::warn!(%error, "could not write the KV index snapshot"),
             }
         }
-    })
-}
-
-/// Entry point shared by `turbine-kv-index` and `turbine kv-index`.
-pub fn main(args: crate::KvIndexArgs) -> std::process::ExitCode {
-    turbine_runtime::run_service("turbine-kv-index", move |shutdown| async move {
-        let config = args.load()?;
-        run(config, shutdown).await
     })
 }

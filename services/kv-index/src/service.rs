@@ -1,46 +1,31 @@
-//! The `turbine.kvindex.v1.KvIndex` gRPC shell over one index replica.
+//! The `turbine.kvindex.v1.KvIndex` gRPC shell over one replica: the wire
+//! is converted at the edge and the calls go to the same
+//! [`LocalKvIndex`] an in-process client calls.
 
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
-use turbine_kv::{BlockHasher, KvIndex, SequenceHash, Tier};
-use turbine_kv_log::convert::{batch_from_proto, dump_to_proto};
-use turbine_kv_log::{EventLog, FollowerStatus};
+use turbine_kv::{BlockHasher, EventBatch, SequenceHash, WorkerId};
 use turbine_proto::kvindex::v1 as pb;
 use turbine_proto::kvindex::v1::kv_index_server::KvIndex as KvIndexRpc;
 
-/// Batches accepted by one PublishEvents call.
-pub const MAX_PUBLISH_BATCHES: usize = 1024;
+use crate::api::{KvIndexApi, MatchAnswer, MatchQuery, match_to_wire};
+use crate::local::{LocalKvIndex, MAX_PUBLISH_BATCHES};
+
 /// Largest block size FindMatches hashes tokens in.
 pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
 
-/// What this replica did besides following the log (reported by Stats).
-#[derive(Debug, Default)]
-pub struct ReplicaCounters {
-    /// Workers dropped because their registry lease expired.
-    pub workers_expired: AtomicU64,
-    /// Snapshots written to Redis.
-    pub snapshots_written: AtomicU64,
-    /// The position of the snapshot this replica started from ("" if none).
-    pub started_from_snapshot: parking_lot::Mutex<String>,
-}
-
 /// The gRPC service of one replica.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct KvIndexService {
-    index: Arc<KvIndex>,
-    log: EventLog,
-    status: Arc<FollowerStatus>,
-    counters: Arc<ReplicaCounters>,
+    replica: LocalKvIndex,
 }
 
 impl KvIndexService {
-    /// Serves `index`, publishing to `log`; `status` is the follower's.
-    pub fn new(index: Arc<KvIndex>, log: EventLog, status: Arc<FollowerStatus>, counters: Arc<ReplicaCounters>) -> Self {
-        Self { index, log, status, counters }
+    /// Serves `replica`.
+    pub fn new(replica: LocalKvIndex) -> Self {
+        Self { replica }
     }
 }
 
@@ -72,37 +57,57 @@ impl KvIndexRpc for KvIndexService {
         if batches.len() > MAX_PUBLISH_BATCHES {
             return Err(Status::invalid_argument(format!("at most {MAX_PUBLISH_BATCHES} batches per call, got {}", batches.len())));
         }
-        // All or nothing: validate every batch before appending any.
-        for (number, batch) in batches.iter().enumerate() {
-            batch_from_proto(batch.clone()).map_err(|error| Status::invalid_argument(format!("batch {number}: {error}")))?;
-        }
-        let mut entry_ids = Vec::with_capacity(batches.len());
-        for batch in &batches {
-            let id = self.log.publish(batch).await.map_err(|error| Status::unavailable(format!("the KV event log (Redis) is unreachable: {error}")))?;
-            entry_ids.push(id);
-        }
-        Ok(Response::new(pb::PublishEventsResponse { entry_ids }))
+        // All or nothing: every batch converts before any is appended.
+        let batches = batches
+            .into_iter()
+            .enumerate()
+            .map(|(number, batch)| {
+                EventBatch::try_from(batch)
+                    .map_err(|error| Status::invalid_argument(format!("batch {number}: {error}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let positions = self.replica.publish_events(batches).await?;
+        Ok(Response::new(pb::PublishEventsResponse {
+            entry_ids: positions.iter().map(ToString::to_string).collect(),
+        }))
     }
 
-    async fn find_matches(&self, request: Request<pb::FindMatchesRequest>) -> Result<Response<pb::FindMatchesResponse>, Status> {
-        let hashes = query_hashes(request.get_ref())?;
-        let found = self.index.find_matches(&hashes);
-        let mut matches: Vec<pb::WorkerMatch> = found
-            .iter()
-            .map(|m| pb::WorkerMatch {
-                worker_id: m.worker_id.to_string(),
-                matched_blocks: m.blocks,
-                device_blocks: m.in_tier(Tier::Device),
-                host_blocks: m.in_tier(Tier::Host),
-                disk_blocks: m.in_tier(Tier::Disk),
-                remote_blocks: m.in_tier(Tier::Remote),
-            })
-            .collect();
-        matches.sort_by(|a, b| b.matched_blocks.cmp(&a.matched_blocks).then_with(|| a.worker_id.cmp(&b.worker_id)));
-        let names = &request.get_ref().cached_blocks_of;
-        let sizes = self.index.cached_blocks_of(names.iter().map(String::as_str));
-        let cached_blocks = names.iter().cloned().zip(sizes.into_iter().map(|n| n as u64)).collect();
-        Ok(Response::new(pb::FindMatchesResponse { query_blocks: hashes.len() as u32, matches, log_reachable: self.status.reachable(), cached_blocks }))
+    async fn find_matches(
+        &self,
+        request: Request<pb::FindMatchesRequest>,
+    ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+        let request = request.into_inner();
+        let query = MatchQuery {
+            hashes: query_hashes(&request)?,
+            cached_blocks_of: request
+                .cached_blocks_of
+                .into_iter()
+                .map(WorkerId::from)
+                .collect(),
+        };
+        let MatchAnswer {
+            query_blocks,
+            mut matches,
+            cached_blocks,
+            log_reachable,
+        } = self.replica.find_matches(&query).await?;
+        // Deepest first, for people reading the answer.
+        matches.sort_by(|a, b| {
+            b.blocks
+                .cmp(&a.blocks)
+                .then_with(|| a.worker_id.cmp(&b.worker_id))
+        });
+        Ok(Response::new(pb::FindMatchesResponse {
+            query_blocks,
+            matches: matches.into_iter().map(match_to_wire).collect(),
+            log_reachable,
+            cached_blocks: query
+                .cached_blocks_of
+                .iter()
+                .map(ToString::to_string)
+                .zip(cached_blocks.into_iter().map(|blocks| blocks as u64))
+                .collect(),
+        }))
     }
 
     type DumpStream = DumpStream;
@@ -110,46 +115,43 @@ impl KvIndexRpc for KvIndexService {
     async fn dump(&self, request: Request<pb::DumpRequest>) -> Result<Response<DumpStream>, Status> {
         let worker_id = request.into_inner().worker_id;
         let ids = if worker_id.is_empty() {
-            self.index.worker_ids()
-        } else if self.index.has_worker(&worker_id) {
-            vec![worker_id]
+            self.replica.index().worker_ids()
+        } else if self.replica.index().has_worker(&worker_id) {
+            vec![WorkerId::from(worker_id)]
         } else {
             return Err(Status::not_found(format!("worker {worker_id:?} has no view in this index")));
         };
         // One worker at a time, so a big index is never copied whole.
-        let index = self.index.clone();
-        let dumps = tokio_stream::iter(ids).filter_map(move |id| index.dump(&id).map(|(instance, dump)| Ok(dump_to_proto(&id, instance, &dump))));
+        let replica = self.replica.clone();
+        let dumps = tokio_stream::iter(ids).filter_map(move |id| {
+            replica
+                .dump_of(&id)
+                .map(|dump| Ok(pb::WorkerDump::from(&dump)))
+        });
         Ok(Response::new(Box::pin(dumps)))
     }
 
-    async fn remove_worker(&self, request: Request<pb::RemoveWorkerRequest>) -> Result<Response<pb::RemoveWorkerResponse>, Status> {
-        let worker_id = request.into_inner().worker_id;
-        if worker_id.is_empty() {
-            return Err(Status::invalid_argument("worker_id is required"));
-        }
-        let blocks = self.index.cached_blocks(&worker_id) as u64;
-        let removed = self.index.remove_worker(&worker_id);
-        if removed {
-            tracing::info!(worker = worker_id, blocks, "worker removed from the KV index on request");
-        }
-        Ok(Response::new(pb::RemoveWorkerResponse { removed, blocks: if removed { blocks } else { 0 } }))
+    async fn remove_worker(
+        &self,
+        request: Request<pb::RemoveWorkerRequest>,
+    ) -> Result<Response<pb::RemoveWorkerResponse>, Status> {
+        let removed = self
+            .replica
+            .remove_worker(WorkerId::from(request.into_inner().worker_id))
+            .await?;
+        Ok(Response::new(pb::RemoveWorkerResponse {
+            removed: removed.is_some(),
+            blocks: removed.unwrap_or(0),
+        }))
     }
 
-    async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
-        let stats = self.index.stats();
-        Ok(Response::new(pb::StatsResponse {
-            workers: stats.workers as u64,
-            blocks: stats.nodes as u64,
-            entries: stats.entries as u64,
-            events_applied: self.status.events_applied(),
-            batches_read: self.status.batches(),
-            resyncs: self.status.resyncs(),
-            log_reachable: self.status.reachable(),
-            log_position: self.status.position(),
-            workers_expired: self.counters.workers_expired.load(Ordering::Relaxed),
-            snapshots_written: self.counters.snapshots_written.load(Ordering::Relaxed),
-            started_from_snapshot: self.counters.started_from_snapshot.lock().clone(),
-        }))
+    async fn stats(
+        &self,
+        _request: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        Ok(Response::new(pb::StatsResponse::from(
+            self.replica.stats().await?,
+        )))
     }
 }
 

@@ -1,15 +1,17 @@
-//! One client for the router, in-process or over gRPC.
+//! [`RouterClient`]: one client for the router, in this process or over
+//! gRPC.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use tonic::Code;
+use turbine_proto::MessageLimits;
 use turbine_proto::router::v1 as pb;
-use turbine_proto::router::v1::router_client::RouterClient as GrpcRouterClient;
-use turbine_registry::WorkerLoad;
-use turbine_runtime::grpc::{TracedChannel, traced_channel};
+use turbine_proto::router::v1::router_client::RouterClient as PbRouterClient;
+use turbine_runtime::grpc::TracedChannel;
 
 use crate::router::{RouteError, RouteRequest, Routed, RoutedWorker, Router};
-use crate::service::{ERROR_KIND_KEY, NO_WORKERS, kv_overrides_to_proto, policy_to_proto};
+use crate::service::{ERROR_KIND_KEY, NO_WORKERS};
 
 /// Why a router call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -49,95 +51,191 @@ impl From<tonic::Status> for RouterCallError {
     }
 }
 
-/// The router, in this process or behind gRPC.
-#[derive(Debug, Clone)]
-pub enum RouterClient {
-    /// In this process.
-    Local(Arc<Router>),
-    /// Behind gRPC.
-    Remote(GrpcRouterClient<TracedChannel>),
+impl From<turbine_proto::ConversionError> for RouterCallError {
+    fn from(error: turbine_proto::ConversionError) -> Self {
+        RouterCallError::Unavailable(format!("the router's answer: {error}"))
+    }
 }
 
-fn worker_from_proto(worker: pb::WorkerInfo) -> RoutedWorker {
-    let role = crate::service::role_from_proto(worker.role());
-    let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight, role: _ } = worker;
-    let load = load.unwrap_or_default();
-    RoutedWorker {
-        worker_id,
-        endpoint,
-        model,
-        load: WorkerLoad { running: load.running, waiting: load.waiting, blocks_used: load.blocks_used, blocks_total: load.blocks_total },
-        in_flight,
-        role,
+/// What the router does for its callers: [`Router`] itself in this
+/// process, [`GrpcRouter`] over the wire, or a test double.
+#[tonic::async_trait]
+pub trait RouterApi: Send + Sync + 'static {
+    /// Chooses a worker and books the request.
+    async fn route(&self, request: RouteRequest) -> Result<Routed, RouterCallError>;
+
+    /// The request's first token came: its prefill is done.
+    async fn prefill_done(&self, request_id: String) -> Result<bool, RouterCallError>;
+
+    /// Releases the request's booking.
+    async fn finished(&self, request_id: String) -> Result<bool, RouterCallError>;
+
+    /// Live workers, optionally of one model.
+    async fn workers(&self, model: Option<String>) -> Result<Vec<RoutedWorker>, RouterCallError>;
+}
+
+#[tonic::async_trait]
+impl RouterApi for Router {
+    async fn route(&self, request: RouteRequest) -> Result<Routed, RouterCallError> {
+        let started = Instant::now();
+        let result = Router::route(self, &request).await;
+        let outcome = result
+            .as_ref()
+            .map_or_else(RouteError::outcome, |_| "routed");
+        crate::metrics::decision(
+            request.policy.unwrap_or(self.policy()),
+            outcome,
+            started.elapsed(),
+        );
+        Ok(result?)
+    }
+
+    async fn prefill_done(&self, request_id: String) -> Result<bool, RouterCallError> {
+        Ok(Router::prefill_done(self, &request_id))
+    }
+
+    async fn finished(&self, request_id: String) -> Result<bool, RouterCallError> {
+        Ok(Router::finished(self, &request_id))
+    }
+
+    async fn workers(&self, model: Option<String>) -> Result<Vec<RoutedWorker>, RouterCallError> {
+        Ok(Router::workers(self, model.as_deref()))
+    }
+}
+
+/// The router, in this process or behind gRPC; cheap to clone.
+#[derive(Clone)]
+pub struct RouterClient {
+    inner: Arc<dyn RouterApi>,
+}
+
+impl std::fmt::Debug for RouterClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouterClient").finish_non_exhaustive()
     }
 }
 
 impl RouterClient {
-    /// A lazily connecting client for the router at `endpoint`.
+    /// A client for `router`, called directly.
+    pub fn new(router: Arc<dyn RouterApi>) -> Self {
+        Self { inner: router }
+    }
+
+    /// The router at `endpoint`, over the process's shared channel to it
+    /// (connected on first use).
     pub fn connect(endpoint: &str) -> Result<Self, RouterCallError> {
-        let channel = traced_channel(endpoint).map_err(|error| RouterCallError::Unavailable(format!("bad router endpoint {endpoint:?}: {error}")))?;
-        Ok(RouterClient::Remote(GrpcRouterClient::new(channel)))
+        let channel = turbine_runtime::grpc::channel(endpoint).map_err(|error| {
+            RouterCallError::Unavailable(format!("bad router endpoint {endpoint:?}: {error}"))
+        })?;
+        Ok(Self::new(Arc::new(GrpcRouter {
+            client: PbRouterClient::new(channel).with_message_limits(),
+        })))
     }
 
     /// Chooses a worker and books the request.
     pub async fn route(&self, request: &RouteRequest) -> Result<Routed, RouterCallError> {
-        match self {
-            RouterClient::Local(router) => Ok(router.route_async(request).await?),
-            RouterClient::Remote(client) => {
-                let message = pb::RouteRequest {
-                    request_id: request.request_id.clone(),
-                    model: request.model.clone(),
-                    prompt_tokens: request.prompt_tokens,
-                    policy: policy_to_proto(request.policy) as i32,
-                    exclude_worker_ids: request.exclude_worker_ids.clone(),
-                    token_ids: request.token_ids.to_vec(),
-                    kv_weights: request.kv.map(kv_overrides_to_proto),
-                };
-                let response = client.clone().route(message).await?.into_inner();
-                let pb::RouteResponse { worker, in_flight, prompt_blocks, overlap_blocks, prefill_worker } = response;
-                let worker = worker.map(worker_from_proto).ok_or_else(|| RouterCallError::Unavailable("router returned no worker".into()))?;
-                Ok(Routed { worker, in_flight, prompt_blocks, overlap_blocks, prefill: prefill_worker.map(worker_from_proto) })
-            }
-        }
+        self.inner.route(request.clone()).await
     }
 
     /// Tells the router a request's first token came.
     pub async fn prefill_done(&self, request_id: &str) -> Result<(), RouterCallError> {
-        match self {
-            RouterClient::Local(router) => {
-                router.prefill_done(request_id);
-                Ok(())
-            }
-            RouterClient::Remote(client) => {
-                client.clone().prefill_done(pb::PrefillDoneRequest { request_id: request_id.to_owned() }).await?;
-                Ok(())
-            }
-        }
+        self.inner
+            .prefill_done(request_id.to_owned())
+            .await
+            .map(drop)
     }
 
     /// Releases a booking.
     pub async fn finished(&self, request_id: &str) -> Result<(), RouterCallError> {
-        match self {
-            RouterClient::Local(router) => {
-                router.finished(request_id);
-                Ok(())
-            }
-            RouterClient::Remote(client) => {
-                client.clone().request_finished(pb::RequestFinishedRequest { request_id: request_id.to_owned() }).await?;
-                Ok(())
-            }
-        }
+        self.inner.finished(request_id.to_owned()).await.map(drop)
     }
 
     /// Live workers, optionally of one model.
     pub async fn workers(&self, model: Option<&str>) -> Result<Vec<RoutedWorker>, RouterCallError> {
-        match self {
-            RouterClient::Local(router) => Ok(router.workers(model)),
-            RouterClient::Remote(client) => {
-                let request = pb::ListWorkersRequest { model: model.unwrap_or_default().to_owned() };
-                let workers = client.clone().list_workers(request).await?.into_inner().workers;
-                Ok(workers.into_iter().map(worker_from_proto).collect())
+        self.inner.workers(model.map(str::to_owned)).await
+    }
+
+    /// [`prefill_done`](Self::prefill_done) without waiting for it; a lost
+    /// notice leaves the booking's prefill part until the request ends.
+    pub fn prefill_done_in_background(&self, request_id: &str) {
+        let (client, request_id) = (self.clone(), request_id.to_owned());
+        spawn(async move {
+            if let Err(error) = client.prefill_done(&request_id).await {
+                tracing::debug!(%error, request_id, "prefill-done notice failed; the booking keeps its prefill until it ends");
             }
-        }
+        });
+    }
+
+    /// [`finished`](Self::finished) without waiting for it; a lost release
+    /// is expired by the router after its booking TTL.
+    pub fn finished_in_background(&self, request_id: &str) {
+        let (client, request_id) = (self.clone(), request_id.to_owned());
+        spawn(async move {
+            if let Err(error) = client.finished(&request_id).await {
+                tracing::debug!(%error, request_id, "booking release failed; the router will expire it");
+            }
+        });
+    }
+}
+
+/// Runs `task` on the current runtime, if there is one.
+fn spawn(task: impl Future<Output = ()> + Send + 'static) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(task);
+    }
+}
+
+/// [`RouterApi`] over gRPC.
+#[derive(Debug, Clone)]
+pub struct GrpcRouter {
+    client: PbRouterClient<TracedChannel>,
+}
+
+#[tonic::async_trait]
+impl RouterApi for GrpcRouter {
+    async fn route(&self, request: RouteRequest) -> Result<Routed, RouterCallError> {
+        Ok(Routed::try_from(
+            self.client
+                .clone()
+                .route(pb::RouteRequest::from(request))
+                .await?
+                .into_inner(),
+        )?)
+    }
+
+    async fn prefill_done(&self, request_id: String) -> Result<bool, RouterCallError> {
+        Ok(self
+            .client
+            .clone()
+            .prefill_done(pb::PrefillDoneRequest { request_id })
+            .await?
+            .into_inner()
+            .found)
+    }
+
+    async fn finished(&self, request_id: String) -> Result<bool, RouterCallError> {
+        Ok(self
+            .client
+            .clone()
+            .request_finished(pb::RequestFinishedRequest { request_id })
+            .await?
+            .into_inner()
+            .released)
+    }
+
+    async fn workers(&self, model: Option<String>) -> Result<Vec<RoutedWorker>, RouterCallError> {
+        let workers = self
+            .client
+            .clone()
+            .list_workers(pb::ListWorkersRequest {
+                model: model.unwrap_or_default(),
+            })
+            .await?
+            .into_inner()
+            .workers;
+        Ok(workers
+            .into_iter()
+            .map(RoutedWorker::try_from)
+            .collect::<Result<_, _>>()?)
     }
 }

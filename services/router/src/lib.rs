@@ -2,14 +2,14 @@
 //!
 //! - [`Router`]: live workers mirrored from the registry, bookings
 //!   (booked at route, released at finish, dropped when stale), and the
-//!   decision; transport-free.
+//!   decision; no transport.
 //! - [`policy`]: round-robin, random, least-loaded.
-//! - [`kv`]: KV-aware routing: the cost function over the KV index, and
-//!   approximate mode.
-//! - [`RouterService`]: the `turbine.router.v1.Router` gRPC shell.
-//! - [`RouterClient`]: in-process or gRPC, one type.
+//! - [`kv`]: KV-aware routing: the cost function, the `[kv]` section, and
+//!   where matches come from (a `KvIndexClient`).
+//! - [`RouterClient`]: in this process or over gRPC, one type;
+//!   [`RouterService`]: the `turbine.router.v1.Router` gRPC shell.
 //! - [`peers`]: load booked by the other router replicas, through Redis.
-//! - [`serve`]: the process and the registry watch.
+//! - [`serve()`]: the router on the service host, and the registry watch.
 
 pub mod client;
 pub mod config;
@@ -21,9 +21,12 @@ pub mod router;
 pub mod serve;
 pub mod service;
 
-pub use client::{RouterCallError, RouterClient};
-pub use config::{RouterArgs, RouterConfig};
+pub use client::{GrpcRouter, RouterApi, RouterCallError, RouterClient};
+pub use config::{RouterConfig, RoutingConfig};
+pub use kv::{KvConfig, KvOverrides, KvState, KvTuning, KvWeights};
 pub use policy::Policy;
-pub use kv::{KvConfig, KvOverrides, KvState, KvWeights};
-pub use router::{DisaggPolicy, RouteError, RouteRequest, Routed, RoutedWorker, Router, WorkerBook};
+pub use router::{
+    DisaggPolicy, RouteError, RouteRequest, Routed, RoutedWorker, Router, WorkerBook,
+};
+pub use serve::{IndexSource, RouterDeps, main, serve, start};
 pub use service::RouterService;

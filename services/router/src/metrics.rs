@@ -6,7 +6,7 @@ use std::time::Duration;
 use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
 use turbine_runtime::metrics::{counter, gauge, histogram};
 
-use crate::router::{RouteError, RoutedWorker};
+use crate::policy::Policy;
 
 static DECISIONS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_router_decisions_total", "Routing decisions by policy and outcome", &["policy", "outcome"]));
@@ -51,23 +51,20 @@ pub(crate) fn kv_overlap(overlap_blocks: u32, prompt_blocks: u32) {
     KV_BLOCKS.with_label_values(&["false"]).inc_by(prompt_blocks.saturating_sub(overlap_blocks).into());
 }
 
-pub(crate) fn decision(policy: crate::Policy, result: &Result<crate::router::Routed, RouteError>, elapsed: Duration) {
-    let outcome = match result {
-        Ok(_) => "routed",
-        Err(RouteError::NoWorkers(_)) => "no_workers",
-        Err(RouteError::InvalidRequest(_)) => "invalid",
-    };
+/// Counts and times one decision; `outcome` is `routed` or the error's.
+pub(crate) fn decision(policy: Policy, outcome: &str, elapsed: Duration) {
     DECISIONS.with_label_values(&[policy.name(), outcome]).inc();
     DECISION_SECONDS.with_label_values(&[policy.name()]).observe(elapsed.as_secs_f64());
 }
 
-/// Publishes the live worker set (called after each registry poll).
-pub(crate) fn workers(workers: &[RoutedWorker]) {
+/// Publishes the live worker set, `(model, worker, in flight)` each
+/// (called after each registry poll).
+pub(crate) fn workers<'a>(workers: impl IntoIterator<Item = (&'a str, &'a str, u32)>) {
     WORKERS.reset();
     IN_FLIGHT.reset();
-    for worker in workers {
-        WORKERS.with_label_values(&[worker.model.as_str()]).inc();
-        IN_FLIGHT.with_label_values(&[worker.worker_id.as_str()]).set(worker.in_flight.into());
+    for (model, worker, in_flight) in workers {
+        WORKERS.with_label_values(&[model]).inc();
+        IN_FLIGHT.with_label_values(&[worker]).set(in_flight.into());
     }
 }
 

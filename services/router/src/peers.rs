@@ -13,6 +13,7 @@ use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, RedisResult};
 use rustc_hash::FxHashMap;
 use tokio::task::JoinHandle;
+use turbine_kv::WorkerId;
 use turbine_runtime::CancellationToken;
 
 use crate::router::{Router, WorkerBook};
@@ -56,7 +57,10 @@ impl PeerLoad {
     }
 
     /// Publishes `own` and returns the sum of the other live replicas'.
-    pub async fn exchange(&self, own: &FxHashMap<String, WorkerBook>) -> RedisResult<FxHashMap<String, WorkerBook>> {
+    pub async fn exchange(
+        &self,
+        own: &FxHashMap<WorkerId, WorkerBook>,
+    ) -> RedisResult<FxHashMap<WorkerId, WorkerBook>> {
         let mut connection = self.connection.clone();
         let ttl_ms = EXPIRY.as_millis() as u64;
         let (ids,): (Vec<String>,) = redis::pipe()
@@ -72,7 +76,7 @@ impl PeerLoad {
             .query_async(&mut connection)
             .await?;
         let others: Vec<&String> = ids.iter().filter(|id| **id != self.router_id).collect();
-        let mut total: FxHashMap<String, WorkerBook> = FxHashMap::default();
+        let mut total: FxHashMap<WorkerId, WorkerBook> = FxHashMap::default();
         if others.is_empty() {
             return Ok(total);
         }
@@ -97,15 +101,27 @@ impl PeerLoad {
 }
 
 /// `worker in_flight prefill decode` lines.
-fn encode(books: &FxHashMap<String, WorkerBook>) -> String {
-    books.iter().map(|(worker, b)| format!("{worker}\t{}\t{}\t{}\n", b.in_flight, b.prefill_blocks, b.decode_blocks)).collect()
+fn encode(books: &FxHashMap<WorkerId, WorkerBook>) -> String {
+    books
+        .iter()
+        .map(|(worker, b)| {
+            format!(
+                "{worker}\t{}\t{}\t{}\n",
+                b.in_flight, b.prefill_blocks, b.decode_blocks
+            )
+        })
+        .collect()
 }
 
-fn decode(text: &str) -> impl Iterator<Item = (String, WorkerBook)> + '_ {
+fn decode(text: &str) -> impl Iterator<Item = (WorkerId, WorkerBook)> + '_ {
     text.lines().filter_map(|line| {
         let mut fields = line.split('\t');
-        let worker = fields.next()?.to_owned();
-        let book = WorkerBook { in_flight: fields.next()?.parse().ok()?, prefill_blocks: fields.next()?.parse().ok()?, decode_blocks: fields.next()?.parse().ok()? };
+        let worker = WorkerId::from(fields.next()?);
+        let book = WorkerBook {
+            in_flight: fields.next()?.parse().ok()?,
+            prefill_blocks: fields.next()?.parse().ok()?,
+            decode_blocks: fields.next()?.parse().ok()?,
+        };
         Some((worker, book))
     })
 }
@@ -148,9 +164,23 @@ mod tests {
     #[test]
     fn books_round_trip_through_the_text_form() {
         let mut books = FxHashMap::default();
-        books.insert("w-1".to_owned(), WorkerBook { in_flight: 3, prefill_blocks: 40, decode_blocks: 900 });
-        books.insert("w-2".to_owned(), WorkerBook { in_flight: 1, prefill_blocks: 0, decode_blocks: 12 });
-        let decoded: FxHashMap<String, WorkerBook> = decode(&encode(&books)).collect();
+        books.insert(
+            WorkerId::from("w-1"),
+            WorkerBook {
+                in_flight: 3,
+                prefill_blocks: 40,
+                decode_blocks: 900,
+            },
+        );
+        books.insert(
+            WorkerId::from("w-2"),
+            WorkerBook {
+                in_flight: 1,
+                prefill_blocks: 0,
+                decode_blocks: 12,
+            },
+        );
+        let decoded: FxHashMap<WorkerId, WorkerBook> = decode(&encode(&books)).collect();
         assert_eq!(decoded, books);
         assert_eq!(decode("garbage\nw\t1\t2\n").count(), 0, "malformed lines are skipped");
     }

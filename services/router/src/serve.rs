@@ -1,30 +1,153 @@
-//! Running a router process, and the registry watch shared with embedded
-//! mode.
+//! Serving a router, and the registry watch.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tokio::net::TcpListener;
+use rustc_hash::FxHashSet;
 use tokio::task::JoinHandle;
+use turbine_kv::{KvIndex, Unregistered, WorkerId};
+use turbine_kv_index::KvIndexClient;
+use turbine_kv_log::{EventLog, FollowerStatus, dump_fetcher, follow_from, start_from_snapshot};
 use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
 use turbine_proto::service_names;
-use rustc_hash::FxHashSet;
-use turbine_kv::{KvIndex, Unregistered};
-use turbine_kv_log::{DumpFetcher, EventLog, FollowerStatus, follow_from, grpc_dump_fetcher};
 use turbine_registry::{RedisRegistry, Registry, RestartGrace};
-use turbine_runtime::grpc::{base_routes, serve as serve_grpc};
-use turbine_runtime::health::Readiness;
-use turbine_runtime::{CancellationToken, admin};
+use turbine_runtime::CancellationToken;
+use turbine_runtime::host::{Host, HostSpec, Listeners, Running};
+use turbine_worker_api::WorkerClients;
 
 use crate::config::RouterConfig;
-use crate::kv::{KvState, RemoteIndex};
+use crate::kv::KvState;
 use crate::peers::{PeerLoad, share_load};
 use crate::router::Router;
 use crate::service::RouterService;
 
 /// A worker in the KV index but not in the registry is dropped after this.
 const UNREGISTERED_GRACE: Duration = Duration::from_secs(5);
+
+/// Where a router's `kv` decisions look blocks up.
+#[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant, reason = "one value per process, built at startup")]
+pub enum IndexSource {
+    /// A replica of its own, following the namespace's event log.
+    Log(EventLog),
+    /// An index fed by the workers of this process (the embedded cluster).
+    Shared(Arc<KvIndex>),
+    /// A kv-index service.
+    Service(KvIndexClient),
+    /// Its own decisions (approximate mode, engines without KV events).
+    Approximate,
+}
+
+/// What a router needs besides its configuration.
+#[derive(Debug, Clone)]
+pub struct RouterDeps {
+    /// The worker registry.
+    pub registry: Registry,
+    /// Where `kv` decisions look blocks up.
+    pub index: IndexSource,
+    /// The load the other router replicas booked (none: this one is alone).
+    pub peers: Option<PeerLoad>,
+    /// How to reach workers for their dumps.
+    pub workers: WorkerClients,
+}
+
+impl RouterDeps {
+    /// A standalone router's: the registry, the event log or kv-index, and
+    /// the load exchange, all through Redis.
+    pub fn from_config(config: &RouterConfig) -> anyhow::Result<Self> {
+        let redis = config.cluster.redis.as_deref().context(
+            "turbine-router needs the worker registry: pass --redis redis://HOST:PORT/ (or run everything in one process with `turbine run`)",
+        )?;
+        let namespace = &config.cluster.namespace;
+        let kv = &config.routing.kv;
+        let index = match &kv.index {
+            Some(endpoint) => IndexSource::Service(KvIndexClient::connect(endpoint)?),
+            None if kv.approximate => IndexSource::Approximate,
+            None => IndexSource::Log(EventLog::new(redis, namespace).context("bad Redis URL for the KV event log")?),
+        };
+        let router_id = format!("{:016x}", rand::random::<u64>());
+        Ok(Self {
+            registry: Registry::Redis(RedisRegistry::new(redis, namespace)?),
+            index,
+            peers: Some(PeerLoad::new(redis, namespace, &router_id).context("bad Redis URL for sharing load")?),
+            workers: WorkerClients::default(),
+        })
+    }
+}
+
+const SPEC: HostSpec =
+    HostSpec { name: "router", health: &[service_names::ROUTER], descriptors: &[FILE_DESCRIPTOR_SET], handler_timeout: Duration::from_secs(30) };
+
+/// Serves a router on `listeners` until `shutdown` fires, then drains.
+pub async fn serve(config: RouterConfig, deps: RouterDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+    start(config, deps, listeners, shutdown).await?.finished().await
+}
+
+/// [`serve`] in the background; the router itself is handed out for
+/// callers in this process.
+pub async fn start(
+    config: RouterConfig,
+    deps: RouterDeps,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Running<Arc<Router>>> {
+    let RouterDeps { registry, index, peers, workers } = deps;
+    let kv_config = config.routing.kv.clone();
+    let (kv, log) = match index {
+        IndexSource::Service(client) => (KvState::remote(kv_config, client), None),
+        IndexSource::Shared(index) => (KvState::local(kv_config, index, None), None),
+        IndexSource::Approximate => (KvState::local(kv_config, Arc::new(KvIndex::new()), None), None),
+        IndexSource::Log(log) => {
+            let (index, status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
+            (KvState::local(kv_config, index.clone(), Some(status.clone())), Some((log, index, status)))
+        }
+    };
+    let router = Arc::new(
+        Router::with_kv(config.routing.policy, Duration::from_secs_f64(config.booking_ttl_secs), Arc::new(kv)).with_disagg(config.routing.disagg()),
+    );
+    // Know the workers (and their endpoints, for dumps) before following.
+    if let Ok(listed) = registry.list().await {
+        router.update_workers(listed);
+    }
+    let mut tasks = Vec::new();
+    if let Some((log, index, status)) = log {
+        let start = start_from_snapshot(&log, &index).await;
+        tasks.push(turbine_kv_log::export_metrics("router", index.clone(), status.clone(), shutdown.clone()));
+        let endpoints = router.clone();
+        let fetch =
+            dump_fetcher(workers, move |worker_id| endpoints.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint));
+        tasks.push(follow_from(index, &log, start, fetch, status, shutdown.clone()));
+    }
+    tasks.push(watch_registry(router.clone(), registry.clone(), Duration::from_millis(config.poll_interval_ms), shutdown.clone()));
+    if let Some(peers) = peers {
+        // Other replicas' bookings count in this one's decisions.
+        tasks.push(share_load(router.clone(), peers, shutdown.clone()));
+    }
+    let mut host = Host::new(SPEC, &config.server, listeners).await?;
+    host.add_service(RouterServer::new(RouterService::new(router.clone())));
+    let mut serving = host.start(shutdown)?;
+    for task in tasks {
+        serving.spawn(task);
+    }
+    serving
+        .ready_when(Duration::from_secs(1), move || {
+            let registry = registry.clone();
+            async move { registry.ping().await.is_ok() }
+        })
+        .await;
+    tracing::info!(policy = config.routing.policy.name(), "router ready");
+    Ok(Running::spawn(router, serving.until_shutdown(async {})))
+}
+
+/// Entry point shared by `turbine-router` and `turbine router`.
+pub fn main(config: RouterConfig) -> std::process::ExitCode {
+    turbine_runtime::run_service("turbine-router", move |shutdown| async move {
+        let deps = RouterDeps::from_config(&config)?;
+        let listeners = Listeners::bind(&config.server).await?;
+        serve(config, deps, listeners, shutdown).await
+    })
+}
 
 /// Mirrors the registry into `router` every `interval` until `shutdown`:
 /// joins and departures, lease deadlines, stale bookings. While the
@@ -48,14 +171,14 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
                         router.merge_workers(workers);
                         unregistered.reset();
                     } else {
-                        let live: FxHashSet<String> = workers.iter().map(|w| w.record.worker_id.clone()).collect();
+                        let live: FxHashSet<WorkerId> = workers.iter().map(|w| w.record.worker_id.clone()).collect();
                         router.update_workers(workers);
                         // Views of workers the registry does not list (gone
                         // before this router replayed their events) leave the
                         // index after a grace.
-                        if let Some(kv) = router.kv() {
-                            for (worker_id, blocks) in unregistered.sweep(kv.index(), |id| live.contains(id), Instant::now()) {
-                                tracing::info!(worker = worker_id, blocks, "unregistered worker dropped from the KV index");
+                        if let Some(replica) = router.kv().and_then(|kv| kv.replica()) {
+                            for (worker_id, blocks) in unregistered.sweep(replica, |id| live.contains(id), Instant::now()) {
+                                tracing::info!(worker = %worker_id, blocks, "unregistered worker dropped from the KV index");
                             }
                         }
                     }
@@ -69,95 +192,12 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
                 }
             }
             router.expire(Instant::now());
-            crate::metrics::workers(&router.workers(None));
+            let workers = router.workers(None);
+            crate::metrics::workers(workers.iter().map(|w| (w.model.as_str(), w.worker_id.as_str(), w.in_flight)));
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
                 () = shutdown.cancelled() => return,
             }
         }
-    })
-}
-
-/// Runs a router process until `shutdown` fires, then drains and returns.
-pub async fn run(config: RouterConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let redis = config.redis.as_deref().context(
-        "turbine-router needs the worker registry: pass --redis redis://HOST:PORT/ (or run everything in one process with `turbine run`)",
-    )?;
-    let registry = Registry::Redis(RedisRegistry::new(redis, &config.namespace)?);
-    let grpc_listener = TcpListener::bind(config.grpc_addr).await.with_context(|| format!("cannot bind gRPC on {}", config.grpc_addr))?;
-    let admin_listener = TcpListener::bind(config.admin_addr).await.with_context(|| format!("cannot bind admin on {}", config.admin_addr))?;
-    let grpc_addr = grpc_listener.local_addr()?;
-    let admin_addr = admin_listener.local_addr()?;
-
-    let mut kv = KvState::new(config.kv(), Arc::new(KvIndex::new()));
-    if let Some(endpoint) = &config.kv_index {
-        kv = kv.with_remote(RemoteIndex::connect(endpoint, Duration::from_millis(config.kv_index_timeout_ms)).map_err(anyhow::Error::msg)?);
-    }
-    // Exact mode without a kv-index: the router's own replica follows the
-    // workers' KV event log.
-    let events = (!config.kv().approximate && config.kv_index.is_none()).then(|| Arc::new(FollowerStatus::default()));
-    if let Some(status) = &events {
-        kv = kv.with_event_status(status.clone());
-    }
-    let kv = Arc::new(kv);
-    let router = Arc::new(Router::with_kv(config.policy, Duration::from_secs_f64(config.booking_ttl_secs), kv.clone()).with_disagg(config.disagg()));
-    // Know the workers (and their endpoints, for dumps) before following.
-    if let Ok(workers) = registry.list().await {
-        router.update_workers(workers);
-    }
-    let follower = match &events {
-        Some(status) => {
-            let log = EventLog::new(redis, &config.namespace).context("bad Redis URL for the KV event log")?;
-            let start = turbine_kv_log::start_from_snapshot(&log, kv.index()).await;
-            let metrics = turbine_kv_log::export_metrics("router", kv.index().clone(), status.clone(), shutdown.clone());
-            Some([metrics, follow_from(kv.index().clone(), &log, start, dump_fetcher(router.clone()), status.clone(), shutdown.clone())])
-        }
-        None => None,
-    };
-    let (readiness, health) = Readiness::new(&[service_names::ROUTER]).await;
-    let routes = base_routes(health, &[FILE_DESCRIPTOR_SET]).add_service(RouterServer::new(RouterService::new(router.clone())));
-    let grace = Duration::from_secs_f64(config.shutdown_grace_secs);
-    let grpc_task = tokio::spawn(serve_grpc(grpc_listener, routes, shutdown.clone(), grace));
-    let admin_stop = CancellationToken::new();
-    let admin_task = tokio::spawn(admin::serve(admin_listener, readiness.clone(), admin_stop.clone()));
-    let interval = Duration::from_millis(config.poll_interval_ms);
-    let watch = watch_registry(router.clone(), registry.clone(), interval, shutdown.clone());
-    // Other replicas' bookings count in this one's decisions.
-    let router_id = format!("{:016x}", rand::random::<u64>());
-    let peers = PeerLoad::new(redis, &config.namespace, &router_id).context("bad Redis URL for sharing load")?;
-    let sharing = share_load(router.clone(), peers, shutdown.clone());
-    readiness.watch_dependencies(Duration::from_secs(1), shutdown.clone(), move || {
-        let registry = registry.clone();
-        async move { registry.ping().await.is_ok() }
-    })
-    .await;
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, policy = config.policy.name(), "router listening");
-
-    shutdown.cancelled().await;
-    readiness.drain().await;
-    let served = grpc_task.await.context("gRPC server panicked")?;
-    let _ = watch.await;
-    let _ = sharing.await;
-    for task in follower.into_iter().flatten() {
-        let _ = task.await;
-    }
-    admin_stop.cancel();
-    let _ = admin_task.await;
-    served.context("gRPC server failed")?;
-    tracing::info!("router stopped");
-    Ok(())
-}
-
-/// Fetches a worker's KV cache dump over its gRPC endpoint (as the
-/// registry gives it) for the event-log follower.
-pub fn dump_fetcher(router: Arc<Router>) -> DumpFetcher {
-    grpc_dump_fetcher(move |worker_id| router.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint))
-}
-
-/// Entry point shared by `turbine-router` and `turbine router`.
-pub fn main(args: crate::RouterArgs) -> std::process::ExitCode {
-    turbine_runtime::run_service("turbine-router", move |shutdown| async move {
-        let config = args.load()?;
-        run(config, shutdown).await
     })
 }

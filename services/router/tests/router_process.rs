@@ -13,25 +13,32 @@ use tonic_health::pb::health_client::HealthClient;
 use turbine_proto::router::v1 as pb;
 use turbine_proto::router::v1::router_client::RouterClient;
 use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
-use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, free_port, metric, wait_until};
+use turbine_testkit::{
+    ChildProcess, RedisServer, STARTUP_TIMEOUT, ServiceProcess, metric, wait_until,
+};
 
 fn record(id: &str) -> WorkerRecord {
     WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default() }
 }
 
-fn start_router(redis: &RedisServer) -> (ChildProcess, String) {
-    let (process, endpoint, _) = start_router_with_admin(redis);
+async fn start_router(redis: &RedisServer) -> (ServiceProcess, String) {
+    let (process, endpoint, _) = start_router_with_admin(redis).await;
     (process, endpoint)
 }
 
 /// Also returns the admin base URL (for /metrics).
-fn start_router_with_admin(redis: &RedisServer) -> (ChildProcess, String, String) {
-    let (port, admin) = (free_port(), free_port());
+async fn start_router_with_admin(redis: &RedisServer) -> (ServiceProcess, String, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-router"));
-    command.args(["--grpc-addr", &format!("127.0.0.1:{port}"), "--admin-addr", &format!("127.0.0.1:{admin}"), "--redis", &redis.url(), "--namespace", "t"]);
-    let mut process = ChildProcess::spawn("turbine-router", command);
-    process.wait_for_line("router listening", STARTUP_TIMEOUT);
-    (process, format!("http://127.0.0.1:{port}"), format!("http://127.0.0.1:{admin}"))
+    command.args(["--redis", &redis.url(), "--namespace", "t"]);
+    let mut process = ServiceProcess::spawn("turbine-router", command, false)
+        .await
+        .unwrap();
+    process
+        .until_serving("turbine.router.v1.Router", STARTUP_TIMEOUT)
+        .await
+        .unwrap();
+    let (endpoint, admin) = (process.grpc_endpoint(), process.admin_url());
+    (process, endpoint, admin)
 }
 
 
@@ -50,7 +57,7 @@ async fn chosen(client: &mut RouterClient<tonic::transport::Channel>, n: usize) 
 #[tokio::test]
 async fn membership_follows_the_registry() {
     let redis = RedisServer::start();
-    let (_router, endpoint) = start_router(&redis);
+    let (_router, endpoint) = start_router(&redis).await;
     let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
     let mut client = RouterClient::connect(endpoint.clone()).await.unwrap();
 
@@ -91,15 +98,25 @@ async fn membership_follows_the_registry() {
         health.check(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner().status() == ServingStatus::NotServing
     })
     .await;
-    tokio::time::sleep(ttl * 2).await;
-    assert_eq!(chosen(&mut client, 4).await, HashSet::from(["a".to_owned()]), "routing survives a registry outage");
+    // Routing goes on for two lease TTLs without the registry: the router
+    // extends the leases it knows while it cannot renew them.
+    let outage = tokio::time::Instant::now() + ttl * 2;
+    let mut pace = tokio::time::interval(Duration::from_millis(100));
+    while tokio::time::Instant::now() < outage {
+        pace.tick().await;
+        assert_eq!(
+            chosen(&mut client, 4).await,
+            HashSet::from(["a".to_owned()]),
+            "routing survives a registry outage"
+        );
+    }
     drop(lease_a);
 }
 
 #[tokio::test]
 async fn a_graceful_deregistration_stops_traffic_at_the_next_poll() {
     let redis = RedisServer::start();
-    let (_router, endpoint) = start_router(&redis);
+    let (_router, endpoint) = start_router(&redis).await;
     let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
     let mut client = RouterClient::connect(endpoint).await.unwrap();
     let _a = Lease::start(registry.clone(), Duration::from_secs(30), || record("a"));
@@ -125,15 +142,20 @@ async fn the_binary_refuses_to_start_without_a_registry() {
 /// killed, kv routing falls back to load and no request fails.
 #[tokio::test]
 async fn router_replicas_share_the_kv_index_through_redis() {
-    use turbine_kv::{BlockHasher, KvEvent, NumberedEvent, StoredBlock, Tier};
+    use turbine_kv::{BlockHasher, EventBatch, KvEvent, NumberedEvent, StoredBlock, Tier};
     use turbine_kv_log::EventLog;
-    use turbine_kv_log::convert::batch_to_proto;
 
     let mut redis = RedisServer::start();
     let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
     let ttl = Duration::from_secs(30);
-    let _leases = [Lease::start(registry.clone(), ttl, || record("a")), Lease::start(registry.clone(), ttl, || record("b"))];
-    let routers = [start_router_with_admin(&redis), start_router_with_admin(&redis)];
+    let _leases = [
+        Lease::start(registry.clone(), ttl, || record("a")),
+        Lease::start(registry.clone(), ttl, || record("b")),
+    ];
+    let routers = [
+        start_router_with_admin(&redis).await,
+        start_router_with_admin(&redis).await,
+    ];
 
     let prompt: Vec<u32> = (1000..1128).collect();
     let blocks = BlockHasher::default().hash_blocks(&prompt, 16);
@@ -145,7 +167,15 @@ async fn router_replicas_share_the_kv_index_through_redis() {
             tier: Tier::Device,
         },
     };
-    EventLog::new(&redis.url(), "t").unwrap().publish(&batch_to_proto("a", 1, &[stored])).await.unwrap();
+    EventLog::new(&redis.url(), "t")
+        .unwrap()
+        .publish(&EventBatch {
+            worker_id: "a".into(),
+            instance: 1,
+            events: vec![stored],
+        })
+        .await
+        .unwrap();
 
     let route = |client: &mut RouterClient<tonic::transport::Channel>, id: String| {
         let request = pb::RouteRequest {
@@ -218,9 +248,12 @@ async fn replicas_weigh_each_others_bookings() {
     let redis = RedisServer::start();
     let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
     let ttl = Duration::from_secs(30);
-    let _leases = [Lease::start(registry.clone(), ttl, || record("a")), Lease::start(registry.clone(), ttl, || record("b"))];
-    let (_first, first_endpoint) = start_router(&redis);
-    let (_second, second_endpoint) = start_router(&redis);
+    let _leases = [
+        Lease::start(registry.clone(), ttl, || record("a")),
+        Lease::start(registry.clone(), ttl, || record("b")),
+    ];
+    let (_first, first_endpoint) = start_router(&redis).await;
+    let (_second, second_endpoint) = start_router(&redis).await;
     let mut first = RouterClient::connect(first_endpoint).await.unwrap();
     let mut second = RouterClient::connect(second_endpoint).await.unwrap();
     let least_loaded = |id: String, exclude: Vec<String>| pb::RouteRequest {

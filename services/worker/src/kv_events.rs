@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-use turbine_kv::KvIndex;
 use turbine_kv::index::Applied;
+use turbine_kv::{EventBatch, KvIndex};
 use turbine_runtime::CancellationToken;
 
 use crate::worker::Worker;
@@ -32,7 +32,7 @@ pub fn feed_index(worker: Arc<Worker>, index: Arc<KvIndex>, shutdown: Cancellati
             let worker = worker.clone();
             let index = index.clone();
             async move {
-                tracing::debug!(worker = worker.id(), reason, "resynchronising the KV index from a dump");
+                tracing::debug!(worker = %worker.id(), reason, "resynchronising the KV index from a dump");
                 match worker.engine().dump().await {
                     Ok(dump) => {
                         index.load_dump(worker.id(), worker.instance(), &dump);
@@ -102,7 +102,11 @@ pub fn publish_events(worker: Arc<Worker>, log: turbine_kv_log::EventLog, shutdo
                 if pending.len() >= PENDING_BATCHES {
                     pending.pop_front();
                 }
-                pending.push_back(turbine_kv_log::convert::batch_to_proto(worker.id(), worker.instance(), &batch));
+                pending.push_back(EventBatch {
+                    worker_id: worker.id().clone(),
+                    instance: worker.instance(),
+                    events: batch,
+                });
             }
             while let Some(next) = pending.front() {
                 match log.publish(next).await {

@@ -1,28 +1,29 @@
 //! The worker service: an inference engine behind `turbine.worker.v1`.
 //!
-//! - [`Worker`]: the loaded model card and running engine.
-//! - [`WorkerService`]: the gRPC shell (`Generate`, `Load`, `GetModelCard`).
-//! - [`WorkerClient`]: how other services call a worker, in-process or over
-//!   gRPC, through one type.
-//! - [`disagg`]: disaggregated serving: prefill handles, the KvTransfer
-//!   service, reading a prefill worker's blocks (UCX or TCP).
-//! - [`kv_events::feed_index`]: the engine's KV events into an index in the
-//!   same process.
-//! - [`serve::run`]: the process: servers, model load, registry lease,
-//!   health, graceful drain.
-//! - [`WorkerConfig`] / [`WorkerArgs`]: configuration and flags.
+//! - [`Worker`]: the loaded model card and running engine; it implements
+//!   [`WorkerApi`](turbine_worker_api::WorkerApi) itself ([`local`]), so a
+//!   client in this process calls it directly and the gRPC shell
+//!   ([`service`]) serves the same calls.
+//! - [`disagg`]: disaggregated serving: prefill handles and the blocks
+//!   behind them, reading a prefill worker's blocks (UCX or TCP).
+//! - [`kv_events`]: the engine's KV events, into an index in this process
+//!   or onto the event log in Redis.
+//! - [`serve()`](serve::serve): the service on the host: model load,
+//!   registry lease, health, graceful drain.
+//! - [`WorkerConfig`]: configuration, flags and the sections `turbine run`
+//!   shares ([`EngineConfig`], [`TransferConfig`]).
+//!
+//! Callers elsewhere use `turbine-worker-api`'s clients.
 
-pub mod client;
 pub mod config;
-pub mod convert;
 pub mod disagg;
 pub mod kv_events;
+pub mod local;
 pub mod metrics;
 pub mod serve;
 pub mod service;
 pub mod worker;
 
-pub use client::{TokenChunk, TokenStream, WorkerClient, WorkerError};
-pub use config::{EngineKind, KvTransport, WorkerArgs, WorkerConfig, WorkerRole};
-pub use service::WorkerService;
+pub use config::{EngineConfig, EngineKind, KvTransport, TransferConfig, WorkerConfig, WorkerRole};
+pub use serve::{KvEventSink, WorkerDeps, main, serve};
 pub use worker::Worker;

@@ -1,39 +1,70 @@
-//! The `turbine.worker.v1.Worker` gRPC service: a thin shell over the
-//! engine.
+//! The gRPC shells of a worker: `turbine.worker.v1.Worker` and
+//! `turbine.worker.v1.KvTransfer`. They convert the wire to domain types at
+//! the edge and call the same [`WorkerApi`] a local client calls.
 
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
 
 use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 use turbine_proto::worker::v1 as pb;
+use turbine_worker_api::{GenerateCall, PrefillCall, WorkerApi};
 
-use crate::client::engine_chunks;
-use crate::convert::{finish_reason_to_proto, generate_request_from_proto, load_to_proto, logprobs_to_proto, usage_to_proto};
-use crate::metrics;
+use crate::disagg::Disagg;
 use crate::worker::Worker;
 
-/// The gRPC service. The worker is set once its model has loaded; until
-/// then calls fail with UNAVAILABLE.
+/// What a service serves, once the model has loaded: until then every
+/// call is UNAVAILABLE.
+#[derive(Debug)]
+pub struct Loaded<T>(Arc<OnceLock<T>>);
+
+impl<T> Clone for Loaded<T> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<T> Default for Loaded<T> {
+    fn default() -> Self {
+        Self(Arc::default())
+    }
+}
+
+impl<T> Loaded<T> {
+    /// Already loaded.
+    pub fn with(value: T) -> Self {
+        let loaded = Self::default();
+        loaded.set(value);
+        loaded
+    }
+
+    /// Hands the loaded value to the services (once).
+    pub fn set(&self, value: T) {
+        let _ = self.0.set(value);
+    }
+
+    fn get(&self) -> Result<&T, Status> {
+        self.0
+            .get()
+            .ok_or_else(|| Status::unavailable("the worker is still loading its model"))
+    }
+}
+
+/// `turbine.worker.v1.Worker`.
 #[derive(Debug, Clone, Default)]
 pub struct WorkerService {
-    worker: Arc<OnceLock<Arc<Worker>>>,
+    loaded: Loaded<Arc<Worker>>,
+    /// The model card as sent (a vocabulary of MiBs: converted once).
+    card: Arc<OnceLock<pb::ModelCard>>,
 }
 
 impl WorkerService {
-    /// A service whose worker is still loading.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Hands the loaded worker to the service.
-    pub fn set_worker(&self, worker: Arc<Worker>) {
-        let _ = self.worker.set(worker);
-    }
-
-    fn worker(&self) -> Result<&Arc<Worker>, Status> {
-        self.worker.get().ok_or_else(|| Status::unavailable("the worker is still loading its model"))
+    /// Serves the worker `loaded` will hold.
+    pub fn new(loaded: Loaded<Arc<Worker>>) -> Self {
+        Self {
+            loaded,
+            card: Arc::default(),
+        }
     }
 }
 
@@ -44,85 +75,122 @@ impl pb::worker_server::Worker for WorkerService {
     type GenerateStream = GenerateStream;
 
     #[tracing::instrument(skip_all, name = "worker.generate", fields(request_id))]
-    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        let worker = self.worker()?.clone();
-        let mut message = request.into_inner();
-        let remote = message.remote_prefill.take();
-        let request = generate_request_from_proto(message, worker.card().tokenizer.tokens.len()).map_err(Status::invalid_argument)?;
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        let worker = self.loaded.get()?;
+        let GenerateCall { request, remote } = GenerateCall::try_from(request.into_inner())?;
         tracing::Span::current().record("request_id", request.request_id.as_str());
-        let submitted = match remote {
-            Some(remote) => crate::client::decode_after_prefill(&worker, request, &remote).await,
-            None => worker.engine().generate(request),
-        };
-        let outputs = match submitted {
-            Ok(outputs) => outputs,
-            Err(error) => {
-                metrics::request_refused(worker.id(), &error);
-                return Err(crate::client::WorkerError::from(error).into());
-            }
-        };
-        let started = Instant::now();
-        let mut first = true;
-        let worker_id = worker.id().to_owned();
-        let stream = engine_chunks(outputs).map(move |chunk| {
-            let chunk = chunk.map_err(Status::from)?;
-            if std::mem::take(&mut first) {
-                metrics::first_token(&worker_id, started.elapsed());
-            }
-            let (finish_reason, usage) = match chunk.finished {
-                Some((reason, usage)) => {
-                    metrics::request_finished(&worker_id, started.elapsed());
-                    (finish_reason_to_proto(reason) as i32, Some(usage_to_proto(usage)))
-                }
-                None => (pb::FinishReason::Unspecified as i32, None),
-            };
-            let logprobs = chunk.logprobs.into_iter().map(logprobs_to_proto).collect();
-            Ok(pb::GenerateResponse { token_ids: chunk.tokens, finish_reason, usage, logprobs })
-        });
-        Ok(Response::new(Box::pin(stream)))
+        let chunks = WorkerApi::generate(&**worker, request, remote).await?;
+        Ok(Response::new(Box::pin(
+            chunks.map(|chunk| Ok(pb::GenerateResponse::from(chunk?))),
+        )))
     }
 
-    async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
-        let load = self.worker()?.load();
-        Ok(Response::new(pb::LoadResponse { load: Some(load_to_proto(load)) }))
+    async fn load(
+        &self,
+        _request: Request<pb::LoadRequest>,
+    ) -> Result<Response<pb::LoadResponse>, Status> {
+        let load = self.loaded.get()?.load();
+        Ok(Response::new(pb::LoadResponse {
+            load: Some(pb::WorkerLoad::from(load)),
+        }))
     }
 
-    async fn get_model_card(&self, _request: Request<pb::GetModelCardRequest>) -> Result<Response<pb::GetModelCardResponse>, Status> {
-        let card = self.worker()?.card_proto().clone();
+    async fn get_model_card(
+        &self,
+        _request: Request<pb::GetModelCardRequest>,
+    ) -> Result<Response<pb::GetModelCardResponse>, Status> {
+        let worker = self.loaded.get()?;
+        let card = self
+            .card
+            .get_or_init(|| pb::ModelCard::from(worker.card()))
+            .clone();
         Ok(Response::new(pb::GetModelCardResponse { card: Some(card) }))
     }
 
     #[tracing::instrument(skip_all, name = "worker.prefill", fields(request_id))]
-    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
-        let worker = self.worker()?.clone();
-        let message = request.into_inner();
-        let lease = (message.lease_ms > 0).then(|| std::time::Duration::from_millis(u64::from(message.lease_ms)));
-        let as_generate = pb::GenerateRequest {
-            request_id: message.request_id,
-            prompt_token_ids: message.prompt_token_ids,
-            sampling: message.sampling,
-            stop: message.stop,
-            remote_prefill: None,
-        };
-        let request = generate_request_from_proto(as_generate, worker.card().tokenizer.tokens.len()).map_err(Status::invalid_argument)?;
+    async fn prefill(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let worker = self.loaded.get()?;
+        let PrefillCall { request, lease } = PrefillCall::try_from(request.into_inner())?;
         tracing::Span::current().record("request_id", request.request_id.as_str());
-        let prefilled = worker.disagg().prefill(request, lease).await?;
-        let (finish_reason, usage) = match prefilled.first.finished {
-            Some((reason, usage)) => (finish_reason_to_proto(reason) as i32, Some(usage_to_proto(usage))),
-            None => (pb::FinishReason::Unspecified as i32, None),
-        };
-        let first = pb::GenerateResponse {
-            token_ids: prefilled.first.tokens,
-            finish_reason,
-            usage,
-            logprobs: prefilled.first.logprobs.into_iter().map(logprobs_to_proto).collect(),
-        };
-        Ok(Response::new(pb::PrefillResponse { first: Some(first), handle: prefilled.handle, cached_prompt_tokens: prefilled.cached_prompt_tokens }))
+        let prefilled = WorkerApi::prefill(&**worker, request, lease).await?;
+        Ok(Response::new(pb::PrefillResponse::from(prefilled)))
     }
 
-    async fn dump_kv_cache(&self, _request: Request<pb::DumpKvCacheRequest>) -> Result<Response<pb::DumpKvCacheResponse>, Status> {
-        let worker = self.worker()?;
-        let dump = worker.engine().dump().await.map_err(|_| Status::unavailable("the engine is shutting down"))?;
-        Ok(Response::new(pb::DumpKvCacheResponse { dump: Some(turbine_kv_log::convert::dump_to_proto(worker.id(), worker.instance(), &dump)) }))
+    async fn dump_kv_cache(
+        &self,
+        _request: Request<pb::DumpKvCacheRequest>,
+    ) -> Result<Response<pb::DumpKvCacheResponse>, Status> {
+        let dump = self.loaded.get()?.dump_kv_cache().await?;
+        Ok(Response::new(pb::DumpKvCacheResponse {
+            dump: Some(turbine_proto::kvindex::v1::WorkerDump::from(&dump)),
+        }))
+    }
+}
+
+/// `turbine.worker.v1.KvTransfer`: the control path of KV transfers, and
+/// the TCP data path (`ReadBlocks`).
+#[derive(Debug, Clone, Default)]
+pub struct KvTransferService {
+    loaded: Loaded<Arc<Disagg>>,
+}
+
+impl KvTransferService {
+    /// Serves the blocks of the pool `loaded` will hold.
+    pub fn new(loaded: Loaded<Arc<Disagg>>) -> Self {
+        Self { loaded }
+    }
+}
+
+type BlockStream = Pin<Box<dyn Stream<Item = Result<pb::BlockData, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::kv_transfer_server::KvTransfer for KvTransferService {
+    type ReadBlocksStream = BlockStream;
+
+    async fn describe(
+        &self,
+        request: Request<pb::DescribeRequest>,
+    ) -> Result<Response<pb::DescribeResponse>, Status> {
+        let described = self
+            .loaded
+            .get()?
+            .describe(request.into_inner().handle_id)?;
+        Ok(Response::new(pb::DescribeResponse::from(described)))
+    }
+
+    async fn read_blocks(
+        &self,
+        request: Request<pb::ReadBlocksRequest>,
+    ) -> Result<Response<BlockStream>, Status> {
+        let disagg = self.loaded.get()?.clone();
+        let pb::ReadBlocksRequest { handle_id, indices } = request.into_inner();
+        let indices: Vec<u32> = if indices.is_empty() {
+            (0..disagg.block_count(handle_id)? as u32).collect()
+        } else {
+            indices
+        };
+        // One block at a time, copied under the pin table's lock.
+        let stream = futures::stream::iter(indices).map(move |index| {
+            Ok(pb::BlockData {
+                index,
+                data: disagg.copy_block(handle_id, index as usize)?,
+            })
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        Ok(Response::new(pb::ReleaseResponse {
+            released: self.loaded.get()?.release(request.into_inner().handle_id),
+        }))
     }
 }

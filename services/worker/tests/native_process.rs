@@ -7,23 +7,25 @@ use std::time::Duration;
 
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, free_port, metric};
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, metric};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
 const MODEL: &str = "smollm2-135m";
 
-fn native_worker(extra: &[&str]) -> (ChildProcess, String, u16) {
-    let grpc_port = free_port();
-    let admin_port = free_port();
+async fn native_worker(extra: &[&str]) -> ServiceProcess {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
     command
-        .args(["--grpc-addr", &format!("127.0.0.1:{grpc_port}"), "--admin-addr", &format!("127.0.0.1:{admin_port}")])
         .args(["--engine", "native", "--model", MODEL, "--threads", "2"])
         .args(extra);
-    let mut process = ChildProcess::spawn("turbine-worker", command);
-    process.wait_for_line("worker ready", STARTUP_TIMEOUT);
-    (process, format!("http://127.0.0.1:{grpc_port}"), admin_port)
+    let mut process = ServiceProcess::spawn("turbine-worker", command, false)
+        .await
+        .unwrap();
+    process
+        .until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT)
+        .await
+        .unwrap();
+    process
 }
 
 /// Peak resident memory of a process (VmHWM), in bytes.
@@ -62,8 +64,14 @@ async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budge
     let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
     let model_bytes = std::fs::metadata(&model.path).unwrap().len();
     let kv_cache_mib = 24u64;
-    let (worker, endpoint, admin_port) = native_worker(&["--kv-cache-mib", &kv_cache_mib.to_string(), "--max-seqs", "64"]);
-    let client = WorkerClient::connect(endpoint).await.unwrap();
+    let worker = native_worker(&[
+        "--kv-cache-mib",
+        &kv_cache_mib.to_string(),
+        "--max-seqs",
+        "64",
+    ])
+    .await;
+    let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
 
     // Eight prompts (block-boundary lengths among them), eight copies of
     // each: 64 sequences of up to 144 tokens need about 400 blocks, and a
@@ -88,8 +96,12 @@ async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budge
         let copies: Vec<_> = outputs.iter().skip(index).step_by(lengths.len()).collect();
         assert!(copies.iter().all(|copy| *copy == copies[0]), "copies of the {length}-token prompt differ");
     }
-    let preemptions = metric(&format!("http://127.0.0.1:{admin_port}"), "turbine_worker_preemptions_total").await;
-    let cached = metric(&format!("http://127.0.0.1:{admin_port}"), "turbine_worker_cached_prompt_tokens_total").await;
+    let preemptions = metric(&worker.admin_url(), "turbine_worker_preemptions_total").await;
+    let cached = metric(
+        &worker.admin_url(),
+        "turbine_worker_cached_prompt_tokens_total",
+    )
+    .await;
     assert!(cached > 0.0, "copies of a prompt shared no cached blocks");
     assert!(preemptions > 0.0, "the pool was never short: the burst did not exercise preemption");
 

@@ -9,27 +9,38 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, free_port};
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess};
 
 struct RunningWorker {
-    process: ChildProcess,
+    process: ServiceProcess,
     endpoint: String,
 }
 
-fn start_worker(speedup: &str) -> RunningWorker {
-    start_worker_with(speedup, &[])
+async fn start_worker(speedup: &str) -> RunningWorker {
+    start_worker_with(speedup, &[]).await
 }
 
-fn start_worker_with(speedup: &str, extra: &[&str]) -> RunningWorker {
-    let grpc_port = free_port();
+async fn start_worker_with(speedup: &str, extra: &[&str]) -> RunningWorker {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
     command
-        .args(["--grpc-addr", &format!("127.0.0.1:{grpc_port}"), "--admin-addr", "127.0.0.1:0"])
-        .args(["--engine", "mock", "--speedup", speedup, "--worker-id", "w-test"])
+        .args([
+            "--engine",
+            "mock",
+            "--speedup",
+            speedup,
+            "--worker-id",
+            "w-test",
+        ])
         .args(extra);
-    let mut process = ChildProcess::spawn("turbine-worker", command);
-    process.wait_for_line("worker ready", STARTUP_TIMEOUT);
-    RunningWorker { process, endpoint: format!("http://127.0.0.1:{grpc_port}") }
+    let mut process = ServiceProcess::spawn("turbine-worker", command, false)
+        .await
+        .unwrap();
+    process
+        .until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT)
+        .await
+        .unwrap();
+    let endpoint = process.grpc_endpoint();
+    RunningWorker { process, endpoint }
 }
 
 fn request(prompt_len: u32, max_tokens: u32) -> pb::GenerateRequest {
@@ -55,8 +66,12 @@ async fn collect(mut stream: tonic::Streaming<pb::GenerateResponse>) -> Result<(
 
 #[tokio::test]
 async fn generates_reports_health_and_refuses_bad_input() {
-    let worker = start_worker("1000");
-    let channel = tonic::transport::Channel::from_shared(worker.endpoint.clone()).unwrap().connect().await.unwrap();
+    let worker = start_worker("1000").await;
+    let channel = tonic::transport::Channel::from_shared(worker.endpoint.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let mut health = HealthClient::new(channel);
     for service in ["", "turbine.worker.v1.Worker"] {
         let status = health.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner().status();
@@ -101,8 +116,10 @@ async fn generates_reports_health_and_refuses_bad_input() {
 #[tokio::test]
 async fn sigterm_lets_32_in_flight_streams_finish_then_exits_zero() {
     // Real-time mocker: each request takes about a second of decode steps.
-    let mut worker = start_worker("1");
-    let client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap();
+    let mut worker = start_worker("1").await;
+    let client = WorkerClient::connect(worker.endpoint.clone())
+        .await
+        .unwrap();
     let mut streams = Vec::new();
     for _ in 0..32 {
         let mut client = client.clone();
@@ -134,10 +151,35 @@ async fn any_gguf_path_is_served_under_the_given_name() {
     )
     .unwrap();
     let path = model.path.to_str().unwrap();
-    let worker = start_worker_with("1000", &["--model", path, "--served-model-name", "my-model", "--block-size", "16", "--context-length", "2048"]);
-    let mut client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap().max_decoding_message_size(64 << 20);
-    let card = client.get_model_card(pb::GetModelCardRequest {}).await.unwrap().into_inner().card.unwrap();
-    assert_eq!((card.name.as_str(), card.kv_block_size, card.context_length), ("my-model", 16, 2048));
+    let worker = start_worker_with(
+        "1000",
+        &[
+            "--model",
+            path,
+            "--served-model-name",
+            "my-model",
+            "--block-size",
+            "16",
+            "--context-length",
+            "2048",
+        ],
+    )
+    .await;
+    let mut client = WorkerClient::connect(worker.endpoint.clone())
+        .await
+        .unwrap()
+        .max_decoding_message_size(64 << 20);
+    let card = client
+        .get_model_card(pb::GetModelCardRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .card
+        .unwrap();
+    assert_eq!(
+        (card.name.as_str(), card.kv_block_size, card.context_length),
+        ("my-model", 16, 2048)
+    );
     let status = client.generate(request(2000, 100)).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "the overridden context length applies");
 }

@@ -1,51 +1,62 @@
-//! Helpers shared by the CLI's process tests: starting `turbine run`,
-//! talking OpenAI REST with a real HTTP client, reading SSE.
+//! Helpers shared by the CLI's process tests: Turbine binaries started on
+//! port 0 (readiness from their addresses file and gRPC health), and
+//! OpenAI REST with a real HTTP client.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::process::Command;
 use std::time::Duration;
 
-use futures::StreamExt;
-pub use turbine_testkit::metric;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT};
+pub use turbine_cluster::sandbox::{read_events, streamed_text};
+use turbine_router::RouterClient;
+use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess, workspace_binary};
+pub use turbine_testkit::{metric, wait_until};
 
-/// A `turbine run` process.
-pub struct Turbine {
-    pub process: ChildProcess,
-    pub base: String,
-    pub grpc: String,
-}
+pub const MODEL: &str = "smollm2-135m";
 
-/// Starts `turbine run` on free ports with extra flags; returns once the
-/// model is listed.
-pub async fn start_turbine(extra: &[&str]) -> Turbine {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine"));
-    command.args(["run", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0"]).args(extra);
-    let mut process = ChildProcess::spawn("turbine run", command);
-    let api = process.wait_for_line("OpenAI API", STARTUP_TIMEOUT);
-    let base = api.split_whitespace().last().unwrap().trim_end_matches("/v1").to_owned();
-    let grpc_line = process.wait_for_line("gRPC", STARTUP_TIMEOUT);
-    let grpc_addr = grpc_line.split_whitespace().nth(1).unwrap().to_owned();
-    let turbine = Turbine { process, base, grpc: format!("http://{grpc_addr}") };
-    wait_for_model(&turbine.base).await;
-    turbine
-}
-
-/// Waits until `GET /v1/models` lists a model.
-pub async fn wait_for_model(base: &str) {
-    let client = reqwest::Client::new();
-    let deadline = tokio::time::Instant::now() + STARTUP_TIMEOUT;
-    loop {
-        if let Ok(response) = client.get(format!("{base}/v1/models")).send().await
-            && let Ok(body) = response.json::<serde_json::Value>().await
-            && body["data"].as_array().is_some_and(|data| !data.is_empty())
-        {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no model listed at {base}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+/// Starts the workspace binary `binary` with `args` (and environment
+/// `env`) on free loopback ports; returns once it is SERVING.
+pub async fn service(
+    binary: &str,
+    args: &[&str],
+    env: &[(&str, String)],
+    http: bool,
+) -> ServiceProcess {
+    let mut command = Command::new(workspace_binary(binary));
+    command.args(args);
+    for (key, value) in env {
+        command.env(key, value);
     }
+    let mut service = ServiceProcess::spawn(binary, command, http).await.unwrap();
+    service.until_serving("", STARTUP_TIMEOUT).await.unwrap();
+    service
+}
+
+/// Waits until the router at `router` lists `workers` workers.
+pub async fn until_registered(router: &ServiceProcess, workers: usize) {
+    let client = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+    wait_until("the workers are registered", STARTUP_TIMEOUT, async || {
+        client
+            .workers(None)
+            .await
+            .is_ok_and(|listed| listed.len() == workers)
+    })
+    .await;
+}
+
+/// Waits until the gateway at `base` lists a model.
+pub async fn until_listed(base: &str) {
+    let client = reqwest::Client::new();
+    wait_until("the gateway lists the model", STARTUP_TIMEOUT, async || {
+        let Ok(response) = client.get(format!("{base}/v1/models")).send().await else {
+            return false;
+        };
+        response
+            .json::<serde_json::Value>()
+            .await
+            .is_ok_and(|body| body["data"].as_array().is_some_and(|data| !data.is_empty()))
+    })
+    .await;
 }
 
 /// POSTs JSON, returns (status, body as JSON).
@@ -63,38 +74,5 @@ pub async fn sse(base: &str, path: &str, body: &serde_json::Value) -> Vec<String
     read_events(response).await
 }
 
-/// Reads SSE `data:` payloads from a response until `[DONE]`.
-pub async fn read_events(response: reqwest::Response) -> Vec<String> {
-    let mut stream = response.bytes_stream();
-    let mut buffer = String::new();
-    let mut events = Vec::new();
-    while let Some(bytes) = stream.next().await {
-        buffer.push_str(std::str::from_utf8(&bytes.unwrap()).unwrap());
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            for line in event.lines() {
-                if let Some(data) = line.strip_prefix("data: ") {
-                    events.push(data.to_owned());
-                    if data == "[DONE]" {
-                        return events;
-                    }
-                }
-            }
-        }
-    }
-    panic!("stream ended without [DONE]; got {events:?}");
-}
-
-/// Concatenated text of streamed chat or completion chunks.
-pub fn streamed_text(events: &[String]) -> String {
-    events
-        .iter()
-        .filter(|e| *e != "[DONE]")
-        .map(|e| serde_json::from_str::<serde_json::Value>(e).unwrap())
-        .filter_map(|chunk| {
-            let choice = chunk["choices"].get(0)?.clone();
-            choice["delta"]["content"].as_str().or(choice["text"].as_str()).map(str::to_owned)
-        })
-        .collect()
-}
-
+/// How long a drained process may take to exit.
+pub const EXIT_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible REST API: `/v1/chat/completions`,
 //! `/v1/completions` (streaming over SSE or not), `/v1/models`, plus
-//! `/openapi.json`, `/health` and the admin routes.
+//! `/openapi.json` and `/health`.
 
 pub mod body;
 pub mod responses;
@@ -69,7 +69,8 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async { GatewayError::new(ErrorKind::NotFound, "Unknown path; see /openapi.json.") })
         .method_not_allowed_fallback(|| async { GatewayError::new(ErrorKind::MethodNotAllowed, "Method not allowed for this path.") })
         .with_state(state.clone());
-    api.merge(turbine_runtime::admin::router(state.readiness)).layer(TraceLayer::new_for_http().make_span_with(http_span))
+    // The service host adds the admin routes (/metrics, /livez, /readyz).
+    api.layer(TraceLayer::new_for_http().make_span_with(http_span))
 }
 
 fn http_span(request: &axum::http::Request<Body>) -> tracing::Span {

@@ -6,10 +6,8 @@
 
 use serde::Deserialize;
 use serde_json::Value;
-use turbine_engine::SamplingParams;
+use turbine_engine::{MAX_LOGPROBS, SamplingError, SamplingParams};
 use turbine_tokens::ChatMessage;
-
-use turbine_worker::convert::MAX_LOGPROBS;
 
 use crate::error::GatewayError;
 use crate::openai::body::parse_json;
@@ -199,14 +197,12 @@ fn unsupported(param: &str, what: &str) -> GatewayError {
     GatewayError::invalid(param, format!("{what} is not supported by this server."))
 }
 
-fn range(param: &str, value: Option<f64>, low: f64, high: f64, low_inclusive: bool) -> Result<Option<f32>, GatewayError> {
-    let Some(value) = value else { return Ok(None) };
-    let above_low = if low_inclusive { value >= low } else { value > low };
-    if !(value.is_finite() && above_low && value <= high) {
-        let bracket = if low_inclusive { "[" } else { "(" };
-        return Err(GatewayError::invalid(param, format!("'{param}' must be in {bracket}{low}, {high}], got {value}.")));
+impl From<SamplingError> for GatewayError {
+    /// Out-of-range sampling parameters: the engine's ranges
+    /// ([`SamplingParams::validate`]), the ones every worker applies too.
+    fn from(error: SamplingError) -> Self {
+        GatewayError::invalid(error.param, format!("'{}' {}.", error.param, error.message))
     }
-    Ok(Some(value as f32))
 }
 
 /// How many alternatives per token a request may ask for.
@@ -277,19 +273,20 @@ impl CommonParams {
             return Err(unsupported("logit_bias", "logit_bias"));
         }
         let sampling = SamplingParams {
-            temperature: range("temperature", temperature, 0.0, 2.0, true)?,
-            top_p: range("top_p", top_p, 0.0, 1.0, false)?,
+            temperature: temperature.map(|value| value as f32),
+            top_p: top_p.map(|value| value as f32),
             top_k: match top_k {
                 None | Some(-1 | 0) => None,
                 Some(k) => Some(u32::try_from(k).map_err(|_| GatewayError::invalid("top_k", format!("'top_k' must be -1, 0 or positive, got {k}.")))?),
             },
             seed: seed.map(|seed| seed as u64),
-            presence_penalty: range("presence_penalty", presence_penalty, -2.0, 2.0, true)?,
-            frequency_penalty: range("frequency_penalty", frequency_penalty, -2.0, 2.0, true)?,
-            min_p: range("min_p", min_p, 0.0, 1.0, true)?,
-            repetition_penalty: range("repetition_penalty", repetition_penalty, 0.0, 10.0, false)?,
+            presence_penalty: presence_penalty.map(|value| value as f32),
+            frequency_penalty: frequency_penalty.map(|value| value as f32),
+            min_p: min_p.map(|value| value as f32),
+            repetition_penalty: repetition_penalty.map(|value| value as f32),
             logprobs: None,
         };
+        sampling.validate()?;
         let stop = match stop {
             None => Vec::new(),
             Some(StopField::One(stop)) => vec![stop],
@@ -499,7 +496,14 @@ mod tests {
             (r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#, "model"),
             (r#"{"messages":[{"role":"user","content":"x"}]}"#, "model"),
             (r#"{"model":"m","messages":"hi"}"#, "messages"),
-            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#, "temperature"),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#,
+                "temperature",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"repetition_penalty":11}"#,
+                "repetition_penalty",
+            ),
         ];
         for (json, param) in cases {
             let error = chat(json).unwrap_err();

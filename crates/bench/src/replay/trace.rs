@@ -1,0 +1,149 @@
+//! A Mooncake-format trace: its requests, their synthetic prompts, and the
+//! hit rate of an infinite cache (the oracle).
+
+use std::collections::HashMap;
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+/// Tokens per `hash_ids` entry in Mooncake traces.
+const TRACE_BLOCK_TOKENS: usize = 512;
+
+/// One trace line.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TraceRequest {
+    /// Arrival, ms from trace start.
+    pub timestamp: u64,
+    /// Prompt tokens.
+    pub input_length: usize,
+    /// Generated tokens.
+    pub output_length: u32,
+    /// Prefix block ids (512 tokens each; the last may be partial).
+    pub hash_ids: Vec<u64>,
+}
+
+/// Reads a Mooncake-format trace.
+pub fn read_trace(path: &std::path::Path, limit: Option<usize>) -> anyhow::Result<Vec<TraceRequest>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading trace {}", path.display()))?;
+    let mut requests = Vec::new();
+    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+        if limit.is_some_and(|limit| requests.len() >= limit) {
+            break;
+        }
+        let request: TraceRequest =
+            serde_json::from_str(line).with_context(|| format!("{}:{}: not a Mooncake trace line", path.display(), number + 1))?;
+        if request.input_length == 0 || request.hash_ids.is_empty() {
+            bail!("{}:{}: a request needs input_length > 0 and hash_ids", path.display(), number + 1);
+        }
+        if request.hash_ids.len() < request.input_length.div_ceil(TRACE_BLOCK_TOKENS) {
+            bail!("{}:{}: {} hash_ids cannot cover {} tokens", path.display(), number + 1, request.hash_ids.len(), request.input_length);
+        }
+        requests.push(request);
+    }
+    if requests.is_empty() {
+        bail!("{}: no requests", path.display());
+    }
+    Ok(requests)
+}
+
+/// A token id for position `position` of trace block `hash_id`: fixed per
+/// (id, position), spread over `range` so blocks differ.
+fn synthetic_token(hash_id: u64, position: usize, range: std::ops::Range<u32>) -> u32 {
+    let mut x = hash_id.wrapping_mul(TRACE_BLOCK_TOKENS as u64).wrapping_add(position as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    // splitmix64
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    range.start + (x % u64::from(range.end - range.start)) as u32
+}
+
+/// The prompt of one trace request.
+pub fn prompt_tokens(request: &TraceRequest, range: std::ops::Range<u32>) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(request.input_length);
+    'ids: for &id in &request.hash_ids {
+        for position in 0..TRACE_BLOCK_TOKENS {
+            if tokens.len() == request.input_length {
+                break 'ids;
+            }
+            tokens.push(synthetic_token(id, position, range.clone()));
+        }
+    }
+    tokens
+}
+
+/// Prompt tokens an ideal cache could serve for each request: the leading
+/// trace blocks seen before (as far as earlier requests had them), cut to
+/// whole engine blocks and leaving at least one token to compute.
+pub fn oracle_hits(requests: &[TraceRequest], block_size: usize) -> Vec<usize> {
+    // Longest run of each id's tokens any earlier request carried.
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    requests
+        .iter()
+        .map(|request| {
+            let mut hit = 0;
+            for (index, &id) in request.hash_ids.iter().enumerate() {
+                // Ids past the input length carry no tokens.
+                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS).filter(|&n| n > 0) else {
+                    break;
+                };
+                let here = here.min(TRACE_BLOCK_TOKENS);
+                let before = seen.get(&id).copied().unwrap_or(0);
+                hit += before.min(here);
+                if before < here {
+                    break;
+                }
+            }
+            for (index, &id) in request.hash_ids.iter().enumerate() {
+                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS).filter(|&n| n > 0) else {
+                    break;
+                };
+                let entry = seen.entry(id).or_default();
+                *entry = (*entry).max(here.min(TRACE_BLOCK_TOKENS));
+            }
+            let usable = hit.min(request.input_length - 1);
+            usable / block_size * block_size
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(input_length: usize, hash_ids: Vec<u64>) -> TraceRequest {
+        TraceRequest { timestamp: 0, input_length, output_length: 1, hash_ids }
+    }
+
+    #[test]
+    fn shared_ids_give_shared_prefixes() {
+        let a = prompt_tokens(&request(1100, vec![7, 8, 9]), 1000..40_000);
+        let b = prompt_tokens(&request(600, vec![7, 5]), 1000..40_000);
+        assert_eq!((a.len(), b.len()), (1100, 600));
+        assert_eq!(a[..512], b[..512]);
+        assert_ne!(a[512..600], b[512..600]);
+        assert!(a.iter().all(|t| (1000..40_000).contains(t)));
+    }
+
+    #[test]
+    fn the_oracle_counts_prefix_blocks_seen_before() {
+        let requests = vec![request(1100, vec![1, 2, 3]), request(1100, vec![1, 2, 4]), request(700, vec![1, 2]), request(600, vec![9, 2])];
+        // 2nd: ids 1 and 2 seen in full (1024). 3rd: id 1 in full, id 2 only
+        // its first 188 tokens here (all of them seen) = 700, minus the last
+        // token, cut to blocks of 64 = 640. 4th: id 9 unseen.
+        assert_eq!(oracle_hits(&requests, 64), vec![0, 1024, 640, 0]);
+    }
+
+    #[test]
+    fn ids_beyond_the_input_length_carry_no_tokens() {
+        let requests = vec![request(600, vec![1, 2, 3]), request(600, vec![1, 2, 3])];
+        // Id 3 lies past 600 tokens in both; the repeat hits 599 tokens, cut to 576.
+        assert_eq!(oracle_hits(&requests, 64), vec![0, 576]);
+    }
+
+    #[test]
+    fn a_partial_block_seen_before_only_covers_what_was_seen() {
+        let requests = vec![request(600, vec![1, 2]), request(1100, vec![1, 2, 3])];
+        // Request 1 carried 88 tokens of id 2: 512 + 88 = 600, cut to 576.
+        assert_eq!(oracle_hits(&requests, 64), vec![0, 576]);
+    }
+}

@@ -1,0 +1,176 @@
+//! `turbine run`'s configuration: the embedded cluster's own settings (how
+//! many workers, where the gateway listens) and each service's sections,
+//! composed from the services' own declarations. In a `--config` file the
+//! sections are tables: `[gateway]`, `[router]` (with `[router.kv]`),
+//! `[worker]`.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use clap::Command;
+use serde::{Deserialize, Serialize};
+use turbine_gateway::AdmissionConfig;
+use turbine_router::RoutingConfig;
+use turbine_runtime::config::{Settings, settings_defaults};
+use turbine_worker::{EngineConfig, TransferConfig};
+
+/// `turbine run`'s configuration.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct RunConfig {
+    /// Address to listen on.
+    #[arg(long, env = "TURBINE_HOST", default_value = "0.0.0.0")]
+    pub host: IpAddr,
+    /// OpenAI REST port (0: a free one).
+    #[arg(long, env = "TURBINE_HTTP_PORT", default_value_t = 8000)]
+    pub http_port: u16,
+    /// gRPC port of turbine.gateway.v1.Inference (0: a free one).
+    #[arg(long, env = "TURBINE_GRPC_PORT", default_value_t = 50050)]
+    pub grpc_port: u16,
+    /// Also serve the kv-index's API (turbine.kvindex.v1) on this port,
+    /// answering from the cluster's index (0: a free one).
+    #[arg(long, env = "TURBINE_KV_INDEX_PORT")]
+    pub kv_index_port: Option<u16>,
+    /// Number of workers (engines) in the process.
+    #[arg(long, env = "TURBINE_WORKERS", default_value_t = 1)]
+    pub workers: usize,
+    /// Disaggregated serving: prefill workers (with --decode-workers; the
+    /// two replace --workers). Long prompts are computed on a prefill worker
+    /// and their KV blocks read by a decode worker over loopback sockets.
+    #[arg(long, env = "TURBINE_PREFILL_WORKERS", default_value_t = 0, requires = "decode_workers")]
+    pub prefill_workers: usize,
+    /// Disaggregated serving: decode workers (see --prefill-workers).
+    #[arg(long, env = "TURBINE_DECODE_WORKERS", default_value_t = 0, requires = "prefill_workers")]
+    pub decode_workers: usize,
+    /// Seconds in-flight streams get to finish after SIGTERM.
+    #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS", default_value_t = 30.0)]
+    pub shutdown_grace_secs: f64,
+    /// Once listening, write the gateway's bound addresses here as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub addresses_file: Option<PathBuf>,
+    #[command(flatten, next_help_heading = "Gateway ([gateway] in the config file)")]
+    pub gateway: AdmissionConfig,
+    #[command(flatten, next_help_heading = "Router ([router], [router.kv])")]
+    pub router: RoutingConfig,
+    #[command(flatten, next_help_heading = "Workers ([worker])")]
+    pub worker: RunWorkerConfig,
+}
+
+/// What every worker of the embedded cluster runs.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct RunWorkerConfig {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub engine: EngineConfig,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub transfer: TransferConfig,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        settings_defaults()
+    }
+}
+
+impl Settings for RunConfig {
+    const CONFIG_ENV: &'static str = "TURBINE_RUN_CONFIG";
+
+    fn validate(&self) -> Result<(), String> {
+        if self.workers == 0 {
+            return Err("workers must be at least 1".into());
+        }
+        let disaggregated = self.prefill_workers + self.decode_workers > 0;
+        if disaggregated && (self.prefill_workers == 0 || self.decode_workers == 0) {
+            return Err("disaggregated serving needs at least one prefill and one decode worker".into());
+        }
+        if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
+            return Err("shutdown_grace_secs must be non-negative".into());
+        }
+        self.gateway.validate()?;
+        self.router.validate()?;
+        self.worker.engine.validate()?;
+        self.worker.transfer.validate()
+    }
+
+    /// One process on one machine: requests are routed by KV overlap (the
+    /// workers' events reach the router's index directly), and the gateway
+    /// learns new workers within half a second.
+    fn adjust(command: Command) -> Command {
+        command.mut_arg("policy", |arg| arg.default_value("kv")).mut_arg("model_refresh_ms", |arg| arg.default_value("500"))
+    }
+}
+
+impl RunConfig {
+    /// The workers to start, by id and role.
+    pub fn roles(&self) -> Vec<(String, turbine_worker::WorkerRole)> {
+        use turbine_worker::WorkerRole;
+        if self.prefill_workers + self.decode_workers > 0 {
+            (0..self.prefill_workers)
+                .map(|i| (format!("prefill-{i}"), WorkerRole::Prefill))
+                .chain((0..self.decode_workers).map(|i| (format!("decode-{i}"), WorkerRole::Decode)))
+                .collect()
+        } else {
+            (0..self.workers).map(|i| (format!("worker-{i}"), WorkerRole::Aggregated)).collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use turbine_router::Policy;
+    use turbine_runtime::config::Layered;
+    use turbine_worker::{EngineKind, KvTransport};
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        config: Layered<RunConfig>,
+    }
+
+    fn parse(args: &[&str]) -> Result<RunConfig, String> {
+        Cli::try_parse_from(std::iter::once("turbine-run").chain(args.iter().copied())).map(|cli| cli.config.0).map_err(|error| error.to_string())
+    }
+
+    #[test]
+    fn the_services_own_defaults_apply_except_where_one_process_differs() {
+        let config = parse(&[]).unwrap();
+        assert_eq!(config, RunConfig::default());
+        assert_eq!(config.router.policy, Policy::Kv, "turbine run routes by KV overlap");
+        assert_eq!(config.gateway.model_refresh_ms, 500);
+        assert_eq!(config.worker.engine, EngineConfig::default(), "the worker's own defaults");
+        assert_eq!(config.router.kv, turbine_router::KvConfig::default());
+        assert_eq!(config.gateway.max_concurrent_requests, AdmissionConfig::default().max_concurrent_requests);
+    }
+
+    #[test]
+    fn flags_and_per_service_sections_reach_the_services() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(
+            file.path(),
+            "workers = 3\n[gateway]\nmax_concurrent_requests = 7\n[router]\npolicy = \"round-robin\"\n[router.kv]\ndevice_credit = 2.0\n[worker]\nengine = \"mock\"\nspeedup = 4.0\nkv_transport = \"tcp\"\n",
+        )
+        .unwrap();
+        let config = parse(&["--config", file.path().to_str().unwrap(), "--speedup", "8", "--max-seqs", "5", "--policy", "least-loaded"]).unwrap();
+        assert_eq!(config.workers, 3);
+        assert_eq!(config.gateway.max_concurrent_requests, 7);
+        assert_eq!((config.router.policy, config.router.kv.tuning.device_credit), (Policy::LeastLoaded, 2.0), "the flag beats the file");
+        assert_eq!((config.worker.engine.engine, config.worker.engine.speedup, config.worker.engine.max_num_seqs), (EngineKind::Mock, 8.0, 5));
+        assert_eq!(config.worker.transfer.kv_transport, KvTransport::Tcp);
+        let misplaced = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(misplaced.path(), "speedup = 2.0\n").unwrap();
+        assert!(
+            parse(&["--config", misplaced.path().to_str().unwrap()]).unwrap_err().contains("unknown key `speedup`"),
+            "worker settings belong in [worker]"
+        );
+    }
+
+    #[test]
+    fn impossible_clusters_are_refused() {
+        assert!(parse(&["--workers", "0"]).unwrap_err().contains("workers"));
+        assert!(parse(&["--prefill-workers", "1"]).is_err(), "decode workers are required with prefill workers");
+        assert!(parse(&["--prefill-workers", "1", "--decode-workers", "0"]).unwrap_err().contains("disaggregated"));
+    }
+}

@@ -1,0 +1,341 @@
+//! The embedded cluster: what `turbine run` starts, as a library.
+//!
+//! Every service runs through its own `serve` (the same code as its
+//! binary), on loopback listeners with free ports — only the gateway's
+//! listeners are the configured ones — and they find each other the way
+//! separate processes do (a registry, KV events), in memory: the registry
+//! is a `MemoryRegistry`, the workers feed one shared KV index, and the
+//! gateway calls the router and the workers through their clients, which
+//! call them directly in this process. [`Cluster`] hands out those clients
+//! and the bound addresses, so `turbine run`, the benchmarks and the tests
+//! drive the same thing.
+//!
+//! Readiness comes from the services themselves: each worker's gRPC health
+//! turns SERVING once its model is loaded and it is registered, and the
+//! cluster is ready when every gateway lists the model.
+
+mod config;
+#[cfg(feature = "sandbox")]
+pub mod sandbox;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::task::JoinHandle;
+use turbine_gateway::{GatewayConfig, GatewayDeps};
+use turbine_kv::{KvIndex, WorkerId};
+use turbine_kv_index::{IndexFeed, KvIndexClient, KvIndexConfig, KvIndexDeps, LocalKvIndex};
+use turbine_kv_log::EventLog;
+use turbine_proto::gateway::v1::ListModelsRequest;
+use turbine_proto::gateway::v1::inference_client::InferenceClient;
+use turbine_registry::{MemoryRegistry, Registry};
+use turbine_router::peers::PeerLoad;
+use turbine_router::{IndexSource, RouterClient, RouterConfig, RouterDeps};
+use turbine_runtime::CancellationToken;
+use turbine_runtime::host::{BoundAddrs, Listeners, bind};
+use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
+use turbine_worker::{KvEventSink, WorkerConfig, WorkerDeps};
+use turbine_worker_api::{WorkerClient, WorkerClients};
+
+pub use config::{RunConfig, RunWorkerConfig};
+
+/// How the cluster is laid out beyond what `turbine run` offers as flags
+/// (set by the benchmarks and tests).
+#[derive(Debug, Clone, Default)]
+pub struct ClusterOptions {
+    /// Router replicas, each behind its own gateway (0 or 1: one). More
+    /// than one needs `event_log`; the extra gateways take free ports.
+    pub routers: usize,
+    /// KV events through Redis instead of in this process: the workers
+    /// publish to this (URL, namespace)'s event log and every router
+    /// follows it into its own index replica.
+    pub event_log: Option<(String, String)>,
+    /// Prefixed to every worker id (keeps clusters in one process apart).
+    pub worker_id_prefix: String,
+    /// Progress bars while the model downloads.
+    pub progress: bool,
+}
+
+/// A worker of the cluster.
+#[derive(Debug, Clone)]
+pub struct EmbeddedWorker {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its client (called directly).
+    pub client: WorkerClient,
+    /// Where it listens (gRPC: `Worker` and `KvTransfer`; admin).
+    pub addresses: BoundAddrs,
+}
+
+/// A started cluster.
+#[derive(Debug)]
+pub struct Cluster {
+    gateways: Vec<BoundAddrs>,
+    routers: Vec<RouterClient>,
+    workers: Vec<EmbeddedWorker>,
+    kv_index: Option<(KvIndexClient, BoundAddrs)>,
+    model: String,
+    /// The gateways' tasks: they drain first, on the caller's token.
+    front: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
+    /// Everything behind the gateways (workers, routers, kv-index): stopped
+    /// only once the gateways have drained, so a stream in flight at
+    /// shutdown still has its router and worker until it completes.
+    services: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
+    /// Stops `services` when cancelled, or when the cluster is dropped.
+    backend: tokio_util::sync::DropGuard,
+}
+
+/// How long a worker may take to load its model.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+
+impl Cluster {
+    /// Starts every service and returns once every worker is SERVING and
+    /// every gateway lists the model; the services drain and stop when
+    /// `shutdown` fires (see [`finished`](Self::finished)).
+    pub async fn start(config: RunConfig, options: ClusterOptions, shutdown: CancellationToken) -> anyhow::Result<Self> {
+        // The gateways stop with `shutdown`, the services behind them after
+        // the gateways have drained; all of them when the start fails half way.
+        let (front, backend) = (shutdown.child_token(), CancellationToken::new());
+        let started = Self::start_services(config, options, front.clone(), backend.clone()).await;
+        if started.is_err() {
+            front.cancel();
+            backend.cancel();
+        }
+        started
+    }
+
+    async fn start_services(
+        config: RunConfig,
+        options: ClusterOptions,
+        front: CancellationToken,
+        backend: CancellationToken,
+    ) -> anyhow::Result<Self> {
+        let shutdown = backend.clone();
+        turbine_runtime::config::Settings::validate(&config).map_err(anyhow::Error::msg)?;
+        let routers = options.routers.max(1);
+        anyhow::ensure!(routers == 1 || options.event_log.is_some(), "several routers share their KV index through Redis: an event log is needed");
+        // Bind first: a busy port should fail before the model loads.
+        let mut gateway_listeners =
+            vec![gateway_listeners(SocketAddr::new(config.host, config.grpc_port), SocketAddr::new(config.host, config.http_port)).await?];
+        for _ in 1..routers {
+            gateway_listeners.push(gateway_listeners_on(config.host).await?);
+        }
+        let kv_index_listeners = match config.kv_index_port {
+            Some(port) => Some(Listeners { grpc: bind(SocketAddr::new(config.host, port), "kv-index gRPC").await?, admin: None, http: None }),
+            None => None,
+        };
+        let cache_dir = config.worker.engine.cache_dir.clone().unwrap_or_else(default_cache_dir);
+        // Fetch the model up front, once, before the workers look for it.
+        if let Some(entry) = catalog_entry(&config.worker.engine.model) {
+            let (model, progress) = (config.worker.engine.model.clone(), if options.progress { Progress::Bars } else { Progress::Quiet });
+            tokio::task::spawn_blocking(move || pull(entry, &cache_dir, progress)).await?.with_context(|| format!("fetching model {model}"))?;
+        }
+
+        let registry = Registry::Memory(MemoryRegistry::new());
+        let clients = WorkerClients::default();
+        let shared_index = Arc::new(KvIndex::new());
+        let log = match &options.event_log {
+            Some((url, namespace)) => Some(EventLog::new(url, namespace).context("bad Redis URL for the KV event log")?),
+            None => None,
+        };
+        let mut services = Vec::new();
+
+        let roles = config.roles();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = config.worker.engine.threads.unwrap_or_else(|| (cores / roles.len()).max(1));
+        let mut workers = Vec::new();
+        for (name, role) in roles {
+            let id = WorkerId::from(format!("{}{name}", options.worker_id_prefix));
+            let mut worker = WorkerConfig {
+                worker_id: Some(id.to_string()),
+                role,
+                engine: config.worker.engine.clone(),
+                transfer: config.worker.transfer.clone(),
+                ..WorkerConfig::default()
+            };
+            worker.engine.threads = Some(threads);
+            worker.server.shutdown_grace_secs = config.shutdown_grace_secs;
+            let events = match &log {
+                Some(log) => KvEventSink::Log(log.clone()),
+                None => KvEventSink::Index(shared_index.clone()),
+            };
+            let deps = WorkerDeps { registry: Some(registry.clone()), events, local: Some(clients.clone()) };
+            let listeners = Listeners::loopback().await?;
+            let addresses =
+                BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: listeners.admin.as_ref().map(|l| l.local_addr()).transpose()?, http: None };
+            services.push((format!("worker {id}"), tokio::spawn(turbine_worker::serve(worker, deps, listeners, shutdown.clone()))));
+            workers.push((id, addresses));
+        }
+        // Workers load their models side by side; each is ready when its
+        // health says so.
+        let mut embedded = Vec::new();
+        for (id, addresses) in workers {
+            let (name, task) = services.iter_mut().find(|(name, _)| *name == format!("worker {id}")).expect("spawned above");
+            let endpoint = addresses.grpc_endpoint();
+            tokio::select! {
+                () = turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::WORKER) => {}
+                ended = task => return Err(ended.context("a worker panicked")?.err().unwrap_or_else(|| anyhow::anyhow!("{name} stopped before it was ready"))),
+                () = tokio::time::sleep(LOAD_TIMEOUT) => anyhow::bail!("{name} did not load its model within {LOAD_TIMEOUT:?}"),
+            }
+            let client = clients.client(&id, &addresses.grpc_endpoint())?;
+            embedded.push(EmbeddedWorker { id, client, addresses });
+        }
+        let model = embedded[0].client.model_card().await?.name;
+
+        let mut router_clients = Vec::new();
+        for replica in 0..routers {
+            let mut router = RouterConfig { routing: config.router.clone(), poll_interval_ms: 100, ..RouterConfig::default() };
+            router.server.shutdown_grace_secs = config.shutdown_grace_secs;
+            let (index, peers) = match (&log, &options.event_log) {
+                (Some(log), Some((url, namespace))) => {
+                    // Replicas see each other's bookings, as separate processes do.
+                    let peers =
+                        (routers > 1).then(|| PeerLoad::new(url, namespace, &format!("embedded-{}-{replica}", std::process::id()))).transpose()?;
+                    (IndexSource::Log(log.clone()), peers)
+                }
+                _ => (IndexSource::Shared(shared_index.clone()), None),
+            };
+            let deps = RouterDeps { registry: registry.clone(), index, peers, workers: clients.clone() };
+            let running = turbine_router::start(router, deps, Listeners::loopback().await?, shutdown.clone()).await?;
+            router_clients.push(RouterClient::new(running.local.clone()));
+            services.push((format!("router {replica}"), tokio::spawn(running.finished())));
+        }
+
+        let kv_index = match kv_index_listeners {
+            Some(listeners) => {
+                let addresses = BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: None, http: None };
+                let mut kv_config = KvIndexConfig::default();
+                kv_config.server.shutdown_grace_secs = config.shutdown_grace_secs;
+                let feed = match &log {
+                    Some(log) => IndexFeed::Log(log.clone()),
+                    None => IndexFeed::InProcess(shared_index.clone()),
+                };
+                let deps = KvIndexDeps { registry: registry.clone(), feed, workers: clients.clone() };
+                services.push(("kv-index".to_owned(), tokio::spawn(turbine_kv_index::serve(kv_config, deps, listeners, shutdown.clone()))));
+                let client = match &log {
+                    Some(_) => KvIndexClient::connect(&addresses.grpc_endpoint())?,
+                    None => KvIndexClient::new(Arc::new(LocalKvIndex::new(shared_index.clone()))),
+                };
+                Some((client, addresses))
+            }
+            None => None,
+        };
+
+        let mut gateways = Vec::new();
+        let mut front_tasks = Vec::new();
+        for (replica, (listeners, router)) in gateway_listeners.into_iter().zip(&router_clients).enumerate() {
+            let mut gateway = GatewayConfig { admission: config.gateway.clone(), ..GatewayConfig::default() };
+            gateway.server.shutdown_grace_secs = config.shutdown_grace_secs;
+            if replica == 0 {
+                gateway.server.addresses_file = config.addresses_file.clone();
+            }
+            let addresses =
+                BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: None, http: listeners.http.as_ref().map(|l| l.local_addr()).transpose()? };
+            let deps = GatewayDeps { router: router.clone(), workers: clients.clone() };
+            front_tasks.push((format!("gateway {replica}"), tokio::spawn(turbine_gateway::serve(gateway, deps, listeners, front.clone()))));
+            gateways.push(addresses);
+        }
+        let cluster = Self {
+            gateways,
+            routers: router_clients,
+            workers: embedded,
+            kv_index,
+            model,
+            front: front_tasks,
+            services,
+            backend: backend.drop_guard(),
+        };
+        for gateway in &cluster.gateways {
+            cluster.until_listed(gateway).await?;
+        }
+        Ok(cluster)
+    }
+
+    /// Waits until the gateway at `addresses` lists the model (its catalog
+    /// learned it from the router), asking its own API.
+    async fn until_listed(&self, addresses: &BoundAddrs) -> anyhow::Result<()> {
+        let endpoint = addresses.grpc_endpoint();
+        turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::GATEWAY_INFERENCE).await;
+        let mut client = InferenceClient::new(turbine_runtime::grpc::channel(&endpoint)?);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let listed = client.list_models(ListModelsRequest {}).await?.into_inner().models;
+            if listed.iter().any(|model| model.name == self.model) {
+                return Ok(());
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "the gateway at {endpoint} did not list {} within a minute", self.model);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The first gateway's OpenAI base URL (`http://127.0.0.1:8000`).
+    pub fn http_url(&self) -> String {
+        format!("http://{}", self.gateways[0].http.expect("gateways serve HTTP"))
+    }
+
+    /// Every gateway's addresses (one per router replica).
+    pub fn gateways(&self) -> &[BoundAddrs] {
+        &self.gateways
+    }
+
+    /// The first gateway's gRPC endpoint (`turbine.gateway.v1`).
+    pub fn grpc_endpoint(&self) -> String {
+        self.gateways[0].grpc_endpoint()
+    }
+
+    /// The served model's name.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// The first router's client.
+    pub fn router(&self) -> &RouterClient {
+        &self.routers[0]
+    }
+
+    /// The workers.
+    pub fn workers(&self) -> &[EmbeddedWorker] {
+        &self.workers
+    }
+
+    /// The kv-index, when asked for.
+    pub fn kv_index(&self) -> Option<&(KvIndexClient, BoundAddrs)> {
+        self.kv_index.as_ref()
+    }
+
+    /// Resolves once every service has drained after the shutdown token
+    /// fired — the gateways first, then what serves them — and returns the
+    /// first failure, if any.
+    pub async fn finished(self) -> anyhow::Result<()> {
+        let mut result = Ok(());
+        for (name, task) in self.front {
+            keep_first_failure(&mut result, &name, task.await);
+        }
+        drop(self.backend);
+        for (name, task) in self.services {
+            keep_first_failure(&mut result, &name, task.await);
+        }
+        tracing::info!("turbine stopped");
+        result
+    }
+}
+
+/// Folds a service task's outcome into `result`, keeping the first failure.
+fn keep_first_failure(result: &mut anyhow::Result<()>, name: &str, ended: Result<anyhow::Result<()>, tokio::task::JoinError>) {
+    let ended = ended.with_context(|| format!("{name} panicked")).and_then(|served| served.with_context(|| format!("{name} failed")));
+    if let (Err(error), Ok(())) = (ended, &*result) {
+        *result = Err(error);
+    }
+}
+
+/// A gateway's gRPC and HTTP listeners at the given addresses.
+async fn gateway_listeners(grpc: SocketAddr, http: SocketAddr) -> anyhow::Result<Listeners> {
+    Ok(Listeners { grpc: bind(grpc, "gRPC").await?, admin: None, http: Some(bind(http, "HTTP").await?) })
+}
+
+/// A gateway's listeners on free ports of `host`.
+async fn gateway_listeners_on(host: std::net::IpAddr) -> anyhow::Result<Listeners> {
+    gateway_listeners(SocketAddr::new(host, 0), SocketAddr::new(host, 0)).await
+}

@@ -1,0 +1,148 @@
+//! The embedded cluster in this process on the native engine (the real
+//! model), and the contracts between its services.
+
+use serde_json::json;
+use turbine_cluster::sandbox::{Sandbox, streamed_text};
+use turbine_engine::{MAX_LOGPROBS, SamplingParams};
+use turbine_gateway::openai::types::parse_chat;
+use turbine_gateway::{GatewayError, TextRequest};
+
+const MODEL: &str = "smollm2-135m";
+
+fn chat(json: &str) -> Result<TextRequest, GatewayError> {
+    parse_chat(json.as_bytes()).map(|(request, _)| request)
+}
+
+#[tokio::test]
+async fn the_native_engine_answers_through_the_gateway() {
+    // The default engine: the real model.
+    let mut config = Sandbox::native();
+    config.worker.engine.kv_cache_mib = 64;
+    let sandbox = Sandbox::start(config).await;
+    let question = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        "temperature": 0,
+        "max_tokens": 32,
+    });
+    let (status, first) = sandbox.post("/v1/chat/completions", &question).await;
+    assert_eq!(status, 200, "{first}");
+    let answer = first["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "greedy answer {answer:?}");
+    assert_eq!(first["choices"][0]["finish_reason"], "stop", "the model ends its answer on its own");
+
+    // Again: the prompt's full blocks come from the prefix cache, and the
+    // greedy answer is the same.
+    let (_, second) = sandbox.post("/v1/chat/completions", &question).await;
+    assert_eq!(second["choices"][0]["message"]["content"], answer);
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), (prompt_tokens - 1) / 16 * 16);
+
+    // Seeded sampling with every sampler knob repeats itself.
+    let seeded = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a sentence about rivers."}],
+        "temperature": 0.9, "top_p": 0.95, "top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1,
+        "presence_penalty": 0.2, "frequency_penalty": 0.2, "seed": 7, "max_tokens": 20, "ignore_eos": true,
+    });
+    let (_, a) = sandbox.post("/v1/chat/completions", &seeded).await;
+    let (_, b) = sandbox.post("/v1/chat/completions", &seeded).await;
+    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+    assert_eq!(a["usage"]["completion_tokens"], 20);
+
+    // Chat log-probabilities: one entry per token, spelling out the text,
+    // the greedy token first among its alternatives.
+    let (status, body) = sandbox
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "Count to five."}], "temperature": 0,
+                    "max_tokens": 6, "ignore_eos": true, "logprobs": true, "top_logprobs": 3}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let entries = body["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(entries.len(), 6);
+    let spelled: String = entries.iter().map(|entry| entry["token"].as_str().unwrap()).collect();
+    assert_eq!(spelled, body["choices"][0]["message"]["content"].as_str().unwrap());
+    for entry in entries {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["token"], entry["token"], "greedy picks the most likely token");
+        let logprob = entry["logprob"].as_f64().unwrap();
+        assert!(logprob <= 0.0 && (logprob - top[0]["logprob"].as_f64().unwrap()).abs() < 1e-6);
+        assert!(top.windows(2).all(|pair| pair[0]["logprob"].as_f64() >= pair[1]["logprob"].as_f64()));
+    }
+
+    // Streamed completion log-probabilities: chunks carry their tokens' entries.
+    let events = sandbox.sse(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5, "ignore_eos": true, "temperature": 0, "logprobs": 2, "stream": true}),
+    )
+    .await;
+    let chunks: Vec<serde_json::Value> = events.iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+    let tokens: Vec<String> = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["logprobs"]["tokens"].as_array().cloned())
+        .flatten()
+        .map(|token| token.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(tokens.len(), 5);
+    assert_eq!(tokens.concat(), streamed_text(&events));
+    let offsets: Vec<u64> = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["logprobs"]["text_offset"].as_array().cloned())
+        .flatten()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert_eq!(offsets[4] as usize, tokens[..4].concat().chars().count());
+    sandbox.stop().await;
+}
+
+/// The gateway and the workers apply one definition of the sampling
+/// ranges: every value one refuses, the other refuses too, naming the
+/// same parameter.
+#[test]
+fn the_gateway_and_the_worker_refuse_the_same_sampling_values() {
+    use turbine_proto::worker::v1 as pb;
+    let out_of_range: [(&str, f32); 10] = [
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("top_p", 0.0),
+        ("top_p", 1.1),
+        ("presence_penalty", -2.5),
+        ("frequency_penalty", 2.5),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 10.5),
+        ("min_p", -0.5),
+    ];
+    for (param, value) in out_of_range {
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"{param}":{value}}}"#);
+        let gateway = chat(&body).unwrap_err();
+        assert_eq!(gateway.param.as_deref(), Some(param), "the gateway names {param}={value}: {gateway:?}");
+        let mut wire = pb::SamplingParams::default();
+        let field = match param {
+            "temperature" => &mut wire.temperature,
+            "top_p" => &mut wire.top_p,
+            "presence_penalty" => &mut wire.presence_penalty,
+            "frequency_penalty" => &mut wire.frequency_penalty,
+            "min_p" => &mut wire.min_p,
+            _ => &mut wire.repetition_penalty,
+        };
+        *field = Some(value);
+        let worker = SamplingParams::try_from(wire).unwrap_err();
+        assert!(worker.to_string().starts_with(param), "the worker refuses {param}={value} naming it: {worker}");
+    }
+    // And the edges both accept.
+    for (param, value) in [("temperature", 2.0), ("top_p", 1.0), ("repetition_penalty", 10.0), ("min_p", 0.0)] {
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"{param}":{value}}}"#);
+        assert!(chat(&body).is_ok(), "the gateway accepts {param}={value}");
+    }
+    let logprobs = pb::SamplingParams { logprobs: Some(MAX_LOGPROBS + 1), ..Default::default() };
+    assert!(SamplingParams::try_from(logprobs).is_err());
+    assert!(
+        chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"logprobs":true,"top_logprobs":{}}}"#, MAX_LOGPROBS + 1))
+            .is_err()
+    );
+}

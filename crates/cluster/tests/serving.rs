@@ -1,0 +1,336 @@
+//! The embedded cluster in this process, on the mocker: the OpenAI REST
+//! API with a real HTTP client over real sockets, errors, stop strings,
+//! cancellation, admission, the gRPC API, and KV-aware routing.
+//!
+//! The tests take turns (one sandbox at a time): some read the gateway's
+//! metrics, which the process's clusters share.
+
+use serde_json::json;
+use tokio::sync::Mutex;
+use turbine_cluster::sandbox::{Sandbox, streamed_text};
+use turbine_testkit::wait_until;
+use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+use turbine_tokens::{ChatMessage, ModelCard, Preprocessor};
+
+const MODEL: &str = "smollm2-135m";
+
+/// One sandbox at a time.
+static TURN: Mutex<()> = Mutex::const_new(());
+
+fn preprocessor() -> Preprocessor {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 64).unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn rest_api_serves_openai_shapes_with_exact_usage() {
+    let _turn = TURN.lock().await;
+    let sandbox = Sandbox::start(Sandbox::mock(1000.0)).await;
+    let tokens = preprocessor();
+    let requests_before = sandbox.metric("turbine_gateway_requests_total", &[]).await;
+
+    let (status, models) = sandbox.post("/v1/models", &json!({})).await;
+    assert_eq!(status, 405, "POST on a GET route: {models}");
+    let (_, models) = sandbox.get("/v1/models").await;
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL);
+
+    // Chat, not streamed: prompt tokens are the rendered template's.
+    let messages = [ChatMessage::new("user", "What is the capital of France?")];
+    let expected_prompt = tokens.encode_chat(&messages).unwrap().len() as u64;
+    let (status, body) = sandbox
+        .post("/v1/chat/completions", &json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "ignore_eos": true}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["prompt_tokens"], expected_prompt);
+    assert_eq!(body["usage"]["completion_tokens"], 12);
+    assert_eq!(body["usage"]["total_tokens"], expected_prompt + 12);
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(tokens.encode_text(content).unwrap().len(), 12, "12 tokens of clean text: {content:?}");
+
+    // Without max_tokens the mocker answers once through its text and stops.
+    let (status, body) = sandbox.post("/v1/chat/completions", &json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+
+    // Chat, streamed with usage: role chunk, content chunks, finish chunk, usage chunk, [DONE].
+    let events = sandbox
+        .sse(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "Stream please"}], "max_completion_tokens": 9,
+                    "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c.get("usage").is_some()));
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    let usage = &chunks[chunks.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 9);
+    assert_eq!(tokens.encode_text(&streamed_text(&events)).unwrap().len(), 9);
+
+    // Completions: token-id prompt, default max_tokens of 16, stream without usage.
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": [1, 2, 3, 4], "ignore_eos": true})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["usage"]["prompt_tokens"], 4);
+    assert_eq!(body["usage"]["completion_tokens"], 16);
+    let events = sandbox
+        .sse("/v1/completions", &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "stream": true, "ignore_eos": true}))
+        .await;
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()), "usage only with include_usage");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+
+    // The same prompt again is a prefix-cache hit.
+    let long_prompt = "The history of distributed systems is long. ".repeat(40);
+    let request = json!({"model": MODEL, "prompt": long_prompt, "max_tokens": 2});
+    sandbox.post("/v1/completions", &request).await;
+    let (_, body) = sandbox.post("/v1/completions", &request).await;
+    assert!(body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{body}");
+
+    let (_, openapi) = sandbox.get("/openapi.json").await;
+    assert_eq!(openapi["openapi"], "3.1.0");
+    assert_eq!(sandbox.get("/health").await.0, 200);
+    assert_eq!(sandbox.metric("turbine_gateway_requests_total", &[]).await - requests_before, 7.0);
+    sandbox.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
+    let _turn = TURN.lock().await;
+    let sandbox = Sandbox::start(Sandbox::mock(1000.0)).await;
+    let client = reqwest::Client::new();
+    let chat = format!("{}/v1/chat/completions", sandbox.base());
+    let message = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
+        ("malformed json", r#"{"model": "smollm2-135m", "messages": ["#.to_owned(), 400, None),
+        ("empty body", String::new(), 400, None),
+        ("not an object", "[1, 2]".to_owned(), 400, None),
+        ("missing model", json!({"messages": message}).to_string(), 400, Some("model")),
+        ("missing messages", json!({"model": MODEL}).to_string(), 400, Some("messages")),
+        ("wrong type", json!({"model": MODEL, "messages": message, "max_tokens": "ten"}).to_string(), 400, Some("max_tokens")),
+        ("messages not a list", json!({"model": MODEL, "messages": "hi"}).to_string(), 400, Some("messages")),
+        ("negative max_tokens", json!({"model": MODEL, "messages": message, "max_tokens": -1}).to_string(), 400, Some("max_tokens")),
+        ("huge max_tokens", json!({"model": MODEL, "messages": message, "max_tokens": 1_000_000_000_000u64}).to_string(), 400, Some("max_tokens")),
+        ("beyond context", json!({"model": MODEL, "messages": message, "max_tokens": 9000}).to_string(), 400, Some("max_tokens")),
+        ("temperature out of range", json!({"model": MODEL, "messages": message, "temperature": 5}).to_string(), 400, Some("temperature")),
+        ("unknown model", json!({"model": "gpt-9", "messages": message}).to_string(), 404, Some("model")),
+        ("oversized body", json!({"model": MODEL, "messages": [{"role": "user", "content": "x".repeat(5 << 20)}]}).to_string(), 413, None),
+    ];
+    for (name, body, status, param) in cases {
+        let response = client.post(&chat).header("content-type", "application/json").body(body).send().await.unwrap();
+        assert_eq!(response.status().as_u16(), status, "{name}");
+        let error: serde_json::Value = response.json().await.unwrap();
+        let error = &error["error"];
+        assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}: {error}");
+        assert!(error["type"].is_string(), "{name}: {error}");
+        assert!(error.get("param").is_some() && error.get("code").is_some(), "{name}: {error}");
+        if let Some(param) = param {
+            assert_eq!(error["param"], param, "{name}: {error}");
+        }
+    }
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": [999_999]})).await;
+    assert_eq!((status, &body["error"]["param"]), (400, &json!("prompt")), "{body}");
+    let (status, body) = sandbox.get("/v1/nothing-here").await;
+    assert_eq!(status, 404);
+    assert!(body["error"]["message"].is_string());
+
+    // Still serving.
+    let (status, body) = sandbox.post("/v1/chat/completions", &json!({"model": MODEL, "messages": message, "max_tokens": 3})).await;
+    assert_eq!(status, 200, "{body}");
+    sandbox.stop().await;
+}
+
+#[tokio::test]
+async fn stop_strings_match_across_token_boundaries() {
+    let _turn = TURN.lock().await;
+    // Real-time mocker: one token per chunk, so chunk boundaries are token boundaries.
+    let sandbox = Sandbox::start(Sandbox::mock(1.0)).await;
+    let request = |stop: Option<&str>| {
+        let mut body = json!({"model": MODEL, "prompt": "Tell me about turbines", "max_tokens": 40, "seed": 7, "stream": true, "ignore_eos": true});
+        if let Some(stop) = stop {
+            body["stop"] = json!([stop]);
+        }
+        body
+    };
+    let events = sandbox.sse("/v1/completions", &request(None)).await;
+    let pieces: Vec<String> = events[..events.len() - 1]
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).unwrap()["choices"][0]["text"].as_str().map(str::to_owned))
+        .filter(|t| t.len() >= 3)
+        .collect();
+    let full = streamed_text(&events);
+    // A stop string made of the end of one token and the start of the next.
+    let (a, b) = (&pieces[4], &pieces[5]);
+    let stop = format!("{}{}", &a[a.len() - 2..], &b[..2]);
+    let cut = full.find(&stop).unwrap();
+    let events = sandbox.sse("/v1/completions", &request(Some(&stop))).await;
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(streamed_text(&events), full[..cut], "stop {stop:?}");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    sandbox.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_disconnect_cancels_the_worker_sequence() {
+    let _turn = TURN.lock().await;
+    // Real-time mocker: the request would run for tens of seconds.
+    let sandbox = Sandbox::start(Sandbox::mock(1.0)).await;
+    let worker = sandbox.cluster().workers()[0].id.to_string();
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/completions", sandbox.base()))
+        .json(&json!({"model": MODEL, "prompt": "Go on forever", "max_tokens": 5000, "stream": true, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut stream = futures::StreamExt::boxed(response.bytes_stream());
+    for _ in 0..3 {
+        futures::StreamExt::next(&mut stream).await.unwrap().unwrap();
+    }
+    let labels = [("worker", worker.as_str())];
+    assert_eq!(sandbox.metric("turbine_worker_running_sequences", &labels).await, 1.0);
+    assert_eq!(sandbox.cluster().workers()[0].client.load().await.unwrap().running, 1);
+    drop(stream);
+    wait_until("the worker stops generating after the client left", std::time::Duration::from_secs(5), async || {
+        sandbox.cluster().workers()[0].client.load().await.unwrap().running == 0
+    })
+    .await;
+    assert_eq!(sandbox.metric("turbine_worker_kv_blocks_used", &labels).await, 0.0);
+    wait_until("the booking is released", std::time::Duration::from_secs(5), async || {
+        sandbox.cluster().router().workers(None).await.unwrap().iter().all(|worker| worker.in_flight == 0)
+    })
+    .await;
+    sandbox.stop().await;
+}
+
+#[tokio::test]
+async fn grpc_inference_health_and_reflection() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use turbine_proto::gateway::v1 as pb;
+
+    let _turn = TURN.lock().await;
+    let sandbox = Sandbox::start(Sandbox::mock(1000.0)).await;
+    let channel = tonic::transport::Channel::from_shared(sandbox.cluster().grpc_endpoint()).unwrap().connect().await.unwrap();
+
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    let status = health.check(HealthCheckRequest { service: "turbine.gateway.v1.Inference".into() }).await.unwrap();
+    assert_eq!(status.into_inner().status(), ServingStatus::Serving);
+
+    let mut inference = pb::inference_client::InferenceClient::new(channel.clone());
+    let models = inference.list_models(pb::ListModelsRequest {}).await.unwrap().into_inner().models;
+    assert_eq!(models[0].name, MODEL);
+    let request = pb::GenerateRequest {
+        model: MODEL.into(),
+        input: Some(pb::generate_request::Input::Chat(pb::Chat { messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello".into() }] })),
+        max_tokens: Some(10),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut stream = inference.generate(request).await.unwrap().into_inner();
+    let mut text = String::new();
+    let mut last = None;
+    while let Some(message) = stream.message().await.unwrap() {
+        text.push_str(&message.text);
+        last = Some(message);
+    }
+    let last = last.unwrap();
+    assert_eq!(last.finish_reason(), pb::FinishReason::Length);
+    assert_eq!(last.usage.unwrap().completion_tokens, 10);
+    assert!(!text.is_empty());
+
+    let unknown = pb::GenerateRequest { model: "nope".into(), input: Some(pb::generate_request::Input::Prompt("x".into())), ..Default::default() };
+    assert_eq!(inference.generate(unknown).await.unwrap_err().code(), tonic::Code::NotFound);
+    let invalid = pb::GenerateRequest { model: MODEL.into(), input: None, ..Default::default() };
+    assert_eq!(inference.generate(invalid).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+
+    let mut reflection = tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
+    let request = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = reflection.server_reflection_info(futures::stream::iter([request])).await.unwrap().into_inner();
+    let response = responses.message().await.unwrap().unwrap();
+    let Some(tonic_reflection::pb::v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected reflection answer");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(names.contains(&"turbine.gateway.v1.Inference".to_owned()), "{names:?}");
+    assert!(names.contains(&"grpc.health.v1.Health".to_owned()), "{names:?}");
+    sandbox.stop().await;
+}
+
+#[tokio::test]
+async fn requests_beyond_the_concurrency_limit_get_429_with_retry_after() {
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1.0);
+    config.gateway.max_concurrent_requests = 1;
+    let sandbox = Sandbox::start(config).await;
+    let client = reqwest::Client::new();
+    let completions = format!("{}/v1/completions", sandbox.base());
+    let long = client
+        .post(&completions)
+        .json(&json!({"model": MODEL, "prompt": "hold the slot", "max_tokens": 2000, "stream": true, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200);
+    let response = client.post(&completions).json(&json!({"model": MODEL, "prompt": "one more", "max_tokens": 2})).send().await.unwrap();
+    assert_eq!(response.status(), 429);
+    assert_eq!(response.headers()["retry-after"], "1");
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    drop(long);
+    // The slot frees when the first client leaves.
+    wait_until("the slot is released", std::time::Duration::from_secs(5), async || {
+        sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "now", "max_tokens": 2})).await.0 == 200
+    })
+    .await;
+    sandbox.stop().await;
+}
+
+/// With the kv policy, a prompt sent again goes to the worker whose cache
+/// holds it (the engines report the cached tokens); round-robin, over the
+/// same four workers, misses most repeats.
+#[tokio::test]
+async fn kv_routing_sends_repeated_prefixes_to_the_worker_that_cached_them() {
+    async fn cached_share(policy: turbine_router::Policy) -> f64 {
+        let mut config = Sandbox::mock(1000.0);
+        config.workers = 4;
+        config.router.policy = policy;
+        let sandbox = Sandbox::start(config).await;
+        let mut cached = 0;
+        let mut total = 0;
+        for round in 0..4u32 {
+            // Three distinct 320-token prompts (5 blocks of 64), each sent four
+            // times: three prompts over four workers, so round-robin moves
+            // each prompt to another worker every round.
+            for prompt in 0..3u32 {
+                let tokens: Vec<u32> = (0..320).map(|i| 1000 + prompt * 1000 + i).collect();
+                let (status, body) =
+                    sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true})).await;
+                assert_eq!(status, 200, "{body}");
+                if round > 0 {
+                    cached += body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+                    total += 320;
+                }
+            }
+        }
+        sandbox.stop().await;
+        cached as f64 / total as f64
+    }
+    let _turn = TURN.lock().await;
+    let kv = cached_share(turbine_router::Policy::Kv).await;
+    // The engine always computes the last prompt token: 4 of 5 blocks is all a repeat can reuse.
+    assert!((kv - 0.8).abs() < 1e-9, "every repeat should reuse 4 of its 5 blocks: {kv}");
+    let round_robin = cached_share(turbine_router::Policy::RoundRobin).await;
+    assert!(kv > round_robin, "kv {kv} vs round-robin {round_robin}");
+}

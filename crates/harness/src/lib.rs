@@ -1,0 +1,30 @@
+//! Local servers for `turbine bench` and for process tests: real processes
+//! on free ports, ready when they say so (never when a log line appears).
+//!
+//! - [`ChildProcess`]: a spawned program whose output is kept for
+//!   diagnostics, signalled with SIGTERM, killed on drop.
+//! - [`ServiceProcess`]: a Turbine service binary listening on port 0: its
+//!   bound addresses come from `--addresses-file`, its readiness from gRPC
+//!   health.
+//! - [`RedisServer`]: a private `redis-server`, ready when it answers PING.
+
+mod process;
+mod redis_server;
+mod service;
+
+pub use process::ChildProcess;
+pub use redis_server::RedisServer;
+pub use service::{ServiceProcess, addresses_file};
+
+use std::time::Duration;
+
+/// How long a server may take to start before the caller gives up.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A port that was free a moment ago (bound to port 0 and released), for
+/// programs that cannot be handed a bound listener (`ucx_perftest`,
+/// `redis-server`): the caller must cope with it being taken meanwhile.
+/// Turbine's own services take pre-bound listeners and need none.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).and_then(|listener| listener.local_addr()).expect("bind port 0").port()
+}

@@ -1,0 +1,327 @@
+//! The service host: how every Turbine service is served.
+//!
+//! A service is `serve(config, deps, listeners, shutdown)`: its caller binds
+//! the listeners (the configured addresses in a process, port 0 in tests and
+//! in the embedded cluster) and owns the shutdown token. Inside, the service
+//! builds its state and hands the host its gRPC services; the host does the
+//! rest the same way for all of them:
+//!
+//! - gRPC health (NOT_SERVING until the service says its dependencies
+//!   answer) and reflection for the service's packages;
+//! - message-size limits on every service ([`MessageLimits`]);
+//! - one tower stack: a span per call (trace context from the caller), a
+//!   timeout on each handler, a bound on concurrent calls per connection,
+//!   HTTP/2 keep-alives;
+//! - the admin HTTP server (`/metrics`, `/livez`, `/readyz`), and an extra
+//!   HTTP server when the service has one (the gateway's REST API);
+//! - the bound addresses: logged, returned, and written to
+//!   `--addresses-file` for supervisors;
+//! - the drain: on shutdown NOT_SERVING, the service's own last words
+//!   (a worker deregisters), stop accepting, in-flight calls and streams
+//!   finish within the grace period, then the service's background tasks
+//!   (which watch the same token) are awaited.
+//!
+//! ```text
+//! let mut host = Host::new(spec, &config.server, listeners).await;
+//! host.add_service(RouterServer::new(service));
+//! let mut serving = host.start(shutdown.clone())?;
+//! serving.spawn(watch_registry(..));
+//! serving.ready_when(Duration::from_secs(1), probe).await;
+//! serving.until_shutdown(async {}).await
+//! ```
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use turbine_proto::MessageLimits;
+
+use crate::config::{ServerConfig, ServiceDefaults};
+use crate::health::Readiness;
+
+/// What a service tells the host about itself.
+#[derive(Debug, Clone, Copy)]
+pub struct HostSpec {
+    /// Short name, for logs (`router`).
+    pub name: &'static str,
+    /// Fully qualified gRPC services reported by health checks.
+    pub health: &'static [&'static str],
+    /// Encoded descriptor sets of the packages it serves (reflection).
+    pub descriptors: &'static [&'static [u8]],
+    /// Longest a call's handler may run before the call fails with
+    /// CANCELLED (a streaming call's handler ends when its stream starts).
+    pub handler_timeout: Duration,
+}
+
+/// Concurrent calls per client connection at most; more wait their turn.
+const CALLS_PER_CONNECTION: usize = 1024;
+
+/// The listeners of a service, bound by the caller.
+#[derive(Debug)]
+pub struct Listeners {
+    /// gRPC.
+    pub grpc: TcpListener,
+    /// Admin HTTP, when served on its own port.
+    pub admin: Option<TcpListener>,
+    /// A service's own HTTP API (the gateway's REST port).
+    pub http: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// Binds the configured gRPC and admin addresses.
+    pub async fn bind<S: ServiceDefaults>(server: &ServerConfig<S>) -> anyhow::Result<Self> {
+        let grpc = bind(server.grpc_addr, "gRPC").await?;
+        let admin = match server.admin_addr {
+            Some(addr) => Some(bind(addr, "admin").await?),
+            None => None,
+        };
+        Ok(Self { grpc, admin, http: None })
+    }
+
+    /// gRPC and admin on free loopback ports (the embedded cluster, tests).
+    pub async fn loopback() -> anyhow::Result<Self> {
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        Ok(Self { grpc: bind(any, "gRPC").await?, admin: Some(bind(any, "admin").await?), http: None })
+    }
+
+    /// Adds the service's own HTTP listener.
+    pub fn with_http(mut self, http: TcpListener) -> Self {
+        self.http = Some(http);
+        self
+    }
+}
+
+/// Binds `addr`, naming what it is for in the error.
+pub async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.with_context(|| format!("cannot bind the {what} listener on {addr}"))
+}
+
+/// Where a service listens, as bound (port 0 resolved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct BoundAddrs {
+    /// gRPC.
+    pub grpc: SocketAddr,
+    /// Admin HTTP (on the HTTP port when the service has no admin port).
+    pub admin: Option<SocketAddr>,
+    /// The service's own HTTP API.
+    pub http: Option<SocketAddr>,
+}
+
+impl BoundAddrs {
+    /// The gRPC endpoint, as clients dial it (`http://127.0.0.1:50051`).
+    pub fn grpc_endpoint(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    /// The admin base URL (`http://127.0.0.1:9092`), if any.
+    pub fn admin_url(&self) -> Option<String> {
+        self.admin.or(self.http).map(|addr| format!("http://{addr}"))
+    }
+}
+
+/// A service being assembled.
+pub struct Host {
+    spec: HostSpec,
+    readiness: Readiness,
+    routes: Routes,
+    listeners: Listeners,
+    http_router: Option<axum::Router>,
+    grace: Duration,
+    addresses_file: Option<PathBuf>,
+    addresses: BoundAddrs,
+}
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host").field("name", &self.spec.name).field("addresses", &self.addresses).finish_non_exhaustive()
+    }
+}
+
+impl Host {
+    /// A host for `spec` on `listeners`, NOT_SERVING, with health and
+    /// reflection mounted.
+    pub async fn new<S: ServiceDefaults>(spec: HostSpec, server: &ServerConfig<S>, listeners: Listeners) -> anyhow::Result<Self> {
+        let (readiness, health) = Readiness::new(spec.health).await;
+        let routes = crate::grpc::base_routes(health, spec.descriptors);
+        let addresses = BoundAddrs {
+            grpc: listeners.grpc.local_addr()?,
+            admin: listeners.admin.as_ref().map(TcpListener::local_addr).transpose()?,
+            http: listeners.http.as_ref().map(TcpListener::local_addr).transpose()?,
+        };
+        Ok(Self {
+            spec,
+            readiness,
+            routes,
+            listeners,
+            http_router: None,
+            grace: server.grace(),
+            addresses_file: server.addresses_file.clone(),
+            addresses,
+        })
+    }
+
+    /// The switch behind health and `/readyz`.
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
+
+    /// Where the service listens.
+    pub fn addresses(&self) -> BoundAddrs {
+        self.addresses
+    }
+
+    /// Mounts a gRPC service, its message sizes bounded.
+    pub fn add_service<T>(&mut self, service: T)
+    where
+        T: MessageLimits
+            + tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        T::Future: Send + 'static,
+    {
+        let routes = std::mem::take(&mut self.routes);
+        self.routes = routes.add_service(service.with_message_limits());
+    }
+
+    /// Serves `router` on the HTTP listener, with the admin routes merged in.
+    pub fn set_http(&mut self, router: axum::Router) {
+        self.http_router = Some(router);
+    }
+
+    /// Starts serving (still NOT_SERVING); writes the addresses file.
+    pub fn start(self, shutdown: CancellationToken) -> anyhow::Result<Serving> {
+        let Host { spec, readiness, routes, listeners, http_router, grace, addresses_file, addresses } = self;
+        let grpc = tokio::spawn(crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION));
+        let admin_stop = CancellationToken::new();
+        let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), admin_stop.clone())));
+        let http = match (listeners.http, http_router) {
+            (Some(listener), Some(router)) => {
+                let router = router.merge(crate::admin::router(readiness.clone()));
+                Some(tokio::spawn(crate::admin::serve_with_grace(listener, router, shutdown.clone(), grace)))
+            }
+            (Some(_), None) => anyhow::bail!("{}: an HTTP listener without an HTTP API", spec.name),
+            (None, _) => None,
+        };
+        if let Some(path) = &addresses_file {
+            write_addresses(path, &addresses).with_context(|| format!("cannot write the addresses file {}", path.display()))?;
+        }
+        tracing::info!(service = spec.name, grpc = %addresses.grpc, admin = ?addresses.admin, http = ?addresses.http, "serving");
+        Ok(Serving { name: spec.name, readiness, shutdown, grpc, http, admin, admin_stop, tasks: Vec::new(), addresses })
+    }
+}
+
+/// Writes `addresses` to `path` atomically (a reader never sees half).
+fn write_addresses(path: &std::path::Path, addresses: &BoundAddrs) -> std::io::Result<()> {
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, serde_json::to_vec(addresses).expect("addresses serialize"))?;
+    std::fs::rename(partial, path)
+}
+
+/// A service that serves.
+pub struct Serving {
+    name: &'static str,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+    grpc: JoinHandle<Result<(), tonic::transport::Error>>,
+    http: Option<JoinHandle<std::io::Result<()>>>,
+    admin: Option<JoinHandle<std::io::Result<()>>>,
+    admin_stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    addresses: BoundAddrs,
+}
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Serving").field("name", &self.name).field("addresses", &self.addresses).finish_non_exhaustive()
+    }
+}
+
+impl Serving {
+    /// The switch behind health and `/readyz`.
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
+
+    /// Where the service listens.
+    pub fn addresses(&self) -> BoundAddrs {
+        self.addresses
+    }
+
+    /// A background task of the service: it ends when the shutdown token
+    /// fires, and is awaited after the drain.
+    pub fn spawn(&mut self, task: JoinHandle<()>) {
+        self.tasks.push(task);
+    }
+
+    /// Turns SERVING once `probe` answers true and follows it every
+    /// `interval` (see [`Readiness::watch_dependencies`]).
+    pub async fn ready_when<P, F>(&mut self, interval: Duration, probe: P)
+    where
+        P: Fn() -> F + Send + 'static,
+        F: Future<Output = bool> + Send,
+    {
+        let task = self.readiness.watch_dependencies(interval, self.shutdown.clone(), probe).await;
+        self.tasks.push(task);
+    }
+
+    /// Serves until the shutdown token fires, then drains: NOT_SERVING,
+    /// `before_drain` (e.g. leaving the registry), in-flight calls finish
+    /// within the grace period, background tasks end.
+    pub async fn until_shutdown(self, before_drain: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let Serving { name, readiness, shutdown, grpc, http, admin, admin_stop, tasks, addresses: _ } = self;
+        shutdown.cancelled().await;
+        readiness.drain().await;
+        before_drain.await;
+        let grpc = grpc.await.context("the gRPC server panicked")?;
+        let http = match http {
+            Some(http) => http.await.context("the HTTP server panicked")?,
+            None => Ok(()),
+        };
+        for task in tasks {
+            let _ = task.await;
+        }
+        admin_stop.cancel();
+        if let Some(admin) = admin {
+            let _ = admin.await;
+        }
+        grpc.context("the gRPC server failed")?;
+        http.context("the HTTP server failed")?;
+        tracing::info!(service = name, "stopped");
+        Ok(())
+    }
+}
+
+/// A service started in the background (the embedded cluster runs every
+/// service this way): what it hands callers in this process, and its end.
+#[derive(Debug)]
+pub struct Running<T> {
+    /// The service's in-process handle (its router, its index...).
+    pub local: T,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl<T> Running<T> {
+    /// Runs `serving` (the drain included) in the background.
+    pub fn spawn(local: T, serving: impl Future<Output = anyhow::Result<()>> + Send + 'static) -> Self {
+        Self { local, task: tokio::spawn(serving) }
+    }
+
+    /// Resolves when the service has drained after its shutdown token
+    /// fired, with how it ended.
+    pub async fn finished(self) -> anyhow::Result<()> {
+        self.task.await.context("the service panicked")?
+    }
+}

@@ -1,0 +1,208 @@
+//! The worker's UCX side: one thread owns the UCX workers, keeps the
+//! engine's KV pool registered (so peers read pinned blocks with one-sided
+//! gets, the engine uninvolved), and runs this worker's own reads of peers'
+//! blocks. It sleeps in UCX's wakeup while idle, woken by the network
+//! (transports such as TCP need the owner to progress) or by a new job.
+//!
+//! Two UCX contexts: the main one (UCX's transport choice, endpoints with
+//! peer error handling, so a dead peer fails reads instead of hanging
+//! them), and, unless `UCX_TLS` restricts transports, a shared-memory-only
+//! one for peers on the same machine: UCX's shared-memory transports do not
+//! support peer error handling, so with it they would never be chosen and
+//! same-machine reads would go over TCP at a tenth of the bandwidth.
+//!
+//! A prefill worker's pool itself comes from UCX's shared-memory allocator
+//! ([`ShmPool`]) when it can: a decode worker on the same machine then maps
+//! the pool (`ucp_rkey_ptr`) and its copy threads read the blocks straight
+//! out of it, with nothing asked of the prefill worker (not even progress)
+//! and nothing a dead prefill worker could leave hanging. Pools UCX did not
+//! allocate, and peers on other machines, are read with `ucp_get_nbx`.
+
+mod copy;
+mod serve;
+mod shm;
+
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use turbine_engine::{DeviceMemory, KvMemory, UcxRegion};
+use turbine_ucx::{Context, MemoryRegion, UcxError, Waker, Worker};
+
+pub use shm::ShmPool;
+
+/// How long cancelled reads get to let go of their buffers.
+pub(crate) const ABANDON_GRACE: Duration = Duration::from_millis(200);
+
+/// Blocks read from a peer.
+#[derive(Debug)]
+pub struct Pulled {
+    /// The blocks back to back.
+    pub bytes: Vec<u8>,
+    /// Time spent posting the reads (not waiting for them).
+    pub post: Duration,
+    /// Time from the first post to the last completion.
+    pub total: Duration,
+    /// Whether the blocks were copied out of the peer's pool mapped into
+    /// this process (else read with gets).
+    pub mapped: bool,
+}
+
+/// One read for the UCX thread.
+pub(crate) struct Job {
+    pub(crate) peer: Vec<u8>,
+    pub(crate) remote_key: Vec<u8>,
+    pub(crate) shm_peer: Vec<u8>,
+    pub(crate) shm_remote_key: Vec<u8>,
+    pub(crate) addresses: Vec<u64>,
+    pub(crate) block_bytes: usize,
+    pub(crate) into: Vec<u8>,
+    pub(crate) deadline: Instant,
+    pub(crate) reply: tokio::sync::oneshot::Sender<Result<Pulled, String>>,
+}
+/// The UCX thread of a worker.
+pub struct UcxAgent {
+    jobs: Option<mpsc::Sender<Job>>,
+    waker: Waker,
+    region: Option<UcxRegion>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for UcxAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxAgent").field("serves_memory", &self.region.is_some()).finish()
+    }
+}
+
+impl UcxAgent {
+    /// Starts the thread; registers `memory` for peers when given (with
+    /// `pool`'s region, when `pool` allocated it).
+    pub fn start(memory: Option<&KvMemory>, pool: Option<Arc<ShmPool>>) -> Result<Self, String> {
+        let (jobs, receiver) = mpsc::channel();
+        let (ready, started) = mpsc::channel();
+        let memory = memory.cloned();
+        let thread = std::thread::Builder::new()
+            .name("turbine-ucx".into())
+            .spawn(move || {
+                // Host pools are registered with both contexts; a device
+                // pool only with the main one (shared memory cannot map it).
+                let register = |context: &Context, main: bool| -> Result<Option<Arc<MemoryRegion>>, UcxError> {
+                    let Some(memory) = &memory else { return Ok(None) };
+                    // SAFETY: the pool lives as long as `memory`, which this
+                    // thread holds past the regions' drop.
+                    #[allow(unsafe_code)]
+                    let region = match (memory.buffer(), memory.device()) {
+                        (Some(buffer), _) => unsafe { MemoryRegion::register(context, buffer.as_ptr(), buffer.len()) }?,
+                        (None, Some(device)) if main => match device.kind() {
+                            DeviceMemory::Cuda(_) => unsafe { MemoryRegion::register_cuda(context, device.address(), device.len()) }?,
+                        },
+                        _ => return Ok(None),
+                    };
+                    Ok(Some(Arc::new(region)))
+                };
+                type Region = Option<Arc<MemoryRegion>>;
+                type Setup = (Worker, Region, Option<(Worker, Region)>, Option<UcxRegion>);
+                let setup = || -> Result<Setup, UcxError> {
+                    let context = Context::with_wakeup()?;
+                    let worker = Worker::new(&context)?;
+                    let region = register(&context, true)?;
+                    let shm_context = match &pool {
+                        Some(pool) => Ok(Some(pool.context.clone())),
+                        None => shm::shm_context(),
+                    };
+                    let shm = shm_context.and_then(|context| {
+                        let Some(context) = context else { return Ok(None) };
+                        let allocated = match (&pool, &memory) {
+                            (Some(pool), Some(memory)) => pool.region_of(memory),
+                            _ => None,
+                        };
+                        let region = match allocated {
+                            Some(region) => Some(region),
+                            None => register(&context, false)?,
+                        };
+                        Ok(Some((Worker::new(&context)?, region)))
+                    });
+                    let shm = shm.unwrap_or_else(|error: UcxError| {
+                        tracing::debug!(%error, "no shared-memory UCX context; same-machine reads use the main one");
+                        None
+                    });
+                    let described = match &region {
+                        Some(region) => Some(UcxRegion {
+                            worker_address: worker.address()?,
+                            remote_key: region.packed_rkey()?,
+                            base_address: region.address(),
+                            length: region.len() as u64,
+                            shm_worker_address: match &shm {
+                                Some((shm_worker, Some(_))) => shm_worker.address()?,
+                                _ => Vec::new(),
+                            },
+                            shm_remote_key: match &shm {
+                                Some((_, Some(shm_region))) => shm_region.packed_rkey()?,
+                                _ => Vec::new(),
+                            },
+                        }),
+                        None => None,
+                    };
+                    Ok((worker, region, shm, described))
+                };
+                match setup() {
+                    Ok((worker, region, shm, described)) => {
+                        let _ = ready.send(Ok((worker.waker(), described)));
+                        serve::serve(&worker, shm.as_ref().map(|(shm_worker, _)| shm_worker), &receiver);
+                        drop(region);
+                        drop(shm);
+                        drop(memory);
+                    }
+                    Err(error) => {
+                        let _ = ready.send(Err(error.to_string()));
+                    }
+                }
+            })
+            .map_err(|error| format!("cannot start the UCX thread: {error}"))?;
+        let (waker, region) = started.recv().map_err(|_| "the UCX thread died while starting".to_owned())??;
+        Ok(Self { jobs: Some(jobs), waker, region, thread: Some(thread) })
+    }
+
+    /// What peers need to read this worker's KV pool (None without one).
+    pub fn region(&self) -> Option<&UcxRegion> {
+        self.region.as_ref()
+    }
+
+    /// Reads `block_bytes` at each of `offsets` (relative to the peer's
+    /// region) into `into` (resized; pass a used buffer back to skip
+    /// faulting in fresh pages), giving up after `timeout`.
+    pub async fn pull(&self, peer: &UcxRegion, offsets: &[u64], block_bytes: usize, into: Vec<u8>, timeout: Duration) -> Result<Pulled, String> {
+        if let Some(&offset) = offsets.iter().find(|&&offset| offset.saturating_add(block_bytes as u64) > peer.length) {
+            return Err(format!("block at offset {offset} lies outside the peer's region"));
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let give_up = tokio::time::Instant::now() + timeout + ABANDON_GRACE + Duration::from_secs(1);
+        let job = Job {
+            peer: peer.worker_address.clone(),
+            remote_key: peer.remote_key.clone(),
+            shm_peer: peer.shm_worker_address.clone(),
+            shm_remote_key: peer.shm_remote_key.clone(),
+            addresses: offsets.iter().map(|offset| peer.base_address + offset).collect(),
+            block_bytes,
+            into,
+            deadline: Instant::now() + timeout,
+            reply,
+        };
+        self.jobs.as_ref().ok_or("the UCX thread stopped")?.send(job).map_err(|_| "the UCX thread stopped".to_owned())?;
+        self.waker.wake();
+        match tokio::time::timeout_at(give_up, answer).await {
+            Ok(answer) => answer.map_err(|_| "the UCX thread dropped the read".to_owned())?,
+            Err(_) => Err("the UCX thread did not answer in time".to_owned()),
+        }
+    }
+}
+
+impl Drop for UcxAgent {
+    fn drop(&mut self) {
+        self.jobs = None;
+        self.waker.wake();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! DESIGN §5's cost function and the choice among candidates: pure, no
+//! index and no transport.
+
+use rand::Rng;
+use turbine_kv::{Tier, WorkerMatch};
+
+/// Weights of the cost function; every field can be overridden per request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvWeights {
+    /// Credit for a matched block in engine memory.
+    pub device_credit: f64,
+    /// Credit for a matched block in host memory.
+    pub host_credit: f64,
+    /// Credit for a matched block on local disk.
+    pub disk_credit: f64,
+    /// Credit for a matched block in a remote KV store.
+    pub remote_credit: f64,
+    /// Weight of prefill work against decode load.
+    pub prefill_load_scale: f64,
+    /// 0 picks the cheapest worker; above 0 samples, hotter is more random.
+    pub temperature: f64,
+}
+
+/// Turbine's defaults, tuned on the Mooncake replays (docs/benchmarks.md).
+/// Against [`KvWeights::DYNAMO`]: prefill work is weighed 100× the decode
+/// load, because in an engine with chunked prefill a request waits for the
+/// prefill queued ahead of it, while decoding sequences only stretch each
+/// step a little; and a cached block is worth 8 blocks of prefill, not 1,
+/// because a hit given up to balance load is computed again and that work
+/// delays every later request too. The tiers keep Dynamo's proportions.
+impl Default for KvWeights {
+    fn default() -> Self {
+        Self { device_credit: 8.0, host_credit: 6.0, disk_credit: 2.0, remote_credit: 0.8, prefill_load_scale: 100.0, temperature: 0.0 }
+    }
+}
+
+impl KvWeights {
+    /// Dynamo's default weights (DESIGN §5's baseline): a cached block
+    /// saves one block of prefill, prefill and decode blocks weigh the same.
+    pub const DYNAMO: Self =
+        Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 };
+
+    /// Checks that every weight is finite and non-negative.
+    pub fn validate(&self) -> Result<(), String> {
+        let fields = [
+            ("device_credit", self.device_credit),
+            ("host_credit", self.host_credit),
+            ("disk_credit", self.disk_credit),
+            ("remote_credit", self.remote_credit),
+            ("prefill_load_scale", self.prefill_load_scale),
+            ("temperature", self.temperature),
+        ];
+        for (name, value) in fields {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!("kv weight {name} must be a finite non-negative number, got {value}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// These weights with a device credit of `device` and the other tiers
+    /// in Dynamo's proportions to it (host 0.75, disk 0.25, remote 0.1).
+    pub fn with_device_credit(self, device: f64) -> Self {
+        Self { device_credit: device, host_credit: 0.75 * device, disk_credit: 0.25 * device, remote_credit: 0.1 * device, ..self }
+    }
+
+    /// The credit of one matched block in `tier`.
+    pub fn credit(&self, tier: Tier) -> f64 {
+        match tier {
+            Tier::Device => self.device_credit,
+            Tier::Host => self.host_credit,
+            Tier::Disk => self.disk_credit,
+            Tier::Remote => self.remote_credit,
+        }
+    }
+}
+
+/// Per-request overrides of [`KvWeights`]; unset fields keep the router's.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KvOverrides {
+    /// See [`KvWeights::device_credit`].
+    pub device_credit: Option<f64>,
+    /// See [`KvWeights::host_credit`].
+    pub host_credit: Option<f64>,
+    /// See [`KvWeights::disk_credit`].
+    pub disk_credit: Option<f64>,
+    /// See [`KvWeights::remote_credit`].
+    pub remote_credit: Option<f64>,
+    /// See [`KvWeights::prefill_load_scale`].
+    pub prefill_load_scale: Option<f64>,
+    /// See [`KvWeights::temperature`].
+    pub temperature: Option<f64>,
+}
+
+impl KvOverrides {
+    /// `base` with these overrides applied.
+    pub fn apply(&self, base: KvWeights) -> KvWeights {
+        KvWeights {
+            device_credit: self.device_credit.unwrap_or(base.device_credit),
+            host_credit: self.host_credit.unwrap_or(base.host_credit),
+            disk_credit: self.disk_credit.unwrap_or(base.disk_credit),
+            remote_credit: self.remote_credit.unwrap_or(base.remote_credit),
+            prefill_load_scale: self.prefill_load_scale.unwrap_or(base.prefill_load_scale),
+            temperature: self.temperature.unwrap_or(base.temperature),
+        }
+    }
+}
+
+/// What the cost function sees of one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KvCandidate {
+    /// The prompt's length in the worker's blocks.
+    pub prompt_blocks: u32,
+    /// Leading prompt blocks the worker caches, by fastest tier.
+    pub matched_by_tier: [u32; 4],
+    /// Blocks booked on the worker and not yet prefilled.
+    pub active_prefill_blocks: u64,
+    /// Blocks of the sequences booked on the worker.
+    pub active_decode_blocks: u64,
+    /// Blocks the worker caches in all (tie-break: smaller first).
+    pub cached_tree: usize,
+}
+
+impl KvCandidate {
+    /// Leading prompt blocks cached in any tier.
+    pub fn matched(&self) -> u32 {
+        self.matched_by_tier.iter().sum()
+    }
+
+    /// Fills the match from an index answer.
+    pub fn with_match(mut self, matched: Option<&WorkerMatch>) -> Self {
+        if let Some(matched) = matched {
+            self.matched_by_tier = matched.by_tier;
+        }
+        self
+    }
+}
+
+/// DESIGN §5's cost of sending the request to `candidate`.
+pub fn cost(weights: &KvWeights, candidate: &KvCandidate) -> f64 {
+    let prompt_blocks = candidate.prompt_blocks;
+    let credits: f64 = Tier::ALL.iter().map(|&tier| weights.credit(tier) * f64::from(candidate.matched_by_tier[tier as usize])).sum();
+    // Not clamped at 0: see the module docs.
+    let prefill = candidate.active_prefill_blocks as f64 + f64::from(prompt_blocks) - credits;
+    weights.prefill_load_scale * prefill + candidate.active_decode_blocks as f64 + f64::from(prompt_blocks)
+}
+
+/// Picks a candidate index (`candidates` must not be empty).
+pub fn choose(weights: &KvWeights, candidates: &[KvCandidate], rng: &mut impl Rng) -> usize {
+    debug_assert!(!candidates.is_empty());
+    let costs: Vec<f64> = candidates.iter().map(|c| cost(weights, c)).collect();
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if weights.temperature > 0.0 && max > min {
+        let range = max - min;
+        let logits: Vec<f64> = costs.iter().map(|c| -((c - min) / range) / weights.temperature).collect();
+        let total: f64 = logits.iter().map(|l| l.exp()).sum();
+        let mut draw = rng.random::<f64>() * total;
+        for (index, logit) in logits.iter().enumerate() {
+            draw -= logit.exp();
+            if draw <= 0.0 {
+                return index;
+            }
+        }
+        return logits.len() - 1;
+    }
+    let cheapest: Vec<usize> = (0..costs.len()).filter(|&i| costs[i] <= min + 1e-9).collect();
+    let smallest_tree = cheapest.iter().map(|&i| candidates[i].cached_tree).min().expect("candidates not empty");
+    let ties: Vec<usize> = cheapest.into_iter().filter(|&i| candidates[i].cached_tree == smallest_tree).collect();
+    ties[rng.random_range(0..ties.len())]
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::*;
+
+    fn candidate(prompt_blocks: u32, device: u32, prefill: u64, decode: u64) -> KvCandidate {
+        KvCandidate {
+            prompt_blocks,
+            matched_by_tier: [device, 0, 0, 0],
+            active_prefill_blocks: prefill,
+            active_decode_blocks: decode,
+            cached_tree: 0,
+        }
+    }
+
+    #[test]
+    fn cost_follows_the_design_formula() {
+        let weights = KvWeights::DYNAMO;
+        // 10-block prompt, 4 cached on device, 3 blocks queued for prefill, 20 decoding.
+        assert_eq!(cost(&weights, &candidate(10, 4, 3, 20)), (3.0 + 10.0 - 4.0) + 20.0 + 10.0);
+        let host = KvCandidate { matched_by_tier: [0, 4, 0, 0], ..candidate(10, 0, 3, 20) };
+        assert_eq!(cost(&weights, &host), (3.0 + 10.0 - 3.0) + 20.0 + 10.0);
+        // Dynamo's credits never exceed the prompt: prefill stays ≥ 0.
+        assert_eq!(cost(&weights, &candidate(2, 2, 0, 0)), 2.0);
+    }
+
+    #[test]
+    fn a_deeper_match_is_cheaper_even_when_credits_exceed_the_prompt() {
+        let mut rng = StdRng::seed_from_u64(1);
+        // Turn 7 of a conversation (16 blocks): one idle worker holds turn 6
+        // (14 blocks), another an early turn (10 blocks). With a device
+        // credit of 8 both "save" more than the prompt.
+        let deep = candidate(16, 14, 0, 0);
+        let shallow = candidate(16, 10, 0, 0);
+        for _ in 0..20 {
+            assert_eq!(choose(&KvWeights::default(), &[shallow, deep], &mut rng), 1);
+        }
+    }
+
+    #[test]
+    fn overlap_wins_until_load_outweighs_it() {
+        let weights = KvWeights::DYNAMO;
+        let mut rng = StdRng::seed_from_u64(3);
+        let cached_but_busy = candidate(60, 50, 0, 30);
+        let idle = candidate(60, 0, 0, 0);
+        assert_eq!(choose(&weights, &[idle, cached_but_busy], &mut rng), 1, "50 saved blocks beat 30 decoding");
+        let overloaded = candidate(60, 50, 0, 80);
+        assert_eq!(choose(&weights, &[idle, overloaded], &mut rng), 0);
+    }
+
+    #[test]
+    fn default_weights_keep_a_prefix_on_its_worker_under_load() {
+        let mut rng = StdRng::seed_from_u64(5);
+        // A 200-block follow-up turn, 180 blocks cached on a worker with 300
+        // blocks queued for prefill and 6,000 decoding; another worker idle.
+        let holder = candidate(200, 180, 300, 6_000);
+        let idle = candidate(200, 0, 0, 0);
+        assert_eq!(choose(&KvWeights::default(), &[idle, holder], &mut rng), 1, "the hit is worth more than the queue");
+        assert_eq!(choose(&KvWeights::DYNAMO, &[idle, holder], &mut rng), 0, "Dynamo's weights give it up");
+        // Queued prefill still counts: far behind, the holder loses.
+        let swamped = candidate(200, 180, 2_000, 6_000);
+        assert_eq!(choose(&KvWeights::default(), &[idle, swamped], &mut rng), 0);
+    }
+
+    #[test]
+    fn ties_go_to_the_smaller_cached_tree() {
+        let weights = KvWeights::default();
+        let mut rng = StdRng::seed_from_u64(3);
+        let big = KvCandidate { cached_tree: 500, ..candidate(8, 0, 0, 0) };
+        let small = KvCandidate { cached_tree: 5, ..candidate(8, 0, 0, 0) };
+        for _ in 0..20 {
+            assert_eq!(choose(&weights, &[big, small], &mut rng), 1);
+        }
+    }
+
+    #[test]
+    fn temperature_spreads_choices_by_cost() {
+        let weights = KvWeights { temperature: 1.0, ..KvWeights::default() };
+        let mut rng = StdRng::seed_from_u64(9);
+        let cheap = candidate(10, 10, 0, 0);
+        let dear = candidate(10, 0, 0, 10);
+        let picks: Vec<usize> = (0..2000).map(|_| choose(&weights, &[cheap, dear], &mut rng)).collect();
+        let cheap_share = picks.iter().filter(|&&i| i == 0).count() as f64 / 2000.0;
+        // p(cheap) = 1 / (1 + e^-1) ≈ 0.73.
+        assert!((0.68..0.78).contains(&cheap_share), "cheap share {cheap_share}");
+    }
+
+    #[test]
+    fn overrides_replace_only_what_they_set() {
+        let overrides = KvOverrides { temperature: Some(0.5), ..KvOverrides::default() };
+        let weights = overrides.apply(KvWeights::default());
+        assert_eq!(weights.temperature, 0.5);
+        assert_eq!(weights.device_credit, KvWeights::default().device_credit);
+        assert!(KvWeights { host_credit: -1.0, ..KvWeights::default() }.validate().is_err());
+        // Setting the device credit keeps the tiers' proportions: Dynamo's
+        // weights from two numbers.
+        let dynamo = KvWeights { prefill_load_scale: 1.0, ..KvWeights::default().with_device_credit(1.0) };
+        assert_eq!(dynamo, KvWeights::DYNAMO);
+        assert_eq!(KvWeights::default().with_device_credit(8.0), KvWeights::default());
+    }
+}

@@ -1,0 +1,153 @@
+//! The decision: given the request, what the index said and what is
+//! booked, choose the worker (and the prefill worker) and book. Pure
+//! bookkeeping under the router's lock: no I/O.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use turbine_registry::{LiveWorker, WorkerRole};
+
+use super::book::State;
+use super::{RouteError, RouteRequest, Routed, RoutedWorker, Router};
+use crate::kv::{KvCandidate, KvView};
+use crate::policy::{Candidate, Policy, choose};
+
+impl Router {
+    /// Chooses a worker for `request` with what the KV index said (`view`)
+    /// and books the request against it.
+    pub fn decide(&self, request: &RouteRequest, view: KvView) -> Result<Routed, RouteError> {
+        if request.request_id.is_empty() {
+            return Err(RouteError::InvalidRequest("request_id must not be empty".into()));
+        }
+        let mut policy = request.policy.unwrap_or(self.policy);
+        let kv = match (policy, &self.kv, view) {
+            (Policy::Kv, None, _) => {
+                return Err(RouteError::InvalidRequest("this router has no KV index; the kv policy is unavailable".into()));
+            }
+            (Policy::Kv, Some(kv), KvView::Matched(lookup)) => Some((kv, lookup)),
+            // The index could not answer (or was not asked): load only.
+            (Policy::Kv, Some(_), KvView::Unavailable | KvView::NotAsked) => {
+                policy = Policy::LeastLoaded;
+                None
+            }
+            _ => None,
+        };
+        let weights = match (&kv, &request.kv) {
+            (Some((kv, _)), Some(overrides)) => {
+                let weights = overrides.apply(kv.weights());
+                weights.validate().map_err(RouteError::InvalidRequest)?;
+                Some(weights)
+            }
+            (Some((kv, _)), None) => Some(kv.weights()),
+            (None, _) => None,
+        };
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        // A retried request id replaces its earlier booking.
+        state.release(&request.request_id);
+        let eligible: Vec<&LiveWorker> = state
+            .workers
+            .values()
+            .filter(|w| w.record.model == request.model && w.expires_at > now && !request.exclude_worker_ids.contains(&w.record.worker_id))
+            .collect();
+        // Prefill workers only compute prompts for the others.
+        let (prefill_pool, eligible): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.record.role == WorkerRole::Prefill);
+        if eligible.is_empty() {
+            return Err(RouteError::NoWorkers(request.model.clone()));
+        }
+        let prompt_tokens = (request.prompt_tokens as usize).max(request.token_ids.len());
+        let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;
+        let (index, overlap_blocks) = match (&kv, weights) {
+            (Some((_, lookup)), Some(weights)) => {
+                let candidates: Vec<KvCandidate> = eligible
+                    .iter()
+                    .map(|w| {
+                        let id = &w.record.worker_id;
+                        let book = state.load_of(id);
+                        KvCandidate {
+                            prompt_blocks: prompt_blocks(w),
+                            active_prefill_blocks: book.prefill_blocks,
+                            active_decode_blocks: book.decode_blocks,
+                            cached_tree: lookup.cached_tree(id),
+                            ..KvCandidate::default()
+                        }
+                        .with_match(lookup.matched(w.record.kv_block_size, id))
+                    })
+                    .collect();
+                let index = crate::kv::choose(&weights, &candidates, &mut rand::rng());
+                (index, candidates[index].matched())
+            }
+            _ => {
+                let candidates: Vec<Candidate> = eligible
+                    .iter()
+                    .map(|w| Candidate {
+                        in_flight: state.load_of(&w.record.worker_id).in_flight,
+                        reported_queue: w.record.load.running + w.record.load.waiting,
+                        blocks_used: w.record.load.blocks_used,
+                        blocks_total: w.record.load.blocks_total,
+                    })
+                    .collect();
+                let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+                (choose(policy, &candidates, turn, &mut rand::rng()), 0)
+            }
+        };
+        let chosen = eligible[index];
+        let chosen_blocks = prompt_blocks(chosen);
+        let block_size = chosen.record.kv_block_size;
+        let routed = routed_of(chosen, state.book_of(&chosen.record.worker_id).in_flight + 1);
+        let uncached = u64::from(chosen_blocks.saturating_sub(overlap_blocks));
+        let uncached_tokens = prompt_tokens.saturating_sub(overlap_blocks as usize * block_size.max(1) as usize);
+        let prefill = self.choose_prefill(&state, &prefill_pool, chosen.record.role, uncached_tokens).cloned();
+        let no_prefill_pool = prefill_pool.is_empty();
+        let prefill = prefill.map(|worker| {
+            let blocks = prompt_tokens.div_ceil(worker.record.kv_block_size.max(1) as usize) as u64;
+            state.book_prefill(&request.request_id, &worker.record.worker_id, now, blocks);
+            routed_of(&worker, state.book_of(&worker.record.worker_id).in_flight)
+        });
+        // A decode worker given a prefill computes only the prompt's tail.
+        let own_prefill = if prefill.is_some() { 0 } else { uncached };
+        state.book(&request.request_id, &routed.worker_id, now, own_prefill, u64::from(chosen_blocks));
+        drop(state);
+        if let Some((kv, lookup)) = &kv {
+            // Approximate mode learns from its own decision.
+            kv.record_decision(&routed.worker_id, lookup.hashes(block_size), now);
+            crate::metrics::kv_overlap(overlap_blocks, chosen_blocks);
+        }
+        let in_flight = routed.in_flight;
+        crate::metrics::disagg_decision(match (&prefill, no_prefill_pool) {
+            (Some(_), _) => "remote",
+            (None, true) => "aggregated",
+            (None, false) => "local",
+        });
+        Ok(Routed { worker: routed, in_flight, prompt_blocks: chosen_blocks, overlap_blocks, prefill })
+    }
+
+    /// The prefill worker for a prompt with `uncached_tokens` not cached on
+    /// its decode worker: none when the decode worker is an aggregated one,
+    /// the prompt is short, or every prefill worker is saturated; else the
+    /// one with the least prefill work booked and queued.
+    fn choose_prefill<'w>(&self, state: &State, pool: &[&'w LiveWorker], decode_role: WorkerRole, uncached_tokens: usize) -> Option<&'w LiveWorker> {
+        if pool.is_empty() || decode_role != WorkerRole::Decode || uncached_tokens <= self.disagg.threshold_tokens as usize {
+            return None;
+        }
+        let queue = |w: &LiveWorker| state.load_of(&w.record.worker_id).in_flight + w.record.load.waiting;
+        let best = pool.iter().min_by_key(|w| (queue(w), state.load_of(&w.record.worker_id).prefill_blocks))?;
+        if queue(best) >= self.disagg.max_prefill_queue {
+            return None;
+        }
+        Some(*best)
+    }
+}
+
+/// A live worker as reported, with `in_flight` bookings.
+pub(super) fn routed_of(worker: &LiveWorker, in_flight: u32) -> RoutedWorker {
+    let record = &worker.record;
+    RoutedWorker {
+        worker_id: record.worker_id.clone(),
+        endpoint: record.endpoint.clone(),
+        model: record.model.clone(),
+        load: record.load,
+        in_flight,
+        role: record.role,
+    }
+}

@@ -1,0 +1,234 @@
+//! The prefill side: compute a prompt, pin its blocks under a lease, hand
+//! out a handle, serve the blocks to the decode worker, release.
+
+use std::time::{Duration, SystemTime};
+
+use turbine_engine::{EngineHandle, EngineOutput, FinishReason, GenerateRequest, Handoff, KvMemory, block_checksum};
+use turbine_kv::BlockHashes;
+use turbine_worker_api::{Described, KvBlockRef, KvHandle, KvTransferApi, Prefilled, TokenChunk, WorkerError};
+
+use super::{Disagg, Pin, rand_u64};
+use crate::metrics;
+
+impl Disagg {
+    /// Computes `request`'s prompt and first token and pins the prompt's
+    /// blocks for a decode worker (see the module). `request.stop.max_tokens`
+    /// is the whole request's; one token is generated here.
+    pub async fn prefill(&self, mut request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
+        if self.layout().is_none() {
+            return Err(WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()));
+        }
+        if self.endpoint().is_none() {
+            return Err(WorkerError::Unavailable("this worker does not serve KvTransfer yet".into()));
+        }
+        // Checked as the whole request, so a decode worker will accept it.
+        self.engine.config().validate(&request).map_err(|error| WorkerError::InvalidArgument(error.to_string()))?;
+        let wanted = request.stop.max_tokens;
+        request.stop.max_tokens = 1;
+        let mut outputs = self.engine.submit(request, Handoff::Prefill)?;
+        let mut pin = None;
+        let mut first = TokenChunk::default();
+        loop {
+            match outputs.recv().await {
+                Some(EngineOutput::Pinned(pinned)) => {
+                    pin = Some((UnpinOnDrop { engine: self.engine.clone(), pin_id: pinned.pin_id, armed: true }, pinned.blocks))
+                }
+                Some(EngineOutput::Token(token, logprobs)) => {
+                    first.tokens.push(token);
+                    first.logprobs.extend(logprobs);
+                }
+                Some(EngineOutput::Finished { reason, usage }) => {
+                    first.finished = Some((reason, usage));
+                    break;
+                }
+                Some(EngineOutput::Failed(error)) => return Err(error.into()),
+                None => return Err(WorkerError::Unavailable("the engine stopped".into())),
+            }
+        }
+        let (reason, usage) = first.finished.take().expect("the loop ends on Finished");
+        let Some((guard, blocks)) = pin else {
+            return Err(WorkerError::Internal("the engine pinned no blocks".into()));
+        };
+        let finished = reason == FinishReason::Stop || wanted <= 1;
+        if finished || blocks.is_empty() {
+            // Nothing to continue, or a prompt under one block: nothing to
+            // move (a decode worker computes it itself).
+            drop(guard);
+            first.finished = finished.then_some((reason, usage));
+            return Ok(Prefilled { first, handle: None, cached_prompt_tokens: usage.cached_prompt_tokens });
+        }
+        let handle = self.share(guard.pin_id, &blocks, lease.unwrap_or(self.lease)).await?;
+        guard.disarm();
+        Ok(Prefilled { first, handle: Some(handle), cached_prompt_tokens: usage.cached_prompt_tokens })
+    }
+
+    /// Offers pinned blocks to other workers: checksums them, registers a
+    /// handle for `lease`, and returns it. `pin_id` is the engine's pin,
+    /// released with the handle (an id the engine never gave, such as 0,
+    /// releases nothing: blocks pinned some other way).
+    pub async fn share(&self, pin_id: u64, blocks: &[(u32, BlockHashes)], lease: Duration) -> Result<KvHandle, WorkerError> {
+        let endpoint = self.endpoint().ok_or_else(|| WorkerError::Unavailable("this worker does not serve KvTransfer yet".into()))?.to_owned();
+        let ids: Vec<u32> = blocks.iter().map(|(block, _)| *block).collect();
+        let (layout, offsets, checksums) = match (&self.memory, &self.simulated) {
+            (Some(memory), _) => {
+                if let Some(bad) = ids.iter().find(|&&block| block as usize >= memory.num_blocks()) {
+                    return Err(WorkerError::InvalidArgument(format!("block {bad} is outside the pool")));
+                }
+                let offsets = ids.iter().map(|&block| memory.block_offset(block) as u64).collect();
+                (memory.layout().clone(), offsets, self.checksums(memory, &ids).await?)
+            }
+            (None, Some(simulated)) => (simulated.layout(), vec![0; ids.len()], vec![0; ids.len()]),
+            (None, None) => {
+                return Err(WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()));
+            }
+        };
+        let handle_id = rand_u64();
+        let handle = KvHandle {
+            worker_id: self.worker_id.clone(),
+            transfer_endpoint: endpoint,
+            handle_id,
+            layout,
+            blocks: blocks
+                .iter()
+                .zip(offsets.iter().zip(&checksums))
+                .map(|(&(_, hashes), (&offset, &checksum))| KvBlockRef { hashes, offset, checksum })
+                .collect(),
+            lease_expires: SystemTime::now() + lease,
+            memory_id: self.memory_id,
+        };
+        self.register(handle_id, Pin { pin_id, blocks: ids }, lease);
+        Ok(handle)
+    }
+
+    /// Checksums of pinned blocks, computed off the async threads.
+    async fn checksums(&self, memory: &KvMemory, ids: &[u32]) -> Result<Vec<u64>, WorkerError> {
+        let (memory, ids) = (memory.clone(), ids.to_vec());
+        tokio::task::spawn_blocking(move || {
+            let mut scratch = Vec::new();
+            // SAFETY: the caller keeps the blocks pinned until the handle
+            // is released.
+            #[allow(unsafe_code)]
+            let sums: Result<Vec<u64>, String> = ids.iter().map(|&block| unsafe { memory.with_block(block, &mut scratch, block_checksum) }).collect();
+            sums
+        })
+        .await
+        .map_err(|_| WorkerError::Internal("checksumming panicked".into()))?
+        .map_err(|error| WorkerError::Internal(format!("reading a KV block off the device: {error}")))
+    }
+
+    /// Records a handle and starts its lease: the blocks are freed if
+    /// nobody releases them in time.
+    fn register(&self, handle_id: u64, pin: Pin, lease: Duration) {
+        self.pins.lock().insert(handle_id, pin);
+        metrics::kv_pins(&self.worker_id, 1);
+        let (pins, engine, worker_id) = (self.pins.clone(), self.engine.clone(), self.worker_id.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(lease).await;
+            let expired = pins.lock().remove(&handle_id);
+            if let Some(pin) = expired {
+                engine.unpin(pin.pin_id);
+                metrics::kv_pins(&worker_id, -1);
+                metrics::kv_lease_expired(&worker_id);
+                tracing::debug!(handle_id, "a prefill's lease expired before its decode worker released it");
+            }
+        });
+    }
+
+    /// Unpins a handle; false if it was unknown (released or expired).
+    pub fn release(&self, handle_id: u64) -> bool {
+        let pin = self.pins.lock().remove(&handle_id);
+        match pin {
+            Some(pin) => {
+                self.engine.unpin(pin.pin_id);
+                metrics::kv_pins(&self.worker_id, -1);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Blocks of a handle.
+    pub fn block_count(&self, handle_id: u64) -> Result<usize, WorkerError> {
+        let pins = self.pins.lock();
+        Ok(pins.get(&handle_id).ok_or_else(|| unknown_handle(handle_id))?.blocks.len())
+    }
+
+    /// Copies block `index` of a handle.
+    pub fn copy_block(&self, handle_id: u64, index: usize) -> Result<Vec<u8>, WorkerError> {
+        let memory = self.memory.as_ref().ok_or_else(|| WorkerError::NotFound("this worker holds no KV blocks for others".into()))?;
+        let pins = self.pins.lock();
+        let pin = pins.get(&handle_id).ok_or_else(|| unknown_handle(handle_id))?;
+        let &block = pin
+            .blocks
+            .get(index)
+            .ok_or_else(|| WorkerError::InvalidArgument(format!("the handle has {} blocks, not {}", pin.blocks.len(), index + 1)))?;
+        // SAFETY: pinned while the table lock is held (a release removes
+        // the pin under this lock before unpinning).
+        #[allow(unsafe_code)]
+        let bytes = unsafe { memory.with_block(block, &mut Vec::new(), <[u8]>::to_vec) };
+        bytes.map_err(|error| WorkerError::Internal(format!("reading KV block {index} off the device: {error}")))
+    }
+
+    /// What `Describe` answers.
+    pub fn describe(&self, handle_id: u64) -> Result<Described, WorkerError> {
+        let memory = self.memory.as_ref().ok_or_else(|| WorkerError::NotFound("this worker holds no KV blocks for others".into()))?;
+        if !self.pins.lock().contains_key(&handle_id) {
+            return Err(unknown_handle(handle_id));
+        }
+        #[cfg(feature = "ucx")]
+        let ucx = self.ucx.as_ref().and_then(|agent| agent.region().cloned());
+        #[cfg(not(feature = "ucx"))]
+        let ucx = None;
+        Ok(Described { layout: memory.layout().clone(), ucx, memory_id: self.memory_id })
+    }
+}
+
+fn unknown_handle(handle_id: u64) -> WorkerError {
+    WorkerError::NotFound(format!("no KV handle {handle_id} (released or expired)"))
+}
+
+/// The worker's own KvTransfer, for a client in the same process.
+#[tonic::async_trait]
+impl KvTransferApi for Disagg {
+    async fn describe(&self, handle_id: u64) -> Result<Described, WorkerError> {
+        Disagg::describe(self, handle_id)
+    }
+
+    async fn read_blocks(&self, handle_id: u64, indices: &[usize], block_bytes: usize, mut into: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
+        into.clear();
+        for &index in indices {
+            let block = self.copy_block(handle_id, index)?;
+            if block.len() != block_bytes {
+                return Err(WorkerError::InvalidArgument(format!("blocks are {} bytes, not {block_bytes}", block.len())));
+            }
+            into.extend_from_slice(&block);
+        }
+        Ok(into)
+    }
+
+    async fn release(&self, handle_id: u64) -> Result<bool, WorkerError> {
+        Ok(Disagg::release(self, handle_id))
+    }
+}
+
+/// Unpins on drop unless disarmed: a prefill cancelled between the pin and
+/// the handle's registration leaves nothing pinned.
+struct UnpinOnDrop {
+    engine: EngineHandle,
+    pin_id: u64,
+    armed: bool,
+}
+
+impl UnpinOnDrop {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for UnpinOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine.unpin(self.pin_id);
+        }
+    }
+}

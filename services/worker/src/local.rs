@@ -1,0 +1,111 @@
+//! The worker's own [`WorkerApi`]: what a local client calls directly and
+//! what the gRPC service serves, so both take the same path (validation,
+//! metrics, disaggregation).
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use tokio::sync::mpsc::UnboundedReceiver;
+use turbine_engine::{EngineError, EngineOutput, GenerateRequest, Handoff, Load};
+use turbine_kv::WorkerDump;
+use turbine_tokens::ModelCard;
+use turbine_worker_api::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
+
+use crate::metrics;
+use crate::worker::Worker;
+
+#[tonic::async_trait]
+impl WorkerApi for Worker {
+    async fn generate(&self, request: GenerateRequest, remote: Option<RemotePrefill>) -> Result<TokenStream, WorkerError> {
+        self.check_vocabulary(&request.prompt, "prompt")?;
+        let submitted = match remote {
+            Some(remote) => self.decode_after_prefill(request, remote).await,
+            None => self.engine().generate(request),
+        };
+        let outputs = submitted.inspect_err(|error| metrics::request_refused(self.id(), error))?;
+        let (started, worker_id) = (Instant::now(), self.id().clone());
+        let mut first = true;
+        let chunks = engine_chunks(outputs).inspect(move |chunk| {
+            if std::mem::take(&mut first) {
+                metrics::first_token(&worker_id, started.elapsed());
+            }
+            if let Ok(TokenChunk { finished: Some(_), .. }) = chunk {
+                metrics::request_finished(&worker_id, started.elapsed());
+            }
+        });
+        Ok(Box::pin(chunks))
+    }
+
+    async fn prefill(&self, request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
+        self.check_vocabulary(&request.prompt, "prompt")?;
+        self.disagg().prefill(request, lease).await
+    }
+
+    async fn model_card(&self) -> Result<ModelCard, WorkerError> {
+        Ok(self.card().clone())
+    }
+
+    async fn load(&self) -> Result<Load, WorkerError> {
+        Ok(Worker::load(self))
+    }
+
+    async fn dump_kv_cache(&self) -> Result<WorkerDump, WorkerError> {
+        let dump = self.engine().dump().await.map_err(|_| WorkerError::Unavailable("the engine is shutting down".into()))?;
+        Ok(WorkerDump { worker_id: self.id().clone(), instance: self.instance(), dump })
+    }
+}
+
+impl Worker {
+    /// Refuses token ids outside the model's vocabulary.
+    fn check_vocabulary(&self, tokens: &[u32], what: &str) -> Result<(), WorkerError> {
+        let vocab = self.card().tokenizer.tokens.len();
+        match tokens.iter().find(|&&token| token as usize >= vocab) {
+            Some(bad) => Err(WorkerError::InvalidArgument(format!("{what} token id {bad} is outside the vocabulary of {vocab} tokens"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Submits a decode after a remote prefill: installs whatever blocks
+    /// could be read, then continues after the prefill's tokens.
+    async fn decode_after_prefill(&self, request: GenerateRequest, remote: RemotePrefill) -> Result<UnboundedReceiver<EngineOutput>, EngineError> {
+        self.engine().config().validate(&request)?;
+        self.check_vocabulary(&remote.generated_token_ids, "generated").map_err(|error| EngineError::InvalidRequest(error.to_string()))?;
+        let import = self.disagg().import(&request, remote.handle.as_ref()).await;
+        let handoff = Handoff::Decode { generated: remote.generated_token_ids, import };
+        self.engine().submit(request, handoff)
+    }
+}
+
+/// Turns an engine output channel into token chunks, coalescing whatever
+/// tokens are already queued into one chunk.
+pub fn engine_chunks(receiver: UnboundedReceiver<EngineOutput>) -> TokenStream {
+    Box::pin(futures::stream::unfold(Some(receiver), |state| async move {
+        let mut receiver = state?;
+        let mut chunk = TokenChunk::default();
+        let mut next = receiver.recv().await;
+        loop {
+            match next {
+                Some(EngineOutput::Token(token, logprobs)) => {
+                    chunk.tokens.push(token);
+                    chunk.logprobs.extend(logprobs);
+                }
+                Some(EngineOutput::Finished { reason, usage }) => {
+                    chunk.finished = Some((reason, usage));
+                    return Some((Ok(chunk), None));
+                }
+                Some(EngineOutput::Failed(error)) => {
+                    return Some((Err(WorkerError::from(error)), None));
+                }
+                // Only prefills pin, and they do not stream through here.
+                Some(EngineOutput::Pinned(_)) => {}
+                None => {
+                    return Some((Err(WorkerError::Unavailable("the engine stopped".into())), None));
+                }
+            }
+            match receiver.try_recv() {
+                Ok(output) => next = Some(output),
+                Err(_) => return Some((Ok(chunk), Some(receiver))),
+            }
+        }
+    }))
+}
