@@ -48,6 +48,21 @@ pub struct BlockManager {
     cached: HashMap<SequenceHash, BlockId>,
     prefix_caching: bool,
     events: Vec<KvEvent>,
+    /// Newly registered blocks, kept for [`take_stored`](Self::take_stored)
+    /// while a lower tier wants them (see [`record_stored`](Self::record_stored)).
+    stored: Option<Vec<RegisteredBlock>>,
+}
+
+/// A block just registered in the prefix cache, with its place in the
+/// chain: what a lower tier copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegisteredBlock {
+    /// The block.
+    pub block: BlockId,
+    /// Sequence hash of the block before it (None: the first block).
+    pub parent: Option<SequenceHash>,
+    /// Its hashes.
+    pub hashes: BlockHashes,
 }
 
 impl BlockManager {
@@ -68,7 +83,33 @@ impl BlockManager {
             cached: HashMap::new(),
             prefix_caching,
             events: Vec::new(),
+            stored: None,
         }
+    }
+
+    /// Keeps every newly registered block for [`take_stored`](Self::take_stored).
+    pub fn record_stored(&mut self) {
+        self.stored.get_or_insert_with(Vec::new);
+    }
+
+    /// The blocks registered since the last call (none unless
+    /// [`record_stored`](Self::record_stored) was called).
+    pub fn take_stored(&mut self) -> Vec<RegisteredBlock> {
+        self.stored.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Takes one more reference on `block` if it is still cached under
+    /// `hash` (so that it is neither evicted nor reused while a lower tier
+    /// copies it); false, changing nothing, otherwise.
+    pub fn pin_cached(&mut self, block: BlockId, hash: SequenceHash) -> bool {
+        if self.blocks[block as usize].hash != Some(hash) {
+            return false;
+        }
+        if self.blocks[block as usize].ref_count == 0 {
+            self.lru_unlink(block);
+        }
+        self.blocks[block as usize].ref_count += 1;
+        true
     }
 
     /// Tokens per block.
@@ -176,6 +217,9 @@ impl BlockManager {
                     run_parent = previous;
                 }
                 run.push(StoredBlock { sequence_hash: hashes.sequence, local_hash: hashes.local });
+                if let Some(stored) = &mut self.stored {
+                    stored.push(RegisteredBlock { block, parent: previous, hashes });
+                }
             } else if !run.is_empty() {
                 self.events.push(KvEvent::Stored { parent: run_parent, blocks: std::mem::take(&mut run), tier: Tier::Device });
             }

@@ -15,8 +15,9 @@ use std::time::Instant;
 
 use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
-use turbine_kv::{Dump, KvEvent, NumberedEvent, SequenceHash};
+use turbine_kv::{BlockHasher, CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
+use crate::tiers::{HostTier, KvTiers, OffloadBlock, spawn_offload};
 use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
 use crate::{EngineError, Result};
@@ -64,6 +65,8 @@ pub struct EngineStats {
     pub busy_nanos: AtomicU64,
     /// Blocks installed from other workers since start.
     pub imported_blocks: AtomicU64,
+    /// Prompt tokens onboarded from a lower tier (then hit in G1) since start.
+    pub onboarded_prompt_tokens: AtomicU64,
 }
 
 impl EngineStats {
@@ -99,6 +102,7 @@ pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
     config: Arc<SchedulerConfig>,
     stats: Arc<EngineStats>,
+    host: Option<HostTier>,
     events: broadcast::Sender<NumberedEvent>,
     thread: Arc<parking_lot::Mutex<Option<thread::JoinHandle<()>>>>,
 }
@@ -109,6 +113,9 @@ impl std::fmt::Debug for EngineHandle {
     }
 }
 
+/// How often an idle engine looks for finished copies to the host tier.
+const OFFLOAD_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// Capacity of the KV event broadcast; a consumer lagging further sees a gap
 /// and resynchronises from a dump.
 const EVENT_BUFFER: usize = 4096;
@@ -116,11 +123,26 @@ const EVENT_BUFFER: usize = 4096;
 impl EngineHandle {
     /// Starts the engine thread.
     pub fn spawn(config: SchedulerConfig, eos_token_ids: Vec<u32>, executor: Box<dyn Executor>) -> Self {
+        Self::spawn_with_tiers(config, eos_token_ids, executor, KvTiers::default())
+    }
+
+    /// Starts the engine thread with KV tiers below its pool (see
+    /// [`tiers`](crate::tiers)).
+    pub fn spawn_with_tiers(config: SchedulerConfig, eos_token_ids: Vec<u32>, executor: Box<dyn Executor>, tiers: KvTiers) -> Self {
         let (commands, receiver) = mpsc::channel();
         let stats = Arc::new(EngineStats::default());
         let (events, _) = broadcast::channel(EVENT_BUFFER);
-        let scheduler = Scheduler::new(config.clone(), eos_token_ids);
+        let mut scheduler = Scheduler::new(config.clone(), eos_token_ids);
         stats.set_load(scheduler.load());
+        let offload = match (&tiers.host, tiers.memory) {
+            (Some(host), Some(memory)) if config.prefix_caching => {
+                scheduler.record_registered();
+                let (jobs, done) = spawn_offload(memory, host.clone());
+                Some(Offload { jobs, done, pinned: 0, limit: (config.num_blocks / 4).max(1), queued: Default::default(), queue_limit: config.num_blocks })
+            }
+            _ => None,
+        };
+        let hasher = BlockHasher::with_seed(config.hash_seed);
         let engine_loop = EngineLoop {
             scheduler,
             executor,
@@ -132,6 +154,9 @@ impl EngineHandle {
             event_buffer: Vec::new(),
             pins: HashMap::new(),
             next_pin_id: 1,
+            host: tiers.host.clone(),
+            offload,
+            hasher,
         };
         let thread = thread::Builder::new()
             .name("turbine-engine".into())
@@ -141,6 +166,7 @@ impl EngineHandle {
             commands,
             config: Arc::new(config),
             stats,
+            host: tiers.host,
             events,
             thread: Arc::new(parking_lot::Mutex::new(Some(thread))),
         }
@@ -197,6 +223,11 @@ impl EngineHandle {
         &self.stats
     }
 
+    /// The host-memory tier below the pool, if any.
+    pub fn host_tier(&self) -> Option<&HostTier> {
+        self.host.as_ref()
+    }
+
     /// Subscribes to the engine's KV events.
     pub fn subscribe_events(&self) -> broadcast::Receiver<NumberedEvent> {
         self.events.subscribe()
@@ -232,6 +263,29 @@ struct EngineLoop {
     /// Prefills' pinned blocks by pin id.
     pins: HashMap<u64, Vec<BlockId>>,
     next_pin_id: u64,
+    /// The host tier (G2), onboarded from at admission.
+    host: Option<HostTier>,
+    /// Copies of registered blocks to the host tier.
+    offload: Option<Offload>,
+    /// The pool's block hasher (prompts' hashes for tier lookups).
+    hasher: BlockHasher,
+}
+
+/// Registered blocks on their way to the host tier.
+struct Offload {
+    jobs: mpsc::Sender<Vec<OffloadBlock>>,
+    /// Batches copied, their blocks to unpin.
+    done: mpsc::Receiver<Vec<BlockId>>,
+    /// Blocks pinned for copies now.
+    pinned: usize,
+    /// Most blocks pinned for copies at once.
+    limit: usize,
+    /// Registered blocks waiting for their copy, oldest first (not pinned:
+    /// one evicted meanwhile is skipped).
+    queued: std::collections::VecDeque<OffloadBlock>,
+    /// Most blocks queued; past it the oldest are skipped (copies fell
+    /// behind).
+    queue_limit: usize,
 }
 
 impl EngineLoop {
@@ -239,15 +293,26 @@ impl EngineLoop {
         loop {
             // Block while idle; otherwise take whatever arrived since the last step.
             if !self.scheduler.has_work() {
-                match self.receiver.recv() {
-                    Ok(command) => {
-                        if !self.handle(command) {
-                            break;
-                        }
+                let command = if self.offload.as_ref().is_some_and(|offload| offload.pinned > 0) {
+                    // Copies in flight: wake for their completion too.
+                    match self.receiver.recv_timeout(OFFLOAD_POLL) {
+                        Ok(command) => Some(command),
+                        Err(mpsc::RecvTimeoutError::Timeout) => None,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => break,
                     }
-                    Err(_) => break,
+                } else {
+                    match self.receiver.recv() {
+                        Ok(command) => Some(command),
+                        Err(_) => break,
+                    }
+                };
+                if let Some(command) = command
+                    && !self.handle(command)
+                {
+                    break;
                 }
             }
+            self.unpin_offloaded();
             let mut shutting_down = false;
             while let Ok(command) = self.receiver.try_recv() {
                 if !self.handle(command) {
@@ -273,8 +338,14 @@ impl EngineLoop {
         match command {
             Command::Submit { request, handoff, outputs } => {
                 let (generated, pin, imported) = match handoff {
-                    Handoff::None => (Vec::new(), false, 0),
-                    Handoff::Prefill => (Vec::new(), true, 0),
+                    Handoff::None => {
+                        self.onboard(&request.prompt);
+                        (Vec::new(), false, 0)
+                    }
+                    Handoff::Prefill => {
+                        self.onboard(&request.prompt);
+                        (Vec::new(), true, 0)
+                    }
                     Handoff::Decode { generated, import } => {
                         let imported = self.install(import) * self.scheduler.config().block_size;
                         (generated, false, imported)
@@ -296,7 +367,7 @@ impl EngineLoop {
             Command::Dump { reply } => {
                 // Publish first, so the dump reflects every numbered event.
                 self.publish();
-                let _ = reply.send(Dump { next_event_id: self.next_event_id, blocks: self.scheduler.cached_blocks() });
+                let _ = reply.send(Dump { next_event_id: self.next_event_id, blocks: self.cached_blocks() });
                 true
             }
             Command::Unpin { pin_id } => {
@@ -330,6 +401,7 @@ impl EngineLoop {
             }
         });
         self.stats.imported_blocks.fetch_add(installed as u64, Ordering::Relaxed);
+        self.offload_registered();
         if installed < hashes.len() {
             tracing::debug!(installed, offered = hashes.len(), "installed part of a transferred prefix");
         }
@@ -337,6 +409,123 @@ impl EngineLoop {
             recycle(import.bytes);
         }
         installed
+    }
+
+    /// Onboards the blocks of `prompt` that continue its G1 prefix hit in
+    /// the host tier: each is checked and written into a free G1 block and
+    /// registered, so the request's admission hits them.
+    fn onboard(&mut self, prompt: &[u32]) {
+        let Some(host) = &self.host else { return };
+        let block_size = self.scheduler.config().block_size;
+        let hashes = self.hasher.hash_blocks(prompt, block_size);
+        let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
+        let in_device = self.scheduler.cached_prefix(&sequence);
+        let run = host.lookup_run(&hashes[in_device..]);
+        if run.is_empty() {
+            return;
+        }
+        let parent = in_device.checked_sub(1).map(|i| sequence[i]);
+        // The G1 part of the prefix must survive the allocations below.
+        let held = self.scheduler.hold_prefix(&sequence[..in_device]);
+        let executor = &mut self.executor;
+        let onboarded = self.scheduler.install_prefix(parent, &hashes[in_device..in_device + run.len()], |block, index| match executor.write_block(block, &run[index].bytes) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "cannot onboard a host-tier KV block; computing it here");
+                false
+            }
+        });
+        self.scheduler.release_pinned(&held);
+        host.stats().onboarded_blocks.fetch_add(onboarded as u64, Ordering::Relaxed);
+        self.stats.onboarded_prompt_tokens.fetch_add((onboarded * block_size) as u64, Ordering::Relaxed);
+        // Already in the tier: nothing to copy back.
+        self.scheduler.take_registered();
+    }
+
+    /// Queues the blocks registered since the last call for the offload
+    /// thread, and hands it what fits.
+    fn offload_registered(&mut self) {
+        let Some(offload) = &mut self.offload else { return };
+        let registered = self.scheduler.take_registered();
+        if registered.is_empty() {
+            return;
+        }
+        offload.queued.extend(registered.into_iter().map(|item| OffloadBlock { block: item.block, parent: item.parent, hashes: item.hashes }));
+        let mut skipped = 0;
+        while offload.queued.len() > offload.queue_limit {
+            offload.queued.pop_front();
+            skipped += 1;
+        }
+        self.count_skipped(skipped);
+        self.dispatch_offloads();
+    }
+
+    /// Pins queued blocks (those still cached) up to the limit and sends
+    /// them to the offload thread.
+    fn dispatch_offloads(&mut self) {
+        let Some(offload) = &mut self.offload else { return };
+        let mut batch = Vec::new();
+        let mut skipped = 0;
+        while offload.pinned + batch.len() < offload.limit {
+            let Some(item) = offload.queued.pop_front() else { break };
+            if self.scheduler.pin_cached(item.block, item.hashes.sequence) {
+                batch.push(item);
+            } else {
+                // Evicted before its turn.
+                skipped += 1;
+            }
+        }
+        if !batch.is_empty() {
+            let blocks: Vec<BlockId> = batch.iter().map(|item| item.block).collect();
+            offload.pinned += batch.len();
+            if offload.jobs.send(batch).is_err() {
+                // The copy thread is gone: give the blocks back at once.
+                offload.pinned -= blocks.len();
+                self.scheduler.release_pinned(&blocks);
+            }
+        }
+        self.count_skipped(skipped);
+    }
+
+    fn count_skipped(&self, skipped: usize) {
+        if let Some(host) = &self.host
+            && skipped > 0
+        {
+            host.stats().offloads_skipped.fetch_add(skipped as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Unpins the blocks whose copies finished, and sends the next ones.
+    fn unpin_offloaded(&mut self) {
+        let Some(offload) = &mut self.offload else { return };
+        let mut released = false;
+        while let Ok(blocks) = offload.done.try_recv() {
+            offload.pinned -= blocks.len();
+            self.scheduler.release_pinned(&blocks);
+            released = true;
+        }
+        if released {
+            self.dispatch_offloads();
+            self.publish();
+        }
+    }
+
+    /// Every cached block in any tier, for a dump.
+    fn cached_blocks(&self) -> Vec<CachedBlock> {
+        let mut blocks = self.scheduler.cached_blocks();
+        if let Some(host) = &self.host {
+            let mut at: HashMap<SequenceHash, usize> = blocks.iter().enumerate().map(|(i, b)| (b.sequence_hash, i)).collect();
+            for block in host.cached_blocks() {
+                match at.get(&block.sequence_hash) {
+                    Some(&i) => blocks[i].tiers.insert(turbine_kv::Tier::Host),
+                    None => {
+                        at.insert(block.sequence_hash, blocks.len());
+                        blocks.push(block);
+                    }
+                }
+            }
+        }
+        blocks
     }
 
     fn drop_cancelled(&mut self) {
@@ -380,6 +569,7 @@ impl EngineLoop {
         };
         let tokens: Vec<Option<u32>> = sampled.iter().map(|s| s.as_ref().map(|s| s.token)).collect();
         let updates = self.scheduler.complete(&plan, &tokens);
+        self.offload_registered();
         // Log-probabilities ride along with the token the scheduler accepted.
         let mut logprobs: Vec<(SeqId, TokenLogprobs)> = plan
             .iter()
@@ -420,6 +610,9 @@ impl EngineLoop {
     fn publish(&mut self) {
         self.stats.set_load(self.scheduler.load());
         self.scheduler.drain_events(&mut self.event_buffer);
+        if let Some(host) = &self.host {
+            host.drain_events(&mut self.event_buffer);
+        }
         for event in self.event_buffer.drain(..) {
             let numbered = NumberedEvent { event_id: self.next_event_id, event };
             self.next_event_id += 1;

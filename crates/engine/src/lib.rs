@@ -9,6 +9,8 @@
 //! - [`core`]: the engine thread and its [`EngineHandle`]; an [`Executor`]
 //!   plugs in the model (the mocker here, the native model elsewhere).
 //! - [`mocker`]: the simulated executor.
+//! - [`tiers`]: KV tiers below the pool (host memory), offloaded to in
+//!   the background and onboarded from at admission.
 //!
 //! Nothing here knows about gRPC or protobuf.
 
@@ -18,6 +20,7 @@ pub mod kv_memory;
 pub mod mocker;
 pub mod request;
 pub mod scheduler;
+pub mod tiers;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
 pub use kv_memory::{DeviceKv, DeviceMemory, KvAllocator, KvBuffer, KvLayout, KvMemory, UcxRegion, block_checksum};
@@ -25,6 +28,7 @@ pub use request::{
     EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
     StopConditions, TokenLogprobs, Usage,
 };
+pub use tiers::{HostBlock, HostTier, KvTiers, TierStats};
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
 pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
 

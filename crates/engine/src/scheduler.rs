@@ -18,7 +18,7 @@ use std::collections::{HashMap, VecDeque};
 
 use turbine_kv::{BlockHasher, BlockHashes, SequenceHash};
 
-use crate::block_manager::{BlockId, BlockManager};
+use crate::block_manager::{BlockId, BlockManager, RegisteredBlock};
 use turbine_kv::KvEvent;
 use crate::request::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
 
@@ -555,6 +555,30 @@ impl Scheduler {
     /// Drops the references a finished prefill kept on its blocks.
     pub fn release_pinned(&mut self, blocks: &[BlockId]) {
         self.blocks.release(blocks.iter().rev().copied());
+    }
+
+    /// Keeps every newly registered block for
+    /// [`take_registered`](Self::take_registered) (a lower tier copies them).
+    pub fn record_registered(&mut self) {
+        self.blocks.record_stored();
+    }
+
+    /// The blocks registered in the prefix cache since the last call.
+    pub fn take_registered(&mut self) -> Vec<RegisteredBlock> {
+        self.blocks.take_stored()
+    }
+
+    /// Holds `block` while a lower tier copies it, if it is still cached
+    /// under `hash`; release it with [`release_pinned`](Self::release_pinned).
+    pub fn pin_cached(&mut self, block: BlockId, hash: SequenceHash) -> bool {
+        self.blocks.pin_cached(block, hash)
+    }
+
+    /// Takes a reference on the cached block of each of `hashes` (all must
+    /// be cached), so that installing what follows them cannot evict them;
+    /// release them with [`release_pinned`](Self::release_pinned).
+    pub fn hold_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
+        self.blocks.acquire_cached(hashes)
     }
 
     /// How many leading blocks of `hashes` are in the prefix cache.

@@ -21,7 +21,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use serde::Deserialize;
-use turbine_engine::{EngineHandle, EngineOutput, GenerateRequest, Handoff, ImportedPrefix, KvMemory, SchedulerConfig, StopConditions, block_checksum};
+use turbine_engine::{EngineHandle, EngineOutput, GenerateRequest, Handoff, HostTier, ImportedPrefix, KvMemory, KvTiers, SchedulerConfig, StopConditions, block_checksum};
 use turbine_native::pool::ThreadPool;
 use turbine_native::{Backend, Device as EngineDevice, KvCache, LlamaModel, NativeExecutor, NativeOptions, SequenceRows, ops};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -594,4 +594,42 @@ fn candle_engines_hand_off(device: EngineDevice) {
     for engine in [aggregated, prefill, decode] {
         engine.shutdown();
     }
+}
+
+/// The host tier (G2) on the real model: three prompts of 2,000 tokens on
+/// a pool that holds one of them at a time, each computed, then asked
+/// again after the others pushed it out of the pool: the second time its
+/// blocks come back from host memory, and the greedy tokens are those of
+/// computing it.
+#[test]
+fn a_prefix_onboarded_from_host_memory_gives_the_computed_output() {
+    let tokens = preprocessor();
+    let texts = [
+        "The river rose every spring and the village learned to build on stilts. ",
+        "A lighthouse keeper counts ships by their lights and writes each one down. ",
+        "In the workshop the clockmaker files a gear, tests it, and files again. ",
+    ];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|text| tokens.encode_text(&text.repeat(200)).unwrap()[..2000].to_vec()).collect();
+    // 140 blocks of 16 tokens: one 2,000-token prompt (125 blocks) at a time.
+    let scheduler = SchedulerConfig { block_size: 16, num_blocks: 140, max_batched_tokens: 512, max_model_len: 4096, ..SchedulerConfig::default() };
+    let options = NativeOptions { block_size: 16, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend: Backend::Kernels, ..NativeOptions::default() };
+    let executor = NativeExecutor::load(&model_path(), &options).unwrap();
+    let memory = executor.kv_memory().expect("the pool is exposed");
+    let host = HostTier::new(1 << 30);
+    let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory) });
+    let computed: Vec<Vec<u32>> = prompts.iter().map(|prompt| finish(submit(&engine, prompt, STEPS as u32)).0).collect();
+    let offloaded = || host.stats().offloaded_blocks.load(std::sync::atomic::Ordering::Relaxed);
+    let started = std::time::Instant::now();
+    while offloaded() < 3 * 125 || engine.load().blocks_used > 0 {
+        assert!(started.elapsed() < std::time::Duration::from_secs(60), "copies to the host tier: {} of 375 blocks", offloaded());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for (prompt, expected) in prompts.iter().zip(&computed) {
+        let (again, cached) = finish(submit(&engine, prompt, STEPS as u32));
+        assert_eq!(&again, expected, "a 2,000-token prompt onboarded from host memory");
+        assert!(cached >= 1984, "the prompt's blocks were hits ({cached} cached tokens)");
+    }
+    assert!(host.stats().onboarded_blocks.load(std::sync::atomic::Ordering::Relaxed) >= 3 * 124);
+    assert_eq!(host.stats().corrupt_blocks.load(std::sync::atomic::Ordering::Relaxed), 0);
+    engine.shutdown();
 }

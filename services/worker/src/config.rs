@@ -143,6 +143,12 @@ pub struct EngineConfig {
     /// Native: KV cache pool size in MiB (when --num-blocks is unset).
     #[arg(long, env = "TURBINE_WORKER_KV_CACHE_MIB", default_value_t = 512)]
     pub kv_cache_mib: usize,
+    /// Native: host-memory KV tier (G2) in MiB. Every full block is copied
+    /// here in the background; a later prompt whose prefix left the pool
+    /// gets it back from host memory instead of recomputing it. 0 turns the
+    /// tier off.
+    #[arg(long, env = "TURBINE_WORKER_HOST_CACHE_MIB", default_value_t = 0)]
+    pub host_cache_mib: u64,
     /// Native: kernel threads [default: the cores available to the process].
     #[arg(long, env = "TURBINE_WORKER_THREADS")]
     pub threads: Option<usize>,

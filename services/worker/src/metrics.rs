@@ -51,7 +51,69 @@ pub struct EngineCollector {
     prefill: IntCounter,
     cached: IntCounter,
     preemptions: IntCounter,
+    onboarded: IntCounter,
+    host: Option<TierMetrics>,
     descs: Vec<Desc>,
+}
+
+/// One KV tier's gauges and counters, labelled `tier`.
+struct TierMetrics {
+    blocks: IntGauge,
+    bytes: IntGauge,
+    capacity_bytes: IntGauge,
+    offloaded_blocks: IntCounter,
+    offloaded_bytes: IntCounter,
+    offloads_skipped: IntCounter,
+    onboarded_blocks: IntCounter,
+    evicted_blocks: IntCounter,
+    corrupt_blocks: IntCounter,
+}
+
+impl TierMetrics {
+    fn new(worker_id: &str, tier: &str) -> Self {
+        let opts = |name: &str, help: &str| Opts::new(name, help).const_label("worker", worker_id).const_label("tier", tier);
+        let gauge = |name: &str, help: &str| IntGauge::with_opts(opts(name, help)).expect("valid gauge");
+        let count = |name: &str, help: &str| IntCounter::with_opts(opts(name, help)).expect("valid counter");
+        Self {
+            blocks: gauge("turbine_worker_kv_tier_blocks", "KV blocks held in a tier below the pool"),
+            bytes: gauge("turbine_worker_kv_tier_bytes", "Bytes of KV blocks held in a tier below the pool"),
+            capacity_bytes: gauge("turbine_worker_kv_tier_capacity_bytes", "Bytes a tier below the pool may hold"),
+            offloaded_blocks: count("turbine_worker_kv_tier_offloaded_blocks_total", "KV blocks copied into a tier"),
+            offloaded_bytes: count("turbine_worker_kv_tier_offloaded_bytes_total", "Bytes of KV blocks copied into a tier"),
+            offloads_skipped: count("turbine_worker_kv_tier_offloads_skipped_total", "KV blocks not copied into a tier because copies fell behind"),
+            onboarded_blocks: count("turbine_worker_kv_tier_onboarded_blocks_total", "KV blocks onboarded from a tier into the pool"),
+            evicted_blocks: count("turbine_worker_kv_tier_evicted_blocks_total", "KV blocks evicted from a tier for room"),
+            corrupt_blocks: count("turbine_worker_kv_tier_corrupt_blocks_total", "KV blocks dropped from a tier because they failed their checksum"),
+        }
+    }
+
+    fn metrics(&self) -> [&dyn Collector; 9] {
+        [
+            &self.blocks,
+            &self.bytes,
+            &self.capacity_bytes,
+            &self.offloaded_blocks,
+            &self.offloaded_bytes,
+            &self.offloads_skipped,
+            &self.onboarded_blocks,
+            &self.evicted_blocks,
+            &self.corrupt_blocks,
+        ]
+    }
+
+    fn update(&self, tier: &turbine_engine::HostTier) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.blocks.set(tier.blocks() as i64);
+        self.bytes.set(tier.used_bytes() as i64);
+        self.capacity_bytes.set(tier.capacity_bytes() as i64);
+        let stats = tier.stats();
+        set_counter(&self.offloaded_blocks, stats.offloaded_blocks.load(Relaxed));
+        set_counter(&self.offloaded_bytes, stats.offloaded_bytes.load(Relaxed));
+        set_counter(&self.offloads_skipped, stats.offloads_skipped.load(Relaxed));
+        set_counter(&self.onboarded_blocks, stats.onboarded_blocks.load(Relaxed));
+        set_counter(&self.evicted_blocks, stats.evicted_blocks.load(Relaxed));
+        set_counter(&self.corrupt_blocks, stats.corrupt_blocks.load(Relaxed));
+    }
 }
 
 impl EngineCollector {
@@ -60,8 +122,10 @@ impl EngineCollector {
         let opts = |name: &str, help: &str| Opts::new(name, help).const_label("worker", worker_id);
         let gauge = |name: &str, help: &str| IntGauge::with_opts(opts(name, help)).expect("valid gauge");
         let count = |name: &str, help: &str| IntCounter::with_opts(opts(name, help)).expect("valid counter");
+        let host = engine.host_tier().map(|_| TierMetrics::new(worker_id, "host"));
         let mut collector = Self {
             engine,
+            host,
             running: gauge("turbine_worker_running_sequences", "Sequences scheduled (prefilling or decoding)"),
             waiting: gauge("turbine_worker_waiting_sequences", "Sequences queued"),
             blocks_used: gauge("turbine_worker_kv_blocks_used", "KV blocks referenced by sequences"),
@@ -71,14 +135,15 @@ impl EngineCollector {
             prefill: count("turbine_worker_prefill_tokens_total", "Prompt tokens computed"),
             cached: count("turbine_worker_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache"),
             preemptions: count("turbine_worker_preemptions_total", "Sequences preempted for lack of KV blocks"),
+            onboarded: count("turbine_worker_onboarded_prompt_tokens_total", "Prompt tokens onboarded from a tier below the pool (then hits)"),
             descs: Vec::new(),
         };
         collector.descs = collector.metrics().iter().flat_map(|metric| metric.desc().into_iter().cloned()).collect();
         collector
     }
 
-    fn metrics(&self) -> [&dyn Collector; 9] {
-        [
+    fn metrics(&self) -> Vec<&dyn Collector> {
+        let mut metrics: Vec<&dyn Collector> = vec![
             &self.running,
             &self.waiting,
             &self.blocks_used,
@@ -88,7 +153,12 @@ impl EngineCollector {
             &self.prefill,
             &self.cached,
             &self.preemptions,
-        ]
+            &self.onboarded,
+        ];
+        if let Some(host) = &self.host {
+            metrics.extend(host.metrics());
+        }
+        metrics
     }
 }
 
@@ -117,6 +187,10 @@ impl Collector for EngineCollector {
         set_counter(&self.prefill, stats.prefill_tokens.load(Relaxed));
         set_counter(&self.cached, stats.cached_prompt_tokens.load(Relaxed));
         set_counter(&self.preemptions, stats.preemptions.load(Relaxed));
+        set_counter(&self.onboarded, stats.onboarded_prompt_tokens.load(Relaxed));
+        if let (Some(metrics), Some(tier)) = (&self.host, self.engine.host_tier()) {
+            metrics.update(tier);
+        }
         self.metrics().iter().flat_map(|metric| metric.collect()).collect()
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
-use turbine_engine::{EngineHandle, Executor, KvMemory, Load, SchedulerConfig};
+use turbine_engine::{EngineHandle, Executor, HostTier, KvMemory, KvTiers, Load, SchedulerConfig};
 use turbine_kv::WorkerId;
 use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -75,7 +75,16 @@ impl Worker {
             max_waiting: engine_config.max_waiting,
             ..SchedulerConfig::default()
         };
-        let engine = EngineHandle::spawn(scheduler, card.tokenizer.eog_token_ids.clone(), executor);
+        let host = match (engine_config.host_cache_mib, &memory) {
+            (0, _) => None,
+            (mib, Some(_)) => Some(HostTier::new(mib << 20)),
+            (_, None) => {
+                tracing::warn!("this engine exposes no KV memory: the host KV tier (--host-cache-mib) is off");
+                None
+            }
+        };
+        let tiers = KvTiers { host, memory: memory.clone() };
+        let engine = EngineHandle::spawn_with_tiers(scheduler, card.tokenizer.eog_token_ids.clone(), executor, tiers);
         // The mocker models hand-offs: no bytes, their transfer time.
         let simulated = (engine_config.engine == EngineKind::Mock && config.role != WorkerRole::Aggregated).then(|| SimulatedTransfer {
             block_bytes: transfer.mock_kv_bytes_per_token * block_size,

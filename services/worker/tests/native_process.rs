@@ -1,6 +1,7 @@
 //! `turbine-worker --engine native` as a real process: the real model under
-//! a burst larger than its KV pool, resident memory within budget, and
-//! devices this build cannot use refused at startup.
+//! a burst larger than its KV pool, resident memory within budget, the
+//! host KV tier serving prompts the pool evicted, and devices this build
+//! cannot use refused at startup.
 
 use std::process::Command;
 use std::time::Duration;
@@ -109,6 +110,43 @@ async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budge
     let budget = model_bytes + (kv_cache_mib << 20) + (300 << 20);
     eprintln!("peak RSS {} MiB, budget {} MiB (model {} MiB); {preemptions} preemptions", peak >> 20, budget >> 20, model_bytes >> 20);
     assert!(peak <= budget, "peak RSS {} MiB exceeds model + KV pool + 300 MiB = {} MiB", peak >> 20, budget >> 20);
+}
+
+/// `--host-cache-mib`: prompts pushed out of a small pool come back from
+/// host memory, with the tokens they had when computed, and the tier's
+/// metrics say so.
+#[tokio::test]
+async fn prompts_evicted_from_the_pool_come_back_from_the_host_tier() {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    // 4 MiB of pool: 11 blocks of 16 tokens (360 KiB each); 64 MiB of host tier.
+    let worker = native_worker(&["--kv-cache-mib", "4", "--host-cache-mib", "64"]).await;
+    let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = ["Bees visit flowers and carry pollen between them. ", "Glaciers move slowly and carve deep valleys. "]
+        .iter()
+        .map(|text| tokens.encode_text(&text.repeat(20)).unwrap()[..128].to_vec())
+        .collect();
+    let mut computed = Vec::new();
+    for prompt in &prompts {
+        computed.push(generate(client.clone(), greedy(prompt, 8)).await.unwrap().0);
+    }
+    let admin = worker.admin_url();
+    turbine_testkit::wait_until("copies to the host tier", Duration::from_secs(30), async || {
+        metric(&admin, "turbine_worker_kv_tier_offloaded_blocks_total").await >= 16.0 && metric(&admin, "turbine_worker_kv_blocks_used").await == 0.0
+    })
+    .await;
+    // The second prompt took most of the pool: the first prompt's tail
+    // blocks left it (evicted first) and come back from the host tier.
+    let cached_before = metric(&admin, "turbine_worker_cached_prompt_tokens_total").await;
+    let (again, _) = generate(client.clone(), greedy(&prompts[0], 8)).await.unwrap();
+    assert_eq!(again, computed[0], "onboarded blocks give the computed tokens");
+    let onboarded = metric(&admin, "turbine_worker_kv_tier_onboarded_blocks_total").await;
+    assert!(onboarded >= 6.0, "the first prompt's evicted blocks were onboarded ({onboarded})");
+    assert!(metric(&admin, "turbine_worker_onboarded_prompt_tokens_total").await >= 96.0);
+    let cached = metric(&admin, "turbine_worker_cached_prompt_tokens_total").await - cached_before;
+    assert!(cached >= 112.0, "the whole prompt was a hit, pool and host tier together ({cached} tokens)");
+    assert!(metric(&admin, "turbine_worker_kv_tier_bytes").await <= 64.0 * 1024.0 * 1024.0);
+    assert_eq!(metric(&admin, "turbine_worker_kv_tier_corrupt_blocks_total").await, 0.0);
 }
 
 #[test]

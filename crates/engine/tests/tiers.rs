@@ -1,0 +1,196 @@
+//! The host tier (G2) under a real engine loop: blocks evicted from the
+//! pool come back from host memory, the output equals recomputing them, and
+//! a corrupt host block is recomputed, never served.
+//!
+//! The executor keeps its KV in a real pool ([`KvMemory`]) and its every
+//! token depends on what the pool holds for all earlier positions: each
+//! position stores a hash chained over the previous position's stored value,
+//! and the sampled token is read from the last one. An onboarded block with
+//! wrong bytes changes every later token.
+
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use turbine_engine::{
+    Batch, EngineHandle, EngineOutput, Executor, GenerateRequest, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, Sampled, SchedulerConfig,
+    StopConditions, Tier,
+};
+use turbine_kv::{BlockHasher, KvEvent};
+use turbine_testkit::wait_until;
+
+const BLOCK_SIZE: usize = 4;
+const NUM_BLOCKS: usize = 24;
+const SLOT: usize = 8;
+
+/// Computes each position's value from the previous position's value in
+/// the pool, and samples from the last one.
+struct ChainExecutor {
+    buffer: Arc<KvBuffer>,
+}
+
+impl ChainExecutor {
+    fn new() -> (Self, KvMemory) {
+        let block_bytes = BLOCK_SIZE * SLOT;
+        let buffer = Arc::new(KvBuffer::zeroed(NUM_BLOCKS * block_bytes));
+        let layout = KvLayout::opaque(block_bytes, "chain");
+        let memory = KvMemory::new(buffer.clone(), layout, NUM_BLOCKS);
+        (Self { buffer }, memory)
+    }
+
+    fn slot(&self, block_table: &[u32], position: usize) -> *mut u64 {
+        let block = block_table[position / BLOCK_SIZE] as usize;
+        let offset = block * BLOCK_SIZE * SLOT + position % BLOCK_SIZE * SLOT;
+        assert!(offset + SLOT <= self.buffer.len());
+        // SAFETY: in bounds (checked); the engine thread is the only writer
+        // and writes only the positions it computes.
+        unsafe { self.buffer.as_ptr().add(offset).cast::<u64>() }
+    }
+}
+
+impl Executor for ChainExecutor {
+    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, String> {
+        let mut sampled = Vec::new();
+        for item in &batch.items {
+            let mut last = 0;
+            for position in item.start..item.start + item.len {
+                let previous = if position == 0 { 0x9e37_79b9 } else { unsafe { self.slot(item.block_table, position - 1).read_unaligned() } };
+                last = previous.rotate_left(7) ^ u64::from(item.tokens[position]).wrapping_mul(0x2545_f491_4f6c_dd1d);
+                unsafe { self.slot(item.block_table, position).write_unaligned(last) };
+            }
+            sampled.push(item.sample.then(|| Sampled { token: 10 + (last % 1000) as u32, logprobs: None }));
+        }
+        Ok(sampled)
+    }
+
+    fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), String> {
+        let block_bytes = BLOCK_SIZE * SLOT;
+        if bytes.len() != block_bytes {
+            return Err(format!("a block is {block_bytes} bytes, got {}", bytes.len()));
+        }
+        // SAFETY: a free block the engine handed over for this write.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.buffer.as_ptr().add(block as usize * block_bytes), block_bytes) };
+        Ok(())
+    }
+}
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig { block_size: BLOCK_SIZE, num_blocks: NUM_BLOCKS, max_model_len: 64, ..SchedulerConfig::default() }
+}
+
+fn engine(host: Option<HostTier>) -> EngineHandle {
+    let (executor, memory) = ChainExecutor::new();
+    EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host, memory: Some(memory) })
+}
+
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..41).map(|i| 100 + (i * 7 + seed * 13) % 500).collect()
+}
+
+/// The tokens and the prompt tokens reported cached.
+async fn generate(engine: &EngineHandle, prompt: &[u32]) -> (Vec<u32>, u32) {
+    let request = GenerateRequest {
+        request_id: "tiers".into(),
+        prompt: prompt.to_vec(),
+        stop: StopConditions { max_tokens: 8, ignore_eos: true, ..Default::default() },
+        ..Default::default()
+    };
+    let mut outputs = engine.generate(request).unwrap();
+    let mut tokens = Vec::new();
+    while let Some(output) = tokio::time::timeout(Duration::from_secs(30), outputs.recv()).await.expect("an output within 30 s") {
+        match output {
+            EngineOutput::Token(token, _) => tokens.push(token),
+            EngineOutput::Finished { usage, .. } => return (tokens, usage.cached_prompt_tokens),
+            other => panic!("{other:?}"),
+        }
+    }
+    panic!("the stream ended without finishing");
+}
+
+/// Fills the pool with other prompts, so that `prompt(0)`'s blocks leave it.
+async fn evict_from_the_pool(engine: &EngineHandle) {
+    for seed in 1..4 {
+        generate(engine, &prompt(seed)).await;
+    }
+    let first = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
+    assert_eq!(engine.cached_prefix(first).await.unwrap(), 0, "the first prompt left the pool");
+}
+
+async fn wait_for_copies(engine: &EngineHandle, host: &HostTier, blocks: u64) {
+    wait_until("copies to the host tier", Duration::from_secs(10), async || {
+        host.stats().offloaded_blocks.load(Ordering::Relaxed) >= blocks && engine.load().blocks_used == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn blocks_evicted_from_the_pool_come_back_from_host_memory_with_the_same_output() {
+    let reference = engine(None);
+    let (expected, _) = generate(&reference, &prompt(0)).await;
+    reference.shutdown();
+
+    let host = HostTier::new(1 << 20);
+    let engine = engine(Some(host.clone()));
+    let mut events = engine.subscribe_events();
+    let (first, cached) = generate(&engine, &prompt(0)).await;
+    assert_eq!(first, expected);
+    assert_eq!(cached, 0);
+    // 41 prompt tokens and 7 generated ones before the last: 12 full blocks.
+    wait_for_copies(&engine, &host, 10).await;
+    evict_from_the_pool(&engine).await;
+
+    let (again, cached) = generate(&engine, &prompt(0)).await;
+    assert_eq!(again, expected, "onboarded blocks give the computed output");
+    assert_eq!(cached, 40, "the prompt's 10 full blocks are hits");
+    assert!(engine.stats().onboarded_prompt_tokens.load(Ordering::Relaxed) >= 40);
+    assert!(host.stats().onboarded_blocks.load(Ordering::Relaxed) >= 10);
+    assert_eq!(host.stats().corrupt_blocks.load(Ordering::Relaxed), 0);
+
+    let mut host_stored = 0;
+    while let Ok(event) = events.try_recv() {
+        if let KvEvent::Stored { blocks, tier: Tier::Host, .. } = event.event {
+            host_stored += blocks.len();
+        }
+    }
+    assert!(host_stored >= 10, "host-tier blocks are announced ({host_stored})");
+    let dump = engine.dump().await.unwrap();
+    assert!(dump.blocks.iter().filter(|block| block.tiers.contains(Tier::Host)).count() >= 10, "a dump lists the host tier");
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn a_corrupt_host_block_is_recomputed_never_served() {
+    let reference = engine(None);
+    let (expected, _) = generate(&reference, &prompt(0)).await;
+    reference.shutdown();
+
+    let host = HostTier::new(1 << 20);
+    let engine = engine(Some(host.clone()));
+    generate(&engine, &prompt(0)).await;
+    wait_for_copies(&engine, &host, 10).await;
+    evict_from_the_pool(&engine).await;
+    let hashes = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
+    assert!(host.corrupt_for_test(hashes[3]));
+
+    let (again, cached) = generate(&engine, &prompt(0)).await;
+    assert_eq!(again, expected, "the corrupt block was computed again");
+    assert_eq!(cached, 12, "only the three blocks before the corrupt one were hits");
+    assert_eq!(host.stats().corrupt_blocks.load(Ordering::Relaxed), 1);
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn a_small_host_tier_stays_within_its_bytes() {
+    let block_bytes = (BLOCK_SIZE * SLOT) as u64;
+    let host = HostTier::new(6 * block_bytes);
+    let engine = engine(Some(host.clone()));
+    for seed in 0..4 {
+        generate(&engine, &prompt(seed)).await;
+    }
+    wait_until("copies to finish", Duration::from_secs(10), async || engine.load().blocks_used == 0).await;
+    assert!(host.used_bytes() <= 6 * block_bytes, "{} bytes held", host.used_bytes());
+    assert!(host.stats().evicted_blocks.load(Ordering::Relaxed) > 0);
+    engine.shutdown();
+}
