@@ -17,7 +17,8 @@ use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
 use turbine_kv::{BlockHasher, CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
-use crate::tiers::{HostTier, KvTiers, OffloadBlock, spawn_offload};
+use crate::tiers::{HostBlock, HostTier, KvTiers, OffloadBlock, ReadDone, ReadJob, spawn_offload, spawn_reader};
+use turbine_kv::BlockHashes;
 use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
 use crate::{EngineError, Result};
@@ -142,6 +143,13 @@ impl EngineHandle {
             }
             _ => None,
         };
+        let reader = match (&tiers.host, &offload) {
+            (Some(host), Some(_)) => host.disk().map(|disk| {
+                let (jobs, done) = spawn_reader(disk.clone());
+                Reader { jobs, done, waiting: HashMap::new(), next_id: 0 }
+            }),
+            _ => None,
+        };
         let hasher = BlockHasher::with_seed(config.hash_seed);
         let engine_loop = EngineLoop {
             scheduler,
@@ -156,6 +164,7 @@ impl EngineHandle {
             next_pin_id: 1,
             host: tiers.host.clone(),
             offload,
+            reader,
             hasher,
         };
         let thread = thread::Builder::new()
@@ -267,8 +276,38 @@ struct EngineLoop {
     host: Option<HostTier>,
     /// Copies of registered blocks to the host tier.
     offload: Option<Offload>,
+    /// Reads of disk blocks for requests waiting on them.
+    reader: Option<Reader>,
     /// The pool's block hasher (prompts' hashes for tier lookups).
     hasher: BlockHasher,
+}
+
+/// Requests waiting for their prefix's disk blocks.
+struct Reader {
+    jobs: mpsc::Sender<ReadJob>,
+    done: mpsc::Receiver<ReadDone>,
+    waiting: HashMap<u64, Deferred>,
+    next_id: u64,
+}
+
+/// A request waiting for disk blocks, and what it will onboard.
+struct Deferred {
+    request: GenerateRequest,
+    pin: bool,
+    outputs: tokio_mpsc::UnboundedSender<EngineOutput>,
+    plan: OnboardPlan,
+}
+
+/// The lower-tier blocks that continue a prompt's G1 prefix hit.
+struct OnboardPlan {
+    /// The prompt's block hashes.
+    hashes: Vec<BlockHashes>,
+    /// Leading blocks in G1 when planned.
+    in_device: usize,
+    /// The blocks that follow them, in order (host first, then disk).
+    blocks: Vec<Arc<HostBlock>>,
+    /// How many of `blocks` came from the host tier.
+    from_host: usize,
 }
 
 /// Registered blocks on their way to the host tier.
@@ -293,8 +332,8 @@ impl EngineLoop {
         loop {
             // Block while idle; otherwise take whatever arrived since the last step.
             if !self.scheduler.has_work() {
-                let command = if self.offload.as_ref().is_some_and(|offload| offload.pinned > 0) {
-                    // Copies in flight: wake for their completion too.
+                let command = if self.tier_work_in_flight() {
+                    // Copies or reads in flight: wake for their completion too.
                     match self.receiver.recv_timeout(OFFLOAD_POLL) {
                         Ok(command) => Some(command),
                         Err(mpsc::RecvTimeoutError::Timeout) => None,
@@ -313,6 +352,7 @@ impl EngineLoop {
                 }
             }
             self.unpin_offloaded();
+            self.finish_reads();
             let mut shutting_down = false;
             while let Ok(command) = self.receiver.try_recv() {
                 if !self.handle(command) {
@@ -338,30 +378,32 @@ impl EngineLoop {
         match command {
             Command::Submit { request, handoff, outputs } => {
                 let (generated, pin, imported) = match handoff {
-                    Handoff::None => {
-                        self.onboard(&request.prompt);
-                        (Vec::new(), false, 0)
-                    }
-                    Handoff::Prefill => {
-                        self.onboard(&request.prompt);
-                        (Vec::new(), true, 0)
+                    Handoff::None | Handoff::Prefill => {
+                        let pin = matches!(handoff, Handoff::Prefill);
+                        if let Some(plan) = self.plan_onboard(&request.prompt) {
+                            let disk_from = plan.in_device + plan.blocks.len();
+                            let on_disk = plan.hashes.get(disk_from).is_some_and(|next| self.host.as_ref().and_then(HostTier::disk).is_some_and(|disk| disk.contains(next.sequence)));
+                            if on_disk && let Some(reader) = &mut self.reader {
+                                // Its disk blocks are read meanwhile; it is admitted when they are in.
+                                let id = reader.next_id;
+                                reader.next_id += 1;
+                                let job = ReadJob { id, hashes: plan.hashes[disk_from..].to_vec() };
+                                if reader.jobs.send(job).is_ok() {
+                                    reader.waiting.insert(id, Deferred { request, pin, outputs, plan });
+                                    self.set_load();
+                                    return true;
+                                }
+                            }
+                            self.install_onboarded(plan);
+                        }
+                        (Vec::new(), pin, 0)
                     }
                     Handoff::Decode { generated, import } => {
                         let imported = self.install(import) * self.scheduler.config().block_size;
                         (generated, false, imported)
                     }
                 };
-                match self.scheduler.add_imported(request, generated, pin, imported) {
-                    Ok(seq_id) => {
-                        self.outputs.insert(seq_id, outputs);
-                        // Keep the queue length the handle checks current.
-                        self.stats.set_load(self.scheduler.load());
-                    }
-                    // Raced past the handle's check; tell the caller on the stream.
-                    Err(error) => {
-                        let _ = outputs.send(EngineOutput::Failed(EngineError::from(error)));
-                    }
-                }
+                self.admit(request, generated, pin, imported, outputs);
                 true
             }
             Command::Dump { reply } => {
@@ -411,35 +453,115 @@ impl EngineLoop {
         installed
     }
 
-    /// Onboards the blocks of `prompt` that continue its G1 prefix hit in
-    /// the host tier: each is checked and written into a free G1 block and
-    /// registered, so the request's admission hits them.
-    fn onboard(&mut self, prompt: &[u32]) {
-        let Some(host) = &self.host else { return };
-        let block_size = self.scheduler.config().block_size;
-        let hashes = self.hasher.hash_blocks(prompt, block_size);
+    /// Queues a request in the scheduler.
+    fn admit(&mut self, request: GenerateRequest, generated: Vec<u32>, pin: bool, imported: usize, outputs: tokio_mpsc::UnboundedSender<EngineOutput>) {
+        match self.scheduler.add_imported(request, generated, pin, imported) {
+            Ok(seq_id) => {
+                self.outputs.insert(seq_id, outputs);
+                // Keep the queue length the handle checks current.
+                self.set_load();
+            }
+            // Raced past the handle's check; tell the caller on the stream.
+            Err(error) => {
+                let _ = outputs.send(EngineOutput::Failed(EngineError::from(error)));
+            }
+        }
+    }
+
+    /// The host-tier blocks that continue `prompt`'s G1 prefix hit (None:
+    /// no host tier).
+    fn plan_onboard(&self, prompt: &[u32]) -> Option<OnboardPlan> {
+        let host = self.host.as_ref()?;
+        let hashes = self.hasher.hash_blocks(prompt, self.scheduler.config().block_size);
         let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
         let in_device = self.scheduler.cached_prefix(&sequence);
-        let run = host.lookup_run(&hashes[in_device..]);
-        if run.is_empty() {
+        let blocks = host.lookup_run(&hashes[in_device..]);
+        let from_host = blocks.len();
+        Some(OnboardPlan { hashes, in_device, blocks, from_host })
+    }
+
+    /// Writes a plan's blocks into free G1 blocks and registers them, so
+    /// that the request's admission hits them. The G1 part of the prefix is
+    /// held meanwhile; if it left G1 since the plan was made, nothing is
+    /// installed (the request computes its prompt).
+    fn install_onboarded(&mut self, plan: OnboardPlan) {
+        let OnboardPlan { hashes, in_device, blocks, from_host } = plan;
+        if blocks.is_empty() {
             return;
         }
-        let parent = in_device.checked_sub(1).map(|i| sequence[i]);
-        // The G1 part of the prefix must survive the allocations below.
-        let held = self.scheduler.hold_prefix(&sequence[..in_device]);
+        let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
+        let now_in_device = self.scheduler.cached_prefix(&sequence[..in_device + blocks.len()]);
+        if now_in_device < in_device {
+            return;
+        }
+        // Blocks cached meanwhile are not installed again.
+        let skip = now_in_device - in_device;
+        let held = self.scheduler.hold_prefix(&sequence[..now_in_device]);
+        let parent = now_in_device.checked_sub(1).map(|i| sequence[i]);
         let executor = &mut self.executor;
-        let onboarded = self.scheduler.install_prefix(parent, &hashes[in_device..in_device + run.len()], |block, index| match executor.write_block(block, &run[index].bytes) {
-            Ok(()) => true,
-            Err(error) => {
-                tracing::warn!(%error, "cannot onboard a host-tier KV block; computing it here");
-                false
+        let onboarded = self.scheduler.install_prefix(parent, &hashes[now_in_device..in_device + blocks.len()], |block, index| {
+            match executor.write_block(block, &blocks[skip + index].bytes) {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot onboard a KV block from a lower tier; computing it here");
+                    false
+                }
             }
         });
         self.scheduler.release_pinned(&held);
-        host.stats().onboarded_blocks.fetch_add(onboarded as u64, Ordering::Relaxed);
+        let from_host = from_host.saturating_sub(skip).min(onboarded);
+        if let Some(host) = &self.host {
+            host.stats().onboarded_blocks.fetch_add(from_host as u64, Ordering::Relaxed);
+            if let Some(disk) = host.disk() {
+                disk.stats().onboarded_blocks.fetch_add((onboarded - from_host) as u64, Ordering::Relaxed);
+            }
+        }
+        let block_size = self.scheduler.config().block_size;
         self.stats.onboarded_prompt_tokens.fetch_add((onboarded * block_size) as u64, Ordering::Relaxed);
-        // Already in the tier: nothing to copy back.
-        self.scheduler.take_registered();
+        // Host blocks are in the host tier already; disk blocks are copied
+        // up again (they are hot).
+        let registered = self.scheduler.take_registered();
+        if let Some(offload) = &mut self.offload {
+            let host = self.host.as_ref();
+            offload.queued.extend(
+                registered
+                    .into_iter()
+                    .filter(|item| !host.is_some_and(|host| host.contains(item.hashes.sequence)))
+                    .map(|item| OffloadBlock { block: item.block, parent: item.parent, hashes: item.hashes }),
+            );
+            self.dispatch_offloads();
+        }
+    }
+
+    /// Admits the requests whose disk reads finished.
+    fn finish_reads(&mut self) {
+        let Some(reader) = &mut self.reader else { return };
+        let mut finished = Vec::new();
+        while let Ok(done) = reader.done.try_recv() {
+            if let Some(deferred) = reader.waiting.remove(&done.id) {
+                finished.push((deferred, done.blocks));
+            }
+        }
+        for (Deferred { request, pin, outputs, mut plan }, blocks) in finished {
+            plan.blocks.extend(blocks);
+            self.install_onboarded(plan);
+            self.admit(request, Vec::new(), pin, 0, outputs);
+        }
+    }
+
+    /// Whether copies to the host tier or disk reads are in flight.
+    fn tier_work_in_flight(&self) -> bool {
+        self.offload.as_ref().is_some_and(|offload| offload.pinned > 0) || self.reader.as_ref().is_some_and(|reader| !reader.waiting.is_empty())
+    }
+
+    /// Publishes the scheduler's load, counting requests waiting for disk
+    /// blocks as waiting.
+    fn set_load(&self) {
+        let mut load = self.scheduler.load();
+        if let Some(reader) = &self.reader {
+            load.waiting += reader.waiting.len() as u32;
+        }
+        self.stats.set_load(load);
     }
 
     /// Queues the blocks registered since the last call for the offload
@@ -515,9 +637,10 @@ impl EngineLoop {
         let mut blocks = self.scheduler.cached_blocks();
         if let Some(host) = &self.host {
             let mut at: HashMap<SequenceHash, usize> = blocks.iter().enumerate().map(|(i, b)| (b.sequence_hash, i)).collect();
-            for block in host.cached_blocks() {
+            let lower = host.cached_blocks().into_iter().chain(host.disk().map(|disk| disk.cached_blocks()).unwrap_or_default());
+            for block in lower {
                 match at.get(&block.sequence_hash) {
-                    Some(&i) => blocks[i].tiers.insert(turbine_kv::Tier::Host),
+                    Some(&i) => blocks[i].tiers.0 |= block.tiers.0,
                     None => {
                         at.insert(block.sequence_hash, blocks.len());
                         blocks.push(block);
@@ -577,7 +700,7 @@ impl EngineLoop {
             .filter_map(|(chunk, sampled)| Some((chunk.seq_id, sampled?.logprobs?)))
             .collect();
         // Load first: a caller that sees its sequence finish sees its blocks freed.
-        self.stats.set_load(self.scheduler.load());
+        self.set_load();
         for update in updates {
             let Some(sender) = self.outputs.get(&update.seq_id) else { continue };
             if let Some(blocks) = update.pinned {
@@ -608,7 +731,7 @@ impl EngineLoop {
 
     /// Publishes load and KV events.
     fn publish(&mut self) {
-        self.stats.set_load(self.scheduler.load());
+        self.set_load();
         self.scheduler.drain_events(&mut self.event_buffer);
         if let Some(host) = &self.host {
             host.drain_events(&mut self.event_buffer);
@@ -634,6 +757,11 @@ impl EngineLoop {
     }
 
     fn fail_all(&mut self) {
+        if let Some(reader) = &mut self.reader {
+            for (_, deferred) in reader.waiting.drain() {
+                let _ = deferred.outputs.send(EngineOutput::Failed(EngineError::ShuttingDown));
+            }
+        }
         let ids: Vec<SeqId> = self.scheduler.sequence_ids().collect();
         for seq_id in ids {
             if let Some(sender) = self.outputs.remove(&seq_id) {

@@ -9,8 +9,8 @@
 //! - [`core`]: the engine thread and its [`EngineHandle`]; an [`Executor`]
 //!   plugs in the model (the mocker here, the native model elsewhere).
 //! - [`mocker`]: the simulated executor.
-//! - [`tiers`]: KV tiers below the pool (host memory), offloaded to in
-//!   the background and onboarded from at admission.
+//! - [`tiers`]: KV tiers below the pool (host memory, local disk),
+//!   offloaded to in the background and onboarded from at admission.
 //!
 //! Nothing here knows about gRPC or protobuf.
 
@@ -28,7 +28,7 @@ pub use request::{
     EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
     StopConditions, TokenLogprobs, Usage,
 };
-pub use tiers::{HostBlock, HostTier, KvTiers, TierStats};
+pub use tiers::{DiskTier, HostBlock, HostTier, KvTiers, TierStats};
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
 pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
 

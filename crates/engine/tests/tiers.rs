@@ -1,6 +1,7 @@
-//! The host tier (G2) under a real engine loop: blocks evicted from the
-//! pool come back from host memory, the output equals recomputing them, and
-//! a corrupt host block is recomputed, never served.
+//! The host (G2) and disk (G3) tiers under a real engine loop: blocks
+//! evicted from the pool come back from host memory or from disk, the
+//! output equals recomputing them, a corrupt block is recomputed, never
+//! served, and the disk tier outlives its engine.
 //!
 //! The executor keeps its KV in a real pool ([`KvMemory`]) and its every
 //! token depends on what the pool holds for all earlier positions: each
@@ -15,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use turbine_engine::{
-    Batch, EngineHandle, EngineOutput, Executor, GenerateRequest, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, Sampled, SchedulerConfig,
+    Batch, DiskTier, EngineHandle, EngineOutput, Executor, GenerateRequest, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, Sampled, SchedulerConfig,
     StopConditions, Tier,
 };
 use turbine_kv::{BlockHasher, KvEvent};
@@ -192,5 +193,107 @@ async fn a_small_host_tier_stays_within_its_bytes() {
     wait_until("copies to finish", Duration::from_secs(10), async || engine.load().blocks_used == 0).await;
     assert!(host.used_bytes() <= 6 * block_bytes, "{} bytes held", host.used_bytes());
     assert!(host.stats().evicted_blocks.load(Ordering::Relaxed) > 0);
+    engine.shutdown();
+}
+
+const BLOCK_BYTES: u64 = (BLOCK_SIZE * SLOT) as u64;
+
+/// A host tier of two blocks over a disk tier in `dir`: nearly everything
+/// offloaded ends up on disk.
+fn host_over_disk(dir: &std::path::Path) -> HostTier {
+    let disk = DiskTier::open(dir, 1 << 20, 7).unwrap();
+    HostTier::with_disk(2 * BLOCK_BYTES, disk)
+}
+
+async fn wait_for_disk(host: &HostTier, blocks: u64) {
+    let disk = host.disk().unwrap().clone();
+    wait_until("writes to the disk tier", Duration::from_secs(10), async || disk.stats().offloaded_blocks.load(Ordering::Relaxed) >= blocks).await;
+}
+
+#[tokio::test]
+async fn blocks_evicted_down_to_disk_come_back_with_the_same_output() {
+    let reference = engine(None);
+    let (expected, _) = generate(&reference, &prompt(0)).await;
+    reference.shutdown();
+
+    let dir = tempfile::tempdir().unwrap();
+    let host = host_over_disk(dir.path());
+    let engine = engine(Some(host.clone()));
+    generate(&engine, &prompt(0)).await;
+    wait_for_copies(&engine, &host, 10).await;
+    evict_from_the_pool(&engine).await;
+    wait_for_disk(&host, 8).await;
+
+    let (again, cached) = generate(&engine, &prompt(0)).await;
+    assert_eq!(again, expected, "blocks read back from disk give the computed output");
+    assert_eq!(cached, 40, "the prompt's 10 full blocks are hits");
+    let disk = host.disk().unwrap();
+    assert!(disk.stats().onboarded_blocks.load(Ordering::Relaxed) >= 8, "most blocks came from disk");
+    assert_eq!(disk.stats().corrupt_blocks.load(Ordering::Relaxed), 0);
+    let dump = engine.dump().await.unwrap();
+    assert!(dump.blocks.iter().any(|block| block.tiers.contains(Tier::Disk)), "a dump lists the disk tier");
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn a_corrupt_disk_block_is_recomputed_never_served() {
+    let reference = engine(None);
+    let (expected, _) = generate(&reference, &prompt(0)).await;
+    reference.shutdown();
+
+    let dir = tempfile::tempdir().unwrap();
+    let host = host_over_disk(dir.path());
+    let engine = engine(Some(host.clone()));
+    generate(&engine, &prompt(0)).await;
+    wait_for_copies(&engine, &host, 10).await;
+    evict_from_the_pool(&engine).await;
+    wait_for_disk(&host, 8).await;
+    let hashes = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
+    let disk = host.disk().unwrap().clone();
+    let path = disk.path_for_test(hashes[2]);
+    let mut bytes = std::fs::read(&path).expect("the third block is on disk");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(&path, bytes).unwrap();
+
+    let (again, cached) = generate(&engine, &prompt(0)).await;
+    assert_eq!(again, expected, "the corrupt block was computed again");
+    assert_eq!(cached, 8, "only the two blocks before the corrupt one were hits");
+    assert_eq!(disk.stats().corrupt_blocks.load(Ordering::Relaxed), 1);
+    assert!(!path.exists(), "the corrupt file was deleted");
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn the_disk_tier_outlives_its_engine() {
+    let reference = engine(None);
+    let (expected, _) = generate(&reference, &prompt(0)).await;
+    reference.shutdown();
+
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let host = host_over_disk(dir.path());
+        let engine = engine(Some(host.clone()));
+        generate(&engine, &prompt(0)).await;
+        wait_for_copies(&engine, &host, 10).await;
+        evict_from_the_pool(&engine).await;
+        wait_for_disk(&host, 8).await;
+        engine.shutdown();
+    }
+    // The threads of the first engine let go of the directory.
+    let mut reopened = None;
+    wait_until("the disk tier's directory is free", Duration::from_secs(10), async || {
+        reopened = DiskTier::open(dir.path(), 1 << 20, 7).ok();
+        reopened.is_some()
+    })
+    .await;
+    let disk = reopened.unwrap();
+    assert!(disk.blocks() >= 8, "blocks kept on disk: {}", disk.blocks());
+    let host = HostTier::with_disk(2 * BLOCK_BYTES, disk.clone());
+    let engine = engine(Some(host));
+    let (again, cached) = generate(&engine, &prompt(0)).await;
+    assert_eq!(again, expected);
+    assert!(cached >= 8, "blocks written by the first engine were hits ({cached} cached tokens)");
+    assert!(disk.stats().onboarded_blocks.load(Ordering::Relaxed) >= 2);
     engine.shutdown();
 }

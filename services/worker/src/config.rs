@@ -149,6 +149,16 @@ pub struct EngineConfig {
     /// tier off.
     #[arg(long, env = "TURBINE_WORKER_HOST_CACHE_MIB", default_value_t = 0)]
     pub host_cache_mib: u64,
+    /// Native: local-disk KV tier (G3) below the host tier: what the host
+    /// tier evicts is written here (one checksummed file per block, in a
+    /// subdirectory named after the worker id) and read back on a later
+    /// prefix hit. Kept across restarts of a worker with the same id and
+    /// model. Needs --host-cache-mib. Unset: no disk tier.
+    #[arg(long, env = "TURBINE_WORKER_DISK_CACHE_DIR", value_name = "DIR")]
+    pub disk_cache_dir: Option<PathBuf>,
+    /// Native: GiB of block files the disk tier may hold.
+    #[arg(long, env = "TURBINE_WORKER_DISK_CACHE_GIB", default_value_t = 16.0)]
+    pub disk_cache_gib: f64,
     /// Native: kernel threads [default: the cores available to the process].
     #[arg(long, env = "TURBINE_WORKER_THREADS")]
     pub threads: Option<usize>,
@@ -204,6 +214,12 @@ impl EngineConfig {
             }
         }
         self.device.parse::<turbine_native::Device>()?;
+        if self.disk_cache_dir.is_some() && self.host_cache_mib == 0 {
+            return Err("disk_cache_dir needs a host tier above it: set host_cache_mib too".into());
+        }
+        if !(self.disk_cache_gib.is_finite() && self.disk_cache_gib > 0.0) {
+            return Err(format!("disk_cache_gib must be a positive number, got {}", self.disk_cache_gib));
+        }
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
             return Err(format!("speedup must be a positive number, got {}", self.speedup));
         }
@@ -377,5 +393,8 @@ mod tests {
                 .unwrap_err()
                 .contains("lease_ttl_secs")
         );
+        assert!(parse(&["--disk-cache-dir", "/tmp/kv"]).unwrap_err().contains("host_cache_mib"));
+        assert!(parse(&["--host-cache-mib", "64", "--disk-cache-dir", "/tmp/kv", "--disk-cache-gib", "0"]).unwrap_err().contains("disk_cache_gib"));
+        assert!(parse(&["--host-cache-mib", "64", "--disk-cache-dir", "/tmp/kv"]).is_ok());
     }
 }

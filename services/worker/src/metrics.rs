@@ -53,6 +53,7 @@ pub struct EngineCollector {
     preemptions: IntCounter,
     onboarded: IntCounter,
     host: Option<TierMetrics>,
+    disk: Option<TierMetrics>,
     descs: Vec<Desc>,
 }
 
@@ -101,12 +102,11 @@ impl TierMetrics {
         ]
     }
 
-    fn update(&self, tier: &turbine_engine::HostTier) {
+    fn update(&self, blocks: u64, bytes: u64, capacity_bytes: u64, stats: &turbine_engine::TierStats) {
         use std::sync::atomic::Ordering::Relaxed;
-        self.blocks.set(tier.blocks() as i64);
-        self.bytes.set(tier.used_bytes() as i64);
-        self.capacity_bytes.set(tier.capacity_bytes() as i64);
-        let stats = tier.stats();
+        self.blocks.set(blocks as i64);
+        self.bytes.set(bytes as i64);
+        self.capacity_bytes.set(capacity_bytes as i64);
         set_counter(&self.offloaded_blocks, stats.offloaded_blocks.load(Relaxed));
         set_counter(&self.offloaded_bytes, stats.offloaded_bytes.load(Relaxed));
         set_counter(&self.offloads_skipped, stats.offloads_skipped.load(Relaxed));
@@ -123,9 +123,11 @@ impl EngineCollector {
         let gauge = |name: &str, help: &str| IntGauge::with_opts(opts(name, help)).expect("valid gauge");
         let count = |name: &str, help: &str| IntCounter::with_opts(opts(name, help)).expect("valid counter");
         let host = engine.host_tier().map(|_| TierMetrics::new(worker_id, "host"));
+        let disk = engine.host_tier().and_then(|host| host.disk()).map(|_| TierMetrics::new(worker_id, "disk"));
         let mut collector = Self {
             engine,
             host,
+            disk,
             running: gauge("turbine_worker_running_sequences", "Sequences scheduled (prefilling or decoding)"),
             waiting: gauge("turbine_worker_waiting_sequences", "Sequences queued"),
             blocks_used: gauge("turbine_worker_kv_blocks_used", "KV blocks referenced by sequences"),
@@ -155,8 +157,8 @@ impl EngineCollector {
             &self.preemptions,
             &self.onboarded,
         ];
-        if let Some(host) = &self.host {
-            metrics.extend(host.metrics());
+        for tier in [&self.host, &self.disk].into_iter().flatten() {
+            metrics.extend(tier.metrics());
         }
         metrics
     }
@@ -188,8 +190,11 @@ impl Collector for EngineCollector {
         set_counter(&self.cached, stats.cached_prompt_tokens.load(Relaxed));
         set_counter(&self.preemptions, stats.preemptions.load(Relaxed));
         set_counter(&self.onboarded, stats.onboarded_prompt_tokens.load(Relaxed));
-        if let (Some(metrics), Some(tier)) = (&self.host, self.engine.host_tier()) {
-            metrics.update(tier);
+        if let (Some(metrics), Some(host)) = (&self.host, self.engine.host_tier()) {
+            metrics.update(host.blocks(), host.used_bytes(), host.capacity_bytes(), host.stats());
+            if let (Some(metrics), Some(disk)) = (&self.disk, host.disk()) {
+                metrics.update(disk.blocks(), disk.used_bytes(), disk.capacity_bytes(), disk.stats());
+            }
         }
         self.metrics().iter().flat_map(|metric| metric.collect()).collect()
     }

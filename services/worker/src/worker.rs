@@ -3,8 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
-use turbine_engine::{EngineHandle, Executor, HostTier, KvMemory, KvTiers, Load, SchedulerConfig};
+use turbine_engine::{DiskTier, EngineHandle, Executor, HostTier, KvLayout, KvMemory, KvTiers, Load, SchedulerConfig};
 use turbine_kv::WorkerId;
 use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -77,9 +78,18 @@ impl Worker {
         };
         let host = match (engine_config.host_cache_mib, &memory) {
             (0, _) => None,
-            (mib, Some(_)) => Some(HostTier::new(mib << 20)),
+            (mib, Some(memory)) => Some(match &engine_config.disk_cache_dir {
+                Some(dir) => {
+                    let dir = dir.join(id.to_string());
+                    let capacity = (engine_config.disk_cache_gib * (1u64 << 30) as f64) as u64;
+                    let disk = DiskTier::open(&dir, capacity, layout_fingerprint(&model.path, memory.layout(), &scheduler))
+                        .with_context(|| format!("cannot open the disk KV tier in {}", dir.display()))?;
+                    HostTier::with_disk(mib << 20, disk)
+                }
+                None => HostTier::new(mib << 20),
+            }),
             (_, None) => {
-                tracing::warn!("this engine exposes no KV memory: the host KV tier (--host-cache-mib) is off");
+                tracing::warn!("this engine exposes no KV memory: the host and disk KV tiers (--host-cache-mib, --disk-cache-dir) are off");
                 None
             }
         };
@@ -165,4 +175,21 @@ impl Worker {
     pub fn shutdown(&self) {
         self.engine.shutdown();
     }
+}
+
+/// What must match for blocks on disk to be this worker's: the model file
+/// (path, size, modification time), the pool's layout, the block size and
+/// the hash seed.
+fn layout_fingerprint(model: &std::path::Path, layout: &KvLayout, scheduler: &SchedulerConfig) -> u64 {
+    let file = std::fs::metadata(model).ok();
+    let modified = file.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_nanos());
+    let identity = format!(
+        "{}|{:?}|{:?}|{layout:?}|{}|{}",
+        std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf()).display(),
+        file.map(|m| m.len()),
+        modified,
+        scheduler.block_size,
+        scheduler.hash_seed
+    );
+    turbine_engine::block_checksum(identity.as_bytes())
 }

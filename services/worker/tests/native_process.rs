@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, metric};
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, metric, metric_where};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
@@ -147,6 +147,49 @@ async fn prompts_evicted_from_the_pool_come_back_from_the_host_tier() {
     assert!(cached >= 112.0, "the whole prompt was a hit, pool and host tier together ({cached} tokens)");
     assert!(metric(&admin, "turbine_worker_kv_tier_bytes").await <= 64.0 * 1024.0 * 1024.0);
     assert_eq!(metric(&admin, "turbine_worker_kv_tier_corrupt_blocks_total").await, 0.0);
+}
+
+/// `--disk-cache-dir`: with a host tier of two blocks, a prompt pushed
+/// out of the pool comes back from disk with its computed tokens, and
+/// again after the worker restarts (same id, same directory).
+#[tokio::test]
+async fn prompts_come_back_from_the_disk_tier_and_it_survives_a_restart() {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dir_arg = dir.path().to_str().unwrap().to_owned();
+    let flags = ["--kv-cache-mib", "4", "--host-cache-mib", "1", "--disk-cache-dir", &dir_arg, "--worker-id", "disk-test"];
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = ["Owls hunt at night and sleep through the day. ", "Ferries cross the harbour every half hour. "]
+        .iter()
+        .map(|text| tokens.encode_text(&text.repeat(20)).unwrap()[..128].to_vec())
+        .collect();
+
+    let worker = native_worker(&flags).await;
+    let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
+    let mut computed = Vec::new();
+    for prompt in &prompts {
+        computed.push(generate(client.clone(), greedy(prompt, 8)).await.unwrap().0);
+    }
+    let admin = worker.admin_url();
+    let on_disk = async || metric_where(&admin, "turbine_worker_kv_tier_offloaded_blocks_total", &[("tier", "disk")]).await;
+    turbine_testkit::wait_until("writes to the disk tier", Duration::from_secs(30), async || on_disk().await >= 10.0).await;
+    let (again, _) = generate(client.clone(), greedy(&prompts[0], 8)).await.unwrap();
+    assert_eq!(again, computed[0], "blocks read back from disk give the computed tokens");
+    let from_disk = metric_where(&admin, "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "disk")]).await;
+    assert!(from_disk >= 4.0, "the first prompt's evicted blocks came from disk ({from_disk})");
+    worker.terminate();
+    let mut worker = worker;
+    assert!(worker.wait(Duration::from_secs(60)).is_some_and(|status| status.success()), "the worker stops on SIGTERM");
+    drop(worker);
+
+    let worker = native_worker(&flags).await;
+    let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
+    let (after_restart, _) = generate(client.clone(), greedy(&prompts[1], 8)).await.unwrap();
+    assert_eq!(after_restart, computed[1], "blocks kept on disk across a restart give the computed tokens");
+    let admin = worker.admin_url();
+    let from_disk = metric_where(&admin, "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "disk")]).await;
+    assert!(from_disk >= 4.0, "the restarted worker read its blocks from disk ({from_disk})");
+    assert_eq!(metric_where(&admin, "turbine_worker_kv_tier_corrupt_blocks_total", &[("tier", "disk")]).await, 0.0);
 }
 
 #[test]

@@ -1,0 +1,404 @@
+//! The local-disk tier (G3): one file per block in a directory this
+//! engine alone uses (an exclusive lock on `<dir>/.lock`), its index a
+//! byte-bounded `moka` cache (least recently used evicted first, its file
+//! deleted).
+//!
+//! A file is `<sequence hash, 16 hex digits>.kvb`: a 64-byte header (magic,
+//! version, the pool's layout fingerprint, the block's sequence, local and
+//! parent hashes, the payload's length and XXH3-64, and the header's own
+//! XXH3-64) followed by the block's bytes. It is written to a `.tmp` file
+//! and renamed into place, so a reader never sees half a block; reads go
+//! through the page cache. After a crash a file may still be torn or
+//! empty: every read checks the header, the length and the payload's
+//! checksum, and a block that fails is deleted and computed instead, never
+//! served.
+//!
+//! At start the tier rebuilds its index from the files whose header is
+//! sound and whose fingerprint matches (blocks of another model or layout
+//! are deleted, as are leftover `.tmp` files), so a restarted worker keeps
+//! its disk tier.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use turbine_kv::{BlockHashes, CachedBlock, KvEvent, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::{HostBlock, PendingEvents, TierStats, push_removed};
+use crate::kv_memory::block_checksum;
+
+const MAGIC: [u8; 4] = *b"TKVB";
+const VERSION: u32 = 1;
+const HEADER_BYTES: usize = 64;
+const EXTENSION: &str = "kvb";
+
+/// What the index keeps of a block on disk.
+#[derive(Debug, Clone, Copy)]
+struct DiskEntry {
+    local: LocalBlockHash,
+    bytes: u64,
+}
+
+/// The disk tier (G3). Cloning shares it.
+#[derive(Clone)]
+pub struct DiskTier {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    fingerprint: u64,
+    index: moka::sync::Cache<SequenceHash, DiskEntry>,
+    events: PendingEvents,
+    stats: Arc<TierStats>,
+    capacity_bytes: u64,
+    /// Held for the tier's life: no other engine uses the directory.
+    _lock: File,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier").field("dir", &self.inner.dir).field("capacity_bytes", &self.inner.capacity_bytes).finish_non_exhaustive()
+    }
+}
+
+/// The header of a block file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Header {
+    fingerprint: u64,
+    sequence: SequenceHash,
+    local: LocalBlockHash,
+    parent: Option<SequenceHash>,
+    len: u64,
+    checksum: u64,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut out = [0u8; HEADER_BYTES];
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        out[8..16].copy_from_slice(&self.fingerprint.to_le_bytes());
+        out[16..24].copy_from_slice(&self.sequence.0.to_le_bytes());
+        out[24..32].copy_from_slice(&self.local.0.to_le_bytes());
+        out[32..40].copy_from_slice(&self.parent.map_or(0, |p| p.0).to_le_bytes());
+        out[40] = u8::from(self.parent.is_some());
+        out[41..48].copy_from_slice(&self.len.to_le_bytes()[..7]);
+        out[48..56].copy_from_slice(&self.checksum.to_le_bytes());
+        let own = xxh3_64(&out[..56]);
+        out[56..64].copy_from_slice(&own.to_le_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8; HEADER_BYTES]) -> Option<Self> {
+        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        if bytes[0..4] != MAGIC || u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) != VERSION || xxh3_64(&bytes[..56]) != u64_at(56) {
+            return None;
+        }
+        let mut len = [0u8; 8];
+        len[..7].copy_from_slice(&bytes[41..48]);
+        Some(Self {
+            fingerprint: u64_at(8),
+            sequence: SequenceHash(u64_at(16)),
+            local: LocalBlockHash(u64_at(24)),
+            parent: (bytes[40] == 1).then(|| SequenceHash(u64_at(32))),
+            len: u64::from_le_bytes(len),
+            checksum: u64_at(48),
+        })
+    }
+}
+
+impl DiskTier {
+    /// Opens (creating it if needed) the tier in `dir`, holding at most
+    /// `capacity_bytes` of block files, for blocks of the pool layout
+    /// `fingerprint`; rebuilds its index from the files already there.
+    pub fn open(dir: &Path, capacity_bytes: u64, fingerprint: u64) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let lock = File::create(dir.join(".lock"))?;
+        lock.try_lock().map_err(|_| std::io::Error::other(format!("{} is in use by another Turbine worker (its .lock is held)", dir.display())))?;
+        let events = PendingEvents::default();
+        let stats = Arc::new(TierStats::default());
+        let index = {
+            let events = events.clone();
+            let stats = stats.clone();
+            let dir = dir.to_path_buf();
+            moka::sync::Cache::builder()
+                .max_capacity(capacity_bytes)
+                .weigher(|_, entry: &DiskEntry| u32::try_from(entry.bytes).unwrap_or(u32::MAX))
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .eviction_listener(move |hash: Arc<SequenceHash>, _, cause| {
+                    if cause.was_evicted() {
+                        stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
+                        let _ = std::fs::remove_file(block_path(&dir, *hash));
+                        push_removed(&events, *hash, Tier::Disk);
+                    }
+                })
+                .build()
+        };
+        let tier = Self { inner: Arc::new(Inner { dir: dir.to_path_buf(), fingerprint, index, events, stats, capacity_bytes, _lock: lock }) };
+        tier.rebuild()?;
+        Ok(tier)
+    }
+
+    /// Indexes the sound block files of this layout; deletes the rest of
+    /// this tier's files.
+    fn rebuild(&self) -> std::io::Result<()> {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(&self.inner.dir)? {
+            let path = entry?.path();
+            match path.extension().and_then(|e| e.to_str()) {
+                Some("tmp") => {
+                    let _ = std::fs::remove_file(&path);
+                }
+                Some(EXTENSION) => match read_header(&path) {
+                    Some((header, file_len)) if header.fingerprint == self.inner.fingerprint && file_len == HEADER_BYTES as u64 + header.len && path == block_path(&self.inner.dir, header.sequence) => {
+                        found.push(header);
+                    }
+                    _ => {
+                        let _ = std::fs::remove_file(&path);
+                    }
+                },
+                _ => {}
+            }
+        }
+        for header in &found {
+            self.inner.events.lock().push(KvEvent::Stored {
+                parent: header.parent,
+                blocks: vec![StoredBlock { sequence_hash: header.sequence, local_hash: header.local }],
+                tier: Tier::Disk,
+            });
+            self.inner.index.insert(header.sequence, DiskEntry { local: header.local, bytes: header.len + HEADER_BYTES as u64 });
+        }
+        self.inner.index.run_pending_tasks();
+        if !found.is_empty() {
+            tracing::info!(dir = %self.inner.dir.display(), blocks = found.len(), "disk KV tier: blocks kept from before");
+        }
+        Ok(())
+    }
+
+    /// Bytes the tier may hold.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes
+    }
+
+    /// Bytes held now (after pending evictions ran).
+    pub fn used_bytes(&self) -> u64 {
+        self.inner.index.run_pending_tasks();
+        self.inner.index.weighted_size()
+    }
+
+    /// Blocks held now (after pending evictions ran).
+    pub fn blocks(&self) -> u64 {
+        self.inner.index.run_pending_tasks();
+        self.inner.index.entry_count()
+    }
+
+    /// The tier's counters.
+    pub fn stats(&self) -> &TierStats {
+        &self.inner.stats
+    }
+
+    /// Whether the tier holds `hash`.
+    pub fn contains(&self, hash: SequenceHash) -> bool {
+        self.inner.index.contains_key(&hash)
+    }
+
+    /// Writes a block (a failed write is counted and logged; the block is
+    /// then simply not on disk).
+    pub fn write(&self, hash: SequenceHash, block: &HostBlock) {
+        if self.contains(hash) {
+            return;
+        }
+        let header = Header {
+            fingerprint: self.inner.fingerprint,
+            sequence: hash,
+            local: block.local,
+            parent: block.parent,
+            len: block.bytes.len() as u64,
+            checksum: block.checksum,
+        };
+        let path = block_path(&self.inner.dir, hash);
+        let partial = path.with_extension("tmp");
+        let written = File::create(&partial).and_then(|mut file| {
+            file.write_all(&header.encode())?;
+            file.write_all(&block.bytes)
+        });
+        if let Err(error) = written.and_then(|()| std::fs::rename(&partial, &path)) {
+            let _ = std::fs::remove_file(&partial);
+            self.inner.stats.offloads_skipped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%error, path = %path.display(), "cannot write a KV block to the disk tier");
+            return;
+        }
+        self.inner.events.lock().push(KvEvent::Stored {
+            parent: block.parent,
+            blocks: vec![StoredBlock { sequence_hash: hash, local_hash: block.local }],
+            tier: Tier::Disk,
+        });
+        self.inner.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
+        self.inner.stats.offloaded_bytes.fetch_add(block.bytes.len() as u64, Ordering::Relaxed);
+        self.inner.index.insert(hash, DiskEntry { local: block.local, bytes: header.len + HEADER_BYTES as u64 });
+        self.inner.index.run_pending_tasks();
+    }
+
+    /// Reads the leading blocks of `hashes` the tier holds, each checked
+    /// (header, length, checksum); one that fails is deleted and ends the
+    /// run.
+    pub fn read_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
+        let mut run = Vec::new();
+        for hashes in hashes {
+            let Some(entry) = self.inner.index.get(&hashes.sequence) else { break };
+            match self.read(hashes.sequence) {
+                Some(block) if block.local == hashes.local && block.local == entry.local => run.push(Arc::new(block)),
+                _ => {
+                    self.inner.stats.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(sequence_hash = hashes.sequence.0, "a disk-tier KV block is unreadable or corrupt; dropped, computing it instead");
+                    self.remove(hashes.sequence);
+                    break;
+                }
+            }
+        }
+        run
+    }
+
+    fn read(&self, hash: SequenceHash) -> Option<HostBlock> {
+        let mut file = File::open(block_path(&self.inner.dir, hash)).ok()?;
+        let mut header = [0u8; HEADER_BYTES];
+        file.read_exact(&mut header).ok()?;
+        let header = Header::decode(&header)?;
+        if header.fingerprint != self.inner.fingerprint || header.sequence != hash {
+            return None;
+        }
+        let mut bytes = Vec::with_capacity(usize::try_from(header.len).ok()?);
+        file.read_to_end(&mut bytes).ok()?;
+        (bytes.len() as u64 == header.len && block_checksum(&bytes) == header.checksum).then(|| HostBlock {
+            local: header.local,
+            parent: header.parent,
+            checksum: header.checksum,
+            bytes: bytes.into_boxed_slice(),
+        })
+    }
+
+    /// Drops a block from the tier, deleting its file.
+    pub fn remove(&self, hash: SequenceHash) {
+        let _ = std::fs::remove_file(block_path(&self.inner.dir, hash));
+        if self.inner.index.remove(&hash).is_some() {
+            push_removed(&self.inner.events, hash, Tier::Disk);
+        }
+    }
+
+    /// Every block the tier holds, for a dump.
+    pub fn cached_blocks(&self) -> Vec<CachedBlock> {
+        self.inner.index.iter().map(|(hash, entry)| CachedBlock { sequence_hash: *hash, local_hash: entry.local, tiers: TierSet(Tier::Disk.bit()) }).collect()
+    }
+
+    /// Moves the tier's events since the last call into `out`.
+    pub fn drain_events(&self, out: &mut Vec<KvEvent>) {
+        out.append(&mut self.inner.events.lock());
+    }
+
+    /// The file of a block (for tests that corrupt one).
+    #[doc(hidden)]
+    pub fn path_for_test(&self, hash: SequenceHash) -> PathBuf {
+        block_path(&self.inner.dir, hash)
+    }
+}
+
+fn block_path(dir: &Path, hash: SequenceHash) -> PathBuf {
+    dir.join(format!("{:016x}.{EXTENSION}", hash.0))
+}
+
+fn read_header(path: &Path) -> Option<(Header, u64)> {
+    let mut file = File::open(path).ok()?;
+    let file_len = file.metadata().ok()?.len();
+    let mut header = [0u8; HEADER_BYTES];
+    file.read_exact(&mut header).ok()?;
+    Some((Header::decode(&header)?, file_len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(byte: u8, len: usize, parent: Option<u64>) -> HostBlock {
+        let bytes: Box<[u8]> = (0..len).map(|i| byte.wrapping_add(i as u8)).collect();
+        HostBlock { local: LocalBlockHash(u64::from(byte)), parent: parent.map(SequenceHash), checksum: block_checksum(&bytes), bytes }
+    }
+
+    fn hashes(n: u8) -> BlockHashes {
+        BlockHashes { local: LocalBlockHash(u64::from(n)), sequence: SequenceHash(1000 + u64::from(n)) }
+    }
+
+    #[test]
+    fn headers_round_trip_and_a_flipped_bit_is_refused() {
+        let header = Header { fingerprint: 7, sequence: SequenceHash(u64::MAX), local: LocalBlockHash(3), parent: Some(SequenceHash(0)), len: 368_640, checksum: 42 };
+        let mut encoded = header.encode();
+        assert_eq!(Header::decode(&encoded), Some(header));
+        let first = Header { parent: None, ..header };
+        assert_eq!(Header::decode(&first.encode()), Some(first));
+        encoded[20] ^= 1;
+        assert_eq!(Header::decode(&encoded), None);
+    }
+
+    #[test]
+    fn blocks_survive_a_reopen_and_other_layouts_and_torn_files_are_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let tier = DiskTier::open(dir.path(), 1 << 20, 11).unwrap();
+            assert!(DiskTier::open(dir.path(), 1 << 20, 11).is_err(), "a second engine cannot use the directory");
+            for n in 1..=3u8 {
+                tier.write(SequenceHash(1000 + u64::from(n)), &block(n, 4096, (n > 1).then(|| 1000 + u64::from(n) - 1)));
+            }
+            assert_eq!(tier.read_run(&[hashes(1), hashes(2), hashes(3)]).len(), 3);
+        }
+        // A torn file (a crash after the rename, before the data reached the disk).
+        let torn = dir.path().join(format!("{:016x}.kvb", 1003));
+        let full = std::fs::read(&torn).unwrap();
+        std::fs::write(&torn, &full[..100]).unwrap();
+        std::fs::write(dir.path().join("0000000000000001.tmp"), b"partial").unwrap();
+        let tier = DiskTier::open(dir.path(), 1 << 20, 11).unwrap();
+        assert_eq!(tier.blocks(), 2, "the torn block was dropped at start");
+        assert!(!torn.exists() && !dir.path().join("0000000000000001.tmp").exists());
+        let run = tier.read_run(&[hashes(1), hashes(2), hashes(3)]);
+        assert_eq!(run.len(), 2);
+        assert_eq!(run[1].bytes, block(2, 4096, None).bytes, "the bytes written are the bytes read");
+        assert_eq!(run[1].parent, Some(SequenceHash(1001)));
+        let mut events = Vec::new();
+        tier.drain_events(&mut events);
+        assert_eq!(events.iter().filter(|e| matches!(e, KvEvent::Stored { tier: Tier::Disk, .. })).count(), 2, "kept blocks are announced");
+        drop(tier);
+        let other_layout = DiskTier::open(dir.path(), 1 << 20, 12).unwrap();
+        assert_eq!(other_layout.blocks(), 0, "blocks of another layout are never served");
+    }
+
+    #[test]
+    fn a_corrupt_block_is_deleted_and_ends_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = DiskTier::open(dir.path(), 1 << 20, 1).unwrap();
+        for n in 1..=3u8 {
+            tier.write(SequenceHash(1000 + u64::from(n)), &block(n, 512, None));
+        }
+        let path = tier.path_for_test(SequenceHash(1002));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[HEADER_BYTES + 10] ^= 0x40;
+        std::fs::write(&path, bytes).unwrap();
+        assert_eq!(tier.read_run(&[hashes(1), hashes(2), hashes(3)]).len(), 1);
+        assert!(!path.exists() && !tier.contains(SequenceHash(1002)));
+        assert_eq!(tier.stats().corrupt_blocks.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn the_tier_stays_within_its_bytes_deleting_what_it_evicts() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = DiskTier::open(dir.path(), 4 * (4096 + HEADER_BYTES as u64), 1).unwrap();
+        for n in 0..10u8 {
+            tier.write(SequenceHash(1000 + u64::from(n)), &block(n, 4096, None));
+        }
+        assert_eq!(tier.blocks(), 4);
+        let files = std::fs::read_dir(dir.path()).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "kvb")).count();
+        assert_eq!(files, 4, "evicted blocks' files are deleted");
+        assert_eq!(tier.stats().evicted_blocks.load(Ordering::Relaxed), 6);
+    }
+}

@@ -1,0 +1,237 @@
+//! The host-memory tier (G2): checksummed blocks by sequence hash, bounded
+//! in bytes (`moka`, least recently used evicted first). What it evicts
+//! goes down to the disk tier when there is one, written by a thread of
+//! its own (a full queue skips the block: nothing waits on the disk).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{SyncSender, TrySendError};
+
+use turbine_kv::{BlockHashes, CachedBlock, KvEvent, SequenceHash, StoredBlock, Tier, TierSet};
+
+use super::disk::DiskTier;
+use super::{HostBlock, PendingEvents, TierStats, push_removed};
+
+/// Host-tier evictions queued for the disk at most.
+const SPILL_QUEUE: usize = 256;
+
+/// Where host-tier evictions go to be written to disk.
+type Spill = SyncSender<(SequenceHash, Arc<HostBlock>)>;
+
+/// The host-memory tier (G2): blocks by sequence hash, bounded in bytes.
+#[derive(Clone)]
+pub struct HostTier {
+    cache: moka::sync::Cache<SequenceHash, Arc<HostBlock>>,
+    events: PendingEvents,
+    capacity_bytes: u64,
+    stats: Arc<TierStats>,
+    disk: Option<DiskTier>,
+}
+
+impl std::fmt::Debug for HostTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostTier").field("capacity_bytes", &self.capacity_bytes).field("blocks", &self.cache.entry_count()).field("disk", &self.disk).finish()
+    }
+}
+
+impl HostTier {
+    /// A tier holding at most `capacity_bytes` of block bytes; what it
+    /// evicts is gone.
+    pub fn new(capacity_bytes: u64) -> Self {
+        Self::build(capacity_bytes, None)
+    }
+
+    /// A tier holding at most `capacity_bytes` of block bytes, whose
+    /// evictions are written to `disk`.
+    pub fn with_disk(capacity_bytes: u64, disk: DiskTier) -> Self {
+        let (spill, spilled) = std::sync::mpsc::sync_channel::<(SequenceHash, Arc<HostBlock>)>(SPILL_QUEUE);
+        let writer = disk.clone();
+        std::thread::Builder::new()
+            .name("turbine-kv-disk".into())
+            .spawn(move || {
+                while let Ok((hash, block)) = spilled.recv() {
+                    writer.write(hash, &block);
+                }
+            })
+            .expect("spawn the KV disk writer thread");
+        Self::build(capacity_bytes, Some((disk, spill)))
+    }
+
+    fn build(capacity_bytes: u64, disk: Option<(DiskTier, Spill)>) -> Self {
+        let events = PendingEvents::default();
+        let stats = Arc::new(TierStats::default());
+        let (disk, spill) = disk.unzip();
+        let cache = {
+            let events = events.clone();
+            let stats = stats.clone();
+            let disk = disk.clone();
+            moka::sync::Cache::builder()
+                .max_capacity(capacity_bytes)
+                .weigher(|_, block: &Arc<HostBlock>| u32::try_from(block.bytes.len()).unwrap_or(u32::MAX))
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .eviction_listener(move |hash: Arc<SequenceHash>, block: Arc<HostBlock>, cause| {
+                    if !cause.was_evicted() {
+                        return;
+                    }
+                    stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
+                    push_removed(&events, *hash, Tier::Host);
+                    if let (Some(spill), Some(disk)) = (&spill, &disk)
+                        && !disk.contains(*hash)
+                        && let Err(TrySendError::Full(_)) = spill.try_send((*hash, block))
+                    {
+                        disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+                .build()
+        };
+        Self { cache, events, capacity_bytes, stats, disk }
+    }
+
+    /// The disk tier below, if any.
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref()
+    }
+
+    /// Bytes the tier may hold.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity_bytes
+    }
+
+    /// Bytes held now (after pending evictions ran).
+    pub fn used_bytes(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.weighted_size()
+    }
+
+    /// Blocks held now (after pending evictions ran).
+    pub fn blocks(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.entry_count()
+    }
+
+    /// The tier's counters.
+    pub fn stats(&self) -> &TierStats {
+        &self.stats
+    }
+
+    /// Whether the tier holds `hash`.
+    pub fn contains(&self, hash: SequenceHash) -> bool {
+        self.cache.contains_key(&hash)
+    }
+
+    /// Stores a run of consecutive blocks of one chain, announcing them
+    /// with one `Stored` event.
+    pub fn insert_run(&self, blocks: Vec<(SequenceHash, HostBlock)>) {
+        let Some((_, first)) = blocks.first() else { return };
+        let stored = blocks.iter().map(|(hash, block)| StoredBlock { sequence_hash: *hash, local_hash: block.local }).collect();
+        // Announced before the cache can evict them, so that a consumer
+        // never sees a block removed before it was stored.
+        self.events.lock().push(KvEvent::Stored { parent: first.parent, blocks: stored, tier: Tier::Host });
+        for (hash, block) in blocks {
+            self.stats.offloaded_bytes.fetch_add(block.bytes.len() as u64, Ordering::Relaxed);
+            self.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
+            self.cache.insert(hash, Arc::new(block));
+        }
+        self.cache.run_pending_tasks();
+    }
+
+    /// The leading blocks of `hashes` the tier holds, checked against their
+    /// checksums; a corrupt block is dropped from the tier and ends the run.
+    pub fn lookup_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
+        let mut run = Vec::new();
+        for hashes in hashes {
+            let Some(block) = self.cache.get(&hashes.sequence) else { break };
+            if !block.is_intact() || block.local != hashes.local {
+                self.stats.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(sequence_hash = hashes.sequence.0, "a host-tier KV block failed its checksum; dropped, computing it instead");
+                self.remove(hashes.sequence);
+                break;
+            }
+            run.push(block);
+        }
+        run
+    }
+
+    /// Drops a block from the tier.
+    pub fn remove(&self, hash: SequenceHash) {
+        if self.cache.remove(&hash).is_some() {
+            push_removed(&self.events, hash, Tier::Host);
+        }
+    }
+
+    /// Every block the tier holds, for a dump.
+    pub fn cached_blocks(&self) -> Vec<CachedBlock> {
+        self.cache
+            .iter()
+            .map(|(hash, block)| CachedBlock { sequence_hash: *hash, local_hash: block.local, tiers: TierSet(Tier::Host.bit()) })
+            .collect()
+    }
+
+    /// Moves the tier's events since the last call into `out`, then the
+    /// disk tier's.
+    pub fn drain_events(&self, out: &mut Vec<KvEvent>) {
+        out.append(&mut self.events.lock());
+        if let Some(disk) = &self.disk {
+            disk.drain_events(out);
+        }
+    }
+
+    /// Flips a byte of a held block, keeping its checksum: a test's way to
+    /// corrupt the tier. Returns whether the block was held.
+    #[doc(hidden)]
+    pub fn corrupt_for_test(&self, hash: SequenceHash) -> bool {
+        let Some(block) = self.cache.get(&hash) else { return false };
+        let mut bytes = block.bytes.to_vec();
+        bytes[0] ^= 0xff;
+        self.cache.insert(hash, Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into_boxed_slice() }));
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_memory::block_checksum;
+    use turbine_kv::LocalBlockHash;
+
+    fn block(byte: u8, len: usize) -> HostBlock {
+        let bytes = vec![byte; len].into_boxed_slice();
+        HostBlock { local: LocalBlockHash(u64::from(byte)), parent: None, checksum: block_checksum(&bytes), bytes }
+    }
+
+    fn hashes(n: u64) -> BlockHashes {
+        BlockHashes { local: LocalBlockHash(n), sequence: SequenceHash(1000 + n) }
+    }
+
+    #[test]
+    fn the_tier_stays_within_its_bytes_and_announces_what_it_stores_and_evicts() {
+        let tier = HostTier::new(4 * 1024);
+        for n in 0..10u8 {
+            tier.insert_run(vec![(SequenceHash(1000 + u64::from(n)), block(n, 1024))]);
+        }
+        assert!(tier.used_bytes() <= 4 * 1024, "{} bytes held", tier.used_bytes());
+        assert_eq!(tier.blocks(), 4);
+        let mut events = Vec::new();
+        tier.drain_events(&mut events);
+        let stored: usize = events.iter().map(|e| if let KvEvent::Stored { blocks, tier: Tier::Host, .. } = e { blocks.len() } else { 0 }).sum();
+        let removed: usize = events.iter().map(|e| if let KvEvent::Removed { sequence_hashes, tier: Tier::Host } = e { sequence_hashes.len() } else { 0 }).sum();
+        assert_eq!((stored, removed), (10, 6), "{events:?}");
+        // The most recent blocks stay.
+        assert_eq!(tier.lookup_run(&[hashes(9)]).len(), 1);
+        assert_eq!(tier.lookup_run(&[hashes(0)]).len(), 0);
+    }
+
+    #[test]
+    fn a_corrupt_block_is_dropped_and_ends_the_run() {
+        let tier = HostTier::new(1 << 20);
+        tier.insert_run((1..=3u8).map(|n| (SequenceHash(1000 + u64::from(n)), block(n, 64))).collect());
+        assert_eq!(tier.lookup_run(&[hashes(1), hashes(2), hashes(3)]).len(), 3);
+        assert!(tier.corrupt_for_test(SequenceHash(1002)));
+        assert_eq!(tier.lookup_run(&[hashes(1), hashes(2), hashes(3)]).len(), 1, "the run ends before the corrupt block");
+        assert!(!tier.contains(SequenceHash(1002)), "the corrupt block left the tier");
+        assert_eq!(tier.stats().corrupt_blocks.load(Ordering::Relaxed), 1);
+        let mut events = Vec::new();
+        tier.drain_events(&mut events);
+        assert!(matches!(events.last(), Some(KvEvent::Removed { sequence_hashes, tier: Tier::Host }) if sequence_hashes == &[SequenceHash(1002)]));
+    }
+}

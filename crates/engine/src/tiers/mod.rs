@@ -1,0 +1,199 @@
+//! KV tiers below the engine's pool (G1): host memory (G2) and local disk
+//! (G3).
+//!
+//! **Offload.** A block registered in G1 is full and never written again,
+//! so it is copied to the host tier as soon as it is registered
+//! (write-through), by a thread of its own: the engine pins the block (one
+//! more reference, so it is neither evicted nor reused) and hands it over;
+//! the thread copies its bytes out of the pool, checksums them, stores them
+//! under the block's sequence hash and gives the block back. Nothing of
+//! this runs on a step's critical path, and a G1 eviction loses nothing the
+//! host tier holds. What the host tier evicts is written to the disk tier,
+//! by another thread. When copies fall behind, blocks are skipped rather
+//! than held without bound.
+//!
+//! **Onboard.** A request whose prompt continues past its G1 prefix hit
+//! into blocks a lower tier holds gets those blocks back before it is
+//! admitted: each is checked against its checksum and written into a free
+//! G1 block, then registered, exactly as blocks read from another worker
+//! are installed; the request then hits them like any cached prefix. Host
+//! blocks are at hand; disk blocks are read by a reader thread while the
+//! engine keeps stepping the other sequences, and the request waits
+//! (counted as waiting) until they are in. A block whose bytes do not match
+//! its checksum is dropped from its tier, never served.
+//!
+//! **Events.** Every block a tier stores or evicts is a `Stored`/`Removed`
+//! event with the tier's name, numbered by the engine loop with the pool's
+//! own events, so routers credit lower-tier hits.
+//!
+//! - [`HostTier`] (`host.rs`): a byte-bounded `moka` cache in memory.
+//! - [`DiskTier`] (`disk.rs`): one file per block, its index a byte-bounded
+//!   `moka` cache rebuilt from the files at start.
+
+mod disk;
+mod host;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use parking_lot::Mutex;
+use turbine_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, Tier};
+
+use crate::kv_memory::{KvMemory, block_checksum};
+
+pub use disk::DiskTier;
+pub use host::HostTier;
+
+/// A block held below the pool, its bytes in the pool's layout.
+#[derive(Debug)]
+pub struct HostBlock {
+    /// Hash of the block's own tokens.
+    pub local: LocalBlockHash,
+    /// The sequence hash of the block before it (None: the first block).
+    pub parent: Option<SequenceHash>,
+    /// XXH3-64 of `bytes`, taken when the block was copied out of G1.
+    pub checksum: u64,
+    /// The block's bytes.
+    pub bytes: Box<[u8]>,
+}
+
+impl HostBlock {
+    /// Whether the bytes still match their checksum.
+    pub fn is_intact(&self) -> bool {
+        block_checksum(&self.bytes) == self.checksum
+    }
+}
+
+/// Counters of one tier, readable from any thread.
+#[derive(Debug, Default)]
+pub struct TierStats {
+    /// Blocks copied into the tier.
+    pub offloaded_blocks: AtomicU64,
+    /// Bytes copied into the tier.
+    pub offloaded_bytes: AtomicU64,
+    /// Blocks not copied into the tier because copies fell behind (or, on
+    /// disk, a write failed).
+    pub offloads_skipped: AtomicU64,
+    /// Blocks onboarded from the tier into G1.
+    pub onboarded_blocks: AtomicU64,
+    /// Blocks dropped because their bytes no longer matched their checksum
+    /// (or, on disk, could not be read).
+    pub corrupt_blocks: AtomicU64,
+    /// Blocks evicted for room.
+    pub evicted_blocks: AtomicU64,
+}
+
+/// Events of a tier, waiting for the engine loop to number them.
+type PendingEvents = Arc<Mutex<Vec<KvEvent>>>;
+
+fn push_removed(events: &PendingEvents, hash: SequenceHash, tier: Tier) {
+    let mut events = events.lock();
+    match events.last_mut() {
+        Some(KvEvent::Removed { sequence_hashes, tier: last }) if *last == tier => sequence_hashes.push(hash),
+        _ => events.push(KvEvent::Removed { sequence_hashes: vec![hash], tier }),
+    }
+}
+
+/// The tiers an engine keeps below its pool.
+#[derive(Debug, Clone, Default)]
+pub struct KvTiers {
+    /// Host memory (G2); its evictions go to its disk tier, if it has one
+    /// ([`HostTier::with_disk`]).
+    pub host: Option<HostTier>,
+    /// The pool's bytes, where offloads copy from. Without it (an engine
+    /// that exposes no KV memory, such as the mocker) nothing is offloaded.
+    pub memory: Option<KvMemory>,
+}
+
+/// A registered block handed to the offload thread, pinned until it is
+/// given back.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OffloadBlock {
+    pub block: u32,
+    pub parent: Option<SequenceHash>,
+    pub hashes: BlockHashes,
+}
+
+/// Starts the thread that copies pinned blocks from `memory` into `host`;
+/// every batch's blocks come back on the returned receiver once copied
+/// (or found unreadable), to be unpinned by the engine.
+pub(crate) fn spawn_offload(
+    memory: KvMemory,
+    host: HostTier,
+) -> (std::sync::mpsc::Sender<Vec<OffloadBlock>>, std::sync::mpsc::Receiver<Vec<u32>>) {
+    let (jobs, job_receiver) = std::sync::mpsc::channel::<Vec<OffloadBlock>>();
+    let (done_sender, done) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("turbine-kv-offload".into())
+        .spawn(move || {
+            let mut scratch = Vec::new();
+            while let Ok(batch) = job_receiver.recv() {
+                let mut run: Vec<(SequenceHash, HostBlock)> = Vec::new();
+                for item in &batch {
+                    // A new run where the chain breaks.
+                    if run.last().map(|(hash, _)| Some(*hash)) != Some(item.parent) {
+                        host.insert_run(std::mem::take(&mut run));
+                    }
+                    if host.contains(item.hashes.sequence) {
+                        // Onboarded from this tier, or stored by another sequence.
+                        host.insert_run(std::mem::take(&mut run));
+                        continue;
+                    }
+                    #[allow(unsafe_code)]
+                    // SAFETY: the engine pinned the block (a full, registered
+                    // block it never writes) until this batch is given back.
+                    let copied = unsafe {
+                        memory.with_block(item.block, &mut scratch, |bytes| HostBlock {
+                            local: item.hashes.local,
+                            parent: item.parent,
+                            checksum: block_checksum(bytes),
+                            bytes: bytes.into(),
+                        })
+                    };
+                    match copied {
+                        Ok(block) => run.push((item.hashes.sequence, block)),
+                        Err(error) => tracing::warn!(%error, "cannot copy a KV block to the host tier"),
+                    }
+                }
+                host.insert_run(run);
+                if done_sender.send(batch.iter().map(|item| item.block).collect()).is_err() {
+                    break;
+                }
+            }
+        })
+        .expect("spawn the KV offload thread");
+    (jobs, done)
+}
+
+/// Disk blocks to read for a waiting request.
+pub(crate) struct ReadJob {
+    /// The engine's id for the waiting request.
+    pub id: u64,
+    /// The blocks' hashes, in chain order.
+    pub hashes: Vec<BlockHashes>,
+}
+
+/// What a [`ReadJob`] found: the leading blocks that were on disk and
+/// intact.
+pub(crate) struct ReadDone {
+    pub id: u64,
+    pub blocks: Vec<Arc<HostBlock>>,
+}
+
+/// Starts the thread that reads disk blocks for waiting requests.
+pub(crate) fn spawn_reader(disk: DiskTier) -> (std::sync::mpsc::Sender<ReadJob>, std::sync::mpsc::Receiver<ReadDone>) {
+    let (jobs, job_receiver) = std::sync::mpsc::channel::<ReadJob>();
+    let (done_sender, done) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("turbine-kv-onboard".into())
+        .spawn(move || {
+            while let Ok(job) = job_receiver.recv() {
+                let blocks = disk.read_run(&job.hashes);
+                if done_sender.send(ReadDone { id: job.id, blocks }).is_err() {
+                    break;
+                }
+            }
+        })
+        .expect("spawn the KV onboard thread");
+    (jobs, done)
+}
