@@ -21,7 +21,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use serde::Deserialize;
-use turbine_engine::{EngineHandle, EngineOutput, GenerateRequest, Handoff, HostTier, ImportedPrefix, KvMemory, KvTiers, SchedulerConfig, StopConditions, block_checksum};
+use turbine_engine::{DiskTier, EngineHandle, EngineOutput, GenerateRequest, Handoff, HostTier, ImportedPrefix, KvMemory, KvTiers, SchedulerConfig, StopConditions, block_checksum};
 use turbine_native::pool::ThreadPool;
 use turbine_native::{Backend, Device as EngineDevice, KvCache, LlamaModel, NativeExecutor, NativeOptions, SequenceRows, ops};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -596,13 +596,12 @@ fn candle_engines_hand_off(device: EngineDevice) {
     }
 }
 
-/// The host tier (G2) on the real model: three prompts of 2,000 tokens on
-/// a pool that holds one of them at a time, each computed, then asked
-/// again after the others pushed it out of the pool: the second time its
-/// blocks come back from host memory, and the greedy tokens are those of
-/// computing it.
-#[test]
-fn a_prefix_onboarded_from_host_memory_gives_the_computed_output() {
+/// The lower tiers on the real model: three prompts of 2,000 tokens on a
+/// pool that holds one of them at a time, each computed, then asked again
+/// after the others pushed it out of the pool: the second time its blocks
+/// come back from host memory (G2), or from disk (G3) under a host tier of
+/// two blocks, and the greedy tokens are those of computing it.
+fn onboarded_prefixes_give_the_computed_output(host: HostTier) -> HostTier {
     let tokens = preprocessor();
     let texts = [
         "The river rose every spring and the village learned to build on stilts. ",
@@ -615,21 +614,43 @@ fn a_prefix_onboarded_from_host_memory_gives_the_computed_output() {
     let options = NativeOptions { block_size: 16, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend: Backend::Kernels, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
     let memory = executor.kv_memory().expect("the pool is exposed");
-    let host = HostTier::new(1 << 30);
     let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory) });
     let computed: Vec<Vec<u32>> = prompts.iter().map(|prompt| finish(submit(&engine, prompt, STEPS as u32)).0).collect();
-    let offloaded = || host.stats().offloaded_blocks.load(std::sync::atomic::Ordering::Relaxed);
+    use std::sync::atomic::Ordering::Relaxed;
+    // Every block copied to the host tier, and every block it evicted
+    // written to disk (or skipped, which the hits below would show).
+    let settled = || {
+        let host_done = host.stats().offloaded_blocks.load(Relaxed) >= 3 * 125;
+        let disk_done = host.disk().is_none_or(|disk| disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed));
+        host_done && disk_done && engine.load().blocks_used == 0
+    };
     let started = std::time::Instant::now();
-    while offloaded() < 3 * 125 || engine.load().blocks_used > 0 {
-        assert!(started.elapsed() < std::time::Duration::from_secs(60), "copies to the host tier: {} of 375 blocks", offloaded());
+    while !settled() {
+        assert!(started.elapsed() < std::time::Duration::from_secs(60), "copies to the lower tiers did not settle within 60 s");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     for (prompt, expected) in prompts.iter().zip(&computed) {
         let (again, cached) = finish(submit(&engine, prompt, STEPS as u32));
-        assert_eq!(&again, expected, "a 2,000-token prompt onboarded from host memory");
+        assert_eq!(&again, expected, "a 2,000-token prompt onboarded from a lower tier");
         assert!(cached >= 1984, "the prompt's blocks were hits ({cached} cached tokens)");
     }
+    engine.shutdown();
+    host
+}
+
+#[test]
+fn a_prefix_onboarded_from_host_memory_gives_the_computed_output() {
+    let host = onboarded_prefixes_give_the_computed_output(HostTier::new(1 << 30));
     assert!(host.stats().onboarded_blocks.load(std::sync::atomic::Ordering::Relaxed) >= 3 * 124);
     assert_eq!(host.stats().corrupt_blocks.load(std::sync::atomic::Ordering::Relaxed), 0);
-    engine.shutdown();
+}
+
+#[test]
+fn a_prefix_onboarded_from_disk_gives_the_computed_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskTier::open(dir.path(), 1 << 30, 1).unwrap();
+    let host = onboarded_prefixes_give_the_computed_output(HostTier::with_disk(2 * 368_640, disk));
+    let disk = host.disk().unwrap();
+    assert!(disk.stats().onboarded_blocks.load(std::sync::atomic::Ordering::Relaxed) >= 3 * 100, "the prompts came back from disk");
+    assert_eq!(disk.stats().corrupt_blocks.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
