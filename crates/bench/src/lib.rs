@@ -7,11 +7,14 @@
 //! - [`indexer`]: the KV index under a trace's events and lookups.
 //! - [`transfer`]: KV block transfer over UCX and TCP against
 //!   `ucx_perftest`.
+//! - [`tiers`]: time to first token with a prompt's KV onboarded from
+//!   host memory or disk, against computing it.
 
 pub mod engine;
 pub mod gateway;
 pub mod indexer;
 pub mod replay;
+pub mod tiers;
 pub mod transfer;
 
 use std::process::ExitCode;
@@ -32,6 +35,9 @@ pub enum BenchCommand {
     /// KV block transfer between two processes over UCX and TCP, side by
     /// side with ucx_perftest.
     Transfer(transfer::TransferBenchArgs),
+    /// Time to first token of long prompts onboarded from the host and
+    /// disk KV tiers, against computing them.
+    Tiers(tiers::TiersBenchArgs),
 }
 
 /// Runs a benchmark and prints its report.
@@ -39,6 +45,12 @@ pub fn main(command: BenchCommand) -> ExitCode {
     if let BenchCommand::Engine(args) = &command {
         return finish(engine::run_bench(args).and_then(|report| {
             engine::print(&report);
+            write_json(args.json.as_deref(), &report)
+        }));
+    }
+    if let BenchCommand::Tiers(args) = &command {
+        return finish(tiers::run(args).and_then(|report| {
+            tiers::print(&report);
             write_json(args.json.as_deref(), &report)
         }));
     }
@@ -72,7 +84,7 @@ pub fn main(command: BenchCommand) -> ExitCode {
                 transfer::print(&report);
                 write_json(args.json.as_deref(), &report)
             }
-            BenchCommand::Engine(_) | BenchCommand::Indexer(_) => unreachable!("handled above"),
+            BenchCommand::Engine(_) | BenchCommand::Indexer(_) | BenchCommand::Tiers(_) => unreachable!("handled above"),
         }
     });
     finish(result)

@@ -1,0 +1,208 @@
+//! `turbine bench tiers`: time to first token of a long prompt whose KV
+//! comes back from a lower tier, against computing it, on the native
+//! engine, in one run.
+//!
+//! Two engines on the same model and thread count, each with a pool that
+//! holds one prompt at a time: one with a host-memory tier (G2), one with a
+//! host tier of two blocks over a disk tier (G3, so nearly every block is
+//! read back from disk). Each runs `prompts` distinct prompts of
+//! `prefix_tokens` tokens in turn (each pushes the previous one out of the
+//! pool), measuring the time to first token of computing them; once the
+//! copies to the tiers have settled it runs them again in the same order,
+//! and now each prompt's blocks come back from the lower tier. The report
+//! gives each engine's median time to first token computed and onboarded,
+//! and their ratio (the median of per-prompt ratios).
+//!
+//! Disk reads go through the page cache: blocks written a moment ago are
+//! usually still cached. `--drop-caches` asks the kernel to drop clean
+//! page-cache pages before the second pass (root only), so that G3 reads
+//! come from the device.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+use turbine_engine::{DiskTier, EngineHandle, EngineOutput, GenerateRequest, HostTier, KvTiers, SchedulerConfig, StopConditions};
+use turbine_native::{NativeExecutor, NativeOptions};
+use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+use turbine_tokens::{ModelCard, Preprocessor};
+
+/// Flags of `turbine bench tiers`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TiersBenchArgs {
+    /// Model: catalog name or GGUF path.
+    #[arg(long, default_value = turbine_tokens::pull::DEFAULT_MODEL)]
+    pub model: String,
+    /// Kernel threads of each engine.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Tokens of each prompt.
+    #[arg(long, default_value_t = 2000)]
+    pub prefix_tokens: usize,
+    /// Distinct prompts per engine.
+    #[arg(long, default_value_t = 4)]
+    pub prompts: usize,
+    /// Directory for the disk tier [default: a temporary directory].
+    #[arg(long)]
+    pub disk_dir: Option<PathBuf>,
+    /// Drop clean page-cache pages before the onboarded pass (needs root).
+    #[arg(long)]
+    pub drop_caches: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One engine's numbers.
+#[derive(Debug, Clone, Serialize)]
+pub struct TierNumbers {
+    /// The tier the second pass onboarded from.
+    pub tier: String,
+    /// Time to first token of each prompt computed (ms).
+    pub computed_ttft_ms: Vec<f64>,
+    /// The same prompts with their blocks from the tier (ms).
+    pub onboarded_ttft_ms: Vec<f64>,
+    /// Median computed TTFT (ms).
+    pub median_computed_ms: f64,
+    /// Median onboarded TTFT (ms).
+    pub median_onboarded_ms: f64,
+    /// Median of the per-prompt ratios onboarded / computed.
+    pub median_ratio: f64,
+    /// Blocks onboarded from the tier over the pass.
+    pub onboarded_blocks: u64,
+}
+
+/// Everything `turbine bench tiers` measures.
+#[derive(Debug, Clone, Serialize)]
+pub struct TiersBenchReport {
+    /// Tokens per prompt.
+    pub prefix_tokens: usize,
+    /// Kernel threads per engine.
+    pub threads: usize,
+    /// Whether the page cache was dropped before the onboarded pass.
+    pub dropped_caches: bool,
+    /// Host memory (G2), then disk (G3).
+    pub tiers: Vec<TierNumbers>,
+}
+
+/// Runs the benchmark.
+pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
+    anyhow::ensure!(args.prefix_tokens >= 32 && args.prompts >= 1 && args.threads >= 1, "--prefix-tokens ≥ 32, --prompts ≥ 1 and --threads ≥ 1");
+    let model = resolve_model(&args.model, None, &default_cache_dir(), Progress::Bars)?;
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(&model.name, &model.path, 16)?)?;
+    let prompts: Vec<Vec<u32>> = (0..args.prompts)
+        .map(|i| {
+            let text = format!("Report {i}: the survey team measured the valley, counted the trees and mapped every stream they crossed. ");
+            let ids = tokens.encode_text(&text.repeat(args.prefix_tokens / 10 + 10))?;
+            ids.get(..args.prefix_tokens).map(<[u32]>::to_vec).context("the prompt text is too short")
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let temporary = tempfile::tempdir()?;
+    let disk_dir = args.disk_dir.clone().unwrap_or_else(|| temporary.path().to_path_buf());
+    let blocks = args.prefix_tokens.div_ceil(16) + 15;
+    let mut tiers = Vec::new();
+    for tier in ["host", "disk"] {
+        let scheduler = SchedulerConfig { block_size: 16, num_blocks: blocks, max_batched_tokens: 512, max_model_len: args.prefix_tokens + 64, ..SchedulerConfig::default() };
+        let options = NativeOptions { block_size: 16, kv_blocks: Some(blocks), threads: args.threads, ..NativeOptions::default() };
+        let executor = NativeExecutor::load(&model.path, &options)?;
+        let memory = executor.kv_memory().context("the native engine exposes its KV pool")?;
+        let block_bytes = memory.layout().block_bytes as u64;
+        let host = match tier {
+            "host" => HostTier::new((args.prompts * blocks) as u64 * block_bytes * 2),
+            _ => HostTier::with_disk(2 * block_bytes, DiskTier::open(&disk_dir.join("bench-tiers"), (args.prompts * blocks) as u64 * block_bytes * 2, 1)?),
+        };
+        let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory) });
+        let computed = prompts.iter().map(|prompt| ttft(&engine, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+        // Every full block but each prompt's last (a prompt that ends at a
+        // block boundary leaves its last block to be computed).
+        settle(&engine, &host, (args.prompts * (args.prefix_tokens / 16 - 1)) as u64)?;
+        if args.drop_caches {
+            std::fs::write("/proc/sys/vm/drop_caches", "1").context("--drop-caches needs root (writing /proc/sys/vm/drop_caches)")?;
+        }
+        let before = onboarded(&host);
+        let again = prompts.iter().map(|prompt| ttft(&engine, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+        let onboarded_blocks = onboarded(&host) - before;
+        engine.shutdown();
+        let ratios: Vec<f64> = computed.iter().zip(&again).map(|(c, a)| a / c).collect();
+        tiers.push(TierNumbers {
+            tier: tier.into(),
+            median_computed_ms: median(&computed),
+            median_onboarded_ms: median(&again),
+            median_ratio: median(&ratios),
+            computed_ttft_ms: computed,
+            onboarded_ttft_ms: again,
+            onboarded_blocks,
+        });
+    }
+    Ok(TiersBenchReport { prefix_tokens: args.prefix_tokens, threads: args.threads, dropped_caches: args.drop_caches, tiers })
+}
+
+/// Blocks onboarded from the host tier and the disk tier below it.
+fn onboarded(host: &HostTier) -> u64 {
+    host.stats().onboarded_blocks.load(Relaxed) + host.disk().map_or(0, |disk| disk.stats().onboarded_blocks.load(Relaxed))
+}
+
+/// Waits until the pass's blocks are copied down (at least `blocks` in the
+/// host tier, and its evictions written to disk) and nothing is pinned.
+fn settle(engine: &EngineHandle, host: &HostTier, blocks: u64) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let host_done = host.stats().offloaded_blocks.load(Relaxed) >= blocks;
+        let disk_done = host.disk().is_none_or(|disk| disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed));
+        if host_done && disk_done && engine.load().blocks_used == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(120),
+            "copies to the lower tiers did not settle within 120 s: {} of {blocks} blocks in the host tier, {} of its {} evictions written to disk, {} blocks pinned",
+            host.stats().offloaded_blocks.load(Relaxed),
+            host.disk().map_or(0, |disk| disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed)),
+            host.stats().evicted_blocks.load(Relaxed),
+            engine.load().blocks_used
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Milliseconds from submitting `prompt` to its first token.
+fn ttft(engine: &EngineHandle, prompt: &[u32]) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let mut outputs = engine.generate(GenerateRequest {
+        request_id: String::new(),
+        prompt: prompt.to_vec(),
+        sampling: Default::default(),
+        stop: StopConditions { max_tokens: 1, stop_token_ids: vec![], ignore_eos: true },
+    })?;
+    let mut first = None;
+    while let Some(output) = outputs.blocking_recv() {
+        match output {
+            EngineOutput::Token(..) => first = first.or(Some(started.elapsed())),
+            EngineOutput::Finished { .. } => break,
+            EngineOutput::Failed(error) => anyhow::bail!("the engine failed a request: {error}"),
+            EngineOutput::Pinned(_) => {}
+        }
+    }
+    Ok(first.context("no token came back")?.as_secs_f64() * 1e3)
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// Prints the report as a table.
+pub fn print(report: &TiersBenchReport) {
+    println!(
+        "time to first token, {}-token prompts, {} threads{}:",
+        report.prefix_tokens,
+        report.threads,
+        if report.dropped_caches { ", page cache dropped before onboarding" } else { "" }
+    );
+    println!("{:<6} {:>14} {:>14} {:>8} {:>10}", "tier", "computed ms", "onboarded ms", "ratio", "blocks");
+    for tier in &report.tiers {
+        println!("{:<6} {:>14.1} {:>14.1} {:>8.3} {:>10}", tier.tier, tier.median_computed_ms, tier.median_onboarded_ms, tier.median_ratio, tier.onboarded_blocks);
+    }
+}
