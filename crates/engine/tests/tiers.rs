@@ -128,9 +128,7 @@ async fn wait_for_copies(engine: &EngineHandle, host: &HostTier, blocks: u64) {
 
 #[tokio::test]
 async fn blocks_evicted_from_the_pool_come_back_from_host_memory_with_the_same_output() {
-    let reference = engine(None);
-    let (expected, _) = generate(&reference, &prompt(0)).await;
-    reference.shutdown();
+    let expected = computed_output().await;
 
     let host = HostTier::new(1 << 20);
     let engine = engine(Some(host.clone()));
@@ -163,9 +161,7 @@ async fn blocks_evicted_from_the_pool_come_back_from_host_memory_with_the_same_o
 
 #[tokio::test]
 async fn a_corrupt_host_block_is_recomputed_never_served() {
-    let reference = engine(None);
-    let (expected, _) = generate(&reference, &prompt(0)).await;
-    reference.shutdown();
+    let expected = computed_output().await;
 
     let host = HostTier::new(1 << 20);
     let engine = engine(Some(host.clone()));
@@ -210,19 +206,31 @@ async fn wait_for_disk(host: &HostTier, blocks: u64) {
     wait_until("writes to the disk tier", Duration::from_secs(10), async || disk.stats().offloaded_blocks.load(Ordering::Relaxed) >= blocks).await;
 }
 
-#[tokio::test]
-async fn blocks_evicted_down_to_disk_come_back_with_the_same_output() {
+/// The first prompt's tokens computed by an engine without tiers.
+async fn computed_output() -> Vec<u32> {
     let reference = engine(None);
     let (expected, _) = generate(&reference, &prompt(0)).await;
     reference.shutdown();
+    expected
+}
 
-    let dir = tempfile::tempdir().unwrap();
-    let host = host_over_disk(dir.path());
+/// An engine whose first prompt was computed, then pushed out of the pool
+/// and down to disk.
+async fn first_prompt_on_disk(dir: &std::path::Path) -> (EngineHandle, HostTier) {
+    let host = host_over_disk(dir);
     let engine = engine(Some(host.clone()));
     generate(&engine, &prompt(0)).await;
     wait_for_copies(&engine, &host, 10).await;
     evict_from_the_pool(&engine).await;
     wait_for_disk(&host, 8).await;
+    (engine, host)
+}
+
+#[tokio::test]
+async fn blocks_evicted_down_to_disk_come_back_with_the_same_output() {
+    let expected = computed_output().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (engine, host) = first_prompt_on_disk(dir.path()).await;
 
     let (again, cached) = generate(&engine, &prompt(0)).await;
     assert_eq!(again, expected, "blocks read back from disk give the computed output");
@@ -237,17 +245,9 @@ async fn blocks_evicted_down_to_disk_come_back_with_the_same_output() {
 
 #[tokio::test]
 async fn a_corrupt_disk_block_is_recomputed_never_served() {
-    let reference = engine(None);
-    let (expected, _) = generate(&reference, &prompt(0)).await;
-    reference.shutdown();
-
+    let expected = computed_output().await;
     let dir = tempfile::tempdir().unwrap();
-    let host = host_over_disk(dir.path());
-    let engine = engine(Some(host.clone()));
-    generate(&engine, &prompt(0)).await;
-    wait_for_copies(&engine, &host, 10).await;
-    evict_from_the_pool(&engine).await;
-    wait_for_disk(&host, 8).await;
+    let (engine, host) = first_prompt_on_disk(dir.path()).await;
     let hashes = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
     let disk = host.disk().unwrap().clone();
     let path = disk.path_for_test(hashes[2]);
@@ -266,18 +266,10 @@ async fn a_corrupt_disk_block_is_recomputed_never_served() {
 
 #[tokio::test]
 async fn the_disk_tier_outlives_its_engine() {
-    let reference = engine(None);
-    let (expected, _) = generate(&reference, &prompt(0)).await;
-    reference.shutdown();
-
+    let expected = computed_output().await;
     let dir = tempfile::tempdir().unwrap();
     {
-        let host = host_over_disk(dir.path());
-        let engine = engine(Some(host.clone()));
-        generate(&engine, &prompt(0)).await;
-        wait_for_copies(&engine, &host, 10).await;
-        evict_from_the_pool(&engine).await;
-        wait_for_disk(&host, 8).await;
+        let (engine, _host) = first_prompt_on_disk(dir.path()).await;
         engine.shutdown();
     }
     // The threads of the first engine let go of the directory.
