@@ -31,6 +31,7 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 use turbine_harness::{RedisServer, STARTUP_TIMEOUT, ServiceProcess};
 use turbine_proto::worker::v1 as pb;
+use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_tokens::{ModelCard, Preprocessor};
 
@@ -319,7 +320,7 @@ pub async fn run(args: GatewayBenchArgs) -> anyhow::Result<GatewayBenchReport> {
     anyhow::ensure!(!args.concurrency.is_empty() && args.concurrency.iter().all(|&c| c >= 1), "--concurrency values must be at least 1");
     eprintln!("starting redis, worker, router and gateway...");
     let stack = start_stack(args.speedup).await?;
-    let mut worker = WorkerClient::connect(stack.worker.grpc_endpoint()).await?.max_decoding_message_size(64 << 20);
+    let mut worker = WorkerClient::connect(stack.worker.grpc_endpoint()).await?.with_message_limits();
     let card = worker.get_model_card(pb::GetModelCardRequest {}).await?.into_inner().card.context("no card")?;
     let card = ModelCard::try_from(card)?;
     let model = card.name.clone();

@@ -8,6 +8,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 use turbine_proto::worker::v1 as pb;
+use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess};
 
@@ -78,7 +79,7 @@ async fn generates_reports_health_and_refuses_bad_input() {
         assert_eq!(status, ServingStatus::Serving, "service {service:?}");
     }
 
-    let mut client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap().max_decoding_message_size(64 << 20);
+    let mut client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap().with_message_limits();
     let stream = client.generate(request(1000, 100)).await.unwrap().into_inner();
     let (tokens, last) = collect(stream).await.unwrap();
     assert_eq!(tokens.len(), 100);
@@ -168,7 +169,7 @@ async fn any_gguf_path_is_served_under_the_given_name() {
     let mut client = WorkerClient::connect(worker.endpoint.clone())
         .await
         .unwrap()
-        .max_decoding_message_size(64 << 20);
+        .with_message_limits();
     let card = client
         .get_model_card(pb::GetModelCardRequest {})
         .await
