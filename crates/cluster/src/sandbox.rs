@@ -11,6 +11,7 @@
 //! ```
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use futures::StreamExt;
 use turbine_runtime::CancellationToken;
@@ -62,7 +63,10 @@ impl Sandbox {
         let cluster =
             Cluster::start(config, options, shutdown.clone()).await.unwrap_or_else(|error| panic!("the sandbox cluster did not start: {error:#}"));
         let base = cluster.http_url();
-        Self { cluster: Some(cluster), shutdown, http: reqwest::Client::new(), base }
+        // Every request is bounded: a hang fails the test with the call
+        // that hung instead of stalling the suite.
+        let http = reqwest::Client::builder().timeout(REQUEST_TIMEOUT).build().expect("an HTTP client");
+        Self { cluster: Some(cluster), shutdown, http, base }
     }
 
     /// The cluster: its clients and addresses.
@@ -114,7 +118,10 @@ impl Sandbox {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         if let Some(cluster) = self.cluster.take() {
-            cluster.finished().await.expect("the sandbox cluster stopped cleanly");
+            tokio::time::timeout(STOP_TIMEOUT, cluster.finished())
+                .await
+                .unwrap_or_else(|_| panic!("the sandbox cluster did not drain within {STOP_TIMEOUT:?}"))
+                .expect("the sandbox cluster stopped cleanly");
         }
     }
 }
@@ -125,13 +132,20 @@ impl Drop for Sandbox {
     }
 }
 
+/// Longest a sandbox request may take, response body included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Longest the sandbox cluster may take to drain.
+const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Reads SSE `data:` payloads from a response until `[DONE]`.
 pub async fn read_events(response: reqwest::Response) -> Vec<String> {
     let mut stream = response.bytes_stream();
     let mut buffer = String::new();
     let mut events = Vec::new();
     while let Some(bytes) = stream.next().await {
-        buffer.push_str(std::str::from_utf8(&bytes.expect("the stream continues")).expect("UTF-8 events"));
+        let bytes = bytes.unwrap_or_else(|error| panic!("the stream broke off ({error}); got {events:?}"));
+        buffer.push_str(std::str::from_utf8(&bytes).expect("UTF-8 events"));
         while let Some(end) = buffer.find("\n\n") {
             let event: String = buffer.drain(..end + 2).collect();
             for line in event.lines() {
