@@ -17,7 +17,7 @@ use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
 use turbine_kv::{BlockHasher, CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
-use crate::tiers::{HostBlock, HostTier, KvTiers, OffloadBlock, ReadDone, ReadJob, spawn_offload, spawn_reader};
+use crate::tiers::{BlockSource, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, ReadDone, ReadJob, spawn_offload, spawn_reader};
 use turbine_kv::BlockHashes;
 use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
@@ -135,19 +135,24 @@ impl EngineHandle {
         let (events, _) = broadcast::channel(EVENT_BUFFER);
         let mut scheduler = Scheduler::new(config.clone(), eos_token_ids);
         stats.set_load(scheduler.load());
-        let offload = match (&tiers.host, tiers.memory) {
-            (Some(host), Some(memory)) if config.prefix_caching => {
+        let source = match (tiers.memory, tiers.modelled) {
+            (Some(memory), _) => Some(BlockSource::Memory(memory)),
+            (None, Some(_)) => Some(BlockSource::Modelled),
+            (None, None) => None,
+        };
+        let offload = match (&tiers.host, source) {
+            (Some(host), Some(source)) if config.prefix_caching => {
                 scheduler.record_registered();
-                let (jobs, done) = spawn_offload(memory, host.clone());
+                let (jobs, done) = spawn_offload(source, host.clone());
                 Some(Offload { jobs, done, pinned: 0, limit: (config.num_blocks / 4).max(1), queued: Default::default(), queue_limit: config.num_blocks })
             }
             _ => None,
         };
         let reader = match (&tiers.host, &offload) {
-            (Some(host), Some(_)) => host.disk().map(|disk| {
-                let (jobs, done) = spawn_reader(disk.clone());
-                Reader { jobs, done, waiting: HashMap::new(), next_id: 0 }
-            }),
+            (Some(host), Some(_)) if host.disk().is_some() || tiers.modelled.is_some() => {
+                let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.modelled);
+                Some(Reader { jobs, done, waiting: HashMap::new(), next_id: 0 })
+            }
             _ => None,
         };
         let hasher = BlockHasher::with_seed(config.hash_seed);
@@ -163,6 +168,7 @@ impl EngineHandle {
             pins: HashMap::new(),
             next_pin_id: 1,
             host: tiers.host.clone(),
+            modelled: tiers.modelled,
             offload,
             reader,
             hasher,
@@ -274,6 +280,9 @@ struct EngineLoop {
     next_pin_id: u64,
     /// The host tier (G2), onboarded from at admission.
     host: Option<HostTier>,
+    /// Modelled transfer times (an engine without KV memory): every
+    /// onboard waits for its time on the reader thread.
+    modelled: Option<ModelledTransfer>,
     /// Copies of registered blocks to the host tier.
     offload: Option<Offload>,
     /// Reads of disk blocks for requests waiting on them.
@@ -383,11 +392,14 @@ impl EngineLoop {
                         if let Some(plan) = self.plan_onboard(&request.prompt) {
                             let disk_from = plan.in_device + plan.blocks.len();
                             let on_disk = plan.hashes.get(disk_from).is_some_and(|next| self.host.as_ref().and_then(HostTier::disk).is_some_and(|disk| disk.contains(next.sequence)));
-                            if on_disk && let Some(reader) = &mut self.reader {
-                                // Its disk blocks are read meanwhile; it is admitted when they are in.
+                            let modelled_wait = self.modelled.is_some() && !plan.blocks.is_empty();
+                            if (on_disk || modelled_wait) && let Some(reader) = &mut self.reader {
+                                // Its disk blocks are read (or its transfer time
+                                // taken) meanwhile; it is admitted when they are in.
                                 let id = reader.next_id;
                                 reader.next_id += 1;
-                                let job = ReadJob { id, hashes: plan.hashes[disk_from..].to_vec() };
+                                let hashes = if on_disk { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
+                                let job = ReadJob { id, hashes, host_blocks: plan.blocks.len() };
                                 if reader.jobs.send(job).is_ok() {
                                     reader.waiting.insert(id, Deferred { request, pin, outputs, plan });
                                     self.set_load();

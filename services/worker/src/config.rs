@@ -53,6 +53,15 @@ pub const MOCK_KV_BYTES_PER_TOKEN: usize = 32 * 2 * 8 * 128 * 2;
 /// docs/benchmarks.md ran at it; reads of a shared pool now measure 11-12).
 pub const MOCK_TRANSFER_GBPS: f64 = 8.0;
 
+/// Host-tier onboard bandwidth the mocker models, GB/s: what `cargo bench
+/// -p turbine-engine --bench tiers` measured for onboarding 2 MiB blocks
+/// from the host tier here (look up, check, copy into the pool): 6.72 GiB/s.
+pub const MOCK_HOST_GBPS: f64 = 7.2;
+
+/// Disk-tier onboard bandwidth the mocker models, GB/s: the same bench's
+/// disk figure (block files in the page cache): 1.44 GiB/s.
+pub const MOCK_DISK_GBPS: f64 = 1.55;
+
 /// Where a worker listens by default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerPorts {}
@@ -143,22 +152,30 @@ pub struct EngineConfig {
     /// Native: KV cache pool size in MiB (when --num-blocks is unset).
     #[arg(long, env = "TURBINE_WORKER_KV_CACHE_MIB", default_value_t = 512)]
     pub kv_cache_mib: usize,
-    /// Native: host-memory KV tier (G2) in MiB. Every full block is copied
-    /// here in the background; a later prompt whose prefix left the pool
-    /// gets it back from host memory instead of recomputing it. 0 turns the
-    /// tier off.
+    /// Host-memory KV tier (G2) in MiB. Every full block is copied here in
+    /// the background; a later prompt whose prefix left the pool gets it
+    /// back from host memory instead of recomputing it. 0 turns the tier
+    /// off. The mocker models it: each block counts as its modelled size
+    /// (--mock-kv-bytes-per-token) and onboards at --mock-host-gbps.
     #[arg(long, env = "TURBINE_WORKER_HOST_CACHE_MIB", default_value_t = 0)]
     pub host_cache_mib: u64,
-    /// Native: local-disk KV tier (G3) below the host tier: what the host
-    /// tier evicts is written here (one checksummed file per block, in a
+    /// Local-disk KV tier (G3) below the host tier: what the host tier
+    /// evicts is written here (one checksummed file per block, in a
     /// subdirectory named after the worker id) and read back on a later
     /// prefix hit. Kept across restarts of a worker with the same id and
     /// model. Needs --host-cache-mib. Unset: no disk tier.
     #[arg(long, env = "TURBINE_WORKER_DISK_CACHE_DIR", value_name = "DIR")]
     pub disk_cache_dir: Option<PathBuf>,
-    /// Native: GiB of block files the disk tier may hold.
+    /// GiB of block files the disk tier may hold.
     #[arg(long, env = "TURBINE_WORKER_DISK_CACHE_GIB", default_value_t = 16.0)]
     pub disk_cache_gib: f64,
+    /// Mocker: modelled host-tier onboard bandwidth, GB/s (divided by
+    /// --speedup like every simulated time).
+    #[arg(long, env = "TURBINE_WORKER_MOCK_HOST_GBPS", default_value_t = MOCK_HOST_GBPS)]
+    pub mock_host_gbps: f64,
+    /// Mocker: modelled disk-tier onboard bandwidth, GB/s.
+    #[arg(long, env = "TURBINE_WORKER_MOCK_DISK_GBPS", default_value_t = MOCK_DISK_GBPS)]
+    pub mock_disk_gbps: f64,
     /// Native: kernel threads [default: the cores available to the process].
     #[arg(long, env = "TURBINE_WORKER_THREADS")]
     pub threads: Option<usize>,
@@ -220,8 +237,10 @@ impl EngineConfig {
         if !(self.disk_cache_gib.is_finite() && self.disk_cache_gib > 0.0) {
             return Err(format!("disk_cache_gib must be a positive number, got {}", self.disk_cache_gib));
         }
-        if !(self.speedup.is_finite() && self.speedup > 0.0) {
-            return Err(format!("speedup must be a positive number, got {}", self.speedup));
+        for (name, value) in [("speedup", self.speedup), ("mock_host_gbps", self.mock_host_gbps), ("mock_disk_gbps", self.mock_disk_gbps)] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!("{name} must be a positive number, got {value}"));
+            }
         }
         Ok(())
     }
@@ -252,7 +271,8 @@ pub struct TransferConfig {
     /// requests beyond it compute their prompt here.
     #[arg(long, env = "TURBINE_WORKER_KV_TRANSFER_MIB", default_value_t = 1024)]
     pub kv_transfer_mib: usize,
-    /// Mocker as prefill/decode: modelled KV bytes per token (Llama-3-8B in f16).
+    /// Mocker: modelled KV bytes per token (Llama-3-8B in f16), for
+    /// hand-offs and KV tiers.
     #[arg(long, env = "TURBINE_WORKER_MOCK_KV_BYTES_PER_TOKEN", default_value_t = MOCK_KV_BYTES_PER_TOKEN)]
     pub mock_kv_bytes_per_token: usize,
     /// Mocker as prefill/decode: modelled KV transfer bandwidth in GB/s.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
-use turbine_engine::{DiskTier, EngineHandle, Executor, HostTier, KvLayout, KvMemory, KvTiers, Load, SchedulerConfig};
+use turbine_engine::{DiskTier, EngineHandle, Executor, HostTier, KvMemory, KvTiers, Load, ModelledTransfer, SchedulerConfig};
 use turbine_kv::WorkerId;
 use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -76,24 +76,45 @@ impl Worker {
             max_waiting: engine_config.max_waiting,
             ..SchedulerConfig::default()
         };
-        let host = match (engine_config.host_cache_mib, &memory) {
+        // The mocker models its tiers: stamps for bytes, modelled transfer times.
+        let modelled = (memory.is_none() && engine_config.engine == EngineKind::Mock).then(|| ModelledTransfer {
+            block_bytes: (transfer.mock_kv_bytes_per_token * block_size) as u64,
+            host_bytes_per_sec: engine_config.mock_host_gbps * 1e9 * engine_config.speedup,
+            disk_bytes_per_sec: engine_config.mock_disk_gbps * 1e9 * engine_config.speedup,
+        });
+        let layout = match (&memory, &modelled) {
+            (Some(memory), _) => Some(format!("{:?}", memory.layout())),
+            (None, Some(modelled)) => Some(format!("mock, {} bytes per block", modelled.block_bytes)),
+            (None, None) => None,
+        };
+        let host = match (engine_config.host_cache_mib, layout) {
             (0, _) => None,
-            (mib, Some(memory)) => Some(match &engine_config.disk_cache_dir {
-                Some(dir) => {
-                    let dir = dir.join(id.to_string());
-                    let capacity = (engine_config.disk_cache_gib * (1u64 << 30) as f64) as u64;
-                    let disk = DiskTier::open(&dir, capacity, layout_fingerprint(&model.path, memory.layout(), &scheduler))
-                        .with_context(|| format!("cannot open the disk KV tier in {}", dir.display()))?;
-                    HostTier::with_disk(mib << 20, disk)
-                }
-                None => HostTier::new(mib << 20),
-            }),
+            (mib, Some(layout)) => {
+                let disk = match &engine_config.disk_cache_dir {
+                    Some(dir) => {
+                        let dir = dir.join(id.to_string());
+                        let capacity = (engine_config.disk_cache_gib * (1u64 << 30) as f64) as u64;
+                        let fingerprint = layout_fingerprint(&model.path, &layout, &scheduler);
+                        let disk = match modelled {
+                            Some(modelled) => DiskTier::open_modelled(&dir, capacity, fingerprint, modelled.block_bytes),
+                            None => DiskTier::open(&dir, capacity, fingerprint),
+                        };
+                        Some(disk.with_context(|| format!("cannot open the disk KV tier in {}", dir.display()))?)
+                    }
+                    None => None,
+                };
+                Some(match (modelled, disk) {
+                    (Some(modelled), disk) => HostTier::modelled(mib << 20, modelled.block_bytes, disk),
+                    (None, Some(disk)) => HostTier::with_disk(mib << 20, disk),
+                    (None, None) => HostTier::new(mib << 20),
+                })
+            }
             (_, None) => {
                 tracing::warn!("this engine exposes no KV memory: the host and disk KV tiers (--host-cache-mib, --disk-cache-dir) are off");
                 None
             }
         };
-        let tiers = KvTiers { host, memory: memory.clone() };
+        let tiers = KvTiers { host, memory: memory.clone(), modelled };
         let engine = EngineHandle::spawn_with_tiers(scheduler, card.tokenizer.eog_token_ids.clone(), executor, tiers);
         // The mocker models hand-offs: no bytes, their transfer time.
         let simulated = (engine_config.engine == EngineKind::Mock && config.role != WorkerRole::Aggregated).then(|| SimulatedTransfer {
@@ -180,11 +201,11 @@ impl Worker {
 /// What must match for blocks on disk to be this worker's: the model file
 /// (path, size, modification time), the pool's layout, the block size and
 /// the hash seed.
-fn layout_fingerprint(model: &std::path::Path, layout: &KvLayout, scheduler: &SchedulerConfig) -> u64 {
+fn layout_fingerprint(model: &std::path::Path, layout: &str, scheduler: &SchedulerConfig) -> u64 {
     let file = std::fs::metadata(model).ok();
     let modified = file.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_nanos());
     let identity = format!(
-        "{}|{:?}|{:?}|{layout:?}|{}|{}",
+        "{}|{:?}|{:?}|{layout}|{}|{}",
         std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf()).display(),
         file.map(|m| m.len()),
         modified,

@@ -79,6 +79,7 @@ pub(super) async fn drive(
         workers: 0,
         prefill_workers: 0,
         decode_workers: 0,
+        host_cache_mib: 0,
         requests: requests.len(),
         failed,
         ttft,

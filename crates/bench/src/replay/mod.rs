@@ -77,6 +77,12 @@ pub struct ReplayArgs {
     /// Cap on each request's output tokens [default: the trace's].
     #[arg(long)]
     pub max_output_tokens: Option<u32>,
+    /// Host-memory KV tier (G2) per mocker worker in MiB of modelled bytes,
+    /// to compare (comma-separated, e.g. 0,8192: without the tier and with
+    /// it). Every policy is replayed with each size. Blocks onboard at the
+    /// worker's modelled host bandwidth.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub host_cache_mib: Vec<u64>,
     /// Tokens per KV block of the mocker.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
@@ -170,20 +176,29 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
             let workers = prefill + decode;
             if !aggregated_done.contains(&workers) {
                 eprintln!("replaying {} requests on {workers} aggregated workers...", requests.len());
-                let report = replay_one(&args, Policy::Kv, 1, None, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+                let report = replay_one(&args, Policy::Kv, 1, None, 0, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
                 policies.push(PolicyReport { router: format!("aggregated x{workers}"), ..report });
                 aggregated_done.push(workers);
             }
             eprintln!("replaying {} requests on {prefill} prefill + {decode} decode workers...", requests.len());
             let report =
-                replay_one(&args, Policy::Kv, 1, Some((prefill, decode)), workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+                replay_one(&args, Policy::Kv, 1, Some((prefill, decode)), 0, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
             policies.push(PolicyReport { router: format!("{prefill}P:{decode}D"), ..report });
         }
     }
+    anyhow::ensure!(!args.host_cache_mib.is_empty(), "--host-cache-mib needs at least one size (0: no host tier)");
+    let mut runs = Vec::new();
     for &policy in args.router.iter().filter(|_| args.gateway.is_none() && splits.is_empty()) {
         for &routers in &args.routers {
-            eprintln!("replaying {} requests with the {} router (x{routers})...", requests.len(), policy.name());
-            let report = replay_one(&args, policy, routers, None, args.workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+            runs.extend(args.host_cache_mib.iter().map(|&host| (policy, routers, host)));
+        }
+    }
+    for (policy, routers, host_cache_mib) in runs {
+        {
+            let tier = if host_cache_mib > 0 { format!(", host tier {host_cache_mib} MiB") } else { String::new() };
+            eprintln!("replaying {} requests with the {} router (x{routers}{tier})...", requests.len(), policy.name());
+            let report =
+                replay_one(&args, policy, routers, None, host_cache_mib, args.workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
             print_timeline(&report);
             eprintln!(
                 "  {} x{}: ttft mean {:.0} ms p90 {:.0} ms, hit rate {:.3} (oracle {:.3}), {} failed",
@@ -210,6 +225,7 @@ async fn replay_one(
     policy: Policy,
     routers: usize,
     split: Option<(usize, usize)>,
+    host_cache_mib: u64,
     workers: usize,
     requests: &[TraceRequest],
     prompts: &Arc<Vec<Arc<Vec<u32>>>>,
@@ -241,6 +257,7 @@ async fn replay_one(
     engine.num_blocks = Some(args.num_blocks);
     engine.threads = Some(1);
     engine.context_length = Some(context_length);
+    engine.host_cache_mib = host_cache_mib;
     config.worker.transfer.mock_kv_bytes_per_token = args.kv_bytes_per_token;
     config.worker.transfer.mock_transfer_gbps = args.transfer_gbps;
     let options = ClusterOptions {
@@ -257,7 +274,7 @@ async fn replay_one(
     shutdown.cancel();
     cluster.finished().await?;
     let (prefill_workers, decode_workers) = split.unwrap_or((0, 0));
-    Ok(PolicyReport { router: policy.name().to_owned(), routers, workers, prefill_workers, decode_workers, ..report? })
+    Ok(PolicyReport { router: policy.name().to_owned(), routers, workers, prefill_workers, decode_workers, host_cache_mib, ..report? })
 }
 
 fn unix_millis() -> u128 {

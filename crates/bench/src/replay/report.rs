@@ -39,6 +39,8 @@ pub struct PolicyReport {
     pub prefill_workers: usize,
     /// Of those, decode workers (0 when aggregated).
     pub decode_workers: usize,
+    /// Host-memory KV tier per worker, MiB of modelled bytes (0: none).
+    pub host_cache_mib: u64,
     /// Requests sent.
     pub requests: usize,
     /// Requests that failed (non-200 or a broken stream).
@@ -140,7 +142,7 @@ pub fn print(report: &ReplayReport) {
         "oracle"
     );
     for p in &report.policies {
-        let label = if p.routers > 1 { format!("{} x{}", p.router, p.routers) } else { p.router.clone() };
+        let label = label(p);
         println!(
             "{:<14} {:>7} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.0} {:>8.3} {:>8.3}",
             label,
@@ -158,7 +160,7 @@ pub fn print(report: &ReplayReport) {
             p.oracle_hit_rate
         );
     }
-    let one = |name: &str| report.policies.iter().find(|p| p.router == name && p.routers == 1);
+    let one = |name: &str| report.policies.iter().find(|p| p.router == name && p.routers == 1 && p.host_cache_mib == 0);
     if let (Some(kv), Some(rr)) = (one("kv"), one("round-robin")) {
         println!(
             "kv vs round-robin: mean TTFT {:.2}x lower, p90 TTFT {:.2}x lower; kv captures {:.1}% of the oracle hit rate",
@@ -181,6 +183,21 @@ pub fn print(report: &ReplayReport) {
             );
         }
     }
+    // Host tier against the same policy without one.
+    for p in report.policies.iter().filter(|p| p.host_cache_mib > 0) {
+        if let Some(g1) = report.policies.iter().find(|g1| g1.router == p.router && g1.routers == p.routers && g1.host_cache_mib == 0) {
+            println!(
+                "{} vs G1 only: TTFT mean {:.2}x lower, p90 {:.2}x lower; ITL mean {:.3}x; hit rate {:.3} vs {:.3} ({:.1}% of the oracle's)",
+                label(p),
+                g1.ttft.mean_ms / p.ttft.mean_ms,
+                g1.ttft.p90_ms / p.ttft.p90_ms,
+                p.itl.mean_ms / g1.itl.mean_ms,
+                p.prefix_hit_rate,
+                g1.prefix_hit_rate,
+                p.share_of_oracle * 100.0
+            );
+        }
+    }
     for p in report.policies.iter().filter(|p| p.routers > 1) {
         if let Some(single) = one(&p.router) {
             println!(
@@ -192,6 +209,15 @@ pub fn print(report: &ReplayReport) {
             );
         }
     }
+}
+
+/// A configuration's name in the table.
+fn label(p: &PolicyReport) -> String {
+    let mut label = if p.routers > 1 { format!("{} x{}", p.router, p.routers) } else { p.router.clone() };
+    if p.host_cache_mib > 0 {
+        label += &format!(" +G2 {}G", p.host_cache_mib as f64 / 1024.0);
+    }
+    label
 }
 
 /// A plot panel: its title and the (mean, p90) it draws per configuration.

@@ -55,6 +55,8 @@ struct Inner {
     events: PendingEvents,
     stats: Arc<TierStats>,
     capacity_bytes: u64,
+    /// Bytes each block counts for, if modelled (else its file's length).
+    modelled_block_bytes: Option<u64>,
     /// Held for the tier's life: no other engine uses the directory.
     _lock: File,
 }
@@ -116,6 +118,17 @@ impl DiskTier {
     /// `capacity_bytes` of block files, for blocks of the pool layout
     /// `fingerprint`; rebuilds its index from the files already there.
     pub fn open(dir: &Path, capacity_bytes: u64, fingerprint: u64) -> std::io::Result<Self> {
+        Self::open_with(dir, capacity_bytes, fingerprint, None)
+    }
+
+    /// Opens the tier of an engine whose transfers are modelled
+    /// ([`ModelledTransfer`](super::ModelledTransfer)): every block counts
+    /// as `block_bytes` against `capacity_bytes`.
+    pub fn open_modelled(dir: &Path, capacity_bytes: u64, fingerprint: u64, block_bytes: u64) -> std::io::Result<Self> {
+        Self::open_with(dir, capacity_bytes, fingerprint, Some(block_bytes))
+    }
+
+    fn open_with(dir: &Path, capacity_bytes: u64, fingerprint: u64, modelled_block_bytes: Option<u64>) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let lock = File::create(dir.join(".lock"))?;
         lock.try_lock().map_err(|_| std::io::Error::other(format!("{} is in use by another Turbine worker (its .lock is held)", dir.display())))?;
@@ -138,7 +151,7 @@ impl DiskTier {
                 })
                 .build()
         };
-        let tier = Self { inner: Arc::new(Inner { dir: dir.to_path_buf(), fingerprint, index, events, stats, capacity_bytes, _lock: lock }) };
+        let tier = Self { inner: Arc::new(Inner { dir: dir.to_path_buf(), fingerprint, index, events, stats, capacity_bytes, modelled_block_bytes, _lock: lock }) };
         tier.rebuild()?;
         Ok(tier)
     }
@@ -170,13 +183,19 @@ impl DiskTier {
                 blocks: vec![StoredBlock { sequence_hash: header.sequence, local_hash: header.local }],
                 tier: Tier::Disk,
             });
-            self.inner.index.insert(header.sequence, DiskEntry { local: header.local, bytes: header.len + HEADER_BYTES as u64 });
+            self.inner.index.insert(header.sequence, DiskEntry { local: header.local, bytes: self.weight(header.len) });
         }
         self.inner.index.run_pending_tasks();
         if !found.is_empty() {
             tracing::info!(dir = %self.inner.dir.display(), blocks = found.len(), "disk KV tier: blocks kept from before");
         }
         Ok(())
+    }
+
+    /// What a block of `len` payload bytes counts for: its file, or the
+    /// modelled block size.
+    fn weight(&self, len: u64) -> u64 {
+        self.inner.modelled_block_bytes.unwrap_or(len + HEADER_BYTES as u64)
     }
 
     /// Bytes the tier may hold.
@@ -238,8 +257,9 @@ impl DiskTier {
             tier: Tier::Disk,
         });
         self.inner.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
-        self.inner.stats.offloaded_bytes.fetch_add(block.bytes.len() as u64, Ordering::Relaxed);
-        self.inner.index.insert(hash, DiskEntry { local: block.local, bytes: header.len + HEADER_BYTES as u64 });
+        let bytes = self.weight(header.len);
+        self.inner.stats.offloaded_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.inner.index.insert(hash, DiskEntry { local: block.local, bytes });
         self.inner.index.run_pending_tasks();
     }
 

@@ -24,6 +24,8 @@ pub struct HostTier {
     cache: moka::sync::Cache<SequenceHash, Arc<HostBlock>>,
     events: PendingEvents,
     capacity_bytes: u64,
+    /// Bytes each block counts for, if modelled (else its own length).
+    modelled_block_bytes: Option<u64>,
     stats: Arc<TierStats>,
     disk: Option<DiskTier>,
 }
@@ -38,12 +40,25 @@ impl HostTier {
     /// A tier holding at most `capacity_bytes` of block bytes; what it
     /// evicts is gone.
     pub fn new(capacity_bytes: u64) -> Self {
-        Self::build(capacity_bytes, None)
+        Self::build(capacity_bytes, None, None)
     }
 
     /// A tier holding at most `capacity_bytes` of block bytes, whose
     /// evictions are written to `disk`.
     pub fn with_disk(capacity_bytes: u64, disk: DiskTier) -> Self {
+        Self::build(capacity_bytes, Some(Self::spill_to(disk)), None)
+    }
+
+    /// A tier of an engine whose transfers are modelled
+    /// ([`ModelledTransfer`](super::ModelledTransfer)): every block counts
+    /// as `block_bytes` against `capacity_bytes`; evictions go to `disk`,
+    /// if given.
+    pub fn modelled(capacity_bytes: u64, block_bytes: u64, disk: Option<DiskTier>) -> Self {
+        Self::build(capacity_bytes, disk.map(Self::spill_to), Some(block_bytes))
+    }
+
+    /// Starts the thread that writes evictions to `disk`.
+    fn spill_to(disk: DiskTier) -> (DiskTier, Spill) {
         let (spill, spilled) = std::sync::mpsc::sync_channel::<(SequenceHash, Arc<HostBlock>)>(SPILL_QUEUE);
         let writer = disk.clone();
         std::thread::Builder::new()
@@ -54,10 +69,10 @@ impl HostTier {
                 }
             })
             .expect("spawn the KV disk writer thread");
-        Self::build(capacity_bytes, Some((disk, spill)))
+        (disk, spill)
     }
 
-    fn build(capacity_bytes: u64, disk: Option<(DiskTier, Spill)>) -> Self {
+    fn build(capacity_bytes: u64, disk: Option<(DiskTier, Spill)>, modelled_block_bytes: Option<u64>) -> Self {
         let events = PendingEvents::default();
         let stats = Arc::new(TierStats::default());
         let (disk, spill) = disk.unzip();
@@ -67,7 +82,7 @@ impl HostTier {
             let disk = disk.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
-                .weigher(|_, block: &Arc<HostBlock>| u32::try_from(block.bytes.len()).unwrap_or(u32::MAX))
+                .weigher(move |_, block: &Arc<HostBlock>| u32::try_from(modelled_block_bytes.unwrap_or(block.bytes.len() as u64)).unwrap_or(u32::MAX))
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .eviction_listener(move |hash: Arc<SequenceHash>, block: Arc<HostBlock>, cause| {
                     if !cause.was_evicted() {
@@ -84,7 +99,7 @@ impl HostTier {
                 })
                 .build()
         };
-        Self { cache, events, capacity_bytes, stats, disk }
+        Self { cache, events, capacity_bytes, modelled_block_bytes, stats, disk }
     }
 
     /// The disk tier below, if any.
@@ -128,7 +143,7 @@ impl HostTier {
         // never sees a block removed before it was stored.
         self.events.lock().push(KvEvent::Stored { parent: first.parent, blocks: stored, tier: Tier::Host });
         for (hash, block) in blocks {
-            self.stats.offloaded_bytes.fetch_add(block.bytes.len() as u64, Ordering::Relaxed);
+            self.stats.offloaded_bytes.fetch_add(self.modelled_block_bytes.unwrap_or(block.bytes.len() as u64), Ordering::Relaxed);
             self.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
             self.cache.insert(hash, Arc::new(block));
         }

@@ -29,12 +29,22 @@
 //! - [`HostTier`] (`host.rs`): a byte-bounded `moka` cache in memory.
 //! - [`DiskTier`] (`disk.rs`): one file per block, its index a byte-bounded
 //!   `moka` cache rebuilt from the files at start.
+//!
+//! **Modelled transfers.** An engine that holds no KV bytes (the mocker)
+//! still gets both tiers, with [`ModelledTransfer`]: each block is a stamp
+//! of its hashes (checksummed and written to disk like real bytes) that
+//! counts as the modelled block size against the tiers' capacities, and
+//! onboarding takes the modelled bytes over the tier's bandwidth. Every
+//! onboard then waits off the engine thread, as disk reads do, so the other
+//! sequences keep stepping meanwhile (as copies overlap compute on a GPU),
+//! and onboards queue behind each other on one link.
 
 mod disk;
 mod host;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use turbine_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, Tier};
@@ -101,8 +111,49 @@ pub struct KvTiers {
     /// ([`HostTier::with_disk`]).
     pub host: Option<HostTier>,
     /// The pool's bytes, where offloads copy from. Without it (an engine
-    /// that exposes no KV memory, such as the mocker) nothing is offloaded.
+    /// that exposes no KV memory, such as the mocker) nothing is offloaded,
+    /// unless transfers are modelled.
     pub memory: Option<KvMemory>,
+    /// For an engine without KV memory: the block size and bandwidths its
+    /// tiers model (the tiers are then built with
+    /// [`HostTier::modelled`] and [`DiskTier::open_modelled`]).
+    pub modelled: Option<ModelledTransfer>,
+}
+
+/// Transfers modelled for an engine that holds no KV bytes (the mocker).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelledTransfer {
+    /// Bytes one block stands for.
+    pub block_bytes: u64,
+    /// Host memory to the pool, bytes per second.
+    pub host_bytes_per_sec: f64,
+    /// Disk to the pool, bytes per second.
+    pub disk_bytes_per_sec: f64,
+}
+
+impl ModelledTransfer {
+    /// Time to onboard `host` blocks from host memory and `disk` blocks
+    /// from disk.
+    pub fn onboard_time(&self, host: usize, disk: usize) -> Duration {
+        let bytes = |blocks: usize| blocks as f64 * self.block_bytes as f64;
+        Duration::from_secs_f64(bytes(host) / self.host_bytes_per_sec.max(f64::MIN_POSITIVE) + bytes(disk) / self.disk_bytes_per_sec.max(f64::MIN_POSITIVE))
+    }
+}
+
+/// A modelled block: its hashes, standing in for its bytes.
+fn stamp(hashes: BlockHashes, parent: Option<SequenceHash>) -> HostBlock {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&hashes.sequence.0.to_le_bytes());
+    bytes[8..].copy_from_slice(&hashes.local.0.to_le_bytes());
+    HostBlock { local: hashes.local, parent, checksum: block_checksum(&bytes), bytes: bytes.into() }
+}
+
+/// Where offloaded blocks' bytes come from.
+pub(crate) enum BlockSource {
+    /// The pool's memory.
+    Memory(KvMemory),
+    /// Nowhere: blocks are stamps ([`ModelledTransfer`]).
+    Modelled,
 }
 
 /// A registered block handed to the offload thread, pinned until it is
@@ -118,7 +169,7 @@ pub(crate) struct OffloadBlock {
 /// every batch's blocks come back on the returned receiver once copied
 /// (or found unreadable), to be unpinned by the engine.
 pub(crate) fn spawn_offload(
-    memory: KvMemory,
+    source: BlockSource,
     host: HostTier,
 ) -> (std::sync::mpsc::Sender<Vec<OffloadBlock>>, std::sync::mpsc::Receiver<Vec<u32>>) {
     let (jobs, job_receiver) = std::sync::mpsc::channel::<Vec<OffloadBlock>>();
@@ -139,16 +190,19 @@ pub(crate) fn spawn_offload(
                         host.insert_run(std::mem::take(&mut run));
                         continue;
                     }
-                    #[allow(unsafe_code)]
-                    // SAFETY: the engine pinned the block (a full, registered
-                    // block it never writes) until this batch is given back.
-                    let copied = unsafe {
-                        memory.with_block(item.block, &mut scratch, |bytes| HostBlock {
-                            local: item.hashes.local,
-                            parent: item.parent,
-                            checksum: block_checksum(bytes),
-                            bytes: bytes.into(),
-                        })
+                    let copied = match &source {
+                        #[allow(unsafe_code)]
+                        // SAFETY: the engine pinned the block (a full, registered
+                        // block it never writes) until this batch is given back.
+                        BlockSource::Memory(memory) => unsafe {
+                            memory.with_block(item.block, &mut scratch, |bytes| HostBlock {
+                                local: item.hashes.local,
+                                parent: item.parent,
+                                checksum: block_checksum(bytes),
+                                bytes: bytes.into(),
+                            })
+                        },
+                        BlockSource::Modelled => Ok(stamp(item.hashes, item.parent)),
                     };
                     match copied {
                         Ok(block) => run.push((item.hashes.sequence, block)),
@@ -169,8 +223,11 @@ pub(crate) fn spawn_offload(
 pub(crate) struct ReadJob {
     /// The engine's id for the waiting request.
     pub id: u64,
-    /// The blocks' hashes, in chain order.
+    /// The disk blocks' hashes, in chain order (empty: none to read).
     pub hashes: Vec<BlockHashes>,
+    /// Host-tier blocks onboarded with them (their time is modelled, if
+    /// transfers are).
+    pub host_blocks: usize,
 }
 
 /// What a [`ReadJob`] found: the leading blocks that were on disk and
@@ -180,15 +237,26 @@ pub(crate) struct ReadDone {
     pub blocks: Vec<Arc<HostBlock>>,
 }
 
-/// Starts the thread that reads disk blocks for waiting requests.
-pub(crate) fn spawn_reader(disk: DiskTier) -> (std::sync::mpsc::Sender<ReadJob>, std::sync::mpsc::Receiver<ReadDone>) {
+/// Starts the thread that reads disk blocks for waiting requests and, with
+/// modelled transfers, takes each onboard's modelled time.
+pub(crate) fn spawn_reader(
+    disk: Option<DiskTier>,
+    modelled: Option<ModelledTransfer>,
+) -> (std::sync::mpsc::Sender<ReadJob>, std::sync::mpsc::Receiver<ReadDone>) {
     let (jobs, job_receiver) = std::sync::mpsc::channel::<ReadJob>();
     let (done_sender, done) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("turbine-kv-onboard".into())
         .spawn(move || {
             while let Ok(job) = job_receiver.recv() {
-                let blocks = disk.read_run(&job.hashes);
+                let started = Instant::now();
+                let blocks = match &disk {
+                    Some(disk) if !job.hashes.is_empty() => disk.read_run(&job.hashes),
+                    _ => Vec::new(),
+                };
+                if let Some(modelled) = modelled {
+                    std::thread::sleep(modelled.onboard_time(job.host_blocks, blocks.len()).saturating_sub(started.elapsed()));
+                }
                 if done_sender.send(ReadDone { id: job.id, blocks }).is_err() {
                     break;
                 }
