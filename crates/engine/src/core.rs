@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
-use turbine_kv::{BlockHasher, CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
+use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
 use crate::tiers::{BlockSource, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, ReadDone, ReadJob, spawn_offload, spawn_reader};
 use turbine_kv::BlockHashes;
@@ -151,11 +151,10 @@ impl EngineHandle {
         let reader = match (&tiers.host, &offload) {
             (Some(host), Some(_)) if host.disk().is_some() || tiers.modelled.is_some() => {
                 let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.modelled);
-                Some(Reader { jobs, done, waiting: HashMap::new(), next_id: 0 })
+                Some(Reader { jobs, done, waiting: HashMap::new() })
             }
             _ => None,
         };
-        let hasher = BlockHasher::with_seed(config.hash_seed);
         let engine_loop = EngineLoop {
             scheduler,
             executor,
@@ -171,7 +170,6 @@ impl EngineHandle {
             modelled: tiers.modelled,
             offload,
             reader,
-            hasher,
         };
         let thread = thread::Builder::new()
             .name("turbine-engine".into())
@@ -287,24 +285,14 @@ struct EngineLoop {
     offload: Option<Offload>,
     /// Reads of disk blocks for requests waiting on them.
     reader: Option<Reader>,
-    /// The pool's block hasher (prompts' hashes for tier lookups).
-    hasher: BlockHasher,
 }
 
-/// Requests waiting for their prefix's disk blocks.
+/// Sequences suspended while their prefix is read from disk (or its
+/// modelled transfer time passes), by sequence id.
 struct Reader {
     jobs: mpsc::Sender<ReadJob>,
     done: mpsc::Receiver<ReadDone>,
-    waiting: HashMap<u64, Deferred>,
-    next_id: u64,
-}
-
-/// A request waiting for disk blocks, and what it will onboard.
-struct Deferred {
-    request: GenerateRequest,
-    pin: bool,
-    outputs: tokio_mpsc::UnboundedSender<EngineOutput>,
-    plan: OnboardPlan,
+    waiting: HashMap<SeqId, OnboardPlan>,
 }
 
 /// The lower-tier blocks that continue a prompt's G1 prefix hit.
@@ -373,6 +361,7 @@ impl EngineLoop {
                 break;
             }
             self.drop_cancelled();
+            self.onboard_due();
             if !self.scheduler.has_work() {
                 self.publish();
                 continue;
@@ -387,29 +376,7 @@ impl EngineLoop {
         match command {
             Command::Submit { request, handoff, outputs } => {
                 let (generated, pin, imported) = match handoff {
-                    Handoff::None | Handoff::Prefill => {
-                        let pin = matches!(handoff, Handoff::Prefill);
-                        if let Some(plan) = self.plan_onboard(&request.prompt) {
-                            let disk_from = plan.in_device + plan.blocks.len();
-                            let on_disk = plan.hashes.get(disk_from).is_some_and(|next| self.host.as_ref().and_then(HostTier::disk).is_some_and(|disk| disk.contains(next.sequence)));
-                            let modelled_wait = self.modelled.is_some() && !plan.blocks.is_empty();
-                            if (on_disk || modelled_wait) && let Some(reader) = &mut self.reader {
-                                // Its disk blocks are read (or its transfer time
-                                // taken) meanwhile; it is admitted when they are in.
-                                let id = reader.next_id;
-                                reader.next_id += 1;
-                                let hashes = if on_disk { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
-                                let job = ReadJob { id, hashes, host_blocks: plan.blocks.len() };
-                                if reader.jobs.send(job).is_ok() {
-                                    reader.waiting.insert(id, Deferred { request, pin, outputs, plan });
-                                    self.set_load();
-                                    return true;
-                                }
-                            }
-                            self.install_onboarded(plan);
-                        }
-                        (Vec::new(), pin, 0)
-                    }
+                    Handoff::None | Handoff::Prefill => (Vec::new(), matches!(handoff, Handoff::Prefill), 0),
                     Handoff::Decode { generated, import } => {
                         let imported = self.install(import) * self.scheduler.config().block_size;
                         (generated, false, imported)
@@ -480,16 +447,34 @@ impl EngineLoop {
         }
     }
 
-    /// The host-tier blocks that continue `prompt`'s G1 prefix hit (None:
-    /// no host tier).
-    fn plan_onboard(&self, prompt: &[u32]) -> Option<OnboardPlan> {
-        let host = self.host.as_ref()?;
-        let hashes = self.hasher.hash_blocks(prompt, self.scheduler.config().block_size);
-        let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
-        let in_device = self.scheduler.cached_prefix(&sequence);
-        let blocks = host.lookup_run(&hashes[in_device..]);
-        let from_host = blocks.len();
-        Some(OnboardPlan { hashes, in_device, blocks, from_host })
+    /// Looks the sequences the next step may admit up in the lower tiers,
+    /// so that their admission hits what those hold: host-tier blocks are
+    /// installed at once; a prefix that continues on disk (or any prefix,
+    /// when transfers are modelled) is fetched by the reader thread while
+    /// the sequence is suspended, and installed as it rejoins the front of
+    /// the queue.
+    fn onboard_due(&mut self) {
+        let Some(host) = self.host.clone() else { return };
+        let due = self.scheduler.due_for_onboard();
+        for (seq_id, hashes) in due {
+            let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
+            let in_device = self.scheduler.cached_prefix(&sequence);
+            let blocks = host.lookup_run(&hashes[in_device..]);
+            let disk_from = in_device + blocks.len();
+            let on_disk = hashes.get(disk_from).is_some_and(|next| host.disk().is_some_and(|disk| disk.contains(next.sequence)));
+            let plan = OnboardPlan { from_host: blocks.len(), hashes, in_device, blocks };
+            if (on_disk || (self.modelled.is_some() && !plan.blocks.is_empty()))
+                && let Some(reader) = &mut self.reader
+            {
+                let hashes = if on_disk { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
+                if reader.jobs.send(ReadJob { id: seq_id, hashes, host_blocks: plan.from_host }).is_ok() {
+                    reader.waiting.insert(seq_id, plan);
+                    self.scheduler.suspend(seq_id);
+                    continue;
+                }
+            }
+            self.install_onboarded(plan);
+        }
     }
 
     /// Writes a plan's blocks into free G1 blocks and registers them, so
@@ -545,19 +530,21 @@ impl EngineLoop {
         }
     }
 
-    /// Admits the requests whose disk reads finished.
+    /// Installs the prefixes whose reads finished and puts their sequences
+    /// back at the front of the queue.
     fn finish_reads(&mut self) {
         let Some(reader) = &mut self.reader else { return };
         let mut finished = Vec::new();
         while let Ok(done) = reader.done.try_recv() {
-            if let Some(deferred) = reader.waiting.remove(&done.id) {
-                finished.push((deferred, done.blocks));
+            if let Some(plan) = reader.waiting.remove(&done.id) {
+                finished.push((done.id, plan, done.blocks));
             }
         }
-        for (Deferred { request, pin, outputs, mut plan }, blocks) in finished {
+        for (seq_id, mut plan, blocks) in finished {
             plan.blocks.extend(blocks);
             self.install_onboarded(plan);
-            self.admit(request, Vec::new(), pin, 0, outputs);
+            // False when it was cancelled meanwhile: the blocks stay cached.
+            self.scheduler.resume(seq_id);
         }
     }
 
@@ -566,14 +553,10 @@ impl EngineLoop {
         self.offload.as_ref().is_some_and(|offload| offload.pinned > 0) || self.reader.as_ref().is_some_and(|reader| !reader.waiting.is_empty())
     }
 
-    /// Publishes the scheduler's load, counting requests waiting for disk
-    /// blocks as waiting.
+    /// Publishes the scheduler's load (sequences suspended for their
+    /// prefix's blocks count as waiting).
     fn set_load(&self) {
-        let mut load = self.scheduler.load();
-        if let Some(reader) = &self.reader {
-            load.waiting += reader.waiting.len() as u32;
-        }
-        self.stats.set_load(load);
+        self.stats.set_load(self.scheduler.load());
     }
 
     /// Queues the blocks registered since the last call for the offload
@@ -770,9 +753,7 @@ impl EngineLoop {
 
     fn fail_all(&mut self) {
         if let Some(reader) = &mut self.reader {
-            for (_, deferred) in reader.waiting.drain() {
-                let _ = deferred.outputs.send(EngineOutput::Failed(EngineError::ShuttingDown));
-            }
+            reader.waiting.clear();
         }
         let ids: Vec<SeqId> = self.scheduler.sequence_ids().collect();
         for seq_id in ids {

@@ -14,7 +14,7 @@
 //! The scheduler knows nothing of models or transports; an executor runs the
 //! [`Batch`] it plans and hands back one sampled token per sampling item.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use turbine_kv::{BlockHasher, BlockHashes, SequenceHash};
 
@@ -129,6 +129,9 @@ struct Sequence {
     /// Prompt tokens installed from another worker's prefill (not counted
     /// as cached: they were computed for this request).
     imported_tokens: usize,
+    /// Whether its prefix was looked up in the lower KV tiers since it last
+    /// joined the queue.
+    onboard_checked: bool,
 }
 
 impl Sequence {
@@ -227,6 +230,9 @@ pub struct Scheduler {
     waiting: VecDeque<SeqId>,
     /// Oldest first.
     running: VecDeque<SeqId>,
+    /// Taken out of the queue while their prefix comes back from a lower
+    /// KV tier ([`suspend`](Self::suspend)); they count as waiting.
+    suspended: HashSet<SeqId>,
     next_id: SeqId,
     total_preemptions: u64,
 }
@@ -245,6 +251,7 @@ impl Scheduler {
             sequences: HashMap::new(),
             waiting: VecDeque::new(),
             running: VecDeque::new(),
+            suspended: HashSet::new(),
             next_id: 0,
             total_preemptions: 0,
         }
@@ -279,8 +286,9 @@ impl Scheduler {
                 request.stop.max_tokens
             )));
         }
-        if self.waiting.len() >= self.config.max_waiting {
-            return Err(AdmissionError::QueueFull(self.waiting.len()));
+        let waiting = self.waiting.len() + self.suspended.len();
+        if waiting >= self.config.max_waiting {
+            return Err(AdmissionError::QueueFull(waiting));
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -302,6 +310,7 @@ impl Scheduler {
                 preemptions: 0,
                 pin,
                 imported_tokens,
+                onboard_checked: false,
             },
         );
         self.waiting.push_back(id);
@@ -314,13 +323,73 @@ impl Scheduler {
         let Some(sequence) = self.sequences.remove(&seq_id) else { return false };
         self.waiting.retain(|&id| id != seq_id);
         self.running.retain(|&id| id != seq_id);
+        self.suspended.remove(&seq_id);
         self.blocks.release(sequence.blocks.into_iter().rev());
         true
     }
 
-    /// Whether any sequence is queued or running.
+    /// Whether any sequence is queued or running (suspended ones aside:
+    /// nothing can be scheduled for them).
     pub fn has_work(&self) -> bool {
-        !self.sequences.is_empty()
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// The waiting sequences at the front of the queue that the next step
+    /// could admit (those that fit the free blocks, the free seats and the
+    /// step's token budget together), whose prefix was not looked up in the
+    /// lower KV tiers since they joined the queue, each with the hashes of
+    /// the blocks admission could reuse; they are marked looked up. (A
+    /// preempted sequence is looked up again.) Blocks onboarded for a
+    /// sequence further back would likely be evicted again before its turn.
+    pub fn due_for_onboard(&mut self) -> Vec<(SeqId, Vec<BlockHashes>)> {
+        let block_size = self.config.block_size;
+        let mut due = Vec::new();
+        // As admission reckons: running sequences take a token each at least,
+        // a prompt longer than what is left of the budget is admitted with
+        // its first chunk.
+        let mut budget = self.config.max_batched_tokens.saturating_sub(self.running.len());
+        let mut free = self.blocks.num_free();
+        let mut seats = self.config.max_num_seqs.saturating_sub(self.running.len());
+        for &seq_id in &self.waiting {
+            let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
+            let chunk = sequence.tokens.len().min(budget);
+            let needed = self.blocks.blocks_for(chunk);
+            if budget == 0 || seats == 0 || needed > free {
+                break;
+            }
+            free -= needed;
+            seats -= 1;
+            budget -= chunk;
+            if sequence.onboard_checked {
+                continue;
+            }
+            sequence.onboard_checked = true;
+            extend_hashes(&self.hasher, sequence, block_size);
+            let reusable = ((sequence.tokens.len() - 1) / block_size).min(sequence.hashes.len());
+            due.push((seq_id, sequence.hashes[..reusable].to_vec()));
+        }
+        due
+    }
+
+    /// Takes a waiting sequence out of the queue while its prefix is
+    /// fetched from a lower tier; [`resume`](Self::resume) puts it back.
+    pub fn suspend(&mut self, seq_id: SeqId) {
+        let before = self.waiting.len();
+        self.waiting.retain(|&id| id != seq_id);
+        if self.waiting.len() < before {
+            self.suspended.insert(seq_id);
+        }
+    }
+
+    /// Puts a suspended sequence back at the front of the queue (it waited
+    /// its turn already). Returns false if it is gone (aborted meanwhile).
+    pub fn resume(&mut self, seq_id: SeqId) -> bool {
+        if self.suspended.remove(&seq_id) {
+            self.waiting.push_front(seq_id);
+            true
+        } else {
+            false
+        }
     }
 
     /// Ids of every live sequence.
@@ -332,7 +401,7 @@ impl Scheduler {
     pub fn load(&self) -> Load {
         Load {
             running: self.running.len() as u32,
-            waiting: self.waiting.len() as u32,
+            waiting: (self.waiting.len() + self.suspended.len()) as u32,
             blocks_used: self.blocks.num_used() as u32,
             blocks_total: self.blocks.num_blocks() as u32,
         }
@@ -416,6 +485,7 @@ impl Scheduler {
         sequence.num_computed = 0;
         sequence.num_registered = 0;
         sequence.preemptions += 1;
+        sequence.onboard_checked = false;
         self.blocks.release(blocks.into_iter().rev());
         self.waiting.push_front(seq_id);
         self.total_preemptions += 1;
@@ -624,7 +694,7 @@ impl Scheduler {
     /// Checks queue and pool invariants; panics on a violation.
     pub fn check_invariants(&self) {
         self.blocks.check_invariants();
-        assert_eq!(self.waiting.len() + self.running.len(), self.sequences.len(), "every sequence is in one queue");
+        assert_eq!(self.waiting.len() + self.running.len() + self.suspended.len(), self.sequences.len(), "every sequence is in one queue");
         assert!(self.running.len() <= self.config.max_num_seqs);
         let mut referenced = HashMap::<BlockId, u32>::new();
         for &seq_id in &self.running {

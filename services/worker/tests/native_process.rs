@@ -140,9 +140,11 @@ async fn prompts_evicted_from_the_pool_come_back_from_the_host_tier() {
     let cached_before = metric(&admin, "turbine_worker_cached_prompt_tokens_total").await;
     let (again, _) = generate(client.clone(), greedy(&prompts[0], 8)).await.unwrap();
     assert_eq!(again, computed[0], "onboarded blocks give the computed tokens");
+    // Of its 8 full blocks, 7 can be hits (the last token is always
+    // computed); those that left the pool (at least 5) are onboarded.
     let onboarded = metric(&admin, "turbine_worker_kv_tier_onboarded_blocks_total").await;
-    assert!(onboarded >= 6.0, "the first prompt's evicted blocks were onboarded ({onboarded})");
-    assert!(metric(&admin, "turbine_worker_onboarded_prompt_tokens_total").await >= 96.0);
+    assert!(onboarded >= 5.0, "the first prompt's evicted blocks were onboarded ({onboarded})");
+    assert!(metric(&admin, "turbine_worker_onboarded_prompt_tokens_total").await >= 80.0);
     let cached = metric(&admin, "turbine_worker_cached_prompt_tokens_total").await - cached_before;
     assert!(cached >= 112.0, "the whole prompt was a hit, pool and host tier together ({cached} tokens)");
     assert!(metric(&admin, "turbine_worker_kv_tier_bytes").await <= 64.0 * 1024.0 * 1024.0);

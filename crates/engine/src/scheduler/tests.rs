@@ -215,3 +215,36 @@ proptest! {
         prop_assert_eq!(scheduler.load().blocks_used, 0);
     }
 }
+
+#[test]
+fn only_sequences_the_next_step_could_admit_are_due_for_onboarding_once() {
+    // 10 blocks of 4 tokens: each 17-token prompt needs 5.
+    let mut scheduler = Scheduler::new(config(10, 4), vec![]);
+    let ids: Vec<SeqId> = (0..3).map(|n| scheduler.add(request((n * 100..n * 100 + 17).collect(), 2)).unwrap()).collect();
+    let due = scheduler.due_for_onboard();
+    assert_eq!(due.iter().map(|(id, _)| *id).collect::<Vec<_>>(), ids[..2], "the third does not fit the free blocks");
+    assert_eq!(due[0].1.len(), 4, "the blocks admission could reuse (the last token is always computed)");
+    assert!(scheduler.due_for_onboard().is_empty(), "each is looked up once");
+}
+
+#[test]
+fn a_suspended_sequence_waits_outside_the_queue_and_resumes_at_its_front() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let first = scheduler.add(request((0..8).collect(), 2)).unwrap();
+    let second = scheduler.add(request((100..108).collect(), 2)).unwrap();
+    scheduler.suspend(first);
+    assert_eq!(scheduler.load().waiting, 2, "a suspended sequence counts as waiting");
+    let plan = scheduler.schedule();
+    assert_eq!(plan.iter().map(|c| c.seq_id).collect::<Vec<_>>(), vec![second]);
+    scheduler.check_invariants();
+    assert!(scheduler.resume(first));
+    let plan = scheduler.schedule();
+    assert!(plan.iter().any(|c| c.seq_id == first), "resumed and admitted");
+    scheduler.check_invariants();
+
+    let third = scheduler.add(request((200..208).collect(), 2)).unwrap();
+    scheduler.suspend(third);
+    assert!(scheduler.abort(third));
+    assert!(!scheduler.resume(third), "an aborted sequence does not come back");
+    scheduler.check_invariants();
+}

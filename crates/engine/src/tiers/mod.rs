@@ -12,14 +12,17 @@
 //! by another thread. When copies fall behind, blocks are skipped rather
 //! than held without bound.
 //!
-//! **Onboard.** A request whose prompt continues past its G1 prefix hit
-//! into blocks a lower tier holds gets those blocks back before it is
-//! admitted: each is checked against its checksum and written into a free
-//! G1 block, then registered, exactly as blocks read from another worker
-//! are installed; the request then hits them like any cached prefix. Host
-//! blocks are at hand; disk blocks are read by a reader thread while the
-//! engine keeps stepping the other sequences, and the request waits
-//! (counted as waiting) until they are in. A block whose bytes do not match
+//! **Onboard.** As a waiting request comes up for admission (it is at the
+//! front of the queue and fits the free blocks: blocks onboarded for a
+//! request further back would likely be evicted again before its turn), the
+//! lower tiers are asked for the blocks that continue its G1 prefix hit:
+//! each is checked against its checksum and written into a free G1 block,
+//! then registered, exactly as blocks read from another worker are
+//! installed; its admission then hits them like any cached prefix. Host
+//! blocks are at hand and installed at once; disk blocks are read by a
+//! reader thread while the engine keeps stepping the other sequences, the
+//! request suspended meanwhile (counted as waiting) and put back at the
+//! front of the queue once they are in. A block whose bytes do not match
 //! its checksum is dropped from its tier, never served.
 //!
 //! **Events.** Every block a tier stores or evicts is a `Stored`/`Removed`
@@ -221,8 +224,8 @@ pub(crate) fn spawn_offload(
 
 /// Disk blocks to read for a waiting request.
 pub(crate) struct ReadJob {
-    /// The engine's id for the waiting request.
-    pub id: u64,
+    /// The suspended sequence.
+    pub id: crate::scheduler::SeqId,
     /// The disk blocks' hashes, in chain order (empty: none to read).
     pub hashes: Vec<BlockHashes>,
     /// Host-tier blocks onboarded with them (their time is modelled, if
@@ -233,7 +236,7 @@ pub(crate) struct ReadJob {
 /// What a [`ReadJob`] found: the leading blocks that were on disk and
 /// intact.
 pub(crate) struct ReadDone {
-    pub id: u64,
+    pub id: crate::scheduler::SeqId,
     pub blocks: Vec<Arc<HostBlock>>,
 }
 
