@@ -8,6 +8,7 @@ use std::path::PathBuf;
 /// (package, file relative to `proto/`)
 const PACKAGES: &[(&str, &str)] = &[
     ("turbine.kvindex.v1", "turbine/kvindex/v1/kvindex.proto"),
+    ("turbine.kvstore.v1", "turbine/kvstore/v1/kvstore.proto"),
     ("turbine.gateway.v1", "turbine/gateway/v1/gateway.proto"),
     ("turbine.router.v1", "turbine/router/v1/router.proto"),
     ("turbine.worker.v1", "turbine/worker/v1/worker.proto"),

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use turbine_cluster::RunConfig;
 use turbine_gateway::GatewayConfig;
 use turbine_kv_index::KvIndexConfig;
+use turbine_kv_store::KvStoreConfig;
 use turbine_router::RouterConfig;
 use turbine_runtime::config::Layered;
 use turbine_worker::WorkerConfig;
@@ -17,7 +18,8 @@ use turbine_worker::WorkerConfig;
 ///
 /// `turbine run` starts everything in one process (the quick start). The
 /// service subcommands run one service each, as the turbine-gateway,
-/// turbine-router, turbine-worker and turbine-kv-index binaries do.
+/// turbine-router, turbine-worker, turbine-kv-index and turbine-kv-store
+/// binaries do.
 #[derive(Debug, Parser)]
 #[command(name = "turbine", version, propagate_version = true)]
 struct Cli {
@@ -40,6 +42,8 @@ enum Command {
     Worker(Box<Layered<WorkerConfig>>),
     /// Run the kv-index service (the global KV index over the event log).
     KvIndex(Box<Layered<KvIndexConfig>>),
+    /// Run the kv-store service (the shared KV block store, the G4 tier).
+    KvStore(Box<Layered<KvStoreConfig>>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Box<turbine_bench::BenchCommand>),
@@ -61,6 +65,7 @@ fn main() -> ExitCode {
         Command::Router(config) => turbine_router::main(config.into_inner()),
         Command::Worker(config) => turbine_worker::main(config.into_inner()),
         Command::KvIndex(config) => turbine_kv_index::main(config.into_inner()),
+        Command::KvStore(config) => turbine_kv_store::main(config.into_inner()),
         Command::Bench(command) => turbine_bench::main(*command),
     }
 }

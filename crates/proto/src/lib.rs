@@ -1,7 +1,7 @@
 //! Turbine's gRPC contracts, generated from `proto/` at build time.
 //!
 //! One module per package and version (`gateway::v1`, `kvindex::v1`,
-//! `router::v1`, `worker::v1`), mirroring `proto/turbine/<service>/v1/`. Each module also
+//! `kvstore::v1`, `router::v1`, `worker::v1`), mirroring `proto/turbine/<service>/v1/`. Each module also
 //! exports its encoded `FILE_DESCRIPTOR_SET` (with comments), which servers
 //! register with gRPC reflection so `grpcurl list` and `describe` work.
 //!
@@ -41,6 +41,18 @@ pub mod kvindex {
     }
 }
 
+/// `turbine.kvstore.*` packages.
+#[allow(clippy::all, missing_docs)]
+pub mod kvstore {
+    /// `turbine.kvstore.v1`: the shared KV block store (the G4 tier).
+    pub mod v1 {
+        tonic::include_proto!("turbine.kvstore.v1");
+        /// Encoded descriptor set of `turbine.kvstore.v1`, source info included.
+        pub const FILE_DESCRIPTOR_SET: &[u8] =
+            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.kvstore.v1.bin"));
+    }
+}
+
 /// `turbine.router.*` packages.
 #[allow(clippy::all, missing_docs)]
 pub mod router {
@@ -71,6 +83,8 @@ pub mod service_names {
     pub const GATEWAY_INFERENCE: &str = "turbine.gateway.v1.Inference";
     /// `turbine.kvindex.v1.KvIndex`
     pub const KV_INDEX: &str = "turbine.kvindex.v1.KvIndex";
+    /// `turbine.kvstore.v1.KvStore`
+    pub const KV_STORE: &str = "turbine.kvstore.v1.KvStore";
     /// `turbine.router.v1.Router`
     pub const ROUTER: &str = "turbine.router.v1.Router";
     /// `turbine.worker.v1.Worker`

@@ -51,6 +51,7 @@ macro_rules! clients {
 servers!(
     crate::gateway::v1::inference_server::InferenceServer<T>,
     crate::kvindex::v1::kv_index_server::KvIndexServer<T>,
+    crate::kvstore::v1::kv_store_server::KvStoreServer<T>,
     crate::router::v1::router_server::RouterServer<T>,
     crate::worker::v1::worker_server::WorkerServer<T>,
     crate::worker::v1::kv_transfer_server::KvTransferServer<T>,
@@ -59,6 +60,7 @@ servers!(
 clients!(
     crate::gateway::v1::inference_client::InferenceClient<T>,
     crate::kvindex::v1::kv_index_client::KvIndexClient<T>,
+    crate::kvstore::v1::kv_store_client::KvStoreClient<T>,
     crate::router::v1::router_client::RouterClient<T>,
     crate::worker::v1::worker_client::WorkerClient<T>,
     crate::worker::v1::kv_transfer_client::KvTransferClient<T>,

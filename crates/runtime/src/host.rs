@@ -61,6 +61,38 @@ pub struct HostSpec {
     /// Longest a call's handler may run before the call fails with
     /// CANCELLED (a streaming call's handler ends when its stream starts).
     pub handler_timeout: Duration,
+    /// Who may call each rpc, for the authorization layer the host will
+    /// apply once callers have a transport identity (mTLS); empty: not
+    /// declared yet (every caller).
+    pub roles: &'static [RpcRoles],
+}
+
+/// A kind of caller, as its certificate will name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// A worker (offloads and onboards KV, publishes events).
+    Worker,
+    /// A router.
+    Router,
+    /// A gateway.
+    Gateway,
+    /// The planner.
+    Planner,
+    /// A person or tool operating the cluster (grpcurl, `turbine` admin
+    /// commands).
+    Operator,
+    /// Metrics and health scrapers.
+    Monitoring,
+}
+
+/// One rpc's callers: its path (`/package.Service/Method`) and the roles
+/// allowed to call it.
+#[derive(Debug, Clone, Copy)]
+pub struct RpcRoles {
+    /// `/package.Service/Method`.
+    pub method: &'static str,
+    /// Roles allowed.
+    pub roles: &'static [Role],
 }
 
 /// Concurrent calls per client connection at most; more wait their turn.

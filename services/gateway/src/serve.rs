@@ -47,6 +47,7 @@ const SPEC: HostSpec = HostSpec {
     descriptors: &[FILE_DESCRIPTOR_SET],
     // A disaggregated request's prefill happens before its stream starts.
     handler_timeout: Duration::from_secs(600),
+    roles: &[],
 };
 
 /// Serves the gateway on `listeners` (gRPC, and the REST API on their HTTP

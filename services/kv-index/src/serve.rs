@@ -73,6 +73,7 @@ const SPEC: HostSpec = HostSpec {
     health: &[service_names::KV_INDEX],
     descriptors: &[FILE_DESCRIPTOR_SET],
     handler_timeout: Duration::from_secs(30),
+    roles: &[],
 };
 
 /// Serves a replica on `listeners` until `shutdown` fires, then drains.

@@ -77,7 +77,7 @@ impl RouterDeps {
 }
 
 const SPEC: HostSpec =
-    HostSpec { name: "router", health: &[service_names::ROUTER], descriptors: &[FILE_DESCRIPTOR_SET], handler_timeout: Duration::from_secs(30) };
+    HostSpec { name: "router", health: &[service_names::ROUTER], descriptors: &[FILE_DESCRIPTOR_SET], handler_timeout: Duration::from_secs(30), roles: &[] };
 
 /// Serves a router on `listeners` until `shutdown` fires, then drains.
 pub async fn serve(config: RouterConfig, deps: RouterDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {

@@ -70,6 +70,7 @@ const SPEC: HostSpec = HostSpec {
     // A prefill is a unary call as long as the prompt's compute (and its
     // wait in the queue).
     handler_timeout: Duration::from_secs(600),
+    roles: &[],
 };
 
 /// Serves a worker on `listeners` until `shutdown` fires, then drains.

@@ -1,0 +1,112 @@
+//! [`KvStoreClient`]: the typed client of `turbine.kvstore.v1` (domain types
+//! in and out; the wire types stay here).
+
+use std::sync::Arc;
+
+use tokio_stream::StreamExt;
+use turbine_engine::HostBlock;
+use turbine_kv::SequenceHash;
+use turbine_proto::MessageLimits;
+use turbine_proto::kvstore::v1::{self as pb, kv_store_client::KvStoreClient as PbClient};
+use turbine_runtime::grpc::TracedChannel;
+
+use crate::service::{from_pb, to_pb};
+use crate::store::{Fingerprint, PutOutcome};
+
+/// Why a call to the store failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KvStoreClientError {
+    /// The endpoint is malformed.
+    #[error("bad kv-store endpoint {0:?}: {1}")]
+    Endpoint(String, String),
+    /// The store refused the call or could not be reached.
+    #[error("kv-store: {0}")]
+    Rpc(#[from] tonic::Status),
+}
+
+/// Block bytes sent per Put message at most (well under the message limit).
+const PUT_MESSAGE_BYTES: usize = turbine_proto::MAX_MESSAGE_BYTES / 4;
+
+/// A kv-store over gRPC. Cloning shares the connection.
+#[derive(Debug, Clone)]
+pub struct KvStoreClient {
+    client: PbClient<TracedChannel>,
+}
+
+impl KvStoreClient {
+    /// The store at `endpoint` (`http://host:port`), over the process's
+    /// shared channel to it (connected on first use).
+    pub fn connect(endpoint: &str) -> Result<Self, KvStoreClientError> {
+        let channel = turbine_runtime::grpc::channel(endpoint).map_err(|error| KvStoreClientError::Endpoint(endpoint.to_owned(), error.to_string()))?;
+        Ok(Self { client: PbClient::new(channel).with_message_limits() })
+    }
+
+    /// Stores blocks of one fingerprint, in as few messages of one stream
+    /// as the message limit allows.
+    pub async fn put(&self, fingerprint: Fingerprint, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> Result<PutOutcome, KvStoreClientError> {
+        let mut messages = Vec::new();
+        let mut current = pb::PutRequest { fingerprint: fingerprint.get(), blocks: Vec::new() };
+        let mut bytes = 0;
+        for (sequence, block) in blocks {
+            if bytes + block.bytes.len() > PUT_MESSAGE_BYTES && !current.blocks.is_empty() {
+                messages.push(std::mem::replace(&mut current, pb::PutRequest { fingerprint: fingerprint.get(), blocks: Vec::new() }));
+                bytes = 0;
+            }
+            bytes += block.bytes.len();
+            current.blocks.push(to_pb(*sequence, block));
+        }
+        messages.push(current);
+        let response = self.client.clone().put(tokio_stream::iter(messages)).await?.into_inner();
+        Ok(PutOutcome { stored: response.stored, already_held: response.already_held })
+    }
+
+    /// The leading blocks of `hashes` the store holds, in order; each is
+    /// checked against its checksum on arrival, and the run ends before the
+    /// first that fails (never returned).
+    pub async fn get(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<Vec<(SequenceHash, HostBlock)>, KvStoreClientError> {
+        let request = pb::GetRequest { fingerprint: fingerprint.get(), sequence_hashes: hashes.iter().map(|h| h.0).collect() };
+        let mut stream = self.client.clone().get(request).await?.into_inner();
+        let mut run = Vec::new();
+        while let Some(message) = stream.next().await {
+            let Some(block) = message?.block else { break };
+            let (sequence, block) = from_pb(block);
+            if hashes.get(run.len()) != Some(&sequence) || !block.is_intact() {
+                tracing::warn!(sequence_hash = sequence.0, "a block from the kv-store is out of order or fails its checksum; not used");
+                break;
+            }
+            run.push((sequence, block));
+        }
+        Ok(run)
+    }
+
+    /// Which of `hashes` the store holds, and how many lead without a gap.
+    pub async fn lookup(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<(Vec<bool>, usize), KvStoreClientError> {
+        let request = pb::LookupRequest { fingerprint: fingerprint.get(), sequence_hashes: hashes.iter().map(|h| h.0).collect() };
+        let response = self.client.clone().lookup(request).await?.into_inner();
+        Ok((response.present, response.leading as usize))
+    }
+
+    /// Drops blocks of a fingerprint (all of them when `hashes` is empty);
+    /// returns how many were held.
+    pub async fn delete(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<u64, KvStoreClientError> {
+        let request = pb::DeleteRequest { fingerprint: fingerprint.get(), sequence_hashes: hashes.iter().map(|h| h.0).collect() };
+        Ok(self.client.clone().delete(request).await?.into_inner().deleted)
+    }
+
+    /// The store's sizes and counters (its memory tier).
+    pub async fn stats(&self) -> Result<crate::StoreStats, KvStoreClientError> {
+        let response = self.client.clone().stats(pb::StatsRequest {}).await?.into_inner();
+        let memory = response.memory.unwrap_or_default();
+        Ok(crate::StoreStats {
+            blocks: memory.blocks,
+            bytes: memory.bytes,
+            capacity_bytes: memory.capacity_bytes,
+            evicted_blocks: memory.evicted_blocks,
+            corrupt_blocks: memory.corrupt_blocks,
+            put_blocks: response.put_blocks,
+            get_blocks: response.get_blocks,
+            misses: response.misses,
+            fingerprints: response.fingerprints,
+        })
+    }
+}

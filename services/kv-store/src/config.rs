@@ -1,0 +1,54 @@
+//! Configuration of the kv-store service: defaults < `--config` file <
+//! `TURBINE_*` env < flags (see `turbine_runtime::config`).
+
+use serde::{Deserialize, Serialize};
+use turbine_runtime::config::{ServerConfig, ServiceDefaults, Settings};
+
+/// Where a kv-store listens by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvStorePorts {}
+
+impl ServiceDefaults for KvStorePorts {
+    const GRPC_ADDR: &'static str = "0.0.0.0:50053";
+    const GRPC_ADDR_ENV: &'static str = "TURBINE_KV_STORE_GRPC_ADDR";
+    const ADMIN_ADDR: Option<&'static str> = Some("0.0.0.0:9094");
+    const ADMIN_ADDR_ENV: &'static str = "TURBINE_KV_STORE_ADMIN_ADDR";
+    const SHUTDOWN_GRACE_SECS: &'static str = "10";
+}
+
+/// The kv-store's configuration.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct KvStoreConfig {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub server: ServerConfig<KvStorePorts>,
+    /// MiB of block bytes the store keeps in memory; the least recently
+    /// used blocks are evicted beyond it. Each block also costs ~200 bytes
+    /// of bookkeeping, counted against the same bound.
+    #[arg(long, env = "TURBINE_KV_STORE_MEMORY_MIB", default_value_t = 4096)]
+    pub memory_mib: u64,
+    /// Most blocks one Get or Lookup may name.
+    #[arg(long, env = "TURBINE_KV_STORE_MAX_BLOCKS_PER_CALL", default_value_t = 8192)]
+    pub max_blocks_per_call: usize,
+}
+
+impl Default for KvStoreConfig {
+    fn default() -> Self {
+        turbine_runtime::config::settings_defaults()
+    }
+}
+
+impl Settings for KvStoreConfig {
+    const CONFIG_ENV: &'static str = "TURBINE_KV_STORE_CONFIG";
+
+    fn validate(&self) -> Result<(), String> {
+        self.server.validate()?;
+        if self.memory_mib == 0 {
+            return Err("memory_mib must be positive".into());
+        }
+        if self.max_blocks_per_call == 0 {
+            return Err("max_blocks_per_call must be positive".into());
+        }
+        Ok(())
+    }
+}

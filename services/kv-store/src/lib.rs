@@ -1,0 +1,26 @@
+//! The kv-store service: a shared store of KV blocks (the G4 tier) behind
+//! `turbine.kvstore.v1`, and the client workers use to reach it.
+//!
+//! A block is keyed by (layout fingerprint, sequence hash), so blocks of
+//! different models or KV layouts never mix, and carries the XXH3-64 of its
+//! bytes, checked when it arrives and again before it is served.
+//!
+//! - [`Store`]: the blocks in memory, bounded in bytes, least recently used
+//!   evicted first.
+//! - [`KvStoreService`]: the gRPC shell over a [`Store`].
+//! - [`KvStoreClient`]: the typed client (domain types in, domain types
+//!   out).
+//! - [`serve()`]: the store on the service host.
+//! - [`KvStoreConfig`]: configuration and flags.
+
+pub mod client;
+pub mod config;
+pub mod serve;
+pub mod service;
+pub mod store;
+
+pub use client::{KvStoreClient, KvStoreClientError};
+pub use config::KvStoreConfig;
+pub use serve::{ROLES, main, serve};
+pub use service::KvStoreService;
+pub use store::{BlockKey, Fingerprint, PutOutcome, Store, StoreError, StoreStats};

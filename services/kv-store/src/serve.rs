@@ -1,0 +1,49 @@
+//! Serving the store on the service host.
+
+use std::time::Duration;
+
+use turbine_proto::kvstore::v1::{FILE_DESCRIPTOR_SET, kv_store_server::KvStoreServer};
+use turbine_proto::service_names;
+use turbine_runtime::CancellationToken;
+use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
+
+use crate::config::KvStoreConfig;
+use crate::service::KvStoreService;
+use crate::store::Store;
+
+/// Who may call each rpc of `turbine.kvstore.v1.KvStore`.
+pub const ROLES: &[RpcRoles] = &[
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Put", roles: &[Role::Worker] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Get", roles: &[Role::Worker] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Lookup", roles: &[Role::Worker, Role::Router] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Delete", roles: &[Role::Operator] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Stats", roles: &[Role::Operator, Role::Monitoring, Role::Planner] },
+];
+
+const SPEC: HostSpec = HostSpec {
+    name: "kv-store",
+    health: &[service_names::KV_STORE],
+    descriptors: &[FILE_DESCRIPTOR_SET],
+    handler_timeout: Duration::from_secs(30),
+    roles: ROLES,
+};
+
+/// Serves `store` on `listeners` until `shutdown` fires, then drains.
+pub async fn serve(config: KvStoreConfig, store: Store, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let mut host = Host::new(SPEC, &config.server, listeners).await?;
+    host.add_service(KvStoreServer::new(KvStoreService::new(store, config.max_blocks_per_call)));
+    let mut serving = host.start(shutdown)?;
+    // Nothing to wait for: the store is in this process.
+    serving.ready_when(Duration::from_secs(1), || async { true }).await;
+    serving.until_shutdown(async {}).await
+}
+
+/// Entry point shared by `turbine-kv-store` and `turbine kv-store`.
+pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
+    turbine_runtime::run_service("turbine-kv-store", move |shutdown| async move {
+        let store = Store::new(config.memory_mib << 20);
+        let listeners = Listeners::bind(&config.server).await?;
+        tracing::info!(memory_mib = config.memory_mib, "kv-store listening");
+        serve(config, store, listeners, shutdown).await
+    })
+}

@@ -1,0 +1,144 @@
+//! The gRPC shell over a [`Store`]: `turbine.kvstore.v1.KvStore`.
+
+use std::pin::Pin;
+
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+use turbine_engine::HostBlock;
+use turbine_kv::{LocalBlockHash, SequenceHash};
+use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
+
+use crate::store::{Fingerprint, Store, StoreError, StoreStats};
+
+/// The service.
+#[derive(Debug, Clone)]
+pub struct KvStoreService {
+    store: Store,
+    max_blocks_per_call: usize,
+}
+
+impl KvStoreService {
+    /// Serves `store`; a Get or Lookup may name at most
+    /// `max_blocks_per_call` blocks.
+    pub fn new(store: Store, max_blocks_per_call: usize) -> Self {
+        Self { store, max_blocks_per_call }
+    }
+
+    fn hashes(&self, hashes: Vec<u64>) -> Result<Vec<SequenceHash>, Status> {
+        if hashes.len() > self.max_blocks_per_call {
+            return Err(Status::invalid_argument(format!(
+                "sequence_hashes: {} hashes, at most {} per call",
+                hashes.len(),
+                self.max_blocks_per_call
+            )));
+        }
+        Ok(hashes.into_iter().map(SequenceHash).collect())
+    }
+}
+
+fn fingerprint(value: u64) -> Result<Fingerprint, Status> {
+    Fingerprint::new(value).ok_or_else(|| Status::invalid_argument("fingerprint: must be set (nonzero)"))
+}
+
+/// A block off the wire, as the store keeps it.
+pub(crate) fn from_pb(block: pb::Block) -> (SequenceHash, HostBlock) {
+    let pb::Block { sequence_hash, local_hash, parent_hash, checksum, data } = block;
+    (
+        SequenceHash(sequence_hash),
+        HostBlock { local: LocalBlockHash(local_hash), parent: parent_hash.map(SequenceHash), checksum, bytes: data.into_boxed_slice() },
+    )
+}
+
+/// A block for the wire.
+pub(crate) fn to_pb(sequence: SequenceHash, block: &HostBlock) -> pb::Block {
+    pb::Block {
+        sequence_hash: sequence.0,
+        local_hash: block.local.0,
+        parent_hash: block.parent.map(|p| p.0),
+        checksum: block.checksum,
+        data: block.bytes.to_vec(),
+    }
+}
+
+fn status(error: StoreError) -> Status {
+    match error {
+        StoreError::TooLarge(..) => Status::resource_exhausted(error.to_string()),
+        StoreError::Corrupt(_) | StoreError::WrongSize { .. } => Status::invalid_argument(error.to_string()),
+    }
+}
+
+type GetStream = Pin<Box<dyn Stream<Item = Result<pb::GetResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl KvStore for KvStoreService {
+    async fn put(&self, request: Request<Streaming<pb::PutRequest>>) -> Result<Response<pb::PutResponse>, Status> {
+        let mut stream = request.into_inner();
+        let mut stream_fingerprint = None;
+        let mut response = pb::PutResponse::default();
+        while let Some(message) = stream.next().await {
+            // tonic reports a streamed message over the size limit as
+            // OUT_OF_RANGE; it is the same refusal as a unary one's.
+            let pb::PutRequest { fingerprint: value, blocks } =
+                message.map_err(|status| if status.code() == tonic::Code::OutOfRange { Status::resource_exhausted(status.message()) } else { status })?;
+            let fingerprint = fingerprint(value)?;
+            if *stream_fingerprint.get_or_insert(fingerprint) != fingerprint {
+                return Err(Status::invalid_argument("fingerprint: changed within one Put stream"));
+            }
+            let store = self.store.clone();
+            let blocks: Vec<_> = blocks.into_iter().map(from_pb).collect();
+            // Checksumming is CPU work: off the runtime's threads.
+            let outcome = tokio::task::spawn_blocking(move || store.put(fingerprint, blocks))
+                .await
+                .map_err(|_| Status::internal("the store failed while storing blocks"))?
+                .map_err(status)?;
+            response.stored += outcome.stored;
+            response.already_held += outcome.already_held;
+        }
+        Ok(Response::new(response))
+    }
+
+    type GetStream = GetStream;
+
+    async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<GetStream>, Status> {
+        let pb::GetRequest { fingerprint: value, sequence_hashes } = request.into_inner();
+        let fingerprint = fingerprint(value)?;
+        let hashes = self.hashes(sequence_hashes)?;
+        let store = self.store.clone();
+        let run = tokio::task::spawn_blocking(move || store.get(fingerprint, &hashes))
+            .await
+            .map_err(|_| Status::internal("the store failed while reading blocks"))?;
+        let stream = tokio_stream::iter(run).map(|(sequence, block)| Ok(pb::GetResponse { block: Some(to_pb(sequence, &block)) }));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn lookup(&self, request: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
+        let pb::LookupRequest { fingerprint: value, sequence_hashes } = request.into_inner();
+        let fingerprint = fingerprint(value)?;
+        let hashes = self.hashes(sequence_hashes)?;
+        let (present, leading) = self.store.lookup(fingerprint, &hashes);
+        Ok(Response::new(pb::LookupResponse { present, leading: leading as u32 }))
+    }
+
+    async fn delete(&self, request: Request<pb::DeleteRequest>) -> Result<Response<pb::DeleteResponse>, Status> {
+        let pb::DeleteRequest { fingerprint: value, sequence_hashes } = request.into_inner();
+        let fingerprint = fingerprint(value)?;
+        let hashes: Vec<SequenceHash> = sequence_hashes.into_iter().map(SequenceHash).collect();
+        let store = self.store.clone();
+        let deleted = tokio::task::spawn_blocking(move || store.delete(fingerprint, &hashes))
+            .await
+            .map_err(|_| Status::internal("the store failed while deleting blocks"))?;
+        Ok(Response::new(pb::DeleteResponse { deleted }))
+    }
+
+    async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
+        let StoreStats { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks, put_blocks, get_blocks, misses, fingerprints } = self.store.stats();
+        Ok(Response::new(pb::StatsResponse {
+            memory: Some(pb::TierStats { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks }),
+            disk: Some(pb::TierStats::default()),
+            put_blocks,
+            get_blocks,
+            misses,
+            fingerprints,
+        }))
+    }
+}

@@ -1,0 +1,338 @@
+//! The blocks: in memory, bounded in bytes, least recently used evicted
+//! first; every block checked against its checksum when it arrives and
+//! before it is served.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use turbine_engine::{HostBlock, block_checksum};
+use turbine_kv::SequenceHash;
+
+/// Model and KV layout of a block's bytes (nonzero): blocks of different
+/// fingerprints never mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Fingerprint(u64);
+
+impl Fingerprint {
+    /// A fingerprint; None for 0 (unset on the wire).
+    pub fn new(value: u64) -> Option<Self> {
+        (value != 0).then_some(Self(value))
+    }
+
+    /// Its value.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Where a block lives in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockKey {
+    /// Its model and layout.
+    pub fingerprint: Fingerprint,
+    /// The prefix it ends.
+    pub sequence: SequenceHash,
+}
+
+/// What each block costs beyond its bytes (key, entry, bookkeeping of the
+/// cache), counted against the capacity so that the bound holds for the
+/// process's memory too.
+const ENTRY_OVERHEAD: u64 = 200;
+
+/// Why blocks were refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StoreError {
+    /// A block's bytes do not match its checksum.
+    #[error("block {0:016x}: its bytes do not match its checksum")]
+    Corrupt(u64),
+    /// A block's size differs from the fingerprint's other blocks.
+    #[error("block {sequence:016x} is {got} bytes; blocks of fingerprint {fingerprint:016x} are {expected}")]
+    WrongSize {
+        /// The block.
+        sequence: u64,
+        /// Its fingerprint.
+        fingerprint: u64,
+        /// The fingerprint's block size.
+        expected: usize,
+        /// This block's.
+        got: usize,
+    },
+    /// A block larger than the whole store.
+    #[error("a block of {0} bytes does not fit the store's memory ({1} bytes)")]
+    TooLarge(usize, u64),
+}
+
+/// What a put did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PutOutcome {
+    /// Blocks written.
+    pub stored: u32,
+    /// Blocks already held.
+    pub already_held: u32,
+}
+
+/// Sizes and counters of the store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Blocks held.
+    pub blocks: u64,
+    /// Bytes held (block bytes and their bookkeeping).
+    pub bytes: u64,
+    /// Bytes the store may hold.
+    pub capacity_bytes: u64,
+    /// Blocks evicted for room.
+    pub evicted_blocks: u64,
+    /// Blocks found corrupt in the store (dropped).
+    pub corrupt_blocks: u64,
+    /// Blocks stored by puts.
+    pub put_blocks: u64,
+    /// Blocks served by gets.
+    pub get_blocks: u64,
+    /// Hashes asked for that the store did not hold.
+    pub misses: u64,
+    /// Fingerprints with blocks held.
+    pub fingerprints: u32,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    evicted_blocks: AtomicU64,
+    corrupt_blocks: AtomicU64,
+    put_blocks: AtomicU64,
+    get_blocks: AtomicU64,
+    misses: AtomicU64,
+}
+
+/// Per fingerprint: its block size and how many blocks are held.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    block_bytes: usize,
+    blocks: u64,
+}
+
+/// The store. Cloning shares it.
+#[derive(Clone)]
+pub struct Store {
+    blocks: moka::sync::Cache<BlockKey, Arc<HostBlock>>,
+    layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>>,
+    counters: Arc<Counters>,
+    capacity_bytes: u64,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("capacity_bytes", &self.capacity_bytes).field("blocks", &self.blocks.entry_count()).finish()
+    }
+}
+
+impl Store {
+    /// A store holding at most `capacity_bytes` (block bytes plus their
+    /// bookkeeping).
+    pub fn new(capacity_bytes: u64) -> Self {
+        let layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>> = Arc::default();
+        let counters = Arc::new(Counters::default());
+        let blocks = {
+            let layouts = layouts.clone();
+            let counters = counters.clone();
+            moka::sync::Cache::builder()
+                .max_capacity(capacity_bytes)
+                .weigher(|_, block: &Arc<HostBlock>| u32::try_from(block.bytes.len() as u64 + ENTRY_OVERHEAD).unwrap_or(u32::MAX))
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .eviction_listener(move |key: Arc<BlockKey>, _, cause| {
+                    if cause.was_evicted() {
+                        counters.evicted_blocks.fetch_add(1, Relaxed);
+                    }
+                    if !matches!(cause, moka::notification::RemovalCause::Replaced) {
+                        let mut layouts = layouts.lock();
+                        if let Some(layout) = layouts.get_mut(&key.fingerprint) {
+                            layout.blocks = layout.blocks.saturating_sub(1);
+                            if layout.blocks == 0 {
+                                layouts.remove(&key.fingerprint);
+                            }
+                        }
+                    }
+                })
+                .build()
+        };
+        Self { blocks, layouts, counters, capacity_bytes }
+    }
+
+    /// Stores blocks of one fingerprint. Every block is checked first;
+    /// nothing is stored if one fails.
+    pub fn put(&self, fingerprint: Fingerprint, blocks: Vec<(SequenceHash, HostBlock)>) -> Result<PutOutcome, StoreError> {
+        let expected = self.layouts.lock().get(&fingerprint).map(|layout| layout.block_bytes);
+        let mut size = expected;
+        for (hash, block) in &blocks {
+            if block_checksum(&block.bytes) != block.checksum {
+                return Err(StoreError::Corrupt(hash.0));
+            }
+            let got = block.bytes.len();
+            if got as u64 + ENTRY_OVERHEAD > self.capacity_bytes {
+                return Err(StoreError::TooLarge(got, self.capacity_bytes));
+            }
+            match size {
+                Some(expected) if expected != got => {
+                    return Err(StoreError::WrongSize { sequence: hash.0, fingerprint: fingerprint.0, expected, got });
+                }
+                _ => size = Some(got),
+            }
+        }
+        let mut outcome = PutOutcome::default();
+        for (sequence, block) in blocks {
+            let key = BlockKey { fingerprint, sequence };
+            let block_bytes = block.bytes.len();
+            // Counted before it is in, so that its eviction always finds it counted.
+            self.layouts.lock().entry(fingerprint).or_insert(Layout { block_bytes, blocks: 0 }).blocks += 1;
+            if self.blocks.entry(key).or_insert_with(|| Arc::new(block)).is_fresh() {
+                outcome.stored += 1;
+            } else {
+                outcome.already_held += 1;
+                if let Some(layout) = self.layouts.lock().get_mut(&fingerprint) {
+                    layout.blocks -= 1;
+                }
+            }
+        }
+        self.blocks.run_pending_tasks();
+        self.counters.put_blocks.fetch_add(u64::from(outcome.stored), Relaxed);
+        Ok(outcome)
+    }
+
+    /// The leading blocks of `hashes` the store holds, each checked; a
+    /// corrupt one is dropped and ends the run.
+    pub fn get(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Vec<(SequenceHash, Arc<HostBlock>)> {
+        let mut run = Vec::new();
+        for &sequence in hashes {
+            let key = BlockKey { fingerprint, sequence };
+            let Some(block) = self.blocks.get(&key) else {
+                self.counters.misses.fetch_add(1, Relaxed);
+                break;
+            };
+            if !block.is_intact() {
+                self.counters.corrupt_blocks.fetch_add(1, Relaxed);
+                tracing::warn!(sequence_hash = sequence.0, fingerprint = fingerprint.0, "a stored KV block failed its checksum; dropped");
+                self.blocks.invalidate(&key);
+                break;
+            }
+            run.push((sequence, block));
+        }
+        self.counters.get_blocks.fetch_add(run.len() as u64, Relaxed);
+        run
+    }
+
+    /// Which of `hashes` the store holds, and how many lead without a gap.
+    pub fn lookup(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> (Vec<bool>, usize) {
+        let present: Vec<bool> = hashes.iter().map(|&sequence| self.blocks.contains_key(&BlockKey { fingerprint, sequence })).collect();
+        let leading = present.iter().take_while(|&&p| p).count();
+        self.counters.misses.fetch_add(present.iter().filter(|&&p| !p).count() as u64, Relaxed);
+        (present, leading)
+    }
+
+    /// Drops blocks of a fingerprint (all of them when `hashes` is empty);
+    /// returns how many were held.
+    pub fn delete(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> u64 {
+        let keys: Vec<BlockKey> = if hashes.is_empty() {
+            self.blocks.iter().map(|(key, _)| *key).filter(|key| key.fingerprint == fingerprint).collect()
+        } else {
+            hashes.iter().map(|&sequence| BlockKey { fingerprint, sequence }).collect()
+        };
+        let deleted = keys.iter().filter(|key| self.blocks.remove(*key).is_some()).count() as u64;
+        self.blocks.run_pending_tasks();
+        deleted
+    }
+
+    /// Sizes and counters now (after pending evictions ran).
+    pub fn stats(&self) -> StoreStats {
+        self.blocks.run_pending_tasks();
+        StoreStats {
+            blocks: self.blocks.entry_count(),
+            bytes: self.blocks.weighted_size(),
+            capacity_bytes: self.capacity_bytes,
+            evicted_blocks: self.counters.evicted_blocks.load(Relaxed),
+            corrupt_blocks: self.counters.corrupt_blocks.load(Relaxed),
+            put_blocks: self.counters.put_blocks.load(Relaxed),
+            get_blocks: self.counters.get_blocks.load(Relaxed),
+            misses: self.counters.misses.load(Relaxed),
+            fingerprints: self.layouts.lock().len() as u32,
+        }
+    }
+
+    /// Flips a byte of a held block, keeping its checksum: a test's way to
+    /// corrupt the store. Returns whether the block was held.
+    #[doc(hidden)]
+    pub fn corrupt_for_test(&self, key: BlockKey) -> bool {
+        let Some(block) = self.blocks.get(&key) else { return false };
+        let mut bytes = block.bytes.to_vec();
+        bytes[0] ^= 0xff;
+        self.blocks.insert(key, Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into_boxed_slice() }));
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use turbine_kv::LocalBlockHash;
+
+    use super::*;
+
+    fn block(n: u64, len: usize) -> (SequenceHash, HostBlock) {
+        let bytes: Box<[u8]> = (0..len).map(|i| (i as u64 * 7 + n) as u8).collect();
+        (SequenceHash(1000 + n), HostBlock { local: LocalBlockHash(n), parent: n.checked_sub(1).map(|p| SequenceHash(1000 + p)), checksum: block_checksum(&bytes), bytes })
+    }
+
+    fn fp(n: u64) -> Fingerprint {
+        Fingerprint::new(n).unwrap()
+    }
+
+    fn hashes(range: std::ops::Range<u64>) -> Vec<SequenceHash> {
+        range.map(|n| SequenceHash(1000 + n)).collect()
+    }
+
+    #[test]
+    fn blocks_come_back_by_fingerprint_and_hash_only() {
+        let store = Store::new(1 << 20);
+        assert_eq!(store.put(fp(1), (0..4).map(|n| block(n, 64)).collect()), Ok(PutOutcome { stored: 4, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![block(0, 64)]), Ok(PutOutcome { stored: 0, already_held: 1 }));
+        let got = store.get(fp(1), &hashes(0..6));
+        assert_eq!(got.len(), 4, "the run stops at the first block not held");
+        assert_eq!(&got[2].1.bytes[..], &block(2, 64).1.bytes[..]);
+        assert!(store.get(fp(2), &hashes(0..4)).is_empty(), "another layout's blocks never mix");
+        assert_eq!(store.lookup(fp(1), &[SequenceHash(1000), SequenceHash(5), SequenceHash(1002)]), (vec![true, false, true], 1));
+        assert_eq!(store.delete(fp(1), &hashes(1..2)), 1);
+        assert_eq!(store.get(fp(1), &hashes(0..4)).len(), 1);
+        assert_eq!(store.delete(fp(1), &[]), 3);
+        assert_eq!(store.stats().blocks, 0);
+        assert_eq!(store.stats().fingerprints, 0);
+    }
+
+    #[test]
+    fn bad_blocks_are_refused_whole() {
+        let store = Store::new(1 << 20);
+        let (hash, mut bad) = block(1, 64);
+        bad.bytes[3] ^= 1;
+        assert_eq!(store.put(fp(1), vec![block(0, 64), (hash, bad)]), Err(StoreError::Corrupt(1001)));
+        assert_eq!(store.stats().blocks, 0, "nothing of a refused put is stored");
+        store.put(fp(1), vec![block(0, 64)]).unwrap();
+        assert!(matches!(store.put(fp(1), vec![block(1, 32)]), Err(StoreError::WrongSize { expected: 64, got: 32, .. })));
+        assert!(matches!(store.put(fp(2), vec![block(1, 2 << 20)]), Err(StoreError::TooLarge(..))));
+    }
+
+    #[test]
+    fn the_store_stays_within_its_bytes_and_drops_corrupt_blocks() {
+        let store = Store::new(10 * (1024 + ENTRY_OVERHEAD));
+        for n in 0..50 {
+            store.put(fp(1), vec![block(n, 1024)]).unwrap();
+        }
+        let stats = store.stats();
+        assert!(stats.bytes <= stats.capacity_bytes, "{stats:?}");
+        assert_eq!(stats.blocks, 10);
+        assert_eq!(stats.evicted_blocks, 40);
+        assert_eq!(store.get(fp(1), &hashes(49..50)).len(), 1, "the most recent blocks stay");
+
+        assert!(store.corrupt_for_test(BlockKey { fingerprint: fp(1), sequence: SequenceHash(1048) }));
+        assert!(store.get(fp(1), &hashes(48..50)).is_empty(), "a corrupt block is never served");
+        assert_eq!(store.stats().corrupt_blocks, 1);
+        assert_eq!(store.lookup(fp(1), &hashes(48..49)).1, 0, "and is gone");
+    }
+}

@@ -1,0 +1,142 @@
+//! The `turbine-kv-store` binary over real sockets: blocks put by one client
+//! come back to another byte for byte, keyed by fingerprint; the store stays
+//! within its memory under a write storm; bad requests get INVALID_ARGUMENT
+//! (or RESOURCE_EXHAUSTED) and the service keeps serving.
+
+use std::process::Command;
+use std::sync::Arc;
+
+use tonic::Code;
+use turbine_engine::{HostBlock, block_checksum};
+use turbine_kv::{LocalBlockHash, SequenceHash};
+use turbine_kv_store::{Fingerprint, KvStoreClient, KvStoreClientError, PutOutcome};
+use turbine_proto::MessageLimits;
+use turbine_proto::kvstore::v1 as pb;
+use turbine_proto::kvstore::v1::kv_store_client::KvStoreClient as PbClient;
+use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess};
+
+const BLOCK_BYTES: usize = 64 << 10;
+
+async fn start(memory_mib: u64) -> (ServiceProcess, KvStoreClient) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-kv-store"));
+    command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--memory-mib", &memory_mib.to_string(), "--max-blocks-per-call", "1000"]);
+    let mut process = ServiceProcess::spawn("turbine-kv-store", command, false).await.unwrap();
+    process.until_serving("turbine.kvstore.v1.KvStore", STARTUP_TIMEOUT).await.unwrap();
+    let client = KvStoreClient::connect(&process.grpc_endpoint()).unwrap();
+    (process, client)
+}
+
+/// Block `n` of a chain: distinct bytes, its checksum, its parent.
+fn block(n: u64) -> (SequenceHash, Arc<HostBlock>) {
+    let bytes: Box<[u8]> = (0..BLOCK_BYTES).map(|i| (i as u64).wrapping_mul(31).wrapping_add(n * 7) as u8).collect();
+    let parent = n.checked_sub(1).map(|p| SequenceHash(0xa000 + p));
+    (SequenceHash(0xa000 + n), Arc::new(HostBlock { local: LocalBlockHash(n), parent, checksum: block_checksum(&bytes), bytes }))
+}
+
+fn fp(n: u64) -> Fingerprint {
+    Fingerprint::new(n).unwrap()
+}
+
+fn code(error: KvStoreClientError) -> Code {
+    match error {
+        KvStoreClientError::Rpc(status) => status.code(),
+        other => panic!("{other}"),
+    }
+}
+
+#[tokio::test]
+async fn blocks_put_by_one_client_come_back_to_another() {
+    let (process, writer) = start(256).await;
+    let blocks: Vec<_> = (0..600).map(block).collect();
+    // 600 blocks of 64 KiB: more than one Put message.
+    assert_eq!(writer.put(fp(7), &blocks).await.unwrap(), PutOutcome { stored: 600, already_held: 0 });
+    assert_eq!(writer.put(fp(7), &blocks[..10]).await.unwrap(), PutOutcome { stored: 0, already_held: 10 });
+
+    let reader = KvStoreClient::connect(&process.grpc_endpoint()).unwrap();
+    let hashes: Vec<SequenceHash> = blocks.iter().map(|(hash, _)| *hash).collect();
+    let got = reader.get(fp(7), &hashes[..500]).await.unwrap();
+    assert_eq!(got.len(), 500);
+    for ((hash, block), (want_hash, want)) in got.iter().zip(&blocks) {
+        assert_eq!((hash, block.local, block.parent, &block.bytes[..]), (want_hash, want.local, want.parent, &want.bytes[..]));
+    }
+    assert!(reader.get(fp(8), &hashes[..3]).await.unwrap().is_empty(), "another fingerprint's blocks never mix");
+    let (present, leading) = reader.lookup(fp(7), &[hashes[0], hashes[1], SequenceHash(1), hashes[2]]).await.unwrap();
+    assert_eq!((present, leading), (vec![true, true, false, true], 2));
+    assert_eq!(reader.get(fp(7), &[hashes[0], SequenceHash(1), hashes[2]]).await.unwrap().len(), 1, "a get stops at the first gap");
+
+    assert_eq!(reader.delete(fp(7), &hashes[..100]).await.unwrap(), 100);
+    assert_eq!(reader.delete(fp(7), &[]).await.unwrap(), 500);
+    let stats = reader.stats().await.unwrap();
+    assert_eq!((stats.blocks, stats.put_blocks, stats.get_blocks, stats.fingerprints), (0, 600, 501, 0));
+}
+
+#[tokio::test]
+async fn the_store_stays_within_its_memory_under_a_write_storm() {
+    let (_process, client) = start(8).await;
+    // 10x its capacity, in puts of 16 blocks.
+    for batch in 0..80u64 {
+        let blocks: Vec<_> = (batch * 16..batch * 16 + 16).map(block).collect();
+        client.put(fp(1), &blocks).await.unwrap();
+    }
+    let stats = client.stats().await.unwrap();
+    assert!(stats.bytes <= stats.capacity_bytes, "{stats:?}");
+    assert!(stats.blocks < 128 && stats.evicted_blocks > 1000, "{stats:?}");
+    let newest = block(80 * 16 - 1).0;
+    assert_eq!(client.get(fp(1), &[newest]).await.unwrap().len(), 1, "the newest blocks stay");
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_and_the_store_keeps_serving() {
+    let (process, client) = start(64).await;
+    let mut raw = PbClient::connect(process.grpc_endpoint()).await.unwrap().with_message_limits();
+
+    // A block whose bytes do not match its checksum.
+    let (hash, good) = block(1);
+    let mut wire = pb::Block { sequence_hash: hash.0, local_hash: 1, parent_hash: None, checksum: good.checksum, data: good.bytes.to_vec() };
+    wire.data[10] ^= 1;
+    let status = raw.put(tokio_stream::iter([pb::PutRequest { fingerprint: 3, blocks: vec![wire] }])).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("checksum"), "{status:?}");
+
+    // No fingerprint; a fingerprint changing mid-stream; a wrong block size.
+    let status = raw.lookup(pb::LookupRequest { fingerprint: 0, sequence_hashes: vec![1] }).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("fingerprint"), "{status:?}");
+    let one = |fingerprint| pb::PutRequest { fingerprint, blocks: vec![] };
+    let status = raw.put(tokio_stream::iter([one(3), one(4)])).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    client.put(fp(3), &[block(1)]).await.unwrap();
+    let small = HostBlock { local: LocalBlockHash(2), parent: None, checksum: block_checksum(&[1, 2, 3]), bytes: vec![1, 2, 3].into() };
+    assert_eq!(code(client.put(fp(3), &[(SequenceHash(2), Arc::new(small))]).await.unwrap_err()), Code::InvalidArgument);
+
+    // More hashes than one call may name.
+    let status = raw.get(pb::GetRequest { fingerprint: 3, sequence_hashes: (0..1001).collect() }).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("at most 1000"), "{status:?}");
+
+    // A message over the limit.
+    let huge = pb::Block { sequence_hash: 9, local_hash: 9, parent_hash: None, checksum: 0, data: vec![0; turbine_proto::MAX_MESSAGE_BYTES + 1] };
+    let status = raw.clone().with_message_limit(usize::MAX).put(tokio_stream::iter([pb::PutRequest { fingerprint: 3, blocks: vec![huge] }])).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+
+    // Still serving, and what was stored is intact.
+    assert_eq!(client.get(fp(3), &[block(1).0]).await.unwrap().len(), 1);
+}
+
+#[test]
+fn every_rpc_says_who_may_call_it() {
+    use prost::Message;
+    let set = prost_types::FileDescriptorSet::decode(turbine_proto::kvstore::v1::FILE_DESCRIPTOR_SET).unwrap();
+    let methods: Vec<String> = set
+        .file
+        .iter()
+        .flat_map(|file| file.service.iter().map(move |service| (file.package(), service)))
+        .flat_map(|(package, service)| service.method.iter().map(move |method| format!("/{package}.{}/{}", service.name(), method.name())))
+        .collect();
+    assert_eq!(methods.len(), 5);
+    for method in &methods {
+        let entry = turbine_kv_store::ROLES.iter().find(|rpc| rpc.method == method).unwrap_or_else(|| panic!("{method} has no role entry"));
+        assert!(!entry.roles.is_empty(), "{method}");
+    }
+    assert_eq!(turbine_kv_store::ROLES.len(), methods.len());
+}
