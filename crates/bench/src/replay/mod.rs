@@ -83,6 +83,10 @@ pub struct ReplayArgs {
     /// worker's modelled host bandwidth.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub host_cache_mib: Vec<u64>,
+    /// Host-tier onboard bandwidth the mockers model, GB/s [default: what
+    /// this machine measured, see --mock-host-gbps of turbine worker].
+    #[arg(long, default_value_t = turbine_worker::config::MOCK_HOST_GBPS)]
+    pub host_gbps: f64,
     /// Tokens per KV block of the mocker.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
@@ -258,6 +262,7 @@ async fn replay_one(
     engine.threads = Some(1);
     engine.context_length = Some(context_length);
     engine.host_cache_mib = host_cache_mib;
+    engine.mock_host_gbps = args.host_gbps;
     config.worker.transfer.mock_kv_bytes_per_token = args.kv_bytes_per_token;
     config.worker.transfer.mock_transfer_gbps = args.transfer_gbps;
     let options = ClusterOptions {
