@@ -159,17 +159,24 @@ async fn blocks_evicted_from_the_pool_come_back_from_host_memory_with_the_same_o
     engine.shutdown();
 }
 
+/// An engine whose first prompt was computed, copied to a host tier, then
+/// pushed out of the pool.
+async fn first_prompt_in_host() -> (EngineHandle, HostTier) {
+    let host = HostTier::new(1 << 20);
+    let engine = engine(Some(host.clone()));
+    generate(&engine, &prompt(0)).await;
+    wait_for_copies(&engine, &host, 10).await;
+    evict_from_the_pool(&engine).await;
+    (engine, host)
+}
+
 /// Onboarding happens as a request reaches the front of the queue, not
 /// when it arrives: a request queued behind others that fill the pool still
 /// gets its prefix back from the host tier.
 #[tokio::test]
 async fn a_queued_request_gets_its_prefix_back_when_it_is_admitted() {
     let expected = computed_output().await;
-    let host = HostTier::new(1 << 20);
-    let engine = engine(Some(host.clone()));
-    generate(&engine, &prompt(0)).await;
-    wait_for_copies(&engine, &host, 10).await;
-    evict_from_the_pool(&engine).await;
+    let (engine, host) = first_prompt_in_host().await;
 
     // Three prompts that need the whole pool between them, then the first
     // one again, all queued at once.
@@ -178,18 +185,14 @@ async fn a_queued_request_gets_its_prefix_back_when_it_is_admitted() {
         tokio::join!(generate(&engine, &prompts[0]), generate(&engine, &prompts[1]), generate(&engine, &prompts[2]), generate(&engine, &prompts[3]));
     assert_eq!(again, expected);
     assert_eq!(cached, 40, "the prompt's 10 full blocks came back from the host tier at admission");
+    assert!(host.stats().onboarded_blocks.load(Ordering::Relaxed) >= 10, "they were onboarded, not found in the pool");
     engine.shutdown();
 }
 
 #[tokio::test]
 async fn a_corrupt_host_block_is_recomputed_never_served() {
     let expected = computed_output().await;
-
-    let host = HostTier::new(1 << 20);
-    let engine = engine(Some(host.clone()));
-    generate(&engine, &prompt(0)).await;
-    wait_for_copies(&engine, &host, 10).await;
-    evict_from_the_pool(&engine).await;
+    let (engine, host) = first_prompt_in_host().await;
     let hashes = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
     assert!(host.corrupt_for_test(hashes[3]));
 
