@@ -22,8 +22,10 @@ pub type MatchesByWorker = FxHashMap<WorkerId, WorkerMatch>;
 pub struct KvLookup {
     /// Per block size: the prompt's hashes and each worker's match.
     by_size: Vec<(u32, Vec<SequenceHash>, MatchesByWorker)>,
-    /// The candidates' cached tree sizes (the tie-break).
-    cached_trees: FxHashMap<WorkerId, usize>,
+    /// The workers asked about and their cached tree sizes (the
+    /// tie-break), side by side.
+    asked: Vec<WorkerId>,
+    cached_trees: Vec<usize>,
 }
 
 impl KvLookup {
@@ -39,7 +41,27 @@ impl KvLookup {
 
     /// Blocks `worker_id` caches in all (0 if unknown).
     pub fn cached_tree(&self, worker_id: &str) -> usize {
-        self.cached_trees.get(worker_id).copied().unwrap_or(0)
+        self.asked.iter().position(|asked| asked.as_str() == worker_id).map_or(0, |at| self.cached_trees[at])
+    }
+
+    /// [`cached_tree`](Self::cached_tree) of each of `workers`, in their
+    /// order. The walk expects them in the order they were asked about (a
+    /// router asks about its workers and then decides over them, some left
+    /// out): each is then found at the next step or a few further, its id
+    /// shared with the asked list and compared by pointer. Any order is
+    /// answered right, just more slowly.
+    pub fn cached_trees_of<'a>(&self, workers: impl IntoIterator<Item = &'a WorkerId>) -> Vec<usize> {
+        let asked = self.asked.len();
+        let mut next = 0;
+        workers
+            .into_iter()
+            .map(|id| {
+                (next..asked).chain(0..next).find(|&at| &self.asked[at] == id).map_or(0, |at| {
+                    next = at + 1;
+                    self.cached_trees[at]
+                })
+            })
+            .collect()
     }
 }
 
@@ -191,7 +213,9 @@ impl KvState {
             if !answer.log_reachable {
                 return Err(LookupError::Stale);
             }
-            lookup.cached_trees.extend(query.cached_blocks_of.into_iter().zip(answer.cached_blocks));
+            if !query.cached_blocks_of.is_empty() {
+                (lookup.asked, lookup.cached_trees) = (query.cached_blocks_of, answer.cached_blocks);
+            }
             lookup.by_size.push((size, query.hashes, answer.matches.into_iter().map(|m| (m.worker_id.clone(), m)).collect()));
         }
         Ok(lookup)
@@ -314,6 +338,9 @@ mod tests {
         assert_eq!(lookup.matched(16, "a").map(|m| m.blocks), Some(2));
         assert!(lookup.matched(16, "b").is_none());
         assert_eq!((lookup.cached_tree("a"), lookup.cached_tree("b")), (2, 0));
+        let (a, b, c): (WorkerId, WorkerId, WorkerId) = ("a".into(), "b".into(), "c".into());
+        assert_eq!(lookup.cached_trees_of([&a, &b, &c]), [2, 0, 0], "in order, one not asked about");
+        assert_eq!(lookup.cached_trees_of([&c, &b, &a, &a]), [0, 0, 2, 2], "out of order");
         assert_eq!(lookup.hashes(16).len(), 4);
     }
 

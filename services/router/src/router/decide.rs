@@ -59,16 +59,18 @@ impl Router {
         let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;
         let (index, overlap_blocks) = match (&kv, weights) {
             (Some((_, lookup)), Some(weights)) => {
+                let trees = lookup.cached_trees_of(eligible.iter().map(|w| &w.record.worker_id));
                 let candidates: Vec<KvCandidate> = eligible
                     .iter()
-                    .map(|w| {
+                    .zip(trees)
+                    .map(|(w, cached_tree)| {
                         let id = &w.record.worker_id;
                         let book = state.load_of(id);
                         KvCandidate {
                             prompt_blocks: prompt_blocks(w),
                             active_prefill_blocks: book.prefill_blocks,
                             active_decode_blocks: book.decode_blocks,
-                            cached_tree: lookup.cached_tree(id),
+                            cached_tree,
                             ..KvCandidate::default()
                         }
                         .with_match(lookup.matched(w.record.kv_block_size, id))

@@ -89,9 +89,14 @@ impl Router {
         let state = self.state.lock();
         let now = Instant::now();
         let workers: Vec<&LiveWorker> = state.workers.values().filter(|w| w.record.model == model && w.expires_at > now).collect();
-        let mut sizes: Vec<u32> = workers.iter().map(|w| w.record.kv_block_size).filter(|&size| size > 0).collect();
+        // Few sizes among many workers: dedup as they come.
+        let mut sizes: Vec<u32> = Vec::new();
+        for size in workers.iter().map(|w| w.record.kv_block_size).filter(|&size| size > 0) {
+            if !sizes.contains(&size) {
+                sizes.push(size);
+            }
+        }
         sizes.sort_unstable();
-        sizes.dedup();
         (workers.iter().map(|w| w.record.worker_id.clone()).collect(), sizes)
     }
 
