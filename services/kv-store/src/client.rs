@@ -93,20 +93,14 @@ impl KvStoreClient {
         Ok(self.client.clone().delete(request).await?.into_inner().deleted)
     }
 
-    /// The store's sizes and counters (its memory tier).
+    /// The store's sizes and counters.
     pub async fn stats(&self) -> Result<crate::StoreStats, KvStoreClientError> {
-        let response = self.client.clone().stats(pb::StatsRequest {}).await?.into_inner();
-        let memory = response.memory.unwrap_or_default();
-        Ok(crate::StoreStats {
-            blocks: memory.blocks,
-            bytes: memory.bytes,
-            capacity_bytes: memory.capacity_bytes,
-            evicted_blocks: memory.evicted_blocks,
-            corrupt_blocks: memory.corrupt_blocks,
-            put_blocks: response.put_blocks,
-            get_blocks: response.get_blocks,
-            misses: response.misses,
-            fingerprints: response.fingerprints,
-        })
+        let pb::StatsResponse { memory, disk, put_blocks, get_blocks, misses, fingerprints } =
+            self.client.clone().stats(pb::StatsRequest {}).await?.into_inner();
+        let tier = |stats: Option<pb::TierStats>| {
+            let pb::TierStats { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks } = stats.unwrap_or_default();
+            crate::TierUsage { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks }
+        };
+        Ok(crate::StoreStats { memory: tier(memory), disk: tier(disk), put_blocks, get_blocks, misses, fingerprints })
     }
 }

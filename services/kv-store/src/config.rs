@@ -27,6 +27,16 @@ pub struct KvStoreConfig {
     /// of bookkeeping, counted against the same bound.
     #[arg(long, env = "TURBINE_KV_STORE_MEMORY_MIB", default_value_t = 4096)]
     pub memory_mib: u64,
+    /// Directory of the disk tier (one file per block; it survives a
+    /// restart). Every block put is written to it too; without it the
+    /// store keeps blocks in memory only.
+    #[arg(long, env = "TURBINE_KV_STORE_DISK_DIR")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_dir: Option<std::path::PathBuf>,
+    /// GiB of block files the disk tier keeps; the least recently used are
+    /// deleted beyond it.
+    #[arg(long, env = "TURBINE_KV_STORE_DISK_GIB", default_value_t = 64)]
+    pub disk_gib: u64,
     /// Most blocks one Get or Lookup may name.
     #[arg(long, env = "TURBINE_KV_STORE_MAX_BLOCKS_PER_CALL", default_value_t = 8192)]
     pub max_blocks_per_call: usize,
@@ -45,6 +55,9 @@ impl Settings for KvStoreConfig {
         self.server.validate()?;
         if self.memory_mib == 0 {
             return Err("memory_mib must be positive".into());
+        }
+        if self.disk_dir.is_some() && self.disk_gib == 0 {
+            return Err("disk_gib must be positive with a disk_dir".into());
         }
         if self.max_blocks_per_call == 0 {
             return Err("max_blocks_per_call must be positive".into());

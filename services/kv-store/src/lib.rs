@@ -6,7 +6,8 @@
 //! bytes, checked when it arrives and again before it is served.
 //!
 //! - [`Store`]: the blocks in memory, bounded in bytes, least recently used
-//!   evicted first.
+//!   evicted first, written through to a disk tier ([`DiskBlocks`]) that
+//!   survives a restart.
 //! - [`KvStoreService`]: the gRPC shell over a [`Store`].
 //! - [`KvStoreClient`]: the typed client (domain types in, domain types
 //!   out).
@@ -15,12 +16,14 @@
 
 pub mod client;
 pub mod config;
+pub mod disk;
 pub mod serve;
 pub mod service;
 pub mod store;
 
 pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
+pub use disk::DiskBlocks;
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
-pub use store::{BlockKey, Fingerprint, PutOutcome, Store, StoreError, StoreStats};
+pub use store::{BlockKey, Fingerprint, PutOutcome, Store, StoreError, StoreStats, TierUsage};

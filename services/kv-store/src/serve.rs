@@ -7,7 +7,10 @@ use turbine_proto::service_names;
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
+use anyhow::Context;
+
 use crate::config::KvStoreConfig;
+use crate::disk::DiskBlocks;
 use crate::service::KvStoreService;
 use crate::store::Store;
 
@@ -41,9 +44,20 @@ pub async fn serve(config: KvStoreConfig, store: Store, listeners: Listeners, sh
 /// Entry point shared by `turbine-kv-store` and `turbine kv-store`.
 pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-kv-store", move |shutdown| async move {
-        let store = Store::new(config.memory_mib << 20);
+        let memory_bytes = config.memory_mib << 20;
+        let store = match &config.disk_dir {
+            None => Store::new(memory_bytes),
+            Some(dir) => {
+                let (dir, capacity) = (dir.clone(), config.disk_gib << 30);
+                // Rebuilding the index reads every block file's header.
+                let disk = tokio::task::spawn_blocking(move || DiskBlocks::open(&dir, capacity))
+                    .await?
+                    .with_context(|| format!("cannot open the disk tier in {}", config.disk_dir.as_ref().expect("set").display()))?;
+                Store::with_disk(memory_bytes, disk)
+            }
+        };
         let listeners = Listeners::bind(&config.server).await?;
-        tracing::info!(memory_mib = config.memory_mib, "kv-store listening");
+        tracing::info!(memory_mib = config.memory_mib, disk_dir = ?config.disk_dir, disk_gib = config.disk_gib, "kv-store listening");
         serve(config, store, listeners, shutdown).await
     })
 }

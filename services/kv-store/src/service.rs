@@ -8,7 +8,7 @@ use turbine_engine::HostBlock;
 use turbine_kv::{LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
-use crate::store::{Fingerprint, Store, StoreError, StoreStats};
+use crate::store::{Fingerprint, Store, StoreError, StoreStats, TierUsage};
 
 /// The service.
 #[derive(Debug, Clone)]
@@ -131,10 +131,17 @@ impl KvStore for KvStoreService {
     }
 
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
-        let StoreStats { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks, put_blocks, get_blocks, misses, fingerprints } = self.store.stats();
+        let StoreStats { memory, disk, put_blocks, get_blocks, misses, fingerprints } = self.store.stats();
+        let tier = |TierUsage { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks }: TierUsage| pb::TierStats {
+            blocks,
+            bytes,
+            capacity_bytes,
+            evicted_blocks,
+            corrupt_blocks,
+        };
         Ok(Response::new(pb::StatsResponse {
-            memory: Some(pb::TierStats { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks }),
-            disk: Some(pb::TierStats::default()),
+            memory: Some(tier(memory)),
+            disk: Some(tier(disk)),
             put_blocks,
             get_blocks,
             misses,

@@ -1,6 +1,7 @@
 //! The blocks: in memory, bounded in bytes, least recently used evicted
-//! first; every block checked against its checksum when it arrives and
-//! before it is served.
+//! first, over an optional disk tier ([`DiskBlocks`]) that every put is
+//! written through to and that survives a restart; every block checked
+//! against its checksum when it arrives and before it is served.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -9,6 +10,8 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use turbine_engine::{HostBlock, block_checksum};
 use turbine_kv::SequenceHash;
+
+use crate::disk::DiskBlocks;
 
 /// Model and KV layout of a block's bytes (nonzero): blocks of different
 /// fingerprints never mix.
@@ -73,26 +76,35 @@ pub struct PutOutcome {
     pub already_held: u32,
 }
 
-/// Sizes and counters of the store.
+/// Sizes and counters of one tier of the store.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StoreStats {
+pub struct TierUsage {
     /// Blocks held.
     pub blocks: u64,
-    /// Bytes held (block bytes and their bookkeeping).
+    /// Bytes held (memory: block bytes and their bookkeeping; disk: files).
     pub bytes: u64,
-    /// Bytes the store may hold.
+    /// Bytes the tier may hold.
     pub capacity_bytes: u64,
     /// Blocks evicted for room.
     pub evicted_blocks: u64,
-    /// Blocks found corrupt in the store (dropped).
+    /// Blocks found corrupt in the tier (dropped).
     pub corrupt_blocks: u64,
+}
+
+/// Sizes and counters of the store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// The memory tier.
+    pub memory: TierUsage,
+    /// The disk tier (all zero without one).
+    pub disk: TierUsage,
     /// Blocks stored by puts.
     pub put_blocks: u64,
     /// Blocks served by gets.
     pub get_blocks: u64,
     /// Hashes asked for that the store did not hold.
     pub misses: u64,
-    /// Fingerprints with blocks held.
+    /// Fingerprints with blocks held in memory.
     pub fingerprints: u32,
 }
 
@@ -119,6 +131,7 @@ pub struct Store {
     layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>>,
     counters: Arc<Counters>,
     capacity_bytes: u64,
+    disk: Option<DiskBlocks>,
 }
 
 impl std::fmt::Debug for Store {
@@ -156,13 +169,38 @@ impl Store {
                 })
                 .build()
         };
-        Self { blocks, layouts, counters, capacity_bytes }
+        Self { blocks, layouts, counters, capacity_bytes, disk: None }
+    }
+
+    /// A store holding at most `capacity_bytes` in memory over `disk`:
+    /// every block put is written to disk too, and a block read from disk
+    /// is kept in memory again.
+    pub fn with_disk(capacity_bytes: u64, disk: DiskBlocks) -> Self {
+        Self { disk: Some(disk), ..Self::new(capacity_bytes) }
+    }
+
+    /// The disk tier, if the store has one.
+    pub fn disk(&self) -> Option<&DiskBlocks> {
+        self.disk.as_ref()
+    }
+
+    /// Keeps `block` in memory; whether it was not there yet.
+    fn remember(&self, key: BlockKey, block: Arc<HostBlock>) -> bool {
+        // Counted before it is in, so that its eviction always finds it counted.
+        self.layouts.lock().entry(key.fingerprint).or_insert(Layout { block_bytes: block.bytes.len(), blocks: 0 }).blocks += 1;
+        if self.blocks.entry(key).or_insert_with(|| block).is_fresh() {
+            return true;
+        }
+        if let Some(layout) = self.layouts.lock().get_mut(&key.fingerprint) {
+            layout.blocks -= 1;
+        }
+        false
     }
 
     /// Stores blocks of one fingerprint. Every block is checked first;
     /// nothing is stored if one fails.
     pub fn put(&self, fingerprint: Fingerprint, blocks: Vec<(SequenceHash, HostBlock)>) -> Result<PutOutcome, StoreError> {
-        let expected = self.layouts.lock().get(&fingerprint).map(|layout| layout.block_bytes);
+        let expected = self.layouts.lock().get(&fingerprint).map(|layout| layout.block_bytes).or_else(|| self.disk.as_ref()?.block_bytes(fingerprint));
         let mut size = expected;
         for (hash, block) in &blocks {
             if block_checksum(&block.bytes) != block.checksum {
@@ -182,16 +220,18 @@ impl Store {
         let mut outcome = PutOutcome::default();
         for (sequence, block) in blocks {
             let key = BlockKey { fingerprint, sequence };
-            let block_bytes = block.bytes.len();
-            // Counted before it is in, so that its eviction always finds it counted.
-            self.layouts.lock().entry(fingerprint).or_insert(Layout { block_bytes, blocks: 0 }).blocks += 1;
-            if self.blocks.entry(key).or_insert_with(|| Arc::new(block)).is_fresh() {
+            let on_disk = self.disk.as_ref().is_some_and(|disk| {
+                let held = disk.contains(&key);
+                // Written through: a block the disk could not take is
+                // still kept in memory.
+                disk.write(key, &block);
+                held
+            });
+            let fresh = self.remember(key, Arc::new(block));
+            if fresh && !on_disk {
                 outcome.stored += 1;
             } else {
                 outcome.already_held += 1;
-                if let Some(layout) = self.layouts.lock().get_mut(&fingerprint) {
-                    layout.blocks -= 1;
-                }
             }
         }
         self.blocks.run_pending_tasks();
@@ -205,7 +245,7 @@ impl Store {
         let mut run = Vec::new();
         for &sequence in hashes {
             let key = BlockKey { fingerprint, sequence };
-            let Some(block) = self.blocks.get(&key) else {
+            let Some(block) = self.blocks.get(&key).or_else(|| self.read_through_disk(key)) else {
                 self.counters.misses.fetch_add(1, Relaxed);
                 break;
             };
@@ -221,23 +261,46 @@ impl Store {
         run
     }
 
+    /// A block read from disk (checked there), kept in memory again.
+    fn read_through_disk(&self, key: BlockKey) -> Option<Arc<HostBlock>> {
+        let block = Arc::new(self.disk.as_ref()?.read(&key)?);
+        self.remember(key, block.clone());
+        Some(block)
+    }
+
+    /// Whether either tier holds `key`.
+    fn holds(&self, key: &BlockKey) -> bool {
+        self.blocks.contains_key(key) || self.disk.as_ref().is_some_and(|disk| disk.contains(key))
+    }
+
     /// Which of `hashes` the store holds, and how many lead without a gap.
     pub fn lookup(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> (Vec<bool>, usize) {
-        let present: Vec<bool> = hashes.iter().map(|&sequence| self.blocks.contains_key(&BlockKey { fingerprint, sequence })).collect();
+        let present: Vec<bool> = hashes.iter().map(|&sequence| self.holds(&BlockKey { fingerprint, sequence })).collect();
         let leading = present.iter().take_while(|&&p| p).count();
         self.counters.misses.fetch_add(present.iter().filter(|&&p| !p).count() as u64, Relaxed);
         (present, leading)
     }
 
-    /// Drops blocks of a fingerprint (all of them when `hashes` is empty);
-    /// returns how many were held.
+    /// Drops blocks of a fingerprint (all of them when `hashes` is empty)
+    /// from both tiers; returns how many were held.
     pub fn delete(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> u64 {
         let keys: Vec<BlockKey> = if hashes.is_empty() {
-            self.blocks.iter().map(|(key, _)| *key).filter(|key| key.fingerprint == fingerprint).collect()
+            let mut all: Vec<SequenceHash> = self.blocks.iter().filter(|(key, _)| key.fingerprint == fingerprint).map(|(key, _)| key.sequence).collect();
+            all.extend(self.disk.iter().flat_map(|disk| disk.hashes_of(fingerprint)));
+            all.sort_unstable();
+            all.dedup();
+            all.into_iter().map(|sequence| BlockKey { fingerprint, sequence }).collect()
         } else {
             hashes.iter().map(|&sequence| BlockKey { fingerprint, sequence }).collect()
         };
-        let deleted = keys.iter().filter(|key| self.blocks.remove(*key).is_some()).count() as u64;
+        let deleted = keys
+            .iter()
+            .filter(|key| {
+                let in_memory = self.blocks.remove(*key).is_some();
+                let on_disk = self.disk.as_ref().is_some_and(|disk| disk.remove(key));
+                in_memory || on_disk
+            })
+            .count() as u64;
         self.blocks.run_pending_tasks();
         deleted
     }
@@ -246,11 +309,14 @@ impl Store {
     pub fn stats(&self) -> StoreStats {
         self.blocks.run_pending_tasks();
         StoreStats {
-            blocks: self.blocks.entry_count(),
-            bytes: self.blocks.weighted_size(),
-            capacity_bytes: self.capacity_bytes,
-            evicted_blocks: self.counters.evicted_blocks.load(Relaxed),
-            corrupt_blocks: self.counters.corrupt_blocks.load(Relaxed),
+            memory: TierUsage {
+                blocks: self.blocks.entry_count(),
+                bytes: self.blocks.weighted_size(),
+                capacity_bytes: self.capacity_bytes,
+                evicted_blocks: self.counters.evicted_blocks.load(Relaxed),
+                corrupt_blocks: self.counters.corrupt_blocks.load(Relaxed),
+            },
+            disk: self.disk.as_ref().map(DiskBlocks::usage).unwrap_or_default(),
             put_blocks: self.counters.put_blocks.load(Relaxed),
             get_blocks: self.counters.get_blocks.load(Relaxed),
             misses: self.counters.misses.load(Relaxed),
@@ -302,7 +368,7 @@ mod tests {
         assert_eq!(store.delete(fp(1), &hashes(1..2)), 1);
         assert_eq!(store.get(fp(1), &hashes(0..4)).len(), 1);
         assert_eq!(store.delete(fp(1), &[]), 3);
-        assert_eq!(store.stats().blocks, 0);
+        assert_eq!(store.stats().memory.blocks, 0);
         assert_eq!(store.stats().fingerprints, 0);
     }
 
@@ -312,7 +378,7 @@ mod tests {
         let (hash, mut bad) = block(1, 64);
         bad.bytes[3] ^= 1;
         assert_eq!(store.put(fp(1), vec![block(0, 64), (hash, bad)]), Err(StoreError::Corrupt(1001)));
-        assert_eq!(store.stats().blocks, 0, "nothing of a refused put is stored");
+        assert_eq!(store.stats().memory.blocks, 0, "nothing of a refused put is stored");
         store.put(fp(1), vec![block(0, 64)]).unwrap();
         assert!(matches!(store.put(fp(1), vec![block(1, 32)]), Err(StoreError::WrongSize { expected: 64, got: 32, .. })));
         assert!(matches!(store.put(fp(2), vec![block(1, 2 << 20)]), Err(StoreError::TooLarge(..))));
@@ -324,7 +390,7 @@ mod tests {
         for n in 0..50 {
             store.put(fp(1), vec![block(n, 1024)]).unwrap();
         }
-        let stats = store.stats();
+        let stats = store.stats().memory;
         assert!(stats.bytes <= stats.capacity_bytes, "{stats:?}");
         assert_eq!(stats.blocks, 10);
         assert_eq!(stats.evicted_blocks, 40);
@@ -332,7 +398,63 @@ mod tests {
 
         assert!(store.corrupt_for_test(BlockKey { fingerprint: fp(1), sequence: SequenceHash(1048) }));
         assert!(store.get(fp(1), &hashes(48..50)).is_empty(), "a corrupt block is never served");
-        assert_eq!(store.stats().corrupt_blocks, 1);
+        assert_eq!(store.stats().memory.corrupt_blocks, 1);
         assert_eq!(store.lookup(fp(1), &hashes(48..49)).1, 0, "and is gone");
+    }
+
+    #[test]
+    fn the_disk_tier_keeps_what_memory_evicted_and_survives_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = |n: u64| BlockKey { fingerprint: fp(1), sequence: SequenceHash(1000 + n) };
+        {
+            let store = Store::with_disk(4 * (1024 + ENTRY_OVERHEAD), DiskBlocks::open(dir.path(), 1 << 20).unwrap());
+            assert!(DiskBlocks::open(dir.path(), 1 << 20).is_err(), "a second store cannot use the directory");
+            assert_eq!(store.put(fp(1), (0..10).map(|n| block(n, 1024)).collect()).unwrap().stored, 10);
+            assert_eq!(store.put(fp(2), vec![block(0, 512)]).unwrap().stored, 1);
+            let stats = store.stats();
+            assert_eq!((stats.memory.blocks, stats.disk.blocks), (4, 11), "{stats:?}");
+            assert_eq!(store.put(fp(1), vec![block(0, 1024)]).unwrap().already_held, 1, "held on disk only");
+            let run = store.get(fp(1), &hashes(0..10));
+            assert_eq!(run.len(), 10, "evicted from memory, read back from disk");
+            assert_eq!(&run[3].1.bytes[..], &block(3, 1024).1.bytes[..]);
+            assert!(matches!(store.put(fp(1), vec![block(20, 64)]), Err(StoreError::WrongSize { expected: 1024, .. })), "the size of blocks on disk counts");
+        }
+        // A torn file and a leftover .tmp, as after a crash.
+        let store = Store::with_disk(1 << 20, DiskBlocks::open(dir.path(), 1 << 20).unwrap());
+        let torn = store.disk().unwrap().path_for_test(&key(5));
+        drop(store);
+        let full = std::fs::read(&torn).unwrap();
+        std::fs::write(&torn, &full[..100]).unwrap();
+        std::fs::write(torn.with_extension("tmp"), b"partial").unwrap();
+        let store = Store::with_disk(1 << 20, DiskBlocks::open(dir.path(), 1 << 20).unwrap());
+        assert_eq!(store.stats().disk.blocks, 10, "the torn block was dropped at start, the others kept");
+        assert_eq!(store.lookup(fp(1), &hashes(0..10)).1, 5);
+        assert_eq!(store.get(fp(1), &hashes(0..5)).len(), 5);
+        assert_eq!(store.get(fp(2), &hashes(0..1)).len(), 1, "every fingerprint's blocks are kept");
+
+        // A block corrupted on disk is never served.
+        let path = store.disk().unwrap().path_for_test(&key(7));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[100] ^= 0x40;
+        std::fs::write(&path, bytes).unwrap();
+        assert!(store.get(fp(1), &hashes(7..8)).is_empty());
+        assert!(!path.exists() && store.stats().disk.corrupt_blocks == 1);
+        assert_eq!(store.delete(fp(1), &[]), 8, "deletes reach both tiers");
+        assert_eq!(store.stats().disk.blocks, 1);
+    }
+
+    #[test]
+    fn the_disk_tier_stays_within_its_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = 1024 + turbine_engine::tiers::block_file::HEADER_BYTES as u64;
+        let store = Store::with_disk(1 << 20, DiskBlocks::open(dir.path(), 5 * file).unwrap());
+        for n in 0..20 {
+            store.put(fp(1), vec![block(n, 1024)]).unwrap();
+        }
+        let disk = store.stats().disk;
+        assert_eq!((disk.blocks, disk.evicted_blocks), (5, 15), "{disk:?}");
+        assert!(disk.bytes <= disk.capacity_bytes);
+        let files = std::fs::read_dir(dir.path().join(format!("{:016x}", 1))).unwrap().count();
+        assert_eq!(files, 5, "evicted blocks' files are deleted");
     }
 }

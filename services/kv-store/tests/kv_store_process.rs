@@ -18,8 +18,13 @@ use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess};
 const BLOCK_BYTES: usize = 64 << 10;
 
 async fn start(memory_mib: u64) -> (ServiceProcess, KvStoreClient) {
+    start_with(memory_mib, &[]).await
+}
+
+async fn start_with(memory_mib: u64, flags: &[&str]) -> (ServiceProcess, KvStoreClient) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-kv-store"));
     command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--memory-mib", &memory_mib.to_string(), "--max-blocks-per-call", "1000"]);
+    command.args(flags);
     let mut process = ServiceProcess::spawn("turbine-kv-store", command, false).await.unwrap();
     process.until_serving("turbine.kvstore.v1.KvStore", STARTUP_TIMEOUT).await.unwrap();
     let client = KvStoreClient::connect(&process.grpc_endpoint()).unwrap();
@@ -67,7 +72,30 @@ async fn blocks_put_by_one_client_come_back_to_another() {
     assert_eq!(reader.delete(fp(7), &hashes[..100]).await.unwrap(), 100);
     assert_eq!(reader.delete(fp(7), &[]).await.unwrap(), 500);
     let stats = reader.stats().await.unwrap();
-    assert_eq!((stats.blocks, stats.put_blocks, stats.get_blocks, stats.fingerprints), (0, 600, 501, 0));
+    assert_eq!((stats.memory.blocks, stats.put_blocks, stats.get_blocks, stats.fingerprints), (0, 600, 501, 0));
+}
+
+#[tokio::test]
+async fn a_killed_store_restarts_with_its_disk_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = ["--disk-dir", dir.path().to_str().unwrap(), "--disk-gib", "1"];
+    let (mut process, client) = start_with(4, &disk).await;
+    // 200 blocks of 64 KiB: three times the memory tier.
+    let blocks: Vec<_> = (0..200).map(block).collect();
+    let hashes: Vec<SequenceHash> = blocks.iter().map(|(hash, _)| *hash).collect();
+    assert_eq!(client.put(fp(7), &blocks).await.unwrap().stored, 200);
+    let stats = client.stats().await.unwrap();
+    assert!(stats.memory.blocks < 64 && stats.disk.blocks == 200, "{stats:?}");
+    assert!(stats.disk.capacity_bytes == 1 << 30, "{stats:?}");
+    process.kill();
+
+    let (_process, client) = start_with(4, &disk).await;
+    assert_eq!(client.stats().await.unwrap().disk.blocks, 200, "the index is rebuilt from the files");
+    let got = client.get(fp(7), &hashes).await.unwrap();
+    assert_eq!(got.len(), 200, "a prefix put before the kill is a hit after");
+    for ((hash, block), (want_hash, want)) in got.iter().zip(&blocks) {
+        assert_eq!((hash, &block.bytes[..]), (want_hash, &want.bytes[..]));
+    }
 }
 
 #[tokio::test]
@@ -79,8 +107,8 @@ async fn the_store_stays_within_its_memory_under_a_write_storm() {
         client.put(fp(1), &blocks).await.unwrap();
     }
     let stats = client.stats().await.unwrap();
-    assert!(stats.bytes <= stats.capacity_bytes, "{stats:?}");
-    assert!(stats.blocks < 128 && stats.evicted_blocks > 1000, "{stats:?}");
+    assert!(stats.memory.bytes <= stats.memory.capacity_bytes, "{stats:?}");
+    assert!(stats.memory.blocks < 128 && stats.memory.evicted_blocks > 1000, "{stats:?}");
     let newest = block(80 * 16 - 1).0;
     assert_eq!(client.get(fp(1), &[newest]).await.unwrap().len(), 1, "the newest blocks stay");
 }

@@ -3,15 +3,10 @@
 //! byte-bounded `moka` cache (least recently used evicted first, its file
 //! deleted).
 //!
-//! A file is `<sequence hash, 16 hex digits>.kvb`: a 64-byte header (magic,
-//! version, the pool's layout fingerprint, the block's sequence, local and
-//! parent hashes, the payload's length and XXH3-64, and the header's own
-//! XXH3-64) followed by the block's bytes. It is written to a `.tmp` file
-//! and renamed into place, so a reader never sees half a block; reads go
-//! through the page cache. After a crash a file may still be torn or
-//! empty: every read checks the header, the length and the payload's
-//! checksum, and a block that fails is deleted and computed instead, never
-//! served.
+//! A file is `<sequence hash, 16 hex digits>.kvb` in the format of
+//! [`block_file`](super::block_file): written whole or not at all, checked
+//! (header, length, payload checksum) on every read; a block that fails is
+//! deleted and computed instead, never served.
 //!
 //! At start the tier rebuilds its index from the files whose header is
 //! sound and whose fingerprint matches (blocks of another model or layout
@@ -19,21 +14,14 @@
 //! its disk tier.
 
 use std::fs::File;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use turbine_kv::{BlockHashes, CachedBlock, KvEvent, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
-use xxhash_rust::xxh3::xxh3_64;
 
+use super::block_file::{self, HEADER_BYTES, block_path};
 use super::{HostBlock, PendingEvents, TierStats, push_removed};
-use crate::kv_memory::block_checksum;
-
-const MAGIC: [u8; 4] = *b"TKVB";
-const VERSION: u32 = 1;
-const HEADER_BYTES: usize = 64;
-const EXTENSION: &str = "kvb";
 
 /// What the index keeps of a block on disk.
 #[derive(Debug, Clone, Copy)]
@@ -67,52 +55,6 @@ impl std::fmt::Debug for DiskTier {
     }
 }
 
-/// The header of a block file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Header {
-    fingerprint: u64,
-    sequence: SequenceHash,
-    local: LocalBlockHash,
-    parent: Option<SequenceHash>,
-    len: u64,
-    checksum: u64,
-}
-
-impl Header {
-    fn encode(&self) -> [u8; HEADER_BYTES] {
-        let mut out = [0u8; HEADER_BYTES];
-        out[0..4].copy_from_slice(&MAGIC);
-        out[4..8].copy_from_slice(&VERSION.to_le_bytes());
-        out[8..16].copy_from_slice(&self.fingerprint.to_le_bytes());
-        out[16..24].copy_from_slice(&self.sequence.0.to_le_bytes());
-        out[24..32].copy_from_slice(&self.local.0.to_le_bytes());
-        out[32..40].copy_from_slice(&self.parent.map_or(0, |p| p.0).to_le_bytes());
-        out[40] = u8::from(self.parent.is_some());
-        out[41..48].copy_from_slice(&self.len.to_le_bytes()[..7]);
-        out[48..56].copy_from_slice(&self.checksum.to_le_bytes());
-        let own = xxh3_64(&out[..56]);
-        out[56..64].copy_from_slice(&own.to_le_bytes());
-        out
-    }
-
-    fn decode(bytes: &[u8; HEADER_BYTES]) -> Option<Self> {
-        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
-        if bytes[0..4] != MAGIC || u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) != VERSION || xxh3_64(&bytes[..56]) != u64_at(56) {
-            return None;
-        }
-        let mut len = [0u8; 8];
-        len[..7].copy_from_slice(&bytes[41..48]);
-        Some(Self {
-            fingerprint: u64_at(8),
-            sequence: SequenceHash(u64_at(16)),
-            local: LocalBlockHash(u64_at(24)),
-            parent: (bytes[40] == 1).then(|| SequenceHash(u64_at(32))),
-            len: u64::from_le_bytes(len),
-            checksum: u64_at(48),
-        })
-    }
-}
-
 impl DiskTier {
     /// Opens (creating it if needed) the tier in `dir`, holding at most
     /// `capacity_bytes` of block files, for blocks of the pool layout
@@ -129,9 +71,7 @@ impl DiskTier {
     }
 
     fn open_with(dir: &Path, capacity_bytes: u64, fingerprint: u64, modelled_block_bytes: Option<u64>) -> std::io::Result<Self> {
-        std::fs::create_dir_all(dir)?;
-        let lock = File::create(dir.join(".lock"))?;
-        lock.try_lock().map_err(|_| std::io::Error::other(format!("{} is in use by another Turbine worker (its .lock is held)", dir.display())))?;
+        let lock = block_file::lock_dir(dir, "Turbine worker")?;
         let events = PendingEvents::default();
         let stats = Arc::new(TierStats::default());
         let index = {
@@ -159,24 +99,14 @@ impl DiskTier {
     /// Indexes the sound block files of this layout; deletes the rest of
     /// this tier's files.
     fn rebuild(&self) -> std::io::Result<()> {
-        let mut found = Vec::new();
-        for entry in std::fs::read_dir(&self.inner.dir)? {
-            let path = entry?.path();
-            match path.extension().and_then(|e| e.to_str()) {
-                Some("tmp") => {
-                    let _ = std::fs::remove_file(&path);
-                }
-                Some(EXTENSION) => match read_header(&path) {
-                    Some((header, file_len)) if header.fingerprint == self.inner.fingerprint && file_len == HEADER_BYTES as u64 + header.len && path == block_path(&self.inner.dir, header.sequence) => {
-                        found.push(header);
-                    }
-                    _ => {
-                        let _ = std::fs::remove_file(&path);
-                    }
-                },
-                _ => {}
+        let mut found = block_file::scan_dir(&self.inner.dir)?;
+        found.retain(|header| {
+            let ours = header.fingerprint == self.inner.fingerprint;
+            if !ours {
+                let _ = std::fs::remove_file(block_path(&self.inner.dir, header.sequence));
             }
-        }
+            ours
+        });
         for header in &found {
             self.inner.events.lock().push(KvEvent::Stored {
                 parent: header.parent,
@@ -231,22 +161,8 @@ impl DiskTier {
         if self.contains(hash) {
             return;
         }
-        let header = Header {
-            fingerprint: self.inner.fingerprint,
-            sequence: hash,
-            local: block.local,
-            parent: block.parent,
-            len: block.bytes.len() as u64,
-            checksum: block.checksum,
-        };
         let path = block_path(&self.inner.dir, hash);
-        let partial = path.with_extension("tmp");
-        let written = File::create(&partial).and_then(|mut file| {
-            file.write_all(&header.encode())?;
-            file.write_all(&block.bytes)
-        });
-        if let Err(error) = written.and_then(|()| std::fs::rename(&partial, &path)) {
-            let _ = std::fs::remove_file(&partial);
+        if let Err(error) = block_file::write_block(&path, self.inner.fingerprint, hash, block) {
             self.inner.stats.offloads_skipped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%error, path = %path.display(), "cannot write a KV block to the disk tier");
             return;
@@ -257,7 +173,7 @@ impl DiskTier {
             tier: Tier::Disk,
         });
         self.inner.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
-        let bytes = self.weight(header.len);
+        let bytes = self.weight(block.bytes.len() as u64);
         self.inner.stats.offloaded_bytes.fetch_add(bytes, Ordering::Relaxed);
         self.inner.index.insert(hash, DiskEntry { local: block.local, bytes });
         self.inner.index.run_pending_tasks();
@@ -284,21 +200,7 @@ impl DiskTier {
     }
 
     fn read(&self, hash: SequenceHash) -> Option<HostBlock> {
-        let mut file = File::open(block_path(&self.inner.dir, hash)).ok()?;
-        let mut header = [0u8; HEADER_BYTES];
-        file.read_exact(&mut header).ok()?;
-        let header = Header::decode(&header)?;
-        if header.fingerprint != self.inner.fingerprint || header.sequence != hash {
-            return None;
-        }
-        let mut bytes = Vec::with_capacity(usize::try_from(header.len).ok()?);
-        file.read_to_end(&mut bytes).ok()?;
-        (bytes.len() as u64 == header.len && block_checksum(&bytes) == header.checksum).then(|| HostBlock {
-            local: header.local,
-            parent: header.parent,
-            checksum: header.checksum,
-            bytes: bytes.into_boxed_slice(),
-        })
+        block_file::read_block(&block_path(&self.inner.dir, hash), self.inner.fingerprint, hash)
     }
 
     /// Drops a block from the tier, deleting its file.
@@ -326,21 +228,10 @@ impl DiskTier {
     }
 }
 
-fn block_path(dir: &Path, hash: SequenceHash) -> PathBuf {
-    dir.join(format!("{:016x}.{EXTENSION}", hash.0))
-}
-
-fn read_header(path: &Path) -> Option<(Header, u64)> {
-    let mut file = File::open(path).ok()?;
-    let file_len = file.metadata().ok()?.len();
-    let mut header = [0u8; HEADER_BYTES];
-    file.read_exact(&mut header).ok()?;
-    Some((Header::decode(&header)?, file_len))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv_memory::block_checksum;
 
     fn block(byte: u8, len: usize, parent: Option<u64>) -> HostBlock {
         let bytes: Box<[u8]> = (0..len).map(|i| byte.wrapping_add(i as u8)).collect();
@@ -349,17 +240,6 @@ mod tests {
 
     fn hashes(n: u8) -> BlockHashes {
         BlockHashes { local: LocalBlockHash(u64::from(n)), sequence: SequenceHash(1000 + u64::from(n)) }
-    }
-
-    #[test]
-    fn headers_round_trip_and_a_flipped_bit_is_refused() {
-        let header = Header { fingerprint: 7, sequence: SequenceHash(u64::MAX), local: LocalBlockHash(3), parent: Some(SequenceHash(0)), len: 368_640, checksum: 42 };
-        let mut encoded = header.encode();
-        assert_eq!(Header::decode(&encoded), Some(header));
-        let first = Header { parent: None, ..header };
-        assert_eq!(Header::decode(&first.encode()), Some(first));
-        encoded[20] ^= 1;
-        assert_eq!(Header::decode(&encoded), None);
     }
 
     #[test]

@@ -30,7 +30,8 @@
 //! own events, so routers credit lower-tier hits.
 //!
 //! - [`HostTier`] (`host.rs`): a byte-bounded `moka` cache in memory.
-//! - [`DiskTier`] (`disk.rs`): one file per block, its index a byte-bounded
+//! - [`DiskTier`] (`disk.rs`): one file per block ([`block_file`], a
+//!   format the kv-store's disk tier shares), its index a byte-bounded
 //!   `moka` cache rebuilt from the files at start.
 //!
 //! **Modelled transfers.** An engine that holds no KV bytes (the mocker)
@@ -42,6 +43,7 @@
 //! sequences keep stepping meanwhile (as copies overlap compute on a GPU),
 //! and onboards queue behind each other on one link.
 
+pub mod block_file;
 mod disk;
 mod host;
 

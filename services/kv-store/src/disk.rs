@@ -1,0 +1,229 @@
+//! The store's disk tier: one file per block, in a directory per layout
+//! fingerprint (`<dir>/<fingerprint, 16 hex digits>/<sequence hash>.kvb`,
+//! the engine's block-file format), its index a byte-bounded `moka` cache
+//! (least recently used evicted first, its file deleted). The directory is
+//! this process's alone (an exclusive lock on `<dir>/.lock`).
+//!
+//! A file is written whole or not at all (a `.tmp` renamed into place) and
+//! checked on every read (header, length, checksum); a block that fails is
+//! deleted and reported missing, never served. At start the index is
+//! rebuilt from the sound files, so a restarted store keeps its blocks.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use turbine_engine::HostBlock;
+use turbine_engine::tiers::block_file::{self, block_path};
+use turbine_kv::SequenceHash;
+
+use crate::store::{BlockKey, Fingerprint, TierUsage};
+
+/// The disk tier. Cloning shares it.
+#[derive(Clone)]
+pub struct DiskBlocks {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    /// Each block's file length.
+    index: moka::sync::Cache<BlockKey, u64>,
+    /// Per fingerprint: its block size and how many blocks are on disk.
+    layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>>,
+    evicted_blocks: Arc<AtomicU64>,
+    corrupt_blocks: AtomicU64,
+    write_failures: AtomicU64,
+    capacity_bytes: u64,
+    _lock: File,
+}
+
+impl std::fmt::Debug for DiskBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskBlocks").field("dir", &self.inner.dir).field("capacity_bytes", &self.inner.capacity_bytes).finish_non_exhaustive()
+    }
+}
+
+fn fingerprint_dir(dir: &Path, fingerprint: Fingerprint) -> PathBuf {
+    dir.join(format!("{:016x}", fingerprint.get()))
+}
+
+impl DiskBlocks {
+    /// Opens (creating it if needed) the tier in `dir`, holding at most
+    /// `capacity_bytes` of block files; indexes the sound blocks already
+    /// there and deletes the rest.
+    pub fn open(dir: &Path, capacity_bytes: u64) -> std::io::Result<Self> {
+        let lock = block_file::lock_dir(dir, "Turbine kv-store")?;
+        let layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>> = Arc::default();
+        let evicted_blocks = Arc::new(AtomicU64::new(0));
+        let index = {
+            let dir = dir.to_path_buf();
+            let layouts = layouts.clone();
+            let evicted_blocks = evicted_blocks.clone();
+            moka::sync::Cache::builder()
+                .max_capacity(capacity_bytes)
+                .weigher(|_, bytes: &u64| u32::try_from(*bytes).unwrap_or(u32::MAX))
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .eviction_listener(move |key: Arc<BlockKey>, _, cause| {
+                    if matches!(cause, moka::notification::RemovalCause::Replaced) {
+                        return;
+                    }
+                    if cause.was_evicted() {
+                        evicted_blocks.fetch_add(1, Relaxed);
+                        let _ = std::fs::remove_file(block_path(&fingerprint_dir(&dir, key.fingerprint), key.sequence));
+                    }
+                    let mut layouts = layouts.lock();
+                    if let Some((_, blocks)) = layouts.get_mut(&key.fingerprint) {
+                        *blocks = blocks.saturating_sub(1);
+                        if *blocks == 0 {
+                            layouts.remove(&key.fingerprint);
+                        }
+                    }
+                })
+                .build()
+        };
+        let disk = Self {
+            inner: Arc::new(Inner {
+                dir: dir.to_path_buf(),
+                index,
+                layouts,
+                evicted_blocks,
+                corrupt_blocks: AtomicU64::new(0),
+                write_failures: AtomicU64::new(0),
+                capacity_bytes,
+                _lock: lock,
+            }),
+        };
+        disk.rebuild()?;
+        Ok(disk)
+    }
+
+    /// Indexes the sound files of every fingerprint's directory. A file in
+    /// the wrong directory, or of a size other than its fingerprint's
+    /// first, is deleted.
+    fn rebuild(&self) -> std::io::Result<()> {
+        let mut kept = 0u64;
+        for entry in std::fs::read_dir(&self.inner.dir)? {
+            let path = entry?.path();
+            let Some(fingerprint) = path
+                .file_name()
+                .and_then(|name| name.to_str())
+                .filter(|name| name.len() == 16)
+                .and_then(|name| u64::from_str_radix(name, 16).ok())
+                .and_then(Fingerprint::new)
+            else {
+                continue;
+            };
+            if !path.is_dir() {
+                continue;
+            }
+            for header in block_file::scan_dir(&path)? {
+                let fits = header.fingerprint == fingerprint.get() && {
+                    let mut layouts = self.inner.layouts.lock();
+                    let (size, blocks) = layouts.entry(fingerprint).or_insert((header.len as usize, 0));
+                    let fits = *size == header.len as usize;
+                    *blocks += u64::from(fits);
+                    fits
+                };
+                if fits {
+                    self.inner.index.insert(BlockKey { fingerprint, sequence: header.sequence }, header.file_bytes());
+                    kept += 1;
+                } else {
+                    let _ = std::fs::remove_file(block_path(&path, header.sequence));
+                }
+            }
+        }
+        self.inner.index.run_pending_tasks();
+        if kept > 0 {
+            tracing::info!(dir = %self.inner.dir.display(), blocks = kept, "kv-store disk tier: blocks kept from before");
+        }
+        Ok(())
+    }
+
+    /// The block size of `fingerprint`'s blocks on disk, if it has any.
+    pub fn block_bytes(&self, fingerprint: Fingerprint) -> Option<usize> {
+        self.inner.layouts.lock().get(&fingerprint).map(|&(size, _)| size)
+    }
+
+    /// Whether the tier holds `key`.
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.inner.index.contains_key(key)
+    }
+
+    /// Writes a block (one already held is left as it is); false if the
+    /// write failed (counted and logged: the block is then not on disk).
+    pub fn write(&self, key: BlockKey, block: &HostBlock) -> bool {
+        if self.contains(&key) {
+            return true;
+        }
+        let dir = fingerprint_dir(&self.inner.dir, key.fingerprint);
+        let path = block_path(&dir, key.sequence);
+        let written = std::fs::create_dir_all(&dir).and_then(|()| block_file::write_block(&path, key.fingerprint.get(), key.sequence, block));
+        match written {
+            Ok(bytes) => {
+                // Counted before it is in, so that its eviction always finds it counted.
+                self.inner.layouts.lock().entry(key.fingerprint).or_insert((block.bytes.len(), 0)).1 += 1;
+                self.inner.index.insert(key, bytes);
+                self.inner.index.run_pending_tasks();
+                true
+            }
+            Err(error) => {
+                self.inner.write_failures.fetch_add(1, Relaxed);
+                tracing::warn!(%error, path = %path.display(), "cannot write a KV block to the kv-store's disk tier");
+                false
+            }
+        }
+    }
+
+    /// Reads a block, checked; one that fails is deleted (and counted).
+    pub fn read(&self, key: &BlockKey) -> Option<HostBlock> {
+        self.inner.index.get(key)?;
+        let path = block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence);
+        let block = block_file::read_block(&path, key.fingerprint.get(), key.sequence);
+        if block.is_none() {
+            self.inner.corrupt_blocks.fetch_add(1, Relaxed);
+            tracing::warn!(sequence_hash = key.sequence.0, fingerprint = key.fingerprint.get(), "a kv-store disk block is unreadable or corrupt; dropped");
+            self.remove(key);
+        }
+        block
+    }
+
+    /// Drops a block, deleting its file; whether it was held.
+    pub fn remove(&self, key: &BlockKey) -> bool {
+        let _ = std::fs::remove_file(block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence));
+        let held = self.inner.index.remove(key).is_some();
+        self.inner.index.run_pending_tasks();
+        held
+    }
+
+    /// The hashes of every block of `fingerprint` on disk.
+    pub fn hashes_of(&self, fingerprint: Fingerprint) -> Vec<SequenceHash> {
+        self.inner.index.iter().filter(|(key, _)| key.fingerprint == fingerprint).map(|(key, _)| key.sequence).collect()
+    }
+
+    /// Sizes and counters now (after pending evictions ran).
+    pub fn usage(&self) -> TierUsage {
+        self.inner.index.run_pending_tasks();
+        TierUsage {
+            blocks: self.inner.index.entry_count(),
+            bytes: self.inner.index.weighted_size(),
+            capacity_bytes: self.inner.capacity_bytes,
+            evicted_blocks: self.inner.evicted_blocks.load(Relaxed),
+            corrupt_blocks: self.inner.corrupt_blocks.load(Relaxed),
+        }
+    }
+
+    /// Writes that failed.
+    pub fn write_failures(&self) -> u64 {
+        self.inner.write_failures.load(Relaxed)
+    }
+
+    /// The file of a block (for tests that corrupt one).
+    #[doc(hidden)]
+    pub fn path_for_test(&self, key: &BlockKey) -> PathBuf {
+        block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence)
+    }
+}
