@@ -113,7 +113,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
             "host" => HostTier::new((args.prompts * blocks) as u64 * block_bytes * 2),
             _ => HostTier::with_disk(2 * block_bytes, DiskTier::open(&disk_dir.join("bench-tiers"), (args.prompts * blocks) as u64 * block_bytes * 2, 1)?),
         };
-        let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None });
+        let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: None });
         let computed = prompts.iter().map(|prompt| ttft(&engine, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
         // Every full block but each prompt's last (a prompt that ends at a
         // block boundary leaves its last block to be computed).

@@ -17,7 +17,7 @@ use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
 use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
-use crate::tiers::{BlockSource, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, ReadDone, ReadJob, spawn_offload, spawn_reader};
+use crate::tiers::{BlockSource, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, RemoteTier, ReadDone, ReadJob, spawn_offload, spawn_reader};
 use turbine_kv::BlockHashes;
 use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
@@ -143,14 +143,14 @@ impl EngineHandle {
         let offload = match (&tiers.host, source) {
             (Some(host), Some(source)) if config.prefix_caching => {
                 scheduler.record_registered();
-                let (jobs, done) = spawn_offload(source, host.clone());
+                let (jobs, done) = spawn_offload(source, host.clone(), tiers.remote.clone());
                 Some(Offload { jobs, done, pinned: 0, limit: (config.num_blocks / 4).max(1), queued: Default::default(), queue_limit: config.num_blocks })
             }
             _ => None,
         };
         let reader = match (&tiers.host, &offload) {
-            (Some(host), Some(_)) if host.disk().is_some() || tiers.modelled.is_some() => {
-                let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.modelled);
+            (Some(host), Some(_)) if host.disk().is_some() || tiers.modelled.is_some() || tiers.remote.is_some() => {
+                let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.remote.clone(), tiers.modelled);
                 Some(Reader { jobs, done, waiting: HashMap::new() })
             }
             _ => None,
@@ -168,6 +168,7 @@ impl EngineHandle {
             next_pin_id: 1,
             host: tiers.host.clone(),
             modelled: tiers.modelled,
+            remote: tiers.remote.clone(),
             offload,
             reader,
         };
@@ -281,6 +282,8 @@ struct EngineLoop {
     /// Modelled transfer times (an engine without KV memory): every
     /// onboard waits for its time on the reader thread.
     modelled: Option<ModelledTransfer>,
+    /// The shared tier (G4), read after the disk for a long enough remainder.
+    remote: Option<RemoteTier>,
     /// Copies of registered blocks to the host tier.
     offload: Option<Offload>,
     /// Reads of disk blocks for requests waiting on them.
@@ -305,6 +308,8 @@ struct OnboardPlan {
     blocks: Vec<Arc<HostBlock>>,
     /// How many of `blocks` came from the host tier.
     from_host: usize,
+    /// How many (the last ones) came from the shared tier.
+    from_remote: usize,
 }
 
 /// Registered blocks on their way to the host tier.
@@ -462,12 +467,15 @@ impl EngineLoop {
             let blocks = host.lookup_run(&hashes[in_device..]);
             let disk_from = in_device + blocks.len();
             let on_disk = hashes.get(disk_from).is_some_and(|next| host.disk().is_some_and(|disk| disk.contains(next.sequence)));
-            let plan = OnboardPlan { from_host: blocks.len(), hashes, in_device, blocks };
-            if (on_disk || (self.modelled.is_some() && !plan.blocks.is_empty()))
+            // The shared tier costs a round trip: asked only for a long
+            // enough remainder.
+            let remote = self.remote.as_ref().is_some_and(|remote| remote.worth_asking(hashes.len() - disk_from));
+            let plan = OnboardPlan { from_host: blocks.len(), hashes, in_device, blocks, from_remote: 0 };
+            if (on_disk || remote || (self.modelled.is_some() && !plan.blocks.is_empty()))
                 && let Some(reader) = &mut self.reader
             {
-                let hashes = if on_disk { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
-                if reader.jobs.send(ReadJob { id: seq_id, hashes, host_blocks: plan.from_host }).is_ok() {
+                let hashes = if on_disk || remote { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
+                if reader.jobs.send(ReadJob { id: seq_id, hashes, remote, host_blocks: plan.from_host }).is_ok() {
                     reader.waiting.insert(seq_id, plan);
                     self.scheduler.suspend(seq_id);
                     continue;
@@ -482,7 +490,7 @@ impl EngineLoop {
     /// held meanwhile; if it left G1 since the plan was made, nothing is
     /// installed (the request computes its prompt).
     fn install_onboarded(&mut self, plan: OnboardPlan) {
-        let OnboardPlan { hashes, in_device, blocks, from_host } = plan;
+        let OnboardPlan { hashes, in_device, blocks, from_host, from_remote } = plan;
         if blocks.is_empty() {
             return;
         }
@@ -506,12 +514,18 @@ impl EngineLoop {
             }
         });
         self.scheduler.release_pinned(&held);
+        // Blocks skipped or not installed are counted off the nearest
+        // tiers first.
         let from_host = from_host.saturating_sub(skip).min(onboarded);
+        let from_remote = from_remote.min(onboarded - from_host);
         if let Some(host) = &self.host {
             host.stats().onboarded_blocks.fetch_add(from_host as u64, Ordering::Relaxed);
             if let Some(disk) = host.disk() {
-                disk.stats().onboarded_blocks.fetch_add((onboarded - from_host) as u64, Ordering::Relaxed);
+                disk.stats().onboarded_blocks.fetch_add((onboarded - from_host - from_remote) as u64, Ordering::Relaxed);
             }
+        }
+        if let Some(remote) = &self.remote {
+            remote.stats().onboarded_blocks.fetch_add(from_remote as u64, Ordering::Relaxed);
         }
         let block_size = self.scheduler.config().block_size;
         self.stats.onboarded_prompt_tokens.fetch_add((onboarded * block_size) as u64, Ordering::Relaxed);
@@ -537,11 +551,12 @@ impl EngineLoop {
         let mut finished = Vec::new();
         while let Ok(done) = reader.done.try_recv() {
             if let Some(plan) = reader.waiting.remove(&done.id) {
-                finished.push((done.id, plan, done.blocks));
+                finished.push((done.id, plan, done.blocks, done.from_remote));
             }
         }
-        for (seq_id, mut plan, blocks) in finished {
+        for (seq_id, mut plan, blocks, from_remote) in finished {
             plan.blocks.extend(blocks);
+            plan.from_remote = from_remote;
             self.install_onboarded(plan);
             // False when it was cancelled meanwhile: the blocks stay cached.
             self.scheduler.resume(seq_id);

@@ -16,10 +16,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use turbine_engine::{
-    Batch, DiskTier, EngineHandle, EngineOutput, Executor, GenerateRequest, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, Sampled, SchedulerConfig,
-    StopConditions, Tier,
+    Batch, DiskTier, EngineHandle, EngineOutput, Executor, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, RemoteStore,
+    RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
 };
-use turbine_kv::{BlockHasher, KvEvent};
+use turbine_kv::{BlockHashes, BlockHasher, KvEvent, SequenceHash};
 use turbine_testkit::wait_until;
 
 const BLOCK_SIZE: usize = 4;
@@ -83,7 +83,7 @@ fn config() -> SchedulerConfig {
 
 fn engine(host: Option<HostTier>) -> EngineHandle {
     let (executor, memory) = ChainExecutor::new();
-    EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host, memory: Some(memory), modelled: None })
+    EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host, memory: Some(memory), modelled: None, remote: None })
 }
 
 fn prompt(seed: u32) -> Vec<u32> {
@@ -330,7 +330,7 @@ async fn the_mocker_models_its_tiers_without_kv_bytes() {
     let disk = DiskTier::open_modelled(dir.path(), 1 << 30, 7, MODELLED).unwrap();
     let host = HostTier::modelled(3 * MODELLED, MODELLED, Some(disk.clone()));
     let executor = MockExecutor::new(MockTiming { speedup: 1e6 }, vec![5, 6, 7], None);
-    let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: None, modelled: Some(modelled) });
+    let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: None, modelled: Some(modelled), remote: None });
 
     let (first, cached) = generate(&engine, &prompt(0)).await;
     assert_eq!(cached, 0);
@@ -359,4 +359,61 @@ fn modelled_onboard_time_is_bytes_over_each_tiers_bandwidth() {
     for (host, disk, expected) in [(10, 0, 1.0), (0, 10, 10.0), (10, 10, 11.0)] {
         assert!((ms(host, disk) - expected).abs() < 1e-6, "{host} host and {disk} disk blocks: {} ms", ms(host, disk));
     }
+}
+
+/// A shared store in this process: what the kv-store keeps for many
+/// engines, behind the engine's [`RemoteStore`] interface (the kv-store
+/// service itself is tested against workers in `services/worker`).
+#[derive(Default)]
+struct SharedStore {
+    blocks: parking_lot::Mutex<std::collections::HashMap<SequenceHash, Arc<HostBlock>>>,
+    /// While set, every get fails (the store is down).
+    down: std::sync::atomic::AtomicBool,
+}
+
+impl RemoteStore for SharedStore {
+    fn put_run(&self, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> usize {
+        self.blocks.lock().extend(blocks.iter().cloned());
+        blocks.len()
+    }
+
+    fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
+        if self.down.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let blocks = self.blocks.lock();
+        hashes.iter().map_while(|h| blocks.get(&h.sequence).filter(|b| b.local == h.local && b.is_intact()).cloned()).collect()
+    }
+}
+
+fn engine_over(store: &Arc<SharedStore>) -> (EngineHandle, RemoteTier) {
+    let (executor, memory) = ChainExecutor::new();
+    let remote = RemoteTier::new(store.clone(), 2);
+    let tiers = KvTiers { host: Some(HostTier::new(1 << 20)), memory: Some(memory), modelled: None, remote: Some(remote.clone()) };
+    (EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), tiers), remote)
+}
+
+#[tokio::test]
+async fn a_prefix_computed_by_one_engine_is_onboarded_by_another_from_the_shared_tier() {
+    let expected = computed_output().await;
+    let store = Arc::new(SharedStore::default());
+    let (first, first_remote) = engine_over(&store);
+    assert_eq!(generate(&first, &prompt(0)).await, (expected.clone(), 0));
+    wait_until("write-through to the shared tier", Duration::from_secs(10), async || first_remote.stats().offloaded_blocks.load(Ordering::Relaxed) >= 10).await;
+    first.shutdown();
+
+    // Another engine, its own pool and host tier empty.
+    let (second, remote) = engine_over(&store);
+    let (again, cached) = generate(&second, &prompt(0)).await;
+    assert_eq!(again, expected, "blocks from the shared tier give the computed output");
+    assert_eq!(cached, 40, "the prompt's 10 full blocks are hits");
+    assert_eq!(remote.stats().onboarded_blocks.load(Ordering::Relaxed), 10);
+
+    // The store down: a third engine computes the prompt, same output.
+    store.down.store(true, Ordering::Relaxed);
+    let (third, remote) = engine_over(&store);
+    assert_eq!(generate(&third, &prompt(0)).await, (expected, 0), "a failed fetch is a miss, never an error");
+    assert_eq!(remote.stats().onboarded_blocks.load(Ordering::Relaxed), 0);
+    second.shutdown();
+    third.shutdown();
 }

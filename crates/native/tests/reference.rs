@@ -614,7 +614,7 @@ fn onboarded_prefixes_give_the_computed_output(host: HostTier) -> HostTier {
     let options = NativeOptions { block_size: 16, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend: Backend::Kernels, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
     let memory = executor.kv_memory().expect("the pool is exposed");
-    let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None });
+    let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: None });
     let computed: Vec<Vec<u32>> = prompts.iter().map(|prompt| finish(submit(&engine, prompt, STEPS as u32)).0).collect();
     use std::sync::atomic::Ordering::Relaxed;
     // Every block copied to the host tier, and every block it evicted

@@ -137,6 +137,12 @@ impl HostTier {
     /// Stores a run of consecutive blocks of one chain, announcing them
     /// with one `Stored` event.
     pub fn insert_run(&self, blocks: Vec<(SequenceHash, HostBlock)>) {
+        self.insert_shared_run(blocks.into_iter().map(|(hash, block)| (hash, Arc::new(block))).collect());
+    }
+
+    /// [`insert_run`](Self::insert_run) of blocks shared with another
+    /// tier.
+    pub fn insert_shared_run(&self, blocks: Vec<(SequenceHash, Arc<HostBlock>)>) {
         let Some((_, first)) = blocks.first() else { return };
         let stored = blocks.iter().map(|(hash, block)| StoredBlock { sequence_hash: *hash, local_hash: block.local }).collect();
         // Announced before the cache can evict them, so that a consumer
@@ -145,7 +151,7 @@ impl HostTier {
         for (hash, block) in blocks {
             self.stats.offloaded_bytes.fetch_add(self.modelled_block_bytes.unwrap_or(block.bytes.len() as u64), Ordering::Relaxed);
             self.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
-            self.cache.insert(hash, Arc::new(block));
+            self.cache.insert(hash, block);
         }
         self.cache.run_pending_tasks();
     }

@@ -1,5 +1,5 @@
-//! KV tiers below the engine's pool (G1): host memory (G2) and local disk
-//! (G3).
+//! KV tiers below the engine's pool (G1): host memory (G2), local disk
+//! (G3) and a shared store (G4).
 //!
 //! **Offload.** A block registered in G1 is full and never written again,
 //! so it is copied to the host tier as soon as it is registered
@@ -30,6 +30,12 @@
 //! own events, so routers credit lower-tier hits.
 //!
 //! - [`HostTier`] (`host.rs`): a byte-bounded `moka` cache in memory.
+//! - [`RemoteTier`] (`remote.rs`): the shared tier (G4) over a
+//!   [`RemoteStore`] the worker supplies: every block the host tier stores
+//!   is written through to it; a waiting request whose prefix continues
+//!   past the host and disk tiers by at least its `min_blocks` asks it on
+//!   the reader thread (one round trip, the sequence suspended meanwhile);
+//!   whatever it fails to return is computed.
 //! - [`DiskTier`] (`disk.rs`): one file per block ([`block_file`], a
 //!   format the kv-store's disk tier shares), its index a byte-bounded
 //!   `moka` cache rebuilt from the files at start.
@@ -46,6 +52,7 @@
 pub mod block_file;
 mod disk;
 mod host;
+mod remote;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -58,6 +65,7 @@ use crate::kv_memory::{KvMemory, block_checksum};
 
 pub use disk::DiskTier;
 pub use host::HostTier;
+pub use remote::{RemoteStore, RemoteTier};
 
 /// A block held below the pool, its bytes in the pool's layout.
 #[derive(Debug)]
@@ -123,6 +131,10 @@ pub struct KvTiers {
     /// tiers model (the tiers are then built with
     /// [`HostTier::modelled`] and [`DiskTier::open_modelled`]).
     pub modelled: Option<ModelledTransfer>,
+    /// The shared tier (G4): every block the host tier stores is written
+    /// through to it, and a waiting request's prefix that continues there
+    /// is fetched from it. Needs the host tier.
+    pub remote: Option<RemoteTier>,
 }
 
 /// Transfers modelled for an engine that holds no KV bytes (the mocker).
@@ -176,9 +188,19 @@ pub(crate) struct OffloadBlock {
 pub(crate) fn spawn_offload(
     source: BlockSource,
     host: HostTier,
+    remote: Option<RemoteTier>,
 ) -> (std::sync::mpsc::Sender<Vec<OffloadBlock>>, std::sync::mpsc::Receiver<Vec<u32>>) {
     let (jobs, job_receiver) = std::sync::mpsc::channel::<Vec<OffloadBlock>>();
     let (done_sender, done) = std::sync::mpsc::channel();
+    let host_of_run = host.clone();
+    // A run goes to the host tier and, written through, to the shared one.
+    let store_run = move |run: Vec<(SequenceHash, HostBlock)>| {
+        let run: Vec<(SequenceHash, Arc<HostBlock>)> = run.into_iter().map(|(hash, block)| (hash, Arc::new(block))).collect();
+        if let Some(remote) = &remote {
+            remote.put_run(&run);
+        }
+        host.insert_shared_run(run);
+    };
     std::thread::Builder::new()
         .name("turbine-kv-offload".into())
         .spawn(move || {
@@ -188,11 +210,11 @@ pub(crate) fn spawn_offload(
                 for item in &batch {
                     // A new run where the chain breaks.
                     if run.last().map(|(hash, _)| Some(*hash)) != Some(item.parent) {
-                        host.insert_run(std::mem::take(&mut run));
+                        store_run(std::mem::take(&mut run));
                     }
-                    if host.contains(item.hashes.sequence) {
+                    if host_of_run.contains(item.hashes.sequence) {
                         // Onboarded from this tier, or stored by another sequence.
-                        host.insert_run(std::mem::take(&mut run));
+                        store_run(std::mem::take(&mut run));
                         continue;
                     }
                     let copied = match &source {
@@ -214,7 +236,7 @@ pub(crate) fn spawn_offload(
                         Err(error) => tracing::warn!(%error, "cannot copy a KV block to the host tier"),
                     }
                 }
-                host.insert_run(run);
+                store_run(run);
                 if done_sender.send(batch.iter().map(|item| item.block).collect()).is_err() {
                     break;
                 }
@@ -224,28 +246,35 @@ pub(crate) fn spawn_offload(
     (jobs, done)
 }
 
-/// Disk blocks to read for a waiting request.
+/// Disk (and shared-tier) blocks to read for a waiting request.
 pub(crate) struct ReadJob {
     /// The suspended sequence.
     pub id: crate::scheduler::SeqId,
-    /// The disk blocks' hashes, in chain order (empty: none to read).
+    /// The hashes of the blocks after the host tier's, in chain order
+    /// (empty: none to read): read from disk while it has them, then from
+    /// the shared tier if `remote`.
     pub hashes: Vec<BlockHashes>,
+    /// Whether to ask the shared tier for what the disk lacks.
+    pub remote: bool,
     /// Host-tier blocks onboarded with them (their time is modelled, if
     /// transfers are).
     pub host_blocks: usize,
 }
 
-/// What a [`ReadJob`] found: the leading blocks that were on disk and
-/// intact.
+/// What a [`ReadJob`] found: the leading blocks that were on disk (then
+/// in the shared tier) and intact.
 pub(crate) struct ReadDone {
     pub id: crate::scheduler::SeqId,
     pub blocks: Vec<Arc<HostBlock>>,
+    /// How many of `blocks` (the last ones) came from the shared tier.
+    pub from_remote: usize,
 }
 
 /// Starts the thread that reads disk blocks for waiting requests and, with
 /// modelled transfers, takes each onboard's modelled time.
 pub(crate) fn spawn_reader(
     disk: Option<DiskTier>,
+    remote: Option<RemoteTier>,
     modelled: Option<ModelledTransfer>,
 ) -> (std::sync::mpsc::Sender<ReadJob>, std::sync::mpsc::Receiver<ReadDone>) {
     let (jobs, job_receiver) = std::sync::mpsc::channel::<ReadJob>();
@@ -255,14 +284,19 @@ pub(crate) fn spawn_reader(
         .spawn(move || {
             while let Ok(job) = job_receiver.recv() {
                 let started = Instant::now();
-                let blocks = match &disk {
+                let mut blocks = match &disk {
                     Some(disk) if !job.hashes.is_empty() => disk.read_run(&job.hashes),
                     _ => Vec::new(),
                 };
+                let from_disk = blocks.len();
                 if let Some(modelled) = modelled {
-                    std::thread::sleep(modelled.onboard_time(job.host_blocks, blocks.len()).saturating_sub(started.elapsed()));
+                    std::thread::sleep(modelled.onboard_time(job.host_blocks, from_disk).saturating_sub(started.elapsed()));
                 }
-                if done_sender.send(ReadDone { id: job.id, blocks }).is_err() {
+                if let Some(remote) = remote.as_ref().filter(|_| job.remote) {
+                    blocks.extend(remote.get_run(&job.hashes[from_disk..]));
+                }
+                let from_remote = blocks.len() - from_disk;
+                if done_sender.send(ReadDone { id: job.id, blocks, from_remote }).is_err() {
                     break;
                 }
             }

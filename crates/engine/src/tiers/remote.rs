@@ -1,0 +1,79 @@
+//! The shared tier (G4): a store other workers reach too (the kv-store
+//! service), below the disk tier. The engine knows it only as a
+//! [`RemoteStore`]: the worker supplies one over its client, so the engine
+//! stays free of any transport.
+//!
+//! Both calls run on the tier threads, never on the engine's: a put is
+//! handed over (the store queues it and returns), a get blocks the reader
+//! thread for one round trip while the sequence waiting for it is
+//! suspended and the engine keeps stepping the others.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use turbine_kv::{BlockHashes, SequenceHash};
+
+use super::{HostBlock, TierStats};
+
+/// A shared store of KV blocks, keyed by this engine's layout and the
+/// blocks' sequence hashes.
+pub trait RemoteStore: Send + Sync + 'static {
+    /// Stores a run of consecutive blocks of one chain, as they reach the
+    /// host tier (write-through). Must not wait on the network: queue the
+    /// blocks (dropping them when the queue is full) and return how many
+    /// were queued (blocks the store is known to hold count as queued).
+    fn put_run(&self, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> usize;
+
+    /// The leading blocks of `hashes` the store holds, each checked against
+    /// its checksum and hashes. Any failure (the store down, slow, or a
+    /// block corrupt) ends the run: what is missing is computed.
+    fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>>;
+}
+
+/// The shared tier as the engine holds it. Cloning shares it.
+#[derive(Clone)]
+pub struct RemoteTier {
+    store: Arc<dyn RemoteStore>,
+    stats: Arc<TierStats>,
+    min_blocks: usize,
+}
+
+impl std::fmt::Debug for RemoteTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteTier").field("min_blocks", &self.min_blocks).finish_non_exhaustive()
+    }
+}
+
+impl RemoteTier {
+    /// The tier over `store`, asked for a waiting request's prefix only
+    /// when at least `min_blocks` of its blocks are in no nearer tier (a
+    /// shorter remainder is cheaper to compute than a round trip).
+    pub fn new(store: Arc<dyn RemoteStore>, min_blocks: usize) -> Self {
+        Self { store, stats: Arc::default(), min_blocks: min_blocks.max(1) }
+    }
+
+    /// The tier's counters (the store's own client may count more).
+    pub fn stats(&self) -> &TierStats {
+        &self.stats
+    }
+
+    /// Whether a remainder of `blocks` blocks is worth asking for.
+    pub(crate) fn worth_asking(&self, blocks: usize) -> bool {
+        blocks >= self.min_blocks
+    }
+
+    pub(crate) fn put_run(&self, blocks: &[(SequenceHash, Arc<HostBlock>)]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let queued = self.store.put_run(blocks).min(blocks.len());
+        let bytes: usize = blocks[..queued].iter().map(|(_, block)| block.bytes.len()).sum();
+        self.stats.offloaded_blocks.fetch_add(queued as u64, Relaxed);
+        self.stats.offloaded_bytes.fetch_add(bytes as u64, Relaxed);
+        self.stats.offloads_skipped.fetch_add((blocks.len() - queued) as u64, Relaxed);
+    }
+
+    pub(crate) fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
+        if hashes.is_empty() { Vec::new() } else { self.store.get_run(hashes) }
+    }
+}
