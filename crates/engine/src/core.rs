@@ -104,6 +104,7 @@ pub struct EngineHandle {
     config: Arc<SchedulerConfig>,
     stats: Arc<EngineStats>,
     host: Option<HostTier>,
+    remote: Option<RemoteTier>,
     events: broadcast::Sender<NumberedEvent>,
     thread: Arc<parking_lot::Mutex<Option<thread::JoinHandle<()>>>>,
 }
@@ -181,6 +182,7 @@ impl EngineHandle {
             config: Arc::new(config),
             stats,
             host: tiers.host,
+            remote: tiers.remote,
             events,
             thread: Arc::new(parking_lot::Mutex::new(Some(thread))),
         }
@@ -240,6 +242,11 @@ impl EngineHandle {
     /// The host-memory tier below the pool, if any.
     pub fn host_tier(&self) -> Option<&HostTier> {
         self.host.as_ref()
+    }
+
+    /// The shared tier (G4), if the engine has one.
+    pub fn remote_tier(&self) -> Option<&RemoteTier> {
+        self.remote.as_ref()
     }
 
     /// Subscribes to the engine's KV events.

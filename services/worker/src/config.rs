@@ -169,6 +169,24 @@ pub struct EngineConfig {
     /// GiB of block files the disk tier may hold.
     #[arg(long, env = "TURBINE_WORKER_DISK_CACHE_GIB", default_value_t = 16.0)]
     pub disk_cache_gib: f64,
+    /// Shared KV tier (G4): the kv-store at this endpoint
+    /// (`http://host:port`). Every block the host tier stores is also put
+    /// there (write-through, in the background), and a prompt whose prefix
+    /// continues past the host and disk tiers fetches it from there, so a
+    /// prefix computed on one worker is reused by the others. A store that
+    /// is down or slow is a miss: the prompt is computed. Needs
+    /// --host-cache-mib and the native engine.
+    #[arg(long, env = "TURBINE_WORKER_KV_STORE", value_name = "URL")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_store: Option<String>,
+    /// Fewest blocks of a prompt, beyond the nearer tiers, worth a round
+    /// trip to the kv-store (a shorter remainder is computed).
+    #[arg(long, env = "TURBINE_WORKER_KV_STORE_MIN_BLOCKS", default_value_t = 2)]
+    pub kv_store_min_blocks: usize,
+    /// Milliseconds a fetch from the kv-store may take before it counts as
+    /// a miss.
+    #[arg(long, env = "TURBINE_WORKER_KV_STORE_TIMEOUT_MS", default_value_t = 5000)]
+    pub kv_store_timeout_ms: u64,
     /// Mocker: modelled host-tier onboard bandwidth, GB/s (divided by
     /// --speedup like every simulated time).
     #[arg(long, env = "TURBINE_WORKER_MOCK_HOST_GBPS", default_value_t = MOCK_HOST_GBPS)]
@@ -233,6 +251,15 @@ impl EngineConfig {
         self.device.parse::<turbine_native::Device>()?;
         if self.disk_cache_dir.is_some() && self.host_cache_mib == 0 {
             return Err("disk_cache_dir needs a host tier above it: set host_cache_mib too".into());
+        }
+        if self.kv_store.is_some() && self.host_cache_mib == 0 {
+            return Err("kv_store needs a host tier above it (blocks reach the store through it): set host_cache_mib too".into());
+        }
+        if self.kv_store.is_some() && self.engine == EngineKind::Mock {
+            return Err("kv_store: the mocker does not model the shared tier yet; use the native engine".into());
+        }
+        if self.kv_store_min_blocks == 0 || self.kv_store_timeout_ms == 0 {
+            return Err("kv_store_min_blocks and kv_store_timeout_ms must be positive".into());
         }
         if !(self.disk_cache_gib.is_finite() && self.disk_cache_gib > 0.0) {
             return Err(format!("disk_cache_gib must be a positive number, got {}", self.disk_cache_gib));
@@ -414,6 +441,8 @@ mod tests {
                 .contains("lease_ttl_secs")
         );
         assert!(parse(&["--disk-cache-dir", "/tmp/kv"]).unwrap_err().contains("host_cache_mib"));
+        assert!(parse(&["--kv-store", "http://127.0.0.1:50053"]).unwrap_err().contains("host_cache_mib"));
+        assert!(parse(&["--kv-store", "http://127.0.0.1:50053", "--host-cache-mib", "64", "--engine", "mock"]).unwrap_err().contains("mocker"));
         assert!(parse(&["--host-cache-mib", "64", "--disk-cache-dir", "/tmp/kv", "--disk-cache-gib", "0"]).unwrap_err().contains("disk_cache_gib"));
         assert!(parse(&["--host-cache-mib", "64", "--disk-cache-dir", "/tmp/kv"]).is_ok());
     }

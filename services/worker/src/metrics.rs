@@ -54,6 +54,9 @@ pub struct EngineCollector {
     onboarded: IntCounter,
     host: Option<TierMetrics>,
     disk: Option<TierMetrics>,
+    /// The shared tier: its counters (what the store holds is in the
+    /// kv-store's own Stats; the gauges stay 0 here).
+    remote: Option<TierMetrics>,
     descs: Vec<Desc>,
 }
 
@@ -124,10 +127,12 @@ impl EngineCollector {
         let count = |name: &str, help: &str| IntCounter::with_opts(opts(name, help)).expect("valid counter");
         let host = engine.host_tier().map(|_| TierMetrics::new(worker_id, "host"));
         let disk = engine.host_tier().and_then(|host| host.disk()).map(|_| TierMetrics::new(worker_id, "disk"));
+        let remote = engine.remote_tier().map(|_| TierMetrics::new(worker_id, "remote"));
         let mut collector = Self {
             engine,
             host,
             disk,
+            remote,
             running: gauge("turbine_worker_running_sequences", "Sequences scheduled (prefilling or decoding)"),
             waiting: gauge("turbine_worker_waiting_sequences", "Sequences queued"),
             blocks_used: gauge("turbine_worker_kv_blocks_used", "KV blocks referenced by sequences"),
@@ -157,7 +162,7 @@ impl EngineCollector {
             &self.preemptions,
             &self.onboarded,
         ];
-        for tier in [&self.host, &self.disk].into_iter().flatten() {
+        for tier in [&self.host, &self.disk, &self.remote].into_iter().flatten() {
             metrics.extend(tier.metrics());
         }
         metrics
@@ -195,6 +200,9 @@ impl Collector for EngineCollector {
             if let (Some(metrics), Some(disk)) = (&self.disk, host.disk()) {
                 metrics.update(disk.blocks(), disk.used_bytes(), disk.capacity_bytes(), disk.stats());
             }
+        }
+        if let (Some(metrics), Some(remote)) = (&self.remote, self.engine.remote_tier()) {
+            metrics.update(0, 0, 0, remote.stats());
         }
         self.metrics().iter().flat_map(|metric| metric.collect()).collect()
     }

@@ -5,14 +5,17 @@ use std::time::Duration;
 
 use anyhow::Context;
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
-use turbine_engine::{DiskTier, EngineHandle, Executor, HostTier, KvMemory, KvTiers, Load, ModelledTransfer, SchedulerConfig};
+use turbine_engine::{DiskTier, EngineHandle, Executor, HostTier, KvMemory, KvTiers, Load, ModelledTransfer, RemoteTier, SchedulerConfig};
 use turbine_kv::WorkerId;
 use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
 use crate::config::{EngineKind, WorkerConfig, WorkerRole};
+use turbine_kv_store::{Fingerprint, KvStoreClient};
+
 use crate::disagg::{Disagg, DisaggOptions, SharedKvPool, SimulatedTransfer};
+use crate::kv_store_tier::KvStoreTier;
 
 /// The mocker's pool unless configured (DESIGN §5: 16,384 blocks of 64 tokens).
 const MOCK_NUM_BLOCKS: usize = 16_384;
@@ -114,7 +117,22 @@ impl Worker {
                 None
             }
         };
-        let tiers = KvTiers { host, memory: memory.clone(), modelled, remote: None };
+        let remote = match (&engine_config.kv_store, &host, &memory) {
+            (Some(endpoint), Some(_), Some(memory)) => {
+                let client = KvStoreClient::connect(endpoint)?;
+                let layout = format!("{:?}", memory.layout());
+                let fingerprint = Fingerprint::new(shared_fingerprint(&model.path, &layout, &scheduler)).context("a zero layout fingerprint")?;
+                let tier = KvStoreTier::new(client, fingerprint, Duration::from_millis(engine_config.kv_store_timeout_ms));
+                tracing::info!(kv_store = %endpoint, fingerprint = format!("{:016x}", fingerprint.get()), "shared KV tier on");
+                Some(RemoteTier::new(Arc::new(tier), engine_config.kv_store_min_blocks))
+            }
+            (Some(_), _, _) => {
+                tracing::warn!("the shared KV tier (--kv-store) needs the host tier and an engine that exposes its KV memory; it is off");
+                None
+            }
+            (None, _, _) => None,
+        };
+        let tiers = KvTiers { host, memory: memory.clone(), modelled, remote };
         let engine = EngineHandle::spawn_with_tiers(scheduler, card.tokenizer.eog_token_ids.clone(), executor, tiers);
         // The mocker models hand-offs: no bytes, their transfer time.
         let simulated = (engine_config.engine == EngineKind::Mock && config.role != WorkerRole::Aggregated).then(|| SimulatedTransfer {
@@ -201,6 +219,26 @@ impl Worker {
 /// What must match for blocks on disk to be this worker's: the model file
 /// (path, size, modification time), the pool's layout, the block size and
 /// the hash seed.
+/// The identity of blocks shared between workers, wherever their model file
+/// lives: the file's length and the XXH3 of its first 4 MiB (a GGUF's
+/// header: metadata and tensor table) and last MiB, the pool layout, the
+/// block size and the hash seed.
+fn shared_fingerprint(model: &std::path::Path, layout: &str, scheduler: &SchedulerConfig) -> u64 {
+    use std::io::{Read, Seek, SeekFrom};
+    let content = std::fs::File::open(model).and_then(|mut file| {
+        let len = file.metadata()?.len();
+        let mut head = vec![0u8; (4u64 << 20).min(len) as usize];
+        file.read_exact(&mut head)?;
+        let tail_len = (1u64 << 20).min(len);
+        file.seek(SeekFrom::Start(len - tail_len))?;
+        let mut tail = vec![0u8; tail_len as usize];
+        file.read_exact(&mut tail)?;
+        Ok((len, turbine_engine::block_checksum(&head), turbine_engine::block_checksum(&tail)))
+    });
+    let identity = format!("{content:?}|{layout}|{}|{}", scheduler.block_size, scheduler.hash_seed);
+    turbine_engine::block_checksum(identity.as_bytes()).max(1)
+}
+
 fn layout_fingerprint(model: &std::path::Path, layout: &str, scheduler: &SchedulerConfig) -> u64 {
     let file = std::fs::metadata(model).ok();
     let modified = file.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_nanos());

@@ -47,7 +47,11 @@ fn greedy(prompt: &[u32], max_tokens: u32) -> pb::GenerateRequest {
     }
 }
 
-async fn generate(mut client: WorkerClient<tonic::transport::Channel>, request: pb::GenerateRequest) -> Result<(Vec<u32>, pb::FinishReason), tonic::Status> {
+async fn generate(client: WorkerClient<tonic::transport::Channel>, request: pb::GenerateRequest) -> Result<(Vec<u32>, pb::FinishReason), tonic::Status> {
+    tokio::time::timeout(Duration::from_secs(240), generate_unbounded(client, request)).await.expect("a request finishes within 240 s")
+}
+
+async fn generate_unbounded(mut client: WorkerClient<tonic::transport::Channel>, request: pb::GenerateRequest) -> Result<(Vec<u32>, pb::FinishReason), tonic::Status> {
     let mut stream = client.generate(request).await?.into_inner();
     let mut tokens = Vec::new();
     while let Some(message) = stream.message().await? {
@@ -192,6 +196,60 @@ async fn prompts_come_back_from_the_disk_tier_and_it_survives_a_restart() {
     let from_disk = metric_where(&admin, "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "disk")]).await;
     assert!(from_disk >= 4.0, "the restarted worker read its blocks from disk ({from_disk})");
     assert_eq!(metric_where(&admin, "turbine_worker_kv_tier_corrupt_blocks_total", &[("tier", "disk")]).await, 0.0);
+}
+
+/// A kv-store served in this process on a loopback port: its endpoint, its
+/// blocks, and the token that stops it.
+async fn kv_store() -> (String, turbine_kv_store::Store, turbine_runtime::CancellationToken) {
+    let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
+    let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
+    let store = turbine_kv_store::Store::new(256 << 20);
+    let shutdown = turbine_runtime::CancellationToken::new();
+    tokio::spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), listeners, shutdown.clone()));
+    (endpoint, store, shutdown)
+}
+
+/// `--kv-store`: a prompt computed on one worker is onboarded by another
+/// from the kv-store with the same greedy tokens; with the store down, a
+/// third worker computes it, same tokens, nothing failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_computed_on_one_worker_is_onboarded_by_another_from_the_kv_store() {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    let (endpoint, store, shutdown) = kv_store().await;
+    let flags = |id: &'static str| -> Vec<String> {
+        ["--kv-cache-mib", "16", "--host-cache-mib", "64", "--kv-store", &endpoint, "--kv-store-timeout-ms", "10000", "--worker-id", id]
+            .iter()
+            .map(|flag| flag.to_string())
+            .collect()
+    };
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    // 16 blocks of 16 tokens.
+    let prompt = tokens.encode_text(&"Lighthouses guide ships past rocks along the coast at night. ".repeat(30)).unwrap()[..256].to_vec();
+
+    let first = native_worker(&flags("store-a").iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let client = WorkerClient::connect(first.grpc_endpoint()).await.unwrap();
+    let (computed, _) = generate(client, greedy(&prompt, 8)).await.unwrap();
+    turbine_testkit::wait_until("blocks put to the kv-store", Duration::from_secs(30), async || store.stats().put_blocks >= 15).await;
+    let put = metric_where(&first.admin_url(), "turbine_worker_kv_tier_offloaded_blocks_total", &[("tier", "remote")]).await;
+    assert!(put >= 15.0, "the worker counts its puts ({put})");
+    drop(first);
+
+    let second = native_worker(&flags("store-b").iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let client = WorkerClient::connect(second.grpc_endpoint()).await.unwrap();
+    let (onboarded, _) = generate(client, greedy(&prompt, 8)).await.unwrap();
+    assert_eq!(onboarded, computed, "blocks from the kv-store give the computed tokens");
+    let admin = second.admin_url();
+    let from_store = metric_where(&admin, "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await;
+    assert!(from_store >= 14.0, "the prompt's blocks came from the kv-store ({from_store})");
+    assert!(metric(&admin, "turbine_worker_cached_prompt_tokens_total").await >= 224.0);
+    drop(second);
+
+    shutdown.cancel();
+    let third = native_worker(&flags("store-c").iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let client = WorkerClient::connect(third.grpc_endpoint()).await.unwrap();
+    let (recomputed, _) = generate(client, greedy(&prompt, 8)).await.expect("a store that is down never fails a request");
+    assert_eq!(recomputed, computed);
+    assert_eq!(metric_where(&third.admin_url(), "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await, 0.0);
 }
 
 #[test]

@@ -1,0 +1,110 @@
+//! The engine's shared tier (G4) over the kv-store service: blocks the host
+//! tier stores are put to the store by a task of their own, and a waiting
+//! request's prefix is fetched from it on the engine's reader thread.
+//!
+//! Nothing here can fail a request: a put that fails is logged and counted
+//! (the block is simply not shared); a get that fails, times out or returns
+//! a block that does not match is a miss, and the engine computes the rest.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use turbine_engine::{HostBlock, RemoteStore};
+use turbine_kv::{BlockHashes, SequenceHash};
+use turbine_kv_store::{Fingerprint, KvStoreClient};
+
+/// Runs of blocks queued for the store at most; more are dropped (not
+/// shared) rather than held.
+const PUT_QUEUE: usize = 64;
+
+/// Blocks remembered as held by the store (put or fetched), so that a
+/// block onboarded from it is not put back.
+const KNOWN_BLOCKS: u64 = 1 << 20;
+
+/// The kv-store as the engine's [`RemoteStore`].
+pub struct KvStoreTier {
+    client: KvStoreClient,
+    fingerprint: Fingerprint,
+    runtime: tokio::runtime::Handle,
+    puts: mpsc::Sender<Vec<(SequenceHash, Arc<HostBlock>)>>,
+    known: moka::sync::Cache<SequenceHash, ()>,
+    get_timeout: Duration,
+    failures: Arc<AtomicU64>,
+}
+
+impl KvStoreTier {
+    /// The store behind `client`, for blocks of layout `fingerprint`; a get
+    /// that takes longer than `get_timeout` is a miss. Must be called
+    /// within a Tokio runtime (the put task runs on it).
+    pub fn new(client: KvStoreClient, fingerprint: Fingerprint, get_timeout: Duration) -> Self {
+        let (puts, mut queued) = mpsc::channel::<Vec<(SequenceHash, Arc<HostBlock>)>>(PUT_QUEUE);
+        let known = moka::sync::Cache::new(KNOWN_BLOCKS);
+        let failures = Arc::new(AtomicU64::new(0));
+        {
+            let (client, known, failures) = (client.clone(), known.clone(), failures.clone());
+            tokio::spawn(async move {
+                while let Some(run) = queued.recv().await {
+                    match client.put(fingerprint, &run).await {
+                        Ok(_) => run.iter().for_each(|(hash, _)| known.insert(*hash, ())),
+                        Err(error) => {
+                            if failures.fetch_add(1, Relaxed) == 0 {
+                                tracing::warn!(%error, "cannot put KV blocks to the kv-store; they are not shared (logged once)");
+                            }
+                        }
+                    }
+                }
+            });
+        }
+        Self { client, fingerprint, runtime: tokio::runtime::Handle::current(), puts, known, get_timeout, failures }
+    }
+
+    /// Calls to the store that failed (puts and gets).
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Relaxed)
+    }
+}
+
+impl RemoteStore for KvStoreTier {
+    fn put_run(&self, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> usize {
+        let fresh: Vec<(SequenceHash, Arc<HostBlock>)> = blocks.iter().filter(|(hash, _)| !self.known.contains_key(hash)).cloned().collect();
+        if fresh.is_empty() {
+            return blocks.len();
+        }
+        let dropped = fresh.len();
+        match self.puts.try_send(fresh) {
+            Ok(()) => blocks.len(),
+            Err(_) => blocks.len() - dropped,
+        }
+    }
+
+    fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
+        let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
+        // The timer is made inside the runtime: this is the engine's reader thread.
+        let answer = self.runtime.block_on(async { tokio::time::timeout(self.get_timeout, self.client.get(self.fingerprint, &sequence)).await });
+        let run = match answer {
+            Ok(Ok(run)) => run,
+            failed => {
+                if self.failures.fetch_add(1, Relaxed) == 0 {
+                    let error = match failed {
+                        Ok(Err(error)) => error.to_string(),
+                        _ => format!("no answer within {:?}", self.get_timeout),
+                    };
+                    tracing::warn!(%error, "cannot get KV blocks from the kv-store; computing them (logged once)");
+                }
+                return Vec::new();
+            }
+        };
+        // The client checked checksums; the hashes must match too.
+        let mut blocks = Vec::with_capacity(run.len());
+        for ((sequence, block), want) in run.into_iter().zip(hashes) {
+            if sequence != want.sequence || block.local != want.local {
+                break;
+            }
+            self.known.insert(sequence, ());
+            blocks.push(Arc::new(block));
+        }
+        blocks
+    }
+}
