@@ -13,6 +13,12 @@
 //! gives each engine's median time to first token computed and onboarded,
 //! and their ratio (the median of per-prompt ratios).
 //!
+//! A third pair of engines measures the kv-store (G4) over loopback gRPC:
+//! the first computes the prompts, its blocks written through to a
+//! kv-store served in this process; then a second engine, its pool and
+//! host tier empty, asks for them again and fetches their blocks from the
+//! store (the time to first token computed is the first engine's).
+//!
 //! Disk reads go through the page cache: blocks written a moment ago are
 //! usually still cached. `--drop-caches` asks the kernel to drop clean
 //! page-cache pages before the second pass (root only), so that G3 reads
@@ -24,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde::Serialize;
-use turbine_engine::{DiskTier, EngineHandle, EngineOutput, GenerateRequest, HostTier, KvTiers, SchedulerConfig, StopConditions};
+use turbine_engine::{DiskTier, EngineHandle, EngineOutput, GenerateRequest, HostTier, KvTiers, RemoteTier, SchedulerConfig, StopConditions};
+use turbine_worker::kv_store_tier::KvStoreTier;
 use turbine_native::{NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
@@ -83,7 +90,7 @@ pub struct TiersBenchReport {
     pub threads: usize,
     /// Whether the page cache was dropped before the onboarded pass.
     pub dropped_caches: bool,
-    /// Host memory (G2), then disk (G3).
+    /// Host memory (G2), disk (G3), then the kv-store (G4).
     pub tiers: Vec<TierNumbers>,
 }
 
@@ -103,21 +110,28 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let disk_dir = args.disk_dir.clone().unwrap_or_else(|| temporary.path().to_path_buf());
     let blocks = args.prefix_tokens.div_ceil(16) + 15;
     let mut tiers = Vec::new();
-    for tier in ["host", "disk"] {
+    let engine = |host: HostTier, remote: Option<RemoteTier>| -> anyhow::Result<EngineHandle> {
         let scheduler = SchedulerConfig { block_size: 16, num_blocks: blocks, max_batched_tokens: 512, max_model_len: args.prefix_tokens + 64, ..SchedulerConfig::default() };
         let options = NativeOptions { block_size: 16, kv_blocks: Some(blocks), threads: args.threads, ..NativeOptions::default() };
         let executor = NativeExecutor::load(&model.path, &options)?;
         let memory = executor.kv_memory().context("the native engine exposes its KV pool")?;
-        let block_bytes = memory.layout().block_bytes as u64;
+        Ok(EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host), memory: Some(memory), modelled: None, remote }))
+    };
+    let block_bytes = {
+        let options = NativeOptions { block_size: 16, kv_blocks: Some(1), threads: 1, ..NativeOptions::default() };
+        NativeExecutor::load(&model.path, &options)?.kv_memory().context("the native engine exposes its KV pool")?.layout().block_bytes as u64
+    };
+    // Every full block but each prompt's last (a prompt that ends at a
+    // block boundary leaves its last block to be computed).
+    let pass_blocks = (args.prompts * (args.prefix_tokens / 16 - 1)) as u64;
+    for tier in ["host", "disk"] {
         let host = match tier {
             "host" => HostTier::new((args.prompts * blocks) as u64 * block_bytes * 2),
             _ => HostTier::with_disk(2 * block_bytes, DiskTier::open(&disk_dir.join("bench-tiers"), (args.prompts * blocks) as u64 * block_bytes * 2, 1)?),
         };
-        let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: None });
+        let engine = engine(host.clone(), None)?;
         let computed = prompts.iter().map(|prompt| ttft(&engine, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
-        // Every full block but each prompt's last (a prompt that ends at a
-        // block boundary leaves its last block to be computed).
-        settle(&engine, &host, (args.prompts * (args.prefix_tokens / 16 - 1)) as u64)?;
+        settle(&engine, &host, pass_blocks)?;
         if args.drop_caches {
             std::fs::write("/proc/sys/vm/drop_caches", "1").context("--drop-caches needs root (writing /proc/sys/vm/drop_caches)")?;
         }
@@ -125,18 +139,50 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
         let again = prompts.iter().map(|prompt| ttft(&engine, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
         let onboarded_blocks = onboarded(&host) - before;
         engine.shutdown();
-        let ratios: Vec<f64> = computed.iter().zip(&again).map(|(c, a)| a / c).collect();
-        tiers.push(TierNumbers {
-            tier: tier.into(),
-            median_computed_ms: median(&computed),
-            median_onboarded_ms: median(&again),
-            median_ratio: median(&ratios),
-            computed_ttft_ms: computed,
-            onboarded_ttft_ms: again,
-            onboarded_blocks,
-        });
+        tiers.push(numbers(tier, computed, again, onboarded_blocks));
     }
+
+    // The kv-store, served in this process on a loopback port.
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let _entered = runtime.enter();
+    let store = turbine_kv_store::Store::new((args.prompts * blocks) as u64 * (block_bytes + 4096) * 2);
+    let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback())?;
+    let endpoint = format!("http://{}", listeners.grpc.local_addr()?);
+    let shutdown = turbine_runtime::CancellationToken::new();
+    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), listeners, shutdown.clone()));
+    let fingerprint = turbine_kv_store::Fingerprint::new(1).expect("nonzero");
+    let remote = || -> anyhow::Result<RemoteTier> {
+        let tier = KvStoreTier::new(turbine_kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30));
+        Ok(RemoteTier::new(std::sync::Arc::new(tier), 2))
+    };
+    let computing = engine(HostTier::new(2 * block_bytes), Some(remote()?))?;
+    let computed = prompts.iter().map(|prompt| ttft(&computing, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+    let started = Instant::now();
+    while store.stats().put_blocks < pass_blocks {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "puts to the kv-store did not settle within 120 s: {} of {pass_blocks} blocks", store.stats().put_blocks);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    computing.shutdown();
+    let remote = remote()?;
+    let fetching = engine(HostTier::new(2 * block_bytes), Some(remote.clone()))?;
+    let again = prompts.iter().map(|prompt| ttft(&fetching, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+    fetching.shutdown();
+    shutdown.cancel();
+    tiers.push(numbers("store", computed, again, remote.stats().onboarded_blocks.load(Relaxed)));
     Ok(TiersBenchReport { prefix_tokens: args.prefix_tokens, threads: args.threads, dropped_caches: args.drop_caches, tiers })
+}
+
+fn numbers(tier: &str, computed: Vec<f64>, again: Vec<f64>, onboarded_blocks: u64) -> TierNumbers {
+    let ratios: Vec<f64> = computed.iter().zip(&again).map(|(c, a)| a / c).collect();
+    TierNumbers {
+        tier: tier.into(),
+        median_computed_ms: median(&computed),
+        median_onboarded_ms: median(&again),
+        median_ratio: median(&ratios),
+        computed_ttft_ms: computed,
+        onboarded_ttft_ms: again,
+        onboarded_blocks,
+    }
 }
 
 /// Blocks onboarded from the host tier and the disk tier below it.

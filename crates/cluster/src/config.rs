@@ -14,6 +14,11 @@ use turbine_router::RoutingConfig;
 use turbine_runtime::config::{Settings, settings_defaults};
 use turbine_worker::{EngineConfig, TransferConfig};
 
+/// The host-memory KV tier of each worker of `turbine run`, MiB: 46,000
+/// tokens of the default model (360 KiB per 16-token block); a bound, not
+/// an allocation.
+pub const RUN_HOST_CACHE_MIB: &str = "1024";
+
 /// `turbine run`'s configuration.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct RunConfig {
@@ -30,6 +35,12 @@ pub struct RunConfig {
     /// answering from the cluster's index (0: a free one).
     #[arg(long, env = "TURBINE_KV_INDEX_PORT")]
     pub kv_index_port: Option<u16>,
+    /// Also run a kv-store (shared KV blocks, turbine.kvstore.v1) on this
+    /// port (0: a free one); the workers put their blocks there and fetch
+    /// prefixes other workers computed (unless --kv-store names another
+    /// store). Needs the host tier (on by default here).
+    #[arg(long, env = "TURBINE_KV_STORE_PORT")]
+    pub kv_store_port: Option<u16>,
     /// Number of workers (engines) in the process.
     #[arg(long, env = "TURBINE_WORKERS", default_value_t = 1)]
     pub workers: usize,
@@ -93,10 +104,14 @@ impl Settings for RunConfig {
     }
 
     /// One process on one machine: requests are routed by KV overlap (the
-    /// workers' events reach the router's index directly), and the gateway
-    /// learns new workers within half a second.
+    /// workers' events reach the router's index directly), the gateway
+    /// learns new workers within half a second, and every worker keeps a
+    /// host-memory KV tier (G2) of `RUN_HOST_CACHE_MIB`.
     fn adjust(command: Command) -> Command {
-        command.mut_arg("policy", |arg| arg.default_value("kv")).mut_arg("model_refresh_ms", |arg| arg.default_value("500"))
+        command
+            .mut_arg("policy", |arg| arg.default_value("kv"))
+            .mut_arg("model_refresh_ms", |arg| arg.default_value("500"))
+            .mut_arg("host_cache_mib", |arg| arg.default_value(RUN_HOST_CACHE_MIB))
     }
 }
 
@@ -140,7 +155,9 @@ mod tests {
         assert_eq!(config, RunConfig::default());
         assert_eq!(config.router.policy, Policy::Kv, "turbine run routes by KV overlap");
         assert_eq!(config.gateway.model_refresh_ms, 500);
-        assert_eq!(config.worker.engine, EngineConfig::default(), "the worker's own defaults");
+        assert_eq!(config.worker.engine.host_cache_mib, 1024, "turbine run keeps a host tier");
+        assert_eq!(EngineConfig::default().host_cache_mib, 0, "a worker of its own does not");
+        assert_eq!(config.worker.engine, EngineConfig { host_cache_mib: 1024, ..EngineConfig::default() }, "the worker's own defaults otherwise");
         assert_eq!(config.router.kv, turbine_router::KvConfig::default());
         assert_eq!(config.gateway.max_concurrent_requests, AdmissionConfig::default().max_concurrent_requests);
     }

@@ -28,6 +28,7 @@ use turbine_gateway::{GatewayConfig, GatewayDeps};
 use turbine_kv::{KvIndex, WorkerId};
 use turbine_kv_index::{IndexFeed, KvIndexClient, KvIndexConfig, KvIndexDeps, LocalKvIndex};
 use turbine_kv_log::EventLog;
+use turbine_kv_store::{KvStoreConfig, Store as KvStore};
 use turbine_proto::gateway::v1::ListModelsRequest;
 use turbine_proto::gateway::v1::inference_client::InferenceClient;
 use turbine_registry::{MemoryRegistry, Registry};
@@ -76,6 +77,7 @@ pub struct Cluster {
     routers: Vec<RouterClient>,
     workers: Vec<EmbeddedWorker>,
     kv_index: Option<(KvIndexClient, BoundAddrs)>,
+    kv_store: Option<std::net::SocketAddr>,
     model: String,
     /// The gateways' tasks: they drain first, on the caller's token.
     front: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
@@ -126,6 +128,10 @@ impl Cluster {
             Some(port) => Some(Listeners { grpc: bind(SocketAddr::new(config.host, port), "kv-index gRPC").await?, admin: None, http: None }),
             None => None,
         };
+        let kv_store_listeners = match config.kv_store_port {
+            Some(port) => Some(Listeners { grpc: bind(SocketAddr::new(config.host, port), "kv-store gRPC").await?, admin: None, http: None }),
+            None => None,
+        };
         let cache_dir = config.worker.engine.cache_dir.clone().unwrap_or_else(default_cache_dir);
         // Fetch the model up front, once, before the workers look for it.
         if let Some(entry) = catalog_entry(&config.worker.engine.model) {
@@ -142,6 +148,22 @@ impl Cluster {
         };
         let mut services = Vec::new();
 
+        // The kv-store first: the workers connect to it as they start.
+        let mut worker_engine = config.worker.engine.clone();
+        let kv_store = match kv_store_listeners {
+            Some(listeners) => {
+                let address = listeners.grpc.local_addr()?;
+                let mut store_config = KvStoreConfig::default();
+                store_config.server.shutdown_grace_secs = config.shutdown_grace_secs;
+                let store = KvStore::new(store_config.memory_mib << 20);
+                services.push(("kv-store".to_owned(), tokio::spawn(turbine_kv_store::serve(store_config, store, listeners, shutdown.clone()))));
+                let loopback = SocketAddr::new(if address.ip().is_unspecified() { [127, 0, 0, 1].into() } else { address.ip() }, address.port());
+                worker_engine.kv_store.get_or_insert_with(|| format!("http://{loopback}"));
+                Some(address)
+            }
+            None => None,
+        };
+
         let roles = config.roles();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = config.worker.engine.threads.unwrap_or_else(|| (cores / roles.len()).max(1));
@@ -151,7 +173,7 @@ impl Cluster {
             let mut worker = WorkerConfig {
                 worker_id: Some(id.to_string()),
                 role,
-                engine: config.worker.engine.clone(),
+                engine: worker_engine.clone(),
                 transfer: config.worker.transfer.clone(),
                 ..WorkerConfig::default()
             };
@@ -242,6 +264,7 @@ impl Cluster {
             routers: router_clients,
             workers: embedded,
             kv_index,
+            kv_store,
             model,
             front: front_tasks,
             services,
@@ -303,6 +326,11 @@ impl Cluster {
     /// The kv-index, when asked for.
     pub fn kv_index(&self) -> Option<&(KvIndexClient, BoundAddrs)> {
         self.kv_index.as_ref()
+    }
+
+    /// Where the kv-store listens, when asked for.
+    pub fn kv_store(&self) -> Option<SocketAddr> {
+        self.kv_store
     }
 
     /// Resolves once every service has drained after the shutdown token

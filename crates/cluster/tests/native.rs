@@ -146,3 +146,39 @@ fn the_gateway_and_the_worker_refuse_the_same_sampling_values() {
             .is_err()
     );
 }
+
+/// `turbine run --kv-store-port`: a prompt computed on one worker is
+/// reused by the other through the embedded kv-store (round-robin sends
+/// the second request elsewhere), with the same greedy text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_computed_on_one_worker_is_reused_by_the_other_through_the_embedded_kv_store() {
+    let mut config = Sandbox::native();
+    config.workers = 2;
+    config.kv_store_port = Some(0);
+    config.router.policy = turbine_router::Policy::RoundRobin;
+    config.worker.engine.kv_cache_mib = 32;
+    let sandbox = Sandbox::start(config).await;
+    let store = turbine_kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
+    let request = json!({
+        "model": MODEL,
+        "prompt": "Lighthouses guide ships past the rocks along the coast at night. ".repeat(20),
+        "temperature": 0,
+        "max_tokens": 8,
+        "ignore_eos": true,
+    });
+    let (status, first) = sandbox.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0), 0);
+    let full_blocks = (first["usage"]["prompt_tokens"].as_u64().unwrap() - 1) / 16;
+    turbine_testkit::wait_until("blocks put to the kv-store", std::time::Duration::from_secs(30), async || {
+        store.stats().await.unwrap().put_blocks >= full_blocks
+    })
+    .await;
+
+    let (status, second) = sandbox.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["choices"][0]["text"], first["choices"][0]["text"], "blocks from the store give the computed text");
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), full_blocks * 16, "the other worker fetched the prefix");
+    assert!(sandbox.metric("turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await >= full_blocks as f64);
+    sandbox.stop().await;
+}
