@@ -1,0 +1,89 @@
+//! `turbine-kv-store` and two native `turbine-worker`s as separate
+//! processes: worker A computes a prompt and its blocks go to the store;
+//! worker B, asked for the same prompt, gets it from the store with the
+//! same greedy tokens; with the store SIGKILLed as B is asked again (and
+//! once more after it is gone), B's requests complete with the same tokens
+//! (computed), never an error.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{MODEL, metric, service, wait_until};
+use turbine_proto::worker::v1 as pb;
+use turbine_proto::worker::v1::worker_client::WorkerClient;
+use turbine_testkit::{ServiceProcess, metric_where};
+
+fn greedy(prompt: &[u32]) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: String::new(),
+        prompt_token_ids: prompt.to_vec(),
+        sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
+        stop: Some(pb::StopConditions { max_tokens: 8, stop_token_ids: vec![], ignore_eos: true }),
+        remote_prefill: None,
+    }
+}
+
+/// The greedy tokens of `prompt` on `worker`, within two minutes.
+async fn generate(worker: &ServiceProcess, prompt: &[u32]) -> Vec<u32> {
+    let run = async {
+        let mut client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
+        let mut stream = client.generate(greedy(prompt)).await.expect("the worker accepts the request").into_inner();
+        let mut tokens = Vec::new();
+        while let Some(message) = stream.message().await.expect("the stream carries no error") {
+            tokens.extend(&message.token_ids);
+            if message.finish_reason() != pb::FinishReason::Unspecified {
+                return tokens;
+            }
+        }
+        panic!("the stream ended without a finish reason");
+    };
+    tokio::time::timeout(Duration::from_secs(120), run).await.expect("a request finishes within 120 s")
+}
+
+async fn worker(store: &str, id: &str) -> ServiceProcess {
+    let args = ["--engine", "native", "--model", MODEL, "--threads", "1", "--kv-cache-mib", "32", "--host-cache-mib", "64", "--kv-store", store, "--worker-id", id];
+    service("turbine-worker", &args, &[], false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_store_costs_only_recompute() {
+    let mut store = service("turbine-kv-store", &["--memory-mib", "256"], &[], false).await;
+    let endpoint = store.grpc_endpoint();
+    let (a, b) = tokio::join!(worker(&endpoint, "store-a"), worker(&endpoint, "store-b"));
+    // 24 blocks of 16 tokens: token ids the model's vocabulary holds.
+    let prompt: Vec<u32> = (0..384u32).map(|i| 200 + (i * 37) % 20_000).collect();
+
+    let computed = generate(&a, &prompt).await;
+    let store_client = turbine_kv_store::KvStoreClient::connect(&endpoint).unwrap();
+    wait_until("A's blocks are in the store", Duration::from_secs(30), async || {
+        store_client.stats().await.is_ok_and(|stats| stats.put_blocks >= 23)
+    })
+    .await;
+    assert_eq!(generate(&b, &prompt).await, computed, "B decodes A's prefix from the store");
+    let fetched = metric_where(&b.admin_url(), "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await;
+    assert!(fetched >= 23.0, "B fetched the prefix instead of computing it ({fetched} blocks)");
+
+    // Another prompt computed on A, then asked of B while the store dies.
+    let other: Vec<u32> = prompt.iter().map(|t| t + 1).collect();
+    let computed_other = generate(&a, &other).await;
+    let asked = tokio::spawn({
+        let other = other.clone();
+        let b_endpoint = b.grpc_endpoint();
+        async move {
+            let mut client = WorkerClient::connect(b_endpoint).await.unwrap();
+            let mut stream = client.generate(greedy(&other)).await.expect("accepted").into_inner();
+            let mut tokens: Vec<u32> = Vec::new();
+            while let Some(message) = stream.message().await.expect("no error on the stream") {
+                tokens.extend(&message.token_ids);
+            }
+            tokens
+        }
+    });
+    store.kill();
+    let during = tokio::time::timeout(Duration::from_secs(120), asked).await.expect("finishes within 120 s").unwrap();
+    assert_eq!(during, computed_other, "a store killed mid-request costs a recompute, never wrong text");
+    let third: Vec<u32> = prompt.iter().map(|t| t + 2).collect();
+    assert_eq!(generate(&b, &third).await, generate(&a, &third).await, "with the store gone, requests are computed");
+    assert!(metric(&b.admin_url(), "turbine_worker_generated_tokens_total").await >= 24.0);
+}
