@@ -377,12 +377,12 @@ impl RemoteStore for SharedStore {
         blocks.len()
     }
 
-    fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
+    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String> {
         if self.down.load(Ordering::Relaxed) {
-            return Vec::new();
+            return Err("down".into());
         }
         let blocks = self.blocks.lock();
-        hashes.iter().map_while(|h| blocks.get(&h.sequence).filter(|b| b.local == h.local && b.is_intact()).cloned()).collect()
+        Ok(hashes.iter().map_while(|h| blocks.get(&h.sequence).filter(|b| b.local == h.local && b.is_intact()).cloned()).collect())
     }
 }
 
@@ -408,12 +408,14 @@ async fn a_prefix_computed_by_one_engine_is_onboarded_by_another_from_the_shared
     assert_eq!(again, expected, "blocks from the shared tier give the computed output");
     assert_eq!(cached, 40, "the prompt's 10 full blocks are hits");
     assert_eq!(remote.stats().onboarded_blocks.load(Ordering::Relaxed), 10);
+    assert_eq!(remote.stats().read_bytes.load(Ordering::Relaxed), 10 * (BLOCK_SIZE * SLOT) as u64, "the fetched bytes are counted");
 
     // The store down: a third engine computes the prompt, same output.
     store.down.store(true, Ordering::Relaxed);
     let (third, remote) = engine_over(&store);
     assert_eq!(generate(&third, &prompt(0)).await, (expected, 0), "a failed fetch is a miss, never an error");
     assert_eq!(remote.stats().onboarded_blocks.load(Ordering::Relaxed), 0);
+    assert_eq!(remote.failures(), 1, "the failed fetch is counted");
     second.shutdown();
     third.shutdown();
 }

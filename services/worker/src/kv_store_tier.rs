@@ -7,7 +7,7 @@
 //! a block that does not match is a miss, and the engine computes the rest.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -31,7 +31,8 @@ pub struct KvStoreTier {
     puts: mpsc::Sender<Vec<(SequenceHash, Arc<HostBlock>)>>,
     known: moka::sync::Cache<SequenceHash, ()>,
     get_timeout: Duration,
-    failures: Arc<AtomicU64>,
+    failed_puts: Arc<AtomicU64>,
+    get_failed: AtomicBool,
 }
 
 impl KvStoreTier {
@@ -41,9 +42,9 @@ impl KvStoreTier {
     pub fn new(client: KvStoreClient, fingerprint: Fingerprint, get_timeout: Duration) -> Self {
         let (puts, mut queued) = mpsc::channel::<Vec<(SequenceHash, Arc<HostBlock>)>>(PUT_QUEUE);
         let known = moka::sync::Cache::new(KNOWN_BLOCKS);
-        let failures = Arc::new(AtomicU64::new(0));
+        let failed_puts = Arc::new(AtomicU64::new(0));
         {
-            let (client, known, failures) = (client.clone(), known.clone(), failures.clone());
+            let (client, known, failures) = (client.clone(), known.clone(), failed_puts.clone());
             tokio::spawn(async move {
                 while let Some(run) = queued.recv().await {
                     match client.put(fingerprint, &run).await {
@@ -57,12 +58,7 @@ impl KvStoreTier {
                 }
             });
         }
-        Self { client, fingerprint, runtime: tokio::runtime::Handle::current(), puts, known, get_timeout, failures }
-    }
-
-    /// Calls to the store that failed (puts and gets).
-    pub fn failures(&self) -> u64 {
-        self.failures.load(Relaxed)
+        Self { client, fingerprint, runtime: tokio::runtime::Handle::current(), puts, known, get_timeout, failed_puts, get_failed: AtomicBool::new(false) }
     }
 }
 
@@ -79,21 +75,25 @@ impl RemoteStore for KvStoreTier {
         }
     }
 
-    fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
+    fn failed_puts(&self) -> u64 {
+        self.failed_puts.load(Relaxed)
+    }
+
+    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String> {
         let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
         // The timer is made inside the runtime: this is the engine's reader thread.
         let answer = self.runtime.block_on(async { tokio::time::timeout(self.get_timeout, self.client.get(self.fingerprint, &sequence)).await });
         let run = match answer {
             Ok(Ok(run)) => run,
             failed => {
-                if self.failures.fetch_add(1, Relaxed) == 0 {
-                    let error = match failed {
-                        Ok(Err(error)) => error.to_string(),
-                        _ => format!("no answer within {:?}", self.get_timeout),
-                    };
+                let error = match failed {
+                    Ok(Err(error)) => error.to_string(),
+                    _ => format!("no answer within {:?}", self.get_timeout),
+                };
+                if !self.get_failed.swap(true, Relaxed) {
                     tracing::warn!(%error, "cannot get KV blocks from the kv-store; computing them (logged once)");
                 }
-                return Vec::new();
+                return Err(error);
             }
         };
         // The client checked checksums; the hashes must match too.
@@ -105,6 +105,6 @@ impl RemoteStore for KvStoreTier {
             self.known.insert(sequence, ());
             blocks.push(Arc::new(block));
         }
-        blocks
+        Ok(blocks)
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts};
+use prometheus::{Counter, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts};
 use turbine_engine::{EngineError, EngineHandle};
 use turbine_runtime::metrics::{counter, histogram, latency_buckets};
 
@@ -71,6 +71,9 @@ struct TierMetrics {
     onboarded_blocks: IntCounter,
     evicted_blocks: IntCounter,
     corrupt_blocks: IntCounter,
+    read_bytes: IntCounter,
+    read_seconds: Counter,
+    failures: IntCounter,
 }
 
 impl TierMetrics {
@@ -88,11 +91,18 @@ impl TierMetrics {
             onboarded_blocks: count("turbine_worker_kv_tier_onboarded_blocks_total", "KV blocks onboarded from a tier into the pool"),
             evicted_blocks: count("turbine_worker_kv_tier_evicted_blocks_total", "KV blocks evicted from a tier for room"),
             corrupt_blocks: count("turbine_worker_kv_tier_corrupt_blocks_total", "KV blocks dropped from a tier because they failed their checksum"),
+            read_bytes: count("turbine_worker_kv_tier_read_bytes_total", "Bytes read from a tier for onboards (disk, remote); over read_seconds: its bandwidth"),
+            read_seconds: Counter::with_opts(opts("turbine_worker_kv_tier_read_seconds_total", "Seconds spent reading from a tier for onboards (disk, remote)"))
+                .expect("valid counter"),
+            failures: count("turbine_worker_kv_tier_failures_total", "Reads or writes of a tier that failed (remote: the store down, slow or refusing)"),
         }
     }
 
-    fn metrics(&self) -> [&dyn Collector; 9] {
+    fn metrics(&self) -> [&dyn Collector; 12] {
         [
+            &self.read_bytes,
+            &self.read_seconds,
+            &self.failures,
             &self.blocks,
             &self.bytes,
             &self.capacity_bytes,
@@ -105,7 +115,7 @@ impl TierMetrics {
         ]
     }
 
-    fn update(&self, blocks: u64, bytes: u64, capacity_bytes: u64, stats: &turbine_engine::TierStats) {
+    fn update(&self, blocks: u64, bytes: u64, capacity_bytes: u64, stats: &turbine_engine::TierStats, failures: u64) {
         use std::sync::atomic::Ordering::Relaxed;
         self.blocks.set(blocks as i64);
         self.bytes.set(bytes as i64);
@@ -116,6 +126,12 @@ impl TierMetrics {
         set_counter(&self.onboarded_blocks, stats.onboarded_blocks.load(Relaxed));
         set_counter(&self.evicted_blocks, stats.evicted_blocks.load(Relaxed));
         set_counter(&self.corrupt_blocks, stats.corrupt_blocks.load(Relaxed));
+        set_counter(&self.read_bytes, stats.read_bytes.load(Relaxed));
+        set_counter(&self.failures, failures);
+        let seconds = stats.read_micros.load(Relaxed) as f64 / 1e6;
+        if seconds > self.read_seconds.get() {
+            self.read_seconds.inc_by(seconds - self.read_seconds.get());
+        }
     }
 }
 
@@ -196,13 +212,13 @@ impl Collector for EngineCollector {
         set_counter(&self.preemptions, stats.preemptions.load(Relaxed));
         set_counter(&self.onboarded, stats.onboarded_prompt_tokens.load(Relaxed));
         if let (Some(metrics), Some(host)) = (&self.host, self.engine.host_tier()) {
-            metrics.update(host.blocks(), host.used_bytes(), host.capacity_bytes(), host.stats());
+            metrics.update(host.blocks(), host.used_bytes(), host.capacity_bytes(), host.stats(), host.stats().failures.load(Relaxed));
             if let (Some(metrics), Some(disk)) = (&self.disk, host.disk()) {
-                metrics.update(disk.blocks(), disk.used_bytes(), disk.capacity_bytes(), disk.stats());
+                metrics.update(disk.blocks(), disk.used_bytes(), disk.capacity_bytes(), disk.stats(), disk.stats().failures.load(Relaxed));
             }
         }
         if let (Some(metrics), Some(remote)) = (&self.remote, self.engine.remote_tier()) {
-            metrics.update(0, 0, 0, remote.stats());
+            metrics.update(0, 0, 0, remote.stats(), remote.failures());
         }
         self.metrics().iter().flat_map(|metric| metric.collect()).collect()
     }

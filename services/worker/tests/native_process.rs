@@ -242,6 +242,9 @@ async fn a_prefix_computed_on_one_worker_is_onboarded_by_another_from_the_kv_sto
     let from_store = metric_where(&admin, "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await;
     assert!(from_store >= 14.0, "the prompt's blocks came from the kv-store ({from_store})");
     assert!(metric(&admin, "turbine_worker_cached_prompt_tokens_total").await >= 224.0);
+    let read = metric_where(&admin, "turbine_worker_kv_tier_read_bytes_total", &[("tier", "remote")]).await;
+    assert!(read >= 14.0 * 16.0 * 22.5 * 1024.0, "the fetched bytes are counted ({read})");
+    assert!(metric_where(&admin, "turbine_worker_kv_tier_read_seconds_total", &[("tier", "remote")]).await > 0.0);
     drop(second);
 
     shutdown.cancel();
@@ -250,6 +253,7 @@ async fn a_prefix_computed_on_one_worker_is_onboarded_by_another_from_the_kv_sto
     let (recomputed, _) = generate(client, greedy(&prompt, 8)).await.expect("a store that is down never fails a request");
     assert_eq!(recomputed, computed);
     assert_eq!(metric_where(&third.admin_url(), "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await, 0.0);
+    assert!(metric_where(&third.admin_url(), "turbine_worker_kv_tier_failures_total", &[("tier", "remote")]).await >= 1.0, "the failed fetch is counted");
 }
 
 #[test]

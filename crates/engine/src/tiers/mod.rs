@@ -99,6 +99,15 @@ pub struct TierStats {
     pub offloads_skipped: AtomicU64,
     /// Blocks onboarded from the tier into G1.
     pub onboarded_blocks: AtomicU64,
+    /// Bytes read from the tier for onboards (disk and shared tiers: what
+    /// the reader thread fetched, installed or not).
+    pub read_bytes: AtomicU64,
+    /// Microseconds the reader thread spent reading from the tier (read
+    /// bytes over it: the tier's bandwidth as onboards see it).
+    pub read_micros: AtomicU64,
+    /// Reads or writes that failed (the shared tier: the store down, slow
+    /// or refusing).
+    pub failures: AtomicU64,
     /// Blocks dropped because their bytes no longer matched their checksum
     /// (or, on disk, could not be read).
     pub corrupt_blocks: AtomicU64,
@@ -270,6 +279,14 @@ pub(crate) struct ReadDone {
     pub from_remote: usize,
 }
 
+/// Counts a read of `blocks` that began at `started` against `stats`.
+fn count_read(stats: &TierStats, blocks: &[Arc<HostBlock>], started: Instant) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let bytes: usize = blocks.iter().map(|block| block.bytes.len()).sum();
+    stats.read_bytes.fetch_add(bytes as u64, Relaxed);
+    stats.read_micros.fetch_add(started.elapsed().as_micros() as u64, Relaxed);
+}
+
 /// Starts the thread that reads disk blocks for waiting requests and, with
 /// modelled transfers, takes each onboard's modelled time.
 pub(crate) fn spawn_reader(
@@ -285,7 +302,11 @@ pub(crate) fn spawn_reader(
             while let Ok(job) = job_receiver.recv() {
                 let started = Instant::now();
                 let mut blocks = match &disk {
-                    Some(disk) if !job.hashes.is_empty() => disk.read_run(&job.hashes),
+                    Some(disk) if !job.hashes.is_empty() => {
+                        let read = disk.read_run(&job.hashes);
+                        count_read(disk.stats(), &read, started);
+                        read
+                    }
                     _ => Vec::new(),
                 };
                 let from_disk = blocks.len();
@@ -295,10 +316,20 @@ pub(crate) fn spawn_reader(
                 if let Some(remote) = remote.as_ref().filter(|_| job.remote) {
                     // The store is the worker's code: one that panics is a
                     // miss, and the reader lives on for the next request.
+                    let asked = Instant::now();
                     let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| remote.get_run(&job.hashes[from_disk..])));
                     match fetched {
-                        Ok(fetched) => blocks.extend(fetched),
-                        Err(_) => tracing::error!("the shared KV tier failed (panicked) on a fetch; computing the prefix instead"),
+                        Ok(Ok(fetched)) => {
+                            count_read(remote.stats(), &fetched, asked);
+                            blocks.extend(fetched);
+                        }
+                        Ok(Err(_)) => {
+                            remote.stats().failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(_) => {
+                            remote.stats().failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            tracing::error!("the shared KV tier failed (panicked) on a fetch; computing the prefix instead");
+                        }
                     }
                 }
                 let from_remote = blocks.len() - from_disk;

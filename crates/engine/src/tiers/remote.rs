@@ -25,9 +25,15 @@ pub trait RemoteStore: Send + Sync + 'static {
     fn put_run(&self, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> usize;
 
     /// The leading blocks of `hashes` the store holds, each checked against
-    /// its checksum and hashes. Any failure (the store down, slow, or a
-    /// block corrupt) ends the run: what is missing is computed.
-    fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>>;
+    /// its checksum and hashes; a block that fails ends the run. An error
+    /// (the store down or slow) is a miss, counted as a failure: what is
+    /// missing is computed.
+    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String>;
+
+    /// Puts that failed since start (they happen off the engine's threads).
+    fn failed_puts(&self) -> u64 {
+        0
+    }
 }
 
 /// The shared tier as the engine holds it. Cloning shares it.
@@ -73,7 +79,13 @@ impl RemoteTier {
         self.stats.offloads_skipped.fetch_add((blocks.len() - queued) as u64, Relaxed);
     }
 
-    pub(crate) fn get_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
-        if hashes.is_empty() { Vec::new() } else { self.store.get_run(hashes) }
+    pub(crate) fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String> {
+        if hashes.is_empty() { Ok(Vec::new()) } else { self.store.get_run(hashes) }
+    }
+
+    /// Failed reads and writes (the tier's own count plus the store's
+    /// failed puts).
+    pub fn failures(&self) -> u64 {
+        self.stats.failures.load(Relaxed) + self.store.failed_puts()
     }
 }
