@@ -654,3 +654,57 @@ fn a_prefix_onboarded_from_disk_gives_the_computed_output() {
     assert!(disk.stats().onboarded_blocks.load(std::sync::atomic::Ordering::Relaxed) >= 3 * 100, "the prompts came back from disk");
     assert_eq!(disk.stats().corrupt_blocks.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
+
+/// The kv-store (G4) on the real model: one engine computes the three
+/// 2,000-token prompts, its blocks written through to a kv-store served in
+/// this process; a second engine, its pool and host tier empty, is asked
+/// for them and fetches their blocks from the store over loopback gRPC;
+/// the greedy tokens are those of computing them.
+#[test]
+fn a_prefix_onboarded_from_the_kv_store_gives_the_computed_output() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let tokens = preprocessor();
+    let prompts: Vec<Vec<u32>> = ["Bakers rise before dawn to knead the dough and light the ovens. ", "The tide pools hold crabs, anemones and small fish until the sea returns. ", "Surveyors walked the ridge with chains and stakes to mark the boundary. "]
+        .iter()
+        .map(|text| tokens.encode_text(&text.repeat(200)).unwrap()[..2000].to_vec())
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let _entered = runtime.enter();
+    let store = turbine_kv_store::Store::new(1 << 30);
+    let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback()).unwrap();
+    let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
+    let shutdown = turbine_runtime::CancellationToken::new();
+    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), listeners, shutdown.clone()));
+    let engine = || {
+        let client = turbine_kv_store::KvStoreClient::connect(&endpoint).unwrap();
+        let tier = turbine_kv_store::KvStoreTier::new(client, turbine_kv_store::Fingerprint::new(7).unwrap(), std::time::Duration::from_secs(60));
+        let remote = turbine_engine::RemoteTier::new(std::sync::Arc::new(tier), 2);
+        let scheduler = SchedulerConfig { block_size: 16, num_blocks: 140, max_batched_tokens: 512, max_model_len: 4096, ..SchedulerConfig::default() };
+        let options = NativeOptions { block_size: 16, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend: Backend::Kernels, ..NativeOptions::default() };
+        let executor = NativeExecutor::load(&model_path(), &options).unwrap();
+        let memory = executor.kv_memory().expect("the pool is exposed");
+        // A host tier of two blocks: what comes back comes from the store.
+        let tiers = KvTiers { host: Some(HostTier::new(2 * 368_640)), memory: Some(memory), modelled: None, remote: Some(remote.clone()) };
+        (EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), tiers), remote)
+    };
+
+    let (computing, _) = engine();
+    let computed: Vec<Vec<u32>> = prompts.iter().map(|prompt| finish(submit(&computing, prompt, STEPS as u32)).0).collect();
+    let started = std::time::Instant::now();
+    while store.stats().put_blocks < 3 * 124 {
+        assert!(started.elapsed() < std::time::Duration::from_secs(60), "puts to the kv-store did not settle within 60 s: {:?}", store.stats());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    computing.shutdown();
+
+    let (fetching, remote) = engine();
+    for (prompt, expected) in prompts.iter().zip(&computed) {
+        let (again, cached) = finish(submit(&fetching, prompt, STEPS as u32));
+        assert_eq!(&again, expected, "a 2,000-token prompt onboarded from the kv-store");
+        assert!(cached >= 1984, "the prompt's blocks were hits ({cached} cached tokens)");
+    }
+    assert!(remote.stats().onboarded_blocks.load(Relaxed) >= 3 * 124, "the prompts came back from the store");
+    assert_eq!(remote.failures(), 0);
+    fetching.shutdown();
+    shutdown.cancel();
+}

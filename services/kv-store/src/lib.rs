@@ -10,7 +10,7 @@
 //!   survives a restart.
 //! - [`KvStoreService`]: the gRPC shell over a [`Store`].
 //! - [`KvStoreClient`]: the typed client (domain types in, domain types
-//!   out).
+//!   out), and [`KvStoreTier`]: that client as an engine's shared tier.
 //! - [`serve()`]: the store on the service host.
 //! - [`KvStoreConfig`]: configuration and flags.
 
@@ -20,10 +20,12 @@ pub mod disk;
 pub mod serve;
 pub mod service;
 pub mod store;
+pub mod tier;
 
 pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
 pub use disk::DiskBlocks;
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
+pub use tier::KvStoreTier;
 pub use store::{BlockKey, Fingerprint, PutOutcome, Store, StoreError, StoreStats, TierUsage};

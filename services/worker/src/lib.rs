@@ -18,7 +18,6 @@
 pub mod config;
 pub mod disagg;
 pub mod kv_events;
-pub mod kv_store_tier;
 pub mod local;
 pub mod metrics;
 pub mod serve;

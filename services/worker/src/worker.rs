@@ -12,10 +12,9 @@ use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
 use crate::config::{EngineKind, WorkerConfig, WorkerRole};
-use turbine_kv_store::{Fingerprint, KvStoreClient};
+use turbine_kv_store::{Fingerprint, KvStoreClient, KvStoreTier};
 
 use crate::disagg::{Disagg, DisaggOptions, SharedKvPool, SimulatedTransfer};
-use crate::kv_store_tier::KvStoreTier;
 
 /// The mocker's pool unless configured (DESIGN §5: 16,384 blocks of 64 tokens).
 const MOCK_NUM_BLOCKS: usize = 16_384;

@@ -1,6 +1,7 @@
-//! The engine's shared tier (G4) over the kv-store service: blocks the host
-//! tier stores are put to the store by a task of their own, and a waiting
-//! request's prefix is fetched from it on the engine's reader thread.
+//! [`KvStoreTier`]: the kv-store as an engine's shared tier (G4), the
+//! [`RemoteStore`] a worker gives its engine: blocks the host tier stores
+//! are put to the store by a task of their own, and a waiting request's
+//! prefix is fetched from it on the engine's reader thread.
 //!
 //! Nothing here can fail a request: a put that fails is logged and counted
 //! (the block is simply not shared); a get that fails, times out or returns
@@ -13,7 +14,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use turbine_engine::{HostBlock, RemoteStore};
 use turbine_kv::{BlockHashes, SequenceHash};
-use turbine_kv_store::{Fingerprint, KvStoreClient};
+use crate::client::KvStoreClient;
+use crate::store::Fingerprint;
 
 /// Runs of blocks queued for the store at most; more are dropped (not
 /// shared) rather than held.
