@@ -2,7 +2,7 @@
 //! index and no transport.
 
 use rand::Rng;
-use turbine_kv::{Tier, WorkerMatch};
+use turbine_kv::Tier;
 
 /// Weights of the cost function; every field can be overridden per request.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -127,10 +127,10 @@ impl KvCandidate {
         self.matched_by_tier.iter().sum()
     }
 
-    /// Fills the match from an index answer.
-    pub fn with_match(mut self, matched: Option<&WorkerMatch>) -> Self {
-        if let Some(matched) = matched {
-            self.matched_by_tier = matched.by_tier;
+    /// Fills the match (leading blocks by best tier) from an index answer.
+    pub fn with_match(mut self, matched: Option<&[u32; 4]>) -> Self {
+        if let Some(by_tier) = matched {
+            self.matched_by_tier = *by_tier;
         }
         self
     }

@@ -14,8 +14,9 @@ use turbine_kv_log::FollowerStatus;
 
 use super::{KvConfig, KvWeights};
 
-/// Matches keyed by worker.
-pub type MatchesByWorker = FxHashMap<WorkerId, WorkerMatch>;
+/// Each matching worker's leading blocks by best tier (index: [`Tier`] as
+/// usize), keyed by worker. The answer's ids are moved in, not cloned.
+pub type MatchesByWorker = FxHashMap<WorkerId, [u32; 4]>;
 
 /// What the index said about one prompt.
 #[derive(Debug, Clone, Default)]
@@ -29,8 +30,9 @@ pub struct KvLookup {
 }
 
 impl KvLookup {
-    /// `worker_id`'s match in block size `block_size`, if it matched.
-    pub fn matched(&self, block_size: u32, worker_id: &str) -> Option<&WorkerMatch> {
+    /// `worker_id`'s match in block size `block_size` (leading blocks by
+    /// best tier), if it matched.
+    pub fn matched(&self, block_size: u32, worker_id: &str) -> Option<&[u32; 4]> {
         self.by_size.iter().find(|(size, _, _)| *size == block_size)?.2.get(worker_id)
     }
 
@@ -216,7 +218,7 @@ impl KvState {
             if !query.cached_blocks_of.is_empty() {
                 (lookup.asked, lookup.cached_trees) = (query.cached_blocks_of, answer.cached_blocks);
             }
-            lookup.by_size.push((size, query.hashes, answer.matches.into_iter().map(|m| (m.worker_id.clone(), m)).collect()));
+            lookup.by_size.push((size, query.hashes, answer.matches.into_iter().map(|WorkerMatch { worker_id, by_tier, .. }| (worker_id, by_tier)).collect()));
         }
         Ok(lookup)
     }
@@ -335,7 +337,7 @@ mod tests {
         index.apply_unnumbered("a", &KvEvent::Stored { parent: None, blocks: stored, tier: Tier::Device });
         let state = KvState::local(KvConfig::default(), index, None);
         let KvView::Matched(lookup) = state.look_up(&tokens, vec!["a".into(), "b".into()], &[16]).await else { panic!("the local index answers") };
-        assert_eq!(lookup.matched(16, "a").map(|m| m.blocks), Some(2));
+        assert_eq!(lookup.matched(16, "a").map(|by_tier| by_tier.iter().sum::<u32>()), Some(2));
         assert!(lookup.matched(16, "b").is_none());
         assert_eq!((lookup.cached_tree("a"), lookup.cached_tree("b")), (2, 0));
         let (a, b, c): (WorkerId, WorkerId, WorkerId) = ("a".into(), "b".into(), "c".into());
