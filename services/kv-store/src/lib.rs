@@ -12,11 +12,13 @@
 //! - [`KvStoreClient`]: the typed client (domain types in, domain types
 //!   out), and [`KvStoreTier`]: that client as an engine's shared tier.
 //! - [`serve()`]: the store on the service host.
-//! - [`KvStoreConfig`]: configuration and flags.
+//! - [`KvStoreConfig`]: configuration and flags; [`metrics`]: the store's
+//!   Prometheus metrics.
 
 pub mod client;
 pub mod config;
 pub mod disk;
+pub mod metrics;
 pub mod serve;
 pub mod service;
 pub mod store;

@@ -34,6 +34,7 @@ const SPEC: HostSpec = HostSpec {
 /// Serves `store` on `listeners` until `shutdown` fires, then drains.
 pub async fn serve(config: KvStoreConfig, store: Store, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
+    let _metrics = crate::metrics::register(store.clone());
     host.add_service(KvStoreServer::new(KvStoreService::new(store, config.max_blocks_per_call)));
     let mut serving = host.start(shutdown)?;
     // Nothing to wait for: the store is in this process.

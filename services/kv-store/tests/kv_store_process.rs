@@ -13,7 +13,7 @@ use turbine_kv_store::{Fingerprint, KvStoreClient, KvStoreClientError, PutOutcom
 use turbine_proto::MessageLimits;
 use turbine_proto::kvstore::v1 as pb;
 use turbine_proto::kvstore::v1::kv_store_client::KvStoreClient as PbClient;
-use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess};
+use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess, metric, metric_lines, metric_where};
 
 const BLOCK_BYTES: usize = 64 << 10;
 
@@ -87,6 +87,10 @@ async fn a_killed_store_restarts_with_its_disk_tier() {
     let stats = client.stats().await.unwrap();
     assert!(stats.memory.blocks < 64 && stats.disk.blocks == 200, "{stats:?}");
     assert!(stats.disk.capacity_bytes == 1 << 30, "{stats:?}");
+    let (admin, disk_tier) = (process.admin_url(), [("tier", "disk")]);
+    assert_eq!(metric_where(&admin, "turbine_kv_store_blocks", &disk_tier).await, 200.0);
+    assert_eq!(metric_where(&admin, "turbine_kv_store_capacity_bytes", &disk_tier).await, (1u64 << 30) as f64);
+    assert_eq!(metric_where(&admin, "turbine_kv_store_write_failures_total", &disk_tier).await, 0.0);
     process.kill();
 
     let (_process, client) = start_with(4, &disk).await;
@@ -125,6 +129,16 @@ async fn the_store_stays_within_its_memory_under_a_write_storm() {
     assert!(grown <= bound, "peak RSS grew {grown} KiB, more than the capacity + 15% ({bound} KiB)");
     let newest = block(batches * 16 - 1).0;
     assert_eq!(client.get(fp(1), &[newest]).await.unwrap().len(), 1, "the newest blocks stay");
+    // The admin port's metrics say the same as Stats.
+    let stats = client.stats().await.unwrap();
+    let admin = process.admin_url();
+    let memory = [("tier", "memory")];
+    assert_eq!(metric_where(&admin, "turbine_kv_store_blocks", &memory).await, stats.memory.blocks as f64);
+    assert_eq!(metric_where(&admin, "turbine_kv_store_capacity_bytes", &memory).await, (MIB << 20) as f64);
+    assert_eq!(metric_where(&admin, "turbine_kv_store_evicted_blocks_total", &memory).await, stats.memory.evicted_blocks as f64);
+    assert_eq!(metric(&admin, "turbine_kv_store_put_blocks_total").await, (batches * 16) as f64);
+    assert_eq!(metric(&admin, "turbine_kv_store_get_blocks_total").await, 1.0);
+    assert!(metric_lines(&admin, "turbine_kv_store_blocks").await.iter().all(|line| !line.contains("disk")), "no disk tier, no disk series");
 }
 
 /// A field of /proc/<pid>/status, in KiB.

@@ -9,7 +9,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{Counter, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts};
 use turbine_engine::{EngineError, EngineHandle};
-use turbine_runtime::metrics::{counter, histogram, latency_buckets};
+use turbine_runtime::metrics::{CollectorGuard, counter, histogram, latency_buckets, register_collector};
 
 static REQUESTS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_worker_requests_total", "Generate calls by outcome", &["worker", "outcome"]));
@@ -224,49 +224,9 @@ impl Collector for EngineCollector {
     }
 }
 
-/// Registers the engine collector of a worker; returns a guard that
-/// unregisters it.
-pub fn register_engine(worker_id: &str, engine: EngineHandle) -> EngineMetricsGuard {
-    let collector = Box::new(EngineCollector::new(worker_id, engine));
-    let descs: Vec<Desc> = collector.descs.clone();
-    if let Err(error) = prometheus::register(collector) {
-        tracing::warn!(%error, worker = worker_id, "engine metrics not registered");
-        return EngineMetricsGuard { registered: None };
-    }
-    EngineMetricsGuard { registered: Some(descs) }
-}
-
-/// Unregisters a worker's engine metrics when dropped.
-pub struct EngineMetricsGuard {
-    registered: Option<Vec<Desc>>,
-}
-
-impl std::fmt::Debug for EngineMetricsGuard {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineMetricsGuard").finish_non_exhaustive()
-    }
-}
-
-impl Drop for EngineMetricsGuard {
-    fn drop(&mut self) {
-        if let Some(descs) = self.registered.take() {
-            // The registry finds a collector by its descriptors.
-            let _ = prometheus::unregister(Box::new(DescriptorsOnly(descs)));
-        }
-    }
-}
-
-/// Stands in for a registered collector when unregistering it.
-struct DescriptorsOnly(Vec<Desc>);
-
-impl Collector for DescriptorsOnly {
-    fn desc(&self) -> Vec<&Desc> {
-        self.0.iter().collect()
-    }
-
-    fn collect(&self) -> Vec<MetricFamily> {
-        Vec::new()
-    }
+/// Registers the engine collector of a worker until the guard drops.
+pub fn register_engine(worker_id: &str, engine: EngineHandle) -> CollectorGuard {
+    register_collector(EngineCollector::new(worker_id, engine), &format!("engine (worker {worker_id})"))
 }
 
 static KV_PINS: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
