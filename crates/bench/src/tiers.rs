@@ -115,7 +115,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
         let options = NativeOptions { block_size: 16, kv_blocks: Some(blocks), threads: args.threads, ..NativeOptions::default() };
         let executor = NativeExecutor::load(&model.path, &options)?;
         let memory = executor.kv_memory().context("the native engine exposes its KV pool")?;
-        Ok(EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host), memory: Some(memory), modelled: None, remote }))
+        Ok(EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host), memory: Some(memory), modelled: None, remote, fetch: turbine_engine::FetchPolicy::Always }))
     };
     let block_bytes = {
         let options = NativeOptions { block_size: 16, kv_blocks: Some(1), threads: 1, ..NativeOptions::default() };

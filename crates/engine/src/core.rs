@@ -11,13 +11,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
 use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
-use crate::tiers::{BlockSource, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, RemoteTier, ReadDone, ReadJob, spawn_offload, spawn_reader};
+use crate::tiers::fetch::FetchModel;
+use crate::tiers::{BlockSource, FetchEstimates, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, RemoteTier, ReadDone, ReadJob, spawn_offload, spawn_reader};
 use turbine_kv::BlockHashes;
 use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
@@ -105,6 +106,7 @@ pub struct EngineHandle {
     stats: Arc<EngineStats>,
     host: Option<HostTier>,
     remote: Option<RemoteTier>,
+    fetch: Option<Arc<parking_lot::Mutex<FetchModel>>>,
     events: broadcast::Sender<NumberedEvent>,
     thread: Arc<parking_lot::Mutex<Option<thread::JoinHandle<()>>>>,
 }
@@ -116,7 +118,7 @@ impl std::fmt::Debug for EngineHandle {
 }
 
 /// How often an idle engine looks for finished copies to the host tier.
-const OFFLOAD_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+const OFFLOAD_POLL: Duration = Duration::from_millis(2);
 
 /// Capacity of the KV event broadcast; a consumer lagging further sees a gap
 /// and resynchronises from a dump.
@@ -151,11 +153,13 @@ impl EngineHandle {
         };
         let reader = match (&tiers.host, &offload) {
             (Some(host), Some(_)) if host.disk().is_some() || tiers.modelled.is_some() || tiers.remote.is_some() => {
-                let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.remote.clone(), tiers.modelled);
-                Some(Reader { jobs, done, waiting: HashMap::new() })
+                let fetch = Arc::new(parking_lot::Mutex::new(FetchModel::new(tiers.fetch, config.block_size, config.max_batched_tokens)));
+                let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.remote.clone(), tiers.modelled, fetch.clone());
+                Some(Reader { jobs, done, waiting: HashMap::new(), fetch })
             }
             _ => None,
         };
+        let fetch = reader.as_ref().map(|reader| reader.fetch.clone());
         let engine_loop = EngineLoop {
             scheduler,
             executor,
@@ -183,6 +187,7 @@ impl EngineHandle {
             stats,
             host: tiers.host,
             remote: tiers.remote,
+            fetch,
             events,
             thread: Arc::new(parking_lot::Mutex::new(Some(thread))),
         }
@@ -249,6 +254,12 @@ impl EngineHandle {
         self.remote.as_ref()
     }
 
+    /// What the fetch-or-recompute decision knows and has decided (None
+    /// without a tier read off the engine thread).
+    pub fn fetch_estimates(&self) -> Option<FetchEstimates> {
+        self.fetch.as_ref().map(|fetch| fetch.lock().estimates())
+    }
+
     /// Subscribes to the engine's KV events.
     pub fn subscribe_events(&self) -> broadcast::Receiver<NumberedEvent> {
         self.events.subscribe()
@@ -303,6 +314,8 @@ struct Reader {
     jobs: mpsc::Sender<ReadJob>,
     done: mpsc::Receiver<ReadDone>,
     waiting: HashMap<SeqId, OnboardPlan>,
+    /// Whether to read or compute, and what it is decided from.
+    fetch: Arc<parking_lot::Mutex<FetchModel>>,
 }
 
 /// The lower-tier blocks that continue a prompt's G1 prefix hit.
@@ -473,16 +486,27 @@ impl EngineLoop {
             let in_device = self.scheduler.cached_prefix(&sequence);
             let blocks = host.lookup_run(&hashes[in_device..]);
             let disk_from = in_device + blocks.len();
-            let on_disk = hashes.get(disk_from).is_some_and(|next| host.disk().is_some_and(|disk| disk.contains(next.sequence)));
+            let on_disk = host.disk().map_or(0, |disk| hashes[disk_from..].iter().take_while(|next| disk.contains(next.sequence)).count());
             // The shared tier costs a round trip: asked only for a long
             // enough remainder.
-            let remote = self.remote.as_ref().is_some_and(|remote| remote.worth_asking(hashes.len() - disk_from));
+            let past_disk = hashes.len() - disk_from - on_disk;
+            let for_remote = if self.remote.as_ref().is_some_and(|remote| remote.worth_asking(past_disk)) { past_disk } else { 0 };
             let plan = OnboardPlan { from_host: blocks.len(), hashes, in_device, blocks, from_remote: 0 };
-            if (on_disk || remote || (self.modelled.is_some() && !plan.blocks.is_empty()))
-                && let Some(reader) = &mut self.reader
+            let modelled_host = match self.modelled {
+                Some(modelled) if !plan.blocks.is_empty() => modelled.onboard_time(plan.from_host, 0),
+                _ => Duration::ZERO,
+            };
+            if let Some(reader) = &mut self.reader
+                && (on_disk > 0 || for_remote > 0 || !modelled_host.is_zero())
             {
-                let hashes = if on_disk || remote { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
-                if reader.jobs.send(ReadJob { id: seq_id, hashes, remote, host_blocks: plan.from_host }).is_ok() {
+                let choice = reader.fetch.lock().choose(Instant::now(), on_disk, for_remote, modelled_host);
+                if !(choice.disk || choice.remote || !modelled_host.is_zero()) {
+                    self.install_onboarded(plan);
+                    continue;
+                }
+                let hashes = if choice.disk || choice.remote { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
+                let job = ReadJob { id: seq_id, hashes, disk: choice.disk, remote: choice.remote, host_blocks: plan.from_host };
+                if reader.jobs.send(job).is_ok() {
                     reader.waiting.insert(seq_id, plan);
                     self.scheduler.suspend(seq_id);
                     continue;
@@ -560,6 +584,9 @@ impl EngineLoop {
             if let Some(plan) = reader.waiting.remove(&done.id) {
                 finished.push((done.id, plan, done.blocks, done.from_remote));
             }
+        }
+        if reader.waiting.is_empty() {
+            reader.fetch.lock().reader_idle();
         }
         for (seq_id, mut plan, blocks, from_remote) in finished {
             plan.blocks.extend(blocks);
@@ -689,12 +716,17 @@ impl EngineLoop {
             return;
         }
         let started = Instant::now();
-        let sampled = {
+        let (prompt_tokens, sampled) = {
             let batch = self.scheduler.batch(&plan);
-            self.stats.prefill_tokens.fetch_add(batch.prefill_tokens() as u64, Ordering::Relaxed);
-            self.executor.execute(&batch)
+            let prompt_tokens = batch.prefill_tokens();
+            self.stats.prefill_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+            (prompt_tokens, self.executor.execute(&batch))
         };
-        self.stats.busy_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let took = started.elapsed();
+        self.stats.busy_nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        if let Some(reader) = &self.reader {
+            reader.fetch.lock().observe_step(prompt_tokens, took);
+        }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let sampled = match sampled {
             Ok(sampled) if sampled.len() == plan.len() => sampled,

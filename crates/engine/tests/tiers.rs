@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use turbine_engine::{
-    Batch, DiskTier, EngineHandle, EngineOutput, Executor, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, RemoteStore,
+    Batch, DiskTier, FetchPolicy, EngineHandle, EngineOutput, Executor, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, RemoteStore,
     RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
 };
 use turbine_kv::{BlockHashes, BlockHasher, KvEvent, SequenceHash};
@@ -83,7 +83,7 @@ fn config() -> SchedulerConfig {
 
 fn engine(host: Option<HostTier>) -> EngineHandle {
     let (executor, memory) = ChainExecutor::new();
-    EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host, memory: Some(memory), modelled: None, remote: None })
+    EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host, memory: Some(memory), modelled: None, remote: None, fetch: FetchPolicy::Always })
 }
 
 fn prompt(seed: u32) -> Vec<u32> {
@@ -330,7 +330,7 @@ async fn the_mocker_models_its_tiers_without_kv_bytes() {
     let disk = DiskTier::open_modelled(dir.path(), 1 << 30, 7, MODELLED).unwrap();
     let host = HostTier::modelled(3 * MODELLED, MODELLED, Some(disk.clone()));
     let executor = MockExecutor::new(MockTiming { speedup: 1e6 }, vec![5, 6, 7], None);
-    let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: None, modelled: Some(modelled), remote: None });
+    let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: None, modelled: Some(modelled), remote: None, fetch: FetchPolicy::Always });
 
     let (first, cached) = generate(&engine, &prompt(0)).await;
     assert_eq!(cached, 0);
@@ -389,7 +389,7 @@ impl RemoteStore for SharedStore {
 fn engine_over(store: &Arc<SharedStore>) -> (EngineHandle, RemoteTier) {
     let (executor, memory) = ChainExecutor::new();
     let remote = RemoteTier::new(store.clone(), 2);
-    let tiers = KvTiers { host: Some(HostTier::new(1 << 20)), memory: Some(memory), modelled: None, remote: Some(remote.clone()) };
+    let tiers = KvTiers { host: Some(HostTier::new(1 << 20)), memory: Some(memory), modelled: None, remote: Some(remote.clone()), fetch: FetchPolicy::Always };
     (EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), tiers), remote)
 }
 
@@ -418,4 +418,54 @@ async fn a_prefix_computed_by_one_engine_is_onboarded_by_another_from_the_shared
     assert_eq!(remote.failures(), 1, "the failed fetch is counted");
     second.shutdown();
     third.shutdown();
+}
+
+/// Fetch or recompute: once the engine has measured that its disk is
+/// slower than computing (a modelled disk of 20 MB/s for 1 MiB blocks:
+/// 50 ms a block, against a mocker computing in microseconds), a prefix on
+/// disk is computed instead; `always` reads it anyway.
+#[tokio::test]
+async fn a_prefix_on_a_disk_slower_than_compute_is_computed() {
+    use turbine_engine::ModelledTransfer;
+    use turbine_engine::mocker::{MockExecutor, MockTiming};
+
+    const MODELLED: u64 = 1 << 20;
+    for policy in [FetchPolicy::Auto, FetchPolicy::Always] {
+        let modelled = ModelledTransfer { block_bytes: MODELLED, host_bytes_per_sec: 1e12, disk_bytes_per_sec: 20e6 };
+        let dir = tempfile::tempdir().unwrap();
+        let disk = DiskTier::open_modelled(dir.path(), 1 << 30, 7, MODELLED).unwrap();
+        let host = HostTier::modelled(MODELLED, MODELLED, Some(disk.clone()));
+        let executor = MockExecutor::new(MockTiming { speedup: 1e6 }, vec![5, 6, 7], None);
+        let tiers = KvTiers { host: Some(host.clone()), memory: None, modelled: Some(modelled), remote: None, fetch: policy };
+        let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), tiers);
+        let hashes = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
+        let (first, _) = generate(&engine, &prompt(0)).await;
+        let onboarded = || disk.stats().onboarded_blocks.load(Ordering::Relaxed);
+        let mut cached_tokens = Vec::new();
+        for _ in 0..2 {
+            wait_for_copies(&engine, &host, 10).await;
+            evict_from_the_pool(&engine).await;
+            wait_until("the prompt's blocks on disk", Duration::from_secs(10), async || hashes[1..10].iter().all(|&hash| disk.contains(hash))).await;
+            let before = onboarded();
+            let (again, cached) = generate(&engine, &prompt(0)).await;
+            assert_eq!(again, first, "{policy:?}: the same output whichever way the prefix came");
+            cached_tokens.push((cached, onboarded() - before));
+        }
+        let estimates = engine.fetch_estimates().expect("an engine with a disk tier decides");
+        // The first read measures the disk (never measured: read).
+        assert!(cached_tokens[0].1 >= 8, "{policy:?}: the first time the prefix is read from disk: {cached_tokens:?}");
+        match policy {
+            FetchPolicy::Auto => {
+                assert_eq!(cached_tokens[1].1, 0, "measured slower than compute: computed ({cached_tokens:?}, {estimates:?})");
+                assert!(estimates.disk.decisions.skip >= 1, "{estimates:?}");
+                let per_block = estimates.disk.block_seconds.unwrap() + estimates.disk.fixed_seconds.unwrap() / 8.0;
+                assert!(per_block > 0.02, "the disk's modelled 50 ms a block was measured: {estimates:?}");
+            }
+            _ => {
+                assert!(cached_tokens[1].1 >= 8, "always: read again ({cached_tokens:?})");
+                assert_eq!(estimates.disk.decisions.skip, 0, "{estimates:?}");
+            }
+        }
+        engine.shutdown();
+    }
 }

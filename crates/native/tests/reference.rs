@@ -21,7 +21,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use serde::Deserialize;
-use turbine_engine::{DiskTier, EngineHandle, EngineOutput, GenerateRequest, Handoff, HostTier, ImportedPrefix, KvMemory, KvTiers, SchedulerConfig, StopConditions, block_checksum};
+use turbine_engine::{DiskTier, EngineHandle, FetchPolicy, EngineOutput, GenerateRequest, Handoff, HostTier, ImportedPrefix, KvMemory, KvTiers, SchedulerConfig, StopConditions, block_checksum};
 use turbine_native::pool::ThreadPool;
 use turbine_native::{Backend, Device as EngineDevice, KvCache, LlamaModel, NativeExecutor, NativeOptions, SequenceRows, ops};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -614,7 +614,7 @@ fn onboarded_prefixes_give_the_computed_output(host: HostTier) -> HostTier {
     let options = NativeOptions { block_size: 16, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend: Backend::Kernels, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
     let memory = executor.kv_memory().expect("the pool is exposed");
-    let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: None });
+    let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: None, fetch: FetchPolicy::Always });
     let computed: Vec<Vec<u32>> = prompts.iter().map(|prompt| finish(submit(&engine, prompt, STEPS as u32)).0).collect();
     use std::sync::atomic::Ordering::Relaxed;
     // Every block copied to the host tier, and every block it evicted
@@ -684,7 +684,7 @@ fn a_prefix_onboarded_from_the_kv_store_gives_the_computed_output() {
         let executor = NativeExecutor::load(&model_path(), &options).unwrap();
         let memory = executor.kv_memory().expect("the pool is exposed");
         // A host tier of two blocks: what comes back comes from the store.
-        let tiers = KvTiers { host: Some(HostTier::new(2 * 368_640)), memory: Some(memory), modelled: None, remote: Some(remote.clone()) };
+        let tiers = KvTiers { host: Some(HostTier::new(2 * 368_640)), memory: Some(memory), modelled: None, remote: Some(remote.clone()), fetch: FetchPolicy::Always };
         (EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), tiers), remote)
     };
 

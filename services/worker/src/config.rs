@@ -19,6 +19,30 @@ pub enum EngineKind {
     Mock,
 }
 
+/// Whether prefixes below the host tier are read or computed
+/// (`--kv-fetch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KvFetch {
+    /// Per request, from measured transfer and compute times.
+    #[default]
+    Auto,
+    /// Read whatever the tiers hold.
+    Always,
+    /// Compute everything below the host tier.
+    Never,
+}
+
+impl From<KvFetch> for turbine_engine::FetchPolicy {
+    fn from(fetch: KvFetch) -> Self {
+        match fetch {
+            KvFetch::Auto => Self::Auto,
+            KvFetch::Always => Self::Always,
+            KvFetch::Never => Self::Never,
+        }
+    }
+}
+
 impl EngineKind {
     /// Tokens per KV block unless configured: 16 for the native engine,
     /// 64 for the mocker (DESIGN §5).
@@ -187,6 +211,16 @@ pub struct EngineConfig {
     /// a miss.
     #[arg(long, env = "TURBINE_WORKER_KV_STORE_TIMEOUT_MS", default_value_t = 5000)]
     pub kv_store_timeout_ms: u64,
+    /// Whether a prompt's prefix found on disk or in the kv-store is read
+    /// or computed. auto: per request, from the measured time to read it
+    /// (each tier's round trip and bandwidth, the reads queued ahead)
+    /// against the measured time to compute it; a tier slower than
+    /// computing is passed over (and measured again every 10 s). always:
+    /// read whatever the tiers hold. never: compute everything below the
+    /// host tier.
+    #[arg(long, env = "TURBINE_WORKER_KV_FETCH", value_enum, default_value_t = KvFetch::Auto)]
+    #[serde(default)]
+    pub kv_fetch: KvFetch,
     /// Mocker: modelled host-tier onboard bandwidth, GB/s (divided by
     /// --speedup like every simulated time).
     #[arg(long, env = "TURBINE_WORKER_MOCK_HOST_GBPS", default_value_t = MOCK_HOST_GBPS)]
@@ -445,5 +479,7 @@ mod tests {
         assert!(parse(&["--kv-store", "http://127.0.0.1:50053", "--host-cache-mib", "64", "--engine", "mock"]).unwrap_err().contains("mocker"));
         assert!(parse(&["--host-cache-mib", "64", "--disk-cache-dir", "/tmp/kv", "--disk-cache-gib", "0"]).unwrap_err().contains("disk_cache_gib"));
         assert!(parse(&["--host-cache-mib", "64", "--disk-cache-dir", "/tmp/kv"]).is_ok());
+        assert!(parse(&["--kv-fetch", "sometimes"]).is_err());
+        assert_eq!(parse(&["--kv-fetch", "never"]).unwrap().engine.kv_fetch, KvFetch::Never);
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{Counter, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts};
+use prometheus::{Counter, Gauge, GaugeVec, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts};
 use turbine_engine::{EngineError, EngineHandle};
 use turbine_runtime::metrics::{CollectorGuard, counter, histogram, latency_buckets, register_collector};
 
@@ -57,7 +57,63 @@ pub struct EngineCollector {
     /// The shared tier: its counters (what the store holds is in the
     /// kv-store's own Stats; the gauges stay 0 here).
     remote: Option<TierMetrics>,
+    fetch: Option<FetchMetrics>,
     descs: Vec<Desc>,
+}
+
+/// The fetch-or-recompute decision's inputs and counts.
+struct FetchMetrics {
+    decisions: IntCounterVec,
+    fixed_seconds: GaugeVec,
+    block_seconds: GaugeVec,
+    held_ratio: GaugeVec,
+    step_seconds: Gauge,
+    token_seconds: Gauge,
+}
+
+impl FetchMetrics {
+    fn new(worker_id: &str) -> Self {
+        let opts = |name: &str, help: &str| Opts::new(name, help).const_label("worker", worker_id);
+        let tier_gauge = |name: &str, help: &str| GaugeVec::new(opts(name, help), &["tier"]).expect("valid gauge");
+        let gauge = |name: &str, help: &str| Gauge::with_opts(opts(name, help)).expect("valid gauge");
+        Self {
+            decisions: IntCounterVec::new(
+                opts(
+                    "turbine_worker_kv_fetch_decisions_total",
+                    "Requests whose prefix blocks in a tier were read (fetch), read only to measure the tier again (probe), or not read (skip: computed, or read from a faster tier)",
+                ),
+                &["tier", "decision"],
+            )
+            .expect("valid counter"),
+            fixed_seconds: tier_gauge("turbine_worker_kv_fetch_fixed_seconds", "Predicted seconds a read from a tier costs whatever its size (its round trip)"),
+            block_seconds: tier_gauge("turbine_worker_kv_fetch_block_seconds", "Predicted seconds per KV block read from a tier (block bytes over its bandwidth)"),
+            held_ratio: tier_gauge("turbine_worker_kv_fetch_held_ratio", "Share of the blocks asked of a tier that it held (recent reads)"),
+            step_seconds: gauge("turbine_worker_prefill_step_fixed_seconds", "Predicted fixed seconds of an engine step (what a step costs whatever it computes)"),
+            token_seconds: gauge("turbine_worker_prefill_token_seconds", "Predicted seconds to compute one more prompt token"),
+        }
+    }
+
+    fn metrics(&self) -> [&dyn Collector; 6] {
+        [&self.decisions, &self.fixed_seconds, &self.block_seconds, &self.held_ratio, &self.step_seconds, &self.token_seconds]
+    }
+
+    fn update(&self, estimates: &turbine_engine::FetchEstimates) {
+        for (tier, estimate) in [("disk", &estimates.disk), ("remote", &estimates.remote)] {
+            let decisions = estimate.decisions;
+            for (decision, count) in [("fetch", decisions.fetch), ("probe", decisions.probe), ("skip", decisions.skip)] {
+                set_counter(&self.decisions.with_label_values(&[tier, decision]), count);
+            }
+            if let (Some(fixed), Some(per_block)) = (estimate.fixed_seconds, estimate.block_seconds) {
+                self.fixed_seconds.with_label_values(&[tier]).set(fixed);
+                self.block_seconds.with_label_values(&[tier]).set(per_block);
+            }
+            self.held_ratio.with_label_values(&[tier]).set(estimate.held_share);
+        }
+        if let (Some(step), Some(token)) = (estimates.step_seconds, estimates.token_seconds) {
+            self.step_seconds.set(step);
+            self.token_seconds.set(token);
+        }
+    }
 }
 
 /// One KV tier's gauges and counters, labelled `tier`.
@@ -144,11 +200,13 @@ impl EngineCollector {
         let host = engine.host_tier().map(|_| TierMetrics::new(worker_id, "host"));
         let disk = engine.host_tier().and_then(|host| host.disk()).map(|_| TierMetrics::new(worker_id, "disk"));
         let remote = engine.remote_tier().map(|_| TierMetrics::new(worker_id, "remote"));
+        let fetch = engine.fetch_estimates().map(|_| FetchMetrics::new(worker_id));
         let mut collector = Self {
             engine,
             host,
             disk,
             remote,
+            fetch,
             running: gauge("turbine_worker_running_sequences", "Sequences scheduled (prefilling or decoding)"),
             waiting: gauge("turbine_worker_waiting_sequences", "Sequences queued"),
             blocks_used: gauge("turbine_worker_kv_blocks_used", "KV blocks referenced by sequences"),
@@ -180,6 +238,9 @@ impl EngineCollector {
         ];
         for tier in [&self.host, &self.disk, &self.remote].into_iter().flatten() {
             metrics.extend(tier.metrics());
+        }
+        if let Some(fetch) = &self.fetch {
+            metrics.extend(fetch.metrics());
         }
         metrics
     }
@@ -219,6 +280,9 @@ impl Collector for EngineCollector {
         }
         if let (Some(metrics), Some(remote)) = (&self.remote, self.engine.remote_tier()) {
             metrics.update(0, 0, 0, remote.stats(), remote.failures());
+        }
+        if let (Some(metrics), Some(estimates)) = (&self.fetch, self.engine.fetch_estimates()) {
+            metrics.update(&estimates);
         }
         self.metrics().iter().flat_map(|metric| metric.collect()).collect()
     }

@@ -131,7 +131,7 @@ impl Worker {
             }
             (None, _, _) => None,
         };
-        let tiers = KvTiers { host, memory: memory.clone(), modelled, remote };
+        let tiers = KvTiers { host, memory: memory.clone(), modelled, remote, fetch: engine_config.kv_fetch.into() };
         let engine = EngineHandle::spawn_with_tiers(scheduler, card.tokenizer.eog_token_ids.clone(), executor, tiers);
         // The mocker models hand-offs: no bytes, their transfer time.
         let simulated = (engine_config.engine == EngineKind::Mock && config.role != WorkerRole::Aggregated).then(|| SimulatedTransfer {

@@ -183,6 +183,8 @@ async fn prompts_come_back_from_the_disk_tier_and_it_survives_a_restart() {
     assert_eq!(again, computed[0], "blocks read back from disk give the computed tokens");
     let from_disk = metric_where(&admin, "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "disk")]).await;
     assert!(from_disk >= 4.0, "the first prompt's evicted blocks came from disk ({from_disk})");
+    let read = metric_where(&admin, "turbine_worker_kv_fetch_decisions_total", &[("tier", "disk"), ("decision", "fetch")]).await;
+    assert!(read >= 1.0, "the decision to read the disk is counted ({read})");
     worker.terminate();
     let mut worker = worker;
     assert!(worker.wait(Duration::from_secs(60)).is_some_and(|status| status.success()), "the worker stops on SIGTERM");
@@ -245,6 +247,14 @@ async fn a_prefix_computed_on_one_worker_is_onboarded_by_another_from_the_kv_sto
     let read = metric_where(&admin, "turbine_worker_kv_tier_read_bytes_total", &[("tier", "remote")]).await;
     assert!(read >= 14.0 * 16.0 * 22.5 * 1024.0, "the fetched bytes are counted ({read})");
     assert!(metric_where(&admin, "turbine_worker_kv_tier_read_seconds_total", &[("tier", "remote")]).await > 0.0);
+    // The fetch-or-recompute decision read the store (never measured yet)
+    // and measured it.
+    let fetched = metric_where(&admin, "turbine_worker_kv_fetch_decisions_total", &[("tier", "remote"), ("decision", "fetch")]).await;
+    assert!(fetched >= 1.0, "the decision to read the store is counted ({fetched})");
+    let per_block = metric_where(&admin, "turbine_worker_kv_fetch_block_seconds", &[("tier", "remote")]).await;
+    let fixed = metric_where(&admin, "turbine_worker_kv_fetch_fixed_seconds", &[("tier", "remote")]).await;
+    assert!(per_block > 0.0 || fixed > 0.0, "the store's read time is measured ({per_block} s a block, {fixed} s fixed)");
+    assert!(metric(&admin, "turbine_worker_prefill_token_seconds").await > 0.0, "compute is measured");
     drop(second);
 
     shutdown.cancel();

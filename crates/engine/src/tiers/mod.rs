@@ -51,6 +51,7 @@
 
 pub mod block_file;
 mod disk;
+pub mod fetch;
 mod host;
 mod remote;
 
@@ -64,6 +65,7 @@ use turbine_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, Tier};
 use crate::kv_memory::{KvMemory, block_checksum};
 
 pub use disk::DiskTier;
+pub use fetch::{FetchEstimates, FetchPolicy};
 pub use host::HostTier;
 pub use remote::{RemoteStore, RemoteTier};
 
@@ -144,6 +146,9 @@ pub struct KvTiers {
     /// through to it, and a waiting request's prefix that continues there
     /// is fetched from it. Needs the host tier.
     pub remote: Option<RemoteTier>,
+    /// Whether a prefix found on disk or in the shared tier is read or
+    /// computed ([`fetch`]).
+    pub fetch: FetchPolicy,
 }
 
 /// Transfers modelled for an engine that holds no KV bytes (the mocker).
@@ -263,6 +268,9 @@ pub(crate) struct ReadJob {
     /// (empty: none to read): read from disk while it has them, then from
     /// the shared tier if `remote`.
     pub hashes: Vec<BlockHashes>,
+    /// Whether to read the disk first (false: the shared tier is asked
+    /// for every block, the disk's included).
+    pub disk: bool,
     /// Whether to ask the shared tier for what the disk lacks.
     pub remote: bool,
     /// Host-tier blocks onboarded with them (their time is modelled, if
@@ -293,6 +301,7 @@ pub(crate) fn spawn_reader(
     disk: Option<DiskTier>,
     remote: Option<RemoteTier>,
     modelled: Option<ModelledTransfer>,
+    fetch: Arc<Mutex<fetch::FetchModel>>,
 ) -> (std::sync::mpsc::Sender<ReadJob>, std::sync::mpsc::Receiver<ReadDone>) {
     let (jobs, job_receiver) = std::sync::mpsc::channel::<ReadJob>();
     let (done_sender, done) = std::sync::mpsc::channel();
@@ -302,7 +311,7 @@ pub(crate) fn spawn_reader(
             while let Ok(job) = job_receiver.recv() {
                 let started = Instant::now();
                 let mut blocks = match &disk {
-                    Some(disk) if !job.hashes.is_empty() => {
+                    Some(disk) if job.disk && !job.hashes.is_empty() => {
                         let read = disk.read_run(&job.hashes);
                         count_read(disk.stats(), &read, started);
                         read
@@ -310,14 +319,26 @@ pub(crate) fn spawn_reader(
                     _ => Vec::new(),
                 };
                 let from_disk = blocks.len();
+                let disk_read = started.elapsed();
                 if let Some(modelled) = modelled {
                     std::thread::sleep(modelled.onboard_time(job.host_blocks, from_disk).saturating_sub(started.elapsed()));
+                }
+                if job.disk {
+                    // The disk's share of the time (modelled, if transfers are).
+                    let took = disk_read + modelled.map_or(Duration::ZERO, |modelled| modelled.onboard_time(0, from_disk));
+                    fetch.lock().observe_disk(from_disk, 0, took, Instant::now());
                 }
                 if let Some(remote) = remote.as_ref().filter(|_| job.remote) {
                     // The store is the worker's code: one that panics is a
                     // miss, and the reader lives on for the next request.
                     let asked = Instant::now();
-                    let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| remote.get_run(&job.hashes[from_disk..])));
+                    let wanted = &job.hashes[from_disk..];
+                    let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| remote.get_run(wanted)));
+                    let returned = match &fetched {
+                        Ok(Ok(fetched)) => fetched.len(),
+                        _ => 0,
+                    };
+                    fetch.lock().observe_remote(returned, wanted.len(), asked.elapsed(), Instant::now());
                     match fetched {
                         Ok(Ok(fetched)) => {
                             count_read(remote.stats(), &fetched, asked);

@@ -1,0 +1,503 @@
+//! Fetch or recompute: whether a waiting request's prefix is read from
+//! the tiers the reader thread serves (disk, the shared store) or
+//! computed, decided per request from predicted times, not fixed weights.
+//!
+//! The engine measures what it needs as it runs:
+//!
+//! - **compute**: every step's duration against the prompt tokens it
+//!   computed, fitted as `fixed + per_token · tokens` (the fixed part is a
+//!   step's cost whatever it computes). Computing `n` tokens of a prompt
+//!   then takes `per_token · n` plus `fixed` for each step the chunked
+//!   prefill spreads them over.
+//! - **each tier's transfers**: every read's duration against the blocks
+//!   it returned, fitted as `fixed + per_block · blocks` (a round trip and a
+//!   bandwidth), and for the shared tier the share of asked blocks it held.
+//! - **the reader's queue**: reads run one after another, so a new read
+//!   waits for the predicted time of those ahead of it.
+//!
+//! Below the host tier a prompt's prefix continues in a run of `d` disk
+//! blocks, then `r` blocks the store may hold; the choices are to compute
+//! them all, read the disk run, read it and ask the store for the rest, or
+//! ask the store for both (it holds what every worker wrote through, and
+//! may be faster than a slow disk). The choice with the largest predicted
+//! saving (compute time saved less time spent waiting) wins; none saving
+//! anything means computing. A tier never measured is read (that is how it
+//! gets measured), and a tier passed over is read again after
+//! [`PROBE_INTERVAL`] so that a tier that got faster is noticed.
+
+use std::time::{Duration, Instant};
+
+/// How a worker chooses between reading a prefix from a lower tier and
+/// computing it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FetchPolicy {
+    /// Per request, from predicted transfer and compute times.
+    #[default]
+    Auto,
+    /// Read whatever the tiers hold.
+    Always,
+    /// Compute everything below the host tier.
+    Never,
+}
+
+impl FetchPolicy {
+    /// Its name (flags, metrics).
+    pub fn name(self) -> &'static str {
+        match self {
+            FetchPolicy::Auto => "auto",
+            FetchPolicy::Always => "always",
+            FetchPolicy::Never => "never",
+        }
+    }
+}
+
+impl std::str::FromStr for FetchPolicy {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(FetchPolicy::Auto),
+            "always" => Ok(FetchPolicy::Always),
+            "never" => Ok(FetchPolicy::Never),
+            other => Err(format!("unknown fetch policy {other:?} (auto, always, never)")),
+        }
+    }
+}
+
+/// A tier passed over is read again after this long, so that a tier that
+/// got faster (or was measured during a hiccup) is noticed.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// `seconds = fixed + per_unit · units`, fitted by least squares with
+/// older observations weighing less (each new one multiplies the past's
+/// weight by [`LinearCost::DECAY`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LinearCost {
+    weight: f64,
+    sum_x: f64,
+    sum_y: f64,
+    sum_xx: f64,
+    sum_xy: f64,
+}
+
+impl LinearCost {
+    /// The past's weight after one more observation (about the last 20
+    /// count).
+    pub const DECAY: f64 = 0.95;
+
+    /// Records that `units` took `seconds`.
+    pub fn observe(&mut self, units: f64, seconds: f64) {
+        if !(units.is_finite() && seconds.is_finite()) || units < 0.0 || seconds < 0.0 {
+            return;
+        }
+        let decay = Self::DECAY;
+        self.weight = self.weight * decay + 1.0;
+        self.sum_x = self.sum_x * decay + units;
+        self.sum_y = self.sum_y * decay + seconds;
+        self.sum_xx = self.sum_xx * decay + units * units;
+        self.sum_xy = self.sum_xy * decay + units * seconds;
+    }
+
+    /// `(fixed, per_unit)`, once anything was observed with units.
+    pub fn fit(&self) -> Option<(f64, f64)> {
+        if self.weight == 0.0 || self.sum_x <= 0.0 {
+            return None;
+        }
+        let (mean_x, mean_y) = (self.sum_x / self.weight, self.sum_y / self.weight);
+        let variance = self.sum_xx / self.weight - mean_x * mean_x;
+        if variance > 1e-9 * mean_x * mean_x.max(1.0) {
+            let slope = (self.sum_xy / self.weight - mean_x * mean_y) / variance;
+            let intercept = mean_y - slope * mean_x;
+            if slope > 0.0 && intercept >= 0.0 {
+                return Some((intercept, slope));
+            }
+        }
+        // Sizes too alike to separate the parts (or noise made one
+        // negative): all of it is per unit.
+        Some((0.0, self.sum_y / self.sum_x))
+    }
+
+    /// Predicted seconds for `units`, once anything was observed.
+    pub fn predict(&self, units: f64) -> Option<f64> {
+        self.fit().map(|(fixed, per_unit)| fixed + per_unit * units)
+    }
+}
+
+/// What is known of one tier's reads.
+#[derive(Debug, Clone, Copy, Default)]
+struct TierCost {
+    /// Seconds against blocks returned.
+    cost: LinearCost,
+    /// Blocks returned over blocks asked for (decaying; 1 until measured).
+    held: Option<f64>,
+    /// When it was last read.
+    last_read: Option<Instant>,
+    decisions: Decisions,
+}
+
+impl TierCost {
+    fn held_share(&self) -> f64 {
+        self.held.unwrap_or(1.0)
+    }
+
+    fn due_for_probe(&self, now: Instant) -> bool {
+        self.last_read.is_none_or(|last| now.duration_since(last) >= PROBE_INTERVAL)
+    }
+}
+
+/// Decisions about one tier's blocks, counted since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Decisions {
+    /// Requests whose blocks in the tier were read (predicted faster).
+    pub fetch: u64,
+    /// Requests whose blocks in the tier were not read (computed, or read
+    /// from the shared tier instead of a slower disk).
+    pub skip: u64,
+    /// Requests whose blocks were read only to measure the tier again.
+    pub probe: u64,
+}
+
+/// One tier's predictions and decisions, as the worker's metrics show them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TierEstimate {
+    /// Seconds a read costs whatever its size (None: not measured yet).
+    pub fixed_seconds: Option<f64>,
+    /// Seconds per block returned.
+    pub block_seconds: Option<f64>,
+    /// Share of asked blocks the tier held (the shared tier).
+    pub held_share: f64,
+    /// Decisions so far.
+    pub decisions: Decisions,
+}
+
+/// The model's inputs and counts, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FetchEstimates {
+    /// The policy.
+    pub policy: FetchPolicy,
+    /// A step's fixed seconds (None: no step with prompt tokens yet).
+    pub step_seconds: Option<f64>,
+    /// Seconds per prompt token computed.
+    pub token_seconds: Option<f64>,
+    /// The disk tier.
+    pub disk: TierEstimate,
+    /// The shared tier.
+    pub remote: TierEstimate,
+}
+
+/// Where a waiting request's prefix below the host tier comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FetchChoice {
+    /// Read the disk run.
+    pub disk: bool,
+    /// Ask the shared tier (for what follows the disk run, or, without it,
+    /// for everything below the host tier).
+    pub remote: bool,
+}
+
+/// The decision's state: measurements, the reader's queue, counts.
+#[derive(Debug)]
+pub(crate) struct FetchModel {
+    policy: FetchPolicy,
+    block_size: usize,
+    step_tokens: usize,
+    compute: LinearCost,
+    disk: TierCost,
+    remote: TierCost,
+    /// When the reader thread is predicted to be done with the reads
+    /// queued so far.
+    reader_free_at: Option<Instant>,
+}
+
+impl FetchModel {
+    pub(crate) fn new(policy: FetchPolicy, block_size: usize, step_tokens: usize) -> Self {
+        Self {
+            policy,
+            block_size: block_size.max(1),
+            step_tokens: step_tokens.max(1),
+            compute: LinearCost::default(),
+            disk: TierCost::default(),
+            remote: TierCost::default(),
+            reader_free_at: None,
+        }
+    }
+
+    /// A step computed `prompt_tokens` prompt tokens in `took`.
+    pub(crate) fn observe_step(&mut self, prompt_tokens: usize, took: Duration) {
+        self.compute.observe(prompt_tokens as f64, took.as_secs_f64());
+    }
+
+    /// The disk returned `blocks` in `took`.
+    pub(crate) fn observe_disk(&mut self, blocks: usize, asked: usize, took: Duration, now: Instant) {
+        observe(&mut self.disk, blocks, asked, took, now);
+    }
+
+    /// The shared tier returned `blocks` of `asked` in `took`.
+    pub(crate) fn observe_remote(&mut self, blocks: usize, asked: usize, took: Duration, now: Instant) {
+        observe(&mut self.remote, blocks, asked, took, now);
+    }
+
+    /// The reader thread has nothing queued any more.
+    pub(crate) fn reader_idle(&mut self) {
+        self.reader_free_at = None;
+    }
+
+    /// Predicted seconds to compute `blocks` blocks of a prompt (None
+    /// until a step with prompt tokens was measured).
+    fn compute_seconds(&self, blocks: f64) -> Option<f64> {
+        let (step, per_token) = self.compute.fit()?;
+        let tokens = blocks * self.block_size as f64;
+        Some(per_token * tokens + step * (tokens / self.step_tokens as f64).ceil())
+    }
+
+    /// Chooses for a prefix that continues below the host tier in
+    /// `disk_blocks` disk blocks, then `remote_blocks` blocks the shared
+    /// tier may hold (0: it is not asked), and books the reads on the
+    /// reader's queue (`fixed_wait`: time the reads take whatever is
+    /// chosen, e.g. modelled host transfers).
+    pub(crate) fn choose(&mut self, now: Instant, disk_blocks: usize, remote_blocks: usize, fixed_wait: Duration) -> FetchChoice {
+        let has_remote = remote_blocks > 0;
+        let choice = match self.policy {
+            FetchPolicy::Never => FetchChoice { disk: false, remote: false },
+            FetchPolicy::Always => FetchChoice { disk: disk_blocks > 0, remote: has_remote },
+            FetchPolicy::Auto => self.predicted_best(now, disk_blocks, remote_blocks),
+        };
+        // Blocks passed over in a tier not read for a while: read them.
+        let mut probe = FetchChoice { disk: false, remote: false };
+        if self.policy == FetchPolicy::Auto {
+            if disk_blocks > 0 && !choice.disk && !choice.remote && self.disk.due_for_probe(now) {
+                probe.disk = true;
+            }
+            if has_remote && !choice.remote && self.remote.due_for_probe(now) {
+                probe.remote = true;
+            }
+        }
+        let chosen = FetchChoice { disk: choice.disk || probe.disk, remote: choice.remote || probe.remote };
+        let count = |tier: &mut TierCost, had: bool, read: bool, probed: bool| {
+            match (had, read, probed) {
+                (false, _, _) => {}
+                (true, true, true) => tier.decisions.probe += 1,
+                (true, true, false) => tier.decisions.fetch += 1,
+                (true, false, _) => tier.decisions.skip += 1,
+            }
+            if read {
+                // Not probed again while this read is on its way.
+                tier.last_read = Some(now);
+            }
+        };
+        count(&mut self.disk, disk_blocks > 0, chosen.disk, probe.disk);
+        // The shared tier has blocks to offer when the disk run is left to it.
+        let remote_offered = has_remote || (chosen.remote && !chosen.disk);
+        count(&mut self.remote, remote_offered, chosen.remote, probe.remote);
+        let reading = self.read_seconds(chosen, disk_blocks, remote_blocks).unwrap_or(0.0);
+        if chosen.disk || chosen.remote || !fixed_wait.is_zero() {
+            let start = self.reader_free_at.filter(|at| *at > now).unwrap_or(now);
+            self.reader_free_at = Some(start + fixed_wait + Duration::from_secs_f64(reading));
+        }
+        chosen
+    }
+
+    /// The choice with the largest predicted saving.
+    fn predicted_best(&self, now: Instant, disk_blocks: usize, remote_blocks: usize) -> FetchChoice {
+        let mut options = vec![FetchChoice { disk: false, remote: false }];
+        if disk_blocks > 0 {
+            options.push(FetchChoice { disk: true, remote: false });
+        }
+        if remote_blocks > 0 {
+            options.push(FetchChoice { disk: disk_blocks > 0, remote: true });
+            if disk_blocks > 0 {
+                options.push(FetchChoice { disk: false, remote: true });
+            }
+        }
+        let wait = self.reader_free_at.map_or(0.0, |at| at.saturating_duration_since(now).as_secs_f64());
+        let mut best = (options[0], 0.0);
+        for option in options.into_iter().skip(1) {
+            // Unmeasured: read it (the read measures it).
+            let (Some(reading), Some(saved)) = (self.read_seconds(option, disk_blocks, remote_blocks), self.saved_seconds(option, disk_blocks, remote_blocks))
+            else {
+                return option;
+            };
+            let gain = saved - wait - reading;
+            if gain > best.1 {
+                best = (option, gain);
+            }
+        }
+        best.0
+    }
+
+    /// Expected blocks an option brings in.
+    fn expected_blocks(&self, option: FetchChoice, disk_blocks: usize, remote_blocks: usize) -> (f64, f64) {
+        let from_disk = if option.disk { disk_blocks as f64 } else { 0.0 };
+        let asked_remote = match (option.disk, option.remote) {
+            (_, false) => 0.0,
+            (true, true) => remote_blocks as f64,
+            (false, true) => (disk_blocks + remote_blocks) as f64,
+        };
+        (from_disk, asked_remote * self.remote.held_share())
+    }
+
+    /// Predicted compute saved by an option (None: compute not measured).
+    fn saved_seconds(&self, option: FetchChoice, disk_blocks: usize, remote_blocks: usize) -> Option<f64> {
+        let (disk, remote) = self.expected_blocks(option, disk_blocks, remote_blocks);
+        self.compute_seconds(disk + remote)
+    }
+
+    /// Predicted reading time of an option (None: a tier it reads is not
+    /// measured yet).
+    fn read_seconds(&self, option: FetchChoice, disk_blocks: usize, remote_blocks: usize) -> Option<f64> {
+        let (disk, remote) = self.expected_blocks(option, disk_blocks, remote_blocks);
+        let disk = if option.disk { self.disk.cost.predict(disk)? } else { 0.0 };
+        let remote = if option.remote { self.remote.cost.predict(remote)? } else { 0.0 };
+        Some(disk + remote)
+    }
+
+    /// The inputs and counts, for metrics.
+    pub(crate) fn estimates(&self) -> FetchEstimates {
+        let tier = |tier: &TierCost| {
+            let fit = tier.cost.fit();
+            TierEstimate {
+                fixed_seconds: fit.map(|(fixed, _)| fixed),
+                block_seconds: fit.map(|(_, per_block)| per_block),
+                held_share: tier.held_share(),
+                decisions: tier.decisions,
+            }
+        };
+        let compute = self.compute.fit();
+        FetchEstimates {
+            policy: self.policy,
+            step_seconds: compute.map(|(step, _)| step),
+            token_seconds: compute.map(|(_, per_token)| per_token),
+            disk: tier(&self.disk),
+            remote: tier(&self.remote),
+        }
+    }
+}
+
+fn observe(tier: &mut TierCost, blocks: usize, asked: usize, took: Duration, now: Instant) {
+    tier.cost.observe(blocks as f64, took.as_secs_f64());
+    if asked > 0 {
+        let share = blocks.min(asked) as f64 / asked as f64;
+        tier.held = Some(tier.held.map_or(share, |held| held * 0.8 + share * 0.2));
+    }
+    tier.last_read = Some(now);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_linear_cost_separates_the_round_trip_from_the_bandwidth() {
+        let mut cost = LinearCost::default();
+        assert_eq!(cost.fit(), None);
+        for blocks in [1.0, 8.0, 4.0, 32.0, 2.0] {
+            cost.observe(blocks, 0.005 + 0.001 * blocks);
+        }
+        let (fixed, per_block) = cost.fit().unwrap();
+        assert!((fixed - 0.005).abs() < 1e-9 && (per_block - 0.001).abs() < 1e-9, "{fixed} {per_block}");
+        // All reads alike: everything is per block.
+        let mut alike = LinearCost::default();
+        alike.observe(4.0, 0.008);
+        alike.observe(4.0, 0.008);
+        assert_eq!(alike.fit(), Some((0.0, 0.002)));
+        // Older observations fade.
+        for _ in 0..200 {
+            cost.observe(10.0, 0.1);
+            cost.observe(20.0, 0.2);
+        }
+        let (fixed, per_block) = cost.fit().unwrap();
+        assert!(fixed < 1e-3 && (per_block - 0.01).abs() < 1e-3, "{fixed} {per_block}");
+    }
+
+    /// A model with compute measured at 1 ms a token (16-token blocks,
+    /// so 16 ms a block) and no fixed step cost.
+    fn measured(policy: FetchPolicy) -> FetchModel {
+        let mut model = FetchModel::new(policy, 16, 8192);
+        model.observe_step(100, 100 * MS);
+        model.observe_step(200, 200 * MS);
+        model
+    }
+
+    #[test]
+    fn a_slow_disk_is_computed_and_a_fast_one_read() {
+        let now = Instant::now();
+        let mut model = measured(FetchPolicy::Auto);
+        // 40 ms a block from disk: slower than 16 ms of compute.
+        model.observe_disk(10, 10, 400 * MS, now);
+        model.reader_idle();
+        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice { disk: false, remote: false });
+        // 1 ms a block: read.
+        let mut model = measured(FetchPolicy::Auto);
+        model.observe_disk(10, 10, 10 * MS, now);
+        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice { disk: true, remote: false });
+        let estimates = model.estimates();
+        assert_eq!((estimates.disk.decisions.fetch, estimates.disk.decisions.skip), (1, 0));
+        assert!((estimates.token_seconds.unwrap() - 0.001).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_queue_ahead_counts() {
+        let now = Instant::now();
+        let mut model = measured(FetchPolicy::Auto);
+        // 10 ms a block against 16 of compute: worth it alone...
+        model.observe_disk(10, 10, 100 * MS, now);
+        assert!(model.choose(now, 10, 0, Duration::ZERO).disk);
+        // ...but not behind a second of modelled transfers already queued.
+        model.choose(now, 0, 0, Duration::from_secs(1));
+        assert!(!model.choose(now, 10, 0, Duration::ZERO).disk);
+        model.reader_idle();
+        assert!(model.choose(now, 10, 0, Duration::ZERO).disk);
+    }
+
+    #[test]
+    fn a_slow_disk_is_skipped_for_a_fast_store() {
+        let now = Instant::now();
+        let mut model = measured(FetchPolicy::Auto);
+        model.observe_disk(10, 10, 400 * MS, now);
+        model.observe_remote(10, 10, 20 * MS, now);
+        model.reader_idle();
+        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice { disk: false, remote: true });
+        // A store that holds little is not worth a round trip.
+        let mut model = measured(FetchPolicy::Auto);
+        model.observe_disk(10, 10, 400 * MS, now);
+        for _ in 0..20 {
+            model.observe_remote(0, 10, 50 * MS, now);
+        }
+        model.observe_remote(1, 10, 51 * MS, now);
+        model.reader_idle();
+        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice { disk: false, remote: false });
+    }
+
+    #[test]
+    fn unmeasured_tiers_are_read_and_passed_over_tiers_probed() {
+        let now = Instant::now();
+        let mut model = measured(FetchPolicy::Auto);
+        assert!(model.choose(now, 5, 0, Duration::ZERO).disk, "never measured: read");
+        model.observe_disk(5, 5, 500 * MS, now);
+        model.reader_idle();
+        assert!(!model.choose(now + MS, 5, 0, Duration::ZERO).disk, "slow: computed");
+        model.reader_idle();
+        let later = now + PROBE_INTERVAL + MS;
+        assert!(model.choose(later, 5, 0, Duration::ZERO).disk, "probed again");
+        assert_eq!(model.estimates().disk.decisions, Decisions { fetch: 1, skip: 1, probe: 1 });
+        // Without compute measured there is nothing to compare: read.
+        let mut fresh = FetchModel::new(FetchPolicy::Auto, 16, 8192);
+        fresh.observe_disk(5, 5, 500 * MS, now);
+        assert!(fresh.choose(now, 5, 0, Duration::ZERO).disk);
+    }
+
+    #[test]
+    fn fixed_policies_ignore_the_measurements() {
+        let now = Instant::now();
+        let mut always = measured(FetchPolicy::Always);
+        always.observe_disk(10, 10, 10 * MS * 1000, now);
+        assert_eq!(always.choose(now, 4, 3, Duration::ZERO), FetchChoice { disk: true, remote: true });
+        let mut never = measured(FetchPolicy::Never);
+        never.observe_disk(10, 10, MS, now);
+        assert_eq!(never.choose(now + PROBE_INTERVAL * 2, 4, 3, Duration::ZERO), FetchChoice { disk: false, remote: false });
+        assert_eq!("auto".parse::<FetchPolicy>(), Ok(FetchPolicy::Auto));
+        assert!("sometimes".parse::<FetchPolicy>().is_err());
+    }
+}
