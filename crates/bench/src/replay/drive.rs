@@ -80,6 +80,8 @@ pub(super) async fn drive(
         prefill_workers: 0,
         decode_workers: 0,
         host_cache_mib: 0,
+        disk_cache_gib: 0.0,
+        kv_fetch: None,
         requests: requests.len(),
         failed,
         ttft,

@@ -34,7 +34,7 @@ use anyhow::Context;
 use turbine_cluster::{Cluster, ClusterOptions, RunConfig};
 use turbine_router::{KvTuning, Policy};
 use turbine_runtime::CancellationToken;
-use turbine_worker::EngineKind;
+use turbine_worker::{EngineKind, KvFetch};
 
 use drive::drive;
 use report::print_timeline;
@@ -87,6 +87,21 @@ pub struct ReplayArgs {
     /// this machine measured, see --mock-host-gbps of turbine worker].
     #[arg(long, default_value_t = turbine_worker::config::MOCK_HOST_GBPS)]
     pub host_gbps: f64,
+    /// Local-disk KV tier (G3) per mocker worker below the host tier, GiB
+    /// of modelled bytes (0: none; runs without a host tier have none).
+    /// Its files go to a temporary directory per run.
+    #[arg(long, default_value_t = 0.0)]
+    pub disk_cache_gib: f64,
+    /// Disk-tier onboard bandwidth the mockers model, GB/s [default: what
+    /// this machine measured, see --mock-disk-gbps of turbine worker];
+    /// lower it to slow the tier.
+    #[arg(long, default_value_t = turbine_worker::config::MOCK_DISK_GBPS)]
+    pub disk_gbps: f64,
+    /// Fetch-or-recompute policies to compare on runs with a host tier
+    /// (comma-separated: auto, always, never; see --kv-fetch of turbine
+    /// worker). Each is replayed on a fresh stack.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    pub kv_fetch: Vec<KvFetch>,
     /// Tokens per KV block of the mocker.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
@@ -180,29 +195,44 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
             let workers = prefill + decode;
             if !aggregated_done.contains(&workers) {
                 eprintln!("replaying {} requests on {workers} aggregated workers...", requests.len());
-                let report = replay_one(&args, Policy::Kv, 1, None, 0, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+                let report = replay_one(&args, Policy::Kv, 1, None, Tiers::NONE, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
                 policies.push(PolicyReport { router: format!("aggregated x{workers}"), ..report });
                 aggregated_done.push(workers);
             }
             eprintln!("replaying {} requests on {prefill} prefill + {decode} decode workers...", requests.len());
             let report =
-                replay_one(&args, Policy::Kv, 1, Some((prefill, decode)), 0, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+                replay_one(&args, Policy::Kv, 1, Some((prefill, decode)), Tiers::NONE, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
             policies.push(PolicyReport { router: format!("{prefill}P:{decode}D"), ..report });
         }
     }
     anyhow::ensure!(!args.host_cache_mib.is_empty(), "--host-cache-mib needs at least one size (0: no host tier)");
+    anyhow::ensure!(!args.kv_fetch.is_empty(), "--kv-fetch needs at least one policy");
+    anyhow::ensure!(args.disk_cache_gib.is_finite() && args.disk_cache_gib >= 0.0, "--disk-cache-gib must be 0 or positive");
+    anyhow::ensure!(args.disk_gbps.is_finite() && args.disk_gbps > 0.0, "--disk-gbps must be positive");
     let mut runs = Vec::new();
     for &policy in args.router.iter().filter(|_| args.gateway.is_none() && splits.is_empty()) {
         for &routers in &args.routers {
-            runs.extend(args.host_cache_mib.iter().map(|&host| (policy, routers, host)));
+            for &host in &args.host_cache_mib {
+                // The fetch policy matters only below a host tier.
+                let tiers = |fetch| Tiers { host_cache_mib: host, disk_cache_gib: if host > 0 { args.disk_cache_gib } else { 0.0 }, fetch };
+                match host {
+                    0 => runs.push((policy, routers, tiers(None))),
+                    _ => runs.extend(args.kv_fetch.iter().map(|&fetch| (policy, routers, tiers(Some(fetch))))),
+                }
+            }
         }
     }
-    for (policy, routers, host_cache_mib) in runs {
+    for (policy, routers, tiers) in runs {
         {
-            let tier = if host_cache_mib > 0 { format!(", host tier {host_cache_mib} MiB") } else { String::new() };
+            let mut tier = if tiers.host_cache_mib > 0 { format!(", host tier {} MiB", tiers.host_cache_mib) } else { String::new() };
+            if tiers.disk_cache_gib > 0.0 {
+                tier += &format!(", disk tier {} GiB at {} GB/s", tiers.disk_cache_gib, args.disk_gbps);
+            }
+            if let Some(fetch) = tiers.fetch {
+                tier += &format!(", --kv-fetch {}", fetch_name(fetch));
+            }
             eprintln!("replaying {} requests with the {} router (x{routers}{tier})...", requests.len(), policy.name());
-            let report =
-                replay_one(&args, policy, routers, None, host_cache_mib, args.workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+            let report = replay_one(&args, policy, routers, None, tiers, args.workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
             print_timeline(&report);
             eprintln!(
                 "  {} x{}: ttft mean {:.0} ms p90 {:.0} ms, hit rate {:.3} (oracle {:.3}), {} failed",
@@ -223,13 +253,30 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     })
 }
 
+/// The KV tiers of one run's workers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Tiers {
+    host_cache_mib: u64,
+    disk_cache_gib: f64,
+    /// None: the workers' default (no tier it would apply to).
+    fetch: Option<KvFetch>,
+}
+
+impl Tiers {
+    const NONE: Tiers = Tiers { host_cache_mib: 0, disk_cache_gib: 0.0, fetch: None };
+}
+
+fn fetch_name(fetch: KvFetch) -> &'static str {
+    turbine_engine::FetchPolicy::from(fetch).name()
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn replay_one(
     args: &ReplayArgs,
     policy: Policy,
     routers: usize,
     split: Option<(usize, usize)>,
-    host_cache_mib: u64,
+    tiers: Tiers,
     workers: usize,
     requests: &[TraceRequest],
     prompts: &Arc<Vec<Arc<Vec<u32>>>>,
@@ -261,8 +308,16 @@ async fn replay_one(
     engine.num_blocks = Some(args.num_blocks);
     engine.threads = Some(1);
     engine.context_length = Some(context_length);
-    engine.host_cache_mib = host_cache_mib;
+    engine.host_cache_mib = tiers.host_cache_mib;
     engine.mock_host_gbps = args.host_gbps;
+    // Each worker's disk tier goes to <dir>/<worker id>, removed after the run.
+    let disk_dir = if tiers.disk_cache_gib > 0.0 { Some(tempfile::tempdir().context("a directory for the disk tiers")?) } else { None };
+    engine.disk_cache_dir = disk_dir.as_ref().map(|dir| dir.path().to_path_buf());
+    engine.disk_cache_gib = if tiers.disk_cache_gib > 0.0 { tiers.disk_cache_gib } else { engine.disk_cache_gib };
+    engine.mock_disk_gbps = args.disk_gbps;
+    if let Some(fetch) = tiers.fetch {
+        engine.kv_fetch = fetch;
+    }
     config.worker.transfer.mock_kv_bytes_per_token = args.kv_bytes_per_token;
     config.worker.transfer.mock_transfer_gbps = args.transfer_gbps;
     let options = ClusterOptions {
@@ -279,7 +334,18 @@ async fn replay_one(
     shutdown.cancel();
     cluster.finished().await?;
     let (prefill_workers, decode_workers) = split.unwrap_or((0, 0));
-    Ok(PolicyReport { router: policy.name().to_owned(), routers, workers, prefill_workers, decode_workers, host_cache_mib, ..report? })
+    drop(disk_dir);
+    Ok(PolicyReport {
+        router: policy.name().to_owned(),
+        routers,
+        workers,
+        prefill_workers,
+        decode_workers,
+        host_cache_mib: tiers.host_cache_mib,
+        disk_cache_gib: tiers.disk_cache_gib,
+        kv_fetch: tiers.fetch.map(|fetch| fetch_name(fetch).to_owned()),
+        ..report?
+    })
 }
 
 fn unix_millis() -> u128 {

@@ -41,6 +41,10 @@ pub struct PolicyReport {
     pub decode_workers: usize,
     /// Host-memory KV tier per worker, MiB of modelled bytes (0: none).
     pub host_cache_mib: u64,
+    /// Disk KV tier per worker, GiB of modelled bytes (0: none).
+    pub disk_cache_gib: f64,
+    /// The workers' fetch-or-recompute policy (runs with a host tier).
+    pub kv_fetch: Option<String>,
     /// Requests sent.
     pub requests: usize,
     /// Requests that failed (non-200 or a broken stream).
@@ -183,6 +187,25 @@ pub fn print(report: &ReplayReport) {
             );
         }
     }
+    // Fetch or recompute: auto against always and never on the same tiers.
+    for auto in report.policies.iter().filter(|p| p.kv_fetch.as_deref() == Some("auto")) {
+        let same_tiers = |other: &&PolicyReport| {
+            other.router == auto.router && other.routers == auto.routers && other.host_cache_mib == auto.host_cache_mib && other.disk_cache_gib == auto.disk_cache_gib
+        };
+        for fixed in ["always", "never"] {
+            if let Some(other) = report.policies.iter().filter(same_tiers).find(|p| p.kv_fetch.as_deref() == Some(fixed)) {
+                println!(
+                    "{} vs {fixed}: TTFT mean {:.2}x, p90 {:.2}x; ITL mean {:.3}x; hit rate {:.3} vs {:.3} (below 1: auto is faster)",
+                    label(auto),
+                    auto.ttft.mean_ms / other.ttft.mean_ms,
+                    auto.ttft.p90_ms / other.ttft.p90_ms,
+                    auto.itl.mean_ms / other.itl.mean_ms,
+                    auto.prefix_hit_rate,
+                    other.prefix_hit_rate
+                );
+            }
+        }
+    }
     // Host tier against the same policy without one.
     for p in report.policies.iter().filter(|p| p.host_cache_mib > 0) {
         if let Some(g1) = report.policies.iter().find(|g1| g1.router == p.router && g1.routers == p.routers && g1.host_cache_mib == 0) {
@@ -216,6 +239,12 @@ fn label(p: &PolicyReport) -> String {
     let mut label = if p.routers > 1 { format!("{} x{}", p.router, p.routers) } else { p.router.clone() };
     if p.host_cache_mib > 0 {
         label += &format!(" +G2 {}G", p.host_cache_mib as f64 / 1024.0);
+    }
+    if p.disk_cache_gib > 0.0 {
+        label += &format!(" +G3 {}G", p.disk_cache_gib);
+    }
+    if let Some(fetch) = &p.kv_fetch {
+        label += &format!(" {fetch}");
     }
     label
 }
