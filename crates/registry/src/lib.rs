@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 pub use turbine_kv::WorkerId;
 
 /// A worker as registered.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerRecord {
     /// Unique, stable id.
     pub worker_id: WorkerId,
@@ -48,6 +48,46 @@ pub struct WorkerRecord {
     /// The worker's part in disaggregated serving.
     #[serde(default)]
     pub role: WorkerRole,
+    /// What reading a prefix from its lower tiers costs, as the worker
+    /// measured it (routers credit a hit there by what reading it saves).
+    #[serde(default, skip_serializing_if = "ReadCosts::is_unmeasured")]
+    pub read_costs: ReadCosts,
+}
+
+/// Reading KV blocks from one tier, in blocks of compute: reading `n`
+/// blocks takes as long as computing `fixed_blocks + per_block · n` blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReadCost {
+    /// The read's round trip.
+    pub fixed_blocks: f32,
+    /// Each block's transfer (below 1: reading beats computing).
+    pub per_block: f32,
+}
+
+impl ReadCost {
+    /// Blocks of compute a read of `blocks` saves (0 when reading is
+    /// slower: the worker then computes them).
+    pub fn saved_blocks(&self, blocks: f64) -> f64 {
+        (blocks * (1.0 - f64::from(self.per_block)) - f64::from(self.fixed_blocks)).max(0.0)
+    }
+}
+
+/// A worker's measured read costs per lower tier (None: not measured).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReadCosts {
+    /// Its local disk (G3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<ReadCost>,
+    /// The shared store (G4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<ReadCost>,
+}
+
+impl ReadCosts {
+    /// Nothing measured.
+    pub fn is_unmeasured(&self) -> bool {
+        self.disk.is_none() && self.remote.is_none()
+    }
 }
 
 /// A worker's part in disaggregated serving.
@@ -95,7 +135,7 @@ pub struct WorkerLoad {
 }
 
 /// A registered worker and when its lease runs out.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LiveWorker {
     /// The record.
     pub record: WorkerRecord,
@@ -193,5 +233,24 @@ impl Registry {
             Registry::Memory(_) => "in-memory".to_owned(),
             Registry::Redis(registry) => format!("redis namespace {}", registry.namespace()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_costs_are_optional_in_a_record() {
+        // A record from a worker that measured nothing (or predates them).
+        let old = r#"{"worker_id":"w","endpoint":"http://w","model":"m"}"#;
+        let record: WorkerRecord = serde_json::from_str(old).unwrap();
+        assert!(record.read_costs.is_unmeasured());
+        assert!(!serde_json::to_string(&record).unwrap().contains("read_costs"), "nothing measured, nothing written");
+        let measured = WorkerRecord { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }), remote: None }, ..record };
+        let again: WorkerRecord = serde_json::from_str(&serde_json::to_string(&measured).unwrap()).unwrap();
+        assert_eq!(again, measured);
+        assert_eq!(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }.saved_blocks(10.0), 7.0);
+        assert_eq!(ReadCost { fixed_blocks: 0.0, per_block: 2.0 }.saved_blocks(10.0), 0.0);
     }
 }

@@ -38,6 +38,7 @@ fn router() -> (Router, Arc<[u32]>) {
                     kv_block_size: 16,
                     instance: 1,
                     role: Default::default(),
+                    read_costs: Default::default(),
                 },
                 expires_at: Instant::now() + Duration::from_secs(3600),
             }

@@ -11,7 +11,7 @@ use turbine_kv::KvIndex;
 use turbine_kv_log::EventLog;
 use turbine_proto::service_names;
 use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, kv_transfer_server::KvTransferServer, worker_server::WorkerServer};
-use turbine_registry::{Lease, RedisRegistry, Registry, WorkerLoad, WorkerRecord};
+use turbine_registry::{Lease, ReadCost, ReadCosts, RedisRegistry, Registry, WorkerLoad, WorkerRecord};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners};
 use turbine_worker_api::{WorkerClient, WorkerClients};
@@ -157,7 +157,20 @@ pub fn worker_record(worker: &Worker, endpoint: &str) -> WorkerRecord {
         kv_block_size: worker.block_size() as u32,
         instance: worker.instance(),
         role: worker.role(),
+        read_costs: worker.engine().fetch_estimates().map_or_else(ReadCosts::default, |estimates| read_costs(&estimates, worker.block_size())),
     }
+}
+
+/// The engine's measured read costs in blocks of its measured compute (the
+/// marginal cost of one more block of prompt), as routers credit them.
+fn read_costs(estimates: &turbine_engine::FetchEstimates, block_size: usize) -> ReadCosts {
+    let Some(compute_block) = estimates.token_seconds.map(|token| token * block_size as f64).filter(|&seconds| seconds > 0.0) else {
+        return ReadCosts::default();
+    };
+    let tier = |tier: &turbine_engine::tiers::fetch::TierEstimate| {
+        Some(ReadCost { fixed_blocks: (tier.fixed_seconds? / compute_block) as f32, per_block: (tier.block_seconds? / compute_block) as f32 })
+    };
+    ReadCosts { disk: tier(&estimates.disk), remote: tier(&estimates.remote) }
 }
 
 /// The endpoint other services should use to reach a server bound at `bound`.
@@ -179,4 +192,27 @@ fn hostname() -> String {
     }
     let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
     String::from_utf8_lossy(&buffer[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use turbine_engine::FetchEstimates;
+    use turbine_engine::tiers::fetch::TierEstimate;
+
+    use super::*;
+
+    #[test]
+    fn read_costs_are_in_blocks_of_compute() {
+        // 1 ms a token, 16-token blocks: 16 ms a block of compute.
+        let estimates = FetchEstimates {
+            token_seconds: Some(0.001),
+            step_seconds: Some(0.01),
+            disk: TierEstimate { fixed_seconds: Some(0.008), block_seconds: Some(0.004), ..TierEstimate::default() },
+            ..FetchEstimates::default()
+        };
+        let costs = read_costs(&estimates, 16);
+        assert_eq!(costs.disk, Some(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }));
+        assert_eq!(costs.remote, None, "not measured");
+        assert!(read_costs(&FetchEstimates::default(), 16).is_unmeasured(), "compute not measured: nothing to compare with");
+    }
 }

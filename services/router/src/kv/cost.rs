@@ -3,6 +3,7 @@
 
 use rand::Rng;
 use turbine_kv::Tier;
+use turbine_registry::ReadCosts;
 
 /// Weights of the cost function; every field can be overridden per request.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -119,6 +120,10 @@ pub struct KvCandidate {
     pub active_decode_blocks: u64,
     /// Blocks the worker caches in all (tie-break: smaller first).
     pub cached_tree: usize,
+    /// What reading from its disk and shared tiers costs, as the worker
+    /// measured it: a measured tier's hits are credited by the compute
+    /// reading them saves, not by the tier's fixed weight.
+    pub read_costs: ReadCosts,
 }
 
 impl KvCandidate {
@@ -139,10 +144,28 @@ impl KvCandidate {
 /// DESIGN §5's cost of sending the request to `candidate`.
 pub fn cost(weights: &KvWeights, candidate: &KvCandidate) -> f64 {
     let prompt_blocks = candidate.prompt_blocks;
-    let credits: f64 = Tier::ALL.iter().map(|&tier| weights.credit(tier) * f64::from(candidate.matched_by_tier[tier as usize])).sum();
+    let credits: f64 = Tier::ALL.iter().map(|&tier| credit(weights, candidate, tier)).sum();
     // Not clamped at 0: see the module docs.
     let prefill = candidate.active_prefill_blocks as f64 + f64::from(prompt_blocks) - credits;
     weights.prefill_load_scale * prefill + candidate.active_decode_blocks as f64 + f64::from(prompt_blocks)
+}
+
+/// The credit of `candidate`'s matched blocks in `tier`: a tier whose reads
+/// the worker measured saves what reading those blocks saves over
+/// computing them (a block of compute saved is worth a device block's
+/// credit; a tier slower than computing saves nothing, as the worker then
+/// computes); any other, the tier's weight per block.
+fn credit(weights: &KvWeights, candidate: &KvCandidate, tier: Tier) -> f64 {
+    let blocks = f64::from(candidate.matched_by_tier[tier as usize]);
+    let measured = match tier {
+        Tier::Disk => candidate.read_costs.disk,
+        Tier::Remote => candidate.read_costs.remote,
+        Tier::Device | Tier::Host => None,
+    };
+    match measured {
+        Some(read) => weights.device_credit * read.saved_blocks(blocks),
+        None => weights.credit(tier) * blocks,
+    }
 }
 
 /// Picks a candidate index (`candidates` must not be empty).
@@ -184,7 +207,27 @@ mod tests {
             active_prefill_blocks: prefill,
             active_decode_blocks: decode,
             cached_tree: 0,
+            read_costs: ReadCosts::default(),
         }
+    }
+
+    #[test]
+    fn measured_tiers_are_credited_by_what_reading_saves() {
+        use turbine_registry::ReadCost;
+        let weights = KvWeights::default();
+        let on_disk = KvCandidate { matched_by_tier: [0, 0, 10, 0], ..candidate(10, 0, 0, 0) };
+        // Unmeasured: the disk's weight, 2 a block.
+        assert_eq!(cost(&weights, &on_disk), 100.0 * (10.0 - 20.0) + 10.0);
+        // Reading a block costs a tenth of computing it, plus a round trip
+        // of half a block: 10 blocks save 8.5, each worth a device block.
+        let fast = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.1 }), remote: None }, ..on_disk };
+        assert!((cost(&weights, &fast) - (100.0 * (10.0 - 8.0 * 8.5) + 10.0)).abs() < 1e-4);
+        // Slower than computing: no credit at all.
+        let slow = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.0, per_block: 3.0 }), remote: None }, ..on_disk };
+        assert_eq!(cost(&weights, &slow), cost(&weights, &candidate(10, 0, 0, 0)));
+        let mut rng = StdRng::seed_from_u64(1);
+        let elsewhere = candidate(10, 0, 0, 0);
+        assert_eq!(choose(&weights, &[elsewhere, fast], &mut rng), 1, "a fast disk's hit is worth routing to");
     }
 
     #[test]

@@ -71,6 +71,7 @@ impl Router {
                             active_prefill_blocks: book.prefill_blocks,
                             active_decode_blocks: book.decode_blocks,
                             cached_tree,
+                            read_costs: measured_costs(w, request),
                             ..KvCandidate::default()
                         }
                         .with_match(lookup.matched(w.record.kv_block_size, id))
@@ -139,6 +140,21 @@ impl Router {
         }
         Some(*best)
     }
+}
+
+/// `worker`'s measured read costs, less the tiers whose credit the request
+/// set itself (an explicit credit wins over the measurement).
+fn measured_costs(worker: &LiveWorker, request: &RouteRequest) -> turbine_registry::ReadCosts {
+    let mut costs = worker.record.read_costs;
+    if let Some(overrides) = &request.kv {
+        if overrides.disk_credit.is_some() {
+            costs.disk = None;
+        }
+        if overrides.remote_credit.is_some() {
+            costs.remote = None;
+        }
+    }
+    costs
 }
 
 /// A live worker as reported, with `in_flight` bookings.

@@ -11,7 +11,7 @@ fn route(router: &Router, request: &RouteRequest) -> Result<Routed, RouteError> 
 
 fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
     LiveWorker {
-        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default() },
+        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default() },
         expires_at: Instant::now() + ttl,
     }
 }
