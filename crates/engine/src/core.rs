@@ -18,7 +18,7 @@ use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
 use crate::tiers::fetch::FetchModel;
-use crate::tiers::{BlockSource, FetchEstimates, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, RemoteTier, ReadDone, ReadJob, spawn_offload, spawn_reader};
+use crate::tiers::{BlockSource, FetchEstimates, RemoteOffload, offload_evictions, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, RemoteTier, ReadDone, ReadJob, spawn_offload, spawn_reader};
 use turbine_kv::BlockHashes;
 use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
@@ -151,6 +151,11 @@ impl EngineHandle {
             }
             _ => None,
         };
+        if let (Some(host), Some(remote), Some(_)) = (&tiers.host, &tiers.remote, &offload)
+            && remote.offload() == RemoteOffload::OnEvict
+        {
+            offload_evictions(host, remote);
+        }
         let reader = match (&tiers.host, &offload) {
             (Some(host), Some(_)) if host.disk().is_some() || tiers.modelled.is_some() || tiers.remote.is_some() => {
                 let fetch = Arc::new(parking_lot::Mutex::new(FetchModel::new(tiers.fetch, config.block_size, config.max_batched_tokens)));

@@ -469,3 +469,72 @@ async fn a_prefix_on_a_disk_slower_than_compute_is_computed() {
         engine.shutdown();
     }
 }
+
+/// `--kv-store-offload on-evict`: the shared tier gets only what the host
+/// tier (the lowest local one here) evicts, and another engine reads those
+/// back; `off`: it gets nothing.
+#[tokio::test]
+async fn on_evict_the_shared_tier_gets_what_the_host_tier_evicts_and_off_nothing() {
+    use turbine_engine::RemoteOffload;
+
+    let expected = computed_output().await;
+    let hashes = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
+    for offload in [RemoteOffload::OnEvict, RemoteOffload::Off] {
+        let store = Arc::new(SharedStore::default());
+        let (executor, memory) = ChainExecutor::new();
+        let remote = RemoteTier::new(store.clone(), 2).with_offload(offload);
+        // Room for 3 of the prompt's 10 blocks.
+        let host = HostTier::new(3 * BLOCK_BYTES);
+        let tiers = KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: Some(remote.clone()), fetch: FetchPolicy::Always };
+        let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), tiers);
+        assert_eq!(generate(&engine, &prompt(0)).await, (expected.clone(), 0));
+        wait_for_copies(&engine, &host, 10).await;
+        let stored = || store.blocks.lock().len();
+        match offload {
+            RemoteOffload::OnEvict => {
+                wait_until("the host tier's evictions put to the shared tier", Duration::from_secs(10), async || stored() >= 7).await;
+                let held: Vec<_> = hashes[..10].iter().filter(|&&hash| host.contains(hash)).collect();
+                assert!(!held.is_empty() && held.iter().all(|hash| !store.blocks.lock().contains_key(hash)), "blocks the host tier still holds are not put");
+                assert_eq!(remote.stats().offloaded_blocks.load(Ordering::Relaxed), stored() as u64);
+                // Another engine, its tiers empty, reads the evicted prefix back.
+                let (second, _) = engine_over(&store);
+                let (again, cached) = generate(&second, &prompt(0)).await;
+                assert_eq!(again, expected, "blocks put on eviction give the computed output");
+                assert!(cached >= 20, "the evicted leading blocks are hits ({cached} cached tokens)");
+                second.shutdown();
+            }
+            _ => {
+                assert_eq!(stored(), 0, "off: nothing is put");
+                assert_eq!(remote.stats().offloaded_blocks.load(Ordering::Relaxed), 0);
+            }
+        }
+        engine.shutdown();
+    }
+}
+
+/// With a disk tier, on-eviction puts are what the disk evicts, read back
+/// from its files before they are deleted.
+#[tokio::test]
+async fn on_evict_with_a_disk_the_shared_tier_gets_what_the_disk_evicts() {
+    use turbine_engine::RemoteOffload;
+    use turbine_engine::tiers::block_file::HEADER_BYTES;
+
+    let expected = computed_output().await;
+    let store = Arc::new(SharedStore::default());
+    let (executor, memory) = ChainExecutor::new();
+    let remote = RemoteTier::new(store.clone(), 2).with_offload(RemoteOffload::OnEvict);
+    let dir = tempfile::tempdir().unwrap();
+    // Room for 3 block files on disk, 2 blocks in host memory.
+    let disk = DiskTier::open(dir.path(), 3 * (BLOCK_BYTES + HEADER_BYTES as u64), 7).unwrap();
+    let host = HostTier::with_disk(2 * BLOCK_BYTES, disk.clone());
+    let tiers = KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: Some(remote.clone()), fetch: FetchPolicy::Always };
+    let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), tiers);
+    assert_eq!(generate(&engine, &prompt(0)).await, (expected.clone(), 0));
+    wait_for_copies(&engine, &host, 10).await;
+    wait_until("the disk's evictions put to the shared tier", Duration::from_secs(10), async || store.blocks.lock().len() >= 3).await;
+    assert!(disk.stats().evicted_blocks.load(Ordering::Relaxed) >= 3);
+    assert!(store.blocks.lock().values().all(|block| block.is_intact()), "what the store got was read back whole");
+    let hashes = BlockHasher::default().sequence_hashes(&prompt(0), BLOCK_SIZE);
+    assert!(hashes[..10].iter().filter(|&&hash| host.contains(hash)).all(|hash| !store.blocks.lock().contains_key(hash)), "the host tier's blocks are not put");
+    engine.shutdown();
+}

@@ -19,6 +19,29 @@ pub enum EngineKind {
     Mock,
 }
 
+/// Which blocks a worker puts to the kv-store (`--kv-store-offload`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvStoreOffload {
+    /// Every block as the host tier stores it.
+    #[default]
+    WriteThrough,
+    /// Blocks the lowest local tier evicts.
+    OnEvict,
+    /// None.
+    Off,
+}
+
+impl From<KvStoreOffload> for turbine_engine::RemoteOffload {
+    fn from(offload: KvStoreOffload) -> Self {
+        match offload {
+            KvStoreOffload::WriteThrough => Self::WriteThrough,
+            KvStoreOffload::OnEvict => Self::OnEvict,
+            KvStoreOffload::Off => Self::Off,
+        }
+    }
+}
+
 /// Whether prefixes below the host tier are read or computed
 /// (`--kv-fetch`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -211,6 +234,15 @@ pub struct EngineConfig {
     /// a miss.
     #[arg(long, env = "TURBINE_WORKER_KV_STORE_TIMEOUT_MS", default_value_t = 5000)]
     pub kv_store_timeout_ms: u64,
+    /// Which blocks go to the kv-store. write-through: every block as the
+    /// host tier stores it (a prefix is shared as soon as it is computed).
+    /// on-evict: only blocks the lowest local tier evicts (the disk's, or
+    /// the host tier's without a disk): fewer puts, and the store keeps
+    /// what this worker can no longer hold, but others see a prefix only
+    /// once it left this worker. off: nothing (read what others put).
+    #[arg(long, env = "TURBINE_WORKER_KV_STORE_OFFLOAD", value_enum, default_value_t = KvStoreOffload::WriteThrough)]
+    #[serde(default)]
+    pub kv_store_offload: KvStoreOffload,
     /// Whether a prompt's prefix found on disk or in the kv-store is read
     /// or computed. auto: per request, from the measured time to read it
     /// (each tier's round trip and bandwidth, the reads queued ahead)
@@ -481,5 +513,7 @@ mod tests {
         assert!(parse(&["--host-cache-mib", "64", "--disk-cache-dir", "/tmp/kv"]).is_ok());
         assert!(parse(&["--kv-fetch", "sometimes"]).is_err());
         assert_eq!(parse(&["--kv-fetch", "never"]).unwrap().engine.kv_fetch, KvFetch::Never);
+        assert_eq!(parse(&["--kv-store-offload", "on-evict"]).unwrap().engine.kv_store_offload, KvStoreOffload::OnEvict);
+        assert!(parse(&["--kv-store-offload", "sometimes"]).is_err());
     }
 }

@@ -24,6 +24,6 @@ pub mod serve;
 pub mod service;
 pub mod worker;
 
-pub use config::{EngineConfig, EngineKind, KvFetch, KvTransport, TransferConfig, WorkerConfig, WorkerRole};
+pub use config::{EngineConfig, EngineKind, KvFetch, KvStoreOffload, KvTransport, TransferConfig, WorkerConfig, WorkerRole};
 pub use serve::{KvEventSink, WorkerDeps, main, serve};
 pub use worker::Worker;

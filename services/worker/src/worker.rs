@@ -122,8 +122,8 @@ impl Worker {
                 let layout = format!("{:?}", memory.layout());
                 let fingerprint = Fingerprint::new(shared_fingerprint(&model.path, &layout, &scheduler)).context("a zero layout fingerprint")?;
                 let tier = KvStoreTier::new(client, fingerprint, Duration::from_millis(engine_config.kv_store_timeout_ms));
-                tracing::info!(kv_store = %endpoint, fingerprint = format!("{:016x}", fingerprint.get()), "shared KV tier on");
-                Some(RemoteTier::new(Arc::new(tier), engine_config.kv_store_min_blocks))
+                tracing::info!(kv_store = %endpoint, fingerprint = format!("{:016x}", fingerprint.get()), offload = ?engine_config.kv_store_offload, "shared KV tier on");
+                Some(RemoteTier::new(Arc::new(tier), engine_config.kv_store_min_blocks).with_offload(engine_config.kv_store_offload.into()))
             }
             (Some(_), _, _) => {
                 tracing::warn!("the shared KV tier (--kv-store) needs the host tier and an engine that exposes its KV memory; it is off");

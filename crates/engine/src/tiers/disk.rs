@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use turbine_kv::{BlockHashes, CachedBlock, KvEvent, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
 
 use super::block_file::{self, HEADER_BYTES, block_path};
-use super::{HostBlock, PendingEvents, TierStats, push_removed};
+use super::{EvictionSink, HostBlock, PendingEvents, TierStats, push_removed};
 
 /// What the index keeps of a block on disk.
 #[derive(Debug, Clone, Copy)]
@@ -45,6 +45,9 @@ struct Inner {
     capacity_bytes: u64,
     /// Bytes each block counts for, if modelled (else its file's length).
     modelled_block_bytes: Option<u64>,
+    /// Where evicted blocks go (the shared tier, on eviction), read back
+    /// from their files before those are deleted.
+    evicted: EvictionSink,
     /// Held for the tier's life: no other engine uses the directory.
     _lock: File,
 }
@@ -74,10 +77,12 @@ impl DiskTier {
         let lock = block_file::lock_dir(dir, "Turbine worker")?;
         let events = PendingEvents::default();
         let stats = Arc::new(TierStats::default());
+        let evicted = EvictionSink::default();
         let index = {
             let events = events.clone();
             let stats = stats.clone();
             let dir = dir.to_path_buf();
+            let evicted = evicted.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
                 .weigher(|_, entry: &DiskEntry| u32::try_from(entry.bytes).unwrap_or(u32::MAX))
@@ -85,13 +90,21 @@ impl DiskTier {
                 .eviction_listener(move |hash: Arc<SequenceHash>, _, cause| {
                     if cause.was_evicted() {
                         stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
-                        let _ = std::fs::remove_file(block_path(&dir, *hash));
+                        let path = block_path(&dir, *hash);
+                        if evicted.is_connected()
+                            && let Some(block) = block_file::read_block(&path, fingerprint, *hash)
+                            && block.is_intact()
+                        {
+                            evicted.offer(*hash, Arc::new(block));
+                        }
+                        let _ = std::fs::remove_file(path);
                         push_removed(&events, *hash, Tier::Disk);
                     }
                 })
                 .build()
         };
-        let tier = Self { inner: Arc::new(Inner { dir: dir.to_path_buf(), fingerprint, index, events, stats, capacity_bytes, modelled_block_bytes, _lock: lock }) };
+        let tier =
+            Self { inner: Arc::new(Inner { dir: dir.to_path_buf(), fingerprint, index, events, stats, capacity_bytes, modelled_block_bytes, evicted, _lock: lock }) };
         tier.rebuild()?;
         Ok(tier)
     }
@@ -153,6 +166,11 @@ impl DiskTier {
     /// Whether the tier holds `hash`.
     pub fn contains(&self, hash: SequenceHash) -> bool {
         self.inner.index.contains_key(&hash)
+    }
+
+    /// Where this tier's evictions go.
+    pub(crate) fn eviction_sink(&self) -> &EvictionSink {
+        &self.inner.evicted
     }
 
     /// Writes a block (a failed write is counted and logged; the block is

@@ -10,7 +10,7 @@ use std::sync::mpsc::{SyncSender, TrySendError};
 use turbine_kv::{BlockHashes, CachedBlock, KvEvent, SequenceHash, StoredBlock, Tier, TierSet};
 
 use super::disk::DiskTier;
-use super::{HostBlock, PendingEvents, TierStats, push_removed};
+use super::{EvictionSink, HostBlock, PendingEvents, TierStats, push_removed};
 
 /// Host-tier evictions queued for the disk at most.
 const SPILL_QUEUE: usize = 256;
@@ -28,6 +28,9 @@ pub struct HostTier {
     modelled_block_bytes: Option<u64>,
     stats: Arc<TierStats>,
     disk: Option<DiskTier>,
+    /// Where evictions go besides the disk (the shared tier, on eviction,
+    /// when there is no disk).
+    evicted: EvictionSink,
 }
 
 impl std::fmt::Debug for HostTier {
@@ -76,10 +79,12 @@ impl HostTier {
         let events = PendingEvents::default();
         let stats = Arc::new(TierStats::default());
         let (disk, spill) = disk.unzip();
+        let evicted = EvictionSink::default();
         let cache = {
             let events = events.clone();
             let stats = stats.clone();
             let disk = disk.clone();
+            let evicted = evicted.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
                 .weigher(move |_, block: &Arc<HostBlock>| u32::try_from(modelled_block_bytes.unwrap_or(block.bytes.len() as u64)).unwrap_or(u32::MAX))
@@ -90,16 +95,25 @@ impl HostTier {
                     }
                     stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
                     push_removed(&events, *hash, Tier::Host);
-                    if let (Some(spill), Some(disk)) = (&spill, &disk)
-                        && !disk.contains(*hash)
-                        && let Err(TrySendError::Full(_)) = spill.try_send((*hash, block))
-                    {
-                        disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
+                    match (&spill, &disk) {
+                        (Some(spill), Some(disk)) => {
+                            if !disk.contains(*hash)
+                                && let Err(TrySendError::Full(_)) = spill.try_send((*hash, block))
+                            {
+                                disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        _ => evicted.offer(*hash, block),
                     }
                 })
                 .build()
         };
-        Self { cache, events, capacity_bytes, modelled_block_bytes, stats, disk }
+        Self { cache, events, capacity_bytes, modelled_block_bytes, stats, disk, evicted }
+    }
+
+    /// Where this tier's evictions go besides a disk.
+    pub(crate) fn eviction_sink(&self) -> &EvictionSink {
+        &self.evicted
     }
 
     /// The disk tier below, if any.

@@ -67,7 +67,7 @@ use crate::kv_memory::{KvMemory, block_checksum};
 pub use disk::DiskTier;
 pub use fetch::{FetchEstimates, FetchPolicy};
 pub use host::HostTier;
-pub use remote::{RemoteStore, RemoteTier};
+pub use remote::{RemoteOffload, RemoteStore, RemoteTier};
 
 /// A block held below the pool, its bytes in the pool's layout.
 #[derive(Debug)]
@@ -119,6 +119,38 @@ pub struct TierStats {
 
 /// Events of a tier, waiting for the engine loop to number them.
 type PendingEvents = Arc<Mutex<Vec<KvEvent>>>;
+
+/// Where the lowest local tier's evictions go when the shared tier takes
+/// blocks on eviction ([`RemoteOffload::OnEvict`]); unconnected, nowhere.
+#[derive(Clone, Default)]
+pub(crate) struct EvictionSink(Arc<std::sync::OnceLock<EvictedBlocks>>);
+
+/// The queue of evicted blocks on their way to the shared tier, and that
+/// tier's counters (a full queue skips the block).
+struct EvictedBlocks {
+    queue: std::sync::mpsc::SyncSender<(SequenceHash, Arc<HostBlock>)>,
+    stats: Arc<TierStats>,
+}
+
+impl EvictionSink {
+    /// Whether evictions are wanted (then they are worth reading back).
+    pub(crate) fn is_connected(&self) -> bool {
+        self.0.get().is_some()
+    }
+
+    /// Hands an evicted block over, without waiting.
+    pub(crate) fn offer(&self, hash: SequenceHash, block: Arc<HostBlock>) {
+        if let Some(evicted) = self.0.get()
+            && evicted.queue.try_send((hash, block)).is_err()
+        {
+            evicted.stats.offloads_skipped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn connect(&self, evicted: EvictedBlocks) {
+        let _ = self.0.set(evicted);
+    }
+}
 
 fn push_removed(events: &PendingEvents, hash: SequenceHash, tier: Tier) {
     let mut events = events.lock();
@@ -208,6 +240,7 @@ pub(crate) fn spawn_offload(
     let (done_sender, done) = std::sync::mpsc::channel();
     let host_of_run = host.clone();
     // A run goes to the host tier and, written through, to the shared one.
+    let remote = remote.filter(|remote| remote.offload() == RemoteOffload::WriteThrough);
     let store_run = move |run: Vec<(SequenceHash, HostBlock)>| {
         let run: Vec<(SequenceHash, Arc<HostBlock>)> = run.into_iter().map(|(hash, block)| (hash, Arc::new(block))).collect();
         if let Some(remote) = &remote {
@@ -258,6 +291,46 @@ pub(crate) fn spawn_offload(
         })
         .expect("spawn the KV offload thread");
     (jobs, done)
+}
+
+/// Most evicted blocks queued for the shared tier; beyond it they are
+/// skipped (counted), nothing waits.
+const EVICTED_QUEUE: usize = 1024;
+
+/// With [`RemoteOffload::OnEvict`]: connects the lowest local tier's
+/// evictions (the disk's if `host` has one, else the host tier's) to a
+/// thread that puts them to `remote` in chain runs.
+pub(crate) fn offload_evictions(host: &HostTier, remote: &RemoteTier) {
+    let (queue, evicted) = std::sync::mpsc::sync_channel::<(SequenceHash, Arc<HostBlock>)>(EVICTED_QUEUE);
+    let sink = match host.disk() {
+        Some(disk) => disk.eviction_sink(),
+        None => host.eviction_sink(),
+    };
+    sink.connect(EvictedBlocks { queue, stats: remote.shared_stats() });
+    let remote = remote.clone();
+    std::thread::Builder::new()
+        .name("turbine-kv-evicted".into())
+        .spawn(move || {
+            while let Ok(first) = evicted.recv() {
+                // Whatever else was evicted meanwhile goes in the same call,
+                // cut into runs where the chain breaks.
+                let mut batch = vec![first];
+                while batch.len() < 256
+                    && let Ok(next) = evicted.try_recv()
+                {
+                    batch.push(next);
+                }
+                let mut run: Vec<(SequenceHash, Arc<HostBlock>)> = Vec::new();
+                for (hash, block) in batch {
+                    if run.last().map(|(last, _)| Some(*last)) != Some(block.parent) {
+                        remote.put_run(&std::mem::take(&mut run));
+                    }
+                    run.push((hash, block));
+                }
+                remote.put_run(&run);
+            }
+        })
+        .expect("spawn the KV eviction offload thread");
 }
 
 /// Disk (and shared-tier) blocks to read for a waiting request.

@@ -36,12 +36,28 @@ pub trait RemoteStore: Send + Sync + 'static {
     }
 }
 
+/// Which blocks the engine puts to the shared tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RemoteOffload {
+    /// Every block as the host tier stores it: a prefix computed anywhere
+    /// is shared at once, at the cost of putting every block.
+    #[default]
+    WriteThrough,
+    /// Only blocks the worker's lowest local tier evicts (the disk's, or
+    /// the host tier's without one): the store keeps what the worker can
+    /// no longer hold, and puts nothing it still holds.
+    OnEvict,
+    /// None: the tier is only read (blocks other workers put).
+    Off,
+}
+
 /// The shared tier as the engine holds it. Cloning shares it.
 #[derive(Clone)]
 pub struct RemoteTier {
     store: Arc<dyn RemoteStore>,
     stats: Arc<TierStats>,
     min_blocks: usize,
+    offload: RemoteOffload,
 }
 
 impl std::fmt::Debug for RemoteTier {
@@ -55,12 +71,26 @@ impl RemoteTier {
     /// when at least `min_blocks` of its blocks are in no nearer tier (a
     /// shorter remainder is cheaper to compute than a round trip).
     pub fn new(store: Arc<dyn RemoteStore>, min_blocks: usize) -> Self {
-        Self { store, stats: Arc::default(), min_blocks: min_blocks.max(1) }
+        Self { store, stats: Arc::default(), min_blocks: min_blocks.max(1), offload: RemoteOffload::default() }
+    }
+
+    /// The tier, putting the blocks `offload` says.
+    pub fn with_offload(self, offload: RemoteOffload) -> Self {
+        Self { offload, ..self }
+    }
+
+    /// Which blocks are put to it.
+    pub fn offload(&self) -> RemoteOffload {
+        self.offload
     }
 
     /// The tier's counters (the store's own client may count more).
     pub fn stats(&self) -> &TierStats {
         &self.stats
+    }
+
+    pub(crate) fn shared_stats(&self) -> Arc<TierStats> {
+        self.stats.clone()
     }
 
     /// Whether a remainder of `blocks` blocks is worth asking for.
