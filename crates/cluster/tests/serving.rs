@@ -334,3 +334,33 @@ async fn kv_routing_sends_repeated_prefixes_to_the_worker_that_cached_them() {
     let round_robin = cached_share(turbine_router::Policy::RoundRobin).await;
     assert!(kv > round_robin, "kv {kv} vs round-robin {round_robin}");
 }
+
+/// The mocker models the shared tier: with the embedded kv-store, a prompt
+/// computed on one mocker worker is fetched by the other (round-robin
+/// sends the repeat there) as stamps of its blocks, and counts as cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mocker_workers_share_prefixes_through_the_embedded_kv_store() {
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1000.0);
+    config.workers = 2;
+    config.kv_store_port = Some(0);
+    config.router.policy = turbine_router::Policy::RoundRobin;
+    config.worker.engine.host_cache_mib = 256;
+    let sandbox = Sandbox::start(config).await;
+    let store = turbine_kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
+    // 5 blocks of 64 tokens.
+    let tokens: Vec<u32> = (0..320).map(|i| 2000 + i).collect();
+    let request = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true});
+    let (status, first) = sandbox.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0), 0);
+    wait_until("the first worker's blocks put to the kv-store", std::time::Duration::from_secs(30), async || {
+        store.stats().await.unwrap().put_blocks >= 4
+    })
+    .await;
+    let (status, second) = sandbox.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), 256, "the other worker fetched the 4 full blocks");
+    assert!(sandbox.metric("turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await >= 4.0);
+    sandbox.stop().await;
+}

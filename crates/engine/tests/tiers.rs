@@ -325,7 +325,7 @@ async fn the_mocker_models_its_tiers_without_kv_bytes() {
     use turbine_engine::mocker::{MockExecutor, MockTiming};
 
     const MODELLED: u64 = 1 << 20;
-    let modelled = ModelledTransfer { block_bytes: MODELLED, host_bytes_per_sec: 1e12, disk_bytes_per_sec: 1e12 };
+    let modelled = ModelledTransfer { block_bytes: MODELLED, host_bytes_per_sec: 1e12, disk_bytes_per_sec: 1e12, remote_bytes_per_sec: 1e12 };
     let dir = tempfile::tempdir().unwrap();
     let disk = DiskTier::open_modelled(dir.path(), 1 << 30, 7, MODELLED).unwrap();
     let host = HostTier::modelled(3 * MODELLED, MODELLED, Some(disk.clone()));
@@ -354,7 +354,7 @@ async fn the_mocker_models_its_tiers_without_kv_bytes() {
 
 #[test]
 fn modelled_onboard_time_is_bytes_over_each_tiers_bandwidth() {
-    let modelled = turbine_engine::ModelledTransfer { block_bytes: 2_000_000, host_bytes_per_sec: 20e9, disk_bytes_per_sec: 2e9 };
+    let modelled = turbine_engine::ModelledTransfer { block_bytes: 2_000_000, host_bytes_per_sec: 20e9, disk_bytes_per_sec: 2e9, remote_bytes_per_sec: 1e9 };
     let ms = |host, disk| modelled.onboard_time(host, disk).as_secs_f64() * 1e3;
     for (host, disk, expected) in [(10, 0, 1.0), (0, 10, 10.0), (10, 10, 11.0)] {
         assert!((ms(host, disk) - expected).abs() < 1e-6, "{host} host and {disk} disk blocks: {} ms", ms(host, disk));
@@ -431,7 +431,7 @@ async fn a_prefix_on_a_disk_slower_than_compute_is_computed() {
 
     const MODELLED: u64 = 1 << 20;
     for policy in [FetchPolicy::Auto, FetchPolicy::Always] {
-        let modelled = ModelledTransfer { block_bytes: MODELLED, host_bytes_per_sec: 1e12, disk_bytes_per_sec: 20e6 };
+        let modelled = ModelledTransfer { block_bytes: MODELLED, host_bytes_per_sec: 1e12, disk_bytes_per_sec: 20e6, remote_bytes_per_sec: 1e12 };
         let dir = tempfile::tempdir().unwrap();
         let disk = DiskTier::open_modelled(dir.path(), 1 << 30, 7, MODELLED).unwrap();
         let host = HostTier::modelled(MODELLED, MODELLED, Some(disk.clone()));

@@ -83,13 +83,14 @@ impl Worker {
             block_bytes: (transfer.mock_kv_bytes_per_token * block_size) as u64,
             host_bytes_per_sec: engine_config.mock_host_gbps * 1e9 * engine_config.speedup,
             disk_bytes_per_sec: engine_config.mock_disk_gbps * 1e9 * engine_config.speedup,
+            remote_bytes_per_sec: engine_config.mock_remote_gbps * 1e9 * engine_config.speedup,
         });
         let layout = match (&memory, &modelled) {
             (Some(memory), _) => Some(format!("{:?}", memory.layout())),
             (None, Some(modelled)) => Some(format!("mock, {} bytes per block", modelled.block_bytes)),
             (None, None) => None,
         };
-        let host = match (engine_config.host_cache_mib, layout) {
+        let host = match (engine_config.host_cache_mib, layout.clone()) {
             (0, _) => None,
             (mib, Some(layout)) => {
                 let disk = match &engine_config.disk_cache_dir {
@@ -116,17 +117,16 @@ impl Worker {
                 None
             }
         };
-        let remote = match (&engine_config.kv_store, &host, &memory) {
-            (Some(endpoint), Some(_), Some(memory)) => {
+        let remote = match (&engine_config.kv_store, &host, layout) {
+            (Some(endpoint), Some(_), Some(layout)) => {
                 let client = KvStoreClient::connect(endpoint)?;
-                let layout = format!("{:?}", memory.layout());
                 let fingerprint = Fingerprint::new(shared_fingerprint(&model.path, &layout, &scheduler)).context("a zero layout fingerprint")?;
                 let tier = KvStoreTier::new(client, fingerprint, Duration::from_millis(engine_config.kv_store_timeout_ms));
                 tracing::info!(kv_store = %endpoint, fingerprint = format!("{:016x}", fingerprint.get()), offload = ?engine_config.kv_store_offload, "shared KV tier on");
                 Some(RemoteTier::new(Arc::new(tier), engine_config.kv_store_min_blocks).with_offload(engine_config.kv_store_offload.into()))
             }
             (Some(_), _, _) => {
-                tracing::warn!("the shared KV tier (--kv-store) needs the host tier and an engine that exposes its KV memory; it is off");
+                tracing::warn!("the shared KV tier (--kv-store) needs the host tier (--host-cache-mib); it is off");
                 None
             }
             (None, _, _) => None,

@@ -82,6 +82,8 @@ pub(super) async fn drive(
         host_cache_mib: 0,
         disk_cache_gib: 0.0,
         kv_fetch: None,
+        kv_store: false,
+        computed_prompt_tokens: prompt.saturating_sub(cached),
         requests: requests.len(),
         failed,
         ttft,

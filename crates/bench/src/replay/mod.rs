@@ -102,6 +102,15 @@ pub struct ReplayArgs {
     /// worker). Each is replayed on a fresh stack.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
     pub kv_fetch: Vec<KvFetch>,
+    /// Also replay every configuration with a host tier on workers that
+    /// share an embedded kv-store (G4), to compare (each once without the
+    /// store, once with it).
+    #[arg(long)]
+    pub kv_store: bool,
+    /// Shared-tier onboard bandwidth the mockers model, GB/s [default:
+    /// what this machine measured, see --mock-remote-gbps of turbine worker].
+    #[arg(long, default_value_t = turbine_worker::config::MOCK_REMOTE_GBPS)]
+    pub remote_gbps: f64,
     /// Tokens per KV block of the mocker.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
@@ -209,15 +218,21 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     anyhow::ensure!(!args.kv_fetch.is_empty(), "--kv-fetch needs at least one policy");
     anyhow::ensure!(args.disk_cache_gib.is_finite() && args.disk_cache_gib >= 0.0, "--disk-cache-gib must be 0 or positive");
     anyhow::ensure!(args.disk_gbps.is_finite() && args.disk_gbps > 0.0, "--disk-gbps must be positive");
+    anyhow::ensure!(args.remote_gbps.is_finite() && args.remote_gbps > 0.0, "--remote-gbps must be positive");
     let mut runs = Vec::new();
     for &policy in args.router.iter().filter(|_| args.gateway.is_none() && splits.is_empty()) {
         for &routers in &args.routers {
             for &host in &args.host_cache_mib {
-                // The fetch policy matters only below a host tier.
-                let tiers = |fetch| Tiers { host_cache_mib: host, disk_cache_gib: if host > 0 { args.disk_cache_gib } else { 0.0 }, fetch };
+                // The fetch policy and the store matter only below a host tier.
+                let tiers = |fetch, kv_store| Tiers { host_cache_mib: host, disk_cache_gib: if host > 0 { args.disk_cache_gib } else { 0.0 }, fetch, kv_store };
+                let stores: &[bool] = if args.kv_store { &[false, true] } else { &[false] };
                 match host {
-                    0 => runs.push((policy, routers, tiers(None))),
-                    _ => runs.extend(args.kv_fetch.iter().map(|&fetch| (policy, routers, tiers(Some(fetch))))),
+                    0 => runs.push((policy, routers, tiers(None, false))),
+                    _ => {
+                        for &kv_store in stores {
+                            runs.extend(args.kv_fetch.iter().map(|&fetch| (policy, routers, tiers(Some(fetch), kv_store))));
+                        }
+                    }
                 }
             }
         }
@@ -227,6 +242,9 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
             let mut tier = if tiers.host_cache_mib > 0 { format!(", host tier {} MiB", tiers.host_cache_mib) } else { String::new() };
             if tiers.disk_cache_gib > 0.0 {
                 tier += &format!(", disk tier {} GiB at {} GB/s", tiers.disk_cache_gib, args.disk_gbps);
+            }
+            if tiers.kv_store {
+                tier += &format!(", kv-store at {} GB/s", args.remote_gbps);
             }
             if let Some(fetch) = tiers.fetch {
                 tier += &format!(", --kv-fetch {}", fetch_name(fetch));
@@ -260,10 +278,12 @@ struct Tiers {
     disk_cache_gib: f64,
     /// None: the workers' default (no tier it would apply to).
     fetch: Option<KvFetch>,
+    /// Workers share an embedded kv-store.
+    kv_store: bool,
 }
 
 impl Tiers {
-    const NONE: Tiers = Tiers { host_cache_mib: 0, disk_cache_gib: 0.0, fetch: None };
+    const NONE: Tiers = Tiers { host_cache_mib: 0, disk_cache_gib: 0.0, fetch: None, kv_store: false };
 }
 
 fn fetch_name(fetch: KvFetch) -> &'static str {
@@ -315,6 +335,10 @@ async fn replay_one(
     engine.disk_cache_dir = disk_dir.as_ref().map(|dir| dir.path().to_path_buf());
     engine.disk_cache_gib = if tiers.disk_cache_gib > 0.0 { tiers.disk_cache_gib } else { engine.disk_cache_gib };
     engine.mock_disk_gbps = args.disk_gbps;
+    engine.mock_remote_gbps = args.remote_gbps;
+    if tiers.kv_store {
+        config.kv_store_port = Some(0);
+    }
     if let Some(fetch) = tiers.fetch {
         engine.kv_fetch = fetch;
     }
@@ -344,6 +368,7 @@ async fn replay_one(
         host_cache_mib: tiers.host_cache_mib,
         disk_cache_gib: tiers.disk_cache_gib,
         kv_fetch: tiers.fetch.map(|fetch| fetch_name(fetch).to_owned()),
+        kv_store: tiers.kv_store,
         ..report?
     })
 }

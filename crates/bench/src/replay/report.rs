@@ -45,6 +45,10 @@ pub struct PolicyReport {
     pub disk_cache_gib: f64,
     /// The workers' fetch-or-recompute policy (runs with a host tier).
     pub kv_fetch: Option<String>,
+    /// Whether the workers shared a kv-store.
+    pub kv_store: bool,
+    /// Prompt tokens the engines computed (prompt tokens less cached ones).
+    pub computed_prompt_tokens: u64,
     /// Requests sent.
     pub requests: usize,
     /// Requests that failed (non-200 or a broken stream).
@@ -187,10 +191,33 @@ pub fn print(report: &ReplayReport) {
             );
         }
     }
+    // The kv-store against the same configuration without it.
+    for p in report.policies.iter().filter(|p| p.kv_store) {
+        let without = report.policies.iter().find(|o| {
+            !o.kv_store && o.router == p.router && o.routers == p.routers && o.host_cache_mib == p.host_cache_mib && o.disk_cache_gib == p.disk_cache_gib && o.kv_fetch == p.kv_fetch
+        });
+        if let Some(without) = without {
+            println!(
+                "{} vs without the kv-store: prompt tokens computed {} vs {} ({:.1}%); TTFT mean {:.2}x, p90 {:.2}x; hit rate {:.3} vs {:.3}",
+                label(p),
+                p.computed_prompt_tokens,
+                without.computed_prompt_tokens,
+                100.0 * p.computed_prompt_tokens as f64 / without.computed_prompt_tokens.max(1) as f64,
+                p.ttft.mean_ms / without.ttft.mean_ms,
+                p.ttft.p90_ms / without.ttft.p90_ms,
+                p.prefix_hit_rate,
+                without.prefix_hit_rate
+            );
+        }
+    }
     // Fetch or recompute: auto against always and never on the same tiers.
     for auto in report.policies.iter().filter(|p| p.kv_fetch.as_deref() == Some("auto")) {
         let same_tiers = |other: &&PolicyReport| {
-            other.router == auto.router && other.routers == auto.routers && other.host_cache_mib == auto.host_cache_mib && other.disk_cache_gib == auto.disk_cache_gib
+            other.router == auto.router
+                && other.routers == auto.routers
+                && other.host_cache_mib == auto.host_cache_mib
+                && other.disk_cache_gib == auto.disk_cache_gib
+                && other.kv_store == auto.kv_store
         };
         for fixed in ["always", "never"] {
             if let Some(other) = report.policies.iter().filter(same_tiers).find(|p| p.kv_fetch.as_deref() == Some(fixed)) {
@@ -242,6 +269,9 @@ fn label(p: &PolicyReport) -> String {
     }
     if p.disk_cache_gib > 0.0 {
         label += &format!(" +G3 {}G", p.disk_cache_gib);
+    }
+    if p.kv_store {
+        label += " +G4";
     }
     if let Some(fetch) = &p.kv_fetch {
         label += &format!(" {fetch}");

@@ -192,9 +192,17 @@ pub struct ModelledTransfer {
     pub host_bytes_per_sec: f64,
     /// Disk to the pool, bytes per second.
     pub disk_bytes_per_sec: f64,
+    /// The shared tier (a kv-store over the network) to the pool, bytes
+    /// per second: blocks it returns take this long on top of the call.
+    pub remote_bytes_per_sec: f64,
 }
 
 impl ModelledTransfer {
+    /// Time to move `blocks` blocks from the shared tier.
+    pub fn remote_time(&self, blocks: usize) -> Duration {
+        Duration::from_secs_f64(blocks as f64 * self.block_bytes as f64 / self.remote_bytes_per_sec.max(f64::MIN_POSITIVE))
+    }
+
     /// Time to onboard `host` blocks from host memory and `disk` blocks
     /// from disk.
     pub fn onboard_time(&self, host: usize, disk: usize) -> Duration {
@@ -411,6 +419,10 @@ pub(crate) fn spawn_reader(
                         Ok(Ok(fetched)) => fetched.len(),
                         _ => 0,
                     };
+                    if let Some(modelled) = modelled {
+                        // Stamps stand for the blocks' bytes: their transfer is modelled.
+                        std::thread::sleep(modelled.remote_time(returned).saturating_sub(asked.elapsed()));
+                    }
                     fetch.lock().observe_remote(returned, wanted.len(), asked.elapsed(), Instant::now());
                     match fetched {
                         Ok(Ok(fetched)) => {
