@@ -509,7 +509,8 @@ impl EngineLoop {
                     self.install_onboarded(plan);
                     continue;
                 }
-                let hashes = if choice.disk || choice.remote { plan.hashes[disk_from..].to_vec() } else { Vec::new() };
+                let end = choice.limit.map_or(plan.hashes.len(), |limit| (disk_from + limit).min(plan.hashes.len()));
+                let hashes = if choice.disk || choice.remote { plan.hashes[disk_from..end].to_vec() } else { Vec::new() };
                 let job = ReadJob { id: seq_id, hashes, disk: choice.disk, remote: choice.remote, host_blocks: plan.from_host };
                 if reader.jobs.send(job).is_ok() {
                     reader.waiting.insert(seq_id, plan);

@@ -68,6 +68,11 @@ impl std::str::FromStr for FetchPolicy {
 /// got faster (or was measured during a hiccup) is noticed.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(10);
 
+/// Blocks a probe reads, in turn: a few (a probe costs the request that
+/// carries it little), of varied counts (so that the fit can tell the
+/// round trip from the per-block time).
+const PROBE_BLOCKS: [usize; 4] = [2, 8, 4, 16];
+
 /// `seconds = fixed + per_unit · units`, fitted by least squares with
 /// older observations weighing less (each new one multiplies the past's
 /// weight by [`LinearCost::DECAY`]).
@@ -133,6 +138,8 @@ struct TierCost {
     /// When it was last read.
     last_read: Option<Instant>,
     decisions: Decisions,
+    /// Probes so far (picks the next probe's size).
+    probes: usize,
 }
 
 impl TierCost {
@@ -193,6 +200,16 @@ pub(crate) struct FetchChoice {
     /// Ask the shared tier (for what follows the disk run, or, without it,
     /// for everything below the host tier).
     pub remote: bool,
+    /// Read at most this many blocks (a probe).
+    pub limit: Option<usize>,
+}
+
+impl FetchChoice {
+    const NOTHING: FetchChoice = FetchChoice { disk: false, remote: false, limit: None };
+
+    fn of(disk: bool, remote: bool) -> Self {
+        FetchChoice { disk, remote, limit: None }
+    }
 }
 
 /// The decision's state: measurements, the reader's queue, counts.
@@ -258,12 +275,12 @@ impl FetchModel {
     pub(crate) fn choose(&mut self, now: Instant, disk_blocks: usize, remote_blocks: usize, fixed_wait: Duration) -> FetchChoice {
         let has_remote = remote_blocks > 0;
         let choice = match self.policy {
-            FetchPolicy::Never => FetchChoice { disk: false, remote: false },
-            FetchPolicy::Always => FetchChoice { disk: disk_blocks > 0, remote: has_remote },
+            FetchPolicy::Never => FetchChoice::NOTHING,
+            FetchPolicy::Always => FetchChoice::of(disk_blocks > 0, has_remote),
             FetchPolicy::Auto => self.predicted_best(now, disk_blocks, remote_blocks),
         };
-        // Blocks passed over in a tier not read for a while: read them.
-        let mut probe = FetchChoice { disk: false, remote: false };
+        // Blocks passed over in a tier not read for a while: read a few.
+        let mut probe = FetchChoice::NOTHING;
         if self.policy == FetchPolicy::Auto {
             if disk_blocks > 0 && !choice.disk && !choice.remote && self.disk.due_for_probe(now) {
                 probe.disk = true;
@@ -272,7 +289,16 @@ impl FetchModel {
                 probe.remote = true;
             }
         }
-        let chosen = FetchChoice { disk: choice.disk || probe.disk, remote: choice.remote || probe.remote };
+        let mut chosen = FetchChoice::of(choice.disk || probe.disk, choice.remote || probe.remote);
+        if !choice.disk && !choice.remote && (probe.disk || probe.remote) {
+            // Only probing: a few blocks of the probed tier (the disk's
+            // first, as the chain goes), the rest computed.
+            let tier = if probe.disk { &mut self.disk } else { &mut self.remote };
+            chosen.limit = Some(PROBE_BLOCKS[tier.probes % PROBE_BLOCKS.len()]);
+            tier.probes += 1;
+            chosen.remote &= !probe.disk;
+            probe.remote &= !probe.disk;
+        }
         let count = |tier: &mut TierCost, had: bool, read: bool, probed: bool| {
             match (had, read, probed) {
                 (false, _, _) => {}
@@ -289,7 +315,12 @@ impl FetchModel {
         // The shared tier has blocks to offer when the disk run is left to it.
         let remote_offered = has_remote || (chosen.remote && !chosen.disk);
         count(&mut self.remote, remote_offered, chosen.remote, probe.remote);
-        let reading = self.read_seconds(chosen, disk_blocks, remote_blocks).unwrap_or(0.0);
+        let (disk_read, remote_read) = match chosen.limit {
+            Some(limit) if chosen.disk => (disk_blocks.min(limit), 0),
+            Some(limit) => (0, limit.min(disk_blocks + remote_blocks)),
+            None => (disk_blocks, remote_blocks),
+        };
+        let reading = self.read_seconds(chosen, disk_read, remote_read).unwrap_or(0.0);
         if chosen.disk || chosen.remote || !fixed_wait.is_zero() {
             let start = self.reader_free_at.filter(|at| *at > now).unwrap_or(now);
             self.reader_free_at = Some(start + fixed_wait + Duration::from_secs_f64(reading));
@@ -299,14 +330,14 @@ impl FetchModel {
 
     /// The choice with the largest predicted saving.
     fn predicted_best(&self, now: Instant, disk_blocks: usize, remote_blocks: usize) -> FetchChoice {
-        let mut options = vec![FetchChoice { disk: false, remote: false }];
+        let mut options = vec![FetchChoice::NOTHING];
         if disk_blocks > 0 {
-            options.push(FetchChoice { disk: true, remote: false });
+            options.push(FetchChoice::of(true, false));
         }
         if remote_blocks > 0 {
-            options.push(FetchChoice { disk: disk_blocks > 0, remote: true });
+            options.push(FetchChoice::of(disk_blocks > 0, true));
             if disk_blocks > 0 {
-                options.push(FetchChoice { disk: false, remote: true });
+                options.push(FetchChoice::of(false, true));
             }
         }
         let wait = self.reader_free_at.map_or(0.0, |at| at.saturating_duration_since(now).as_secs_f64());
@@ -427,11 +458,11 @@ mod tests {
         // 40 ms a block from disk: slower than 16 ms of compute.
         model.observe_disk(10, 10, 400 * MS, now);
         model.reader_idle();
-        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice { disk: false, remote: false });
+        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice::NOTHING);
         // 1 ms a block: read.
         let mut model = measured(FetchPolicy::Auto);
         model.observe_disk(10, 10, 10 * MS, now);
-        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice { disk: true, remote: false });
+        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice::of(true, false));
         let estimates = model.estimates();
         assert_eq!((estimates.disk.decisions.fetch, estimates.disk.decisions.skip), (1, 0));
         assert!((estimates.token_seconds.unwrap() - 0.001).abs() < 1e-9);
@@ -458,7 +489,7 @@ mod tests {
         model.observe_disk(10, 10, 400 * MS, now);
         model.observe_remote(10, 10, 20 * MS, now);
         model.reader_idle();
-        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice { disk: false, remote: true });
+        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice::of(false, true));
         // A store that holds little is not worth a round trip.
         let mut model = measured(FetchPolicy::Auto);
         model.observe_disk(10, 10, 400 * MS, now);
@@ -467,7 +498,7 @@ mod tests {
         }
         model.observe_remote(1, 10, 51 * MS, now);
         model.reader_idle();
-        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice { disk: false, remote: false });
+        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice::NOTHING);
     }
 
     #[test]
@@ -480,8 +511,16 @@ mod tests {
         assert!(!model.choose(now + MS, 5, 0, Duration::ZERO).disk, "slow: computed");
         model.reader_idle();
         let later = now + PROBE_INTERVAL + MS;
-        assert!(model.choose(later, 5, 0, Duration::ZERO).disk, "probed again");
-        assert_eq!(model.estimates().disk.decisions, Decisions { fetch: 1, skip: 1, probe: 1 });
+        assert_eq!(model.choose(later, 5, 0, Duration::ZERO), FetchChoice { disk: true, remote: false, limit: Some(2) }, "probed again, a few blocks");
+        model.reader_idle();
+        let (mut sizes, mut at) = (Vec::new(), later);
+        for _ in 0..3 {
+            at += PROBE_INTERVAL + MS;
+            sizes.push(model.choose(at, 100, 0, Duration::ZERO).limit.unwrap());
+            model.reader_idle();
+        }
+        assert_eq!(sizes, [8, 4, 16], "probes of varied sizes");
+        assert_eq!(model.estimates().disk.decisions, Decisions { fetch: 1, skip: 1, probe: 4 });
         // Without compute measured there is nothing to compare: read.
         let mut fresh = FetchModel::new(FetchPolicy::Auto, 16, 8192);
         fresh.observe_disk(5, 5, 500 * MS, now);
@@ -493,10 +532,10 @@ mod tests {
         let now = Instant::now();
         let mut always = measured(FetchPolicy::Always);
         always.observe_disk(10, 10, 10 * MS * 1000, now);
-        assert_eq!(always.choose(now, 4, 3, Duration::ZERO), FetchChoice { disk: true, remote: true });
+        assert_eq!(always.choose(now, 4, 3, Duration::ZERO), FetchChoice::of(true, true));
         let mut never = measured(FetchPolicy::Never);
         never.observe_disk(10, 10, MS, now);
-        assert_eq!(never.choose(now + PROBE_INTERVAL * 2, 4, 3, Duration::ZERO), FetchChoice { disk: false, remote: false });
+        assert_eq!(never.choose(now + PROBE_INTERVAL * 2, 4, 3, Duration::ZERO), FetchChoice::NOTHING);
         assert_eq!("auto".parse::<FetchPolicy>(), Ok(FetchPolicy::Auto));
         assert!("sometimes".parse::<FetchPolicy>().is_err());
     }
