@@ -163,7 +163,8 @@ async fn prompts_come_back_from_the_disk_tier_and_it_survives_a_restart() {
     let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let dir_arg = dir.path().to_str().unwrap().to_owned();
-    let flags = ["--kv-cache-mib", "4", "--host-cache-mib", "1", "--disk-cache-dir", &dir_arg, "--worker-id", "disk-test"];
+    // Always read: this is about the disk's blocks, not whether reading them pays.
+    let flags = ["--kv-cache-mib", "4", "--host-cache-mib", "1", "--disk-cache-dir", &dir_arg, "--worker-id", "disk-test", "--kv-fetch", "always"];
     let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
     let prompts: Vec<Vec<u32>> = ["Owls hunt at night and sleep through the day. ", "Ferries cross the harbour every half hour. "]
         .iter()

@@ -21,9 +21,11 @@
 //! ask the store for both (it holds what every worker wrote through, and
 //! may be faster than a slow disk). The choice with the largest predicted
 //! saving (compute time saved less time spent waiting) wins; none saving
-//! anything means computing. A tier never measured is read (that is how it
-//! gets measured), and a tier passed over is read again after
-//! [`PROBE_INTERVAL`] so that a tier that got faster is noticed.
+//! anything means computing. A tier never measured is probed (a few of
+//! its blocks are read, the rest computed: that is how it gets measured),
+//! and so is a tier passed over, every [`PROBE_INTERVAL`], so that a tier
+//! that got faster is noticed. Before any step was measured (a fresh
+//! engine) there is nothing to weigh a read against: it reads.
 
 use std::time::{Duration, Instant};
 
@@ -279,8 +281,16 @@ impl FetchModel {
             FetchPolicy::Always => FetchChoice::of(disk_blocks > 0, has_remote),
             FetchPolicy::Auto => self.predicted_best(now, disk_blocks, remote_blocks),
         };
-        // Blocks passed over in a tier not read for a while: read a few.
+        // Blocks passed over in a tier not read for a while, or in a tier
+        // never measured: read a few.
         let mut probe = FetchChoice::NOTHING;
+        let choice = match choice.limit {
+            Some(_) => {
+                probe = FetchChoice { limit: None, ..choice };
+                FetchChoice::NOTHING
+            }
+            None => choice,
+        };
         if self.policy == FetchPolicy::Auto {
             if disk_blocks > 0 && !choice.disk && !choice.remote && self.disk.due_for_probe(now) {
                 probe.disk = true;
@@ -343,10 +353,13 @@ impl FetchModel {
         let wait = self.reader_free_at.map_or(0.0, |at| at.saturating_duration_since(now).as_secs_f64());
         let mut best = (options[0], 0.0);
         for option in options.into_iter().skip(1) {
-            // Unmeasured: read it (the read measures it).
-            let (Some(reading), Some(saved)) = (self.read_seconds(option, disk_blocks, remote_blocks), self.saved_seconds(option, disk_blocks, remote_blocks))
-            else {
-                return option;
+            // Compute not measured yet (a fresh engine): nothing to weigh
+            // a read against; read.
+            let Some(saved) = self.saved_seconds(option, disk_blocks, remote_blocks) else { return option };
+            // A tier not measured yet: measured by a probe (a few blocks).
+            let Some(reading) = self.read_seconds(option, disk_blocks, remote_blocks) else {
+                let disk_unmeasured = option.disk && self.disk.cost.fit().is_none();
+                return FetchChoice { disk: disk_unmeasured, remote: !disk_unmeasured, limit: Some(0) };
             };
             let gain = saved - wait - reading;
             if gain > best.1 {
@@ -505,13 +518,13 @@ mod tests {
     fn unmeasured_tiers_are_read_and_passed_over_tiers_probed() {
         let now = Instant::now();
         let mut model = measured(FetchPolicy::Auto);
-        assert!(model.choose(now, 5, 0, Duration::ZERO).disk, "never measured: read");
+        assert_eq!(model.choose(now, 5, 0, Duration::ZERO), FetchChoice { disk: true, remote: false, limit: Some(2) }, "never measured: probed");
         model.observe_disk(5, 5, 500 * MS, now);
         model.reader_idle();
         assert!(!model.choose(now + MS, 5, 0, Duration::ZERO).disk, "slow: computed");
         model.reader_idle();
         let later = now + PROBE_INTERVAL + MS;
-        assert_eq!(model.choose(later, 5, 0, Duration::ZERO), FetchChoice { disk: true, remote: false, limit: Some(2) }, "probed again, a few blocks");
+        assert_eq!(model.choose(later, 5, 0, Duration::ZERO), FetchChoice { disk: true, remote: false, limit: Some(8) }, "probed again, a few blocks");
         model.reader_idle();
         let (mut sizes, mut at) = (Vec::new(), later);
         for _ in 0..3 {
@@ -519,8 +532,8 @@ mod tests {
             sizes.push(model.choose(at, 100, 0, Duration::ZERO).limit.unwrap());
             model.reader_idle();
         }
-        assert_eq!(sizes, [8, 4, 16], "probes of varied sizes");
-        assert_eq!(model.estimates().disk.decisions, Decisions { fetch: 1, skip: 1, probe: 4 });
+        assert_eq!(sizes, [4, 16, 2], "probes of varied sizes");
+        assert_eq!(model.estimates().disk.decisions, Decisions { fetch: 0, skip: 1, probe: 5 });
         // Without compute measured there is nothing to compare: read.
         let mut fresh = FetchModel::new(FetchPolicy::Auto, 16, 8192);
         fresh.observe_disk(5, 5, 500 * MS, now);
