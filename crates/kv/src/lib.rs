@@ -19,7 +19,7 @@ pub use events::{
 };
 pub use index::{FindMatches, KvIndex, WorkerMatch};
 pub use unregistered::Unregistered;
-pub use worker_id::WorkerId;
+pub use worker_id::{STORE_PREFIX, WorkerId};
 
 /// Seed of the block hash when no salt is in use.
 pub const DEFAULT_SEED: u64 = 1337;

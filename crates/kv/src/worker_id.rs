@@ -26,7 +26,26 @@ impl WorkerId {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// The index's name for the blocks kv-store `store_id` holds in layout
+    /// `fingerprint`: no worker routed to, but a holder whose blocks every
+    /// worker reading that store in that layout can fetch.
+    pub fn of_store(store_id: &str, fingerprint: u64) -> Self {
+        Self::from(format!("{STORE_PREFIX}{store_id}/{fingerprint:016x}"))
+    }
+
+    /// The store and fingerprint of a name made by
+    /// [`of_store`](Self::of_store); None for a worker's.
+    pub fn store_part(&self) -> Option<(&str, u64)> {
+        let (store_id, fingerprint) = self.0.strip_prefix(STORE_PREFIX)?.rsplit_once('/')?;
+        let fingerprint = u64::from_str_radix(fingerprint, 16).ok().filter(|_| fingerprint.len() == 16)?;
+        (!store_id.is_empty()).then_some((store_id, fingerprint))
+    }
 }
+
+/// What every kv-store's name in the index starts with (a worker's id may
+/// not).
+pub const STORE_PREFIX: &str = "kv-store/";
 
 impl Deref for WorkerId {
     type Target = str;
@@ -123,5 +142,16 @@ mod tests {
         assert_eq!(format!("{:?}", WorkerId::from("w-1")), "\"w-1\"");
         assert_eq!(serde_json::to_string(&WorkerId::from("w-1")).unwrap(), "\"w-1\"");
         assert_eq!(serde_json::from_str::<WorkerId>("\"w-2\"").unwrap(), "w-2");
+    }
+
+    #[test]
+    fn a_store_name_carries_its_store_and_fingerprint() {
+        let id = WorkerId::of_store("shared", 0xab);
+        assert_eq!(id, "kv-store/shared/00000000000000ab");
+        assert_eq!(id.store_part(), Some(("shared", 0xab)));
+        assert_eq!(WorkerId::of_store("a/b", u64::MAX).store_part(), Some(("a/b", u64::MAX)));
+        for worker in ["w-1", "kv-store/x", "kv-store//00000000000000ab", "kv-store/x/ab"] {
+            assert_eq!(WorkerId::from(worker).store_part(), None, "{worker}");
+        }
     }
 }

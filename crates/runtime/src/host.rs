@@ -76,6 +76,8 @@ pub enum Role {
     Router,
     /// A gateway.
     Gateway,
+    /// The kv-index service (follows the KV event log, asks for dumps).
+    Index,
     /// The planner.
     Planner,
     /// A person or tool operating the cluster (grpcurl, `turbine` admin

@@ -93,6 +93,27 @@ impl KvStoreClient {
         Ok(self.client.clone().delete(request).await?.into_inner().deleted)
     }
 
+    /// Every block of `fingerprint` the store holds, as of its announced
+    /// events (with the store's incarnation).
+    pub async fn dump(&self, fingerprint: Fingerprint) -> Result<(u64, turbine_kv::Dump), KvStoreClientError> {
+        let mut stream = self.client.clone().dump(pb::DumpRequest { fingerprint: fingerprint.get() }).await?.into_inner();
+        let (mut instance, mut dump) = (0, turbine_kv::Dump::default());
+        while let Some(message) = stream.next().await {
+            let pb::DumpResponse { instance: of, next_event_id, sequence_hashes, local_hashes } = message?;
+            if sequence_hashes.len() != local_hashes.len() {
+                return Err(tonic::Status::internal("kv-store dump: hashes and local hashes differ in number").into());
+            }
+            (instance, dump.next_event_id) = (of, next_event_id);
+            let tiers = turbine_kv::TierSet(turbine_kv::Tier::Remote.bit());
+            dump.blocks.extend(sequence_hashes.into_iter().zip(local_hashes).map(|(sequence, local)| turbine_kv::CachedBlock {
+                sequence_hash: SequenceHash(sequence),
+                local_hash: turbine_kv::LocalBlockHash(local),
+                tiers,
+            }));
+        }
+        Ok((instance, dump))
+    }
+
     /// The store's sizes and counters.
     pub async fn stats(&self) -> Result<crate::StoreStats, KvStoreClientError> {
         let pb::StatsResponse { memory, disk, put_blocks, get_blocks, misses, fingerprints } =

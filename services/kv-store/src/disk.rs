@@ -20,6 +20,7 @@ use turbine_engine::HostBlock;
 use turbine_engine::tiers::block_file::{self, block_path};
 use turbine_kv::SequenceHash;
 
+use crate::events::Announcer;
 use crate::store::{BlockKey, Fingerprint, TierUsage};
 
 /// The disk tier. Cloning shares it.
@@ -38,6 +39,9 @@ struct Inner {
     corrupt_blocks: AtomicU64,
     write_failures: AtomicU64,
     capacity_bytes: u64,
+    /// The store's announcements: with a disk tier, its files are what the
+    /// store holds.
+    announcer: Announcer,
     _lock: File,
 }
 
@@ -59,10 +63,12 @@ impl DiskBlocks {
         let lock = block_file::lock_dir(dir, "Turbine kv-store")?;
         let layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>> = Arc::default();
         let evicted_blocks = Arc::new(AtomicU64::new(0));
+        let announcer = Announcer::new();
         let index = {
             let dir = dir.to_path_buf();
             let layouts = layouts.clone();
             let evicted_blocks = evicted_blocks.clone();
+            let announcer = announcer.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
                 .weigher(|_, bytes: &u64| u32::try_from(*bytes).unwrap_or(u32::MAX))
@@ -75,6 +81,7 @@ impl DiskBlocks {
                         evicted_blocks.fetch_add(1, Relaxed);
                         let _ = std::fs::remove_file(block_path(&fingerprint_dir(&dir, key.fingerprint), key.sequence));
                     }
+                    announcer.removed(key.fingerprint, key.sequence);
                     let mut layouts = layouts.lock();
                     if let Some((_, blocks)) = layouts.get_mut(&key.fingerprint) {
                         *blocks = blocks.saturating_sub(1);
@@ -94,6 +101,7 @@ impl DiskBlocks {
                 corrupt_blocks: AtomicU64::new(0),
                 write_failures: AtomicU64::new(0),
                 capacity_bytes,
+                announcer,
                 _lock: lock,
             }),
         };
@@ -129,6 +137,7 @@ impl DiskBlocks {
                     fits
                 };
                 if fits {
+                    self.inner.announcer.stored(fingerprint, header.sequence, header.local, header.parent);
                     self.inner.index.insert(BlockKey { fingerprint, sequence: header.sequence }, header.file_bytes());
                     kept += 1;
                 } else {
@@ -141,6 +150,11 @@ impl DiskBlocks {
             tracing::info!(dir = %self.inner.dir.display(), blocks = kept, "kv-store disk tier: blocks kept from before");
         }
         Ok(())
+    }
+
+    /// What the store holds, announced (every file written or deleted).
+    pub fn announcer(&self) -> &Announcer {
+        &self.inner.announcer
     }
 
     /// The block size of `fingerprint`'s blocks on disk, if it has any.
@@ -166,6 +180,9 @@ impl DiskBlocks {
             Ok(bytes) => {
                 // Counted before it is in, so that its eviction always finds it counted.
                 self.inner.layouts.lock().entry(key.fingerprint).or_insert((block.bytes.len(), 0)).1 += 1;
+                // Announced before it is in, so that its removal always
+                // follows its announcement.
+                self.inner.announcer.stored(key.fingerprint, key.sequence, block.local, block.parent);
                 self.inner.index.insert(key, bytes);
                 self.inner.index.run_pending_tasks();
                 true

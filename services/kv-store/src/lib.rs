@@ -8,6 +8,8 @@
 //! - [`Store`]: the blocks in memory, bounded in bytes, least recently used
 //!   evicted first, written through to a disk tier ([`DiskBlocks`]) that
 //!   survives a restart.
+//! - [`Announcer`]: what the store holds, as numbered KV events (tier
+//!   remote) and dumps, for the KV event log.
 //! - [`KvStoreService`]: the gRPC shell over a [`Store`].
 //! - [`KvStoreClient`]: the typed client (domain types in, domain types
 //!   out), and [`KvStoreTier`]: that client as an engine's shared tier.
@@ -18,6 +20,7 @@
 pub mod client;
 pub mod config;
 pub mod disk;
+pub mod events;
 pub mod metrics;
 pub mod serve;
 pub mod service;
@@ -27,6 +30,7 @@ pub mod tier;
 pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
 pub use disk::DiskBlocks;
+pub use events::{Announced, Announcer};
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
 pub use tier::KvStoreTier;

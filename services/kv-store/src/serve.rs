@@ -21,6 +21,7 @@ pub const ROLES: &[RpcRoles] = &[
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Lookup", roles: &[Role::Worker, Role::Router] },
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Delete", roles: &[Role::Operator] },
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Stats", roles: &[Role::Operator, Role::Monitoring, Role::Planner] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Dump", roles: &[Role::Router, Role::Index, Role::Operator] },
 ];
 
 const SPEC: HostSpec = HostSpec {

@@ -68,6 +68,10 @@ fn status(error: StoreError) -> Status {
 }
 
 type GetStream = Pin<Box<dyn Stream<Item = Result<pb::GetResponse, Status>> + Send>>;
+type DumpStream = Pin<Box<dyn Stream<Item = Result<pb::DumpResponse, Status>> + Send>>;
+
+/// Blocks per Dump message (16 bytes each on the wire).
+const DUMP_CHUNK: usize = 65_536;
 
 #[tonic::async_trait]
 impl KvStore for KvStoreService {
@@ -128,6 +132,30 @@ impl KvStore for KvStoreService {
             .await
             .map_err(|_| Status::internal("the store failed while deleting blocks"))?;
         Ok(Response::new(pb::DeleteResponse { deleted }))
+    }
+
+    type DumpStream = DumpStream;
+
+    async fn dump(&self, request: Request<pb::DumpRequest>) -> Result<Response<DumpStream>, Status> {
+        let fingerprint = fingerprint(request.into_inner().fingerprint)?;
+        let announcer = self.store.announcer();
+        let instance = announcer.instance();
+        let dump = announcer.dump(fingerprint);
+        let next_event_id = dump.next_event_id;
+        let mut messages: Vec<pb::DumpResponse> = dump
+            .blocks
+            .chunks(DUMP_CHUNK)
+            .map(|chunk| pb::DumpResponse {
+                instance,
+                next_event_id,
+                sequence_hashes: chunk.iter().map(|block| block.sequence_hash.0).collect(),
+                local_hashes: chunk.iter().map(|block| block.local_hash.0).collect(),
+            })
+            .collect();
+        if messages.is_empty() {
+            messages.push(pb::DumpResponse { instance, next_event_id, ..Default::default() });
+        }
+        Ok(Response::new(Box::pin(tokio_stream::iter(messages.into_iter().map(Ok)))))
     }
 
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {

@@ -12,6 +12,7 @@ use turbine_engine::{HostBlock, block_checksum};
 use turbine_kv::SequenceHash;
 
 use crate::disk::DiskBlocks;
+use crate::events::Announcer;
 
 /// Model and KV layout of a block's bytes (nonzero): blocks of different
 /// fingerprints never mix.
@@ -132,6 +133,7 @@ pub struct Store {
     counters: Arc<Counters>,
     capacity_bytes: u64,
     disk: Option<DiskBlocks>,
+    announcer: Announcer,
 }
 
 impl std::fmt::Debug for Store {
@@ -144,6 +146,20 @@ impl Store {
     /// A store holding at most `capacity_bytes` (block bytes plus their
     /// bookkeeping).
     pub fn new(capacity_bytes: u64) -> Self {
+        Self::build(capacity_bytes, None)
+    }
+
+    /// A store holding at most `capacity_bytes` in memory over `disk`:
+    /// every block put is written to disk too, and a block read from disk
+    /// is kept in memory again.
+    pub fn with_disk(capacity_bytes: u64, disk: DiskBlocks) -> Self {
+        Self::build(capacity_bytes, Some(disk))
+    }
+
+    fn build(capacity_bytes: u64, disk: Option<DiskBlocks>) -> Self {
+        // The lowest tier announces what the store holds.
+        let announcer = disk.as_ref().map_or_else(Announcer::new, |disk| disk.announcer().clone());
+        let memory_announces = disk.is_none().then(|| announcer.clone());
         let layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>> = Arc::default();
         let counters = Arc::new(Counters::default());
         let blocks = {
@@ -158,6 +174,9 @@ impl Store {
                         counters.evicted_blocks.fetch_add(1, Relaxed);
                     }
                     if !matches!(cause, moka::notification::RemovalCause::Replaced) {
+                        if let Some(announcer) = &memory_announces {
+                            announcer.removed(key.fingerprint, key.sequence);
+                        }
                         let mut layouts = layouts.lock();
                         if let Some(layout) = layouts.get_mut(&key.fingerprint) {
                             layout.blocks = layout.blocks.saturating_sub(1);
@@ -169,14 +188,12 @@ impl Store {
                 })
                 .build()
         };
-        Self { blocks, layouts, counters, capacity_bytes, disk: None }
+        Self { blocks, layouts, counters, capacity_bytes, disk, announcer }
     }
 
-    /// A store holding at most `capacity_bytes` in memory over `disk`:
-    /// every block put is written to disk too, and a block read from disk
-    /// is kept in memory again.
-    pub fn with_disk(capacity_bytes: u64, disk: DiskBlocks) -> Self {
-        Self { disk: Some(disk), ..Self::new(capacity_bytes) }
+    /// What the store holds, announced as KV events.
+    pub fn announcer(&self) -> &Announcer {
+        &self.announcer
     }
 
     /// The disk tier, if the store has one.
@@ -188,7 +205,16 @@ impl Store {
     fn remember(&self, key: BlockKey, block: Arc<HostBlock>) -> bool {
         // Counted before it is in, so that its eviction always finds it counted.
         self.layouts.lock().entry(key.fingerprint).or_insert(Layout { block_bytes: block.bytes.len(), blocks: 0 }).blocks += 1;
-        if self.blocks.entry(key).or_insert_with(|| block).is_fresh() {
+        let announce = self.disk.is_none();
+        let entry = self.blocks.entry(key).or_insert_with(|| {
+            // Announced before it is in, so that its removal always
+            // follows its announcement.
+            if announce {
+                self.announcer.stored(key.fingerprint, key.sequence, block.local, block.parent);
+            }
+            block
+        });
+        if entry.is_fresh() {
             return true;
         }
         if let Some(layout) = self.layouts.lock().get_mut(&key.fingerprint) {
@@ -441,6 +467,50 @@ mod tests {
         assert!(!path.exists() && store.stats().disk.corrupt_blocks == 1);
         assert_eq!(store.delete(fp(1), &[]), 8, "deletes reach both tiers");
         assert_eq!(store.stats().disk.blocks, 1);
+    }
+
+    /// Each fingerprint's held blocks, as the announcements add up.
+    fn announced(store: &Store, fingerprint: Fingerprint) -> Vec<u64> {
+        let mut held: Vec<u64> = store.announcer().dump(fingerprint).blocks.iter().map(|block| block.sequence_hash.0).collect();
+        held.sort_unstable();
+        held
+    }
+
+    #[test]
+    fn the_lowest_tier_announces_what_the_store_holds() {
+        // Memory only: puts, evictions, deletes and corrupt blocks.
+        let store = Store::new(4 * (1024 + ENTRY_OVERHEAD));
+        let mut events = store.announcer().subscribe();
+        store.put(fp(1), (0..6).map(|n| block(n, 1024)).collect()).unwrap();
+        assert_eq!(announced(&store, fp(1)), [1002, 1003, 1004, 1005], "the evicted two were announced gone");
+        assert_eq!(store.delete(fp(1), &hashes(5..6)), 1);
+        assert!(store.corrupt_for_test(BlockKey { fingerprint: fp(1), sequence: SequenceHash(1004) }));
+        assert!(store.get(fp(1), &hashes(4..5)).is_empty());
+        assert_eq!(announced(&store, fp(1)), [1002, 1003]);
+        let mut count = 0;
+        while events.try_recv().is_ok() {
+            count += 1;
+        }
+        assert_eq!((count, store.announcer().dump(fp(1)).next_event_id), (10, 10), "6 stored, 4 removed, numbered alike");
+
+        // Over a disk: memory evicts freely, the files are what is held,
+        // and a reopened store announces what it kept.
+        let dir = tempfile::tempdir().unwrap();
+        let file = 1024 + turbine_engine::tiers::block_file::HEADER_BYTES as u64;
+        {
+            let store = Store::with_disk(2 * (1024 + ENTRY_OVERHEAD), DiskBlocks::open(dir.path(), 5 * file).unwrap());
+            store.put(fp(1), (0..4).map(|n| block(n, 1024)).collect()).unwrap();
+            assert_eq!(announced(&store, fp(1)), [1000, 1001, 1002, 1003], "memory's evictions are not the store's");
+            store.put(fp(1), (4..7).map(|n| block(n, 1024)).collect()).unwrap();
+            assert_eq!(announced(&store, fp(1)), [1002, 1003, 1004, 1005, 1006], "the disk's are");
+            assert_eq!(store.delete(fp(1), &hashes(6..7)), 1);
+            assert_eq!(announced(&store, fp(1)), [1002, 1003, 1004, 1005]);
+        }
+        let store = Store::with_disk(1 << 20, DiskBlocks::open(dir.path(), 5 * file).unwrap());
+        assert_eq!(announced(&store, fp(1)), [1002, 1003, 1004, 1005]);
+        let dump = store.announcer().dump(fp(1));
+        assert_eq!(dump.next_event_id, 4);
+        assert!(dump.blocks.iter().all(|block| block.local_hash.0 == block.sequence_hash.0 - 1000), "local hashes come back from the files");
     }
 
     #[test]

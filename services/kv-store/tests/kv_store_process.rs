@@ -69,8 +69,19 @@ async fn blocks_put_by_one_client_come_back_to_another() {
     assert_eq!((present, leading), (vec![true, true, false, true], 2));
     assert_eq!(reader.get(fp(7), &[hashes[0], SequenceHash(1), hashes[2]]).await.unwrap().len(), 1, "a get stops at the first gap");
 
+    // 600 blocks: the dump of what the store holds comes in one message;
+    // its numbering matches the 600 blocks announced.
+    let (instance, dump) = reader.dump(fp(7)).await.unwrap();
+    assert_eq!((dump.next_event_id, dump.blocks.len()), (600, 600));
+    let mut dumped: Vec<(u64, u64)> = dump.blocks.iter().map(|b| (b.sequence_hash.0, b.local_hash.0)).collect();
+    dumped.sort_unstable();
+    assert_eq!(dumped, blocks.iter().map(|(hash, block)| (hash.0, block.local.0)).collect::<Vec<_>>());
+    assert!(reader.dump(fp(8)).await.unwrap().1.blocks.is_empty());
+
     assert_eq!(reader.delete(fp(7), &hashes[..100]).await.unwrap(), 100);
     assert_eq!(reader.delete(fp(7), &[]).await.unwrap(), 500);
+    let (same_instance, dump) = reader.dump(fp(7)).await.unwrap();
+    assert_eq!((same_instance, dump.next_event_id, dump.blocks.len()), (instance, 1200, 0), "600 blocks left");
     let stats = reader.stats().await.unwrap();
     assert_eq!((stats.memory.blocks, stats.put_blocks, stats.get_blocks, stats.fingerprints), (0, 600, 501, 0));
 }
@@ -95,6 +106,7 @@ async fn a_killed_store_restarts_with_its_disk_tier() {
 
     let (_process, client) = start_with(4, &disk).await;
     assert_eq!(client.stats().await.unwrap().disk.blocks, 200, "the index is rebuilt from the files");
+    assert_eq!(client.dump(fp(7)).await.unwrap().1.blocks.len(), 200, "and announced");
     let got = client.get(fp(7), &hashes).await.unwrap();
     assert_eq!(got.len(), 200, "a prefix put before the kill is a hit after");
     for ((hash, block), (want_hash, want)) in got.iter().zip(&blocks) {
@@ -164,6 +176,9 @@ async fn bad_requests_are_refused_and_the_store_keeps_serving() {
     assert!(status.message().contains("checksum"), "{status:?}");
 
     // No fingerprint; a fingerprint changing mid-stream; a wrong block size.
+    let status = raw.dump(pb::DumpRequest { fingerprint: 0 }).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("fingerprint"), "{status:?}");
     let status = raw.lookup(pb::LookupRequest { fingerprint: 0, sequence_hashes: vec![1] }).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("fingerprint"), "{status:?}");
@@ -198,7 +213,7 @@ fn every_rpc_says_who_may_call_it() {
         .flat_map(|file| file.service.iter().map(move |service| (file.package(), service)))
         .flat_map(|(package, service)| service.method.iter().map(move |method| format!("/{package}.{}/{}", service.name(), method.name())))
         .collect();
-    assert_eq!(methods.len(), 5);
+    assert_eq!(methods.len(), 6);
     for method in &methods {
         let entry = turbine_kv_store::ROLES.iter().find(|rpc| rpc.method == method).unwrap_or_else(|| panic!("{method} has no role entry"));
         assert!(!entry.roles.is_empty(), "{method}");

@@ -170,6 +170,11 @@ impl Settings for WorkerConfig {
 
     fn validate(&self) -> Result<(), String> {
         self.server.validate()?;
+        if let Some(id) = &self.worker_id
+            && (id.is_empty() || id.starts_with(turbine_kv::STORE_PREFIX))
+        {
+            return Err(format!("worker_id {id:?}: must not be empty or start with {:?} (the index's names for kv-stores)", turbine_kv::STORE_PREFIX));
+        }
         if !(self.lease_ttl_secs.is_finite() && self.lease_ttl_secs >= 0.1) {
             return Err("lease_ttl_secs must be at least 0.1".to_owned());
         }
