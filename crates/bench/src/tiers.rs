@@ -149,7 +149,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback())?;
     let endpoint = format!("http://{}", listeners.grpc.local_addr()?);
     let shutdown = turbine_runtime::CancellationToken::new();
-    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), listeners, shutdown.clone()));
+    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), turbine_kv_store::StoreEventSink::None, listeners, shutdown.clone()));
     let fingerprint = turbine_kv_store::Fingerprint::new(1).expect("nonzero");
     let remote = || -> anyhow::Result<RemoteTier> {
         let tier = KvStoreTier::new(turbine_kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30));

@@ -28,7 +28,7 @@ use turbine_gateway::{GatewayConfig, GatewayDeps};
 use turbine_kv::{KvIndex, WorkerId};
 use turbine_kv_index::{IndexFeed, KvIndexClient, KvIndexConfig, KvIndexDeps, LocalKvIndex};
 use turbine_kv_log::EventLog;
-use turbine_kv_store::{KvStoreConfig, Store as KvStore};
+use turbine_kv_store::{KvStoreConfig, Store as KvStore, StoreEventSink};
 use turbine_proto::gateway::v1::ListModelsRequest;
 use turbine_proto::gateway::v1::inference_client::InferenceClient;
 use turbine_registry::{MemoryRegistry, Registry};
@@ -155,8 +155,13 @@ impl Cluster {
                 let address = listeners.grpc.local_addr()?;
                 let mut store_config = KvStoreConfig::default();
                 store_config.server.shutdown_grace_secs = config.shutdown_grace_secs;
+                store_config.store_id = "embedded".to_owned();
                 let store = KvStore::new(store_config.memory_mib << 20);
-                services.push(("kv-store".to_owned(), tokio::spawn(turbine_kv_store::serve(store_config, store, listeners, shutdown.clone()))));
+                let events = match &log {
+                    Some(log) => StoreEventSink::Log(log.clone()),
+                    None => StoreEventSink::Index(shared_index.clone()),
+                };
+                services.push(("kv-store".to_owned(), tokio::spawn(turbine_kv_store::serve(store_config, store, events, listeners, shutdown.clone()))));
                 let loopback = SocketAddr::new(if address.ip().is_unspecified() { [127, 0, 0, 1].into() } else { address.ip() }, address.port());
                 worker_engine.kv_store.get_or_insert_with(|| format!("http://{loopback}"));
                 Some(address)

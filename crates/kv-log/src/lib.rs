@@ -19,10 +19,12 @@ mod follower;
 mod log;
 mod metrics;
 mod position;
+mod publish;
 mod snapshot;
 
 pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_from};
 pub use log::{EventLog, EventReader};
 pub use metrics::export_metrics;
 pub use position::{BadPosition, LogPosition};
+pub use publish::Publisher;
 pub use snapshot::{LoadedSnapshot, start_from_snapshot};

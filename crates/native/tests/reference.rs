@@ -674,7 +674,7 @@ fn a_prefix_onboarded_from_the_kv_store_gives_the_computed_output() {
     let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback()).unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
-    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), listeners, shutdown.clone()));
+    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), turbine_kv_store::StoreEventSink::None, listeners, shutdown.clone()));
     let engine = || {
         let client = turbine_kv_store::KvStoreClient::connect(&endpoint).unwrap();
         let tier = turbine_kv_store::KvStoreTier::new(client, turbine_kv_store::Fingerprint::new(7).unwrap(), std::time::Duration::from_secs(60));

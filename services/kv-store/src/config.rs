@@ -2,7 +2,7 @@
 //! `TURBINE_*` env < flags (see `turbine_runtime::config`).
 
 use serde::{Deserialize, Serialize};
-use turbine_runtime::config::{ServerConfig, ServiceDefaults, Settings};
+use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings};
 
 /// Where a kv-store listens by default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +22,17 @@ pub struct KvStoreConfig {
     #[command(flatten)]
     #[serde(flatten)]
     pub server: ServerConfig<KvStorePorts>,
+    /// With --redis, the store announces the blocks it holds in the
+    /// namespace's KV event log, so routers credit them to every worker
+    /// that reads from this store.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub cluster: ClusterConfig,
+    /// This store's name in the KV index (`kv-store/<id>/<fingerprint>`);
+    /// stores announcing in one namespace need different ids. Letters,
+    /// digits, `.`, `_` and `-`.
+    #[arg(long, env = "TURBINE_KV_STORE_ID", default_value = "kv-store")]
+    pub store_id: String,
     /// MiB of block bytes the store keeps in memory; the least recently
     /// used blocks are evicted beyond it. Each block also costs ~200 bytes
     /// of bookkeeping, counted against the same bound.
@@ -53,6 +64,9 @@ impl Settings for KvStoreConfig {
 
     fn validate(&self) -> Result<(), String> {
         self.server.validate()?;
+        if self.store_id.is_empty() || !self.store_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
+            return Err(format!("store_id {:?}: must be letters, digits, '.', '_' or '-'", self.store_id));
+        }
         if self.memory_mib == 0 {
             return Err("memory_mib must be positive".into());
         }

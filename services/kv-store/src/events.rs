@@ -21,7 +21,15 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use tokio::sync::broadcast;
-use turbine_kv::{CachedBlock, Dump, KvEvent, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, TierSet};
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use tokio::task::JoinHandle;
+use turbine_kv::index::Applied;
+use turbine_kv::{CachedBlock, Dump, EventBatch, KvEvent, KvIndex, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, TierSet, WorkerId};
+use turbine_kv::WorkerDump;
+use turbine_kv_log::{DumpFetcher, EventLog, Publisher};
+
+use crate::KvStoreClient;
+use turbine_runtime::CancellationToken;
 
 use crate::store::Fingerprint;
 
@@ -96,6 +104,19 @@ impl Announcer {
         self.send(fingerprint, view, event);
     }
 
+    /// Announces, for every fingerprint known, that the store is here: an
+    /// empty `Stored`. A consumer that did not see this incarnation's
+    /// earlier events finds the gap before it and loads a dump; for one
+    /// that did, it changes nothing.
+    pub fn announce_presence(&self) {
+        let mut views = self.inner.views.lock();
+        for (&fingerprint, view) in views.iter_mut() {
+            if view.next_event_id > 0 {
+                self.send(fingerprint, view, KvEvent::Stored { parent: None, blocks: Vec::new(), tier: Tier::Remote });
+            }
+        }
+    }
+
     /// A block left the store (nothing is announced if it was not in).
     pub(crate) fn removed(&self, fingerprint: Fingerprint, sequence_hash: SequenceHash) {
         let mut views = self.inner.views.lock();
@@ -133,6 +154,146 @@ impl Announcer {
     }
 }
 
+/// Where the store's announcements go.
+#[derive(Debug, Clone, Default)]
+pub enum StoreEventSink {
+    /// Nowhere: no router credits the store's blocks.
+    #[default]
+    None,
+    /// The KV event log (Redis), for every router and kv-index.
+    Log(EventLog),
+    /// An index in this process (`turbine run`).
+    Index(Arc<KvIndex>),
+}
+
+/// Events per published batch at most.
+const BATCH_EVENTS: usize = 256;
+/// Batches waiting for Redis at most.
+const PENDING_BATCHES: usize = 64;
+
+/// Sends `announcer`'s changes, named as store `store_id`'s, to `sink`
+/// until `shutdown`.
+pub fn announce(announcer: Announcer, store_id: &str, sink: StoreEventSink, shutdown: CancellationToken) -> Option<JoinHandle<()>> {
+    let store_id = store_id.to_owned();
+    match sink {
+        StoreEventSink::None => None,
+        StoreEventSink::Log(log) => Some(tokio::spawn(publish(announcer, store_id, log, shutdown))),
+        StoreEventSink::Index(index) => Some(tokio::spawn(feed(announcer, store_id, index, shutdown))),
+    }
+}
+
+async fn publish(announcer: Announcer, store_id: String, log: EventLog, shutdown: CancellationToken) {
+    let mut events = announcer.subscribe();
+    announcer.announce_presence();
+    let mut publisher = Publisher::new(log, PENDING_BATCHES);
+    let mut names = Names::new(store_id);
+    loop {
+        let mut received = Vec::new();
+        // Wait for a change unless batches are already waiting for Redis.
+        if publisher.is_idle() {
+            let next = tokio::select! {
+                () = shutdown.cancelled() => break,
+                next = events.recv() => next,
+            };
+            match next {
+                Ok(announced) => received.push(announced),
+                // Missed changes leave a gap: followers load a dump.
+                Err(RecvError::Lagged(missed)) => tracing::warn!(missed, "kv-store events dropped before publishing"),
+                Err(RecvError::Closed) => break,
+            }
+        }
+        while received.len() < BATCH_EVENTS {
+            match events.try_recv() {
+                Ok(announced) => received.push(announced),
+                Err(TryRecvError::Lagged(missed)) => tracing::warn!(missed, "kv-store events dropped before publishing"),
+                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+            }
+        }
+        // One batch per fingerprint, each in order.
+        let mut batches: Vec<EventBatch> = Vec::new();
+        for Announced { fingerprint, event } in received {
+            let worker_id = names.of(fingerprint);
+            match batches.iter_mut().find(|batch| batch.worker_id == worker_id) {
+                Some(batch) => batch.events.push(event),
+                None => batches.push(EventBatch { worker_id, instance: announcer.instance(), events: vec![event] }),
+            }
+        }
+        for batch in batches {
+            publisher.push(batch);
+        }
+        if !publisher.flush(&shutdown).await {
+            return;
+        }
+    }
+}
+
+async fn feed(announcer: Announcer, store_id: String, index: Arc<KvIndex>, shutdown: CancellationToken) {
+    let mut events = announcer.subscribe();
+    let mut names = Names::new(store_id);
+    let instance = announcer.instance();
+    let load = |names: &mut Names, fingerprint: Fingerprint| index.load_dump(&names.of(fingerprint), instance, &announcer.dump(fingerprint));
+    for (fingerprint, _) in announcer.held() {
+        load(&mut names, fingerprint);
+    }
+    loop {
+        let next = tokio::select! {
+            () = shutdown.cancelled() => break,
+            next = events.recv() => next,
+        };
+        match next {
+            Ok(Announced { fingerprint, event }) => {
+                if let Applied::Gap { .. } = index.apply(&names.of(fingerprint), instance, &event) {
+                    load(&mut names, fingerprint);
+                }
+            }
+            Err(RecvError::Lagged(_)) => {
+                for (fingerprint, _) in announcer.held() {
+                    load(&mut names, fingerprint);
+                }
+            }
+            Err(RecvError::Closed) => break,
+        }
+    }
+    for (fingerprint, _) in announcer.held() {
+        index.remove_worker(&names.of(fingerprint));
+    }
+}
+
+/// Dumps for an index's followers: a kv-store's name
+/// ([`WorkerId::of_store`]) is answered by that store's `Dump`, at the
+/// endpoint `store_endpoint` gives for its store id, within 10 s; every
+/// other name by `workers`.
+pub fn dump_fetcher(workers: DumpFetcher, store_endpoint: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> DumpFetcher {
+    Arc::new(move |worker_id: WorkerId| {
+        let Some((store_id, fingerprint)) = worker_id.store_part() else {
+            return workers(worker_id);
+        };
+        let client = store_endpoint(store_id).and_then(|endpoint| KvStoreClient::connect(&endpoint).ok());
+        let fingerprint = Fingerprint::new(fingerprint);
+        Box::pin(async move {
+            let (instance, dump) =
+                tokio::time::timeout(std::time::Duration::from_secs(10), client?.dump(fingerprint?)).await.ok()?.ok()?;
+            Some(WorkerDump { worker_id, instance, dump })
+        })
+    })
+}
+
+/// Each fingerprint's name in the index, made once.
+struct Names {
+    store_id: String,
+    names: FxHashMap<Fingerprint, WorkerId>,
+}
+
+impl Names {
+    fn new(store_id: String) -> Self {
+        Self { store_id, names: FxHashMap::default() }
+    }
+
+    fn of(&mut self, fingerprint: Fingerprint) -> WorkerId {
+        self.names.entry(fingerprint).or_insert_with(|| WorkerId::of_store(&self.store_id, fingerprint.get())).clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,5 +325,32 @@ mod tests {
         assert_eq!(announcer.dump(fp(1)).next_event_id, 5, "an emptied fingerprint keeps counting");
         assert_eq!(announcer.dump(fp(3)), Dump::default());
         assert_ne!(announcer.instance(), Announcer::new().instance());
+    }
+
+    #[tokio::test]
+    async fn an_index_in_process_follows_the_store() {
+        let announcer = Announcer::new();
+        announcer.stored(fp(1), SequenceHash(10), LocalBlockHash(1), None);
+        let (index, shutdown) = (Arc::new(KvIndex::new()), CancellationToken::new());
+        let task = announce(announcer.clone(), "s", StoreEventSink::Index(index.clone()), shutdown.clone()).unwrap();
+        let name = WorkerId::of_store("s", 1);
+        let matched = |hashes: &[u64]| {
+            let hashes: Vec<SequenceHash> = hashes.iter().map(|&h| SequenceHash(h)).collect();
+            index.find_matches(&hashes).of(&name).map(|m| m.by_tier)
+        };
+        // What was held before the feed started comes from a dump.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while matched(&[10]).is_none() {
+            assert!(tokio::time::Instant::now() < deadline, "the dump never reached the index");
+            tokio::task::yield_now().await;
+        }
+        announcer.stored(fp(1), SequenceHash(11), LocalBlockHash(2), Some(SequenceHash(10)));
+        while matched(&[10, 11]) != Some([0, 0, 0, 2]) {
+            assert!(tokio::time::Instant::now() < deadline, "a change never reached the index: {:?}", matched(&[10, 11]));
+            tokio::task::yield_now().await;
+        }
+        shutdown.cancel();
+        task.await.unwrap();
+        assert!(!index.has_worker(&name), "a store that stops leaves the index");
     }
 }

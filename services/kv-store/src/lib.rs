@@ -30,7 +30,7 @@ pub mod tier;
 pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
 pub use disk::DiskBlocks;
-pub use events::{Announced, Announcer};
+pub use events::{Announced, Announcer, StoreEventSink};
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
 pub use tier::KvStoreTier;

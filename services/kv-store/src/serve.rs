@@ -11,6 +11,8 @@ use anyhow::Context;
 
 use crate::config::KvStoreConfig;
 use crate::disk::DiskBlocks;
+use crate::events::StoreEventSink;
+use turbine_kv_log::EventLog;
 use crate::service::KvStoreService;
 use crate::store::Store;
 
@@ -32,12 +34,17 @@ const SPEC: HostSpec = HostSpec {
     roles: ROLES,
 };
 
-/// Serves `store` on `listeners` until `shutdown` fires, then drains.
-pub async fn serve(config: KvStoreConfig, store: Store, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+/// Serves `store` on `listeners` until `shutdown` fires, then drains;
+/// announces what it holds to `events`.
+pub async fn serve(config: KvStoreConfig, store: Store, events: StoreEventSink, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     let _metrics = crate::metrics::register(store.clone());
+    let announcing = crate::events::announce(store.announcer().clone(), &config.store_id, events, shutdown.clone());
     host.add_service(KvStoreServer::new(KvStoreService::new(store, config.max_blocks_per_call)));
     let mut serving = host.start(shutdown)?;
+    if let Some(task) = announcing {
+        serving.spawn(task);
+    }
     // Nothing to wait for: the store is in this process.
     serving.ready_when(Duration::from_secs(1), || async { true }).await;
     serving.until_shutdown(async {}).await
@@ -58,8 +65,12 @@ pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
                 Store::with_disk(memory_bytes, disk)
             }
         };
+        let events = match &config.cluster.redis {
+            Some(url) => StoreEventSink::Log(EventLog::new(url, &config.cluster.namespace).context("bad Redis URL for the KV event log")?),
+            None => StoreEventSink::None,
+        };
         let listeners = Listeners::bind(&config.server).await?;
-        tracing::info!(memory_mib = config.memory_mib, disk_dir = ?config.disk_dir, disk_gib = config.disk_gib, "kv-store listening");
-        serve(config, store, listeners, shutdown).await
+        tracing::info!(memory_mib = config.memory_mib, disk_dir = ?config.disk_dir, disk_gib = config.disk_gib, store_id = config.store_id, announcing = config.cluster.redis.is_some(), "kv-store listening");
+        serve(config, store, events, listeners, shutdown).await
     })
 }

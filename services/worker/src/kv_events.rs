@@ -73,12 +73,11 @@ pub fn feed_index(worker: Arc<Worker>, index: Arc<KvIndex>, shutdown: Cancellati
 pub fn publish_events(worker: Arc<Worker>, log: turbine_kv_log::EventLog, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut events = worker.engine().subscribe_events();
-        let mut pending = std::collections::VecDeque::new();
-        let mut failing = false;
+        let mut publisher = turbine_kv_log::Publisher::new(log, PENDING_BATCHES);
         loop {
             let mut batch = Vec::new();
             // Wait for an event unless batches are already waiting for Redis.
-            if pending.is_empty() {
+            if publisher.is_idle() {
                 let event = tokio::select! {
                     () = shutdown.cancelled() => break,
                     event = events.recv() => event,
@@ -98,37 +97,9 @@ pub fn publish_events(worker: Arc<Worker>, log: turbine_kv_log::EventLog, shutdo
                     Err(TryRecvError::Empty | TryRecvError::Closed) => break,
                 }
             }
-            if !batch.is_empty() {
-                if pending.len() >= PENDING_BATCHES {
-                    pending.pop_front();
-                }
-                pending.push_back(EventBatch {
-                    worker_id: worker.id().clone(),
-                    instance: worker.instance(),
-                    events: batch,
-                });
-            }
-            while let Some(next) = pending.front() {
-                match log.publish(next).await {
-                    Ok(_) => {
-                        pending.pop_front();
-                        if failing {
-                            tracing::info!("publishing KV events again");
-                            failing = false;
-                        }
-                    }
-                    Err(error) => {
-                        if !failing {
-                            tracing::warn!(%error, "cannot publish KV events; keeping the last {PENDING_BATCHES} batches");
-                            failing = true;
-                        }
-                        tokio::select! {
-                            () = shutdown.cancelled() => return,
-                            () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
-                        }
-                        break;
-                    }
-                }
+            publisher.push(EventBatch { worker_id: worker.id().clone(), instance: worker.instance(), events: batch });
+            if !publisher.flush(&shutdown).await {
+                return;
             }
         }
     })

@@ -208,7 +208,7 @@ async fn kv_store() -> (String, turbine_kv_store::Store, turbine_runtime::Cancel
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let store = turbine_kv_store::Store::new(256 << 20);
     let shutdown = turbine_runtime::CancellationToken::new();
-    tokio::spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), listeners, shutdown.clone()));
+    tokio::spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), turbine_kv_store::StoreEventSink::None, listeners, shutdown.clone()));
     (endpoint, store, shutdown)
 }
 
