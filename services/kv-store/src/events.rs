@@ -156,6 +156,7 @@ impl Announcer {
 
 /// Where the store's announcements go.
 #[derive(Debug, Clone, Default)]
+#[allow(clippy::large_enum_variant, reason = "one value per process, built at startup")]
 pub enum StoreEventSink {
     /// Nowhere: no router credits the store's blocks.
     #[default]
