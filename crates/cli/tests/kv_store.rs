@@ -3,7 +3,9 @@
 //! worker B, asked for the same prompt, gets it from the store with the
 //! same greedy tokens; with the store SIGKILLed as B is asked again (and
 //! once more after it is gone), B's requests complete with the same tokens
-//! (computed), never an error.
+//! (computed), never an error. The store announces its blocks in the KV
+//! event log (a real Redis): B's registry record names the store, and a
+//! follower of the log credits A's prefix to the store's name.
 
 mod common;
 
@@ -41,16 +43,19 @@ async fn generate(worker: &ServiceProcess, prompt: &[u32]) -> Vec<u32> {
     tokio::time::timeout(Duration::from_secs(120), run).await.expect("a request finishes within 120 s")
 }
 
-async fn worker(store: &str, id: &str) -> ServiceProcess {
+async fn worker(store: &str, id: &str, redis: &str) -> ServiceProcess {
     let args = ["--engine", "native", "--model", MODEL, "--threads", "1", "--kv-cache-mib", "32", "--host-cache-mib", "64", "--kv-store", store, "--worker-id", id];
-    service("turbine-worker", &args, &[], false).await
+    let cluster = ["--redis", redis, "--namespace", "t"];
+    service("turbine-worker", &[&args[..], &cluster].concat(), &[], false).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_store_costs_only_recompute() {
-    let mut store = service("turbine-kv-store", &["--memory-mib", "256"], &[], false).await;
+    let redis = turbine_testkit::RedisServer::start();
+    let mut store = service("turbine-kv-store", &["--memory-mib", "256", "--redis", &redis.url(), "--namespace", "t"], &[], false).await;
     let endpoint = store.grpc_endpoint();
-    let (a, b) = tokio::join!(worker(&endpoint, "store-a"), worker(&endpoint, "store-b"));
+    let redis_url = redis.url();
+    let (a, b) = tokio::join!(worker(&endpoint, "store-a", &redis_url), worker(&endpoint, "store-b", &redis_url));
     // 24 blocks of 16 tokens: token ids the model's vocabulary holds.
     let prompt: Vec<u32> = (0..384u32).map(|i| 200 + (i * 37) % 20_000).collect();
 
@@ -61,6 +66,35 @@ async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_
     })
     .await;
     assert_eq!(generate(&b, &prompt).await, computed, "B decodes A's prefix from the store");
+
+    // Routers would credit the store's blocks to B: its record names the
+    // store, and the store's announcements reach the log's followers.
+    let registry = turbine_registry::Registry::Redis(turbine_registry::RedisRegistry::new(&redis.url(), "t").unwrap());
+    let mut name = None;
+    wait_until("B's registry record names the store", Duration::from_secs(30), async || {
+        let records = registry.list().await.unwrap_or_default();
+        name = records.into_iter().find(|w| w.record.worker_id == "store-b").and_then(|w| w.record.kv_store).map(|store| store.name);
+        name.is_some()
+    })
+    .await;
+    let name = name.expect("named");
+    assert_eq!(name.store_part().map(|(store_id, _)| store_id), Some("kv-store"), "{name}");
+    let index = std::sync::Arc::new(turbine_kv::KvIndex::new());
+    let no_workers: turbine_kv_log::DumpFetcher = std::sync::Arc::new(|_| Box::pin(async { None }));
+    let fetch = turbine_kv_store::events::dump_fetcher(no_workers, {
+        let endpoint = endpoint.clone();
+        move |_| Some(endpoint.clone())
+    });
+    let log = turbine_kv_log::EventLog::new(&redis.url(), "t").unwrap();
+    let status = std::sync::Arc::new(turbine_kv_log::FollowerStatus::default());
+    let following = turbine_runtime::CancellationToken::new();
+    let _follower = turbine_kv_log::follow(index.clone(), &log, fetch, status, following.clone());
+    let hashes = turbine_kv::BlockHasher::default().sequence_hashes(&prompt, 16);
+    wait_until("a follower of the log credits A's prefix to the store", Duration::from_secs(30), async || {
+        index.find_matches(&hashes).of(&name).is_some_and(|m| m.blocks >= 23 && m.in_tier(turbine_kv::Tier::Remote) == m.blocks)
+    })
+    .await;
+    following.cancel();
     let fetched = metric_where(&b.admin_url(), "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await;
     assert!(fetched >= 23.0, "B fetched the prefix instead of computing it ({fetched} blocks)");
 

@@ -52,6 +52,22 @@ pub struct WorkerRecord {
     /// measured it (routers credit a hit there by what reading it saves).
     #[serde(default, skip_serializing_if = "ReadCosts::is_unmeasured")]
     pub read_costs: ReadCosts,
+    /// The shared kv-store the worker reads prefixes from, when that store
+    /// announces its blocks: routers credit them to this worker as tier
+    /// remote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_store: Option<KvStoreRef>,
+}
+
+/// A kv-store as a worker reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvStoreRef {
+    /// The store's blocks of the worker's layout, as the KV index names
+    /// them ([`WorkerId::of_store`]).
+    pub name: WorkerId,
+    /// Where the store answers (`http://host:port`), e.g. for a dump of
+    /// what it holds.
+    pub endpoint: String,
 }
 
 /// Reading KV blocks from one tier, in blocks of compute: reading `n`

@@ -6,7 +6,7 @@ use turbine_registry::{Lease, RedisRegistry, Registry, WorkerLoad, WorkerRecord}
 use turbine_testkit::{RedisServer, wait_until};
 
 fn record(id: &str) -> WorkerRecord {
-    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default() }
+    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default(), kv_store: None }
 }
 
 #[tokio::test]

@@ -14,7 +14,7 @@ use turbine_kv_log::{
 };
 use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexServer};
 use turbine_proto::service_names;
-use turbine_registry::{RedisRegistry, Registry, RestartGrace};
+use turbine_registry::{RedisRegistry, Registry, RestartGrace, WorkerRecord};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners};
 use turbine_worker_api::WorkerClients;
@@ -97,16 +97,14 @@ pub async fn serve(
             let endpoints: Endpoints = Arc::default();
             // Know the workers' endpoints before the first gap needs a dump.
             if let Ok(workers) = deps.registry.list().await {
-                *endpoints.write() = workers
-                    .into_iter()
-                    .map(|w| (w.record.worker_id, w.record.endpoint))
-                    .collect();
+                *endpoints.write() = holders(workers.into_iter().map(|w| w.record));
             }
+            // Workers' and kv-stores' names alike: the stores' endpoints
+            // come from the records of the workers that read them.
             let fetch = {
-                let endpoints = endpoints.clone();
-                dump_fetcher(deps.workers.clone(), move |worker_id| {
-                    endpoints.read().get(worker_id).cloned()
-                })
+                let (workers, stores) = (endpoints.clone(), endpoints.clone());
+                let workers = dump_fetcher(deps.workers.clone(), move |worker_id| workers.read().get(worker_id).cloned());
+                turbine_kv_store::events::dump_fetcher(workers, move |name| stores.read().get(name).cloned())
             };
             tasks.push(follow_from(
                 index.clone(),
@@ -172,6 +170,20 @@ pub fn main(config: KvIndexConfig) -> std::process::ExitCode {
     })
 }
 
+/// Every holder of blocks the registry's `records` make live, with its
+/// endpoint: each worker, and each kv-store a worker reads (its blocks stay
+/// in the index while a worker that can fetch them does).
+fn holders(records: impl Iterator<Item = WorkerRecord>) -> FxHashMap<WorkerId, String> {
+    let mut live = FxHashMap::default();
+    for record in records {
+        if let Some(store) = record.kv_store {
+            live.insert(store.name, store.endpoint);
+        }
+        live.insert(record.worker_id, record.endpoint);
+    }
+    live
+}
+
 /// Reads the registry every poll: keeps the workers' endpoints for dumps,
 /// and drops from the index every worker missing from the registry for the
 /// grace period (its lease expired: it stopped or lost Redis). While the
@@ -192,11 +204,7 @@ fn sweep_expired(
         loop {
             if let Ok(workers) = registry.list().await {
                 let now = Instant::now();
-                let live: FxHashMap<WorkerId, String> = workers
-                    .into_iter()
-                    .filter(|w| w.expires_at > now)
-                    .map(|w| (w.record.worker_id, w.record.endpoint))
-                    .collect();
+                let live = holders(workers.into_iter().filter(|w| w.expires_at > now).map(|w| w.record));
                 // A Redis that restarted empty lists nobody until the
                 // workers' next renewal: no worker leaves meanwhile.
                 if restart.lenient(&registry).await {

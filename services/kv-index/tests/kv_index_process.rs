@@ -20,7 +20,7 @@ use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, wait_until};
 const BLOCK: usize = 16;
 
 fn record(id: &str) -> WorkerRecord {
-    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default() }
+    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default(), kv_store: None }
 }
 
 struct Replica {

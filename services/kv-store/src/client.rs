@@ -114,9 +114,16 @@ impl KvStoreClient {
         Ok((instance, dump))
     }
 
+    /// The id the store announces its blocks under in the KV event log
+    /// (None: it announces nothing).
+    pub async fn announced_as(&self) -> Result<Option<String>, KvStoreClientError> {
+        let store_id = self.client.clone().stats(pb::StatsRequest {}).await?.into_inner().store_id;
+        Ok((!store_id.is_empty()).then_some(store_id))
+    }
+
     /// The store's sizes and counters.
     pub async fn stats(&self) -> Result<crate::StoreStats, KvStoreClientError> {
-        let pb::StatsResponse { memory, disk, put_blocks, get_blocks, misses, fingerprints } =
+        let pb::StatsResponse { memory, disk, put_blocks, get_blocks, misses, fingerprints, store_id: _ } =
             self.client.clone().stats(pb::StatsRequest {}).await?.into_inner();
         let tier = |stats: Option<pb::TierStats>| {
             let pb::TierStats { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks } = stats.unwrap_or_default();

@@ -262,14 +262,14 @@ async fn feed(announcer: Announcer, store_id: String, index: Arc<KvIndex>, shutd
 
 /// Dumps for an index's followers: a kv-store's name
 /// ([`WorkerId::of_store`]) is answered by that store's `Dump`, at the
-/// endpoint `store_endpoint` gives for its store id, within 10 s; every
-/// other name by `workers`.
+/// endpoint `store_endpoint` gives for the name, within 10 s; every other
+/// name by `workers`.
 pub fn dump_fetcher(workers: DumpFetcher, store_endpoint: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> DumpFetcher {
     Arc::new(move |worker_id: WorkerId| {
-        let Some((store_id, fingerprint)) = worker_id.store_part() else {
+        let Some((_, fingerprint)) = worker_id.store_part() else {
             return workers(worker_id);
         };
-        let client = store_endpoint(store_id).and_then(|endpoint| KvStoreClient::connect(&endpoint).ok());
+        let client = store_endpoint(&worker_id).and_then(|endpoint| KvStoreClient::connect(&endpoint).ok());
         let fingerprint = Fingerprint::new(fingerprint);
         Box::pin(async move {
             let (instance, dump) =

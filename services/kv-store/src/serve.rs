@@ -40,7 +40,11 @@ pub async fn serve(config: KvStoreConfig, store: Store, events: StoreEventSink, 
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     let _metrics = crate::metrics::register(store.clone());
     let announcing = crate::events::announce(store.announcer().clone(), &config.store_id, events, shutdown.clone());
-    host.add_service(KvStoreServer::new(KvStoreService::new(store, config.max_blocks_per_call)));
+    let mut service = KvStoreService::new(store, config.max_blocks_per_call);
+    if announcing.is_some() {
+        service = service.announcing_as(&config.store_id);
+    }
+    host.add_service(KvStoreServer::new(service));
     let mut serving = host.start(shutdown)?;
     if let Some(task) = announcing {
         serving.spawn(task);

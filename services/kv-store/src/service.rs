@@ -15,13 +15,21 @@ use crate::store::{Fingerprint, Store, StoreError, StoreStats, TierUsage};
 pub struct KvStoreService {
     store: Store,
     max_blocks_per_call: usize,
+    announced_as: Option<String>,
 }
 
 impl KvStoreService {
     /// Serves `store`; a Get or Lookup may name at most
     /// `max_blocks_per_call` blocks.
     pub fn new(store: Store, max_blocks_per_call: usize) -> Self {
-        Self { store, max_blocks_per_call }
+        Self { store, max_blocks_per_call, announced_as: None }
+    }
+
+    /// Says in Stats that the store's blocks are announced as store
+    /// `store_id`'s.
+    pub fn announcing_as(mut self, store_id: &str) -> Self {
+        self.announced_as = Some(store_id.to_owned());
+        self
     }
 
     fn hashes(&self, hashes: Vec<u64>) -> Result<Vec<SequenceHash>, Status> {
@@ -174,6 +182,7 @@ impl KvStore for KvStoreService {
             get_blocks,
             misses,
             fingerprints,
+            store_id: self.announced_as.clone().unwrap_or_default(),
         }))
     }
 }

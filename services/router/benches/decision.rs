@@ -39,6 +39,7 @@ fn router() -> (Router, Arc<[u32]>) {
                     instance: 1,
                     role: Default::default(),
                     read_costs: Default::default(),
+                    kv_store: None,
                 },
                 expires_at: Instant::now() + Duration::from_secs(3600),
             }

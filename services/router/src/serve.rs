@@ -114,9 +114,11 @@ pub async fn start(
     if let Some((log, index, status)) = log {
         let start = start_from_snapshot(&log, &index).await;
         tasks.push(turbine_kv_log::export_metrics("router", index.clone(), status.clone(), shutdown.clone()));
-        let endpoints = router.clone();
+        let (endpoints, stores) = (router.clone(), router.clone());
         let fetch =
             dump_fetcher(workers, move |worker_id| endpoints.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint));
+        // kv-stores' names too, at the endpoints their readers name.
+        let fetch = turbine_kv_store::events::dump_fetcher(fetch, move |name| stores.store_endpoint(name));
         tasks.push(follow_from(index, &log, start, fetch, status, shutdown.clone()));
     }
     tasks.push(watch_registry(router.clone(), registry.clone(), Duration::from_millis(config.poll_interval_ms), shutdown.clone()));
@@ -171,7 +173,11 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
                         router.merge_workers(workers);
                         unregistered.reset();
                     } else {
-                        let live: FxHashSet<WorkerId> = workers.iter().map(|w| w.record.worker_id.clone()).collect();
+                        // Every worker, and every kv-store a worker reads.
+                        let live: FxHashSet<WorkerId> = workers
+                            .iter()
+                            .flat_map(|w| std::iter::once(w.record.worker_id.clone()).chain(w.record.kv_store.as_ref().map(|store| store.name.clone())))
+                            .collect();
                         router.update_workers(workers);
                         // Views of workers the registry does not list (gone
                         // before this router replayed their events) leave the

@@ -18,7 +18,7 @@ use turbine_testkit::{
 };
 
 fn record(id: &str) -> WorkerRecord {
-    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default() }
+    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default(), kv_store: None }
 }
 
 async fn start_router(redis: &RedisServer) -> (ServiceProcess, String) {

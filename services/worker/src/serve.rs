@@ -102,6 +102,7 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
         let (worker, endpoint) = (worker.clone(), endpoint.clone());
         Lease::start(registry, Duration::from_secs_f64(config.lease_ttl_secs), move || worker_record(&worker, &endpoint))
     });
+    serving.spawn(tokio::spawn(worker.clone().learn_kv_store_name(shutdown.clone())));
     match deps.events {
         KvEventSink::None => {}
         KvEventSink::Log(log) => serving.spawn(publish_events(worker.clone(), log, shutdown.clone())),
@@ -158,6 +159,7 @@ pub fn worker_record(worker: &Worker, endpoint: &str) -> WorkerRecord {
         instance: worker.instance(),
         role: worker.role(),
         read_costs: worker.engine().fetch_estimates().map_or_else(ReadCosts::default, |estimates| read_costs(&estimates, worker.block_size())),
+        kv_store: worker.kv_store_ref(),
     }
 }
 

@@ -29,6 +29,19 @@ pub struct Worker {
     instance: u64,
     /// Prefill handles and KV transfers.
     disagg: Arc<Disagg>,
+    /// The shared kv-store, when the worker reads one.
+    kv_store: Option<SharedStore>,
+}
+
+/// The shared kv-store a worker reads, and the name its blocks of this
+/// worker's layout have in the KV index once the store says it announces
+/// them.
+#[derive(Debug)]
+struct SharedStore {
+    client: KvStoreClient,
+    endpoint: String,
+    fingerprint: Fingerprint,
+    name: std::sync::OnceLock<WorkerId>,
 }
 
 impl Worker {
@@ -117,10 +130,12 @@ impl Worker {
                 None
             }
         };
+        let mut kv_store = None;
         let remote = match (&engine_config.kv_store, &host, layout) {
             (Some(endpoint), Some(_), Some(layout)) => {
                 let client = KvStoreClient::connect(endpoint)?;
                 let fingerprint = Fingerprint::new(shared_fingerprint(&model.path, &layout, &scheduler)).context("a zero layout fingerprint")?;
+                kv_store = Some(SharedStore { client: client.clone(), endpoint: endpoint.clone(), fingerprint, name: std::sync::OnceLock::new() });
                 let tier = KvStoreTier::new(client, fingerprint, Duration::from_millis(engine_config.kv_store_timeout_ms));
                 tracing::info!(kv_store = %endpoint, fingerprint = format!("{:016x}", fingerprint.get()), offload = ?engine_config.kv_store_offload, "shared KV tier on");
                 Some(RemoteTier::new(Arc::new(tier), engine_config.kv_store_min_blocks).with_offload(engine_config.kv_store_offload.into()))
@@ -166,7 +181,7 @@ impl Worker {
             "worker loaded"
         );
         let instance = uuid::Uuid::new_v4().as_u64_pair().0;
-        Ok(Arc::new(Self { id, card, engine, instance, disagg }))
+        Ok(Arc::new(Self { id, card, engine, instance, disagg, kv_store }))
     }
 
     /// The worker id.
@@ -207,6 +222,36 @@ impl Worker {
     /// Current load.
     pub fn load(&self) -> Load {
         self.engine.load()
+    }
+
+    /// The shared kv-store as the registry record names it: known once
+    /// the store said it announces its blocks.
+    pub fn kv_store_ref(&self) -> Option<turbine_registry::KvStoreRef> {
+        let store = self.kv_store.as_ref()?;
+        Some(turbine_registry::KvStoreRef { name: store.name.get()?.clone(), endpoint: store.endpoint.clone() })
+    }
+
+    /// Asks the shared kv-store (if any) under which id it announces its
+    /// blocks, until it answers with one or `shutdown`: every second while
+    /// it cannot be reached, every 10 s while it announces nothing.
+    pub async fn learn_kv_store_name(self: Arc<Self>, shutdown: turbine_runtime::CancellationToken) {
+        let Some(store) = &self.kv_store else { return };
+        loop {
+            let wait = match store.client.announced_as().await {
+                Ok(Some(store_id)) => {
+                    let name = WorkerId::of_store(&store_id, store.fingerprint.get());
+                    tracing::info!(kv_store = %store.endpoint, %name, "the kv-store announces its blocks: routers credit them to this worker");
+                    let _ = store.name.set(name);
+                    return;
+                }
+                Ok(None) => Duration::from_secs(10),
+                Err(_) => Duration::from_secs(1),
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
     }
 
     /// Stops the engine; sequences still running fail.

@@ -139,6 +139,17 @@ impl KvCandidate {
         }
         self
     }
+
+    /// Adds what the worker's kv-store holds beyond the worker's own match
+    /// (the store's leading blocks, from the index), as tier remote: the
+    /// worker reads its own tiers first and asks the store for the rest.
+    pub fn with_store_match(mut self, store: Option<&[u32; 4]>) -> Self {
+        if let Some(by_tier) = store {
+            let beyond = by_tier.iter().sum::<u32>().saturating_sub(self.matched());
+            self.matched_by_tier[Tier::Remote as usize] += beyond;
+        }
+        self
+    }
 }
 
 /// DESIGN §5's cost of sending the request to `candidate`.

@@ -75,6 +75,7 @@ impl Router {
                             ..KvCandidate::default()
                         }
                         .with_match(lookup.matched(w.record.kv_block_size, id))
+                        .with_store_match(w.record.kv_store.as_ref().and_then(|store| lookup.matched(w.record.kv_block_size, &store.name)))
                     })
                     .collect();
                 let index = crate::kv::choose(&weights, &candidates, &mut rand::rng());

@@ -199,6 +199,13 @@ impl Router {
             .collect()
     }
 
+    /// The endpoint of the kv-store whose blocks the index names `name`, as
+    /// a worker that reads it says.
+    pub fn store_endpoint(&self, name: &str) -> Option<String> {
+        let state = self.state.lock();
+        state.workers.values().find_map(|w| w.record.kv_store.as_ref().filter(|store| store.name == name).map(|store| store.endpoint.clone()))
+    }
+
     /// This router's booked work per worker (what it shares with the
     /// other replicas).
     pub fn own_books(&self) -> FxHashMap<WorkerId, WorkerBook> {

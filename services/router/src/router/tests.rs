@@ -11,7 +11,7 @@ fn route(router: &Router, request: &RouteRequest) -> Result<Routed, RouteError> 
 
 fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
     LiveWorker {
-        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default() },
+        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default(), kv_store: None },
         expires_at: Instant::now() + ttl,
     }
 }
@@ -265,4 +265,48 @@ fn aggregated_workers_compute_their_own_prompts_and_prefill_only_pools_serve_not
         route(&router, &prompt("r2", 5000)),
         Err(RouteError::NoWorkers("m".into()))
     );
+}
+
+#[test]
+fn a_kv_stores_blocks_count_for_the_workers_that_read_it() {
+    use turbine_kv::{BlockHasher, KvEvent, KvIndex, NumberedEvent, StoredBlock, Tier};
+    use turbine_registry::KvStoreRef;
+
+    use crate::kv::{KvConfig, KvState};
+
+    let index = Arc::new(KvIndex::new());
+    let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::local(KvConfig::default(), index.clone(), None)));
+    let store = WorkerId::of_store("shared", 7);
+    let reader = |id: &str| {
+        let mut worker = live(id, "m", Duration::from_secs(60));
+        worker.record.kv_store = Some(KvStoreRef { name: store.clone(), endpoint: "http://store".into() });
+        // Measured: reading from the store costs a tenth of computing.
+        worker.record.read_costs.remote = Some(turbine_registry::ReadCost { fixed_blocks: 0.5, per_block: 0.1 });
+        worker
+    };
+    router.update_workers(vec![reader("a"), live("b", "m", Duration::from_secs(60)), reader("c")]);
+    let tokens: Vec<u32> = (0..160).collect();
+    let stored = |worker: &str, blocks: usize, tier: Tier| {
+        let blocks = BlockHasher::default()
+            .hash_blocks(&tokens, 16)
+            .iter()
+            .take(blocks)
+            .map(|hashes| StoredBlock { sequence_hash: hashes.sequence, local_hash: hashes.local })
+            .collect();
+        index.apply(worker, 1, &NumberedEvent { event_id: 0, event: KvEvent::Stored { parent: None, blocks, tier } });
+    };
+    // The store holds the whole prompt; b caches half of it on device; c
+    // a quarter (it would read the rest from the store).
+    stored(&store, 10, Tier::Remote);
+    stored("b", 5, Tier::Device);
+    stored("c", 2, Tier::Device);
+    let kv_request = |id: &str| RouteRequest { token_ids: tokens.clone().into(), policy: Some(Policy::Kv), ..request(id, "m") };
+    let routed = route(&router, &kv_request("r1")).unwrap();
+    assert_eq!((routed.worker.worker_id.as_str(), routed.overlap_blocks), ("c", 10), "its own 2 blocks and the store's 8");
+    assert!(router.finished("r1"));
+
+    // Without the store's credit (the request prices remote hits at 0), b's
+    // device blocks win.
+    let no_remote = RouteRequest { kv: Some(crate::kv::KvOverrides { remote_credit: Some(0.0), ..Default::default() }), ..kv_request("r2") };
+    assert_eq!(route(&router, &no_remote).unwrap().worker.worker_id, "b");
 }
