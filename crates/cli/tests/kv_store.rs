@@ -5,7 +5,9 @@
 //! once more after it is gone), B's requests complete with the same tokens
 //! (computed), never an error. The store announces its blocks in the KV
 //! event log (a real Redis): B's registry record names the store, and a
-//! follower of the log credits A's prefix to the store's name.
+//! follower of the log credits A's prefix to the store's name. A block
+//! corrupted on the store's disk is caught by its checksum: B computes from
+//! there with A's text, and its put restores a sound copy.
 
 mod common;
 
@@ -52,7 +54,10 @@ async fn worker(store: &str, id: &str, redis: &str) -> ServiceProcess {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_store_costs_only_recompute() {
     let redis = turbine_testkit::RedisServer::start();
-    let mut store = service("turbine-kv-store", &["--memory-mib", "256", "--redis", &redis.url(), "--namespace", "t"], &[], false).await;
+    // Memory for about two blocks: the rest are read back from the disk tier.
+    let disk = tempfile::tempdir().unwrap();
+    let store_args = ["--memory-mib", "1", "--disk-dir", disk.path().to_str().unwrap(), "--disk-gib", "1", "--redis", &redis.url(), "--namespace", "t"];
+    let mut store = service("turbine-kv-store", &store_args, &[], false).await;
     let endpoint = store.grpc_endpoint();
     let redis_url = redis.url();
     let (a, b) = tokio::join!(worker(&endpoint, "store-a", &redis_url), worker(&endpoint, "store-b", &redis_url));
@@ -95,6 +100,30 @@ async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_
     })
     .await;
     following.cancel();
+
+    // A block corrupted on the store's disk is caught by its checksum and
+    // never served: B reads the blocks before it and computes from there,
+    // with A's text.
+    let fourth: Vec<u32> = prompt.iter().map(|t| t + 3).collect();
+    let computed_fourth = generate(&a, &fourth).await;
+    let (_, fingerprint) = name.store_part().expect("a store's name");
+    let fingerprint_dir = disk.path().join(format!("{fingerprint:016x}"));
+    let fourth_hashes = turbine_kv::BlockHasher::default().sequence_hashes(&fourth, 16);
+    let file = |n: usize| turbine_engine::tiers::block_file::block_path(&fingerprint_dir, fourth_hashes[n]);
+    wait_until("A's blocks of the fourth prompt are on the store's disk", Duration::from_secs(30), async || (0..23).all(|n| file(n).exists())).await;
+    let mut bytes = std::fs::read(file(10)).unwrap();
+    let payload = turbine_engine::tiers::block_file::HEADER_BYTES + 100;
+    bytes[payload] ^= 0x5a;
+    std::fs::write(file(10), bytes).unwrap();
+    assert_eq!(generate(&b, &fourth).await, computed_fourth, "a corrupt block in the store costs a recompute, never wrong text");
+    let corrupt = metric_where(&store.admin_url(), "turbine_kv_store_corrupt_blocks_total", &[("tier", "disk")]).await;
+    assert_eq!(corrupt, 1.0, "the store found the corrupt block when B asked for it");
+    // B computed block 10 on and put it: the store holds a sound copy again.
+    let fingerprint = turbine_kv_store::Fingerprint::new(fingerprint).unwrap();
+    wait_until("B's recomputed blocks replace the corrupt one", Duration::from_secs(30), async || {
+        store_client.get(fingerprint, &fourth_hashes[..23]).await.is_ok_and(|run| run.len() == 23)
+    })
+    .await;
     let fetched = metric_where(&b.admin_url(), "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "remote")]).await;
     assert!(fetched >= 23.0, "B fetched the prefix instead of computing it ({fetched} blocks)");
 
