@@ -14,7 +14,7 @@
 //! The scheduler knows nothing of models or transports; an executor runs the
 //! [`Batch`] it plans and hands back one sampled token per sampling item.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 use turbine_kv::{BlockHasher, BlockHashes, SequenceHash};
 
@@ -232,7 +232,11 @@ pub struct Scheduler {
     running: VecDeque<SeqId>,
     /// Taken out of the queue while their prefix comes back from a lower
     /// KV tier ([`suspend`](Self::suspend)); they count as waiting.
-    suspended: HashSet<SeqId>,
+    /// Each suspended sequence's blocks, held back from admission so that
+    /// its prefix finds room when its read finishes.
+    suspended: HashMap<SeqId, usize>,
+    /// Their sum.
+    reserved_blocks: usize,
     next_id: SeqId,
     total_preemptions: u64,
 }
@@ -251,7 +255,8 @@ impl Scheduler {
             sequences: HashMap::new(),
             waiting: VecDeque::new(),
             running: VecDeque::new(),
-            suspended: HashSet::new(),
+            suspended: HashMap::new(),
+            reserved_blocks: 0,
             next_id: 0,
             total_preemptions: 0,
         }
@@ -323,7 +328,7 @@ impl Scheduler {
         let Some(sequence) = self.sequences.remove(&seq_id) else { return false };
         self.waiting.retain(|&id| id != seq_id);
         self.running.retain(|&id| id != seq_id);
-        self.suspended.remove(&seq_id);
+        self.unreserve(seq_id);
         self.blocks.release(sequence.blocks.into_iter().rev());
         true
     }
@@ -348,7 +353,7 @@ impl Scheduler {
         // a prompt longer than what is left of the budget is admitted with
         // its first chunk.
         let mut budget = self.config.max_batched_tokens.saturating_sub(self.running.len());
-        let mut free = self.blocks.num_free();
+        let mut free = self.blocks.num_free().saturating_sub(self.reserved_blocks);
         let mut seats = self.config.max_num_seqs.saturating_sub(self.running.len());
         for &seq_id in &self.waiting {
             let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
@@ -373,18 +378,35 @@ impl Scheduler {
 
     /// Takes a waiting sequence out of the queue while its prefix is
     /// fetched from a lower tier; [`resume`](Self::resume) puts it back.
+    /// The blocks its first chunk needs stay reserved meanwhile: sequences
+    /// behind it are admitted only into what is left, so the fetched prefix
+    /// finds room when it is installed.
     pub fn suspend(&mut self, seq_id: SeqId) {
         let before = self.waiting.len();
         self.waiting.retain(|&id| id != seq_id);
         if self.waiting.len() < before {
-            self.suspended.insert(seq_id);
+            let chunk = self.sequences[&seq_id].tokens.len().min(self.config.max_batched_tokens);
+            let reserved = self.blocks.blocks_for(chunk);
+            self.suspended.insert(seq_id, reserved);
+            self.reserved_blocks += reserved;
+        }
+    }
+
+    /// Ends a suspension; whether the sequence was suspended.
+    fn unreserve(&mut self, seq_id: SeqId) -> bool {
+        match self.suspended.remove(&seq_id) {
+            Some(reserved) => {
+                self.reserved_blocks -= reserved;
+                true
+            }
+            None => false,
         }
     }
 
     /// Puts a suspended sequence back at the front of the queue (it waited
     /// its turn already). Returns false if it is gone (aborted meanwhile).
     pub fn resume(&mut self, seq_id: SeqId) -> bool {
-        if self.suspended.remove(&seq_id) {
+        if self.unreserve(seq_id) {
             self.waiting.push_front(seq_id);
             true
         } else {
@@ -516,7 +538,7 @@ impl Scheduler {
             };
             let new_blocks = self.blocks.blocks_for(num_computed + len) - hit;
             let free_hits = self.blocks.count_free_among_cached(&wanted[..hit]);
-            if new_blocks + watermark > self.blocks.num_free() - free_hits {
+            if new_blocks + watermark + self.reserved_blocks > self.blocks.num_free() - free_hits {
                 break;
             }
             let mut table = self.blocks.acquire_cached(&wanted[..hit]);
@@ -695,6 +717,7 @@ impl Scheduler {
     pub fn check_invariants(&self) {
         self.blocks.check_invariants();
         assert_eq!(self.waiting.len() + self.running.len() + self.suspended.len(), self.sequences.len(), "every sequence is in one queue");
+        assert_eq!(self.reserved_blocks, self.suspended.values().sum::<usize>(), "reservations add up");
         assert!(self.running.len() <= self.config.max_num_seqs);
         let mut referenced = HashMap::<BlockId, u32>::new();
         for &seq_id in &self.running {

@@ -248,3 +248,26 @@ fn a_suspended_sequence_waits_outside_the_queue_and_resumes_at_its_front() {
     assert!(!scheduler.resume(third), "an aborted sequence does not come back");
     scheduler.check_invariants();
 }
+
+#[test]
+fn a_suspended_sequence_keeps_its_room_while_its_prefix_is_fetched() {
+    // 10 blocks of 4 tokens: each 17-token prompt needs 5.
+    let mut scheduler = Scheduler::new(config(10, 4), vec![]);
+    let ids: Vec<SeqId> = (0..3).map(|n| scheduler.add(request((n * 100..n * 100 + 17).collect(), 2)).unwrap()).collect();
+    let due: Vec<SeqId> = scheduler.due_for_onboard().into_iter().map(|(id, _)| id).collect();
+    assert_eq!(due, ids[..2]);
+    scheduler.suspend(ids[0]);
+    assert!(scheduler.due_for_onboard().is_empty(), "the third does not fit beside the suspended one");
+    let plan = scheduler.schedule();
+    assert_eq!(plan.iter().map(|c| c.seq_id).collect::<Vec<_>>(), ids[1..2], "only the second is admitted: the first's 5 blocks stay free");
+    scheduler.check_invariants();
+    // Its read done: the prefix is installed into the kept room, and it is
+    // admitted with it.
+    let hashes: Vec<turbine_kv::BlockHashes> = BlockHasher::with_seed(turbine_kv::DEFAULT_SEED).hash_blocks(&(0..17).collect::<Vec<u32>>(), 4);
+    assert_eq!(scheduler.install_prefix(None, &hashes, |_, _| true), 4, "room for the whole prefix");
+    assert!(scheduler.resume(ids[0]));
+    let plan = scheduler.schedule();
+    let first = plan.iter().find(|c| c.seq_id == ids[0]).expect("admitted");
+    assert_eq!(first.start, 16, "its installed prefix is a hit");
+    scheduler.check_invariants();
+}
