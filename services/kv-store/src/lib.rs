@@ -8,6 +8,9 @@
 //! - [`Store`]: the blocks in memory, bounded in bytes, least recently used
 //!   evicted first, written through to a disk tier ([`DiskBlocks`]) that
 //!   survives a restart.
+//! - [`Arena`]: the memory tier's bytes, one allocation cut into equal
+//!   segments, so that remote readers can be given the whole tier as one
+//!   region.
 //! - [`Announcer`]: what the store holds, as numbered KV events (tier
 //!   remote) and dumps, for the KV event log.
 //! - [`KvStoreService`]: the gRPC shell over a [`Store`].
@@ -17,6 +20,7 @@
 //! - [`KvStoreConfig`]: configuration and flags; [`metrics`]: the store's
 //!   Prometheus metrics.
 
+pub mod arena;
 pub mod client;
 pub mod config;
 pub mod disk;
@@ -34,4 +38,5 @@ pub use events::{Announced, Announcer, StoreEventSink};
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
 pub use tier::KvStoreTier;
-pub use store::{BlockKey, Fingerprint, PutOutcome, Store, StoreError, StoreStats, TierUsage};
+pub use arena::Arena;
+pub use store::{BlockKey, Fingerprint, MemoryBlock, PutOutcome, arena_bytes, Store, StoreError, StoreStats, TierUsage};

@@ -8,7 +8,7 @@ use turbine_engine::HostBlock;
 use turbine_kv::{LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
-use crate::store::{Fingerprint, Store, StoreError, StoreStats, TierUsage};
+use crate::store::{Fingerprint, MemoryBlock, Store, StoreError, StoreStats, TierUsage};
 
 /// The service.
 #[derive(Debug, Clone)]
@@ -68,6 +68,11 @@ pub(crate) fn to_pb(sequence: SequenceHash, block: &HostBlock) -> pb::Block {
     }
 }
 
+/// A held block for the wire (its bytes copied off the arena).
+fn held_to_pb(sequence: SequenceHash, block: &MemoryBlock) -> pb::Block {
+    pb::Block { sequence_hash: sequence.0, local_hash: block.local.0, parent_hash: block.parent.map(|p| p.0), checksum: block.checksum, data: block.slots.to_vec() }
+}
+
 fn status(error: StoreError) -> Status {
     match error {
         StoreError::TooLarge(..) => Status::resource_exhausted(error.to_string()),
@@ -119,7 +124,7 @@ impl KvStore for KvStoreService {
         let run = tokio::task::spawn_blocking(move || store.get(fingerprint, &hashes))
             .await
             .map_err(|_| Status::internal("the store failed while reading blocks"))?;
-        let stream = tokio_stream::iter(run).map(|(sequence, block)| Ok(pb::GetResponse { block: Some(to_pb(sequence, &block)) }));
+        let stream = tokio_stream::iter(run).map(|(sequence, block)| Ok(pb::GetResponse { block: Some(held_to_pb(sequence, &block)) }));
         Ok(Response::new(Box::pin(stream)))
     }
 

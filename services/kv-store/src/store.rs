@@ -1,5 +1,5 @@
-//! The blocks: in memory, bounded in bytes, least recently used evicted
-//! first, over an optional disk tier ([`DiskBlocks`]) that every put is
+//! The blocks: in memory (in the tier's [`Arena`]), bounded in bytes,
+//! least recently used evicted first, over an optional disk tier ([`DiskBlocks`]) that every put is
 //! written through to and that survives a restart; every block checked
 //! against its checksum when it arrives and before it is served.
 
@@ -11,6 +11,7 @@ use rustc_hash::FxHashMap;
 use turbine_engine::{HostBlock, block_checksum};
 use turbine_kv::SequenceHash;
 
+use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
 use crate::events::Announcer;
 
@@ -44,6 +45,14 @@ pub struct BlockKey {
 /// cache), counted against the capacity so that the bound holds for the
 /// process's memory too.
 const ENTRY_OVERHEAD: u64 = 200;
+
+/// The arena a memory tier of `capacity_bytes` needs: the capacity, and
+/// room for blocks stored before the least recently used ones are evicted
+/// and for evicted blocks remote readers still hold: a sixteenth more, at
+/// least 16 MiB (address space; pages are touched only as used).
+pub fn arena_bytes(capacity_bytes: u64) -> usize {
+    (capacity_bytes + (capacity_bytes / 16).max(16 << 20)) as usize
+}
 
 /// Why blocks were refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -118,6 +127,31 @@ struct Counters {
     misses: AtomicU64,
 }
 
+/// A block in the memory tier: its bytes in the arena.
+#[derive(Debug)]
+pub struct MemoryBlock {
+    /// Hash of the block's own tokens.
+    pub local: turbine_kv::LocalBlockHash,
+    /// The sequence hash of the block before it (None: the first block).
+    pub parent: Option<SequenceHash>,
+    /// XXH3-64 of the bytes, as the block arrived.
+    pub checksum: u64,
+    /// The bytes.
+    pub slots: Slots,
+}
+
+impl MemoryBlock {
+    /// Whether the bytes still match their checksum.
+    pub fn is_intact(&self) -> bool {
+        self.slots.checksum() == self.checksum
+    }
+
+    /// A copy of the block off the arena.
+    pub fn to_host(&self) -> HostBlock {
+        HostBlock { local: self.local, parent: self.parent, checksum: self.checksum, bytes: self.slots.to_vec().into_boxed_slice() }
+    }
+}
+
 /// Per fingerprint: its block size and how many blocks are held.
 #[derive(Debug, Clone, Copy)]
 struct Layout {
@@ -128,7 +162,8 @@ struct Layout {
 /// The store. Cloning shares it.
 #[derive(Clone)]
 pub struct Store {
-    blocks: moka::sync::Cache<BlockKey, Arc<HostBlock>>,
+    blocks: moka::sync::Cache<BlockKey, Arc<MemoryBlock>>,
+    arena: Arc<Arena>,
     layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>>,
     counters: Arc<Counters>,
     capacity_bytes: u64,
@@ -144,19 +179,21 @@ impl std::fmt::Debug for Store {
 
 impl Store {
     /// A store holding at most `capacity_bytes` (block bytes plus their
-    /// bookkeeping).
+    /// bookkeeping) in an arena on the heap.
     pub fn new(capacity_bytes: u64) -> Self {
-        Self::build(capacity_bytes, None)
+        Self::in_arena(capacity_bytes, Arena::on_heap(arena_bytes(capacity_bytes)), None)
     }
 
     /// A store holding at most `capacity_bytes` in memory over `disk`:
     /// every block put is written to disk too, and a block read from disk
     /// is kept in memory again.
     pub fn with_disk(capacity_bytes: u64, disk: DiskBlocks) -> Self {
-        Self::build(capacity_bytes, Some(disk))
+        Self::in_arena(capacity_bytes, Arena::on_heap(arena_bytes(capacity_bytes)), Some(disk))
     }
 
-    fn build(capacity_bytes: u64, disk: Option<DiskBlocks>) -> Self {
+    /// A store holding at most `capacity_bytes` in memory, in `arena`
+    /// (of [`arena_bytes`] for that capacity), over `disk` if given.
+    pub fn in_arena(capacity_bytes: u64, arena: Arc<Arena>, disk: Option<DiskBlocks>) -> Self {
         // The lowest tier announces what the store holds.
         let announcer = disk.as_ref().map_or_else(Announcer::new, |disk| disk.announcer().clone());
         let memory_announces = disk.is_none().then(|| announcer.clone());
@@ -167,7 +204,7 @@ impl Store {
             let counters = counters.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
-                .weigher(|_, block: &Arc<HostBlock>| u32::try_from(block.bytes.len() as u64 + ENTRY_OVERHEAD).unwrap_or(u32::MAX))
+                .weigher(|_, block: &Arc<MemoryBlock>| u32::try_from(block.slots.footprint() as u64 + ENTRY_OVERHEAD).unwrap_or(u32::MAX))
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .eviction_listener(move |key: Arc<BlockKey>, _, cause| {
                     if cause.was_evicted() {
@@ -188,7 +225,23 @@ impl Store {
                 })
                 .build()
         };
-        Self { blocks, layouts, counters, capacity_bytes, disk, announcer }
+        Self { blocks, arena, layouts, counters, capacity_bytes, disk, announcer }
+    }
+
+    /// The memory tier's arena.
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    /// `block` copied into the arena; None when the arena has no room even
+    /// after pending evictions ran (blocks read by remote readers stay
+    /// until they let go).
+    fn copy_into_arena(&self, block: &HostBlock) -> Option<Arc<MemoryBlock>> {
+        let slots = self.arena.store(&block.bytes).or_else(|| {
+            self.blocks.run_pending_tasks();
+            self.arena.store(&block.bytes)
+        })?;
+        Some(Arc::new(MemoryBlock { local: block.local, parent: block.parent, checksum: block.checksum, slots }))
     }
 
     /// What the store holds, announced as KV events.
@@ -202,9 +255,9 @@ impl Store {
     }
 
     /// Keeps `block` in memory; whether it was not there yet.
-    fn remember(&self, key: BlockKey, block: Arc<HostBlock>) -> bool {
+    fn remember(&self, key: BlockKey, block: Arc<MemoryBlock>) -> bool {
         // Counted before it is in, so that its eviction always finds it counted.
-        self.layouts.lock().entry(key.fingerprint).or_insert(Layout { block_bytes: block.bytes.len(), blocks: 0 }).blocks += 1;
+        self.layouts.lock().entry(key.fingerprint).or_insert(Layout { block_bytes: block.slots.len(), blocks: 0 }).blocks += 1;
         let announce = self.disk.is_none();
         let entry = self.blocks.entry(key).or_insert_with(|| {
             // Announced before it is in, so that its removal always
@@ -246,6 +299,10 @@ impl Store {
         let mut outcome = PutOutcome::default();
         for (sequence, block) in blocks {
             let key = BlockKey { fingerprint, sequence };
+            if self.blocks.contains_key(&key) {
+                outcome.already_held += 1;
+                continue;
+            }
             let on_disk = self.disk.as_ref().is_some_and(|disk| {
                 let held = disk.contains(&key);
                 // Written through: a block the disk could not take is
@@ -253,7 +310,15 @@ impl Store {
                 disk.write(key, &block);
                 held
             });
-            let fresh = self.remember(key, Arc::new(block));
+            let fresh = match self.copy_into_arena(&block) {
+                Some(in_memory) => self.remember(key, in_memory),
+                None => {
+                    // No room while readers hold evicted blocks: as if
+                    // evicted at once (the disk, if any, has it).
+                    self.counters.evicted_blocks.fetch_add(1, Relaxed);
+                    !on_disk
+                }
+            };
             if fresh && !on_disk {
                 outcome.stored += 1;
             } else {
@@ -267,7 +332,7 @@ impl Store {
 
     /// The leading blocks of `hashes` the store holds, each checked; a
     /// corrupt one is dropped and ends the run.
-    pub fn get(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Vec<(SequenceHash, Arc<HostBlock>)> {
+    pub fn get(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Vec<(SequenceHash, Arc<MemoryBlock>)> {
         let mut run = Vec::new();
         for &sequence in hashes {
             let key = BlockKey { fingerprint, sequence };
@@ -288,8 +353,8 @@ impl Store {
     }
 
     /// A block read from disk (checked there), kept in memory again.
-    fn read_through_disk(&self, key: BlockKey) -> Option<Arc<HostBlock>> {
-        let block = Arc::new(self.disk.as_ref()?.read(&key)?);
+    fn read_through_disk(&self, key: BlockKey) -> Option<Arc<MemoryBlock>> {
+        let block = self.copy_into_arena(&self.disk.as_ref()?.read(&key)?)?;
         self.remember(key, block.clone());
         Some(block)
     }
@@ -355,9 +420,10 @@ impl Store {
     #[doc(hidden)]
     pub fn corrupt_for_test(&self, key: BlockKey) -> bool {
         let Some(block) = self.blocks.get(&key) else { return false };
-        let mut bytes = block.bytes.to_vec();
-        bytes[0] ^= 0xff;
-        self.blocks.insert(key, Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into_boxed_slice() }));
+        let mut copy = block.to_host();
+        copy.bytes[0] ^= 0xff;
+        let Some(corrupt) = self.copy_into_arena(&copy) else { return false };
+        self.blocks.insert(key, corrupt);
         true
     }
 }
@@ -388,7 +454,7 @@ mod tests {
         assert_eq!(store.put(fp(1), vec![block(0, 64)]), Ok(PutOutcome { stored: 0, already_held: 1 }));
         let got = store.get(fp(1), &hashes(0..6));
         assert_eq!(got.len(), 4, "the run stops at the first block not held");
-        assert_eq!(&got[2].1.bytes[..], &block(2, 64).1.bytes[..]);
+        assert_eq!(got[2].1.slots.to_vec(), &block(2, 64).1.bytes[..]);
         assert!(store.get(fp(2), &hashes(0..4)).is_empty(), "another layout's blocks never mix");
         assert_eq!(store.lookup(fp(1), &[SequenceHash(1000), SequenceHash(5), SequenceHash(1002)]), (vec![true, false, true], 1));
         assert_eq!(store.delete(fp(1), &hashes(1..2)), 1);
@@ -442,7 +508,7 @@ mod tests {
             assert_eq!(store.put(fp(1), vec![block(0, 1024)]).unwrap().already_held, 1, "held on disk only");
             let run = store.get(fp(1), &hashes(0..10));
             assert_eq!(run.len(), 10, "evicted from memory, read back from disk");
-            assert_eq!(&run[3].1.bytes[..], &block(3, 1024).1.bytes[..]);
+            assert_eq!(run[3].1.slots.to_vec(), &block(3, 1024).1.bytes[..]);
             assert!(matches!(store.put(fp(1), vec![block(20, 64)]), Err(StoreError::WrongSize { expected: 1024, .. })), "the size of blocks on disk counts");
         }
         // A torn file and a leftover .tmp, as after a crash.
