@@ -156,7 +156,7 @@ impl Cluster {
                 let mut store_config = KvStoreConfig::default();
                 store_config.server.shutdown_grace_secs = config.shutdown_grace_secs;
                 store_config.store_id = "embedded".to_owned();
-                let store = KvStore::new(store_config.memory_mib << 20);
+                let store = KvStore::open(store_config.memory_mib << 20, None, store_config.ucx);
                 let events = match &log {
                     Some(log) => StoreEventSink::Log(log.clone()),
                     None => StoreEventSink::Index(shared_index.clone()),

@@ -10,7 +10,8 @@ use turbine_proto::MessageLimits;
 use turbine_proto::kvstore::v1::{self as pb, kv_store_client::KvStoreClient as PbClient};
 use turbine_runtime::grpc::TracedChannel;
 
-use crate::service::{from_pb, to_pb};
+use crate::lease::{Lease, LeasedBlock};
+use crate::service::{from_pb, region_from_pb, to_pb};
 use crate::store::{Fingerprint, PutOutcome};
 
 /// Why a call to the store failed.
@@ -77,6 +78,35 @@ impl KvStoreClient {
             run.push((sequence, block));
         }
         Ok(run)
+    }
+
+    /// Leases the leading blocks of `hashes` the store holds in memory, for
+    /// reading over UCX (see [`Lease`]); release it when read.
+    pub async fn lease(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<Lease, KvStoreClientError> {
+        let request = pb::LeaseRequest { fingerprint: fingerprint.get(), sequence_hashes: hashes.iter().map(|h| h.0).collect() };
+        let pb::LeaseResponse { lease_id, expires_in_ms: _, segment_bytes, region, blocks } = self.client.clone().lease(request).await?.into_inner();
+        Ok(Lease {
+            id: lease_id,
+            region: region.map(region_from_pb).unwrap_or_default(),
+            segment_bytes: segment_bytes as usize,
+            blocks: blocks
+                .into_iter()
+                .map(|block| LeasedBlock {
+                    sequence: SequenceHash(block.sequence_hash),
+                    local: turbine_kv::LocalBlockHash(block.local_hash),
+                    parent: block.parent_hash.map(SequenceHash),
+                    checksum: block.checksum,
+                    length: block.length as usize,
+                    segments: block.segments,
+                })
+                .collect(),
+        })
+    }
+
+    /// Lets go of a lease.
+    pub async fn release(&self, lease_id: u64) -> Result<(), KvStoreClientError> {
+        self.client.clone().release(pb::ReleaseRequest { lease_id }).await?;
+        Ok(())
     }
 
     /// Which of `hashes` the store holds, and how many lead without a gap.

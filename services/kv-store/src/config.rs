@@ -48,6 +48,11 @@ pub struct KvStoreConfig {
     /// deleted beyond it.
     #[arg(long, env = "TURBINE_KV_STORE_DISK_GIB", default_value_t = 64)]
     pub disk_gib: u64,
+    /// Serve the memory tier over UCX too (`Lease`: readers with UCX copy
+    /// blocks out of the store's registered memory, one-sided) when this
+    /// build has UCX; `false`: readers use the gRPC stream (`Get`).
+    #[arg(long, env = "TURBINE_KV_STORE_UCX", default_value_t = true, action = clap::ArgAction::Set)]
+    pub ucx: bool,
     /// Most blocks one Get or Lookup may name.
     #[arg(long, env = "TURBINE_KV_STORE_MAX_BLOCKS_PER_CALL", default_value_t = 8192)]
     pub max_blocks_per_call: usize,

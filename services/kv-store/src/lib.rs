@@ -25,6 +25,7 @@ pub mod client;
 pub mod config;
 pub mod disk;
 pub mod events;
+pub mod lease;
 pub mod metrics;
 pub mod serve;
 pub mod service;
@@ -35,6 +36,9 @@ pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
 pub use disk::DiskBlocks;
 pub use events::{Announced, Announcer, StoreEventSink};
+pub use lease::{DataPath, Lease, LeasedBlock};
+#[cfg(feature = "ucx")]
+pub use lease::UcxReader;
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
 pub use tier::KvStoreTier;

@@ -24,6 +24,8 @@ pub const ROLES: &[RpcRoles] = &[
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Delete", roles: &[Role::Operator] },
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Stats", roles: &[Role::Operator, Role::Monitoring, Role::Planner] },
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Dump", roles: &[Role::Router, Role::Index, Role::Operator] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Lease", roles: &[Role::Worker] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/Release", roles: &[Role::Worker] },
 ];
 
 const SPEC: HostSpec = HostSpec {
@@ -40,9 +42,12 @@ pub async fn serve(config: KvStoreConfig, store: Store, events: StoreEventSink, 
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     let _metrics = crate::metrics::register(store.clone());
     let announcing = crate::events::announce(store.announcer().clone(), &config.store_id, events, shutdown.clone());
-    let mut service = KvStoreService::new(store, config.max_blocks_per_call);
+    let mut service = KvStoreService::new(store.clone(), config.max_blocks_per_call);
     if announcing.is_some() {
         service = service.announcing_as(&config.store_id);
+    }
+    if let Some(data_path) = store.data_path() {
+        service = service.with_data_path(data_path.clone());
     }
     host.add_service(KvStoreServer::new(service));
     let mut serving = host.start(shutdown)?;
@@ -59,14 +64,14 @@ pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-kv-store", move |shutdown| async move {
         let memory_bytes = config.memory_mib << 20;
         let store = match &config.disk_dir {
-            None => Store::new(memory_bytes),
+            None => Store::open(memory_bytes, None, config.ucx),
             Some(dir) => {
                 let (dir, capacity) = (dir.clone(), config.disk_gib << 30);
                 // Rebuilding the index reads every block file's header.
                 let disk = tokio::task::spawn_blocking(move || DiskBlocks::open(&dir, capacity))
                     .await?
                     .with_context(|| format!("cannot open the disk tier in {}", config.disk_dir.as_ref().expect("set").display()))?;
-                Store::with_disk(memory_bytes, disk)
+                Store::open(memory_bytes, Some(disk), config.ucx)
             }
         };
         let events = match &config.cluster.redis {
@@ -74,7 +79,7 @@ pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
             None => StoreEventSink::None,
         };
         let listeners = Listeners::bind(&config.server).await?;
-        tracing::info!(memory_mib = config.memory_mib, disk_dir = ?config.disk_dir, disk_gib = config.disk_gib, store_id = config.store_id, announcing = config.cluster.redis.is_some(), "kv-store listening");
+        tracing::info!(memory_mib = config.memory_mib, disk_dir = ?config.disk_dir, disk_gib = config.disk_gib, store_id = config.store_id, announcing = config.cluster.redis.is_some(), ucx = store.data_path().is_some(), "kv-store listening");
         serve(config, store, events, listeners, shutdown).await
     })
 }

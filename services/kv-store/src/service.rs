@@ -1,6 +1,7 @@
 //! The gRPC shell over a [`Store`]: `turbine.kvstore.v1.KvStore`.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -8,6 +9,7 @@ use turbine_engine::HostBlock;
 use turbine_kv::{LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
+use crate::lease::DataPath;
 use crate::store::{Fingerprint, MemoryBlock, Store, StoreError, StoreStats, TierUsage};
 
 /// The service.
@@ -16,13 +18,21 @@ pub struct KvStoreService {
     store: Store,
     max_blocks_per_call: usize,
     announced_as: Option<String>,
+    data_path: Option<Arc<DataPath>>,
 }
 
 impl KvStoreService {
     /// Serves `store`; a Get or Lookup may name at most
     /// `max_blocks_per_call` blocks.
     pub fn new(store: Store, max_blocks_per_call: usize) -> Self {
-        Self { store, max_blocks_per_call, announced_as: None }
+        Self { store, max_blocks_per_call, announced_as: None, data_path: None }
+    }
+
+    /// Serves Lease and Release: remote readers copy blocks out of the
+    /// store's arena over UCX.
+    pub fn with_data_path(mut self, data_path: Arc<DataPath>) -> Self {
+        self.data_path = Some(data_path);
+        self
     }
 
     /// Says in Stats that the store's blocks are announced as store
@@ -71,6 +81,17 @@ pub(crate) fn to_pb(sequence: SequenceHash, block: &HostBlock) -> pb::Block {
 /// A held block for the wire (its bytes copied off the arena).
 fn held_to_pb(sequence: SequenceHash, block: &MemoryBlock) -> pb::Block {
     pb::Block { sequence_hash: sequence.0, local_hash: block.local.0, parent_hash: block.parent.map(|p| p.0), checksum: block.checksum, data: block.slots.to_vec() }
+}
+
+fn region_to_pb(region: &turbine_engine::UcxRegion) -> pb::UcxRegion {
+    let turbine_engine::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
+    pb::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
+}
+
+/// A region off the wire.
+pub(crate) fn region_from_pb(region: pb::UcxRegion) -> turbine_engine::UcxRegion {
+    let pb::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
+    turbine_engine::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
 }
 
 fn status(error: StoreError) -> Status {
@@ -169,6 +190,49 @@ impl KvStore for KvStoreService {
             messages.push(pb::DumpResponse { instance, next_event_id, ..Default::default() });
         }
         Ok(Response::new(Box::pin(tokio_stream::iter(messages.into_iter().map(Ok)))))
+    }
+
+    async fn lease(&self, request: Request<pb::LeaseRequest>) -> Result<Response<pb::LeaseResponse>, Status> {
+        let Some(data_path) = self.data_path.clone() else {
+            return Err(Status::failed_precondition("this kv-store has no UCX data path; read with Get"));
+        };
+        let pb::LeaseRequest { fingerprint: value, sequence_hashes } = request.into_inner();
+        let fingerprint = fingerprint(value)?;
+        let hashes = self.hashes(sequence_hashes)?;
+        let store = self.store.clone();
+        let run = tokio::task::spawn_blocking(move || store.get(fingerprint, &hashes))
+            .await
+            .map_err(|_| Status::internal("the store failed while reading blocks"))?;
+        let blocks: Vec<pb::LeasedBlock> = run
+            .iter()
+            .map(|(sequence, block)| pb::LeasedBlock {
+                sequence_hash: sequence.0,
+                local_hash: block.local.0,
+                parent_hash: block.parent.map(|p| p.0),
+                checksum: block.checksum,
+                length: block.slots.len() as u64,
+                segments: block.slots.segments().to_vec(),
+            })
+            .collect();
+        let lease_id = if run.is_empty() {
+            0
+        } else {
+            data_path.grant(run.into_iter().map(|(_, block)| block).collect()).map_err(|error| Status::resource_exhausted(error.to_string()))?
+        };
+        Ok(Response::new(pb::LeaseResponse {
+            lease_id,
+            expires_in_ms: data_path.ttl().as_millis() as u64,
+            segment_bytes: self.store.arena().segment().unwrap_or_default() as u64,
+            region: Some(region_to_pb(data_path.region())),
+            blocks,
+        }))
+    }
+
+    async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+        if let Some(data_path) = &self.data_path {
+            data_path.release(request.into_inner().lease_id);
+        }
+        Ok(Response::new(pb::ReleaseResponse {}))
     }
 
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {

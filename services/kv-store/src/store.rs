@@ -13,6 +13,7 @@ use turbine_kv::SequenceHash;
 
 use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
+use crate::lease::DataPath;
 use crate::events::Announcer;
 
 /// Model and KV layout of a block's bytes (nonzero): blocks of different
@@ -169,6 +170,7 @@ pub struct Store {
     capacity_bytes: u64,
     disk: Option<DiskBlocks>,
     announcer: Announcer,
+    data_path: Option<Arc<DataPath>>,
 }
 
 impl std::fmt::Debug for Store {
@@ -189,6 +191,23 @@ impl Store {
     /// is kept in memory again.
     pub fn with_disk(capacity_bytes: u64, disk: DiskBlocks) -> Self {
         Self::in_arena(capacity_bytes, Arena::on_heap(arena_bytes(capacity_bytes)), Some(disk))
+    }
+
+    /// A store as the service runs it: at most `capacity_bytes` in memory,
+    /// over `disk` if given, its memory served over UCX too when `ucx` is
+    /// set and this build and machine have UCX.
+    pub fn open(capacity_bytes: u64, disk: Option<DiskBlocks>, ucx: bool) -> Self {
+        let bytes = arena_bytes(capacity_bytes);
+        if !ucx {
+            return Self::in_arena(capacity_bytes, Arena::on_heap(bytes), disk);
+        }
+        let (arena, data_path) = crate::lease::arena_with_data_path(bytes);
+        Self { data_path, ..Self::in_arena(capacity_bytes, arena, disk) }
+    }
+
+    /// The UCX data path serving the memory tier, if any.
+    pub fn data_path(&self) -> Option<&Arc<DataPath>> {
+        self.data_path.as_ref()
     }
 
     /// A store holding at most `capacity_bytes` in memory, in `arena`
@@ -225,7 +244,7 @@ impl Store {
                 })
                 .build()
         };
-        Self { blocks, arena, layouts, counters, capacity_bytes, disk, announcer }
+        Self { blocks, arena, layouts, counters, capacity_bytes, disk, announcer, data_path: None }
     }
 
     /// The memory tier's arena.

@@ -1,7 +1,9 @@
 //! [`KvStoreTier`]: the kv-store as an engine's shared tier (G4), the
 //! [`RemoteStore`] a worker gives its engine: blocks the host tier stores
 //! are put to the store by a task of their own, and a waiting request's
-//! prefix is fetched from it on the engine's reader thread.
+//! prefix is fetched from it on the engine's reader thread: over UCX when
+//! this build and the store have it (the blocks are leased and copied out
+//! of the store's memory), else, or when that fails, over the gRPC stream.
 //!
 //! Nothing here can fail a request: a put that fails is logged and counted
 //! (the block is simply not shared); a get that fails, times out or returns
@@ -35,6 +37,12 @@ pub struct KvStoreTier {
     get_timeout: Duration,
     failed_puts: Arc<AtomicU64>,
     get_failed: AtomicBool,
+    /// Reads over UCX, started at the first get; None inside: UCX cannot
+    /// start, or the store has no UCX data path.
+    #[cfg(feature = "ucx")]
+    ucx: std::sync::OnceLock<Option<crate::UcxReader>>,
+    #[cfg(feature = "ucx")]
+    no_data_path: AtomicBool,
 }
 
 impl KvStoreTier {
@@ -60,7 +68,49 @@ impl KvStoreTier {
                 }
             });
         }
-        Self { client, fingerprint, runtime: tokio::runtime::Handle::current(), puts, known, get_timeout, failed_puts, get_failed: AtomicBool::new(false) }
+        Self {
+            client,
+            fingerprint,
+            runtime: tokio::runtime::Handle::current(),
+            puts,
+            known,
+            get_timeout,
+            failed_puts,
+            get_failed: AtomicBool::new(false),
+            #[cfg(feature = "ucx")]
+            ucx: std::sync::OnceLock::new(),
+            #[cfg(feature = "ucx")]
+            no_data_path: AtomicBool::new(false),
+        }
+    }
+
+    /// The run read over UCX; None when this reader or the store has no
+    /// UCX data path, or the read failed (the caller uses the gRPC stream).
+    #[cfg(feature = "ucx")]
+    async fn get_over_ucx(&self, sequence: &[SequenceHash]) -> Option<Vec<(SequenceHash, HostBlock)>> {
+        if self.no_data_path.load(Relaxed) {
+            return None;
+        }
+        let reader = self
+            .ucx
+            .get_or_init(|| {
+                crate::UcxReader::start()
+                    .inspect_err(|error| tracing::warn!(%error, "cannot start UCX; KV blocks come from the kv-store over gRPC"))
+                    .ok()
+            })
+            .as_ref()?;
+        match reader.get(&self.client, self.fingerprint, sequence, self.get_timeout).await {
+            Ok(run) => Some(run),
+            Err(crate::KvStoreClientError::Rpc(status)) if status.code() == tonic::Code::FailedPrecondition => {
+                tracing::info!("the kv-store has no UCX data path; KV blocks come from it over gRPC");
+                self.no_data_path.store(true, Relaxed);
+                None
+            }
+            Err(error) => {
+                tracing::debug!(%error, "a UCX read from the kv-store failed; reading over gRPC");
+                None
+            }
+        }
     }
 }
 
@@ -84,7 +134,13 @@ impl RemoteStore for KvStoreTier {
     fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String> {
         let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
         // The timer is made inside the runtime: this is the engine's reader thread.
-        let answer = self.runtime.block_on(async { tokio::time::timeout(self.get_timeout, self.client.get(self.fingerprint, &sequence)).await });
+        let answer = self.runtime.block_on(async {
+            #[cfg(feature = "ucx")]
+            if let Ok(Some(run)) = tokio::time::timeout(self.get_timeout, self.get_over_ucx(&sequence)).await {
+                return Ok(Ok(run));
+            }
+            tokio::time::timeout(self.get_timeout, self.client.get(self.fingerprint, &sequence)).await
+        });
         let run = match answer {
             Ok(Ok(run)) => run,
             failed => {

@@ -213,10 +213,50 @@ fn every_rpc_says_who_may_call_it() {
         .flat_map(|file| file.service.iter().map(move |service| (file.package(), service)))
         .flat_map(|(package, service)| service.method.iter().map(move |method| format!("/{package}.{}/{}", service.name(), method.name())))
         .collect();
-    assert_eq!(methods.len(), 6);
+    assert_eq!(methods.len(), 8);
     for method in &methods {
         let entry = turbine_kv_store::ROLES.iter().find(|rpc| rpc.method == method).unwrap_or_else(|| panic!("{method} has no role entry"));
         assert!(!entry.roles.is_empty(), "{method}");
     }
     assert_eq!(turbine_kv_store::ROLES.len(), methods.len());
+}
+
+/// The UCX data path: a reader leases blocks, copies them out of the
+/// store's memory and gets the bytes put; a leased block stays readable
+/// while a write storm evicts it; a store told not to serve UCX says so.
+#[cfg(feature = "ucx")]
+#[tokio::test]
+async fn leased_blocks_are_read_over_ucx_even_while_evicted() {
+    use std::time::Duration;
+    use turbine_kv_store::UcxReader;
+
+    let (_process, client) = start(16).await;
+    let blocks: Vec<_> = (0..100).map(block).collect();
+    client.put(fp(7), &blocks).await.unwrap();
+    let hashes: Vec<SequenceHash> = (0..120).map(|n| SequenceHash(0xa000 + n)).collect();
+    let reader = UcxReader::start().unwrap();
+    let run = reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(run.len(), 100, "the leading blocks held");
+    for ((sequence, got), (want_sequence, want)) in run.iter().zip(&blocks) {
+        assert_eq!((sequence, &got.bytes, got.local, got.parent), (want_sequence, &want.bytes, want.local, want.parent));
+    }
+    assert_eq!(client.lease(fp(8), &hashes).await.unwrap().blocks.len(), 0, "another fingerprint's blocks never mix");
+
+    // Leased, then evicted by 400 newer blocks (25 MiB into 16): still there to read.
+    let lease = client.lease(fp(7), &hashes[..50]).await.unwrap();
+    assert_eq!(lease.blocks.len(), 50);
+    let storm: Vec<_> = (1000..1400).map(block).collect();
+    for chunk in storm.chunks(50) {
+        client.put(fp(7), chunk).await.unwrap();
+    }
+    assert_eq!(client.lookup(fp(7), &hashes[..50]).await.unwrap().1, 0, "the leased blocks were evicted");
+    let bytes = reader.read(&lease, Vec::new(), Duration::from_secs(10)).await.unwrap();
+    let read = lease.blocks_from(&bytes);
+    assert_eq!(read.len(), 50, "every leased block is intact");
+    assert!(read.iter().zip(&blocks).all(|((_, got), (_, want))| got.bytes == want.bytes));
+    client.release(lease.id).await.unwrap();
+    client.release(lease.id).await.expect("releasing twice is not an error");
+
+    let (_plain, plain) = start_with(16, &["--ucx", "false"]).await;
+    assert_eq!(code(plain.lease(fp(7), &hashes).await.unwrap_err()), Code::FailedPrecondition);
 }

@@ -1,0 +1,286 @@
+//! The UCX data path's server side: leases that keep blocks' segments in
+//! place while a remote reader copies them out of the registered arena.
+//!
+//! A leased block is held by its [`MemoryBlock`] handle, so its segments
+//! cannot be reused (nor the block evicted from under the reader) until
+//! the lease is released or expires; the number of blocks leased at once
+//! is bounded, so readers cannot pin the whole tier.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use turbine_engine::UcxRegion;
+
+use crate::store::MemoryBlock;
+
+/// How long a lease lasts unless released.
+pub const LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// Blocks leased at once at most (four calls of the most blocks a call
+/// may name, by default).
+pub const MAX_LEASED_BLOCKS: usize = 32_768;
+
+/// An arena of `bytes` and, when this build has UCX, the data path that
+/// serves it (None when UCX cannot start: readers use Get). The arena
+/// comes from UCX's shared-memory allocator when it can, so readers on the
+/// same machine map it and copy blocks with no help from the store.
+pub fn arena_with_data_path(bytes: usize) -> (Arc<crate::Arena>, Option<Arc<DataPath>>) {
+    #[cfg(feature = "ucx")]
+    {
+        let pool = turbine_ucx_agent::ShmPool::open();
+        let buffer = match &pool {
+            Some(pool) => pool.allocator().allocate(bytes),
+            None => turbine_engine::KvBuffer::zeroed(bytes),
+        };
+        let arena = crate::Arena::new(buffer);
+        match turbine_ucx_agent::UcxAgent::start(Some(&arena.memory()), pool) {
+            Ok(agent) => match agent.region().cloned() {
+                Some(region) => {
+                    let path = DataPath::new(region, Box::new(agent), MAX_LEASED_BLOCKS, LEASE_TTL);
+                    return (arena, Some(Arc::new(path)));
+                }
+                None => tracing::warn!("UCX registered no region for the store's memory; readers use Get"),
+            },
+            Err(error) => tracing::warn!(%error, "cannot start UCX; readers use Get"),
+        }
+        (arena, None)
+    }
+    #[cfg(not(feature = "ucx"))]
+    (crate::Arena::on_heap(bytes), None)
+}
+
+struct Granted {
+    expires: Instant,
+    blocks: Vec<Arc<MemoryBlock>>,
+}
+
+#[derive(Default)]
+struct Leases {
+    by_id: FxHashMap<u64, Granted>,
+    blocks: usize,
+}
+
+/// Too many blocks are leased.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{leased} blocks are leased, at most {limit} at once; read with Get or retry later")]
+pub struct TooManyLeased {
+    /// Blocks leased now.
+    pub leased: usize,
+    /// The bound.
+    pub limit: usize,
+}
+
+/// The store's UCX data path: where its arena lies for UCX readers, and
+/// the leases outstanding.
+pub struct DataPath {
+    region: UcxRegion,
+    leases: Mutex<Leases>,
+    max_leased_blocks: usize,
+    ttl: Duration,
+    /// What keeps the region registered (the UCX thread).
+    _registration: Box<dyn Send + Sync>,
+}
+
+impl std::fmt::Debug for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let leases = self.leases.lock();
+        f.debug_struct("DataPath").field("leases", &leases.by_id.len()).field("leased_blocks", &leases.blocks).finish()
+    }
+}
+
+impl DataPath {
+    /// The arena registered as `region`, kept so by `registration`; at most
+    /// `max_leased_blocks` leased at once, each lease for `ttl`.
+    pub fn new(region: UcxRegion, registration: Box<dyn Send + Sync>, max_leased_blocks: usize, ttl: Duration) -> Self {
+        Self { region, leases: Mutex::default(), max_leased_blocks, ttl, _registration: registration }
+    }
+
+    /// Where the arena lies for readers.
+    pub fn region(&self) -> &UcxRegion {
+        &self.region
+    }
+
+    /// How long a lease lasts.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Leases `blocks`; returns the lease's id.
+    pub fn grant(&self, blocks: Vec<Arc<MemoryBlock>>) -> Result<u64, TooManyLeased> {
+        let now = Instant::now();
+        let mut leases = self.leases.lock();
+        // Expired leases go first, so what they held counts as free.
+        let expired: Vec<u64> = leases.by_id.iter().filter(|(_, lease)| lease.expires <= now).map(|(&id, _)| id).collect();
+        for id in expired {
+            if let Some(lease) = leases.by_id.remove(&id) {
+                leases.blocks -= lease.blocks.len();
+            }
+        }
+        if leases.blocks + blocks.len() > self.max_leased_blocks {
+            return Err(TooManyLeased { leased: leases.blocks, limit: self.max_leased_blocks });
+        }
+        let id = loop {
+            let id = uuid::Uuid::new_v4().as_u64_pair().0;
+            if id != 0 && !leases.by_id.contains_key(&id) {
+                break id;
+            }
+        };
+        leases.blocks += blocks.len();
+        leases.by_id.insert(id, Granted { expires: now + self.ttl, blocks });
+        Ok(id)
+    }
+
+    /// Lets go of a lease; whether it was outstanding.
+    pub fn release(&self, id: u64) -> bool {
+        let lease = {
+            let mut leases = self.leases.lock();
+            let lease = leases.by_id.remove(&id);
+            if let Some(lease) = &lease {
+                leases.blocks -= lease.blocks.len();
+            }
+            lease
+        };
+        // The blocks' segments went back to the arena outside the lock.
+        lease.is_some()
+    }
+
+    /// Blocks leased now.
+    pub fn leased_blocks(&self) -> usize {
+        self.leases.lock().blocks
+    }
+}
+
+/// A lease as a reader holds it: where the blocks' segments lie.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// Names it for Release (0: nothing was leased).
+    pub id: u64,
+    /// The store's memory tier.
+    pub region: UcxRegion,
+    /// Bytes per segment.
+    pub segment_bytes: usize,
+    /// The leading blocks held, in order.
+    pub blocks: Vec<LeasedBlock>,
+}
+
+/// One leased block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeasedBlock {
+    /// The prefix it ends.
+    pub sequence: turbine_kv::SequenceHash,
+    /// Hash of its own tokens.
+    pub local: turbine_kv::LocalBlockHash,
+    /// The block before it.
+    pub parent: Option<turbine_kv::SequenceHash>,
+    /// XXH3-64 of its bytes.
+    pub checksum: u64,
+    /// Its length in bytes.
+    pub length: usize,
+    /// Its segments, in order.
+    pub segments: Vec<u32>,
+}
+
+impl Lease {
+    /// Every segment's offset from the region's base, block by block; an
+    /// error when the store's answer is inconsistent (a block whose
+    /// segments cannot hold it, a segment outside the region).
+    pub fn segment_offsets(&self) -> Result<Vec<u64>, String> {
+        let segment = self.segment_bytes as u64;
+        if segment == 0 && !self.blocks.is_empty() {
+            return Err("the lease has no segment size".into());
+        }
+        let mut offsets = Vec::with_capacity(self.blocks.iter().map(|block| block.segments.len()).sum());
+        for block in &self.blocks {
+            if block.segments.len() as u64 != (block.length as u64).div_ceil(segment).max(1) {
+                return Err(format!("block {:016x}: {} segments for {} bytes", block.sequence.0, block.segments.len(), block.length));
+            }
+            for &index in &block.segments {
+                let offset = u64::from(index) * segment;
+                if offset + segment > self.region.length {
+                    return Err(format!("block {:016x}: segment {index} lies outside the region", block.sequence.0));
+                }
+                offsets.push(offset);
+            }
+        }
+        Ok(offsets)
+    }
+
+    /// The blocks out of `pulled` (every segment, `segment_bytes` each, in
+    /// [`segment_offsets`](Self::segment_offsets)' order), each checked
+    /// against its checksum: the run ends before the first that fails.
+    pub fn blocks_from(&self, pulled: &[u8]) -> Vec<(turbine_kv::SequenceHash, turbine_engine::HostBlock)> {
+        let mut run = Vec::with_capacity(self.blocks.len());
+        let mut at = 0;
+        for block in &self.blocks {
+            let span = block.segments.len() * self.segment_bytes;
+            let Some(bytes) = pulled.get(at..at + block.length) else { break };
+            at += span;
+            if turbine_engine::block_checksum(bytes) != block.checksum {
+                tracing::warn!(sequence_hash = block.sequence.0, "a block read from the kv-store over UCX fails its checksum; not used");
+                break;
+            }
+            run.push((
+                block.sequence,
+                turbine_engine::HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into() },
+            ));
+        }
+        run
+    }
+}
+
+/// A reader's side of the UCX data path: its own UCX thread, which reads
+/// leased segments out of the store's memory (copies them from the mapped
+/// region on the same machine, one-sided gets from another).
+#[cfg(feature = "ucx")]
+#[derive(Debug)]
+pub struct UcxReader {
+    agent: turbine_ucx_agent::UcxAgent,
+}
+
+#[cfg(feature = "ucx")]
+impl UcxReader {
+    /// Starts the reader's UCX thread.
+    pub fn start() -> Result<Self, String> {
+        Ok(Self { agent: turbine_ucx_agent::UcxAgent::start(None, None)? })
+    }
+
+    /// Every segment of `lease`, `segment_bytes` each, in order, into
+    /// `into` (resized; pass a used buffer back to skip faulting in fresh
+    /// pages), giving up after `timeout`.
+    pub async fn read(&self, lease: &Lease, into: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, String> {
+        let offsets = lease.segment_offsets()?;
+        if offsets.is_empty() {
+            return Ok(into);
+        }
+        Ok(self.agent.pull(&lease.region, &offsets, lease.segment_bytes, into, timeout).await?.bytes)
+    }
+
+    /// The leading blocks of `hashes` the store behind `client` holds, read
+    /// over UCX and each checked: lease, read, release (in the background).
+    pub async fn get(
+        &self,
+        client: &crate::KvStoreClient,
+        fingerprint: crate::Fingerprint,
+        hashes: &[turbine_kv::SequenceHash],
+        timeout: Duration,
+    ) -> Result<Vec<(turbine_kv::SequenceHash, turbine_engine::HostBlock)>, crate::KvStoreClientError> {
+        let lease = client.lease(fingerprint, hashes).await?;
+        if lease.id == 0 {
+            return Ok(Vec::new());
+        }
+        let read = self.read(&lease, Vec::new(), timeout).await;
+        let releasing = client.clone();
+        tokio::spawn(async move {
+            // An unreleased lease expires on its own.
+            let _ = releasing.release(lease.id).await;
+        });
+        let bytes = read.map_err(|error| tonic::Status::unavailable(format!("UCX read of leased blocks failed: {error}")))?;
+        let mut run = lease.blocks_from(&bytes);
+        // The store's run follows the asked order; anything else is not used.
+        let in_order = run.iter().zip(hashes).take_while(|((sequence, _), want)| sequence == *want).count();
+        run.truncate(in_order);
+        Ok(run)
+    }
+}
