@@ -7,12 +7,15 @@
 //! - [`indexer`]: the KV index under a trace's events and lookups.
 //! - [`transfer`]: KV block transfer over UCX and TCP against
 //!   `ucx_perftest`.
+//! - [`kv_store`]: the kv-store's Put and Get over gRPC and UCX against
+//!   `ucx_perftest`, and its memory under a write storm.
 //! - [`tiers`]: time to first token with a prompt's KV onboarded from
 //!   host memory or disk, against computing it.
 
 pub mod engine;
 pub mod gateway;
 pub mod indexer;
+pub mod kv_store;
 pub mod replay;
 pub mod tiers;
 pub mod transfer;
@@ -35,6 +38,9 @@ pub enum BenchCommand {
     /// KV block transfer between two processes over UCX and TCP, side by
     /// side with ucx_perftest.
     Transfer(transfer::TransferBenchArgs),
+    /// The kv-store's Put and Get bandwidth over gRPC and UCX, side by
+    /// side with ucx_perftest, and its memory under a write storm.
+    KvStore(kv_store::KvStoreBenchArgs),
     /// Time to first token of long prompts onboarded from the host and
     /// disk KV tiers, against computing them.
     Tiers(tiers::TiersBenchArgs),
@@ -82,6 +88,11 @@ pub fn main(command: BenchCommand) -> ExitCode {
             BenchCommand::Transfer(args) => {
                 let report = transfer::run(&args).await?;
                 transfer::print(&report);
+                write_json(args.json.as_deref(), &report)
+            }
+            BenchCommand::KvStore(args) => {
+                let report = kv_store::run(&args).await?;
+                kv_store::print(&report);
                 write_json(args.json.as_deref(), &report)
             }
             BenchCommand::Engine(_) | BenchCommand::Indexer(_) | BenchCommand::Tiers(_) => unreachable!("handled above"),

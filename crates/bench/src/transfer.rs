@@ -289,7 +289,7 @@ fn verify(handle: &KvHandle, bytes: &[u8], block_bytes: usize) -> anyhow::Result
 
 /// `ucx_perftest -t ucp_get` bandwidth (bytes/s) for one message size over
 /// loopback, server and client under the same `UCX_TLS`.
-async fn perftest(message_bytes: usize, iterations: usize, ucx_tls: &str) -> anyhow::Result<f64> {
+pub(crate) async fn perftest(message_bytes: usize, iterations: usize, ucx_tls: &str) -> anyhow::Result<f64> {
     // ucx_perftest binds its own port: one that was free a moment ago.
     let port = turbine_harness::free_port().to_string();
     let command = |extra: &[&str]| {
@@ -329,7 +329,7 @@ async fn perftest(message_bytes: usize, iterations: usize, ucx_tls: &str) -> any
     Ok(mb_per_sec * (1u64 << 20) as f64)
 }
 
-fn median(values: &[f64]) -> f64 {
+pub(crate) fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     sorted[sorted.len() / 2]

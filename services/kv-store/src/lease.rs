@@ -237,13 +237,16 @@ impl Lease {
 #[derive(Debug)]
 pub struct UcxReader {
     agent: turbine_ucx_agent::UcxAgent,
+    /// The last read's buffer, reused so that its pages are not faulted in
+    /// again (one reader reads at a time: a worker's reader thread).
+    spare: Mutex<Vec<u8>>,
 }
 
 #[cfg(feature = "ucx")]
 impl UcxReader {
     /// Starts the reader's UCX thread.
     pub fn start() -> Result<Self, String> {
-        Ok(Self { agent: turbine_ucx_agent::UcxAgent::start(None, None)? })
+        Ok(Self { agent: turbine_ucx_agent::UcxAgent::start(None, None)?, spare: Mutex::default() })
     }
 
     /// Every segment of `lease`, `segment_bytes` each, in order, into
@@ -270,7 +273,8 @@ impl UcxReader {
         if lease.id == 0 {
             return Ok(Vec::new());
         }
-        let read = self.read(&lease, Vec::new(), timeout).await;
+        let spare = std::mem::take(&mut *self.spare.lock());
+        let read = self.read(&lease, spare, timeout).await;
         let releasing = client.clone();
         tokio::spawn(async move {
             // An unreleased lease expires on its own.
@@ -278,6 +282,12 @@ impl UcxReader {
         });
         let bytes = read.map_err(|error| tonic::Status::unavailable(format!("UCX read of leased blocks failed: {error}")))?;
         let mut run = lease.blocks_from(&bytes);
+        *self.spare.lock() = bytes;
+        if run.len() < lease.blocks.len() {
+            // The store leases blocks unchecked: read them with Get, which
+            // checks them in the store and drops the one that failed.
+            return Err(tonic::Status::data_loss("a block read over UCX failed its checksum").into());
+        }
         // The store's run follows the asked order; anything else is not used.
         let in_order = run.iter().zip(hashes).take_while(|((sequence, _), want)| sequence == *want).count();
         run.truncate(in_order);

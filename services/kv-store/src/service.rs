@@ -200,7 +200,7 @@ impl KvStore for KvStoreService {
         let fingerprint = fingerprint(value)?;
         let hashes = self.hashes(sequence_hashes)?;
         let store = self.store.clone();
-        let run = tokio::task::spawn_blocking(move || store.get(fingerprint, &hashes))
+        let run = tokio::task::spawn_blocking(move || store.get_unchecked(fingerprint, &hashes))
             .await
             .map_err(|_| Status::internal("the store failed while reading blocks"))?;
         let blocks: Vec<pb::LeasedBlock> = run

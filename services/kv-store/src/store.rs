@@ -352,6 +352,17 @@ impl Store {
     /// The leading blocks of `hashes` the store holds, each checked; a
     /// corrupt one is dropped and ends the run.
     pub fn get(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Vec<(SequenceHash, Arc<MemoryBlock>)> {
+        self.run(fingerprint, hashes, true)
+    }
+
+    /// The leading blocks of `hashes` the store holds, unchecked: for a
+    /// remote reader that checks every block itself (a block that fails
+    /// there is read again with [`get`](Self::get), which drops it).
+    pub fn get_unchecked(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Vec<(SequenceHash, Arc<MemoryBlock>)> {
+        self.run(fingerprint, hashes, false)
+    }
+
+    fn run(&self, fingerprint: Fingerprint, hashes: &[SequenceHash], check: bool) -> Vec<(SequenceHash, Arc<MemoryBlock>)> {
         let mut run = Vec::new();
         for &sequence in hashes {
             let key = BlockKey { fingerprint, sequence };
@@ -359,7 +370,7 @@ impl Store {
                 self.counters.misses.fetch_add(1, Relaxed);
                 break;
             };
-            if !block.is_intact() {
+            if check && !block.is_intact() {
                 self.counters.corrupt_blocks.fetch_add(1, Relaxed);
                 tracing::warn!(sequence_hash = sequence.0, fingerprint = fingerprint.0, "a stored KV block failed its checksum; dropped");
                 self.blocks.invalidate(&key);
