@@ -260,3 +260,36 @@ async fn leased_blocks_are_read_over_ucx_even_while_evicted() {
     let (_plain, plain) = start_with(16, &["--ucx", "false"]).await;
     assert_eq!(code(plain.lease(fp(7), &hashes).await.unwrap_err()), Code::FailedPrecondition);
 }
+
+/// A block corrupted in the store's memory: the UCX reader's check catches
+/// it and says so, and the Get it falls back to drops it in the store.
+#[cfg(feature = "ucx")]
+#[tokio::test]
+async fn a_corrupt_leased_block_is_caught_by_the_reader_and_dropped_by_get() {
+    use std::time::Duration;
+    use turbine_kv_store::{BlockKey, KvStoreConfig, Store, StoreEventSink, UcxReader};
+
+    let store = Store::open(64 << 20, None, true);
+    assert!(store.data_path().is_some(), "this build and machine serve UCX");
+    let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
+    let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
+    let shutdown = turbine_runtime::CancellationToken::new();
+    let serving = tokio::spawn(turbine_kv_store::serve(KvStoreConfig::default(), store.clone(), StoreEventSink::None, listeners, shutdown.clone()));
+    let client = KvStoreClient::connect(&endpoint).unwrap();
+    let blocks: Vec<_> = (0..8).map(block).collect();
+    let hashes: Vec<SequenceHash> = blocks.iter().map(|(hash, _)| *hash).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while client.put(fp(7), &blocks).await.is_err() {
+        assert!(std::time::Instant::now() < deadline, "the store never served");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(store.corrupt_for_test(BlockKey { fingerprint: fp(7), sequence: hashes[5] }));
+
+    let reader = UcxReader::start().unwrap();
+    assert_eq!(code(reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap_err()), Code::DataLoss);
+    assert_eq!(client.get(fp(7), &hashes).await.unwrap().len(), 5, "Get stops before the corrupt block");
+    assert_eq!(client.lookup(fp(7), &hashes).await.unwrap().1, 5, "and the store dropped it");
+    assert_eq!(reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap().len(), 5, "the sound prefix reads over UCX again");
+    shutdown.cancel();
+    serving.await.unwrap().unwrap();
+}
