@@ -114,7 +114,12 @@ impl Arena {
         let segments: Box<[u32]> = {
             let mut free = cut.free.lock();
             let from = free.len().checked_sub(needed)?;
-            free.split_off(from).into_boxed_slice()
+            let mut taken = free.split_off(from);
+            // The stack keeps runs descending (see Drop): taken in
+            // ascending order, a block on an unfragmented stretch is one
+            // contiguous span, which readers copy in one piece.
+            taken.reverse();
+            taken.into_boxed_slice()
         };
         for (chunk, &segment) in bytes.chunks(cut.segment).zip(segments.iter()) {
             // SAFETY: the segment lies in the buffer (the cut's count) and
@@ -202,7 +207,9 @@ impl Slots {
 impl Drop for Slots {
     fn drop(&mut self) {
         if let Some(cut) = self.arena.cut.get() {
-            cut.free.lock().extend_from_slice(&self.segments);
+            // Pushed back descending, so the next block of this size takes
+            // them as the same ascending run.
+            cut.free.lock().extend(self.segments.iter().rev());
         }
     }
 }
@@ -229,6 +236,7 @@ mod tests {
         let first = arena.store(&block(0, 1000)).unwrap();
         let a = arena.store(&block(1, 3000)).unwrap();
         assert_eq!((arena.segment(), first.segments().len(), a.segments().len(), a.footprint()), (Some(1000), 1, 3, 3000));
+        assert_eq!(a.segments(), [1, 2, 3], "a fresh arena hands out ascending runs");
         drop(first);
         let b = arena.store(&block(2, 2500)).unwrap();
         assert_eq!(b.segments().len(), 3, "a second layout's block rounds up to whole segments");
@@ -239,6 +247,9 @@ mod tests {
         assert!(arena.store(&block(3, 5000)).is_none(), "five segments do not fit in four");
         drop(a);
         assert_eq!(arena.free_segments(), 7);
+        let again = arena.store(&block(4, 3000)).unwrap();
+        assert_eq!(again.segments(), [1, 2, 3], "a freed run is taken again as the same run");
+        drop(again);
         let c = arena.store(&block(3, 5000)).unwrap();
         assert_eq!(c.to_vec(), block(3, 5000), "reused segments hold the new block");
         assert_eq!(b.to_vec(), block(2, 2500), "and nothing else changed");

@@ -207,6 +207,24 @@ impl Lease {
         Ok(offsets)
     }
 
+    /// What to read: an offset per piece and the piece's length. Blocks
+    /// whose segments all form one ascending run of the same length are
+    /// read as one piece each; otherwise every segment is a piece. Either
+    /// way the pieces land back to back as [`blocks_from`](Self::blocks_from)
+    /// expects.
+    pub fn pieces(&self) -> Result<(Vec<u64>, usize), String> {
+        let offsets = self.segment_offsets()?;
+        let Some(first) = self.blocks.first() else { return Ok((offsets, self.segment_bytes)) };
+        let per_block = first.segments.len();
+        let whole = self.blocks.iter().all(|block| {
+            block.segments.len() == per_block && block.segments.windows(2).all(|pair| pair[1] == pair[0].wrapping_add(1))
+        });
+        if !whole || per_block == 1 {
+            return Ok((offsets, self.segment_bytes));
+        }
+        Ok((offsets.into_iter().step_by(per_block).collect(), per_block * self.segment_bytes))
+    }
+
     /// The blocks out of `pulled` (every segment, `segment_bytes` each, in
     /// [`segment_offsets`](Self::segment_offsets)' order), each checked
     /// against its checksum: the run ends before the first that fails.
@@ -249,15 +267,16 @@ impl UcxReader {
         Ok(Self { agent: turbine_ucx_agent::UcxAgent::start(None, None)?, spare: Mutex::default() })
     }
 
-    /// Every segment of `lease`, `segment_bytes` each, in order, into
+    /// Every segment of `lease`, `segment_bytes` each, in order (a block
+    /// whose segments are adjacent in one piece), into
     /// `into` (resized; pass a used buffer back to skip faulting in fresh
     /// pages), giving up after `timeout`.
     pub async fn read(&self, lease: &Lease, into: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, String> {
-        let offsets = lease.segment_offsets()?;
+        let (offsets, piece) = lease.pieces()?;
         if offsets.is_empty() {
             return Ok(into);
         }
-        Ok(self.agent.pull(&lease.region, &offsets, lease.segment_bytes, into, timeout).await?.bytes)
+        Ok(self.agent.pull(&lease.region, &offsets, piece, into, timeout).await?.bytes)
     }
 
     /// The leading blocks of `hashes` the store behind `client` holds, read
@@ -292,5 +311,47 @@ impl UcxReader {
         let in_order = run.iter().zip(hashes).take_while(|((sequence, _), want)| sequence == *want).count();
         run.truncate(in_order);
         Ok(run)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use turbine_kv::{LocalBlockHash, SequenceHash};
+
+    use super::*;
+
+    fn lease(blocks: &[(&[u32], usize)], bytes: &[u8]) -> Lease {
+        let mut at = 0;
+        Lease {
+            id: 1,
+            region: UcxRegion { length: 1 << 20, ..UcxRegion::default() },
+            segment_bytes: 4,
+            blocks: blocks
+                .iter()
+                .enumerate()
+                .map(|(n, &(segments, length))| {
+                    let checksum = turbine_engine::block_checksum(&bytes[at..at + length]);
+                    at += segments.len() * 4;
+                    LeasedBlock { sequence: SequenceHash(n as u64), local: LocalBlockHash(n as u64), parent: None, checksum, length, segments: segments.to_vec() }
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn adjacent_segments_are_read_as_one_piece_and_blocks_are_checked() {
+        let bytes: Vec<u8> = (0..32).collect();
+        let whole = lease(&[(&[4, 5], 8), (&[0, 1], 8)], &bytes);
+        assert_eq!(whole.pieces().unwrap(), (vec![16, 0], 8), "one piece per block");
+        let scattered = lease(&[(&[4, 6], 8), (&[0, 1], 7)], &bytes);
+        assert_eq!(scattered.pieces().unwrap(), (vec![16, 24, 0, 4], 4), "a gap: every segment is a piece");
+        assert_eq!(scattered.blocks_from(&bytes[..16]).len(), 2, "the last block's tail segment is partly used");
+        let mut bad = bytes.clone();
+        bad[9] ^= 1;
+        assert_eq!(whole.blocks_from(&bad).len(), 1, "the run ends before the block that fails its checksum");
+        let lying = lease(&[(&[4, 5], 12)], &bytes);
+        assert!(lying.segment_offsets().is_err(), "two segments cannot hold 12 bytes");
+        let outside = Lease { region: UcxRegion { length: 16, ..UcxRegion::default() }, ..whole };
+        assert!(outside.segment_offsets().is_err(), "segment 5 lies outside a 16-byte region");
     }
 }
