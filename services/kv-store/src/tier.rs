@@ -84,6 +84,14 @@ impl KvStoreTier {
         }
     }
 
+    /// Reads over the gRPC stream only, even where UCX could be used (a
+    /// benchmark's baseline).
+    pub fn without_ucx(self) -> Self {
+        #[cfg(feature = "ucx")]
+        self.no_data_path.store(true, Relaxed);
+        self
+    }
+
     /// The run read over UCX; None when this reader or the store has no
     /// UCX data path, or the read failed (the caller uses the gRPC stream).
     #[cfg(feature = "ucx")]
