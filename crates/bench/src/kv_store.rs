@@ -9,13 +9,16 @@
 //! - Put (gRPC): the batch put as `KvStoreClient::put` streams it (the
 //!   store checks every checksum and copies the blocks into its arena);
 //!   the store's copy is deleted between batches, untimed.
+//! - Put (UCX): the batch staged in this process's registered memory
+//!   (256 MiB at a time) and read by the store (`PutFrom`), which checks
+//!   and stores it as a Put.
 //! - Get (gRPC): the batch read back as the `Get` stream, every block
 //!   checked on arrival, as a worker's tier reads it without UCX.
 //! - Get (UCX): `Lease`, then the leased segments read out of the store's
 //!   registered memory by this process's UCX thread into one reused
 //!   buffer, then `Release`; every block's checksum is checked on the
 //!   first batch (`ucx_perftest` checks nothing). And the same as a
-//!   worker's tier does it (`UcxReader::get`: fresh buffers, every block
+//!   worker's tier does it (`UcxLink::get`: fresh buffers, every block
 //!   checked and copied out into its own allocation).
 //! - Storm: blocks worth `--storm-factor` times the store's capacity are
 //!   put, and the store's resident memory (`VmRSS`, shared memory
@@ -91,6 +94,9 @@ pub struct StormReport {
     pub rss_before_bytes: u64,
     /// Peak resident size over capacity.
     pub peak_over_capacity: f64,
+    /// At the peak: anonymous, file-backed (the binary's pages) and shared
+    /// (the arena, with UCX) resident bytes.
+    pub peak_anon_file_shmem_bytes: [u64; 3],
 }
 
 /// The report.
@@ -134,15 +140,19 @@ fn chain(first: u64, count: usize, block_bytes: usize) -> Vec<(SequenceHash, Arc
         .collect()
 }
 
-/// A process's resident bytes (`VmRSS`: anonymous, file and shared memory).
-fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
+/// A process's resident bytes: `VmRSS` (anonymous, file and shared
+/// memory), then those three parts.
+fn rss_bytes(pid: u32) -> anyhow::Result<[u64; 4]> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| value.split_whitespace().next()?.parse().ok())
-        .context("no VmRSS in /proc/<pid>/status")?;
-    Ok(kib << 10)
+    let field = |name: &str| -> anyhow::Result<u64> {
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|value| value.split_whitespace().next()?.parse().ok())
+            .with_context(|| format!("no {name} in /proc/<pid>/status"))?;
+        Ok(kib << 10)
+    };
+    Ok([field("VmRSS:")?, field("RssAnon:")?, field("RssFile:")?, field("RssShmem:")?])
 }
 
 /// Runs the benchmark.
@@ -192,6 +202,9 @@ pub async fn run(args: &KvStoreBenchArgs) -> anyhow::Result<KvStoreReport> {
         }
     }
     paths.push(("put, gRPC".to_owned(), seconds));
+    if let Some(seconds) = put_ucx(args, &client, fingerprint, &batch).await? {
+        paths.push(("put, UCX (staged, read by the store)".to_owned(), seconds));
+    }
 
     let mut seconds = Vec::new();
     for round in 0..=args.batches {
@@ -230,19 +243,24 @@ pub async fn run(args: &KvStoreBenchArgs) -> anyhow::Result<KvStoreReport> {
     let capacity_bytes = args.memory_mib << 20;
     let rss_before = rss_bytes(pid)?;
     let (mut written, mut peak, mut chain_start) = (0u64, rss_before, 2u64 << 32);
+    let rss_before = rss_before[0];
     while written < args.storm_factor * capacity_bytes {
         let renamed: Vec<(SequenceHash, Arc<HostBlock>)> = batch.iter().enumerate().map(|(n, (_, block))| (SequenceHash(chain_start + n as u64), block.clone())).collect();
         chain_start += args.blocks as u64;
         client.put(fingerprint, &renamed).await?;
         written += batch_bytes as u64;
-        peak = peak.max(rss_bytes(pid)?);
+        let now = rss_bytes(pid)?;
+        if now[0] > peak[0] {
+            peak = now;
+        }
     }
     let storm = StormReport {
         capacity_bytes,
         written_bytes: written,
-        peak_rss_bytes: peak,
+        peak_rss_bytes: peak[0],
         rss_before_bytes: rss_before,
-        peak_over_capacity: peak as f64 / capacity_bytes as f64,
+        peak_over_capacity: peak[0] as f64 / capacity_bytes as f64,
+        peak_anon_file_shmem_bytes: [peak[1], peak[2], peak[3]],
     };
     let _ = store.start_kill();
     let _ = tokio::time::timeout(Duration::from_secs(5), store.wait()).await;
@@ -258,6 +276,30 @@ pub async fn run(args: &KvStoreBenchArgs) -> anyhow::Result<KvStoreReport> {
     })
 }
 
+/// Put over UCX (batch seconds): the batch staged in this process's
+/// registered memory as much at a time as it holds, read by the store.
+#[cfg(feature = "ucx")]
+async fn put_ucx(args: &KvStoreBenchArgs, client: &KvStoreClient, fingerprint: Fingerprint, batch: &[(SequenceHash, Arc<HostBlock>)]) -> anyhow::Result<Option<Vec<f64>>> {
+    let link = turbine_kv_store::UcxLink::with_staging(turbine_kv_store::service::MAX_PUT_FROM_BYTES as usize).map_err(anyhow::Error::msg)?;
+    let mut seconds = Vec::new();
+    for round in 0..=args.batches {
+        client.delete(fingerprint, &[]).await?;
+        let started = Instant::now();
+        let outcome = link.put(client, fingerprint, batch).await?;
+        let elapsed = started.elapsed().as_secs_f64();
+        anyhow::ensure!(outcome.stored as usize == args.blocks, "the store kept {} of {} blocks put over UCX", outcome.stored, args.blocks);
+        if round > 0 {
+            seconds.push(elapsed);
+        }
+    }
+    Ok(Some(seconds))
+}
+
+#[cfg(not(feature = "ucx"))]
+async fn put_ucx(_: &KvStoreBenchArgs, _: &KvStoreClient, _: Fingerprint, _: &[(SequenceHash, Arc<HostBlock>)]) -> anyhow::Result<Option<Vec<f64>>> {
+    Ok(None)
+}
+
 /// Get over UCX: (path, batch seconds) for the data path alone and as a
 /// worker's tier reads.
 #[cfg(feature = "ucx")]
@@ -267,7 +309,7 @@ async fn get_ucx(
     fingerprint: Fingerprint,
     batch: &[(SequenceHash, Arc<HostBlock>)],
 ) -> anyhow::Result<(Vec<(String, Vec<f64>)>, Option<[Vec<f64>; 3]>)> {
-    let reader = turbine_kv_store::UcxReader::start().map_err(anyhow::Error::msg)?;
+    let reader = turbine_kv_store::UcxLink::start().map_err(anyhow::Error::msg)?;
     let hashes: Vec<SequenceHash> = batch.iter().map(|(hash, _)| *hash).collect();
     let timeout = Duration::from_secs(10);
     let (mut raw, mut tier) = (Vec::new(), Vec::new());
@@ -346,11 +388,14 @@ pub fn print(report: &KvStoreReport) {
     }
     let storm = &report.storm;
     println!(
-        "write storm: {:.1} GiB put into {} MiB; store RSS {} MiB before, peak {} MiB = {:.2}x capacity",
+        "write storm: {:.1} GiB put into {} MiB; store RSS {} MiB before, peak {} MiB = {:.2}x capacity (anonymous {} MiB, file {} MiB, shared {} MiB)",
         storm.written_bytes as f64 / (1u64 << 30) as f64,
         storm.capacity_bytes >> 20,
         storm.rss_before_bytes >> 20,
         storm.peak_rss_bytes >> 20,
-        storm.peak_over_capacity
+        storm.peak_over_capacity,
+        storm.peak_anon_file_shmem_bytes[0] >> 20,
+        storm.peak_anon_file_shmem_bytes[1] >> 20,
+        storm.peak_anon_file_shmem_bytes[2] >> 20,
     );
 }

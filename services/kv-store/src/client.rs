@@ -103,6 +103,32 @@ impl KvStoreClient {
         })
     }
 
+    /// Stores blocks of one fingerprint and one length that are staged at
+    /// `i × length` of the caller's `region` (block `i`): the store reads
+    /// them over UCX. The staged bytes must stay unchanged until this
+    /// returns.
+    pub async fn put_from(&self, fingerprint: Fingerprint, region: &turbine_engine::UcxRegion, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> Result<PutOutcome, KvStoreClientError> {
+        let length = blocks.first().map_or(0, |(_, block)| block.bytes.len()) as u64;
+        let request = pb::PutFromRequest {
+            fingerprint: fingerprint.get(),
+            region: Some(crate::service::region_to_pb(region)),
+            blocks: blocks
+                .iter()
+                .enumerate()
+                .map(|(i, (sequence, block))| pb::StagedBlock {
+                    sequence_hash: sequence.0,
+                    local_hash: block.local.0,
+                    parent_hash: block.parent.map(|p| p.0),
+                    checksum: block.checksum,
+                    length: block.bytes.len() as u64,
+                    offset: i as u64 * length,
+                })
+                .collect(),
+        };
+        let response = self.client.clone().put_from(request).await?.into_inner();
+        Ok(PutOutcome { stored: response.stored, already_held: response.already_held })
+    }
+
     /// Lets go of a lease.
     pub async fn release(&self, lease_id: u64) -> Result<(), KvStoreClientError> {
         self.client.clone().release(pb::ReleaseRequest { lease_id }).await?;

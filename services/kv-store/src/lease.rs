@@ -38,7 +38,7 @@ pub fn arena_with_data_path(bytes: usize) -> (Arc<crate::Arena>, Option<Arc<Data
         match turbine_ucx_agent::UcxAgent::start(Some(&arena.memory()), pool) {
             Ok(agent) => match agent.region().cloned() {
                 Some(region) => {
-                    let path = DataPath::new(region, Box::new(agent), MAX_LEASED_BLOCKS, LEASE_TTL);
+                    let path = DataPath::new(region, agent, MAX_LEASED_BLOCKS, LEASE_TTL);
                     return (arena, Some(Arc::new(path)));
                 }
                 None => tracing::warn!("UCX registered no region for the store's memory; readers use Get"),
@@ -79,8 +79,13 @@ pub struct DataPath {
     leases: Mutex<Leases>,
     max_leased_blocks: usize,
     ttl: Duration,
-    /// What keeps the region registered (the UCX thread).
-    _registration: Box<dyn Send + Sync>,
+    /// The UCX thread: keeps the region registered, and reads what
+    /// callers stage for PutFrom.
+    #[cfg(feature = "ucx")]
+    agent: turbine_ucx_agent::UcxAgent,
+    /// PutFrom's read buffer, reused (one PutFrom reads at a time).
+    #[cfg(feature = "ucx")]
+    staged: tokio::sync::Mutex<Vec<u8>>,
 }
 
 impl std::fmt::Debug for DataPath {
@@ -91,10 +96,37 @@ impl std::fmt::Debug for DataPath {
 }
 
 impl DataPath {
-    /// The arena registered as `region`, kept so by `registration`; at most
+    /// The arena registered as `region` by `agent`; at most
     /// `max_leased_blocks` leased at once, each lease for `ttl`.
-    pub fn new(region: UcxRegion, registration: Box<dyn Send + Sync>, max_leased_blocks: usize, ttl: Duration) -> Self {
-        Self { region, leases: Mutex::default(), max_leased_blocks, ttl, _registration: registration }
+    #[cfg(feature = "ucx")]
+    pub fn new(region: UcxRegion, agent: turbine_ucx_agent::UcxAgent, max_leased_blocks: usize, ttl: Duration) -> Self {
+        Self { region, leases: Mutex::default(), max_leased_blocks, ttl, agent, staged: tokio::sync::Mutex::default() }
+    }
+
+    /// Reads staged blocks of `block_bytes` at `offsets` of a caller's
+    /// `region`, back to back, giving up after `timeout`; `with` gets the
+    /// bytes on a blocking thread. One read at a time: its buffer is
+    /// reused by the next.
+    #[cfg(feature = "ucx")]
+    pub async fn read_staged<R: Send + 'static>(
+        &self,
+        region: &UcxRegion,
+        offsets: &[u64],
+        block_bytes: usize,
+        timeout: Duration,
+        with: impl FnOnce(&[u8]) -> R + Send + 'static,
+    ) -> Result<R, String> {
+        let mut buffer = self.staged.lock().await;
+        let pulled = self.agent.pull(region, offsets, block_bytes, std::mem::take(&mut *buffer), timeout).await?;
+        let (result, bytes) = tokio::task::spawn_blocking(move || (with(&pulled.bytes), pulled.bytes)).await.map_err(|_| "the store failed while storing staged blocks")?;
+        *buffer = bytes;
+        Ok(result)
+    }
+
+    /// Without UCX in the build there is no data path to read with.
+    #[cfg(not(feature = "ucx"))]
+    pub async fn read_staged<R: Send + 'static>(&self, _: &UcxRegion, _: &[u64], _: usize, _: Duration, _: impl FnOnce(&[u8]) -> R + Send + 'static) -> Result<R, String> {
+        Err("this build has no UCX".into())
     }
 
     /// Where the arena lies for readers.
@@ -253,18 +285,76 @@ impl Lease {
 /// region on the same machine, one-sided gets from another).
 #[cfg(feature = "ucx")]
 #[derive(Debug)]
-pub struct UcxReader {
+pub struct UcxLink {
     agent: turbine_ucx_agent::UcxAgent,
     /// The last read's buffer, reused so that its pages are not faulted in
     /// again (one reader reads at a time: a worker's reader thread).
     spare: Mutex<Vec<u8>>,
+    /// Where puts are staged for the store to read, and where that memory
+    /// lies for it (None: this link only reads).
+    staging: Option<(tokio::sync::Mutex<crate::arena::Staging>, UcxRegion)>,
 }
 
 #[cfg(feature = "ucx")]
-impl UcxReader {
-    /// Starts the reader's UCX thread.
+impl UcxLink {
+    /// Starts the link's UCX thread, for reads only.
     pub fn start() -> Result<Self, String> {
-        Ok(Self { agent: turbine_ucx_agent::UcxAgent::start(None, None)?, spare: Mutex::default() })
+        Ok(Self { agent: turbine_ucx_agent::UcxAgent::start(None, None)?, spare: Mutex::default(), staging: None })
+    }
+
+    /// Starts the link's UCX thread with `staging_bytes` of memory that
+    /// puts are staged in for the store to read (from UCX's shared-memory
+    /// allocator when it can, so a store on the same machine maps it).
+    pub fn with_staging(staging_bytes: usize) -> Result<Self, String> {
+        let pool = turbine_ucx_agent::ShmPool::open();
+        let buffer = Arc::new(match &pool {
+            Some(pool) => pool.allocator().allocate(staging_bytes),
+            None => turbine_engine::KvBuffer::zeroed(staging_bytes),
+        });
+        const PAGE: usize = 4096;
+        let memory = turbine_engine::KvMemory::new(buffer.clone(), turbine_engine::KvLayout::opaque(PAGE, "kv-store staging"), staging_bytes / PAGE);
+        let agent = turbine_ucx_agent::UcxAgent::start(Some(&memory), pool)?;
+        let region = agent.region().cloned().ok_or("UCX registered no staging region")?;
+        Ok(Self { agent, spare: Mutex::default(), staging: Some((tokio::sync::Mutex::new(crate::arena::Staging::new(buffer)), region)) })
+    }
+
+    /// Whether this link can put.
+    pub fn can_put(&self) -> bool {
+        self.staging.is_some()
+    }
+
+    /// Stores blocks of one fingerprint (and one length) through the
+    /// staging memory: as many as it holds per `PutFrom`, which the store
+    /// answers once it has read and stored them.
+    pub async fn put(
+        &self,
+        client: &crate::KvStoreClient,
+        fingerprint: crate::Fingerprint,
+        blocks: &[(turbine_kv::SequenceHash, Arc<turbine_engine::HostBlock>)],
+    ) -> Result<crate::PutOutcome, crate::KvStoreClientError> {
+        let Some((staging, region)) = &self.staging else {
+            return Err(tonic::Status::failed_precondition("this UCX link has no staging memory").into());
+        };
+        let mut outcome = crate::PutOutcome::default();
+        let Some((_, first)) = blocks.first() else { return Ok(outcome) };
+        let length = first.bytes.len();
+        if length == 0 || blocks.iter().any(|(_, block)| block.bytes.len() != length) {
+            return Err(tonic::Status::invalid_argument("blocks of one put must have one nonzero length").into());
+        }
+        let mut staging = staging.lock().await;
+        let per_call = (staging.len() / length).min(crate::service::MAX_PUT_FROM_BYTES as usize / length);
+        if per_call == 0 {
+            return Err(tonic::Status::invalid_argument(format!("a block of {length} bytes does not fit the staging memory")).into());
+        }
+        for chunk in blocks.chunks(per_call) {
+            for (i, (_, block)) in chunk.iter().enumerate() {
+                staging.write(i * length, &block.bytes);
+            }
+            let stored = client.put_from(fingerprint, region, chunk).await?;
+            outcome.stored += stored.stored;
+            outcome.already_held += stored.already_held;
+        }
+        Ok(outcome)
     }
 
     /// Every segment of `lease`, `segment_bytes` each, in order (a block

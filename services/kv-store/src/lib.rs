@@ -38,9 +38,9 @@ pub use disk::DiskBlocks;
 pub use events::{Announced, Announcer, StoreEventSink};
 pub use lease::{DataPath, Lease, LeasedBlock};
 #[cfg(feature = "ucx")]
-pub use lease::UcxReader;
+pub use lease::UcxLink;
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
 pub use tier::KvStoreTier;
 pub use arena::Arena;
-pub use store::{BlockKey, Fingerprint, MemoryBlock, PutOutcome, arena_bytes, Store, StoreError, StoreStats, TierUsage};
+pub use store::{BlockKey, BlockRef, Fingerprint, MemoryBlock, PutOutcome, arena_bytes, Store, StoreError, StoreStats, TierUsage};

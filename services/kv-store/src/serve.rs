@@ -25,6 +25,7 @@ pub const ROLES: &[RpcRoles] = &[
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Stats", roles: &[Role::Operator, Role::Monitoring, Role::Planner] },
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Dump", roles: &[Role::Router, Role::Index, Role::Operator] },
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Lease", roles: &[Role::Worker] },
+    RpcRoles { method: "/turbine.kvstore.v1.KvStore/PutFrom", roles: &[Role::Worker] },
     RpcRoles { method: "/turbine.kvstore.v1.KvStore/Release", roles: &[Role::Worker] },
 ];
 

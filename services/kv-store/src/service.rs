@@ -10,7 +10,7 @@ use turbine_kv::{LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
 use crate::lease::DataPath;
-use crate::store::{Fingerprint, MemoryBlock, Store, StoreError, StoreStats, TierUsage};
+use crate::store::{BlockRef, Fingerprint, MemoryBlock, Store, StoreError, StoreStats, TierUsage};
 
 /// The service.
 #[derive(Debug, Clone)]
@@ -83,7 +83,7 @@ fn held_to_pb(sequence: SequenceHash, block: &MemoryBlock) -> pb::Block {
     pb::Block { sequence_hash: sequence.0, local_hash: block.local.0, parent_hash: block.parent.map(|p| p.0), checksum: block.checksum, data: block.slots.to_vec() }
 }
 
-fn region_to_pb(region: &turbine_engine::UcxRegion) -> pb::UcxRegion {
+pub(crate) fn region_to_pb(region: &turbine_engine::UcxRegion) -> pb::UcxRegion {
     let turbine_engine::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
     pb::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
 }
@@ -103,6 +103,13 @@ fn status(error: StoreError) -> Status {
 
 type GetStream = Pin<Box<dyn Stream<Item = Result<pb::GetResponse, Status>> + Send>>;
 type DumpStream = Pin<Box<dyn Stream<Item = Result<pb::DumpResponse, Status>> + Send>>;
+
+/// Most bytes one PutFrom may stage (the store reads them into one buffer).
+/// (Counted beyond the memory tier: keep it small next to it.)
+pub const MAX_PUT_FROM_BYTES: u64 = 16 << 20;
+
+/// How long the store waits for its read of staged blocks.
+const PUT_FROM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Blocks per Dump message (16 bytes each on the wire).
 const DUMP_CHUNK: usize = 65_536;
@@ -226,6 +233,48 @@ impl KvStore for KvStoreService {
             region: Some(region_to_pb(data_path.region())),
             blocks,
         }))
+    }
+
+    async fn put_from(&self, request: Request<pb::PutFromRequest>) -> Result<Response<pb::PutResponse>, Status> {
+        let Some(data_path) = self.data_path.clone() else {
+            return Err(Status::failed_precondition("this kv-store has no UCX data path; put with Put"));
+        };
+        let pb::PutFromRequest { fingerprint: value, region, blocks } = request.into_inner();
+        let fingerprint = fingerprint(value)?;
+        if blocks.len() > self.max_blocks_per_call {
+            return Err(Status::invalid_argument(format!("blocks: {} blocks, at most {} per call", blocks.len(), self.max_blocks_per_call)));
+        }
+        let Some(first) = blocks.first() else { return Ok(Response::new(pb::PutResponse::default())) };
+        let region = region_from_pb(region.ok_or_else(|| Status::invalid_argument("region: must be set"))?);
+        let length = first.length;
+        if length == 0 || blocks.iter().any(|block| block.length != length) {
+            return Err(Status::invalid_argument("blocks: every block must have the same nonzero length"));
+        }
+        if length.saturating_mul(blocks.len() as u64) > MAX_PUT_FROM_BYTES {
+            return Err(Status::invalid_argument(format!("blocks: more than {} MiB in one call", MAX_PUT_FROM_BYTES >> 20)));
+        }
+        if let Some(block) = blocks.iter().find(|block| block.offset.checked_add(length).is_none_or(|end| end > region.length)) {
+            return Err(Status::invalid_argument(format!("blocks: block {:016x} lies outside the region", block.sequence_hash)));
+        }
+        let offsets: Vec<u64> = blocks.iter().map(|block| block.offset).collect();
+        // Checked and copied into the arena straight from the read buffer.
+        let store = self.store.clone();
+        let outcome = data_path
+            .read_staged(&region, &offsets, length as usize, PUT_FROM_TIMEOUT, move |bytes| {
+                let refs: Vec<(SequenceHash, BlockRef<'_>)> = blocks
+                    .iter()
+                    .zip(bytes.chunks(length as usize))
+                    .map(|(block, bytes)| {
+                        let parent = block.parent_hash.map(SequenceHash);
+                        (SequenceHash(block.sequence_hash), BlockRef { local: LocalBlockHash(block.local_hash), parent, checksum: block.checksum, bytes })
+                    })
+                    .collect();
+                store.put_refs(fingerprint, &refs)
+            })
+            .await
+            .map_err(|error| Status::unavailable(format!("cannot read the staged blocks: {error}")))?
+            .map_err(status)?;
+        Ok(Response::new(pb::PutResponse { stored: outcome.stored, already_held: outcome.already_held }))
     }
 
     async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {

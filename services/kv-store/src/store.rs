@@ -47,12 +47,15 @@ pub struct BlockKey {
 /// process's memory too.
 const ENTRY_OVERHEAD: u64 = 200;
 
+/// Bytes stored between runs of the memory tier's pending evictions.
+const EVICT_EVERY_BYTES: usize = 4 << 20;
+
 /// The arena a memory tier of `capacity_bytes` needs: the capacity, and
 /// room for blocks stored before the least recently used ones are evicted
-/// and for evicted blocks remote readers still hold: a sixteenth more, at
-/// least 16 MiB (address space; pages are touched only as used).
+/// and for evicted blocks remote readers still hold: a thirty-second more,
+/// at least 16 MiB (address space; pages are touched only as used).
 pub fn arena_bytes(capacity_bytes: u64) -> usize {
-    (capacity_bytes + (capacity_bytes / 16).max(16 << 20)) as usize
+    (capacity_bytes + (capacity_bytes / 32).max(16 << 20)) as usize
 }
 
 /// Why blocks were refused.
@@ -150,6 +153,25 @@ impl MemoryBlock {
     /// A copy of the block off the arena.
     pub fn to_host(&self) -> HostBlock {
         HostBlock { local: self.local, parent: self.parent, checksum: self.checksum, bytes: self.slots.to_vec().into_boxed_slice() }
+    }
+}
+
+/// A block to store, its bytes borrowed (from a message, a staging read).
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRef<'a> {
+    /// Hash of the block's own tokens.
+    pub local: turbine_kv::LocalBlockHash,
+    /// The sequence hash of the block before it (None: the first block).
+    pub parent: Option<SequenceHash>,
+    /// XXH3-64 of the bytes, as the sender computed it.
+    pub checksum: u64,
+    /// The bytes.
+    pub bytes: &'a [u8],
+}
+
+impl<'a> From<&'a HostBlock> for BlockRef<'a> {
+    fn from(block: &'a HostBlock) -> Self {
+        Self { local: block.local, parent: block.parent, checksum: block.checksum, bytes: &block.bytes }
     }
 }
 
@@ -255,10 +277,10 @@ impl Store {
     /// `block` copied into the arena; None when the arena has no room even
     /// after pending evictions ran (blocks read by remote readers stay
     /// until they let go).
-    fn copy_into_arena(&self, block: &HostBlock) -> Option<Arc<MemoryBlock>> {
-        let slots = self.arena.store(&block.bytes).or_else(|| {
+    fn copy_into_arena(&self, block: BlockRef<'_>) -> Option<Arc<MemoryBlock>> {
+        let slots = self.arena.store(block.bytes).or_else(|| {
             self.blocks.run_pending_tasks();
-            self.arena.store(&block.bytes)
+            self.arena.store(block.bytes)
         })?;
         Some(Arc::new(MemoryBlock { local: block.local, parent: block.parent, checksum: block.checksum, slots }))
     }
@@ -298,10 +320,17 @@ impl Store {
     /// Stores blocks of one fingerprint. Every block is checked first;
     /// nothing is stored if one fails.
     pub fn put(&self, fingerprint: Fingerprint, blocks: Vec<(SequenceHash, HostBlock)>) -> Result<PutOutcome, StoreError> {
+        let refs: Vec<(SequenceHash, BlockRef<'_>)> = blocks.iter().map(|(sequence, block)| (*sequence, block.into())).collect();
+        self.put_refs(fingerprint, &refs)
+    }
+
+    /// [`put`](Self::put) with the blocks' bytes borrowed: copied straight
+    /// into the arena (and to disk).
+    pub fn put_refs(&self, fingerprint: Fingerprint, blocks: &[(SequenceHash, BlockRef<'_>)]) -> Result<PutOutcome, StoreError> {
         let expected = self.layouts.lock().get(&fingerprint).map(|layout| layout.block_bytes).or_else(|| self.disk.as_ref()?.block_bytes(fingerprint));
         let mut size = expected;
-        for (hash, block) in &blocks {
-            if block_checksum(&block.bytes) != block.checksum {
+        for (hash, block) in blocks {
+            if block_checksum(block.bytes) != block.checksum {
                 return Err(StoreError::Corrupt(hash.0));
             }
             let got = block.bytes.len();
@@ -316,7 +345,15 @@ impl Store {
             }
         }
         let mut outcome = PutOutcome::default();
-        for (sequence, block) in blocks {
+        let mut since_evictions = 0;
+        for &(sequence, block) in blocks {
+            // Evictions run every few MiB stored, so the arena's pages in
+            // use stay near the capacity rather than a whole put above it.
+            since_evictions += block.bytes.len();
+            if since_evictions >= EVICT_EVERY_BYTES {
+                self.blocks.run_pending_tasks();
+                since_evictions = 0;
+            }
             let key = BlockKey { fingerprint, sequence };
             if self.blocks.contains_key(&key) {
                 outcome.already_held += 1;
@@ -326,10 +363,13 @@ impl Store {
                 let held = disk.contains(&key);
                 // Written through: a block the disk could not take is
                 // still kept in memory.
-                disk.write(key, &block);
+                if !held {
+                    let owned = HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: block.bytes.into() };
+                    disk.write(key, &owned);
+                }
                 held
             });
-            let fresh = match self.copy_into_arena(&block) {
+            let fresh = match self.copy_into_arena(block) {
                 Some(in_memory) => self.remember(key, in_memory),
                 None => {
                     // No room while readers hold evicted blocks: as if
@@ -384,7 +424,7 @@ impl Store {
 
     /// A block read from disk (checked there), kept in memory again.
     fn read_through_disk(&self, key: BlockKey) -> Option<Arc<MemoryBlock>> {
-        let block = self.copy_into_arena(&self.disk.as_ref()?.read(&key)?)?;
+        let block = self.copy_into_arena((&self.disk.as_ref()?.read(&key)?).into())?;
         self.remember(key, block.clone());
         Some(block)
     }
@@ -452,7 +492,7 @@ impl Store {
         let Some(block) = self.blocks.get(&key) else { return false };
         let mut copy = block.to_host();
         copy.bytes[0] ^= 0xff;
-        let Some(corrupt) = self.copy_into_arena(&copy) else { return false };
+        let Some(corrupt) = self.copy_into_arena((&copy).into()) else { return false };
         self.blocks.insert(key, corrupt);
         true
     }

@@ -37,12 +37,63 @@ pub struct KvStoreTier {
     get_timeout: Duration,
     failed_puts: Arc<AtomicU64>,
     get_failed: AtomicBool,
-    /// Reads over UCX, started at the first get; None inside: UCX cannot
-    /// start, or the store has no UCX data path.
     #[cfg(feature = "ucx")]
-    ucx: std::sync::OnceLock<Option<crate::UcxReader>>,
-    #[cfg(feature = "ucx")]
+    ucx: Arc<UcxSide>,
+}
+
+/// Staging memory of a worker's UCX link to the store (puts of more wait
+/// for the previous `PutFrom`).
+#[cfg(feature = "ucx")]
+const STAGING_BYTES: usize = 64 << 20;
+
+/// The tier's UCX link, shared by the reader thread and the put task.
+#[cfg(feature = "ucx")]
+#[derive(Default)]
+struct UcxSide {
+    /// Started at first use; None inside: UCX cannot start here.
+    link: std::sync::OnceLock<Option<crate::UcxLink>>,
+    /// The store has no UCX data path (or the caller turned UCX off).
     no_data_path: AtomicBool,
+}
+
+#[cfg(feature = "ucx")]
+impl UcxSide {
+    /// The link, unless UCX is off or cannot start.
+    fn link(&self) -> Option<&crate::UcxLink> {
+        if self.no_data_path.load(Relaxed) {
+            return None;
+        }
+        self.link
+            .get_or_init(|| {
+                crate::UcxLink::with_staging(STAGING_BYTES)
+                    .inspect_err(|error| tracing::warn!(%error, "cannot start UCX; KV blocks go to and from the kv-store over gRPC"))
+                    .ok()
+            })
+            .as_ref()
+    }
+
+    /// Whether a failed call says the store has no UCX data path (and
+    /// remembers it).
+    fn refused(&self, error: &crate::KvStoreClientError) -> bool {
+        let refused = matches!(error, crate::KvStoreClientError::Rpc(status) if status.code() == tonic::Code::FailedPrecondition);
+        if refused && !self.no_data_path.swap(true, Relaxed) {
+            tracing::info!("the kv-store has no UCX data path; KV blocks go to and from it over gRPC");
+        }
+        refused
+    }
+
+    /// Puts `run` over UCX; None when UCX is not used (put over gRPC).
+    async fn put(&self, client: &KvStoreClient, fingerprint: Fingerprint, run: &[(SequenceHash, Arc<HostBlock>)]) -> Option<()> {
+        match self.link()?.put(client, fingerprint, run).await {
+            Ok(_) => Some(()),
+            Err(error) => {
+                if !self.refused(&error) {
+                    tracing::debug!(%error, "a UCX put to the kv-store failed; putting over gRPC");
+                }
+                None
+            }
+        }
+    }
 }
 
 impl KvStoreTier {
@@ -53,10 +104,19 @@ impl KvStoreTier {
         let (puts, mut queued) = mpsc::channel::<Vec<(SequenceHash, Arc<HostBlock>)>>(PUT_QUEUE);
         let known = moka::sync::Cache::new(KNOWN_BLOCKS);
         let failed_puts = Arc::new(AtomicU64::new(0));
+        #[cfg(feature = "ucx")]
+        let ucx = Arc::new(UcxSide::default());
         {
             let (client, known, failures) = (client.clone(), known.clone(), failed_puts.clone());
+            #[cfg(feature = "ucx")]
+            let ucx = ucx.clone();
             tokio::spawn(async move {
                 while let Some(run) = queued.recv().await {
+                    #[cfg(feature = "ucx")]
+                    if ucx.put(&client, fingerprint, &run).await.is_some() {
+                        run.iter().for_each(|(hash, _)| known.insert(*hash, ()));
+                        continue;
+                    }
                     match client.put(fingerprint, &run).await {
                         Ok(_) => run.iter().for_each(|(hash, _)| known.insert(*hash, ())),
                         Err(error) => {
@@ -78,9 +138,7 @@ impl KvStoreTier {
             failed_puts,
             get_failed: AtomicBool::new(false),
             #[cfg(feature = "ucx")]
-            ucx: std::sync::OnceLock::new(),
-            #[cfg(feature = "ucx")]
-            no_data_path: AtomicBool::new(false),
+            ucx,
         }
     }
 
@@ -88,7 +146,7 @@ impl KvStoreTier {
     /// benchmark's baseline).
     pub fn without_ucx(self) -> Self {
         #[cfg(feature = "ucx")]
-        self.no_data_path.store(true, Relaxed);
+        self.ucx.no_data_path.store(true, Relaxed);
         self
     }
 
@@ -96,26 +154,13 @@ impl KvStoreTier {
     /// UCX data path, or the read failed (the caller uses the gRPC stream).
     #[cfg(feature = "ucx")]
     async fn get_over_ucx(&self, sequence: &[SequenceHash]) -> Option<Vec<(SequenceHash, HostBlock)>> {
-        if self.no_data_path.load(Relaxed) {
-            return None;
-        }
-        let reader = self
-            .ucx
-            .get_or_init(|| {
-                crate::UcxReader::start()
-                    .inspect_err(|error| tracing::warn!(%error, "cannot start UCX; KV blocks come from the kv-store over gRPC"))
-                    .ok()
-            })
-            .as_ref()?;
-        match reader.get(&self.client, self.fingerprint, sequence, self.get_timeout).await {
+        let link = self.ucx.link()?;
+        match link.get(&self.client, self.fingerprint, sequence, self.get_timeout).await {
             Ok(run) => Some(run),
-            Err(crate::KvStoreClientError::Rpc(status)) if status.code() == tonic::Code::FailedPrecondition => {
-                tracing::info!("the kv-store has no UCX data path; KV blocks come from it over gRPC");
-                self.no_data_path.store(true, Relaxed);
-                None
-            }
             Err(error) => {
-                tracing::debug!(%error, "a UCX read from the kv-store failed; reading over gRPC");
+                if !self.ucx.refused(&error) {
+                    tracing::debug!(%error, "a UCX read from the kv-store failed; reading over gRPC");
+                }
                 None
             }
         }

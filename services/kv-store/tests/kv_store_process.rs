@@ -213,7 +213,7 @@ fn every_rpc_says_who_may_call_it() {
         .flat_map(|file| file.service.iter().map(move |service| (file.package(), service)))
         .flat_map(|(package, service)| service.method.iter().map(move |method| format!("/{package}.{}/{}", service.name(), method.name())))
         .collect();
-    assert_eq!(methods.len(), 8);
+    assert_eq!(methods.len(), 9);
     for method in &methods {
         let entry = turbine_kv_store::ROLES.iter().find(|rpc| rpc.method == method).unwrap_or_else(|| panic!("{method} has no role entry"));
         assert!(!entry.roles.is_empty(), "{method}");
@@ -228,13 +228,13 @@ fn every_rpc_says_who_may_call_it() {
 #[tokio::test]
 async fn leased_blocks_are_read_over_ucx_even_while_evicted() {
     use std::time::Duration;
-    use turbine_kv_store::UcxReader;
+    use turbine_kv_store::UcxLink;
 
     let (_process, client) = start(16).await;
     let blocks: Vec<_> = (0..100).map(block).collect();
     client.put(fp(7), &blocks).await.unwrap();
     let hashes: Vec<SequenceHash> = (0..120).map(|n| SequenceHash(0xa000 + n)).collect();
-    let reader = UcxReader::start().unwrap();
+    let reader = UcxLink::start().unwrap();
     let run = reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap();
     assert_eq!(run.len(), 100, "the leading blocks held");
     for ((sequence, got), (want_sequence, want)) in run.iter().zip(&blocks) {
@@ -267,7 +267,7 @@ async fn leased_blocks_are_read_over_ucx_even_while_evicted() {
 #[tokio::test]
 async fn a_corrupt_leased_block_is_caught_by_the_reader_and_dropped_by_get() {
     use std::time::Duration;
-    use turbine_kv_store::{BlockKey, KvStoreConfig, Store, StoreEventSink, UcxReader};
+    use turbine_kv_store::{BlockKey, KvStoreConfig, Store, StoreEventSink, UcxLink};
 
     let store = Store::open(64 << 20, None, true);
     assert!(store.data_path().is_some(), "this build and machine serve UCX");
@@ -285,11 +285,44 @@ async fn a_corrupt_leased_block_is_caught_by_the_reader_and_dropped_by_get() {
     }
     assert!(store.corrupt_for_test(BlockKey { fingerprint: fp(7), sequence: hashes[5] }));
 
-    let reader = UcxReader::start().unwrap();
+    let reader = UcxLink::start().unwrap();
     assert_eq!(code(reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap_err()), Code::DataLoss);
     assert_eq!(client.get(fp(7), &hashes).await.unwrap().len(), 5, "Get stops before the corrupt block");
     assert_eq!(client.lookup(fp(7), &hashes).await.unwrap().1, 5, "and the store dropped it");
     assert_eq!(reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap().len(), 5, "the sound prefix reads over UCX again");
     shutdown.cancel();
     serving.await.unwrap().unwrap();
+}
+
+/// The UCX put path: blocks staged by a worker are read by the store and
+/// come back byte for byte; bad staging gets INVALID_ARGUMENT and a store
+/// without UCX says so; the store keeps serving.
+#[cfg(feature = "ucx")]
+#[tokio::test]
+async fn blocks_staged_over_ucx_are_stored() {
+    use turbine_kv_store::UcxLink;
+
+    let (_process, client) = start(64).await;
+    // Staging for 10 blocks: 25 blocks take three PutFrom calls.
+    let link = UcxLink::with_staging(10 * BLOCK_BYTES).unwrap();
+    let blocks: Vec<_> = (0..25).map(block).collect();
+    assert_eq!(link.put(&client, fp(9), &blocks).await.unwrap(), PutOutcome { stored: 25, already_held: 0 });
+    assert_eq!(link.put(&client, fp(9), &blocks[..5]).await.unwrap(), PutOutcome { stored: 0, already_held: 5 });
+    let hashes: Vec<SequenceHash> = blocks.iter().map(|(hash, _)| *hash).collect();
+    let run = client.get(fp(9), &hashes).await.unwrap();
+    assert_eq!(run.len(), 25);
+    assert!(run.iter().zip(&blocks).all(|((_, got), (_, want))| got.bytes == want.bytes && got.parent == want.parent));
+
+    // A block whose staged bytes do not match its checksum: nothing of the call is stored.
+    let (hash, good) = block(40);
+    let lying = Arc::new(HostBlock { local: good.local, parent: good.parent, checksum: good.checksum ^ 1, bytes: good.bytes.clone() });
+    assert_eq!(code(link.put(&client, fp(9), &[block(41), (hash, lying)]).await.unwrap_err()), Code::InvalidArgument);
+    assert_eq!(client.lookup(fp(9), &[block(41).0]).await.unwrap().1, 0);
+    // Blocks of two lengths.
+    let short = Arc::new(HostBlock { local: good.local, parent: None, checksum: block_checksum(&good.bytes[..100]), bytes: good.bytes[..100].into() });
+    assert_eq!(code(link.put(&client, fp(9), &[block(42), (SequenceHash(1), short)]).await.unwrap_err()), Code::InvalidArgument);
+    assert_eq!(client.get(fp(9), &hashes[..1]).await.unwrap().len(), 1, "still serving");
+
+    let (_plain, plain) = start_with(16, &["--ucx", "false"]).await;
+    assert_eq!(code(link.put(&plain, fp(9), &blocks[..2]).await.unwrap_err()), Code::FailedPrecondition);
 }
