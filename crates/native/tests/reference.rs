@@ -596,78 +596,81 @@ fn candle_engines_hand_off(device: EngineDevice) {
     }
 }
 
-/// The lower tiers on the real model: three prompts of 2,000 tokens on a
-/// pool that holds one of them at a time, each computed, then asked again
-/// after the others pushed it out of the pool: the second time its blocks
-/// come back from host memory (G2), or from disk (G3) under a host tier of
-/// two blocks, and the greedy tokens are those of computing it.
-fn onboarded_prefixes_give_the_computed_output(host: HostTier) -> HostTier {
+/// Twenty different 2,000-token prompts: a sentence repeated.
+fn long_prompts() -> Vec<Vec<u32>> {
     let tokens = preprocessor();
-    let texts = [
+    let sentences = [
         "The river rose every spring and the village learned to build on stilts. ",
         "A lighthouse keeper counts ships by their lights and writes each one down. ",
         "In the workshop the clockmaker files a gear, tests it, and files again. ",
+        "Bakers rise before dawn to knead the dough and light the ovens. ",
+        "The tide pools hold crabs, anemones and small fish until the sea returns. ",
+        "Surveyors walked the ridge with chains and stakes to mark the boundary. ",
+        "The orchard's oldest pear tree still gives fruit every other autumn. ",
+        "A ferry crosses the lake twice a day, carrying mail, bicycles and goats. ",
+        "Snow closed the pass in November and the inn kept its fires going. ",
+        "The printer set each line by hand and inked the plates before noon. ",
+        "Beekeepers smoke the hives gently before lifting out the frames of honey. ",
+        "At the observatory they waited three nights for the clouds to clear. ",
+        "The weaver's loom clatters from morning until the light goes grey. ",
+        "Fishermen mend their nets on the quay while the gulls watch and wait. ",
+        "The library's reading room smells of paper, dust and floor polish. ",
+        "A shepherd whistles twice and the dog swings wide around the flock. ",
+        "Miners walked down the shaft with lamps, counting the ladders as they went. ",
+        "The glassblower turns the pipe slowly and breathes the bulb into shape. ",
+        "Tram lines cross the square where the market stalls open on Saturdays. ",
+        "The cartographer redrew the coastline after the storm moved the dunes. ",
     ];
-    let prompts: Vec<Vec<u32>> = texts.iter().map(|text| tokens.encode_text(&text.repeat(200)).unwrap()[..2000].to_vec()).collect();
-    // 140 blocks of 16 tokens: one 2,000-token prompt (125 blocks) at a time.
+    sentences.iter().map(|text| tokens.encode_text(&text.repeat(200)).unwrap()[..2000].to_vec()).collect()
+}
+
+/// Waits (at most 120 s) until `done` holds.
+fn settle(what: &str, done: impl Fn() -> bool) {
+    let started = std::time::Instant::now();
+    while !done() {
+        assert!(started.elapsed() < std::time::Duration::from_secs(120), "{what} did not settle within 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// A native engine whose pool holds one 2,000-token prompt (125 blocks of
+/// 16 tokens) at a time, over `host` and, if given, the shared tier.
+fn engine_over_tiers(host: &HostTier, remote: Option<turbine_engine::RemoteTier>) -> EngineHandle {
     let scheduler = SchedulerConfig { block_size: 16, num_blocks: 140, max_batched_tokens: 512, max_model_len: 4096, ..SchedulerConfig::default() };
     let options = NativeOptions { block_size: 16, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend: Backend::Kernels, ..NativeOptions::default() };
     let executor = NativeExecutor::load(&model_path(), &options).unwrap();
     let memory = executor.kv_memory().expect("the pool is exposed");
-    let engine = EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote: None, fetch: FetchPolicy::Always });
-    let computed: Vec<Vec<u32>> = prompts.iter().map(|prompt| finish(submit(&engine, prompt, STEPS as u32)).0).collect();
-    use std::sync::atomic::Ordering::Relaxed;
-    // Every block copied to the host tier, and every block it evicted
-    // written to disk (or skipped, which the hits below would show).
-    let settled = || {
-        let host_done = host.stats().offloaded_blocks.load(Relaxed) >= 3 * 125;
-        let disk_done = host.disk().is_none_or(|disk| disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed));
-        host_done && disk_done && engine.load().blocks_used == 0
-    };
-    let started = std::time::Instant::now();
-    while !settled() {
-        assert!(started.elapsed() < std::time::Duration::from_secs(60), "copies to the lower tiers did not settle within 60 s");
-        std::thread::sleep(std::time::Duration::from_millis(20));
+    let tiers = KvTiers { host: Some(host.clone()), memory: Some(memory), modelled: None, remote, fetch: FetchPolicy::Always };
+    EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), tiers)
+}
+
+/// Asks for every prompt again and checks the greedy tokens are those of
+/// computing it, its prefix a hit.
+fn ask_again(engine: &EngineHandle, prompts: &[Vec<u32>], computed: &[Vec<u32>], tier: &str) {
+    for (n, (prompt, expected)) in prompts.iter().zip(computed).enumerate() {
+        let (again, cached) = finish(submit(engine, prompt, STEPS as u32));
+        assert_eq!(&again, expected, "prompt {n}: 2,000 tokens onboarded from {tier}");
+        assert!(cached >= 1984, "prompt {n}: its blocks were hits in {tier} ({cached} cached tokens)");
     }
-    for (prompt, expected) in prompts.iter().zip(&computed) {
-        let (again, cached) = finish(submit(&engine, prompt, STEPS as u32));
-        assert_eq!(&again, expected, "a 2,000-token prompt onboarded from a lower tier");
-        assert!(cached >= 1984, "the prompt's blocks were hits ({cached} cached tokens)");
-    }
-    engine.shutdown();
-    host
 }
 
+/// The lower tiers on the real model, 20 prompts of 2,000 tokens, each
+/// computed once, on engines whose pool holds one prompt at a time:
+///
+/// 1. engine A (host tier of 1 GiB, every block written through to a
+///    kv-store served in this process over loopback gRPC) computes them,
+///    then is asked again: their blocks come back from host memory (G2);
+/// 2. engine B, its pool empty, a host tier of two blocks over a disk
+///    tier, reads them from the kv-store (G4);
+/// 3. B is asked again: its pool and host tier pushed them to disk, and
+///    they come back from there (G3).
+///
+/// Every time, the greedy tokens are those of computing the prompt.
 #[test]
-fn a_prefix_onboarded_from_host_memory_gives_the_computed_output() {
-    let host = onboarded_prefixes_give_the_computed_output(HostTier::new(1 << 30));
-    assert!(host.stats().onboarded_blocks.load(std::sync::atomic::Ordering::Relaxed) >= 3 * 124);
-    assert_eq!(host.stats().corrupt_blocks.load(std::sync::atomic::Ordering::Relaxed), 0);
-}
-
-#[test]
-fn a_prefix_onboarded_from_disk_gives_the_computed_output() {
-    let dir = tempfile::tempdir().unwrap();
-    let disk = DiskTier::open(dir.path(), 1 << 30, 1).unwrap();
-    let host = onboarded_prefixes_give_the_computed_output(HostTier::with_disk(2 * 368_640, disk));
-    let disk = host.disk().unwrap();
-    assert!(disk.stats().onboarded_blocks.load(std::sync::atomic::Ordering::Relaxed) >= 3 * 100, "the prompts came back from disk");
-    assert_eq!(disk.stats().corrupt_blocks.load(std::sync::atomic::Ordering::Relaxed), 0);
-}
-
-/// The kv-store (G4) on the real model: one engine computes the three
-/// 2,000-token prompts, its blocks written through to a kv-store served in
-/// this process; a second engine, its pool and host tier empty, is asked
-/// for them and fetches their blocks from the store over loopback gRPC;
-/// the greedy tokens are those of computing them.
-#[test]
-fn a_prefix_onboarded_from_the_kv_store_gives_the_computed_output() {
+fn twenty_prefixes_onboarded_from_host_memory_disk_and_the_kv_store_give_the_computed_output() {
     use std::sync::atomic::Ordering::Relaxed;
-    let tokens = preprocessor();
-    let prompts: Vec<Vec<u32>> = ["Bakers rise before dawn to knead the dough and light the ovens. ", "The tide pools hold crabs, anemones and small fish until the sea returns. ", "Surveyors walked the ridge with chains and stakes to mark the boundary. "]
-        .iter()
-        .map(|text| tokens.encode_text(&text.repeat(200)).unwrap()[..2000].to_vec())
-        .collect();
+    let prompts = long_prompts();
+    let count = prompts.len() as u64;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let _entered = runtime.enter();
     let store = turbine_kv_store::Store::new(1 << 30);
@@ -675,36 +678,46 @@ fn a_prefix_onboarded_from_the_kv_store_gives_the_computed_output() {
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
     runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), turbine_kv_store::StoreEventSink::None, listeners, shutdown.clone()));
-    let engine = || {
+    let remote = |offload| {
         let client = turbine_kv_store::KvStoreClient::connect(&endpoint).unwrap();
         let tier = turbine_kv_store::KvStoreTier::new(client, turbine_kv_store::Fingerprint::new(7).unwrap(), std::time::Duration::from_secs(60));
-        let remote = turbine_engine::RemoteTier::new(std::sync::Arc::new(tier), 2);
-        let scheduler = SchedulerConfig { block_size: 16, num_blocks: 140, max_batched_tokens: 512, max_model_len: 4096, ..SchedulerConfig::default() };
-        let options = NativeOptions { block_size: 16, kv_blocks: Some(scheduler.num_blocks), threads: 2, backend: Backend::Kernels, ..NativeOptions::default() };
-        let executor = NativeExecutor::load(&model_path(), &options).unwrap();
-        let memory = executor.kv_memory().expect("the pool is exposed");
-        // A host tier of two blocks: what comes back comes from the store.
-        let tiers = KvTiers { host: Some(HostTier::new(2 * 368_640)), memory: Some(memory), modelled: None, remote: Some(remote.clone()), fetch: FetchPolicy::Always };
-        (EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), tiers), remote)
+        turbine_engine::RemoteTier::new(std::sync::Arc::new(tier), 2).with_offload(offload)
     };
 
-    let (computing, _) = engine();
+    // 1. Computed on A, then onboarded from its host tier.
+    let host = HostTier::new(1 << 30);
+    let shared = remote(turbine_engine::RemoteOffload::WriteThrough);
+    let computing = engine_over_tiers(&host, Some(shared.clone()));
     let computed: Vec<Vec<u32>> = prompts.iter().map(|prompt| finish(submit(&computing, prompt, STEPS as u32)).0).collect();
-    let started = std::time::Instant::now();
-    while store.stats().put_blocks < 3 * 124 {
-        assert!(started.elapsed() < std::time::Duration::from_secs(60), "puts to the kv-store did not settle within 60 s: {:?}", store.stats());
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    settle("copies to the host tier", || host.stats().offloaded_blocks.load(Relaxed) >= count * 125 && computing.load().blocks_used == 0);
+    settle("puts to the kv-store", || store.stats().put_blocks >= count * 124);
+    ask_again(&computing, &prompts, &computed, "host memory");
+    // The last prompt was still in the pool.
+    assert!(host.stats().onboarded_blocks.load(Relaxed) >= (count - 1) * 124, "the prompts came back from host memory");
+    assert_eq!(host.stats().corrupt_blocks.load(Relaxed), 0);
+    assert_eq!(shared.failures(), 0);
     computing.shutdown();
 
-    let (fetching, remote) = engine();
-    for (prompt, expected) in prompts.iter().zip(&computed) {
-        let (again, cached) = finish(submit(&fetching, prompt, STEPS as u32));
-        assert_eq!(&again, expected, "a 2,000-token prompt onboarded from the kv-store");
-        assert!(cached >= 1984, "the prompt's blocks were hits ({cached} cached tokens)");
-    }
-    assert!(remote.stats().onboarded_blocks.load(Relaxed) >= 3 * 124, "the prompts came back from the store");
-    assert_eq!(remote.failures(), 0);
+    // 2. Onboarded by B from the kv-store.
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskTier::open(dir.path(), 2 << 30, 1).unwrap();
+    let host = HostTier::with_disk(2 * 368_640, disk);
+    let shared = remote(turbine_engine::RemoteOffload::Off);
+    let fetching = engine_over_tiers(&host, Some(shared.clone()));
+    ask_again(&fetching, &prompts, &computed, "the kv-store");
+    assert!(shared.stats().onboarded_blocks.load(Relaxed) >= count * 124, "the prompts came back from the store");
+    assert_eq!(shared.failures(), 0);
+
+    // 3. Pushed down to B's disk, and onboarded from there.
+    let disk = host.disk().unwrap();
+    settle("copies to the disk tier", || {
+        fetching.load().blocks_used == 0 && disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed)
+    });
+    let from_store = shared.stats().onboarded_blocks.load(Relaxed);
+    ask_again(&fetching, &prompts, &computed, "disk");
+    assert!(disk.stats().onboarded_blocks.load(Relaxed) >= (count - 1) * 100, "the prompts came back from disk: {:?}", disk.stats());
+    assert_eq!(disk.stats().corrupt_blocks.load(Relaxed), 0);
+    assert!(shared.stats().onboarded_blocks.load(Relaxed) - from_store < 5 * 124, "disk, not the store, served them");
     fetching.shutdown();
     shutdown.cancel();
 }
