@@ -79,6 +79,22 @@ pub struct PathReport {
     pub batch_ratio: Option<f64>,
     /// UCX: median milliseconds of the lease, the read and the release.
     pub phases_ms: Option<[f64; 3]>,
+    /// The data path alone, with the baseline: `ucx_perftest` reading the
+    /// batch as one message run just before each batch, and the median of
+    /// the per-batch ratios (the VM's bandwidth drifts between runs
+    /// minutes apart; pairs cancel most of it).
+    pub paired: Option<PairedBaseline>,
+}
+
+/// Each batch next to a `ucx_perftest` run just before it.
+#[derive(Debug, Serialize)]
+pub struct PairedBaseline {
+    /// `ucx_perftest` bandwidth before each batch, bytes per second.
+    pub perftest_bytes_per_sec: Vec<f64>,
+    /// The batch's bandwidth over the perftest's before it, per batch.
+    pub ratios: Vec<f64>,
+    /// Their median.
+    pub median_ratio: f64,
 }
 
 /// The write storm.
@@ -217,23 +233,29 @@ pub async fn run(args: &KvStoreBenchArgs) -> anyhow::Result<KvStoreReport> {
         }
     }
     paths.push(("get, gRPC".to_owned(), seconds));
-    let (ucx_paths, phases) = get_ucx(args, &client, fingerprint, &batch).await?;
+    let ucx_tls = std::env::var("UCX_TLS").unwrap_or_default();
+    let (ucx_paths, phases, paired) = get_ucx(args, &client, fingerprint, &batch, &ucx_tls).await?;
     paths.extend(ucx_paths);
 
-    let ucx_tls = std::env::var("UCX_TLS").unwrap_or_default();
     let perftest_block = if args.no_baseline { None } else { Some(perftest(args.block_bytes, args.perftest_iterations, &ucx_tls).await?) };
     let perftest_batch = if args.no_baseline { None } else { Some(perftest(batch_bytes, args.batches.max(5), &ucx_tls).await?) };
     let paths = paths
         .into_iter()
         .map(|(path, seconds)| {
             let typical = total / median(&seconds);
-            let phases_ms = phases.as_ref().filter(|_| path.starts_with("get, UCX (")).map(|phases| [median(&phases[0]) * 1e3, median(&phases[1]) * 1e3, median(&phases[2]) * 1e3]);
+            let raw = path.starts_with("get, UCX (");
+            let phases_ms = phases.as_ref().filter(|_| raw).map(|phases| [median(&phases[0]) * 1e3, median(&phases[1]) * 1e3, median(&phases[2]) * 1e3]);
+            let paired = paired.as_ref().filter(|_| raw).map(|baseline: &Vec<f64>| {
+                let ratios: Vec<f64> = seconds.iter().zip(baseline).map(|(seconds, baseline)| total / seconds / baseline).collect();
+                PairedBaseline { median_ratio: median(&ratios), ratios, perftest_bytes_per_sec: baseline.clone() }
+            });
             PathReport {
                 path,
                 median_bytes_per_sec: typical,
                 best_bytes_per_sec: total / seconds.iter().copied().fold(f64::INFINITY, f64::min),
                 batch_ratio: perftest_batch.map(|baseline| typical / baseline),
                 phases_ms,
+                paired,
             }
         })
         .collect();
@@ -300,15 +322,15 @@ async fn put_ucx(_: &KvStoreBenchArgs, _: &KvStoreClient, _: Fingerprint, _: &[(
     Ok(None)
 }
 
-/// Get over UCX: (path, batch seconds) for the data path alone and as a
-/// worker's tier reads.
+/// The UCX gets' results: (path, batch seconds) for the data path alone
+/// and as a worker's tier reads; the data path's phases (lease, read,
+/// release); `ucx_perftest`'s bandwidth just before each of its batches.
+type UcxGets = (Vec<(String, Vec<f64>)>, Option<[Vec<f64>; 3]>, Option<Vec<f64>>);
+
+/// Get over UCX, the data path alone paired batch by batch with
+/// `ucx_perftest` (unless `--no-baseline`), then as a worker's tier reads.
 #[cfg(feature = "ucx")]
-async fn get_ucx(
-    args: &KvStoreBenchArgs,
-    client: &KvStoreClient,
-    fingerprint: Fingerprint,
-    batch: &[(SequenceHash, Arc<HostBlock>)],
-) -> anyhow::Result<(Vec<(String, Vec<f64>)>, Option<[Vec<f64>; 3]>)> {
+async fn get_ucx(args: &KvStoreBenchArgs, client: &KvStoreClient, fingerprint: Fingerprint, batch: &[(SequenceHash, Arc<HostBlock>)], ucx_tls: &str) -> anyhow::Result<UcxGets> {
     let reader = turbine_kv_store::UcxLink::start().map_err(anyhow::Error::msg)?;
     let hashes: Vec<SequenceHash> = batch.iter().map(|(hash, _)| *hash).collect();
     let timeout = Duration::from_secs(10);
@@ -316,7 +338,11 @@ async fn get_ucx(
     let mut phases: [Vec<f64>; 3] = Default::default();
     // One buffer for every batch, as a reader reuses its own.
     let mut buffer = Vec::new();
+    let mut paired = Vec::new();
     for round in 0..=args.batches {
+        if round > 0 && !args.no_baseline {
+            paired.push(perftest(args.blocks * args.block_bytes, 5, ucx_tls).await?);
+        }
         let started = Instant::now();
         let lease = client.lease(fingerprint, &hashes).await?;
         anyhow::ensure!(lease.blocks.len() == args.blocks, "the store leased {} of {} blocks (is it serving UCX?)", lease.blocks.len(), args.blocks);
@@ -350,18 +376,14 @@ async fn get_ucx(
     Ok((
         vec![("get, UCX (lease, read, release)".to_owned(), raw), ("get, UCX as a worker's tier (each block checked and copied out)".to_owned(), tier)],
         Some(phases),
+        (!args.no_baseline).then_some(paired),
     ))
 }
 
 #[cfg(not(feature = "ucx"))]
-async fn get_ucx(
-    _: &KvStoreBenchArgs,
-    _: &KvStoreClient,
-    _: Fingerprint,
-    _: &[(SequenceHash, Arc<HostBlock>)],
-) -> anyhow::Result<(Vec<(String, Vec<f64>)>, Option<[Vec<f64>; 3]>)> {
+async fn get_ucx(_: &KvStoreBenchArgs, _: &KvStoreClient, _: Fingerprint, _: &[(SequenceHash, Arc<HostBlock>)], _: &str) -> anyhow::Result<UcxGets> {
     eprintln!("this build has no UCX: only the gRPC paths are measured");
-    Ok((Vec::new(), None))
+    Ok((Vec::new(), None, None))
 }
 
 /// Prints the report as a table.
@@ -384,6 +406,16 @@ pub fn print(report: &KvStoreReport) {
         println!("{:<66} {:>12} {:>10} {:>22}", path.path, gbps(path.median_bytes_per_sec), gbps(path.best_bytes_per_sec), ratio);
         if let Some([lease, read, release]) = path.phases_ms {
             println!("    median lease {lease:.1} ms, read {read:.1} ms, release {release:.1} ms");
+        }
+        if let Some(paired) = &path.paired {
+            let listed: Vec<String> = paired.ratios.iter().map(|ratio| format!("{ratio:.2}")).collect();
+            println!(
+                "    paired with ucx_perftest just before each batch ({}–{} GB/s): median ratio {:.2} (per batch {})",
+                gbps(paired.perftest_bytes_per_sec.iter().copied().fold(f64::INFINITY, f64::min)),
+                gbps(paired.perftest_bytes_per_sec.iter().copied().fold(0.0, f64::max)),
+                paired.median_ratio,
+                listed.join(" ")
+            );
         }
     }
     let storm = &report.storm;
