@@ -11,7 +11,7 @@ use turbine_proto::kvstore::v1::{self as pb, kv_store_client::KvStoreClient as P
 use turbine_runtime::grpc::TracedChannel;
 
 use crate::lease::{Lease, LeasedBlock};
-use crate::service::{from_pb, region_from_pb, to_pb};
+use crate::service::{from_pb, to_pb};
 use crate::store::{Fingerprint, PutOutcome};
 
 /// Why a call to the store failed.
@@ -87,7 +87,7 @@ impl KvStoreClient {
         let pb::LeaseResponse { lease_id, expires_in_ms: _, segment_bytes, region, blocks } = self.client.clone().lease(request).await?.into_inner();
         Ok(Lease {
             id: lease_id,
-            region: region.map(region_from_pb).unwrap_or_default(),
+            region: region.map(Into::into).unwrap_or_default(),
             segment_bytes: segment_bytes as usize,
             blocks: blocks
                 .into_iter()
@@ -111,7 +111,7 @@ impl KvStoreClient {
         let length = blocks.first().map_or(0, |(_, block)| block.bytes.len()) as u64;
         let request = pb::PutFromRequest {
             fingerprint: fingerprint.get(),
-            region: Some(crate::service::region_to_pb(region)),
+            region: Some(region.into()),
             blocks: blocks
                 .iter()
                 .enumerate()

@@ -83,17 +83,6 @@ fn held_to_pb(sequence: SequenceHash, block: &MemoryBlock) -> pb::Block {
     pb::Block { sequence_hash: sequence.0, local_hash: block.local.0, parent_hash: block.parent.map(|p| p.0), checksum: block.checksum, data: block.slots.to_vec() }
 }
 
-pub(crate) fn region_to_pb(region: &turbine_engine::UcxRegion) -> pb::UcxRegion {
-    let turbine_engine::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
-    pb::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
-}
-
-/// A region off the wire.
-pub(crate) fn region_from_pb(region: pb::UcxRegion) -> turbine_engine::UcxRegion {
-    let pb::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
-    turbine_engine::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
-}
-
 fn status(error: StoreError) -> Status {
     match error {
         StoreError::TooLarge(..) => Status::resource_exhausted(error.to_string()),
@@ -230,7 +219,7 @@ impl KvStore for KvStoreService {
             lease_id,
             expires_in_ms: data_path.ttl().as_millis() as u64,
             segment_bytes: self.store.arena().segment().unwrap_or_default() as u64,
-            region: Some(region_to_pb(data_path.region())),
+            region: Some(data_path.region().into()),
             blocks,
         }))
     }
@@ -245,7 +234,7 @@ impl KvStore for KvStoreService {
             return Err(Status::invalid_argument(format!("blocks: {} blocks, at most {} per call", blocks.len(), self.max_blocks_per_call)));
         }
         let Some(first) = blocks.first() else { return Ok(Response::new(pb::PutResponse::default())) };
-        let region = region_from_pb(region.ok_or_else(|| Status::invalid_argument("region: must be set"))?);
+        let region = turbine_engine::UcxRegion::from(region.ok_or_else(|| Status::invalid_argument("region: must be set"))?);
         let length = first.length;
         if length == 0 || blocks.iter().any(|block| block.length != length) {
             return Err(Status::invalid_argument("blocks: every block must have the same nonzero length"));

@@ -9,6 +9,30 @@
 //! Types a service owns (a router's decision, a worker's KV handle) convert
 //! in that service's crate, next to the type.
 
+/// `UcxRegion` both ways for a package's copy of the message
+/// (`turbine.worker.v1` and `turbine.kvstore.v1` each carry one, field for
+/// field the same, so that neither package imports the other).
+macro_rules! ucx_region_conversions {
+    ($message:path) => {
+        impl From<&turbine_engine::UcxRegion> for $message {
+            fn from(region: &turbine_engine::UcxRegion) -> Self {
+                let turbine_engine::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
+                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
+            }
+        }
+
+        impl From<$message> for turbine_engine::UcxRegion {
+            fn from(region: $message) -> Self {
+                let $message { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
+                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
+            }
+        }
+    };
+}
+
+ucx_region_conversions!(crate::worker::v1::UcxRegion);
+ucx_region_conversions!(crate::kvstore::v1::UcxRegion);
+
 mod kvindex;
 mod worker;
 

@@ -1,7 +1,7 @@
 //! `turbine.worker.v1` ⇄ `turbine-engine` and `turbine-tokens`: sampling,
 //! stop conditions, results, load, KV layouts and model cards.
 
-use turbine_engine::{FinishReason, GenerateRequest, KvLayout, Load, SamplingParams, StopConditions, TokenLogprobs, UcxRegion, Usage};
+use turbine_engine::{FinishReason, GenerateRequest, KvLayout, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_tokens::{ModelCard, TokenizerSpec};
 
 use super::{ConversionError, ConversionResult};
@@ -172,20 +172,6 @@ impl TryFrom<pb::KvLayout> for KvLayout {
             dtype,
             order,
         })
-    }
-}
-
-impl From<&UcxRegion> for pb::UcxRegion {
-    fn from(region: &UcxRegion) -> Self {
-        let UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
-        pb::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
-    }
-}
-
-impl From<pb::UcxRegion> for UcxRegion {
-    fn from(region: pb::UcxRegion) -> Self {
-        let pb::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
-        UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
     }
 }
 
