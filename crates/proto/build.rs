@@ -10,6 +10,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("turbine.kvindex.v1", "turbine/kvindex/v1/kvindex.proto"),
     ("turbine.kvstore.v1", "turbine/kvstore/v1/kvstore.proto"),
     ("turbine.gateway.v1", "turbine/gateway/v1/gateway.proto"),
+    ("turbine.planner.v1", "turbine/planner/v1/planner.proto"),
     ("turbine.router.v1", "turbine/router/v1/router.proto"),
     ("turbine.worker.v1", "turbine/worker/v1/worker.proto"),
 ];

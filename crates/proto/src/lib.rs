@@ -1,7 +1,7 @@
 //! Turbine's gRPC contracts, generated from `proto/` at build time.
 //!
 //! One module per package and version (`gateway::v1`, `kvindex::v1`,
-//! `kvstore::v1`, `router::v1`, `worker::v1`), mirroring `proto/turbine/<service>/v1/`. Each module also
+//! `kvstore::v1`, `planner::v1`, `router::v1`, `worker::v1`), mirroring `proto/turbine/<service>/v1/`. Each module also
 //! exports its encoded `FILE_DESCRIPTOR_SET` (with comments), which servers
 //! register with gRPC reflection so `grpcurl list` and `describe` work.
 //!
@@ -53,6 +53,18 @@ pub mod kvstore {
     }
 }
 
+/// `turbine.planner.*` packages.
+#[allow(clippy::all, missing_docs)]
+pub mod planner {
+    /// `turbine.planner.v1`: SLA-driven sizing of the worker pools.
+    pub mod v1 {
+        tonic::include_proto!("turbine.planner.v1");
+        /// Encoded descriptor set of `turbine.planner.v1`, source info included.
+        pub const FILE_DESCRIPTOR_SET: &[u8] =
+            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.planner.v1.bin"));
+    }
+}
+
 /// `turbine.router.*` packages.
 #[allow(clippy::all, missing_docs)]
 pub mod router {
@@ -85,6 +97,8 @@ pub mod service_names {
     pub const KV_INDEX: &str = "turbine.kvindex.v1.KvIndex";
     /// `turbine.kvstore.v1.KvStore`
     pub const KV_STORE: &str = "turbine.kvstore.v1.KvStore";
+    /// `turbine.planner.v1.Planner`
+    pub const PLANNER: &str = "turbine.planner.v1.Planner";
     /// `turbine.router.v1.Router`
     pub const ROUTER: &str = "turbine.router.v1.Router";
     /// `turbine.worker.v1.Worker`

@@ -4,7 +4,7 @@
 
 use prost::Message;
 use prost_types::{FileDescriptorProto, FileDescriptorSet, SourceCodeInfo};
-use turbine_proto::{gateway, kvindex, router, worker};
+use turbine_proto::{gateway, kvindex, kvstore, planner, router, worker};
 
 fn decode(bytes: &[u8]) -> FileDescriptorSet {
     FileDescriptorSet::decode(bytes).expect("descriptor set decodes")
@@ -80,6 +80,18 @@ fn kvindex_descriptor_set_follows_the_contract_rules() {
 }
 
 #[test]
+fn kvstore_descriptor_set_follows_the_contract_rules() {
+    let set = decode(kvstore::v1::FILE_DESCRIPTOR_SET);
+    check_contract_rules(&set, "turbine.kvstore.v1", &["KvStore"]);
+}
+
+#[test]
+fn planner_descriptor_set_follows_the_contract_rules() {
+    let set = decode(planner::v1::FILE_DESCRIPTOR_SET);
+    check_contract_rules(&set, "turbine.planner.v1", &["Planner"]);
+}
+
+#[test]
 fn router_descriptor_set_follows_the_contract_rules() {
     let set = decode(router::v1::FILE_DESCRIPTOR_SET);
     check_contract_rules(&set, "turbine.router.v1", &["Router"]);
@@ -98,6 +110,8 @@ fn file_paths_match_package_and_version() {
         (kvindex::v1::FILE_DESCRIPTOR_SET, "turbine.kvindex.v1"),
         (router::v1::FILE_DESCRIPTOR_SET, "turbine.router.v1"),
         (worker::v1::FILE_DESCRIPTOR_SET, "turbine.worker.v1"),
+        (kvstore::v1::FILE_DESCRIPTOR_SET, "turbine.kvstore.v1"),
+        (planner::v1::FILE_DESCRIPTOR_SET, "turbine.planner.v1"),
     ] {
         let set = decode(bytes);
         let file = file(&set, package);
