@@ -44,9 +44,19 @@ enum Command {
     KvIndex(Box<Layered<KvIndexConfig>>),
     /// Run the kv-store service (the shared KV block store, the G4 tier).
     KvStore(Box<Layered<KvStoreConfig>>),
+    /// The planner (SLA-driven sizing of the worker pools; being built).
+    #[command(subcommand)]
+    Planner(PlannerCommand),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Box<turbine_bench::BenchCommand>),
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum PlannerCommand {
+    /// Each predictor's one-step-ahead error (MAPE of request rate, input
+    /// and output length) on recorded traces.
+    Backtest(turbine_planner::backtest::BacktestArgs),
 }
 
 fn main() -> ExitCode {
@@ -66,6 +76,13 @@ fn main() -> ExitCode {
         Command::Worker(config) => turbine_worker::main(config.into_inner()),
         Command::KvIndex(config) => turbine_kv_index::main(config.into_inner()),
         Command::KvStore(config) => turbine_kv_store::main(config.into_inner()),
+        Command::Planner(PlannerCommand::Backtest(args)) => match turbine_planner::backtest::run(&args) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("turbine: error: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Bench(command) => turbine_bench::main(*command),
     }
 }
