@@ -4,7 +4,8 @@
 //!
 //! It is being built in steps. Here so far: [`targets`], what the planner
 //! sizes for, checked as `SetTargets` and the configuration take it;
-//! [`predict`], the next interval's load from the ones before; and
+//! [`predict`], the next interval's load from the ones before (constant,
+//! moving average, seasonal); and
 //! [`backtest`], each predictor's error on a recorded trace.
 
 pub mod backtest;
