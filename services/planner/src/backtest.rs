@@ -74,13 +74,20 @@ fn parse_timestamp(text: &str) -> Option<f64> {
     Some((days * 86_400 + hour * 3600 + minute * 60) as f64 + second)
 }
 
+/// Most intervals a backtest cuts a trace into (a year of minutes): a
+/// trace whose timestamps span more is refused rather than allocated.
+pub const MAX_INTERVALS: usize = 525_600;
+
 /// The trace cut into intervals of `interval` from its first request: each
 /// interval's request rate and mean lengths (0 where it saw no request).
-pub fn intervals(requests: &[TraceRequest], interval: Duration) -> Vec<Load> {
+pub fn intervals(requests: &[TraceRequest], interval: Duration) -> anyhow::Result<Vec<Load>> {
     let width = interval.as_secs_f64();
-    let Some(start) = requests.iter().map(|request| request.at_secs).min_by(f64::total_cmp) else { return Vec::new() };
+    anyhow::ensure!(width > 0.0, "the interval must be positive");
+    let Some(start) = requests.iter().map(|request| request.at_secs).min_by(f64::total_cmp) else { return Ok(Vec::new()) };
     let end = requests.iter().map(|request| request.at_secs).max_by(f64::total_cmp).unwrap_or(start);
-    let count = ((end - start) / width).floor() as usize + 1;
+    let span = (end - start) / width;
+    anyhow::ensure!(span < MAX_INTERVALS as f64, "the trace spans {:.0} intervals of {} s, at most {MAX_INTERVALS}: use a longer interval", span.ceil(), interval.as_secs());
+    let count = span.floor() as usize + 1;
     let mut sums = vec![(0u64, 0u64, 0u64); count];
     for request in requests {
         let slot = &mut sums[(((request.at_secs - start) / width).floor() as usize).min(count - 1)];
@@ -88,12 +95,13 @@ pub fn intervals(requests: &[TraceRequest], interval: Duration) -> Vec<Load> {
         slot.1 += u64::from(request.input_tokens);
         slot.2 += u64::from(request.output_tokens);
     }
-    sums.into_iter()
+    Ok(sums
+        .into_iter()
         .map(|(requests, input, output)| {
             let mean = |total: u64| if requests == 0 { 0.0 } else { total as f64 / requests as f64 };
             Load { request_rate: requests as f64 / width, isl_mean: mean(input), osl_mean: mean(output) }
         })
-        .collect()
+        .collect())
 }
 
 /// One predictor's errors.
@@ -181,7 +189,7 @@ pub fn run(args: &BacktestArgs) -> anyhow::Result<Vec<TraceReport>> {
     let mut reports = Vec::new();
     for path in &args.trace {
         let requests = read_azure_csv(path)?;
-        let loads = intervals(&requests, Duration::from_secs(args.interval_secs));
+        let loads = intervals(&requests, Duration::from_secs(args.interval_secs)).map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
         let predictors = backtest(&loads, &BACKTESTED, args.season_intervals).map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
         reports.push(TraceReport { trace: path.display().to_string(), requests: requests.len(), intervals: loads.len(), predictors });
     }
@@ -228,11 +236,14 @@ mod tests {
     #[test]
     fn intervals_count_requests_and_average_lengths() {
         let request = |at_secs, input_tokens, output_tokens| TraceRequest { at_secs, input_tokens, output_tokens };
-        let loads = intervals(&[request(100.0, 10, 1), request(105.0, 30, 3), request(125.0, 50, 5)], Duration::from_secs(10));
+        let loads = intervals(&[request(100.0, 10, 1), request(105.0, 30, 3), request(125.0, 50, 5)], Duration::from_secs(10)).unwrap();
         assert_eq!(loads.len(), 3);
         assert_eq!(loads[0], Load { request_rate: 0.2, isl_mean: 20.0, osl_mean: 2.0 });
         assert_eq!(loads[1], Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 });
         assert_eq!(loads[2], Load { request_rate: 0.1, isl_mean: 50.0, osl_mean: 5.0 });
+        // Timestamps decades apart are refused, not allocated.
+        let error = intervals(&[request(0.0, 1, 1), request(1.7e9, 1, 1)], Duration::from_secs(1)).unwrap_err();
+        assert!(error.to_string().contains("use a longer interval"), "{error}");
     }
 
     #[test]
@@ -258,7 +269,7 @@ mod tests {
         for name in ["azure_llm_inference_2023_code.csv", "azure_llm_inference_2023_conv.csv"] {
             let requests = read_azure_csv(&dir.join(name)).unwrap();
             assert!(requests.len() > 5000, "{name}: {} requests", requests.len());
-            let loads = intervals(&requests, Duration::from_secs(60));
+            let loads = intervals(&requests, Duration::from_secs(60)).unwrap();
             assert!((55..=65).contains(&loads.len()), "{name}: about an hour, {} intervals of a minute", loads.len());
             let errors = backtest(&loads, &BACKTESTED, 5).unwrap();
             for error in &errors {
