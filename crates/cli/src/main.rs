@@ -44,7 +44,7 @@ enum Command {
     KvIndex(Box<Layered<KvIndexConfig>>),
     /// Run the kv-store service (the shared KV block store, the G4 tier).
     KvStore(Box<Layered<KvStoreConfig>>),
-    /// The planner (SLA-driven sizing of the worker pools; being built).
+    /// The planner: run its service, or backtest its predictors.
     #[command(subcommand)]
     Planner(PlannerCommand),
     /// Benchmarks.
@@ -54,6 +54,9 @@ enum Command {
 
 #[derive(Debug, clap::Subcommand)]
 enum PlannerCommand {
+    /// Run the planner service (turbine.planner.v1): it keeps the targets
+    /// and every decision in its database (--database).
+    Serve(Box<Layered<turbine_planner::PlannerConfig>>),
     /// Each predictor's one-step-ahead error (MAPE of request rate, input
     /// and output length) on recorded traces.
     Backtest(turbine_planner::backtest::BacktestArgs),
@@ -76,6 +79,7 @@ fn main() -> ExitCode {
         Command::Worker(config) => turbine_worker::main(config.into_inner()),
         Command::KvIndex(config) => turbine_kv_index::main(config.into_inner()),
         Command::KvStore(config) => turbine_kv_store::main(config.into_inner()),
+        Command::Planner(PlannerCommand::Serve(config)) => turbine_planner::main(config.into_inner()),
         Command::Planner(PlannerCommand::Backtest(args)) => match turbine_planner::backtest::run(&args) {
             Ok(_) => ExitCode::SUCCESS,
             Err(error) => {

@@ -7,11 +7,15 @@
 //!   bound addresses come from `--addresses-file`, its readiness from gRPC
 //!   health.
 //! - [`RedisServer`]: a private `redis-server`, ready when it answers PING.
+//! - [`PostgresServer`]: a private PostgreSQL cluster (`initdb`, `postgres`),
+//!   ready when `pg_isready` says so.
 
+mod postgres_server;
 mod process;
 mod redis_server;
 mod service;
 
+pub use postgres_server::PostgresServer;
 pub use process::ChildProcess;
 pub use redis_server::RedisServer;
 pub use service::{ServiceProcess, addresses_file};

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub use turbine_harness::{
-    ChildProcess, RedisServer, STARTUP_TIMEOUT, ServiceProcess, addresses_file,
+    ChildProcess, PostgresServer, RedisServer, STARTUP_TIMEOUT, ServiceProcess, addresses_file,
 };
 
 /// Path of a binary built from this workspace (`turbine`, `turbine-worker`,

@@ -2,14 +2,34 @@
 //! targets at the least cost (observe, predict, propose, constrain,
 //! execute; DESIGN §5, issue #18).
 //!
-//! It is being built in steps. Here so far: [`targets`], what the planner
-//! sizes for, checked as `SetTargets` and the configuration take it;
-//! [`predict`], the next interval's load from the ones before (constant,
-//! moving average, seasonal); and
-//! [`backtest`], each predictor's error on a recorded trace.
+//! It is being built in steps. Here so far:
+//! - [`targets`]: what the planner sizes for, checked as `SetTargets` and
+//!   the configuration take it;
+//! - [`predict`]: the next interval's load from the ones before
+//!   (constant, moving average, seasonal), and [`backtest`], each
+//!   predictor's error on a recorded trace;
+//! - [`decision`]: one interval's pass, as it is kept and shown;
+//! - [`ledger`]: the state in PostgreSQL or SQLite (targets, the pause
+//!   switch, decisions, actions), migrated at start;
+//! - [`service`]: `turbine.planner.v1.Planner` over the ledger, and
+//!   [`serve()`]: the planner on the service host, who may call what
+//!   ([`ROLES`]); [`PlannerConfig`]: configuration and flags;
+//! - [`PlannerClient`]: the typed client.
 
 pub mod backtest;
+pub mod client;
+pub mod config;
+pub mod decision;
+pub mod ledger;
 pub mod predict;
+pub mod serve;
+pub mod service;
 pub mod targets;
 
+pub use client::{HistoryPage, PlannerClient, PlannerClientError};
+pub use config::PlannerConfig;
+pub use decision::{Action, ActionState, Decision, Malformed, Observation, Plan, PoolDecision, PoolState, Prediction};
+pub use ledger::{Backend, Control, Ledger, LedgerError};
+pub use serve::{ROLES, main, serve};
+pub use service::{PlannerService, PlannerState};
 pub use targets::{PoolKind, PoolLimits, Predictor, Targets, TargetsError};

@@ -29,7 +29,7 @@ pub struct Forecaster {
 }
 
 /// One interval's load, as the planner sizes for it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Load {
     /// Requests per second.
     pub request_rate: f64,

@@ -168,6 +168,13 @@ impl Targets {
         Ok(Self { ttft_ms, itl_ms, percentile, pools, budget_workers, interval, cooldown, predictor })
     }
 
+    /// The same targets, checked again (for targets read back from the
+    /// ledger, which deserializes without [`Targets::new`]).
+    pub fn checked(self) -> Result<Self, TargetsError> {
+        let Targets { ttft_ms, itl_ms, percentile, pools, budget_workers, interval, cooldown, predictor } = self;
+        Targets::new(ttft_ms, itl_ms, percentile, pools, budget_workers, interval, cooldown, predictor)
+    }
+
     /// TTFT target at [`percentile`](Self::percentile), milliseconds.
     pub fn ttft_ms(&self) -> f64 {
         self.ttft_ms

@@ -1,0 +1,57 @@
+//! Configuration of the planner service: defaults < `--config` file <
+//! `TURBINE_*` env < flags (see `turbine_runtime::config`).
+
+use serde::{Deserialize, Serialize};
+use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings};
+
+use crate::ledger::Backend;
+
+/// Where a planner listens by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlannerPorts {}
+
+impl ServiceDefaults for PlannerPorts {
+    const GRPC_ADDR: &'static str = "0.0.0.0:50054";
+    const GRPC_ADDR_ENV: &'static str = "TURBINE_PLANNER_GRPC_ADDR";
+    const ADMIN_ADDR: Option<&'static str> = Some("0.0.0.0:9095");
+    const ADMIN_ADDR_ENV: &'static str = "TURBINE_PLANNER_ADMIN_ADDR";
+    const SHUTDOWN_GRACE_SECS: &'static str = "10";
+}
+
+/// The planner's configuration.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct PlannerConfig {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub server: ServerConfig<PlannerPorts>,
+    /// The deployment the planner sizes: its namespace names the planner's
+    /// rows in the database too, so planners of several deployments can
+    /// share one.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub cluster: ClusterConfig,
+    /// Where the planner keeps its targets, decisions and actions:
+    /// postgres://user:password@host:port/database, or sqlite:path (a file,
+    /// created if missing) on one machine. The schema is migrated at start.
+    #[arg(long, env = "TURBINE_PLANNER_DATABASE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database: Option<String>,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        turbine_runtime::config::settings_defaults()
+    }
+}
+
+impl Settings for PlannerConfig {
+    const CONFIG_ENV: &'static str = "TURBINE_PLANNER_CONFIG";
+
+    fn validate(&self) -> Result<(), String> {
+        self.server.validate()?;
+        match &self.database {
+            None => Err("database: required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine".into()),
+            Some(url) => Backend::of(url).map(|_| ()).map_err(|error| format!("database: {error}")),
+        }
+    }
+}

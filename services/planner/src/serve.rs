@@ -1,0 +1,61 @@
+//! Serving the planner on the service host.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use turbine_proto::planner::v1::{FILE_DESCRIPTOR_SET, planner_server::PlannerServer};
+use turbine_proto::service_names;
+use turbine_runtime::CancellationToken;
+use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
+
+use crate::config::PlannerConfig;
+use crate::ledger::Ledger;
+use crate::service::{PlannerService, PlannerState};
+
+/// Who may call each rpc of `turbine.planner.v1.Planner`: reading the plan
+/// is for operators and monitoring, changing it for operators.
+pub const ROLES: &[RpcRoles] = &[
+    RpcRoles { method: "/turbine.planner.v1.Planner/GetPlan", roles: &[Role::Operator, Role::Monitoring] },
+    RpcRoles { method: "/turbine.planner.v1.Planner/WatchPlan", roles: &[Role::Operator, Role::Monitoring] },
+    RpcRoles { method: "/turbine.planner.v1.Planner/History", roles: &[Role::Operator, Role::Monitoring] },
+    RpcRoles { method: "/turbine.planner.v1.Planner/SetTargets", roles: &[Role::Operator] },
+    RpcRoles { method: "/turbine.planner.v1.Planner/Pause", roles: &[Role::Operator] },
+    RpcRoles { method: "/turbine.planner.v1.Planner/Resume", roles: &[Role::Operator] },
+];
+
+const SPEC: HostSpec = HostSpec {
+    name: "planner",
+    health: &[service_names::PLANNER],
+    descriptors: &[FILE_DESCRIPTOR_SET],
+    handler_timeout: Duration::from_secs(30),
+    roles: ROLES,
+};
+
+/// How often readiness checks that the database answers.
+const DATABASE_PROBE: Duration = Duration::from_secs(2);
+
+/// Serves `state` on `listeners` until `shutdown` fires, then drains. The
+/// planner is ready while its database answers.
+pub async fn serve(config: PlannerConfig, state: PlannerState, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let mut host = Host::new(SPEC, &config.server, listeners).await?;
+    host.add_service(PlannerServer::new(PlannerService::new(state.clone(), shutdown.clone())));
+    let mut serving = host.start(shutdown)?;
+    let ledger = state.ledger().clone();
+    serving.ready_when(DATABASE_PROBE, move || {
+        let ledger = ledger.clone();
+        async move { ledger.ping().await.is_ok() }
+    })
+    .await;
+    serving.until_shutdown(async {}).await
+}
+
+/// Entry point shared by `turbine-planner` and `turbine planner serve`.
+pub fn main(config: PlannerConfig) -> std::process::ExitCode {
+    turbine_runtime::run_service("turbine-planner", move |shutdown| async move {
+        let url = config.database.clone().context("database: required")?;
+        let ledger = Ledger::open(&url, &config.cluster.namespace).await.context("cannot open the planner's database")?;
+        let listeners = Listeners::bind(&config.server).await?;
+        tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, "planner listening");
+        serve(config, PlannerState::new(ledger), listeners, shutdown).await
+    })
+}

@@ -1,0 +1,178 @@
+//! The gRPC shell over the ledger: `turbine.planner.v1.Planner`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::broadcast;
+use tokio_stream::wrappers::BroadcastStream;
+use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+use turbine_runtime::CancellationToken;
+use turbine_proto::planner::v1::{self as pb, planner_server};
+
+use crate::decision::{Decision, Plan};
+use crate::ledger::{Ledger, LedgerError};
+use crate::targets::Targets;
+
+/// Decisions a watcher may fall behind by before its stream is ended.
+pub const WATCH_BUFFER: usize = 64;
+
+/// Longest pause reason, bytes.
+pub const MAX_REASON: usize = 1024;
+
+/// Most decisions per History page.
+pub const MAX_PAGE: u32 = 1000;
+
+/// Decisions per History page when the caller names none.
+pub const DEFAULT_PAGE: u32 = 100;
+
+/// The planner's state as the service shares it: the ledger, and the
+/// decisions as they are recorded, for watchers.
+#[derive(Debug, Clone)]
+pub struct PlannerState {
+    ledger: Ledger,
+    decisions: broadcast::Sender<Arc<Decision>>,
+}
+
+impl PlannerState {
+    /// The state kept in `ledger`.
+    pub fn new(ledger: Ledger) -> Self {
+        Self { ledger, decisions: broadcast::channel(WATCH_BUFFER).0 }
+    }
+
+    /// The ledger.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Records `decision` and hands it to every watcher.
+    pub async fn record(&self, decision: Decision) -> Result<(), LedgerError> {
+        self.ledger.record(&decision).await?;
+        // No watcher is not an error.
+        let _ = self.decisions.send(Arc::new(decision));
+        Ok(())
+    }
+}
+
+/// The service.
+#[derive(Debug, Clone)]
+pub struct PlannerService {
+    state: PlannerState,
+    shutdown: CancellationToken,
+}
+
+impl PlannerService {
+    /// Serves `state`; watch streams end when `shutdown` fires (so a
+    /// watcher never holds up the drain).
+    pub fn new(state: PlannerState, shutdown: CancellationToken) -> Self {
+        Self { state, shutdown }
+    }
+
+    async fn plan(&self) -> Result<pb::Plan, Status> {
+        let ledger = self.state.ledger();
+        let control = ledger.control().await.map_err(unavailable)?;
+        let latest = ledger.latest().await.map_err(unavailable)?;
+        Ok(pb::Plan::from(&Plan::new(control.targets, control.paused, latest)))
+    }
+}
+
+fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64)
+}
+
+/// A ledger failure as the caller sees it: the planner's database cannot
+/// answer now; the call may be retried.
+fn unavailable(error: LedgerError) -> Status {
+    tracing::warn!(%error, "planner ledger");
+    match error {
+        LedgerError::Corrupt { .. } => Status::internal(format!("planner state: {error}")),
+        _ => Status::unavailable(format!("planner state: {error}")),
+    }
+}
+
+/// History's page token: the id the next page starts below.
+fn token_before(before: u64) -> String {
+    format!("before-{before}")
+}
+
+fn parse_page_token(token: &str) -> Result<Option<u64>, Status> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    token
+        .strip_prefix("before-")
+        .and_then(|id| id.parse().ok())
+        .map(Some)
+        .ok_or_else(|| Status::invalid_argument(format!("page_token: {token:?} was not issued by this planner (pass a previous answer's next_page_token, or nothing)")))
+}
+
+type DecisionStream = Pin<Box<dyn Stream<Item = Result<pb::Decision, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl planner_server::Planner for PlannerService {
+    async fn get_plan(&self, _request: Request<pb::GetPlanRequest>) -> Result<Response<pb::Plan>, Status> {
+        Ok(Response::new(self.plan().await?))
+    }
+
+    type WatchPlanStream = DecisionStream;
+
+    async fn watch_plan(&self, _request: Request<pb::WatchPlanRequest>) -> Result<Response<DecisionStream>, Status> {
+        // Subscribe before reading the latest, so nothing falls between.
+        let decisions = self.state.decisions.subscribe();
+        let latest = self.state.ledger().latest().await.map_err(unavailable)?;
+        let sent = latest.as_ref().map_or(0, |decision| decision.id);
+        let first = tokio_stream::iter(latest.map(|decision| Ok(pb::Decision::from(&decision))));
+        let rest = BroadcastStream::new(decisions).filter(move |next| !matches!(next, Ok(decision) if decision.id <= sent)).map(|next| match next {
+            Ok(decision) => Ok(pb::Decision::from(&*decision)),
+            // tonic ends the stream with this status.
+            Err(BroadcastStreamRecvError::Lagged(missed)) => Err(Status::resource_exhausted(format!(
+                "this watcher fell {missed} decisions behind (the planner buffers {WATCH_BUFFER}): call History for what was missed, then watch again"
+            ))),
+        });
+        Ok(Response::new(Box::pin(futures::StreamExt::take_until(first.chain(rest), self.shutdown.clone().cancelled_owned()))))
+    }
+
+    async fn set_targets(&self, request: Request<pb::SetTargetsRequest>) -> Result<Response<pb::SetTargetsResponse>, Status> {
+        let targets = request.into_inner().targets.ok_or_else(|| Status::invalid_argument("targets: required"))?;
+        let targets = Targets::try_from(targets).map_err(|error| Status::invalid_argument(error.to_string()))?;
+        self.state.ledger().set_targets(&targets, now_unix_ms()).await.map_err(unavailable)?;
+        tracing::info!(?targets, "targets set");
+        Ok(Response::new(pb::SetTargetsResponse { targets: Some(pb::Targets::from(&targets)) }))
+    }
+
+    async fn history(&self, request: Request<pb::HistoryRequest>) -> Result<Response<pb::HistoryResponse>, Status> {
+        let pb::HistoryRequest { page_size, page_token } = request.into_inner();
+        let before = parse_page_token(&page_token)?;
+        let size = match page_size {
+            0 => DEFAULT_PAGE,
+            size if size > MAX_PAGE => return Err(Status::invalid_argument(format!("page_size: {size}, at most {MAX_PAGE}"))),
+            size => size,
+        };
+        // One more than the page says whether another page follows.
+        let mut decisions = self.state.ledger().history(before, size as usize + 1).await.map_err(unavailable)?;
+        let more = decisions.len() > size as usize;
+        decisions.truncate(size as usize);
+        let next_page_token = match decisions.last() {
+            Some(oldest) if more => token_before(oldest.id),
+            _ => String::new(),
+        };
+        Ok(Response::new(pb::HistoryResponse { decisions: decisions.iter().map(pb::Decision::from).collect(), next_page_token }))
+    }
+
+    async fn pause(&self, request: Request<pb::PauseRequest>) -> Result<Response<pb::PauseResponse>, Status> {
+        let reason = request.into_inner().reason;
+        if reason.len() > MAX_REASON {
+            return Err(Status::invalid_argument(format!("reason: {} bytes, at most {MAX_REASON}", reason.len())));
+        }
+        self.state.ledger().set_paused(true, &reason, now_unix_ms()).await.map_err(unavailable)?;
+        tracing::info!(reason, "planner paused");
+        Ok(Response::new(pb::PauseResponse { plan: Some(self.plan().await?) }))
+    }
+
+    async fn resume(&self, _request: Request<pb::ResumeRequest>) -> Result<Response<pb::ResumeResponse>, Status> {
+        self.state.ledger().set_paused(false, "", now_unix_ms()).await.map_err(unavailable)?;
+        tracing::info!("planner resumed");
+        Ok(Response::new(pb::ResumeResponse { plan: Some(self.plan().await?) }))
+    }
+}
