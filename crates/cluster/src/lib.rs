@@ -79,6 +79,7 @@ pub struct Cluster {
     kv_index: Option<(KvIndexClient, BoundAddrs)>,
     kv_store: Option<std::net::SocketAddr>,
     model: String,
+    registry: Registry,
     /// The gateways' tasks: they drain first, on the caller's token.
     front: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
     /// Everything behind the gateways (workers, routers, kv-index): stopped
@@ -271,6 +272,7 @@ impl Cluster {
             kv_index,
             kv_store,
             model,
+            registry,
             front: front_tasks,
             services,
             backend: backend.drop_guard(),
@@ -279,6 +281,12 @@ impl Cluster {
             cluster.until_listed(gateway).await?;
         }
         Ok(cluster)
+    }
+
+    /// The cluster's worker registry (in memory): who serves, in which
+    /// role, how loaded.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Waits until the gateway at `addresses` lists the model (its catalog

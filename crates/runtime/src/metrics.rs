@@ -42,6 +42,14 @@ pub fn latency_buckets() -> Vec<f64> {
     vec![0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 }
 
+/// Latency buckets fine enough to read a percentile from (each 15% above
+/// the one before, 1 ms to ~100 s: a percentile interpolated within a
+/// bucket is off by at most ~7%), for the latencies targets are set on
+/// (TTFT, ITL) and the planner reads.
+pub fn slo_latency_buckets() -> Vec<f64> {
+    std::iter::successors(Some(0.001_f64), |bound| Some(bound * 1.15)).take_while(|bound| *bound <= 100.0).collect()
+}
+
 /// Registers `collector` (one that reads an instance's statistics when
 /// scraped) until the returned guard drops. A collector whose metrics are
 /// already registered (a second instance with the same labels in this

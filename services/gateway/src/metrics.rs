@@ -5,14 +5,22 @@ use std::time::Duration;
 
 use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge};
 use turbine_engine::Usage;
-use turbine_runtime::metrics::{counter, gauge, histogram, latency_buckets};
+use turbine_runtime::metrics::{counter, gauge, histogram, latency_buckets, slo_latency_buckets};
 
 static REQUESTS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_gateway_requests_total", "Requests by endpoint and HTTP status", &["endpoint", "status"]));
 static IN_FLIGHT: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("turbine_gateway_in_flight_requests", "Requests being served", &[]).with_label_values(&[] as &[&str]));
 static TTFT: LazyLock<HistogramVec> = LazyLock::new(|| {
-    histogram("turbine_gateway_time_to_first_token_seconds", "Time from request to the first generated token", &["model"], latency_buckets())
+    histogram("turbine_gateway_time_to_first_token_seconds", "Time from request to the first generated token", &["model"], slo_latency_buckets())
+});
+static ITL: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram(
+        "turbine_gateway_inter_token_latency_seconds",
+        "Per request of two or more tokens: the mean time between tokens after the first",
+        &["model"],
+        slo_latency_buckets(),
+    )
 });
 static DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
     histogram("turbine_gateway_request_duration_seconds", "Time from request to the last token", &["model"], latency_buckets())
@@ -68,8 +76,15 @@ pub(crate) fn time_to_first_token(model: &str, elapsed: Duration) {
     TTFT.with_label_values(&[model]).observe(elapsed.as_secs_f64());
 }
 
-pub(crate) fn request_tokens(model: &str, usage: &Usage, elapsed: Duration) {
+/// A finished request: its duration, tokens, and (`decoding`: from its
+/// first token to its last) its inter-token latency.
+pub(crate) fn request_tokens(model: &str, usage: &Usage, elapsed: Duration, decoding: Option<Duration>) {
     DURATION.with_label_values(&[model]).observe(elapsed.as_secs_f64());
+    if let Some(decoding) = decoding
+        && usage.completion_tokens >= 2
+    {
+        ITL.with_label_values(&[model]).observe(decoding.as_secs_f64() / f64::from(usage.completion_tokens - 1));
+    }
     TOKENS.with_label_values(&[model, "prompt"]).inc_by(usage.prompt_tokens.into());
     TOKENS.with_label_values(&[model, "cached_prompt"]).inc_by(usage.cached_prompt_tokens.into());
     TOKENS.with_label_values(&[model, "completion"]).inc_by(usage.completion_tokens.into());

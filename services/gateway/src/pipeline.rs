@@ -470,7 +470,7 @@ impl TextStream {
             completion_tokens: self.generated.len() as u32,
             cached_prompt_tokens: self.cached_prompt_tokens.unwrap_or(0),
         };
-        metrics::request_tokens(&self.model, &usage, self.started.elapsed());
+        metrics::request_tokens(&self.model, &usage, self.started.elapsed(), self.first_token_at.map(|first| first.elapsed()));
         if !last_text.is_empty() || !self.logprobs.is_empty() {
             self.pending.push_back(TextEvent::Delta { text: last_text, logprobs: std::mem::take(&mut self.logprobs) });
         }

@@ -36,6 +36,14 @@ pub struct PlannerConfig {
     #[arg(long, env = "TURBINE_PLANNER_DATABASE")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub database: Option<String>,
+    /// The gateways' metrics pages (`http://gateway:8000/metrics`, comma
+    /// separated or repeated): every interval the planner reads the
+    /// requests, tokens and latencies of the interval from them, and the
+    /// workers of each pool from the registry (--redis). Without them the
+    /// planner keeps and serves its state but observes nothing.
+    #[arg(long, env = "TURBINE_PLANNER_GATEWAY_METRICS", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gateway_metrics: Vec<String>,
 }
 
 impl Default for PlannerConfig {
@@ -49,6 +57,14 @@ impl Settings for PlannerConfig {
 
     fn validate(&self) -> Result<(), String> {
         self.server.validate()?;
+        for url in &self.gateway_metrics {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(format!("gateway_metrics: {url:?} is not an http:// or https:// URL"));
+            }
+        }
+        if !self.gateway_metrics.is_empty() && self.cluster.redis.is_none() {
+            return Err("gateway_metrics: observing needs the worker registry too (--redis)".into());
+        }
         match &self.database {
             None => Err("database: required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine".into()),
             Some(url) => Backend::of(url).map(|_| ()).map_err(|error| format!("database: {error}")),

@@ -15,11 +15,13 @@ pub struct Observation {
     pub pool: String,
     /// Requests per second, the interval's input and output lengths.
     pub load: Load,
-    /// TTFT at the targets' percentile, milliseconds.
-    pub ttft_ms: f64,
-    /// ITL at the targets' percentile, milliseconds.
-    pub itl_ms: f64,
-    /// Requests waiting, averaged over the interval.
+    /// TTFT at the targets' percentile, milliseconds; `None` when no
+    /// request got its first token in the interval.
+    pub ttft_ms: Option<f64>,
+    /// ITL at the targets' percentile, milliseconds; `None` when no
+    /// request of two or more tokens finished in the interval.
+    pub itl_ms: Option<f64>,
+    /// Requests waiting when the interval ended.
     pub queue_depth: f64,
     /// KV cache in use, a fraction of the pool's total.
     pub kv_usage: f64,
@@ -154,8 +156,8 @@ impl From<&Decision> for pb::Decision {
                     request_rate: seen.load.request_rate,
                     isl_mean: seen.load.isl_mean,
                     osl_mean: seen.load.osl_mean,
-                    ttft_ms: seen.ttft_ms,
-                    itl_ms: seen.itl_ms,
+                    ttft_ms: seen.ttft_ms.unwrap_or(0.0),
+                    itl_ms: seen.itl_ms.unwrap_or(0.0),
                     queue_depth: seen.queue_depth,
                     kv_usage: seen.kv_usage,
                     replicas: seen.replicas,
@@ -330,8 +332,8 @@ impl TryFrom<pb::Decision> for Decision {
                 .map(|seen| Observation {
                     load: load(seen.request_rate, seen.isl_mean, seen.osl_mean),
                     pool: seen.pool,
-                    ttft_ms: seen.ttft_ms,
-                    itl_ms: seen.itl_ms,
+                    ttft_ms: (seen.ttft_ms > 0.0).then_some(seen.ttft_ms),
+                    itl_ms: (seen.itl_ms > 0.0).then_some(seen.itl_ms),
                     queue_depth: seen.queue_depth,
                     kv_usage: seen.kv_usage,
                     replicas: seen.replicas,

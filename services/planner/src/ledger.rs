@@ -14,7 +14,8 @@ use std::time::Duration;
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
-use crate::decision::{ActionState, Decision};
+use crate::decision::{ActionState, Decision, Observation};
+use crate::predict::Load;
 use crate::targets::Targets;
 
 /// The migrations, compiled into the binary.
@@ -258,6 +259,64 @@ impl Ledger {
             }
         }
         Ok(decisions)
+    }
+
+    /// Records one interval's observations, ended at `at_unix_ms`.
+    pub async fn record_observations(&self, at_unix_ms: i64, observed: &[Observation]) -> Result<(), LedgerError> {
+        let mut transaction = self.pool.begin().await?;
+        for seen in observed {
+            sqlx::query(
+                "INSERT INTO planner_observations (namespace, at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            )
+            .bind(&self.namespace)
+            .bind(at_unix_ms)
+            .bind(&seen.pool)
+            .bind(seen.load.request_rate)
+            .bind(seen.load.isl_mean)
+            .bind(seen.load.osl_mean)
+            .bind(seen.ttft_ms)
+            .bind(seen.itl_ms)
+            .bind(seen.queue_depth)
+            .bind(seen.kv_usage)
+            .bind(i64::from(seen.replicas))
+            .execute(&mut *transaction)
+            .await?;
+        }
+        transaction.commit().await?;
+        Ok(())
+    }
+
+    /// The newest `intervals` intervals observed, oldest first: when each
+    /// ended and what each pool did.
+    pub async fn observations(&self, intervals: usize) -> Result<Vec<(i64, Vec<Observation>)>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas FROM planner_observations \
+             WHERE namespace = $1 AND at_unix_ms >= (SELECT COALESCE(MIN(at), 0) FROM (SELECT DISTINCT at_unix_ms AS at FROM planner_observations WHERE namespace = $1 ORDER BY at DESC LIMIT $2) AS recent) \
+             ORDER BY at_unix_ms, pool",
+        )
+        .bind(&self.namespace)
+        .bind(intervals as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut history: Vec<(i64, Vec<Observation>)> = Vec::new();
+        for row in rows {
+            let at: i64 = row.try_get("at_unix_ms")?;
+            let seen = Observation {
+                pool: row.try_get("pool")?,
+                load: Load { request_rate: row.try_get("request_rate")?, isl_mean: row.try_get("isl_mean")?, osl_mean: row.try_get("osl_mean")? },
+                ttft_ms: row.try_get("ttft_ms")?,
+                itl_ms: row.try_get("itl_ms")?,
+                queue_depth: row.try_get("queue_depth")?,
+                kv_usage: row.try_get("kv_usage")?,
+                replicas: u32::try_from(row.try_get::<i64, _>("replicas")?).unwrap_or(0),
+            };
+            match history.last_mut() {
+                Some((last, pools)) if *last == at => pools.push(seen),
+                _ => history.push((at, vec![seen])),
+            }
+        }
+        Ok(history)
     }
 
     /// The newest decision, if any.

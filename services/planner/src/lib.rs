@@ -9,6 +9,10 @@
 //!   (constant, moving average, seasonal), and [`backtest`], each
 //!   predictor's error on a recorded trace;
 //! - [`decision`]: one interval's pass, as it is kept and shown;
+//! - [`observe`]: each interval's load, latencies, queues, KV usage and
+//!   replicas per pool, from the gateways' metrics ([`prom`]) and the
+//!   worker registry;
+//! - [`cycle`]: once per interval, observe and record;
 //! - [`ledger`]: the state in PostgreSQL or SQLite (targets, the pause
 //!   switch, decisions, actions), migrated at start;
 //! - [`service`]: `turbine.planner.v1.Planner` over the ledger, and
@@ -19,9 +23,12 @@
 pub mod backtest;
 pub mod client;
 pub mod config;
+pub mod cycle;
 pub mod decision;
 pub mod ledger;
+pub mod observe;
 pub mod predict;
+pub mod prom;
 pub mod serve;
 pub mod service;
 pub mod targets;

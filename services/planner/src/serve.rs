@@ -10,6 +10,8 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
 use crate::config::PlannerConfig;
 use crate::ledger::Ledger;
+use crate::observe::Observer;
+use turbine_registry::{RedisRegistry, Registry};
 use crate::service::{PlannerService, PlannerState};
 
 /// Who may call each rpc of `turbine.planner.v1.Planner`: reading the plan
@@ -34,12 +36,16 @@ const SPEC: HostSpec = HostSpec {
 /// How often readiness checks that the database answers.
 const DATABASE_PROBE: Duration = Duration::from_secs(2);
 
-/// Serves `state` on `listeners` until `shutdown` fires, then drains. The
-/// planner is ready while its database answers.
-pub async fn serve(config: PlannerConfig, state: PlannerState, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+/// Serves `state` on `listeners` until `shutdown` fires, then drains; with
+/// an `observer`, runs the planner's cycle beside. The planner is ready
+/// while its database answers.
+pub async fn serve(config: PlannerConfig, state: PlannerState, observer: Option<Observer>, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     host.add_service(PlannerServer::new(PlannerService::new(state.clone(), shutdown.clone())));
-    let mut serving = host.start(shutdown)?;
+    let mut serving = host.start(shutdown.clone())?;
+    if let Some(observer) = observer {
+        serving.spawn(tokio::spawn(crate::cycle::run(state.clone(), observer, shutdown)));
+    }
     let ledger = state.ledger().clone();
     serving.ready_when(DATABASE_PROBE, move || {
         let ledger = ledger.clone();
@@ -54,8 +60,15 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-planner", move |shutdown| async move {
         let url = config.database.clone().context("database: required")?;
         let ledger = Ledger::open(&url, &config.cluster.namespace).await.context("cannot open the planner's database")?;
+        let observer = match &config.cluster.redis {
+            Some(url) if !config.gateway_metrics.is_empty() => {
+                let registry = Registry::Redis(RedisRegistry::new(url, &config.cluster.namespace).context("the worker registry")?);
+                Some(Observer::new(config.gateway_metrics.clone(), registry))
+            }
+            _ => None,
+        };
         let listeners = Listeners::bind(&config.server).await?;
-        tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, "planner listening");
-        serve(config, PlannerState::new(ledger), listeners, shutdown).await
+        tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, gateways = config.gateway_metrics.len(), observing = observer.is_some(), "planner listening");
+        serve(config, PlannerState::new(ledger), observer, listeners, shutdown).await
     })
 }

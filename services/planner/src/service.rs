@@ -77,7 +77,8 @@ impl PlannerService {
     }
 }
 
-fn now_unix_ms() -> i64 {
+/// Now, milliseconds since the Unix epoch.
+pub(crate) fn now_unix_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64)
 }
 

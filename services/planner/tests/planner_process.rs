@@ -58,7 +58,7 @@ fn decision(namespace: &str, id: u64, pool: &str, replicas: u32) -> Decision {
     Decision {
         id,
         at_unix_ms: 1_764_000_000_000 + id as i64 * 30_000,
-        observed: vec![Observation { pool: pool.into(), load, ttft_ms: 310.0, itl_ms: 38.0, queue_depth: 4.0, kv_usage: 0.7, replicas: replicas - 1 }],
+        observed: vec![Observation { pool: pool.into(), load, ttft_ms: Some(310.0), itl_ms: Some(38.0), queue_depth: 4.0, kv_usage: 0.7, replicas: replicas - 1 }],
         predicted: Some(Prediction { predictor: Predictor::MovingAverage, load }),
         pools: vec![PoolDecision {
             pool: pool.into(),
@@ -151,7 +151,7 @@ async fn decisions_page_and_reach_watchers(database: &str) {
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
     let config = turbine_planner::PlannerConfig { database: Some(database.to_owned()), ..Default::default() };
-    let serving = tokio::spawn(turbine_planner::serve(config, state.clone(), listeners, shutdown.clone()));
+    let serving = tokio::spawn(turbine_planner::serve(config, state.clone(), None, listeners, shutdown.clone()));
     tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
     let client = PlannerClient::connect(&endpoint).unwrap();
 
@@ -198,8 +198,26 @@ async fn decisions_page_and_reach_watchers(database: &str) {
     let plan = client.plan().await.unwrap();
     assert_eq!(plan.latest.map(|d| d.id), Some(7));
 
+    // Observations: each interval back, oldest first, gaps as None.
+    let seen = |pool: &str, ttft_ms| Observation {
+        pool: pool.into(),
+        load: Load { request_rate: 2.5, isl_mean: 1000.0, osl_mean: 90.5 },
+        ttft_ms,
+        itl_ms: None,
+        queue_depth: 1.5,
+        kv_usage: 0.25,
+        replicas: 3,
+    };
+    for at in [1_000, 2_000, 3_000] {
+        ledger.record_observations(at, &[seen("decode", Some(120.5)), seen("prefill", None)]).await.unwrap();
+    }
+    let history = ledger.observations(2).await.unwrap();
+    assert_eq!(history, [(2_000, vec![seen("decode", Some(120.5)), seen("prefill", None)]), (3_000, vec![seen("decode", Some(120.5)), seen("prefill", None)])]);
+
     // Another namespace in the same database sees none of it.
-    assert_eq!(Ledger::open(database, "other").await.unwrap().history(None, 10).await.unwrap(), []);
+    let other = Ledger::open(database, "other").await.unwrap();
+    assert_eq!(other.history(None, 10).await.unwrap(), []);
+    assert_eq!(other.observations(10).await.unwrap(), []);
     shutdown.cancel();
     serving.await.unwrap().unwrap();
 }
@@ -226,4 +244,7 @@ fn a_planner_without_a_database_says_what_it_needs() {
     let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "mysql://db/planner"]).output().unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("postgres://"));
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "sqlite::memory:", "--gateway-metrics", "http://gateway:8000/metrics"]).env_remove("TURBINE_REDIS_URL").output().unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--redis"), "observing needs the registry");
 }

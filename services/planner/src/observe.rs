@@ -1,0 +1,170 @@
+//! Observing the deployment, one interval at a time, from the services' own
+//! interfaces:
+//!
+//! - the gateways' `/metrics` (every request passes a gateway): requests
+//!   finished, prompt and completion tokens, and the TTFT and inter-token
+//!   latency histograms, read as the change since the last interval and
+//!   summed over gateways and models; the percentiles are read from the
+//!   summed buckets (`turbine_runtime::metrics::slo_latency_buckets`, each
+//!   15% above the last);
+//! - the worker registry: each pool's workers (by role), their queues and
+//!   KV usage as their last heartbeat reported them.
+//!
+//! Every pool gets the deployment's load and latencies (a request crosses
+//! every pool); replicas, queue and KV usage are the pool's own.
+
+use std::time::{Duration, Instant};
+
+use turbine_registry::{Registry, WorkerRole};
+
+use crate::decision::Observation;
+use crate::predict::Load;
+use crate::prom::{self, Histogram, Sample};
+use crate::targets::{PoolKind, Targets};
+
+/// The gateway histograms and counters read.
+const TTFT: &str = "turbine_gateway_time_to_first_token_seconds";
+const ITL: &str = "turbine_gateway_inter_token_latency_seconds";
+const FINISHED: &str = "turbine_gateway_request_duration_seconds_count";
+const TOKENS: &str = "turbine_gateway_tokens_total";
+
+/// How long one scrape may take.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why an interval could not be observed (the planner then decides
+/// nothing for it: it never sizes on missing data).
+#[derive(Debug, thiserror::Error)]
+pub enum ObserveError {
+    /// A gateway's metrics could not be read.
+    #[error("gateway metrics at {url}: {problem}")]
+    Gateway {
+        /// The URL scraped.
+        url: String,
+        /// What went wrong.
+        problem: String,
+    },
+    /// The worker registry could not be read.
+    #[error("worker registry: {0}")]
+    Registry(String),
+}
+
+/// The gateways' totals at one moment, summed over gateways and models.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Totals {
+    finished: f64,
+    prompt_tokens: f64,
+    completion_tokens: f64,
+    ttft: Histogram,
+    itl: Histogram,
+}
+
+impl Totals {
+    fn add(&mut self, samples: &[Sample]) {
+        self.finished += prom::sum(samples, FINISHED, &[]);
+        self.prompt_tokens += prom::sum(samples, TOKENS, &[("kind", "prompt")]);
+        self.completion_tokens += prom::sum(samples, TOKENS, &[("kind", "completion")]);
+        for (total, name) in [(&mut self.ttft, TTFT), (&mut self.itl, ITL)] {
+            let more = Histogram::sum_of(samples, name);
+            for (bound, count) in more.buckets {
+                match total.buckets.iter_mut().find(|(le, _)| *le == bound) {
+                    Some((_, sum)) => *sum += count,
+                    None => total.buckets.push((bound, count)),
+                }
+            }
+            total.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+    }
+
+    /// What happened since `earlier`; `None` when a count went down (a
+    /// gateway restarted or left: the interval is not comparable).
+    fn since(&self, earlier: &Totals) -> Option<Totals> {
+        let delta = |now: f64, before: f64| (now >= before).then_some(now - before);
+        Some(Totals {
+            finished: delta(self.finished, earlier.finished)?,
+            prompt_tokens: delta(self.prompt_tokens, earlier.prompt_tokens)?,
+            completion_tokens: delta(self.completion_tokens, earlier.completion_tokens)?,
+            ttft: self.ttft.since(&earlier.ttft)?,
+            itl: self.itl.since(&earlier.itl)?,
+        })
+    }
+}
+
+/// Reads the deployment every interval.
+#[derive(Debug)]
+pub struct Observer {
+    http: reqwest::Client,
+    gateways: Vec<String>,
+    registry: Registry,
+    last: Option<(Instant, Totals)>,
+}
+
+/// The registry role of a pool's workers.
+fn role(kind: PoolKind) -> WorkerRole {
+    match kind {
+        PoolKind::Aggregated => WorkerRole::Aggregated,
+        PoolKind::Prefill => WorkerRole::Prefill,
+        PoolKind::Decode => WorkerRole::Decode,
+    }
+}
+
+impl Observer {
+    /// Observes through the gateways' metrics pages at `gateways` (full
+    /// URLs, `http://gateway:8000/metrics`) and the workers in `registry`.
+    pub fn new(gateways: Vec<String>, registry: Registry) -> Self {
+        let http = reqwest::Client::builder().timeout(SCRAPE_TIMEOUT).build().expect("an HTTP client");
+        Self { http, gateways, registry, last: None }
+    }
+
+    async fn totals(&self) -> Result<Totals, ObserveError> {
+        let mut totals = Totals::default();
+        for url in &self.gateways {
+            let failed = |problem: String| ObserveError::Gateway { url: url.clone(), problem };
+            let response = self.http.get(url).send().await.map_err(|error| failed(error.to_string()))?;
+            if !response.status().is_success() {
+                return Err(failed(format!("HTTP {}", response.status())));
+            }
+            let text = response.text().await.map_err(|error| failed(error.to_string()))?;
+            totals.add(&prom::parse(&text).map_err(failed)?);
+        }
+        Ok(totals)
+    }
+
+    /// The interval since the last call, one observation per pool of
+    /// `targets`. `Ok(None)` the first time (it only takes the baseline)
+    /// and after a gateway restarted or left (a new baseline).
+    pub async fn observe(&mut self, targets: &Targets) -> Result<Option<Vec<Observation>>, ObserveError> {
+        let totals = self.totals().await?;
+        let workers = self.registry.list().await.map_err(|error| ObserveError::Registry(error.to_string()))?;
+        let now = Instant::now();
+        let Some((then, earlier)) = self.last.replace((now, totals.clone())) else { return Ok(None) };
+        let Some(interval) = totals.since(&earlier) else {
+            tracing::warn!("a gateway's counts went down (it restarted or left): this interval starts a new baseline");
+            return Ok(None);
+        };
+        let seconds = now.duration_since(then).as_secs_f64().max(1e-3);
+        let per_request = |tokens: f64| if interval.finished > 0.0 { tokens / interval.finished } else { 0.0 };
+        let load = Load { request_rate: interval.finished / seconds, isl_mean: per_request(interval.prompt_tokens), osl_mean: per_request(interval.completion_tokens) };
+        let quantile = targets.percentile() / 100.0;
+        let milliseconds = |histogram: &Histogram| histogram.quantile(quantile).map(|seconds| seconds * 1000.0);
+        let (ttft_ms, itl_ms) = (milliseconds(&interval.ttft), milliseconds(&interval.itl));
+        Ok(Some(
+            targets
+                .pools()
+                .iter()
+                .map(|pool| {
+                    let members: Vec<_> = workers.iter().map(|live| &live.record).filter(|record| record.role == role(pool.kind)).collect();
+                    let (used, total) = members.iter().fold((0u64, 0u64), |(used, total), record| (used + u64::from(record.load.blocks_used), total + u64::from(record.load.blocks_total)));
+                    Observation {
+                        pool: pool.pool.clone(),
+                        load,
+                        ttft_ms,
+                        itl_ms,
+                        queue_depth: members.iter().map(|record| f64::from(record.load.waiting)).sum(),
+                        kv_usage: if total > 0 { used as f64 / total as f64 } else { 0.0 },
+                        replicas: members.len() as u32,
+                    }
+                })
+                .collect(),
+        ))
+    }
+}

@@ -1,0 +1,90 @@
+//! Observing a running deployment: an in-process cluster of two mocker
+//! workers behind a real gateway (real sockets), its metrics page scraped
+//! and its registry read by the planner. The interval's request rate,
+//! input and output lengths match what was sent, the latencies are read,
+//! replicas are counted; the planner's cycle keeps intervals in PostgreSQL.
+
+use std::time::Duration;
+
+use serde_json::json;
+use turbine_cluster::sandbox::Sandbox;
+use turbine_planner::observe::Observer;
+use turbine_planner::{Ledger, PlannerState, PoolKind, PoolLimits, Predictor, Targets};
+use turbine_testkit::{PostgresServer, wait_until};
+
+const MODEL: &str = "smollm2-135m";
+
+fn targets(interval: Duration) -> Targets {
+    let pool = PoolLimits { pool: "workers".into(), kind: PoolKind::Aggregated, min_replicas: 1, max_replicas: 4 };
+    Targets::new(500.0, 50.0, 90.0, vec![pool], 4, interval, Duration::from_secs(60), Predictor::MovingAverage).unwrap()
+}
+
+/// 20 completions of 320 prompt tokens and 8 generated tokens.
+async fn send_requests(sandbox: &Sandbox) {
+    for i in 0..20u32 {
+        let prompt: Vec<u32> = (0..320).map(|t| 1000 + i * 320 + t).collect();
+        let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true})).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 8);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_keeps_them() {
+    let mut config = Sandbox::mock(20.0);
+    config.workers = 2;
+    let sandbox = Sandbox::start(config).await;
+    let metrics = format!("{}/metrics", sandbox.base());
+    let mut observer = Observer::new(vec![metrics.clone()], sandbox.cluster().registry().clone());
+    let targets = targets(Duration::from_secs(1));
+
+    assert_eq!(observer.observe(&targets).await.unwrap(), None, "the first reading is the baseline");
+    let started = std::time::Instant::now();
+    send_requests(&sandbox).await;
+    let seen = observer.observe(&targets).await.unwrap().expect("an interval");
+    let elapsed = started.elapsed().as_secs_f64();
+    assert_eq!(seen.len(), 1);
+    let pool = &seen[0];
+    assert_eq!((pool.pool.as_str(), pool.replicas), ("workers", 2));
+    assert_eq!((pool.load.isl_mean, pool.load.osl_mean), (320.0, 8.0));
+    // 20 requests over the interval between the two readings, which spans
+    // the sending (give or take the scrapes).
+    let window = 20.0 / pool.load.request_rate;
+    assert!(window > 0.0 && window <= elapsed + 0.05, "{pool:?}: a window of {window} s, the sending took {elapsed} s");
+    let (ttft, itl) = (pool.ttft_ms.expect("a TTFT"), pool.itl_ms.expect("an ITL"));
+    assert!(ttft > 0.0 && itl > 0.0, "{pool:?}");
+    assert!((0.0..=1.0).contains(&pool.kv_usage));
+
+    // Nothing sent: a zero rate and no latencies, not the last interval's.
+    let idle = observer.observe(&targets).await.unwrap().expect("an interval");
+    assert_eq!((idle[0].load.request_rate, idle[0].ttft_ms, idle[0].itl_ms), (0.0, None, None));
+
+    // A gateway that does not answer: an error naming it, no interval.
+    let mut blind = Observer::new(vec!["http://127.0.0.1:9/metrics".into()], sandbox.cluster().registry().clone());
+    assert!(blind.observe(&targets).await.unwrap_err().to_string().contains("127.0.0.1:9"));
+
+    // The cycle records an interval per second in Postgres.
+    let postgres = PostgresServer::start();
+    let ledger = Ledger::open(&postgres.url("postgres"), "test").await.unwrap();
+    ledger.set_targets(&targets, 0).await.unwrap();
+    let shutdown = turbine_runtime::CancellationToken::new();
+    let cycle = tokio::spawn(turbine_planner::cycle::run(
+        PlannerState::new(ledger.clone()),
+        Observer::new(vec![metrics], sandbox.cluster().registry().clone()),
+        shutdown.clone(),
+    ));
+    wait_until("the cycle records an interval", Duration::from_secs(30), async || !ledger.observations(10).await.unwrap().is_empty()).await;
+    send_requests(&sandbox).await;
+    wait_until("the cycle records an interval with the requests", Duration::from_secs(30), async || {
+        ledger.observations(100).await.unwrap().iter().any(|(_, pools)| pools[0].load.request_rate > 0.0)
+    })
+    .await;
+    let history = ledger.observations(100).await.unwrap();
+    let busy: Vec<_> = history.iter().map(|(_, pools)| &pools[0]).filter(|pool| pool.load.request_rate > 0.0).collect();
+    assert!(busy.iter().all(|pool| pool.load.isl_mean == 320.0 && pool.replicas == 2 && pool.ttft_ms.is_some()), "{busy:?}");
+    assert!(history.windows(2).all(|pair| pair[0].0 < pair[1].0), "oldest first");
+    assert_eq!(ledger.observations(1).await.unwrap().len(), 1, "the newest interval only");
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), cycle).await.expect("the cycle ends at shutdown").unwrap();
+    sandbox.stop().await;
+}
