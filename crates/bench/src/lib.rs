@@ -11,11 +11,14 @@
 //!   `ucx_perftest`, and its memory under a write storm.
 //! - [`tiers`]: time to first token with a prompt's KV onboarded from
 //!   host memory or disk, against computing it.
+//! - [`profile`]: `turbine profile`, a worker configuration's TTFT and ITL
+//!   for the planner.
 
 pub mod engine;
 pub mod gateway;
 pub mod indexer;
 pub mod kv_store;
+pub mod profile;
 pub mod replay;
 pub mod tiers;
 pub mod transfer;
@@ -125,6 +128,21 @@ async fn for_each_sse_data(response: reqwest::Response, mut on_data: impl FnMut(
 /// Whether a completion chunk carries non-empty text.
 fn carries_text(data: &[u8]) -> bool {
     data.windows(8).any(|w| w == b"\"text\":\"") && !data.windows(9).any(|w| w == b"\"text\":\"\"")
+}
+
+/// `turbine profile`: measures and writes the profile, prints it.
+pub fn profile_main(args: profile::ProfileArgs) -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    match runtime.block_on(profile::run(&args)) {
+        Ok(profile) => {
+            println!("wrote {} ({} prefill and {} decode points; {})", args.output.display(), profile.prefill.len(), profile.decode.len(), profile.worker);
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("turbine profile: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn write_json(path: Option<&std::path::Path>, report: &impl serde::Serialize) -> anyhow::Result<()> {

@@ -47,6 +47,9 @@ enum Command {
     /// The planner: run its service, or backtest its predictors.
     #[command(subcommand)]
     Planner(PlannerCommand),
+    /// Measure a worker configuration (TTFT by input length, ITL by context
+    /// and concurrency) and write the profile the planner sizes pools from.
+    Profile(Box<turbine_bench::profile::ProfileArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Box<turbine_bench::BenchCommand>),
@@ -87,6 +90,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Profile(args) => turbine_bench::profile_main(*args),
         Command::Bench(command) => turbine_bench::main(*command),
     }
 }

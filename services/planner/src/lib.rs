@@ -12,6 +12,8 @@
 //! - [`observe`]: each interval's load, latencies, queues, KV usage and
 //!   replicas per pool, from the gateways' metrics ([`prom`]) and the
 //!   worker registry;
+//! - [`profile`]: a worker configuration's measured TTFT by input length
+//!   and ITL by context and concurrency (`turbine profile` writes it);
 //! - [`cycle`]: once per interval, observe and record;
 //! - [`ledger`]: the state in PostgreSQL or SQLite (targets, the pause
 //!   switch, decisions, actions), migrated at start;
@@ -28,6 +30,7 @@ pub mod decision;
 pub mod ledger;
 pub mod observe;
 pub mod predict;
+pub mod profile;
 pub mod prom;
 pub mod serve;
 pub mod service;

@@ -9,13 +9,14 @@ use super::ReplayArgs;
 use super::report::{PolicyReport, Window, summarize};
 use super::trace::TraceRequest;
 
-struct Outcome {
-    ttft: Duration,
-    end_to_end: Duration,
-    text_events: usize,
-    completion_tokens: u64,
-    prompt_tokens: u64,
-    cached_tokens: u64,
+/// What came back for one streamed completion.
+pub(crate) struct Outcome {
+    pub(crate) ttft: Duration,
+    pub(crate) end_to_end: Duration,
+    pub(crate) text_events: usize,
+    pub(crate) completion_tokens: u64,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) cached_tokens: u64,
 }
 
 /// Sends the trace to the gateways at `urls` (in turn) at its arrival times
@@ -128,7 +129,7 @@ fn timeline(window: f64, arrivals: Vec<f64>, results: &[anyhow::Result<Outcome>]
 }
 
 /// One streamed completion: first text, end, text events and usage.
-async fn stream_completion(http: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<Outcome> {
+pub(crate) async fn stream_completion(http: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let response = http.post(url).json(body).send().await?;
     let status = response.status();

@@ -23,7 +23,7 @@
 //! - [`drive`]: sending the trace at its arrival times, measuring.
 //! - [`report`]: summaries, the table, the sweep's plot.
 
-mod drive;
+pub(crate) mod drive;
 pub mod report;
 pub mod trace;
 
