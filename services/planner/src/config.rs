@@ -44,6 +44,16 @@ pub struct PlannerConfig {
     #[arg(long, env = "TURBINE_PLANNER_GATEWAY_METRICS", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gateway_metrics: Vec<String>,
+    /// The profile of the pools' workers (`turbine profile --output`): the
+    /// planner sizes pools from it. Needed to observe and decide.
+    #[arg(long, env = "TURBINE_PLANNER_PROFILE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<std::path::PathBuf>,
+    /// Intervals per season of the seasonal predictor (a daily cycle at
+    /// 30-second intervals: 2880); it forecasts by the moving average until
+    /// it has seen two seasons.
+    #[arg(long, env = "TURBINE_PLANNER_SEASON_INTERVALS", default_value_t = 2880)]
+    pub season_intervals: usize,
 }
 
 impl Default for PlannerConfig {
@@ -64,6 +74,12 @@ impl Settings for PlannerConfig {
         }
         if !self.gateway_metrics.is_empty() && self.cluster.redis.is_none() {
             return Err("gateway_metrics: observing needs the worker registry too (--redis)".into());
+        }
+        if !self.gateway_metrics.is_empty() && self.profile.is_none() {
+            return Err("gateway_metrics: deciding needs the workers' profile too (--profile, written by turbine profile)".into());
+        }
+        if !(2..=100_000).contains(&self.season_intervals) {
+            return Err(format!("season_intervals: {}, must be 2 to 100000", self.season_intervals));
         }
         match &self.database {
             None => Err("database: required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine".into()),

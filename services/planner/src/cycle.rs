@@ -1,14 +1,24 @@
 //! The planner's cycle: once per interval of the targets in force, observe
-//! the deployment and keep what was seen in the ledger. (Predicting,
-//! proposing, constraining and acting join this cycle in the next steps of
-//! issue #18.)
+//! the deployment and keep what was seen; then forecast the next interval
+//! from the kept history, propose replicas per pool from the profile,
+//! constrain them, and record the decision (published to watchers). While
+//! paused it decides the same way but asks for nothing. (Connectors, which
+//! execute the decisions' actions, are the next step of issue #18.)
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use turbine_runtime::CancellationToken;
 
+use crate::constrain::constrain;
+use crate::decision::{Action, ActionState, Decision, Observation, PoolDecision, Prediction};
+use crate::ledger::LedgerError;
 use crate::observe::Observer;
+use crate::predict::{Forecaster, Load};
+use crate::profile::Profile;
+use crate::propose::{corrections, propose};
 use crate::service::PlannerState;
+use crate::targets::{Predictor, Targets};
 
 /// How often a planner without targets looks for them.
 const NO_TARGETS_POLL: Duration = Duration::from_secs(1);
@@ -17,13 +27,25 @@ const NO_TARGETS_POLL: Duration = Duration::from_secs(1);
 /// again.
 const LEDGER_RETRY: Duration = Duration::from_secs(1);
 
+/// Most intervals of history a forecast reads.
+const MAX_HISTORY: usize = 20_000;
+
+/// How the planner sizes: the profile and the seasonal model's season.
+#[derive(Debug, Clone)]
+pub struct Sizing {
+    /// The workers' profile.
+    pub profile: Profile,
+    /// Intervals per season of the seasonal predictor.
+    pub season_intervals: usize,
+}
+
 /// Runs the cycle until `shutdown` fires. A failed observation or ledger
-/// write is logged and the interval skipped: nothing is recorded from
-/// missing data.
-pub async fn run(state: PlannerState, mut observer: Observer, shutdown: CancellationToken) {
+/// write is logged and the interval skipped: nothing is decided on missing
+/// data.
+pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, shutdown: CancellationToken) {
     loop {
-        let targets = match state.ledger().control().await {
-            Ok(control) => control.targets,
+        let control = match state.ledger().control().await {
+            Ok(control) => control,
             Err(error) => {
                 tracing::warn!(%error, "cannot read the targets; retrying");
                 if sleep_or_shutdown(LEDGER_RETRY, &shutdown).await {
@@ -32,7 +54,7 @@ pub async fn run(state: PlannerState, mut observer: Observer, shutdown: Cancella
                 continue;
             }
         };
-        let Some(targets) = targets else {
+        let Some(targets) = control.targets else {
             if sleep_or_shutdown(NO_TARGETS_POLL, &shutdown).await {
                 return;
             }
@@ -40,8 +62,15 @@ pub async fn run(state: PlannerState, mut observer: Observer, shutdown: Cancella
         };
         match observer.observe(&targets).await {
             Ok(Some(observed)) => {
-                if let Err(error) = state.ledger().record_observations(crate::service::now_unix_ms(), &observed).await {
-                    tracing::warn!(%error, "cannot record this interval's observations");
+                let now = crate::service::now_unix_ms();
+                let decided = async {
+                    state.ledger().record_observations(now, &observed).await?;
+                    let decision = decide(&state, &targets, control.paused, &sizing, observed, now).await?;
+                    tracing::info!(id = decision.id, reason = decision.reason, paused = decision.paused, "decision");
+                    state.record(decision).await
+                };
+                if let Err(error) = decided.await {
+                    tracing::warn!(%error, "cannot record this interval's decision");
                 }
             }
             Ok(None) => tracing::debug!("observation baseline taken"),
@@ -51,6 +80,81 @@ pub async fn run(state: PlannerState, mut observer: Observer, shutdown: Cancella
             return;
         }
     }
+}
+
+/// The forecast of the next interval from the kept history: the rate from
+/// every interval, the lengths from the intervals that had requests. A
+/// seasonal model that fails falls back to the moving average (said in the
+/// reason).
+fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Prediction, String) {
+    let busy: Vec<&Load> = history.iter().filter(|load| load.request_rate > 0.0).collect();
+    let attempt = |predictor: Predictor| {
+        let forecaster = Forecaster::new(predictor, season_intervals);
+        let rate = forecaster.forecast(&history.iter().map(|load| load.request_rate).collect::<Vec<_>>())?;
+        let length = |value: fn(&Load) -> f64| if busy.is_empty() { Ok(0.0) } else { forecaster.forecast(&busy.iter().map(|load| value(load)).collect::<Vec<_>>()) };
+        Ok::<_, crate::predict::ForecastError>(Load { request_rate: rate, isl_mean: length(|load| load.isl_mean)?, osl_mean: length(|load| load.osl_mean)? })
+    };
+    match attempt(targets.predictor()) {
+        Ok(load) => (Prediction { predictor: targets.predictor(), load }, String::new()),
+        Err(error) => {
+            let load = attempt(Predictor::MovingAverage).unwrap_or(Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 });
+            (Prediction { predictor: Predictor::MovingAverage, load }, format!(" ({} failed: {error}; the moving average instead)", targets.predictor().name()))
+        }
+    }
+}
+
+/// One interval's decision.
+async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &Sizing, observed: Vec<Observation>, now: i64) -> Result<Decision, LedgerError> {
+    let ledger = state.ledger();
+    let wanted = (4 * sizing.season_intervals).clamp(64, MAX_HISTORY);
+    let history: Vec<Load> = ledger.observations(wanted).await?.iter().filter_map(|(_, pools)| pools.first().map(|pool| pool.load)).collect();
+    let (prediction, fallback) = forecast(targets, sizing.season_intervals, &history);
+    let corrections = corrections(&sizing.profile, targets, &observed);
+    let proposals = propose(&sizing.profile, targets, &prediction.load, corrections);
+    // A pool is at (or being moved to) what the latest decision asked for,
+    // unless that action failed; before any decision, what is observed.
+    let latest = ledger.latest().await?;
+    let mut current = HashMap::new();
+    let mut last_scaled = HashMap::new();
+    for limits in targets.pools() {
+        let observed_replicas = observed.iter().find(|seen| seen.pool == limits.pool).map_or(0, |seen| seen.replicas);
+        let decided = latest
+            .as_ref()
+            .and_then(|decision| decision.pools.iter().find(|pool| pool.pool == limits.pool))
+            .filter(|pool| pool.action.as_ref().is_none_or(|action| action.state != ActionState::Failed))
+            .map(|pool| pool.desired_replicas);
+        current.insert(limits.pool.clone(), decided.unwrap_or(observed_replicas));
+        if let Some(at) = ledger.last_scaled(&limits.pool).await? {
+            last_scaled.insert(limits.pool.clone(), at);
+        }
+    }
+    let id = ledger.next_decision_id().await?;
+    let pools = constrain(targets, &proposals, &current, &last_scaled, now)
+        .into_iter()
+        .map(|pool| {
+            let changes = pool.desired != pool.current;
+            let action = (changes && !paused).then(|| Action {
+                id: Action::id_for(ledger.namespace(), id, &pool.pool),
+                pool: pool.pool.clone(),
+                replicas: pool.desired,
+                state: ActionState::Pending,
+                message: String::new(),
+            });
+            let reason = if changes && paused { format!("{}; paused: not acting", pool.reason) } else { pool.reason };
+            PoolDecision { pool: pool.pool, current_replicas: pool.current, proposed_replicas: pool.proposed, desired_replicas: pool.desired, reason, action }
+        })
+        .collect();
+    let load = prediction.load;
+    let reason = format!(
+        "forecast {:.2} req/s, ISL {:.0}, OSL {:.0} by {}{fallback}; latencies ×{:.2} (TTFT) and ×{:.2} (ITL) of the profile's",
+        load.request_rate,
+        load.isl_mean,
+        load.osl_mean,
+        prediction.predictor.name(),
+        corrections.ttft,
+        corrections.itl
+    );
+    Ok(Decision { id, at_unix_ms: now, observed, predicted: Some(prediction), pools, reason, paused })
 }
 
 /// Sleeps `period`; true when `shutdown` fired first.

@@ -269,6 +269,11 @@ impl Ledger {
                 "INSERT INTO planner_observations (namespace, at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas) \
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             )
+            // Not prepared once per connection: sqlx's Any driver types a
+            // NULL double as float4 for Postgres, and a statement prepared
+            // with a missing latency then refuses the next interval's
+            // (an 8-byte double for a float4 parameter).
+            .persistent(false)
             .bind(&self.namespace)
             .bind(at_unix_ms)
             .bind(&seen.pool)
@@ -317,6 +322,20 @@ impl Ledger {
             }
         }
         Ok(history)
+    }
+
+    /// When `pool` was last scaled: the newest decision with an action on
+    /// it that did not fail (ms since the epoch).
+    pub async fn last_scaled(&self, pool: &str) -> Result<Option<i64>, LedgerError> {
+        let row = sqlx::query(
+            "SELECT MAX(d.at_unix_ms) AS at FROM planner_actions a JOIN planner_decisions d ON d.namespace = a.namespace AND d.id = a.decision_id \
+             WHERE a.namespace = $1 AND a.pool = $2 AND a.state <> 'failed'",
+        )
+        .bind(&self.namespace)
+        .bind(pool)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.try_get("at")?)
     }
 
     /// The newest decision, if any.

@@ -25,6 +25,7 @@
 pub mod backtest;
 pub mod client;
 pub mod config;
+pub mod constrain;
 pub mod cycle;
 pub mod decision;
 pub mod ledger;
@@ -32,6 +33,7 @@ pub mod observe;
 pub mod predict;
 pub mod profile;
 pub mod prom;
+pub mod propose;
 pub mod serve;
 pub mod service;
 pub mod targets;

@@ -10,7 +10,9 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
 use crate::config::PlannerConfig;
 use crate::ledger::Ledger;
+use crate::cycle::Sizing;
 use crate::observe::Observer;
+use crate::profile::Profile;
 use turbine_registry::{RedisRegistry, Registry};
 use crate::service::{PlannerService, PlannerState};
 
@@ -39,12 +41,12 @@ const DATABASE_PROBE: Duration = Duration::from_secs(2);
 /// Serves `state` on `listeners` until `shutdown` fires, then drains; with
 /// an `observer`, runs the planner's cycle beside. The planner is ready
 /// while its database answers.
-pub async fn serve(config: PlannerConfig, state: PlannerState, observer: Option<Observer>, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn serve(config: PlannerConfig, state: PlannerState, cycle: Option<(Observer, Sizing)>, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     host.add_service(PlannerServer::new(PlannerService::new(state.clone(), shutdown.clone())));
     let mut serving = host.start(shutdown.clone())?;
-    if let Some(observer) = observer {
-        serving.spawn(tokio::spawn(crate::cycle::run(state.clone(), observer, shutdown)));
+    if let Some((observer, sizing)) = cycle {
+        serving.spawn(tokio::spawn(crate::cycle::run(state.clone(), observer, sizing, shutdown)));
     }
     let ledger = state.ledger().clone();
     serving.ready_when(DATABASE_PROBE, move || {
@@ -60,15 +62,16 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-planner", move |shutdown| async move {
         let url = config.database.clone().context("database: required")?;
         let ledger = Ledger::open(&url, &config.cluster.namespace).await.context("cannot open the planner's database")?;
-        let observer = match &config.cluster.redis {
-            Some(url) if !config.gateway_metrics.is_empty() => {
+        let cycle = match (&config.cluster.redis, &config.profile) {
+            (Some(url), Some(profile)) if !config.gateway_metrics.is_empty() => {
                 let registry = Registry::Redis(RedisRegistry::new(url, &config.cluster.namespace).context("the worker registry")?);
-                Some(Observer::new(config.gateway_metrics.clone(), registry))
+                let sizing = Sizing { profile: Profile::read(profile)?, season_intervals: config.season_intervals };
+                Some((Observer::new(config.gateway_metrics.clone(), registry), sizing))
             }
             _ => None,
         };
         let listeners = Listeners::bind(&config.server).await?;
-        tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, gateways = config.gateway_metrics.len(), observing = observer.is_some(), "planner listening");
-        serve(config, PlannerState::new(ledger), observer, listeners, shutdown).await
+        tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, gateways = config.gateway_metrics.len(), observing = cycle.is_some(), "planner listening");
+        serve(config, PlannerState::new(ledger), cycle, listeners, shutdown).await
     })
 }

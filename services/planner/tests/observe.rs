@@ -2,20 +2,35 @@
 //! workers behind a real gateway (real sockets), its metrics page scraped
 //! and its registry read by the planner. The interval's request rate,
 //! input and output lengths match what was sent, the latencies are read,
-//! replicas are counted; the planner's cycle keeps intervals in PostgreSQL.
+//! replicas are counted; the planner's cycle keeps intervals in PostgreSQL
+//! and decides from them: more workers for a burst, nothing while paused.
 
 use std::time::Duration;
 
 use serde_json::json;
 use turbine_cluster::sandbox::Sandbox;
+use turbine_planner::ActionState;
+use turbine_planner::cycle::Sizing;
 use turbine_planner::observe::Observer;
+use turbine_planner::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
 use turbine_planner::{Ledger, PlannerState, PoolKind, PoolLimits, Predictor, Targets};
 use turbine_testkit::{PostgresServer, wait_until};
 
 const MODEL: &str = "smollm2-135m";
 
+/// A profile far slower than the mocker at speedup 20 (2 s to a first
+/// token alone): the planner's correction (observed over expected, at
+/// least ×0.25) still sizes a burst of requests beyond the two workers.
+fn slow_profile() -> Profile {
+    let decode = [(256, 1, 20.0), (256, 8, 40.0), (4096, 1, 20.0), (4096, 8, 40.0)]
+        .into_iter()
+        .map(|(context, concurrency, itl_ms)| DecodePoint { context, concurrency, itl_ms })
+        .collect();
+    Profile { version: PROFILE_VERSION, worker: "test".into(), prefill: vec![PrefillPoint { isl: 128, ttft_ms: 2000.0 }, PrefillPoint { isl: 2048, ttft_ms: 2000.0 }], decode }
+}
+
 fn targets(interval: Duration) -> Targets {
-    let pool = PoolLimits { pool: "workers".into(), kind: PoolKind::Aggregated, min_replicas: 1, max_replicas: 4 };
+    let pool = PoolLimits { pool: "workers".into(), kind: PoolKind::Aggregated, min_replicas: 2, max_replicas: 4 };
     Targets::new(500.0, 50.0, 90.0, vec![pool], 4, interval, Duration::from_secs(60), Predictor::MovingAverage).unwrap()
 }
 
@@ -31,6 +46,7 @@ async fn send_requests(sandbox: &Sandbox) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_keeps_them() {
+    let _telemetry = turbine_runtime::telemetry::init("observe-test");
     let mut config = Sandbox::mock(20.0);
     config.workers = 2;
     let sandbox = Sandbox::start(config).await;
@@ -63,7 +79,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     let mut blind = Observer::new(vec!["http://127.0.0.1:9/metrics".into()], sandbox.cluster().registry().clone());
     assert!(blind.observe(&targets).await.unwrap_err().to_string().contains("127.0.0.1:9"));
 
-    // The cycle records an interval per second in Postgres.
+    // The cycle records an interval per second in Postgres, and decides.
     let postgres = PostgresServer::start();
     let ledger = Ledger::open(&postgres.url("postgres"), "test").await.unwrap();
     ledger.set_targets(&targets, 0).await.unwrap();
@@ -71,6 +87,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     let cycle = tokio::spawn(turbine_planner::cycle::run(
         PlannerState::new(ledger.clone()),
         Observer::new(vec![metrics], sandbox.cluster().registry().clone()),
+        Sizing { profile: slow_profile(), season_intervals: 4 },
         shutdown.clone(),
     ));
     wait_until("the cycle records an interval", Duration::from_secs(30), async || !ledger.observations(10).await.unwrap().is_empty()).await;
@@ -84,6 +101,29 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     assert!(busy.iter().all(|pool| pool.load.isl_mean == 320.0 && pool.replicas == 2 && pool.ttft_ms.is_some()), "{busy:?}");
     assert!(history.windows(2).all(|pair| pair[0].0 < pair[1].0), "oldest first");
     assert_eq!(ledger.observations(1).await.unwrap().len(), 1, "the newest interval only");
+
+    // Decisions: idle intervals keep the two workers (the minimum); a busy
+    // one asks for more, with a pending action.
+    // (A decision follows its interval's observations.)
+    wait_until("a decision that scales", Duration::from_secs(30), async || {
+        ledger.history(None, 1000).await.unwrap().iter().any(|decision| decision.pools[0].action.is_some())
+    })
+    .await;
+    let decisions = ledger.history(None, 1000).await.unwrap();
+    assert!(decisions.len() >= history.len() - 1, "a decision per observed interval: {} for {}", decisions.len(), history.len());
+    let scaled = decisions.iter().find(|decision| decision.pools[0].action.is_some()).unwrap_or_else(|| panic!("no action in {decisions:#?}"));
+    let pool = &scaled.pools[0];
+    assert!(pool.current_replicas == 2 && pool.desired_replicas > 2 && pool.desired_replicas <= 4, "{pool:?}");
+    let action = pool.action.as_ref().unwrap();
+    assert_eq!((action.id.clone(), action.replicas, action.state), (format!("test/{}/workers", scaled.id), pool.desired_replicas, ActionState::Pending));
+    assert!(scaled.predicted.as_ref().unwrap().load.request_rate > 0.0 && scaled.reason.contains("req/s"), "{scaled:?}");
+
+    // Paused: decisions go on, asking for nothing.
+    ledger.set_paused(true, "test", 0).await.unwrap();
+    let newest = decisions[0].id;
+    wait_until("a paused decision", Duration::from_secs(30), async || ledger.latest().await.unwrap().is_some_and(|d| d.id > newest + 1 && d.paused)).await;
+    let paused = ledger.latest().await.unwrap().unwrap();
+    assert!(paused.pools.iter().all(|pool| pool.action.is_none()), "{paused:?}");
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(10), cycle).await.expect("the cycle ends at shutdown").unwrap();
     sandbox.stop().await;

@@ -5,7 +5,8 @@
 //! planner keeps serving; with its database down the planner answers
 //! UNAVAILABLE and recovers when the database is back; decisions recorded
 //! in the ledger page through History newest first and reach watchers,
-//! each action recorded once.
+//! each action recorded once; intervals with and without latencies are
+//! kept on both databases.
 
 use std::process::Command;
 use std::time::Duration;
@@ -235,6 +236,40 @@ async fn decisions_page_and_reach_watchers_on_sqlite() {
     decisions_page_and_reach_watchers(&format!("sqlite:{}", dir.path().join("planner.sqlite").display())).await;
 }
 
+/// Intervals without latencies (NULL) and with them, alternating, on every
+/// connection of the pool: each is kept as observed.
+async fn observations_with_and_without_latencies_are_kept(database: &str) {
+    let ledger = Ledger::open(database, "test").await.unwrap();
+    let seen = |ttft_ms: Option<f64>| Observation {
+        pool: "workers".into(),
+        load: Load { request_rate: 1.0, isl_mean: 100.0, osl_mean: 10.0 },
+        ttft_ms,
+        itl_ms: ttft_ms.map(|ms| ms / 10.0),
+        queue_depth: 0.0,
+        kv_usage: 0.5,
+        replicas: 2,
+    };
+    let mut expected = Vec::new();
+    for at in 1..=24 {
+        let ttft_ms = (at % 2 == 0).then_some(f64::from(at as u32) * 7.5);
+        ledger.record_observations(at, &[seen(ttft_ms)]).await.unwrap_or_else(|error| panic!("interval {at}: {error}"));
+        expected.push((at, vec![seen(ttft_ms)]));
+    }
+    assert_eq!(ledger.observations(100).await.unwrap(), expected);
+}
+
+#[tokio::test]
+async fn observations_with_and_without_latencies_are_kept_on_postgres() {
+    let postgres = PostgresServer::start();
+    observations_with_and_without_latencies_are_kept(&postgres.url("postgres")).await;
+}
+
+#[tokio::test]
+async fn observations_with_and_without_latencies_are_kept_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    observations_with_and_without_latencies_are_kept(&format!("sqlite:{}", dir.path().join("planner.sqlite").display())).await;
+}
+
 #[test]
 fn a_planner_without_a_database_says_what_it_needs() {
     let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--grpc-addr", "127.0.0.1:0"]).env_remove("TURBINE_PLANNER_DATABASE").output().unwrap();
@@ -247,4 +282,10 @@ fn a_planner_without_a_database_says_what_it_needs() {
     let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "sqlite::memory:", "--gateway-metrics", "http://gateway:8000/metrics"]).env_remove("TURBINE_REDIS_URL").output().unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--redis"), "observing needs the registry");
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner"))
+        .args(["--database", "sqlite::memory:", "--gateway-metrics", "http://gateway:8000/metrics", "--redis", "redis://127.0.0.1:1/"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--profile"), "deciding needs the profile");
 }
