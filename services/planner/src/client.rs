@@ -8,7 +8,7 @@ use turbine_proto::MessageLimits;
 use turbine_proto::planner::v1::{self as pb, planner_client::PlannerClient as PbClient};
 use turbine_runtime::grpc::TracedChannel;
 
-use crate::decision::{Decision, Malformed, Plan};
+use crate::decision::{Action, ActionState, Decision, Malformed, Plan};
 use crate::targets::Targets;
 
 /// Why a call to the planner failed.
@@ -92,6 +92,20 @@ impl PlannerClient {
     pub async fn resume(&self) -> Result<Plan, PlannerClientError> {
         let plan = self.client.clone().resume(pb::ResumeRequest {}).await?.into_inner().plan;
         Ok(Plan::try_from(plan.ok_or_else(|| Malformed { field: "plan".into(), problem: "missing".into() })?)?)
+    }
+
+    /// Reports how action `id` ended (`Done` or `Failed`, with what
+    /// happened), for a planner whose connector is `virtual`; answers the
+    /// action as recorded.
+    pub async fn complete_action(&self, id: &str, state: ActionState, message: &str) -> Result<Action, PlannerClientError> {
+        let state = match state {
+            ActionState::Pending => pb::ActionState::Pending,
+            ActionState::Done => pb::ActionState::Done,
+            ActionState::Failed => pb::ActionState::Failed,
+        };
+        let request = pb::CompleteActionRequest { id: id.to_owned(), state: state as i32, message: message.to_owned() };
+        let action = self.client.clone().complete_action(request).await?.into_inner().action;
+        Ok(Action::try_from(action.ok_or_else(|| Malformed { field: "action".into(), problem: "missing".into() })?)?)
     }
 
     /// Every decision from now on (the latest first, if any).

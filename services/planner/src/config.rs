@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings};
 
+use crate::connector::ConnectorKind;
 use crate::ledger::Backend;
 
 /// Where a planner listens by default.
@@ -49,6 +50,12 @@ pub struct PlannerConfig {
     #[arg(long, env = "TURBINE_PLANNER_PROFILE")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<std::path::PathBuf>,
+    /// Who carries out the decisions' actions: `virtual` publishes them
+    /// (WatchPlan) for an external system, which reports each outcome with
+    /// CompleteAction.
+    #[arg(long, env = "TURBINE_PLANNER_CONNECTOR", value_enum, default_value_t)]
+    #[serde(default)]
+    pub connector: ConnectorKind,
     /// Intervals per season of the seasonal predictor (a daily cycle at
     /// 30-second intervals: 2880); it forecasts by the moving average until
     /// it has seen two seasons.

@@ -2,8 +2,9 @@
 //! the deployment and keep what was seen; then forecast the next interval
 //! from the kept history, propose replicas per pool from the profile,
 //! constrain them, and record the decision (published to watchers). While
-//! paused it decides the same way but asks for nothing. (Connectors, which
-//! execute the decisions' actions, are the next step of issue #18.)
+//! paused it decides the same way but asks for nothing. Each action is
+//! handed to the planner's connector once recorded; actions left pending by
+//! a stopped planner are handed over again first.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -43,6 +44,13 @@ pub struct Sizing {
 /// write is logged and the interval skipped: nothing is decided on missing
 /// data.
 pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, shutdown: CancellationToken) {
+    // Actions pending when the planner last stopped are carried out first.
+    while let Err(error) = crate::connector::resume(state.ledger(), state.connector()).await {
+        tracing::warn!(%error, "cannot resume the pending actions; retrying");
+        if sleep_or_shutdown(LEDGER_RETRY, &shutdown).await {
+            return;
+        }
+    }
     loop {
         let control = match state.ledger().control().await {
             Ok(control) => control,
@@ -67,7 +75,9 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
                     state.ledger().record_observations(now, &observed).await?;
                     let decision = decide(&state, &targets, control.paused, &sizing, observed, now).await?;
                     tracing::info!(id = decision.id, reason = decision.reason, paused = decision.paused, "decision");
-                    state.record(decision).await
+                    let actions: Vec<Action> = decision.pools.iter().filter_map(|pool| pool.action.clone()).collect();
+                    state.record(decision).await?;
+                    crate::connector::execute(state.ledger(), state.connector(), &actions).await
                 };
                 if let Err(error) = decided.await {
                     tracing::warn!(%error, "cannot record this interval's decision");

@@ -143,6 +143,28 @@ impl From<&Action> for pb::Action {
     }
 }
 
+impl Action {
+    /// `action` as received, `at` naming where it was in the message.
+    fn from_pb(action: pb::Action, at: &str) -> Result<Self, Malformed> {
+        let pb::Action { id, pool, replicas, state, message } = action;
+        let state = match pb::ActionState::try_from(state) {
+            Ok(pb::ActionState::Pending) => ActionState::Pending,
+            Ok(pb::ActionState::Done) => ActionState::Done,
+            Ok(pb::ActionState::Failed) => ActionState::Failed,
+            Ok(pb::ActionState::Unspecified) | Err(_) => return Err(malformed(format!("{at}.state"), state)),
+        };
+        Ok(Action { id, pool, replicas, state, message })
+    }
+}
+
+impl TryFrom<pb::Action> for Action {
+    type Error = Malformed;
+
+    fn try_from(action: pb::Action) -> Result<Self, Malformed> {
+        Action::from_pb(action, "action")
+    }
+}
+
 impl From<&Decision> for pb::Decision {
     fn from(decision: &Decision) -> Self {
         pb::Decision {
@@ -351,18 +373,7 @@ impl TryFrom<pb::Decision> for Decision {
                 .into_iter()
                 .enumerate()
                 .map(|(index, pool)| {
-                    let action = pool
-                        .action
-                        .map(|action| {
-                            let state = match pb::ActionState::try_from(action.state) {
-                                Ok(pb::ActionState::Pending) => ActionState::Pending,
-                                Ok(pb::ActionState::Done) => ActionState::Done,
-                                Ok(pb::ActionState::Failed) => ActionState::Failed,
-                                _ => return Err(malformed(format!("decision.pools[{index}].action.state"), action.state)),
-                            };
-                            Ok(Action { id: action.id, pool: action.pool, replicas: action.replicas, state, message: action.message })
-                        })
-                        .transpose()?;
+                    let action = pool.action.map(|action| Action::from_pb(action, &format!("decision.pools[{index}].action"))).transpose()?;
                     Ok(PoolDecision {
                         pool: pool.pool,
                         current_replicas: pool.current_replicas,

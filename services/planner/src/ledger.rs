@@ -14,7 +14,7 @@ use std::time::Duration;
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
-use crate::decision::{ActionState, Decision, Observation};
+use crate::decision::{Action, ActionState, Decision, Observation};
 use crate::predict::Load;
 use crate::targets::Targets;
 
@@ -231,6 +231,54 @@ impl Ledger {
         Ok(())
     }
 
+    /// Action `id` as it stands, if this namespace issued it.
+    pub async fn action(&self, id: &str) -> Result<Option<Action>, LedgerError> {
+        let row = sqlx::query("SELECT id, pool, replicas, state, message FROM planner_actions WHERE namespace = $1 AND id = $2")
+            .bind(&self.namespace)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(action_of).transpose()
+    }
+
+    /// The actions still pending, oldest decision first.
+    pub async fn pending_actions(&self) -> Result<Vec<Action>, LedgerError> {
+        let rows = sqlx::query("SELECT id, pool, replicas, state, message FROM planner_actions WHERE namespace = $1 AND state = 'pending' ORDER BY decision_id, pool")
+            .bind(&self.namespace)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(action_of).collect()
+    }
+
+    /// Ends action `id`, if it is still pending, as `state` (done or
+    /// failed) with `message`; true when it was pending. An action ends
+    /// once: a second report changes nothing.
+    pub async fn end_action(&self, id: &str, state: ActionState, message: &str, now_unix_ms: i64) -> Result<bool, LedgerError> {
+        debug_assert_ne!(state, ActionState::Pending);
+        let ended = sqlx::query("UPDATE planner_actions SET state = $1, message = $2, updated_at_unix_ms = $3 WHERE id = $4 AND namespace = $5 AND state = 'pending'")
+            .bind(state.name())
+            .bind(message)
+            .bind(now_unix_ms)
+            .bind(id)
+            .bind(&self.namespace)
+            .execute(&self.pool)
+            .await?;
+        Ok(ended.rows_affected() == 1)
+    }
+
+    /// Records the connector's `message` on action `id` while it is
+    /// pending (an outcome reported meanwhile is kept).
+    pub async fn note_pending_action(&self, id: &str, message: &str, now_unix_ms: i64) -> Result<(), LedgerError> {
+        sqlx::query("UPDATE planner_actions SET message = $1, updated_at_unix_ms = $2 WHERE id = $3 AND namespace = $4 AND state = 'pending'")
+            .bind(message)
+            .bind(now_unix_ms)
+            .bind(id)
+            .bind(&self.namespace)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Up to `limit` decisions older than `before` (all when `None`),
     /// newest first, each action with its current state.
     pub async fn history(&self, before: Option<u64>, limit: usize) -> Result<Vec<Decision>, LedgerError> {
@@ -348,4 +396,18 @@ impl Ledger {
         let json: String = row.try_get("decision")?;
         serde_json::from_str(&json).map_err(|error| LedgerError::Corrupt { what: format!("planner_decisions ({:?}, {id})", self.namespace), problem: error.to_string() })
     }
+}
+
+/// An action as a `planner_actions` row holds it.
+fn action_of(row: &AnyRow) -> Result<Action, LedgerError> {
+    let id: String = row.try_get("id")?;
+    let state: String = row.try_get("state")?;
+    let corrupt = |problem: String| LedgerError::Corrupt { what: format!("planner_actions {id:?}"), problem };
+    Ok(Action {
+        pool: row.try_get("pool")?,
+        replicas: u32::try_from(row.try_get::<i64, _>("replicas")?).map_err(|error| corrupt(format!("replicas: {error}")))?,
+        state: ActionState::from_name(&state).ok_or_else(|| corrupt(format!("unknown state {state:?}")))?,
+        message: row.try_get("message")?,
+        id: id.clone(),
+    })
 }

@@ -25,6 +25,7 @@
 pub mod backtest;
 pub mod client;
 pub mod config;
+pub mod connector;
 pub mod constrain;
 pub mod cycle;
 pub mod decision;

@@ -9,6 +9,7 @@ use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
 use crate::config::PlannerConfig;
+use crate::connector::{Connector, ConnectorKind};
 use crate::ledger::Ledger;
 use crate::cycle::Sizing;
 use crate::observe::Observer;
@@ -17,7 +18,9 @@ use turbine_registry::{RedisRegistry, Registry};
 use crate::service::{PlannerService, PlannerState};
 
 /// Who may call each rpc of `turbine.planner.v1.Planner`: reading the plan
-/// is for operators and monitoring, changing it for operators.
+/// is for operators and monitoring, changing it for operators (reporting
+/// an action's outcome too: the external system of the `virtual`
+/// connector operates the cluster).
 pub const ROLES: &[RpcRoles] = &[
     RpcRoles { method: "/turbine.planner.v1.Planner/GetPlan", roles: &[Role::Operator, Role::Monitoring] },
     RpcRoles { method: "/turbine.planner.v1.Planner/WatchPlan", roles: &[Role::Operator, Role::Monitoring] },
@@ -25,6 +28,7 @@ pub const ROLES: &[RpcRoles] = &[
     RpcRoles { method: "/turbine.planner.v1.Planner/SetTargets", roles: &[Role::Operator] },
     RpcRoles { method: "/turbine.planner.v1.Planner/Pause", roles: &[Role::Operator] },
     RpcRoles { method: "/turbine.planner.v1.Planner/Resume", roles: &[Role::Operator] },
+    RpcRoles { method: "/turbine.planner.v1.Planner/CompleteAction", roles: &[Role::Operator] },
 ];
 
 const SPEC: HostSpec = HostSpec {
@@ -72,6 +76,9 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
         };
         let listeners = Listeners::bind(&config.server).await?;
         tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, gateways = config.gateway_metrics.len(), observing = cycle.is_some(), "planner listening");
-        serve(config, PlannerState::new(ledger), cycle, listeners, shutdown).await
+        let connector = match config.connector {
+            ConnectorKind::Virtual => Connector::Virtual,
+        };
+        serve(config, PlannerState::with_connector(ledger, connector), cycle, listeners, shutdown).await
     })
 }

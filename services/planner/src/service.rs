@@ -11,7 +11,8 @@ use tonic::{Request, Response, Status};
 use turbine_runtime::CancellationToken;
 use turbine_proto::planner::v1::{self as pb, planner_server};
 
-use crate::decision::{Decision, Plan};
+use crate::connector::Connector;
+use crate::decision::{ActionState, Decision, Plan};
 use crate::ledger::{Ledger, LedgerError};
 use crate::targets::Targets;
 
@@ -27,23 +28,36 @@ pub const MAX_PAGE: u32 = 1000;
 /// Decisions per History page when the caller names none.
 pub const DEFAULT_PAGE: u32 = 100;
 
-/// The planner's state as the service shares it: the ledger, and the
-/// decisions as they are recorded, for watchers.
+/// The planner's state as the service shares it: the ledger, the
+/// decisions as they are recorded, for watchers, and the connector that
+/// carries out their actions.
 #[derive(Debug, Clone)]
 pub struct PlannerState {
     ledger: Ledger,
     decisions: broadcast::Sender<Arc<Decision>>,
+    connector: Connector,
 }
 
 impl PlannerState {
-    /// The state kept in `ledger`.
+    /// The state kept in `ledger`, its actions carried out by the
+    /// `virtual` connector.
     pub fn new(ledger: Ledger) -> Self {
-        Self { ledger, decisions: broadcast::channel(WATCH_BUFFER).0 }
+        Self::with_connector(ledger, Connector::Virtual)
+    }
+
+    /// The state kept in `ledger`, its actions carried out by `connector`.
+    pub fn with_connector(ledger: Ledger, connector: Connector) -> Self {
+        Self { ledger, decisions: broadcast::channel(WATCH_BUFFER).0, connector }
     }
 
     /// The ledger.
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+
+    /// The connector.
+    pub fn connector(&self) -> &Connector {
+        &self.connector
     }
 
     /// Records `decision` and hands it to every watcher.
@@ -175,5 +189,36 @@ impl planner_server::Planner for PlannerService {
         self.state.ledger().set_paused(false, "", now_unix_ms()).await.map_err(unavailable)?;
         tracing::info!("planner resumed");
         Ok(Response::new(pb::ResumeResponse { plan: Some(self.plan().await?) }))
+    }
+
+    async fn complete_action(&self, request: Request<pb::CompleteActionRequest>) -> Result<Response<pb::CompleteActionResponse>, Status> {
+        let pb::CompleteActionRequest { id, state, message } = request.into_inner();
+        let state = match pb::ActionState::try_from(state) {
+            Ok(pb::ActionState::Done) => ActionState::Done,
+            Ok(pb::ActionState::Failed) => ActionState::Failed,
+            Ok(pb::ActionState::Pending | pb::ActionState::Unspecified) | Err(_) => {
+                return Err(Status::invalid_argument(format!("state: {state}, must be ACTION_STATE_DONE or ACTION_STATE_FAILED")));
+            }
+        };
+        if id.is_empty() {
+            return Err(Status::invalid_argument("id: required (the action's id, as its decision carried it)"));
+        }
+        if message.len() > MAX_REASON {
+            return Err(Status::invalid_argument(format!("message: {} bytes, at most {MAX_REASON}", message.len())));
+        }
+        if !self.state.connector().awaits_reports() {
+            return Err(Status::failed_precondition(format!("this planner's {:?} connector carries out actions itself; outcomes are not reported to it", self.state.connector().kind())));
+        }
+        let ledger = self.state.ledger();
+        let ended = ledger.end_action(&id, state, &message, now_unix_ms()).await.map_err(unavailable)?;
+        let action = ledger.action(&id).await.map_err(unavailable)?.ok_or_else(|| Status::not_found(format!("id: no action {id:?} was issued by this planner")))?;
+        let reported_before = action.state == state && action.message == message;
+        if !ended && !reported_before {
+            return Err(Status::failed_precondition(format!("action {id:?} already ended {}: {}", action.state.name(), action.message)));
+        }
+        if ended {
+            tracing::info!(action = id, state = state.name(), message, "action reported");
+        }
+        Ok(Response::new(pb::CompleteActionResponse { action: Some(pb::Action::from(&action)) }))
     }
 }

@@ -1,0 +1,121 @@
+//! Connectors: who carries out a decision's actions.
+//!
+//! - `virtual`: the planner carries out nothing itself. Each decision is
+//!   published (`WatchPlan`, `History`); an external system sets the
+//!   pool's replicas and reports the outcome by the action's id
+//!   (`CompleteAction`).
+//!
+//! Every action has an id derived from its decision and pool, kept in the
+//! ledger. A connector is handed an id again only after a restart (the
+//! action was pending when the planner stopped), and does it once. A newer
+//! action on a pool supersedes the older ones still pending: they end as
+//! failed, saying so, and are never carried out.
+
+use crate::decision::{Action, ActionState};
+use crate::ledger::{Ledger, LedgerError};
+use crate::service::now_unix_ms;
+
+/// Which connector a planner uses (`--connector`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ConnectorKind {
+    /// Publish decisions; an external system carries out each action and
+    /// reports it with `CompleteAction`.
+    #[default]
+    Virtual,
+}
+
+/// A connector, ready to carry out actions.
+#[derive(Debug, Clone, Default)]
+pub enum Connector {
+    /// See [`ConnectorKind::Virtual`].
+    #[default]
+    Virtual,
+}
+
+/// How handing an action to a connector ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Carried out, with what the connector says of it.
+    Done(String),
+    /// Handed over; its outcome is reported later (`CompleteAction`).
+    Awaiting(String),
+    /// Not carried out, and why.
+    Failed(String),
+}
+
+impl Connector {
+    /// Its kind.
+    pub fn kind(&self) -> ConnectorKind {
+        match self {
+            Connector::Virtual => ConnectorKind::Virtual,
+        }
+    }
+
+    /// Whether outcomes are reported from outside (`CompleteAction`).
+    pub fn awaits_reports(&self) -> bool {
+        match self.kind() {
+            ConnectorKind::Virtual => true,
+        }
+    }
+
+    /// Carries out `action` (idempotent on its id).
+    pub async fn execute(&self, action: &Action) -> Outcome {
+        match self {
+            Connector::Virtual => Outcome::Awaiting(format!("published: set {} to {} replicas, then report it with CompleteAction", action.pool, action.replicas)),
+        }
+    }
+}
+
+/// Hands each of `actions` (just recorded, pending) to `connector`, after
+/// superseding older pending actions on the same pools, and records how
+/// each ended.
+pub async fn execute(ledger: &Ledger, connector: &Connector, actions: &[Action]) -> Result<(), LedgerError> {
+    let pending = ledger.pending_actions().await?;
+    for action in actions {
+        for older in pending.iter().filter(|older| older.pool == action.pool && older.id != action.id) {
+            if ledger.end_action(&older.id, ActionState::Failed, &format!("superseded by {} before it was carried out", action.id), now_unix_ms()).await? {
+                tracing::info!(action = older.id, by = action.id, "action superseded");
+            }
+        }
+        carry_out(ledger, connector, action).await?;
+    }
+    Ok(())
+}
+
+/// After a restart: the newest pending action of each pool is handed to
+/// `connector` again (the same id: a connector does it once); older ones
+/// are superseded by it.
+pub async fn resume(ledger: &Ledger, connector: &Connector) -> Result<(), LedgerError> {
+    let pending = ledger.pending_actions().await?;
+    let mut newest: Vec<&Action> = Vec::new();
+    // Oldest decision first: a later action on a pool replaces the earlier.
+    for action in &pending {
+        match newest.iter_mut().find(|kept| kept.pool == action.pool) {
+            Some(kept) => *kept = action,
+            None => newest.push(action),
+        }
+    }
+    let newest: Vec<Action> = newest.into_iter().cloned().collect();
+    if !newest.is_empty() {
+        tracing::info!(actions = ?newest.iter().map(|action| &action.id).collect::<Vec<_>>(), "resuming pending actions");
+    }
+    execute(ledger, connector, &newest).await
+}
+
+async fn carry_out(ledger: &Ledger, connector: &Connector, action: &Action) -> Result<(), LedgerError> {
+    match connector.execute(action).await {
+        Outcome::Done(message) => {
+            tracing::info!(action = action.id, message, "action done");
+            ledger.end_action(&action.id, ActionState::Done, &message, now_unix_ms()).await?;
+        }
+        Outcome::Awaiting(message) => {
+            ledger.note_pending_action(&action.id, &message, now_unix_ms()).await?;
+        }
+        Outcome::Failed(message) => {
+            tracing::warn!(action = action.id, message, "action failed");
+            ledger.end_action(&action.id, ActionState::Failed, &message, now_unix_ms()).await?;
+        }
+    }
+    Ok(())
+}
