@@ -52,10 +52,38 @@ pub struct PlannerConfig {
     pub profile: Option<std::path::PathBuf>,
     /// Who carries out the decisions' actions: `virtual` publishes them
     /// (WatchPlan) for an external system, which reports each outcome with
-    /// CompleteAction.
+    /// CompleteAction; `local` starts and drains turbine-worker processes
+    /// on this machine (needs --redis: the workers join its registry).
     #[arg(long, env = "TURBINE_PLANNER_CONNECTOR", value_enum, default_value_t)]
     #[serde(default)]
     pub connector: ConnectorKind,
+    /// The local connector's worker executable; by default turbine-worker
+    /// beside the planner's own (or `turbine worker` when the planner runs
+    /// as `turbine planner serve`), else on PATH.
+    #[arg(long, env = "TURBINE_PLANNER_LOCAL_WORKER_BINARY")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_worker_binary: Option<std::path::PathBuf>,
+    /// Flags every local worker gets, separated by spaces (engine, model,
+    /// cache sizes: `--engine mock --speedup 10`); the connector sets the
+    /// role, registry, namespace, worker id and ports itself.
+    #[arg(long, env = "TURBINE_PLANNER_LOCAL_WORKER_ARGS", default_value = "", allow_hyphen_values = true)]
+    #[serde(default)]
+    pub local_worker_args: String,
+    /// Where the local connector keeps each worker's record, log and
+    /// addresses; a planner restarted on the same folder adopts the workers
+    /// still running. Default: turbine-planner-<namespace> in the system's
+    /// temporary folder.
+    #[arg(long, env = "TURBINE_PLANNER_LOCAL_STATE_DIR")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_state_dir: Option<std::path::PathBuf>,
+    /// Seconds a started local worker has to serve (load its model and
+    /// register) before the action fails.
+    #[arg(long, env = "TURBINE_PLANNER_LOCAL_READY_TIMEOUT_SECS", default_value_t = 300)]
+    pub local_ready_timeout_secs: u64,
+    /// Seconds a draining local worker has to finish its streams and exit
+    /// before it is killed.
+    #[arg(long, env = "TURBINE_PLANNER_LOCAL_DRAIN_TIMEOUT_SECS", default_value_t = 900)]
+    pub local_drain_timeout_secs: u64,
     /// Intervals per season of the seasonal predictor (a daily cycle at
     /// 30-second intervals: 2880); it forecasts by the moving average until
     /// it has seen two seasons.
@@ -85,6 +113,14 @@ impl Settings for PlannerConfig {
         if !self.gateway_metrics.is_empty() && self.profile.is_none() {
             return Err("gateway_metrics: deciding needs the workers' profile too (--profile, written by turbine profile)".into());
         }
+        if self.connector == ConnectorKind::Local && self.cluster.redis.is_none() {
+            return Err("connector: local workers join the registry; give it (--redis)".into());
+        }
+        for (field, seconds) in [("local_ready_timeout_secs", self.local_ready_timeout_secs), ("local_drain_timeout_secs", self.local_drain_timeout_secs)] {
+            if !(1..=86_400).contains(&seconds) {
+                return Err(format!("{field}: {seconds}, must be 1 to 86400"));
+            }
+        }
         if !(2..=100_000).contains(&self.season_intervals) {
             return Err(format!("season_intervals: {}, must be 2 to 100000", self.season_intervals));
         }
@@ -93,4 +129,41 @@ impl Settings for PlannerConfig {
             Some(url) => Backend::of(url).map(|_| ()).map_err(|error| format!("database: {error}")),
         }
     }
+}
+
+impl PlannerConfig {
+    /// The local connector's settings (meaningful with `--connector
+    /// local`, which requires `--redis`).
+    pub fn local_settings(&self) -> crate::local::LocalSettings {
+        let namespace = self.cluster.namespace.clone();
+        let (worker_binary, worker_subcommand) = match &self.local_worker_binary {
+            Some(binary) => (binary.clone(), None),
+            None => default_worker_command(),
+        };
+        crate::local::LocalSettings {
+            worker_binary,
+            worker_subcommand,
+            worker_args: self.local_worker_args.split_whitespace().map(str::to_owned).collect(),
+            state_dir: self.local_state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("turbine-planner-{namespace}"))),
+            redis: self.cluster.redis.clone().unwrap_or_default(),
+            namespace,
+            ready_timeout: std::time::Duration::from_secs(self.local_ready_timeout_secs),
+            drain_timeout: std::time::Duration::from_secs(self.local_drain_timeout_secs),
+        }
+    }
+}
+
+/// turbine-worker beside this executable; `turbine worker` when this is
+/// `turbine`; else turbine-worker on PATH.
+fn default_worker_command() -> (std::path::PathBuf, Option<String>) {
+    let exe = std::env::current_exe().ok();
+    if let Some(exe) = &exe {
+        if exe.file_stem().is_some_and(|stem| stem == "turbine") {
+            return (exe.clone(), Some("worker".to_owned()));
+        }
+        if let Some(beside) = exe.parent().map(|dir| dir.join("turbine-worker")).filter(|path| path.is_file()) {
+            return (beside, None);
+        }
+    }
+    ("turbine-worker".into(), None)
 }

@@ -4,6 +4,8 @@
 //!   published (`WatchPlan`, `History`); an external system sets the
 //!   pool's replicas and reports the outcome by the action's id
 //!   (`CompleteAction`).
+//! - `local`: the pools' workers are processes on this machine, started and
+//!   drained by the planner ([`crate::local`]).
 //!
 //! Every action has an id derived from its decision and pool, kept in the
 //! ledger. A connector is handed an id again only after a restart (the
@@ -13,6 +15,8 @@
 
 use crate::decision::{Action, ActionState};
 use crate::ledger::{Ledger, LedgerError};
+use crate::local::LocalConnector;
+use crate::targets::PoolKind;
 use crate::service::now_unix_ms;
 
 /// Which connector a planner uses (`--connector`).
@@ -23,6 +27,8 @@ pub enum ConnectorKind {
     /// reports it with `CompleteAction`.
     #[default]
     Virtual,
+    /// Start and drain `turbine-worker` processes on this machine.
+    Local,
 }
 
 /// A connector, ready to carry out actions.
@@ -31,6 +37,8 @@ pub enum Connector {
     /// See [`ConnectorKind::Virtual`].
     #[default]
     Virtual,
+    /// See [`ConnectorKind::Local`].
+    Local(LocalConnector),
 }
 
 /// How handing an action to a connector ended.
@@ -49,6 +57,7 @@ impl Connector {
     pub fn kind(&self) -> ConnectorKind {
         match self {
             Connector::Virtual => ConnectorKind::Virtual,
+            Connector::Local(_) => ConnectorKind::Local,
         }
     }
 
@@ -56,13 +65,15 @@ impl Connector {
     pub fn awaits_reports(&self) -> bool {
         match self.kind() {
             ConnectorKind::Virtual => true,
+            ConnectorKind::Local => false,
         }
     }
 
-    /// Carries out `action` (idempotent on its id).
-    pub async fn execute(&self, action: &Action) -> Outcome {
+    /// Carries out `action` on a pool of `kind` (idempotent on its id).
+    pub async fn execute(&self, action: &Action, kind: PoolKind) -> Outcome {
         match self {
             Connector::Virtual => Outcome::Awaiting(format!("published: set {} to {} replicas, then report it with CompleteAction", action.pool, action.replicas)),
+            Connector::Local(local) => local.execute(action, kind).await,
         }
     }
 }
@@ -71,14 +82,19 @@ impl Connector {
 /// superseding older pending actions on the same pools, and records how
 /// each ended.
 pub async fn execute(ledger: &Ledger, connector: &Connector, actions: &[Action]) -> Result<(), LedgerError> {
+    if actions.is_empty() {
+        return Ok(());
+    }
     let pending = ledger.pending_actions().await?;
+    let targets = ledger.control().await?.targets;
+    let kind = |pool: &str| targets.as_ref().and_then(|targets| targets.pools().iter().find(|limits| limits.pool == pool)).map_or(PoolKind::Aggregated, |limits| limits.kind);
     for action in actions {
         for older in pending.iter().filter(|older| older.pool == action.pool && older.id != action.id) {
             if ledger.end_action(&older.id, ActionState::Failed, &format!("superseded by {} before it was carried out", action.id), now_unix_ms()).await? {
                 tracing::info!(action = older.id, by = action.id, "action superseded");
             }
         }
-        carry_out(ledger, connector, action).await?;
+        carry_out(ledger, connector, action, kind(&action.pool)).await?;
     }
     Ok(())
 }
@@ -103,8 +119,8 @@ pub async fn resume(ledger: &Ledger, connector: &Connector) -> Result<(), Ledger
     execute(ledger, connector, &newest).await
 }
 
-async fn carry_out(ledger: &Ledger, connector: &Connector, action: &Action) -> Result<(), LedgerError> {
-    match connector.execute(action).await {
+async fn carry_out(ledger: &Ledger, connector: &Connector, action: &Action, kind: PoolKind) -> Result<(), LedgerError> {
+    match connector.execute(action, kind).await {
         Outcome::Done(message) => {
             tracing::info!(action = action.id, message, "action done");
             ledger.end_action(&action.id, ActionState::Done, &message, now_unix_ms()).await?;

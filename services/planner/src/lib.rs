@@ -30,6 +30,7 @@ pub mod constrain;
 pub mod cycle;
 pub mod decision;
 pub mod ledger;
+pub mod local;
 pub mod observe;
 pub mod predict;
 pub mod profile;

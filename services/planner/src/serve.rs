@@ -10,6 +10,7 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
 use crate::config::PlannerConfig;
 use crate::connector::{Connector, ConnectorKind};
+use crate::local::LocalConnector;
 use crate::ledger::Ledger;
 use crate::cycle::Sizing;
 use crate::observe::Observer;
@@ -78,6 +79,11 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
         tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, gateways = config.gateway_metrics.len(), observing = cycle.is_some(), "planner listening");
         let connector = match config.connector {
             ConnectorKind::Virtual => Connector::Virtual,
+            ConnectorKind::Local => {
+                let settings = config.local_settings();
+                let state_dir = settings.state_dir.display().to_string();
+                Connector::Local(LocalConnector::open(settings).with_context(|| format!("the local connector's state folder {state_dir}"))?)
+            }
         };
         serve(config, PlannerState::with_connector(ledger, connector), cycle, listeners, shutdown).await
     })

@@ -144,3 +144,35 @@ async fn on_sqlite_virtual_actions_are_reported_once_and_resumed_after_a_restart
     let dir = tempfile::tempdir().unwrap();
     virtual_actions_are_reported_once_and_resumed_after_a_restart(&format!("sqlite:{}", dir.path().join("planner.sqlite").display())).await;
 }
+
+/// A planner whose connector acts itself takes no reports.
+#[tokio::test]
+async fn a_planner_that_acts_itself_refuses_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = format!("sqlite:{}", dir.path().join("planner.sqlite").display());
+    let settings = turbine_planner::local::LocalSettings {
+        worker_binary: "turbine-worker".into(),
+        worker_subcommand: None,
+        worker_args: Vec::new(),
+        state_dir: dir.path().join("fleet"),
+        redis: "redis://127.0.0.1:1/".into(),
+        namespace: "test".into(),
+        ready_timeout: Duration::from_secs(1),
+        drain_timeout: Duration::from_secs(1),
+    };
+    let local = Connector::Local(turbine_planner::local::LocalConnector::open(settings).unwrap());
+    let state = PlannerState::with_connector(Ledger::open(&database, "test").await.unwrap(), local);
+    state.record(decision("test", 1, "decode", 4)).await.unwrap();
+    let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
+    let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let config = turbine_planner::PlannerConfig { database: Some(database), ..Default::default() };
+    let serving = tokio::spawn(turbine_planner::serve(config, state, None, listeners, shutdown.clone()));
+    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
+    let client = PlannerClient::connect(&endpoint).unwrap();
+    let (code_of, message) = code(client.complete_action("test/1/decode", ActionState::Done, "").await.unwrap_err());
+    assert_eq!(code_of, Code::FailedPrecondition, "{message}");
+    assert!(message.contains("Local"), "{message}");
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), serving).await.unwrap().unwrap().unwrap();
+}

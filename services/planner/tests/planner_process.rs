@@ -288,4 +288,7 @@ fn a_planner_without_a_database_says_what_it_needs() {
         .unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--profile"), "deciding needs the profile");
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "sqlite::memory:", "--connector", "local"]).env_remove("TURBINE_REDIS_URL").output().unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--redis"), "local workers need the registry");
 }

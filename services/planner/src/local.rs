@@ -1,0 +1,361 @@
+//! The `local` connector: each pool's workers are `turbine-worker`
+//! processes on this machine, started and stopped by the planner.
+//!
+//! - Scaling up starts workers (the pool's role, the planner's Redis and
+//!   namespace, the operator's `--local-worker-args`, loopback ports) and
+//!   waits until each serves: registered, and so routable. One that does
+//!   not serve in time is stopped and the action fails, naming its log.
+//! - Scaling down drains: the newest workers get SIGTERM, on which a worker
+//!   leaves the registry first (routers stop sending it work), lets its
+//!   in-flight streams finish and exits. One still running after the drain
+//!   timeout is killed.
+//! - Each worker has a record in the state folder (its pool, pid and
+//!   name; its log and bound addresses beside). A planner started again on
+//!   the same folder adopts the workers still running, so a planner
+//!   restart leaves the fleet serving. The workers outlive the planner.
+//! - An action's id is carried out once: handed over again (after a
+//!   restart), it answers what it answered the first time, or sets the
+//!   pool to the same size, which changes nothing.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex;
+use turbine_proto::service_names;
+use turbine_runtime::host::BoundAddrs;
+
+use crate::connector::Outcome;
+use crate::decision::Action;
+use crate::targets::PoolKind;
+
+/// The state folder's file holding the next worker's number.
+const NEXT_FILE: &str = "next-worker";
+
+/// How often a wait looks again (a worker's addresses, its exit).
+const POLL: Duration = Duration::from_millis(50);
+
+/// What the local connector needs.
+#[derive(Debug, Clone)]
+pub struct LocalSettings {
+    /// The executable: `turbine-worker`, or `turbine` with the
+    /// subcommand `worker`.
+    pub worker_binary: PathBuf,
+    /// The subcommand before the flags (`worker` for `turbine`).
+    pub worker_subcommand: Option<String>,
+    /// Flags every worker gets (engine, model, cache sizes), after the
+    /// connector's own.
+    pub worker_args: Vec<String>,
+    /// Where each worker's record, log and addresses live.
+    pub state_dir: PathBuf,
+    /// The registry the workers join.
+    pub redis: String,
+    /// The deployment's namespace.
+    pub namespace: String,
+    /// How long a started worker has to serve.
+    pub ready_timeout: Duration,
+    /// How long a draining worker has to exit before it is killed.
+    pub drain_timeout: Duration,
+}
+
+/// A worker's record in the state folder.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Record {
+    name: String,
+    pool: String,
+    pid: u32,
+}
+
+#[derive(Debug)]
+struct LocalWorker {
+    record: Record,
+    /// Started by this planner (an adopted worker has none).
+    child: Option<tokio::process::Child>,
+}
+
+#[derive(Debug, Default)]
+struct Fleet {
+    /// Serving workers per pool, oldest first.
+    serving: BTreeMap<String, Vec<LocalWorker>>,
+    /// What each action carried out answered.
+    done: HashMap<String, Outcome>,
+    /// The next worker's number.
+    next: u64,
+}
+
+/// The local connector. Cloning shares the fleet.
+#[derive(Debug, Clone)]
+pub struct LocalConnector {
+    settings: Arc<LocalSettings>,
+    fleet: Arc<Mutex<Fleet>>,
+    draining: Arc<AtomicU32>,
+}
+
+impl LocalConnector {
+    /// The connector over `settings.state_dir` (created if missing),
+    /// adopting the workers its records name that still run.
+    pub fn open(settings: LocalSettings) -> std::io::Result<Self> {
+        std::fs::create_dir_all(&settings.state_dir)?;
+        let mut fleet = Fleet::default();
+        for entry in std::fs::read_dir(&settings.state_dir)? {
+            let path = entry?.path();
+            if path.extension().is_none_or(|extension| extension != "worker") {
+                continue;
+            }
+            let record: Option<Record> = std::fs::read(&path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
+            let Some(record) = record else {
+                tracing::warn!(path = %path.display(), "an unreadable worker record; ignored");
+                continue;
+            };
+            if let Some(number) = record.name.rsplit('-').next().and_then(|number| number.parse::<u64>().ok()) {
+                fleet.next = fleet.next.max(number + 1);
+            }
+            if runs(record.pid, &record.name) {
+                tracing::info!(worker = record.name, pool = record.pool, pid = record.pid, "adopted a running worker");
+                fleet.serving.entry(record.pool.clone()).or_default().push(LocalWorker { record, child: None });
+            } else {
+                remove_files(&settings.state_dir, &record.name);
+            }
+        }
+        for workers in fleet.serving.values_mut() {
+            workers.sort_by_key(|worker| number_of(&worker.record.name));
+        }
+        // Names are never reused, not even those of workers gone since.
+        if let Some(next) = std::fs::read_to_string(settings.state_dir.join(NEXT_FILE)).ok().and_then(|text| text.trim().parse::<u64>().ok()) {
+            fleet.next = fleet.next.max(next);
+        }
+        Ok(Self { settings: Arc::new(settings), fleet: Arc::new(Mutex::new(fleet)), draining: Arc::default() })
+    }
+
+    /// Serving workers of `pool`, as the connector knows them (exited ones
+    /// dropped).
+    pub async fn serving(&self, pool: &str) -> u32 {
+        let mut fleet = self.fleet.lock().await;
+        self.reap(&mut fleet);
+        fleet.serving.get(pool).map_or(0, |workers| workers.len() as u32)
+    }
+
+    /// Workers draining now, over all pools.
+    pub fn draining(&self) -> u32 {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Sets `action.pool` (of `kind`) to `action.replicas` workers.
+    pub async fn execute(&self, action: &Action, kind: PoolKind) -> Outcome {
+        let mut fleet = self.fleet.lock().await;
+        if let Some(outcome) = fleet.done.get(&action.id) {
+            return outcome.clone();
+        }
+        self.reap(&mut fleet);
+        let serving = fleet.serving.get(&action.pool).map_or(0, Vec::len);
+        let wanted = action.replicas as usize;
+        let outcome = if wanted > serving {
+            let mut started = Vec::new();
+            let mut failure = None;
+            for _ in serving..wanted {
+                match self.start(&mut fleet, &action.pool, kind).await {
+                    Ok(name) => started.push(name),
+                    Err(problem) => {
+                        failure = Some(problem);
+                        break;
+                    }
+                }
+            }
+            match failure {
+                None => Outcome::Done(format!("started {}: {} now serves {wanted}", started.join(", "), action.pool)),
+                Some(problem) if started.is_empty() => Outcome::Failed(problem),
+                Some(problem) => Outcome::Failed(format!("started {} of {}, then {problem}", started.join(", "), wanted - serving)),
+            }
+        } else if wanted < serving {
+            let workers = fleet.serving.get_mut(&action.pool).expect("a pool with workers");
+            let leaving: Vec<LocalWorker> = workers.drain(wanted..).collect();
+            let names: Vec<String> = leaving.iter().map(|worker| worker.record.name.clone()).collect();
+            for worker in leaving {
+                self.drain(worker);
+            }
+            Outcome::Done(format!("draining {}: {} serves {wanted} once they finish their streams", names.join(", "), action.pool))
+        } else {
+            Outcome::Done(format!("{} already serves {wanted}", action.pool))
+        };
+        fleet.done.insert(action.id.clone(), outcome.clone());
+        outcome
+    }
+
+    /// Starts one worker of `pool` and waits until it serves; its name.
+    async fn start(&self, fleet: &mut Fleet, pool: &str, kind: PoolKind) -> Result<String, String> {
+        let settings = &self.settings;
+        let name = format!("{}-{pool}-{}", settings.namespace, fleet.next);
+        fleet.next += 1;
+        std::fs::write(settings.state_dir.join(NEXT_FILE), fleet.next.to_string()).map_err(|error| format!("cannot write {}: {error}", settings.state_dir.join(NEXT_FILE).display()))?;
+        let files = Files::of(&settings.state_dir, &name);
+        let log = std::fs::File::create(&files.log).map_err(|error| format!("cannot create {}: {error}", files.log.display()))?;
+        let log_too = log.try_clone().map_err(|error| format!("{}: {error}", files.log.display()))?;
+        let _ = std::fs::remove_file(&files.addresses);
+        let role = match kind {
+            PoolKind::Aggregated => "aggregated",
+            PoolKind::Prefill => "prefill",
+            PoolKind::Decode => "decode",
+        };
+        let mut command = tokio::process::Command::new(&settings.worker_binary);
+        command
+            .args(&settings.worker_subcommand)
+            .args(["--redis", &settings.redis, "--namespace", &settings.namespace, "--role", role, "--worker-id", &name])
+            .args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--addresses-file"])
+            .arg(&files.addresses)
+            .args(&settings.worker_args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_too)
+            // Its own process group: a signal to the planner's terminal
+            // does not reach the fleet.
+            .process_group(0);
+        let mut child = command.spawn().map_err(|error| format!("cannot start {}: {error}", settings.worker_binary.display()))?;
+        let pid = child.id().unwrap_or(0);
+        let record = Record { name: name.clone(), pool: pool.to_owned(), pid };
+        let written = serde_json::to_vec(&record).map_err(|error| error.to_string()).and_then(|json| std::fs::write(&files.record, json).map_err(|error| error.to_string()));
+        if let Err(problem) = written {
+            let _ = child.start_kill();
+            return Err(format!("cannot write {}: {problem}", files.record.display()));
+        }
+        tracing::info!(worker = name, pool, pid, "starting a worker");
+        match self.until_serving(&mut child, &files).await {
+            Ok(()) => {
+                tracing::info!(worker = name, pool, "worker serving");
+                fleet.serving.entry(pool.to_owned()).or_default().push(LocalWorker { record, child: Some(child) });
+                Ok(name)
+            }
+            Err(problem) => {
+                let _ = child.start_kill();
+                let _ = tokio::time::timeout(self.settings.drain_timeout, child.wait()).await;
+                remove_files(&settings.state_dir, &name);
+                Err(format!("worker {name} {problem} (its log: {})", files.log.display()))
+            }
+        }
+    }
+
+    async fn until_serving(&self, child: &mut tokio::process::Child, files: &Files) -> Result<(), String> {
+        let deadline = Instant::now() + self.settings.ready_timeout;
+        let addresses = loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!("exited ({status}) before listening"));
+            }
+            if let Some(addresses) = std::fs::read(&files.addresses).ok().and_then(|bytes| serde_json::from_slice::<BoundAddrs>(&bytes).ok()) {
+                break addresses;
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("did not listen within {:?}", self.settings.ready_timeout));
+            }
+            tokio::time::sleep(POLL).await;
+        };
+        let endpoint = addresses.grpc_endpoint();
+        tokio::select! {
+            () = turbine_runtime::health::until_serving(&endpoint, service_names::WORKER) => Ok(()),
+            status = child.wait() => Err(format!("exited ({}) before serving", status.map_or_else(|error| error.to_string(), |status| status.to_string()))),
+            () = tokio::time::sleep_until(deadline.into()) => Err(format!("did not serve within {:?}", self.settings.ready_timeout)),
+        }
+    }
+
+    /// SIGTERM `worker` and, in the background, wait for it to exit (killed
+    /// after the drain timeout), then forget it.
+    fn drain(&self, mut worker: LocalWorker) {
+        let (settings, draining) = (self.settings.clone(), self.draining.clone());
+        draining.fetch_add(1, Ordering::Relaxed);
+        let Record { name, pid, .. } = worker.record.clone();
+        tracing::info!(worker = name, pid, "draining a worker");
+        signal(pid, libc::SIGTERM);
+        tokio::spawn(async move {
+            let exited = tokio::time::timeout(settings.drain_timeout, async {
+                match &mut worker.child {
+                    Some(child) => drop(child.wait().await),
+                    None => {
+                        while runs(pid, &name) {
+                            tokio::time::sleep(POLL).await;
+                        }
+                    }
+                }
+            })
+            .await;
+            if exited.is_err() {
+                tracing::warn!(worker = name, pid, timeout = ?settings.drain_timeout, "a draining worker did not exit in time; killing it");
+                match &mut worker.child {
+                    Some(child) => {
+                        let _ = child.kill().await;
+                    }
+                    None => signal(pid, libc::SIGKILL),
+                }
+            }
+            remove_files(&settings.state_dir, &name);
+            draining.fetch_sub(1, Ordering::Relaxed);
+            tracing::info!(worker = name, "worker drained");
+        });
+    }
+
+    /// Forgets workers that exited by themselves (a crash), saying so.
+    fn reap(&self, fleet: &mut Fleet) {
+        for workers in fleet.serving.values_mut() {
+            workers.retain_mut(|worker| {
+                let exited = match &mut worker.child {
+                    Some(child) => !matches!(child.try_wait(), Ok(None)),
+                    None => !runs(worker.record.pid, &worker.record.name),
+                };
+                if exited {
+                    tracing::warn!(worker = worker.record.name, pool = worker.record.pool, "a worker exited by itself");
+                    remove_files(&self.settings.state_dir, &worker.record.name);
+                }
+                !exited
+            });
+        }
+    }
+}
+
+/// A worker's files in the state folder.
+struct Files {
+    record: PathBuf,
+    log: PathBuf,
+    addresses: PathBuf,
+}
+
+impl Files {
+    fn of(dir: &Path, name: &str) -> Self {
+        Self { record: dir.join(format!("{name}.worker")), log: dir.join(format!("{name}.log")), addresses: dir.join(format!("{name}.addresses.json")) }
+    }
+}
+
+/// Removes a worker's record and addresses (its log stays, for the
+/// operator).
+fn remove_files(dir: &Path, name: &str) {
+    let files = Files::of(dir, name);
+    let _ = std::fs::remove_file(files.record);
+    let _ = std::fs::remove_file(files.addresses);
+}
+
+fn number_of(name: &str) -> u64 {
+    name.rsplit('-').next().and_then(|number| number.parse().ok()).unwrap_or(0)
+}
+
+/// Whether `pid` is a live (not zombie) process started as worker `name`
+/// (its command line says `--worker-id name`), so a reused pid is not
+/// taken for the worker.
+fn runs(pid: u32, name: &str) -> bool {
+    let Ok(command_line) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
+    let arguments: Vec<&[u8]> = command_line.split(|byte| *byte == 0).collect();
+    let named = arguments.windows(2).any(|pair| pair[0] == b"--worker-id" && pair[1] == name.as_bytes());
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')));
+    named && !zombie
+}
+
+fn signal(pid: u32, signal: libc::c_int) {
+    if pid == 0 {
+        return;
+    }
+    // SAFETY: kill(2) on a pid the connector started or adopted (checked
+    // by `runs` against its command line); no memory is involved.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+    }
+}
