@@ -63,6 +63,10 @@ enum PlannerCommand {
     /// Each predictor's one-step-ahead error (MAPE of request rate, input
     /// and output length) on recorded traces.
     Backtest(turbine_planner::backtest::BacktestArgs),
+    /// Past decisions, newest first: what was observed and forecast, each
+    /// pool's replicas before, proposed and asked for, why, and how the
+    /// connector's action ended.
+    History(turbine_planner::audit::HistoryArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +89,13 @@ fn main() -> ExitCode {
         Command::Planner(PlannerCommand::Serve(config)) => turbine_planner::main(config.into_inner()),
         Command::Planner(PlannerCommand::Backtest(args)) => match turbine_planner::backtest::run(&args) {
             Ok(_) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("turbine: error: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Planner(PlannerCommand::History(args)) => match turbine_planner::audit::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("turbine: error: {error:#}");
                 ExitCode::FAILURE

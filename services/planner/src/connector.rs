@@ -69,6 +69,14 @@ impl Connector {
         }
     }
 
+    /// Workers of `pool` draining (leaving the fleet, finishing streams).
+    pub fn draining(&self, pool: &str) -> u32 {
+        match self {
+            Connector::Virtual => 0,
+            Connector::Local(local) => local.draining_in(pool),
+        }
+    }
+
     /// Carries out `action` on a pool of `kind` (idempotent on its id).
     pub async fn execute(&self, action: &Action, kind: PoolKind) -> Outcome {
         match self {
@@ -120,7 +128,9 @@ pub async fn resume(ledger: &Ledger, connector: &Connector) -> Result<(), Ledger
 }
 
 async fn carry_out(ledger: &Ledger, connector: &Connector, action: &Action, kind: PoolKind) -> Result<(), LedgerError> {
-    match connector.execute(action, kind).await {
+    let outcome = connector.execute(action, kind).await;
+    crate::metrics::record_outcome(&outcome);
+    match outcome {
         Outcome::Done(message) => {
             tracing::info!(action = action.id, message, "action done");
             ledger.end_action(&action.id, ActionState::Done, &message, now_unix_ms()).await?;

@@ -75,6 +75,7 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
                     state.ledger().record_observations(now, &observed).await?;
                     let decision = decide(&state, &targets, control.paused, &sizing, observed, now).await?;
                     tracing::info!(id = decision.id, reason = decision.reason, paused = decision.paused, "decision");
+                    crate::metrics::record_decision(&targets, &decision);
                     let actions: Vec<Action> = decision.pools.iter().filter_map(|pool| pool.action.clone()).collect();
                     state.record(decision).await?;
                     crate::connector::execute(state.ledger(), state.connector(), &actions).await

@@ -14,7 +14,15 @@
 //!   worker registry;
 //! - [`profile`]: a worker configuration's measured TTFT by input length
 //!   and ITL by context and concurrency (`turbine profile` writes it);
-//! - [`cycle`]: once per interval, observe and record;
+//! - [`propose`] and [`constrain`]: replicas per pool from the profile,
+//!   corrected by observed over expected latency, then bounded (min/max,
+//!   cool-down, budget);
+//! - [`cycle`]: once per interval, observe, forecast, propose, constrain,
+//!   record the decision and hand its actions to the [`connector`]
+//!   (`virtual`, or [`local`] worker processes);
+//! - [`metrics`]: replicas asked for, observed and draining, SLA outcome
+//!   per interval, actions by outcome;
+//! - [`audit`]: `turbine planner history`, decisions in words;
 //! - [`ledger`]: the state in PostgreSQL or SQLite (targets, the pause
 //!   switch, decisions, actions), migrated at start;
 //! - [`service`]: `turbine.planner.v1.Planner` over the ledger, and
@@ -22,6 +30,7 @@
 //!   ([`ROLES`]); [`PlannerConfig`]: configuration and flags;
 //! - [`PlannerClient`]: the typed client.
 
+pub mod audit;
 pub mod backtest;
 pub mod client;
 pub mod config;
@@ -31,6 +40,7 @@ pub mod cycle;
 pub mod decision;
 pub mod ledger;
 pub mod local;
+pub mod metrics;
 pub mod observe;
 pub mod predict;
 pub mod profile;

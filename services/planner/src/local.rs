@@ -20,8 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex as SyncMutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -92,7 +91,8 @@ struct Fleet {
 pub struct LocalConnector {
     settings: Arc<LocalSettings>,
     fleet: Arc<Mutex<Fleet>>,
-    draining: Arc<AtomicU32>,
+    /// Workers draining, per pool.
+    draining: Arc<SyncMutex<BTreeMap<String, u32>>>,
 }
 
 impl LocalConnector {
@@ -141,7 +141,19 @@ impl LocalConnector {
 
     /// Workers draining now, over all pools.
     pub fn draining(&self) -> u32 {
-        self.draining.load(Ordering::Relaxed)
+        self.draining.lock().expect("draining counts").values().sum()
+    }
+
+    /// Workers of `pool` draining now.
+    pub fn draining_in(&self, pool: &str) -> u32 {
+        self.draining.lock().expect("draining counts").get(pool).copied().unwrap_or(0)
+    }
+
+    fn count_draining(&self, pool: &str, change: i64) {
+        let mut draining = self.draining.lock().expect("draining counts");
+        let count = draining.entry(pool.to_owned()).or_default();
+        *count = (i64::from(*count) + change).max(0) as u32;
+        crate::metrics::set_draining(pool, *count);
     }
 
     /// Sets `action.pool` (of `kind`) to `action.replicas` workers.
@@ -262,9 +274,9 @@ impl LocalConnector {
     /// SIGTERM `worker` and, in the background, wait for it to exit (killed
     /// after the drain timeout), then forget it.
     fn drain(&self, mut worker: LocalWorker) {
-        let (settings, draining) = (self.settings.clone(), self.draining.clone());
-        draining.fetch_add(1, Ordering::Relaxed);
-        let Record { name, pid, .. } = worker.record.clone();
+        let (settings, connector) = (self.settings.clone(), self.clone());
+        let Record { name, pid, pool } = worker.record.clone();
+        self.count_draining(&pool, 1);
         tracing::info!(worker = name, pid, "draining a worker");
         signal(pid, libc::SIGTERM);
         tokio::spawn(async move {
@@ -289,7 +301,7 @@ impl LocalConnector {
                 }
             }
             remove_files(&settings.state_dir, &name);
-            draining.fetch_sub(1, Ordering::Relaxed);
+            connector.count_draining(&pool, -1);
             tracing::info!(worker = name, "worker drained");
         });
     }

@@ -87,7 +87,11 @@ impl PlannerService {
         let ledger = self.state.ledger();
         let control = ledger.control().await.map_err(unavailable)?;
         let latest = ledger.latest().await.map_err(unavailable)?;
-        Ok(pb::Plan::from(&Plan::new(control.targets, control.paused, latest)))
+        let mut plan = Plan::new(control.targets, control.paused, latest);
+        for pool in &mut plan.pools {
+            pool.draining_replicas = self.state.connector().draining(&pool.pool);
+        }
+        Ok(pb::Plan::from(&plan))
     }
 }
 

@@ -118,6 +118,16 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     assert_eq!((action.id.clone(), action.replicas, action.state), (format!("test/{}/workers", scaled.id), pool.desired_replicas, ActionState::Pending));
     assert!(scaled.predicted.as_ref().unwrap().load.request_rate > 0.0 && scaled.reason.contains("req/s"), "{scaled:?}");
 
+    // The metrics say what was asked for and how each interval went.
+    let metrics = turbine_runtime::metrics::render();
+    let value = |series: &str| metrics.lines().find_map(|line| line.strip_prefix(series)?.trim().parse::<f64>().ok());
+    assert!(value(r#"turbine_planner_desired_replicas{pool="workers"}"#).is_some_and(|replicas| (2.0..=4.0).contains(&replicas)), "{metrics}");
+    assert_eq!(value(r#"turbine_planner_observed_replicas{pool="workers"}"#), Some(2.0), "{metrics}");
+    assert!(value(r#"turbine_planner_intervals_total{pool="workers",sla="idle"}"#).is_some_and(|idle| idle >= 1.0), "{metrics}");
+    let busy_intervals = ["met", "missed"].iter().filter_map(|sla| value(&format!(r#"turbine_planner_intervals_total{{pool="workers",sla="{sla}"}}"#))).sum::<f64>();
+    assert!(busy_intervals >= 1.0, "{metrics}");
+    assert!(value(r#"turbine_planner_actions_total{outcome="awaiting"}"#).is_some_and(|actions| actions >= 1.0), "the virtual connector awaits reports: {metrics}");
+
     // Paused: decisions go on, asking for nothing.
     ledger.set_paused(true, "test", 0).await.unwrap();
     let newest = decisions[0].id;
