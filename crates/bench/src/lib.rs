@@ -18,6 +18,7 @@ pub mod engine;
 pub mod gateway;
 pub mod indexer;
 pub mod kv_store;
+pub mod planner;
 pub mod profile;
 pub mod replay;
 pub mod tiers;
@@ -47,6 +48,10 @@ pub enum BenchCommand {
     /// Time to first token of long prompts onboarded from the host and
     /// disk KV tiers, against computing them.
     Tiers(tiers::TiersBenchArgs),
+    /// An Azure trace through gateway and router onto mocker worker
+    /// processes: a static fleet sized for the peak, then a fleet the
+    /// planner sizes (local connector), side by side.
+    Planner(planner::PlannerBenchArgs),
 }
 
 /// Runs a benchmark and prints its report.
@@ -91,6 +96,11 @@ pub fn main(command: BenchCommand) -> ExitCode {
             BenchCommand::Transfer(args) => {
                 let report = transfer::run(&args).await?;
                 transfer::print(&report);
+                write_json(args.json.as_deref(), &report)
+            }
+            BenchCommand::Planner(args) => {
+                let report = planner::run(&args).await?;
+                planner::print(&report);
                 write_json(args.json.as_deref(), &report)
             }
             BenchCommand::KvStore(args) => {

@@ -17,7 +17,7 @@ pub struct Summary {
     pub mean_ms: f64,
 }
 
-pub(super) fn summarize(mut samples: Vec<f64>) -> Summary {
+pub(crate) fn summarize(mut samples: Vec<f64>) -> Summary {
     if samples.is_empty() {
         return Summary::default();
     }

@@ -1,0 +1,503 @@
+//! `turbine bench planner`: an Azure 2023 trace, time-compressed, replayed
+//! through a real gateway and router (in this process, following a Redis
+//! registry) onto mocker worker processes, twice in one run:
+//!
+//! 1. a static fleet sized for the trace's peak interval (the profile's
+//!    proposal for the busiest interval, or `--static-workers`);
+//! 2. a fleet the planner sizes: its cycle observes the gateway's metrics
+//!    and the registry every `--interval-secs`, forecasts, proposes from
+//!    the `--profile`, constrains, and the `local` connector starts and
+//!    drains `turbine worker` processes.
+//!
+//! Reported per fleet: requests and failures (client-side; a drain must
+//! lose none), the share of intervals (of arrival time, with requests)
+//! whose TTFT and ITL at the targets' percentile are within the targets,
+//! and worker-seconds (serving and draining workers, sampled four times a
+//! second from the first arrival to the last completion); then the
+//! planner's worker-seconds over the static fleet's.
+//!
+//! Latencies are the run's own (wall clock): with `--speedup` S the trace
+//! arrives S times faster and the mocker workers run S times faster than
+//! their model of a GPU, so the profile (measured with the same mocker
+//! speedup) and the targets are in the run's time too.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use turbine_planner::connector::{Connector, Outcome};
+use turbine_planner::cycle::Sizing;
+use turbine_planner::local::{LocalConnector, LocalSettings};
+use turbine_planner::observe::Observer;
+use turbine_planner::predict::Load;
+use turbine_planner::profile::Profile;
+use turbine_planner::propose::{Corrections, propose};
+use turbine_planner::{Action, ActionState, Ledger, PlannerState, PoolKind, PoolLimits, Predictor, Targets};
+use turbine_registry::{RedisRegistry, Registry};
+use turbine_runtime::CancellationToken;
+use turbine_runtime::host::Listeners;
+
+use crate::replay::drive::stream_completion;
+use crate::replay::report::{Summary, summarize};
+
+/// The pool the bench sizes.
+const POOL: &str = "workers";
+
+/// How often the fleet's size is sampled.
+const SAMPLE: Duration = Duration::from_millis(250);
+
+/// Flags of `turbine bench planner`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlannerBenchArgs {
+    /// Azure 2023 trace (CSV TIMESTAMP,ContextTokens,GeneratedTokens), e.g.
+    /// services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// The workers' profile (`turbine profile --engine mock --speedup S`,
+    /// the same S as here).
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// Redis URL: the workers register there and the router follows them.
+    #[arg(long)]
+    pub redis: String,
+    /// Time compression: arrivals come this many times faster than in the
+    /// trace, and the mocker workers run this many times faster than their
+    /// model of a GPU.
+    #[arg(long, default_value_t = 20.0)]
+    pub speedup: f64,
+    /// Replay only the first N requests [default: all].
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Cap on each request's output tokens [default: the trace's].
+    #[arg(long)]
+    pub max_output_tokens: Option<u32>,
+    /// More flags for every worker (after `--engine mock --speedup S`).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub worker_args: String,
+    /// The worker executable [default: `turbine worker`, this binary].
+    #[arg(long)]
+    pub worker_binary: Option<PathBuf>,
+    /// TTFT target at --percentile, milliseconds of the run's time.
+    #[arg(long)]
+    pub ttft_ms: f64,
+    /// ITL target at --percentile, milliseconds of the run's time.
+    #[arg(long)]
+    pub itl_ms: f64,
+    /// The percentile both targets are read at.
+    #[arg(long, default_value_t = 90.0)]
+    pub percentile: f64,
+    /// Seconds between the planner's decisions (the run's time); also the
+    /// length of the intervals the SLA is judged on.
+    #[arg(long, default_value_t = 3)]
+    pub interval_secs: u32,
+    /// Seconds a pool is left alone after it was scaled.
+    #[arg(long, default_value_t = 6)]
+    pub cooldown_secs: u32,
+    /// Fewest and most workers the planner keeps.
+    #[arg(long, default_value_t = 1)]
+    pub min_workers: u32,
+    /// Most workers the planner asks for (also its budget).
+    #[arg(long, default_value_t = 8)]
+    pub max_workers: u32,
+    /// The planner's predictor: constant, moving-average or seasonal.
+    #[arg(long, default_value = "moving-average")]
+    pub predictor: String,
+    /// The static fleet's size [default: the profile's proposal for the
+    /// trace's busiest interval, within --max-workers].
+    #[arg(long)]
+    pub static_workers: Option<u32>,
+    /// The planner's database [default: SQLite in a temporary folder].
+    #[arg(long)]
+    pub database: Option<String>,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One fleet's replay.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FleetReport {
+    /// `static` or `planner`.
+    pub fleet: String,
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed (client-side count).
+    pub failed: usize,
+    /// Intervals with requests.
+    pub intervals: usize,
+    /// Of those, intervals whose TTFT and ITL at the percentile met the
+    /// targets.
+    pub intervals_met: usize,
+    /// `intervals_met / intervals`.
+    pub sla_attainment: f64,
+    /// Workers (serving and draining) integrated over the replay, seconds.
+    pub worker_seconds: f64,
+    /// Most workers at once.
+    pub peak_workers: u32,
+    /// TTFT over all requests, ms.
+    pub ttft: Summary,
+    /// ITL over all requests, ms.
+    pub itl: Summary,
+    /// The replay's length, seconds.
+    pub wall_secs: f64,
+    /// Per interval: start (s), requests, TTFT and ITL at the percentile
+    /// (ms), workers at its end.
+    pub timeline: Vec<IntervalReport>,
+}
+
+/// One interval of a fleet's replay.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct IntervalReport {
+    /// Start, seconds from the first arrival.
+    pub start_secs: f64,
+    /// Requests arriving in it.
+    pub requests: usize,
+    /// TTFT at the percentile, ms.
+    pub ttft_ms: Option<f64>,
+    /// ITL at the percentile, ms.
+    pub itl_ms: Option<f64>,
+    /// Whether both were within target.
+    pub met: bool,
+    /// Workers (serving and draining) at the interval's end.
+    pub workers: u32,
+}
+
+/// The bench's report.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PlannerBenchReport {
+    /// The trace.
+    pub trace: String,
+    /// The time compression.
+    pub speedup: f64,
+    /// TTFT and ITL targets, ms, at `percentile`.
+    pub ttft_ms: f64,
+    /// See `ttft_ms`.
+    pub itl_ms: f64,
+    /// The targets' percentile.
+    pub percentile: f64,
+    /// The static fleet, then the planner's.
+    pub fleets: Vec<FleetReport>,
+    /// The planner's worker-seconds over the static fleet's.
+    pub worker_seconds_ratio: f64,
+}
+
+/// One request of the compressed trace.
+struct Request {
+    at: Duration,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+}
+
+/// What came back for one request: arrival, TTFT and ITL (ms), or failure.
+type Measured = (Duration, Option<(f64, Option<f64>)>);
+
+/// Runs the bench.
+pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> {
+    anyhow::ensure!(args.speedup > 0.0, "--speedup: must be positive");
+    let profile = Profile::read(&args.profile)?;
+    let mut trace = turbine_planner::backtest::read_azure_csv(&args.trace)?;
+    if let Some(limit) = args.limit {
+        trace.truncate(limit);
+    }
+    anyhow::ensure!(!trace.is_empty(), "{}: no requests", args.trace.display());
+    let first = trace[0].at_secs;
+    let requests: Vec<Request> = trace
+        .iter()
+        .enumerate()
+        .map(|(index, request)| Request {
+            at: Duration::from_secs_f64((request.at_secs - first).max(0.0) / args.speedup),
+            // Distinct prompts: the trace carries no prefix sharing.
+            prompt: (0..request.input_tokens.max(1)).map(|position| 100 + ((index as u32).wrapping_mul(7919).wrapping_add(position) % 30_000)).collect(),
+            max_tokens: args.max_output_tokens.map_or(request.output_tokens, |cap| request.output_tokens.min(cap)).max(1),
+        })
+        .collect();
+    let pool = PoolLimits { pool: POOL.into(), kind: PoolKind::Aggregated, min_replicas: args.min_workers, max_replicas: args.max_workers };
+    let predictor: Predictor = args.predictor.parse().map_err(|problem: String| anyhow::anyhow!("--predictor: {problem}"))?;
+    let targets = Targets::new(
+        args.ttft_ms,
+        args.itl_ms,
+        args.percentile,
+        vec![pool],
+        args.max_workers,
+        Duration::from_secs(u64::from(args.interval_secs)),
+        Duration::from_secs(u64::from(args.cooldown_secs)),
+        predictor,
+    )?;
+    let static_workers = match args.static_workers {
+        Some(workers) => workers,
+        None => peak_size(&trace, args, &profile, &targets)?,
+    };
+    eprintln!("{} requests over {:.0} s of run time; static fleet: {static_workers} workers", requests.len(), requests.last().map_or(0.0, |r| r.at.as_secs_f64()));
+
+    // The stack: a router following the Redis registry and event log, a
+    // gateway in front of it.
+    let namespace = format!("bench-planner-{}", std::process::id());
+    let shutdown = CancellationToken::new();
+    let (gateway_url, stack) = start_stack(&args.redis, &namespace, shutdown.clone()).await?;
+    let state_dir = tempfile::tempdir()?;
+    let (worker_binary, worker_subcommand) = match &args.worker_binary {
+        Some(binary) => (binary.clone(), None),
+        None => (std::env::current_exe()?, Some("worker".to_owned())),
+    };
+    let mut worker_args = vec!["--engine".to_owned(), "mock".to_owned(), "--speedup".to_owned(), args.speedup.to_string()];
+    worker_args.extend(args.worker_args.split_whitespace().map(str::to_owned));
+    let connector = LocalConnector::open(LocalSettings {
+        worker_binary,
+        worker_subcommand,
+        worker_args,
+        state_dir: state_dir.path().to_owned(),
+        redis: args.redis.clone(),
+        namespace: namespace.clone(),
+        ready_timeout: Duration::from_secs(300),
+        drain_timeout: Duration::from_secs(300),
+    })?;
+    let registry = Registry::Redis(RedisRegistry::new(&args.redis, &namespace)?);
+    let mut next_action = 0u64;
+    let mut resize = async |replicas: u32| -> anyhow::Result<()> {
+        next_action += 1;
+        let action = Action { id: format!("bench/{next_action}"), pool: POOL.into(), replicas, state: ActionState::Pending, message: String::new() };
+        match connector.execute(&action, PoolKind::Aggregated).await {
+            Outcome::Done(_) | Outcome::Awaiting(_) => Ok(()),
+            Outcome::Failed(problem) => anyhow::bail!("sizing the fleet to {replicas}: {problem}"),
+        }
+    };
+    let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build()?;
+    let completions = format!("{gateway_url}/v1/completions");
+
+    // 1. The static fleet.
+    resize(static_workers).await?;
+    until_serving(&registry, static_workers, &http, &gateway_url).await?;
+    let model = model_name(&http, &gateway_url).await?;
+    let measured = replay(&http, &completions, &model, &requests, &connector).await;
+    let static_report = fleet_report("static", &targets, measured);
+    resize(0).await?;
+    until_drained(&connector, &registry).await?;
+
+    // 2. The planner's fleet, from its minimum.
+    let database_dir = tempfile::tempdir()?;
+    let database = args.database.clone().unwrap_or_else(|| format!("sqlite:{}", database_dir.path().join("planner.sqlite").display()));
+    let ledger = Ledger::open(&database, &namespace).await?;
+    ledger.set_targets(&targets, 0).await?;
+    resize(args.min_workers).await?;
+    until_serving(&registry, args.min_workers, &http, &gateway_url).await?;
+    let planner = PlannerState::with_connector(ledger, Connector::Local(connector.clone()));
+    let cycle_stop = CancellationToken::new();
+    let cycle = tokio::spawn(turbine_planner::cycle::run(
+        planner,
+        Observer::new(vec![format!("{gateway_url}/metrics")], registry.clone()),
+        Sizing { profile, season_intervals: 20 },
+        cycle_stop.clone(),
+    ));
+    let measured = replay(&http, &completions, &model, &requests, &connector).await;
+    cycle_stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(60), cycle).await;
+    let planner_report = fleet_report("planner", &targets, measured);
+    resize(0).await?;
+    until_drained(&connector, &registry).await?;
+
+    shutdown.cancel();
+    for task in stack {
+        let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+    }
+    let ratio = if static_report.worker_seconds > 0.0 { planner_report.worker_seconds / static_report.worker_seconds } else { 0.0 };
+    Ok(PlannerBenchReport {
+        trace: args.trace.display().to_string(),
+        speedup: args.speedup,
+        ttft_ms: args.ttft_ms,
+        itl_ms: args.itl_ms,
+        percentile: args.percentile,
+        fleets: vec![static_report, planner_report],
+        worker_seconds_ratio: ratio,
+    })
+}
+
+/// The profile's proposal for the trace's busiest interval.
+fn peak_size(trace: &[turbine_planner::backtest::TraceRequest], args: &PlannerBenchArgs, profile: &Profile, targets: &Targets) -> anyhow::Result<u32> {
+    let compressed: Vec<_> = trace.iter().map(|request| turbine_planner::backtest::TraceRequest { at_secs: request.at_secs / args.speedup, ..*request }).collect();
+    let loads = turbine_planner::backtest::intervals(&compressed, Duration::from_secs(u64::from(args.interval_secs)))?;
+    let peak = loads.iter().copied().max_by(|a, b| a.request_rate.total_cmp(&b.request_rate)).unwrap_or(Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 });
+    let proposed = propose(profile, targets, &peak, Corrections::default()).first().map_or(1, |proposal| proposal.replicas);
+    Ok(proposed.clamp(args.min_workers.max(1), args.max_workers))
+}
+
+/// A router (Redis registry and event log) and a gateway in this process;
+/// the gateway's base URL and the tasks to await after `shutdown`.
+async fn start_stack(redis: &str, namespace: &str, shutdown: CancellationToken) -> anyhow::Result<(String, Vec<tokio::task::JoinHandle<anyhow::Result<()>>>)> {
+    let mut router_config = turbine_router::RouterConfig::default();
+    router_config.cluster.redis = Some(redis.to_owned());
+    router_config.cluster.namespace = namespace.to_owned();
+    router_config.poll_interval_ms = 100;
+    let deps = turbine_router::RouterDeps::from_config(&router_config)?;
+    let router = turbine_router::start(router_config, deps, Listeners::loopback().await?, shutdown.clone()).await?;
+    let router_client = turbine_router::RouterClient::new(router.local.clone());
+    let gateway_listeners = Listeners {
+        grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await?,
+        admin: None,
+        http: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await?),
+    };
+    let http = gateway_listeners.http.as_ref().expect("bound above").local_addr()?;
+    let deps = turbine_gateway::GatewayDeps { router: router_client, workers: turbine_worker_api::WorkerClients::default() };
+    let gateway = tokio::spawn(turbine_gateway::serve(turbine_gateway::GatewayConfig::default(), deps, gateway_listeners, shutdown));
+    Ok((format!("http://{http}"), vec![tokio::spawn(router.finished()), gateway]))
+}
+
+/// The model the gateway lists (once a worker has joined).
+async fn model_name(http: &reqwest::Client, gateway: &str) -> anyhow::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let listed: serde_json::Value = http.get(format!("{gateway}/v1/models")).send().await?.json().await?;
+        if let Some(id) = listed["data"][0]["id"].as_str() {
+            return Ok(id.to_owned());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the gateway listed no model within 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until `workers` workers are registered and a request goes
+/// through the gateway (the router has seen them).
+async fn until_serving(registry: &Registry, workers: u32, http: &reqwest::Client, gateway: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while registry.list().await?.len() != workers as usize {
+        anyhow::ensure!(Instant::now() < deadline, "{workers} workers did not register within 60 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let model = model_name(http, gateway).await?;
+    let probe = serde_json::json!({"model": model, "prompt": [100, 101, 102], "max_tokens": 1});
+    while !http.post(format!("{gateway}/v1/completions")).json(&probe).send().await?.status().is_success() {
+        anyhow::ensure!(Instant::now() < deadline, "the gateway did not serve within 60 s of the workers registering");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+async fn until_drained(connector: &LocalConnector, registry: &Registry) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while connector.draining() > 0 || !registry.list().await?.is_empty() {
+        anyhow::ensure!(Instant::now() < deadline, "the fleet did not drain within 300 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// Sends `requests` at their arrival times; each request's measurement,
+/// and the fleet's size sampled over the replay.
+async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector) -> (Vec<Measured>, Vec<(Duration, u32)>, Duration) {
+    let started = Instant::now();
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let sampling = CancellationToken::new();
+    let sampler = tokio::spawn({
+        let (samples, sampling, connector) = (samples.clone(), sampling.clone(), connector.clone());
+        async move {
+            while !sampling.is_cancelled() {
+                let workers = connector.serving(POOL).await + connector.draining();
+                samples.lock().expect("samples").push((started.elapsed(), workers));
+                tokio::time::sleep(SAMPLE).await;
+            }
+        }
+    });
+    let mut tasks = Vec::with_capacity(requests.len());
+    for request in requests {
+        tokio::time::sleep_until((started + request.at).into()).await;
+        let body = serde_json::json!({
+            "model": model,
+            "prompt": request.prompt,
+            "max_tokens": request.max_tokens,
+            "ignore_eos": true,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        let (http, url, at) = (http.clone(), url.to_owned(), request.at);
+        tasks.push(tokio::spawn(async move {
+            let outcome = stream_completion(&http, &url, &body).await;
+            if let Err(error) = &outcome {
+                eprintln!("  request at {:.2} s failed: {error:#}", at.as_secs_f64());
+            }
+            let measured = outcome.ok().map(|outcome| {
+                let ttft = outcome.ttft.as_secs_f64() * 1e3;
+                let itl = (outcome.text_events > 1).then(|| (outcome.end_to_end - outcome.ttft).as_secs_f64() * 1e3 / (outcome.text_events - 1) as f64);
+                (ttft, itl)
+            });
+            (at, measured)
+        }));
+    }
+    let mut measured = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        measured.push(task.await.unwrap_or((Duration::ZERO, None)));
+    }
+    let wall = started.elapsed();
+    sampling.cancel();
+    let _ = sampler.await;
+    let samples = std::mem::take(&mut *samples.lock().expect("samples"));
+    (measured, samples, wall)
+}
+
+/// The value at `percentile` (0-100) of `values`, nearest rank.
+fn percentile_of(values: &mut [f64], percentile: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((percentile / 100.0) * values.len() as f64).ceil().max(1.0) as usize;
+    Some(values[rank.min(values.len()) - 1])
+}
+
+fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<Measured>, Vec<(Duration, u32)>, Duration)) -> FleetReport {
+    let interval = targets.interval().as_secs_f64();
+    let count = measured.iter().map(|(at, _)| (at.as_secs_f64() / interval) as usize + 1).max().unwrap_or(0);
+    let workers_at = |secs: f64| samples.iter().take_while(|(at, _)| at.as_secs_f64() <= secs).last().map_or(0, |(_, workers)| *workers);
+    let mut timeline = Vec::with_capacity(count);
+    for index in 0..count {
+        let in_interval: Vec<&Measured> = measured.iter().filter(|(at, _)| (at.as_secs_f64() / interval) as usize == index).collect();
+        let mut ttfts: Vec<f64> = in_interval.iter().filter_map(|(_, result)| result.map(|(ttft, _)| ttft)).collect();
+        let mut itls: Vec<f64> = in_interval.iter().filter_map(|(_, result)| result.and_then(|(_, itl)| itl)).collect();
+        let failed = in_interval.iter().any(|(_, result)| result.is_none());
+        let (ttft_ms, itl_ms) = (percentile_of(&mut ttfts, targets.percentile()), percentile_of(&mut itls, targets.percentile()));
+        let met = !failed && ttft_ms.is_none_or(|ttft| ttft <= targets.ttft_ms()) && itl_ms.is_none_or(|itl| itl <= targets.itl_ms());
+        let start_secs = index as f64 * interval;
+        timeline.push(IntervalReport { start_secs, requests: in_interval.len(), ttft_ms, itl_ms, met, workers: workers_at(start_secs + interval) });
+    }
+    let busy: Vec<&IntervalReport> = timeline.iter().filter(|interval| interval.requests > 0).collect();
+    let intervals_met = busy.iter().filter(|interval| interval.met).count();
+    let worker_seconds = samples.windows(2).map(|pair| f64::from(pair[0].1) * (pair[1].0 - pair[0].0).as_secs_f64()).sum::<f64>();
+    let ok: Vec<(f64, Option<f64>)> = measured.iter().filter_map(|(_, result)| *result).collect();
+    FleetReport {
+        fleet: fleet.to_owned(),
+        requests: measured.len(),
+        failed: measured.iter().filter(|(_, result)| result.is_none()).count(),
+        intervals: busy.len(),
+        intervals_met,
+        sla_attainment: if busy.is_empty() { 0.0 } else { intervals_met as f64 / busy.len() as f64 },
+        worker_seconds,
+        peak_workers: samples.iter().map(|(_, workers)| *workers).max().unwrap_or(0),
+        ttft: summarize(ok.iter().map(|(ttft, _)| *ttft).collect()),
+        itl: summarize(ok.iter().filter_map(|(_, itl)| *itl).collect()),
+        wall_secs: wall.as_secs_f64(),
+        timeline,
+    }
+}
+
+/// Prints the report as a table.
+pub fn print(report: &PlannerBenchReport) {
+    println!(
+        "{} at {}x; targets: TTFT p{:.0} <= {:.0} ms, ITL p{:.0} <= {:.1} ms",
+        report.trace, report.speedup, report.percentile, report.ttft_ms, report.percentile, report.itl_ms
+    );
+    println!("{:<8} {:>8} {:>6} {:>14} {:>14} {:>6} {:>10} {:>10}", "fleet", "requests", "failed", "SLA intervals", "worker-seconds", "peak", "TTFT p90", "ITL p90");
+    for fleet in &report.fleets {
+        println!(
+            "{:<8} {:>8} {:>6} {:>7}/{:<3} {:>3.0}% {:>14.1} {:>6} {:>10.1} {:>10.2}",
+            fleet.fleet,
+            fleet.requests,
+            fleet.failed,
+            fleet.intervals_met,
+            fleet.intervals,
+            fleet.sla_attainment * 100.0,
+            fleet.worker_seconds,
+            fleet.peak_workers,
+            fleet.ttft.p90_ms,
+            fleet.itl.p90_ms
+        );
+    }
+    println!("planner worker-seconds / static: {:.2}", report.worker_seconds_ratio);
+}
