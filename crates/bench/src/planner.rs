@@ -54,7 +54,7 @@ pub struct PlannerBenchArgs {
     #[arg(long)]
     pub trace: PathBuf,
     /// The workers' profile (`turbine profile --engine mock --speedup S`,
-    /// the same S as here).
+    /// S the engine speedup here).
     #[arg(long)]
     pub profile: PathBuf,
     /// Redis URL: the workers register there and the router follows them.
@@ -65,13 +65,20 @@ pub struct PlannerBenchArgs {
     /// model of a GPU.
     #[arg(long, default_value_t = 20.0)]
     pub speedup: f64,
+    /// The mocker's speedup over its model of a GPU [default: --speedup,
+    /// so the replay is the trace with time compressed]. Lower it to load
+    /// the workers more (slower engines for the same traffic); the profile
+    /// must be measured at this speedup.
+    #[arg(long)]
+    pub engine_speedup: Option<f64>,
     /// Replay only the first N requests [default: all].
     #[arg(long)]
     pub limit: Option<usize>,
     /// Cap on each request's output tokens [default: the trace's].
     #[arg(long)]
     pub max_output_tokens: Option<u32>,
-    /// More flags for every worker (after `--engine mock --speedup S`).
+    /// More flags for every worker (after `--engine mock --speedup S`,
+    /// S the engine speedup).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub worker_args: String,
     /// The worker executable [default: `turbine worker`, this binary].
@@ -239,7 +246,9 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         Some(binary) => (binary.clone(), None),
         None => (std::env::current_exe()?, Some("worker".to_owned())),
     };
-    let mut worker_args = vec!["--engine".to_owned(), "mock".to_owned(), "--speedup".to_owned(), args.speedup.to_string()];
+    let engine_speedup = args.engine_speedup.unwrap_or(args.speedup);
+    anyhow::ensure!(engine_speedup > 0.0, "--engine-speedup: must be positive");
+    let mut worker_args = vec!["--engine".to_owned(), "mock".to_owned(), "--speedup".to_owned(), engine_speedup.to_string()];
     worker_args.extend(args.worker_args.split_whitespace().map(str::to_owned));
     let connector = LocalConnector::open(LocalSettings {
         worker_binary,
