@@ -77,6 +77,16 @@ impl Connector {
         }
     }
 
+    /// Workers of `pool` serving now, where the connector knows (the local
+    /// connector counts its processes; a virtual connector's external
+    /// system keeps its own count).
+    pub async fn serving(&self, pool: &str) -> Option<u32> {
+        match self {
+            Connector::Virtual => None,
+            Connector::Local(local) => Some(local.serving(pool).await),
+        }
+    }
+
     /// Carries out `action` on a pool of `kind` (idempotent on its id).
     pub async fn execute(&self, action: &Action, kind: PoolKind) -> Outcome {
         match self {

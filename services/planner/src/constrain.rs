@@ -1,7 +1,8 @@
 //! Constraining proposals into what the connector is asked for:
 //!
 //! 1. each pool within its min and max replicas;
-//! 2. a pool scaled less than a cool-down ago keeps its replicas;
+//! 2. a pool scaled less than a cool-down ago keeps the replicas last
+//!    decided (a worker that exited since is still replaced);
 //! 3. the pools together within the budget: scale-ups are cut first
 //!    (largest first), then pools above their minimum, largest first.
 //!
@@ -14,12 +15,30 @@ use std::collections::HashMap;
 use crate::propose::Proposal;
 use crate::targets::Targets;
 
+/// A pool's size going in: what runs and what was last decided. They
+/// differ when a worker exited by itself (a crash), or when the connector
+/// cannot tell what runs (then both are the decided size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolSize {
+    /// Replicas the fleet is at (or being moved to by a pending action).
+    pub running: u32,
+    /// Replicas the latest decision asked for.
+    pub decided: u32,
+}
+
+impl PoolSize {
+    /// A pool at what was decided.
+    pub fn steady(replicas: u32) -> Self {
+        Self { running: replicas, decided: replicas }
+    }
+}
+
 /// One pool after the constraints.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Constrained {
     /// The pool.
     pub pool: String,
-    /// Replicas the fleet is at or being moved to.
+    /// Replicas the fleet is at or being moved to (what runs).
     pub current: u32,
     /// What the profile proposed.
     pub proposed: u32,
@@ -29,9 +48,9 @@ pub struct Constrained {
     pub reason: String,
 }
 
-/// `proposals` constrained by `targets`, given each pool's `current`
-/// replicas and when it was last scaled (ms since the epoch), at `now`.
-pub fn constrain(targets: &Targets, proposals: &[Proposal], current: &HashMap<String, u32>, last_scaled: &HashMap<String, i64>, now_unix_ms: i64) -> Vec<Constrained> {
+/// `proposals` constrained by `targets`, given each pool's `current` size
+/// and when it was last scaled (ms since the epoch), at `now`.
+pub fn constrain(targets: &Targets, proposals: &[Proposal], current: &HashMap<String, PoolSize>, last_scaled: &HashMap<String, i64>, now_unix_ms: i64) -> Vec<Constrained> {
     let cooldown_ms = targets.cooldown().as_millis() as i64;
     let mut pools: Vec<Constrained> = targets
         .pools()
@@ -39,20 +58,27 @@ pub fn constrain(targets: &Targets, proposals: &[Proposal], current: &HashMap<St
         .map(|limits| {
             let proposal = proposals.iter().find(|proposal| proposal.pool == limits.pool);
             let proposed = proposal.map_or(limits.min_replicas, |proposal| proposal.replicas);
-            let now = current.get(&limits.pool).copied().unwrap_or(0);
+            let size = current.get(&limits.pool).copied().unwrap_or_default();
+            let now = size.running;
             let mut reason = proposal.map_or_else(|| "no proposal".to_owned(), |proposal| proposal.reason.clone());
+            if size.running != size.decided {
+                reason += &format!("; {} runs {}, not the {} decided (workers exited by themselves)", limits.pool, size.running, size.decided);
+            }
             let mut desired = proposed.clamp(limits.min_replicas, limits.max_replicas);
             if desired != proposed {
                 let bound = if desired > proposed { "raised to min_replicas" } else { "capped at max_replicas" };
                 reason += &format!("; {bound} {desired}");
             }
-            if desired != now
+            // The cool-down holds what was decided, not what runs: a worker
+            // that exited is replaced at once.
+            let held = size.decided.clamp(limits.min_replicas, limits.max_replicas);
+            if desired != held
                 && let Some(&at) = last_scaled.get(&limits.pool)
                 && now_unix_ms - at < cooldown_ms
             {
                 let left = (cooldown_ms - (now_unix_ms - at)).max(0) as f64 / 1e3;
-                reason += &format!("; cool-down: scaled {:.0} s ago, {left:.0} s left, holding {now}", (now_unix_ms - at) as f64 / 1e3);
-                desired = now;
+                reason += &format!("; cool-down: scaled {:.0} s ago, {left:.0} s left, holding {held}", (now_unix_ms - at) as f64 / 1e3);
+                desired = held;
             }
             Constrained { pool: limits.pool.clone(), current: now, proposed, desired, reason }
         })
@@ -100,8 +126,8 @@ mod tests {
         vec![Proposal { pool: "p".into(), replicas: prefill, reason: "profile".into() }, Proposal { pool: "d".into(), replicas: decode, reason: "profile".into() }]
     }
 
-    fn current(prefill: u32, decode: u32) -> HashMap<String, u32> {
-        HashMap::from([("p".to_owned(), prefill), ("d".to_owned(), decode)])
+    fn current(prefill: u32, decode: u32) -> HashMap<String, PoolSize> {
+        HashMap::from([("p".to_owned(), PoolSize::steady(prefill)), ("d".to_owned(), PoolSize::steady(decode))])
     }
 
     fn desired(pools: &[Constrained]) -> Vec<u32> {
@@ -128,5 +154,20 @@ mod tests {
         assert!(cut[0].reason.contains("budget of 8"), "{}", cut[0].reason);
         // Budget below what runs: pools above their minimum shrink, largest first.
         assert_eq!(desired(&constrain(&targets(5), &proposals(3, 6), &current(3, 6), &none, 0)), [3, 2]);
+    }
+
+    #[test]
+    fn workers_that_exited_are_replaced_even_in_a_cool_down() {
+        // Decode decided 4 but runs 2 (two crashed); both pools scaled 20 s ago.
+        let crashed = HashMap::from([("p".to_owned(), PoolSize::steady(2)), ("d".to_owned(), PoolSize { running: 2, decided: 4 })]);
+        let scaled = HashMap::from([("p".to_owned(), 100_000), ("d".to_owned(), 100_000)]);
+        let pools = constrain(&targets(20), &proposals(5, 7), &crashed, &scaled, 120_000);
+        assert_eq!(desired(&pools), [2, 4], "the cool-down holds the decided sizes, and decode gets its workers back");
+        assert_eq!(pools[1].current, 2);
+        assert!(pools[1].reason.contains("d runs 2, not the 4 decided") && pools[1].reason.contains("holding 4"), "{}", pools[1].reason);
+        // Out of the cool-down the proposal moves it as usual.
+        assert_eq!(desired(&constrain(&targets(20), &proposals(2, 3), &crashed, &HashMap::new(), 120_000)), [2, 3]);
+        // A budget of 5 cuts the replacement like any scale-up.
+        assert_eq!(desired(&constrain(&targets(5), &proposals(2, 4), &crashed, &HashMap::new(), 0)), [2, 3]);
     }
 }

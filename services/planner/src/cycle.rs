@@ -4,14 +4,16 @@
 //! constrain them, and record the decision (published to watchers). While
 //! paused it decides the same way but asks for nothing. Each action is
 //! handed to the planner's connector once recorded; actions left pending by
-//! a stopped planner are handed over again first.
+//! a stopped planner are handed over again first. A pool is compared with
+//! what its connector counts serving, so a worker that exited by itself
+//! (a crash) is replaced at the next interval, cool-down or not.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use turbine_runtime::CancellationToken;
 
-use crate::constrain::constrain;
+use crate::constrain::{PoolSize, constrain};
 use crate::decision::{Action, ActionState, Decision, Observation, PoolDecision, Prediction};
 use crate::ledger::LedgerError;
 use crate::observe::Observer;
@@ -122,9 +124,12 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
     let (prediction, fallback) = forecast(targets, sizing.season_intervals, &history);
     let corrections = corrections(&sizing.profile, targets, &observed);
     let proposals = propose(&sizing.profile, targets, &prediction.load, corrections);
-    // A pool is at (or being moved to) what the latest decision asked for,
-    // unless that action failed; before any decision, what is observed.
+    // A pool was decided at what the latest decision asked for, unless
+    // that action failed; before any decision, at what is observed. It runs
+    // what the connector counts (a worker may have exited since), unless
+    // an action on it is still pending or the connector cannot tell.
     let latest = ledger.latest().await?;
+    let pending = ledger.pending_actions().await?;
     let mut current = HashMap::new();
     let mut last_scaled = HashMap::new();
     for limits in targets.pools() {
@@ -134,7 +139,9 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
             .and_then(|decision| decision.pools.iter().find(|pool| pool.pool == limits.pool))
             .filter(|pool| pool.action.as_ref().is_none_or(|action| action.state != ActionState::Failed))
             .map(|pool| pool.desired_replicas);
-        current.insert(limits.pool.clone(), decided.unwrap_or(observed_replicas));
+        let decided = decided.unwrap_or(observed_replicas);
+        let counted = if pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool).await };
+        current.insert(limits.pool.clone(), PoolSize { running: counted.unwrap_or(decided), decided });
         if let Some(at) = ledger.last_scaled(&limits.pool).await? {
             last_scaled.insert(limits.pool.clone(), at);
         }
