@@ -19,12 +19,15 @@ pub mod gateway;
 pub mod indexer;
 pub mod kv_store;
 pub mod planner;
+pub mod planner_plot;
 pub mod profile;
 pub mod replay;
 pub mod tiers;
 pub mod transfer;
 
 use std::process::ExitCode;
+
+use anyhow::Context as _;
 
 /// `turbine bench` subcommands.
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -101,6 +104,10 @@ pub fn main(command: BenchCommand) -> ExitCode {
             BenchCommand::Planner(args) => {
                 let report = planner::run(&args).await?;
                 planner::print(&report);
+                if let Some(path) = &args.svg {
+                    std::fs::write(path, planner_plot::svg(&report)).with_context(|| format!("cannot write {}", path.display()))?;
+                    println!("wrote {}", path.display());
+                }
                 write_json(args.json.as_deref(), &report)
             }
             BenchCommand::KvStore(args) => {

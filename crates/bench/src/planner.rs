@@ -119,6 +119,10 @@ pub struct PlannerBenchArgs {
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write a plot here (SVG): load, workers per fleet, TTFT and ITL
+    /// against the targets per interval, and which intervals met them.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
 }
 
 /// One fleet's replay.
@@ -182,6 +186,8 @@ pub struct PlannerBenchReport {
     pub itl_ms: f64,
     /// The targets' percentile.
     pub percentile: f64,
+    /// The planner's interval (each timeline step), seconds.
+    pub interval_secs: f64,
     /// The static fleet, then the planner's.
     pub fleets: Vec<FleetReport>,
     /// The planner's worker-seconds over the static fleet's.
@@ -315,6 +321,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         ttft_ms: args.ttft_ms,
         itl_ms: args.itl_ms,
         percentile: args.percentile,
+        interval_secs: targets.interval().as_secs_f64(),
         fleets: vec![static_report, planner_report],
         worker_seconds_ratio: ratio,
     })

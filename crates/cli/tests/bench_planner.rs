@@ -2,7 +2,8 @@
 //! trace, with real mocker worker processes on a real Redis: both fleets
 //! serve every request (the planner's scale-ups and the drains lose none),
 //! the static fleet holds its size, the planner grows its fleet from the
-//! minimum as the load comes, and the report carries each interval.
+//! minimum as the load comes, and the report and the plot carry each
+//! interval.
 
 use std::process::Command;
 
@@ -31,6 +32,8 @@ fn the_planner_fleet_grows_under_load_and_no_request_is_lost() {
         .arg(&profile)
         .arg("--json")
         .arg(&report)
+        .arg("--svg")
+        .arg(dir.path().join("plot.svg"))
         .output()
         .unwrap();
     assert!(run.status.success(), "{}\n{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
@@ -45,4 +48,7 @@ fn the_planner_fleet_grows_under_load_and_no_request_is_lost() {
     assert_eq!(fleets[0]["peak_workers"].as_u64(), Some(3), "the peak's proposal, within --max-workers: {}", fleets[0]);
     assert!(fleets[1]["peak_workers"].as_u64().unwrap() > 1, "the planner scaled up: {}", fleets[1]);
     assert!(report["worker_seconds_ratio"].as_f64().unwrap() > 0.0);
+    // The plot: a step per interval of each fleet's workers.
+    let plot = std::fs::read_to_string(dir.path().join("plot.svg")).unwrap();
+    assert!(plot.starts_with("<svg ") && plot.contains("planner SLA: ") && plot.contains("static SLA: "), "{plot}");
 }

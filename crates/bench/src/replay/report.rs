@@ -333,6 +333,7 @@ pub fn write_plot(report: &ReplayReport, path: &std::path::Path) -> anyhow::Resu
     Ok(())
 }
 
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+/// `text` made safe inside SVG (XML) text and attribute values.
+pub(crate) fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }

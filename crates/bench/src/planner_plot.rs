@@ -1,0 +1,223 @@
+//! The SVG plot of a `turbine bench planner` run (`--svg`): four panels
+//! over the run's time, one interval per step: the load (requests per
+//! second), workers per fleet, and TTFT and ITL at the targets' percentile
+//! per fleet against their targets, with a strip per fleet showing each
+//! interval met (green), missed (red) or idle (grey). Plain SVG, no
+//! scripts or external references: it opens in any browser.
+
+use std::fmt::Write as _;
+
+use crate::planner::{FleetReport, IntervalReport, PlannerBenchReport};
+use crate::replay::report::escape;
+
+const WIDTH: f64 = 960.0;
+const LEFT: f64 = 70.0;
+const RIGHT: f64 = 130.0;
+const PANEL: f64 = 150.0;
+const GAP: f64 = 48.0;
+const TOP: f64 = 50.0;
+const STRIP: f64 = 12.0;
+
+/// Each fleet's colour, in report order (static, planner).
+const COLOURS: [&str; 3] = ["#1f77b4", "#d62728", "#2ca02c"];
+
+/// One panel's series: a name, a colour and a value per interval.
+struct Series<'a> {
+    name: &'a str,
+    colour: &'a str,
+    values: Vec<Option<f64>>,
+}
+
+/// The plot of `report`.
+pub fn svg(report: &PlannerBenchReport) -> String {
+    let interval = report.interval_secs.max(f64::MIN_POSITIVE);
+    let intervals = report.fleets.iter().map(|fleet| fleet.timeline.len()).max().unwrap_or(0).max(1);
+    let span = intervals as f64 * interval;
+    let colour = |index: usize| COLOURS[index % COLOURS.len()];
+    let per_fleet = |value: fn(&IntervalReport) -> Option<f64>| -> Vec<Series<'_>> {
+        report
+            .fleets
+            .iter()
+            .enumerate()
+            .map(|(index, fleet)| Series { name: &fleet.fleet, colour: colour(index), values: fleet.timeline.iter().map(value).collect() })
+            .collect()
+    };
+    // The trace is the same for every fleet: its load from the first.
+    let load = report.fleets.first().map(|fleet| fleet.timeline.iter().map(|at| Some(at.requests as f64 / interval)).collect()).unwrap_or_default();
+    let panels: Vec<(String, Vec<Series<'_>>, Option<f64>)> = vec![
+        ("load, requests/s".to_owned(), vec![Series { name: "trace", colour: "#555555", values: load }], None),
+        ("workers (serving and draining)".to_owned(), per_fleet(|at| Some(f64::from(at.workers))), None),
+        (format!("TTFT p{}, ms", report.percentile), per_fleet(|at| at.ttft_ms), Some(report.ttft_ms)),
+        (format!("ITL p{}, ms", report.percentile), per_fleet(|at| at.itl_ms), Some(report.itl_ms)),
+    ];
+    let strips_top = TOP + panels.len() as f64 * (PANEL + GAP);
+    let height = strips_top + report.fleets.len() as f64 * (STRIP + 6.0) + 40.0;
+    let plot_width = WIDTH - LEFT - RIGHT;
+    let x = |secs: f64| LEFT + secs / span * plot_width;
+
+    let mut out = String::new();
+    let _ = writeln!(out, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="11">"#);
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let ratio = report.worker_seconds_ratio;
+    let title = format!("turbine bench planner: {} at {}x; planner worker-seconds / static: {ratio:.2}", report.trace, report.speedup);
+    let _ = writeln!(out, r#"<text x="{LEFT}" y="22" font-size="14">{}</text>"#, escape(&title));
+    for (index, (title, series, target)) in panels.iter().enumerate() {
+        let top = TOP + index as f64 * (PANEL + GAP);
+        panel(&mut out, top, title, series, *target, interval, &x);
+    }
+    // The SLA strips.
+    for (index, fleet) in report.fleets.iter().enumerate() {
+        let top = strips_top + index as f64 * (STRIP + 6.0);
+        strip(&mut out, top, fleet, interval, &x);
+    }
+    // The time axis under the strips.
+    let axis = strips_top + report.fleets.len() as f64 * (STRIP + 6.0) + 14.0;
+    for tick in ticks(span) {
+        let _ = writeln!(out, r#"<text x="{:.1}" y="{axis:.1}" text-anchor="middle">{}</text>"#, x(tick), number(tick));
+    }
+    let _ = writeln!(out, r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">run time, s</text>"#, LEFT + plot_width / 2.0, axis + 14.0);
+    out.push_str("</svg>\n");
+    out
+}
+
+/// One panel: frame, y ticks, the target (dashed), each series as steps,
+/// and the legend at its right.
+fn panel(out: &mut String, top: f64, title: &str, series: &[Series<'_>], target: Option<f64>, interval: f64, x: &dyn Fn(f64) -> f64) {
+    let highest = series.iter().flat_map(|series| series.values.iter().flatten()).copied().chain(target).fold(0.0_f64, f64::max);
+    let ceiling = if highest > 0.0 { highest * 1.1 } else { 1.0 };
+    let y = |value: f64| top + PANEL - value / ceiling * PANEL;
+    let (left, right) = (LEFT, WIDTH - RIGHT);
+    let _ = writeln!(out, r#"<text x="{left}" y="{:.1}" font-weight="bold">{}</text>"#, top - 6.0, escape(title));
+    let _ = writeln!(out, r##"<rect x="{left}" y="{top:.1}" width="{:.1}" height="{PANEL}" fill="none" stroke="#999999"/>"##, right - left);
+    for tick in ticks(ceiling) {
+        let _ = writeln!(out, r##"<line x1="{left}" x2="{right}" y1="{0:.1}" y2="{0:.1}" stroke="#eeeeee"/>"##, y(tick));
+        let _ = writeln!(out, r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#, left - 4.0, y(tick) + 4.0, number(tick));
+    }
+    let mut legend = top + 12.0;
+    if let Some(target) = target {
+        let _ = writeln!(out, r##"<line x1="{left}" x2="{right}" y1="{0:.1}" y2="{0:.1}" stroke="#000000" stroke-dasharray="6 4"/>"##, y(target));
+        let _ = writeln!(out, r#"<text x="{:.1}" y="{legend:.1}">- - target {}</text>"#, right + 8.0, number(target));
+        legend += 14.0;
+    }
+    for series in series {
+        // Steps, broken where an interval has no value.
+        let mut run: Vec<String> = Vec::new();
+        let flush = |run: &mut Vec<String>, out: &mut String| {
+            if !run.is_empty() {
+                let _ = writeln!(out, r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#, series.colour, run.join(" "));
+                run.clear();
+            }
+        };
+        for (index, value) in series.values.iter().enumerate() {
+            match value {
+                Some(value) => {
+                    let start = index as f64 * interval;
+                    run.push(format!("{:.1},{:.1}", x(start), y(*value)));
+                    run.push(format!("{:.1},{:.1}", x(start + interval), y(*value)));
+                }
+                None => flush(&mut run, out),
+            }
+        }
+        flush(&mut run, out);
+        let _ = writeln!(out, r#"<text x="{:.1}" y="{legend:.1}" fill="{}">— {}</text>"#, right + 8.0, series.colour, escape(series.name));
+        legend += 14.0;
+    }
+}
+
+/// A fleet's row of intervals: met, missed, idle.
+fn strip(out: &mut String, top: f64, fleet: &FleetReport, interval: f64, x: &dyn Fn(f64) -> f64) {
+    for (index, at) in fleet.timeline.iter().enumerate() {
+        let fill = match (at.requests, at.met) {
+            (0, _) => "#dddddd",
+            (_, true) => "#2ca02c",
+            (_, false) => "#d62728",
+        };
+        let start = index as f64 * interval;
+        let _ = writeln!(out, r#"<rect x="{:.1}" y="{top:.1}" width="{:.2}" height="{STRIP}" fill="{fill}"/>"#, x(start), (x(start + interval) - x(start)).max(0.5));
+    }
+    let _ = writeln!(out, r#"<text x="{:.1}" y="{:.1}">{} SLA: {}/{}</text>"#, WIDTH - RIGHT + 8.0, top + STRIP - 2.0, escape(&fleet.fleet), fleet.intervals_met, fleet.intervals);
+}
+
+/// About five round ticks from 0 to `upto`.
+fn ticks(upto: f64) -> Vec<f64> {
+    if !(upto.is_finite() && upto > 0.0) {
+        return vec![0.0];
+    }
+    let raw = upto / 5.0;
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0].into_iter().map(|factor| factor * magnitude).find(|step| *step >= raw).unwrap_or(10.0 * magnitude);
+    (0..).map(|index| f64::from(index) * step).take_while(|tick| *tick <= upto + step * 1e-9).collect()
+}
+
+fn number(value: f64) -> String {
+    if value == value.trunc() && value.abs() < 1e9 { format!("{value:.0}") } else { format!("{value:.1}") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::report::Summary;
+
+    fn fleet(name: &str, workers: &[u32], itl: &[Option<f64>]) -> FleetReport {
+        let timeline: Vec<IntervalReport> = workers
+            .iter()
+            .zip(itl)
+            .enumerate()
+            .map(|(index, (workers, itl_ms))| IntervalReport {
+                start_secs: index as f64 * 5.0,
+                requests: if itl_ms.is_some() { 10 } else { 0 },
+                ttft_ms: itl_ms.map(|itl| itl * 10.0),
+                itl_ms: *itl_ms,
+                met: itl_ms.is_none_or(|itl| itl <= 20.0),
+                workers: *workers,
+            })
+            .collect();
+        FleetReport {
+            fleet: name.into(),
+            requests: 30,
+            failed: 0,
+            intervals: 3,
+            intervals_met: 2,
+            sla_attainment: 2.0 / 3.0,
+            worker_seconds: 1.0,
+            peak_workers: 4,
+            ttft: Summary::default(),
+            itl: Summary::default(),
+            wall_secs: 20.0,
+            timeline,
+        }
+    }
+
+    #[test]
+    fn every_fleet_and_target_is_drawn_and_gaps_break_the_lines() {
+        let report = PlannerBenchReport {
+            trace: "a <trace> & more".into(),
+            speedup: 5.0,
+            ttft_ms: 300.0,
+            itl_ms: 20.0,
+            percentile: 90.0,
+            interval_secs: 5.0,
+            fleets: vec![fleet("static", &[4, 4, 4, 4], &[Some(10.0), Some(12.0), None, Some(15.0)]), fleet("planner", &[1, 2, 3, 2], &[Some(30.0), Some(18.0), None, Some(19.0)])],
+            worker_seconds_ratio: 0.5,
+        };
+        let plot = svg(&report);
+        assert!(plot.starts_with("<svg ") && plot.trim_end().ends_with("</svg>"));
+        assert!(plot.contains("a &lt;trace&gt; &amp; more") && !plot.contains("<trace>"), "text is escaped");
+        // Load and workers unbroken (1 + 2 lines); TTFT and ITL broken by the idle interval (2 × 2 × 2).
+        assert_eq!(plot.matches("<polyline").count(), 1 + 2 + 8);
+        // The targets, dashed, with their values.
+        assert_eq!(plot.matches("stroke-dasharray").count(), 2);
+        assert!(plot.contains("target 300") && plot.contains("target 20"));
+        // A strip per fleet: its first interval missed (red) for the planner only, the idle one grey.
+        assert_eq!(plot.matches(r##"fill="#d62728"/>"##).count(), 1);
+        assert_eq!(plot.matches(r##"fill="#dddddd"/>"##).count(), 2);
+        assert!(plot.contains("planner SLA: 2/3"));
+    }
+
+    #[test]
+    fn ticks_are_round() {
+        assert_eq!(ticks(100.0), [0.0, 20.0, 40.0, 60.0, 80.0, 100.0]);
+        assert_eq!(ticks(33.0), [0.0, 10.0, 20.0, 30.0]);
+        assert_eq!(ticks(0.0), [0.0]);
+    }
+}
