@@ -192,6 +192,9 @@ pub struct PlannerBenchReport {
     pub fleets: Vec<FleetReport>,
     /// The planner's worker-seconds over the static fleet's.
     pub worker_seconds_ratio: f64,
+    /// Prompts of the trace longer than the model's context (with their
+    /// output), cut to fit.
+    pub prompts_cut: usize,
 }
 
 /// One request of the compressed trace.
@@ -214,7 +217,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     }
     anyhow::ensure!(!trace.is_empty(), "{}: no requests", args.trace.display());
     let first = trace[0].at_secs;
-    let requests: Vec<Request> = trace
+    let mut requests: Vec<Request> = trace
         .iter()
         .enumerate()
         .map(|(index, request)| Request {
@@ -282,7 +285,13 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     // 1. The static fleet.
     resize(static_workers).await?;
     until_serving(&registry, static_workers, &http, &gateway_url).await?;
-    let model = model_name(&http, &gateway_url).await?;
+    let (model, context) = model_name(&http, &gateway_url).await?;
+    // The trace has prompts longer than the model takes: cut to fit (the
+    // gateway would refuse them, in both fleets alike).
+    let prompts_cut = fit(&mut requests, context);
+    if prompts_cut > 0 {
+        println!("{prompts_cut} prompts cut to fit the model's context of {context} tokens with their output");
+    }
     let measured = replay(&http, &completions, &model, &requests, &connector).await;
     let static_report = fleet_report("static", &targets, measured);
     resize(0).await?;
@@ -324,6 +333,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         interval_secs: targets.interval().as_secs_f64(),
         fleets: vec![static_report, planner_report],
         worker_seconds_ratio: ratio,
+        prompts_cut,
     })
 }
 
@@ -357,13 +367,29 @@ async fn start_stack(redis: &str, namespace: &str, shutdown: CancellationToken) 
     Ok((format!("http://{http}"), vec![tokio::spawn(router.finished()), gateway]))
 }
 
-/// The model the gateway lists (once a worker has joined).
-async fn model_name(http: &reqwest::Client, gateway: &str) -> anyhow::Result<String> {
+/// Cuts each prompt of `requests` to fit a context of `context` tokens
+/// with its output; how many were cut.
+fn fit(requests: &mut [Request], context: u32) -> usize {
+    let mut cut = 0;
+    for request in requests {
+        let room = context.saturating_sub(request.max_tokens).max(1) as usize;
+        if request.prompt.len() > room {
+            request.prompt.truncate(room);
+            cut += 1;
+        }
+    }
+    cut
+}
+
+/// The model the gateway lists (once a worker has joined) and its context
+/// length in tokens.
+async fn model_name(http: &reqwest::Client, gateway: &str) -> anyhow::Result<(String, u32)> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let listed: serde_json::Value = http.get(format!("{gateway}/v1/models")).send().await?.json().await?;
         if let Some(id) = listed["data"][0]["id"].as_str() {
-            return Ok(id.to_owned());
+            let context = listed["data"][0]["context_length"].as_u64().and_then(|tokens| u32::try_from(tokens).ok()).unwrap_or(u32::MAX);
+            return Ok((id.to_owned(), context));
         }
         anyhow::ensure!(Instant::now() < deadline, "the gateway listed no model within 60 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -378,7 +404,7 @@ async fn until_serving(registry: &Registry, workers: u32, http: &reqwest::Client
         anyhow::ensure!(Instant::now() < deadline, "{workers} workers did not register within 60 s");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let model = model_name(http, gateway).await?;
+    let (model, _) = model_name(http, gateway).await?;
     let probe = serde_json::json!({"model": model, "prompt": [100, 101, 102], "max_tokens": 1});
     while !http.post(format!("{gateway}/v1/completions")).json(&probe).send().await?.status().is_success() {
         anyhow::ensure!(Instant::now() < deadline, "the gateway did not serve within 60 s of the workers registering");

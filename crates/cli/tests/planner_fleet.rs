@@ -4,18 +4,23 @@
 //! mocker). The planner brings the pool to its minimum; a worker killed
 //! with SIGKILL is replaced at a later interval (under a new name, the
 //! decision saying why), the gateway keeps serving, and the fleet is back
-//! at its size.
+//! at its size. A planner SIGKILLed while it starts workers, restarted on
+//! the same Postgres and state folder, adopts them and finishes the action
+//! without starting any worker twice; with Postgres restarted under it,
+//! it holds the fleet and decides again once the database is back.
 
 mod common;
 
 use std::path::Path;
 use std::time::Duration;
 
+use std::time::Instant;
+
 use common::{MODEL, post, service, until_listed, wait_until};
 use serde_json::json;
-use turbine_planner::{PlannerClient, PoolKind, PoolLimits, Predictor, Targets};
+use turbine_planner::{ActionState, PlannerClient, PoolKind, PoolLimits, Predictor, Targets};
 use turbine_registry::{RedisRegistry, Registry};
-use turbine_testkit::RedisServer;
+use turbine_testkit::{PostgresServer, RedisServer, ServiceProcess};
 
 const NAMESPACE: &str = "fleet";
 
@@ -57,35 +62,48 @@ async fn registered(registry: &Registry) -> Vec<String> {
     ids
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_planner_replaces_a_worker_that_crashed() {
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("workers");
-    let _fleet = Fleet(&state);
-    let profile = dir.path().join("profile.json");
-    let decode: Vec<_> = [(256, 1, 2.0), (256, 16, 4.0), (4096, 1, 2.0), (4096, 16, 4.0)]
-        .into_iter()
-        .map(|(context, concurrency, itl_ms)| json!({"context": context, "concurrency": concurrency, "itl_ms": itl_ms}))
-        .collect();
-    let written = json!({"version": 1, "worker": "test", "prefill": [{"isl": 128, "ttft_ms": 50.0}, {"isl": 4096, "ttft_ms": 50.0}], "decode": decode});
-    std::fs::write(&profile, written.to_string()).unwrap();
+/// Redis, a router and a gateway as processes; the planner's profile and
+/// its local workers' state folder.
+struct Stack {
+    redis: RedisServer,
+    _router: ServiceProcess,
+    _gateway: ServiceProcess,
+    base: String,
+    dir: tempfile::TempDir,
+}
 
-    let router = service("turbine-router", &["--redis", &url, "--namespace", NAMESPACE, "--policy", "round-robin"], &[], false).await;
-    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
-    let base = gateway.http_url();
-    let database = format!("sqlite:{}", dir.path().join("planner.db").display());
-    let metrics = format!("{base}/metrics");
-    let planner = service(
-        "turbine-planner",
-        &[
+impl Stack {
+    async fn start() -> Self {
+        let redis = RedisServer::start();
+        let dir = tempfile::tempdir().unwrap();
+        let decode: Vec<_> = [(256, 1, 2.0), (256, 16, 4.0), (4096, 1, 2.0), (4096, 16, 4.0)]
+            .into_iter()
+            .map(|(context, concurrency, itl_ms)| json!({"context": context, "concurrency": concurrency, "itl_ms": itl_ms}))
+            .collect();
+        let profile = json!({"version": 1, "worker": "test", "prefill": [{"isl": 128, "ttft_ms": 50.0}, {"isl": 4096, "ttft_ms": 50.0}], "decode": decode});
+        std::fs::write(dir.path().join("profile.json"), profile.to_string()).unwrap();
+        let router = service("turbine-router", &["--redis", &redis.url(), "--namespace", NAMESPACE, "--policy", "round-robin"], &[], false).await;
+        let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
+        let base = gateway.http_url();
+        Self { redis, _router: router, _gateway: gateway, base, dir }
+    }
+
+    fn state(&self) -> std::path::PathBuf {
+        self.dir.path().join("workers")
+    }
+
+    /// A planner on `database` with the local connector.
+    async fn planner(&self, database: &str) -> (ServiceProcess, PlannerClient) {
+        let metrics = format!("{}/metrics", self.base);
+        let profile = self.dir.path().join("profile.json");
+        let state = self.state();
+        let args = [
             "--redis",
-            &url,
+            &self.redis.url(),
             "--namespace",
             NAMESPACE,
             "--database",
-            &database,
+            database,
             "--gateway-metrics",
             &metrics,
             "--profile",
@@ -95,34 +113,55 @@ async fn the_planner_replaces_a_worker_that_crashed() {
             "--local-worker-args=--engine mock --speedup 50 --lease-ttl-secs 2",
             "--local-state-dir",
             state.to_str().unwrap(),
-        ],
-        &[],
-        false,
-    )
-    .await;
-    let client = PlannerClient::connect(&planner.grpc_endpoint()).unwrap();
-    // Two workers at least: an idle deployment is held at its minimum. A
-    // long cool-down: the replacement must not wait for it.
-    let pool = PoolLimits { pool: "workers".into(), kind: PoolKind::Aggregated, min_replicas: 2, max_replicas: 3 };
-    let targets = Targets::new(2000.0, 50.0, 90.0, vec![pool], 3, Duration::from_secs(1), Duration::from_secs(3600), Predictor::Constant).unwrap();
-    client.set_targets(&targets).await.unwrap();
+        ];
+        let planner = service("turbine-planner", &args, &[], false).await;
+        let client = PlannerClient::connect(&planner.grpc_endpoint()).unwrap();
+        (planner, client)
+    }
 
-    let registry = Registry::Redis(RedisRegistry::new(&url, NAMESPACE).unwrap());
-    let first = [format!("{NAMESPACE}-workers-0"), format!("{NAMESPACE}-workers-1")];
+    fn registry(&self) -> Registry {
+        Registry::Redis(RedisRegistry::new(&self.redis.url(), NAMESPACE).unwrap())
+    }
+}
+
+/// One aggregated pool of `min` to 3 workers, 1-second intervals and a
+/// long cool-down (a replacement must not wait for it).
+fn targets(min: u32) -> Targets {
+    let pool = PoolLimits { pool: "workers".into(), kind: PoolKind::Aggregated, min_replicas: min, max_replicas: 3 };
+    Targets::new(2000.0, 50.0, 90.0, vec![pool], 3, Duration::from_secs(1), Duration::from_secs(3600), Predictor::Constant).unwrap()
+}
+
+fn names(workers: &[&str]) -> Vec<String> {
+    workers.iter().map(|number| format!("{NAMESPACE}-workers-{number}")).collect()
+}
+
+fn recorded(dir: &Path) -> Vec<String> {
+    records(dir).into_iter().map(|(name, _)| name).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_planner_replaces_a_worker_that_crashed() {
+    let stack = Stack::start().await;
+    let state = stack.state();
+    let _fleet = Fleet(&state);
+    let database = format!("sqlite:{}", stack.dir.path().join("planner.db").display());
+    let (_planner, client) = stack.planner(&database).await;
+    // Two workers at least: an idle deployment is held at its minimum.
+    client.set_targets(&targets(2)).await.unwrap();
+
+    let registry = stack.registry();
+    let first = names(&["0", "1"]);
     wait_until("the planner starts the pool's two workers", Duration::from_secs(120), async || registered(&registry).await == first).await;
-    until_listed(&base).await;
+    until_listed(&stack.base).await;
     let ask = json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": true});
-    let (status, body) = post(&base, "/v1/completions", &ask).await;
+    let (status, body) = post(&stack.base, "/v1/completions", &ask).await;
     assert_eq!(status, 200, "{body}");
 
     // A crash: the newest worker is killed outright (it never deregisters).
     let crashed = records(&state).into_iter().find(|(name, _)| *name == first[1]).expect("the worker's record");
     kill(crashed.1);
-    let replaced = [format!("{NAMESPACE}-workers-0"), format!("{NAMESPACE}-workers-2")];
-    wait_until("the planner replaces the crashed worker", Duration::from_secs(120), async || {
-        records(&state).iter().map(|(name, _)| name.clone()).collect::<Vec<_>>() == replaced && registered(&registry).await == replaced
-    })
-    .await;
+    let replaced = names(&["0", "2"]);
+    wait_until("the planner replaces the crashed worker", Duration::from_secs(120), async || recorded(&state) == replaced && registered(&registry).await == replaced).await;
     let decisions = client.history(100, None).await.unwrap().decisions;
     let replacement = decisions
         .iter()
@@ -132,7 +171,64 @@ async fn the_planner_replaces_a_worker_that_crashed() {
     assert!(replacement.reason.contains("workers runs 1, not the 2 decided"), "{}", replacement.reason);
     assert!(replacement.action.as_ref().is_some_and(|action| action.message.contains(&replaced[1])), "{replacement:?}");
     for _ in 0..4 {
-        let (status, body) = post(&base, "/v1/completions", &ask).await;
+        let (status, body) = post(&stack.base, "/v1/completions", &ask).await;
         assert_eq!(status, 200, "{body}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planner_killed_while_it_starts_workers_resumes_from_postgres_and_starts_none_twice() {
+    let stack = Stack::start().await;
+    let state = stack.state();
+    let _fleet = Fleet(&state);
+    let mut postgres = PostgresServer::start();
+    postgres.create_database("planner");
+    let database = postgres.url("planner");
+    let (mut planner, client) = stack.planner(&database).await;
+    client.set_targets(&targets(2)).await.unwrap();
+
+    // SIGKILL as soon as the first worker of the action is spawned (its
+    // record is written before it serves).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while records(&state).is_empty() {
+        assert!(Instant::now() < deadline, "the planner started no worker");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    planner.kill();
+    assert_eq!(recorded(&state), names(&["0"]), "killed with the action half done");
+    assert!(client.history(10, None).await.is_err(), "the planner is gone");
+
+    // Restarted: it adopts what runs and carries the pending action out
+    // under its id; the fleet is the two workers, named once each.
+    let (_planner, client) = stack.planner(&database).await;
+    let registry = stack.registry();
+    let fleet = names(&["0", "1"]);
+    wait_until("the restarted planner completes the pool", Duration::from_secs(120), async || recorded(&state) == fleet && registered(&registry).await == fleet).await;
+    let settled = async || {
+        let decisions = client.history(1000, None).await.unwrap().decisions;
+        decisions.iter().flat_map(|decision| &decision.pools).filter_map(|pool| pool.action.clone()).all(|action| action.state != ActionState::Pending) && decisions.len() >= 5
+    };
+    wait_until("a few decisions after the restart, no action pending", Duration::from_secs(60), settled).await;
+    let decisions = client.history(1000, None).await.unwrap().decisions;
+    let actions: Vec<_> = decisions.iter().flat_map(|decision| &decision.pools).filter_map(|pool| pool.action.clone()).collect();
+    let done: Vec<_> = actions.iter().filter(|action| action.state == ActionState::Done).collect();
+    assert_eq!(done.len(), 1, "one action brought the pool to 2: {actions:#?}");
+    assert_eq!(done[0].replicas, 2);
+    assert_eq!(recorded(&state), fleet, "no worker started twice");
+    assert_eq!(std::fs::read_to_string(state.join("next-worker")).unwrap().trim(), "2", "no third worker was ever started");
+
+    // Postgres restarted under it: the planner holds the fleet (it never
+    // sizes on missing data) and decides again once the database is back.
+    let last = decisions[0].id;
+    postgres.kill();
+    assert!(client.plan().await.is_err(), "no plan without the database");
+    postgres.restart();
+    wait_until("decisions resume after Postgres is back", Duration::from_secs(60), async || {
+        client.history(1, None).await.is_ok_and(|page| page.decisions.first().is_some_and(|decision| decision.id > last + 2))
+    })
+    .await;
+    assert_eq!(registered(&registry).await, fleet);
+    assert_eq!(recorded(&state), fleet);
+    let (status, body) = post(&stack.base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": true})).await;
+    assert_eq!(status, 200, "{body}");
 }
