@@ -74,6 +74,11 @@ pub struct PlannerBenchArgs {
     /// Replay only the first N requests [default: all].
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Replay one request in N, evenly: the trace's shape over time at a
+    /// Nth of its rate (with a higher --speedup: the whole trace in less
+    /// time without more load on this machine's cores).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub every: u32,
     /// Cap on each request's output tokens [default: the trace's].
     #[arg(long)]
     pub max_output_tokens: Option<u32>,
@@ -212,6 +217,9 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     anyhow::ensure!(args.speedup > 0.0, "--speedup: must be positive");
     let profile = Profile::read(&args.profile)?;
     let mut trace = turbine_planner::backtest::read_azure_csv(&args.trace)?;
+    if args.every > 1 {
+        trace = trace.into_iter().step_by(args.every as usize).collect();
+    }
     if let Some(limit) = args.limit {
         trace.truncate(limit);
     }
