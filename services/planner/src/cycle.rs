@@ -98,7 +98,9 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
 /// The forecast of the next interval from the kept history: the rate from
 /// every interval, the lengths from the intervals that had requests. A
 /// seasonal model that fails falls back to the moving average (said in the
-/// reason).
+/// reason). The rate is never below the last interval's: a pool scales up
+/// on the load it sees (a forecast that averages lags a ramp) and down on
+/// the forecast.
 fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Prediction, String) {
     let busy: Vec<&Load> = history.iter().filter(|load| load.request_rate > 0.0).collect();
     let attempt = |predictor: Predictor| {
@@ -107,13 +109,20 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
         let length = |value: fn(&Load) -> f64| if busy.is_empty() { Ok(0.0) } else { forecaster.forecast(&busy.iter().map(|load| value(load)).collect::<Vec<_>>()) };
         Ok::<_, crate::predict::ForecastError>(Load { request_rate: rate, isl_mean: length(|load| load.isl_mean)?, osl_mean: length(|load| load.osl_mean)? })
     };
-    match attempt(targets.predictor()) {
+    let (mut prediction, mut words) = match attempt(targets.predictor()) {
         Ok(load) => (Prediction { predictor: targets.predictor(), load }, String::new()),
         Err(error) => {
             let load = attempt(Predictor::MovingAverage).unwrap_or(Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 });
             (Prediction { predictor: Predictor::MovingAverage, load }, format!(" ({} failed: {error}; the moving average instead)", targets.predictor().name()))
         }
+    };
+    if let Some(last) = history.last()
+        && last.request_rate > prediction.load.request_rate
+    {
+        words += &format!(" (forecast {:.2} req/s, below the last interval's: that instead)", prediction.load.request_rate);
+        prediction.load.request_rate = last.request_rate;
     }
+    (prediction, words)
 }
 
 /// One interval's decision.
@@ -180,5 +189,35 @@ async fn sleep_or_shutdown(period: Duration, shutdown: &CancellationToken) -> bo
     tokio::select! {
         () = shutdown.cancelled() => true,
         () = tokio::time::sleep(period) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::targets::{PoolKind, PoolLimits};
+
+    fn targets(predictor: Predictor) -> Targets {
+        let pool = PoolLimits { pool: "workers".into(), kind: PoolKind::Aggregated, min_replicas: 1, max_replicas: 8 };
+        Targets::new(300.0, 20.0, 90.0, vec![pool], 8, Duration::from_secs(5), Duration::from_secs(10), predictor).unwrap()
+    }
+
+    fn rates(rates: &[f64]) -> Vec<Load> {
+        rates.iter().map(|rate| Load { request_rate: *rate, isl_mean: 1000.0, osl_mean: 100.0 }).collect()
+    }
+
+    #[test]
+    fn a_ramp_is_met_at_the_load_seen_and_a_fall_at_the_forecast() {
+        // Rising: the average of the last five (6) lags the last interval (10).
+        let (rising, words) = forecast(&targets(Predictor::MovingAverage), 4, &rates(&[2.0, 4.0, 6.0, 8.0, 10.0]));
+        assert_eq!(rising.load.request_rate, 10.0);
+        assert!(words.contains("forecast 6.00 req/s, below the last interval's"), "{words}");
+        // Falling: the average (6) is kept, above the last interval (2).
+        let (falling, words) = forecast(&targets(Predictor::MovingAverage), 4, &rates(&[10.0, 8.0, 6.0, 4.0, 2.0]));
+        assert_eq!((falling.load.request_rate, words.as_str()), (6.0, ""));
+        // The lengths are the predictor's either way.
+        assert_eq!((rising.load.isl_mean, rising.load.osl_mean), (1000.0, 100.0));
     }
 }
