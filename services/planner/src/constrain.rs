@@ -26,13 +26,6 @@ pub struct PoolSize {
     pub decided: u32,
 }
 
-impl PoolSize {
-    /// A pool at what was decided.
-    pub fn steady(replicas: u32) -> Self {
-        Self { running: replicas, decided: replicas }
-    }
-}
-
 /// One pool after the constraints.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Constrained {
@@ -126,8 +119,12 @@ mod tests {
         vec![Proposal { pool: "p".into(), replicas: prefill, reason: "profile".into() }, Proposal { pool: "d".into(), replicas: decode, reason: "profile".into() }]
     }
 
+    fn steady(replicas: u32) -> PoolSize {
+        PoolSize { running: replicas, decided: replicas }
+    }
+
     fn current(prefill: u32, decode: u32) -> HashMap<String, PoolSize> {
-        HashMap::from([("p".to_owned(), PoolSize::steady(prefill)), ("d".to_owned(), PoolSize::steady(decode))])
+        HashMap::from([("p".to_owned(), steady(prefill)), ("d".to_owned(), steady(decode))])
     }
 
     fn desired(pools: &[Constrained]) -> Vec<u32> {
@@ -159,7 +156,7 @@ mod tests {
     #[test]
     fn workers_that_exited_are_replaced_even_in_a_cool_down() {
         // Decode decided 4 but runs 2 (two crashed); both pools scaled 20 s ago.
-        let crashed = HashMap::from([("p".to_owned(), PoolSize::steady(2)), ("d".to_owned(), PoolSize { running: 2, decided: 4 })]);
+        let crashed = HashMap::from([("p".to_owned(), steady(2)), ("d".to_owned(), PoolSize { running: 2, decided: 4 })]);
         let scaled = HashMap::from([("p".to_owned(), 100_000), ("d".to_owned(), 100_000)]);
         let pools = constrain(&targets(20), &proposals(5, 7), &crashed, &scaled, 120_000);
         assert_eq!(desired(&pools), [2, 4], "the cool-down holds the decided sizes, and decode gets its workers back");
