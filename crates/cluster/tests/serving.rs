@@ -297,6 +297,41 @@ async fn requests_beyond_the_concurrency_limit_get_429_with_retry_after() {
     sandbox.stop().await;
 }
 
+/// Workers that refuse a request (drained, gone) are each skipped until
+/// one serves it: when a scale-down drains many workers at once, routers
+/// still list them for a moment, and no request may be lost to that.
+#[tokio::test]
+async fn a_request_skips_every_listed_worker_that_refuses_it() {
+    let _turn = TURN.lock().await;
+    let sandbox = Sandbox::start(Sandbox::mock(1000.0)).await;
+    let registry = sandbox.cluster().registry().clone();
+    let live = registry.list().await.unwrap().remove(0).record;
+    // Eight more workers listed at an address that takes no connection.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    for n in 0..8u64 {
+        let gone = turbine_registry::WorkerRecord { worker_id: format!("gone-{n}").into(), endpoint: format!("http://{closed}"), instance: n + 1, ..live.clone() };
+        registry.put(&gone, std::time::Duration::from_secs(60)).await.unwrap();
+    }
+    // Until the router has tried the listed ones (a retry counted), every
+    // request is served; then twenty more.
+    let retries_before = sandbox.metric("turbine_gateway_worker_retries_total", &[]).await;
+    let complete = async |n: usize| {
+        let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": format!("request {n}"), "max_tokens": 2})).await;
+        assert_eq!(status, 200, "request {n}: {body}");
+    };
+    let mut sent = 0;
+    wait_until("the router routes to the listed workers", std::time::Duration::from_secs(10), async || {
+        sent += 1;
+        complete(sent).await;
+        sandbox.metric("turbine_gateway_worker_retries_total", &[]).await > retries_before
+    })
+    .await;
+    for n in 0..20 {
+        complete(1000 + n).await;
+    }
+    sandbox.stop().await;
+}
+
 /// With the kv policy, a prompt sent again goes to the worker whose cache
 /// holds it (the engines report the cached tokens); round-robin, over the
 /// same four workers, misses most repeats.

@@ -60,8 +60,16 @@ pub struct TextRequest {
     pub ignore_eos: bool,
 }
 
-/// How often a request may be dispatched (first try included).
+/// How often a request that failed mid-stream may be dispatched (first
+/// try included).
 const MAX_ATTEMPTS: usize = 3;
+
+/// Most workers tried for a request's first token. Each worker that
+/// refuses (draining, gone, at capacity) is excluded and the router asked
+/// again, until it has none left: when a scale-down drains many workers at
+/// once, routers still list them for a moment, and a few tries could all
+/// land on leaving ones.
+const MAX_ROUTES: usize = 16;
 
 /// The pipeline's dependencies.
 #[derive(Debug, Clone)]
@@ -189,7 +197,7 @@ impl Pipeline {
         excluded: &mut Vec<WorkerId>,
     ) -> Result<TokenStream, GatewayError> {
         let mut last_error = None;
-        for _ in 0..MAX_ATTEMPTS {
+        for _ in 0..MAX_ROUTES {
             let route = RouteRequest {
                 request_id: request.request_id.clone(),
                 model: model.to_owned(),
