@@ -4,10 +4,11 @@
 //!
 //! 1. a static fleet sized for the trace's peak interval (the profile's
 //!    proposal for the busiest interval, or `--static-workers`);
-//! 2. a fleet the planner sizes: its cycle observes the gateway's metrics
-//!    and the registry every `--interval-secs`, forecasts, proposes from
-//!    the `--profile`, constrains, and the `local` connector starts and
-//!    drains `turbine worker` processes.
+//! 2. a fleet the planner sizes, from the profile's proposal for the
+//!    trace's first interval (or `--planner-start`): its cycle observes the
+//!    gateway's metrics and the registry every `--interval-secs`,
+//!    forecasts, proposes from the `--profile`, constrains, and the `local`
+//!    connector starts and drains `turbine worker` processes.
 //!
 //! Reported per fleet: requests and failures (client-side; a drain must
 //! lose none), the share of intervals (of arrival time, with requests)
@@ -118,6 +119,12 @@ pub struct PlannerBenchArgs {
     /// trace's busiest interval, within --max-workers].
     #[arg(long)]
     pub static_workers: Option<u32>,
+    /// The planner's fleet when the replay starts [default: the profile's
+    /// proposal for the trace's first interval, within --min-workers and
+    /// --max-workers: a planner already running when the trace begins].
+    /// `--planner-start` at --min-workers measures a cold start.
+    #[arg(long)]
+    pub planner_start: Option<u32>,
     /// The planner's database [default: SQLite in a temporary folder].
     #[arg(long)]
     pub database: Option<String>,
@@ -195,6 +202,8 @@ pub struct PlannerBenchReport {
     pub interval_secs: f64,
     /// The static fleet, then the planner's.
     pub fleets: Vec<FleetReport>,
+    /// Workers the planner's fleet started the replay with.
+    pub planner_start_workers: u32,
     /// The planner's worker-seconds over the static fleet's.
     pub worker_seconds_ratio: f64,
     /// Prompts of the trace longer than the model's context (with their
@@ -247,11 +256,20 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         Duration::from_secs(u64::from(args.cooldown_secs)),
         predictor,
     )?;
-    let static_workers = match args.static_workers {
-        Some(workers) => workers,
-        None => peak_size(&trace, args, &profile, &targets)?,
-    };
-    eprintln!("{} requests over {:.0} s of run time; static fleet: {static_workers} workers", requests.len(), requests.last().map_or(0.0, |r| r.at.as_secs_f64()));
+    let (first_size, peak_size) = profile_sizes(&trace, args, &profile, &targets)?;
+    let static_workers = args.static_workers.unwrap_or(peak_size);
+    let planner_start = args.planner_start.unwrap_or(first_size);
+    anyhow::ensure!(
+        (args.min_workers..=args.max_workers).contains(&planner_start),
+        "--planner-start: {planner_start} is outside --min-workers {} and --max-workers {}",
+        args.min_workers,
+        args.max_workers
+    );
+    eprintln!(
+        "{} requests over {:.0} s of run time; static fleet: {static_workers} workers; the planner's starts at {planner_start}",
+        requests.len(),
+        requests.last().map_or(0.0, |r| r.at.as_secs_f64())
+    );
 
     // The stack: a router following the Redis registry and event log, a
     // gateway in front of it.
@@ -310,8 +328,8 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     let database = args.database.clone().unwrap_or_else(|| format!("sqlite:{}", database_dir.path().join("planner.sqlite").display()));
     let ledger = Ledger::open(&database, &namespace).await?;
     ledger.set_targets(&targets, 0).await?;
-    resize(args.min_workers).await?;
-    until_serving(&registry, args.min_workers, &http, &gateway_url).await?;
+    resize(planner_start).await?;
+    until_serving(&registry, planner_start, &http, &gateway_url).await?;
     let planner = PlannerState::with_connector(ledger, Connector::Local(connector.clone()));
     let cycle_stop = CancellationToken::new();
     let cycle = tokio::spawn(turbine_planner::cycle::run(
@@ -340,18 +358,23 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         percentile: args.percentile,
         interval_secs: targets.interval().as_secs_f64(),
         fleets: vec![static_report, planner_report],
+        planner_start_workers: planner_start,
         worker_seconds_ratio: ratio,
         prompts_cut,
     })
 }
 
-/// The profile's proposal for the trace's busiest interval.
-fn peak_size(trace: &[turbine_planner::backtest::TraceRequest], args: &PlannerBenchArgs, profile: &Profile, targets: &Targets) -> anyhow::Result<u32> {
+/// The profile's proposals (uncorrected) for the trace's first interval
+/// and for its busiest, each within --min-workers (at least 1) and
+/// --max-workers.
+fn profile_sizes(trace: &[turbine_planner::backtest::TraceRequest], args: &PlannerBenchArgs, profile: &Profile, targets: &Targets) -> anyhow::Result<(u32, u32)> {
     let compressed: Vec<_> = trace.iter().map(|request| turbine_planner::backtest::TraceRequest { at_secs: request.at_secs / args.speedup, ..*request }).collect();
     let loads = turbine_planner::backtest::intervals(&compressed, Duration::from_secs(u64::from(args.interval_secs)))?;
-    let peak = loads.iter().copied().max_by(|a, b| a.request_rate.total_cmp(&b.request_rate)).unwrap_or(Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 });
-    let proposed = propose(profile, targets, &peak, Corrections::default()).first().map_or(1, |proposal| proposal.replicas);
-    Ok(proposed.clamp(args.min_workers.max(1), args.max_workers))
+    let idle = Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 };
+    let first = loads.first().copied().unwrap_or(idle);
+    let peak = loads.iter().copied().max_by(|a, b| a.request_rate.total_cmp(&b.request_rate)).unwrap_or(idle);
+    let size = |load: &Load| propose(profile, targets, load, Corrections::default()).first().map_or(1, |proposal| proposal.replicas).clamp(args.min_workers.max(1), args.max_workers);
+    Ok((size(&first), size(&peak)))
 }
 
 /// A router (Redis registry and event log) and a gateway in this process;

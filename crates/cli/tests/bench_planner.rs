@@ -28,6 +28,8 @@ fn the_planner_fleet_grows_under_load_and_no_request_is_lost() {
     let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
         .args(["bench", "planner", "--trace", trace, "--redis", &redis.url(), "--speedup", "10", "--limit", "400", "--max-output-tokens", "16"])
         .args(["--ttft-ms", "2000", "--itl-ms", "20", "--interval-secs", "1", "--cooldown-secs", "1", "--min-workers", "1", "--max-workers", "3"])
+        // A cold start: the planner's fleet from one worker.
+        .args(["--planner-start", "1"])
         .arg("--profile")
         .arg(&profile)
         .arg("--json")
@@ -46,6 +48,7 @@ fn the_planner_fleet_grows_under_load_and_no_request_is_lost() {
         assert!(!fleet["timeline"].as_array().unwrap().is_empty());
     }
     assert_eq!(fleets[0]["peak_workers"].as_u64(), Some(3), "the peak's proposal, within --max-workers: {}", fleets[0]);
+    assert_eq!(report["planner_start_workers"].as_u64(), Some(1));
     assert!(fleets[1]["peak_workers"].as_u64().unwrap() > 1, "the planner scaled up: {}", fleets[1]);
     assert!(report["worker_seconds_ratio"].as_f64().unwrap() > 0.0);
     // The plot: a step per interval of each fleet's workers.

@@ -19,7 +19,7 @@ use crate::ledger::LedgerError;
 use crate::observe::Observer;
 use crate::predict::{Forecaster, Load};
 use crate::profile::Profile;
-use crate::propose::{corrections, propose};
+use crate::propose::{Corrections, Proposal, corrections_over, propose};
 use crate::service::PlannerState;
 use crate::targets::{Predictor, Targets};
 
@@ -96,13 +96,13 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
 }
 
 /// The forecast of the next interval from the kept history: the rate from
-/// every interval, the lengths from the intervals that had requests. A
+/// every interval, the lengths from the intervals where requests finished. A
 /// seasonal model that fails falls back to the moving average (said in the
 /// reason). The rate is never below the last interval's: a pool scales up
 /// on the load it sees (a forecast that averages lags a ramp) and down on
 /// the forecast.
 fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Prediction, String) {
-    let busy: Vec<&Load> = history.iter().filter(|load| load.request_rate > 0.0).collect();
+    let busy: Vec<&Load> = history.iter().filter(|load| load.isl_mean > 0.0 || load.osl_mean > 0.0).collect();
     let attempt = |predictor: Predictor| {
         let forecaster = Forecaster::new(predictor, season_intervals);
         let rate = forecaster.forecast(&history.iter().map(|load| load.request_rate).collect::<Vec<_>>())?;
@@ -125,14 +125,31 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
     (prediction, words)
 }
 
+/// The profile's proposals for `load`. While requests come but too few
+/// have finished to know their lengths (a start), each pool holds its
+/// decided size rather than be sized on the first, short ones.
+fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>) -> Vec<Proposal> {
+    if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {
+        return targets
+            .pools()
+            .iter()
+            .map(|limits| {
+                let held = current.get(&limits.pool).map_or(limits.min_replicas, |size| size.decided);
+                Proposal { pool: limits.pool.clone(), replicas: held, reason: format!("too few requests finished to know their lengths: holding {held}") }
+            })
+            .collect();
+    }
+    propose(profile, targets, load, corrections)
+}
+
 /// One interval's decision.
 async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &Sizing, observed: Vec<Observation>, now: i64) -> Result<Decision, LedgerError> {
     let ledger = state.ledger();
     let wanted = (4 * sizing.season_intervals).clamp(64, MAX_HISTORY);
-    let history: Vec<Load> = ledger.observations(wanted).await?.iter().filter_map(|(_, pools)| pools.first().map(|pool| pool.load)).collect();
+    let intervals: Vec<Vec<Observation>> = ledger.observations(wanted).await?.into_iter().map(|(_, pools)| pools).collect();
+    let history: Vec<Load> = intervals.iter().filter_map(|pools| pools.first().map(|pool| pool.load)).collect();
     let (prediction, fallback) = forecast(targets, sizing.season_intervals, &history);
-    let corrections = corrections(&sizing.profile, targets, &observed);
-    let proposals = propose(&sizing.profile, targets, &prediction.load, corrections);
+    let corrections = corrections_over(&sizing.profile, targets, &intervals);
     // A pool was decided at what the latest decision asked for, unless
     // that action failed; before any decision, at what is observed. It runs
     // what the connector counts (a worker may have exited since), unless
@@ -155,6 +172,7 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
             last_scaled.insert(limits.pool.clone(), at);
         }
     }
+    let proposals = proposals(&sizing.profile, targets, &prediction.load, corrections, &current);
     let id = ledger.next_decision_id().await?;
     let pools = constrain(targets, &proposals, &current, &last_scaled, now)
         .into_iter()
@@ -206,6 +224,21 @@ mod tests {
 
     fn rates(rates: &[f64]) -> Vec<Load> {
         rates.iter().map(|rate| Load { request_rate: *rate, isl_mean: 1000.0, osl_mean: 100.0 }).collect()
+    }
+
+    #[test]
+    fn requests_without_known_lengths_hold_the_pools() {
+        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
+        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
+        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
+        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let current = HashMap::from([("workers".to_owned(), PoolSize { running: 5, decided: 5 })]);
+        let unknown = Load { request_rate: 20.0, isl_mean: 0.0, osl_mean: 0.0 };
+        let held = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current);
+        assert_eq!((held[0].replicas, held[0].reason.as_str()), (5, "too few requests finished to know their lengths: holding 5"));
+        // Known lengths: the profile's proposal.
+        let known = proposals(&profile, &targets(Predictor::Constant), &Load { isl_mean: 1000.0, osl_mean: 100.0, ..unknown }, Corrections::default(), &current);
+        assert!(known[0].reason.starts_with("prefill "), "{:?}", known[0]);
     }
 
     #[test]

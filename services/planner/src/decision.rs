@@ -15,11 +15,11 @@ pub struct Observation {
     pub pool: String,
     /// Requests per second, the interval's input and output lengths.
     pub load: Load,
-    /// TTFT at the targets' percentile, milliseconds; `None` when no
-    /// request got its first token in the interval.
+    /// TTFT at the targets' percentile, milliseconds; `None` when fewer
+    /// than ten requests got their first token in the interval.
     pub ttft_ms: Option<f64>,
-    /// ITL at the targets' percentile, milliseconds; `None` when no
-    /// request of two or more tokens finished in the interval.
+    /// ITL at the targets' percentile, milliseconds; `None` when fewer
+    /// than ten requests of two or more tokens finished in the interval.
     pub itl_ms: Option<f64>,
     /// Requests waiting when the interval ended.
     pub queue_depth: f64,

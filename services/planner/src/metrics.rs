@@ -1,6 +1,6 @@
 //! The planner's metrics (`/metrics` on the admin port): per pool, the
 //! replicas asked for, observed and draining; each interval's SLA outcome
-//! (`sla="met"`, `"missed"`, or `"idle"` when no request gave a latency),
+//! (`sla="met"`, `"missed"`, or `"idle"` when too few requests gave a latency),
 //! so attainment is `rate(..{sla="met"}) / rate(..{sla!="idle"})`; the
 //! decisions made and how the connector ended their actions.
 
@@ -19,7 +19,7 @@ static DRAINING: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_planner
 static INTERVALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_planner_intervals_total",
-        "Intervals observed per pool, by SLA outcome: met (TTFT and ITL at the targets' percentile within target), missed, or idle (no latency observed)",
+        "Intervals observed per pool, by SLA outcome: met (TTFT and ITL at the targets' percentile within target), missed, or idle (fewer than ten requests: no percentile)",
         &["pool", "sla"],
     )
 });

@@ -6,7 +6,14 @@
 //!   latency histograms, read as the change since the last interval and
 //!   summed over gateways and models; the percentiles are read from the
 //!   summed buckets (`turbine_runtime::metrics::slo_latency_buckets`, each
-//!   15% above the last);
+//!   15% above the last). The request rate is of requests that got their
+//!   first token (the TTFT histogram's count), which trails arrivals by a
+//!   TTFT; requests finishing trail them by a whole request, longer than an
+//!   interval on a ramp. The lengths are the means of the latest requests
+//!   finished, at least ten (the intervals before are added while fewer
+//!   finished in this one, up to twenty intervals; none when fewer than
+//!   ten finished in all: the first to finish are the short ones). A
+//!   percentile needs ten requests in the interval;
 //! - the worker registry: each pool's workers (by role), their queues and
 //!   KV usage as their last heartbeat reported them.
 //!
@@ -27,6 +34,14 @@ const TTFT: &str = "turbine_gateway_time_to_first_token_seconds";
 const ITL: &str = "turbine_gateway_inter_token_latency_seconds";
 const FINISHED: &str = "turbine_gateway_request_duration_seconds_count";
 const TOKENS: &str = "turbine_gateway_tokens_total";
+
+/// Fewest requests a percentile or a mean length is read from: the p90
+/// of fewer than ten is their slowest, and the first requests to finish
+/// after a start are the short ones.
+const MIN_SAMPLES: f64 = 10.0;
+
+/// Most intervals the lengths are read over.
+const LENGTH_WINDOW: usize = 20;
 
 /// How long one scrape may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -96,6 +111,9 @@ pub struct Observer {
     gateways: Vec<String>,
     registry: Registry,
     last: Option<(Instant, Totals)>,
+    /// The latest intervals' requests finished and their prompt and
+    /// completion tokens, oldest first.
+    finished: std::collections::VecDeque<(f64, f64, f64)>,
 }
 
 /// The registry role of a pool's workers.
@@ -112,7 +130,7 @@ impl Observer {
     /// URLs, `http://gateway:8000/metrics`) and the workers in `registry`.
     pub fn new(gateways: Vec<String>, registry: Registry) -> Self {
         let http = reqwest::Client::builder().timeout(SCRAPE_TIMEOUT).build().expect("an HTTP client");
-        Self { http, gateways, registry, last: None }
+        Self { http, gateways, registry, last: None, finished: std::collections::VecDeque::new() }
     }
 
     async fn totals(&self) -> Result<Totals, ObserveError> {
@@ -129,6 +147,24 @@ impl Observer {
         Ok(totals)
     }
 
+    /// Mean input and output lengths of the latest requests finished, at
+    /// least `MIN_SAMPLES` of them, `interval` the newest; zeros when fewer
+    /// finished in the window.
+    fn lengths(&mut self, interval: &Totals) -> (f64, f64) {
+        self.finished.push_back((interval.finished, interval.prompt_tokens, interval.completion_tokens));
+        if self.finished.len() > LENGTH_WINDOW {
+            self.finished.pop_front();
+        }
+        let mut sum = (0.0, 0.0, 0.0);
+        for (finished, prompt, completion) in self.finished.iter().rev() {
+            sum = (sum.0 + finished, sum.1 + prompt, sum.2 + completion);
+            if sum.0 >= MIN_SAMPLES {
+                return (sum.1 / sum.0, sum.2 / sum.0);
+            }
+        }
+        (0.0, 0.0)
+    }
+
     /// The interval since the last call, one observation per pool of
     /// `targets`. `Ok(None)` the first time (it only takes the baseline)
     /// and after a gateway restarted or left (a new baseline).
@@ -142,10 +178,10 @@ impl Observer {
             return Ok(None);
         };
         let seconds = now.duration_since(then).as_secs_f64().max(1e-3);
-        let per_request = |tokens: f64| if interval.finished > 0.0 { tokens / interval.finished } else { 0.0 };
-        let load = Load { request_rate: interval.finished / seconds, isl_mean: per_request(interval.prompt_tokens), osl_mean: per_request(interval.completion_tokens) };
+        let (isl_mean, osl_mean) = self.lengths(&interval);
+        let load = Load { request_rate: interval.ttft.count() / seconds, isl_mean, osl_mean };
         let quantile = targets.percentile() / 100.0;
-        let milliseconds = |histogram: &Histogram| histogram.quantile(quantile).map(|seconds| seconds * 1000.0);
+        let milliseconds = |histogram: &Histogram| (histogram.count() >= MIN_SAMPLES).then(|| histogram.quantile(quantile)).flatten().map(|seconds| seconds * 1000.0);
         let (ttft_ms, itl_ms) = (milliseconds(&interval.ttft), milliseconds(&interval.itl));
         Ok(Some(
             targets

@@ -148,6 +148,11 @@ impl Profile {
         interpolate(&at_context, context)
     }
 
+    /// The most sequences decoding together the profile measured.
+    pub fn max_concurrency(&self) -> f64 {
+        f64::from(self.decode.iter().map(|point| point.concurrency).max().unwrap_or(1))
+    }
+
     /// The most sequences a worker decodes together at `context` with an
     /// inter-token latency of at most `itl_ms` (at least 1, at most the
     /// largest concurrency measured; fractional between measured points).

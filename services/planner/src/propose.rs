@@ -13,21 +13,25 @@
 //!   together within the ITL target at the load's context (input plus half
 //!   the output). By Little's law `rate × osl × itl` sequences decode at
 //!   once; divided by that concurrency, the decode workers.
-//! - **Aggregated**: prefill and decode share each worker's steps. A
-//!   step that computes a prompt is as long as the prompt's time to first
-//!   token for every sequence decoding in it, far over any ITL target, so
-//!   the ITL at the targets' percentile is a plain decode step only while
-//!   fewer than the percentile's tail of the steps (the 10% above p90)
-//!   carry a prompt, with headroom for arrivals bunching within an
-//!   interval. The pool is the fewest workers where that holds, the decode
-//!   step at their concurrency is within the ITL target and prefill within
-//!   the utilization the TTFT target allows (not the prefill and decode
-//!   shares added, which counts the prefill time twice).
+//! - **Aggregated**: prefill and decode share each worker's steps. The
+//!   ITL the targets read is each request's mean time between tokens (the
+//!   gateway's and the bench's), and a step that computes a prompt delays
+//!   every sequence decoding in it by the prompt's time: with prefill at
+//!   utilization `u`, a sequence gets a token every `step / (1 − u)`. The
+//!   pool is the fewest workers where that is within the ITL target (the
+//!   step at their concurrency) and prefill within the utilization the
+//!   TTFT target allows (not the prefill and decode shares added, which
+//!   counts the prefill time twice).
+//!
+//! Pools are sized for 90% of each target (`AIM`): an interval's
+//! percentile varies around what the model expects of it, and a fleet
+//! sized to the target itself misses it about every other interval.
 //!
 //! The corrections are the observed latency (at the targets' percentile)
 //! over what the same model expects at the observed load and replicas
-//! (each within ×0.25 to ×4; ×1 without an observation): a deployment
-//! slower than its profile gets more workers.
+//! (each within ×0.25 to ×4), the median of the last five intervals that
+//! observed it (×1 without an observation): a deployment slower than its
+//! profile gets more workers.
 
 use crate::decision::Observation;
 use crate::predict::Load;
@@ -40,18 +44,27 @@ const UTILIZATION: (f64, f64) = (0.05, 0.9);
 /// Bounds of a correction.
 const CORRECTION: (f64, f64) = (0.25, 4.0);
 
+/// Intervals whose corrections are read (their median).
+const CORRECTION_WINDOW: usize = 5;
+
+/// The share of each target the pools are sized for.
+const AIM: f64 = 0.9;
+
 /// Most workers an aggregated pool is searched up to.
 const MOST_WORKERS: u32 = 100_000;
 
-/// The share of the percentile's tail that steps carrying a prompt may
-/// take on an aggregated worker (arrivals bunch within an interval).
-const TAIL_HEADROOM: f64 = 0.7;
+/// The whole workers that carry `workers` of work: rounded up, past what
+/// floating point leaves over a whole number (4 / (1 − 150/180) is
+/// 24.000000000000004).
+fn round_up(workers: f64) -> f64 {
+    (workers - 1e-9).ceil()
+}
 
-/// On an aggregated worker, the share of steps that carry a prompt:
-/// prompts per second over steps per second, with `decode_ms` steps in
-/// the time prefill leaves.
-fn prompt_steps(prompts_per_second: f64, decode_ms: f64, utilization: f64) -> f64 {
-    prompts_per_second * decode_ms / 1e3 / (1.0 - utilization).max(0.05)
+/// A sequence's mean time between tokens on a worker whose decode step is
+/// `step_ms` and whose time is `utilization` prefill: prompts' steps
+/// stretch every sequence's tokens.
+fn token_ms(step_ms: f64, utilization: f64) -> f64 {
+    step_ms / (1.0 - utilization).max(1.0 - UTILIZATION.1)
 }
 
 /// Observed latency over the profile's expectation.
@@ -92,52 +105,78 @@ fn decode_context(load: &Load) -> f64 {
 /// The corrections an interval's observations give: the first pool with a
 /// TTFT (prefill or aggregated) and with an ITL (decode or aggregated).
 pub fn corrections(profile: &Profile, targets: &Targets, observed: &[Observation]) -> Corrections {
+    corrections_over(profile, targets, std::slice::from_ref(&observed.to_vec()))
+}
+
+/// The corrections of the latest intervals (oldest first; the last
+/// `CORRECTION_WINDOW` read): for each latency, the median of the
+/// intervals that observed it (×1 where none did). One interval's
+/// percentile is noisy; the deployment's speed against its profile
+/// changes slowly.
+pub fn corrections_over(profile: &Profile, targets: &Targets, intervals: &[Vec<Observation>]) -> Corrections {
+    let recent = &intervals[intervals.len().saturating_sub(CORRECTION_WINDOW)..];
+    let (mut ttft, mut itl): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    for observed in recent {
+        let (seen_ttft, seen_itl) = interval_corrections(profile, targets, observed);
+        ttft.extend(seen_ttft);
+        itl.extend(seen_itl);
+    }
+    Corrections { ttft: median(&mut ttft).unwrap_or(1.0), itl: median(&mut itl).unwrap_or(1.0) }
+}
+
+fn median(values: &mut [f64]) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let middle = values.len() / 2;
+    match values.len() {
+        0 => None,
+        odd if odd % 2 == 1 => Some(values[middle]),
+        _ => Some((values[middle - 1] + values[middle]) / 2.0),
+    }
+}
+
+/// One interval's TTFT and ITL corrections, where it observed them (with
+/// requests finished: the lengths the expectation needs).
+fn interval_corrections(profile: &Profile, targets: &Targets, observed: &[Observation]) -> (Option<f64>, Option<f64>) {
     let kind = |pool: &Observation| targets.pools().iter().find(|limits| limits.pool == pool.pool).map(|limits| limits.kind);
-    let mut corrections = Corrections::default();
-    if let Some((seen, ttft)) = observed.iter().filter(|seen| kind(seen) != Some(PoolKind::Decode)).find_map(|seen| Some((seen, seen.ttft_ms?)))
-        && seen.replicas > 0
-        && seen.load.request_rate > 0.0
-    {
-        let alone = profile.ttft_ms(seen.load.isl_mean);
-        let utilization = (seen.load.request_rate * alone / 1e3 / f64::from(seen.replicas)).min(0.95);
-        let expected = alone / (1.0 - utilization);
-        corrections.ttft = (ttft / expected).clamp(CORRECTION.0, CORRECTION.1);
-    }
-    if let Some((seen, itl)) = observed.iter().filter(|seen| kind(seen) != Some(PoolKind::Prefill)).find_map(|seen| Some((seen, seen.itl_ms?)))
-        && seen.replicas > 0
-        && seen.load.request_rate > 0.0
-    {
-        let replicas = f64::from(seen.replicas);
-        let concurrency = (seen.load.request_rate * seen.load.osl_mean * itl / 1e3 / replicas).max(1.0);
-        let expected = profile.itl_ms(decode_context(&seen.load), concurrency);
-        // On an aggregated pool whose tail is steps carrying prompts, the
-        // observed ITL says nothing about the decode steps: no correction.
-        let tail = 1.0 - targets.percentile() / 100.0;
-        let utilization = (seen.load.request_rate * profile.ttft_ms(seen.load.isl_mean) / 1e3 / replicas).min(0.95);
-        let prompt_tail = kind(seen) == Some(PoolKind::Aggregated) && prompt_steps(seen.load.request_rate / replicas, expected, utilization) > tail;
-        if !prompt_tail {
-            corrections.itl = (itl / expected).clamp(CORRECTION.0, CORRECTION.1);
-        }
-    }
-    corrections
+    let measured = |seen: &Observation| seen.replicas > 0 && seen.load.request_rate > 0.0 && seen.load.isl_mean > 0.0 && seen.load.osl_mean > 0.0;
+    // Prefill at the profile's speed, per replica.
+    let prefill = |seen: &Observation| seen.load.request_rate * profile.ttft_ms(seen.load.isl_mean) / 1e3 / f64::from(seen.replicas);
+    // An interval the profile cannot model says nothing of its accuracy:
+    // prefill saturated (the queue, not the work, sets the latencies) or
+    // more sequences per worker than the profile measured.
+    let ttft = observed.iter().filter(|seen| kind(seen) != Some(PoolKind::Decode)).find_map(|seen| Some((seen, seen.ttft_ms?))).filter(|(seen, _)| measured(seen)).and_then(|(seen, ttft)| {
+        let utilization = prefill(seen);
+        let expected = profile.ttft_ms(seen.load.isl_mean) / (1.0 - utilization);
+        (utilization < UTILIZATION.1).then(|| (ttft / expected).clamp(CORRECTION.0, CORRECTION.1))
+    });
+    let itl = observed.iter().filter(|seen| kind(seen) != Some(PoolKind::Prefill)).find_map(|seen| Some((seen, seen.itl_ms?))).filter(|(seen, _)| measured(seen)).and_then(|(seen, itl)| {
+        let concurrency = (seen.load.request_rate * seen.load.osl_mean * itl / 1e3 / f64::from(seen.replicas)).max(1.0);
+        // On an aggregated pool the prompts' steps stretch each token by
+        // the prefill utilization; on a decode pool nothing does.
+        let utilization = if kind(seen) == Some(PoolKind::Aggregated) { prefill(seen) } else { 0.0 };
+        let expected = token_ms(profile.itl_ms(decode_context(&seen.load), concurrency), utilization);
+        (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (itl / expected).clamp(CORRECTION.0, CORRECTION.1))
+    });
+    (ttft, itl)
 }
 
 /// Replicas per pool of `targets` for `load`.
 pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections) -> Vec<Proposal> {
+    let (ttft_aim, itl_aim) = (targets.ttft_ms() * AIM, targets.itl_ms() * AIM);
     // Prefill: the profile's work, at the utilization the corrected TTFT allows.
     let alone = profile.ttft_ms(load.isl_mean);
     let ttft = alone * corrections.ttft;
     let prefill_work = load.request_rate * alone / 1e3;
-    let cap = utilization_cap(ttft, targets.ttft_ms());
+    let cap = utilization_cap(ttft, ttft_aim);
     let prefill = prefill_work / cap;
     // Decode: sequences decoding at once, and how many a worker takes within the ITL target.
     let context = decode_context(load);
-    let per_worker = profile.concurrency_within(context, targets.itl_ms() / corrections.itl);
+    let per_worker = profile.concurrency_within(context, itl_aim / corrections.itl);
     let itl = profile.itl_ms(context, per_worker) * corrections.itl;
     let sequences = load.request_rate * load.osl_mean * itl / 1e3;
     let decode = sequences / per_worker;
-    let unreachable = if ttft >= targets.ttft_ms() { " (the TTFT alone is over the target: sized at the lowest utilization)" } else { "" };
-    let whole = |workers: f64| if load.request_rate > 0.0 { workers.ceil().max(1.0) as u32 } else { 0 };
+    let unreachable = if ttft >= ttft_aim { " (the TTFT alone is over 90% of the target: sized at the lowest utilization)" } else { "" };
+    let whole = |workers: f64| if load.request_rate > 0.0 { round_up(workers).max(1.0) as u32 } else { 0 };
     let prefill_words = format!("prefill {prefill_work:.2} workers of work at up to {:.0}% utilization (TTFT {ttft:.1} ms alone){unreachable}", cap * 100.0);
     targets
         .pools()
@@ -147,19 +186,19 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
                 PoolKind::Prefill => (whole(prefill), prefill_words.clone()),
                 PoolKind::Decode => (whole(decode), format!("decode {sequences:.1} sequences at {per_worker:.1} per worker (ITL {itl:.2} ms at context {context:.0})")),
                 PoolKind::Aggregated => {
-                    let shared = aggregated(profile, targets, load, corrections, prefill_work, cap);
+                    let shared = aggregated(profile, itl_aim, load, corrections, prefill_work, cap);
                     let replicas = if load.request_rate > 0.0 { shared.workers } else { 0 };
                     let words = if shared.reached {
                         format!(
-                            "{prefill_words}; decode {:.1} sequences, {:.1} per worker at {:.0}% prefill, {:.1}% of steps with a prompt (decode step {:.2} ms at context {context:.0})",
+                            "{prefill_words}; decode {:.1} sequences, {:.1} per worker in {:.2} ms steps at context {context:.0}, {:.2} ms a token with {:.0}% of the time prefill",
                             shared.sequences,
                             shared.sequences / f64::from(shared.workers.max(1)),
-                            shared.utilization * 100.0,
-                            shared.prompt_steps * 100.0,
-                            shared.itl_ms
+                            shared.step_ms,
+                            shared.itl_ms,
+                            shared.utilization * 100.0
                         )
                     } else {
-                        format!("{prefill_words}; decode {:.1} sequences: ITL {:.2} ms even alone, over the target: a worker per sequence", shared.sequences, shared.itl_ms)
+                        format!("{prefill_words}; decode {:.1} sequences: ITL {:.2} ms even alone, over 90% of the target: a worker per sequence", shared.sequences, shared.step_ms)
                     };
                     (replicas, words)
                 }
@@ -174,47 +213,48 @@ struct Shared {
     workers: u32,
     sequences: f64,
     utilization: f64,
-    /// Share of steps carrying a prompt.
-    prompt_steps: f64,
     /// The decode step, ms (corrected).
+    step_ms: f64,
+    /// A sequence's mean time between tokens, prompts' steps included, ms
+    /// (corrected).
     itl_ms: f64,
     reached: bool,
 }
 
 /// The fewest workers that meet both targets with prefill and decode in
-/// the same steps: prefill utilization within `cap`, the decode step at
-/// their concurrency within the ITL target, and few enough steps carrying
-/// a prompt that the percentile falls on a decode step.
-fn aggregated(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, prefill_work: f64, cap: f64) -> Shared {
+/// the same steps: prefill utilization within `cap`, and a sequence's mean
+/// time between tokens (the decode step at their concurrency, stretched by
+/// the prompts' steps) within `itl_aim`, ms.
+fn aggregated(profile: &Profile, itl_aim: f64, load: &Load, corrections: Corrections, prefill_work: f64, cap: f64) -> Shared {
     let context = decode_context(load);
-    let first = (prefill_work / cap).ceil().max(1.0) as u32;
-    let tail = (1.0 - targets.percentile() / 100.0) * TAIL_HEADROOM;
+    let first = round_up(prefill_work / cap).max(1.0) as u32;
     let fastest = profile.itl_ms(context, 1.0) * corrections.itl;
-    if fastest > targets.itl_ms() {
+    if fastest > itl_aim {
         // Not even a worker per sequence, without prefill, meets the
         // target: a worker per sequence.
         let sequences = load.request_rate * load.osl_mean * fastest / 1e3;
-        let workers = first.max(sequences.ceil().min(f64::from(MOST_WORKERS)) as u32);
+        let workers = first.max(round_up(sequences).min(f64::from(MOST_WORKERS)) as u32);
         let utilization = prefill_work / f64::from(workers);
-        return Shared { workers, sequences, utilization, prompt_steps: prompt_steps(load.request_rate / f64::from(workers), fastest, utilization), itl_ms: fastest, reached: false };
+        return Shared { workers, sequences, utilization, step_ms: fastest, itl_ms: token_ms(fastest, utilization), reached: false };
     }
     for workers in first..=MOST_WORKERS.max(first) {
         let n = f64::from(workers);
         let utilization = prefill_work / n;
-        // A few rounds of step time ↔ concurrency settle the fixed point
-        // (a sequence's mean token time includes the prompts' steps).
-        let mut itl_ms = fastest;
+        // A few rounds of token time ↔ concurrency settle the fixed point
+        // (Little's law: sequences decoding = rate × OSL × token time).
+        let mut step_ms = fastest;
+        let mut itl_ms = token_ms(step_ms, utilization);
         let mut sequences = 0.0;
-        for _ in 0..6 {
-            sequences = load.request_rate * load.osl_mean * itl_ms / (1.0 - utilization) / 1e3;
-            itl_ms = profile.itl_ms(context, (sequences / n).max(1.0)) * corrections.itl;
+        for _ in 0..20 {
+            sequences = load.request_rate * load.osl_mean * itl_ms / 1e3;
+            step_ms = profile.itl_ms(context, (sequences / n).max(1.0)) * corrections.itl;
+            itl_ms = token_ms(step_ms, utilization);
         }
-        let share = prompt_steps(load.request_rate / n, itl_ms, utilization);
-        if itl_ms <= targets.itl_ms() && share <= tail {
-            return Shared { workers, sequences, utilization, prompt_steps: share, itl_ms, reached: true };
+        if itl_ms <= itl_aim {
+            return Shared { workers, sequences, utilization, step_ms, itl_ms, reached: true };
         }
     }
-    Shared { workers: MOST_WORKERS, sequences: 0.0, utilization: 0.0, prompt_steps: 0.0, itl_ms: 0.0, reached: false }
+    Shared { workers: MOST_WORKERS, sequences: 0.0, utilization: 0.0, step_ms: 0.0, itl_ms: 0.0, reached: false }
 }
 
 #[cfg(test)]
@@ -244,16 +284,20 @@ mod tests {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
         let proposals = propose(&profile(), &targets, &load, Corrections::default());
-        // Prefill: 40 × 0.1 s = 4 workers of work; TTFT 100 of 200 ms allows 50%: 8 workers.
-        assert_eq!(proposals[0].replicas, 8, "{}", proposals[0].reason);
-        // Decode: 16 sequences per worker within 20 ms; 40 × 100 × 0.02 = 80 sequences: 5 workers.
-        assert_eq!(proposals[1].replicas, 5, "{}", proposals[1].reason);
-        // Aggregated: on 12 workers prefill takes a third of the time, 84
-        // sequences decode 7 to a worker in 14 ms steps, and 7% of the steps
-        // carry a prompt (p90's tail of 10% with headroom); on 11, 8.6%.
+        // Sized for 90% of the targets, 180 and 18 ms.
+        // Prefill: 40 × 0.1 s = 4 workers of work; TTFT 100 of 180 ms allows 44%: 9 workers.
+        assert_eq!(proposals[0].replicas, 9, "{}", proposals[0].reason);
+        // Decode: 13 sequences per worker within 18 ms (10 ms plus 2/3 ms
+        // per sequence past the first); 40 × 100 × 0.018 = 72 sequences: 6 workers.
+        assert_eq!(proposals[1].replicas, 6, "{}", proposals[1].reason);
+        // Aggregated: prefill within 44% starts the search at 9. On n
+        // workers a token takes step / (1 − 4/n), with 4 × token sequences
+        // (Little's law) spread over n. On 13: token = 1.444 × (9.33 + 4t/13
+        // × 2/3), t = 19.16 ms, over 18. On 14: t = 1.4 × (9.33 + 4t/14 ×
+        // 2/3) = 17.82 ms, its step 12.73 ms.
         let aggregated = propose(&profile(), &targets_aggregated(), &load, Corrections::default());
-        assert_eq!(aggregated[0].replicas, 12, "{:?}", aggregated[0]);
-        assert!(aggregated[0].reason.contains("at 33% prefill, 7.0% of steps with a prompt (decode step 13.99 ms"), "{:?}", aggregated[0]);
+        assert_eq!(aggregated[0].replicas, 14, "{:?}", aggregated[0]);
+        assert!(aggregated[0].reason.contains("5.1 per worker in 12.73 ms steps at context 1050, 17.82 ms a token with 29% of the time prefill"), "{:?}", aggregated[0]);
         // No load: nothing proposed (the minimums apply later).
         assert_eq!(propose(&profile(), &targets, &Load { request_rate: 0.0, ..load }, Corrections::default())[0].replicas, 0);
     }
@@ -274,41 +318,49 @@ mod tests {
         assert!((corrections.itl - 1.0).abs() < 1e-9, "{corrections:?}");
         let slower = propose(&profile(), &targets, &load, corrections);
         // The work is the profile's, 40 × 0.1 s = 4 workers; the TTFT as
-        // observed (150 of 200 ms) allows 25%: 16.
-        assert_eq!(slower[0].replicas, 16, "{}", slower[0].reason);
+        // observed (150 of 180 ms) allows 16.7%: 24.
+        assert_eq!(slower[0].replicas, 24, "{}", slower[0].reason);
         assert_eq!(corrections_without_observations(&targets), Corrections::default());
     }
 
     #[test]
-    fn an_aggregated_pool_keeps_its_percentile_on_decode_steps() {
-        // ITL 10 ms at any concurrency: only the steps carrying prompts matter.
+    fn an_aggregated_pools_tokens_wait_for_the_prompts_steps() {
+        // ITL 10 ms at any concurrency: only the prefill's share matters.
         let flat = [(256, 1, 10.0), (256, 16, 10.0), (4096, 1, 10.0), (4096, 16, 10.0)]
             .into_iter()
             .map(|(context, concurrency, itl_ms)| DecodePoint { context, concurrency, itl_ms })
             .collect();
         let profile = Profile { decode: flat, ..profile() };
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
-        let at = |percentile: f64, itl_ms: f64| {
-            Targets::new(200.0, itl_ms, percentile, targets_aggregated().pools().to_vec(), 200, Duration::from_secs(30), Duration::from_secs(60), Predictor::Constant).unwrap()
+        let within = |itl_ms: f64| {
+            Targets::new(200.0, itl_ms, 90.0, targets_aggregated().pools().to_vec(), 200, Duration::from_secs(30), Duration::from_secs(60), Predictor::Constant).unwrap()
         };
-        // 4 workers of prefill; on n workers 40/n prompts a second in 10 ms
-        // steps, in the 1 − 4/n of the time prefill leaves: at most 7% of
-        // the steps (p90, with headroom) from n = 10.
-        let p90 = &propose(&profile, &at(90.0, 20.0), &load, Corrections::default())[0];
-        assert_eq!(p90.replicas, 10, "{}", p90.reason);
-        assert!(p90.reason.contains("at 40% prefill, 6.7% of steps with a prompt"), "{}", p90.reason);
-        // p99: at most 0.7% of the steps: 62.
-        assert_eq!(propose(&profile, &at(99.0, 20.0), &load, Corrections::default())[0].replicas, 62);
+        // 4 workers of prefill; on n a token takes 10 / (1 − 4/n) ms: within
+        // 90% of 16 ms (14.4) from n = 14 (14.00 ms; on 13, 14.44).
+        let sized = &propose(&profile, &within(16.0), &load, Corrections::default())[0];
+        assert_eq!(sized.replicas, 14, "{}", sized.reason);
+        assert!(sized.reason.contains("in 10.00 ms steps at context 1050, 14.00 ms a token with 29% of the time prefill"), "{}", sized.reason);
+        // Within 90% of 25 ms from 8, but the TTFT's 44% utilization takes 9.
+        assert_eq!(propose(&profile, &within(25.0), &load, Corrections::default())[0].replicas, 9);
         // A decode step alone over the target: a worker per sequence (40 × 100 × 0.025 = 100), said so.
-        let hopeless = propose(&profile, &at(90.0, 12.5), &load, Corrections { ttft: 1.0, itl: 2.5 });
+        let hopeless = propose(&profile, &within(12.5), &load, Corrections { ttft: 1.0, itl: 2.5 });
         assert_eq!(hopeless[0].replicas, 100, "{}", hopeless[0].reason);
-        assert!(hopeless[0].reason.contains("over the target"), "{}", hopeless[0].reason);
-        // Observed: on 10 workers (6.7% of the steps carry a prompt) the p90
-        // is a decode step, 12 ms for the profile's 10: ×1.2. On 5 (40%)
-        // it is a prompt's step, which says nothing of decoding: ×1.
+        assert!(hopeless[0].reason.contains("over 90% of the target"), "{}", hopeless[0].reason);
+        // Observed: on 10 workers (40% prefill) the profile expects a token
+        // every 10 / 0.6 = 16.67 ms; 20 ms is ×1.2. On 8 (50%), 20 ms; 30
+        // ms is ×1.5. On 5 (80%) at 80 ms, 64 sequences a worker: more than
+        // the profile measured (16), so no correction (×1).
         let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas };
-        assert!((corrections(&profile, &targets_aggregated(), &[seen(12.0, 10)]).itl - 1.2).abs() < 1e-9);
+        assert!((corrections(&profile, &targets_aggregated(), &[seen(20.0, 10)]).itl - 1.2).abs() < 1e-9);
+        assert!((corrections(&profile, &targets_aggregated(), &[seen(30.0, 8)]).itl - 1.5).abs() < 1e-9);
         assert_eq!(corrections(&profile, &targets_aggregated(), &[seen(80.0, 5)]).itl, 1.0);
+        // Over intervals, the median of the last five that observed it: the
+        // ×0.25 of the oldest is out of the window, and the interval
+        // without an ITL and the one beyond the profile are skipped. Those
+        // give 1.2, 1.5 and 2.4 (40 ms on 10): ×1.5.
+        let without = Observation { itl_ms: None, ..seen(20.0, 10) };
+        let intervals = [seen(4.0, 10), seen(20.0, 10), without, seen(30.0, 8), seen(40.0, 10), seen(80.0, 5)].map(|seen| vec![seen]);
+        assert!((corrections_over(&profile, &targets_aggregated(), &intervals).itl - 1.5).abs() < 1e-9);
     }
 
     fn corrections_without_observations(targets: &Targets) -> Corrections {

@@ -34,9 +34,9 @@ fn targets(interval: Duration) -> Targets {
     Targets::new(500.0, 50.0, 90.0, vec![pool], 4, interval, Duration::from_secs(60), Predictor::MovingAverage).unwrap()
 }
 
-/// 20 completions of 320 prompt tokens and 8 generated tokens.
-async fn send_requests(sandbox: &Sandbox) {
-    for i in 0..20u32 {
+/// `count` completions of 320 prompt tokens and 8 generated tokens.
+async fn send_requests(sandbox: &Sandbox, count: u32) {
+    for i in 0..count {
         let prompt: Vec<u32> = (0..320).map(|t| 1000 + i * 320 + t).collect();
         let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true})).await;
         assert_eq!(status, 200, "{body}");
@@ -56,7 +56,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
 
     assert_eq!(observer.observe(&targets).await.unwrap(), None, "the first reading is the baseline");
     let started = std::time::Instant::now();
-    send_requests(&sandbox).await;
+    send_requests(&sandbox, 20).await;
     let seen = observer.observe(&targets).await.unwrap().expect("an interval");
     let elapsed = started.elapsed().as_secs_f64();
     assert_eq!(seen.len(), 1);
@@ -75,6 +75,18 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     let idle = observer.observe(&targets).await.unwrap().expect("an interval");
     assert_eq!((idle[0].load.request_rate, idle[0].ttft_ms, idle[0].itl_ms), (0.0, None, None));
 
+    // Five requests: their rate, but too few for a percentile. Their
+    // lengths are read with the intervals before (ten requests at least):
+    // an observer that saw only these five has none.
+    let mut fresh = Observer::new(vec![metrics.clone()], sandbox.cluster().registry().clone());
+    assert_eq!(fresh.observe(&targets).await.unwrap(), None);
+    send_requests(&sandbox, 5).await;
+    let few = observer.observe(&targets).await.unwrap().expect("an interval");
+    assert!(few[0].load.request_rate > 0.0 && few[0].load.isl_mean == 320.0, "{few:?}");
+    assert_eq!((few[0].ttft_ms, few[0].itl_ms), (None, None), "{few:?}");
+    let alone = fresh.observe(&targets).await.unwrap().expect("an interval");
+    assert!(alone[0].load.request_rate > 0.0 && (alone[0].load.isl_mean, alone[0].load.osl_mean) == (0.0, 0.0), "{alone:?}");
+
     // A gateway that does not answer: an error naming it, no interval.
     let mut blind = Observer::new(vec!["http://127.0.0.1:9/metrics".into()], sandbox.cluster().registry().clone());
     assert!(blind.observe(&targets).await.unwrap_err().to_string().contains("127.0.0.1:9"));
@@ -91,14 +103,15 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
         shutdown.clone(),
     ));
     wait_until("the cycle records an interval", Duration::from_secs(30), async || !ledger.observations(10).await.unwrap().is_empty()).await;
-    send_requests(&sandbox).await;
+    send_requests(&sandbox, 20).await;
     wait_until("the cycle records an interval with the requests", Duration::from_secs(30), async || {
-        ledger.observations(100).await.unwrap().iter().any(|(_, pools)| pools[0].load.request_rate > 0.0)
+        ledger.observations(100).await.unwrap().iter().any(|(_, pools)| pools[0].load.isl_mean > 0.0)
     })
     .await;
     let history = ledger.observations(100).await.unwrap();
-    let busy: Vec<_> = history.iter().map(|(_, pools)| &pools[0]).filter(|pool| pool.load.request_rate > 0.0).collect();
-    assert!(busy.iter().all(|pool| pool.load.isl_mean == 320.0 && pool.replicas == 2 && pool.ttft_ms.is_some()), "{busy:?}");
+    // (The 20 may span intervals: a percentile only where ten fell.)
+    let finished: Vec<_> = history.iter().map(|(_, pools)| &pools[0]).filter(|pool| pool.load.isl_mean > 0.0).collect();
+    assert!(finished.iter().all(|pool| pool.load.isl_mean == 320.0 && pool.replicas == 2), "{finished:?}");
     assert!(history.windows(2).all(|pair| pair[0].0 < pair[1].0), "oldest first");
     assert_eq!(ledger.observations(1).await.unwrap().len(), 1, "the newest interval only");
 
