@@ -41,7 +41,7 @@ use turbine_runtime::host::Listeners;
 use crate::replay::drive::stream_completion;
 use crate::replay::report::{Summary, summarize};
 
-/// The pool the bench sizes.
+/// The pool the bench sizes (without --disaggregated).
 const POOL: &str = "workers";
 
 /// How often the fleet's size is sampled.
@@ -115,16 +115,23 @@ pub struct PlannerBenchArgs {
     /// The planner's predictor: constant, moving-average or seasonal.
     #[arg(long, default_value = "moving-average")]
     pub predictor: String,
-    /// The static fleet's size [default: the profile's proposal for the
-    /// trace's busiest interval, within --max-workers].
+    /// Prefill and decode workers in pools of their own (`prefill` and
+    /// `decode`, each within --min-workers and --max-workers; the router
+    /// sends each prompt to a prefill worker and its decoding to a decode
+    /// worker) instead of one pool of aggregated workers.
     #[arg(long)]
-    pub static_workers: Option<u32>,
-    /// The planner's fleet when the replay starts [default: the profile's
-    /// proposal for the trace's first interval, within --min-workers and
-    /// --max-workers: a planner already running when the trace begins].
-    /// `--planner-start` at --min-workers measures a cold start.
-    #[arg(long)]
-    pub planner_start: Option<u32>,
+    pub disaggregated: bool,
+    /// The static fleet's size, one number per pool (with
+    /// --disaggregated: PREFILL,DECODE) [default: the profile's proposal
+    /// for the trace's busiest interval, within --max-workers].
+    #[arg(long, value_delimiter = ',')]
+    pub static_workers: Vec<u32>,
+    /// The planner's fleet when the replay starts, one number per pool
+    /// [default: the profile's proposal for the trace's first interval,
+    /// within --min-workers and --max-workers: a planner already running
+    /// when the trace begins]. At --min-workers it measures a cold start.
+    #[arg(long, value_delimiter = ',')]
+    pub planner_start: Vec<u32>,
     /// The planner's database [default: SQLite in a temporary folder].
     #[arg(long)]
     pub database: Option<String>,
@@ -202,8 +209,12 @@ pub struct PlannerBenchReport {
     pub interval_secs: f64,
     /// The static fleet, then the planner's.
     pub fleets: Vec<FleetReport>,
-    /// Workers the planner's fleet started the replay with.
-    pub planner_start_workers: u32,
+    /// The pools, in the order of the sizes below.
+    pub pools: Vec<String>,
+    /// Workers per pool of the static fleet.
+    pub static_workers: Vec<u32>,
+    /// Workers per pool the planner's fleet started the replay with.
+    pub planner_start_workers: Vec<u32>,
     /// The planner's worker-seconds over the static fleet's.
     pub worker_seconds_ratio: f64,
     /// Prompts of the trace longer than the model's context (with their
@@ -244,31 +255,40 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
             max_tokens: args.max_output_tokens.map_or(request.output_tokens, |cap| request.output_tokens.min(cap)).max(1),
         })
         .collect();
-    let pool = PoolLimits { pool: POOL.into(), kind: PoolKind::Aggregated, min_replicas: args.min_workers, max_replicas: args.max_workers };
+    let kinds: &[(&str, PoolKind)] = if args.disaggregated { &[("prefill", PoolKind::Prefill), ("decode", PoolKind::Decode)] } else { &[(POOL, PoolKind::Aggregated)] };
+    let pools: Vec<PoolLimits> =
+        kinds.iter().map(|(pool, kind)| PoolLimits { pool: (*pool).into(), kind: *kind, min_replicas: args.min_workers, max_replicas: args.max_workers }).collect();
     let predictor: Predictor = args.predictor.parse().map_err(|problem: String| anyhow::anyhow!("--predictor: {problem}"))?;
     let targets = Targets::new(
         args.ttft_ms,
         args.itl_ms,
         args.percentile,
-        vec![pool],
-        args.max_workers,
+        pools.clone(),
+        args.max_workers * pools.len() as u32,
         Duration::from_secs(u64::from(args.interval_secs)),
         Duration::from_secs(u64::from(args.cooldown_secs)),
         predictor,
     )?;
     let (first_size, peak_size) = profile_sizes(&trace, args, &profile, &targets)?;
-    let static_workers = args.static_workers.unwrap_or(peak_size);
-    let planner_start = args.planner_start.unwrap_or(first_size);
-    anyhow::ensure!(
-        (args.min_workers..=args.max_workers).contains(&planner_start),
-        "--planner-start: {planner_start} is outside --min-workers {} and --max-workers {}",
-        args.min_workers,
-        args.max_workers
-    );
+    let sizes = |flag: &str, given: &[u32], default: Vec<u32>| -> anyhow::Result<Vec<u32>> {
+        if given.is_empty() {
+            return Ok(default);
+        }
+        anyhow::ensure!(given.len() == pools.len(), "--{flag}: {} numbers for {} pools ({})", given.len(), pools.len(), kinds.iter().map(|(pool, _)| *pool).collect::<Vec<_>>().join(", "));
+        Ok(given.to_vec())
+    };
+    let static_workers = sizes("static-workers", &args.static_workers, peak_size)?;
+    let planner_start = sizes("planner-start", &args.planner_start, first_size)?;
+    if let Some(outside) = planner_start.iter().find(|size| !(args.min_workers..=args.max_workers).contains(size)) {
+        anyhow::bail!("--planner-start: {outside} is outside --min-workers {} and --max-workers {}", args.min_workers, args.max_workers);
+    }
+    let words = |sizes: &[u32]| pools.iter().zip(sizes).map(|(limits, size)| format!("{} {size}", limits.pool)).collect::<Vec<_>>().join(", ");
     eprintln!(
-        "{} requests over {:.0} s of run time; static fleet: {static_workers} workers; the planner's starts at {planner_start}",
+        "{} requests over {:.0} s of run time; static fleet: {}; the planner's starts at {}",
         requests.len(),
-        requests.last().map_or(0.0, |r| r.at.as_secs_f64())
+        requests.last().map_or(0.0, |r| r.at.as_secs_f64()),
+        words(&static_workers),
+        words(&planner_start)
     );
 
     // The stack: a router following the Redis registry and event log, a
@@ -297,20 +317,26 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     })?;
     let registry = Registry::Redis(RedisRegistry::new(&args.redis, &namespace)?);
     let mut next_action = 0u64;
-    let mut resize = async |replicas: u32| -> anyhow::Result<()> {
+    let mut resize = async |sizes: &[u32]| -> anyhow::Result<()> {
         next_action += 1;
-        let action = Action { id: format!("bench/{next_action}"), pool: POOL.into(), replicas, state: ActionState::Pending, message: String::new() };
-        match connector.execute(&action, PoolKind::Aggregated).await {
-            Outcome::Done(_) | Outcome::Awaiting(_) => Ok(()),
-            Outcome::Failed(problem) => anyhow::bail!("sizing the fleet to {replicas}: {problem}"),
+        for (limits, &replicas) in pools.iter().zip(sizes) {
+            let id = format!("bench/{next_action}/{}", limits.pool);
+            let action = Action { id, pool: limits.pool.clone(), replicas, state: ActionState::Pending, message: String::new() };
+            match connector.execute(&action, limits.kind).await {
+                Outcome::Done(_) | Outcome::Awaiting(_) => {}
+                Outcome::Failed(problem) => anyhow::bail!("sizing pool {} to {replicas}: {problem}", limits.pool),
+            }
         }
+        Ok(())
     };
+    let none = vec![0; pools.len()];
+    let names: Vec<String> = pools.iter().map(|limits| limits.pool.clone()).collect();
     let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build()?;
     let completions = format!("{gateway_url}/v1/completions");
 
     // 1. The static fleet.
-    resize(static_workers).await?;
-    until_serving(&registry, static_workers, &http, &gateway_url).await?;
+    resize(&static_workers).await?;
+    until_serving(&registry, static_workers.iter().sum(), &http, &gateway_url).await?;
     let (model, context) = model_name(&http, &gateway_url).await?;
     // The trace has prompts longer than the model takes: cut to fit (the
     // gateway would refuse them, in both fleets alike).
@@ -318,18 +344,18 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     if prompts_cut > 0 {
         println!("{prompts_cut} prompts cut to fit the model's context of {context} tokens with their output");
     }
-    let measured = replay(&http, &completions, &model, &requests, &connector).await;
+    let measured = replay(&http, &completions, &model, &requests, &connector, &names).await;
     let static_report = fleet_report("static", &targets, measured);
-    resize(0).await?;
+    resize(&none).await?;
     until_drained(&connector, &registry).await?;
 
-    // 2. The planner's fleet, from its minimum.
+    // 2. The planner's fleet.
     let database_dir = tempfile::tempdir()?;
     let database = args.database.clone().unwrap_or_else(|| format!("sqlite:{}", database_dir.path().join("planner.sqlite").display()));
     let ledger = Ledger::open(&database, &namespace).await?;
     ledger.set_targets(&targets, 0).await?;
-    resize(planner_start).await?;
-    until_serving(&registry, planner_start, &http, &gateway_url).await?;
+    resize(&planner_start).await?;
+    until_serving(&registry, planner_start.iter().sum(), &http, &gateway_url).await?;
     let planner = PlannerState::with_connector(ledger, Connector::Local(connector.clone()));
     let cycle_stop = CancellationToken::new();
     let cycle = tokio::spawn(turbine_planner::cycle::run(
@@ -338,11 +364,11 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         Sizing { profile, season_intervals: 20 },
         cycle_stop.clone(),
     ));
-    let measured = replay(&http, &completions, &model, &requests, &connector).await;
+    let measured = replay(&http, &completions, &model, &requests, &connector, &names).await;
     cycle_stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(60), cycle).await;
     let planner_report = fleet_report("planner", &targets, measured);
-    resize(0).await?;
+    resize(&none).await?;
     until_drained(&connector, &registry).await?;
 
     shutdown.cancel();
@@ -358,22 +384,32 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         percentile: args.percentile,
         interval_secs: targets.interval().as_secs_f64(),
         fleets: vec![static_report, planner_report],
+        pools: targets.pools().iter().map(|limits| limits.pool.clone()).collect(),
+        static_workers,
         planner_start_workers: planner_start,
         worker_seconds_ratio: ratio,
         prompts_cut,
     })
 }
 
-/// The profile's proposals (uncorrected) for the trace's first interval
-/// and for its busiest, each within --min-workers (at least 1) and
-/// --max-workers.
-fn profile_sizes(trace: &[turbine_planner::backtest::TraceRequest], args: &PlannerBenchArgs, profile: &Profile, targets: &Targets) -> anyhow::Result<(u32, u32)> {
-    let compressed: Vec<_> = trace.iter().map(|request| turbine_planner::backtest::TraceRequest { at_secs: request.at_secs / args.speedup, ..*request }).collect();
+/// The profile's proposals (uncorrected) per pool for the trace's first
+/// interval and for its busiest, each within --min-workers (at least 1)
+/// and --max-workers.
+fn profile_sizes(trace: &[turbine_planner::backtest::TraceRequest], args: &PlannerBenchArgs, profile: &Profile, targets: &Targets) -> anyhow::Result<(Vec<u32>, Vec<u32>)> {
+    // The load as replayed: compressed, outputs capped.
+    let compressed: Vec<_> = trace
+        .iter()
+        .map(|request| turbine_planner::backtest::TraceRequest {
+            at_secs: request.at_secs / args.speedup,
+            output_tokens: args.max_output_tokens.map_or(request.output_tokens, |cap| request.output_tokens.min(cap)),
+            ..*request
+        })
+        .collect();
     let loads = turbine_planner::backtest::intervals(&compressed, Duration::from_secs(u64::from(args.interval_secs)))?;
     let idle = Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 };
     let first = loads.first().copied().unwrap_or(idle);
     let peak = loads.iter().copied().max_by(|a, b| a.request_rate.total_cmp(&b.request_rate)).unwrap_or(idle);
-    let size = |load: &Load| propose(profile, targets, load, Corrections::default()).first().map_or(1, |proposal| proposal.replicas).clamp(args.min_workers.max(1), args.max_workers);
+    let size = |load: &Load| propose(profile, targets, load, Corrections::default()).iter().map(|proposal| proposal.replicas.clamp(args.min_workers.max(1), args.max_workers)).collect();
     Ok((size(&first), size(&peak)))
 }
 
@@ -455,15 +491,18 @@ async fn until_drained(connector: &LocalConnector, registry: &Registry) -> anyho
 
 /// Sends `requests` at their arrival times; each request's measurement,
 /// and the fleet's size sampled over the replay.
-async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector) -> (Vec<Measured>, Vec<(Duration, u32)>, Duration) {
+async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector, pools: &[String]) -> (Vec<Measured>, Vec<(Duration, u32)>, Duration) {
     let started = Instant::now();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let sampling = CancellationToken::new();
     let sampler = tokio::spawn({
-        let (samples, sampling, connector) = (samples.clone(), sampling.clone(), connector.clone());
+        let (samples, sampling, connector, pools) = (samples.clone(), sampling.clone(), connector.clone(), pools.to_vec());
         async move {
             while !sampling.is_cancelled() {
-                let workers = connector.serving(POOL).await + connector.draining();
+                let mut workers = connector.draining();
+                for pool in &pools {
+                    workers += connector.serving(pool).await;
+                }
                 samples.lock().expect("samples").push((started.elapsed(), workers));
                 tokio::time::sleep(SAMPLE).await;
             }

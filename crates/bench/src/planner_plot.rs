@@ -198,7 +198,9 @@ mod tests {
             percentile: 90.0,
             interval_secs: 5.0,
             fleets: vec![fleet("static", &[4, 4, 4, 4], &[Some(10.0), Some(12.0), None, Some(15.0)]), fleet("planner", &[1, 2, 3, 2], &[Some(30.0), Some(18.0), None, Some(19.0)])],
-            planner_start_workers: 1,
+            pools: vec!["workers".into()],
+            static_workers: vec![4],
+            planner_start_workers: vec![1],
             worker_seconds_ratio: 0.5,
             prompts_cut: 0,
         };

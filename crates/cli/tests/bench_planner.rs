@@ -3,55 +3,83 @@
 //! serve every request (the planner's scale-ups and the drains lose none),
 //! the static fleet holds its size, the planner grows its fleet from the
 //! minimum as the load comes, and the report and the plot carry each
-//! interval.
+//! interval; the same with prefill and decode workers in pools of their
+//! own.
 
+use std::path::Path;
 use std::process::Command;
 
+use serde_json::json;
 use turbine_testkit::RedisServer;
 
-#[test]
-fn the_planner_fleet_grows_under_load_and_no_request_is_lost() {
+/// Runs the bench on the first `limit` requests at 10x with `more` flags;
+/// the report.
+fn bench(dir: &Path, limit: &str, more: &[&str]) -> serde_json::Value {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
     // A profile far slower than the mocker at this speedup (500 ms to a
     // first token alone): even corrected by the observed latency (at
     // least x0.25 of the profile's), one worker cannot hold the load.
-    let profile = dir.path().join("profile.json");
+    let profile = dir.join("profile.json");
     let decode: Vec<_> = [(256, 1, 2.0), (256, 16, 4.0), (4096, 1, 2.0), (4096, 16, 4.0)]
         .into_iter()
-        .map(|(context, concurrency, itl_ms)| serde_json::json!({"context": context, "concurrency": concurrency, "itl_ms": itl_ms}))
+        .map(|(context, concurrency, itl_ms)| json!({"context": context, "concurrency": concurrency, "itl_ms": itl_ms}))
         .collect();
-    let written = serde_json::json!({"version": 1, "worker": "test", "prefill": [{"isl": 128, "ttft_ms": 500.0}, {"isl": 4096, "ttft_ms": 500.0}], "decode": decode});
+    let written = json!({"version": 1, "worker": "test", "prefill": [{"isl": 128, "ttft_ms": 500.0}, {"isl": 4096, "ttft_ms": 500.0}], "decode": decode});
     std::fs::write(&profile, written.to_string()).unwrap();
-    let report = dir.path().join("report.json");
+    let report = dir.join("report.json");
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv");
     let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
-        .args(["bench", "planner", "--trace", trace, "--redis", &redis.url(), "--speedup", "10", "--limit", "400", "--max-output-tokens", "16"])
+        .args(["bench", "planner", "--trace", trace, "--redis", &redis.url(), "--speedup", "10", "--limit", limit, "--max-output-tokens", "16"])
         .args(["--ttft-ms", "2000", "--itl-ms", "20", "--interval-secs", "1", "--cooldown-secs", "1", "--min-workers", "1", "--max-workers", "3"])
-        // A cold start: the planner's fleet from one worker.
-        .args(["--planner-start", "1"])
+        .args(more)
         .arg("--profile")
         .arg(&profile)
         .arg("--json")
         .arg(&report)
         .arg("--svg")
-        .arg(dir.path().join("plot.svg"))
+        .arg(dir.join("plot.svg"))
         .output()
         .unwrap();
     assert!(run.status.success(), "{}\n{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
+}
+
+/// Both fleets served all `requests`, each interval reported.
+fn every_request_served(report: &serde_json::Value, requests: u64) {
     let fleets = report["fleets"].as_array().unwrap();
     assert_eq!(fleets.iter().map(|fleet| fleet["fleet"].as_str().unwrap()).collect::<Vec<_>>(), ["static", "planner"]);
     for fleet in fleets {
-        assert_eq!((fleet["requests"].as_u64(), fleet["failed"].as_u64()), (Some(400), Some(0)), "{fleet}");
+        assert_eq!((fleet["requests"].as_u64(), fleet["failed"].as_u64()), (Some(requests), Some(0)), "{fleet}");
         assert!(fleet["worker_seconds"].as_f64().unwrap() > 0.0 && fleet["intervals"].as_u64().unwrap() >= 3, "{fleet}");
         assert!(!fleet["timeline"].as_array().unwrap().is_empty());
     }
-    assert_eq!(fleets[0]["peak_workers"].as_u64(), Some(3), "the peak's proposal, within --max-workers: {}", fleets[0]);
-    assert_eq!(report["planner_start_workers"].as_u64(), Some(1));
-    assert!(fleets[1]["peak_workers"].as_u64().unwrap() > 1, "the planner scaled up: {}", fleets[1]);
     assert!(report["worker_seconds_ratio"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn the_planner_fleet_grows_under_load_and_no_request_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    // A cold start: the planner's fleet from one worker.
+    let report = bench(dir.path(), "400", &["--planner-start", "1"]);
+    every_request_served(&report, 400);
+    let fleets = report["fleets"].as_array().unwrap();
+    assert_eq!((&report["pools"], &report["static_workers"], &report["planner_start_workers"]), (&json!(["workers"]), &json!([3]), &json!([1])));
+    assert_eq!(fleets[0]["peak_workers"].as_u64(), Some(3), "the peak's proposal, within --max-workers: {}", fleets[0]);
+    assert!(fleets[1]["peak_workers"].as_u64().unwrap() > 1, "the planner scaled up: {}", fleets[1]);
     // The plot: a step per interval of each fleet's workers.
     let plot = std::fs::read_to_string(dir.path().join("plot.svg")).unwrap();
     assert!(plot.starts_with("<svg ") && plot.contains("planner SLA: ") && plot.contains("static SLA: "), "{plot}");
+}
+
+#[test]
+fn prefill_and_decode_pools_are_sized_apart_and_no_request_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = bench(dir.path(), "200", &["--disaggregated", "--planner-start", "1,1"]);
+    every_request_served(&report, 200);
+    let fleets = report["fleets"].as_array().unwrap();
+    // The slow prefill profile puts the prefill pool at its maximum; the
+    // fast decode profile holds decode at its minimum of one.
+    assert_eq!((&report["pools"], &report["static_workers"], &report["planner_start_workers"]), (&json!(["prefill", "decode"]), &json!([3, 1]), &json!([1, 1])));
+    assert_eq!(fleets[0]["peak_workers"].as_u64(), Some(4), "{}", fleets[0]);
+    assert!(fleets[1]["peak_workers"].as_u64().unwrap() > 2, "the planner scaled up: {}", fleets[1]);
 }
