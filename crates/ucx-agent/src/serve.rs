@@ -132,27 +132,30 @@ pub(crate) fn serve(worker: &Worker, mut shm_worker: Option<&Worker>, jobs: &mps
     }
 }
 
+/// Longest the thread sleeps without looking at its jobs again: a wake-up
+/// that got lost between UCX's signal and its arm then costs this much,
+/// never a hang (a worker that stops joins this thread).
+const IDLE_LOOK: Duration = Duration::from_millis(500);
+
 /// Sleeps until either worker has events (or a waker signals the main
-/// one), or `timeout` passes.
+/// one), `timeout` passes, or [`IDLE_LOOK`] does.
 fn sleep(worker: &Worker, shm_worker: Option<&Worker>, timeout: Option<Duration>) {
-    let Some(shm_worker) = shm_worker else {
-        if let Err(error) = worker.wait() {
-            tracing::warn!(%error, "UCX wait failed; polling");
+    let timeout = timeout.map_or(IDLE_LOOK, |timeout| timeout.min(IDLE_LOOK));
+    let fds = match (worker.event_fd(), shm_worker.map(Worker::event_fd).transpose()) {
+        (Ok(main), Ok(shm)) => [Some(main), shm],
+        (Err(error), _) | (_, Err(error)) => {
+            tracing::warn!(%error, "no UCX event fd; polling");
             std::thread::sleep(Duration::from_millis(1));
+            return;
         }
-        return;
     };
-    match (worker.event_fd(), shm_worker.event_fd()) {
-        (Ok(main), Ok(shm)) => {
-            let mut fds = [libc::pollfd { fd: main, events: libc::POLLIN, revents: 0 }, libc::pollfd { fd: shm, events: libc::POLLIN, revents: 0 }];
-            let timeout = timeout.map_or(-1, |timeout| timeout.as_millis().min(i32::MAX as u128 - 1) as i32 + 1);
-            // SAFETY: two valid pollfd entries we own; an interrupted or
-            // failed poll only means we progress again sooner.
-            #[allow(unsafe_code)]
-            let _ = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-        }
-        _ => std::thread::sleep(Duration::from_millis(1)),
-    }
+    let mut fds: Vec<libc::pollfd> = fds.into_iter().flatten().map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    // Rounded up, so a key's expiry has passed when the poll returns.
+    let millis = timeout.as_millis().min(i32::MAX as u128 - 1) as i32 + 1;
+    // SAFETY: valid pollfd entries we own; an interrupted or failed poll
+    // only means we progress again sooner.
+    #[allow(unsafe_code)]
+    let _ = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, millis) };
 }
 
 /// Reads a job's blocks: over shared memory when both sides have it and

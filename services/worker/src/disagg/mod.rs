@@ -118,7 +118,10 @@ impl Disagg {
     ) -> Self {
         #[cfg(feature = "ucx")]
         let ucx = match (options.transport, options.role) {
-            (KvTransport::Tcp, WorkerRole::Aggregated) => None,
+            // An aggregated worker neither serves nor reads peers' blocks
+            // (the router hands prompts over only from prefill to decode
+            // workers): no UCX thread to start, wake and stop.
+            (_, WorkerRole::Aggregated) => None,
             _ if options.simulated.is_some() => None,
             _ => match turbine_ucx_agent::UcxAgent::start(memory.as_ref(), options.pool.shm()) {
                 Ok(agent) => Some(agent),
