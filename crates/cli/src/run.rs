@@ -35,6 +35,12 @@ fn print_banner(cluster: &Cluster, workers: usize) {
             kv_index.grpc
         );
     }
+    if let Some(kv_store) = cluster.kv_store() {
+        println!("  kv-store    {kv_store} (turbine.kvstore.v1.KvStore)");
+    }
+    if let Some(planner) = cluster.planner() {
+        println!("  planner     {planner} (turbine.planner.v1.Planner: SetTargets to start sizing the workers)");
+    }
     println!("  metrics     {base}/metrics");
     println!();
     println!("Try it:");

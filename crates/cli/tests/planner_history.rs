@@ -43,7 +43,7 @@ async fn history_shows_the_newest_decisions_with_their_reasons() {
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
-    let config = turbine_planner::PlannerConfig { database: Some(database), ..Default::default() };
+    let config = turbine_planner::PlannerConfig { planning: turbine_planner::config::PlanningConfig { database: Some(database), ..Default::default() }, ..Default::default() };
     let serving = tokio::spawn(turbine_planner::serve(config, state, None, listeners, shutdown.clone()));
     tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, "turbine.planner.v1.Planner")).await.expect("the planner serves");
 

@@ -2,7 +2,7 @@
 //! many workers, where the gateway listens) and each service's sections,
 //! composed from the services' own declarations. In a `--config` file the
 //! sections are tables: `[gateway]`, `[router]` (with `[router.kv]`),
-//! `[worker]`.
+//! `[worker]`, `[planner]`.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use clap::Command;
 use serde::{Deserialize, Serialize};
 use turbine_gateway::AdmissionConfig;
+use turbine_planner::config::PlanningConfig;
 use turbine_router::RoutingConfig;
 use turbine_runtime::config::{Settings, settings_defaults};
 use turbine_worker::{EngineConfig, TransferConfig};
@@ -18,6 +19,10 @@ use turbine_worker::{EngineConfig, TransferConfig};
 /// tokens of the default model (360 KiB per 16-token block); a bound, not
 /// an allocation.
 pub const RUN_HOST_CACHE_MIB: &str = "1024";
+
+/// The planner's database under `turbine run` unless given: a SQLite file
+/// in the model cache folder.
+pub const RUN_PLANNER_DATABASE: &str = "planner.db";
 
 /// `turbine run`'s configuration.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
@@ -41,6 +46,12 @@ pub struct RunConfig {
     /// store). Needs the host tier (on by default here).
     #[arg(long, env = "TURBINE_KV_STORE_PORT")]
     pub kv_store_port: Option<u16>,
+    /// Also run a planner on this port (turbine.planner.v1; 0: a free one):
+    /// it sizes the workers to the targets an operator sets with SetTargets
+    /// (grpcurl), starting and draining workers in this process, and keeps
+    /// its state in --planner-database. Needs --planner-profile.
+    #[arg(long, env = "TURBINE_PLANNER_PORT")]
+    pub planner_port: Option<u16>,
     /// Number of workers (engines) in the process.
     #[arg(long, env = "TURBINE_WORKERS", default_value_t = 1)]
     pub workers: usize,
@@ -64,6 +75,8 @@ pub struct RunConfig {
     pub router: RoutingConfig,
     #[command(flatten, next_help_heading = "Workers ([worker])")]
     pub worker: RunWorkerConfig,
+    #[command(flatten, next_help_heading = "Planner ([planner]; with --planner-port)")]
+    pub planner: PlanningConfig,
 }
 
 /// What every worker of the embedded cluster runs.
@@ -100,7 +113,12 @@ impl Settings for RunConfig {
         self.gateway.validate()?;
         self.router.validate()?;
         self.worker.engine.validate()?;
-        self.worker.transfer.validate()
+        self.worker.transfer.validate()?;
+        self.planner.validate().map_err(|error| format!("planner {error}"))?;
+        if self.planner_port.is_some() && self.planner.profile.is_none() {
+            return Err("planner_port: the planner sizes the workers from their profile: give --planner-profile (written by turbine profile)".into());
+        }
+        Ok(())
     }
 
     /// One process on one machine: requests are routed by KV overlap (the
@@ -112,6 +130,13 @@ impl Settings for RunConfig {
             .mut_arg("policy", |arg| arg.default_value("kv"))
             .mut_arg("model_refresh_ms", |arg| arg.default_value("500"))
             .mut_arg("host_cache_mib", |arg| arg.default_value(RUN_HOST_CACHE_MIB))
+            // The planner's own flags, named for what they are here.
+            .mut_arg("database", |arg| {
+                arg.long("planner-database")
+                    .help("Where the planner keeps its targets, decisions and actions (default: sqlite:planner.db in the model cache folder, kept across restarts); postgres://user:password@host:port/database also works")
+            })
+            .mut_arg("profile", |arg| arg.long("planner-profile"))
+            .mut_arg("season_intervals", |arg| arg.long("planner-season-intervals"))
     }
 }
 

@@ -10,11 +10,16 @@
 //! and the bound addresses, so `turbine run`, the benchmarks and the tests
 //! drive the same thing.
 //!
+//! With a planner (`--planner-port`), the planner sizes the cluster's own
+//! workers: it starts and drains them in this process ([`HostedWorkers`],
+//! the planner's `hosted` connector).
+//!
 //! Readiness comes from the services themselves: each worker's gRPC health
 //! turns SERVING once its model is loaded and it is registered, and the
 //! cluster is ready when every gateway lists the model.
 
 mod config;
+mod workers;
 #[cfg(feature = "sandbox")]
 pub mod sandbox;
 
@@ -29,6 +34,13 @@ use turbine_kv::{KvIndex, WorkerId};
 use turbine_kv_index::{IndexFeed, KvIndexClient, KvIndexConfig, KvIndexDeps, LocalKvIndex};
 use turbine_kv_log::EventLog;
 use turbine_kv_store::{KvStoreConfig, Store as KvStore, StoreEventSink};
+use turbine_planner::config::PlanningConfig;
+use turbine_planner::connector::Connector;
+use turbine_planner::cycle::Sizing;
+use turbine_planner::hosted::HostedConnector;
+use turbine_planner::observe::Observer;
+use turbine_planner::profile::Profile;
+use turbine_planner::{Ledger, PlannerConfig, PlannerState};
 use turbine_proto::gateway::v1::ListModelsRequest;
 use turbine_proto::gateway::v1::inference_client::InferenceClient;
 use turbine_registry::{MemoryRegistry, Registry};
@@ -40,7 +52,9 @@ use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
 use turbine_worker::{KvEventSink, WorkerConfig, WorkerDeps};
 use turbine_worker_api::{WorkerClient, WorkerClients};
 
-pub use config::{RunConfig, RunWorkerConfig};
+pub use config::{RUN_PLANNER_DATABASE, RunConfig, RunWorkerConfig};
+pub use workers::HostedWorkers;
+use workers::WorkerTemplate;
 
 /// How the cluster is laid out beyond what `turbine run` offers as flags
 /// (set by the benchmarks and tests).
@@ -80,6 +94,10 @@ pub struct Cluster {
     kv_store: Option<std::net::SocketAddr>,
     model: String,
     registry: Registry,
+    /// The workers (those started with the cluster, and the planner's).
+    hosted: HostedWorkers,
+    /// Where the planner listens, when asked for.
+    planner: Option<SocketAddr>,
     /// The gateways' tasks: they drain first, on the caller's token.
     front: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
     /// Everything behind the gateways (workers, routers, kv-index): stopped
@@ -89,9 +107,6 @@ pub struct Cluster {
     /// Stops `services` when cancelled, or when the cluster is dropped.
     backend: tokio_util::sync::DropGuard,
 }
-
-/// How long a worker may take to load its model.
-const LOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl Cluster {
     /// Starts every service and returns once every worker is SERVING and
@@ -133,7 +148,12 @@ impl Cluster {
             Some(port) => Some(Listeners { grpc: bind(SocketAddr::new(config.host, port), "kv-store gRPC").await?, admin: None, http: None }),
             None => None,
         };
+        let planner_listeners = match config.planner_port {
+            Some(port) => Some(Listeners { grpc: bind(SocketAddr::new(config.host, port), "planner gRPC").await?, admin: None, http: None }),
+            None => None,
+        };
         let cache_dir = config.worker.engine.cache_dir.clone().unwrap_or_else(default_cache_dir);
+        let planner_database = config.planner.database.clone().unwrap_or_else(|| format!("sqlite:{}", cache_dir.join(RUN_PLANNER_DATABASE).display()));
         // Fetch the model up front, once, before the workers look for it.
         if let Some(entry) = catalog_entry(&config.worker.engine.model) {
             let (model, progress) = (config.worker.engine.model.clone(), if options.progress { Progress::Bars } else { Progress::Quiet });
@@ -163,8 +183,7 @@ impl Cluster {
                     None => StoreEventSink::Index(shared_index.clone()),
                 };
                 services.push(("kv-store".to_owned(), tokio::spawn(turbine_kv_store::serve(store_config, store, events, listeners, shutdown.clone()))));
-                let loopback = SocketAddr::new(if address.ip().is_unspecified() { [127, 0, 0, 1].into() } else { address.ip() }, address.port());
-                worker_engine.kv_store.get_or_insert_with(|| format!("http://{loopback}"));
+                worker_engine.kv_store.get_or_insert_with(|| format!("http://{}", loopback(address)));
                 Some(address)
             }
             None => None,
@@ -173,42 +192,24 @@ impl Cluster {
         let roles = config.roles();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = config.worker.engine.threads.unwrap_or_else(|| (cores / roles.len()).max(1));
+        let mut template = WorkerConfig { engine: worker_engine, transfer: config.worker.transfer.clone(), ..WorkerConfig::default() };
+        template.engine.threads = Some(threads);
+        template.server.shutdown_grace_secs = config.shutdown_grace_secs;
+        let events = match &log {
+            Some(log) => KvEventSink::Log(log.clone()),
+            None => KvEventSink::Index(shared_index.clone()),
+        };
+        let deps = WorkerDeps { registry: Some(registry.clone()), events, local: Some(clients.clone()) };
+        let hosted = HostedWorkers::new(WorkerTemplate { config: template, deps, prefix: options.worker_id_prefix.clone() }, shutdown.clone());
         let mut workers = Vec::new();
-        for (name, role) in roles {
-            let id = WorkerId::from(format!("{}{name}", options.worker_id_prefix));
-            let mut worker = WorkerConfig {
-                worker_id: Some(id.to_string()),
-                role,
-                engine: worker_engine.clone(),
-                transfer: config.worker.transfer.clone(),
-                ..WorkerConfig::default()
-            };
-            worker.engine.threads = Some(threads);
-            worker.server.shutdown_grace_secs = config.shutdown_grace_secs;
-            let events = match &log {
-                Some(log) => KvEventSink::Log(log.clone()),
-                None => KvEventSink::Index(shared_index.clone()),
-            };
-            let deps = WorkerDeps { registry: Some(registry.clone()), events, local: Some(clients.clone()) };
-            let listeners = Listeners::loopback().await?;
-            let addresses =
-                BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: listeners.admin.as_ref().map(|l| l.local_addr()).transpose()?, http: None };
-            services.push((format!("worker {id}"), tokio::spawn(turbine_worker::serve(worker, deps, listeners, shutdown.clone()))));
-            workers.push((id, addresses));
+        for (_, role) in roles {
+            workers.push(hosted.spawn(role).await?);
         }
         // Workers load their models side by side; each is ready when its
         // health says so.
         let mut embedded = Vec::new();
         for (id, addresses) in workers {
-            let (name, task) = services.iter_mut().find(|(name, _)| *name == format!("worker {id}")).expect("spawned above");
-            let endpoint = addresses.grpc_endpoint();
-            tokio::select! {
-                () = turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::WORKER) => {}
-                ended = task => return Err(ended.context("a worker panicked")?.err().unwrap_or_else(|| anyhow::anyhow!("{name} stopped before it was ready"))),
-                () = tokio::time::sleep(LOAD_TIMEOUT) => anyhow::bail!("{name} did not load its model within {LOAD_TIMEOUT:?}"),
-            }
-            let client = clients.client(&id, &addresses.grpc_endpoint())?;
-            embedded.push(EmbeddedWorker { id, client, addresses });
+            embedded.push(hosted.until_serving(&id, addresses).await?);
         }
         let model = embedded[0].client.model_card().await?.name;
 
@@ -265,6 +266,24 @@ impl Cluster {
             front_tasks.push((format!("gateway {replica}"), tokio::spawn(turbine_gateway::serve(gateway, deps, listeners, front.clone()))));
             gateways.push(addresses);
         }
+        let planner = match planner_listeners {
+            Some(listeners) => {
+                let address = listeners.grpc.local_addr()?;
+                let metrics = format!("http://{}/metrics", loopback(gateways[0].http.context("gateways serve HTTP")?));
+                let planning = PlanningConfig { database: Some(planner_database.clone()), ..config.planner.clone() };
+                let mut planner = PlannerConfig { planning, ..PlannerConfig::default() };
+                planner.server.shutdown_grace_secs = config.shutdown_grace_secs;
+                let ledger = Ledger::open(&planner_database, &planner.cluster.namespace).await.context("cannot open the planner's database")?;
+                let profile = planner.planning.profile.as_deref().context("planner_port needs --planner-profile")?;
+                let sizing = Sizing { profile: Profile::read(profile)?, season_intervals: planner.planning.season_intervals };
+                let observer = Observer::new(vec![metrics], registry.clone());
+                let state = PlannerState::with_connector(ledger, Connector::Hosted(HostedConnector::new(Arc::new(hosted.clone()))));
+                tracing::info!(%address, database = state.ledger().backend().name(), "planner listening: it sizes this process's workers once targets are set (SetTargets)");
+                services.push(("planner".to_owned(), tokio::spawn(turbine_planner::serve(planner, state, Some((observer, sizing)), listeners, shutdown.clone()))));
+                Some(address)
+            }
+            None => None,
+        };
         let cluster = Self {
             gateways,
             routers: router_clients,
@@ -273,6 +292,8 @@ impl Cluster {
             kv_store,
             model,
             registry,
+            hosted,
+            planner,
             front: front_tasks,
             services,
             backend: backend.drop_guard(),
@@ -346,6 +367,17 @@ impl Cluster {
         self.kv_store
     }
 
+    /// Where the planner listens, when asked for.
+    pub fn planner(&self) -> Option<SocketAddr> {
+        self.planner
+    }
+
+    /// The workers serving now, of every role: those started with the
+    /// cluster and those its planner added, less those it drained.
+    pub fn hosted_workers(&self) -> &HostedWorkers {
+        &self.hosted
+    }
+
     /// Resolves once every service has drained after the shutdown token
     /// fired — the gateways first, then what serves them — and returns the
     /// first failure, if any.
@@ -355,12 +387,18 @@ impl Cluster {
             keep_first_failure(&mut result, &name, task.await);
         }
         drop(self.backend);
-        for (name, task) in self.services {
+        for (name, task) in self.services.into_iter().chain(self.hosted.take_tasks()) {
             keep_first_failure(&mut result, &name, task.await);
         }
         tracing::info!("turbine stopped");
         result
     }
+}
+
+/// `address`, with an unspecified IP (listening on every interface) as
+/// the loopback one, to connect to.
+fn loopback(address: SocketAddr) -> SocketAddr {
+    SocketAddr::new(if address.ip().is_unspecified() { [127, 0, 0, 1].into() } else { address.ip() }, address.port())
 }
 
 /// Folds a service task's outcome into `result`, keeping the first failure.

@@ -31,12 +31,10 @@ pub struct PlannerConfig {
     #[command(flatten)]
     #[serde(flatten)]
     pub cluster: ClusterConfig,
-    /// Where the planner keeps its targets, decisions and actions:
-    /// postgres://user:password@host:port/database, or sqlite:path (a file,
-    /// created if missing) on one machine. The schema is migrated at start.
-    #[arg(long, env = "TURBINE_PLANNER_DATABASE")]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub database: Option<String>,
+    /// Where the planner keeps its state, what it sizes from.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub planning: PlanningConfig,
     /// The gateways' metrics pages (`http://gateway:8000/metrics`, comma
     /// separated or repeated): every interval the planner reads the
     /// requests, tokens and latencies of the interval from them, and the
@@ -45,11 +43,6 @@ pub struct PlannerConfig {
     #[arg(long, env = "TURBINE_PLANNER_GATEWAY_METRICS", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gateway_metrics: Vec<String>,
-    /// The profile of the pools' workers (`turbine profile --output`): the
-    /// planner sizes pools from it. Needed to observe and decide.
-    #[arg(long, env = "TURBINE_PLANNER_PROFILE")]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub profile: Option<std::path::PathBuf>,
     /// Who carries out the decisions' actions: `virtual` publishes them
     /// (WatchPlan) for an external system, which reports each outcome with
     /// CompleteAction; `local` starts and drains turbine-worker processes
@@ -84,11 +77,51 @@ pub struct PlannerConfig {
     /// before it is killed.
     #[arg(long, env = "TURBINE_PLANNER_LOCAL_DRAIN_TIMEOUT_SECS", default_value_t = 900)]
     pub local_drain_timeout_secs: u64,
+}
+
+/// What a planner keeps its state in and sizes from, wherever it runs
+/// (`turbine planner serve`, `turbine run --planner-port`).
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct PlanningConfig {
+    /// Where the planner keeps its targets, decisions and actions:
+    /// postgres://user:password@host:port/database, or sqlite:path (a file,
+    /// created if missing) on one machine. The schema is migrated at start.
+    #[arg(long, env = "TURBINE_PLANNER_DATABASE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database: Option<String>,
+    /// The profile of the pools' workers (`turbine profile --output`): the
+    /// planner sizes pools from it. Needed to observe and decide.
+    #[arg(long, env = "TURBINE_PLANNER_PROFILE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<std::path::PathBuf>,
     /// Intervals per season of the seasonal predictor (a daily cycle at
     /// 30-second intervals: 2880); it forecasts by the moving average until
     /// it has seen two seasons.
-    #[arg(long, env = "TURBINE_PLANNER_SEASON_INTERVALS", default_value_t = 2880)]
+    #[arg(long, env = "TURBINE_PLANNER_SEASON_INTERVALS", default_value_t = SEASON_INTERVALS)]
     pub season_intervals: usize,
+}
+
+/// Intervals per season by default: a day of 30-second intervals.
+pub const SEASON_INTERVALS: usize = 2880;
+
+impl Default for PlanningConfig {
+    fn default() -> Self {
+        Self { database: None, profile: None, season_intervals: SEASON_INTERVALS }
+    }
+}
+
+impl PlanningConfig {
+    /// Checks the settings (the database is optional here: where it is
+    /// required is the caller's to say).
+    pub fn validate(&self) -> Result<(), String> {
+        if !(2..=100_000).contains(&self.season_intervals) {
+            return Err(format!("season_intervals: {}, must be 2 to 100000", self.season_intervals));
+        }
+        match &self.database {
+            Some(url) => Backend::of(url).map(|_| ()).map_err(|error| format!("database: {error}")),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Default for PlannerConfig {
@@ -110,7 +143,7 @@ impl Settings for PlannerConfig {
         if !self.gateway_metrics.is_empty() && self.cluster.redis.is_none() {
             return Err("gateway_metrics: observing needs the worker registry too (--redis)".into());
         }
-        if !self.gateway_metrics.is_empty() && self.profile.is_none() {
+        if !self.gateway_metrics.is_empty() && self.planning.profile.is_none() {
             return Err("gateway_metrics: deciding needs the workers' profile too (--profile, written by turbine profile)".into());
         }
         if self.connector == ConnectorKind::Local && self.cluster.redis.is_none() {
@@ -121,12 +154,10 @@ impl Settings for PlannerConfig {
                 return Err(format!("{field}: {seconds}, must be 1 to 86400"));
             }
         }
-        if !(2..=100_000).contains(&self.season_intervals) {
-            return Err(format!("season_intervals: {}, must be 2 to 100000", self.season_intervals));
-        }
-        match &self.database {
+        self.planning.validate()?;
+        match &self.planning.database {
             None => Err("database: required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine".into()),
-            Some(url) => Backend::of(url).map(|_| ()).map_err(|error| format!("database: {error}")),
+            Some(_) => Ok(()),
         }
     }
 }

@@ -6,6 +6,9 @@
 //!   (`CompleteAction`).
 //! - `local`: the pools' workers are processes on this machine, started and
 //!   drained by the planner ([`crate::local`]).
+//! - `hosted`: the pools' workers run in the planner's own process
+//!   (`turbine run --planner-port`), which starts and drains them
+//!   ([`crate::hosted`]).
 //!
 //! Every action has an id derived from its decision and pool, kept in the
 //! ledger. A connector is handed an id again only after a restart (the
@@ -14,6 +17,7 @@
 //! failed, saying so, and are never carried out.
 
 use crate::decision::{Action, ActionState};
+use crate::hosted::HostedConnector;
 use crate::ledger::{Ledger, LedgerError};
 use crate::local::LocalConnector;
 use crate::targets::PoolKind;
@@ -29,6 +33,10 @@ pub enum ConnectorKind {
     Virtual,
     /// Start and drain `turbine-worker` processes on this machine.
     Local,
+    /// Start and drain workers inside this process (`turbine run`; not a
+    /// choice for `turbine planner serve`).
+    #[value(skip)]
+    Hosted,
 }
 
 /// A connector, ready to carry out actions.
@@ -39,6 +47,8 @@ pub enum Connector {
     Virtual,
     /// See [`ConnectorKind::Local`].
     Local(LocalConnector),
+    /// See [`ConnectorKind::Hosted`].
+    Hosted(HostedConnector),
 }
 
 /// How handing an action to a connector ended.
@@ -58,6 +68,7 @@ impl Connector {
         match self {
             Connector::Virtual => ConnectorKind::Virtual,
             Connector::Local(_) => ConnectorKind::Local,
+            Connector::Hosted(_) => ConnectorKind::Hosted,
         }
     }
 
@@ -65,7 +76,7 @@ impl Connector {
     pub fn awaits_reports(&self) -> bool {
         match self.kind() {
             ConnectorKind::Virtual => true,
-            ConnectorKind::Local => false,
+            ConnectorKind::Local | ConnectorKind::Hosted => false,
         }
     }
 
@@ -74,16 +85,19 @@ impl Connector {
         match self {
             Connector::Virtual => 0,
             Connector::Local(local) => local.draining_in(pool),
+            Connector::Hosted(hosted) => hosted.draining_in(pool),
         }
     }
 
     /// Workers of `pool` serving now, where the connector knows (the local
     /// connector counts its processes; a virtual connector's external
-    /// system keeps its own count).
-    pub async fn serving(&self, pool: &str) -> Option<u32> {
+    /// system keeps its own count); a pool's workers are those of its `kind`
+    /// for a hosted connector.
+    pub async fn serving(&self, pool: &str, kind: PoolKind) -> Option<u32> {
         match self {
             Connector::Virtual => None,
             Connector::Local(local) => Some(local.serving(pool).await),
+            Connector::Hosted(hosted) => Some(hosted.serving(kind)),
         }
     }
 
@@ -92,6 +106,7 @@ impl Connector {
         match self {
             Connector::Virtual => Outcome::Awaiting(format!("published: set {} to {} replicas, then report it with CompleteAction", action.pool, action.replicas)),
             Connector::Local(local) => local.execute(action, kind).await,
+            Connector::Hosted(hosted) => hosted.execute(action, kind).await,
         }
     }
 }

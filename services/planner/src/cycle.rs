@@ -166,7 +166,7 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
             .filter(|pool| pool.action.as_ref().is_none_or(|action| action.state != ActionState::Failed))
             .map(|pool| pool.desired_replicas);
         let decided = decided.unwrap_or(observed_replicas);
-        let counted = if pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool).await };
+        let counted = if pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool, limits.kind).await };
         current.insert(limits.pool.clone(), PoolSize { running: counted.unwrap_or(decided), decided });
         if let Some(at) = ledger.last_scaled(&limits.pool).await? {
             last_scaled.insert(limits.pool.clone(), at);

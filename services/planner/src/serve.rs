@@ -65,12 +65,12 @@ pub async fn serve(config: PlannerConfig, state: PlannerState, cycle: Option<(Ob
 /// Entry point shared by `turbine-planner` and `turbine planner serve`.
 pub fn main(config: PlannerConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-planner", move |shutdown| async move {
-        let url = config.database.clone().context("database: required")?;
+        let url = config.planning.database.clone().context("database: required")?;
         let ledger = Ledger::open(&url, &config.cluster.namespace).await.context("cannot open the planner's database")?;
-        let cycle = match (&config.cluster.redis, &config.profile) {
+        let cycle = match (&config.cluster.redis, &config.planning.profile) {
             (Some(url), Some(profile)) if !config.gateway_metrics.is_empty() => {
                 let registry = Registry::Redis(RedisRegistry::new(url, &config.cluster.namespace).context("the worker registry")?);
-                let sizing = Sizing { profile: Profile::read(profile)?, season_intervals: config.season_intervals };
+                let sizing = Sizing { profile: Profile::read(profile)?, season_intervals: config.planning.season_intervals };
                 Some((Observer::new(config.gateway_metrics.clone(), registry), sizing))
             }
             _ => None,
@@ -84,6 +84,7 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
                 let state_dir = settings.state_dir.display().to_string();
                 Connector::Local(LocalConnector::open(settings).with_context(|| format!("the local connector's state folder {state_dir}"))?)
             }
+            ConnectorKind::Hosted => anyhow::bail!("connector: hosted workers run inside turbine run (--planner-port)"),
         };
         serve(config, PlannerState::with_connector(ledger, connector), cycle, listeners, shutdown).await
     })

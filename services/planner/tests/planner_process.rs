@@ -151,7 +151,7 @@ async fn decisions_page_and_reach_watchers(database: &str) {
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
-    let config = turbine_planner::PlannerConfig { database: Some(database.to_owned()), ..Default::default() };
+    let config = turbine_planner::PlannerConfig { planning: turbine_planner::config::PlanningConfig { database: Some(database.to_owned()), ..Default::default() }, ..Default::default() };
     let serving = tokio::spawn(turbine_planner::serve(config, state.clone(), None, listeners, shutdown.clone()));
     tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
     let client = PlannerClient::connect(&endpoint).unwrap();

@@ -1,0 +1,127 @@
+//! The `hosted` connector: the pools' workers run inside the planner's own
+//! process, as `turbine run --planner-port` has them, and the process
+//! hosting them ([`WorkerHost`]) starts and drains them on the planner's
+//! word. A pool is the host's workers of the pool's role.
+//!
+//! - Scaling up starts workers one at a time and waits until each serves.
+//! - Scaling down drains the newest: each leaves the registry (routers stop
+//!   sending it work), finishes its streams and stops, in the background.
+//! - An action's id is carried out once; handed over again it answers what
+//!   it answered the first time. The workers live and die with the
+//!   process, so after a restart a pending action is carried out anew,
+//!   which sets the pool to the size it asks for (nothing, if it already
+//!   has it).
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Mutex as AsyncMutex;
+
+use crate::connector::Outcome;
+use crate::decision::Action;
+use crate::targets::PoolKind;
+
+/// A future a [`WorkerHost`] answers with.
+pub type HostFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where the hosted connector's workers run.
+pub trait WorkerHost: Send + Sync + std::fmt::Debug {
+    /// The serving workers of `kind`, oldest first.
+    fn workers(&self, kind: PoolKind) -> Vec<String>;
+    /// Starts a worker of `kind` and resolves once it serves, with its
+    /// name (or why it could not).
+    fn start(&self, kind: PoolKind) -> HostFuture<'_, Result<String, String>>;
+    /// Drains worker `name`: it leaves the registry, finishes its streams
+    /// and stops. Resolves once it has stopped.
+    fn drain(&self, name: &str) -> HostFuture<'_, Result<(), String>>;
+}
+
+/// The hosted connector. Cloning shares its state.
+#[derive(Debug, Clone)]
+pub struct HostedConnector {
+    host: Arc<dyn WorkerHost>,
+    /// What each action carried out answered.
+    done: Arc<AsyncMutex<HashMap<String, Outcome>>>,
+    /// Workers draining, per pool.
+    draining: Arc<Mutex<BTreeMap<String, u32>>>,
+}
+
+impl HostedConnector {
+    /// The connector over `host`.
+    pub fn new(host: Arc<dyn WorkerHost>) -> Self {
+        Self { host, done: Arc::default(), draining: Arc::default() }
+    }
+
+    /// Workers of `pool` draining now.
+    pub fn draining_in(&self, pool: &str) -> u32 {
+        self.draining.lock().expect("draining counts").get(pool).copied().unwrap_or(0)
+    }
+
+    /// Workers of `kind` serving now.
+    pub fn serving(&self, kind: PoolKind) -> u32 {
+        self.host.workers(kind).len() as u32
+    }
+
+    fn count_draining(&self, pool: &str, change: i64) {
+        let mut draining = self.draining.lock().expect("draining counts");
+        let count = draining.entry(pool.to_owned()).or_default();
+        *count = (i64::from(*count) + change).max(0) as u32;
+        crate::metrics::set_draining(pool, *count);
+    }
+
+    /// Sets `action.pool` (of `kind`) to `action.replicas` workers.
+    pub async fn execute(&self, action: &Action, kind: PoolKind) -> Outcome {
+        // One action at a time: two would count the same workers.
+        let mut done = self.done.lock().await;
+        if let Some(outcome) = done.get(&action.id) {
+            return outcome.clone();
+        }
+        let workers = self.host.workers(kind);
+        let (serving, wanted) = (workers.len(), action.replicas as usize);
+        let outcome = if wanted > serving {
+            let mut started = Vec::new();
+            let mut failure = None;
+            for _ in serving..wanted {
+                match self.host.start(kind).await {
+                    Ok(name) => started.push(name),
+                    Err(problem) => {
+                        failure = Some(problem);
+                        break;
+                    }
+                }
+            }
+            match failure {
+                None => Outcome::Done(format!("started {}: {} now serves {wanted}", started.join(", "), action.pool)),
+                Some(problem) if started.is_empty() => Outcome::Failed(problem),
+                Some(problem) => Outcome::Failed(format!("started {} of {}, then {problem}", started.join(", "), wanted - serving)),
+            }
+        } else if wanted < serving {
+            let leaving = &workers[wanted..];
+            for name in leaving {
+                self.drain(&action.pool, name.clone());
+            }
+            Outcome::Done(format!("draining {}: {} serves {wanted} once they finish their streams", leaving.join(", "), action.pool))
+        } else {
+            Outcome::Done(format!("{} already serves {wanted}", action.pool))
+        };
+        done.insert(action.id.clone(), outcome.clone());
+        outcome
+    }
+
+    /// Drains `name` of `pool` in the background, counted as draining
+    /// until it has stopped.
+    fn drain(&self, pool: &str, name: String) {
+        self.count_draining(pool, 1);
+        tracing::info!(worker = name, pool, "draining a worker");
+        let (connector, pool) = (self.clone(), pool.to_owned());
+        tokio::spawn(async move {
+            match connector.host.drain(&name).await {
+                Ok(()) => tracing::info!(worker = name, "worker drained"),
+                Err(problem) => tracing::warn!(worker = name, problem, "a worker did not drain cleanly"),
+            }
+            connector.count_draining(&pool, -1);
+        });
+    }
+}
