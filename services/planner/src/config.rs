@@ -46,10 +46,22 @@ pub struct PlannerConfig {
     /// Who carries out the decisions' actions: `virtual` publishes them
     /// (WatchPlan) for an external system, which reports each outcome with
     /// CompleteAction; `local` starts and drains turbine-worker processes
-    /// on this machine (needs --redis: the workers join its registry).
+    /// on this machine (needs --redis: the workers join its registry);
+    /// `kubernetes` sets the replicas of each pool's Deployment (builds
+    /// with the kubernetes feature).
     #[arg(long, env = "TURBINE_PLANNER_CONNECTOR", value_enum, default_value_t)]
     #[serde(default)]
     pub connector: ConnectorKind,
+    /// The kubernetes connector's namespace; by default the planner's own
+    /// (its service account's in a pod, else the kubeconfig context's).
+    #[arg(long, env = "TURBINE_PLANNER_KUBERNETES_NAMESPACE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes_namespace: Option<String>,
+    /// Each pool's Deployment as pool=deployment (comma separated or
+    /// repeated); a pool not listed is the Deployment turbine-worker-<pool>.
+    #[arg(long, env = "TURBINE_PLANNER_KUBERNETES_DEPLOYMENTS", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kubernetes_deployments: Vec<String>,
     /// The local connector's worker executable; by default turbine-worker
     /// beside the planner's own (or `turbine worker` when the planner runs
     /// as `turbine planner serve`), else on PATH.
@@ -149,6 +161,13 @@ impl Settings for PlannerConfig {
         if self.connector == ConnectorKind::Local && self.cluster.redis.is_none() {
             return Err("connector: local workers join the registry; give it (--redis)".into());
         }
+        if self.connector == ConnectorKind::Kubernetes && !cfg!(feature = "kubernetes") {
+            return Err("connector: this build has no kubernetes connector (build turbine with --features kubernetes)".into());
+        }
+        if self.connector == ConnectorKind::Hosted {
+            return Err("connector: hosted workers run inside turbine run (--planner-port)".into());
+        }
+        crate::kubernetes::parse_mapping(&self.kubernetes_deployments).map_err(|problem| format!("kubernetes_deployments: {problem}"))?;
         for (field, seconds) in [("local_ready_timeout_secs", self.local_ready_timeout_secs), ("local_drain_timeout_secs", self.local_drain_timeout_secs)] {
             if !(1..=86_400).contains(&seconds) {
                 return Err(format!("{field}: {seconds}, must be 1 to 86400"));

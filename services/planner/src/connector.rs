@@ -6,6 +6,8 @@
 //!   (`CompleteAction`).
 //! - `local`: the pools' workers are processes on this machine, started and
 //!   drained by the planner ([`crate::local`]).
+//! - `kubernetes`: each pool is a Deployment whose replicas the planner
+//!   sets through its scale subresource ([`crate::kubernetes`]).
 //! - `hosted`: the pools' workers run in the planner's own process
 //!   (`turbine run --planner-port`), which starts and drains them
 //!   ([`crate::hosted`]).
@@ -18,6 +20,8 @@
 
 use crate::decision::{Action, ActionState};
 use crate::hosted::HostedConnector;
+#[cfg(feature = "kubernetes")]
+use crate::kubernetes::KubernetesConnector;
 use crate::ledger::{Ledger, LedgerError};
 use crate::local::LocalConnector;
 use crate::targets::PoolKind;
@@ -33,6 +37,9 @@ pub enum ConnectorKind {
     Virtual,
     /// Start and drain `turbine-worker` processes on this machine.
     Local,
+    /// Set the replicas of each pool's Deployment (its scale subresource);
+    /// builds with the `kubernetes` feature.
+    Kubernetes,
     /// Start and drain workers inside this process (`turbine run`; not a
     /// choice for `turbine planner serve`).
     #[value(skip)]
@@ -49,6 +56,9 @@ pub enum Connector {
     Local(LocalConnector),
     /// See [`ConnectorKind::Hosted`].
     Hosted(HostedConnector),
+    /// See [`ConnectorKind::Kubernetes`].
+    #[cfg(feature = "kubernetes")]
+    Kubernetes(KubernetesConnector),
 }
 
 /// How handing an action to a connector ended.
@@ -69,6 +79,8 @@ impl Connector {
             Connector::Virtual => ConnectorKind::Virtual,
             Connector::Local(_) => ConnectorKind::Local,
             Connector::Hosted(_) => ConnectorKind::Hosted,
+            #[cfg(feature = "kubernetes")]
+            Connector::Kubernetes(_) => ConnectorKind::Kubernetes,
         }
     }
 
@@ -76,7 +88,7 @@ impl Connector {
     pub fn awaits_reports(&self) -> bool {
         match self.kind() {
             ConnectorKind::Virtual => true,
-            ConnectorKind::Local | ConnectorKind::Hosted => false,
+            ConnectorKind::Local | ConnectorKind::Hosted | ConnectorKind::Kubernetes => false,
         }
     }
 
@@ -86,6 +98,9 @@ impl Connector {
             Connector::Virtual => 0,
             Connector::Local(local) => local.draining_in(pool),
             Connector::Hosted(hosted) => hosted.draining_in(pool),
+            // Kubernetes drains the pods it terminates; their count is its own.
+            #[cfg(feature = "kubernetes")]
+            Connector::Kubernetes(_) => 0,
         }
     }
 
@@ -98,6 +113,8 @@ impl Connector {
             Connector::Virtual => None,
             Connector::Local(local) => Some(local.serving(pool).await),
             Connector::Hosted(hosted) => Some(hosted.serving(kind)),
+            #[cfg(feature = "kubernetes")]
+            Connector::Kubernetes(kubernetes) => kubernetes.serving(pool).await,
         }
     }
 
@@ -107,6 +124,8 @@ impl Connector {
             Connector::Virtual => Outcome::Awaiting(format!("published: set {} to {} replicas, then report it with CompleteAction", action.pool, action.replicas)),
             Connector::Local(local) => local.execute(action, kind).await,
             Connector::Hosted(hosted) => hosted.execute(action, kind).await,
+            #[cfg(feature = "kubernetes")]
+            Connector::Kubernetes(kubernetes) => kubernetes.execute(action).await,
         }
     }
 }

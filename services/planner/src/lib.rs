@@ -19,8 +19,8 @@
 //!   cool-down, budget);
 //! - [`cycle`]: once per interval, observe, forecast, propose, constrain,
 //!   record the decision and hand its actions to the [`connector`]
-//!   (`virtual`, [`local`] worker processes, or workers [`hosted`] in
-//!   this process);
+//!   (`virtual`, [`local`] worker processes, [`kubernetes`] Deployments,
+//!   or workers [`hosted`] in this process);
 //! - [`metrics`]: replicas asked for, observed and draining, SLA outcome
 //!   per interval, actions by outcome;
 //! - [`audit`]: `turbine planner history`, decisions in words;
@@ -40,6 +40,7 @@ pub mod constrain;
 pub mod cycle;
 pub mod decision;
 pub mod hosted;
+pub mod kubernetes;
 pub mod ledger;
 pub mod local;
 pub mod metrics;

@@ -85,7 +85,23 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
                 Connector::Local(LocalConnector::open(settings).with_context(|| format!("the local connector's state folder {state_dir}"))?)
             }
             ConnectorKind::Hosted => anyhow::bail!("connector: hosted workers run inside turbine run (--planner-port)"),
+            ConnectorKind::Kubernetes => kubernetes(&config).await?,
         };
         serve(config, PlannerState::with_connector(ledger, connector), cycle, listeners, shutdown).await
     })
+}
+
+/// The kubernetes connector `config` asks for.
+#[cfg(feature = "kubernetes")]
+async fn kubernetes(config: &PlannerConfig) -> anyhow::Result<Connector> {
+    let names = crate::kubernetes::parse_mapping(&config.kubernetes_deployments).map_err(anyhow::Error::msg)?;
+    let connector = crate::kubernetes::KubernetesConnector::connect(config.kubernetes_namespace.as_deref(), names)
+        .await
+        .context("cannot configure the Kubernetes client (in a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config)")?;
+    Ok(Connector::Kubernetes(connector))
+}
+
+#[cfg(not(feature = "kubernetes"))]
+async fn kubernetes(_: &PlannerConfig) -> anyhow::Result<Connector> {
+    anyhow::bail!("connector: this build has no kubernetes connector (build turbine with --features kubernetes)")
 }

@@ -291,4 +291,12 @@ fn a_planner_without_a_database_says_what_it_needs() {
     let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "sqlite::memory:", "--connector", "local"]).env_remove("TURBINE_REDIS_URL").output().unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--redis"), "local workers need the registry");
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner"))
+        .args(["--database", "sqlite::memory:", "--connector", "kubernetes", "--kubernetes-deployments", "decode=Decode_Pool"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let text = String::from_utf8_lossy(&output.stderr);
+    let expected = if cfg!(feature = "kubernetes") { "kubernetes_deployments" } else { "no kubernetes connector" };
+    assert!(text.contains(expected), "{text}");
 }
