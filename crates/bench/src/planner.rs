@@ -135,6 +135,13 @@ pub struct PlannerBenchArgs {
     /// The planner's database [default: SQLite in a temporary folder].
     #[arg(long)]
     pub database: Option<String>,
+    /// Kill the planner (SIGKILL) this many seconds into its replay and
+    /// start it again on the same database and worker folder (comma
+    /// separated for several). The planner then runs as a process of its
+    /// own (`turbine planner serve --connector local`) instead of inside
+    /// the bench.
+    #[arg(long, value_delimiter = ',')]
+    pub kill_planner_at: Vec<f64>,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -220,6 +227,22 @@ pub struct PlannerBenchReport {
     /// Prompts of the trace longer than the model's context (with their
     /// output), cut to fit.
     pub prompts_cut: usize,
+    /// When the planner was killed and started again, seconds into its
+    /// replay.
+    pub planner_restarts_at_secs: Vec<f64>,
+    /// The planner's actions by how they ended (done, failed, pending).
+    pub planner_actions: ActionCounts,
+}
+
+/// The planner's actions by how they ended.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ActionCounts {
+    /// Carried out.
+    pub done: usize,
+    /// Not carried out (superseded, or the connector could not).
+    pub failed: usize,
+    /// Still pending when the replay ended.
+    pub pending: usize,
 }
 
 /// One request of the compressed trace.
@@ -305,7 +328,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     anyhow::ensure!(engine_speedup > 0.0, "--engine-speedup: must be positive");
     let mut worker_args = vec!["--engine".to_owned(), "mock".to_owned(), "--speedup".to_owned(), engine_speedup.to_string()];
     worker_args.extend(args.worker_args.split_whitespace().map(str::to_owned));
-    let connector = LocalConnector::open(LocalSettings {
+    let settings = LocalSettings {
         worker_binary,
         worker_subcommand,
         worker_args,
@@ -314,10 +337,11 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         namespace: namespace.clone(),
         ready_timeout: Duration::from_secs(300),
         drain_timeout: Duration::from_secs(300),
-    })?;
+    };
+    let mut connector = LocalConnector::open(settings.clone())?;
     let registry = Registry::Redis(RedisRegistry::new(&args.redis, &namespace)?);
     let mut next_action = 0u64;
-    let mut resize = async |sizes: &[u32]| -> anyhow::Result<()> {
+    let mut resize = async |connector: &LocalConnector, sizes: &[u32]| -> anyhow::Result<()> {
         next_action += 1;
         for (limits, &replicas) in pools.iter().zip(sizes) {
             let id = format!("bench/{next_action}/{}", limits.pool);
@@ -330,12 +354,11 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         Ok(())
     };
     let none = vec![0; pools.len()];
-    let names: Vec<String> = pools.iter().map(|limits| limits.pool.clone()).collect();
     let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build()?;
     let completions = format!("{gateway_url}/v1/completions");
 
     // 1. The static fleet.
-    resize(&static_workers).await?;
+    resize(&connector, &static_workers).await?;
     until_serving(&registry, static_workers.iter().sum(), &http, &gateway_url).await?;
     let (model, context) = model_name(&http, &gateway_url).await?;
     // The trace has prompts longer than the model takes: cut to fit (the
@@ -344,9 +367,9 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     if prompts_cut > 0 {
         println!("{prompts_cut} prompts cut to fit the model's context of {context} tokens with their output");
     }
-    let measured = replay(&http, &completions, &model, &requests, &connector, &names).await;
+    let measured = replay(&http, &completions, &model, &requests, &connector).await;
     let static_report = fleet_report("static", &targets, measured);
-    resize(&none).await?;
+    resize(&connector, &none).await?;
     until_drained(&connector, &registry).await?;
 
     // 2. The planner's fleet.
@@ -354,21 +377,56 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     let database = args.database.clone().unwrap_or_else(|| format!("sqlite:{}", database_dir.path().join("planner.sqlite").display()));
     let ledger = Ledger::open(&database, &namespace).await?;
     ledger.set_targets(&targets, 0).await?;
-    resize(&planner_start).await?;
+    resize(&connector, &planner_start).await?;
     until_serving(&registry, planner_start.iter().sum(), &http, &gateway_url).await?;
-    let planner = PlannerState::with_connector(ledger, Connector::Local(connector.clone()));
-    let cycle_stop = CancellationToken::new();
-    let cycle = tokio::spawn(turbine_planner::cycle::run(
-        planner,
-        Observer::new(vec![format!("{gateway_url}/metrics")], registry.clone()),
-        Sizing { profile, season_intervals: 20 },
-        cycle_stop.clone(),
-    ));
-    let measured = replay(&http, &completions, &model, &requests, &connector, &names).await;
-    cycle_stop.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(60), cycle).await;
+    let metrics = format!("{gateway_url}/metrics");
+    let mut restarts = Vec::new();
+    let measured = if args.kill_planner_at.is_empty() {
+        let planner = PlannerState::with_connector(ledger.clone(), Connector::Local(connector.clone()));
+        let cycle_stop = CancellationToken::new();
+        let cycle = tokio::spawn(turbine_planner::cycle::run(
+            planner,
+            Observer::new(vec![metrics], registry.clone()),
+            Sizing { profile, season_intervals: SEASON_INTERVALS },
+            cycle_stop.clone(),
+        ));
+        let measured = replay(&http, &completions, &model, &requests, &connector).await;
+        cycle_stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(60), cycle).await;
+        measured
+    } else {
+        // The planner in a process of its own, adopting the workers above.
+        let command = PlannerCommand::new(args, &settings, &database, &metrics, state_dir.path())?;
+        let mut planner = command.start().await?;
+        let kills = {
+            let mut kills = args.kill_planner_at.clone();
+            kills.sort_by(f64::total_cmp);
+            kills
+        };
+        let started = Instant::now();
+        let killer = tokio::spawn(async move {
+            let mut restarts = Vec::new();
+            for at in kills {
+                tokio::time::sleep_until((started + Duration::from_secs_f64(at.max(0.0))).into()).await;
+                planner.kill().await;
+                restarts.push(started.elapsed().as_secs_f64());
+                eprintln!("  planner killed (SIGKILL) at {:.1} s; starting it again", started.elapsed().as_secs_f64());
+                planner = command.start().await?;
+            }
+            anyhow::Ok((planner, restarts))
+        });
+        let measured = replay(&http, &completions, &model, &requests, &connector).await;
+        let (mut planner, killed_at) = killer.await??;
+        restarts = killed_at;
+        planner.kill().await;
+        // This connector only knows the workers it started: take over the
+        // planner's as a restarted planner would.
+        connector = LocalConnector::open(settings.clone())?;
+        measured
+    };
     let planner_report = fleet_report("planner", &targets, measured);
-    resize(&none).await?;
+    let planner_actions = action_counts(&ledger).await?;
+    resize(&connector, &none).await?;
     until_drained(&connector, &registry).await?;
 
     shutdown.cancel();
@@ -389,7 +447,110 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         planner_start_workers: planner_start,
         worker_seconds_ratio: ratio,
         prompts_cut,
+        planner_restarts_at_secs: restarts,
+        planner_actions,
     })
+}
+
+/// Intervals per season of the planner's seasonal predictor here.
+const SEASON_INTERVALS: usize = 20;
+
+/// The planner's actions by how they ended, from its database.
+async fn action_counts(ledger: &Ledger) -> anyhow::Result<ActionCounts> {
+    let mut counts = ActionCounts::default();
+    let mut before = None;
+    loop {
+        let page = ledger.history(before, 500).await?;
+        let Some(last) = page.last() else { break };
+        before = Some(last.id);
+        for action in page.iter().flat_map(|decision| &decision.pools).filter_map(|pool| pool.action.as_ref()) {
+            match action.state {
+                ActionState::Done => counts.done += 1,
+                ActionState::Failed => counts.failed += 1,
+                _ => counts.pending += 1,
+            }
+        }
+    }
+    Ok(counts)
+}
+
+/// `turbine planner serve` for this bench: the same database, targets,
+/// registry, gateway, profile and worker folder as the planner inside it.
+struct PlannerCommand {
+    program: PathBuf,
+    args: Vec<String>,
+    addresses: PathBuf,
+    log: PathBuf,
+}
+
+/// A planner process.
+struct PlannerProcess {
+    child: tokio::process::Child,
+}
+
+impl PlannerCommand {
+    fn new(args: &PlannerBenchArgs, settings: &LocalSettings, database: &str, metrics: &str, folder: &std::path::Path) -> anyhow::Result<Self> {
+        let mut planner_args: Vec<String> = ["planner", "serve", "--connector", "local", "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"].map(str::to_owned).to_vec();
+        let addresses = folder.join("planner.addresses.json");
+        for (flag, value) in [
+            ("--database", database.to_owned()),
+            ("--namespace", settings.namespace.clone()),
+            ("--redis", settings.redis.clone()),
+            ("--gateway-metrics", metrics.to_owned()),
+            ("--profile", args.profile.display().to_string()),
+            ("--season-intervals", SEASON_INTERVALS.to_string()),
+            ("--local-state-dir", settings.state_dir.display().to_string()),
+            ("--local-ready-timeout-secs", settings.ready_timeout.as_secs().to_string()),
+            ("--local-drain-timeout-secs", settings.drain_timeout.as_secs().to_string()),
+            ("--addresses-file", addresses.display().to_string()),
+        ] {
+            planner_args.push(flag.to_owned());
+            planner_args.push(value);
+        }
+        planner_args.push(format!("--local-worker-args={}", settings.worker_args.join(" ")));
+        // Without one, `turbine planner serve` starts `turbine worker`, as
+        // the bench does.
+        if settings.worker_subcommand.is_none() {
+            planner_args.extend(["--local-worker-binary".to_owned(), settings.worker_binary.display().to_string()]);
+        }
+        Ok(Self { program: std::env::current_exe()?, args: planner_args, addresses, log: folder.join("planner.log") })
+    }
+
+    /// Starts the planner and waits until it serves (60 s at most).
+    async fn start(&self) -> anyhow::Result<PlannerProcess> {
+        let _ = std::fs::remove_file(&self.addresses);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let child = tokio::process::Command::new(&self.program)
+            .args(&self.args)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()?;
+        let mut process = PlannerProcess { child };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let addresses = loop {
+            if let Some(status) = process.child.try_wait()? {
+                anyhow::bail!("the planner exited ({status}) before listening; its log: {}", self.log.display());
+            }
+            if let Some(addresses) = std::fs::read(&self.addresses).ok().and_then(|bytes| serde_json::from_slice::<turbine_runtime::host::BoundAddrs>(&bytes).ok()) {
+                break addresses;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "the planner did not listen within 60 s; its log: {}", self.log.display());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let endpoint = addresses.grpc_endpoint();
+        let serving = turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::PLANNER);
+        tokio::time::timeout_at(deadline.into(), serving).await.map_err(|_| anyhow::anyhow!("the planner did not serve within 60 s; its log: {}", self.log.display()))?;
+        Ok(process)
+    }
+}
+
+impl PlannerProcess {
+    /// SIGKILL, and wait for the exit.
+    async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
 }
 
 /// The profile's proposals (uncorrected) per pool for the trace's first
@@ -491,18 +652,16 @@ async fn until_drained(connector: &LocalConnector, registry: &Registry) -> anyho
 
 /// Sends `requests` at their arrival times; each request's measurement,
 /// and the fleet's size sampled over the replay.
-async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector, pools: &[String]) -> (Vec<Measured>, Vec<(Duration, u32)>, Duration) {
+async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector) -> (Vec<Measured>, Vec<(Duration, u32)>, Duration) {
     let started = Instant::now();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let sampling = CancellationToken::new();
     let sampler = tokio::spawn({
-        let (samples, sampling, connector, pools) = (samples.clone(), sampling.clone(), connector.clone(), pools.to_vec());
+        let (samples, sampling, connector) = (samples.clone(), sampling.clone(), connector.clone());
         async move {
             while !sampling.is_cancelled() {
-                let mut workers = connector.draining();
-                for pool in &pools {
-                    workers += connector.serving(pool).await;
-                }
+                // Every worker process of the fleet, whoever started it.
+                let workers = connector.running();
                 samples.lock().expect("samples").push((started.elapsed(), workers));
                 tokio::time::sleep(SAMPLE).await;
             }
@@ -612,4 +771,10 @@ pub fn print(report: &PlannerBenchReport) {
         );
     }
     println!("planner worker-seconds / static: {:.2}", report.worker_seconds_ratio);
+    let actions = &report.planner_actions;
+    println!("planner actions: {} done, {} failed, {} pending", actions.done, actions.failed, actions.pending);
+    if !report.planner_restarts_at_secs.is_empty() {
+        let at: Vec<String> = report.planner_restarts_at_secs.iter().map(|secs| format!("{secs:.1} s")).collect();
+        println!("planner killed (SIGKILL) and started again at {}", at.join(", "));
+    }
 }

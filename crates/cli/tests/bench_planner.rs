@@ -4,7 +4,7 @@
 //! the static fleet holds its size, the planner grows its fleet from the
 //! minimum as the load comes, and the report and the plot carry each
 //! interval; the same with prefill and decode workers in pools of their
-//! own.
+//! own; and with the planner SIGKILLed mid-replay and started again.
 
 use std::path::Path;
 use std::process::Command;
@@ -82,4 +82,20 @@ fn prefill_and_decode_pools_are_sized_apart_and_no_request_is_lost() {
     assert_eq!((&report["pools"], &report["static_workers"], &report["planner_start_workers"]), (&json!(["prefill", "decode"]), &json!([3, 1]), &json!([1, 1])));
     assert_eq!(fleets[0]["peak_workers"].as_u64(), Some(4), "{}", fleets[0]);
     assert!(fleets[1]["peak_workers"].as_u64().unwrap() > 2, "the planner scaled up: {}", fleets[1]);
+}
+
+#[test]
+fn a_planner_killed_mid_replay_resumes_from_its_database_and_no_request_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    // The planner as its own process, SIGKILLed three seconds into its
+    // replay (while it grows the fleet from one worker) and started again
+    // on the same database and worker folder.
+    let report = bench(dir.path(), "400", &["--planner-start", "1", "--kill-planner-at", "3"]);
+    every_request_served(&report, 400);
+    let restarts = report["planner_restarts_at_secs"].as_array().unwrap();
+    assert_eq!(restarts.len(), 1, "{report}");
+    let planner = &report["fleets"][1];
+    assert!(planner["peak_workers"].as_u64().unwrap() > 1, "the planner scaled up: {planner}");
+    assert!(planner["peak_workers"].as_u64().unwrap() <= 3, "never beyond --max-workers, whoever started the workers: {planner}");
+    assert!(report["planner_actions"]["done"].as_u64().unwrap() >= 1, "{}", report["planner_actions"]);
 }

@@ -139,6 +139,20 @@ impl LocalConnector {
         fleet.serving.get(pool).map_or(0, |workers| workers.len() as u32)
     }
 
+    /// Workers with a record in the state folder whose process runs,
+    /// serving or draining, whichever process started them (this
+    /// connector, a planner started earlier on the folder, or one running
+    /// beside): what the fleet costs now.
+    pub fn running(&self) -> u32 {
+        let Ok(entries) = std::fs::read_dir(&self.settings.state_dir) else { return 0 };
+        entries
+            .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+            .filter(|path| path.extension().is_some_and(|extension| extension == "worker"))
+            .filter_map(|path| serde_json::from_slice::<Record>(&std::fs::read(path).ok()?).ok())
+            .filter(|record| runs(record.pid, &record.name))
+            .count() as u32
+    }
+
     /// Workers draining now, over all pools.
     pub fn draining(&self) -> u32 {
         self.draining.lock().expect("draining counts").values().sum()

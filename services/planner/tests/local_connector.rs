@@ -80,6 +80,8 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     // Handed over again (as after a restart): the same answer, nothing started.
     assert_eq!(connector.execute(&action(1, 2), PoolKind::Decode).await, up);
     assert_eq!(connector.serving("decode").await, 2);
+    // Their processes count for any connector on the folder.
+    assert_eq!((connector.running(), LocalConnector::open(settings.clone()).unwrap().running()), (2, 2));
 
     // A stream in flight on the newest worker finishes through its drain.
     let newest = workers[1].2.clone();
@@ -96,6 +98,7 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     let down = connector.execute(&action(2, 1), PoolKind::Decode).await;
     assert!(done(&down).contains("draining local-test-decode-1"), "{down:?}");
     assert_eq!(connector.serving("decode").await, 1);
+    assert_eq!(connector.running(), 2, "a draining worker still runs");
     wait_until("the draining worker leaves the registry", Duration::from_secs(30), async || registered(&registry).await.len() == 1).await;
     let finish = loop {
         let message = tokio::time::timeout(Duration::from_secs(30), stream.message()).await.expect("tokens keep coming").expect("the stream is not cut").expect("a finish reason before the end");
@@ -106,6 +109,7 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     };
     assert_eq!((tokens, finish), (150, pb::FinishReason::Length));
     wait_until("the drained worker exits", Duration::from_secs(60), async || connector.draining() == 0).await;
+    assert_eq!(connector.running(), 1);
 
     // A restarted planner adopts the worker still running, and numbers the
     // next one after every name used.
