@@ -203,6 +203,8 @@ mod tests {
             planner_start_workers: vec![1],
             worker_seconds_ratio: 0.5,
             prompts_cut: 0,
+            planner_restarts_at_secs: Vec::new(),
+            planner_actions: Default::default(),
         };
         let plot = svg(&report);
         assert!(plot.starts_with("<svg ") && plot.trim_end().ends_with("</svg>"));
