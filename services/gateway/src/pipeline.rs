@@ -235,8 +235,13 @@ impl Pipeline {
 
 impl Pipeline {
     /// Prefill on `prefill`, then decode on `decode` from the handle; the
-    /// returned stream starts with the prefill's first token. A prefill
-    /// that fails leaves the decode worker to compute the prompt itself.
+    /// returned stream starts with the prefill's first token, handed out
+    /// as soon as the prefill answers: the decode worker is asked only
+    /// after it (its hand-off and its admission are no part of the time
+    /// to first token). A decode worker that then refuses or fails is a
+    /// failure mid-stream, and the request continues on another worker.
+    /// A prefill that fails leaves the decode worker to compute the prompt
+    /// itself.
     async fn disaggregated(
         &self,
         decode: &WorkerClient,
@@ -267,18 +272,26 @@ impl Pipeline {
             handle: guard.as_ref().map(|guard| guard.handle.clone()),
             generated_token_ids: first.tokens.clone(),
         };
-        let rest = decode
-            .generate_after_prefill(request.clone(), remote)
-            .await?;
-        // The decode worker releases the handle once it has read the blocks.
-        if let Some(guard) = guard {
-            guard.disarm();
-        }
-        metrics::disaggregated("remote");
         // Cached prompt tokens: the prefill's hits plus the decode worker's
         // own (it does not count the blocks it read).
         let prefill_cached = prefilled.cached_prompt_tokens;
-        let rest = rest.map(move |chunk| {
+        let (decode, request) = (decode.clone(), request.clone());
+        // Asked once the first token is out (polled after it).
+        let rest = futures::stream::once(async move {
+            match decode.generate_after_prefill(request, remote).await {
+                Ok(rest) => {
+                    // The decode worker releases the handle once it has read the blocks.
+                    if let Some(guard) = guard {
+                        guard.disarm();
+                    }
+                    metrics::disaggregated("remote");
+                    rest
+                }
+                Err(error) => Box::pin(futures::stream::once(async move { Err(error) })),
+            }
+        })
+        .flatten()
+        .map(move |chunk| {
             chunk.map(|mut chunk| {
                 if let Some((_, usage)) = &mut chunk.finished {
                     usage.cached_prompt_tokens = (usage.cached_prompt_tokens + prefill_cached).min(usage.prompt_tokens);
@@ -422,7 +435,9 @@ impl TextStream {
             let tokens = self.tokens.as_mut()?;
             let chunk = match tokens.next().await {
                 Some(Ok(chunk)) => chunk,
-                Some(Err(WorkerError::Unavailable(cause) | WorkerError::Internal(cause))) => {
+                // A worker gone, failing, or (a decode worker asked after
+                // the prefill's first token) full: continue on another.
+                Some(Err(WorkerError::Unavailable(cause) | WorkerError::Internal(cause) | WorkerError::Overloaded(cause))) => {
                     if let Err(error) = self.migrate(&cause).await {
                         return Some(Err(error));
                     }
