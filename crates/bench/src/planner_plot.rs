@@ -2,7 +2,8 @@
 //! over the run's time, one interval per step: the load (requests per
 //! second), workers per fleet, and TTFT and ITL at the targets' percentile
 //! per fleet against their targets, with a strip per fleet showing each
-//! interval met (green), missed (red) or idle (grey). Plain SVG, no
+//! interval met (green), missed (red) or idle (grey), and a dotted line
+//! where the planner was killed and started again. Plain SVG, no
 //! scripts or external references: it opens in any browser.
 
 use std::fmt::Write as _;
@@ -69,6 +70,12 @@ pub fn svg(report: &PlannerBenchReport) -> String {
     for (index, fleet) in report.fleets.iter().enumerate() {
         let top = strips_top + index as f64 * (STRIP + 6.0);
         strip(&mut out, top, fleet, interval, &x);
+    }
+    // Where the planner was killed and started again: a dotted line down
+    // every panel, labelled once.
+    for &at in &report.planner_restarts_at_secs {
+        let _ = writeln!(out, r##"<line x1="{0:.1}" x2="{0:.1}" y1="{TOP:.1}" y2="{1:.1}" stroke="#d62728" stroke-dasharray="2 3"/>"##, x(at), strips_top - GAP + 6.0);
+        let _ = writeln!(out, r##"<text x="{:.1}" y="{:.1}" fill="#d62728">planner killed</text>"##, x(at) + 3.0, TOP + 10.0);
     }
     // The time axis under the strips.
     let axis = strips_top + report.fleets.len() as f64 * (STRIP + 6.0) + 14.0;
@@ -203,16 +210,17 @@ mod tests {
             planner_start_workers: vec![1],
             worker_seconds_ratio: 0.5,
             prompts_cut: 0,
-            planner_restarts_at_secs: Vec::new(),
+            planner_restarts_at_secs: vec![7.5],
             planner_actions: Default::default(),
         };
         let plot = svg(&report);
+        assert_eq!(plot.matches("planner killed").count(), 1, "the restart is marked");
         assert!(plot.starts_with("<svg ") && plot.trim_end().ends_with("</svg>"));
         assert!(plot.contains("a &lt;trace&gt; &amp; more") && !plot.contains("<trace>"), "text is escaped");
         // Load and workers unbroken (1 + 2 lines); TTFT and ITL broken by the idle interval (2 × 2 × 2).
         assert_eq!(plot.matches("<polyline").count(), 1 + 2 + 8);
         // The targets, dashed, with their values.
-        assert_eq!(plot.matches("stroke-dasharray").count(), 2);
+        assert_eq!(plot.matches("stroke-dasharray=\"6 4\"").count(), 2);
         assert!(plot.contains("target 300") && plot.contains("target 20"));
         // A strip per fleet: its first interval missed (red) for the planner only, the idle one grey.
         assert_eq!(plot.matches(r##"fill="#d62728"/>"##).count(), 1);
