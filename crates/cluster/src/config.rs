@@ -46,11 +46,12 @@ pub struct RunConfig {
     /// store). Needs the host tier (on by default here).
     #[arg(long, env = "TURBINE_KV_STORE_PORT")]
     pub kv_store_port: Option<u16>,
-    /// Also run a planner on this port (turbine.planner.v1; 0: a free one):
-    /// it sizes the workers to the targets an operator sets with SetTargets
+    /// Also run a planner, on PORT (turbine.planner.v1; 50054, the
+    /// planner's own default, when none is given; 0: a free one): it sizes
+    /// the workers to the targets an operator sets with SetTargets
     /// (grpcurl), starting and draining workers in this process, and keeps
     /// its state in --planner-database. Needs --planner-profile.
-    #[arg(long, env = "TURBINE_PLANNER_PORT")]
+    #[arg(long = "planner", value_name = "PORT", env = "TURBINE_PLANNER_PORT", num_args = 0..=1, default_missing_value = "50054")]
     pub planner_port: Option<u16>,
     /// Number of workers (engines) in the process.
     #[arg(long, env = "TURBINE_WORKERS", default_value_t = 1)]
@@ -75,7 +76,7 @@ pub struct RunConfig {
     pub router: RoutingConfig,
     #[command(flatten, next_help_heading = "Workers ([worker])")]
     pub worker: RunWorkerConfig,
-    #[command(flatten, next_help_heading = "Planner ([planner]; with --planner-port)")]
+    #[command(flatten, next_help_heading = "Planner ([planner]; with --planner)")]
     pub planner: PlanningConfig,
 }
 
@@ -116,7 +117,7 @@ impl Settings for RunConfig {
         self.worker.transfer.validate()?;
         self.planner.validate().map_err(|error| format!("planner {error}"))?;
         if self.planner_port.is_some() && self.planner.profile.is_none() {
-            return Err("planner_port: the planner sizes the workers from their profile: give --planner-profile (written by turbine profile)".into());
+            return Err("planner: the planner sizes the workers from their profile: give --planner-profile (written by turbine profile)".into());
         }
         Ok(())
     }
@@ -207,6 +208,14 @@ mod tests {
             parse(&["--config", misplaced.path().to_str().unwrap()]).unwrap_err().contains("unknown key `speedup`"),
             "worker settings belong in [worker]"
         );
+    }
+
+    #[test]
+    fn the_planner_flag_takes_a_port_or_the_planners_own() {
+        assert_eq!(parse(&["--planner", "--planner-profile", "p.json"]).unwrap().planner_port, Some(50054));
+        assert_eq!(parse(&["--planner", "0", "--planner-profile", "p.json"]).unwrap().planner_port, Some(0));
+        assert_eq!(parse(&[]).unwrap().planner_port, None);
+        assert!(parse(&["--planner"]).unwrap_err().contains("--planner-profile"));
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! and the bound addresses, so `turbine run`, the benchmarks and the tests
 //! drive the same thing.
 //!
-//! With a planner (`--planner-port`), the planner sizes the cluster's own
+//! With a planner (`--planner`), the planner sizes the cluster's own
 //! workers: it starts and drains them in this process ([`HostedWorkers`],
 //! the planner's `hosted` connector).
 //!
@@ -274,7 +274,7 @@ impl Cluster {
                 let mut planner = PlannerConfig { planning, ..PlannerConfig::default() };
                 planner.server.shutdown_grace_secs = config.shutdown_grace_secs;
                 let ledger = Ledger::open(&planner_database, &planner.cluster.namespace).await.context("cannot open the planner's database")?;
-                let profile = planner.planning.profile.as_deref().context("planner_port needs --planner-profile")?;
+                let profile = planner.planning.profile.as_deref().context("--planner needs --planner-profile")?;
                 let sizing = Sizing { profile: Profile::read(profile)?, season_intervals: planner.planning.season_intervals };
                 let observer = Observer::new(vec![metrics], registry.clone());
                 let state = PlannerState::with_connector(ledger, Connector::Hosted(HostedConnector::new(Arc::new(hosted.clone()))));

@@ -1,4 +1,4 @@
-//! `turbine run --planner-port`: the embedded cluster's planner sizes the
+//! `turbine run --planner`: the embedded cluster's planner sizes the
 //! cluster's own workers (the `hosted` connector) in SQLite, over real
 //! sockets: targets raise the pool to their minimum (a worker started in
 //! the process, registered, routable), a lower maximum drains the newest

@@ -92,7 +92,7 @@ pub struct PlannerConfig {
 }
 
 /// What a planner keeps its state in and sizes from, wherever it runs
-/// (`turbine planner serve`, `turbine run --planner-port`).
+/// (`turbine planner serve`, `turbine run --planner`).
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct PlanningConfig {
     /// Where the planner keeps its targets, decisions and actions:
@@ -165,7 +165,7 @@ impl Settings for PlannerConfig {
             return Err("connector: this build has no kubernetes connector (build turbine with --features kubernetes)".into());
         }
         if self.connector == ConnectorKind::Hosted {
-            return Err("connector: hosted workers run inside turbine run (--planner-port)".into());
+            return Err("connector: hosted workers run inside turbine run (--planner)".into());
         }
         crate::kubernetes::parse_mapping(&self.kubernetes_deployments).map_err(|problem| format!("kubernetes_deployments: {problem}"))?;
         for (field, seconds) in [("local_ready_timeout_secs", self.local_ready_timeout_secs), ("local_drain_timeout_secs", self.local_drain_timeout_secs)] {

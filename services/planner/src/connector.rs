@@ -9,7 +9,7 @@
 //! - `kubernetes`: each pool is a Deployment whose replicas the planner
 //!   sets through its scale subresource ([`crate::kubernetes`]).
 //! - `hosted`: the pools' workers run in the planner's own process
-//!   (`turbine run --planner-port`), which starts and drains them
+//!   (`turbine run --planner`), which starts and drains them
 //!   ([`crate::hosted`]).
 //!
 //! Every action has an id derived from its decision and pool, kept in the

@@ -1,5 +1,5 @@
 //! The `hosted` connector: the pools' workers run inside the planner's own
-//! process, as `turbine run --planner-port` has them, and the process
+//! process, as `turbine run --planner` has them, and the process
 //! hosting them ([`WorkerHost`]) starts and drains them on the planner's
 //! word. A pool is the host's workers of the pool's role.
 //!

@@ -84,7 +84,7 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
                 let state_dir = settings.state_dir.display().to_string();
                 Connector::Local(LocalConnector::open(settings).with_context(|| format!("the local connector's state folder {state_dir}"))?)
             }
-            ConnectorKind::Hosted => anyhow::bail!("connector: hosted workers run inside turbine run (--planner-port)"),
+            ConnectorKind::Hosted => anyhow::bail!("connector: hosted workers run inside turbine run (--planner)"),
             ConnectorKind::Kubernetes => kubernetes(&config).await?,
         };
         serve(config, PlannerState::with_connector(ledger, connector), cycle, listeners, shutdown).await
