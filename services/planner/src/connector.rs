@@ -72,6 +72,28 @@ pub enum Outcome {
     Failed(String),
 }
 
+impl Outcome {
+    /// How scaling `pool` up from `serving` to `wanted` workers ended:
+    /// `started` are the names started, `failure` why the next could not.
+    pub(crate) fn scaled_up(pool: &str, serving: usize, wanted: usize, started: &[String], failure: Option<String>) -> Self {
+        match failure {
+            None => Outcome::Done(format!("started {}: {pool} now serves {wanted}", started.join(", "))),
+            Some(problem) if started.is_empty() => Outcome::Failed(problem),
+            Some(problem) => Outcome::Failed(format!("started {} of {}, then {problem}", started.join(", "), wanted - serving)),
+        }
+    }
+
+    /// Scaling `pool` down to `wanted` by draining `leaving`.
+    pub(crate) fn draining(pool: &str, wanted: usize, leaving: &[String]) -> Self {
+        Outcome::Done(format!("draining {}: {pool} serves {wanted} once they finish their streams", leaving.join(", ")))
+    }
+
+    /// `pool` already at `wanted`.
+    pub(crate) fn unchanged(pool: &str, wanted: usize) -> Self {
+        Outcome::Done(format!("{pool} already serves {wanted}"))
+    }
+}
+
 impl Connector {
     /// Its kind.
     pub fn kind(&self) -> ConnectorKind {

@@ -92,19 +92,15 @@ impl HostedConnector {
                     }
                 }
             }
-            match failure {
-                None => Outcome::Done(format!("started {}: {} now serves {wanted}", started.join(", "), action.pool)),
-                Some(problem) if started.is_empty() => Outcome::Failed(problem),
-                Some(problem) => Outcome::Failed(format!("started {} of {}, then {problem}", started.join(", "), wanted - serving)),
-            }
+            Outcome::scaled_up(&action.pool, serving, wanted, &started, failure)
         } else if wanted < serving {
             let leaving = &workers[wanted..];
             for name in leaving {
                 self.drain(&action.pool, name.clone());
             }
-            Outcome::Done(format!("draining {}: {} serves {wanted} once they finish their streams", leaving.join(", "), action.pool))
+            Outcome::draining(&action.pool, wanted, leaving)
         } else {
-            Outcome::Done(format!("{} already serves {wanted}", action.pool))
+            Outcome::unchanged(&action.pool, wanted)
         };
         done.insert(action.id.clone(), outcome.clone());
         outcome

@@ -191,11 +191,7 @@ impl LocalConnector {
                     }
                 }
             }
-            match failure {
-                None => Outcome::Done(format!("started {}: {} now serves {wanted}", started.join(", "), action.pool)),
-                Some(problem) if started.is_empty() => Outcome::Failed(problem),
-                Some(problem) => Outcome::Failed(format!("started {} of {}, then {problem}", started.join(", "), wanted - serving)),
-            }
+            Outcome::scaled_up(&action.pool, serving, wanted, &started, failure)
         } else if wanted < serving {
             let workers = fleet.serving.get_mut(&action.pool).expect("a pool with workers");
             let leaving: Vec<LocalWorker> = workers.drain(wanted..).collect();
@@ -203,9 +199,9 @@ impl LocalConnector {
             for worker in leaving {
                 self.drain(worker);
             }
-            Outcome::Done(format!("draining {}: {} serves {wanted} once they finish their streams", names.join(", "), action.pool))
+            Outcome::draining(&action.pool, wanted, &names)
         } else {
-            Outcome::Done(format!("{} already serves {wanted}", action.pool))
+            Outcome::unchanged(&action.pool, wanted)
         };
         fleet.done.insert(action.id.clone(), outcome.clone());
         outcome
