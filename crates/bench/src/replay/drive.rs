@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 use super::ReplayArgs;
-use super::report::{PolicyReport, Window, summarize};
+use super::report::{PolicyReport, Shortfall, Window, summarize};
 use super::trace::TraceRequest;
 
 /// What came back for one streamed completion.
@@ -74,6 +74,12 @@ pub(super) async fn drive(
     let prompt: u64 = outcomes.iter().map(|o| o.prompt_tokens).sum();
     let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
     let prefix_hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
+    let mut shortfall = Shortfall::default();
+    for (outcome, &oracle) in results.iter().zip(oracle) {
+        if let Ok(outcome) = outcome {
+            shortfall.add(outcome.cached_tokens, oracle as u64);
+        }
+    }
     Ok(PolicyReport {
         router: String::new(),
         routers: urls.len(),
@@ -96,6 +102,8 @@ pub(super) async fn drive(
         share_of_oracle: if oracle_rate > 0.0 { prefix_hit_rate / oracle_rate } else { 0.0 },
         wall_secs: wall.as_secs_f64(),
         timeline,
+        shortfall,
+        tier_counters: Default::default(),
     })
 }
 

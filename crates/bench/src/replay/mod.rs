@@ -354,7 +354,17 @@ async fn replay_one(
     let cluster = Cluster::start(config, options, shutdown.clone()).await?;
     let urls: Vec<String> =
         cluster.gateways().iter().map(|gateway| format!("http://{}/v1/completions", gateway.http.expect("gateways serve HTTP"))).collect();
+    // The workers' tier counters and the routers' cached blocks, read
+    // before they stop (they share this process's metrics registry; the
+    // routers' count since the process started, hence the difference).
+    let before = report::tier_counters(&turbine_runtime::metrics::render());
     let report = drive(args, &urls, "replay", requests, prompts, oracle, oracle_rate).await;
+    let mut tier_counters = report::tier_counters(&turbine_runtime::metrics::render());
+    for (key, value) in &mut tier_counters {
+        if key.starts_with("router ") {
+            *value -= before.get(key).copied().unwrap_or(0.0);
+        }
+    }
     shutdown.cancel();
     cluster.finished().await?;
     let (prefill_workers, decode_workers) = split.unwrap_or((0, 0));
@@ -369,6 +379,7 @@ async fn replay_one(
         disk_cache_gib: tiers.disk_cache_gib,
         kv_fetch: tiers.fetch.map(|fetch| fetch_name(fetch).to_owned()),
         kv_store: tiers.kv_store,
+        tier_counters,
         ..report?
     })
 }

@@ -71,6 +71,74 @@ pub struct PolicyReport {
     pub wall_secs: f64,
     /// Hit rates by arrival window (with --window-secs).
     pub timeline: Vec<Window>,
+    /// Where the hits fell short of the oracle's.
+    pub shortfall: Shortfall,
+    /// The workers' KV tier counters at the end of the replay, summed
+    /// over workers: `<tier> <counter>` (e.g. `host offloads_skipped`).
+    pub tier_counters: std::collections::BTreeMap<String, f64>,
+}
+
+/// Sums the workers' `turbine_worker_kv_tier_*_total` counters in a
+/// Prometheus text exposition by tier: `<tier> <counter>`; and the
+/// routers' prompt blocks by whether the chosen worker cached them:
+/// `router cached` and `router uncached`.
+pub fn tier_counters(exposition: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut sums = std::collections::BTreeMap::new();
+    let label = |labels: &str, name: &str| -> Option<String> {
+        labels.split(',').find_map(|label| label.strip_prefix(name)?.strip_prefix("=\"")?.strip_suffix('"').map(str::to_owned))
+    };
+    for line in exposition.lines() {
+        let Some((name, rest)) = line.split_once('{') else { continue };
+        let Some((labels, value)) = rest.rsplit_once('}') else { continue };
+        let Ok(value) = value.trim().parse::<f64>() else { continue };
+        let key = if let Some(counter) = name.strip_prefix("turbine_worker_kv_tier_").and_then(|n| n.strip_suffix("_total")) {
+            let Some(tier) = label(labels, "tier") else { continue };
+            format!("{tier} {counter}")
+        } else if name == "turbine_router_kv_prompt_blocks_total" {
+            match label(labels, "cached").as_deref() {
+                Some("true") => "router cached".to_owned(),
+                Some(_) => "router uncached".to_owned(),
+                None => continue,
+            }
+        } else {
+            continue;
+        };
+        *sums.entry(key).or_insert(0.0) += value;
+    }
+    sums
+}
+
+/// The requests whose cached tokens fell short of what the oracle would
+/// have hit (successful requests): those that hit nothing of it (the
+/// prefix was not where the request ran, or was lost) and those that hit
+/// part of it.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct Shortfall {
+    /// Requests that hit none of the oracle's tokens.
+    pub whole_requests: usize,
+    /// The oracle's tokens they missed.
+    pub whole_tokens: u64,
+    /// Requests that hit some of them, not all.
+    pub partial_requests: usize,
+    /// The oracle's tokens those missed.
+    pub partial_tokens: u64,
+}
+
+impl Shortfall {
+    /// Counts one request that hit `cached` tokens of an oracle's `oracle`.
+    pub fn add(&mut self, cached: u64, oracle: u64) {
+        let missed = oracle.saturating_sub(cached);
+        if missed == 0 {
+            return;
+        }
+        if cached == 0 {
+            self.whole_requests += 1;
+            self.whole_tokens += missed;
+        } else {
+            self.partial_requests += 1;
+            self.partial_tokens += missed;
+        }
+    }
 }
 
 /// The requests that arrived in one window of the replay.
@@ -248,6 +316,22 @@ pub fn print(report: &ReplayReport) {
             );
         }
     }
+    // What the hits missed of the oracle's, where they did.
+    for p in report.policies.iter().filter(|p| p.shortfall != Shortfall::default()) {
+        let s = p.shortfall;
+        println!(
+            "{} short of the oracle: {} requests hit none of it ({} tokens), {} hit part ({} tokens)",
+            label(p),
+            s.whole_requests,
+            s.whole_tokens,
+            s.partial_requests,
+            s.partial_tokens
+        );
+    }
+    for p in report.policies.iter().filter(|p| !p.tier_counters.is_empty()) {
+        let counters: Vec<String> = p.tier_counters.iter().filter(|(_, v)| **v > 0.0).map(|(k, v)| format!("{k} {v}")).collect();
+        println!("{} tier counters: {}", label(p), counters.join(", "));
+    }
     for p in report.policies.iter().filter(|p| p.routers > 1) {
         if let Some(single) = one(&p.router) {
             println!(
@@ -336,4 +420,37 @@ pub fn write_plot(report: &ReplayReport, path: &std::path::Path) -> anyhow::Resu
 /// `text` made safe inside SVG (XML) text and attribute values.
 pub(crate) fn escape(text: &str) -> String {
     text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Shortfall, tier_counters};
+
+    #[test]
+    fn tier_counters_sum_over_workers_by_tier() {
+        let text = "# HELP x\n\
+            turbine_worker_kv_tier_offloads_skipped_total{tier=\"host\",worker=\"a\"} 3\n\
+            turbine_worker_kv_tier_offloads_skipped_total{tier=\"host\",worker=\"b\"} 4\n\
+            turbine_worker_kv_tier_onboarded_blocks_total{tier=\"disk\",worker=\"a\"} 7\n\
+            turbine_worker_kv_tier_blocks{tier=\"host\",worker=\"a\"} 9\n\
+            turbine_worker_steps_total{worker=\"a\"} 1\n\
+            turbine_router_kv_prompt_blocks_total{cached=\"false\"} 5\n\
+            turbine_router_kv_prompt_blocks_total{cached=\"true\"} 6\n";
+        let sums = tier_counters(text);
+        assert_eq!(sums.len(), 4, "{sums:?}");
+        assert_eq!((sums["router cached"], sums["router uncached"]), (6.0, 5.0));
+        assert_eq!((sums["host offloads_skipped"], sums["disk onboarded_blocks"]), (7.0, 7.0));
+    }
+
+    #[test]
+    fn shortfall_splits_whole_misses_from_partial_ones() {
+        let mut shortfall = Shortfall::default();
+        shortfall.add(0, 0); // nothing to hit
+        shortfall.add(640, 640); // all of it
+        shortfall.add(900, 640); // more than the oracle (a block rounding): all of it
+        shortfall.add(0, 6_000);
+        shortfall.add(4_000, 6_000);
+        shortfall.add(0, 128);
+        assert_eq!(shortfall, Shortfall { whole_requests: 2, whole_tokens: 6_128, partial_requests: 1, partial_tokens: 2_000 });
+    }
 }
