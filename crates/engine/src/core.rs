@@ -506,7 +506,7 @@ impl EngineLoop {
             {
                 let choice = reader.fetch.lock().choose(Instant::now(), on_disk, for_remote, modelled_host);
                 if !(choice.disk || choice.remote || !modelled_host.is_zero()) {
-                    self.install_onboarded(plan);
+                    self.install_onboarded(seq_id, plan);
                     continue;
                 }
                 let end = choice.limit.map_or(plan.hashes.len(), |limit| (disk_from + limit).min(plan.hashes.len()));
@@ -518,15 +518,17 @@ impl EngineLoop {
                     continue;
                 }
             }
-            self.install_onboarded(plan);
+            self.install_onboarded(seq_id, plan);
         }
     }
 
     /// Writes a plan's blocks into free G1 blocks and registers them, so
     /// that the request's admission hits them. The G1 part of the prefix is
     /// held meanwhile; if it left G1 since the plan was made, nothing is
-    /// installed (the request computes its prompt).
-    fn install_onboarded(&mut self, plan: OnboardPlan) {
+    /// installed (the request computes its prompt). The scheduler is told
+    /// how far `seq_id`'s prefix reaches in the pool now, so that it looks
+    /// the prefix up again if it is evicted before the admission.
+    fn install_onboarded(&mut self, seq_id: SeqId, plan: OnboardPlan) {
         let OnboardPlan { hashes, in_device, blocks, from_host, from_remote } = plan;
         if blocks.is_empty() {
             return;
@@ -551,6 +553,7 @@ impl EngineLoop {
             }
         });
         self.scheduler.release_pinned(&held);
+        self.scheduler.onboarded(seq_id, now_in_device + onboarded);
         // Blocks skipped or not installed are counted off the nearest
         // tiers first.
         let from_host = from_host.saturating_sub(skip).min(onboarded);
@@ -597,7 +600,7 @@ impl EngineLoop {
         for (seq_id, mut plan, blocks, from_remote) in finished {
             plan.blocks.extend(blocks);
             plan.from_remote = from_remote;
-            self.install_onboarded(plan);
+            self.install_onboarded(seq_id, plan);
             // False when it was cancelled meanwhile: the blocks stay cached.
             self.scheduler.resume(seq_id);
         }

@@ -132,6 +132,12 @@ struct Sequence {
     /// Whether its prefix was looked up in the lower KV tiers since it last
     /// joined the queue.
     onboard_checked: bool,
+    /// Leading blocks it had in the pool when a prefix was last onboarded
+    /// for it from a lower tier (0: none since it joined the queue).
+    onboarded_prefix: usize,
+    /// Times that prefix left the pool before the sequence was admitted
+    /// and was looked up again.
+    onboard_retries: u32,
 }
 
 impl Sequence {
@@ -139,6 +145,10 @@ impl Sequence {
         self.tokens.len() - self.prompt_len
     }
 }
+
+/// Times a sequence whose onboarded prefix left the pool before its
+/// admission is looked up again; then it computes what is missing.
+pub const MAX_ONBOARD_RETRIES: u32 = 2;
 
 /// One sequence's share of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -316,6 +326,8 @@ impl Scheduler {
                 pin,
                 imported_tokens,
                 onboard_checked: false,
+                onboarded_prefix: 0,
+                onboard_retries: 0,
             },
         );
         self.waiting.push_back(id);
@@ -508,6 +520,7 @@ impl Scheduler {
         sequence.num_registered = 0;
         sequence.preemptions += 1;
         sequence.onboard_checked = false;
+        sequence.onboarded_prefix = 0;
         self.blocks.release(blocks.into_iter().rev());
         self.waiting.push_front(seq_id);
         self.total_preemptions += 1;
@@ -527,6 +540,16 @@ impl Scheduler {
             let reusable = ((sequence.tokens.len() - 1) / block_size).min(sequence.hashes.len());
             let wanted: Vec<SequenceHash> = sequence.hashes[..reusable].iter().map(|h| h.sequence).collect();
             let hit = self.blocks.match_prefix(&wanted);
+            // Its onboarded prefix left the pool while it waited for room
+            // (the steps meanwhile evicted it): the lower tier still holds
+            // it, so it is looked up again before the next step rather
+            // than computed, a bounded number of times.
+            if hit < sequence.onboarded_prefix && sequence.onboard_retries < MAX_ONBOARD_RETRIES {
+                sequence.onboard_retries += 1;
+                sequence.onboarded_prefix = 0;
+                sequence.onboard_checked = false;
+                break;
+            }
             let num_computed = hit * block_size;
             let remaining = sequence.tokens.len() - num_computed;
             let len = if remaining <= *budget {
@@ -706,6 +729,15 @@ impl Scheduler {
         let installed = filled.len();
         self.blocks.release(filled.into_iter().rev().map(|(block, _)| block));
         installed
+    }
+
+    /// Records that a prefix was onboarded for `seq_id` (waiting or
+    /// suspended): its first `prefix_blocks` blocks are in the pool now.
+    /// If they are gone by its admission, it is looked up again.
+    pub fn onboarded(&mut self, seq_id: SeqId, prefix_blocks: usize) {
+        if let Some(sequence) = self.sequences.get_mut(&seq_id) {
+            sequence.onboarded_prefix = prefix_blocks;
+        }
     }
 
     /// Times the sequence was preempted (None if unknown).

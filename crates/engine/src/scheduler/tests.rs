@@ -271,3 +271,43 @@ fn a_suspended_sequence_keeps_its_room_while_its_prefix_is_fetched() {
     assert_eq!(first.start, 16, "its installed prefix is a hit");
     scheduler.check_invariants();
 }
+
+#[test]
+fn an_onboarded_prefix_evicted_before_admission_is_looked_up_again_a_bounded_number_of_times() {
+    // 10 blocks of 4 tokens; the 17-token prompt reuses 4 blocks.
+    let mut scheduler = Scheduler::new(config(10, 4), vec![]);
+    let prompt: Vec<u32> = (0..17).collect();
+    let id = scheduler.add(request(prompt.clone(), 2)).unwrap();
+    let hasher = BlockHasher::with_seed(turbine_kv::DEFAULT_SEED);
+    let hashes = hasher.hash_blocks(&prompt, 4);
+    let other = hasher.hash_blocks(&(1_000..1_040).collect::<Vec<u32>>(), 4);
+    let onboard_then_evict = |scheduler: &mut Scheduler| {
+        assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![id], "looked up");
+        assert_eq!(scheduler.install_prefix(None, &hashes, |_, _| true), 4);
+        scheduler.onboarded(id, 4);
+        // Another prefix installed meanwhile takes every block: the
+        // onboarded one is evicted before the sequence is admitted.
+        assert_eq!(scheduler.install_prefix(None, &other, |_, _| true), 10);
+        assert_eq!(scheduler.cached_prefix(&hashes.iter().map(|h| h.sequence).collect::<Vec<_>>()), 0);
+    };
+    for _ in 0..MAX_ONBOARD_RETRIES {
+        onboard_then_evict(&mut scheduler);
+        assert!(scheduler.schedule().is_empty(), "not admitted without its prefix: looked up again first");
+        scheduler.check_invariants();
+    }
+    // Retries spent: lost once more, it computes its prompt.
+    onboard_then_evict(&mut scheduler);
+    let plan = scheduler.schedule();
+    assert_eq!((plan[0].seq_id, plan[0].start), (id, 0));
+    scheduler.check_invariants();
+
+    // A prefix that stays is a hit.
+    let second = scheduler.add(request(prompt, 2)).unwrap();
+    run_to_completion(&mut scheduler, 7);
+    let third = scheduler.add(request((0..17).collect(), 2)).unwrap();
+    assert!(second < third);
+    assert!(scheduler.due_for_onboard().iter().any(|(seq, _)| *seq == third));
+    scheduler.onboarded(third, 4);
+    let plan = scheduler.schedule();
+    assert_eq!((plan[0].seq_id, plan[0].start), (third, 16), "its prefix is in the pool: admitted with it");
+}
