@@ -525,9 +525,9 @@ impl EngineLoop {
     /// Writes a plan's blocks into free G1 blocks and registers them, so
     /// that the request's admission hits them. The G1 part of the prefix is
     /// held meanwhile; if it left G1 since the plan was made, nothing is
-    /// installed (the request computes its prompt). The scheduler is told
-    /// how far `seq_id`'s prefix reaches in the pool now, so that it looks
-    /// the prefix up again if it is evicted before the admission.
+    /// installed. The scheduler is told how far the tiers hold `seq_id`'s
+    /// prefix, so that it looks it up again if less of it is in the pool at
+    /// the admission.
     fn install_onboarded(&mut self, seq_id: SeqId, plan: OnboardPlan) {
         let OnboardPlan { hashes, in_device, blocks, from_host, from_remote } = plan;
         if blocks.is_empty() {
@@ -535,6 +535,10 @@ impl EngineLoop {
         }
         let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
         let now_in_device = self.scheduler.cached_prefix(&sequence[..in_device + blocks.len()]);
+        // The whole prefix, even where the pool lost its start meanwhile or
+        // has no room for all of it: the rest is looked up again before the
+        // admission rather than computed (the tiers likely still hold it).
+        self.scheduler.onboarded(seq_id, in_device + blocks.len());
         if now_in_device < in_device {
             return;
         }
@@ -553,7 +557,6 @@ impl EngineLoop {
             }
         });
         self.scheduler.release_pinned(&held);
-        self.scheduler.onboarded(seq_id, now_in_device + onboarded);
         // Blocks skipped or not installed are counted off the nearest
         // tiers first.
         let from_host = from_host.saturating_sub(skip).min(onboarded);

@@ -132,11 +132,12 @@ struct Sequence {
     /// Whether its prefix was looked up in the lower KV tiers since it last
     /// joined the queue.
     onboard_checked: bool,
-    /// Leading blocks it had in the pool when a prefix was last onboarded
-    /// for it from a lower tier (0: none since it joined the queue).
+    /// Leading blocks a lower tier's look-up found for it, which its
+    /// admission should find in the pool (0: none since it joined the
+    /// queue).
     onboarded_prefix: usize,
-    /// Times that prefix left the pool before the sequence was admitted
-    /// and was looked up again.
+    /// Times that prefix was short in the pool at its admission (evicted
+    /// meanwhile, or installed only in part) and was looked up again.
     onboard_retries: u32,
 }
 
@@ -732,8 +733,9 @@ impl Scheduler {
     }
 
     /// Records that a prefix was onboarded for `seq_id` (waiting or
-    /// suspended): its first `prefix_blocks` blocks are in the pool now.
-    /// If they are gone by its admission, it is looked up again.
+    /// suspended): a lower tier held its first `prefix_blocks` blocks. If
+    /// fewer are in the pool at its admission (they were evicted meanwhile,
+    /// or the pool had no room to install them all), it is looked up again.
     pub fn onboarded(&mut self, seq_id: SeqId, prefix_blocks: usize) {
         if let Some(sequence) = self.sequences.get_mut(&seq_id) {
             sequence.onboarded_prefix = prefix_blocks;

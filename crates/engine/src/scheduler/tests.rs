@@ -311,3 +311,24 @@ fn an_onboarded_prefix_evicted_before_admission_is_looked_up_again_a_bounded_num
     let plan = scheduler.schedule();
     assert_eq!((plan[0].seq_id, plan[0].start), (third, 16), "its prefix is in the pool: admitted with it");
 }
+
+#[test]
+fn a_prefix_installed_only_in_part_is_looked_up_again() {
+    // 10 blocks of 4 tokens; the 17-token prompt reuses 4 blocks, which the
+    // tier held, but only 2 were installed (no room for more, or a write
+    // failed).
+    let mut scheduler = Scheduler::new(config(10, 4), vec![]);
+    let prompt: Vec<u32> = (0..17).collect();
+    let hashes = BlockHasher::with_seed(turbine_kv::DEFAULT_SEED).hash_blocks(&prompt, 4);
+    let id = scheduler.add(request(prompt, 2)).unwrap();
+    assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![id]);
+    assert_eq!(scheduler.install_prefix(None, &hashes, |_, index| index < 2), 2);
+    scheduler.onboarded(id, 4);
+    assert!(scheduler.schedule().is_empty(), "not admitted with half its prefix: looked up again first");
+    assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![id], "due again");
+    assert_eq!(scheduler.install_prefix(Some(hashes[1].sequence), &hashes[2..4], |_, _| true), 2);
+    scheduler.onboarded(id, 4);
+    let plan = scheduler.schedule();
+    assert_eq!((plan[0].seq_id, plan[0].start), (id, 16), "admitted with the whole prefix");
+    scheduler.check_invariants();
+}
