@@ -565,7 +565,15 @@ impl Scheduler {
             };
             let new_blocks = self.blocks.blocks_for(num_computed + len) - hit;
             let free_hits = self.blocks.count_free_among_cached(&wanted[..hit]);
-            if new_blocks + watermark + self.reserved_blocks > self.blocks.num_free() - free_hits {
+            // A sequence whose onboarded prefix is in the pool needs only
+            // the blocks past it: the room kept for the reads of suspended
+            // sequences behind it does not hold it back, since waiting, its
+            // prefix would be evicted (by those very installs) and read
+            // again. A read that then finds too little room is looked up
+            // again in turn.
+            let onboarded = sequence.onboarded_prefix > 0 && hit >= sequence.onboarded_prefix;
+            let reserved = if onboarded { 0 } else { self.reserved_blocks };
+            if new_blocks + watermark + reserved > self.blocks.num_free() - free_hits {
                 break;
             }
             let mut table = self.blocks.acquire_cached(&wanted[..hit]);

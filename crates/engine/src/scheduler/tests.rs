@@ -332,3 +332,33 @@ fn a_prefix_installed_only_in_part_is_looked_up_again() {
     assert_eq!((plan[0].seq_id, plan[0].start), (id, 16), "admitted with the whole prefix");
     scheduler.check_invariants();
 }
+
+#[test]
+fn an_onboarded_prefix_is_admitted_past_the_room_kept_for_reads_behind_it() {
+    // 14 blocks of 4 tokens. A running sequence takes 5; the head's
+    // 17-token prompt has 4 blocks installed from a tier and needs 1 more;
+    // 5 are kept for a read behind it.
+    let mut scheduler = Scheduler::new(config(14, 4), vec![]);
+    let filler = scheduler.add(request((1_000..1_016).collect(), 8)).unwrap();
+    let plan = scheduler.schedule();
+    scheduler.complete(&plan, &[Some(7)]);
+    let prompt: Vec<u32> = (0..17).collect();
+    let head = scheduler.add(request(prompt.clone(), 2)).unwrap();
+    let behind = scheduler.add(request((100..117).collect(), 2)).unwrap();
+    assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![head, behind]);
+    scheduler.suspend(behind);
+    let hashes = BlockHasher::with_seed(turbine_kv::DEFAULT_SEED).hash_blocks(&prompt, 4);
+    assert_eq!(scheduler.install_prefix(None, &hashes, |_, _| true), 4);
+    scheduler.onboarded(head, 4);
+    let plan = scheduler.schedule();
+    assert_eq!(plan.iter().map(|c| (c.seq_id, c.start)).collect::<Vec<_>>(), vec![(filler, 16), (head, 16)], "admitted with its prefix");
+    scheduler.check_invariants();
+
+    scheduler.complete(&plan, &[Some(8), Some(9)]);
+
+    // A sequence with nothing onboarded still leaves the kept room alone.
+    let cold = scheduler.add(request((200..204).collect(), 2)).unwrap();
+    let plan = scheduler.schedule();
+    assert!(plan.iter().all(|c| c.seq_id != cold), "4 blocks free, 5 kept for the read: it waits ({plan:?})");
+    scheduler.check_invariants();
+}
