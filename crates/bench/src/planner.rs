@@ -133,8 +133,23 @@ pub struct PlannerBenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub planner_start: Vec<u32>,
     /// The planner's database [default: SQLite in a temporary folder].
-    #[arg(long)]
+    #[arg(long, conflicts_with = "postgres")]
     pub database: Option<String>,
+    /// Keep the planner's state in a private PostgreSQL server the bench
+    /// starts for the run (`initdb` and `postgres` from
+    /// $TURBINE_POSTGRES_BIN, PATH or /usr/lib/postgresql; as root the
+    /// server runs as the user `postgres`).
+    #[arg(long)]
+    pub postgres: bool,
+    /// Kill that server (SIGKILL, as a crash) this many seconds into the
+    /// planner's replay, keep it down for --database-outage-secs, then
+    /// start it again on its data (comma separated for several; needs
+    /// --postgres). The planner meanwhile holds its plan and retries.
+    #[arg(long, value_delimiter = ',', requires = "postgres")]
+    pub restart_database_at: Vec<f64>,
+    /// How long the database stays down at each --restart-database-at.
+    #[arg(long, default_value_t = 10.0)]
+    pub database_outage_secs: f64,
     /// Kill the planner (SIGKILL) this many seconds into its replay and
     /// start it again on the same database and worker folder (comma
     /// separated for several). The planner then runs as a process of its
@@ -230,6 +245,11 @@ pub struct PlannerBenchReport {
     /// When the planner was killed and started again, seconds into its
     /// replay.
     pub planner_restarts_at_secs: Vec<f64>,
+    /// When the planner's database was killed (seconds into its replay),
+    /// each down for `database_outage_secs`.
+    pub database_restarts_at_secs: Vec<f64>,
+    /// How long each of those outages lasted.
+    pub database_outage_secs: f64,
     /// The planner's actions by how they ended (done, failed, pending).
     pub planner_actions: ActionCounts,
 }
@@ -374,13 +394,29 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
 
     // 2. The planner's fleet.
     let database_dir = tempfile::tempdir()?;
-    let database = args.database.clone().unwrap_or_else(|| format!("sqlite:{}", database_dir.path().join("planner.sqlite").display()));
+    let postgres = if args.postgres {
+        let server = tokio::task::spawn_blocking(|| {
+            let server = turbine_harness::PostgresServer::start();
+            server.create_database("planner");
+            server
+        })
+        .await?;
+        println!("the planner's database: {}", server.url("planner"));
+        Some(server)
+    } else {
+        None
+    };
+    let database = match &postgres {
+        Some(server) => server.url("planner"),
+        None => args.database.clone().unwrap_or_else(|| format!("sqlite:{}", database_dir.path().join("planner.sqlite").display())),
+    };
     let ledger = Ledger::open(&database, &namespace).await?;
     ledger.set_targets(&targets, 0).await?;
     resize(&connector, &planner_start).await?;
     until_serving(&registry, planner_start.iter().sum(), &http, &gateway_url).await?;
     let metrics = format!("{gateway_url}/metrics");
     let mut restarts = Vec::new();
+    let database_restarts = restart_database(postgres, args.restart_database_at.clone(), Duration::from_secs_f64(args.database_outage_secs.max(0.0)));
     let measured = if args.kill_planner_at.is_empty() {
         let planner = PlannerState::with_connector(ledger.clone(), Connector::Local(connector.clone()));
         let cycle_stop = CancellationToken::new();
@@ -424,6 +460,8 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         connector = LocalConnector::open(settings.clone())?;
         measured
     };
+    // Kept running until the bench ends: the ledger reads it below.
+    let (_database_server, database_restarts_at_secs) = database_restarts.await??;
     let planner_report = fleet_report("planner", &targets, measured);
     let planner_actions = action_counts(&ledger).await?;
     resize(&connector, &none).await?;
@@ -448,7 +486,39 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         worker_seconds_ratio: ratio,
         prompts_cut,
         planner_restarts_at_secs: restarts,
+        database_restarts_at_secs,
+        database_outage_secs: args.database_outage_secs,
         planner_actions,
+    })
+}
+
+/// Kills `server` at each of `at` (seconds from now), keeps it down for
+/// `outage`, and starts it again; ends with the server (still running)
+/// and when each kill came.
+fn restart_database(
+    server: Option<turbine_harness::PostgresServer>,
+    mut at: Vec<f64>,
+    outage: Duration,
+) -> tokio::task::JoinHandle<anyhow::Result<(Option<turbine_harness::PostgresServer>, Vec<f64>)>> {
+    at.sort_by(f64::total_cmp);
+    let started = Instant::now();
+    tokio::spawn(async move {
+        let Some(mut server) = server else { return Ok((None, Vec::new())) };
+        let mut killed = Vec::new();
+        for at in at {
+            tokio::time::sleep_until((started + Duration::from_secs_f64(at.max(0.0))).into()).await;
+            server.kill();
+            killed.push(started.elapsed().as_secs_f64());
+            eprintln!("  the planner's database killed (SIGKILL) at {:.1} s; down for {:.0} s", started.elapsed().as_secs_f64(), outage.as_secs_f64());
+            tokio::time::sleep(outage).await;
+            server = tokio::task::spawn_blocking(move || {
+                server.restart();
+                server
+            })
+            .await?;
+            eprintln!("  the planner's database is back at {:.1} s", started.elapsed().as_secs_f64());
+        }
+        Ok((Some(server), killed))
     })
 }
 
@@ -776,5 +846,9 @@ pub fn print(report: &PlannerBenchReport) {
     if !report.planner_restarts_at_secs.is_empty() {
         let at: Vec<String> = report.planner_restarts_at_secs.iter().map(|secs| format!("{secs:.1} s")).collect();
         println!("planner killed (SIGKILL) and started again at {}", at.join(", "));
+    }
+    if !report.database_restarts_at_secs.is_empty() {
+        let at: Vec<String> = report.database_restarts_at_secs.iter().map(|secs| format!("{secs:.1} s")).collect();
+        println!("the planner's database killed (SIGKILL) at {}, each down for {:.0} s", at.join(", "), report.database_outage_secs);
     }
 }

@@ -77,6 +77,17 @@ pub fn svg(report: &PlannerBenchReport) -> String {
         let _ = writeln!(out, r##"<line x1="{0:.1}" x2="{0:.1}" y1="{TOP:.1}" y2="{1:.1}" stroke="#d62728" stroke-dasharray="2 3"/>"##, x(at), strips_top - GAP + 6.0);
         let _ = writeln!(out, r##"<text x="{:.1}" y="{:.1}" fill="#d62728">planner killed</text>"##, x(at) + 3.0, TOP + 10.0);
     }
+    // Where the planner's database was down: a band across every panel.
+    for &at in &report.database_restarts_at_secs {
+        let (from, to) = (x(at), x(at + report.database_outage_secs));
+        let _ = writeln!(
+            out,
+            r##"<rect x="{from:.1}" y="{TOP:.1}" width="{:.1}" height="{:.1}" fill="#9467bd" fill-opacity="0.15"/>"##,
+            (to - from).max(1.0),
+            strips_top - GAP + 6.0 - TOP
+        );
+        let _ = writeln!(out, r##"<text x="{:.1}" y="{:.1}" fill="#9467bd">database down</text>"##, from + 3.0, TOP + 22.0);
+    }
     // The time axis under the strips.
     let axis = strips_top + report.fleets.len() as f64 * (STRIP + 6.0) + 14.0;
     for tick in ticks(span) {
@@ -211,10 +222,13 @@ mod tests {
             worker_seconds_ratio: 0.5,
             prompts_cut: 0,
             planner_restarts_at_secs: vec![7.5],
+            database_restarts_at_secs: vec![10.0],
+            database_outage_secs: 4.0,
             planner_actions: Default::default(),
         };
         let plot = svg(&report);
         assert_eq!(plot.matches("planner killed").count(), 1, "the restart is marked");
+        assert_eq!(plot.matches("database down").count(), 1, "the outage is marked");
         assert!(plot.starts_with("<svg ") && plot.trim_end().ends_with("</svg>"));
         assert!(plot.contains("a &lt;trace&gt; &amp; more") && !plot.contains("<trace>"), "text is escaped");
         // Load and workers unbroken (1 + 2 lines); TTFT and ITL broken by the idle interval (2 × 2 × 2).
