@@ -396,7 +396,8 @@ impl Scheduler {
     /// fetched from a lower tier; [`resume`](Self::resume) puts it back.
     /// The blocks its first chunk needs stay reserved meanwhile: sequences
     /// behind it are admitted only into what is left, so the fetched prefix
-    /// finds room when it is installed.
+    /// finds room when it is installed (save one whose own onboarded prefix
+    /// is in the pool, which needs only the blocks past it).
     pub fn suspend(&mut self, seq_id: SeqId) {
         let before = self.waiting.len();
         self.waiting.retain(|&id| id != seq_id);
