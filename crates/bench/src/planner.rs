@@ -278,6 +278,8 @@ type Measured = (Duration, Option<(f64, Option<f64>)>);
 /// Runs the bench.
 pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> {
     anyhow::ensure!(args.speedup > 0.0, "--speedup: must be positive");
+    let outage = Duration::try_from_secs_f64(args.database_outage_secs)
+        .map_err(|error| anyhow::anyhow!("--database-outage-secs: {error} (a number of seconds, 0 or more)"))?;
     let profile = Profile::read(&args.profile)?;
     let mut trace = turbine_planner::backtest::read_azure_csv(&args.trace)?;
     if args.every > 1 {
@@ -416,7 +418,13 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     until_serving(&registry, planner_start.iter().sum(), &http, &gateway_url).await?;
     let metrics = format!("{gateway_url}/metrics");
     let mut restarts = Vec::new();
-    let database_restarts = restart_database(postgres, args.restart_database_at.clone(), Duration::from_secs_f64(args.database_outage_secs.max(0.0)));
+    let replay_done = CancellationToken::new();
+    let database_restarts = restart_database(
+        postgres,
+        args.restart_database_at.clone(),
+        outage,
+        replay_done.clone(),
+    );
     let measured = if args.kill_planner_at.is_empty() {
         let planner = PlannerState::with_connector(ledger.clone(), Connector::Local(connector.clone()));
         let cycle_stop = CancellationToken::new();
@@ -460,7 +468,9 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         connector = LocalConnector::open(settings.clone())?;
         measured
     };
-    // Kept running until the bench ends: the ledger reads it below.
+    // Restarts planned past the replay's end are not made. The server is
+    // kept running until the bench ends: the ledger reads it below.
+    replay_done.cancel();
     let (_database_server, database_restarts_at_secs) = database_restarts.await??;
     let planner_report = fleet_report("planner", &targets, measured);
     let planner_actions = action_counts(&ledger).await?;
@@ -492,13 +502,14 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     })
 }
 
-/// Kills `server` at each of `at` (seconds from now), keeps it down for
-/// `outage`, and starts it again; ends with the server (still running)
-/// and when each kill came.
+/// Kills `server` at each of `at` (seconds from now) until `done`, keeps
+/// it down for `outage`, and starts it again; ends with the server (still
+/// running) and when each kill came.
 fn restart_database(
     server: Option<turbine_harness::PostgresServer>,
     mut at: Vec<f64>,
     outage: Duration,
+    done: CancellationToken,
 ) -> tokio::task::JoinHandle<anyhow::Result<(Option<turbine_harness::PostgresServer>, Vec<f64>)>> {
     at.sort_by(f64::total_cmp);
     let started = Instant::now();
@@ -506,7 +517,12 @@ fn restart_database(
         let Some(mut server) = server else { return Ok((None, Vec::new())) };
         let mut killed = Vec::new();
         for at in at {
-            tokio::time::sleep_until((started + Duration::from_secs_f64(at.max(0.0))).into()).await;
+            // Too far off to be reached (infinite): the replay ends first.
+            let Some(when) = Duration::try_from_secs_f64(at.max(0.0)).ok().and_then(|offset| started.checked_add(offset)) else { break };
+            tokio::select! {
+                () = tokio::time::sleep_until(when.into()) => {}
+                () = done.cancelled() => break,
+            }
             server.kill();
             killed.push(started.elapsed().as_secs_f64());
             eprintln!("  the planner's database killed (SIGKILL) at {:.1} s; down for {:.0} s", started.elapsed().as_secs_f64(), outage.as_secs_f64());
