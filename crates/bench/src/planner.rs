@@ -193,7 +193,7 @@ pub struct FleetReport {
     /// The replay's length, seconds.
     pub wall_secs: f64,
     /// Per interval: start (s), requests, TTFT and ITL at the percentile
-    /// (ms), workers at its end.
+    /// (ms), workers at its end (in all and per pool).
     pub timeline: Vec<IntervalReport>,
 }
 
@@ -212,6 +212,8 @@ pub struct IntervalReport {
     pub met: bool,
     /// Workers (serving and draining) at the interval's end.
     pub workers: u32,
+    /// Of those, per pool, in the order of the report's `pools`.
+    pub pool_workers: Vec<u32>,
 }
 
 /// The bench's report.
@@ -275,6 +277,10 @@ struct Request {
 /// What came back for one request: arrival, TTFT and ITL (ms), or failure.
 type Measured = (Duration, Option<(f64, Option<f64>)>);
 
+/// The fleet's size over a replay: when, and workers per pool (in the
+/// order of the bench's pools).
+type Samples = Vec<(Duration, Vec<u32>)>;
+
 /// Runs the bench.
 pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> {
     anyhow::ensure!(args.speedup > 0.0, "--speedup: must be positive");
@@ -303,6 +309,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     let kinds: &[(&str, PoolKind)] = if args.disaggregated { &[("prefill", PoolKind::Prefill), ("decode", PoolKind::Decode)] } else { &[(POOL, PoolKind::Aggregated)] };
     let pools: Vec<PoolLimits> =
         kinds.iter().map(|(pool, kind)| PoolLimits { pool: (*pool).into(), kind: *kind, min_replicas: args.min_workers, max_replicas: args.max_workers }).collect();
+    let pool_names: Vec<String> = pools.iter().map(|limits| limits.pool.clone()).collect();
     let predictor: Predictor = args.predictor.parse().map_err(|problem: String| anyhow::anyhow!("--predictor: {problem}"))?;
     let targets = Targets::new(
         args.ttft_ms,
@@ -389,7 +396,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     if prompts_cut > 0 {
         println!("{prompts_cut} prompts cut to fit the model's context of {context} tokens with their output");
     }
-    let measured = replay(&http, &completions, &model, &requests, &connector).await;
+    let measured = replay(&http, &completions, &model, &requests, &connector, &pool_names).await;
     let static_report = fleet_report("static", &targets, measured);
     resize(&connector, &none).await?;
     until_drained(&connector, &registry).await?;
@@ -434,7 +441,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
             Sizing { profile, season_intervals: SEASON_INTERVALS },
             cycle_stop.clone(),
         ));
-        let measured = replay(&http, &completions, &model, &requests, &connector).await;
+        let measured = replay(&http, &completions, &model, &requests, &connector, &pool_names).await;
         cycle_stop.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(60), cycle).await;
         measured
@@ -459,7 +466,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
             }
             anyhow::Ok((planner, restarts))
         });
-        let measured = replay(&http, &completions, &model, &requests, &connector).await;
+        let measured = replay(&http, &completions, &model, &requests, &connector, &pool_names).await;
         let (mut planner, killed_at) = killer.await??;
         restarts = killed_at;
         planner.kill().await;
@@ -738,16 +745,17 @@ async fn until_drained(connector: &LocalConnector, registry: &Registry) -> anyho
 
 /// Sends `requests` at their arrival times; each request's measurement,
 /// and the fleet's size sampled over the replay.
-async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector) -> (Vec<Measured>, Vec<(Duration, u32)>, Duration) {
+async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector, pools: &[String]) -> (Vec<Measured>, Samples, Duration) {
     let started = Instant::now();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let sampling = CancellationToken::new();
     let sampler = tokio::spawn({
-        let (samples, sampling, connector) = (samples.clone(), sampling.clone(), connector.clone());
+        let (samples, sampling, connector, pools) = (samples.clone(), sampling.clone(), connector.clone(), pools.to_vec());
         async move {
             while !sampling.is_cancelled() {
                 // Every worker process of the fleet, whoever started it.
-                let workers = connector.running();
+                let running = connector.running_by_pool();
+                let workers: Vec<u32> = pools.iter().map(|pool| running.get(pool).copied().unwrap_or(0)).collect();
                 samples.lock().expect("samples").push((started.elapsed(), workers));
                 tokio::time::sleep(SAMPLE).await;
             }
@@ -799,10 +807,11 @@ fn percentile_of(values: &mut [f64], percentile: f64) -> Option<f64> {
     Some(values[rank.min(values.len()) - 1])
 }
 
-fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<Measured>, Vec<(Duration, u32)>, Duration)) -> FleetReport {
+fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<Measured>, Samples, Duration)) -> FleetReport {
     let interval = targets.interval().as_secs_f64();
     let count = measured.iter().map(|(at, _)| (at.as_secs_f64() / interval) as usize + 1).max().unwrap_or(0);
-    let workers_at = |secs: f64| samples.iter().take_while(|(at, _)| at.as_secs_f64() <= secs).last().map_or(0, |(_, workers)| *workers);
+    let total = |workers: &[u32]| workers.iter().sum::<u32>();
+    let pools_at = |secs: f64| samples.iter().take_while(|(at, _)| at.as_secs_f64() <= secs).last().map(|(_, workers)| workers.clone()).unwrap_or_default();
     let mut timeline = Vec::with_capacity(count);
     for index in 0..count {
         let in_interval: Vec<&Measured> = measured.iter().filter(|(at, _)| (at.as_secs_f64() / interval) as usize == index).collect();
@@ -812,11 +821,12 @@ fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<
         let (ttft_ms, itl_ms) = (percentile_of(&mut ttfts, targets.percentile()), percentile_of(&mut itls, targets.percentile()));
         let met = !failed && ttft_ms.is_none_or(|ttft| ttft <= targets.ttft_ms()) && itl_ms.is_none_or(|itl| itl <= targets.itl_ms());
         let start_secs = index as f64 * interval;
-        timeline.push(IntervalReport { start_secs, requests: in_interval.len(), ttft_ms, itl_ms, met, workers: workers_at(start_secs + interval) });
+        let pool_workers = pools_at(start_secs + interval);
+        timeline.push(IntervalReport { start_secs, requests: in_interval.len(), ttft_ms, itl_ms, met, workers: total(&pool_workers), pool_workers });
     }
     let busy: Vec<&IntervalReport> = timeline.iter().filter(|interval| interval.requests > 0).collect();
     let intervals_met = busy.iter().filter(|interval| interval.met).count();
-    let worker_seconds = samples.windows(2).map(|pair| f64::from(pair[0].1) * (pair[1].0 - pair[0].0).as_secs_f64()).sum::<f64>();
+    let worker_seconds = samples.windows(2).map(|pair| f64::from(total(&pair[0].1)) * (pair[1].0 - pair[0].0).as_secs_f64()).sum::<f64>();
     let ok: Vec<(f64, Option<f64>)> = measured.iter().filter_map(|(_, result)| *result).collect();
     FleetReport {
         fleet: fleet.to_owned(),
@@ -826,7 +836,7 @@ fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<
         intervals_met,
         sla_attainment: if busy.is_empty() { 0.0 } else { intervals_met as f64 / busy.len() as f64 },
         worker_seconds,
-        peak_workers: samples.iter().map(|(_, workers)| *workers).max().unwrap_or(0),
+        peak_workers: samples.iter().map(|(_, workers)| total(workers)).max().unwrap_or(0),
         ttft: summarize(ok.iter().map(|(ttft, _)| *ttft).collect()),
         itl: summarize(ok.iter().filter_map(|(_, itl)| *itl).collect()),
         wall_secs: wall.as_secs_f64(),

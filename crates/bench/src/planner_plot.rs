@@ -1,6 +1,7 @@
 //! The SVG plot of a `turbine bench planner` run (`--svg`): four panels
 //! over the run's time, one interval per step: the load (requests per
-//! second), workers per fleet, and TTFT and ITL at the targets' percentile
+//! second), workers per fleet (and per pool, dashed and dotted, when the
+//! run has several), and TTFT and ITL at the targets' percentile
 //! per fleet against their targets, with a strip per fleet showing each
 //! interval met (green), missed (red) or idle (grey), and a dotted line
 //! where the planner was killed and started again. Plain SVG, no
@@ -22,10 +23,16 @@ const STRIP: f64 = 12.0;
 /// Each fleet's colour, in report order (static, planner).
 const COLOURS: [&str; 3] = ["#1f77b4", "#d62728", "#2ca02c"];
 
-/// One panel's series: a name, a colour and a value per interval.
+/// The dash patterns of a fleet's pools in the workers panel (the fleet's
+/// total is solid), in the order of the report's pools.
+const POOL_DASHES: [(&str, &str); 3] = [("5 3", "- -"), ("1 3", "···"), ("8 3 1 3", "-·-")];
+
+/// One panel's series: a name, a colour, a dash pattern (None: solid)
+/// and a value per interval.
 struct Series<'a> {
-    name: &'a str,
+    name: String,
     colour: &'a str,
+    dash: Option<(&'a str, &'a str)>,
     values: Vec<Option<f64>>,
 }
 
@@ -40,14 +47,28 @@ pub fn svg(report: &PlannerBenchReport) -> String {
             .fleets
             .iter()
             .enumerate()
-            .map(|(index, fleet)| Series { name: &fleet.fleet, colour: colour(index), values: fleet.timeline.iter().map(value).collect() })
+            .map(|(index, fleet)| Series { name: fleet.fleet.clone(), colour: colour(index), dash: None, values: fleet.timeline.iter().map(value).collect() })
             .collect()
     };
+    // Each fleet's total, then, with several pools, each pool's.
+    let mut workers = per_fleet(|at| Some(f64::from(at.workers)));
+    if report.pools.len() > 1 {
+        for (index, fleet) in report.fleets.iter().enumerate() {
+            for (slot, pool) in report.pools.iter().enumerate() {
+                workers.push(Series {
+                    name: format!("{} {pool}", fleet.fleet),
+                    colour: colour(index),
+                    dash: Some(POOL_DASHES[slot % POOL_DASHES.len()]),
+                    values: fleet.timeline.iter().map(|at| at.pool_workers.get(slot).map(|&workers| f64::from(workers))).collect(),
+                });
+            }
+        }
+    }
     // The trace is the same for every fleet: its load from the first.
     let load = report.fleets.first().map(|fleet| fleet.timeline.iter().map(|at| Some(at.requests as f64 / interval)).collect()).unwrap_or_default();
     let panels: Vec<(String, Vec<Series<'_>>, Option<f64>)> = vec![
-        ("load, requests/s".to_owned(), vec![Series { name: "trace", colour: "#555555", values: load }], None),
-        ("workers (serving and draining)".to_owned(), per_fleet(|at| Some(f64::from(at.workers))), None),
+        ("load, requests/s".to_owned(), vec![Series { name: "trace".to_owned(), colour: "#555555", dash: None, values: load }], None),
+        ("workers (serving and draining)".to_owned(), workers, None),
         (format!("TTFT p{}, ms", report.percentile), per_fleet(|at| at.ttft_ms), Some(report.ttft_ms)),
         (format!("ITL p{}, ms", report.percentile), per_fleet(|at| at.itl_ms), Some(report.itl_ms)),
     ];
@@ -60,7 +81,9 @@ pub fn svg(report: &PlannerBenchReport) -> String {
     let _ = writeln!(out, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="11">"#);
     let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let ratio = report.worker_seconds_ratio;
-    let title = format!("turbine bench planner: {} at {}x; planner worker-seconds / static: {ratio:.2}", report.trace, report.speedup);
+    // The trace's file name: its folders would run the title off the plot.
+    let trace = std::path::Path::new(&report.trace).file_name().map_or_else(|| report.trace.clone(), |name| name.to_string_lossy().into_owned());
+    let title = format!("turbine bench planner: {trace} at {}x; planner worker-seconds / static: {ratio:.2}", report.speedup);
     let _ = writeln!(out, r#"<text x="{LEFT}" y="22" font-size="14">{}</text>"#, escape(&title));
     for (index, (title, series, target)) in panels.iter().enumerate() {
         let top = TOP + index as f64 * (PANEL + GAP);
@@ -122,7 +145,8 @@ fn panel(out: &mut String, top: f64, title: &str, series: &[Series<'_>], target:
         let mut run: Vec<String> = Vec::new();
         let flush = |run: &mut Vec<String>, out: &mut String| {
             if !run.is_empty() {
-                let _ = writeln!(out, r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#, series.colour, run.join(" "));
+                let dash = series.dash.map_or_else(String::new, |(pattern, _)| format!(r#" stroke-dasharray="{pattern}""#));
+                let _ = writeln!(out, r#"<polyline fill="none" stroke="{}" stroke-width="1.5"{dash} points="{}"/>"#, series.colour, run.join(" "));
                 run.clear();
             }
         };
@@ -137,7 +161,8 @@ fn panel(out: &mut String, top: f64, title: &str, series: &[Series<'_>], target:
             }
         }
         flush(&mut run, out);
-        let _ = writeln!(out, r#"<text x="{:.1}" y="{legend:.1}" fill="{}">— {}</text>"#, right + 8.0, series.colour, escape(series.name));
+        let mark = series.dash.map_or("—", |(_, mark)| mark);
+        let _ = writeln!(out, r#"<text x="{:.1}" y="{legend:.1}" fill="{}">{mark} {}</text>"#, right + 8.0, series.colour, escape(&series.name));
         legend += 14.0;
     }
 }
@@ -177,17 +202,23 @@ mod tests {
     use crate::replay::report::Summary;
 
     fn fleet(name: &str, workers: &[u32], itl: &[Option<f64>]) -> FleetReport {
-        let timeline: Vec<IntervalReport> = workers
+        let pools: Vec<Vec<u32>> = workers.iter().map(|&workers| vec![workers]).collect();
+        fleet_of_pools(name, &pools, itl)
+    }
+
+    fn fleet_of_pools(name: &str, pools: &[Vec<u32>], itl: &[Option<f64>]) -> FleetReport {
+        let timeline: Vec<IntervalReport> = pools
             .iter()
             .zip(itl)
             .enumerate()
-            .map(|(index, (workers, itl_ms))| IntervalReport {
+            .map(|(index, (pool_workers, itl_ms))| IntervalReport {
                 start_secs: index as f64 * 5.0,
                 requests: if itl_ms.is_some() { 10 } else { 0 },
                 ttft_ms: itl_ms.map(|itl| itl * 10.0),
                 itl_ms: *itl_ms,
                 met: itl_ms.is_none_or(|itl| itl <= 20.0),
-                workers: *workers,
+                workers: pool_workers.iter().sum(),
+                pool_workers: pool_workers.clone(),
             })
             .collect();
         FleetReport {
@@ -208,24 +239,7 @@ mod tests {
 
     #[test]
     fn every_fleet_and_target_is_drawn_and_gaps_break_the_lines() {
-        let report = PlannerBenchReport {
-            trace: "a <trace> & more".into(),
-            speedup: 5.0,
-            ttft_ms: 300.0,
-            itl_ms: 20.0,
-            percentile: 90.0,
-            interval_secs: 5.0,
-            fleets: vec![fleet("static", &[4, 4, 4, 4], &[Some(10.0), Some(12.0), None, Some(15.0)]), fleet("planner", &[1, 2, 3, 2], &[Some(30.0), Some(18.0), None, Some(19.0)])],
-            pools: vec!["workers".into()],
-            static_workers: vec![4],
-            planner_start_workers: vec![1],
-            worker_seconds_ratio: 0.5,
-            prompts_cut: 0,
-            planner_restarts_at_secs: vec![7.5],
-            database_restarts_at_secs: vec![10.0],
-            database_outage_secs: 4.0,
-            planner_actions: Default::default(),
-        };
+        let report = report(vec![fleet("static", &[4, 4, 4, 4], &[Some(10.0), Some(12.0), None, Some(15.0)]), fleet("planner", &[1, 2, 3, 2], &[Some(30.0), Some(18.0), None, Some(19.0)])], &["workers"]);
         let plot = svg(&report);
         assert_eq!(plot.matches("planner killed").count(), 1, "the restart is marked");
         assert_eq!(plot.matches("database down").count(), 1, "the outage is marked");
@@ -240,6 +254,40 @@ mod tests {
         assert_eq!(plot.matches(r##"fill="#d62728"/>"##).count(), 1);
         assert_eq!(plot.matches(r##"fill="#dddddd"/>"##).count(), 2);
         assert!(plot.contains("planner SLA: 2/3"));
+    }
+
+    #[test]
+    fn with_several_pools_each_fleets_pools_are_drawn_beside_its_total() {
+        let itl = [Some(10.0), Some(12.0), Some(11.0), Some(15.0)];
+        let static_fleet = fleet_of_pools("static", &vec![vec![4, 6]; 4], &itl);
+        let planner = fleet_of_pools("planner", &[vec![2, 2], vec![2, 3], vec![3, 5], vec![2, 4]], &itl);
+        let plot = svg(&report(vec![static_fleet, planner], &["prefill", "decode"]));
+        // Load 1; workers: 2 totals and 2 × 2 pools; TTFT and ITL 2 each.
+        assert_eq!(plot.matches("<polyline").count(), 1 + 2 + 4 + 2 + 2);
+        assert_eq!(plot.matches(r#"stroke-dasharray="5 3" points"#).count(), 2, "prefill dashed, once per fleet");
+        assert_eq!(plot.matches(r#"stroke-dasharray="1 3" points"#).count(), 2, "decode dotted, once per fleet");
+        assert!(plot.contains("- - planner prefill") && plot.contains("··· static decode"));
+    }
+
+    fn report(fleets: Vec<FleetReport>, pools: &[&str]) -> PlannerBenchReport {
+        PlannerBenchReport {
+            trace: "a <trace> & more".into(),
+            speedup: 5.0,
+            ttft_ms: 300.0,
+            itl_ms: 20.0,
+            percentile: 90.0,
+            interval_secs: 5.0,
+            fleets,
+            pools: pools.iter().map(|&pool| pool.to_owned()).collect(),
+            static_workers: vec![4],
+            planner_start_workers: vec![1],
+            worker_seconds_ratio: 0.5,
+            prompts_cut: 0,
+            planner_restarts_at_secs: vec![7.5],
+            database_restarts_at_secs: vec![10.0],
+            database_outage_secs: 4.0,
+            planner_actions: Default::default(),
+        }
     }
 
     #[test]

@@ -144,13 +144,22 @@ impl LocalConnector {
     /// connector, a planner started earlier on the folder, or one running
     /// beside): what the fleet costs now.
     pub fn running(&self) -> u32 {
-        let Ok(entries) = std::fs::read_dir(&self.settings.state_dir) else { return 0 };
-        entries
+        self.running_by_pool().values().sum()
+    }
+
+    /// [`running`](Self::running), per pool (pools with none left out).
+    pub fn running_by_pool(&self) -> BTreeMap<String, u32> {
+        let mut pools = BTreeMap::new();
+        let Ok(entries) = std::fs::read_dir(&self.settings.state_dir) else { return pools };
+        let records = entries
             .filter_map(|entry| entry.ok().map(|entry| entry.path()))
             .filter(|path| path.extension().is_some_and(|extension| extension == "worker"))
             .filter_map(|path| serde_json::from_slice::<Record>(&std::fs::read(path).ok()?).ok())
-            .filter(|record| runs(record.pid, &record.name))
-            .count() as u32
+            .filter(|record| runs(record.pid, &record.name));
+        for record in records {
+            *pools.entry(record.pool).or_default() += 1;
+        }
+        pools
     }
 
     /// Workers draining now, over all pools.

@@ -99,6 +99,7 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     assert!(done(&down).contains("draining local-test-decode-1"), "{down:?}");
     assert_eq!(connector.serving("decode").await, 1);
     assert_eq!(connector.running(), 2, "a draining worker still runs");
+    assert_eq!(connector.running_by_pool(), std::collections::BTreeMap::from([("decode".to_owned(), 2)]));
     wait_until("the draining worker leaves the registry", Duration::from_secs(30), async || registered(&registry).await.len() == 1).await;
     let finish = loop {
         let message = tokio::time::timeout(Duration::from_secs(30), stream.message()).await.expect("tokens keep coming").expect("the stream is not cut").expect("a finish reason before the end");
