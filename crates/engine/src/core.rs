@@ -486,6 +486,11 @@ impl EngineLoop {
     fn onboard_due(&mut self) {
         let Some(host) = self.host.clone() else { return };
         let due = self.scheduler.due_for_onboard();
+        let block_size = self.scheduler.config().block_size;
+        // Prompt tokens computed before the next due sequence's own: the
+        // running sequences' rest, then what each due sequence before it
+        // computes.
+        let mut prefill_ahead = self.scheduler.prefill_running();
         for (seq_id, hashes) in due {
             let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
             let in_device = self.scheduler.cached_prefix(&sequence);
@@ -497,6 +502,9 @@ impl EngineLoop {
             let past_disk = hashes.len() - disk_from - on_disk;
             let for_remote = if self.remote.as_ref().is_some_and(|remote| remote.worth_asking(past_disk)) { past_disk } else { 0 };
             let plan = OnboardPlan { from_host: blocks.len(), hashes, in_device, blocks, from_remote: 0 };
+            let ahead = prefill_ahead;
+            // Counted as computed unless read below.
+            prefill_ahead += (past_disk + on_disk) * block_size;
             let modelled_host = match self.modelled {
                 Some(modelled) if !plan.blocks.is_empty() => modelled.onboard_time(plan.from_host, 0),
                 _ => Duration::ZERO,
@@ -504,7 +512,15 @@ impl EngineLoop {
             if let Some(reader) = &mut self.reader
                 && (on_disk > 0 || for_remote > 0 || !modelled_host.is_zero())
             {
-                let choice = reader.fetch.lock().choose(Instant::now(), on_disk, for_remote, modelled_host);
+                let choice = reader.fetch.lock().choose(Instant::now(), on_disk, for_remote, modelled_host, ahead);
+                if choice.limit.is_none() {
+                    let read = match (choice.disk, choice.remote) {
+                        (false, false) => 0,
+                        (true, false) => on_disk,
+                        (_, true) => on_disk + for_remote,
+                    };
+                    prefill_ahead -= read.min(past_disk + on_disk) * block_size;
+                }
                 if !(choice.disk || choice.remote || !modelled_host.is_zero()) {
                     self.install_onboarded(seq_id, plan);
                     continue;

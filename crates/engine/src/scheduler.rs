@@ -431,6 +431,20 @@ impl Scheduler {
         }
     }
 
+    /// Prompt tokens the running sequences have still to compute (their
+    /// prefill's rest; a decoding sequence's one token is not prefill): the
+    /// steps compute these before any waiting sequence's.
+    pub fn prefill_running(&self) -> usize {
+        self.running
+            .iter()
+            .map(|seq_id| {
+                let sequence = &self.sequences[seq_id];
+                sequence.tokens.len() - sequence.num_computed
+            })
+            .filter(|&rest| rest > 1)
+            .sum()
+    }
+
     /// Ids of every live sequence.
     pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
         self.sequences.keys().copied()

@@ -14,13 +14,19 @@
 //!   bandwidth), and for the shared tier the share of asked blocks it held.
 //! - **the reader's queue**: reads run one after another, so a new read
 //!   waits for the predicted time of those ahead of it.
+//! - **the prefill ahead**: the request's own prompt is computed only
+//!   after the prompt tokens the engine computes first (the running
+//!   sequences' rest, the sequences admitted before it), whichever it
+//!   chooses; a read overlaps that wait, so it costs only what it adds
+//!   beyond it.
 //!
 //! Below the host tier a prompt's prefix continues in a run of `d` disk
 //! blocks, then `r` blocks the store may hold; the choices are to compute
 //! them all, read the disk run, read it and ask the store for the rest, or
 //! ask the store for both (it holds what every worker wrote through, and
 //! may be faster than a slow disk). The choice with the largest predicted
-//! saving (compute time saved less time spent waiting) wins; none saving
+//! saving (compute time saved less the time spent waiting for the read
+//! beyond the prefill ahead) wins; none saving
 //! anything means computing. A tier never measured is probed (a few of
 //! its blocks are read, the rest computed: that is how it gets measured),
 //! and so is a tier passed over, every [`PROBE_INTERVAL`], so that a tier
@@ -264,8 +270,12 @@ impl FetchModel {
     /// Predicted seconds to compute `blocks` blocks of a prompt (None
     /// until a step with prompt tokens was measured).
     fn compute_seconds(&self, blocks: f64) -> Option<f64> {
+        self.compute_tokens_seconds(blocks * self.block_size as f64)
+    }
+
+    /// Predicted seconds to compute `tokens` prompt tokens.
+    fn compute_tokens_seconds(&self, tokens: f64) -> Option<f64> {
         let (step, per_token) = self.compute.fit()?;
-        let tokens = blocks * self.block_size as f64;
         Some(per_token * tokens + step * (tokens / self.step_tokens as f64).ceil())
     }
 
@@ -273,13 +283,14 @@ impl FetchModel {
     /// `disk_blocks` disk blocks, then `remote_blocks` blocks the shared
     /// tier may hold (0: it is not asked), and books the reads on the
     /// reader's queue (`fixed_wait`: time the reads take whatever is
-    /// chosen, e.g. modelled host transfers).
-    pub(crate) fn choose(&mut self, now: Instant, disk_blocks: usize, remote_blocks: usize, fixed_wait: Duration) -> FetchChoice {
+    /// chosen, e.g. modelled host transfers). `prefill_ahead` is the prompt
+    /// tokens the engine computes before this request's own.
+    pub(crate) fn choose(&mut self, now: Instant, disk_blocks: usize, remote_blocks: usize, fixed_wait: Duration, prefill_ahead: usize) -> FetchChoice {
         let has_remote = remote_blocks > 0;
         let choice = match self.policy {
             FetchPolicy::Never => FetchChoice::NOTHING,
             FetchPolicy::Always => FetchChoice::of(disk_blocks > 0, has_remote),
-            FetchPolicy::Auto => self.predicted_best(now, disk_blocks, remote_blocks),
+            FetchPolicy::Auto => self.predicted_best(now, disk_blocks, remote_blocks, prefill_ahead),
         };
         // Blocks passed over in a tier not read for a while, or in a tier
         // never measured: read a few.
@@ -338,8 +349,10 @@ impl FetchModel {
         chosen
     }
 
-    /// The choice with the largest predicted saving.
-    fn predicted_best(&self, now: Instant, disk_blocks: usize, remote_blocks: usize) -> FetchChoice {
+    /// The choice with the largest predicted saving: the compute it spares
+    /// less the wait for the read (the reader's queue and the read) beyond
+    /// the wait for the prefill ahead, which the read overlaps.
+    fn predicted_best(&self, now: Instant, disk_blocks: usize, remote_blocks: usize, prefill_ahead: usize) -> FetchChoice {
         let mut options = vec![FetchChoice::NOTHING];
         if disk_blocks > 0 {
             options.push(FetchChoice::of(true, false));
@@ -351,6 +364,7 @@ impl FetchModel {
             }
         }
         let wait = self.reader_free_at.map_or(0.0, |at| at.saturating_duration_since(now).as_secs_f64());
+        let ahead = self.compute_tokens_seconds(prefill_ahead as f64).unwrap_or(0.0);
         let mut best = (options[0], 0.0);
         for option in options.into_iter().skip(1) {
             // Compute not measured yet (a fresh engine): nothing to weigh
@@ -361,7 +375,7 @@ impl FetchModel {
                 let disk_unmeasured = option.disk && self.disk.cost.fit().is_none();
                 return FetchChoice { disk: disk_unmeasured, remote: !disk_unmeasured, limit: Some(0) };
             };
-            let gain = saved - wait - reading;
+            let gain = saved - (wait + reading - ahead).max(0.0);
             if gain > best.1 {
                 best = (option, gain);
             }
@@ -471,11 +485,11 @@ mod tests {
         // 40 ms a block from disk: slower than 16 ms of compute.
         model.observe_disk(10, 10, 400 * MS, now);
         model.reader_idle();
-        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice::NOTHING);
+        assert_eq!(model.choose(now, 20, 0, Duration::ZERO, 0), FetchChoice::NOTHING);
         // 1 ms a block: read.
         let mut model = measured(FetchPolicy::Auto);
         model.observe_disk(10, 10, 10 * MS, now);
-        assert_eq!(model.choose(now, 20, 0, Duration::ZERO), FetchChoice::of(true, false));
+        assert_eq!(model.choose(now, 20, 0, Duration::ZERO, 0), FetchChoice::of(true, false));
         let estimates = model.estimates();
         assert_eq!((estimates.disk.decisions.fetch, estimates.disk.decisions.skip), (1, 0));
         assert!((estimates.token_seconds.unwrap() - 0.001).abs() < 1e-9);
@@ -487,12 +501,34 @@ mod tests {
         let mut model = measured(FetchPolicy::Auto);
         // 10 ms a block against 16 of compute: worth it alone...
         model.observe_disk(10, 10, 100 * MS, now);
-        assert!(model.choose(now, 10, 0, Duration::ZERO).disk);
+        assert!(model.choose(now, 10, 0, Duration::ZERO, 0).disk);
         // ...but not behind a second of modelled transfers already queued.
-        model.choose(now, 0, 0, Duration::from_secs(1));
-        assert!(!model.choose(now, 10, 0, Duration::ZERO).disk);
+        model.choose(now, 0, 0, Duration::from_secs(1), 0);
+        assert!(!model.choose(now, 10, 0, Duration::ZERO, 0).disk);
         model.reader_idle();
-        assert!(model.choose(now, 10, 0, Duration::ZERO).disk);
+        assert!(model.choose(now, 10, 0, Duration::ZERO, 0).disk);
+    }
+
+    #[test]
+    fn a_read_costs_only_what_it_adds_to_the_wait_for_the_prefill_ahead() {
+        let now = Instant::now();
+        let mut model = measured(FetchPolicy::Auto);
+        // 40 ms a block from disk against 16 of compute: 20 blocks take 800
+        // ms to read and spare 320 ms of compute.
+        model.observe_disk(10, 10, 400 * MS, now);
+        model.reader_idle();
+        assert!(!model.choose(now, 20, 0, Duration::ZERO, 0).disk, "nothing ahead: the read is all wait");
+        model.reader_idle();
+        // Behind 400 ms of prefill (400 tokens) the read adds 400 ms to the
+        // wait: more than it spares.
+        assert!(!model.choose(now, 20, 0, Duration::ZERO, 400).disk);
+        model.reader_idle();
+        // Behind 640 ms it adds 160 ms and spares 320: read.
+        assert!(model.choose(now, 20, 0, Duration::ZERO, 640).disk);
+        // The reader's queue still counts: behind that read (800 ms), the
+        // same request reads only behind enough prefill to cover both.
+        assert!(!model.choose(now, 20, 0, Duration::ZERO, 640).disk);
+        assert!(model.choose(now, 20, 0, Duration::ZERO, 1_500).disk);
     }
 
     #[test]
@@ -502,7 +538,7 @@ mod tests {
         model.observe_disk(10, 10, 400 * MS, now);
         model.observe_remote(10, 10, 20 * MS, now);
         model.reader_idle();
-        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice::of(false, true));
+        assert_eq!(model.choose(now, 20, 10, Duration::ZERO, 0), FetchChoice::of(false, true));
         // A store that holds little is not worth a round trip.
         let mut model = measured(FetchPolicy::Auto);
         model.observe_disk(10, 10, 400 * MS, now);
@@ -511,25 +547,25 @@ mod tests {
         }
         model.observe_remote(1, 10, 51 * MS, now);
         model.reader_idle();
-        assert_eq!(model.choose(now, 20, 10, Duration::ZERO), FetchChoice::NOTHING);
+        assert_eq!(model.choose(now, 20, 10, Duration::ZERO, 0), FetchChoice::NOTHING);
     }
 
     #[test]
     fn unmeasured_tiers_are_read_and_passed_over_tiers_probed() {
         let now = Instant::now();
         let mut model = measured(FetchPolicy::Auto);
-        assert_eq!(model.choose(now, 5, 0, Duration::ZERO), FetchChoice { disk: true, remote: false, limit: Some(2) }, "never measured: probed");
+        assert_eq!(model.choose(now, 5, 0, Duration::ZERO, 0), FetchChoice { disk: true, remote: false, limit: Some(2) }, "never measured: probed");
         model.observe_disk(5, 5, 500 * MS, now);
         model.reader_idle();
-        assert!(!model.choose(now + MS, 5, 0, Duration::ZERO).disk, "slow: computed");
+        assert!(!model.choose(now + MS, 5, 0, Duration::ZERO, 0).disk, "slow: computed");
         model.reader_idle();
         let later = now + PROBE_INTERVAL + MS;
-        assert_eq!(model.choose(later, 5, 0, Duration::ZERO), FetchChoice { disk: true, remote: false, limit: Some(8) }, "probed again, a few blocks");
+        assert_eq!(model.choose(later, 5, 0, Duration::ZERO, 0), FetchChoice { disk: true, remote: false, limit: Some(8) }, "probed again, a few blocks");
         model.reader_idle();
         let (mut sizes, mut at) = (Vec::new(), later);
         for _ in 0..3 {
             at += PROBE_INTERVAL + MS;
-            sizes.push(model.choose(at, 100, 0, Duration::ZERO).limit.unwrap());
+            sizes.push(model.choose(at, 100, 0, Duration::ZERO, 0).limit.unwrap());
             model.reader_idle();
         }
         assert_eq!(sizes, [4, 16, 2], "probes of varied sizes");
@@ -537,7 +573,7 @@ mod tests {
         // Without compute measured there is nothing to compare: read.
         let mut fresh = FetchModel::new(FetchPolicy::Auto, 16, 8192);
         fresh.observe_disk(5, 5, 500 * MS, now);
-        assert!(fresh.choose(now, 5, 0, Duration::ZERO).disk);
+        assert!(fresh.choose(now, 5, 0, Duration::ZERO, 0).disk);
     }
 
     #[test]
@@ -545,10 +581,10 @@ mod tests {
         let now = Instant::now();
         let mut always = measured(FetchPolicy::Always);
         always.observe_disk(10, 10, 10 * MS * 1000, now);
-        assert_eq!(always.choose(now, 4, 3, Duration::ZERO), FetchChoice::of(true, true));
+        assert_eq!(always.choose(now, 4, 3, Duration::ZERO, 0), FetchChoice::of(true, true));
         let mut never = measured(FetchPolicy::Never);
         never.observe_disk(10, 10, MS, now);
-        assert_eq!(never.choose(now + PROBE_INTERVAL * 2, 4, 3, Duration::ZERO), FetchChoice::NOTHING);
+        assert_eq!(never.choose(now + PROBE_INTERVAL * 2, 4, 3, Duration::ZERO, 0), FetchChoice::NOTHING);
         assert_eq!("auto".parse::<FetchPolicy>(), Ok(FetchPolicy::Auto));
         assert!("sometimes".parse::<FetchPolicy>().is_err());
     }
