@@ -4,19 +4,56 @@
 //! its own (a full queue skips the block: nothing waits on the disk).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
 
 use turbine_kv::{BlockHashes, CachedBlock, KvEvent, SequenceHash, StoredBlock, Tier, TierSet};
 
 use super::disk::DiskTier;
 use super::{EvictionSink, HostBlock, PendingEvents, TierStats, push_removed};
 
-/// Host-tier evictions queued for the disk at most.
-const SPILL_QUEUE: usize = 256;
+/// The share of the host tier's capacity that evictions waiting for the
+/// disk writer may hold (past it the tier's memory would grow unseen).
+const SPILL_SHARE_OF_CAPACITY: u64 = 8;
 
-/// Where host-tier evictions go to be written to disk.
-type Spill = SyncSender<(SequenceHash, Arc<HostBlock>)>;
+/// Bytes evictions waiting for the disk writer may hold however small the
+/// tier (a tier of a few blocks still rides out a burst).
+const SPILL_MIN_BYTES: u64 = 64 << 20;
+
+/// Evictions waiting for the disk writer at most, whatever their bytes
+/// (a modelled block holds a few bytes but still costs a write).
+const SPILL_MAX_BLOCKS: u64 = 65_536;
+
+/// Where host-tier evictions go to be written to disk: a queue bounded in
+/// bytes (an eighth of the host tier's capacity or 64 MiB, whichever is
+/// more, and always room for one block) and in blocks. An eviction that finds it full skips the disk.
+struct Spill {
+    queue: Sender<(SequenceHash, Arc<HostBlock>)>,
+    /// Bytes and blocks queued, taken back by the writer once written.
+    queued: Arc<SpillBacklog>,
+    max_bytes: u64,
+}
+
+#[derive(Default)]
+struct SpillBacklog {
+    bytes: AtomicU64,
+    blocks: AtomicU64,
+}
+
+impl Spill {
+    /// Queues `block` for the disk; false (the block is not queued) if
+    /// the queue is full or the writer is gone.
+    fn offer(&self, hash: SequenceHash, block: Arc<HostBlock>) -> bool {
+        let bytes = block.bytes.len() as u64;
+        let held = self.queued.bytes.load(Ordering::Relaxed);
+        if (held > 0 && held + bytes > self.max_bytes) || self.queued.blocks.load(Ordering::Relaxed) >= SPILL_MAX_BLOCKS {
+            return false;
+        }
+        self.queued.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.queued.blocks.fetch_add(1, Ordering::Relaxed);
+        self.queue.send((hash, block)).is_ok()
+    }
+}
 
 /// The host-memory tier (G2): blocks by sequence hash, bounded in bytes.
 #[derive(Clone)]
@@ -49,7 +86,7 @@ impl HostTier {
     /// A tier holding at most `capacity_bytes` of block bytes, whose
     /// evictions are written to `disk`.
     pub fn with_disk(capacity_bytes: u64, disk: DiskTier) -> Self {
-        Self::build(capacity_bytes, Some(Self::spill_to(disk)), None)
+        Self::build(capacity_bytes, Some(Self::spill_to(disk, capacity_bytes)), None)
     }
 
     /// A tier of an engine whose transfers are modelled
@@ -57,22 +94,27 @@ impl HostTier {
     /// as `block_bytes` against `capacity_bytes`; evictions go to `disk`,
     /// if given.
     pub fn modelled(capacity_bytes: u64, block_bytes: u64, disk: Option<DiskTier>) -> Self {
-        Self::build(capacity_bytes, disk.map(Self::spill_to), Some(block_bytes))
+        Self::build(capacity_bytes, disk.map(|disk| Self::spill_to(disk, capacity_bytes)), Some(block_bytes))
     }
 
-    /// Starts the thread that writes evictions to `disk`.
-    fn spill_to(disk: DiskTier) -> (DiskTier, Spill) {
-        let (spill, spilled) = std::sync::mpsc::sync_channel::<(SequenceHash, Arc<HostBlock>)>(SPILL_QUEUE);
+    /// Starts the thread that writes the evictions of a tier of
+    /// `capacity_bytes` to `disk`.
+    fn spill_to(disk: DiskTier, capacity_bytes: u64) -> (DiskTier, Spill) {
+        let (queue, spilled) = std::sync::mpsc::channel::<(SequenceHash, Arc<HostBlock>)>();
+        let queued = Arc::new(SpillBacklog::default());
         let writer = disk.clone();
+        let backlog = queued.clone();
         std::thread::Builder::new()
             .name("turbine-kv-disk".into())
             .spawn(move || {
                 while let Ok((hash, block)) = spilled.recv() {
                     writer.write(hash, &block);
+                    backlog.bytes.fetch_sub(block.bytes.len() as u64, Ordering::Relaxed);
+                    backlog.blocks.fetch_sub(1, Ordering::Relaxed);
                 }
             })
             .expect("spawn the KV disk writer thread");
-        (disk, spill)
+        (disk, Spill { queue, queued, max_bytes: (capacity_bytes / SPILL_SHARE_OF_CAPACITY).max(SPILL_MIN_BYTES) })
     }
 
     fn build(capacity_bytes: u64, disk: Option<(DiskTier, Spill)>, modelled_block_bytes: Option<u64>) -> Self {
@@ -97,9 +139,7 @@ impl HostTier {
                     push_removed(&events, *hash, Tier::Host);
                     match (&spill, &disk) {
                         (Some(spill), Some(disk)) => {
-                            if !disk.contains(*hash)
-                                && let Err(TrySendError::Full(_)) = spill.try_send((*hash, block))
-                            {
+                            if !disk.contains(*hash) && !spill.offer(*hash, block) {
                                 disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
                             }
                         }
@@ -254,6 +294,44 @@ mod tests {
         // The most recent blocks stay.
         assert_eq!(tier.lookup_run(&[hashes(9)]).len(), 1);
         assert_eq!(tier.lookup_run(&[hashes(0)]).len(), 0);
+    }
+
+    /// A burst of evictions far past what one write keeps up with (here
+    /// 4,000 modelled blocks at once) all reach the disk: the writer's
+    /// backlog is bounded in bytes, and modelled blocks are small.
+    #[test]
+    fn a_burst_of_evictions_reaches_the_disk_whole() {
+        const MODELLED: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let disk = DiskTier::open_modelled(dir.path(), 1 << 40, 7, MODELLED).unwrap();
+        let tier = HostTier::modelled(3 * MODELLED, MODELLED, Some(disk.clone()));
+        for n in 0..4_000u64 {
+            let bytes = n.to_le_bytes().to_vec().into_boxed_slice();
+            tier.insert_run(vec![(SequenceHash(1_000_000 + n), HostBlock { local: LocalBlockHash(n), parent: None, checksum: block_checksum(&bytes), bytes })]);
+        }
+        let evicted = tier.stats().evicted_blocks.load(Ordering::Relaxed);
+        assert!(evicted >= 3_990, "{evicted} evicted");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while disk.stats().offloaded_blocks.load(Ordering::Relaxed) + disk.stats().offloads_skipped.load(Ordering::Relaxed) < evicted {
+            assert!(std::time::Instant::now() < deadline, "the disk writer wrote {} of {evicted}", disk.stats().offloaded_blocks.load(Ordering::Relaxed));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(disk.stats().offloads_skipped.load(Ordering::Relaxed), 0, "no eviction skipped the disk");
+        assert_eq!(disk.blocks(), evicted);
+    }
+
+    /// Blocks waiting for the writer hold at most an eighth of the host
+    /// tier's bytes (and one block always fits).
+    #[test]
+    fn the_disk_backlog_is_bounded_in_bytes() {
+        let (queue, _stalled_writer) = std::sync::mpsc::channel();
+        let spill = Spill { queue, queued: Arc::default(), max_bytes: (64 * 1024) / SPILL_SHARE_OF_CAPACITY };
+        let queued = (0..100u8).take_while(|&n| spill.offer(SequenceHash(u64::from(n)), Arc::new(block(n, 3 * 1024)))).count();
+        assert_eq!(queued, 2, "8 KiB of 3 KiB blocks");
+        assert_eq!(spill.queued.bytes.load(Ordering::Relaxed), 6 * 1024);
+        let big = Spill { queue: spill.queue.clone(), queued: Arc::default(), max_bytes: 1024 };
+        assert!(big.offer(SequenceHash(500), Arc::new(block(1, 4096))), "a block larger than the bound still goes when nothing waits");
+        assert!(!big.offer(SequenceHash(501), Arc::new(block(2, 1))));
     }
 
     #[test]
