@@ -27,6 +27,40 @@ use crate::local::LocalConnector;
 use crate::targets::PoolKind;
 use crate::service::now_unix_ms;
 
+/// Workers draining, per pool, as a connector that drains them counts
+/// them (and the planner's metrics show them). Cloning shares the counts.
+#[derive(Debug, Clone, Default)]
+pub struct DrainingCounts(std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, u32>>>);
+
+impl DrainingCounts {
+    /// Workers of `pool` draining now.
+    pub fn of(&self, pool: &str) -> u32 {
+        self.0.lock().expect("draining counts").get(pool).copied().unwrap_or(0)
+    }
+
+    /// Workers draining now, over all pools.
+    pub fn total(&self) -> u32 {
+        self.0.lock().expect("draining counts").values().sum()
+    }
+
+    /// A worker of `pool` started draining.
+    pub fn started(&self, pool: &str) {
+        self.change(pool, 1);
+    }
+
+    /// A worker of `pool` is done draining (exited or was killed).
+    pub fn ended(&self, pool: &str) {
+        self.change(pool, -1);
+    }
+
+    fn change(&self, pool: &str, change: i64) {
+        let mut draining = self.0.lock().expect("draining counts");
+        let count = draining.entry(pool.to_owned()).or_default();
+        *count = (i64::from(*count) + change).max(0) as u32;
+        crate::metrics::set_draining(pool, *count);
+    }
+}
+
 /// Which connector a planner uses (`--connector`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -12,14 +12,14 @@
 //!   which sets the pool to the size it asks for (nothing, if it already
 //!   has it).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::sync::Mutex as AsyncMutex;
 
-use crate::connector::Outcome;
+use crate::connector::{DrainingCounts, Outcome};
 use crate::decision::Action;
 use crate::targets::PoolKind;
 
@@ -44,31 +44,23 @@ pub struct HostedConnector {
     host: Arc<dyn WorkerHost>,
     /// What each action carried out answered.
     done: Arc<AsyncMutex<HashMap<String, Outcome>>>,
-    /// Workers draining, per pool.
-    draining: Arc<Mutex<BTreeMap<String, u32>>>,
+    draining: DrainingCounts,
 }
 
 impl HostedConnector {
     /// The connector over `host`.
     pub fn new(host: Arc<dyn WorkerHost>) -> Self {
-        Self { host, done: Arc::default(), draining: Arc::default() }
+        Self { host, done: Arc::default(), draining: DrainingCounts::default() }
     }
 
     /// Workers of `pool` draining now.
     pub fn draining_in(&self, pool: &str) -> u32 {
-        self.draining.lock().expect("draining counts").get(pool).copied().unwrap_or(0)
+        self.draining.of(pool)
     }
 
     /// Workers of `kind` serving now.
     pub fn serving(&self, kind: PoolKind) -> u32 {
         self.host.workers(kind).len() as u32
-    }
-
-    fn count_draining(&self, pool: &str, change: i64) {
-        let mut draining = self.draining.lock().expect("draining counts");
-        let count = draining.entry(pool.to_owned()).or_default();
-        *count = (i64::from(*count) + change).max(0) as u32;
-        crate::metrics::set_draining(pool, *count);
     }
 
     /// Sets `action.pool` (of `kind`) to `action.replicas` workers.
@@ -109,7 +101,7 @@ impl HostedConnector {
     /// Drains `name` of `pool` in the background, counted as draining
     /// until it has stopped.
     fn drain(&self, pool: &str, name: String) {
-        self.count_draining(pool, 1);
+        self.draining.started(pool);
         tracing::info!(worker = name, pool, "draining a worker");
         let (connector, pool) = (self.clone(), pool.to_owned());
         tokio::spawn(async move {
@@ -117,7 +109,7 @@ impl HostedConnector {
                 Ok(()) => tracing::info!(worker = name, "worker drained"),
                 Err(problem) => tracing::warn!(worker = name, problem, "a worker did not drain cleanly"),
             }
-            connector.count_draining(&pool, -1);
+            connector.draining.ended(&pool);
         });
     }
 }

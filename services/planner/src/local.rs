@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex as SyncMutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -28,7 +28,7 @@ use tokio::sync::Mutex;
 use turbine_proto::service_names;
 use turbine_runtime::host::BoundAddrs;
 
-use crate::connector::Outcome;
+use crate::connector::{DrainingCounts, Outcome};
 use crate::decision::Action;
 use crate::targets::PoolKind;
 
@@ -91,8 +91,7 @@ struct Fleet {
 pub struct LocalConnector {
     settings: Arc<LocalSettings>,
     fleet: Arc<Mutex<Fleet>>,
-    /// Workers draining, per pool.
-    draining: Arc<SyncMutex<BTreeMap<String, u32>>>,
+    draining: DrainingCounts,
 }
 
 impl LocalConnector {
@@ -128,7 +127,7 @@ impl LocalConnector {
         if let Some(next) = std::fs::read_to_string(settings.state_dir.join(NEXT_FILE)).ok().and_then(|text| text.trim().parse::<u64>().ok()) {
             fleet.next = fleet.next.max(next);
         }
-        Ok(Self { settings: Arc::new(settings), fleet: Arc::new(Mutex::new(fleet)), draining: Arc::default() })
+        Ok(Self { settings: Arc::new(settings), fleet: Arc::new(Mutex::new(fleet)), draining: DrainingCounts::default() })
     }
 
     /// Serving workers of `pool`, as the connector knows them (exited ones
@@ -164,19 +163,12 @@ impl LocalConnector {
 
     /// Workers draining now, over all pools.
     pub fn draining(&self) -> u32 {
-        self.draining.lock().expect("draining counts").values().sum()
+        self.draining.total()
     }
 
     /// Workers of `pool` draining now.
     pub fn draining_in(&self, pool: &str) -> u32 {
-        self.draining.lock().expect("draining counts").get(pool).copied().unwrap_or(0)
-    }
-
-    fn count_draining(&self, pool: &str, change: i64) {
-        let mut draining = self.draining.lock().expect("draining counts");
-        let count = draining.entry(pool.to_owned()).or_default();
-        *count = (i64::from(*count) + change).max(0) as u32;
-        crate::metrics::set_draining(pool, *count);
+        self.draining.of(pool)
     }
 
     /// Sets `action.pool` (of `kind`) to `action.replicas` workers.
@@ -295,7 +287,7 @@ impl LocalConnector {
     fn drain(&self, mut worker: LocalWorker) {
         let (settings, connector) = (self.settings.clone(), self.clone());
         let Record { name, pid, pool } = worker.record.clone();
-        self.count_draining(&pool, 1);
+        self.draining.started(&pool);
         tracing::info!(worker = name, pid, "draining a worker");
         signal(pid, libc::SIGTERM);
         tokio::spawn(async move {
@@ -320,7 +312,7 @@ impl LocalConnector {
                 }
             }
             remove_files(&settings.state_dir, &name);
-            connector.count_draining(&pool, -1);
+            connector.draining.ended(&pool);
             tracing::info!(worker = name, "worker drained");
         });
     }
