@@ -156,15 +156,16 @@ impl EngineHandle {
         {
             offload_evictions(host, remote);
         }
-        let reader = match (&tiers.host, &offload) {
-            (Some(host), Some(_)) if host.disk().is_some() || tiers.modelled.is_some() || tiers.remote.is_some() => {
-                let fetch = Arc::new(parking_lot::Mutex::new(FetchModel::new(tiers.fetch, config.block_size, config.max_batched_tokens)));
+        // What reads from the tiers cost against computing: measured
+        // whenever there is a tier below the pool.
+        let fetch = offload.as_ref().map(|_| Arc::new(parking_lot::Mutex::new(FetchModel::new(tiers.fetch, config.block_size, config.max_batched_tokens))));
+        let reader = match (&tiers.host, &fetch) {
+            (Some(host), Some(fetch)) if host.disk().is_some() || tiers.modelled.is_some() || tiers.remote.is_some() => {
                 let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.remote.clone(), tiers.modelled, fetch.clone());
-                Some(Reader { jobs, done, waiting: HashMap::new(), fetch })
+                Some(Reader { jobs, done, waiting: HashMap::new(), fetch: fetch.clone() })
             }
             _ => None,
         };
-        let fetch = reader.as_ref().map(|reader| reader.fetch.clone());
         let engine_loop = EngineLoop {
             scheduler,
             executor,
@@ -181,6 +182,7 @@ impl EngineHandle {
             remote: tiers.remote.clone(),
             offload,
             reader,
+            fetch: fetch.clone(),
         };
         let thread = thread::Builder::new()
             .name("turbine-engine".into())
@@ -260,7 +262,7 @@ impl EngineHandle {
     }
 
     /// What the fetch-or-recompute decision knows and has decided (None
-    /// without a tier read off the engine thread).
+    /// without a tier below the pool).
     pub fn fetch_estimates(&self) -> Option<FetchEstimates> {
         self.fetch.as_ref().map(|fetch| fetch.lock().estimates())
     }
@@ -311,6 +313,9 @@ struct EngineLoop {
     offload: Option<Offload>,
     /// Reads of disk blocks for requests waiting on them.
     reader: Option<Reader>,
+    /// What reads from the tiers and prompt compute cost (with a tier
+    /// below the pool).
+    fetch: Option<Arc<parking_lot::Mutex<FetchModel>>>,
 }
 
 /// Sequences suspended while their prefix is read from disk (or its
@@ -509,6 +514,9 @@ impl EngineLoop {
                 Some(modelled) if !plan.blocks.is_empty() => modelled.onboard_time(plan.from_host, 0),
                 _ => Duration::ZERO,
             };
+            if let Some(fetch) = self.fetch.as_ref().filter(|_| !modelled_host.is_zero()) {
+                fetch.lock().observe_host(plan.from_host, modelled_host, Instant::now());
+            }
             if let Some(reader) = &mut self.reader
                 && (on_disk > 0 || for_remote > 0 || !modelled_host.is_zero())
             {
@@ -563,6 +571,7 @@ impl EngineLoop {
         let held = self.scheduler.hold_prefix(&sequence[..now_in_device]);
         let parent = now_in_device.checked_sub(1).map(|i| sequence[i]);
         let executor = &mut self.executor;
+        let started = Instant::now();
         let onboarded = self.scheduler.install_prefix(parent, &hashes[now_in_device..in_device + blocks.len()], |block, index| {
             match executor.write_block(block, &blocks[skip + index].bytes) {
                 Ok(()) => true,
@@ -572,10 +581,17 @@ impl EngineLoop {
                 }
             }
         });
+        let took = started.elapsed();
         self.scheduler.release_pinned(&held);
         // Blocks skipped or not installed are counted off the nearest
         // tiers first.
         let from_host = from_host.saturating_sub(skip).min(onboarded);
+        // A host block's read is its copy into the pool, which costs the
+        // same for every installed block (modelled transfers were timed
+        // by the model).
+        if let Some(fetch) = self.fetch.as_ref().filter(|_| self.modelled.is_none() && from_host > 0) {
+            fetch.lock().observe_host(onboarded, took, Instant::now());
+        }
         let from_remote = from_remote.min(onboarded - from_host);
         if let Some(host) = &self.host {
             host.stats().onboarded_blocks.fetch_add(from_host as u64, Ordering::Relaxed);
@@ -752,8 +768,8 @@ impl EngineLoop {
         };
         let took = started.elapsed();
         self.stats.busy_nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-        if let Some(reader) = &self.reader {
-            reader.fetch.lock().observe_step(prompt_tokens, took);
+        if let Some(fetch) = &self.fetch {
+            fetch.lock().observe_step(prompt_tokens, took);
         }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let sampled = match sampled {

@@ -146,6 +146,11 @@ async fn blocks_evicted_from_the_pool_come_back_from_host_memory_with_the_same_o
     assert!(engine.stats().onboarded_prompt_tokens.load(Ordering::Relaxed) >= 40);
     assert!(host.stats().onboarded_blocks.load(Ordering::Relaxed) >= 10);
     assert_eq!(host.stats().corrupt_blocks.load(Ordering::Relaxed), 0);
+    // What the copies into the pool took is measured, for routers to
+    // weigh a host hit against computing it.
+    let estimates = engine.fetch_estimates().expect("an engine with a host tier measures it");
+    assert!(estimates.host.block_seconds.is_some_and(|seconds| seconds > 0.0), "{estimates:?}");
+    assert!(estimates.token_seconds.is_some(), "{estimates:?}");
 
     let mut host_stored = 0;
     while let Ok(event) = events.try_recv() {

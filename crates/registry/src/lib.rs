@@ -91,6 +91,9 @@ impl ReadCost {
 /// A worker's measured read costs per lower tier (None: not measured).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct ReadCosts {
+    /// Its host memory (G2): the copy into the pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<ReadCost>,
     /// Its local disk (G3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk: Option<ReadCost>,
@@ -102,7 +105,7 @@ pub struct ReadCosts {
 impl ReadCosts {
     /// Nothing measured.
     pub fn is_unmeasured(&self) -> bool {
-        self.disk.is_none() && self.remote.is_none()
+        self.host.is_none() && self.disk.is_none() && self.remote.is_none()
     }
 }
 
@@ -263,7 +266,7 @@ mod tests {
         let record: WorkerRecord = serde_json::from_str(old).unwrap();
         assert!(record.read_costs.is_unmeasured());
         assert!(!serde_json::to_string(&record).unwrap().contains("read_costs"), "nothing measured, nothing written");
-        let measured = WorkerRecord { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }), remote: None }, ..record };
+        let measured = WorkerRecord { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }), ..ReadCosts::default() }, ..record };
         let again: WorkerRecord = serde_json::from_str(&serde_json::to_string(&measured).unwrap()).unwrap();
         assert_eq!(again, measured);
         assert_eq!(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }.saved_blocks(10.0), 7.0);

@@ -98,6 +98,11 @@ impl FetchMetrics {
     }
 
     fn update(&self, estimates: &turbine_engine::FetchEstimates) {
+        // The host tier is always read: it has costs, no decisions.
+        if let (Some(fixed), Some(per_block)) = (estimates.host.fixed_seconds, estimates.host.block_seconds) {
+            self.fixed_seconds.with_label_values(&["host"]).set(fixed);
+            self.block_seconds.with_label_values(&["host"]).set(per_block);
+        }
         for (tier, estimate) in [("disk", &estimates.disk), ("remote", &estimates.remote)] {
             let decisions = estimate.decisions;
             for (decision, count) in [("fetch", decisions.fetch), ("probe", decisions.probe), ("skip", decisions.skip)] {

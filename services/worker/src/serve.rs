@@ -172,7 +172,7 @@ fn read_costs(estimates: &turbine_engine::FetchEstimates, block_size: usize) -> 
     let tier = |tier: &turbine_engine::tiers::fetch::TierEstimate| {
         Some(ReadCost { fixed_blocks: (tier.fixed_seconds? / compute_block) as f32, per_block: (tier.block_seconds? / compute_block) as f32 })
     };
-    ReadCosts { disk: tier(&estimates.disk), remote: tier(&estimates.remote) }
+    ReadCosts { host: tier(&estimates.host), disk: tier(&estimates.disk), remote: tier(&estimates.remote) }
 }
 
 /// The endpoint other services should use to reach a server bound at `bound`.
@@ -209,10 +209,12 @@ mod tests {
         let estimates = FetchEstimates {
             token_seconds: Some(0.001),
             step_seconds: Some(0.01),
+            host: TierEstimate { fixed_seconds: Some(0.0), block_seconds: Some(0.00016), ..TierEstimate::default() },
             disk: TierEstimate { fixed_seconds: Some(0.008), block_seconds: Some(0.004), ..TierEstimate::default() },
             ..FetchEstimates::default()
         };
         let costs = read_costs(&estimates, 16);
+        assert_eq!(costs.host, Some(ReadCost { fixed_blocks: 0.0, per_block: 0.01 }));
         assert_eq!(costs.disk, Some(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }));
         assert_eq!(costs.remote, None, "not measured");
         assert!(read_costs(&FetchEstimates::default(), 16).is_unmeasured(), "compute not measured: nothing to compare with");

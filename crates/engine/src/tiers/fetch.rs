@@ -194,6 +194,10 @@ pub struct FetchEstimates {
     pub step_seconds: Option<f64>,
     /// Seconds per prompt token computed.
     pub token_seconds: Option<f64>,
+    /// The host tier: its reads are the copies of its blocks into the
+    /// pool (modelled transfers: their modelled time); always read, so it
+    /// has no decisions.
+    pub host: TierEstimate,
     /// The disk tier.
     pub disk: TierEstimate,
     /// The shared tier.
@@ -227,6 +231,7 @@ pub(crate) struct FetchModel {
     block_size: usize,
     step_tokens: usize,
     compute: LinearCost,
+    host: TierCost,
     disk: TierCost,
     remote: TierCost,
     /// When the reader thread is predicted to be done with the reads
@@ -241,6 +246,7 @@ impl FetchModel {
             block_size: block_size.max(1),
             step_tokens: step_tokens.max(1),
             compute: LinearCost::default(),
+            host: TierCost::default(),
             disk: TierCost::default(),
             remote: TierCost::default(),
             reader_free_at: None,
@@ -250,6 +256,11 @@ impl FetchModel {
     /// A step computed `prompt_tokens` prompt tokens in `took`.
     pub(crate) fn observe_step(&mut self, prompt_tokens: usize, took: Duration) {
         self.compute.observe(prompt_tokens as f64, took.as_secs_f64());
+    }
+
+    /// `blocks` from the host tier were copied into the pool in `took`.
+    pub(crate) fn observe_host(&mut self, blocks: usize, took: Duration, now: Instant) {
+        observe(&mut self.host, blocks, 0, took, now);
     }
 
     /// The disk returned `blocks` in `took`.
@@ -425,6 +436,7 @@ impl FetchModel {
             policy: self.policy,
             step_seconds: compute.map(|(step, _)| step),
             token_seconds: compute.map(|(_, per_token)| per_token),
+            host: tier(&self.host),
             disk: tier(&self.disk),
             remote: tier(&self.remote),
         }

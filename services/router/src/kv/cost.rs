@@ -10,11 +10,17 @@ use turbine_registry::ReadCosts;
 pub struct KvWeights {
     /// Credit for a matched block in engine memory.
     pub device_credit: f64,
-    /// Credit for a matched block in host memory.
+    /// Credit for a matched block in host memory, on a worker that has not
+    /// measured reading it (a measured tier is credited by the compute a
+    /// read spares).
     pub host_credit: f64,
-    /// Credit for a matched block on local disk.
+    /// Credit for a matched block on local disk, on a worker that has not
+    /// measured reading it (a measured tier is credited by the compute a
+    /// read spares).
     pub disk_credit: f64,
-    /// Credit for a matched block in a remote KV store.
+    /// Credit for a matched block in a remote KV store, on a worker that has not
+    /// measured reading it (a measured tier is credited by the compute a
+    /// read spares).
     pub remote_credit: f64,
     /// Weight of prefill work against decode load.
     pub prefill_load_scale: f64,
@@ -169,9 +175,10 @@ pub fn cost(weights: &KvWeights, candidate: &KvCandidate) -> f64 {
 fn credit(weights: &KvWeights, candidate: &KvCandidate, tier: Tier) -> f64 {
     let blocks = f64::from(candidate.matched_by_tier[tier as usize]);
     let measured = match tier {
+        Tier::Host => candidate.read_costs.host,
         Tier::Disk => candidate.read_costs.disk,
         Tier::Remote => candidate.read_costs.remote,
-        Tier::Device | Tier::Host => None,
+        Tier::Device => None,
     };
     match measured {
         Some(read) => weights.device_credit * read.saved_blocks(blocks),
@@ -231,14 +238,29 @@ mod tests {
         assert_eq!(cost(&weights, &on_disk), 100.0 * (10.0 - 20.0) + 10.0);
         // Reading a block costs a tenth of computing it, plus a round trip
         // of half a block: 10 blocks save 8.5, each worth a device block.
-        let fast = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.1 }), remote: None }, ..on_disk };
+        let fast = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.1 }), ..ReadCosts::default() }, ..on_disk };
         assert!((cost(&weights, &fast) - (100.0 * (10.0 - 8.0 * 8.5) + 10.0)).abs() < 1e-4);
         // Slower than computing: no credit at all.
-        let slow = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.0, per_block: 3.0 }), remote: None }, ..on_disk };
+        let slow = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.0, per_block: 3.0 }), ..ReadCosts::default() }, ..on_disk };
         assert_eq!(cost(&weights, &slow), cost(&weights, &candidate(10, 0, 0, 0)));
         let mut rng = StdRng::seed_from_u64(1);
         let elsewhere = candidate(10, 0, 0, 0);
         assert_eq!(choose(&weights, &[elsewhere, fast], &mut rng), 1, "a fast disk's hit is worth routing to");
+    }
+
+    #[test]
+    fn a_measured_host_tier_is_credited_by_the_compute_its_copies_spare() {
+        use turbine_registry::ReadCost;
+        let weights = KvWeights::default();
+        let in_host = KvCandidate { matched_by_tier: [0, 10, 0, 0], ..candidate(10, 0, 0, 0) };
+        // Unmeasured: the host's weight, 6 a block.
+        assert_eq!(cost(&weights, &in_host), 100.0 * (10.0 - 60.0) + 10.0);
+        // A copy costs a hundredth of computing the block: 10 blocks spare
+        // 9.9 blocks of compute, each worth a device block's 8.
+        let measured = KvCandidate { read_costs: ReadCosts { host: Some(ReadCost { fixed_blocks: 0.0, per_block: 0.01 }), ..ReadCosts::default() }, ..in_host };
+        assert!((cost(&weights, &measured) - (100.0 * (10.0 - 8.0 * 9.9) + 10.0)).abs() < 1e-3, "{}", cost(&weights, &measured));
+        let on_device = candidate(10, 10, 0, 0);
+        assert!(cost(&weights, &measured) > cost(&weights, &on_device), "a host hit never beats the same hit in the pool");
     }
 
     #[test]

@@ -148,6 +148,9 @@ impl Router {
 fn measured_costs(worker: &LiveWorker, request: &RouteRequest) -> turbine_registry::ReadCosts {
     let mut costs = worker.record.read_costs;
     if let Some(overrides) = &request.kv {
+        if overrides.host_credit.is_some() {
+            costs.host = None;
+        }
         if overrides.disk_credit.is_some() {
             costs.disk = None;
         }
