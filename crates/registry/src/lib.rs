@@ -81,10 +81,12 @@ pub struct ReadCost {
 }
 
 impl ReadCost {
-    /// Blocks of compute a read of `blocks` saves (0 when reading is
-    /// slower: the worker then computes them).
-    pub fn saved_blocks(&self, blocks: f64) -> f64 {
-        (blocks * (1.0 - f64::from(self.per_block)) - f64::from(self.fixed_blocks)).max(0.0)
+    /// Blocks of compute by which a read of `blocks` lengthens a request's
+    /// wait when `ahead` blocks of prefill are queued before it on the
+    /// worker: the read runs beside that queue, so only what it takes
+    /// beyond it counts.
+    pub fn added_wait(&self, blocks: f64, ahead: f64) -> f64 {
+        (f64::from(self.fixed_blocks) + f64::from(self.per_block) * blocks - ahead).max(0.0)
     }
 }
 
@@ -269,7 +271,8 @@ mod tests {
         let measured = WorkerRecord { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }), ..ReadCosts::default() }, ..record };
         let again: WorkerRecord = serde_json::from_str(&serde_json::to_string(&measured).unwrap()).unwrap();
         assert_eq!(again, measured);
-        assert_eq!(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }.saved_blocks(10.0), 7.0);
-        assert_eq!(ReadCost { fixed_blocks: 0.0, per_block: 2.0 }.saved_blocks(10.0), 0.0);
+        assert_eq!(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }.added_wait(10.0, 0.0), 3.0);
+        assert_eq!(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }.added_wait(10.0, 2.0), 1.0);
+        assert_eq!(ReadCost { fixed_blocks: 0.0, per_block: 2.0 }.added_wait(10.0, 30.0), 0.0, "hidden by the queue ahead");
     }
 }

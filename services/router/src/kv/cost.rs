@@ -167,11 +167,14 @@ pub fn cost(weights: &KvWeights, candidate: &KvCandidate) -> f64 {
     weights.prefill_load_scale * prefill + candidate.active_decode_blocks as f64 + f64::from(prompt_blocks)
 }
 
-/// The credit of `candidate`'s matched blocks in `tier`: a tier whose reads
-/// the worker measured saves what reading those blocks saves over
-/// computing them (a block of compute saved is worth a device block's
-/// credit; a tier slower than computing saves nothing, as the worker then
-/// computes); any other, the tier's weight per block.
+/// The credit of `candidate`'s matched blocks in `tier`. A tier whose
+/// reads the worker measured: the compute the read spares (each block
+/// worth a device block's credit) less what the read adds to this
+/// request's wait beyond the prefill queued before it on the worker (a
+/// read runs beside that queue, off the steps the other requests share).
+/// Where that addition is more than computing the blocks would take, a
+/// worker that decides (disk, shared tier) computes them: no credit. Any
+/// other tier: its weight per block.
 fn credit(weights: &KvWeights, candidate: &KvCandidate, tier: Tier) -> f64 {
     let blocks = f64::from(candidate.matched_by_tier[tier as usize]);
     let measured = match tier {
@@ -180,10 +183,13 @@ fn credit(weights: &KvWeights, candidate: &KvCandidate, tier: Tier) -> f64 {
         Tier::Remote => candidate.read_costs.remote,
         Tier::Device => None,
     };
-    match measured {
-        Some(read) => weights.device_credit * read.saved_blocks(blocks),
-        None => weights.credit(tier) * blocks,
+    let Some(read) = measured else { return weights.credit(tier) * blocks };
+    let added = read.added_wait(blocks, candidate.active_prefill_blocks as f64);
+    // The host tier is always read.
+    if tier != Tier::Host && added >= blocks {
+        return 0.0;
     }
+    (weights.device_credit * blocks - added).max(0.0)
 }
 
 /// Picks a candidate index (`candidates` must not be empty).
@@ -237,10 +243,12 @@ mod tests {
         // Unmeasured: the disk's weight, 2 a block.
         assert_eq!(cost(&weights, &on_disk), 100.0 * (10.0 - 20.0) + 10.0);
         // Reading a block costs a tenth of computing it, plus a round trip
-        // of half a block: 10 blocks save 8.5, each worth a device block.
+        // of half a block: 10 blocks spare 10 of compute, each worth a
+        // device block, and wait 1.5 blocks longer than they would in the
+        // pool.
         let fast = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.5, per_block: 0.1 }), ..ReadCosts::default() }, ..on_disk };
-        assert!((cost(&weights, &fast) - (100.0 * (10.0 - 8.0 * 8.5) + 10.0)).abs() < 1e-4);
-        // Slower than computing: no credit at all.
+        assert!((cost(&weights, &fast) - (100.0 * (10.0 - (80.0 - 1.5)) + 10.0)).abs() < 1e-4);
+        // Slower than computing: the worker computes, no credit at all.
         let slow = KvCandidate { read_costs: ReadCosts { disk: Some(ReadCost { fixed_blocks: 0.0, per_block: 3.0 }), ..ReadCosts::default() }, ..on_disk };
         assert_eq!(cost(&weights, &slow), cost(&weights, &candidate(10, 0, 0, 0)));
         let mut rng = StdRng::seed_from_u64(1);
@@ -256,11 +264,20 @@ mod tests {
         // Unmeasured: the host's weight, 6 a block.
         assert_eq!(cost(&weights, &in_host), 100.0 * (10.0 - 60.0) + 10.0);
         // A copy costs a hundredth of computing the block: 10 blocks spare
-        // 9.9 blocks of compute, each worth a device block's 8.
+        // 10 blocks of compute, each worth a device block's 8, and add 0.1
+        // to the wait.
         let measured = KvCandidate { read_costs: ReadCosts { host: Some(ReadCost { fixed_blocks: 0.0, per_block: 0.01 }), ..ReadCosts::default() }, ..in_host };
-        assert!((cost(&weights, &measured) - (100.0 * (10.0 - 8.0 * 9.9) + 10.0)).abs() < 1e-3, "{}", cost(&weights, &measured));
+        assert!((cost(&weights, &measured) - (100.0 * (10.0 - (80.0 - 0.1)) + 10.0)).abs() < 1e-3, "{}", cost(&weights, &measured));
         let on_device = candidate(10, 10, 0, 0);
         assert!(cost(&weights, &measured) > cost(&weights, &on_device), "a host hit never beats the same hit in the pool");
+        // Copies slower than computing (2.4 blocks of compute a block):
+        // still always read, sparing the compute the other requests
+        // share; the request waits 24 blocks longer on an idle worker...
+        let slow = KvCandidate { read_costs: ReadCosts { host: Some(ReadCost { fixed_blocks: 0.0, per_block: 2.4 }), ..ReadCosts::default() }, ..in_host };
+        assert!((cost(&weights, &slow) - (100.0 * (10.0 - (80.0 - 24.0)) + 10.0)).abs() < 1e-3, "{}", cost(&weights, &slow));
+        // ...and not at all behind 30 blocks of queued prefill.
+        let busy = KvCandidate { active_prefill_blocks: 30, ..slow };
+        assert!((cost(&weights, &busy) - (100.0 * (30.0 + 10.0 - 80.0) + 10.0)).abs() < 1e-3, "{}", cost(&weights, &busy));
     }
 
     #[test]
