@@ -43,6 +43,12 @@ const MIN_SAMPLES: f64 = 10.0;
 /// Most intervals the lengths are read over.
 const LENGTH_WINDOW: usize = 20;
 
+/// Finished requests the mean lengths are read from once that many
+/// finished in the window: one interval's few dozen requests give means
+/// that swing by half (a heavy-tailed input length), and the decode pool
+/// is sized on them.
+const LENGTH_SAMPLES: f64 = 100.0;
+
 /// How long one scrape may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -104,6 +110,21 @@ impl Totals {
     }
 }
 
+/// Mean input and output lengths over the newest intervals (`finished`,
+/// prompt and completion tokens per interval, oldest first) that hold
+/// `LENGTH_SAMPLES` finished requests, or the whole window when it holds
+/// fewer but at least `MIN_SAMPLES` (a start); zeros below that.
+fn mean_lengths(window: &std::collections::VecDeque<(f64, f64, f64)>) -> (f64, f64) {
+    let mut sum = (0.0, 0.0, 0.0);
+    for (finished, prompt, completion) in window.iter().rev() {
+        sum = (sum.0 + finished, sum.1 + prompt, sum.2 + completion);
+        if sum.0 >= LENGTH_SAMPLES {
+            break;
+        }
+    }
+    if sum.0 >= MIN_SAMPLES { (sum.1 / sum.0, sum.2 / sum.0) } else { (0.0, 0.0) }
+}
+
 /// Reads the deployment every interval.
 #[derive(Debug)]
 pub struct Observer {
@@ -147,22 +168,14 @@ impl Observer {
         Ok(totals)
     }
 
-    /// Mean input and output lengths of the latest requests finished, at
-    /// least `MIN_SAMPLES` of them, `interval` the newest; zeros when fewer
-    /// finished in the window.
+    /// Mean input and output lengths of the latest requests finished,
+    /// `interval` the newest ([`mean_lengths`]).
     fn lengths(&mut self, interval: &Totals) -> (f64, f64) {
         self.finished.push_back((interval.finished, interval.prompt_tokens, interval.completion_tokens));
         if self.finished.len() > LENGTH_WINDOW {
             self.finished.pop_front();
         }
-        let mut sum = (0.0, 0.0, 0.0);
-        for (finished, prompt, completion) in self.finished.iter().rev() {
-            sum = (sum.0 + finished, sum.1 + prompt, sum.2 + completion);
-            if sum.0 >= MIN_SAMPLES {
-                return (sum.1 / sum.0, sum.2 / sum.0);
-            }
-        }
-        (0.0, 0.0)
+        mean_lengths(&self.finished)
     }
 
     /// The interval since the last call, one observation per pool of
@@ -202,5 +215,26 @@ impl Observer {
                 })
                 .collect(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+
+    #[test]
+    fn lengths_are_read_over_enough_finished_requests() {
+        // Intervals of 30 finished requests: the newest says 600 tokens in,
+        // the three before it 1,200.
+        let mut window: VecDeque<(f64, f64, f64)> = [1_200.0, 1_200.0, 1_200.0, 600.0].iter().map(|isl| (30.0, 30.0 * isl, 30.0 * 100.0)).collect();
+        let (isl, osl) = mean_lengths(&window);
+        assert_eq!((isl, osl), (1_050.0, 100.0), "the newest four intervals (120 requests), not the newest one");
+        // A start: fewer than 100 finished in all, at least 10.
+        window = [(4.0, 4_000.0, 400.0), (8.0, 8_000.0, 800.0)].into_iter().collect();
+        assert_eq!(mean_lengths(&window), (1_000.0, 100.0));
+        window = [(9.0, 9_000.0, 900.0)].into_iter().collect();
+        assert_eq!(mean_lengths(&window), (0.0, 0.0), "too few finished to know");
     }
 }
