@@ -27,6 +27,11 @@ pub struct Observation {
     pub kv_usage: f64,
     /// Replicas serving during the interval.
     pub replicas: u32,
+    /// Sequences the pool's workers were running when the interval ended.
+    pub running: u32,
+    /// Mean KV cache per running sequence when the interval ended, tokens
+    /// (a block several sequences share counts once); 0 when none ran.
+    pub context_tokens: f64,
 }
 
 /// The load a decision sized for.
@@ -183,6 +188,8 @@ impl From<&Decision> for pb::Decision {
                     queue_depth: seen.queue_depth,
                     kv_usage: seen.kv_usage,
                     replicas: seen.replicas,
+                    running: seen.running,
+                    context_tokens: seen.context_tokens,
                 })
                 .collect(),
             predicted: decision.predicted.as_ref().map(|predicted| pb::Prediction {
@@ -359,6 +366,8 @@ impl TryFrom<pb::Decision> for Decision {
                     queue_depth: seen.queue_depth,
                     kv_usage: seen.kv_usage,
                     replicas: seen.replicas,
+                    running: seen.running,
+                    context_tokens: seen.context_tokens,
                 })
                 .collect(),
             predicted: predicted

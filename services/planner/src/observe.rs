@@ -14,8 +14,9 @@
 //!   finished in this one, up to twenty intervals; none when fewer than
 //!   ten finished in all: the first to finish are the short ones). A
 //!   percentile needs ten requests in the interval;
-//! - the worker registry: each pool's workers (by role), their queues and
-//!   KV usage as their last heartbeat reported them.
+//! - the worker registry: each pool's workers (by role), the sequences
+//!   they run and queue, and their KV usage (a fraction, and tokens per
+//!   running sequence) as their last heartbeat reported them.
 //!
 //! Every pool gets the deployment's load and latencies (a request crosses
 //! every pool); replicas, queue and KV usage are the pool's own.
@@ -203,6 +204,8 @@ impl Observer {
                 .map(|pool| {
                     let members: Vec<_> = workers.iter().map(|live| &live.record).filter(|record| record.role == role(pool.kind)).collect();
                     let (used, total) = members.iter().fold((0u64, 0u64), |(used, total), record| (used + u64::from(record.load.blocks_used), total + u64::from(record.load.blocks_total)));
+                    let running: u32 = members.iter().map(|record| record.load.running).sum();
+                    let cached_tokens: f64 = members.iter().map(|record| f64::from(record.load.blocks_used) * f64::from(record.kv_block_size)).sum();
                     Observation {
                         pool: pool.pool.clone(),
                         load,
@@ -211,6 +214,8 @@ impl Observer {
                         queue_depth: members.iter().map(|record| f64::from(record.load.waiting)).sum(),
                         kv_usage: if total > 0 { used as f64 / total as f64 } else { 0.0 },
                         replicas: members.len() as u32,
+                        running,
+                        context_tokens: if running > 0 { cached_tokens / f64::from(running) } else { 0.0 },
                     }
                 })
                 .collect(),
