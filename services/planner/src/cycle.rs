@@ -19,9 +19,9 @@ use crate::ledger::LedgerError;
 use crate::observe::Observer;
 use crate::predict::{Forecaster, Load};
 use crate::profile::Profile;
-use crate::propose::{Corrections, Proposal, corrections_over, propose};
+use crate::propose::{Corrections, Proposal, corrections_over, decode_in_flight, propose};
 use crate::service::PlannerState;
-use crate::targets::{Predictor, Targets};
+use crate::targets::{PoolKind, Predictor, Targets};
 
 /// How often a planner without targets looks for them.
 const NO_TARGETS_POLL: Duration = Duration::from_secs(1);
@@ -127,19 +127,32 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
 
 /// The profile's proposals for `load`. While requests come but too few
 /// have finished to know their lengths (a start), each pool holds its
-/// decided size rather than be sized on the first, short ones.
-fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>) -> Vec<Proposal> {
-    if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {
-        return targets
+/// decided size rather than be sized on the first, short ones. A decode
+/// pool is never proposed fewer workers than the sequences it holds now
+/// need (`decode_in_flight`): the forecast trails a ramp, and at a start
+/// the sequences in flight are all there is to size decode on.
+fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation]) -> Vec<Proposal> {
+    let mut proposals = if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {
+        targets
             .pools()
             .iter()
             .map(|limits| {
                 let held = current.get(&limits.pool).map_or(limits.min_replicas, |size| size.decided);
                 Proposal { pool: limits.pool.clone(), replicas: held, reason: format!("too few requests finished to know their lengths: holding {held}") }
             })
-            .collect();
+            .collect()
+    } else {
+        propose(profile, targets, load, corrections)
+    };
+    for proposal in &mut proposals {
+        let decode = targets.pools().iter().any(|limits| limits.pool == proposal.pool && limits.kind == PoolKind::Decode);
+        let Some(in_flight) = observed.iter().find(|seen| decode && seen.pool == proposal.pool).and_then(|seen| decode_in_flight(profile, targets, seen, corrections)) else { continue };
+        if in_flight.replicas > proposal.replicas {
+            proposal.reason = format!("{}; {}: {}", proposal.reason, in_flight.reason, in_flight.replicas);
+            proposal.replicas = in_flight.replicas;
+        }
     }
-    propose(profile, targets, load, corrections)
+    proposals
 }
 
 /// One interval's decision.
@@ -172,7 +185,7 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
             last_scaled.insert(limits.pool.clone(), at);
         }
     }
-    let proposals = proposals(&sizing.profile, targets, &prediction.load, corrections, &current);
+    let proposals = proposals(&sizing.profile, targets, &prediction.load, corrections, &current, &observed);
     let id = ledger.next_decision_id().await?;
     let pools = constrain(targets, &proposals, &current, &last_scaled, now)
         .into_iter()
@@ -234,11 +247,40 @@ mod tests {
         let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
         let current = HashMap::from([("workers".to_owned(), PoolSize { running: 5, decided: 5 })]);
         let unknown = Load { request_rate: 20.0, isl_mean: 0.0, osl_mean: 0.0 };
-        let held = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current);
+        let held = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[]);
         assert_eq!((held[0].replicas, held[0].reason.as_str()), (5, "too few requests finished to know their lengths: holding 5"));
         // Known lengths: the profile's proposal.
-        let known = proposals(&profile, &targets(Predictor::Constant), &Load { isl_mean: 1000.0, osl_mean: 100.0, ..unknown }, Corrections::default(), &current);
+        let known = proposals(&profile, &targets(Predictor::Constant), &Load { isl_mean: 1000.0, osl_mean: 100.0, ..unknown }, Corrections::default(), &current, &[]);
         assert!(known[0].reason.starts_with("prefill "), "{:?}", known[0]);
+
+        // Prefill and decode pools at a start: prefill holds, decode is
+        // sized for the 40 sequences it holds and the 20 a second that
+        // start over the 5-second interval (none finishing): 140, at 13
+        // per worker within 18 ms.
+        let pools = [("prefill", PoolKind::Prefill), ("decode", PoolKind::Decode)]
+            .map(|(pool, kind)| PoolLimits { pool: pool.into(), kind, min_replicas: 1, max_replicas: 8 })
+            .to_vec();
+        let split = Targets::new(300.0, 20.0, 90.0, pools, 16, Duration::from_secs(5), Duration::from_secs(10), Predictor::Constant).unwrap();
+        let current = HashMap::from([("prefill".to_owned(), PoolSize { running: 2, decided: 2 }), ("decode".to_owned(), PoolSize { running: 2, decided: 2 })]);
+        let seen = |pool: &str, running, finish_rate| Observation {
+            pool: pool.into(),
+            load: unknown,
+            ttft_ms: None,
+            itl_ms: None,
+            queue_depth: 0.0,
+            kv_usage: 0.5,
+            replicas: 2,
+            running,
+            context_tokens: 1_200.0,
+            finish_rate,
+        };
+        let start = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)]);
+        assert_eq!(start.iter().map(|proposal| proposal.replicas).collect::<Vec<_>>(), [2, 11], "{start:?}");
+        assert!(start[1].reason.starts_with("too few requests finished to know their lengths: holding 2; decode 140 sequences by the next interval"), "{start:?}");
+        assert!(start[1].reason.ends_with("(context 1200 from their KV cache): 11"), "{start:?}");
+        // Fewer than the pool holds (as many finishing as starting): it holds.
+        let quiet = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("decode", 10, 20.0)]);
+        assert_eq!(quiet[1].replicas, 2, "{quiet:?}");
     }
 
     #[test]

@@ -27,11 +27,18 @@ pub struct Observation {
     pub kv_usage: f64,
     /// Replicas serving during the interval.
     pub replicas: u32,
-    /// Sequences the pool's workers were running when the interval ended.
+    /// Sequences the pool's workers were running when the interval ended
+    /// (0 in decisions recorded before it was kept).
+    #[serde(default)]
     pub running: u32,
     /// Mean KV cache per running sequence when the interval ended, tokens
     /// (a block several sequences share counts once); 0 when none ran.
+    #[serde(default)]
     pub context_tokens: f64,
+    /// Requests per second that finished during the interval (the
+    /// deployment's, like the request rate).
+    #[serde(default)]
+    pub finish_rate: f64,
 }
 
 /// The load a decision sized for.
@@ -190,6 +197,7 @@ impl From<&Decision> for pb::Decision {
                     replicas: seen.replicas,
                     running: seen.running,
                     context_tokens: seen.context_tokens,
+                    finish_rate: seen.finish_rate,
                 })
                 .collect(),
             predicted: decision.predicted.as_ref().map(|predicted| pb::Prediction {
@@ -368,6 +376,7 @@ impl TryFrom<pb::Decision> for Decision {
                     replicas: seen.replicas,
                     running: seen.running,
                     context_tokens: seen.context_tokens,
+                    finish_rate: seen.finish_rate,
                 })
                 .collect(),
             predicted: predicted
@@ -396,5 +405,17 @@ impl TryFrom<pb::Decision> for Decision {
             reason,
             paused,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_observation_recorded_before_the_sequences_in_flight_were_kept_still_reads() {
+        let older = r#"{"pool":"decode","load":{"request_rate":6.5,"isl_mean":1200.0,"osl_mean":90.0},"ttft_ms":310.0,"itl_ms":null,"queue_depth":1.0,"kv_usage":0.4,"replicas":2}"#;
+        let seen: Observation = serde_json::from_str(older).unwrap();
+        assert_eq!((seen.pool.as_str(), seen.replicas, seen.running, seen.context_tokens, seen.finish_rate), ("decode", 2, 0, 0.0, 0.0));
     }
 }

@@ -216,6 +216,7 @@ impl Observer {
                         replicas: members.len() as u32,
                         running,
                         context_tokens: if running > 0 { cached_tokens / f64::from(running) } else { 0.0 },
+                        finish_rate: interval.finished / seconds,
                     }
                 })
                 .collect(),

@@ -208,21 +208,29 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
         .collect()
 }
 
-/// A decode pool's replicas for the sequences it holds now: those running
-/// and queued when the interval ended, over what a worker decodes within
-/// the ITL target at the context their KV cache gives. `None` when none
-/// ran (no context to size at). Unlike the forecast, it needs no finished
-/// request: at a start it is the only reading of the decode load.
+/// A decode pool's replicas for the sequences it will hold by the next
+/// interval: those running and queued when this one ended, plus the
+/// requests that start decoding over an interval at this one's rate (a
+/// request decodes once its first token is out), less those that finish at
+/// this one's rate; over what a worker decodes within the ITL target at
+/// the context their KV cache gives. It needs no request's length: at a
+/// start, when none has finished, it is the only reading of the decode
+/// load, and on a ramp it leads the forecast (which averages what
+/// finished). `None` when nothing ran (no context to size at).
 pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation, corrections: Corrections) -> Option<Proposal> {
     if seen.running == 0 || seen.context_tokens <= 0.0 {
         return None;
     }
     let per_worker = profile.concurrency_within(seen.context_tokens, targets.itl_ms() * AIM / corrections.itl);
-    let sequences = f64::from(seen.running) + seen.queue_depth;
+    let now = f64::from(seen.running) + seen.queue_depth;
+    let sequences = (now + (seen.load.request_rate - seen.finish_rate) * targets.interval().as_secs_f64()).max(0.0);
     Some(Proposal {
         pool: seen.pool.clone(),
         replicas: round_up(sequences / per_worker).max(1.0) as u32,
-        reason: format!("decode {sequences:.0} sequences in flight at {per_worker:.1} per worker (context {:.0} from their KV cache)", seen.context_tokens),
+        reason: format!(
+            "decode {sequences:.0} sequences by the next interval ({now:.0} in flight, {:.2} starting and {:.2} finishing a second) at {per_worker:.1} per worker (context {:.0} from their KV cache)",
+            seen.load.request_rate, seen.finish_rate, seen.context_tokens
+        ),
     })
 }
 
@@ -329,7 +337,7 @@ mod tests {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
         // Observed on 8 prefill workers at 50%: expected 200 ms; observed 300 ms is ×1.5.
-        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation { pool: pool.into(), load, ttft_ms, itl_ms, queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0 };
+        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation { pool: pool.into(), load, ttft_ms, itl_ms, queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0 };
         let corrections = corrections(&profile(), &targets, &[seen("p", Some(300.0), None, 8), seen("d", None, Some(20.0), 5)]);
         assert!((corrections.ttft - 1.5).abs() < 1e-9, "{corrections:?}");
         // 40 × 100 × 0.02 / 5 = 16 sequences per decode worker: expected 20 ms, as observed.
@@ -368,7 +376,7 @@ mod tests {
         // every 10 / 0.6 = 16.67 ms; 20 ms is ×1.2. On 8 (50%), 20 ms; 30
         // ms is ×1.5. On 5 (80%) at 80 ms, 64 sequences a worker: more than
         // the profile measured (16), so no correction (×1).
-        let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0 };
+        let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0 };
         assert!((corrections(&profile, &targets_aggregated(), &[seen(20.0, 10)]).itl - 1.2).abs() < 1e-9);
         assert!((corrections(&profile, &targets_aggregated(), &[seen(30.0, 8)]).itl - 1.5).abs() < 1e-9);
         assert_eq!(corrections(&profile, &targets_aggregated(), &[seen(80.0, 5)]).itl, 1.0);
@@ -384,17 +392,32 @@ mod tests {
     #[test]
     fn a_decode_pool_is_sized_for_the_sequences_it_holds() {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
-        let load = Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 };
-        let seen = |running, queue_depth, context_tokens| Observation { pool: "d".into(), load, ttft_ms: None, itl_ms: None, queue_depth, kv_usage: 0.5, replicas: 2, running, context_tokens };
-        // 30 running and 9 queued, 13 per worker within 18 ms: 3 workers.
-        let sized = decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0), Corrections::default()).unwrap();
+        let seen = |running, queue_depth, context_tokens, started: f64, finished: f64| Observation {
+            pool: "d".into(),
+            load: Load { request_rate: started, isl_mean: 0.0, osl_mean: 0.0 },
+            ttft_ms: None,
+            itl_ms: None,
+            queue_depth,
+            kv_usage: 0.5,
+            replicas: 2,
+            running,
+            context_tokens,
+            finish_rate: finished,
+        };
+        // 30 running and 9 queued, as many starting as finishing: 39
+        // sequences, 13 per worker within 18 ms: 3 workers.
+        let sized = decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections::default()).unwrap();
         assert_eq!((sized.pool.as_str(), sized.replicas), ("d", 3), "{sized:?}");
-        assert!(sized.reason.contains("39 sequences in flight at 13.0 per worker (context 1200"), "{sized:?}");
+        assert!(sized.reason.contains("39 sequences by the next interval (39 in flight, 2.00 starting and 2.00 finishing a second) at 13.0 per worker (context 1200"), "{sized:?}");
+        // A ramp: 0.5 a second more start than finish over the 30-second
+        // interval, 54 sequences: 5 workers. Falling as fast: 24, 2.
+        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.5, 2.0), Corrections::default()).unwrap().replicas, 5);
+        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.5), Corrections::default()).unwrap().replicas, 2);
         // Twice as slow as the profile: 18 ms is the profile's 9 ms, under
         // its ITL alone: a worker per sequence.
-        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0), Corrections { ttft: 1.0, itl: 2.0 }).unwrap().replicas, 39);
+        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0 }).unwrap().replicas, 39);
         // Nothing running: nothing to size on.
-        assert_eq!(decode_in_flight(&profile(), &targets, &seen(0, 4.0, 0.0), Corrections::default()), None);
+        assert_eq!(decode_in_flight(&profile(), &targets, &seen(0, 4.0, 0.0, 2.0, 0.0), Corrections::default()), None);
     }
 
     fn corrections_without_observations(targets: &Targets) -> Corrections {

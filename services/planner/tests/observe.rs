@@ -67,6 +67,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     // within the time from before the first to after the second.
     let window = 20.0 / pool.load.request_rate;
     assert!(window > 0.0 && window <= elapsed, "{pool:?}: a window of {window} s within {elapsed} s");
+    assert_eq!(pool.finish_rate, pool.load.request_rate, "all 20 started and finished in the interval: {pool:?}");
     let (ttft, itl) = (pool.ttft_ms.expect("a TTFT"), pool.itl_ms.expect("an ITL"));
     assert!(ttft > 0.0 && itl > 0.0, "{pool:?}");
     assert!((0.0..=1.0).contains(&pool.kv_usage));
@@ -192,6 +193,7 @@ async fn an_interval_reads_the_sequences_in_flight_and_their_context() {
     // finished.
     assert!((320.0..=2_368.0).contains(&running.context_tokens), "{running:?}");
     assert!(requests.iter().all(|request| !request.is_finished()), "a request finished early");
+    assert_eq!(running.finish_rate, 0.0, "{running:?}");
     for request in requests {
         request.abort();
     }
