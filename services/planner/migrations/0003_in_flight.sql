@@ -8,3 +8,7 @@
 ALTER TABLE planner_observations ADD COLUMN running BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE planner_observations ADD COLUMN context_tokens DOUBLE PRECISION NOT NULL DEFAULT 0;
 ALTER TABLE planner_observations ADD COLUMN finish_rate DOUBLE PRECISION NOT NULL DEFAULT 0;
+-- The mean inter-token latency (per request, milliseconds) beside the
+-- percentile: Little's law counts the sequences decoding at the mean.
+-- NULL where the interval gave none.
+ALTER TABLE planner_observations ADD COLUMN itl_mean_ms DOUBLE PRECISION;

@@ -204,13 +204,14 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
         .collect();
     let load = prediction.load;
     let reason = format!(
-        "forecast {:.2} req/s, ISL {:.0}, OSL {:.0} by {}{fallback}; latencies ×{:.2} (TTFT) and ×{:.2} (ITL) of the profile's",
+        "forecast {:.2} req/s, ISL {:.0}, OSL {:.0} by {}{fallback}; latencies ×{:.2} (TTFT) and ×{:.2} (ITL) of the profile's; the mean ITL ×{:.2} of its percentile",
         load.request_rate,
         load.isl_mean,
         load.osl_mean,
         prediction.predictor.name(),
         corrections.ttft,
-        corrections.itl
+        corrections.itl,
+        corrections.token_mean
     );
     Ok(Decision { id, at_unix_ms: now, observed, predicted: Some(prediction), pools, reason, paused })
 }
@@ -273,6 +274,7 @@ mod tests {
             running,
             context_tokens: 1_200.0,
             finish_rate,
+            itl_mean_ms: None,
         };
         let start = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)]);
         assert_eq!(start.iter().map(|proposal| proposal.replicas).collect::<Vec<_>>(), [2, 11], "{start:?}");

@@ -39,6 +39,10 @@ pub struct Observation {
     /// deployment's, like the request rate).
     #[serde(default)]
     pub finish_rate: f64,
+    /// The mean of the requests' ITL, milliseconds; `None` where `itl_ms`
+    /// is.
+    #[serde(default)]
+    pub itl_mean_ms: Option<f64>,
 }
 
 /// The load a decision sized for.
@@ -198,6 +202,7 @@ impl From<&Decision> for pb::Decision {
                     running: seen.running,
                     context_tokens: seen.context_tokens,
                     finish_rate: seen.finish_rate,
+                    itl_mean_ms: seen.itl_mean_ms.unwrap_or(0.0),
                 })
                 .collect(),
             predicted: decision.predicted.as_ref().map(|predicted| pb::Prediction {
@@ -377,6 +382,7 @@ impl TryFrom<pb::Decision> for Decision {
                     running: seen.running,
                     context_tokens: seen.context_tokens,
                     finish_rate: seen.finish_rate,
+                    itl_mean_ms: (seen.itl_mean_ms > 0.0).then_some(seen.itl_mean_ms),
                 })
                 .collect(),
             predicted: predicted
@@ -416,6 +422,6 @@ mod tests {
     fn an_observation_recorded_before_the_sequences_in_flight_were_kept_still_reads() {
         let older = r#"{"pool":"decode","load":{"request_rate":6.5,"isl_mean":1200.0,"osl_mean":90.0},"ttft_ms":310.0,"itl_ms":null,"queue_depth":1.0,"kv_usage":0.4,"replicas":2}"#;
         let seen: Observation = serde_json::from_str(older).unwrap();
-        assert_eq!((seen.pool.as_str(), seen.replicas, seen.running, seen.context_tokens, seen.finish_rate), ("decode", 2, 0, 0.0, 0.0));
+        assert_eq!((seen.pool.as_str(), seen.replicas, seen.running, seen.context_tokens, seen.finish_rate, seen.itl_mean_ms), ("decode", 2, 0, 0.0, 0.0, None));
     }
 }

@@ -33,6 +33,7 @@ use crate::targets::{PoolKind, Targets};
 /// The gateway histograms and counters read.
 const TTFT: &str = "turbine_gateway_time_to_first_token_seconds";
 const ITL: &str = "turbine_gateway_inter_token_latency_seconds";
+const ITL_SUM: &str = "turbine_gateway_inter_token_latency_seconds_sum";
 const FINISHED: &str = "turbine_gateway_request_duration_seconds_count";
 const TOKENS: &str = "turbine_gateway_tokens_total";
 
@@ -76,6 +77,8 @@ struct Totals {
     finished: f64,
     prompt_tokens: f64,
     completion_tokens: f64,
+    /// The ITL histogram's sum, seconds.
+    itl_sum: f64,
     ttft: Histogram,
     itl: Histogram,
 }
@@ -85,6 +88,7 @@ impl Totals {
         self.finished += prom::sum(samples, FINISHED, &[]);
         self.prompt_tokens += prom::sum(samples, TOKENS, &[("kind", "prompt")]);
         self.completion_tokens += prom::sum(samples, TOKENS, &[("kind", "completion")]);
+        self.itl_sum += prom::sum(samples, ITL_SUM, &[]);
         for (total, name) in [(&mut self.ttft, TTFT), (&mut self.itl, ITL)] {
             let more = Histogram::sum_of(samples, name);
             for (bound, count) in more.buckets {
@@ -105,6 +109,7 @@ impl Totals {
             finished: delta(self.finished, earlier.finished)?,
             prompt_tokens: delta(self.prompt_tokens, earlier.prompt_tokens)?,
             completion_tokens: delta(self.completion_tokens, earlier.completion_tokens)?,
+            itl_sum: delta(self.itl_sum, earlier.itl_sum)?,
             ttft: self.ttft.since(&earlier.ttft)?,
             itl: self.itl.since(&earlier.itl)?,
         })
@@ -197,6 +202,7 @@ impl Observer {
         let quantile = targets.percentile() / 100.0;
         let milliseconds = |histogram: &Histogram| (histogram.count() >= MIN_SAMPLES).then(|| histogram.quantile(quantile)).flatten().map(|seconds| seconds * 1000.0);
         let (ttft_ms, itl_ms) = (milliseconds(&interval.ttft), milliseconds(&interval.itl));
+        let itl_mean_ms = itl_ms.map(|_| interval.itl_sum / interval.itl.count() * 1000.0);
         Ok(Some(
             targets
                 .pools()
@@ -217,6 +223,7 @@ impl Observer {
                         running,
                         context_tokens: if running > 0 { cached_tokens / f64::from(running) } else { 0.0 },
                         finish_rate: interval.finished / seconds,
+                        itl_mean_ms,
                     }
                 })
                 .collect(),

@@ -74,11 +74,15 @@ pub struct Corrections {
     pub ttft: f64,
     /// Inter-token latency.
     pub itl: f64,
+    /// A request's mean time between tokens over the percentile's, as
+    /// observed (at most 1): Little's law counts the sequences decoding
+    /// at the mean, and the corrected ITL is the percentile's.
+    pub token_mean: f64,
 }
 
 impl Default for Corrections {
     fn default() -> Self {
-        Self { ttft: 1.0, itl: 1.0 }
+        Self { ttft: 1.0, itl: 1.0, token_mean: 1.0 }
     }
 }
 
@@ -112,16 +116,19 @@ pub fn corrections(profile: &Profile, targets: &Targets, observed: &[Observation
 /// `CORRECTION_WINDOW` read): for each latency, the median of the
 /// intervals that observed it (×1 where none did). One interval's
 /// percentile is noisy; the deployment's speed against its profile
-/// changes slowly.
+/// changes slowly. The mean ITL's share of the percentile's likewise,
+/// from the first pool that decodes.
 pub fn corrections_over(profile: &Profile, targets: &Targets, intervals: &[Vec<Observation>]) -> Corrections {
     let recent = &intervals[intervals.len().saturating_sub(CORRECTION_WINDOW)..];
-    let (mut ttft, mut itl): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    let (mut ttft, mut itl, mut token_mean): (Vec<f64>, Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new(), Vec::new());
     for observed in recent {
         let (seen_ttft, seen_itl) = interval_corrections(profile, targets, observed);
         ttft.extend(seen_ttft);
         itl.extend(seen_itl);
+        let decodes = |seen: &&Observation| targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind != PoolKind::Prefill);
+        token_mean.extend(observed.iter().filter(decodes).find_map(|seen| Some((seen.itl_mean_ms? / seen.itl_ms?).clamp(CORRECTION.0, 1.0))));
     }
-    Corrections { ttft: median(&mut ttft).unwrap_or(1.0), itl: median(&mut itl).unwrap_or(1.0) }
+    Corrections { ttft: median(&mut ttft).unwrap_or(1.0), itl: median(&mut itl).unwrap_or(1.0), token_mean: median(&mut token_mean).unwrap_or(1.0) }
 }
 
 fn median(values: &mut [f64]) -> Option<f64> {
@@ -173,7 +180,7 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
     let context = decode_context(load);
     let per_worker = profile.concurrency_within(context, itl_aim / corrections.itl);
     let itl = profile.itl_ms(context, per_worker) * corrections.itl;
-    let sequences = load.request_rate * load.osl_mean * itl / 1e3;
+    let sequences = load.request_rate * load.osl_mean * itl * corrections.token_mean / 1e3;
     let decode = sequences / per_worker;
     let unreachable = if ttft >= ttft_aim { " (the TTFT alone is over 90% of the target: sized at the lowest utilization)" } else { "" };
     let whole = |workers: f64| if load.request_rate > 0.0 { round_up(workers).max(1.0) as u32 } else { 0 };
@@ -184,7 +191,10 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
         .map(|limits| {
             let (replicas, reason) = match limits.kind {
                 PoolKind::Prefill => (whole(prefill), prefill_words.clone()),
-                PoolKind::Decode => (whole(decode), format!("decode {sequences:.1} sequences at {per_worker:.1} per worker (ITL {itl:.2} ms at context {context:.0})")),
+                PoolKind::Decode => (
+                    whole(decode),
+                    format!("decode {sequences:.1} sequences at {per_worker:.1} per worker (ITL {itl:.2} ms at context {context:.0}, {:.2} ms on average)", itl * corrections.token_mean),
+                ),
                 PoolKind::Aggregated => {
                     let shared = aggregated(profile, itl_aim, load, corrections, prefill_work, cap);
                     let replicas = if load.request_rate > 0.0 { shared.workers } else { 0 };
@@ -316,6 +326,11 @@ mod tests {
         // Decode: 13 sequences per worker within 18 ms (10 ms plus 2/3 ms
         // per sequence past the first); 40 × 100 × 0.018 = 72 sequences: 6 workers.
         assert_eq!(proposals[1].replicas, 6, "{}", proposals[1].reason);
+        // Requests' mean ITL at half the percentile's: half the sequences
+        // decode at once (36), 3 workers.
+        let halved = propose(&profile(), &targets, &load, Corrections { token_mean: 0.5, ..Corrections::default() });
+        assert_eq!(halved[1].replicas, 3, "{}", halved[1].reason);
+        assert!(halved[1].reason.contains("(ITL 18.00 ms at context 1050, 9.00 ms on average)"), "{}", halved[1].reason);
         // Aggregated: prefill within 44% starts the search at 9. On n
         // workers a token takes step / (1 − 4/n), with 4 × token sequences
         // (Little's law) spread over n. On 13: token = 1.444 × (9.33 + 4t/13
@@ -337,7 +352,7 @@ mod tests {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
         // Observed on 8 prefill workers at 50%: expected 200 ms; observed 300 ms is ×1.5.
-        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation { pool: pool.into(), load, ttft_ms, itl_ms, queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0 };
+        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation { pool: pool.into(), load, ttft_ms, itl_ms, queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None };
         let corrections = corrections(&profile(), &targets, &[seen("p", Some(300.0), None, 8), seen("d", None, Some(20.0), 5)]);
         assert!((corrections.ttft - 1.5).abs() < 1e-9, "{corrections:?}");
         // 40 × 100 × 0.02 / 5 = 16 sequences per decode worker: expected 20 ms, as observed.
@@ -369,14 +384,14 @@ mod tests {
         // Within 90% of 25 ms from 8, but the TTFT's 44% utilization takes 9.
         assert_eq!(propose(&profile, &within(25.0), &load, Corrections::default())[0].replicas, 9);
         // A decode step alone over the target: a worker per sequence (40 × 100 × 0.025 = 100), said so.
-        let hopeless = propose(&profile, &within(12.5), &load, Corrections { ttft: 1.0, itl: 2.5 });
+        let hopeless = propose(&profile, &within(12.5), &load, Corrections { ttft: 1.0, itl: 2.5, token_mean: 1.0 });
         assert_eq!(hopeless[0].replicas, 100, "{}", hopeless[0].reason);
         assert!(hopeless[0].reason.contains("over 90% of the target"), "{}", hopeless[0].reason);
         // Observed: on 10 workers (40% prefill) the profile expects a token
         // every 10 / 0.6 = 16.67 ms; 20 ms is ×1.2. On 8 (50%), 20 ms; 30
         // ms is ×1.5. On 5 (80%) at 80 ms, 64 sequences a worker: more than
         // the profile measured (16), so no correction (×1).
-        let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0 };
+        let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None };
         assert!((corrections(&profile, &targets_aggregated(), &[seen(20.0, 10)]).itl - 1.2).abs() < 1e-9);
         assert!((corrections(&profile, &targets_aggregated(), &[seen(30.0, 8)]).itl - 1.5).abs() < 1e-9);
         assert_eq!(corrections(&profile, &targets_aggregated(), &[seen(80.0, 5)]).itl, 1.0);
@@ -403,6 +418,7 @@ mod tests {
             running,
             context_tokens,
             finish_rate: finished,
+            itl_mean_ms: None,
         };
         // 30 running and 9 queued, as many starting as finishing: 39
         // sequences, 13 per worker within 18 ms: 3 workers.
@@ -415,9 +431,40 @@ mod tests {
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.5), Corrections::default()).unwrap().replicas, 2);
         // Twice as slow as the profile: 18 ms is the profile's 9 ms, under
         // its ITL alone: a worker per sequence.
-        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0 }).unwrap().replicas, 39);
+        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0, token_mean: 1.0 }).unwrap().replicas, 39);
         // Nothing running: nothing to size on.
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(0, 4.0, 0.0, 2.0, 0.0), Corrections::default()), None);
+    }
+
+    #[test]
+    fn the_mean_itls_share_of_the_percentile_is_read_from_the_pool_that_decodes() {
+        let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
+        let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
+        let seen = |pool: &str, itl_ms, itl_mean_ms| Observation {
+            pool: pool.into(),
+            load,
+            ttft_ms: None,
+            itl_ms,
+            queue_depth: 0.0,
+            kv_usage: 0.0,
+            replicas: 5,
+            running: 0,
+            context_tokens: 0.0,
+            finish_rate: 0.0,
+            itl_mean_ms,
+        };
+        // 0.75, 0.9 and 0.8 (the prefill pool's 0.1 and the interval
+        // without an ITL skipped): the median, 0.8.
+        let intervals = [
+            vec![seen("p", Some(40.0), Some(4.0)), seen("d", Some(40.0), Some(30.0))],
+            vec![seen("d", Some(20.0), Some(18.0))],
+            vec![seen("d", None, None)],
+            vec![seen("d", Some(25.0), Some(20.0))],
+        ];
+        assert!((corrections_over(&profile(), &targets, &intervals).token_mean - 0.8).abs() < 1e-9);
+        // A mean above the percentile (buckets interpolate) counts as 1; none observed, 1.
+        assert_eq!(corrections_over(&profile(), &targets, &[vec![seen("d", Some(20.0), Some(21.0))]]).token_mean, 1.0);
+        assert_eq!(corrections_without_observations(&targets).token_mean, 1.0);
     }
 
     fn corrections_without_observations(targets: &Targets) -> Corrections {

@@ -70,11 +70,14 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     assert_eq!(pool.finish_rate, pool.load.request_rate, "all 20 started and finished in the interval: {pool:?}");
     let (ttft, itl) = (pool.ttft_ms.expect("a TTFT"), pool.itl_ms.expect("an ITL"));
     assert!(ttft > 0.0 && itl > 0.0, "{pool:?}");
+    // The mean of 20 requests' ITL, within the histogram's buckets (15%
+    // apart) of the percentile read from them, or under it.
+    assert!(pool.itl_mean_ms.is_some_and(|mean| mean > 0.0 && mean <= itl * 1.15), "{pool:?}");
     assert!((0.0..=1.0).contains(&pool.kv_usage));
 
     // Nothing sent: a zero rate and no latencies, not the last interval's.
     let idle = observer.observe(&targets).await.unwrap().expect("an interval");
-    assert_eq!((idle[0].load.request_rate, idle[0].ttft_ms, idle[0].itl_ms), (0.0, None, None));
+    assert_eq!((idle[0].load.request_rate, idle[0].ttft_ms, idle[0].itl_ms, idle[0].itl_mean_ms), (0.0, None, None, None));
 
     // Five requests: their rate, but too few for a percentile. Their
     // lengths are read with the intervals before (ten requests at least):
