@@ -128,8 +128,9 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
 /// The profile's proposals for `load`. While requests come but too few
 /// have finished to know their lengths (a start), each pool holds its
 /// decided size rather than be sized on the first, short ones. A decode
-/// pool is never proposed fewer workers than the sequences it holds now
-/// need (`decode_in_flight`): the forecast trails a ramp, and at a start
+/// pool is never proposed fewer workers than the sequences it will hold by
+/// the next interval need (`decode_in_flight`): the forecast trails a
+/// ramp, and at a start
 /// the sequences in flight are all there is to size decode on.
 fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation]) -> Vec<Proposal> {
     let mut proposals = if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {

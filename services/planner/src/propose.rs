@@ -219,28 +219,44 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
 }
 
 /// A decode pool's replicas for the sequences it will hold by the next
-/// interval: those running and queued when this one ended, plus the
-/// requests that start decoding over an interval at this one's rate (a
-/// request decodes once its first token is out), less those that finish at
-/// this one's rate; over what a worker decodes within the ITL target at
-/// the context their KV cache gives. It needs no request's length: at a
-/// start, when none has finished, it is the only reading of the decode
-/// load, and on a ramp it leads the forecast (which averages what
-/// finished). `None` when nothing ran (no context to size at).
+/// interval, over what a worker decodes within the ITL target at the
+/// context their KV cache gives. It starts from those running and queued
+/// when this one ended. Where the interval's requests give a sequence's
+/// decode time `D` (their mean output length at their mean time between
+/// tokens), those in flight finish at their own pace while requests start
+/// at this one's rate `λ`: the count relaxes toward Little's `λD` as
+/// `λD + (now − λD)·e^(−t/D)` — a backlog drains at the pace its sequences
+/// end, not at the rate the last interval saw them end. Before any
+/// request's length is known it is the interval's start rate less its
+/// finish rate, over the interval. It needs no forecast: at a start it is
+/// the only reading of the decode load, and on a ramp it leads the
+/// forecast (which averages what finished). `None` when nothing ran (no
+/// context to size at).
 pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation, corrections: Corrections) -> Option<Proposal> {
     if seen.running == 0 || seen.context_tokens <= 0.0 {
         return None;
     }
     let per_worker = profile.concurrency_within(seen.context_tokens, targets.itl_ms() * AIM / corrections.itl);
     let now = f64::from(seen.running) + seen.queue_depth;
-    let sequences = (now + (seen.load.request_rate - seen.finish_rate) * targets.interval().as_secs_f64()).max(0.0);
+    let interval = targets.interval().as_secs_f64();
+    let decoding_secs = seen.itl_mean_ms.filter(|_| seen.load.osl_mean > 0.0).map(|itl_mean| seen.load.osl_mean * itl_mean / 1e3).filter(|secs| *secs > 0.0);
+    let (sequences, how) = match decoding_secs {
+        Some(secs) => {
+            let steady = seen.load.request_rate * secs;
+            (
+                steady + (now - steady) * (-interval / secs).exp(),
+                format!("{now:.0} in flight, {:.2} starting a second, each decoding {secs:.1} s: {steady:.0} at the steady state", seen.load.request_rate),
+            )
+        }
+        None => (
+            (now + (seen.load.request_rate - seen.finish_rate) * interval).max(0.0),
+            format!("{now:.0} in flight, {:.2} starting and {:.2} finishing a second", seen.load.request_rate, seen.finish_rate),
+        ),
+    };
     Some(Proposal {
         pool: seen.pool.clone(),
         replicas: round_up(sequences / per_worker).max(1.0) as u32,
-        reason: format!(
-            "decode {sequences:.0} sequences by the next interval ({now:.0} in flight, {:.2} starting and {:.2} finishing a second) at {per_worker:.1} per worker (context {:.0} from their KV cache)",
-            seen.load.request_rate, seen.finish_rate, seen.context_tokens
-        ),
+        reason: format!("decode {sequences:.0} sequences by the next interval ({how}) at {per_worker:.1} per worker (context {:.0} from their KV cache)", seen.context_tokens),
     })
 }
 
@@ -434,6 +450,16 @@ mod tests {
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0, token_mean: 1.0 }).unwrap().replicas, 39);
         // Nothing running: nothing to size on.
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(0, 4.0, 0.0, 2.0, 0.0), Corrections::default()), None);
+        // With the requests' lengths: 100 tokens at 50 ms, 5 s a sequence;
+        // 2 starting a second hold 10 at the steady state. A backlog of 39
+        // drains toward it over the 30-second interval (e^-6 of the excess
+        // left: 10.07, one worker), whatever the last interval saw finish;
+        // a start from 1 in flight at 8 a second climbs to 40 (4 workers).
+        let timed = |running, queue_depth, started| Observation { load: Load { request_rate: started, isl_mean: 1_000.0, osl_mean: 100.0 }, itl_mean_ms: Some(50.0), ..seen(running, queue_depth, 1_200.0, started, 0.0) };
+        let draining = decode_in_flight(&profile(), &targets, &timed(30, 9.0, 2.0), Corrections::default()).unwrap();
+        assert_eq!(draining.replicas, 1, "{draining:?}");
+        assert!(draining.reason.contains("decode 10 sequences by the next interval (39 in flight, 2.00 starting a second, each decoding 5.0 s: 10 at the steady state)"), "{draining:?}");
+        assert_eq!(decode_in_flight(&profile(), &targets, &timed(1, 0.0, 8.0), Corrections::default()).unwrap().replicas, 4);
     }
 
     #[test]
