@@ -10,6 +10,7 @@ use super::report::{PolicyReport, Shortfall, Window, summarize};
 use super::trace::TraceRequest;
 
 /// What came back for one streamed completion.
+#[derive(Debug)]
 pub(crate) struct Outcome {
     pub(crate) ttft: Duration,
     pub(crate) end_to_end: Duration,
@@ -156,6 +157,11 @@ pub(crate) async fn stream_completion(http: &reqwest::Client, url: &str, body: &
             text_events += 1;
             first.get_or_insert_with(|| started.elapsed());
         }
+        if data.starts_with(b"{\"error\"") {
+            // The gateway's error event: the stream failed after it started.
+            let event: serde_json::Value = serde_json::from_slice(data)?;
+            bail!("the stream failed after it started: {}", event["error"]["message"].as_str().unwrap_or("(no message)"));
+        }
         if data.windows(8).any(|w| w == b"\"usage\":") {
             let chunk: serde_json::Value = serde_json::from_slice(data)?;
             let usage_json = &chunk["usage"];
@@ -182,4 +188,33 @@ pub(crate) async fn stream_completion(http: &reqwest::Client, url: &str, body: &
         prompt_tokens,
         cached_tokens,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A stream that fails after it started reports the gateway's error,
+    /// not a missing usage chunk.
+    #[tokio::test]
+    async fn an_error_event_mid_stream_is_reported_with_its_message() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/completions", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = vec![0; 4096];
+            let _ = socket.read(&mut request).await.unwrap();
+            let body = "data: {\"choices\":[{\"text\":\"Hi\",\"index\":0}]}\n\n\
+                        data: {\"error\":{\"message\":\"the worker serving this request failed\",\"type\":\"server_error\",\"param\":null,\"code\":null}}\n\n\
+                        data: [DONE]\n\n";
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n", body.len());
+            socket.write_all(head.as_bytes()).await.unwrap();
+            socket.write_all(body.as_bytes()).await.unwrap();
+        });
+        let failed = stream_completion(&reqwest::Client::new(), &url, &serde_json::json!({"prompt": "x", "stream": true})).await.unwrap_err();
+        assert_eq!(failed.to_string(), "the stream failed after it started: the worker serving this request failed");
+        server.await.unwrap();
+    }
 }
