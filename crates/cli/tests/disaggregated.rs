@@ -10,6 +10,9 @@
 //!   outputs.
 //! - The prefill worker killed while a decode worker reads its blocks:
 //!   every request still completes with the right text (computed locally).
+//! - A decode worker dead but still listed fails a request only after its
+//!   prefill: the gateway continues it on the other decode worker, never
+//!   on the dead one again.
 
 mod common;
 
@@ -321,4 +324,50 @@ fn warnings(process: &ServiceProcess) -> Vec<String> {
         .into_iter()
         .filter(|line| line.contains("WARN") || line.contains("ERROR"))
         .collect()
+}
+
+/// A decode worker dead but still listed (its lease not yet expired) is
+/// asked for a disaggregated request only after the prompt is prefilled, so
+/// it fails mid-stream; the cached prefix it advertised draws the router to
+/// it again for the continuation. The gateway leaves it out for the rest of
+/// the request, and the other decode worker completes it (mock engines:
+/// routing, not the model, is under test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_decode_worker_still_listed_is_not_asked_again_for_the_request() {
+    let _one = ONE_CLUSTER.lock().await;
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let worker = async |id: &str, role: &str| {
+        // A lease far longer than the test: the dead worker stays listed.
+        let args = ["--engine", "mock", "--redis", &url, "--namespace", "gone", "--worker-id", id, "--lease-ttl-secs", "600", "--role", role, "--kv-transport", "tcp"];
+        service("turbine-worker", &args, &[], false).await
+    };
+    let _prefill = worker("prefill-0", "prefill").await;
+    let mut decodes = [worker("decode-0", "decode").await, worker("decode-1", "decode").await];
+    let router = service("turbine-router", &["--redis", &url, "--namespace", "gone", "--policy", "kv", "--disagg-threshold-tokens", "64"], &[], false).await;
+    until_registered(&router, 3).await;
+    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
+    let prompts = prompts();
+    let first = &prompts[4];
+    complete(&base, first).await;
+    // The decode worker that served it, holding its prefix.
+    let mut served = Vec::new();
+    for decode in &decodes {
+        served.push(metric(&decode.admin_url(), "turbine_worker_generated_tokens_total").await > 0.0);
+    }
+    let holder = served.iter().position(|&served| served).expect("a decode worker generated the first request");
+    assert_eq!(served.iter().filter(|&&served| served).count(), 1, "one decode worker served it: {served:?}");
+    decodes[holder].kill();
+    // The prefix and 300 tokens more: over the threshold, so prefilled
+    // remotely, and the dead worker holds the longest cached prefix.
+    let mut longer = first.clone();
+    longer.extend(&prompts[5][..300]);
+    let outcome = try_complete(&base, &longer).await;
+    assert!(outcome.is_ok(), "the request failed: {outcome:?}\ngateway: {:#?}", warnings(&gateway));
+    let other = &decodes[1 - holder];
+    assert!(metric(&other.admin_url(), "turbine_worker_generated_tokens_total").await > 0.0, "the live decode worker completed it");
+    assert!(metric(&base, "turbine_gateway_migrations_total").await >= 1.0, "the dead worker was asked first, after the prefill (mid-stream)");
+    drop(redis);
 }

@@ -167,7 +167,7 @@ impl Pipeline {
         };
         let booking = Booking { router: self.router.clone(), request_id: request_id.clone() };
         let mut excluded = Vec::new();
-        let tokens = self.dispatch(&request.model, &engine_request, &mut excluded).await?;
+        let (serving, tokens) = self.dispatch(&request.model, &engine_request, &mut excluded).await?;
         Ok(TextStream {
             pipeline: self.clone(),
             model: request.model,
@@ -177,6 +177,7 @@ impl Pipeline {
             logprobs: Vec::new(),
             stop: StopMatcher::new(request.stop),
             tokens: Some(tokens),
+            serving,
             generated: Vec::new(),
             excluded,
             attempts: 1,
@@ -189,13 +190,14 @@ impl Pipeline {
     }
 
     /// Routes and opens a worker stream, trying other workers when one is
-    /// unavailable or full.
+    /// unavailable or full: the worker whose tokens it carries (the decode
+    /// worker when disaggregated) and the stream.
     async fn dispatch(
         &self,
         model: &str,
         request: &GenerateRequest,
         excluded: &mut Vec<WorkerId>,
-    ) -> Result<TokenStream, GatewayError> {
+    ) -> Result<(WorkerId, TokenStream), GatewayError> {
         let mut last_error = None;
         for _ in 0..MAX_ROUTES {
             let route = RouteRequest {
@@ -219,7 +221,7 @@ impl Pipeline {
                 None => client.generate(request.clone()).await,
             };
             match started {
-                Ok(stream) => return Ok(stream),
+                Ok(stream) => return Ok((worker.worker_id, stream)),
                 Err(error @ (WorkerError::Unavailable(_) | WorkerError::Overloaded(_))) => {
                     tracing::warn!(worker = %worker.worker_id, %error, "worker refused the request; trying another");
                     metrics::retry();
@@ -382,6 +384,8 @@ pub struct TextStream {
     logprobs: Vec<GeneratedLogprob>,
     stop: StopMatcher,
     tokens: Option<TokenStream>,
+    /// The worker `tokens` come from: excluded once it fails mid-stream.
+    serving: WorkerId,
     generated: Vec<u32>,
     excluded: Vec<WorkerId>,
     attempts: usize,
@@ -501,8 +505,16 @@ impl TextStream {
     }
 
     /// Continues on another worker with the prompt plus the tokens so far.
+    /// The worker that failed is not asked again for this request: a
+    /// decode worker refuses a disaggregated request only once its prompt
+    /// is prefilled (mid-stream), and a draining or dead worker the
+    /// routers still list would otherwise be routed the continuation again
+    /// (its cached prefix draws it) until the attempts run out.
     async fn migrate(&mut self, cause: &str) -> Result<(), GatewayError> {
         self.tokens = None;
+        if !self.excluded.contains(&self.serving) {
+            self.excluded.push(self.serving.clone());
+        }
         let generated = self.generated.len() as u32;
         if generated >= self.request.stop.max_tokens {
             // Everything asked for arrived; only the end marker was lost.
@@ -513,16 +525,17 @@ impl TextStream {
             return Ok(());
         }
         if self.attempts >= MAX_ATTEMPTS {
-            tracing::error!(request_id = %self.request.request_id, cause, "worker failed mid-stream; no attempts left");
+            tracing::error!(request_id = %self.request.request_id, worker = %self.serving, cause, "worker failed mid-stream; no attempts left");
             return Err(GatewayError::new(ErrorKind::Unavailable, "the worker serving this request failed"));
         }
         self.attempts += 1;
         let mut continuation = self.request.clone();
         continuation.prompt.extend_from_slice(&self.generated);
         continuation.stop.max_tokens = self.request.stop.max_tokens - generated;
-        tracing::warn!(request_id = %self.request.request_id, cause, generated, "worker failed mid-stream; continuing on another");
+        tracing::warn!(request_id = %self.request.request_id, worker = %self.serving, cause, generated, "worker failed mid-stream; continuing on another");
         metrics::migration();
-        let stream = self.pipeline.dispatch(&self.model, &continuation, &mut self.excluded).await?;
+        let (serving, stream) = self.pipeline.dispatch(&self.model, &continuation, &mut self.excluded).await?;
+        self.serving = serving;
         self.tokens = Some(stream);
         Ok(())
     }
