@@ -11,7 +11,10 @@
 //! copies to the tiers have settled it runs them again in the same order,
 //! and now each prompt's blocks come back from the lower tier. The report
 //! gives each engine's median time to first token computed and onboarded,
-//! and their ratio (the median of per-prompt ratios).
+//! and their ratio (the median of per-prompt ratios). Each request decodes
+//! `check_tokens` greedy tokens after its first, and the report counts the
+//! prompts whose onboarded pass decoded exactly the computed pass's tokens:
+//! blocks from a tier must give the text computing them gives.
 //!
 //! A third pair of engines measures the kv-store (G4) over loopback gRPC:
 //! the first computes the prompts, its blocks written through to a
@@ -51,6 +54,11 @@ pub struct TiersBenchArgs {
     /// Distinct prompts per engine.
     #[arg(long, default_value_t = 4)]
     pub prompts: usize,
+    /// Greedy tokens each request decodes, compared between the computed
+    /// and the onboarded pass (the time to first token is measured on the
+    /// first).
+    #[arg(long, default_value_t = 16)]
+    pub check_tokens: u32,
     /// Directory for the disk tier [default: a temporary directory].
     #[arg(long)]
     pub disk_dir: Option<PathBuf>,
@@ -79,6 +87,10 @@ pub struct TierNumbers {
     pub median_ratio: f64,
     /// Blocks onboarded from the tier over the pass.
     pub onboarded_blocks: u64,
+    /// Prompts whose onboarded pass decoded the computed pass's tokens.
+    pub identical_outputs: usize,
+    /// Prompts compared.
+    pub prompts: usize,
 }
 
 /// Everything `turbine bench tiers` measures.
@@ -90,6 +102,8 @@ pub struct TiersBenchReport {
     pub threads: usize,
     /// Whether the page cache was dropped before the onboarded pass.
     pub dropped_caches: bool,
+    /// Greedy tokens compared per prompt.
+    pub check_tokens: u32,
     /// Host memory (G2), disk (G3), then the kv-store (G4) over gRPC and,
     /// where the build has it, over UCX.
     pub tiers: Vec<TierNumbers>,
@@ -97,7 +111,10 @@ pub struct TiersBenchReport {
 
 /// Runs the benchmark.
 pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
-    anyhow::ensure!(args.prefix_tokens >= 32 && args.prompts >= 1 && args.threads >= 1, "--prefix-tokens ≥ 32, --prompts ≥ 1 and --threads ≥ 1");
+    anyhow::ensure!(
+        args.prefix_tokens >= 32 && args.prompts >= 1 && args.threads >= 1 && args.check_tokens >= 1,
+        "--prefix-tokens ≥ 32, --prompts ≥ 1, --threads ≥ 1 and --check-tokens ≥ 1"
+    );
     let model = resolve_model(&args.model, None, &default_cache_dir(), Progress::Bars)?;
     let tokens = Preprocessor::new(ModelCard::from_gguf_path(&model.name, &model.path, 16)?)?;
     let prompts: Vec<Vec<u32>> = (0..args.prompts)
@@ -112,7 +129,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let blocks = args.prefix_tokens.div_ceil(16) + 15;
     let mut tiers = Vec::new();
     let engine = |host: HostTier, remote: Option<RemoteTier>| -> anyhow::Result<EngineHandle> {
-        let scheduler = SchedulerConfig { block_size: 16, num_blocks: blocks, max_batched_tokens: 512, max_model_len: args.prefix_tokens + 64, ..SchedulerConfig::default() };
+        let scheduler = SchedulerConfig { block_size: 16, num_blocks: blocks, max_batched_tokens: 512, max_model_len: args.prefix_tokens + args.check_tokens as usize + 64, ..SchedulerConfig::default() };
         let options = NativeOptions { block_size: 16, kv_blocks: Some(blocks), threads: args.threads, ..NativeOptions::default() };
         let executor = NativeExecutor::load(&model.path, &options)?;
         let memory = executor.kv_memory().context("the native engine exposes its KV pool")?;
@@ -131,13 +148,13 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
             _ => HostTier::with_disk(2 * block_bytes, DiskTier::open(&disk_dir.join("bench-tiers"), (args.prompts * blocks) as u64 * block_bytes * 2, 1)?),
         };
         let engine = engine(host.clone(), None)?;
-        let computed = prompts.iter().map(|prompt| ttft(&engine, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+        let computed = prompts.iter().map(|prompt| decode(&engine, prompt, args.check_tokens)).collect::<anyhow::Result<Vec<_>>>()?;
         settle(&engine, &host, pass_blocks)?;
         if args.drop_caches {
             std::fs::write("/proc/sys/vm/drop_caches", "1").context("--drop-caches needs root (writing /proc/sys/vm/drop_caches)")?;
         }
         let before = onboarded(&host);
-        let again = prompts.iter().map(|prompt| ttft(&engine, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+        let again = prompts.iter().map(|prompt| decode(&engine, prompt, args.check_tokens)).collect::<anyhow::Result<Vec<_>>>()?;
         let onboarded_blocks = onboarded(&host) - before;
         engine.shutdown();
         tiers.push(numbers(tier, computed, again, onboarded_blocks));
@@ -162,7 +179,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let remote = || remote_over(false);
     let (computing_host, computing_remote) = (HostTier::new(2 * block_bytes), remote()?);
     let computing = engine(computing_host.clone(), Some(computing_remote.clone()))?;
-    let computed = prompts.iter().map(|prompt| ttft(&computing, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+    let computed = prompts.iter().map(|prompt| decode(&computing, prompt, args.check_tokens)).collect::<anyhow::Result<Vec<_>>>()?;
     // Every block reaches the host tier (or is skipped), then every block
     // queued for the store is in it.
     settle(&computing, &computing_host, pass_blocks)?;
@@ -184,15 +201,19 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     for (name, ucx) in paths {
         let remote = remote_over(ucx)?;
         let fetching = engine(HostTier::new(2 * block_bytes), Some(remote.clone()))?;
-        let again = prompts.iter().map(|prompt| ttft(&fetching, prompt)).collect::<anyhow::Result<Vec<_>>>()?;
+        let again = prompts.iter().map(|prompt| decode(&fetching, prompt, args.check_tokens)).collect::<anyhow::Result<Vec<_>>>()?;
         fetching.shutdown();
         tiers.push(numbers(name, computed.clone(), again, remote.stats().onboarded_blocks.load(Relaxed)));
     }
     shutdown.cancel();
-    Ok(TiersBenchReport { prefix_tokens: args.prefix_tokens, threads: args.threads, dropped_caches: args.drop_caches, tiers })
+    Ok(TiersBenchReport { prefix_tokens: args.prefix_tokens, threads: args.threads, dropped_caches: args.drop_caches, check_tokens: args.check_tokens, tiers })
 }
 
-fn numbers(tier: &str, computed: Vec<f64>, again: Vec<f64>, onboarded_blocks: u64) -> TierNumbers {
+/// A pass's numbers: each prompt's time to first token (ms) and tokens.
+fn numbers(tier: &str, computed: Vec<(f64, Vec<u32>)>, again: Vec<(f64, Vec<u32>)>, onboarded_blocks: u64) -> TierNumbers {
+    let identical_outputs = computed.iter().zip(&again).filter(|((_, first), (_, second))| first == second).count();
+    let prompts = computed.len();
+    let (computed, again): (Vec<f64>, Vec<f64>) = (computed.into_iter().map(|(ms, _)| ms).collect(), again.into_iter().map(|(ms, _)| ms).collect());
     let ratios: Vec<f64> = computed.iter().zip(&again).map(|(c, a)| a / c).collect();
     TierNumbers {
         tier: tier.into(),
@@ -202,6 +223,8 @@ fn numbers(tier: &str, computed: Vec<f64>, again: Vec<f64>, onboarded_blocks: u6
         computed_ttft_ms: computed,
         onboarded_ttft_ms: again,
         onboarded_blocks,
+        identical_outputs,
+        prompts,
     }
 }
 
@@ -235,25 +258,30 @@ fn settle(engine: &EngineHandle, host: &HostTier, blocks: u64) -> anyhow::Result
     }
 }
 
-/// Milliseconds from submitting `prompt` to its first token.
-fn ttft(engine: &EngineHandle, prompt: &[u32]) -> anyhow::Result<f64> {
+/// Milliseconds from submitting `prompt` to its first token, and the
+/// `tokens` greedy tokens it decodes.
+fn decode(engine: &EngineHandle, prompt: &[u32], tokens: u32) -> anyhow::Result<(f64, Vec<u32>)> {
     let started = Instant::now();
     let mut outputs = engine.generate(GenerateRequest {
         request_id: String::new(),
         prompt: prompt.to_vec(),
         sampling: Default::default(),
-        stop: StopConditions { max_tokens: 1, stop_token_ids: vec![], ignore_eos: true },
+        stop: StopConditions { max_tokens: tokens, stop_token_ids: vec![], ignore_eos: true },
     })?;
     let mut first = None;
+    let mut decoded = Vec::new();
     while let Some(output) = outputs.blocking_recv() {
         match output {
-            EngineOutput::Token(..) => first = first.or(Some(started.elapsed())),
+            EngineOutput::Token(token, _) => {
+                first = first.or(Some(started.elapsed()));
+                decoded.push(token);
+            }
             EngineOutput::Finished { .. } => break,
             EngineOutput::Failed(error) => anyhow::bail!("the engine failed a request: {error}"),
             EngineOutput::Pinned(_) => {}
         }
     }
-    Ok(first.context("no token came back")?.as_secs_f64() * 1e3)
+    Ok((first.context("no token came back")?.as_secs_f64() * 1e3, decoded))
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -270,8 +298,17 @@ pub fn print(report: &TiersBenchReport) {
         report.threads,
         if report.dropped_caches { ", page cache dropped before onboarding" } else { "" }
     );
-    println!("{:<6} {:>14} {:>14} {:>8} {:>10}", "tier", "computed ms", "onboarded ms", "ratio", "blocks");
+    println!("{:<9} {:>14} {:>14} {:>8} {:>10} {:>18}", "tier", "computed ms", "onboarded ms", "ratio", "blocks", "same tokens");
     for tier in &report.tiers {
-        println!("{:<6} {:>14.1} {:>14.1} {:>8.3} {:>10}", tier.tier, tier.median_computed_ms, tier.median_onboarded_ms, tier.median_ratio, tier.onboarded_blocks);
+        println!(
+            "{:<9} {:>14.1} {:>14.1} {:>8.3} {:>10} {:>18}",
+            tier.tier,
+            tier.median_computed_ms,
+            tier.median_onboarded_ms,
+            tier.median_ratio,
+            tier.onboarded_blocks,
+            format!("{}/{} prompts", tier.identical_outputs, tier.prompts)
+        );
     }
+    println!("same tokens: the onboarded pass decoded the computed pass's {} greedy tokens", report.check_tokens);
 }
