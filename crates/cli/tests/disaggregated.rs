@@ -22,6 +22,7 @@ use common::{MODEL, metric, post, service, until_listed, until_registered};
 use serde_json::json;
 use tokio::sync::OnceCell;
 use turbine_cluster::sandbox::Sandbox;
+use turbine_router::{RouteRequest, RouterClient};
 use turbine_testkit::{
     RedisServer, ServiceProcess, metric_lines, metric_where, poll_until, wait_until,
 };
@@ -359,11 +360,33 @@ async fn a_dead_decode_worker_still_listed_is_not_asked_again_for_the_request() 
     }
     let holder = served.iter().position(|&served| served).expect("a decode worker generated the first request");
     assert_eq!(served.iter().filter(|&&served| served).count(), 1, "one decode worker served it: {served:?}");
-    decodes[holder].kill();
     // The prefix and 300 tokens more: over the threshold, so prefilled
-    // remotely, and the dead worker holds the longest cached prefix.
+    // remotely, and the holder has the longest cached prefix. Its blocks
+    // reach the router's index asynchronously: until the router chooses it
+    // for this prompt (each probe released at once), the request could go
+    // to the other worker and test nothing.
     let mut longer = first.clone();
     longer.extend(&prompts[5][..300]);
+    let routing = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+    let holder_id = format!("decode-{holder}");
+    let mut probes = 0;
+    wait_until("the router chooses the holder for the longer prompt", Duration::from_secs(10), async || {
+        probes += 1;
+        let probe = RouteRequest {
+            request_id: format!("probe-{probes}"),
+            model: MODEL.into(),
+            prompt_tokens: longer.len() as u32,
+            policy: None,
+            exclude_worker_ids: Vec::new(),
+            token_ids: longer.as_slice().into(),
+            kv: None,
+        };
+        let Ok(routed) = routing.route(&probe).await else { return false };
+        let _ = routing.finished(&probe.request_id).await;
+        routed.worker.worker_id.to_string() == holder_id
+    })
+    .await;
+    decodes[holder].kill();
     let outcome = try_complete(&base, &longer).await;
     assert!(outcome.is_ok(), "the request failed: {outcome:?}\ngateway: {:#?}", warnings(&gateway));
     let other = &decodes[1 - holder];
