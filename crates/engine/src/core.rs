@@ -146,6 +146,7 @@ impl EngineHandle {
         let offload = match (&tiers.host, source) {
             (Some(host), Some(source)) if config.prefix_caching => {
                 scheduler.record_registered();
+                scheduler.look_up_before_admission();
                 let (jobs, done) = spawn_offload(source, host.clone(), tiers.remote.clone());
                 Some(Offload { jobs, done, pinned: 0, limit: (config.num_blocks / 4).max(1), queued: Default::default(), queue_limit: config.num_blocks })
             }

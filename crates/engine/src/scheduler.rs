@@ -132,6 +132,10 @@ struct Sequence {
     /// Whether its prefix was looked up in the lower KV tiers since it last
     /// joined the queue.
     onboard_checked: bool,
+    /// Admission would have taken it, but it was not looked up: it is due
+    /// at the head of the queue whether or not it fits the look-up's
+    /// reckoning.
+    look_up_now: bool,
     /// Leading blocks a lower tier's look-up found for it, which its
     /// admission should find in the pool (0: none since it joined the
     /// queue).
@@ -251,6 +255,9 @@ pub struct Scheduler {
     suspended: HashMap<SeqId, usize>,
     /// Their sum.
     reserved_blocks: usize,
+    /// A lower tier can hold prefixes: a sequence is admitted only once its
+    /// prefix was looked up there.
+    look_up_first: bool,
     next_id: SeqId,
     total_preemptions: u64,
 }
@@ -271,6 +278,7 @@ impl Scheduler {
             running: VecDeque::new(),
             suspended: HashMap::new(),
             reserved_blocks: 0,
+            look_up_first: false,
             next_id: 0,
             total_preemptions: 0,
         }
@@ -330,6 +338,7 @@ impl Scheduler {
                 pin,
                 imported_tokens,
                 onboard_checked: false,
+                look_up_now: false,
                 onboarded_prefix: 0,
                 onboard_retries: 0,
             },
@@ -362,6 +371,9 @@ impl Scheduler {
     /// the blocks admission could reuse; they are marked looked up. (A
     /// preempted sequence is looked up again.) Blocks onboarded for a
     /// sequence further back would likely be evicted again before its turn.
+    /// The head of the queue is due, whether or not it fits this
+    /// reckoning, when admission would have taken it but found it not
+    /// looked up (see [`look_up_before_admission`](Self::look_up_before_admission)).
     pub fn due_for_onboard(&mut self) -> Vec<(SeqId, Vec<BlockHashes>)> {
         let block_size = self.config.block_size;
         let mut due = Vec::new();
@@ -371,20 +383,22 @@ impl Scheduler {
         let mut budget = self.config.max_batched_tokens.saturating_sub(self.running.len());
         let mut free = self.blocks.num_free().saturating_sub(self.reserved_blocks);
         let mut seats = self.config.max_num_seqs.saturating_sub(self.running.len());
-        for &seq_id in &self.waiting {
+        for (position, &seq_id) in self.waiting.iter().enumerate() {
             let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
             let chunk = sequence.tokens.len().min(budget);
             let needed = self.blocks.blocks_for(chunk);
-            if budget == 0 || seats == 0 || needed > free {
+            let fits = budget > 0 && seats > 0 && needed <= free;
+            if !fits && !(position == 0 && sequence.look_up_now) {
                 break;
             }
-            free -= needed;
-            seats -= 1;
+            free = free.saturating_sub(needed);
+            seats = seats.saturating_sub(1);
             budget -= chunk;
             if sequence.onboard_checked {
                 continue;
             }
             sequence.onboard_checked = true;
+            sequence.look_up_now = false;
             extend_hashes(&self.hasher, sequence, block_size);
             let reusable = ((sequence.tokens.len() - 1) / block_size).min(sequence.hashes.len());
             due.push((seq_id, sequence.hashes[..reusable].to_vec()));
@@ -591,6 +605,15 @@ impl Scheduler {
             if new_blocks + watermark + reserved > self.blocks.num_free() - free_hits {
                 break;
             }
+            // It fits, but its prefix was not looked up in the lower tier
+            // (admission takes it in a smaller first chunk than the look-up
+            // reckons with: the running sequences' chunks take the step's
+            // budget, a hit in the pool needs no new blocks): it is, before
+            // the next step, rather than computing what the tier may hold.
+            if self.look_up_first && !sequence.onboard_checked {
+                self.sequences.get_mut(&seq_id).expect("waiting sequence exists").look_up_now = true;
+                break;
+            }
             let mut table = self.blocks.acquire_cached(&wanted[..hit]);
             table.extend(self.blocks.allocate(new_blocks).expect("checked free blocks"));
             let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
@@ -697,6 +720,16 @@ impl Scheduler {
     /// Drops the references a finished prefill kept on its blocks.
     pub fn release_pinned(&mut self, blocks: &[BlockId]) {
         self.blocks.release(blocks.iter().rev().copied());
+    }
+
+    /// Admits a sequence only once [`due_for_onboard`](Self::due_for_onboard)
+    /// handed it out (for an engine with a lower tier, whose caller looks
+    /// every due prefix up there): one that admission would take before
+    /// that is due at the next call instead, so a prefix the tier holds is
+    /// never computed because admission took a smaller first chunk than
+    /// the look-up reckoned with.
+    pub fn look_up_before_admission(&mut self) {
+        self.look_up_first = true;
     }
 
     /// Keeps every newly registered block for

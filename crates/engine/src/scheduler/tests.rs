@@ -228,6 +228,37 @@ fn only_sequences_the_next_step_could_admit_are_due_for_onboarding_once() {
 }
 
 #[test]
+fn with_a_lower_tier_a_sequence_admission_would_take_is_looked_up_first() {
+    // 10 blocks of 4 tokens.
+    let mut scheduler = Scheduler::new(config(10, 4), vec![]);
+    scheduler.look_up_before_admission();
+    let ids = |plan: &[ScheduledChunk]| plan.iter().map(|c| c.seq_id).collect::<Vec<_>>();
+    let due = |scheduler: &mut Scheduler| scheduler.due_for_onboard().into_iter().map(|(id, _)| id).collect::<Vec<_>>();
+    let first = scheduler.add(request((0..17).collect(), 4)).unwrap();
+    assert_eq!(due(&mut scheduler), vec![first]);
+    let plan = scheduler.schedule();
+    assert_eq!(ids(&plan), vec![first]);
+    scheduler.complete(&plan, &[Some(7)]);
+    // The running sequence holds 5 blocks. A 33-token prompt sharing its
+    // first 4 needs 9 blocks in one chunk, more than the 5 free, so the
+    // look-up passes it over; but with its 4 blocks a hit in the pool,
+    // admission needs only 5 new ones and would take it.
+    let head = scheduler.add(request((0..33).collect(), 2)).unwrap();
+    assert!(due(&mut scheduler).is_empty(), "it does not fit the look-up's reckoning");
+    assert_eq!(ids(&scheduler.schedule()), vec![first], "admission would take it: it waits for its look-up");
+    assert_eq!(due(&mut scheduler), vec![head], "due at the head of the queue");
+    let plan = scheduler.schedule();
+    let admitted = plan.iter().find(|c| c.seq_id == head).expect("admitted once looked up");
+    assert_eq!(admitted.start, 16, "with its hit in the pool");
+    scheduler.check_invariants();
+
+    // Without a lower tier nothing waits for a look-up.
+    let mut plain = Scheduler::new(config(10, 4), vec![]);
+    let id = plain.add(request((0..17).collect(), 4)).unwrap();
+    assert_eq!(ids(&plain.schedule()), vec![id]);
+}
+
+#[test]
 fn a_suspended_sequence_waits_outside_the_queue_and_resumes_at_its_front() {
     let mut scheduler = Scheduler::new(config(64, 4), vec![]);
     let first = scheduler.add(request((0..8).collect(), 2)).unwrap();
