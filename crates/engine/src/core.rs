@@ -754,6 +754,10 @@ impl EngineLoop {
     fn step(&mut self) {
         let plan: Vec<ScheduledChunk> = self.scheduler.schedule();
         if plan.is_empty() {
+            if self.scheduler.awaits_look_up() {
+                // The head of the queue is looked up before the next step.
+                return;
+            }
             // Nothing fits right now (e.g. the head of the queue waits for
             // blocks held by nobody running): should not happen, but never spin.
             tracing::warn!(load = ?self.scheduler.load(), "scheduler planned an empty step");

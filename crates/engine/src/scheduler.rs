@@ -732,6 +732,13 @@ impl Scheduler {
         self.look_up_first = true;
     }
 
+    /// Whether the head of the queue waits for its look-up (admission
+    /// would have taken it): the next [`due_for_onboard`](Self::due_for_onboard)
+    /// hands it out.
+    pub fn awaits_look_up(&self) -> bool {
+        self.waiting.front().is_some_and(|seq_id| self.sequences[seq_id].look_up_now)
+    }
+
     /// Keeps every newly registered block for
     /// [`take_registered`](Self::take_registered) (a lower tier copies them).
     pub fn record_registered(&mut self) {

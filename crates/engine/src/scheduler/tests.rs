@@ -246,7 +246,9 @@ fn with_a_lower_tier_a_sequence_admission_would_take_is_looked_up_first() {
     let head = scheduler.add(request((0..33).collect(), 2)).unwrap();
     assert!(due(&mut scheduler).is_empty(), "it does not fit the look-up's reckoning");
     assert_eq!(ids(&scheduler.schedule()), vec![first], "admission would take it: it waits for its look-up");
+    assert!(scheduler.awaits_look_up());
     assert_eq!(due(&mut scheduler), vec![head], "due at the head of the queue");
+    assert!(!scheduler.awaits_look_up());
     let plan = scheduler.schedule();
     let admitted = plan.iter().find(|c| c.seq_id == head).expect("admitted once looked up");
     assert_eq!(admitted.start, 16, "with its hit in the pool");
