@@ -127,11 +127,11 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
 
 /// The profile's proposals for `load`. While requests come but too few
 /// have finished to know their lengths (a start), each pool holds its
-/// decided size rather than be sized on the first, short ones. A decode
-/// pool is never proposed fewer workers than the sequences it will hold by
-/// the next interval need (`decode_in_flight`): the forecast trails a
-/// ramp, and at a start
-/// the sequences in flight are all there is to size decode on.
+/// decided size rather than be sized on the first, short ones. A pool
+/// that decodes (decode or aggregated) is never proposed fewer workers
+/// than the sequences it will hold by the next interval need
+/// (`decode_in_flight`): the forecast trails a ramp, and at a start the
+/// sequences in flight are all there is to size decode on.
 fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation]) -> Vec<Proposal> {
     let mut proposals = if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {
         targets
@@ -146,7 +146,7 @@ fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Cor
         propose(profile, targets, load, corrections)
     };
     for proposal in &mut proposals {
-        let decode = targets.pools().iter().any(|limits| limits.pool == proposal.pool && limits.kind == PoolKind::Decode);
+        let decode = targets.pools().iter().any(|limits| limits.pool == proposal.pool && limits.kind != PoolKind::Prefill);
         let Some(in_flight) = observed.iter().find(|seen| decode && seen.pool == proposal.pool).and_then(|seen| decode_in_flight(profile, targets, seen, corrections)) else { continue };
         if in_flight.replicas > proposal.replicas {
             proposal.reason = format!("{}; {}: {}", proposal.reason, in_flight.reason, in_flight.replicas);
@@ -284,6 +284,12 @@ mod tests {
         // Fewer than the pool holds (as many finishing as starting): it holds.
         let quiet = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("decode", 10, 20.0)]);
         assert_eq!(quiet[1].replicas, 2, "{quiet:?}");
+        // An aggregated pool at the same start (its prompts' lengths not
+        // known yet): sized for its sequences as the decode pool is.
+        let current = HashMap::from([("workers".to_owned(), PoolSize { running: 5, decided: 5 })]);
+        let shared = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[seen("workers", 40, 0.0)]);
+        assert_eq!(shared[0].replicas, 11, "{shared:?}");
+        assert!(shared[0].reason.starts_with("too few requests finished to know their lengths: holding 5; decode 140 sequences by the next interval"), "{shared:?}");
     }
 
     #[test]

@@ -218,7 +218,7 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
         .collect()
 }
 
-/// A decode pool's replicas for the sequences it will hold by the next
+/// A decode or aggregated pool's replicas for the sequences it will hold by the next
 /// interval, over what a worker decodes within the ITL target at the
 /// context their KV cache gives. It starts from those running and queued
 /// when this one ended. Where the interval's requests give a sequence's
@@ -230,8 +230,11 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
 /// request's length is known it is the interval's start rate less its
 /// finish rate, over the interval. It needs no forecast: at a start it is
 /// the only reading of the decode load, and on a ramp it leads the
-/// forecast (which averages what finished). `None` when nothing ran (no
-/// context to size at).
+/// forecast (which averages what finished). An aggregated pool's workers
+/// also compute the prompts, which stretch each token by their share of
+/// the time: it is the fewest workers whose tokens, so stretched, are
+/// within the ITL target. `None` when nothing ran (no context to size
+/// at).
 pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation, corrections: Corrections) -> Option<Proposal> {
     if seen.running == 0 || seen.context_tokens <= 0.0 {
         return None;
@@ -253,10 +256,30 @@ pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation
             format!("{now:.0} in flight, {:.2} starting and {:.2} finishing a second", seen.load.request_rate, seen.finish_rate),
         ),
     };
+    let aggregated = targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind == PoolKind::Aggregated);
+    let (replicas, per_worker) = if aggregated {
+        // The prompts' steps stretch each token by the prefill share, as
+        // the interval's requests make it (the profile's work).
+        let prefill_work = if seen.load.isl_mean > 0.0 { seen.load.request_rate * profile.ttft_ms(seen.load.isl_mean) / 1e3 } else { 0.0 };
+        let within = |workers: u32| {
+            let n = f64::from(workers);
+            let utilization = prefill_work / n;
+            let step_ms = profile.itl_ms(seen.context_tokens, (sequences / n).max(1.0)) * corrections.itl;
+            utilization < UTILIZATION.1 && token_ms(step_ms, utilization) <= targets.itl_ms() * AIM
+        };
+        // At most a worker per sequence (where not even that meets the
+        // target, the aggregated proposal says so).
+        let most = round_up(sequences).clamp(1.0, f64::from(MOST_WORKERS)) as u32;
+        let workers = (1..=most).find(|workers| within(*workers)).unwrap_or(most);
+        (workers, sequences / f64::from(workers))
+    } else {
+        (round_up(sequences / per_worker).max(1.0) as u32, per_worker)
+    };
+    let shared = if aggregated { ", their tokens stretched by the interval's prompts" } else { "" };
     Some(Proposal {
         pool: seen.pool.clone(),
-        replicas: round_up(sequences / per_worker).max(1.0) as u32,
-        reason: format!("decode {sequences:.0} sequences by the next interval ({how}) at {per_worker:.1} per worker (context {:.0} from their KV cache)", seen.context_tokens),
+        replicas,
+        reason: format!("decode {sequences:.0} sequences by the next interval ({how}) at {per_worker:.1} per worker (context {:.0} from their KV cache{shared})", seen.context_tokens),
     })
 }
 
@@ -460,6 +483,16 @@ mod tests {
         assert_eq!(draining.replicas, 1, "{draining:?}");
         assert!(draining.reason.contains("decode 10 sequences by the next interval (39 in flight, 2.00 starting a second, each decoding 5.0 s: 10 at the steady state)"), "{draining:?}");
         assert_eq!(decode_in_flight(&profile(), &targets, &timed(1, 0.0, 8.0), Corrections::default()).unwrap().replicas, 4);
+        // On an aggregated pool the same 39.9 sequences share the workers
+        // with 8 prompts a second of 100 ms (0.8 workers of prefill): on 4,
+        // steps of 15.98 ms stretched by 20% prefill are 19.98 ms a token,
+        // over 18; on 5, 14.65 ms by 16%, 17.44 ms.
+        let aggregated = Observation { pool: "a".into(), ..timed(1, 0.0, 8.0) };
+        let shared = decode_in_flight(&profile(), &targets_aggregated(), &aggregated, Corrections::default()).unwrap();
+        assert_eq!(shared.replicas, 5, "{shared:?}");
+        assert!(shared.reason.contains("at 8.0 per worker (context 1200 from their KV cache, their tokens stretched by the interval's prompts)"), "{shared:?}");
+        // Without prompts (their lengths unknown), as a decode pool.
+        assert_eq!(decode_in_flight(&profile(), &targets_aggregated(), &Observation { pool: "a".into(), ..seen(30, 9.0, 1_200.0, 2.0, 2.0) }, Corrections::default()).unwrap().replicas, 3);
     }
 
     #[test]
