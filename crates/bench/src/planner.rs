@@ -103,7 +103,8 @@ pub struct PlannerBenchArgs {
     /// length of the intervals the SLA is judged on.
     #[arg(long, default_value_t = 3)]
     pub interval_secs: u32,
-    /// Seconds a pool is left alone after it was scaled.
+    /// Seconds after a pool was scaled during which it is not scaled down
+    /// (a scale-up is not held).
     #[arg(long, default_value_t = 6)]
     pub cooldown_secs: u32,
     /// Fewest and most workers the planner keeps.

@@ -1,8 +1,12 @@
 //! Constraining proposals into what the connector is asked for:
 //!
 //! 1. each pool within its min and max replicas;
-//! 2. a pool scaled less than a cool-down ago keeps the replicas last
-//!    decided (a worker that exited since is still replaced);
+//! 2. a pool scaled less than a cool-down ago does not scale down: it
+//!    keeps at least the replicas last decided (a worker that exited since
+//!    is still replaced). A scale-up is not held: a pool under its load
+//!    misses its targets every interval it waits, while what the cool-down
+//!    guards against is a fleet that shrinks right after it grew (or
+//!    twice in a row) on one interval's noise;
 //! 3. the pools together within the budget: scale-ups are cut first
 //!    (largest first), then pools above their minimum, largest first.
 //!
@@ -65,7 +69,7 @@ pub fn constrain(targets: &Targets, proposals: &[Proposal], current: &HashMap<St
             // The cool-down holds what was decided, not what runs: a worker
             // that exited is replaced at once.
             let held = size.decided.clamp(limits.min_replicas, limits.max_replicas);
-            if desired != held
+            if desired < held
                 && let Some(&at) = last_scaled.get(&limits.pool)
                 && now_unix_ms - at < cooldown_ms
             {
@@ -140,11 +144,14 @@ mod tests {
         let bounded = constrain(&targets(20), &proposals(0, 50), &current(2, 4), &none, 0);
         assert_eq!(desired(&bounded), [1, 10]);
         assert!(bounded[0].reason.contains("raised to min_replicas 1") && bounded[1].reason.contains("capped at max_replicas 10"));
-        // Cool-down: prefill scaled 20 s ago holds; decode scaled 90 s ago moves.
+        // Cool-down: prefill scaled 20 s ago does not scale down; decode
+        // scaled 90 s ago does.
         let scaled = HashMap::from([("p".to_owned(), 100_000), ("d".to_owned(), 30_000)]);
-        let cooling = constrain(&targets(20), &proposals(5, 6), &current(2, 4), &scaled, 120_000);
-        assert_eq!(desired(&cooling), [2, 6]);
+        let cooling = constrain(&targets(20), &proposals(1, 3), &current(2, 4), &scaled, 120_000);
+        assert_eq!(desired(&cooling), [2, 3]);
         assert!(cooling[0].reason.contains("cool-down: scaled 20 s ago, 40 s left"), "{}", cooling[0].reason);
+        // Within it, a scale-up is not held.
+        assert_eq!(desired(&constrain(&targets(20), &proposals(5, 6), &current(2, 4), &scaled, 120_000)), [5, 6]);
         // Budget 8: the scale-ups are cut, the largest first.
         let cut = constrain(&targets(8), &proposals(5, 6), &current(2, 4), &none, 0);
         assert_eq!(desired(&cut), [3, 5]);
@@ -158,7 +165,7 @@ mod tests {
         // Decode decided 4 but runs 2 (two crashed); both pools scaled 20 s ago.
         let crashed = HashMap::from([("p".to_owned(), steady(2)), ("d".to_owned(), PoolSize { running: 2, decided: 4 })]);
         let scaled = HashMap::from([("p".to_owned(), 100_000), ("d".to_owned(), 100_000)]);
-        let pools = constrain(&targets(20), &proposals(5, 7), &crashed, &scaled, 120_000);
+        let pools = constrain(&targets(20), &proposals(1, 3), &crashed, &scaled, 120_000);
         assert_eq!(desired(&pools), [2, 4], "the cool-down holds the decided sizes, and decode gets its workers back");
         assert_eq!(pools[1].current, 2);
         assert!(pools[1].reason.contains("d runs 2, not the 4 decided") && pools[1].reason.contains("holding 4"), "{}", pools[1].reason);

@@ -205,7 +205,7 @@ impl Targets {
         self.interval
     }
 
-    /// Time a pool is left alone after it was scaled.
+    /// Time after a pool was scaled during which it is not scaled down.
     pub fn cooldown(&self) -> Duration {
         self.cooldown
     }
