@@ -23,9 +23,12 @@
 //!   TTFT target allows (not the prefill and decode shares added, which
 //!   counts the prefill time twice).
 //!
-//! Pools are sized for 90% of each target (`AIM`): an interval's
+//! Pools are sized for 95% of each target (`AIM`): an interval's
 //! percentile varies around what the model expects of it, and a fleet
-//! sized to the target itself misses it about every other interval.
+//! sized to the target itself misses it about every other interval. The
+//! margin is small because a miss is answered at the next interval (the
+//! cool-down holds scale-downs only); at 90% the aggregated bench command
+//! ran 5-10% more worker-seconds for no interval more met.
 //!
 //! The corrections are the observed latency (at the targets' percentile)
 //! over what the same model expects at the observed load and replicas
@@ -48,7 +51,7 @@ const CORRECTION: (f64, f64) = (0.25, 4.0);
 const CORRECTION_WINDOW: usize = 5;
 
 /// The share of each target the pools are sized for.
-const AIM: f64 = 0.9;
+const AIM: f64 = 0.95;
 
 /// Most workers an aggregated pool is searched up to.
 const MOST_WORKERS: u32 = 100_000;
@@ -182,7 +185,7 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
     let itl = profile.itl_ms(context, per_worker) * corrections.itl;
     let sequences = load.request_rate * load.osl_mean * itl * corrections.token_mean / 1e3;
     let decode = sequences / per_worker;
-    let unreachable = if ttft >= ttft_aim { " (the TTFT alone is over 90% of the target: sized at the lowest utilization)" } else { "" };
+    let unreachable = if ttft >= ttft_aim { " (the TTFT alone is over the share of the target sized for: sized at the lowest utilization)" } else { "" };
     let whole = |workers: f64| if load.request_rate > 0.0 { round_up(workers).max(1.0) as u32 } else { 0 };
     let prefill_words = format!("prefill {prefill_work:.2} workers of work at up to {:.0}% utilization (TTFT {ttft:.1} ms alone){unreachable}", cap * 100.0);
     targets
@@ -208,7 +211,7 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
                             shared.utilization * 100.0
                         )
                     } else {
-                        format!("{prefill_words}; decode {:.1} sequences: ITL {:.2} ms even alone, over 90% of the target: a worker per sequence", shared.sequences, shared.step_ms)
+                        format!("{prefill_words}; decode {:.1} sequences: ITL {:.2} ms even alone, over the share of the target sized for: a worker per sequence", shared.sequences, shared.step_ms)
                     };
                     (replicas, words)
                 }
@@ -359,17 +362,17 @@ mod tests {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
         let proposals = propose(&profile(), &targets, &load, Corrections::default());
-        // Sized for 90% of the targets, 180 and 18 ms.
-        // Prefill: 40 × 0.1 s = 4 workers of work; TTFT 100 of 180 ms allows 44%: 9 workers.
+        // Sized for 95% of the targets, 190 and 19 ms.
+        // Prefill: 40 × 0.1 s = 4 workers of work; TTFT 100 of 190 ms allows 47%: 9 workers.
         assert_eq!(proposals[0].replicas, 9, "{}", proposals[0].reason);
-        // Decode: 13 sequences per worker within 18 ms (10 ms plus 2/3 ms
-        // per sequence past the first); 40 × 100 × 0.018 = 72 sequences: 6 workers.
+        // Decode: 14.5 sequences per worker within 19 ms (10 ms plus 2/3 ms
+        // per sequence past the first); 40 × 100 × 0.019 = 76 sequences: 6 workers.
         assert_eq!(proposals[1].replicas, 6, "{}", proposals[1].reason);
         // Requests' mean ITL at half the percentile's: half the sequences
-        // decode at once (36), 3 workers.
+        // decode at once (38), 3 workers.
         let halved = propose(&profile(), &targets, &load, Corrections { token_mean: 0.5, ..Corrections::default() });
         assert_eq!(halved[1].replicas, 3, "{}", halved[1].reason);
-        assert!(halved[1].reason.contains("(ITL 18.00 ms at context 1050, 9.00 ms on average)"), "{}", halved[1].reason);
+        assert!(halved[1].reason.contains("(ITL 19.00 ms at context 1050, 9.50 ms on average)"), "{}", halved[1].reason);
         // Aggregated: prefill within 44% starts the search at 9. On n
         // workers a token takes step / (1 − 4/n), with 4 × token sequences
         // (Little's law) spread over n. On 13: token = 1.444 × (9.33 + 4t/13
@@ -398,8 +401,8 @@ mod tests {
         assert!((corrections.itl - 1.0).abs() < 1e-9, "{corrections:?}");
         let slower = propose(&profile(), &targets, &load, corrections);
         // The work is the profile's, 40 × 0.1 s = 4 workers; the TTFT as
-        // observed (150 of 180 ms) allows 16.7%: 24.
-        assert_eq!(slower[0].replicas, 24, "{}", slower[0].reason);
+        // observed (150 of 190 ms) allows 21.1%: 19.
+        assert_eq!(slower[0].replicas, 19, "{}", slower[0].reason);
         assert_eq!(corrections_without_observations(&targets), Corrections::default());
     }
 
@@ -416,16 +419,16 @@ mod tests {
             Targets::new(200.0, itl_ms, 90.0, targets_aggregated().pools().to_vec(), 200, Duration::from_secs(30), Duration::from_secs(60), Predictor::Constant).unwrap()
         };
         // 4 workers of prefill; on n a token takes 10 / (1 − 4/n) ms: within
-        // 90% of 16 ms (14.4) from n = 14 (14.00 ms; on 13, 14.44).
+        // 95% of 16 ms (15.2) from n = 12 (15.00 ms; on 11, 15.71).
         let sized = &propose(&profile, &within(16.0), &load, Corrections::default())[0];
-        assert_eq!(sized.replicas, 14, "{}", sized.reason);
-        assert!(sized.reason.contains("in 10.00 ms steps at context 1050, 14.00 ms a token with 29% of the time prefill"), "{}", sized.reason);
-        // Within 90% of 25 ms from 8, but the TTFT's 44% utilization takes 9.
+        assert_eq!(sized.replicas, 12, "{}", sized.reason);
+        assert!(sized.reason.contains("in 10.00 ms steps at context 1050, 15.00 ms a token with 33% of the time prefill"), "{}", sized.reason);
+        // Within 95% of 25 ms from 7, but the TTFT's 47% utilization takes 9.
         assert_eq!(propose(&profile, &within(25.0), &load, Corrections::default())[0].replicas, 9);
         // A decode step alone over the target: a worker per sequence (40 × 100 × 0.025 = 100), said so.
         let hopeless = propose(&profile, &within(12.5), &load, Corrections { ttft: 1.0, itl: 2.5, token_mean: 1.0 });
         assert_eq!(hopeless[0].replicas, 100, "{}", hopeless[0].reason);
-        assert!(hopeless[0].reason.contains("over 90% of the target"), "{}", hopeless[0].reason);
+        assert!(hopeless[0].reason.contains("over the share of the target sized for"), "{}", hopeless[0].reason);
         // Observed: on 10 workers (40% prefill) the profile expects a token
         // every 10 / 0.6 = 16.67 ms; 20 ms is ×1.2. On 8 (50%), 20 ms; 30
         // ms is ×1.5. On 5 (80%) at 80 ms, 64 sequences a worker: more than
@@ -460,15 +463,15 @@ mod tests {
             itl_mean_ms: None,
         };
         // 30 running and 9 queued, as many starting as finishing: 39
-        // sequences, 13 per worker within 18 ms: 3 workers.
+        // sequences, 14.5 per worker within 19 ms: 3 workers.
         let sized = decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections::default()).unwrap();
         assert_eq!((sized.pool.as_str(), sized.replicas), ("d", 3), "{sized:?}");
-        assert!(sized.reason.contains("39 sequences by the next interval (39 in flight, 2.00 starting and 2.00 finishing a second) at 13.0 per worker (context 1200"), "{sized:?}");
+        assert!(sized.reason.contains("39 sequences by the next interval (39 in flight, 2.00 starting and 2.00 finishing a second) at 14.5 per worker (context 1200"), "{sized:?}");
         // A ramp: 0.5 a second more start than finish over the 30-second
-        // interval, 54 sequences: 5 workers. Falling as fast: 24, 2.
-        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.5, 2.0), Corrections::default()).unwrap().replicas, 5);
+        // interval, 54 sequences: 4 workers. Falling as fast: 24, 2.
+        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.5, 2.0), Corrections::default()).unwrap().replicas, 4);
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.5), Corrections::default()).unwrap().replicas, 2);
-        // Twice as slow as the profile: 18 ms is the profile's 9 ms, under
+        // Twice as slow as the profile: 19 ms is the profile's 9.5 ms, under
         // its ITL alone: a worker per sequence.
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0, token_mean: 1.0 }).unwrap().replicas, 39);
         // Nothing running: nothing to size on.
@@ -477,16 +480,16 @@ mod tests {
         // 2 starting a second hold 10 at the steady state. A backlog of 39
         // drains toward it over the 30-second interval (e^-6 of the excess
         // left: 10.07, one worker), whatever the last interval saw finish;
-        // a start from 1 in flight at 8 a second climbs to 40 (4 workers).
+        // a start from 1 in flight at 8 a second climbs to 40 (3 workers).
         let timed = |running, queue_depth, started| Observation { load: Load { request_rate: started, isl_mean: 1_000.0, osl_mean: 100.0 }, itl_mean_ms: Some(50.0), ..seen(running, queue_depth, 1_200.0, started, 0.0) };
         let draining = decode_in_flight(&profile(), &targets, &timed(30, 9.0, 2.0), Corrections::default()).unwrap();
         assert_eq!(draining.replicas, 1, "{draining:?}");
         assert!(draining.reason.contains("decode 10 sequences by the next interval (39 in flight, 2.00 starting a second, each decoding 5.0 s: 10 at the steady state)"), "{draining:?}");
-        assert_eq!(decode_in_flight(&profile(), &targets, &timed(1, 0.0, 8.0), Corrections::default()).unwrap().replicas, 4);
+        assert_eq!(decode_in_flight(&profile(), &targets, &timed(1, 0.0, 8.0), Corrections::default()).unwrap().replicas, 3);
         // On an aggregated pool the same 39.9 sequences share the workers
         // with 8 prompts a second of 100 ms (0.8 workers of prefill): on 4,
         // steps of 15.98 ms stretched by 20% prefill are 19.98 ms a token,
-        // over 18; on 5, 14.65 ms by 16%, 17.44 ms.
+        // over 19; on 5, 14.65 ms by 16%, 17.44 ms.
         let aggregated = Observation { pool: "a".into(), ..timed(1, 0.0, 8.0) };
         let shared = decode_in_flight(&profile(), &targets_aggregated(), &aggregated, Corrections::default()).unwrap();
         assert_eq!(shared.replicas, 5, "{shared:?}");
