@@ -27,8 +27,11 @@
 //! percentile varies around what the model expects of it, and a fleet
 //! sized to the target itself misses it about every other interval. The
 //! margin is small because a miss is answered at the next interval (the
-//! cool-down holds scale-downs only); at 90% the aggregated bench command
-//! ran 5-10% more worker-seconds for no interval more met.
+//! cool-down holds scale-downs only). On the aggregated bench command
+//! 90% took about 7% more worker-seconds (one run, 100% of intervals met;
+//! 98-100% at 95%), but it also carried the fleet through the database
+//! outages of the restart run, where the planner holds its plan (98%;
+//! 92% at 95%: docs/benchmarks.md).
 //!
 //! The corrections are the observed latency (at the targets' percentile)
 //! over what the same model expects at the observed load and replicas
