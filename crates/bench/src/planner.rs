@@ -145,7 +145,8 @@ pub struct PlannerBenchArgs {
     /// Kill that server (SIGKILL, as a crash) this many seconds into the
     /// planner's replay, keep it down for --database-outage-secs, then
     /// start it again on its data (comma separated for several; needs
-    /// --postgres). The planner meanwhile holds its plan and retries.
+    /// --postgres). The planner meanwhile decides from memory (scale-ups
+    /// only) and records those decisions once the database is back.
     #[arg(long, value_delimiter = ',', requires = "postgres")]
     pub restart_database_at: Vec<f64>,
     /// How long the database stays down at each --restart-database-at.

@@ -6,8 +6,9 @@
 //! decision saying why), the gateway keeps serving, and the fleet is back
 //! at its size. A planner SIGKILLed while it starts workers, restarted on
 //! the same Postgres and state folder, adopts them and finishes the action
-//! without starting any worker twice; with Postgres restarted under it,
-//! it holds the fleet and decides again once the database is back.
+//! without starting any worker twice; with Postgres down under it, it
+//! replaces a worker that crashed meanwhile and records that decision once
+//! the database is back.
 
 mod common;
 
@@ -217,18 +218,43 @@ async fn a_planner_killed_while_it_starts_workers_resumes_from_postgres_and_star
     assert_eq!(recorded(&state), fleet, "no worker started twice");
     assert_eq!(std::fs::read_to_string(state.join("next-worker")).unwrap().trim(), "2", "no third worker was ever started");
 
-    // Postgres restarted under it: the planner holds the fleet (it never
-    // sizes on missing data) and decides again once the database is back.
+    // Postgres down under it: the planner goes on from memory. A worker
+    // that crashes meanwhile is replaced (a scale-up on what it observes)
+    // while the database is still down.
     let last = decisions[0].id;
     postgres.kill();
     assert!(client.plan().await.is_err(), "no plan without the database");
-    postgres.restart();
-    wait_until("decisions resume after Postgres is back", Duration::from_secs(60), async || {
-        client.history(1, None).await.is_ok_and(|page| page.decisions.first().is_some_and(|decision| decision.id > last + 2))
+    let crashed = records(&state).into_iter().find(|(name, _)| *name == fleet[1]).expect("the worker's record");
+    kill(crashed.1);
+    let replaced = names(&["0", "2"]);
+    wait_until("the planner replaces the crashed worker with its database down", Duration::from_secs(120), async || {
+        recorded(&state) == replaced && registered(&registry).await == replaced
     })
     .await;
-    assert_eq!(registered(&registry).await, fleet);
-    assert_eq!(recorded(&state), fleet);
+    assert!(client.plan().await.is_err(), "the database is still down");
+
+    // Back: the decisions made meanwhile are recorded, in order, each id
+    // once, the replacement's action done; then the planner decides from
+    // the ledger again.
+    postgres.restart();
+    wait_until("decisions resume after Postgres is back", Duration::from_secs(60), async || {
+        client.history(1, None).await.is_ok_and(|page| page.decisions.first().is_some_and(|decision| decision.id > last && !decision.reason.contains("database was unreachable")))
+    })
+    .await;
+    let decisions = client.history(1000, None).await.unwrap().decisions;
+    let ids: Vec<u64> = decisions.iter().map(|decision| decision.id).collect();
+    assert!(ids.windows(2).all(|pair| pair[0] > pair[1]), "each id once, newest first: {ids:?}");
+    let from_memory: Vec<_> = decisions.iter().filter(|decision| decision.id > last && decision.reason.contains("decided while the database was unreachable")).collect();
+    let replacement = from_memory
+        .iter()
+        .flat_map(|decision| &decision.pools)
+        .find(|pool| pool.current_replicas == 1 && pool.desired_replicas == 2)
+        .unwrap_or_else(|| panic!("no decision from memory replaced the worker: {decisions:#?}"));
+    let action = replacement.action.as_ref().expect("the replacement's action");
+    assert_eq!(action.state, ActionState::Done, "{action:?}");
+    assert!(action.message.contains(&replaced[1]), "{action:?}");
+    assert_eq!(registered(&registry).await, replaced);
+    assert_eq!(recorded(&state), replaced);
     let (status, body) = post(&stack.base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": true})).await;
     assert_eq!(status, 200, "{body}");
 }

@@ -197,14 +197,40 @@ pub async fn execute(ledger: &Ledger, connector: &Connector, actions: &[Action])
     let targets = ledger.control().await?.targets;
     let kind = |pool: &str| targets.as_ref().and_then(|targets| targets.pools().iter().find(|limits| limits.pool == pool)).map_or(PoolKind::Aggregated, |limits| limits.kind);
     for action in actions {
-        for older in pending.iter().filter(|older| older.pool == action.pool && older.id != action.id) {
-            if ledger.end_action(&older.id, ActionState::Failed, &format!("superseded by {} before it was carried out", action.id), now_unix_ms()).await? {
-                tracing::info!(action = older.id, by = action.id, "action superseded");
-            }
-        }
+        supersede(ledger, &pending, action).await?;
         carry_out(ledger, connector, action, kind(&action.pool)).await?;
     }
     Ok(())
+}
+
+/// Ends the actions of `pending` older than `action` on its pool as
+/// failed, superseded by it.
+pub async fn supersede(ledger: &Ledger, pending: &[Action], action: &Action) -> Result<(), LedgerError> {
+    for older in pending.iter().filter(|older| older.pool == action.pool && older.id != action.id) {
+        if ledger.end_action(&older.id, ActionState::Failed, &format!("superseded by {} before it was carried out", action.id), now_unix_ms()).await? {
+            tracing::info!(action = older.id, by = action.id, "action superseded");
+        }
+    }
+    Ok(())
+}
+
+/// Hands `action`, on a pool of `kind`, to `connector` while the database
+/// is unreachable: its outcome is kept in the action, to be recorded with
+/// its decision when the database is back.
+pub async fn execute_unrecorded(connector: &Connector, action: &mut Action, kind: PoolKind) {
+    let outcome = connector.execute(action, kind).await;
+    crate::metrics::record_outcome(&outcome);
+    (action.state, action.message) = match outcome {
+        Outcome::Done(message) => {
+            tracing::info!(action = action.id, message, "action done (recorded once the database is back)");
+            (ActionState::Done, message)
+        }
+        Outcome::Awaiting(message) => (ActionState::Pending, message),
+        Outcome::Failed(message) => {
+            tracing::warn!(action = action.id, message, "action failed (recorded once the database is back)");
+            (ActionState::Failed, message)
+        }
+    };
 }
 
 /// After a restart: the newest pending action of each pool is handed to

@@ -15,7 +15,7 @@ use turbine_runtime::CancellationToken;
 
 use crate::constrain::{PoolSize, constrain};
 use crate::decision::{Action, ActionState, Decision, Observation, PoolDecision, Prediction};
-use crate::ledger::LedgerError;
+use crate::ledger::{Control, LedgerError};
 use crate::observe::Observer;
 use crate::predict::{Forecaster, Load};
 use crate::profile::Profile;
@@ -42,9 +42,20 @@ pub struct Sizing {
     pub season_intervals: usize,
 }
 
-/// Runs the cycle until `shutdown` fires. A failed observation or ledger
-/// write is logged and the interval skipped: nothing is decided on missing
-/// data.
+impl Sizing {
+    /// Intervals of history a forecast reads.
+    fn wanted(&self) -> usize {
+        (4 * self.season_intervals).clamp(64, MAX_HISTORY)
+    }
+}
+
+/// Runs the cycle until `shutdown` fires. A failed observation is logged
+/// and the interval skipped: nothing is decided on missing data. While the
+/// database is unreachable the planner goes on from what it holds in
+/// memory (the targets last read, the intervals and the decision last
+/// seen): it scales up on what it observes but holds every pool at least at
+/// its last plan, and records those decisions, in order, once the database
+/// answers again (see [`Unrecorded`]).
 pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, shutdown: CancellationToken) {
     // Actions pending when the planner last stopped are carried out first.
     while let Err(error) = crate::connector::resume(state.ledger(), state.connector()).await {
@@ -53,19 +64,36 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
             return;
         }
     }
+    let mut control = None;
+    let mut memory: Option<Past> = None;
+    let mut unrecorded = Unrecorded::default();
     loop {
-        let control = match state.ledger().control().await {
-            Ok(control) => control,
+        let reachable = tokio::time::timeout(PROBE, state.ledger().ping()).await.is_ok_and(|answered| answered.is_ok());
+        // Decisions made from memory are recorded before anything else is.
+        let read = match reachable {
+            true => match unrecorded.record(&state).await {
+                Ok(()) => state.ledger().control().await.map(Some),
+                Err(error) => Err(error),
+            },
+            false => Ok(None),
+        };
+        let online = match read {
+            Ok(Some(read)) => {
+                control = Some(read);
+                true
+            }
+            Ok(None) => false,
             Err(error) => {
-                tracing::warn!(%error, "cannot read the targets; retrying");
-                if sleep_or_shutdown(LEDGER_RETRY, &shutdown).await {
-                    return;
-                }
-                continue;
+                tracing::warn!(%error, "the database failed; going on from memory");
+                false
             }
         };
-        let Some(targets) = control.targets else {
-            if sleep_or_shutdown(NO_TARGETS_POLL, &shutdown).await {
+        let Some(Control { targets: Some(targets), paused, .. }) = control.clone() else {
+            let wait = if online { NO_TARGETS_POLL } else { LEDGER_RETRY };
+            if control.is_none() {
+                tracing::warn!("cannot read the targets; retrying");
+            }
+            if sleep_or_shutdown(wait, &shutdown).await {
                 return;
             }
             continue;
@@ -73,17 +101,25 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
         match observer.observe(&targets).await {
             Ok(Some(observed)) => {
                 let now = crate::service::now_unix_ms();
-                let decided = async {
-                    state.ledger().record_observations(now, &observed).await?;
-                    let decision = decide(&state, &targets, control.paused, &sizing, observed, now).await?;
-                    tracing::info!(id = decision.id, reason = decision.reason, paused = decision.paused, "decision");
-                    crate::metrics::record_decision(&targets, &decision);
-                    let actions: Vec<Action> = decision.pools.iter().filter_map(|pool| pool.action.clone()).collect();
-                    state.record(decision).await?;
-                    crate::connector::execute(state.ledger(), state.connector(), &actions).await
-                };
-                if let Err(error) = decided.await {
-                    tracing::warn!(%error, "cannot record this interval's decision");
+                let recorded = if online { decide_and_record(&state, &targets, paused, &sizing, &observed, now, &mut memory).await } else { Err(None) };
+                match recorded {
+                    Ok(()) => {}
+                    Err(failure) => {
+                        if let Some(error) = failure {
+                            tracing::warn!(%error, "cannot record this interval's decision; deciding from memory");
+                        }
+                        match memory.as_mut() {
+                            Some(past) if !unrecorded.full() => {
+                                let decision = decide_unrecorded(&state, &targets, paused, &sizing, past, observed.clone(), now).await;
+                                tracing::info!(id = decision.id, reason = decision.reason, paused = decision.paused, "decision (the database unreachable)");
+                                crate::metrics::record_decision(&targets, &decision);
+                                past.advance(observed.clone(), &decision, sizing.wanted());
+                                unrecorded.push(now, observed, decision);
+                            }
+                            Some(_) => tracing::warn!(held = unrecorded.len(), "the database unreachable and as many decisions held as are kept: holding the plan"),
+                            None => tracing::warn!("the database unreachable before any decision: holding"),
+                        }
+                    }
                 }
             }
             Ok(None) => tracing::debug!("observation baseline taken"),
@@ -93,6 +129,158 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
             return;
         }
     }
+}
+
+/// One interval on a reachable database: records what was observed,
+/// decides from the ledger, records the decision and hands its actions to
+/// the connector, keeping what the decision read, with it, in `memory`.
+/// The error while the decision is still unrecorded (the caller then
+/// decides from memory).
+#[allow(clippy::too_many_arguments)]
+async fn decide_and_record(
+    state: &PlannerState,
+    targets: &Targets,
+    paused: bool,
+    sizing: &Sizing,
+    observed: &[Observation],
+    now: i64,
+    memory: &mut Option<Past>,
+) -> Result<(), Option<LedgerError>> {
+    let ledger = state.ledger();
+    ledger.record_observations(now, observed).await?;
+    let mut past = Past::read(ledger, targets, sizing.wanted()).await?;
+    let decision = decide(state, targets, paused, sizing, &past, observed.to_vec(), now, false).await;
+    tracing::info!(id = decision.id, reason = decision.reason, paused = decision.paused, "decision");
+    crate::metrics::record_decision(targets, &decision);
+    let actions: Vec<Action> = decision.pools.iter().filter_map(|pool| pool.action.clone()).collect();
+    if let Err(error) = state.record(decision.clone()).await {
+        // The interval read back is this one (recorded above), which the
+        // decision from memory adds itself; the write may have reached the
+        // database after all, so that decision takes the next id.
+        past.intervals.pop();
+        past.next_id += 1;
+        *memory = Some(past);
+        return Err(Some(error));
+    }
+    // Recorded: the intervals the decision read already hold this one's.
+    past.advance(Vec::new(), &decision, sizing.wanted());
+    if let Err(error) = crate::connector::execute(ledger, state.connector(), &actions).await {
+        tracing::warn!(%error, "cannot record how this interval's actions ended");
+    }
+    past.pending = Vec::new();
+    *memory = Some(past);
+    Ok(())
+}
+
+/// Most decisions made while the database is unreachable that are kept
+/// for it (at a 30-second interval, eight hours); beyond them the planner
+/// holds its plan.
+const MAX_UNRECORDED: usize = 1000;
+
+/// How long the planner waits for its database to answer before it
+/// decides from memory.
+const PROBE: Duration = Duration::from_secs(1);
+
+/// Decisions made, and intervals observed, while the database was
+/// unreachable, oldest first, until they are recorded.
+#[derive(Debug, Default)]
+struct Unrecorded(std::collections::VecDeque<(i64, Vec<Observation>, Decision)>);
+
+impl Unrecorded {
+    fn full(&self) -> bool {
+        self.0.len() >= MAX_UNRECORDED
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn push(&mut self, at_unix_ms: i64, observed: Vec<Observation>, decision: Decision) {
+        self.0.push_back((at_unix_ms, observed, decision));
+    }
+
+    /// Records each, oldest first (publishing the decisions to watchers);
+    /// an action recorded supersedes the older ones still pending on its
+    /// pool. Stops at the first failure, keeping what is left.
+    async fn record(&mut self, state: &PlannerState) -> Result<(), LedgerError> {
+        let ledger = state.ledger();
+        while let Some((at, observed, decision)) = self.0.front() {
+            ledger.record_observations(*at, observed).await?;
+            let pending = ledger.pending_actions().await?;
+            let actions: Vec<Action> = decision.pools.iter().filter_map(|pool| pool.action.clone()).collect();
+            state.record_late(decision.clone()).await?;
+            for action in &actions {
+                crate::connector::supersede(ledger, &pending, action).await?;
+            }
+            tracing::info!(id = decision.id, "a decision made while the database was unreachable is recorded");
+            self.0.pop_front();
+        }
+        Ok(())
+    }
+}
+
+/// What a decision reads of the past: read from the ledger at each
+/// interval, and carried on in memory while the database is unreachable.
+#[derive(Debug, Clone, Default)]
+struct Past {
+    /// The newest intervals observed, oldest first.
+    intervals: Vec<Vec<Observation>>,
+    /// The newest decision.
+    latest: Option<Decision>,
+    /// Actions not yet carried out.
+    pending: Vec<Action>,
+    /// When each pool was last scaled (ms since the epoch).
+    last_scaled: HashMap<String, i64>,
+    /// The id the next decision takes.
+    next_id: u64,
+}
+
+impl Past {
+    async fn read(ledger: &crate::ledger::Ledger, targets: &Targets, wanted: usize) -> Result<Self, LedgerError> {
+        let intervals = ledger.observations(wanted).await?.into_iter().map(|(_, pools)| pools).collect();
+        let mut last_scaled = HashMap::new();
+        for limits in targets.pools() {
+            if let Some(at) = ledger.last_scaled(&limits.pool).await? {
+                last_scaled.insert(limits.pool.clone(), at);
+            }
+        }
+        Ok(Self { intervals, latest: ledger.latest().await?, pending: ledger.pending_actions().await?, last_scaled, next_id: ledger.next_decision_id().await? })
+    }
+
+    /// The past once `decision` was made on `observed` (empty when the
+    /// intervals already hold them).
+    fn advance(&mut self, observed: Vec<Observation>, decision: &Decision, wanted: usize) {
+        if !observed.is_empty() {
+            self.intervals.push(observed);
+            let over = self.intervals.len().saturating_sub(wanted);
+            self.intervals.drain(..over);
+        }
+        for action in decision.pools.iter().filter_map(|pool| pool.action.as_ref()).filter(|action| action.state != ActionState::Failed) {
+            self.last_scaled.insert(action.pool.clone(), decision.at_unix_ms);
+        }
+        self.next_id = decision.id + 1;
+        self.latest = Some(decision.clone());
+    }
+}
+
+/// One interval's decision while the database is unreachable, from
+/// `past`: a pool is never proposed below its last plan (a scale-down
+/// waits until it can be recorded), and each action is carried out at once,
+/// its outcome kept in the decision.
+async fn decide_unrecorded(state: &PlannerState, targets: &Targets, paused: bool, sizing: &Sizing, past: &Past, observed: Vec<Observation>, now: i64) -> Decision {
+    let mut past = past.clone();
+    past.intervals.push(observed.clone());
+    // Nothing is pending: actions from memory are carried out as decided.
+    past.pending.clear();
+    let mut decision = decide(state, targets, paused, sizing, &past, observed, now, true).await;
+    for pool in &mut decision.pools {
+        let kind = targets.pools().iter().find(|limits| limits.pool == pool.pool).map_or(PoolKind::Aggregated, |limits| limits.kind);
+        if let Some(action) = pool.action.as_mut() {
+            crate::connector::execute_unrecorded(state.connector(), action, kind).await;
+        }
+    }
+    decision.reason += "; decided while the database was unreachable (scale-ups only), recorded once it answered";
+    decision
 }
 
 /// The forecast of the next interval from the kept history: the rate from
@@ -156,44 +344,44 @@ fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Cor
     proposals
 }
 
-/// One interval's decision.
-async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &Sizing, observed: Vec<Observation>, now: i64) -> Result<Decision, LedgerError> {
-    let ledger = state.ledger();
-    let wanted = (4 * sizing.season_intervals).clamp(64, MAX_HISTORY);
-    let intervals: Vec<Vec<Observation>> = ledger.observations(wanted).await?.into_iter().map(|(_, pools)| pools).collect();
+/// One interval's decision from `past`. `unrecorded`: the database is
+/// unreachable, and a pool is held at least at what was last decided.
+#[allow(clippy::too_many_arguments)]
+async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &Sizing, past: &Past, observed: Vec<Observation>, now: i64, unrecorded: bool) -> Decision {
+    let intervals = &past.intervals;
     let history: Vec<Load> = intervals.iter().filter_map(|pools| pools.first().map(|pool| pool.load)).collect();
     let (prediction, fallback) = forecast(targets, sizing.season_intervals, &history);
-    let corrections = corrections_over(&sizing.profile, targets, &intervals);
+    let corrections = corrections_over(&sizing.profile, targets, intervals);
     // A pool was decided at what the latest decision asked for, unless
     // that action failed; before any decision, at what is observed. It runs
     // what the connector counts (a worker may have exited since), unless
     // an action on it is still pending or the connector cannot tell.
-    let latest = ledger.latest().await?;
-    let pending = ledger.pending_actions().await?;
     let mut current = HashMap::new();
-    let mut last_scaled = HashMap::new();
     for limits in targets.pools() {
         let observed_replicas = observed.iter().find(|seen| seen.pool == limits.pool).map_or(0, |seen| seen.replicas);
-        let decided = latest
+        let decided = past
+            .latest
             .as_ref()
             .and_then(|decision| decision.pools.iter().find(|pool| pool.pool == limits.pool))
             .filter(|pool| pool.action.as_ref().is_none_or(|action| action.state != ActionState::Failed))
             .map(|pool| pool.desired_replicas);
         let decided = decided.unwrap_or(observed_replicas);
-        let counted = if pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool, limits.kind).await };
+        let counted = if past.pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool, limits.kind).await };
         current.insert(limits.pool.clone(), PoolSize { running: counted.unwrap_or(decided), decided });
-        if let Some(at) = ledger.last_scaled(&limits.pool).await? {
-            last_scaled.insert(limits.pool.clone(), at);
-        }
     }
     let proposals = proposals(&sizing.profile, targets, &prediction.load, corrections, &current, &observed);
-    let id = ledger.next_decision_id().await?;
-    let pools = constrain(targets, &proposals, &current, &last_scaled, now)
+    let id = past.next_id;
+    let pools = constrain(targets, &proposals, &current, &past.last_scaled, now)
         .into_iter()
-        .map(|pool| {
+        .map(|mut pool| {
+            let decided = current.get(&pool.pool).map_or(0, |size| size.decided);
+            if unrecorded && pool.desired < decided {
+                pool.reason += &format!("; holding {decided}, the last plan: a scale-down waits until the database can record it");
+                pool.desired = decided;
+            }
             let changes = pool.desired != pool.current;
             let action = (changes && !paused).then(|| Action {
-                id: Action::id_for(ledger.namespace(), id, &pool.pool),
+                id: Action::id_for(state.ledger().namespace(), id, &pool.pool),
                 pool: pool.pool.clone(),
                 replicas: pool.desired,
                 state: ActionState::Pending,
@@ -214,7 +402,7 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
         corrections.itl,
         corrections.token_mean
     );
-    Ok(Decision { id, at_unix_ms: now, observed, predicted: Some(prediction), pools, reason, paused })
+    Decision { id, at_unix_ms: now, observed, predicted: Some(prediction), pools, reason, paused }
 }
 
 /// Sleeps `period`; true when `shutdown` fired first.

@@ -183,13 +183,24 @@ impl Ledger {
         Ok(newest.map_or(1, |id| id as u64 + 1))
     }
 
-    /// Records `decision` and its actions (pending) in one transaction.
-    /// Recording a decision id twice is refused by the database, and an
-    /// action id already recorded keeps its state.
+    /// Records `decision` and its actions (in the states they hold) in one
+    /// transaction. Recording a decision id twice is refused by the
+    /// database, and an action id already recorded keeps its state.
     pub async fn record(&self, decision: &Decision) -> Result<(), LedgerError> {
+        self.insert(decision, "").await
+    }
+
+    /// Records `decision`, made while the database was unreachable, as
+    /// [`Ledger::record`] does; a decision id already recorded (the write
+    /// that failed had reached the database after all) keeps what it holds.
+    pub async fn record_late(&self, decision: &Decision) -> Result<(), LedgerError> {
+        self.insert(decision, " ON CONFLICT (namespace, id) DO NOTHING").await
+    }
+
+    async fn insert(&self, decision: &Decision, on_conflict: &str) -> Result<(), LedgerError> {
         let json = serde_json::to_string(decision).expect("decisions serialize");
         let mut transaction = self.pool.begin().await?;
-        sqlx::query("INSERT INTO planner_decisions (namespace, id, at_unix_ms, paused, reason, decision) VALUES ($1, $2, $3, $4, $5, $6)")
+        sqlx::query(&format!("INSERT INTO planner_decisions (namespace, id, at_unix_ms, paused, reason, decision) VALUES ($1, $2, $3, $4, $5, $6){on_conflict}"))
             .bind(&self.namespace)
             .bind(decision.id as i64)
             .bind(decision.at_unix_ms)
@@ -309,13 +320,14 @@ impl Ledger {
         Ok(decisions)
     }
 
-    /// Records one interval's observations, ended at `at_unix_ms`.
+    /// Records one interval's observations, ended at `at_unix_ms`; an
+    /// interval already recorded keeps what it holds.
     pub async fn record_observations(&self, at_unix_ms: i64, observed: &[Observation]) -> Result<(), LedgerError> {
         let mut transaction = self.pool.begin().await?;
         for seen in observed {
             sqlx::query(
                 "INSERT INTO planner_observations (namespace, at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas, running, context_tokens, finish_rate, itl_mean_ms) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) ON CONFLICT (namespace, at_unix_ms, pool) DO NOTHING",
             )
             // Not prepared once per connection: sqlx's Any driver types a
             // NULL double as float4 for Postgres, and a statement prepared

@@ -67,6 +67,14 @@ impl PlannerState {
         let _ = self.decisions.send(Arc::new(decision));
         Ok(())
     }
+
+    /// Records a decision made while the database was unreachable
+    /// ([`Ledger::record_late`]) and publishes it to the watchers.
+    pub async fn record_late(&self, decision: Decision) -> Result<(), LedgerError> {
+        self.ledger.record_late(&decision).await?;
+        let _ = self.decisions.send(Arc::new(decision));
+        Ok(())
+    }
 }
 
 /// The service.
