@@ -429,6 +429,66 @@ mod tests {
         rates.iter().map(|rate| Load { request_rate: *rate, isl_mean: 1000.0, osl_mean: 100.0 }).collect()
     }
 
+    #[tokio::test]
+    async fn from_memory_a_pool_scales_up_but_is_never_proposed_below_its_last_plan() {
+        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = crate::ledger::Ledger::open(&format!("sqlite:{}", dir.path().join("planner.sqlite").display()), "test").await.unwrap();
+        // The virtual connector counts nothing: a pool runs what was decided.
+        let state = PlannerState::new(ledger);
+        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
+        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
+        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let sizing = Sizing { profile, season_intervals: 4 };
+        let targets = targets(Predictor::Constant);
+        let pool = |desired| PoolDecision { pool: "workers".into(), current_replicas: desired, proposed_replicas: desired, desired_replicas: desired, reason: String::new(), action: None };
+        let last = Decision { id: 6, at_unix_ms: 1_000, observed: Vec::new(), predicted: None, pools: vec![pool(5)], reason: String::new(), paused: false };
+        let past = Past { latest: Some(last), next_id: 7, ..Past::default() };
+        let seen = |request_rate| Observation {
+            pool: "workers".into(),
+            load: Load { request_rate, isl_mean: 500.0, osl_mean: 50.0 },
+            ttft_ms: None,
+            itl_ms: None,
+            queue_depth: 0.0,
+            kv_usage: 0.1,
+            replicas: 5,
+            running: 0,
+            context_tokens: 0.0,
+            finish_rate: request_rate,
+            itl_mean_ms: None,
+        };
+
+        // A quiet interval: from the ledger the pool would shrink; from
+        // memory it holds its last plan and asks for nothing.
+        let quiet = vec![seen(0.5)];
+        let online = decide(&state, &targets, false, &sizing, &past, quiet.clone(), 2_000, false).await;
+        assert!(online.pools[0].desired_replicas < 5, "{online:?}");
+        let held = decide_unrecorded(&state, &targets, false, &sizing, &past, quiet, 2_000).await;
+        assert_eq!((held.id, held.pools[0].desired_replicas, held.pools[0].action.is_none()), (7, 5, true), "{held:?}");
+        assert!(held.pools[0].reason.ends_with("; holding 5, the last plan: a scale-down waits until the database can record it"), "{held:?}");
+        assert!(held.reason.ends_with("decided while the database was unreachable (scale-ups only), recorded once it answered"), "{held:?}");
+
+        // A busy one: it scales up at once, the action carried out (here
+        // published, to be reported) under the next decision id.
+        let busy = decide_unrecorded(&state, &targets, false, &sizing, &past, vec![seen(40.0)], 2_000).await;
+        assert!(busy.pools[0].desired_replicas > 5, "{busy:?}");
+        let action = busy.pools[0].action.clone().expect("a scale-up");
+        assert_eq!((action.id.as_str(), action.state, action.replicas), ("test/7/workers", ActionState::Pending, busy.pools[0].desired_replicas));
+        assert!(action.message.starts_with("published: set workers to"), "{action:?}");
+
+        // Memory moves on: the next decision id, the interval kept, the
+        // pool scaled now (for the cool-down), at most `wanted` intervals.
+        let mut moved = past.clone();
+        moved.advance(vec![seen(40.0)], &busy, 1);
+        moved.advance(vec![seen(41.0)], &busy, 1);
+        assert_eq!((moved.next_id, moved.intervals.len(), moved.last_scaled.get("workers")), (8, 1, Some(&2_000)));
+        assert_eq!(moved.intervals[0][0].load.request_rate, 41.0);
+        assert_eq!(moved.latest.as_ref().map(|decision| decision.id), Some(7));
+        // Paused: decided the same way, nothing asked for.
+        let paused = decide_unrecorded(&state, &targets, true, &sizing, &past, vec![seen(40.0)], 2_000).await;
+        assert!(paused.pools[0].action.is_none() && paused.pools[0].reason.contains("paused: not acting"), "{paused:?}");
+    }
+
     #[test]
     fn requests_without_known_lengths_hold_the_pools() {
         use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
