@@ -14,7 +14,7 @@ use turbine_planner::cycle::Sizing;
 use turbine_planner::observe::Observer;
 use turbine_planner::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
 use turbine_planner::{Ledger, PlannerState, PoolKind, PoolLimits, Predictor, Targets};
-use turbine_testkit::{PostgresServer, wait_until};
+use turbine_testkit::{PostgresServer, metric, wait_until};
 
 const MODEL: &str = "smollm2-135m";
 
@@ -80,6 +80,15 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     assert!((0.0..=1.0).contains(&pool.kv_usage));
 
     // Nothing sent: a zero rate and no latencies, not the last interval's.
+    // The gateway counts a request once its response reached this client
+    // (under the full suite's load, after the reading above): once it has
+    // counted all 20, one reading takes those it counted late, and the
+    // next interval has nothing.
+    wait_until("the gateway counts the 20 requests", Duration::from_secs(30), async || {
+        metric(&sandbox.base(), "turbine_gateway_time_to_first_token_seconds_count").await >= 20.0
+    })
+    .await;
+    observer.observe(&targets).await.unwrap().expect("an interval");
     let idle = observer.observe(&targets).await.unwrap().expect("an interval");
     assert_eq!((idle[0].load.request_rate, idle[0].ttft_ms, idle[0].itl_ms, idle[0].itl_mean_ms), (0.0, None, None, None));
 
