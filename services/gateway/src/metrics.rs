@@ -22,6 +22,17 @@ static ITL: LazyLock<HistogramVec> = LazyLock::new(|| {
         slo_latency_buckets(),
     )
 });
+static TOKEN_GAP: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram(
+        "turbine_gateway_token_gap_seconds",
+        "Time between a stream's tokens after the first, as they reach the gateway, read while requests run (a chunk of several tokens counts its gap once per token, split evenly)",
+        &["model"],
+        slo_latency_buckets(),
+    )
+});
+static STARTED_PROMPT_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter("turbine_gateway_started_prompt_tokens_total", "Prompt tokens of the requests that got their first token", &["model"])
+});
 static DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
     histogram("turbine_gateway_request_duration_seconds", "Time from request to the last token", &["model"], latency_buckets())
 });
@@ -72,8 +83,20 @@ impl Drop for InFlight {
     }
 }
 
-pub(crate) fn time_to_first_token(model: &str, elapsed: Duration) {
+/// A request's first token, `elapsed` after it arrived, for a prompt of
+/// `prompt_tokens`.
+pub(crate) fn time_to_first_token(model: &str, elapsed: Duration, prompt_tokens: u32) {
     TTFT.with_label_values(&[model]).observe(elapsed.as_secs_f64());
+    STARTED_PROMPT_TOKENS.with_label_values(&[model]).inc_by(prompt_tokens.into());
+}
+
+/// `tokens` more tokens of a stream, `gap` after its last ones.
+pub(crate) fn token_gap(model: &str, gap: Duration, tokens: usize) {
+    let histogram = TOKEN_GAP.with_label_values(&[model]);
+    let each = gap.as_secs_f64() / tokens.max(1) as f64;
+    for _ in 0..tokens {
+        histogram.observe(each);
+    }
 }
 
 /// A finished request: its duration, tokens, and (`decoding`: from its

@@ -185,6 +185,7 @@ impl Pipeline {
             pending: VecDeque::new(),
             started,
             first_token_at: None,
+            last_token_at: None,
             booking,
         })
     }
@@ -394,6 +395,8 @@ pub struct TextStream {
     pending: VecDeque<TextEvent>,
     started: Instant,
     first_token_at: Option<Instant>,
+    /// When the latest tokens arrived.
+    last_token_at: Option<Instant>,
     booking: Booking,
 }
 
@@ -458,11 +461,19 @@ impl TextStream {
                     continue;
                 }
             };
-            if self.first_token_at.is_none() && !chunk.tokens.is_empty() {
+            if !chunk.tokens.is_empty() {
                 let now = Instant::now();
-                metrics::time_to_first_token(&self.model, now - self.started);
-                self.first_token_at = Some(now);
-                self.booking.prefill_done();
+                match self.last_token_at {
+                    // The first token's chunk may carry more: they count
+                    // no gap.
+                    None => {
+                        metrics::time_to_first_token(&self.model, now - self.started, self.prompt_tokens());
+                        self.first_token_at = Some(now);
+                        self.booking.prefill_done();
+                    }
+                    Some(last) => metrics::token_gap(&self.model, now - last, chunk.tokens.len()),
+                }
+                self.last_token_at = Some(now);
             }
             let mut text = String::new();
             for &token in &chunk.tokens {

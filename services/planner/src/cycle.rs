@@ -456,6 +456,8 @@ mod tests {
             context_tokens: 0.0,
             finish_rate: request_rate,
             itl_mean_ms: None,
+            token_gap_ms: None,
+            started_isl_mean: 0.0,
         };
 
         // A quiet interval: from the ledger the pool would shrink; from
@@ -524,6 +526,8 @@ mod tests {
             context_tokens: 1_200.0,
             finish_rate,
             itl_mean_ms: None,
+            token_gap_ms: None,
+            started_isl_mean: 0.0,
         };
         let start = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)]);
         assert_eq!(start.iter().map(|proposal| proposal.replicas).collect::<Vec<_>>(), [2, 10], "{start:?}");

@@ -43,6 +43,15 @@ pub struct Observation {
     /// is.
     #[serde(default)]
     pub itl_mean_ms: Option<f64>,
+    /// The mean time between the tokens streamed during the interval (of
+    /// every request, running or finished), milliseconds; `None` when
+    /// fewer than ten were. It is read before any request finishes.
+    #[serde(default)]
+    pub token_gap_ms: Option<f64>,
+    /// The mean prompt of the requests that got their first token during
+    /// the interval, tokens; 0 when fewer than ten did.
+    #[serde(default)]
+    pub started_isl_mean: f64,
 }
 
 /// The load a decision sized for.
@@ -203,6 +212,8 @@ impl From<&Decision> for pb::Decision {
                     context_tokens: seen.context_tokens,
                     finish_rate: seen.finish_rate,
                     itl_mean_ms: seen.itl_mean_ms.unwrap_or(0.0),
+                    token_gap_ms: seen.token_gap_ms.unwrap_or(0.0),
+                    started_isl_mean: seen.started_isl_mean,
                 })
                 .collect(),
             predicted: decision.predicted.as_ref().map(|predicted| pb::Prediction {
@@ -383,6 +394,8 @@ impl TryFrom<pb::Decision> for Decision {
                     context_tokens: seen.context_tokens,
                     finish_rate: seen.finish_rate,
                     itl_mean_ms: (seen.itl_mean_ms > 0.0).then_some(seen.itl_mean_ms),
+                    token_gap_ms: (seen.token_gap_ms > 0.0).then_some(seen.token_gap_ms),
+                    started_isl_mean: seen.started_isl_mean,
                 })
                 .collect(),
             predicted: predicted

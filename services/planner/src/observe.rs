@@ -13,7 +13,11 @@
 //!   finished, at least ten (the intervals before are added while fewer
 //!   finished in this one, up to twenty intervals; none when fewer than
 //!   ten finished in all: the first to finish are the short ones). A
-//!   percentile needs ten requests in the interval;
+//!   percentile needs ten requests in the interval. Beside them, read
+//!   while requests run (before any finishes, at a start): the mean time
+//!   between the tokens streamed in the interval (at least ten) and the
+//!   mean prompt of the requests that got their first token (at least
+//!   ten);
 //! - the worker registry: each pool's workers (by role), the sequences
 //!   they run and queue, and their KV usage (a fraction, and tokens per
 //!   running sequence) as their last heartbeat reported them.
@@ -36,6 +40,9 @@ const ITL: &str = "turbine_gateway_inter_token_latency_seconds";
 const ITL_SUM: &str = "turbine_gateway_inter_token_latency_seconds_sum";
 const FINISHED: &str = "turbine_gateway_request_duration_seconds_count";
 const TOKENS: &str = "turbine_gateway_tokens_total";
+const STARTED_PROMPT: &str = "turbine_gateway_started_prompt_tokens_total";
+const GAP_SUM: &str = "turbine_gateway_token_gap_seconds_sum";
+const GAP_COUNT: &str = "turbine_gateway_token_gap_seconds_count";
 
 /// Fewest requests a percentile or a mean length is read from: the p90
 /// of fewer than ten is their slowest, and the first requests to finish
@@ -79,6 +86,11 @@ struct Totals {
     completion_tokens: f64,
     /// The ITL histogram's sum, seconds.
     itl_sum: f64,
+    /// Prompt tokens of the requests that got their first token.
+    started_prompt_tokens: f64,
+    /// The time between streamed tokens: its sum (seconds) and count.
+    gap_sum: f64,
+    gap_count: f64,
     ttft: Histogram,
     itl: Histogram,
 }
@@ -89,6 +101,9 @@ impl Totals {
         self.prompt_tokens += prom::sum(samples, TOKENS, &[("kind", "prompt")]);
         self.completion_tokens += prom::sum(samples, TOKENS, &[("kind", "completion")]);
         self.itl_sum += prom::sum(samples, ITL_SUM, &[]);
+        self.started_prompt_tokens += prom::sum(samples, STARTED_PROMPT, &[]);
+        self.gap_sum += prom::sum(samples, GAP_SUM, &[]);
+        self.gap_count += prom::sum(samples, GAP_COUNT, &[]);
         for (total, name) in [(&mut self.ttft, TTFT), (&mut self.itl, ITL)] {
             let more = Histogram::sum_of(samples, name);
             for (bound, count) in more.buckets {
@@ -110,6 +125,9 @@ impl Totals {
             prompt_tokens: delta(self.prompt_tokens, earlier.prompt_tokens)?,
             completion_tokens: delta(self.completion_tokens, earlier.completion_tokens)?,
             itl_sum: delta(self.itl_sum, earlier.itl_sum)?,
+            started_prompt_tokens: delta(self.started_prompt_tokens, earlier.started_prompt_tokens)?,
+            gap_sum: delta(self.gap_sum, earlier.gap_sum)?,
+            gap_count: delta(self.gap_count, earlier.gap_count)?,
             ttft: self.ttft.since(&earlier.ttft)?,
             itl: self.itl.since(&earlier.itl)?,
         })
@@ -203,6 +221,8 @@ impl Observer {
         let milliseconds = |histogram: &Histogram| (histogram.count() >= MIN_SAMPLES).then(|| histogram.quantile(quantile)).flatten().map(|seconds| seconds * 1000.0);
         let (ttft_ms, itl_ms) = (milliseconds(&interval.ttft), milliseconds(&interval.itl));
         let itl_mean_ms = itl_ms.map(|_| interval.itl_sum / interval.itl.count() * 1000.0);
+        let token_gap_ms = (interval.gap_count >= MIN_SAMPLES).then(|| interval.gap_sum / interval.gap_count * 1000.0);
+        let started_isl_mean = if interval.ttft.count() >= MIN_SAMPLES { interval.started_prompt_tokens / interval.ttft.count() } else { 0.0 };
         Ok(Some(
             targets
                 .pools()
@@ -224,6 +244,8 @@ impl Observer {
                         context_tokens: if running > 0 { cached_tokens / f64::from(running) } else { 0.0 },
                         finish_rate: interval.finished / seconds,
                         itl_mean_ms,
+                        token_gap_ms,
+                        started_isl_mean,
                     }
                 })
                 .collect(),

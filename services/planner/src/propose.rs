@@ -38,7 +38,9 @@
 //! over what the same model expects at the observed load and replicas
 //! (each within ×0.25 to ×4), the median of the last five intervals that
 //! observed it (×1 without an observation): a deployment slower than its
-//! profile gets more workers.
+//! profile gets more workers. Before any request finishes, the ITL's is
+//! the mean time between streamed tokens over what the profile expects of
+//! the sequences running (`start_itl_correction`).
 
 use crate::decision::Observation;
 use crate::predict::Load;
@@ -171,7 +173,37 @@ fn interval_corrections(profile: &Profile, targets: &Targets, observed: &[Observ
         let expected = token_ms(profile.itl_ms(decode_context(&seen.load), concurrency), utilization);
         (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (itl / expected).clamp(CORRECTION.0, CORRECTION.1))
     });
-    (ttft, itl)
+    (ttft, itl.or_else(|| start_itl_correction(profile, targets, observed)))
+}
+
+/// Before any request finishes (a start) there is no ITL percentile; the
+/// mean time between the tokens streamed in the interval, over what the
+/// profile expects of the sequences the pool ran when it ended (their
+/// count per worker and context), stretched on an aggregated pool by the
+/// prefill of the prompts that got their first token. A mean over a
+/// mean, where the intervals after read a percentile over a mean: a
+/// correction a little below theirs, which answers a deployment that
+/// starts slower than its profile at the next interval rather than once
+/// requests finish.
+fn start_itl_correction(profile: &Profile, targets: &Targets, observed: &[Observation]) -> Option<f64> {
+    let aggregated = |seen: &Observation| targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind == PoolKind::Aggregated);
+    let decodes = |seen: &&Observation| targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind != PoolKind::Prefill);
+    let seen = observed.iter().filter(decodes).find(|seen| seen.itl_ms.is_none() && seen.token_gap_ms.is_some())?;
+    let gap = seen.token_gap_ms?;
+    if seen.replicas == 0 || seen.running == 0 || seen.context_tokens <= 0.0 {
+        return None;
+    }
+    let concurrency = (f64::from(seen.running) / f64::from(seen.replicas)).max(1.0);
+    let isl = started_isl(seen);
+    let utilization = if aggregated(seen) && isl > 0.0 { seen.load.request_rate * profile.ttft_ms(isl) / 1e3 / f64::from(seen.replicas) } else { 0.0 };
+    let expected = token_ms(profile.itl_ms(seen.context_tokens, concurrency), utilization);
+    (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (gap / expected).clamp(CORRECTION.0, CORRECTION.1))
+}
+
+/// The interval's mean prompt: of the requests finished, or before any
+/// finished, of those that got their first token.
+fn started_isl(seen: &Observation) -> f64 {
+    if seen.load.isl_mean > 0.0 { seen.load.isl_mean } else { seen.started_isl_mean }
 }
 
 /// Replicas per pool of `targets` for `load`.
@@ -266,8 +298,10 @@ pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation
     let aggregated = targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind == PoolKind::Aggregated);
     let (replicas, per_worker) = if aggregated {
         // The prompts' steps stretch each token by the prefill share, as
-        // the interval's requests make it (the profile's work).
-        let prefill_work = if seen.load.isl_mean > 0.0 { seen.load.request_rate * profile.ttft_ms(seen.load.isl_mean) / 1e3 } else { 0.0 };
+        // the interval's requests make it (the profile's work; before any
+        // finished, the prompts that got their first token).
+        let isl = started_isl(seen);
+        let prefill_work = if isl > 0.0 { seen.load.request_rate * profile.ttft_ms(isl) / 1e3 } else { 0.0 };
         let within = |workers: u32| {
             let n = f64::from(workers);
             let utilization = prefill_work / n;
@@ -398,7 +432,7 @@ mod tests {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
         // Observed on 8 prefill workers at 50%: expected 200 ms; observed 300 ms is ×1.5.
-        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation { pool: pool.into(), load, ttft_ms, itl_ms, queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None };
+        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation { pool: pool.into(), load, ttft_ms, itl_ms, queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None, token_gap_ms: None, started_isl_mean: 0.0 };
         let corrections = corrections(&profile(), &targets, &[seen("p", Some(300.0), None, 8), seen("d", None, Some(20.0), 5)]);
         assert!((corrections.ttft - 1.5).abs() < 1e-9, "{corrections:?}");
         // 40 × 100 × 0.02 / 5 = 16 sequences per decode worker: expected 20 ms, as observed.
@@ -437,7 +471,7 @@ mod tests {
         // every 10 / 0.6 = 16.67 ms; 20 ms is ×1.2. On 8 (50%), 20 ms; 30
         // ms is ×1.5. On 5 (80%) at 80 ms, 64 sequences a worker: more than
         // the profile measured (16), so no correction (×1).
-        let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None };
+        let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None, token_gap_ms: None, started_isl_mean: 0.0 };
         assert!((corrections(&profile, &targets_aggregated(), &[seen(20.0, 10)]).itl - 1.2).abs() < 1e-9);
         assert!((corrections(&profile, &targets_aggregated(), &[seen(30.0, 8)]).itl - 1.5).abs() < 1e-9);
         assert_eq!(corrections(&profile, &targets_aggregated(), &[seen(80.0, 5)]).itl, 1.0);
@@ -465,6 +499,8 @@ mod tests {
             context_tokens,
             finish_rate: finished,
             itl_mean_ms: None,
+            token_gap_ms: None,
+            started_isl_mean: 0.0,
         };
         // 30 running and 9 queued, as many starting as finishing: 39
         // sequences, 14.5 per worker within 19 ms: 3 workers.
@@ -503,6 +539,53 @@ mod tests {
     }
 
     #[test]
+    fn before_any_request_finishes_the_itl_correction_is_read_from_the_streamed_tokens() {
+        // 16 sequences on 4 workers, at context 1,200: the profile's step at
+        // 4 a worker is 12 ms. 8 prompts a second of 1,000 tokens got their
+        // first token (0.8 workers of prefill, 20% of each worker's time):
+        // a token every 12 / 0.8 = 15 ms expected; 18 ms streamed is ×1.2.
+        let start = |pool: &str, token_gap_ms: Option<f64>, started_isl_mean: f64| Observation {
+            pool: pool.into(),
+            load: Load { request_rate: 8.0, isl_mean: 0.0, osl_mean: 0.0 },
+            ttft_ms: Some(150.0),
+            itl_ms: None,
+            queue_depth: 0.0,
+            kv_usage: 0.5,
+            replicas: 4,
+            running: 16,
+            context_tokens: 1_200.0,
+            finish_rate: 8.0,
+            itl_mean_ms: None,
+            token_gap_ms,
+            started_isl_mean,
+        };
+        let aggregated = targets_aggregated();
+        let seen = start("a", Some(18.0), 1_000.0);
+        let corrected = corrections(&profile(), &aggregated, std::slice::from_ref(&seen));
+        assert!((corrected.itl - 1.2).abs() < 1e-9, "{corrected:?}");
+        // Its prompts unknown, nothing stretches the 12 ms step: ×1.5. On a
+        // decode pool likewise; a prefill pool's tokens are not its own.
+        assert!((corrections(&profile(), &aggregated, &[start("a", Some(18.0), 0.0)]).itl - 1.5).abs() < 1e-9);
+        let split = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
+        assert!((corrections(&profile(), &split, &[start("p", Some(36.0), 1_000.0), start("d", Some(18.0), 1_000.0)]).itl - 1.5).abs() < 1e-9);
+        assert_eq!(corrections(&profile(), &split, &[start("p", Some(36.0), 1_000.0)]).itl, 1.0);
+        // Too few tokens streamed, or none running: no correction.
+        assert_eq!(corrections(&profile(), &aggregated, &[start("a", None, 1_000.0)]).itl, 1.0);
+        assert_eq!(corrections(&profile(), &aggregated, &[Observation { running: 0, ..start("a", Some(18.0), 1_000.0) }]).itl, 1.0);
+        // Once requests finish, their ITL percentile is read, not the gaps
+        // (20 ms over the 1,050-context step at 40 × 100 × 20 ms / 4 = 20
+        // sequences a worker: more than the profile measured, so ×1).
+        let finished = Observation { load: Load { request_rate: 40.0, isl_mean: 1_000.0, osl_mean: 100.0 }, itl_ms: Some(20.0), ..start("a", Some(18.0), 1_000.0) };
+        assert_eq!(corrections(&profile(), &aggregated, &[finished]).itl, 1.0);
+        // The start's sequences, held within the ITL target corrected: 3
+        // workers at the profile's speed, 4 at 1.2 times its step (on 3,
+        // 5.3 sequences a worker take 12.89 × 1.2 ms steps, 21.1 ms a token
+        // stretched by 27% prefill, over 95% of 20 ms; on 4, 18 ms).
+        assert_eq!(decode_in_flight(&profile(), &aggregated, &seen, Corrections::default()).unwrap().replicas, 3);
+        assert_eq!(decode_in_flight(&profile(), &aggregated, &seen, corrected).unwrap().replicas, 4);
+    }
+
+    #[test]
     fn the_mean_itls_share_of_the_percentile_is_read_from_the_pool_that_decodes() {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
@@ -518,6 +601,8 @@ mod tests {
             context_tokens: 0.0,
             finish_rate: 0.0,
             itl_mean_ms,
+            token_gap_ms: None,
+            started_isl_mean: 0.0,
         };
         // 0.75, 0.9 and 0.8 (the prefill pool's 0.1 and the interval
         // without an ITL skipped): the median, 0.8.

@@ -2,7 +2,8 @@
 //! workers behind a real gateway (real sockets), its metrics page scraped
 //! and its registry read by the planner. The interval's request rate,
 //! input and output lengths match what was sent, the latencies are read,
-//! replicas are counted; the planner's cycle keeps intervals in PostgreSQL
+//! replicas are counted, the time between streamed tokens is read before
+//! any request finishes; the planner's cycle keeps intervals in PostgreSQL
 //! and decides from them: more workers for a burst, nothing while paused.
 
 use std::time::Duration;
@@ -78,6 +79,10 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     // request can put it either side).
     assert!(pool.itl_mean_ms.is_some_and(|mean| mean > 0.0 && mean.is_finite()), "{pool:?}");
     assert!((0.0..=1.0).contains(&pool.kv_usage));
+    // Read as the tokens stream: the 20 prompts got their first token, and
+    // their 140 later tokens each a gap.
+    assert_eq!(pool.started_isl_mean, 320.0, "{pool:?}");
+    assert!(pool.token_gap_ms.is_some_and(|gap| gap > 0.0 && gap.is_finite()), "{pool:?}");
 
     // Nothing sent: a zero rate and no latencies, not the last interval's.
     // The gateway counts a request once its response reached this client
@@ -91,6 +96,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     observer.observe(&targets).await.unwrap().expect("an interval");
     let idle = observer.observe(&targets).await.unwrap().expect("an interval");
     assert_eq!((idle[0].load.request_rate, idle[0].ttft_ms, idle[0].itl_ms, idle[0].itl_mean_ms), (0.0, None, None, None));
+    assert_eq!((idle[0].token_gap_ms, idle[0].started_isl_mean), (None, 0.0));
 
     // Five requests: their rate, but too few for a percentile. Their
     // lengths are read with the intervals before (ten requests at least):
@@ -198,10 +204,10 @@ async fn an_interval_reads_the_sequences_in_flight_and_their_context() {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let running = loop {
         let seen = observer.observe(&targets).await.unwrap().expect("an interval");
-        if seen[0].running == 3 {
+        if seen[0].running == 3 && seen[0].token_gap_ms.is_some() {
             break seen[0].clone();
         }
-        assert!(std::time::Instant::now() < deadline, "the registry never showed the three sequences running: {seen:?}");
+        assert!(std::time::Instant::now() < deadline, "the registry never showed the three sequences running with their tokens streaming: {seen:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     // Each holds its 320-token prompt and what it has generated, within a
@@ -210,6 +216,9 @@ async fn an_interval_reads_the_sequences_in_flight_and_their_context() {
     assert!((320.0..=2_368.0).contains(&running.context_tokens), "{running:?}");
     assert!(requests.iter().all(|request| !request.is_finished()), "a request finished early");
     assert_eq!(running.finish_rate, 0.0, "{running:?}");
+    // No request finished, so no ITL percentile: the time between the
+    // tokens streamed is read instead.
+    assert!(running.itl_ms.is_none() && running.token_gap_ms.is_some_and(|gap| gap > 0.0 && gap.is_finite()), "{running:?}");
     for request in requests {
         request.abort();
     }

@@ -59,7 +59,7 @@ fn decision(namespace: &str, id: u64, pool: &str, replicas: u32) -> Decision {
     Decision {
         id,
         at_unix_ms: 1_764_000_000_000 + id as i64 * 30_000,
-        observed: vec![Observation { pool: pool.into(), load, ttft_ms: Some(310.0), itl_ms: Some(38.0), queue_depth: 4.0, kv_usage: 0.7, replicas: replicas - 1, running: 12, context_tokens: 1_150.0, finish_rate: 4.5, itl_mean_ms: Some(31.5) }],
+        observed: vec![Observation { pool: pool.into(), load, ttft_ms: Some(310.0), itl_ms: Some(38.0), queue_depth: 4.0, kv_usage: 0.7, replicas: replicas - 1, running: 12, context_tokens: 1_150.0, finish_rate: 4.5, itl_mean_ms: Some(31.5), token_gap_ms: Some(30.2), started_isl_mean: 1_020.0 }],
         predicted: Some(Prediction { predictor: Predictor::MovingAverage, load }),
         pools: vec![PoolDecision {
             pool: pool.into(),
@@ -212,6 +212,8 @@ async fn decisions_page_and_reach_watchers(database: &str) {
         context_tokens: 1_048.5,
         finish_rate: 2.25,
         itl_mean_ms: None,
+        token_gap_ms: None,
+        started_isl_mean: 0.0,
     };
     for at in [1_000, 2_000, 3_000] {
         ledger.record_observations(at, &[seen("decode", Some(120.5)), seen("prefill", None)]).await.unwrap();
@@ -256,6 +258,8 @@ async fn observations_with_and_without_latencies_are_kept(database: &str) {
         context_tokens: 96.0,
         finish_rate: 0.5,
         itl_mean_ms: ttft_ms.map(|ms| ms / 12.0),
+        token_gap_ms: None,
+        started_isl_mean: 0.0,
     };
     let mut expected = Vec::new();
     for at in 1..=24 {
