@@ -3,7 +3,7 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
 use turbine_engine::Usage;
 use turbine_runtime::metrics::{counter, gauge, histogram, latency_buckets, slo_latency_buckets};
 
@@ -25,7 +25,7 @@ static ITL: LazyLock<HistogramVec> = LazyLock::new(|| {
 static TOKEN_GAP: LazyLock<HistogramVec> = LazyLock::new(|| {
     histogram(
         "turbine_gateway_token_gap_seconds",
-        "Time between a stream's tokens after the first, as they reach the gateway, read while requests run (a chunk of several tokens counts its gap once per token, split evenly)",
+        "Time between a stream's tokens after the first, as they reach the gateway, read while requests run (a chunk of several tokens counts its gap once per token, split evenly; a gap across a migration to another worker includes its re-routing and re-prefill)",
         &["model"],
         slo_latency_buckets(),
     )
@@ -90,12 +90,22 @@ pub(crate) fn time_to_first_token(model: &str, elapsed: Duration, prompt_tokens:
     STARTED_PROMPT_TOKENS.with_label_values(&[model]).inc_by(prompt_tokens.into());
 }
 
-/// `tokens` more tokens of a stream, `gap` after its last ones.
-pub(crate) fn token_gap(model: &str, gap: Duration, tokens: usize) {
-    let histogram = TOKEN_GAP.with_label_values(&[model]);
-    let each = gap.as_secs_f64() / tokens.max(1) as f64;
-    for _ in 0..tokens {
-        histogram.observe(each);
+/// The gaps between one stream's tokens, its model's series looked up once
+/// per stream rather than per chunk.
+#[derive(Debug, Clone)]
+pub(crate) struct TokenGaps(Histogram);
+
+impl TokenGaps {
+    pub(crate) fn new(model: &str) -> Self {
+        TokenGaps(TOKEN_GAP.with_label_values(&[model]))
+    }
+
+    /// `tokens` more tokens of the stream, `gap` after its last ones.
+    pub(crate) fn observe(&self, gap: Duration, tokens: usize) {
+        let each = gap.as_secs_f64() / tokens.max(1) as f64;
+        for _ in 0..tokens {
+            self.0.observe(each);
+        }
     }
 }
 

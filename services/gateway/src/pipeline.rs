@@ -170,6 +170,7 @@ impl Pipeline {
         let (serving, tokens) = self.dispatch(&request.model, &engine_request, &mut excluded).await?;
         Ok(TextStream {
             pipeline: self.clone(),
+            token_gaps: metrics::TokenGaps::new(&request.model),
             model: request.model,
             request: engine_request,
             token_bytes: model.tokenizer().token_bytes().clone(),
@@ -397,6 +398,7 @@ pub struct TextStream {
     first_token_at: Option<Instant>,
     /// When the latest tokens arrived.
     last_token_at: Option<Instant>,
+    token_gaps: metrics::TokenGaps,
     booking: Booking,
 }
 
@@ -471,7 +473,7 @@ impl TextStream {
                         self.first_token_at = Some(now);
                         self.booking.prefill_done();
                     }
-                    Some(last) => metrics::token_gap(&self.model, now - last, chunk.tokens.len()),
+                    Some(last) => self.token_gaps.observe(now - last, chunk.tokens.len()),
                 }
                 self.last_token_at = Some(now);
             }
