@@ -66,6 +66,21 @@ pub fn describe(decision: &Decision) -> String {
         if let Some(seen) = seen {
             let latency = |value: Option<f64>| value.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1} ms"));
             let _ = write!(text, "; seen {:.2} req/s, TTFT {}, ITL {}, {} serving", seen.load.request_rate, latency(seen.ttft_ms), latency(seen.itl_ms), seen.replicas);
+            let _ = writeln!(text);
+            let _ = write!(
+                text,
+                "    load: ISL {:.0}, OSL {:.0} (started ISL {:.0}); {} running, {:.0} queued, KV {:.0}% ({:.0} tokens a sequence); {:.2} finished/s; mean ITL {}, token gap {}",
+                seen.load.isl_mean,
+                seen.load.osl_mean,
+                seen.started_isl_mean,
+                seen.running,
+                seen.queue_depth,
+                seen.kv_usage * 100.0,
+                seen.context_tokens,
+                seen.finish_rate,
+                latency(seen.itl_mean_ms),
+                latency(seen.token_gap_ms),
+            );
         }
         let _ = writeln!(text);
         let _ = writeln!(text, "    why: {}", pool.reason);
@@ -96,7 +111,8 @@ fn utc(unix_ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::{Action, ActionState, PoolDecision};
+    use crate::decision::{Action, ActionState, Observation, PoolDecision};
+    use crate::predict::Load;
 
     #[test]
     fn times_read_as_utc() {
@@ -110,7 +126,21 @@ mod tests {
         let decision = Decision {
             id: 42,
             at_unix_ms: 0,
-            observed: Vec::new(),
+            observed: vec![Observation {
+                pool: "decode".into(),
+                load: Load { request_rate: 6.25, isl_mean: 1_100.0, osl_mean: 110.0 },
+                ttft_ms: Some(250.0),
+                itl_ms: None,
+                queue_depth: 2.0,
+                kv_usage: 0.4,
+                replicas: 3,
+                running: 24,
+                context_tokens: 1_210.0,
+                finish_rate: 5.5,
+                itl_mean_ms: None,
+                token_gap_ms: Some(31.3),
+                started_isl_mean: 1_050.0,
+            }],
             predicted: None,
             pools: vec![PoolDecision {
                 pool: "decode".into(),
@@ -124,7 +154,11 @@ mod tests {
             paused: false,
         };
         let text = describe(&decision);
-        assert!(text.starts_with("#42 1970-01-01T00:00:00Z  forecast 3.00 req/s\n  decode: 3 -> 5 (proposed 6)\n"), "{text}");
+        assert!(text.starts_with("#42 1970-01-01T00:00:00Z  forecast 3.00 req/s\n  decode: 3 -> 5 (proposed 6); seen 6.25 req/s, TTFT 250.0 ms, ITL -, 3 serving\n"), "{text}");
+        assert!(
+            text.contains("\n    load: ISL 1100, OSL 110 (started ISL 1050); 24 running, 2 queued, KV 40% (1210 tokens a sequence); 5.50 finished/s; mean ITL -, token gap 31.3 ms\n"),
+            "{text}"
+        );
         assert!(text.contains("why: cut to 5 by the budget") && text.contains("action ns/42/decode: done: started ns-decode-7"), "{text}");
     }
 }
