@@ -283,12 +283,30 @@ async fn decide_unrecorded(state: &PlannerState, targets: &Targets, paused: bool
     decision
 }
 
+/// The rate of the next interval where the last one rose from the one
+/// before by more than chance: the rise carried one interval forward.
+/// Each decision serves the interval after the one it saw, and a
+/// request runs on into the interval after it arrived, so on a ramp a
+/// fleet sized for the last interval is an interval behind. Chance is
+/// the noise of two intervals' request counts (Poisson: the square root
+/// of their sum): a flat load rises past it in about one interval of
+/// six, a ramp's first steps do (6.0 to 9.0 requests a second over 3 s
+/// intervals is 1.3 times it).
+fn carried_rise(targets: &Targets, history: &[Load]) -> Option<f64> {
+    let [.., before, last] = history else { return None };
+    let secs = targets.interval().as_secs_f64();
+    let rise = last.request_rate - before.request_rate;
+    let noise = ((last.request_rate + before.request_rate) * secs).sqrt() / secs;
+    (secs > 0.0 && rise > 0.0 && rise > noise).then_some(last.request_rate + rise)
+}
+
 /// The forecast of the next interval from the kept history: the rate from
 /// every interval, the lengths from the intervals where requests finished. A
 /// seasonal model that fails falls back to the moving average (said in the
 /// reason). The rate is never below the last interval's: a pool scales up
 /// on the load it sees (a forecast that averages lags a ramp) and down on
-/// the forecast.
+/// the forecast; a rise past chance is carried forward
+/// ([`carried_rise`]).
 fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Prediction, String) {
     let busy: Vec<&Load> = history.iter().filter(|load| load.isl_mean > 0.0 || load.osl_mean > 0.0).collect();
     let attempt = |predictor: Predictor| {
@@ -310,6 +328,12 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
         words += &format!(" (forecast {:.2} req/s, below the last interval's: that instead)", prediction.load.request_rate);
         prediction.load.request_rate = last.request_rate;
     }
+    if let Some(rising) = carried_rise(targets, history)
+        && rising > prediction.load.request_rate
+    {
+        words += &format!(" (forecast {:.2} req/s; the last rise, past chance, carried forward: {rising:.2})", prediction.load.request_rate);
+        prediction.load.request_rate = rising;
+    }
     (prediction, words)
 }
 
@@ -320,7 +344,7 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
 /// than the sequences it will hold by the next interval need
 /// (`decode_in_flight`): the forecast trails a ramp, and at a start the
 /// sequences in flight are all there is to size decode on.
-fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation]) -> Vec<Proposal> {
+fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation], rising: Option<f64>) -> Vec<Proposal> {
     let mut proposals = if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {
         targets
             .pools()
@@ -335,7 +359,13 @@ fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Cor
     };
     for proposal in &mut proposals {
         let decode = targets.pools().iter().any(|limits| limits.pool == proposal.pool && limits.kind != PoolKind::Prefill);
-        let Some(in_flight) = observed.iter().find(|seen| decode && seen.pool == proposal.pool).and_then(|seen| decode_in_flight(profile, targets, seen, corrections)) else { continue };
+        // On a rise past chance, requests start at the rate carried forward.
+        let starting = |seen: &Observation| {
+            let mut seen = seen.clone();
+            seen.load.request_rate = seen.load.request_rate.max(rising.unwrap_or(0.0));
+            seen
+        };
+        let Some(in_flight) = observed.iter().find(|seen| decode && seen.pool == proposal.pool).and_then(|seen| decode_in_flight(profile, targets, &starting(seen), corrections)) else { continue };
         if in_flight.replicas > proposal.replicas {
             proposal.reason = format!("{}; {}: {}", proposal.reason, in_flight.reason, in_flight.replicas);
             proposal.replicas = in_flight.replicas;
@@ -369,7 +399,7 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
         let counted = if past.pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool, limits.kind).await };
         current.insert(limits.pool.clone(), PoolSize { running: counted.unwrap_or(decided), decided });
     }
-    let proposals = proposals(&sizing.profile, targets, &prediction.load, corrections, &current, &observed);
+    let proposals = proposals(&sizing.profile, targets, &prediction.load, corrections, &current, &observed, carried_rise(targets, &history));
     let id = past.next_id;
     let pools = constrain(targets, &proposals, &current, &past.last_scaled, now)
         .into_iter()
@@ -499,10 +529,10 @@ mod tests {
         let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
         let current = HashMap::from([("workers".to_owned(), PoolSize { running: 5, decided: 5 })]);
         let unknown = Load { request_rate: 20.0, isl_mean: 0.0, osl_mean: 0.0 };
-        let held = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[]);
+        let held = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[], None);
         assert_eq!((held[0].replicas, held[0].reason.as_str()), (5, "too few requests finished to know their lengths: holding 5"));
         // Known lengths: the profile's proposal.
-        let known = proposals(&profile, &targets(Predictor::Constant), &Load { isl_mean: 1000.0, osl_mean: 100.0, ..unknown }, Corrections::default(), &current, &[]);
+        let known = proposals(&profile, &targets(Predictor::Constant), &Load { isl_mean: 1000.0, osl_mean: 100.0, ..unknown }, Corrections::default(), &current, &[], None);
         assert!(known[0].reason.starts_with("prefill "), "{:?}", known[0]);
 
         // Prefill and decode pools at a start: prefill holds, decode is
@@ -529,31 +559,55 @@ mod tests {
             token_gap_ms: None,
             started_isl_mean: 0.0,
         };
-        let start = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)]);
+        let start = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)], None);
         assert_eq!(start.iter().map(|proposal| proposal.replicas).collect::<Vec<_>>(), [2, 10], "{start:?}");
         assert!(start[1].reason.starts_with("too few requests finished to know their lengths: holding 2; decode 140 sequences by the next interval"), "{start:?}");
         assert!(start[1].reason.ends_with("(context 1200 from their KV cache): 10"), "{start:?}");
+        // A rise past chance carried forward (30 a second): the requests
+        // start at that rate, 190 sequences by the next interval.
+        let ramp = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)], Some(30.0));
+        assert!(ramp[1].reason.contains("decode 190 sequences by the next interval (40 in flight, 30.00 starting and 0.00 finishing a second)"), "{ramp:?}");
+        assert!(ramp[1].replicas > start[1].replicas, "{ramp:?}");
         // Fewer than the pool holds (as many finishing as starting): it holds.
-        let quiet = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("decode", 10, 20.0)]);
+        let quiet = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("decode", 10, 20.0)], None);
         assert_eq!(quiet[1].replicas, 2, "{quiet:?}");
         // An aggregated pool at the same start (its prompts' lengths not
         // known yet): sized for its sequences as the decode pool is.
         let current = HashMap::from([("workers".to_owned(), PoolSize { running: 5, decided: 5 })]);
-        let shared = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[seen("workers", 40, 0.0)]);
+        let shared = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[seen("workers", 40, 0.0)], None);
         assert_eq!(shared[0].replicas, 10, "{shared:?}");
         assert!(shared[0].reason.starts_with("too few requests finished to know their lengths: holding 5; decode 140 sequences by the next interval"), "{shared:?}");
     }
 
     #[test]
     fn a_ramp_is_met_at_the_load_seen_and_a_fall_at_the_forecast() {
-        // Rising: the average of the last five (6) lags the last interval (10).
-        let (rising, words) = forecast(&targets(Predictor::MovingAverage), 4, &rates(&[2.0, 4.0, 6.0, 8.0, 10.0]));
-        assert_eq!(rising.load.request_rate, 10.0);
-        assert!(words.contains("forecast 6.00 req/s, below the last interval's"), "{words}");
+        // Rising: the average of the last five (5.8) lags the last interval
+        // (9; its rise from 8 is within chance: see below).
+        let (rising, words) = forecast(&targets(Predictor::MovingAverage), 4, &rates(&[2.0, 4.0, 6.0, 8.0, 9.0]));
+        assert_eq!(rising.load.request_rate, 9.0);
+        assert!(words.contains("forecast 5.80 req/s, below the last interval's"), "{words}");
         // Falling: the average (6) is kept, above the last interval (2).
         let (falling, words) = forecast(&targets(Predictor::MovingAverage), 4, &rates(&[10.0, 8.0, 6.0, 4.0, 2.0]));
         assert_eq!((falling.load.request_rate, words.as_str()), (6.0, ""));
         // The lengths are the predictor's either way.
         assert_eq!((rising.load.isl_mean, rising.load.osl_mean), (1000.0, 100.0));
+    }
+
+    #[test]
+    fn a_rise_past_chance_is_carried_one_interval_forward() {
+        // 5-second intervals. From 6 to 9 a second: 30 and 45 requests, a
+        // rise of 15 against a noise of √75 ≈ 8.7: 12 a second next.
+        let constant = targets(Predictor::Constant);
+        assert_eq!(carried_rise(&constant, &rates(&[6.0, 9.0])), Some(12.0));
+        let (ramp, words) = forecast(&constant, 4, &rates(&[6.0, 9.0]));
+        assert_eq!(ramp.load.request_rate, 12.0);
+        assert!(words.contains("forecast 9.00 req/s; the last rise, past chance, carried forward: 12.00"), "{words}");
+        // From 10 to 11: 5 more requests against a noise of √105 ≈ 10.2:
+        // chance, the last interval's rate.
+        assert_eq!(carried_rise(&constant, &rates(&[10.0, 11.0])), None);
+        assert_eq!(forecast(&constant, 4, &rates(&[10.0, 11.0])).0.load.request_rate, 11.0);
+        // A fall, or a single interval, carries nothing.
+        assert_eq!(carried_rise(&constant, &rates(&[9.0, 6.0])), None);
+        assert_eq!(carried_rise(&constant, &rates(&[9.0])), None);
     }
 }
