@@ -343,7 +343,10 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
 /// that decodes (decode or aggregated) is never proposed fewer workers
 /// than the sequences it will hold by the next interval need
 /// (`decode_in_flight`): the forecast trails a ramp, and at a start the
-/// sequences in flight are all there is to size decode on.
+/// sequences in flight are all there is to size decode on. A scale-down
+/// is sized for the longer of the mean prompt forecast and that of the
+/// requests that got their first token in the last interval
+/// ([`scale_down_at_prompts_started`]).
 fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation], rising: Option<f64>) -> Vec<Proposal> {
     let mut proposals = if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {
         targets
@@ -355,7 +358,9 @@ fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Cor
             })
             .collect()
     } else {
-        propose(profile, targets, load, corrections)
+        let mut proposed = propose(profile, targets, load, corrections);
+        scale_down_at_prompts_started(profile, targets, load, corrections, current, observed, &mut proposed);
+        proposed
     };
     for proposal in &mut proposals {
         let decode = targets.pools().iter().any(|limits| limits.pool == proposal.pool && limits.kind != PoolKind::Prefill);
@@ -372,6 +377,27 @@ fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Cor
         }
     }
     proposals
+}
+
+/// A pool proposed fewer workers than it was decided at keeps as many as
+/// the prompts started in the last interval need, where those are longer
+/// than the forecast's mean (read from requests finished, which started an
+/// interval or two before): the sequences the next interval decodes are
+/// the ones starting now, and a pool shrunk under a run of longer prompts
+/// misses the interval after. Scale-ups stay on the forecast: sizing every
+/// interval for the longer of two noisy means costs workers (measured:
+/// docs/benchmarks.md, "A scale-down sized at the prompts started").
+fn scale_down_at_prompts_started(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation], proposed: &mut [Proposal]) {
+    let Some(started) = observed.iter().map(|seen| seen.started_isl_mean).find(|isl| *isl > load.isl_mean && load.isl_mean > 0.0) else { return };
+    let longer = propose(profile, targets, &Load { isl_mean: started, ..*load }, corrections);
+    for proposal in proposed {
+        let Some(decided) = current.get(&proposal.pool).map(|size| size.decided) else { continue };
+        let Some(needed) = longer.iter().find(|other| other.pool == proposal.pool).map(|other| other.replicas.min(decided)) else { continue };
+        if proposal.replicas < decided && needed > proposal.replicas {
+            proposal.reason = format!("{}; a scale-down sized at the prompts started in the last interval (ISL {started:.0}, over {:.0}): {needed}", proposal.reason, load.isl_mean);
+            proposal.replicas = needed;
+        }
+    }
 }
 
 /// One interval's decision from `past`. `unrecorded`: the database is
@@ -519,6 +545,48 @@ mod tests {
         // Paused: decided the same way, nothing asked for.
         let paused = decide_unrecorded(&state, &targets, true, &sizing, &past, vec![seen(40.0)], 2_000).await;
         assert!(paused.pools[0].action.is_none() && paused.pools[0].reason.contains("paused: not acting"), "{paused:?}");
+    }
+
+    #[test]
+    fn a_scale_down_is_sized_at_the_prompts_started_when_they_are_longer() {
+        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
+        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
+        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
+        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let targets = targets(Predictor::Constant);
+        let load = Load { request_rate: 10.0, isl_mean: 500.0, osl_mean: 50.0 };
+        let at = |isl_mean| propose(&profile, &targets, &Load { isl_mean, ..load }, Corrections::default())[0].replicas;
+        let (forecast, longer) = (at(500.0), at(3_000.0));
+        assert!(longer >= forecast + 2, "{forecast} {longer}");
+        let seen = |started_isl_mean| Observation {
+            pool: "workers".into(),
+            load,
+            ttft_ms: None,
+            itl_ms: None,
+            queue_depth: 0.0,
+            kv_usage: 0.1,
+            replicas: 2,
+            running: 0,
+            context_tokens: 0.0,
+            finish_rate: 10.0,
+            itl_mean_ms: None,
+            token_gap_ms: None,
+            started_isl_mean,
+        };
+        let decided = |decided| HashMap::from([("workers".to_owned(), PoolSize { running: decided, decided })]);
+        let proposed = |current: u32, started: f64| proposals(&profile, &targets, &load, Corrections::default(), &decided(current), &[seen(started)], None).remove(0);
+        // From above what the longer prompts need: down to what they need.
+        let down = proposed(longer + 2, 3_000.0);
+        assert_eq!(down.replicas, longer, "{down:?}");
+        assert!(down.reason.ends_with(&format!("; a scale-down sized at the prompts started in the last interval (ISL 3000, over 500): {longer}")), "{down:?}");
+        // From between: held where it is.
+        assert_eq!(proposed(forecast + 1, 3_000.0).replicas, forecast + 1);
+        // No scale-down (a scale-up or the same size): the forecast's.
+        assert_eq!(proposed(forecast, 3_000.0).replicas, forecast);
+        assert_eq!(proposed(1, 3_000.0).replicas, forecast);
+        // Shorter prompts started, or too few to say: the forecast's.
+        assert_eq!(proposed(longer + 2, 300.0).replicas, forecast);
+        assert_eq!(proposed(longer + 2, 0.0).replicas, forecast);
     }
 
     #[test]
