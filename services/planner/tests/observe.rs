@@ -19,6 +19,11 @@ use turbine_testkit::{PostgresServer, metric, wait_until};
 
 const MODEL: &str = "smollm2-135m";
 
+/// One sandbox at a time: the gateway's metrics are the process's, so a
+/// test running beside another (cargo test runs a file's tests in one
+/// process) would read the other's requests in its intervals.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A profile far slower than the mocker at speedup 20 (2 s to a first
 /// token alone): the planner's correction (observed over expected, at
 /// least ×0.25) still sizes a burst of requests beyond the two workers.
@@ -47,6 +52,7 @@ async fn send_requests(sandbox: &Sandbox, count: u32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_keeps_them() {
+    let _turn = TURN.lock().await;
     let _telemetry = turbine_runtime::telemetry::init("observe-test");
     let mut config = Sandbox::mock(20.0);
     config.workers = 2;
@@ -186,6 +192,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
 /// (what a planner that knows no request's length yet sizes decode on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interval_reads_the_sequences_in_flight_and_their_context() {
+    let _turn = TURN.lock().await;
     let _telemetry = turbine_runtime::telemetry::init("observe-test");
     // Real-time mocker: three requests of 2,000 tokens run for many
     // heartbeats.
@@ -225,7 +232,11 @@ async fn an_interval_reads_the_sequences_in_flight_and_their_context() {
     // No request finished, so no ITL percentile: the time between the
     // tokens streamed is read instead.
     assert!(running.itl_ms.is_none() && running.token_gap_ms.is_some_and(|gap| gap > 0.0 && gap.is_finite()), "{running:?}");
+    // The streams stop with their clients, and the cluster drains before
+    // the next test's turn.
     for request in requests {
         request.abort();
+        let _ = request.await;
     }
+    std::sync::Arc::into_inner(sandbox).expect("no request holds the sandbox").stop().await;
 }
