@@ -48,6 +48,10 @@ struct Inner {
     /// Where evicted blocks go (the shared tier, on eviction), read back
     /// from their files before those are deleted.
     evicted: EvictionSink,
+    /// Blocks queued for writing (a host tier's evictions on their way
+    /// here): found and read from memory until their file is written, so
+    /// a block is never in neither tier while it moves.
+    writing: parking_lot::Mutex<std::collections::HashMap<SequenceHash, Arc<HostBlock>>>,
     /// Held for the tier's life: no other engine uses the directory.
     _lock: File,
 }
@@ -104,7 +108,18 @@ impl DiskTier {
                 .build()
         };
         let tier =
-            Self { inner: Arc::new(Inner { dir: dir.to_path_buf(), fingerprint, index, events, stats, capacity_bytes, modelled_block_bytes, evicted, _lock: lock }) };
+            Self { inner: Arc::new(Inner {
+                dir: dir.to_path_buf(),
+                fingerprint,
+                index,
+                events,
+                stats,
+                capacity_bytes,
+                modelled_block_bytes,
+                evicted,
+                writing: parking_lot::Mutex::default(),
+                _lock: lock,
+            }) };
         tier.rebuild()?;
         Ok(tier)
     }
@@ -163,9 +178,21 @@ impl DiskTier {
         &self.inner.stats
     }
 
-    /// Whether the tier holds `hash`.
+    /// Whether the tier holds `hash` (on disk, or queued for writing).
     pub fn contains(&self, hash: SequenceHash) -> bool {
-        self.inner.index.contains_key(&hash)
+        self.inner.index.contains_key(&hash) || self.inner.writing.lock().contains_key(&hash)
+    }
+
+    /// `block` is queued to be [`write`](Self::write)n: until it is, the
+    /// tier answers for it from memory.
+    pub(crate) fn queued(&self, hash: SequenceHash, block: Arc<HostBlock>) {
+        self.inner.writing.lock().insert(hash, block);
+    }
+
+    /// The queued `hash` will not be written after all (the queue refused
+    /// it).
+    pub(crate) fn unqueued(&self, hash: SequenceHash) {
+        self.inner.writing.lock().remove(&hash);
     }
 
     /// Where this tier's evictions go.
@@ -176,7 +203,12 @@ impl DiskTier {
     /// Writes a block (a failed write is counted and logged; the block is
     /// then simply not on disk).
     pub fn write(&self, hash: SequenceHash, block: &HostBlock) {
-        if self.contains(hash) {
+        self.write_file(hash, block);
+        self.unqueued(hash);
+    }
+
+    fn write_file(&self, hash: SequenceHash, block: &HostBlock) {
+        if self.inner.index.contains_key(&hash) {
             return;
         }
         let path = block_path(&self.inner.dir, hash);
@@ -203,6 +235,14 @@ impl DiskTier {
     pub fn read_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
         let mut run = Vec::new();
         for hashes in hashes {
+            let queued = self.inner.writing.lock().get(&hashes.sequence).cloned();
+            if let Some(block) = queued {
+                if block.local != hashes.local || !block.is_intact() {
+                    break;
+                }
+                run.push(block);
+                continue;
+            }
             let Some(entry) = self.inner.index.get(&hashes.sequence) else { break };
             match self.read(hashes.sequence) {
                 Some(block) if block.local == hashes.local && block.local == entry.local => run.push(Arc::new(block)),

@@ -139,8 +139,13 @@ impl HostTier {
                     push_removed(&events, *hash, Tier::Host);
                     match (&spill, &disk) {
                         (Some(spill), Some(disk)) => {
-                            if !disk.contains(*hash) && !spill.offer(*hash, block) {
-                                disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
+                            if !disk.contains(*hash) {
+                                // Findable from here until its file is written.
+                                disk.queued(*hash, block.clone());
+                                if !spill.offer(*hash, block) {
+                                    disk.unqueued(*hash);
+                                    disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                         }
                         _ => evicted.offer(*hash, block),
