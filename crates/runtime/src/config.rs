@@ -292,6 +292,10 @@ pub struct ServerConfig<S: ServiceDefaults> {
     /// supervisors and tests that listen on port 0).
     #[arg(long, value_name = "FILE")]
     pub addresses_file: Option<PathBuf>,
+    /// Mutual TLS: the process's certificate, key and CA.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub tls: crate::trust::TlsConfig,
     #[arg(skip)]
     #[serde(skip)]
     service: PhantomData<S>,
@@ -309,7 +313,7 @@ impl<S: ServiceDefaults> ServerConfig<S> {
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err("shutdown_grace_secs must be non-negative".into());
         }
-        Ok(())
+        self.tls.validate()
     }
 
     /// The drain's grace period.

@@ -18,7 +18,9 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
 use tower_http::trace::TraceLayer;
 
+use crate::host::{Role, RpcRoles};
 use crate::propagation::{TraceContextInterceptor, server_span};
+use crate::trust::{Authorize, Trust};
 
 /// A channel whose calls carry the caller's trace context.
 pub type TracedChannel = InterceptedService<Channel, TraceContextInterceptor>;
@@ -54,6 +56,11 @@ where
 /// `grace`; calls still open after that are dropped. A handler running
 /// longer than `handler_timeout` fails its call; a connection runs at most
 /// `calls_per_connection` handlers at once.
+///
+/// With `trust`, the server speaks TLS only, takes callers with a
+/// certificate from its CA, and authorizes each call against `roles`
+/// ([`crate::trust`]); without, it serves plaintext to every caller.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
@@ -61,10 +68,17 @@ pub async fn serve(
     grace: Duration,
     handler_timeout: Duration,
     calls_per_connection: usize,
+    trust: Option<Trust>,
+    roles: &'static [RpcRoles],
 ) -> Result<(), tonic::transport::Error> {
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = Server::builder()
+    let (builder, authorize) = match &trust {
+        Some(trust) => (Server::builder().tls_config(trust.server_config())?, Authorize::new(roles)),
+        None => (Server::builder(), Authorize::open()),
+    };
+    let server = builder
         .layer(TraceLayer::new_for_grpc().make_span_with(server_span))
+        .layer(authorize)
         .timeout(handler_timeout)
         .concurrency_limit_per_connection(calls_per_connection)
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
@@ -110,14 +124,32 @@ pub fn channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error>
 /// `http://10.0.0.7:50061`) that propagates trace context; most callers
 /// want the shared one, [`channel`]. Fails only on a malformed endpoint.
 pub fn traced_channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error> {
-    let channel = Endpoint::from_shared(endpoint.to_owned())?
+    Ok(InterceptedService::new(endpoint_settings(Endpoint::from_shared(endpoint.to_owned())?).connect_lazy(), TraceContextInterceptor))
+}
+
+/// A new lazily connecting channel to the service of role `server` at
+/// `endpoint` over mutual TLS: this process presents `trust`'s
+/// certificate and accepts only a server certificate from its CA naming
+/// `server` (an `http://` endpoint is dialed as `https://`). Fails only on
+/// a malformed endpoint.
+pub fn tls_channel(endpoint: &str, trust: &Trust, server: Role) -> Result<TracedChannel, tonic::transport::Error> {
+    let uri = endpoint_uri(endpoint);
+    let uri = match uri.strip_prefix("http://") {
+        Some(rest) => format!("https://{rest}"),
+        None => uri,
+    };
+    let endpoint = endpoint_settings(Endpoint::from_shared(uri)?).tls_config(trust.client_config(server))?;
+    Ok(InterceptedService::new(endpoint.connect_lazy(), TraceContextInterceptor))
+}
+
+/// The connection settings of every channel.
+fn endpoint_settings(endpoint: Endpoint) -> Endpoint {
+    endpoint
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(2))
         .http2_keep_alive_interval(Duration::from_secs(20))
         .keep_alive_timeout(Duration::from_secs(10))
         .keep_alive_while_idle(true)
-        .connect_lazy();
-    Ok(InterceptedService::new(channel, TraceContextInterceptor))
 }
 
 /// Normalizes an address to a gRPC endpoint URI (`host:port` gets `http://`).

@@ -105,12 +105,18 @@ impl Readiness {
 /// retried every 50 ms, so the caller bounds the wait (a timeout, or the
 /// server's task ending).
 pub async fn until_serving(endpoint: &str, service: &str) {
+    until_serving_over(|| crate::grpc::channel(endpoint).ok(), service).await
+}
+
+/// [`until_serving`] over the channels `connect` makes (a mutual TLS one:
+/// [`crate::grpc::tls_channel`]).
+pub async fn until_serving_over(connect: impl Fn() -> Option<crate::grpc::TracedChannel>, service: &str) {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus as Status;
     use tonic_health::pb::health_client::HealthClient;
 
     loop {
-        if let Ok(channel) = crate::grpc::channel(endpoint) {
+        if let Some(channel) = connect() {
             let mut client = HealthClient::new(channel);
             if let Ok(response) = client
                 .watch(HealthCheckRequest {

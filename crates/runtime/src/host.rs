@@ -48,6 +48,7 @@ use turbine_proto::MessageLimits;
 
 use crate::config::{ServerConfig, ServiceDefaults};
 use crate::health::Readiness;
+use crate::trust::Trust;
 
 /// What a service tells the host about itself.
 #[derive(Debug, Clone, Copy)]
@@ -78,6 +79,8 @@ pub enum Role {
     Gateway,
     /// The kv-index service (follows the KV event log, asks for dumps).
     Index,
+    /// The kv-store service.
+    KvStore,
     /// The planner.
     Planner,
     /// A person or tool operating the cluster (grpcurl, `turbine` admin
@@ -173,6 +176,7 @@ pub struct Host {
     grace: Duration,
     addresses_file: Option<PathBuf>,
     addresses: BoundAddrs,
+    trust: Option<Trust>,
 }
 
 impl std::fmt::Debug for Host {
@@ -183,8 +187,11 @@ impl std::fmt::Debug for Host {
 
 impl Host {
     /// A host for `spec` on `listeners`, NOT_SERVING, with health and
-    /// reflection mounted.
+    /// reflection mounted; over mutual TLS when `server` names the
+    /// process's certificate ([`crate::trust`]). Fails on TLS files that
+    /// cannot be read or a certificate that names no role.
     pub async fn new<S: ServiceDefaults>(spec: HostSpec, server: &ServerConfig<S>, listeners: Listeners) -> anyhow::Result<Self> {
+        let trust = server.tls.load()?;
         let (readiness, health) = Readiness::new(spec.health).await;
         let routes = crate::grpc::base_routes(health, spec.descriptors);
         let addresses = BoundAddrs {
@@ -201,6 +208,7 @@ impl Host {
             grace: server.grace(),
             addresses_file: server.addresses_file.clone(),
             addresses,
+            trust,
         })
     }
 
@@ -237,8 +245,13 @@ impl Host {
 
     /// Starts serving (still NOT_SERVING); writes the addresses file.
     pub fn start(self, shutdown: CancellationToken) -> anyhow::Result<Serving> {
-        let Host { spec, readiness, routes, listeners, http_router, grace, addresses_file, addresses } = self;
-        let grpc = tokio::spawn(crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION));
+        let Host { spec, readiness, routes, listeners, http_router, grace, addresses_file, addresses, trust } = self;
+        match &trust {
+            Some(trust) => tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role"),
+            None => tracing::warn!(service = spec.name, "gRPC in plaintext, every caller may call every rpc (development mode: set --tls-cert, --tls-key and --tls-ca)"),
+        }
+        let serve = crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, trust, spec.roles);
+        let grpc = tokio::spawn(serve);
         let admin_stop = CancellationToken::new();
         let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), admin_stop.clone())));
         let http = match (listeners.http, http_router) {

@@ -16,6 +16,8 @@
 //! - [`grpc`]: server wiring and client channels (one per endpoint).
 //! - [`shutdown`]: SIGTERM/SIGINT as a cancellation token.
 //! - [`metrics`]: Prometheus registry helpers.
+//! - [`trust`]: mutual TLS, the role a certificate names, and the
+//!   authorization of each rpc against its service's role table.
 
 pub mod admin;
 pub mod config;
@@ -26,6 +28,7 @@ pub mod metrics;
 pub mod propagation;
 pub mod shutdown;
 pub mod telemetry;
+pub mod trust;
 
 pub use tokio_util::sync::CancellationToken;
 

@@ -11,6 +11,8 @@
 //!   a `/metrics` page.
 //! - [`workspace_binary`]: a binary built from this workspace.
 
+pub mod tls;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

@@ -138,3 +138,15 @@ fn values_are_validated_after_layering() {
     assert!(parse(&["--port", "0"]).unwrap_err().contains("port must be positive"));
     assert!(parse(&["--shutdown-grace-secs=-1"]).unwrap_err().contains("shutdown_grace_secs"));
 }
+
+#[test]
+fn the_tls_settings_come_together() {
+    let config = parse(&["--tls-cert", "a.crt", "--tls-key", "a.key", "--tls-ca", "ca.crt"]).unwrap();
+    assert_eq!(config.server.tls.tls_ca, Some(PathBuf::from("ca.crt")));
+    assert_eq!(parse(&[]).unwrap().server.tls, crate::trust::TlsConfig::default(), "plaintext unless set");
+    assert!(parse(&["--tls-cert", "a.crt"]).unwrap_err().contains("--tls-key"));
+    // A file that sets only some of them.
+    let partial = file("tls_cert = \"a.crt\"\n");
+    let error = parse(&["--config", partial.path().to_str().unwrap()]).unwrap_err();
+    assert!(error.contains("tls_cert, tls_key and tls_ca go together"), "{error}");
+}

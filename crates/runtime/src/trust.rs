@@ -1,0 +1,328 @@
+//! Who a caller is (DESIGN §8): services talk over mutual TLS, each
+//! certificate names its holder's role, and each rpc is authorized
+//! against the role table its service declares ([`crate::host::HostSpec`]).
+//!
+//! A Turbine certificate is signed by the deployment's CA and carries one
+//! DNS subject alternative name `<role>.turbine` (`router.turbine`,
+//! `operator.turbine`; the roles are [`Role`]'s names) and its holder's
+//! name as the subject's common name (`router-0`). Both ends check it:
+//!
+//! - a server accepts only callers with a certificate from the CA (no
+//!   certificate, another CA's, an expired one: the handshake fails) and
+//!   lets each call through only when the caller's role is in the rpc's
+//!   row ([`Authorize`]: PERMISSION_DENIED naming the role and the rpc
+//!   otherwise); the caller's [`Peer`] rides in the request's extensions
+//!   for handlers that check identities, not only roles;
+//! - a client verifies the server's certificate for the role it means to
+//!   reach: a gateway dialing a router accepts only `router.turbine`, so
+//!   a worker's certificate cannot pose as a router.
+//!
+//! Without the TLS settings a service serves plaintext: a development
+//! mode, logged at start, in which every caller may call every rpc.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+use crate::host::{Role, RpcRoles};
+
+/// The suffix of a role's DNS name (`router.turbine`).
+pub const ROLE_DOMAIN: &str = "turbine";
+
+/// Longest a TLS handshake may take before the connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Role {
+    /// Every role.
+    pub const ALL: [Role; 8] =
+        [Role::Worker, Role::Router, Role::Gateway, Role::Index, Role::KvStore, Role::Planner, Role::Operator, Role::Monitoring];
+
+    /// The role's name, as certificates and role tables write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Worker => "worker",
+            Role::Router => "router",
+            Role::Gateway => "gateway",
+            Role::Index => "kv-index",
+            Role::KvStore => "kv-store",
+            Role::Planner => "planner",
+            Role::Operator => "operator",
+            Role::Monitoring => "monitoring",
+        }
+    }
+
+    /// The DNS name a certificate of this role carries (`router.turbine`).
+    pub fn dns_name(self) -> String {
+        format!("{}.{ROLE_DOMAIN}", self.as_str())
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        Role::ALL.into_iter().find(|role| role.as_str() == name).ok_or_else(|| {
+            let known: Vec<_> = Role::ALL.iter().map(|role| role.as_str()).collect();
+            format!("unknown role {name:?} (one of {})", known.join(", "))
+        })
+    }
+}
+
+/// The holder of a certificate, as its certificate names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// Its role.
+    pub role: Role,
+    /// Its name (the subject's common name; empty when it has none).
+    pub name: String,
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {:?}", self.role, self.name)
+    }
+}
+
+impl Peer {
+    /// The holder of the DER certificate `der`: its one `<role>.turbine`
+    /// DNS name and its common name. Fails on a certificate that does not
+    /// parse, names no role, or names more than one.
+    pub fn of_certificate(der: &[u8]) -> Result<Peer, String> {
+        let (_, certificate) = x509_parser::parse_x509_certificate(der).map_err(|error| format!("the certificate does not parse: {error}"))?;
+        let names = certificate
+            .subject_alternative_name()
+            .map_err(|error| format!("the certificate's alternative names do not parse: {error}"))?;
+        let suffix = format!(".{ROLE_DOMAIN}");
+        let mut roles = Vec::new();
+        for name in names.iter().flat_map(|names| names.value.general_names.iter()) {
+            if let x509_parser::extensions::GeneralName::DNSName(dns) = name
+                && let Some(role) = dns.strip_suffix(&suffix)
+            {
+                roles.push(role.parse::<Role>().map_err(|error| format!("the certificate's DNS name {dns}: {error}"))?);
+            }
+        }
+        let role = match roles.as_slice() {
+            [role] => *role,
+            [] => return Err(format!("the certificate names no role (a DNS name <role>{suffix})")),
+            _ => return Err(format!("the certificate names {} roles; a certificate holds one", roles.len())),
+        };
+        let name = certificate.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).unwrap_or_default().to_owned();
+        Ok(Peer { role, name })
+    }
+}
+
+/// Where a service's certificate, key and CA are: all three or none
+/// (plaintext, for development).
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args, Serialize, Deserialize)]
+pub struct TlsConfig {
+    /// PEM certificate this process presents to its callers and to the
+    /// services it calls (signed by --tls-ca, naming the process's role as
+    /// the DNS name `<role>.turbine`; `turbine certs` writes them). Without
+    /// the three --tls-* settings the service serves plaintext and lets
+    /// every caller call every rpc: for development only.
+    #[arg(long, env = "TURBINE_TLS_CERT", value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "TURBINE_TLS_KEY", value_name = "FILE", requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<PathBuf>,
+    /// PEM certificate of the deployment's CA: callers and servers must
+    /// present a certificate it signed.
+    #[arg(long, env = "TURBINE_TLS_CA", value_name = "FILE", requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl TlsConfig {
+    /// Checks that the three settings come together.
+    pub fn validate(&self) -> Result<(), String> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (None, None, None) | (Some(_), Some(_), Some(_)) => Ok(()),
+            _ => Err("tls_cert, tls_key and tls_ca go together: set all three, or none for plaintext".into()),
+        }
+    }
+
+    /// The process's credentials, or `None` for plaintext. Fails on an
+    /// unreadable file or a certificate that names no role.
+    pub fn load(&self) -> anyhow::Result<Option<Trust>> {
+        self.validate().map_err(anyhow::Error::msg)?;
+        let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else { return Ok(None) };
+        let read = |path: &Path, what: &str| std::fs::read(path).with_context(|| format!("cannot read the TLS {what} {}", path.display()));
+        Trust::from_pem(&read(cert, "certificate")?, &read(key, "key")?, &read(ca, "CA certificate")?)
+            .with_context(|| format!("the TLS certificate {}", cert.display()))
+            .map(Some)
+    }
+}
+
+/// A process's credentials: its certificate and key, and the CA it trusts.
+#[derive(Clone)]
+pub struct Trust {
+    inner: Arc<TrustInner>,
+}
+
+struct TrustInner {
+    identity: Identity,
+    ca: Certificate,
+    own: Peer,
+}
+
+impl std::fmt::Debug for Trust {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trust").field("peer", &self.inner.own).finish_non_exhaustive()
+    }
+}
+
+impl Trust {
+    /// Credentials from PEM text: the certificate (the first in `cert` is
+    /// the holder's), its key, and the CA certificate.
+    pub fn from_pem(cert: &[u8], key: &[u8], ca: &[u8]) -> anyhow::Result<Self> {
+        let (_, pem) = x509_parser::pem::parse_x509_pem(cert).map_err(|error| anyhow::anyhow!("not a PEM certificate: {error}"))?;
+        let own = Peer::of_certificate(&pem.contents).map_err(anyhow::Error::msg)?;
+        x509_parser::pem::parse_x509_pem(ca).map_err(|error| anyhow::anyhow!("the CA is not a PEM certificate: {error}"))?;
+        let inner = TrustInner { identity: Identity::from_pem(cert, key), ca: Certificate::from_pem(ca), own };
+        Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// Who this process is.
+    pub fn peer(&self) -> &Peer {
+        &self.inner.own
+    }
+
+    /// The server side: this certificate, and callers must present one the
+    /// CA signed.
+    pub fn server_config(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new().identity(self.inner.identity.clone()).client_ca_root(self.inner.ca.clone()).timeout(HANDSHAKE_TIMEOUT)
+    }
+
+    /// The client side, dialing a service of role `server`: this
+    /// certificate, and the server's must name `server`.
+    pub fn client_config(&self, server: Role) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .identity(self.inner.identity.clone())
+            .ca_certificate(self.inner.ca.clone())
+            .domain_name(server.dns_name())
+            .timeout(HANDSHAKE_TIMEOUT)
+    }
+}
+
+/// The rpcs every authenticated caller may call on every service: health
+/// and reflection.
+const OPEN_PREFIXES: &[&str] = &["/grpc.health.v1.Health/", "/grpc.reflection.v1.ServerReflection/", "/grpc.reflection.v1alpha.ServerReflection/"];
+
+/// Whether a caller presenting `certificates` (the TLS session's, the
+/// holder's first) may call `path` under `table`: the caller's [`Peer`],
+/// or the status to answer.
+pub fn authorize(table: &[RpcRoles], path: &str, certificates: Option<&[impl AsRef<[u8]>]>) -> Result<Peer, tonic::Status> {
+    let Some(first) = certificates.and_then(|certificates| certificates.first()) else {
+        return Err(tonic::Status::unauthenticated("no client certificate: this service takes callers with a certificate from its CA"));
+    };
+    let peer = Peer::of_certificate(first.as_ref()).map_err(|problem| tonic::Status::unauthenticated(format!("client certificate: {problem}")))?;
+    if table.is_empty() || OPEN_PREFIXES.iter().any(|prefix| path.starts_with(prefix)) {
+        return Ok(peer);
+    }
+    match table.iter().find(|row| row.method == path) {
+        Some(row) if row.roles.contains(&peer.role) => Ok(peer),
+        Some(row) => {
+            let allowed: Vec<_> = row.roles.iter().map(|role| role.as_str()).collect();
+            Err(tonic::Status::permission_denied(format!("{peer} may not call {path} (callers: {})", allowed.join(", "))))
+        }
+        None => Err(tonic::Status::permission_denied(format!("{path} is not in this service's role table: no caller may call it"))),
+    }
+}
+
+/// The tower layer that authorizes every call against a role table,
+/// answering PERMISSION_DENIED or UNAUTHENTICATED itself and passing the
+/// caller's [`Peer`] on in the request's extensions.
+#[derive(Debug, Clone, Copy)]
+pub struct Authorize {
+    /// `None`: plaintext, every call passes.
+    table: Option<&'static [RpcRoles]>,
+}
+
+impl Authorize {
+    /// Authorizes against `table` (empty: any caller with a certificate).
+    pub fn new(table: &'static [RpcRoles]) -> Self {
+        Self { table: Some(table) }
+    }
+
+    /// Lets every call through (plaintext development mode: callers have
+    /// no identity to check).
+    pub fn open() -> Self {
+        Self { table: None }
+    }
+}
+
+impl<S> tower::Layer<S> for Authorize {
+    type Service = Authorized<S>;
+
+    fn layer(&self, inner: S) -> Authorized<S> {
+        Authorized { inner, table: self.table }
+    }
+}
+
+/// A service behind [`Authorize`].
+#[derive(Debug, Clone)]
+pub struct Authorized<S> {
+    inner: S,
+    table: Option<&'static [RpcRoles]>,
+}
+
+type TlsInfo = tonic::transport::server::TlsConnectInfo<tonic::transport::server::TcpConnectInfo>;
+
+impl<S, B> tower::Service<http::Request<B>> for Authorized<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = futures::future::Either<std::future::Ready<Result<Self::Response, S::Error>>, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let Some(table) = self.table else { return futures::future::Either::Right(self.inner.call(request)) };
+        let certificates = request.extensions().get::<TlsInfo>().and_then(TlsInfo::peer_certs);
+        match authorize(table, request.uri().path(), certificates.as_deref().map(Vec::as_slice)) {
+            Ok(peer) => {
+                request.extensions_mut().insert(peer);
+                futures::future::Either::Right(self.inner.call(request))
+            }
+            Err(status) => {
+                tracing::warn!(path = request.uri().path(), status = %status.message(), "call refused");
+                futures::future::Either::Left(std::future::ready(Ok(status.into_http())))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_read_back_from_their_names() {
+        for role in Role::ALL {
+            assert_eq!(role.as_str().parse::<Role>(), Ok(role));
+        }
+        assert!("admin".parse::<Role>().unwrap_err().contains("operator"));
+    }
+
+    #[test]
+    fn a_missing_certificate_is_unauthenticated() {
+        let status = authorize(&[], "/turbine.router.v1.Router/Route", None::<&[Vec<u8>]>).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        let status = authorize(&[], "/x/y", Some(&[b"not a certificate".to_vec()][..])).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    }
+}
