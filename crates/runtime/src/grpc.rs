@@ -2,15 +2,16 @@
 //! handler timeout, per-connection concurrency, health, reflection,
 //! keep-alives, graceful drain under a grace period; see [`crate::host`])
 //! and one way to connect (lazy channels with trace propagation, one per
-//! endpoint per process, see [`channel`]).
+//! endpoint per live runtime, see [`channel`]).
 
 use std::collections::HashMap;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic::service::interceptor::InterceptedService;
@@ -88,35 +89,76 @@ pub async fn serve(
     crate::shutdown::drain_within(server, &shutdown, grace, "gRPC calls").await
 }
 
-/// Channels by endpoint, with their last use.
-static CHANNELS: LazyLock<Mutex<HashMap<String, (TracedChannel, Instant)>>> =
-    LazyLock::new(Mutex::default);
+/// A cached channel: its last use, and whether the runtime that made it
+/// still runs.
+///
+/// A channel's connection is driven by a task on the runtime that made it;
+/// once that runtime is dropped the channel fails every call. A process can
+/// run several runtimes, at once or one after another (a test harness runs
+/// one per test), so channels are cached per runtime, and an entry whose
+/// runtime has stopped is dropped: `alive` upgrades only while a task
+/// spawned beside the channel holds its `Arc`. Dropping the entry drops
+/// `_release`, which ends that task.
+struct Cached {
+    channel: TracedChannel,
+    used: Instant,
+    alive: Weak<()>,
+    _release: oneshot::Sender<()>,
+}
+
+impl Cached {
+    /// Makes a channel to `endpoint` on the current runtime.
+    fn new(endpoint: &str, now: Instant) -> Result<Self, tonic::transport::Error> {
+        let channel = traced_channel(endpoint)?;
+        let runtime_alive = Arc::new(());
+        let alive = Arc::downgrade(&runtime_alive);
+        let (release, released) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _runtime_alive = runtime_alive;
+            let _ = released.await;
+        });
+        Ok(Self { channel, used: now, alive, _release: release })
+    }
+
+    fn is_usable(&self) -> bool {
+        self.alive.strong_count() > 0
+    }
+}
+
+/// Channels by the runtime that drives them and endpoint.
+static CHANNELS: LazyLock<Mutex<HashMap<(tokio::runtime::Id, String), Cached>>> = LazyLock::new(Mutex::default);
 
 /// Endpoints kept at most; beyond it the least recently used is dropped.
 const MAX_CHANNELS: usize = 1024;
 
 /// The process's channel to `endpoint` (`http://10.0.0.7:50061`, or
 /// `host:port`): every client of one endpoint shares one lazily connected
-/// HTTP/2 connection, multiplexed, instead of opening its own. Fails only
-/// on a malformed endpoint.
+/// HTTP/2 connection, multiplexed, instead of opening its own (one per
+/// runtime, where a process runs several). Fails only on a malformed
+/// endpoint. Must be called on a Tokio runtime: the channel's connection is
+/// driven there.
 pub fn channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error> {
-    let endpoint = endpoint_uri(endpoint);
+    let key = (tokio::runtime::Handle::current().id(), endpoint_uri(endpoint));
     let mut channels = CHANNELS.lock();
     let now = Instant::now();
-    if let Some((channel, used)) = channels.get_mut(&endpoint) {
-        *used = now;
-        return Ok(channel.clone());
+    if let Some(cached) = channels.get_mut(&key)
+        && cached.is_usable()
+    {
+        cached.used = now;
+        return Ok(cached.channel.clone());
     }
-    let channel = traced_channel(&endpoint)?;
+    let cached = Cached::new(&key.1, now)?;
+    let channel = cached.channel.clone();
+    channels.retain(|_, cached| cached.is_usable());
     if channels.len() >= MAX_CHANNELS
         && let Some(oldest) = channels
             .iter()
-            .min_by_key(|(_, (_, used))| *used)
-            .map(|(endpoint, _)| endpoint.clone())
+            .min_by_key(|(_, cached)| cached.used)
+            .map(|(key, _)| key.clone())
     {
         channels.remove(&oldest);
     }
-    channels.insert(endpoint, (channel.clone(), now));
+    channels.insert(key, cached);
     Ok(channel)
 }
 
