@@ -103,4 +103,6 @@ pub mod service_names {
     pub const ROUTER: &str = "turbine.router.v1.Router";
     /// `turbine.worker.v1.Worker`
     pub const WORKER: &str = "turbine.worker.v1.Worker";
+    /// `turbine.worker.v1.KvTransfer`
+    pub const KV_TRANSFER: &str = "turbine.worker.v1.KvTransfer";
 }

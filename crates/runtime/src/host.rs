@@ -100,6 +100,45 @@ pub struct RpcRoles {
     pub roles: &'static [Role],
 }
 
+impl HostSpec {
+    /// Checks the role table against the rpcs of the gRPC services
+    /// `served` (fully qualified names, as the descriptor sets declare
+    /// them): a declared table names every rpc once, each with a role, and
+    /// no rpc the host does not serve (an rpc without a row would be
+    /// refused to every caller). An empty table (not declared yet) passes.
+    pub fn check_roles(&self, served: &[&str]) -> Result<(), String> {
+        use prost::Message;
+        if self.roles.is_empty() {
+            return Ok(());
+        }
+        let mut methods = Vec::new();
+        for set in self.descriptors {
+            let set = prost_types::FileDescriptorSet::decode(*set).map_err(|error| format!("{}: a descriptor set does not decode: {error}", self.name))?;
+            for file in &set.file {
+                for service in file.service.iter().filter(|service| served.contains(&format!("{}.{}", file.package(), service.name()).as_str())) {
+                    methods.extend(service.method.iter().map(|method| format!("/{}.{}/{}", file.package(), service.name(), method.name())));
+                }
+            }
+        }
+        for method in &methods {
+            match self.roles.iter().filter(|row| row.method == method).count() {
+                1 => {}
+                0 => return Err(format!("{}: {method} has no row in the role table", self.name)),
+                _ => return Err(format!("{}: {method} has more than one row in the role table", self.name)),
+            }
+        }
+        for row in self.roles {
+            if !methods.iter().any(|method| method == row.method) {
+                return Err(format!("{}: the role table names {}, which the service does not serve", self.name, row.method));
+            }
+            if row.roles.is_empty() {
+                return Err(format!("{}: {} names no role (no caller could call it)", self.name, row.method));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Concurrent calls per client connection at most; more wait their turn.
 const CALLS_PER_CONNECTION: usize = 1024;
 
@@ -177,6 +216,8 @@ pub struct Host {
     addresses_file: Option<PathBuf>,
     addresses: BoundAddrs,
     trust: Option<Trust>,
+    /// The gRPC services mounted (fully qualified names).
+    served: Vec<&'static str>,
 }
 
 impl std::fmt::Debug for Host {
@@ -209,6 +250,7 @@ impl Host {
             addresses_file: server.addresses_file.clone(),
             addresses,
             trust,
+            served: Vec::new(),
         })
     }
 
@@ -234,6 +276,7 @@ impl Host {
             + 'static,
         T::Future: Send + 'static,
     {
+        self.served.push(T::NAME);
         let routes = std::mem::take(&mut self.routes);
         self.routes = routes.add_service(service.with_message_limits());
     }
@@ -244,8 +287,11 @@ impl Host {
     }
 
     /// Starts serving (still NOT_SERVING); writes the addresses file.
+    /// Fails on a role table that does not fit the services mounted
+    /// ([`HostSpec::check_roles`]).
     pub fn start(self, shutdown: CancellationToken) -> anyhow::Result<Serving> {
-        let Host { spec, readiness, routes, listeners, http_router, grace, addresses_file, addresses, trust } = self;
+        let Host { spec, readiness, routes, listeners, http_router, grace, addresses_file, addresses, trust, served } = self;
+        spec.check_roles(&served).map_err(anyhow::Error::msg)?;
         match &trust {
             Some(trust) => tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role"),
             None => tracing::warn!(service = spec.name, "gRPC in plaintext, every caller may call every rpc (development mode: set --tls-cert, --tls-key and --tls-ca)"),
@@ -370,5 +416,32 @@ impl<T> Running<T> {
     /// fired, with how it ended.
     pub async fn finished(self) -> anyhow::Result<()> {
         self.task.await.context("the service panicked")?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(roles: &'static [RpcRoles]) -> HostSpec {
+        HostSpec { name: "health", health: &[], descriptors: &[tonic_health::pb::FILE_DESCRIPTOR_SET], handler_timeout: Duration::from_secs(1), roles }
+    }
+
+    #[test]
+    fn a_declared_role_table_names_every_rpc_once_and_nothing_else() {
+        const CHECK: RpcRoles = RpcRoles { method: "/grpc.health.v1.Health/Check", roles: &[Role::Monitoring] };
+        const WATCH: RpcRoles = RpcRoles { method: "/grpc.health.v1.Health/Watch", roles: &[Role::Monitoring, Role::Operator] };
+        const HEALTH: &[&str] = &["grpc.health.v1.Health"];
+        assert_eq!(spec(&[]).check_roles(HEALTH), Ok(()), "not declared yet");
+        assert_eq!(spec(&[CHECK, WATCH]).check_roles(HEALTH), Ok(()));
+        assert!(spec(&[CHECK]).check_roles(HEALTH).unwrap_err().contains("/grpc.health.v1.Health/Watch has no row"));
+        assert!(spec(&[CHECK, WATCH, CHECK]).check_roles(HEALTH).unwrap_err().contains("more than one row"));
+        const UNKNOWN: RpcRoles = RpcRoles { method: "/grpc.health.v1.Health/Poke", roles: &[Role::Operator] };
+        assert!(spec(&[CHECK, WATCH, UNKNOWN]).check_roles(HEALTH).unwrap_err().contains("does not serve"));
+        const NOBODY: RpcRoles = RpcRoles { method: "/grpc.health.v1.Health/Watch", roles: &[] };
+        assert!(spec(&[CHECK, NOBODY]).check_roles(HEALTH).unwrap_err().contains("names no role"));
+        // A service in the descriptors but not served: its rpcs need no row,
+        // and a row for one is refused.
+        assert!(spec(&[CHECK, WATCH]).check_roles(&[]).unwrap_err().contains("does not serve"));
     }
 }

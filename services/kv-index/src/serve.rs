@@ -16,7 +16,7 @@ use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexSe
 use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace, WorkerRecord};
 use turbine_runtime::CancellationToken;
-use turbine_runtime::host::{Host, HostSpec, Listeners};
+use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 use turbine_worker_api::WorkerClients;
 
 use crate::config::KvIndexConfig;
@@ -73,8 +73,20 @@ const SPEC: HostSpec = HostSpec {
     health: &[service_names::KV_INDEX],
     descriptors: &[FILE_DESCRIPTOR_SET],
     handler_timeout: Duration::from_secs(30),
-    roles: &[],
+    roles: ROLES,
 };
+
+/// Who may call each rpc (enforced when the index serves mutual TLS):
+/// workers and kv-stores publish what they hold; routers ask for matches
+/// and dumps; a worker's entries are dropped by the worker leaving or by
+/// a router that saw it gone.
+pub const ROLES: &[RpcRoles] = &[
+    RpcRoles { method: "/turbine.kvindex.v1.KvIndex/PublishEvents", roles: &[Role::Worker, Role::KvStore] },
+    RpcRoles { method: "/turbine.kvindex.v1.KvIndex/FindMatches", roles: &[Role::Router, Role::Operator] },
+    RpcRoles { method: "/turbine.kvindex.v1.KvIndex/Dump", roles: &[Role::Router, Role::Operator] },
+    RpcRoles { method: "/turbine.kvindex.v1.KvIndex/RemoveWorker", roles: &[Role::Worker, Role::Router, Role::Operator] },
+    RpcRoles { method: "/turbine.kvindex.v1.KvIndex/Stats", roles: &[Role::Operator, Role::Monitoring, Role::Planner] },
+];
 
 /// Serves a replica on `listeners` until `shutdown` fires, then drains.
 pub async fn serve(
@@ -266,4 +278,12 @@ fn write_snapshots(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod role_table {
+    #[test]
+    fn every_rpc_has_one_row_naming_who_may_call_it() {
+        super::SPEC.check_roles(&[turbine_proto::service_names::KV_INDEX]).unwrap();
+    }
 }

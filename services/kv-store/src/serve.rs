@@ -84,3 +84,11 @@ pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
         serve(config, store, events, listeners, shutdown).await
     })
 }
+
+#[cfg(test)]
+mod role_table {
+    #[test]
+    fn every_rpc_has_one_row_naming_who_may_call_it() {
+        super::SPEC.check_roles(&[turbine_proto::service_names::KV_STORE]).unwrap();
+    }
+}

@@ -105,3 +105,11 @@ async fn kubernetes(config: &PlannerConfig) -> anyhow::Result<Connector> {
 async fn kubernetes(_: &PlannerConfig) -> anyhow::Result<Connector> {
     anyhow::bail!("connector: this build has no kubernetes connector (build turbine with --features kubernetes)")
 }
+
+#[cfg(test)]
+mod role_table {
+    #[test]
+    fn every_rpc_has_one_row_naming_who_may_call_it() {
+        super::SPEC.check_roles(&[turbine_proto::service_names::PLANNER]).unwrap();
+    }
+}

@@ -13,7 +13,7 @@ use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer
 use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace};
 use turbine_runtime::CancellationToken;
-use turbine_runtime::host::{Host, HostSpec, Listeners, Running};
+use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles, Running};
 use turbine_worker_api::WorkerClients;
 
 use crate::config::RouterConfig;
@@ -77,7 +77,16 @@ impl RouterDeps {
 }
 
 const SPEC: HostSpec =
-    HostSpec { name: "router", health: &[service_names::ROUTER], descriptors: &[FILE_DESCRIPTOR_SET], handler_timeout: Duration::from_secs(30), roles: &[] };
+    HostSpec { name: "router", health: &[service_names::ROUTER], descriptors: &[FILE_DESCRIPTOR_SET], handler_timeout: Duration::from_secs(30), roles: ROLES };
+
+/// Who may call each rpc (enforced when the router serves mutual TLS):
+/// gateways route and book; operators and scrapers may list the workers.
+pub const ROLES: &[RpcRoles] = &[
+    RpcRoles { method: "/turbine.router.v1.Router/Route", roles: &[Role::Gateway] },
+    RpcRoles { method: "/turbine.router.v1.Router/RequestFinished", roles: &[Role::Gateway] },
+    RpcRoles { method: "/turbine.router.v1.Router/PrefillDone", roles: &[Role::Gateway] },
+    RpcRoles { method: "/turbine.router.v1.Router/ListWorkers", roles: &[Role::Gateway, Role::Operator, Role::Monitoring] },
+];
 
 /// Serves a router on `listeners` until `shutdown` fires, then drains.
 pub async fn serve(config: RouterConfig, deps: RouterDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -206,4 +215,12 @@ pub fn watch_registry(router: Arc<Router>, registry: Registry, interval: Duratio
             }
         }
     })
+}
+
+#[cfg(test)]
+mod role_table {
+    #[test]
+    fn every_rpc_has_one_row_naming_who_may_call_it() {
+        super::SPEC.check_roles(&[turbine_proto::service_names::ROUTER]).unwrap();
+    }
 }

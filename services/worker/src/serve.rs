@@ -13,7 +13,7 @@ use turbine_proto::service_names;
 use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, kv_transfer_server::KvTransferServer, worker_server::WorkerServer};
 use turbine_registry::{Lease, ReadCost, ReadCosts, RedisRegistry, Registry, WorkerLoad, WorkerRecord};
 use turbine_runtime::CancellationToken;
-use turbine_runtime::host::{Host, HostSpec, Listeners};
+use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 use turbine_worker_api::{WorkerClient, WorkerClients};
 
 use crate::config::WorkerConfig;
@@ -70,8 +70,24 @@ const SPEC: HostSpec = HostSpec {
     // A prefill is a unary call as long as the prompt's compute (and its
     // wait in the queue).
     handler_timeout: Duration::from_secs(600),
-    roles: &[],
+    roles: ROLES,
 };
+
+/// Who may call each rpc (enforced when the worker serves mutual TLS).
+/// Generation and prefill come from gateways only, and the KV a request
+/// left is read by the decode worker it was handed to (and released by
+/// it or the gateway): no operator reads a request's KV. The index and
+/// routers rebuild from a worker's dump.
+pub const ROLES: &[RpcRoles] = &[
+    RpcRoles { method: "/turbine.worker.v1.Worker/Generate", roles: &[Role::Gateway] },
+    RpcRoles { method: "/turbine.worker.v1.Worker/Prefill", roles: &[Role::Gateway] },
+    RpcRoles { method: "/turbine.worker.v1.Worker/Load", roles: &[Role::Router, Role::Planner, Role::Operator, Role::Monitoring] },
+    RpcRoles { method: "/turbine.worker.v1.Worker/GetModelCard", roles: &[Role::Gateway, Role::Router, Role::Operator] },
+    RpcRoles { method: "/turbine.worker.v1.Worker/DumpKvCache", roles: &[Role::Router, Role::Index, Role::Operator] },
+    RpcRoles { method: "/turbine.worker.v1.KvTransfer/Describe", roles: &[Role::Worker] },
+    RpcRoles { method: "/turbine.worker.v1.KvTransfer/ReadBlocks", roles: &[Role::Worker] },
+    RpcRoles { method: "/turbine.worker.v1.KvTransfer/Release", roles: &[Role::Worker, Role::Gateway] },
+];
 
 /// Serves a worker on `listeners` until `shutdown` fires, then drains.
 pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -198,6 +214,11 @@ fn hostname() -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn every_rpc_has_one_row_naming_who_may_call_it() {
+        super::SPEC.check_roles(&[turbine_proto::service_names::WORKER, turbine_proto::service_names::KV_TRANSFER]).unwrap();
+    }
+
     use turbine_engine::FetchEstimates;
     use turbine_engine::tiers::fetch::TierEstimate;
 
