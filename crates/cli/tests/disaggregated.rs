@@ -3,11 +3,11 @@
 //! workers' KV events in a real Redis) and `turbine-gateway`, on free ports,
 //! the real model computing every token.
 //!
-//! - Greedy outputs of 20 prompts of 100–2,000 tokens equal those of an
-//!   aggregated `turbine run`, with the KV blocks read over UCX (when built
-//!   with it; four of them over the TCP stream); asked again, the prompts
-//!   hit the blocks installed on the decode worker and give the same
-//!   outputs.
+//! - Greedy outputs of prompts of 100–2,000 tokens (six over UCX when
+//!   built with it, four to 1,200 over the TCP stream; prefixes of one another and
+//!   unrelated ones) equal those of an aggregated `turbine run`, with the
+//!   KV blocks read from the prefill worker; asked again, the prompts hit
+//!   the blocks installed on the decode worker and give the same outputs.
 //! - The prefill worker killed while a decode worker reads its blocks:
 //!   every request still completes with the right text (computed locally).
 //! - A decode worker dead but still listed fails a request only after its
@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use common::{MODEL, metric, post, service, until_listed, until_registered};
 use serde_json::json;
-use tokio::sync::OnceCell;
 use turbine_cluster::sandbox::Sandbox;
 use turbine_router::{RouteRequest, RouterClient};
 use turbine_testkit::{
@@ -67,24 +66,21 @@ async fn complete(base: &str, prompt: &[u32]) -> (String, u64) {
     try_complete(base, prompt).await.unwrap()
 }
 
-/// The prompts' outputs from one aggregated worker (the embedded cluster,
-/// in this process), once for every test of this file.
-async fn reference() -> &'static [String] {
-    static REFERENCE: OnceCell<Vec<String>> = OnceCell::const_new();
-    REFERENCE
-        .get_or_init(|| async {
-            let mut config = Sandbox::native();
-            config.worker.engine.threads = Some(1);
-            config.worker.engine.kv_cache_mib = 128;
-            let sandbox = Sandbox::start(config).await;
-            let mut outputs = Vec::new();
-            for prompt in prompts() {
-                outputs.push(complete(sandbox.base(), &prompt).await.0);
-            }
-            sandbox.stop().await;
-            outputs
-        })
-        .await
+/// The outputs of prompts `chosen` from one aggregated worker (the
+/// embedded cluster, in this process; each test runs in a process of its
+/// own, so each computes only the prompts it uses).
+async fn reference(chosen: &[usize]) -> Vec<String> {
+    let mut config = Sandbox::native();
+    config.worker.engine.threads = Some(1);
+    config.worker.engine.kv_cache_mib = 128;
+    let sandbox = Sandbox::start(config).await;
+    let all = prompts();
+    let mut outputs = Vec::new();
+    for &i in chosen {
+        outputs.push(complete(sandbox.base(), &all[i]).await.0);
+    }
+    sandbox.stop().await;
+    outputs
 }
 
 struct Cluster {
@@ -179,14 +175,13 @@ fn shm_free_mib() -> Option<u64> {
 /// over `transport`, twice.
 async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
     let _one = ONE_CLUSTER.lock().await;
-    let reference = reference().await;
+    let expected = reference(chosen).await;
     let cluster = start_cluster(transport).await;
     let all = prompts();
     let prompts: Vec<&Vec<u32>> = chosen.iter().map(|&i| &all[i]).collect();
-    let expected: Vec<&String> = chosen.iter().map(|&i| &reference[i]).collect();
     for (prompt, expected) in prompts.iter().zip(&expected) {
         let (text, _) = complete(&cluster.base, prompt).await;
-        assert_eq!(&text, *expected, "prompt of {} tokens, disaggregated over {transport}", prompt.len());
+        assert_eq!(&text, expected, "prompt of {} tokens, disaggregated over {transport}", prompt.len());
     }
     let decode = &cluster.decode.admin_url();
     let read = metric_where(
@@ -233,7 +228,7 @@ async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
     // the prompts there) and gives the same text.
     for (prompt, expected) in prompts.iter().zip(&expected) {
         let (text, cached) = complete(&cluster.base, prompt).await;
-        assert_eq!(&text, *expected, "prompt of {} tokens, from installed blocks", prompt.len());
+        assert_eq!(&text, expected, "prompt of {} tokens, from installed blocks", prompt.len());
         let full_blocks = (prompt.len() as u64 - 1) / 16 * 16;
         assert!(cached >= full_blocks, "prompt of {} tokens: {cached} cached tokens, {full_blocks} expected", prompt.len());
     }
@@ -243,13 +238,14 @@ async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
 #[cfg(feature = "ucx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_outputs_equal_aggregated_ones_over_ucx() {
-    outputs_equal_aggregated("ucx", &(0..20).collect::<Vec<_>>()).await;
+    // Short and long, prefixes of one another (even) and unrelated (odd).
+    outputs_equal_aggregated("ucx", &[0, 1, 4, 9, 14, 19]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_outputs_equal_aggregated_ones_over_tcp() {
-    // A few, the longest included: the UCX test covers all 20.
-    outputs_equal_aggregated("tcp", &[0, 2, 5, 19]).await;
+    // A few, to 1,200 tokens (the UCX test has the longest).
+    outputs_equal_aggregated("tcp", &[0, 2, 5, 11]).await;
 }
 
 /// The prefill worker is SIGKILLed at a moment the decode worker is reading
@@ -258,11 +254,12 @@ async fn disaggregated_outputs_equal_aggregated_ones_over_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
     let _one = ONE_CLUSTER.lock().await;
-    let expected = reference().await;
-    let mut cluster = start_cluster("tcp").await;
     let prompts = prompts();
-    // The longest prompts, all at once: prefills queue, reads overlap them.
-    let chosen: Vec<usize> = (10..16).collect();
+    // Prompts of 800 to 1,300 tokens, all at once: prefills queue, reads
+    // overlap them.
+    let chosen: Vec<usize> = (7..13).collect();
+    let expected = reference(&chosen).await;
+    let mut cluster = start_cluster("tcp").await;
     let requests: Vec<_> = chosen
         .iter()
         .map(|&i| {
@@ -311,8 +308,8 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
             warnings(&cluster.decode)
         );
     }
-    for (result, &i) in results.into_iter().zip(&chosen) {
-        assert_eq!(result.unwrap(), expected[i], "prompt of {} tokens after the prefill worker died", prompts[i].len());
+    for ((result, &i), expected) in results.into_iter().zip(&chosen).zip(&expected) {
+        assert_eq!(&result.unwrap(), expected, "prompt of {} tokens after the prefill worker died", prompts[i].len());
     }
     let failed_reads = metric_where(&decode, "turbine_worker_kv_imports_total", &[("outcome", "transfer")]).await;
     assert!(failed_reads >= 1.0, "the read in flight failed over to local prefill ({failed_reads})");
