@@ -25,11 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let descriptor_set = protox::compile([file], [&proto_root])?;
         let encoded = prost::Message::encode_to_vec(&descriptor_set);
         std::fs::write(out_dir.join(format!("{package}.bin")), encoded)?;
-        tonic_prost_build::configure()
-            .build_client(true)
-            .build_server(true)
-            .emit_rerun_if_changed(false)
-            .compile_fds(descriptor_set)?;
+        tonic_prost_build::configure().build_client(true).build_server(true).emit_rerun_if_changed(false).compile_fds(descriptor_set)?;
     }
     Ok(())
 }

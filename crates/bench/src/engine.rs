@@ -274,14 +274,7 @@ pub fn run_bench(args: &EngineBenchArgs) -> anyhow::Result<EngineBenchReport> {
         aggregate_over_single: of(&|r| r.aggregate_decode_tokens_per_s / r.single_stream_decode_tokens_per_s),
         warm_over_cold_ttft: of(&|r| r.warm_ttft_ms / r.cold_ttft_ms),
     };
-    Ok(EngineBenchReport {
-        threads: args.threads,
-        prompt_tokens: args.prompt_tokens,
-        decode_tokens: args.decode_tokens,
-        streams: args.streams,
-        rounds,
-        median,
-    })
+    Ok(EngineBenchReport { threads: args.threads, prompt_tokens: args.prompt_tokens, decode_tokens: args.decode_tokens, streams: args.streams, rounds, median })
 }
 
 /// Prints the report with ratios.

@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde::Serialize;
 use turbine_harness::{RedisServer, STARTUP_TIMEOUT, ServiceProcess};
-use turbine_proto::worker::v1 as pb;
 use turbine_proto::MessageLimits;
+use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_tokens::{ModelCard, Preprocessor};
 

@@ -215,8 +215,5 @@ pub fn print(report: &IndexerReport) {
         report.find_matches_max_us,
         report.nodes
     );
-    println!(
-        "  find_matches alone on the final index: p50 {:.1} µs, p99 {:.1} µs",
-        report.quiet_find_matches_p50_us, report.quiet_find_matches_p99_us
-    );
+    println!("  find_matches alone on the final index: p50 {:.1} µs, p99 {:.1} µs", report.quiet_find_matches_p50_us, report.quiet_find_matches_p99_us);
 }

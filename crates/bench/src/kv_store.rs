@@ -267,7 +267,8 @@ pub async fn run(args: &KvStoreBenchArgs) -> anyhow::Result<KvStoreReport> {
     let (mut written, mut peak, mut chain_start) = (0u64, rss_before, 2u64 << 32);
     let rss_before = rss_before[0];
     while written < args.storm_factor * capacity_bytes {
-        let renamed: Vec<(SequenceHash, Arc<HostBlock>)> = batch.iter().enumerate().map(|(n, (_, block))| (SequenceHash(chain_start + n as u64), block.clone())).collect();
+        let renamed: Vec<(SequenceHash, Arc<HostBlock>)> =
+            batch.iter().enumerate().map(|(n, (_, block))| (SequenceHash(chain_start + n as u64), block.clone())).collect();
         chain_start += args.blocks as u64;
         client.put(fingerprint, &renamed).await?;
         written += batch_bytes as u64;
@@ -301,7 +302,12 @@ pub async fn run(args: &KvStoreBenchArgs) -> anyhow::Result<KvStoreReport> {
 /// Put over UCX (batch seconds): the batch staged in this process's
 /// registered memory as much at a time as it holds, read by the store.
 #[cfg(feature = "ucx")]
-async fn put_ucx(args: &KvStoreBenchArgs, client: &KvStoreClient, fingerprint: Fingerprint, batch: &[(SequenceHash, Arc<HostBlock>)]) -> anyhow::Result<Option<Vec<f64>>> {
+async fn put_ucx(
+    args: &KvStoreBenchArgs,
+    client: &KvStoreClient,
+    fingerprint: Fingerprint,
+    batch: &[(SequenceHash, Arc<HostBlock>)],
+) -> anyhow::Result<Option<Vec<f64>>> {
     let link = turbine_kv_store::UcxLink::with_staging(turbine_kv_store::service::MAX_PUT_FROM_BYTES as usize).map_err(anyhow::Error::msg)?;
     let mut seconds = Vec::new();
     for round in 0..=args.batches {
@@ -330,7 +336,13 @@ type UcxGets = (Vec<(String, Vec<f64>)>, Option<[Vec<f64>; 3]>, Option<Vec<f64>>
 /// Get over UCX, the data path alone paired batch by batch with
 /// `ucx_perftest` (unless `--no-baseline`), then as a worker's tier reads.
 #[cfg(feature = "ucx")]
-async fn get_ucx(args: &KvStoreBenchArgs, client: &KvStoreClient, fingerprint: Fingerprint, batch: &[(SequenceHash, Arc<HostBlock>)], ucx_tls: &str) -> anyhow::Result<UcxGets> {
+async fn get_ucx(
+    args: &KvStoreBenchArgs,
+    client: &KvStoreClient,
+    fingerprint: Fingerprint,
+    batch: &[(SequenceHash, Arc<HostBlock>)],
+    ucx_tls: &str,
+) -> anyhow::Result<UcxGets> {
     let reader = turbine_kv_store::UcxLink::start().map_err(anyhow::Error::msg)?;
     let hashes: Vec<SequenceHash> = batch.iter().map(|(hash, _)| *hash).collect();
     let timeout = Duration::from_secs(10);

@@ -308,9 +308,12 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
             max_tokens: args.max_output_tokens.map_or(request.output_tokens, |cap| request.output_tokens.min(cap)).max(1),
         })
         .collect();
-    let kinds: &[(&str, PoolKind)] = if args.disaggregated { &[("prefill", PoolKind::Prefill), ("decode", PoolKind::Decode)] } else { &[(POOL, PoolKind::Aggregated)] };
-    let pools: Vec<PoolLimits> =
-        kinds.iter().map(|(pool, kind)| PoolLimits { pool: (*pool).into(), kind: *kind, min_replicas: args.min_workers, max_replicas: args.max_workers }).collect();
+    let kinds: &[(&str, PoolKind)] =
+        if args.disaggregated { &[("prefill", PoolKind::Prefill), ("decode", PoolKind::Decode)] } else { &[(POOL, PoolKind::Aggregated)] };
+    let pools: Vec<PoolLimits> = kinds
+        .iter()
+        .map(|(pool, kind)| PoolLimits { pool: (*pool).into(), kind: *kind, min_replicas: args.min_workers, max_replicas: args.max_workers })
+        .collect();
     let pool_names: Vec<String> = pools.iter().map(|limits| limits.pool.clone()).collect();
     let predictor: Predictor = args.predictor.parse().map_err(|problem: String| anyhow::anyhow!("--predictor: {problem}"))?;
     let targets = Targets::new(
@@ -328,7 +331,13 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         if given.is_empty() {
             return Ok(default);
         }
-        anyhow::ensure!(given.len() == pools.len(), "--{flag}: {} numbers for {} pools ({})", given.len(), pools.len(), kinds.iter().map(|(pool, _)| *pool).collect::<Vec<_>>().join(", "));
+        anyhow::ensure!(
+            given.len() == pools.len(),
+            "--{flag}: {} numbers for {} pools ({})",
+            given.len(),
+            pools.len(),
+            kinds.iter().map(|(pool, _)| *pool).collect::<Vec<_>>().join(", ")
+        );
         Ok(given.to_vec())
     };
     let static_workers = sizes("static-workers", &args.static_workers, peak_size)?;
@@ -428,12 +437,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     let metrics = format!("{gateway_url}/metrics");
     let mut restarts = Vec::new();
     let replay_done = CancellationToken::new();
-    let database_restarts = restart_database(
-        postgres,
-        args.restart_database_at.clone(),
-        outage,
-        replay_done.clone(),
-    );
+    let database_restarts = restart_database(postgres, args.restart_database_at.clone(), outage, replay_done.clone());
     let measured = if args.kill_planner_at.is_empty() {
         let planner = PlannerState::with_connector(ledger.clone(), Connector::Local(connector.clone()));
         let cycle_stop = CancellationToken::new();
@@ -585,7 +589,8 @@ struct PlannerProcess {
 
 impl PlannerCommand {
     fn new(args: &PlannerBenchArgs, settings: &LocalSettings, database: &str, metrics: &str, folder: &std::path::Path) -> anyhow::Result<Self> {
-        let mut planner_args: Vec<String> = ["planner", "serve", "--connector", "local", "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"].map(str::to_owned).to_vec();
+        let mut planner_args: Vec<String> =
+            ["planner", "serve", "--connector", "local", "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"].map(str::to_owned).to_vec();
         let addresses = folder.join("planner.addresses.json");
         for (flag, value) in [
             ("--database", database.to_owned()),
@@ -628,7 +633,9 @@ impl PlannerCommand {
             if let Some(status) = process.child.try_wait()? {
                 anyhow::bail!("the planner exited ({status}) before listening; its log: {}", self.log.display());
             }
-            if let Some(addresses) = std::fs::read(&self.addresses).ok().and_then(|bytes| serde_json::from_slice::<turbine_runtime::host::BoundAddrs>(&bytes).ok()) {
+            if let Some(addresses) =
+                std::fs::read(&self.addresses).ok().and_then(|bytes| serde_json::from_slice::<turbine_runtime::host::BoundAddrs>(&bytes).ok())
+            {
                 break addresses;
             }
             anyhow::ensure!(Instant::now() < deadline, "the planner did not listen within 60 s; its log: {}", self.log.display());
@@ -636,7 +643,9 @@ impl PlannerCommand {
         };
         let endpoint = addresses.grpc_endpoint();
         let serving = turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::PLANNER);
-        tokio::time::timeout_at(deadline.into(), serving).await.map_err(|_| anyhow::anyhow!("the planner did not serve within 60 s; its log: {}", self.log.display()))?;
+        tokio::time::timeout_at(deadline.into(), serving)
+            .await
+            .map_err(|_| anyhow::anyhow!("the planner did not serve within 60 s; its log: {}", self.log.display()))?;
         Ok(process)
     }
 }
@@ -651,7 +660,12 @@ impl PlannerProcess {
 /// The profile's proposals (uncorrected) per pool for the trace's first
 /// interval and for its busiest, each within --min-workers (at least 1)
 /// and --max-workers.
-fn profile_sizes(trace: &[turbine_planner::backtest::TraceRequest], args: &PlannerBenchArgs, profile: &Profile, targets: &Targets) -> anyhow::Result<(Vec<u32>, Vec<u32>)> {
+fn profile_sizes(
+    trace: &[turbine_planner::backtest::TraceRequest],
+    args: &PlannerBenchArgs,
+    profile: &Profile,
+    targets: &Targets,
+) -> anyhow::Result<(Vec<u32>, Vec<u32>)> {
     // The load as replayed: compressed, outputs capped.
     let compressed: Vec<_> = trace
         .iter()
@@ -665,7 +679,12 @@ fn profile_sizes(trace: &[turbine_planner::backtest::TraceRequest], args: &Plann
     let idle = Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 };
     let first = loads.first().copied().unwrap_or(idle);
     let peak = loads.iter().copied().max_by(|a, b| a.request_rate.total_cmp(&b.request_rate)).unwrap_or(idle);
-    let size = |load: &Load| propose(profile, targets, load, Corrections::default()).iter().map(|proposal| proposal.replicas.clamp(args.min_workers.max(1), args.max_workers)).collect();
+    let size = |load: &Load| {
+        propose(profile, targets, load, Corrections::default())
+            .iter()
+            .map(|proposal| proposal.replicas.clamp(args.min_workers.max(1), args.max_workers))
+            .collect()
+    };
     Ok((size(&first), size(&peak)))
 }
 
@@ -679,11 +698,8 @@ async fn start_stack(redis: &str, namespace: &str, shutdown: CancellationToken) 
     let deps = turbine_router::RouterDeps::from_config(&router_config)?;
     let router = turbine_router::start(router_config, deps, Listeners::loopback().await?, shutdown.clone()).await?;
     let router_client = turbine_router::RouterClient::new(router.local.clone());
-    let gateway_listeners = Listeners {
-        grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await?,
-        admin: None,
-        http: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await?),
-    };
+    let gateway_listeners =
+        Listeners { grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await?, admin: None, http: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await?) };
     let http = gateway_listeners.http.as_ref().expect("bound above").local_addr()?;
     let deps = turbine_gateway::GatewayDeps { router: router_client, workers: turbine_worker_api::WorkerClients::default() };
     let gateway = tokio::spawn(turbine_gateway::serve(turbine_gateway::GatewayConfig::default(), deps, gateway_listeners, shutdown));
@@ -747,7 +763,14 @@ async fn until_drained(connector: &LocalConnector, registry: &Registry) -> anyho
 
 /// Sends `requests` at their arrival times; each request's measurement,
 /// and the fleet's size sampled over the replay.
-async fn replay(http: &reqwest::Client, url: &str, model: &str, requests: &[Request], connector: &LocalConnector, pools: &[String]) -> (Vec<Measured>, Samples, Duration) {
+async fn replay(
+    http: &reqwest::Client,
+    url: &str,
+    model: &str,
+    requests: &[Request],
+    connector: &LocalConnector,
+    pools: &[String],
+) -> (Vec<Measured>, Samples, Duration) {
     let started = Instant::now();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let sampling = CancellationToken::new();
@@ -852,7 +875,10 @@ pub fn print(report: &PlannerBenchReport) {
         "{} at {}x; targets: TTFT p{:.0} <= {:.0} ms, ITL p{:.0} <= {:.1} ms",
         report.trace, report.speedup, report.percentile, report.ttft_ms, report.percentile, report.itl_ms
     );
-    println!("{:<8} {:>8} {:>6} {:>17} {:>14} {:>6} {:>10} {:>10}", "fleet", "requests", "failed", "SLA intervals", "worker-seconds", "peak", "TTFT p90", "ITL p90");
+    println!(
+        "{:<8} {:>8} {:>6} {:>17} {:>14} {:>6} {:>10} {:>10}",
+        "fleet", "requests", "failed", "SLA intervals", "worker-seconds", "peak", "TTFT p90", "ITL p90"
+    );
     for fleet in &report.fleets {
         println!(
             // One decimal: 56 of 59 intervals is 94.9%, not the 95% a

@@ -78,7 +78,10 @@ pub fn svg(report: &PlannerBenchReport) -> String {
     let x = |secs: f64| LEFT + secs / span * plot_width;
 
     let mut out = String::new();
-    let _ = writeln!(out, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="11">"#);
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="11">"#
+    );
     let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let ratio = report.worker_seconds_ratio;
     // The trace's file name: its folders would run the title off the plot.
@@ -97,7 +100,12 @@ pub fn svg(report: &PlannerBenchReport) -> String {
     // Where the planner was killed and started again: a dotted line down
     // every panel, labelled once.
     for &at in &report.planner_restarts_at_secs {
-        let _ = writeln!(out, r##"<line x1="{0:.1}" x2="{0:.1}" y1="{TOP:.1}" y2="{1:.1}" stroke="#d62728" stroke-dasharray="2 3"/>"##, x(at), strips_top - GAP + 6.0);
+        let _ = writeln!(
+            out,
+            r##"<line x1="{0:.1}" x2="{0:.1}" y1="{TOP:.1}" y2="{1:.1}" stroke="#d62728" stroke-dasharray="2 3"/>"##,
+            x(at),
+            strips_top - GAP + 6.0
+        );
         let _ = writeln!(out, r##"<text x="{:.1}" y="{:.1}" fill="#d62728">planner killed</text>"##, x(at) + 3.0, TOP + 10.0);
     }
     // Where the planner's database was down: a band across every panel.
@@ -176,9 +184,22 @@ fn strip(out: &mut String, top: f64, fleet: &FleetReport, interval: f64, x: &dyn
             (_, false) => "#d62728",
         };
         let start = index as f64 * interval;
-        let _ = writeln!(out, r#"<rect x="{:.1}" y="{top:.1}" width="{:.2}" height="{STRIP}" fill="{fill}"/>"#, x(start), (x(start + interval) - x(start)).max(0.5));
+        let _ = writeln!(
+            out,
+            r#"<rect x="{:.1}" y="{top:.1}" width="{:.2}" height="{STRIP}" fill="{fill}"/>"#,
+            x(start),
+            (x(start + interval) - x(start)).max(0.5)
+        );
     }
-    let _ = writeln!(out, r#"<text x="{:.1}" y="{:.1}">{} SLA: {}/{}</text>"#, WIDTH - RIGHT + 8.0, top + STRIP - 2.0, escape(&fleet.fleet), fleet.intervals_met, fleet.intervals);
+    let _ = writeln!(
+        out,
+        r#"<text x="{:.1}" y="{:.1}">{} SLA: {}/{}</text>"#,
+        WIDTH - RIGHT + 8.0,
+        top + STRIP - 2.0,
+        escape(&fleet.fleet),
+        fleet.intervals_met,
+        fleet.intervals
+    );
 }
 
 /// About five round ticks from 0 to `upto`.
@@ -239,7 +260,13 @@ mod tests {
 
     #[test]
     fn every_fleet_and_target_is_drawn_and_gaps_break_the_lines() {
-        let report = report(vec![fleet("static", &[4, 4, 4, 4], &[Some(10.0), Some(12.0), None, Some(15.0)]), fleet("planner", &[1, 2, 3, 2], &[Some(30.0), Some(18.0), None, Some(19.0)])], &["workers"]);
+        let report = report(
+            vec![
+                fleet("static", &[4, 4, 4, 4], &[Some(10.0), Some(12.0), None, Some(15.0)]),
+                fleet("planner", &[1, 2, 3, 2], &[Some(30.0), Some(18.0), None, Some(19.0)]),
+            ],
+            &["workers"],
+        );
         let plot = svg(&report);
         assert_eq!(plot.matches("planner killed").count(), 1, "the restart is marked");
         assert_eq!(plot.matches("database down").count(), 1, "the outage is marked");

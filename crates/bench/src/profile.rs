@@ -84,9 +84,7 @@ pub async fn run(args: &ProfileArgs) -> anyhow::Result<Profile> {
         // Ids inside the default model's vocabulary, clear of its special tokens; distinct per prompt.
         (0..tokens).map(|t| 1000 + (next_prompt.wrapping_mul(7919).wrapping_add(t.wrapping_mul(31))) % 39_000).collect::<Vec<u32>>()
     };
-    let body = |prompt: Vec<u32>, max_tokens: u32| {
-        serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})
-    };
+    let body = |prompt: Vec<u32>, max_tokens: u32| serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
 
     let mut prefill = Vec::new();
     for &isl in &args.isl {

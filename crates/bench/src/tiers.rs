@@ -129,11 +129,22 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let blocks = args.prefix_tokens.div_ceil(16) + 15;
     let mut tiers = Vec::new();
     let engine = |host: HostTier, remote: Option<RemoteTier>| -> anyhow::Result<EngineHandle> {
-        let scheduler = SchedulerConfig { block_size: 16, num_blocks: blocks, max_batched_tokens: 512, max_model_len: args.prefix_tokens + args.check_tokens as usize + 64, ..SchedulerConfig::default() };
+        let scheduler = SchedulerConfig {
+            block_size: 16,
+            num_blocks: blocks,
+            max_batched_tokens: 512,
+            max_model_len: args.prefix_tokens + args.check_tokens as usize + 64,
+            ..SchedulerConfig::default()
+        };
         let options = NativeOptions { block_size: 16, kv_blocks: Some(blocks), threads: args.threads, ..NativeOptions::default() };
         let executor = NativeExecutor::load(&model.path, &options)?;
         let memory = executor.kv_memory().context("the native engine exposes its KV pool")?;
-        Ok(EngineHandle::spawn_with_tiers(scheduler, vec![], Box::new(executor), KvTiers { host: Some(host), memory: Some(memory), modelled: None, remote, fetch: turbine_engine::FetchPolicy::Always }))
+        Ok(EngineHandle::spawn_with_tiers(
+            scheduler,
+            vec![],
+            Box::new(executor),
+            KvTiers { host: Some(host), memory: Some(memory), modelled: None, remote, fetch: turbine_engine::FetchPolicy::Always },
+        ))
     };
     let block_bytes = {
         let options = NativeOptions { block_size: 16, kv_blocks: Some(1), threads: 1, ..NativeOptions::default() };
@@ -169,7 +180,13 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback())?;
     let endpoint = format!("http://{}", listeners.grpc.local_addr()?);
     let shutdown = turbine_runtime::CancellationToken::new();
-    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), turbine_kv_store::StoreEventSink::None, listeners, shutdown.clone()));
+    runtime.spawn(turbine_kv_store::serve(
+        turbine_kv_store::KvStoreConfig::default(),
+        store.clone(),
+        turbine_kv_store::StoreEventSink::None,
+        listeners,
+        shutdown.clone(),
+    ));
     let fingerprint = turbine_kv_store::Fingerprint::new(1).expect("nonzero");
     let remote_over = |ucx: bool| -> anyhow::Result<RemoteTier> {
         let tier = KvStoreTier::new(turbine_kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30));
@@ -241,7 +258,9 @@ fn settle(engine: &EngineHandle, host: &HostTier, blocks: u64) -> anyhow::Result
         // A block the copies fell behind on is skipped, not late: it
         // counts as settled (and is computed again in the second pass).
         let host_done = host.stats().offloaded_blocks.load(Relaxed) + host.stats().offloads_skipped.load(Relaxed) >= blocks;
-        let disk_done = host.disk().is_none_or(|disk| disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed));
+        let disk_done = host.disk().is_none_or(|disk| {
+            disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed)
+        });
         if host_done && disk_done && engine.load().blocks_used == 0 {
             return Ok(());
         }

@@ -143,14 +143,8 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
     let layout = KvLayout::opaque(args.block_bytes, "benchmark");
     let memory = KvMemory::new(Arc::new(buffer), layout, args.blocks);
     let engine = EngineHandle::spawn(SchedulerConfig { num_blocks: 1, block_size: 1, ..SchedulerConfig::default() }, vec![], Box::new(NoModel));
-    let options = DisaggOptions {
-        role: WorkerRole::Prefill,
-        lease: Duration::from_secs(3600),
-        transport: KvTransport::Auto,
-        transfer_mib: 1,
-        simulated: None,
-        pool,
-    };
+    let options =
+        DisaggOptions { role: WorkerRole::Prefill, lease: Duration::from_secs(3600), transport: KvTransport::Auto, transfer_mib: 1, simulated: None, pool };
     let disagg = Arc::new(Disagg::new(&WorkerId::from("bench-owner"), engine.clone(), Some(memory), &options));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("http://{}", listener.local_addr()?);

@@ -71,9 +71,7 @@ enum PlannerCommand {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Run(config) => turbine_runtime::run_service("turbine", move |shutdown| {
-            run::run(config.into_inner(), shutdown)
-        }),
+        Command::Run(config) => turbine_runtime::run_service("turbine", move |shutdown| run::run(config.into_inner(), shutdown)),
         Command::Model(command) => match model::run(command) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {

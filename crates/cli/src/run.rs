@@ -6,15 +6,7 @@ use turbine_runtime::CancellationToken;
 /// Runs everything until SIGTERM/SIGINT, then drains and returns.
 pub async fn run(config: RunConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let workers = config.roles().len();
-    let cluster = Cluster::start(
-        config,
-        ClusterOptions {
-            progress: true,
-            ..ClusterOptions::default()
-        },
-        shutdown,
-    )
-    .await?;
+    let cluster = Cluster::start(config, ClusterOptions { progress: true, ..ClusterOptions::default() }, shutdown).await?;
     print_banner(&cluster, workers);
     cluster.finished().await
 }
@@ -25,15 +17,9 @@ fn print_banner(cluster: &Cluster, workers: usize) {
     println!();
     println!("Turbine is ready: {model} on {workers} worker(s)");
     println!("  OpenAI API  {base}/v1");
-    println!(
-        "  gRPC        {} (turbine.gateway.v1.Inference)",
-        cluster.grpc_endpoint().trim_start_matches("http://")
-    );
+    println!("  gRPC        {} (turbine.gateway.v1.Inference)", cluster.grpc_endpoint().trim_start_matches("http://"));
     if let Some((_, kv_index)) = cluster.kv_index() {
-        println!(
-            "  kv-index    {} (turbine.kvindex.v1.KvIndex)",
-            kv_index.grpc
-        );
+        println!("  kv-index    {} (turbine.kvindex.v1.KvIndex)", kv_index.grpc);
     }
     if let Some(kv_store) = cluster.kv_store() {
         println!("  kv-store    {kv_store} (turbine.kvstore.v1.KvStore)");

@@ -79,7 +79,10 @@ fn prefill_and_decode_pools_are_sized_apart_and_no_request_is_lost() {
     let fleets = report["fleets"].as_array().unwrap();
     // The slow prefill profile puts the prefill pool at its maximum; the
     // fast decode profile holds decode at its minimum of one.
-    assert_eq!((&report["pools"], &report["static_workers"], &report["planner_start_workers"]), (&json!(["prefill", "decode"]), &json!([3, 1]), &json!([1, 1])));
+    assert_eq!(
+        (&report["pools"], &report["static_workers"], &report["planner_start_workers"]),
+        (&json!(["prefill", "decode"]), &json!([3, 1]), &json!([1, 1]))
+    );
     assert_eq!(fleets[0]["peak_workers"].as_u64(), Some(4), "{}", fleets[0]);
     assert!(fleets[1]["peak_workers"].as_u64().unwrap() > 2, "the planner scaled up: {}", fleets[1]);
 }

@@ -22,9 +22,7 @@ use common::{MODEL, metric, post, service, until_listed, until_registered};
 use serde_json::json;
 use turbine_cluster::sandbox::Sandbox;
 use turbine_router::{RouteRequest, RouterClient};
-use turbine_testkit::{
-    RedisServer, ServiceProcess, metric_lines, metric_where, poll_until, wait_until,
-};
+use turbine_testkit::{RedisServer, ServiceProcess, metric_lines, metric_where, poll_until, wait_until};
 
 /// One cluster at a time: each runs two native workers, and on two cores
 /// several at once starve each other.
@@ -45,16 +43,18 @@ fn prompts() -> Vec<Vec<u32>> {
             .collect()
     };
     let base = tokens(7, 2000);
-    (0..20).map(|i| {
-        let len = 100 + i * 100;
-        if i % 2 == 0 { base[..len].to_vec() } else { tokens(100 + i as u64, len) }
-    })
-    .collect()
+    (0..20)
+        .map(|i| {
+            let len = 100 + i * 100;
+            if i % 2 == 0 { base[..len].to_vec() } else { tokens(100 + i as u64, len) }
+        })
+        .collect()
 }
 
 /// Greedy completion text and cached prompt tokens, or the error body.
 async fn try_complete(base: &str, prompt: &[u32]) -> Result<(String, u64), String> {
-    let (status, body) = post(base, "/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": true})).await;
+    let (status, body) =
+        post(base, "/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": true})).await;
     if status != 200 {
         return Err(format!("{status}: {body}"));
     }
@@ -92,12 +92,7 @@ struct Cluster {
     base: String,
 }
 
-async fn start_worker(
-    redis: &RedisServer,
-    id: &str,
-    role: &str,
-    transport: &str,
-) -> ServiceProcess {
+async fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str) -> ServiceProcess {
     let url = redis.url();
     let args = [
         // 640 MiB: 1,777 blocks, room for every prompt of the test at once
@@ -129,40 +124,12 @@ async fn start_cluster(transport: &str) -> Cluster {
     let prefill = start_worker(&redis, "prefill-0", "prefill", transport).await;
     let decode = start_worker(&redis, "decode-0", "decode", transport).await;
     let url = redis.url();
-    let router = service(
-        "turbine-router",
-        &[
-            "--redis",
-            &url,
-            "--namespace",
-            "disagg",
-            "--policy",
-            "kv",
-            "--disagg-threshold-tokens",
-            "64",
-        ],
-        &[],
-        false,
-    )
-    .await;
+    let router = service("turbine-router", &["--redis", &url, "--namespace", "disagg", "--policy", "kv", "--disagg-threshold-tokens", "64"], &[], false).await;
     until_registered(&router, 2).await;
-    let gateway = service(
-        "turbine-gateway",
-        &["--router", &router.grpc_endpoint()],
-        &[],
-        true,
-    )
-    .await;
+    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
     let base = gateway.http_url();
     until_listed(&base).await;
-    Cluster {
-        redis,
-        prefill,
-        decode,
-        _router: router,
-        gateway,
-        base,
-    }
+    Cluster { redis, prefill, decode, _router: router, gateway, base }
 }
 
 /// Free MiB in /dev/shm, where the prefill worker's pool goes.
@@ -184,18 +151,8 @@ async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
         assert_eq!(&text, expected, "prompt of {} tokens, disaggregated over {transport}", prompt.len());
     }
     let decode = &cluster.decode.admin_url();
-    let read = metric_where(
-        decode,
-        "turbine_worker_kv_imports_total",
-        &[("transport", transport), ("outcome", "ok")],
-    )
-    .await;
-    let cached = metric_where(
-        decode,
-        "turbine_worker_kv_imports_total",
-        &[("transport", "cached"), ("outcome", "ok")],
-    )
-    .await;
+    let read = metric_where(decode, "turbine_worker_kv_imports_total", &[("transport", transport), ("outcome", "ok")]).await;
+    let cached = metric_where(decode, "turbine_worker_kv_imports_total", &[("transport", "cached"), ("outcome", "ok")]).await;
     let fallbacks = metric(decode, "turbine_worker_kv_imports_total").await - read - cached;
     assert_eq!(fallbacks, 0.0, "no prompt fell back to local prefill");
     assert_eq!(read as usize, chosen.len(), "every prompt was read from the prefill worker over {transport}");
@@ -214,14 +171,8 @@ async fn outputs_equal_aggregated(transport: &str, chosen: &[usize]) {
     }
     // Every handle was released by its decode worker (none left to expire).
     let prefill = cluster.prefill.admin_url();
-    wait_until("handles released", Duration::from_secs(5), async || {
-        metric(&prefill, "turbine_worker_kv_pinned_handles").await == 0.0
-    })
-    .await;
-    assert_eq!(
-        metric(&prefill, "turbine_worker_kv_leases_expired_total").await,
-        0.0
-    );
+    wait_until("handles released", Duration::from_secs(5), async || metric(&prefill, "turbine_worker_kv_pinned_handles").await == 0.0).await;
+    assert_eq!(metric(&prefill, "turbine_worker_kv_leases_expired_total").await, 0.0);
 
     // Asked again, every prompt hits the blocks installed on the decode
     // worker (their Stored events reached the router's index, so it keeps
@@ -273,15 +224,10 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
     // was caught: the diagnostics below say why). Reads last tens of
     // milliseconds: look often.
     let mut reading = false;
-    poll_until(
-        "a read in flight, or every request over",
-        Duration::from_secs(300),
-        Duration::from_millis(2),
-        async || {
-            reading = metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0;
-            reading || requests.iter().all(|request| request.is_finished())
-        },
-    )
+    poll_until("a read in flight, or every request over", Duration::from_secs(300), Duration::from_millis(2), async || {
+        reading = metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0;
+        reading || requests.iter().all(|request| request.is_finished())
+    })
     .await;
     if !reading {
         let imports = metric_lines(&decode, "turbine_worker_kv_imports_total").await;
@@ -293,20 +239,13 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
         );
     }
     cluster.prefill.kill();
-    eprintln!(
-        "prefill worker killed {:?} after the requests were sent, a read in flight",
-        started.elapsed()
-    );
+    eprintln!("prefill worker killed {:?} after the requests were sent, a read in flight", started.elapsed());
     let mut results = Vec::new();
     for request in requests {
         results.push(request.await.unwrap());
     }
     if results.iter().any(Result::is_err) {
-        panic!(
-            "requests failed: {results:?}\ngateway: {:#?}\ndecode worker: {:#?}",
-            warnings(&cluster.gateway),
-            warnings(&cluster.decode)
-        );
+        panic!("requests failed: {results:?}\ngateway: {:#?}\ndecode worker: {:#?}", warnings(&cluster.gateway), warnings(&cluster.decode));
     }
     for ((result, &i), expected) in results.into_iter().zip(&chosen).zip(&expected) {
         assert_eq!(&result.unwrap(), expected, "prompt of {} tokens after the prefill worker died", prompts[i].len());
@@ -317,11 +256,7 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
 
 /// A process's warnings and errors so far (for a failure's message).
 fn warnings(process: &ServiceProcess) -> Vec<String> {
-    process
-        .output()
-        .into_iter()
-        .filter(|line| line.contains("WARN") || line.contains("ERROR"))
-        .collect()
+    process.output().into_iter().filter(|line| line.contains("WARN") || line.contains("ERROR")).collect()
 }
 
 /// A decode worker dead but still listed (its lease not yet expired) is
@@ -337,7 +272,8 @@ async fn a_dead_decode_worker_still_listed_is_not_asked_again_for_the_request() 
     let url = redis.url();
     let worker = async |id: &str, role: &str| {
         // A lease far longer than the test: the dead worker stays listed.
-        let args = ["--engine", "mock", "--redis", &url, "--namespace", "gone", "--worker-id", id, "--lease-ttl-secs", "600", "--role", role, "--kv-transport", "tcp"];
+        let args =
+            ["--engine", "mock", "--redis", &url, "--namespace", "gone", "--worker-id", id, "--lease-ttl-secs", "600", "--role", role, "--kv-transport", "tcp"];
         service("turbine-worker", &args, &[], false).await
     };
     let _prefill = worker("prefill-0", "prefill").await;

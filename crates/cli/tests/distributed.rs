@@ -9,16 +9,9 @@ mod common;
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use common::{
-    EXIT_TIMEOUT, MODEL, metric, post, read_events, service, sse, streamed_text, until_listed,
-    until_registered, wait_until,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
+use common::{EXIT_TIMEOUT, MODEL, metric, post, read_events, service, sse, streamed_text, until_listed, until_registered, wait_until};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use serde_json::json;
 use turbine_kv_log::LogPosition;
 use turbine_testkit::{RedisServer, ServiceProcess};
@@ -37,54 +30,16 @@ async fn start_cluster(workers: usize, speedup: &str, env: &[(&str, String)]) ->
     let mut started = Vec::new();
     for index in 0..workers {
         let id = format!("worker-{index}");
-        let args = [
-            "--engine",
-            "mock",
-            "--speedup",
-            speedup,
-            "--redis",
-            &url,
-            "--namespace",
-            "e2e",
-            "--worker-id",
-            &id,
-            "--lease-ttl-secs",
-            "2",
-        ];
+        let args = ["--engine", "mock", "--speedup", speedup, "--redis", &url, "--namespace", "e2e", "--worker-id", &id, "--lease-ttl-secs", "2"];
         started.push(service("turbine-worker", &args, env, false).await);
     }
-    let router = service(
-        "turbine-router",
-        &[
-            "--redis",
-            &url,
-            "--namespace",
-            "e2e",
-            "--policy",
-            "round-robin",
-        ],
-        env,
-        false,
-    )
-    .await;
+    let router = service("turbine-router", &["--redis", &url, "--namespace", "e2e", "--policy", "round-robin"], env, false).await;
     // Every worker registered before traffic starts.
     until_registered(&router, workers).await;
-    let gateway = service(
-        "turbine-gateway",
-        &["--router", &router.grpc_endpoint()],
-        env,
-        true,
-    )
-    .await;
+    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], env, true).await;
     let base = gateway.http_url();
     until_listed(&base).await;
-    Cluster {
-        redis,
-        workers: started,
-        router,
-        gateway,
-        base,
-    }
+    Cluster { redis, workers: started, router, gateway, base }
 }
 
 #[tokio::test]
@@ -102,27 +57,12 @@ async fn requests_flow_through_separate_processes_and_spread_over_workers() {
     }
     for worker in &cluster.workers {
         let finished = metric(&worker.admin_url(), "turbine_worker_requests_total").await;
-        assert_eq!(
-            finished, 4.0,
-            "round-robin spreads 8 requests over 2 workers"
-        );
+        assert_eq!(finished, 4.0, "round-robin spreads 8 requests over 2 workers");
     }
     let events = sse(&cluster.base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": true, "ignore_eos": true})).await;
     assert_eq!(events.last().unwrap(), "[DONE]");
-    assert_eq!(
-        reqwest::get(format!("{}/readyz", cluster.router.admin_url()))
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-    assert_eq!(
-        reqwest::get(format!("{}/health", cluster.base))
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(reqwest::get(format!("{}/readyz", cluster.router.admin_url())).await.unwrap().status(), 200);
+    assert_eq!(reqwest::get(format!("{}/health", cluster.base)).await.unwrap().status(), 200);
 
     // Both workers published their KV events (numbered from 0) to the
     // namespace's event log: round-robin sends one long prompt (complete
@@ -133,41 +73,19 @@ async fn requests_flow_through_separate_processes_and_spread_over_workers() {
         assert_eq!(status, 200, "{body}");
     }
     let log = turbine_kv_log::EventLog::new(&cluster.redis.url(), "e2e").unwrap();
-    let expected: std::collections::BTreeMap<String, u64> =
-        [("worker-0".to_string(), 0), ("worker-1".to_string(), 0)].into();
+    let expected: std::collections::BTreeMap<String, u64> = [("worker-0".to_string(), 0), ("worker-1".to_string(), 0)].into();
     let first_ids = async || {
         let mut first_ids = std::collections::BTreeMap::new();
-        for (_, payload) in log
-            .reader()
-            .read(
-                LogPosition::START,
-                std::time::Duration::from_millis(100),
-                10_000,
-            )
-            .await
-            .unwrap()
-        {
-            let wire: turbine_proto::kvindex::v1::EventBatch =
-                prost::Message::decode(payload.as_slice()).unwrap();
+        for (_, payload) in log.reader().read(LogPosition::START, std::time::Duration::from_millis(100), 10_000).await.unwrap() {
+            let wire: turbine_proto::kvindex::v1::EventBatch = prost::Message::decode(payload.as_slice()).unwrap();
             let batch = turbine_kv::EventBatch::try_from(wire).unwrap();
-            first_ids
-                .entry(batch.worker_id.to_string())
-                .or_insert(batch.events[0].event_id);
+            first_ids.entry(batch.worker_id.to_string()).or_insert(batch.events[0].event_id);
         }
         first_ids
     };
     // Published asynchronously: wait for both.
-    wait_until(
-        "both workers' events are in the log",
-        std::time::Duration::from_secs(5),
-        async || first_ids().await.len() == 2,
-    )
-    .await;
-    assert_eq!(
-        first_ids().await,
-        expected,
-        "each worker's events start at 0"
-    );
+    wait_until("both workers' events are in the log", std::time::Duration::from_secs(5), async || first_ids().await.len() == 2).await;
+    assert_eq!(first_ids().await, expected, "each worker's events start at 0");
 }
 
 #[tokio::test]
@@ -183,20 +101,14 @@ async fn a_worker_killed_mid_stream_is_replaced_and_the_client_sees_one_stream()
     let reading = tokio::spawn(read_events(response));
     // Find the worker holding the request (its engine runs one sequence) and kill it.
     let mut victim = None;
-    wait_until(
-        "a worker generates the request",
-        std::time::Duration::from_secs(10),
-        async || {
-            for (index, worker) in cluster.workers.iter().enumerate() {
-                if metric(&worker.admin_url(), "turbine_worker_generated_tokens_total").await
-                    >= 20.0
-                {
-                    victim = Some(index);
-                }
+    wait_until("a worker generates the request", std::time::Duration::from_secs(10), async || {
+        for (index, worker) in cluster.workers.iter().enumerate() {
+            if metric(&worker.admin_url(), "turbine_worker_generated_tokens_total").await >= 20.0 {
+                victim = Some(index);
             }
-            victim.is_some()
-        },
-    )
+        }
+        victim.is_some()
+    })
     .await;
     cluster.workers[victim.unwrap()].kill();
     let events = reading.await.unwrap();
@@ -221,10 +133,7 @@ async fn sigterm_drains_the_gateway_with_32_streams_in_flight() {
         let usage: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
         assert_eq!(usage["usage"]["completion_tokens"], 120);
     }
-    let status = cluster
-        .gateway
-        .wait(EXIT_TIMEOUT)
-        .expect("gateway did not exit");
+    let status = cluster.gateway.wait(EXIT_TIMEOUT).expect("gateway did not exit");
     assert!(status.success(), "gateway exit status {status}");
 }
 
@@ -265,9 +174,7 @@ async fn one_request_is_one_trace_across_gateway_router_and_worker() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(tokio_stream_listener(listener)),
+        tonic::transport::Server::builder().add_service(TraceServiceServer::new(collector.clone())).serve_with_incoming(tokio_stream_listener(listener)),
     );
     let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned())];
     let mut cluster = start_cluster(1, "1000", &env).await;
@@ -286,11 +193,7 @@ async fn one_request_is_one_trace_across_gateway_router_and_worker() {
     cluster.gateway.terminate();
     cluster.router.terminate();
     cluster.workers[0].terminate();
-    for process in [
-        &mut cluster.gateway,
-        &mut cluster.router,
-        &mut cluster.workers[0],
-    ] {
+    for process in [&mut cluster.gateway, &mut cluster.router, &mut cluster.workers[0]] {
         assert!(process.wait(EXIT_TIMEOUT).expect("exit").success());
     }
     let spans = collector.spans.lock().clone();

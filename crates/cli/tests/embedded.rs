@@ -16,22 +16,8 @@ use turbine_testkit::{ServiceProcess, addresses_file};
 async fn start_turbine(args: &[&str]) -> ServiceProcess {
     let (dir, file) = addresses_file().unwrap();
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine"));
-    command
-        .args([
-            "run",
-            "--host",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--addresses-file",
-        ])
-        .arg(&file)
-        .args(args);
-    let turbine = ServiceProcess::spawn_with_addresses_file("turbine run", command, dir, file)
-        .await
-        .unwrap();
+    command.args(["run", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--addresses-file"]).arg(&file).args(args);
+    let turbine = ServiceProcess::spawn_with_addresses_file("turbine run", command, dir, file).await.unwrap();
     until_listed(&turbine.http_url()).await;
     turbine
 }
@@ -40,18 +26,8 @@ async fn start_turbine(args: &[&str]) -> ServiceProcess {
 async fn sigterm_during_32_streams_completes_them_all_then_exits_zero() {
     let config = tempfile::NamedTempFile::new().unwrap();
     // The engine from the file's worker section; the speed from a flag.
-    std::fs::write(
-        config.path(),
-        "[worker]\nengine = \"mock\"\nspeedup = 1000.0\n[gateway]\nmax_concurrent_requests = 64\n",
-    )
-    .unwrap();
-    let mut turbine = start_turbine(&[
-        "--config",
-        config.path().to_str().unwrap(),
-        "--speedup",
-        "1",
-    ])
-    .await;
+    std::fs::write(config.path(), "[worker]\nengine = \"mock\"\nspeedup = 1000.0\n[gateway]\nmax_concurrent_requests = 64\n").unwrap();
+    let mut turbine = start_turbine(&["--config", config.path().to_str().unwrap(), "--speedup", "1"]).await;
     let base = turbine.http_url();
     let url = format!("{base}/v1/chat/completions");
     let client = reqwest::Client::new();
@@ -68,17 +44,10 @@ async fn sigterm_during_32_streams_completes_them_all_then_exits_zero() {
     let results = futures::future::join_all(responses.into_iter().map(read_events)).await;
     for events in &results {
         let usage: serde_json::Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
-        assert_eq!(
-            usage["usage"]["completion_tokens"],
-            150,
-            "a stream was cut short: {:?}",
-            &events[events.len().saturating_sub(3)..]
-        );
+        assert_eq!(usage["usage"]["completion_tokens"], 150, "a stream was cut short: {:?}", &events[events.len().saturating_sub(3)..]);
     }
     assert_eq!(results.len(), 32);
-    let status = turbine
-        .wait(EXIT_TIMEOUT)
-        .expect("turbine did not exit after draining");
+    let status = turbine.wait(EXIT_TIMEOUT).expect("turbine did not exit after draining");
     assert!(status.success(), "exit status {status}");
     // New connections are refused once it has exited.
     assert!(reqwest::get(format!("{base}/health")).await.is_err());
@@ -88,15 +57,8 @@ async fn sigterm_during_32_streams_completes_them_all_then_exits_zero() {
 fn bad_configuration_is_refused_naming_the_problem() {
     let config = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(config.path(), "[worker]\nspeeed = 2.0\n").unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_turbine"))
-        .args(["run", "--config", config.path().to_str().unwrap()])
-        .output()
-        .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine")).args(["run", "--config", config.path().to_str().unwrap()]).output().unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("unknown key `worker.speeed`")
-            && stderr.contains(&config.path().display().to_string()),
-        "{stderr}"
-    );
+    assert!(stderr.contains("unknown key `worker.speeed`") && stderr.contains(&config.path().display().to_string()), "{stderr}");
 }

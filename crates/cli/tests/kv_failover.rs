@@ -28,19 +28,8 @@ const CONVERSATIONS: usize = 6;
 /// A kv-index replica; `grpc`: its address (a restart takes the same one).
 async fn start_kv_index(redis: &str, grpc: &str) -> ServiceProcess {
     let mut command = Command::new(workspace_binary("turbine-kv-index"));
-    command.args([
-        "--grpc-addr",
-        grpc,
-        "--redis",
-        redis,
-        "--namespace",
-        "kv",
-        "--snapshot-interval-secs",
-        "0.5",
-    ]);
-    let mut process = ServiceProcess::spawn("turbine-kv-index", command, false)
-        .await
-        .unwrap();
+    command.args(["--grpc-addr", grpc, "--redis", redis, "--namespace", "kv", "--snapshot-interval-secs", "0.5"]);
+    let mut process = ServiceProcess::spawn("turbine-kv-index", command, false).await.unwrap();
     process.until_serving("", STARTUP_TIMEOUT).await.unwrap();
     process
 }
@@ -53,8 +42,7 @@ fn prompt(c: usize, turn: usize) -> Vec<u32> {
 
 /// Sends one turn; returns (HTTP status, cached prompt tokens).
 async fn send(base: &str, c: usize, turn: usize) -> (u16, u64) {
-    let body =
-        json!({"model": MODEL, "prompt": prompt(c, turn), "max_tokens": 2, "ignore_eos": true});
+    let body = json!({"model": MODEL, "prompt": prompt(c, turn), "max_tokens": 2, "ignore_eos": true});
     let (status, body) = post(base, "/v1/completions", &body).await;
     if status != 200 {
         eprintln!("conversation {c} turn {turn} failed: {status} {body}");
@@ -83,10 +71,7 @@ async fn indexed(kv_index: &KvIndexClient, turn: usize) -> bool {
     for c in 0..CONVERSATIONS {
         let hashes = BlockHasher::default().sequence_hashes(&prompt(c, turn), BLOCK);
         let blocks = hashes.len() as u32;
-        let query = MatchQuery {
-            hashes,
-            cached_blocks_of: Vec::new(),
-        };
+        let query = MatchQuery { hashes, cached_blocks_of: Vec::new() };
         let Ok(answer) = kv_index.find_matches(&query).await else {
             return false;
         };
@@ -98,21 +83,11 @@ async fn indexed(kv_index: &KvIndexClient, turn: usize) -> bool {
 }
 
 async fn serving(service: &ServiceProcess) -> ServingStatus {
-    let Ok(channel) = tonic::transport::Channel::from_shared(service.grpc_endpoint())
-        .unwrap()
-        .connect()
-        .await
-    else {
+    let Ok(channel) = tonic::transport::Channel::from_shared(service.grpc_endpoint()).unwrap().connect().await else {
         return ServingStatus::Unknown;
     };
-    let answer = HealthClient::new(channel)
-        .check(HealthCheckRequest {
-            service: String::new(),
-        })
-        .await;
-    answer.map_or(ServingStatus::Unknown, |response| {
-        response.into_inner().status()
-    })
+    let answer = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await;
+    answer.map_or(ServingStatus::Unknown, |response| response.into_inner().status())
 }
 
 #[tokio::test]
@@ -143,26 +118,11 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     let mut kv_index = start_kv_index(&redis_url, "127.0.0.1:0").await;
     let kv_index_addr = kv_index.addresses().grpc.to_string();
     let kv_index_client = KvIndexClient::connect(&kv_index.grpc_endpoint()).unwrap();
-    let args = [
-        "--redis",
-        &redis_url,
-        "--namespace",
-        "kv",
-        "--policy",
-        "kv",
-        "--kv-index",
-        &kv_index.grpc_endpoint(),
-    ];
+    let args = ["--redis", &redis_url, "--namespace", "kv", "--policy", "kv", "--kv-index", &kv_index.grpc_endpoint()];
     let router = service("turbine-router", &args, &[], false).await;
     until_registered(&router, 3).await;
     let router_admin = router.admin_url();
-    let gateway = service(
-        "turbine-gateway",
-        &["--router", &router.grpc_endpoint()],
-        &[],
-        true,
-    )
-    .await;
+    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
     let base = gateway.http_url();
     until_listed(&base).await;
 
@@ -172,18 +132,9 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     round(&base, turn, &mut failed).await;
     for _ in 0..3 {
         // Events reach the kv-index through Redis asynchronously.
-        wait_until(
-            "the kv-index learns the last turn",
-            Duration::from_secs(10),
-            async || indexed(&kv_index_client, turn).await,
-        )
-        .await;
+        wait_until("the kv-index learns the last turn", Duration::from_secs(10), async || indexed(&kv_index_client, turn).await).await;
         turn += 1;
-        assert_eq!(
-            round(&base, turn, &mut failed).await,
-            CONVERSATIONS,
-            "turn {turn}: every conversation hits its prefix"
-        );
+        assert_eq!(round(&base, turn, &mut failed).await, CONVERSATIONS, "turn {turn}: every conversation hits its prefix");
     }
 
     // kv-index killed: routing by load, nothing fails.
@@ -198,20 +149,11 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     // Restarted at the same address: from the snapshot and the log it knows
     // the turns routed while it was down, and every turn hits again.
     let restarted = start_kv_index(&redis_url, &kv_index_addr).await;
-    wait_until(
-        "the restarted kv-index catches up with the log",
-        Duration::from_secs(10),
-        async || indexed(&kv_index_client, turn).await,
-    )
-    .await;
-    let took = wait_until(
-        "every conversation hits again after the kv-index restarted",
-        Duration::from_secs(10),
-        async || {
-            turn += 1;
-            round(&base, turn, &mut failed).await == CONVERSATIONS
-        },
-    )
+    wait_until("the restarted kv-index catches up with the log", Duration::from_secs(10), async || indexed(&kv_index_client, turn).await).await;
+    let took = wait_until("every conversation hits again after the kv-index restarted", Duration::from_secs(10), async || {
+        turn += 1;
+        round(&base, turn, &mut failed).await == CONVERSATIONS
+    })
     .await;
     println!("every conversation hit again {took:?} after the kv-index caught up");
 
@@ -220,12 +162,7 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     let redis_port = redis.port();
     let errors_before = metric(&router_admin, "turbine_router_kv_index_errors_total").await;
     redis.kill();
-    wait_until(
-        "the router reports its registry gone",
-        Duration::from_secs(10),
-        async || serving(&router).await == ServingStatus::NotServing,
-    )
-    .await;
+    wait_until("the router reports its registry gone", Duration::from_secs(10), async || serving(&router).await == ServingStatus::NotServing).await;
     for _ in 0..2 {
         turn += 1;
         round(&base, turn, &mut failed).await;
@@ -237,27 +174,15 @@ async fn kv_routing_survives_the_kv_index_and_redis_being_killed() {
     // The router lists the empty new Redis before the workers' next lease
     // renewal re-registers them: it keeps them meanwhile.
     let router_client = RouterClient::connect(&router.grpc_endpoint()).unwrap();
-    wait_until(
-        "the router answers on the new Redis",
-        Duration::from_secs(10),
-        async || {
-            assert_eq!(
-                router_client.workers(None).await.unwrap().len(),
-                3,
-                "the router kept every worker while Redis came back empty"
-            );
-            serving(&router).await == ServingStatus::Serving
-        },
-    )
+    wait_until("the router answers on the new Redis", Duration::from_secs(10), async || {
+        assert_eq!(router_client.workers(None).await.unwrap().len(), 3, "the router kept every worker while Redis came back empty");
+        serving(&router).await == ServingStatus::Serving
+    })
     .await;
-    let took = wait_until(
-        "every conversation hits again after Redis restarted",
-        Duration::from_secs(15),
-        async || {
-            turn += 1;
-            round(&base, turn, &mut failed).await == CONVERSATIONS
-        },
-    )
+    let took = wait_until("every conversation hits again after Redis restarted", Duration::from_secs(15), async || {
+        turn += 1;
+        round(&base, turn, &mut failed).await == CONVERSATIONS
+    })
     .await;
     println!("every conversation hit again {took:?} after the router saw Redis back");
     assert_eq!(failed, 0);

@@ -46,7 +46,8 @@ async fn generate(worker: &ServiceProcess, prompt: &[u32]) -> Vec<u32> {
 }
 
 async fn worker(store: &str, id: &str, redis: &str) -> ServiceProcess {
-    let args = ["--engine", "native", "--model", MODEL, "--threads", "1", "--kv-cache-mib", "32", "--host-cache-mib", "64", "--kv-store", store, "--worker-id", id];
+    let args =
+        ["--engine", "native", "--model", MODEL, "--threads", "1", "--kv-cache-mib", "32", "--host-cache-mib", "64", "--kv-store", store, "--worker-id", id];
     let cluster = ["--redis", redis, "--namespace", "t"];
     service("turbine-worker", &[&args[..], &cluster].concat(), &[], false).await
 }
@@ -66,10 +67,7 @@ async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_
 
     let computed = generate(&a, &prompt).await;
     let store_client = turbine_kv_store::KvStoreClient::connect(&endpoint).unwrap();
-    wait_until("A's blocks are in the store", Duration::from_secs(30), async || {
-        store_client.stats().await.is_ok_and(|stats| stats.put_blocks >= 23)
-    })
-    .await;
+    wait_until("A's blocks are in the store", Duration::from_secs(30), async || store_client.stats().await.is_ok_and(|stats| stats.put_blocks >= 23)).await;
     assert_eq!(generate(&b, &prompt).await, computed, "B decodes A's prefix from the store");
 
     // Routers would credit the store's blocks to B: its record names the

@@ -58,7 +58,8 @@ impl Drop for Fleet<'_> {
 }
 
 async fn registered(registry: &Registry) -> Vec<String> {
-    let mut ids: Vec<String> = registry.list().await.map(|workers| workers.into_iter().map(|live| live.record.worker_id.to_string()).collect()).unwrap_or_default();
+    let mut ids: Vec<String> =
+        registry.list().await.map(|workers| workers.into_iter().map(|live| live.record.worker_id.to_string()).collect()).unwrap_or_default();
     ids.sort();
     ids
 }
@@ -162,7 +163,10 @@ async fn the_planner_replaces_a_worker_that_crashed() {
     let crashed = records(&state).into_iter().find(|(name, _)| *name == first[1]).expect("the worker's record");
     kill(crashed.1);
     let replaced = names(&["0", "2"]);
-    wait_until("the planner replaces the crashed worker", Duration::from_secs(120), async || recorded(&state) == replaced && registered(&registry).await == replaced).await;
+    wait_until("the planner replaces the crashed worker", Duration::from_secs(120), async || {
+        recorded(&state) == replaced && registered(&registry).await == replaced
+    })
+    .await;
     let decisions = client.history(100, None).await.unwrap().decisions;
     let replacement = decisions
         .iter()
@@ -204,10 +208,14 @@ async fn a_planner_killed_while_it_starts_workers_resumes_from_postgres_and_star
     let (_planner, client) = stack.planner(&database).await;
     let registry = stack.registry();
     let fleet = names(&["0", "1"]);
-    wait_until("the restarted planner completes the pool", Duration::from_secs(120), async || recorded(&state) == fleet && registered(&registry).await == fleet).await;
+    wait_until("the restarted planner completes the pool", Duration::from_secs(120), async || {
+        recorded(&state) == fleet && registered(&registry).await == fleet
+    })
+    .await;
     let settled = async || {
         let decisions = client.history(1000, None).await.unwrap().decisions;
-        decisions.iter().flat_map(|decision| &decision.pools).filter_map(|pool| pool.action.clone()).all(|action| action.state != ActionState::Pending) && decisions.len() >= 5
+        decisions.iter().flat_map(|decision| &decision.pools).filter_map(|pool| pool.action.clone()).all(|action| action.state != ActionState::Pending)
+            && decisions.len() >= 5
     };
     wait_until("a few decisions after the restart, no action pending", Duration::from_secs(60), settled).await;
     let decisions = client.history(1000, None).await.unwrap().decisions;
@@ -238,13 +246,17 @@ async fn a_planner_killed_while_it_starts_workers_resumes_from_postgres_and_star
     // the ledger again.
     postgres.restart();
     wait_until("decisions resume after Postgres is back", Duration::from_secs(60), async || {
-        client.history(1, None).await.is_ok_and(|page| page.decisions.first().is_some_and(|decision| decision.id > last && !decision.reason.contains("database was unreachable")))
+        client
+            .history(1, None)
+            .await
+            .is_ok_and(|page| page.decisions.first().is_some_and(|decision| decision.id > last && !decision.reason.contains("database was unreachable")))
     })
     .await;
     let decisions = client.history(1000, None).await.unwrap().decisions;
     let ids: Vec<u64> = decisions.iter().map(|decision| decision.id).collect();
     assert!(ids.windows(2).all(|pair| pair[0] > pair[1]), "each id once, newest first: {ids:?}");
-    let from_memory: Vec<_> = decisions.iter().filter(|decision| decision.id > last && decision.reason.contains("decided while the database was unreachable")).collect();
+    let from_memory: Vec<_> =
+        decisions.iter().filter(|decision| decision.id > last && decision.reason.contains("decided while the database was unreachable")).collect();
     let replacement = from_memory
         .iter()
         .flat_map(|decision| &decision.pools)

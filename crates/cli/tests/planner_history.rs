@@ -20,7 +20,13 @@ fn decision(id: u64) -> Decision {
             proposed_replicas: 4,
             desired_replicas: 3,
             reason: format!("reason {id}; one step per interval"),
-            action: Some(Action { id: Action::id_for("default", id, "decode"), pool: "decode".into(), replicas: 3, state: ActionState::Pending, message: String::new() }),
+            action: Some(Action {
+                id: Action::id_for("default", id, "decode"),
+                pool: "decode".into(),
+                replicas: 3,
+                state: ActionState::Pending,
+                message: String::new(),
+            }),
         }],
         reason: format!("forecast for decision {id}"),
         paused: false,
@@ -43,7 +49,10 @@ async fn history_shows_the_newest_decisions_with_their_reasons() {
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
-    let config = turbine_planner::PlannerConfig { planning: turbine_planner::config::PlanningConfig { database: Some(database), ..Default::default() }, ..Default::default() };
+    let config = turbine_planner::PlannerConfig {
+        planning: turbine_planner::config::PlanningConfig { database: Some(database), ..Default::default() },
+        ..Default::default()
+    };
     let serving = tokio::spawn(turbine_planner::serve(config, state, None, listeners, shutdown.clone()));
     tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, "turbine.planner.v1.Planner")).await.expect("the planner serves");
 
@@ -51,7 +60,12 @@ async fn history_shows_the_newest_decisions_with_their_reasons() {
     assert!(ok, "{stderr}");
     let headers: Vec<&str> = text.lines().filter(|line| line.starts_with('#')).collect();
     assert_eq!(headers, ["#3 2026-11-26T11:31:35Z  forecast for decision 3", "#2 2026-11-26T11:31:05Z  forecast for decision 2"], "{text}");
-    assert!(text.contains("  decode: 2 -> 3 (proposed 4)") && text.contains("why: reason 3; one step per interval") && text.contains("action default/3/decode: pending"), "{text}");
+    assert!(
+        text.contains("  decode: 2 -> 3 (proposed 4)")
+            && text.contains("why: reason 3; one step per interval")
+            && text.contains("action default/3/decode: pending"),
+        "{text}"
+    );
 
     let (ok, json, stderr) = history(&["--planner", &endpoint, "--json"]).await;
     assert!(ok, "{stderr}");

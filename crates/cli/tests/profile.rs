@@ -24,7 +24,8 @@ fn the_mocker_profile_grows_with_input_length_and_concurrency() {
     assert!(profile.ttft_ms(2048.0) > profile.ttft_ms(128.0), "{profile:?}");
     assert!(profile.itl_ms(2048.0, 16.0) > profile.itl_ms(2048.0, 1.0), "{profile:?}");
 
-    let refused = Command::new(env!("CARGO_BIN_EXE_turbine")).args(["profile", "--engine", "mock", "--isl", "512,128", "--output"]).arg(&output).output().unwrap();
+    let refused =
+        Command::new(env!("CARGO_BIN_EXE_turbine")).args(["profile", "--engine", "mock", "--isl", "512,128", "--output"]).arg(&output).output().unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--isl: values must ascend"));
 }

@@ -204,10 +204,7 @@ mod tests {
         assert_eq!(config.worker.transfer.kv_transport, KvTransport::Tcp);
         let misplaced = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(misplaced.path(), "speedup = 2.0\n").unwrap();
-        assert!(
-            parse(&["--config", misplaced.path().to_str().unwrap()]).unwrap_err().contains("unknown key `speedup`"),
-            "worker settings belong in [worker]"
-        );
+        assert!(parse(&["--config", misplaced.path().to_str().unwrap()]).unwrap_err().contains("unknown key `speedup`"), "worker settings belong in [worker]");
     }
 
     #[test]

@@ -19,9 +19,9 @@
 //! cluster is ready when every gateway lists the model.
 
 mod config;
-mod workers;
 #[cfg(feature = "sandbox")]
 pub mod sandbox;
+mod workers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -124,12 +124,7 @@ impl Cluster {
         started
     }
 
-    async fn start_services(
-        config: RunConfig,
-        options: ClusterOptions,
-        front: CancellationToken,
-        backend: CancellationToken,
-    ) -> anyhow::Result<Self> {
+    async fn start_services(config: RunConfig, options: ClusterOptions, front: CancellationToken, backend: CancellationToken) -> anyhow::Result<Self> {
         let shutdown = backend.clone();
         turbine_runtime::config::Settings::validate(&config).map_err(anyhow::Error::msg)?;
         let routers = options.routers.max(1);
@@ -220,8 +215,7 @@ impl Cluster {
             let (index, peers) = match (&log, &options.event_log) {
                 (Some(log), Some((url, namespace))) => {
                     // Replicas see each other's bookings, as separate processes do.
-                    let peers =
-                        (routers > 1).then(|| PeerLoad::new(url, namespace, &format!("embedded-{}-{replica}", std::process::id()))).transpose()?;
+                    let peers = (routers > 1).then(|| PeerLoad::new(url, namespace, &format!("embedded-{}-{replica}", std::process::id()))).transpose()?;
                     (IndexSource::Log(log.clone()), peers)
                 }
                 _ => (IndexSource::Shared(shared_index.clone()), None),
@@ -260,8 +254,7 @@ impl Cluster {
             if replica == 0 {
                 gateway.server.addresses_file = config.addresses_file.clone();
             }
-            let addresses =
-                BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: None, http: listeners.http.as_ref().map(|l| l.local_addr()).transpose()? };
+            let addresses = BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: None, http: listeners.http.as_ref().map(|l| l.local_addr()).transpose()? };
             let deps = GatewayDeps { router: router.clone(), workers: clients.clone() };
             front_tasks.push((format!("gateway {replica}"), tokio::spawn(turbine_gateway::serve(gateway, deps, listeners, front.clone()))));
             gateways.push(addresses);
@@ -279,7 +272,8 @@ impl Cluster {
                 let observer = Observer::new(vec![metrics], registry.clone());
                 let state = PlannerState::with_connector(ledger, Connector::Hosted(HostedConnector::new(Arc::new(hosted.clone()))));
                 tracing::info!(%address, database = state.ledger().backend().name(), "planner listening: it sizes this process's workers once targets are set (SetTargets)");
-                services.push(("planner".to_owned(), tokio::spawn(turbine_planner::serve(planner, state, Some((observer, sizing)), listeners, shutdown.clone()))));
+                services
+                    .push(("planner".to_owned(), tokio::spawn(turbine_planner::serve(planner, state, Some((observer, sizing)), listeners, shutdown.clone()))));
                 Some(address)
             }
             None => None,

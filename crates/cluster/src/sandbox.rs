@@ -60,8 +60,7 @@ impl Sandbox {
         let shutdown = CancellationToken::new();
         let sandbox = STARTED.fetch_add(1, Ordering::Relaxed);
         let options = ClusterOptions { worker_id_prefix: format!("s{sandbox}-{}", options.worker_id_prefix), ..options };
-        let cluster =
-            Cluster::start(config, options, shutdown.clone()).await.unwrap_or_else(|error| panic!("the sandbox cluster did not start: {error:#}"));
+        let cluster = Cluster::start(config, options, shutdown.clone()).await.unwrap_or_else(|error| panic!("the sandbox cluster did not start: {error:#}"));
         let base = cluster.http_url();
         // Every request is bounded: a hang fails the test with the call
         // that hung instead of stalling the suite.

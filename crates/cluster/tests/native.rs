@@ -88,12 +88,8 @@ async fn the_native_engine_answers_through_the_gateway() {
         .collect();
     assert_eq!(tokens.len(), 5);
     assert_eq!(tokens.concat(), streamed_text(&events));
-    let offsets: Vec<u64> = chunks
-        .iter()
-        .filter_map(|chunk| chunk["choices"][0]["logprobs"]["text_offset"].as_array().cloned())
-        .flatten()
-        .map(|o| o.as_u64().unwrap())
-        .collect();
+    let offsets: Vec<u64> =
+        chunks.iter().filter_map(|chunk| chunk["choices"][0]["logprobs"]["text_offset"].as_array().cloned()).flatten().map(|o| o.as_u64().unwrap()).collect();
     assert_eq!(offsets[0], 0);
     assert_eq!(offsets[4] as usize, tokens[..4].concat().chars().count());
     sandbox.stop().await;
@@ -141,10 +137,7 @@ fn the_gateway_and_the_worker_refuse_the_same_sampling_values() {
     }
     let logprobs = pb::SamplingParams { logprobs: Some(MAX_LOGPROBS + 1), ..Default::default() };
     assert!(SamplingParams::try_from(logprobs).is_err());
-    assert!(
-        chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"logprobs":true,"top_logprobs":{}}}"#, MAX_LOGPROBS + 1))
-            .is_err()
-    );
+    assert!(chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"logprobs":true,"top_logprobs":{}}}"#, MAX_LOGPROBS + 1)).is_err());
 }
 
 /// `turbine run --kv-store-port`: a prompt computed on one worker is

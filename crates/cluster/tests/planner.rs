@@ -25,7 +25,12 @@ fn profile() -> Profile {
         .into_iter()
         .map(|(context, concurrency, itl_ms)| DecodePoint { context, concurrency, itl_ms })
         .collect();
-    Profile { version: PROFILE_VERSION, worker: "test".into(), prefill: vec![PrefillPoint { isl: 128, ttft_ms: 20.0 }, PrefillPoint { isl: 2048, ttft_ms: 80.0 }], decode }
+    Profile {
+        version: PROFILE_VERSION,
+        worker: "test".into(),
+        prefill: vec![PrefillPoint { isl: 128, ttft_ms: 20.0 }, PrefillPoint { isl: 2048, ttft_ms: 80.0 }],
+        decode,
+    }
 }
 
 fn targets(min_replicas: u32, max_replicas: u32) -> Targets {

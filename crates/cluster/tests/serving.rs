@@ -39,7 +39,10 @@ async fn rest_api_serves_openai_shapes_with_exact_usage() {
     let messages = [ChatMessage::new("user", "What is the capital of France?")];
     let expected_prompt = tokens.encode_chat(&messages).unwrap().len() as u64;
     let (status, body) = sandbox
-        .post("/v1/chat/completions", &json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "ignore_eos": true}))
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "ignore_eos": true}),
+        )
         .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "chat.completion");
@@ -82,9 +85,8 @@ async fn rest_api_serves_openai_shapes_with_exact_usage() {
     assert_eq!(body["object"], "text_completion");
     assert_eq!(body["usage"]["prompt_tokens"], 4);
     assert_eq!(body["usage"]["completion_tokens"], 16);
-    let events = sandbox
-        .sse("/v1/completions", &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "stream": true, "ignore_eos": true}))
-        .await;
+    let events =
+        sandbox.sse("/v1/completions", &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "stream": true, "ignore_eos": true})).await;
     let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     assert!(chunks.iter().all(|c| c.get("usage").is_none()), "usage only with include_usage");
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
@@ -309,7 +311,8 @@ async fn a_request_skips_every_listed_worker_that_refuses_it() {
     // Eight more workers listed at an address that takes no connection.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     for n in 0..8u64 {
-        let gone = turbine_registry::WorkerRecord { worker_id: format!("gone-{n}").into(), endpoint: format!("http://{closed}"), instance: n + 1, ..live.clone() };
+        let gone =
+            turbine_registry::WorkerRecord { worker_id: format!("gone-{n}").into(), endpoint: format!("http://{closed}"), instance: n + 1, ..live.clone() };
         registry.put(&gone, std::time::Duration::from_secs(60)).await.unwrap();
     }
     // Until the router has tried the listed ones (a retry counted), every
@@ -350,8 +353,7 @@ async fn kv_routing_sends_repeated_prefixes_to_the_worker_that_cached_them() {
             // each prompt to another worker every round.
             for prompt in 0..3u32 {
                 let tokens: Vec<u32> = (0..320).map(|i| 1000 + prompt * 1000 + i).collect();
-                let (status, body) =
-                    sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true})).await;
+                let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true})).await;
                 assert_eq!(status, 200, "{body}");
                 if round > 0 {
                     cached += body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
@@ -389,10 +391,8 @@ async fn mocker_workers_share_prefixes_through_the_embedded_kv_store() {
     let (status, first) = sandbox.post("/v1/completions", &request).await;
     assert_eq!(status, 200, "{first}");
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0), 0);
-    wait_until("the first worker's blocks put to the kv-store", std::time::Duration::from_secs(30), async || {
-        store.stats().await.unwrap().put_blocks >= 4
-    })
-    .await;
+    wait_until("the first worker's blocks put to the kv-store", std::time::Duration::from_secs(30), async || store.stats().await.unwrap().put_blocks >= 4)
+        .await;
     let (status, second) = sandbox.post("/v1/completions", &request).await;
     assert_eq!(status, 200, "{second}");
     assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), 256, "the other worker fetched the 4 full blocks");

@@ -153,11 +153,7 @@ impl BlockManager {
     /// Of the leading cached blocks of `hashes`, how many are currently free
     /// (acquiring them takes them out of the free pool).
     pub fn count_free_among_cached(&self, hashes: &[SequenceHash]) -> usize {
-        hashes
-            .iter()
-            .filter_map(|hash| self.cached.get(hash))
-            .filter(|&&block| self.blocks[block as usize].ref_count == 0)
-            .count()
+        hashes.iter().filter_map(|hash| self.cached.get(hash)).filter(|&&block| self.blocks[block as usize].ref_count == 0).count()
     }
 
     /// Takes a reference on the cached block of each hash; every hash must be
@@ -272,11 +268,7 @@ impl BlockManager {
     pub fn cached_blocks(&self) -> Vec<CachedBlock> {
         self.cached
             .iter()
-            .map(|(&sequence_hash, &block)| CachedBlock {
-                sequence_hash,
-                local_hash: self.blocks[block as usize].local,
-                tiers: TierSet(Tier::Device.bit()),
-            })
+            .map(|(&sequence_hash, &block)| CachedBlock { sequence_hash, local_hash: self.blocks[block as usize].local, tiers: TierSet(Tier::Device.bit()) })
             .collect()
     }
 

@@ -15,14 +15,17 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
-use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 use crate::block_manager::BlockId;
-use crate::tiers::fetch::FetchModel;
-use crate::tiers::{BlockSource, FetchEstimates, RemoteOffload, offload_evictions, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, RemoteTier, ReadDone, ReadJob, spawn_offload, spawn_reader};
-use turbine_kv::BlockHashes;
 use crate::request::{EngineOutput, GenerateRequest, Handoff, ImportedPrefix, Load, PinnedPrefix, Sampled, TokenLogprobs};
 use crate::scheduler::{Batch, ScheduledChunk, Scheduler, SchedulerConfig, SeqId};
+use crate::tiers::fetch::FetchModel;
+use crate::tiers::{
+    BlockSource, FetchEstimates, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, ReadDone, ReadJob, RemoteOffload, RemoteTier, offload_evictions,
+    spawn_offload, spawn_reader,
+};
 use crate::{EngineError, Result};
+use turbine_kv::BlockHashes;
+use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 
 /// Runs the model for a planned step.
 ///
@@ -185,10 +188,7 @@ impl EngineHandle {
             reader,
             fetch: fetch.clone(),
         };
-        let thread = thread::Builder::new()
-            .name("turbine-engine".into())
-            .spawn(move || engine_loop.run())
-            .expect("spawn engine thread");
+        let thread = thread::Builder::new().name("turbine-engine".into()).spawn(move || engine_loop.run()).expect("spawn engine thread");
         Self {
             commands,
             config: Arc::new(config),
@@ -611,10 +611,11 @@ impl EngineLoop {
         if let Some(offload) = &mut self.offload {
             let host = self.host.as_ref();
             offload.queued.extend(
-                registered
-                    .into_iter()
-                    .filter(|item| !host.is_some_and(|host| host.contains(item.hashes.sequence)))
-                    .map(|item| OffloadBlock { block: item.block, parent: item.parent, hashes: item.hashes }),
+                registered.into_iter().filter(|item| !host.is_some_and(|host| host.contains(item.hashes.sequence))).map(|item| OffloadBlock {
+                    block: item.block,
+                    parent: item.parent,
+                    hashes: item.hashes,
+                }),
             );
             self.dispatch_offloads();
         }
@@ -741,8 +742,7 @@ impl EngineLoop {
     }
 
     fn drop_cancelled(&mut self) {
-        let cancelled: Vec<SeqId> =
-            self.outputs.iter().filter(|(_, sender)| sender.is_closed()).map(|(&id, _)| id).collect();
+        let cancelled: Vec<SeqId> = self.outputs.iter().filter(|(_, sender)| sender.is_closed()).map(|(&id, _)| id).collect();
         for seq_id in cancelled {
             self.outputs.remove(&seq_id);
             self.scheduler.abort(seq_id);
@@ -792,11 +792,8 @@ impl EngineLoop {
         let updates = self.scheduler.complete(&plan, &tokens);
         self.offload_registered();
         // Log-probabilities ride along with the token the scheduler accepted.
-        let mut logprobs: Vec<(SeqId, TokenLogprobs)> = plan
-            .iter()
-            .zip(sampled)
-            .filter_map(|(chunk, sampled)| Some((chunk.seq_id, sampled?.logprobs?)))
-            .collect();
+        let mut logprobs: Vec<(SeqId, TokenLogprobs)> =
+            plan.iter().zip(sampled).filter_map(|(chunk, sampled)| Some((chunk.seq_id, sampled?.logprobs?))).collect();
         // Load first: a caller that sees its sequence finish sees its blocks freed.
         self.set_load();
         for update in updates {

@@ -28,8 +28,8 @@ pub use request::{
     EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
     StopConditions, TokenLogprobs, Usage,
 };
-pub use tiers::{DiskTier, FetchEstimates, FetchPolicy, HostBlock, HostTier, KvTiers, ModelledTransfer, RemoteOffload, RemoteStore, RemoteTier, TierStats};
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
+pub use tiers::{DiskTier, FetchEstimates, FetchPolicy, HostBlock, HostTier, KvTiers, ModelledTransfer, RemoteOffload, RemoteStore, RemoteTier, TierStats};
 pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
 
 /// Errors of an engine, as callers see them.

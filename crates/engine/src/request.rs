@@ -45,62 +45,22 @@ impl SamplingParams {
     /// requests with it, the worker validates `Generate` and `Prefill` calls
     /// with it, so the two can never disagree.
     pub fn validate(&self) -> Result<(), SamplingError> {
-        let Self {
-            temperature,
-            top_p,
-            top_k: _,
-            seed: _,
-            presence_penalty,
-            frequency_penalty,
-            min_p,
-            repetition_penalty,
-            logprobs,
-        } = self;
-        let out_of = |param: &'static str, range: &str, value: f32| SamplingError {
-            param,
-            message: format!("must be {range}, got {value}"),
-        };
-        let check = |param: &'static str,
-                     value: Option<f32>,
-                     range: &str,
-                     within: fn(f32) -> bool| match value {
-            Some(value) if !(value.is_finite() && within(value)) => {
-                Err(out_of(param, range, value))
-            }
+        let Self { temperature, top_p, top_k: _, seed: _, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = self;
+        let out_of = |param: &'static str, range: &str, value: f32| SamplingError { param, message: format!("must be {range}, got {value}") };
+        let check = |param: &'static str, value: Option<f32>, range: &str, within: fn(f32) -> bool| match value {
+            Some(value) if !(value.is_finite() && within(value)) => Err(out_of(param, range, value)),
             _ => Ok(()),
         };
-        check("temperature", *temperature, "between 0 and 2", |t| {
-            (0.0..=2.0).contains(&t)
-        })?;
+        check("temperature", *temperature, "between 0 and 2", |t| (0.0..=2.0).contains(&t))?;
         check("top_p", *top_p, "in (0, 1]", |p| p > 0.0 && p <= 1.0)?;
-        check(
-            "presence_penalty",
-            *presence_penalty,
-            "between -2 and 2",
-            |p| (-2.0..=2.0).contains(&p),
-        )?;
-        check(
-            "frequency_penalty",
-            *frequency_penalty,
-            "between -2 and 2",
-            |p| (-2.0..=2.0).contains(&p),
-        )?;
-        check("min_p", *min_p, "between 0 and 1", |p| {
-            (0.0..=1.0).contains(&p)
-        })?;
-        check(
-            "repetition_penalty",
-            *repetition_penalty,
-            "in (0, 10]",
-            |p| p > 0.0 && p <= 10.0,
-        )?;
+        check("presence_penalty", *presence_penalty, "between -2 and 2", |p| (-2.0..=2.0).contains(&p))?;
+        check("frequency_penalty", *frequency_penalty, "between -2 and 2", |p| (-2.0..=2.0).contains(&p))?;
+        check("min_p", *min_p, "between 0 and 1", |p| (0.0..=1.0).contains(&p))?;
+        check("repetition_penalty", *repetition_penalty, "in (0, 10]", |p| p > 0.0 && p <= 10.0)?;
         if let Some(n) = logprobs
             && *n > MAX_LOGPROBS
         {
-            return Err(SamplingError {
-                param: "logprobs",
-                message: format!("must be at most {MAX_LOGPROBS}, got {n}"),
-            });
+            return Err(SamplingError { param: "logprobs", message: format!("must be at most {MAX_LOGPROBS}, got {n}") });
         }
         Ok(())
     }

@@ -19,8 +19,8 @@ use std::collections::{HashMap, VecDeque};
 use turbine_kv::{BlockHasher, BlockHashes, SequenceHash};
 
 use crate::block_manager::{BlockId, BlockManager, RegisteredBlock};
-use turbine_kv::KvEvent;
 use crate::request::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
+use turbine_kv::KvEvent;
 
 /// Engine-local sequence id.
 pub type SeqId = u64;
@@ -84,10 +84,7 @@ impl SchedulerConfig {
         }
         let needed = total.div_ceil(self.block_size);
         if needed > self.num_blocks {
-            return Err(AdmissionError::Invalid(format!(
-                "the request needs {needed} KV blocks but the pool has {}",
-                self.num_blocks
-            )));
+            return Err(AdmissionError::Invalid(format!("the request needs {needed} KV blocks but the pool has {}", self.num_blocks)));
         }
         Ok(())
     }
@@ -307,11 +304,7 @@ impl Scheduler {
     pub fn add_imported(&mut self, request: GenerateRequest, generated: Vec<u32>, pin: bool, imported_tokens: usize) -> Result<SeqId, AdmissionError> {
         self.config.validate(&request)?;
         if generated.len() >= request.stop.max_tokens as usize {
-            return Err(AdmissionError::Invalid(format!(
-                "{} tokens were already generated of max_tokens {}",
-                generated.len(),
-                request.stop.max_tokens
-            )));
+            return Err(AdmissionError::Invalid(format!("{} tokens were already generated of max_tokens {}", generated.len(), request.stop.max_tokens)));
         }
         let waiting = self.waiting.len() + self.suspended.len();
         if waiting >= self.config.max_waiting {
@@ -665,14 +658,12 @@ impl Scheduler {
             self.register_full_blocks(chunk.seq_id);
             let (Some(token), true) = (*token, chunk.sample) else { continue };
             let sequence = self.sequences.get_mut(&chunk.seq_id).expect("sequence exists");
-            let stop_token = sequence.stop.stop_token_ids.contains(&token)
-                || (!sequence.stop.ignore_eos && self.eos_token_ids.contains(&token));
+            let stop_token = sequence.stop.stop_token_ids.contains(&token) || (!sequence.stop.ignore_eos && self.eos_token_ids.contains(&token));
             let (emitted, reason) = if stop_token {
                 (None, Some(FinishReason::Stop))
             } else {
                 sequence.tokens.push(token);
-                let at_limit = sequence.generated() >= sequence.stop.max_tokens as usize
-                    || sequence.tokens.len() >= self.config.max_model_len;
+                let at_limit = sequence.generated() >= sequence.stop.max_tokens as usize || sequence.tokens.len() >= self.config.max_model_len;
                 (Some(token), at_limit.then_some(FinishReason::Length))
             };
             let (finished, pinned) = match reason {
@@ -696,8 +687,7 @@ impl Scheduler {
         }
         extend_hashes(&self.hasher, sequence, block_size);
         let parent = sequence.num_registered.checked_sub(1).map(|i| sequence.hashes[i].sequence);
-        let pairs: Vec<(BlockId, BlockHashes)> =
-            (sequence.num_registered..full).map(|i| (sequence.blocks[i], sequence.hashes[i])).collect();
+        let pairs: Vec<(BlockId, BlockHashes)> = (sequence.num_registered..full).map(|i| (sequence.blocks[i], sequence.hashes[i])).collect();
         sequence.num_registered = full;
         self.blocks.register(parent, &pairs);
     }
@@ -774,12 +764,7 @@ impl Scheduler {
     /// registered (emitting `Stored` events) and left free-but-cached for
     /// the next admission to hit. Stops early when the pool has no free
     /// block. Returns how many were installed.
-    pub fn install_prefix(
-        &mut self,
-        parent: Option<SequenceHash>,
-        hashes: &[BlockHashes],
-        mut write: impl FnMut(BlockId, usize) -> bool,
-    ) -> usize {
+    pub fn install_prefix(&mut self, parent: Option<SequenceHash>, hashes: &[BlockHashes], mut write: impl FnMut(BlockId, usize) -> bool) -> usize {
         if !self.config.prefix_caching {
             return 0;
         }

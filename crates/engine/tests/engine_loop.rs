@@ -79,11 +79,9 @@ async fn dropping_the_stream_frees_the_sequence() {
     assert!(matches!(stream.recv().await, Some(EngineOutput::Token(..))));
     assert!(engine.load().blocks_used > 0);
     drop(stream);
-    turbine_testkit::wait_until(
-        "the cancelled sequence frees its blocks",
-        Duration::from_secs(5),
-        async || engine.load().blocks_used == 0 && engine.load().running == 0,
-    )
+    turbine_testkit::wait_until("the cancelled sequence frees its blocks", Duration::from_secs(5), async || {
+        engine.load().blocks_used == 0 && engine.load().running == 0
+    })
     .await;
     engine.shutdown();
 }

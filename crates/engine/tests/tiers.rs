@@ -16,10 +16,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use turbine_engine::{
-    Batch, DiskTier, FetchPolicy, EngineHandle, EngineOutput, Executor, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers, RemoteStore,
-    RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
+    Batch, DiskTier, EngineHandle, EngineOutput, Executor, FetchPolicy, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers,
+    RemoteStore, RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
 };
-use turbine_kv::{BlockHashes, BlockHasher, KvEvent, SequenceHash};
+use turbine_kv::{BlockHasher, BlockHashes, KvEvent, SequenceHash};
 use turbine_testkit::wait_until;
 
 const BLOCK_SIZE: usize = 4;
@@ -83,7 +83,12 @@ fn config() -> SchedulerConfig {
 
 fn engine(host: Option<HostTier>) -> EngineHandle {
     let (executor, memory) = ChainExecutor::new();
-    EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host, memory: Some(memory), modelled: None, remote: None, fetch: FetchPolicy::Always })
+    EngineHandle::spawn_with_tiers(
+        config(),
+        vec![],
+        Box::new(executor),
+        KvTiers { host, memory: Some(memory), modelled: None, remote: None, fetch: FetchPolicy::Always },
+    )
 }
 
 fn prompt(seed: u32) -> Vec<u32> {
@@ -335,7 +340,12 @@ async fn the_mocker_models_its_tiers_without_kv_bytes() {
     let disk = DiskTier::open_modelled(dir.path(), 1 << 30, 7, MODELLED).unwrap();
     let host = HostTier::modelled(3 * MODELLED, MODELLED, Some(disk.clone()));
     let executor = MockExecutor::new(MockTiming { speedup: 1e6 }, vec![5, 6, 7], None);
-    let engine = EngineHandle::spawn_with_tiers(config(), vec![], Box::new(executor), KvTiers { host: Some(host.clone()), memory: None, modelled: Some(modelled), remote: None, fetch: FetchPolicy::Always });
+    let engine = EngineHandle::spawn_with_tiers(
+        config(),
+        vec![],
+        Box::new(executor),
+        KvTiers { host: Some(host.clone()), memory: None, modelled: Some(modelled), remote: None, fetch: FetchPolicy::Always },
+    );
 
     let (first, cached) = generate(&engine, &prompt(0)).await;
     assert_eq!(cached, 0);
@@ -346,7 +356,12 @@ async fn the_mocker_models_its_tiers_without_kv_bytes() {
         hashes[..10].iter().all(|&hash| host.contains(hash) || disk.contains(hash))
     })
     .await;
-    assert!(host.blocks() <= 3 && host.used_bytes() <= 3 * MODELLED, "the host tier counts modelled bytes: {} blocks, {} bytes", host.blocks(), host.used_bytes());
+    assert!(
+        host.blocks() <= 3 && host.used_bytes() <= 3 * MODELLED,
+        "the host tier counts modelled bytes: {} blocks, {} bytes",
+        host.blocks(),
+        host.used_bytes()
+    );
     assert!(disk.used_bytes() >= 7 * MODELLED, "so does the disk tier: {} bytes", disk.used_bytes());
 
     let (again, cached) = generate(&engine, &prompt(0)).await;

@@ -165,14 +165,19 @@ fn bin_dir() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("TURBINE_POSTGRES_BIN") {
         return Some(PathBuf::from(dir));
     }
-    let on_path = std::env::var_os("PATH").into_iter().flat_map(|path| std::env::split_paths(&path).collect::<Vec<_>>()).map(|dir| dir.join("initdb")).find(|initdb| initdb.is_file());
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
+        .map(|dir| dir.join("initdb"))
+        .find(|initdb| initdb.is_file());
     if let Some(dir) = on_path.and_then(|initdb| std::fs::canonicalize(initdb).ok()).and_then(|initdb| initdb.parent().map(Path::to_path_buf))
         && dir.join("postgres").is_file()
         && dir.join("pg_isready").is_file()
     {
         return Some(dir);
     }
-    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql").ok()?.flatten().map(|entry| entry.path().join("bin")).filter(|bin| bin.join("initdb").is_file()).collect();
+    let mut versions: Vec<PathBuf> =
+        std::fs::read_dir("/usr/lib/postgresql").ok()?.flatten().map(|entry| entry.path().join("bin")).filter(|bin| bin.join("initdb").is_file()).collect();
     versions.sort();
     versions.pop()
 }

@@ -60,9 +60,8 @@ impl RedisServer {
             if let Some(status) = process.exited() {
                 return Err(format!("exited ({status}): {}", process.output().join("\n")));
             }
-            let pong = client
-                .get_connection_with_timeout(Duration::from_millis(200))
-                .and_then(|mut connection| redis::cmd("PING").query::<String>(&mut connection));
+            let pong =
+                client.get_connection_with_timeout(Duration::from_millis(200)).and_then(|mut connection| redis::cmd("PING").query::<String>(&mut connection));
             if pong.is_ok() {
                 return Ok(Self { process, port, _dir: dir });
             }

@@ -55,11 +55,7 @@ impl ServiceProcess {
             if let Some(status) = process.exited() {
                 anyhow::bail!("{name} exited ({status}) before listening; output:\n{}", process.output().join("\n"));
             }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "{name} wrote no addresses within {STARTUP_TIMEOUT:?}; output:\n{}",
-                process.output().join("\n")
-            );
+            anyhow::ensure!(Instant::now() < deadline, "{name} wrote no addresses within {STARTUP_TIMEOUT:?}; output:\n{}", process.output().join("\n"));
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }

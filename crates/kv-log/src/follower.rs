@@ -22,8 +22,7 @@ use crate::log::EventLog;
 
 /// Fetches a worker's cache dump, or `None` when the worker cannot be
 /// reached (it is asked again a second later).
-pub type DumpFetcher =
-    Arc<dyn Fn(WorkerId) -> Pin<Box<dyn Future<Output = Option<WorkerDump>> + Send>> + Send + Sync>;
+pub type DumpFetcher = Arc<dyn Fn(WorkerId) -> Pin<Box<dyn Future<Output = Option<WorkerDump>> + Send>> + Send + Sync>;
 
 /// Longest wait for new entries per read.
 const READ_BLOCK: Duration = Duration::from_millis(500);
@@ -76,39 +75,24 @@ impl FollowerStatus {
     /// The last stream entry applied ([`LogPosition::START`] before the
     /// first). Everything up to it is reflected in the index.
     pub fn position(&self) -> LogPosition {
-        *self
-            .position
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        *self.position.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Workers whose view in the index is stale (waiting for a dump):
     /// a snapshot leaves them out, so whoever loads it resynchronises them.
     pub fn stale_workers(&self) -> Vec<WorkerId> {
-        self.stale
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
+        self.stale.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 
     fn set_position(&self, position: LogPosition) {
-        *self
-            .position
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = position;
+        *self.position.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = position;
     }
 }
 
 /// Applies the log to `index` from its oldest retained entry, then as
 /// entries arrive, until `shutdown`. While Redis is unreachable the task
 /// retries with backoff and `status` says so; it continues where it left.
-pub fn follow(
-    index: Arc<KvIndex>,
-    log: &EventLog,
-    fetch: DumpFetcher,
-    status: Arc<FollowerStatus>,
-    shutdown: CancellationToken,
-) -> JoinHandle<()> {
+pub fn follow(index: Arc<KvIndex>, log: &EventLog, fetch: DumpFetcher, status: Arc<FollowerStatus>, shutdown: CancellationToken) -> JoinHandle<()> {
     follow_from(index, log, LogPosition::START, fetch, status, shutdown)
 }
 
@@ -126,8 +110,7 @@ pub fn follow_from(
     let key = log.key().to_owned();
     status.set_position(after);
     tokio::spawn(async move {
-        let mut follower =
-            Follower { index, fetch, status, retired: FxHashMap::default(), stale: FxHashMap::default(), fetches: JoinSet::new() };
+        let mut follower = Follower { index, fetch, status, retired: FxHashMap::default(), stale: FxHashMap::default(), fetches: JoinSet::new() };
         let mut after = after;
         let mut failures = 0u32;
         loop {
@@ -143,11 +126,8 @@ pub fn follow_from(
                     failures = 0;
                     for (position, payload) in entries {
                         after = position;
-                        let batch = pb::EventBatch::decode(payload.as_slice())
-                            .map_err(|error| error.to_string());
-                        match batch.and_then(|batch| {
-                            EventBatch::try_from(batch).map_err(|error| error.to_string())
-                        }) {
+                        let batch = pb::EventBatch::decode(payload.as_slice()).map_err(|error| error.to_string());
+                        match batch.and_then(|batch| EventBatch::try_from(batch).map_err(|error| error.to_string())) {
                             Ok(batch) => follower.apply(batch),
                             Err(error) => {
                                 tracing::warn!(entry = %after, error, "skipping a malformed KV event batch")
@@ -211,11 +191,7 @@ impl Follower {
     }
 
     fn apply_batch(&mut self, batch: EventBatch) {
-        if self
-            .retired
-            .get(&batch.worker_id)
-            .is_some_and(|retired| retired.contains(&batch.instance))
-        {
+        if self.retired.get(&batch.worker_id).is_some_and(|retired| retired.contains(&batch.instance)) {
             return;
         }
         if let Some(stale) = self.stale.get_mut(&batch.worker_id) {
@@ -235,18 +211,8 @@ impl Follower {
                 Applied::Duplicate => {}
                 Applied::Gap { expected } => {
                     tracing::debug!(worker = %batch.worker_id, expected, got = event.event_id, "gap in a worker's KV events; loading a dump");
-                    let rest = EventBatch {
-                        worker_id: batch.worker_id.clone(),
-                        instance: batch.instance,
-                        events: batch.events[at..].to_vec(),
-                    };
-                    let stale = Stale {
-                        instance: batch.instance,
-                        held: VecDeque::from([rest]),
-                        retry_at: None,
-                        since: Instant::now(),
-                        warned: false,
-                    };
+                    let rest = EventBatch { worker_id: batch.worker_id.clone(), instance: batch.instance, events: batch.events[at..].to_vec() };
+                    let stale = Stale { instance: batch.instance, held: VecDeque::from([rest]), retry_at: None, since: Instant::now(), warned: false };
                     self.stale.insert(batch.worker_id.clone(), stale);
                     self.start_fetch(batch.worker_id);
                     self.publish_stale();
@@ -270,12 +236,7 @@ impl Follower {
             let Ok((worker_id, fetched)) = done else {
                 continue;
             };
-            let Some(WorkerDump {
-                instance: current,
-                dump,
-                ..
-            }) = fetched
-            else {
+            let Some(WorkerDump { instance: current, dump, .. }) = fetched else {
                 if let Some(stale) = self.stale.get_mut(&worker_id) {
                     if !std::mem::replace(&mut stale.warned, true) {
                         tracing::warn!(worker = %worker_id, "could not fetch a KV cache dump; retrying every {RESYNC_RETRY:?}");
@@ -309,23 +270,14 @@ impl Follower {
     /// unreachable for long (they are gone: their view leaves the index).
     fn retry_due(&mut self) {
         let now = Instant::now();
-        let gone: Vec<WorkerId> = self
-            .stale
-            .iter()
-            .filter(|(_, s)| now.duration_since(s.since) > STALE_GIVE_UP && s.retry_at.is_some())
-            .map(|(id, _)| id.clone())
-            .collect();
+        let gone: Vec<WorkerId> =
+            self.stale.iter().filter(|(_, s)| now.duration_since(s.since) > STALE_GIVE_UP && s.retry_at.is_some()).map(|(id, _)| id.clone()).collect();
         for worker_id in gone {
             tracing::warn!(worker = %worker_id, "no KV cache dump for {STALE_GIVE_UP:?}; dropping the worker from the index");
             self.stale.remove(&worker_id);
             self.index.remove_worker(&worker_id);
         }
-        let due: Vec<WorkerId> = self
-            .stale
-            .iter()
-            .filter(|(_, s)| s.retry_at.is_some_and(|at| at <= now))
-            .map(|(id, _)| id.clone())
-            .collect();
+        let due: Vec<WorkerId> = self.stale.iter().filter(|(_, s)| s.retry_at.is_some_and(|at| at <= now)).map(|(id, _)| id.clone()).collect();
         for worker_id in due {
             self.start_fetch(worker_id);
         }
@@ -343,18 +295,11 @@ impl Follower {
 /// A [`DumpFetcher`] that asks the worker (`Worker/DumpKvCache`, or
 /// directly when it lives in this process) at the endpoint `endpoint_of`
 /// gives for it (the registry's), within 10 s.
-pub fn dump_fetcher(
-    clients: WorkerClients,
-    endpoint_of: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
-) -> DumpFetcher {
+pub fn dump_fetcher(clients: WorkerClients, endpoint_of: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> DumpFetcher {
     Arc::new(move |worker_id: WorkerId| {
-        let client =
-            endpoint_of(&worker_id).and_then(|endpoint| clients.client(&worker_id, &endpoint).ok());
+        let client = endpoint_of(&worker_id).and_then(|endpoint| clients.client(&worker_id, &endpoint).ok());
         Box::pin(async move {
-            let dump = tokio::time::timeout(Duration::from_secs(10), client?.dump_kv_cache())
-                .await
-                .ok()?
-                .ok()?;
+            let dump = tokio::time::timeout(Duration::from_secs(10), client?.dump_kv_cache()).await.ok()?.ok()?;
             // A dump of another worker (a reused endpoint) is no dump.
             (dump.worker_id == worker_id).then_some(dump)
         })

@@ -88,11 +88,7 @@ impl EventLog {
             .query_async(&mut connection)
             .await?;
         id.parse().map_err(|error: crate::position::BadPosition| {
-            redis::RedisError::from((
-                redis::ErrorKind::UnexpectedReturnType,
-                "XADD answered",
-                error.to_string(),
-            ))
+            redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "XADD answered", error.to_string()))
         })
     }
 
@@ -114,12 +110,7 @@ impl EventReader {
     /// Entries after `after` ([`LogPosition::START`] for all), waiting up to
     /// `block` for one to arrive; at most `count`. Each is (position,
     /// payload); payloads are the raw protobuf bytes.
-    pub async fn read(
-        &mut self,
-        after: LogPosition,
-        block: Duration,
-        count: usize,
-    ) -> RedisResult<Vec<(LogPosition, Vec<u8>)>> {
+    pub async fn read(&mut self, after: LogPosition, block: Duration, count: usize) -> RedisResult<Vec<(LogPosition, Vec<u8>)>> {
         let connection = match &mut self.connection {
             Some(connection) => connection,
             None => {

@@ -30,7 +30,11 @@ pub fn export_metrics(component: &'static str, index: Arc<KvIndex>, status: Arc<
         let labels = [component];
         let (mut events, mut batches, mut resyncs) = (0, 0, 0);
         loop {
-            let counters = [(&*EVENTS, &mut events, status.events.load(Ordering::Relaxed)), (&*BATCHES, &mut batches, status.batches.load(Ordering::Relaxed)), (&*RESYNCS, &mut resyncs, status.resyncs.load(Ordering::Relaxed))];
+            let counters = [
+                (&*EVENTS, &mut events, status.events.load(Ordering::Relaxed)),
+                (&*BATCHES, &mut batches, status.batches.load(Ordering::Relaxed)),
+                (&*RESYNCS, &mut resyncs, status.resyncs.load(Ordering::Relaxed)),
+            ];
             for (family, seen, now) in counters {
                 family.with_label_values(&labels).inc_by(now.saturating_sub(*seen));
                 *seen = now;

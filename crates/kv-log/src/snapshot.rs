@@ -54,49 +54,23 @@ impl EventLog {
     /// runs off the async threads and the write on a connection of its own.
     /// Returns the snapshot's size in bytes, or `None` if the stored
     /// snapshot was already at this position or later.
-    pub async fn save_snapshot(
-        &self,
-        index: Arc<KvIndex>,
-        position: LogPosition,
-        exclude: Vec<WorkerId>,
-    ) -> RedisResult<Option<usize>> {
+    pub async fn save_snapshot(&self, index: Arc<KvIndex>, position: LogPosition, exclude: Vec<WorkerId>) -> RedisResult<Option<usize>> {
         let bytes = tokio::task::spawn_blocking(move || {
             let workers = index
                 .worker_ids()
                 .into_iter()
                 .filter(|worker_id| !exclude.contains(worker_id))
-                .filter_map(|worker_id| {
-                    index.dump(&worker_id).map(|(instance, dump)| {
-                        pb::WorkerDump::from(&WorkerDump {
-                            worker_id,
-                            instance,
-                            dump,
-                        })
-                    })
-                })
+                .filter_map(|worker_id| index.dump(&worker_id).map(|(instance, dump)| pb::WorkerDump::from(&WorkerDump { worker_id, instance, dump })))
                 .collect();
-            let taken_unix_ms = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as i64);
-            pb::IndexSnapshot {
-                log_position: position.to_string(),
-                workers,
-                taken_unix_ms,
-            }
-            .encode_to_vec()
+            let taken_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+            pb::IndexSnapshot { log_position: position.to_string(), workers, taken_unix_ms }.encode_to_vec()
         })
         .await
         .map_err(|error| redis::RedisError::from((redis::ErrorKind::Client, "encoding the snapshot failed", error.to_string())))?;
         let size = bytes.len();
         let mut connection = self.slow_connection(SNAPSHOT_TIMEOUT).await?;
-        let written: i64 = redis::cmd("EVAL")
-            .arg(WRITE_IF_NEWER)
-            .arg(1)
-            .arg(self.snapshot_key())
-            .arg(position.to_string())
-            .arg(bytes)
-            .query_async(&mut connection)
-            .await?;
+        let written: i64 =
+            redis::cmd("EVAL").arg(WRITE_IF_NEWER).arg(1).arg(self.snapshot_key()).arg(position.to_string()).arg(bytes).query_async(&mut connection).await?;
         Ok((written == 1).then_some(size))
     }
 
@@ -114,28 +88,16 @@ impl EventLog {
                 return Ok(None);
             }
         };
-        let pb::IndexSnapshot {
-            log_position,
-            workers: dumps,
-            taken_unix_ms,
-        } = snapshot;
+        let pb::IndexSnapshot { log_position, workers: dumps, taken_unix_ms } = snapshot;
         let Ok(log_position) = log_position.parse::<LogPosition>() else {
-            tracing::warn!(
-                key = self.snapshot_key(),
-                log_position,
-                "ignoring an index snapshot with a malformed position"
-            );
+            tracing::warn!(key = self.snapshot_key(), log_position, "ignoring an index snapshot with a malformed position");
             return Ok(None);
         };
         let mut workers = 0;
         for dump in dumps {
             let worker_id = dump.worker_id.clone();
             match WorkerDump::try_from(dump) {
-                Ok(WorkerDump {
-                    worker_id,
-                    instance,
-                    dump,
-                }) => {
+                Ok(WorkerDump { worker_id, instance, dump }) => {
                     index.load_dump(&worker_id, instance, &dump);
                     workers += 1;
                 }
@@ -144,11 +106,7 @@ impl EventLog {
                 }
             }
         }
-        Ok(Some(LoadedSnapshot {
-            log_position,
-            workers,
-            taken_unix_ms,
-        }))
+        Ok(Some(LoadedSnapshot { log_position, workers, taken_unix_ms }))
     }
 }
 

@@ -143,8 +143,7 @@ async fn malformed_entries_are_skipped() {
     let redis = RedisServer::start();
     let log = EventLog::new(&redis.url(), "m").unwrap();
     let mut connection = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let _: String =
-        redis::cmd("XADD").arg(log.key()).arg("*").arg("b").arg(&b"\xff\xfe not protobuf"[..]).query_async(&mut connection).await.unwrap();
+    let _: String = redis::cmd("XADD").arg(log.key()).arg("*").arg("b").arg(&b"\xff\xfe not protobuf"[..]).query_async(&mut connection).await.unwrap();
     log.publish(&batch("w", 1, &[stored(0, &[1])])).await.unwrap();
     let (index, status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
     let shutdown = CancellationToken::new();

@@ -29,7 +29,6 @@ impl Tier {
     pub const fn bit(self) -> u8 {
         1 << self as u8
     }
-
 }
 
 /// A set of tiers, one bit each.

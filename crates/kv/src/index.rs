@@ -283,9 +283,7 @@ impl FindMatches {
     }
 
     fn name(&self, slot: u32) -> &WorkerId {
-        self.names[slot as usize]
-            .as_ref()
-            .expect("a match names a live slot")
+        self.names[slot as usize].as_ref().expect("a match names a live slot")
     }
 
     fn sorted(&self) -> Vec<WorkerMatch> {
@@ -672,11 +670,7 @@ impl Tree {
             return slot;
         }
         let id = WorkerId::from(worker_id);
-        let state = WorkerState {
-            instance: 0,
-            next_event_id: 0,
-            blocks: HashKeyed::default(),
-        };
+        let state = WorkerState { instance: 0, next_event_id: 0, blocks: HashKeyed::default() };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.slots[slot as usize] = Some(state);

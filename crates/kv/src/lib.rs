@@ -14,9 +14,7 @@ mod worker_id;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use events::{
-    CachedBlock, Dump, EventBatch, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet, WorkerDump,
-};
+pub use events::{CachedBlock, Dump, EventBatch, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet, WorkerDump};
 pub use index::{FindMatches, KvIndex, WorkerMatch};
 pub use unregistered::Unregistered;
 pub use worker_id::{STORE_PREFIX, WorkerId};

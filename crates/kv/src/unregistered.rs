@@ -29,12 +29,7 @@ impl Unregistered {
     /// Compares the index with a registry listing (`is_live`) taken at
     /// `now`; drops every worker missing for the grace period and returns
     /// them with the blocks they held.
-    pub fn sweep(
-        &mut self,
-        index: &KvIndex,
-        is_live: impl Fn(&str) -> bool,
-        now: Instant,
-    ) -> Vec<(WorkerId, usize)> {
+    pub fn sweep(&mut self, index: &KvIndex, is_live: impl Fn(&str) -> bool, now: Instant) -> Vec<(WorkerId, usize)> {
         let mut dropped = Vec::new();
         let mut still_missing = FxHashMap::default();
         for worker_id in index.worker_ids() {
@@ -65,7 +60,7 @@ impl Unregistered {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{KvEvent, NumberedEvent, SequenceHash, StoredBlock, LocalBlockHash, Tier};
+    use crate::{KvEvent, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier};
 
     fn store(index: &KvIndex, worker: &str) {
         let blocks = vec![StoredBlock { sequence_hash: SequenceHash(1), local_hash: LocalBlockHash(1) }];
@@ -80,19 +75,9 @@ mod tests {
         let mut unregistered = Unregistered::new(Duration::from_secs(5));
         let start = Instant::now();
         let live = |id: &str| id == "live";
-        assert!(
-            unregistered.sweep(&index, live, start).is_empty(),
-            "first seen missing"
-        );
-        assert!(
-            unregistered
-                .sweep(&index, live, start + Duration::from_secs(4))
-                .is_empty()
-        );
-        assert_eq!(
-            unregistered.sweep(&index, live, start + Duration::from_secs(5)),
-            vec![(WorkerId::from("gone"), 1)]
-        );
+        assert!(unregistered.sweep(&index, live, start).is_empty(), "first seen missing");
+        assert!(unregistered.sweep(&index, live, start + Duration::from_secs(4)).is_empty());
+        assert_eq!(unregistered.sweep(&index, live, start + Duration::from_secs(5)), vec![(WorkerId::from("gone"), 1)]);
         assert_eq!(index.worker_ids(), ["live"]);
 
         // Back in the listing before the grace ran out: kept, timer cleared.

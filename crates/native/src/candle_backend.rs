@@ -294,7 +294,8 @@ impl CandleModel {
                 };
                 let (k, v) = (gather(0)?, gather(1)?);
                 // Heads sharing a KV head are consecutive: fold them into rows.
-                let q = q.narrow(0, offset, *n)?.reshape((*n, c.heads, c.head_dim))?.transpose(0, 1)?.contiguous()?.reshape((c.kv_heads, group * n, c.head_dim))?;
+                let q =
+                    q.narrow(0, offset, *n)?.reshape((*n, c.heads, c.head_dim))?.transpose(0, 1)?.contiguous()?.reshape((c.kv_heads, group * n, c.head_dim))?;
                 let scores = (q.matmul(&k.t()?)? * scale)?.reshape((c.kv_heads, group, *n, len))?.broadcast_add(mask)?;
                 let probabilities = candle_nn::ops::softmax_last_dim(&scores)?.reshape((c.kv_heads, group * n, len))?;
                 let out = probabilities.matmul(&v)?.reshape((c.heads, *n, c.head_dim))?.transpose(0, 1)?.reshape((*n, c.heads * c.head_dim))?;

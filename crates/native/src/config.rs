@@ -51,13 +51,9 @@ impl LlamaConfig {
             )));
         }
         let required = |suffix: &str| -> Result<usize> {
-            gguf.arch_u64(suffix)
-                .map(|v| v as usize)
-                .ok_or_else(|| Error::Model(format!("missing {architecture}.{suffix}")))
+            gguf.arch_u64(suffix).map(|v| v as usize).ok_or_else(|| Error::Model(format!("missing {architecture}.{suffix}")))
         };
-        let float = |suffix: &str, default: f32| {
-            gguf.get(&format!("{architecture}.{suffix}")).and_then(|v| v.as_f64()).map(|v| v as f32).unwrap_or(default)
-        };
+        let float = |suffix: &str, default: f32| gguf.get(&format!("{architecture}.{suffix}")).and_then(|v| v.as_f64()).map(|v| v as f32).unwrap_or(default);
         let hidden = required("embedding_length")?;
         let heads = required("attention.head_count")?;
         let kv_heads = gguf.arch_u64("attention.head_count_kv").map(|v| v as usize).unwrap_or(heads);

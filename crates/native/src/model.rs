@@ -196,8 +196,7 @@ impl LlamaModel {
         // is mapped would fault, as with any mmap-based model loader.
         #[allow(unsafe_code)]
         let mmap = Arc::new(unsafe { Mmap::map(&file) }.map_err(|source| Error::Io { path: path.to_owned(), source })?);
-        let tensors: std::collections::HashMap<&str, &turbine_tokens::gguf::TensorInfo> =
-            gguf.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        let tensors: std::collections::HashMap<&str, &turbine_tokens::gguf::TensorInfo> = gguf.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         let mut weight_bytes = 0;
         let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
             let info = tensors.get(name).ok_or_else(|| Error::Model(format!("missing tensor {name}")))?;

@@ -439,8 +439,7 @@ mod tests {
                 let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f32 = weights.iter().sum();
                 for d in 0..8 {
-                    let expected: f32 =
-                        (0..=position).map(|j| weights[j] / total * dense_v[j * kv_width + kv_head * 8 + d]).sum();
+                    let expected: f32 = (0..=position).map(|j| weights[j] / total * dense_v[j * kv_width + kv_head * 8 + d]).sum();
                     let got = out[(row * 4 + head) * 8 + d];
                     assert!((expected - got).abs() < 1e-4, "row {row} head {head} dim {d}: {expected} vs {got}");
                 }

@@ -78,10 +78,7 @@ impl ThreadPool {
         let workers = (1..threads)
             .map(|index| {
                 let shared = shared.clone();
-                thread::Builder::new()
-                    .name(format!("turbine-kernel-{index}"))
-                    .spawn(move || worker(&shared))
-                    .expect("spawn kernel thread")
+                thread::Builder::new().name(format!("turbine-kernel-{index}")).spawn(move || worker(&shared)).expect("spawn kernel thread")
             })
             .collect();
         Self { shared, workers, dispatch: parking_lot::Mutex::new(()) }

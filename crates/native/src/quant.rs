@@ -396,8 +396,22 @@ mod tests {
         let weights: Vec<BlockQ4_1> = (0..6).map(|i| q4_1_block(&[i as u8 * 37, 201, 3], 0.01 + i as f32 * 0.003, -0.05)).collect();
         let q8: Vec<BlockQ8_0> = (0..6).map(|i| BlockQ8_0 { d: f16::from_f32(0.02).to_bits(), qs: [(i * 11) as i8 - 30; 32] }).collect();
         let rows: Vec<Vec<f32>> = (0..4).map(|r| (0..192).map(|i| ((i * (r + 3)) % 17) as f32 * 0.3 - 2.0).collect()).collect();
-        let q8_1: Vec<Vec<BlockQ8_1>> = rows.iter().map(|x| { let mut b = vec![BlockQ8_1::default(); 6]; quantize_q8_1(x, &mut b); b }).collect();
-        let q8_0: Vec<Vec<BlockQ8_0Act>> = rows.iter().map(|x| { let mut b = vec![BlockQ8_0Act::default(); 6]; quantize_q8_0(x, &mut b); b }).collect();
+        let q8_1: Vec<Vec<BlockQ8_1>> = rows
+            .iter()
+            .map(|x| {
+                let mut b = vec![BlockQ8_1::default(); 6];
+                quantize_q8_1(x, &mut b);
+                b
+            })
+            .collect();
+        let q8_0: Vec<Vec<BlockQ8_0Act>> = rows
+            .iter()
+            .map(|x| {
+                let mut b = vec![BlockQ8_0Act::default(); 6];
+                quantize_q8_0(x, &mut b);
+                b
+            })
+            .collect();
         let grouped = dot_q4_1_q8_1_rows::<4>(&weights, [&q8_1[0], &q8_1[1], &q8_1[2], &q8_1[3]]);
         let grouped_q8 = dot_q8_0_q8_0_rows::<4>(&q8, [&q8_0[0], &q8_0[1], &q8_0[2], &q8_0[3]]);
         for row in 0..4 {

@@ -28,11 +28,7 @@ pub fn sample(logits: &mut [f32], params: &SamplingParams, history: &[u32], gene
     apply_penalties(logits, params, history, generated);
     let logprobs = params.logprobs.map(|top| logprobs_of(logits, top as usize));
     let temperature = params.temperature.unwrap_or(0.0);
-    let token = if temperature <= 0.0 {
-        crate::ops::argmax(logits) as u32
-    } else {
-        draw(logits, params, temperature, generated)
-    };
+    let token = if temperature <= 0.0 { crate::ops::argmax(logits) as u32 } else { draw(logits, params, temperature, generated) };
     let logprobs = logprobs.map(|(all, top)| TokenLogprobs { logprob: all[token as usize], top });
     Choice { token, logprobs }
 }

@@ -13,9 +13,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlType;
-use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K,
-};
+use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K};
 use half::f16;
 use memmap2::Mmap;
 
@@ -209,13 +207,29 @@ impl Matrix {
                 let activations = quantize_rows(x, m, cols, pool, quant::quantize_q8_1);
                 let targets: Vec<Target<'_, BlockQ4_1>> =
                     parts.iter_mut().map(|(w, out)| Target { weights: cast(w.data()), rows: w.rows, out: SharedMut::new(out) }).collect();
-                product_grouped(&targets, &activations, m, blocks_per_row, pool, |w, a: [&[BlockQ8_1]; 4]| quant::dot_q4_1_q8_1_rows(w, a), quant::dot_q4_1_q8_1);
+                product_grouped(
+                    &targets,
+                    &activations,
+                    m,
+                    blocks_per_row,
+                    pool,
+                    |w, a: [&[BlockQ8_1]; 4]| quant::dot_q4_1_q8_1_rows(w, a),
+                    quant::dot_q4_1_q8_1,
+                );
             }
             _ => {
                 let activations = quantize_rows(x, m, cols, pool, quant::quantize_q8_0);
                 let targets: Vec<Target<'_, BlockQ8_0>> =
                     parts.iter_mut().map(|(w, out)| Target { weights: cast(w.data()), rows: w.rows, out: SharedMut::new(out) }).collect();
-                product_grouped(&targets, &activations, m, blocks_per_row, pool, |w, a: [&[BlockQ8_0Act]; 4]| quant::dot_q8_0_q8_0_rows(w, a), quant::dot_q8_0_q8_0);
+                product_grouped(
+                    &targets,
+                    &activations,
+                    m,
+                    blocks_per_row,
+                    pool,
+                    |w, a: [&[BlockQ8_0Act]; 4]| quant::dot_q8_0_q8_0_rows(w, a),
+                    quant::dot_q8_0_q8_0,
+                );
             }
         }
     }
@@ -233,7 +247,13 @@ impl Matrix {
 }
 
 /// Quantizes the `m` rows of `x` into activation blocks.
-fn quantize_rows<B: ZeroBlock + Clone + Send + Sync>(x: &[f32], m: usize, cols: usize, pool: &ThreadPool, quantize: impl Fn(&[f32], &mut [B]) + Sync) -> Vec<B> {
+fn quantize_rows<B: ZeroBlock + Clone + Send + Sync>(
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    pool: &ThreadPool,
+    quantize: impl Fn(&[f32], &mut [B]) + Sync,
+) -> Vec<B> {
     let blocks_per_row = cols / B::ELEMENTS;
     let mut blocks = vec![B::zero(); m * blocks_per_row];
     let out = SharedMut::new(&mut blocks);
@@ -332,11 +352,8 @@ fn product_grouped<W: Sync, A: Sync>(
 ) {
     let row_of = |t: usize| &activations[t * blocks_per_row..(t + 1) * blocks_per_row];
     // Task k covers columns of one target: (target, first column).
-    let tasks: Vec<(usize, usize)> = targets
-        .iter()
-        .enumerate()
-        .flat_map(|(index, target)| (0..target.rows).step_by(COLUMNS_PER_TASK).map(move |column| (index, column)))
-        .collect();
+    let tasks: Vec<(usize, usize)> =
+        targets.iter().enumerate().flat_map(|(index, target)| (0..target.rows).step_by(COLUMNS_PER_TASK).map(move |column| (index, column))).collect();
     pool.run(tasks.len(), |task| {
         let (index, first) = tasks[task];
         let Target { weights, rows, out } = &targets[index];

@@ -26,7 +26,10 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use serde::Deserialize;
-use turbine_engine::{DiskTier, EngineHandle, FetchPolicy, EngineOutput, GenerateRequest, Handoff, HostTier, ImportedPrefix, KvMemory, KvTiers, SchedulerConfig, StopConditions, block_checksum};
+use turbine_engine::{
+    DiskTier, EngineHandle, EngineOutput, FetchPolicy, GenerateRequest, Handoff, HostTier, ImportedPrefix, KvMemory, KvTiers, SchedulerConfig, StopConditions,
+    block_checksum,
+};
 use turbine_native::pool::ThreadPool;
 use turbine_native::{Backend, Device as EngineDevice, KvCache, LlamaModel, NativeExecutor, NativeOptions, SequenceRows, ops};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -273,7 +276,13 @@ fn greedy_tokens_agree_with_candle_up_to_near_ties() {
             None => exact += 1,
             Some(step) => {
                 let margin = theirs[step].1;
-                assert!(margin < NEAR_TIE, "prompt of {} tokens: step {step} differs ({} vs {}) at a clear margin {margin}", prompt.len(), ours[step], theirs[step].0);
+                assert!(
+                    margin < NEAR_TIE,
+                    "prompt of {} tokens: step {step} differs ({} vs {}) at a clear margin {margin}",
+                    prompt.len(),
+                    ours[step],
+                    theirs[step].0
+                );
                 eprintln!("prompt of {} tokens: parted at step {step} on a near-tie (margin {margin:.3})", prompt.len());
             }
         }
@@ -380,7 +389,8 @@ fn preempted_and_recomputed_sequences_still_equal_the_reference() {
     // (prefixes of one another) do not share their blocks.
     let longest = prompts.iter().map(Vec::len).max().unwrap();
     let num_blocks = (longest + STEPS).div_ceil(16) + 1;
-    let scheduler = SchedulerConfig { block_size: 16, num_blocks, max_batched_tokens: 64, max_model_len: 8192, prefix_caching: false, ..SchedulerConfig::default() };
+    let scheduler =
+        SchedulerConfig { block_size: 16, num_blocks, max_batched_tokens: 64, max_model_len: 8192, prefix_caching: false, ..SchedulerConfig::default() };
     let (engine, preemptions) = engine_greedy_counting(&prompts, STEPS as u32, scheduler);
     assert!(preemptions > 0, "the pool was never short: the test did not exercise preemption");
     for ((prompt, ours), reference) in prompts.iter().zip(&engine).zip(dense_outputs()) {
@@ -705,7 +715,13 @@ fn long_prefixes_onboarded_from_host_memory_disk_and_the_kv_store_give_the_compu
     let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback()).unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
-    runtime.spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), turbine_kv_store::StoreEventSink::None, listeners, shutdown.clone()));
+    runtime.spawn(turbine_kv_store::serve(
+        turbine_kv_store::KvStoreConfig::default(),
+        store.clone(),
+        turbine_kv_store::StoreEventSink::None,
+        listeners,
+        shutdown.clone(),
+    ));
     let remote = |offload| {
         let client = turbine_kv_store::KvStoreClient::connect(&endpoint).unwrap();
         let tier = turbine_kv_store::KvStoreTier::new(client, turbine_kv_store::Fingerprint::new(7).unwrap(), std::time::Duration::from_secs(60));
@@ -739,7 +755,8 @@ fn long_prefixes_onboarded_from_host_memory_disk_and_the_kv_store_give_the_compu
     // 3. Pushed down to B's disk, and onboarded from there.
     let disk = host.disk().unwrap();
     settle("copies to the disk tier", || {
-        fetching.load().blocks_used == 0 && disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed)
+        fetching.load().blocks_used == 0
+            && disk.stats().offloaded_blocks.load(Relaxed) + disk.stats().offloads_skipped.load(Relaxed) >= host.stats().evicted_blocks.load(Relaxed)
     });
     let from_store = shared.stats().onboarded_blocks.load(Relaxed);
     ask_again(&fetching, &prompts, &computed, "disk");

@@ -23,8 +23,7 @@ pub mod gateway {
     pub mod v1 {
         tonic::include_proto!("turbine.gateway.v1");
         /// Encoded descriptor set of `turbine.gateway.v1`, source info included.
-        pub const FILE_DESCRIPTOR_SET: &[u8] =
-            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.gateway.v1.bin"));
+        pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/turbine.gateway.v1.bin"));
     }
 }
 
@@ -36,8 +35,7 @@ pub mod kvindex {
     pub mod v1 {
         tonic::include_proto!("turbine.kvindex.v1");
         /// Encoded descriptor set of `turbine.kvindex.v1`, source info included.
-        pub const FILE_DESCRIPTOR_SET: &[u8] =
-            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.kvindex.v1.bin"));
+        pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/turbine.kvindex.v1.bin"));
     }
 }
 
@@ -48,8 +46,7 @@ pub mod kvstore {
     pub mod v1 {
         tonic::include_proto!("turbine.kvstore.v1");
         /// Encoded descriptor set of `turbine.kvstore.v1`, source info included.
-        pub const FILE_DESCRIPTOR_SET: &[u8] =
-            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.kvstore.v1.bin"));
+        pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/turbine.kvstore.v1.bin"));
     }
 }
 
@@ -60,8 +57,7 @@ pub mod planner {
     pub mod v1 {
         tonic::include_proto!("turbine.planner.v1");
         /// Encoded descriptor set of `turbine.planner.v1`, source info included.
-        pub const FILE_DESCRIPTOR_SET: &[u8] =
-            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.planner.v1.bin"));
+        pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/turbine.planner.v1.bin"));
     }
 }
 
@@ -72,8 +68,7 @@ pub mod router {
     pub mod v1 {
         tonic::include_proto!("turbine.router.v1");
         /// Encoded descriptor set of `turbine.router.v1`, source info included.
-        pub const FILE_DESCRIPTOR_SET: &[u8] =
-            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.router.v1.bin"));
+        pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/turbine.router.v1.bin"));
     }
 }
 
@@ -84,8 +79,7 @@ pub mod worker {
     pub mod v1 {
         tonic::include_proto!("turbine.worker.v1");
         /// Encoded descriptor set of `turbine.worker.v1`, source info included.
-        pub const FILE_DESCRIPTOR_SET: &[u8] =
-            include_bytes!(concat!(env!("OUT_DIR"), "/turbine.worker.v1.bin"));
+        pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/turbine.worker.v1.bin"));
     }
 }
 

@@ -11,19 +11,12 @@ fn decode(bytes: &[u8]) -> FileDescriptorSet {
 }
 
 fn file<'a>(set: &'a FileDescriptorSet, package: &str) -> &'a FileDescriptorProto {
-    set.file
-        .iter()
-        .find(|file| file.package() == package)
-        .unwrap_or_else(|| panic!("package {package} missing"))
+    set.file.iter().find(|file| file.package() == package).unwrap_or_else(|| panic!("package {package} missing"))
 }
 
 /// The leading comment attached to the element at `path`, if any.
 fn comment(info: &SourceCodeInfo, path: &[i32]) -> Option<String> {
-    info.location
-        .iter()
-        .find(|location| location.path == path)
-        .and_then(|location| location.leading_comments.clone())
-        .filter(|text| !text.trim().is_empty())
+    info.location.iter().find(|location| location.path == path).and_then(|location| location.leading_comments.clone()).filter(|text| !text.trim().is_empty())
 }
 
 // Field numbers inside FileDescriptorProto / DescriptorProto / ServiceDescriptorProto.
@@ -116,10 +109,6 @@ fn file_paths_match_package_and_version() {
         let set = decode(bytes);
         let file = file(&set, package);
         let directory = package.replace('.', "/");
-        assert!(
-            file.name().starts_with(&format!("{directory}/")),
-            "{} is not under {directory}/",
-            file.name()
-        );
+        assert!(file.name().starts_with(&format!("{directory}/")), "{} is not under {directory}/", file.name());
     }
 }

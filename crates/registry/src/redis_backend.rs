@@ -72,14 +72,7 @@ impl RedisRegistry {
 
     pub(crate) async fn remove(&self, worker_id: &str) -> Result<()> {
         let mut connection = self.connection.clone();
-        redis::pipe()
-            .atomic()
-            .del(self.record_key(worker_id))
-            .ignore()
-            .srem(&self.prefix, worker_id)
-            .ignore()
-            .query_async::<()>(&mut connection)
-            .await?;
+        redis::pipe().atomic().del(self.record_key(worker_id)).ignore().srem(&self.prefix, worker_id).ignore().query_async::<()>(&mut connection).await?;
         Ok(())
     }
 
@@ -102,8 +95,8 @@ impl RedisRegistry {
         for (id, (json, ttl_ms)) in ids.into_iter().zip(replies) {
             match json {
                 Some(json) if ttl_ms > 0 => {
-                    let record: WorkerRecord = serde_json::from_str(&json)
-                        .map_err(|error| RegistryError::Corrupt { key: self.record_key(&id), message: error.to_string() })?;
+                    let record: WorkerRecord =
+                        serde_json::from_str(&json).map_err(|error| RegistryError::Corrupt { key: self.record_key(&id), message: error.to_string() })?;
                     live.push(LiveWorker { record, expires_at: asked_at + Duration::from_millis(ttl_ms as u64) });
                 }
                 _ => expired.push(id),

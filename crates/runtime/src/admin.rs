@@ -15,11 +15,7 @@ use crate::health::Readiness;
 /// Routes for `/metrics`, `/livez` and `/readyz`, to serve alone or merge
 /// into a larger router.
 pub fn router(readiness: Readiness) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics))
-        .route("/livez", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready))
-        .with_state(readiness)
+    Router::new().route("/metrics", get(metrics)).route("/livez", get(|| async { "ok\n" })).route("/readyz", get(ready)).with_state(readiness)
 }
 
 async fn metrics() -> impl IntoResponse {

@@ -55,10 +55,7 @@ pub fn settings_defaults<C: Settings>() -> C {
 }
 
 fn defaults_of<C: FromArgMatches>(command: Command) -> C {
-    let matches = command
-        .no_binary_name(true)
-        .mut_args(|arg| arg.env(None))
-        .try_get_matches_from(std::iter::empty::<String>());
+    let matches = command.no_binary_name(true).mut_args(|arg| arg.env(None)).try_get_matches_from(std::iter::empty::<String>());
     let matches = matches.expect("every setting has a default or is optional");
     C::from_arg_matches(&matches).expect("defaults parse into the configuration")
 }
@@ -101,22 +98,12 @@ impl<C: Settings> FromArgMatches for Layered<C> {
         let explicit: HashSet<String> = matches
             .ids()
             .map(|id| id.as_str())
-            .filter(|&id| {
-                id != CONFIG_ARG
-                    && matches!(
-                        matches.value_source(id),
-                        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-                    )
-            })
+            .filter(|&id| id != CONFIG_ARG && matches!(matches.value_source(id), Some(ValueSource::CommandLine | ValueSource::EnvVariable)))
             .map(str::to_owned)
             .collect();
         let file = matches.get_one::<PathBuf>(CONFIG_ARG);
-        let config = layer(parsed, &explicit, file.map(PathBuf::as_path)).map_err(|error| {
-            clap::Error::raw(
-                clap::error::ErrorKind::ValueValidation,
-                format!("{error}\n"),
-            )
-        })?;
+        let config = layer(parsed, &explicit, file.map(PathBuf::as_path))
+            .map_err(|error| clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{error}\n")))?;
         Ok(Self(config))
     }
 
@@ -151,67 +138,41 @@ pub enum ConfigError {
 /// Lays `file` over `parsed` (defaults, environment and flags, as clap
 /// parsed them), then what `explicit` names (set in the environment or on
 /// the command line) over the file, and validates.
-fn layer<C: Settings>(
-    parsed: C,
-    explicit: &HashSet<String>,
-    file: Option<&Path>,
-) -> Result<C, ConfigError> {
+fn layer<C: Settings>(parsed: C, explicit: &HashSet<String>, file: Option<&Path>) -> Result<C, ConfigError> {
     let parsed = to_table(&parsed)?;
     let config: C = match file {
         None => from_table(parsed, "")?,
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                path: path.display().to_string(),
-                source,
-            })?;
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
             let origin = format!(" in {}", path.display());
             let table: toml::Table =
-                text.parse()
-                    .map_err(|error: toml::de::Error| ConfigError::Invalid {
-                        origin: origin.clone(),
-                        message: error.to_string(),
-                    })?;
+                text.parse().map_err(|error: toml::de::Error| ConfigError::Invalid { origin: origin.clone(), message: error.to_string() })?;
             // The file over the defaults first, alone, so that a mistyped or
             // unknown key is reported with the file's name.
             let merged = merge(parsed.clone(), table.clone());
             let with_file: C = from_table(merged.clone(), &origin)?;
             if let Some(key) = unknown_key(&table, &to_table(&with_file)?, "") {
-                return Err(ConfigError::Invalid {
-                    origin,
-                    message: format!("unknown key `{key}`"),
-                });
+                return Err(ConfigError::Invalid { origin, message: format!("unknown key `{key}`") });
             }
             from_table(merge(merged, only_explicit(parsed, explicit)), "")?
         }
     };
-    config.validate().map_err(|message| ConfigError::Invalid {
-        origin: String::new(),
-        message,
-    })?;
+    config.validate().map_err(|message| ConfigError::Invalid { origin: String::new(), message })?;
     Ok(config)
 }
 
 fn to_table<T: Serialize>(value: &T) -> Result<toml::Table, ConfigError> {
     match toml::Value::try_from(value) {
         Ok(toml::Value::Table(table)) => Ok(table),
-        Ok(other) => Err(ConfigError::Invalid {
-            origin: String::new(),
-            message: format!("expected a table, got {other}"),
-        }),
-        Err(error) => Err(ConfigError::Invalid {
-            origin: String::new(),
-            message: error.to_string(),
-        }),
+        Ok(other) => Err(ConfigError::Invalid { origin: String::new(), message: format!("expected a table, got {other}") }),
+        Err(error) => Err(ConfigError::Invalid { origin: String::new(), message: error.to_string() }),
     }
 }
 
 fn from_table<C: DeserializeOwned>(table: toml::Table, origin: &str) -> Result<C, ConfigError> {
     toml::Value::Table(table)
         .try_into()
-        .map_err(|error: toml::de::Error| ConfigError::Invalid {
-            origin: origin.to_owned(),
-            message: error.message().to_owned(),
-        })
+        .map_err(|error: toml::de::Error| ConfigError::Invalid { origin: origin.to_owned(), message: error.message().to_owned() })
 }
 
 /// Lays `over` onto `base`: tables merge key by key, anything else replaces.
@@ -248,14 +209,11 @@ fn only_explicit(table: toml::Table, explicit: &HashSet<String>) -> toml::Table 
 /// configuration has no such setting. (serde's `deny_unknown_fields` cannot
 /// see through flattened sections, so the check is made here.)
 fn unknown_key(file: &toml::Table, known: &toml::Table, prefix: &str) -> Option<String> {
-    file.iter()
-        .find_map(|(key, value)| match (value, known.get(key)) {
-            (_, None) => Some(format!("{prefix}{key}")),
-            (toml::Value::Table(inner), Some(toml::Value::Table(known_inner))) => {
-                unknown_key(inner, known_inner, &format!("{prefix}{key}."))
-            }
-            _ => None,
-        })
+    file.iter().find_map(|(key, value)| match (value, known.get(key)) {
+        (_, None) => Some(format!("{prefix}{key}")),
+        (toml::Value::Table(inner), Some(toml::Value::Table(known_inner))) => unknown_key(inner, known_inner, &format!("{prefix}{key}.")),
+        _ => None,
+    })
 }
 
 /// Where a service listens by default and what its variables are called.

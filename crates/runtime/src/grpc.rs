@@ -39,10 +39,8 @@ where
         + 'static,
     H::Future: Send + 'static,
 {
-    let mut v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
-    let mut v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    let mut v1 = tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    let mut v1alpha = tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
     for set in descriptor_sets {
         v1 = v1.register_encoded_file_descriptor_set(set);
         v1alpha = v1alpha.register_encoded_file_descriptor_set(set);
@@ -151,10 +149,7 @@ pub fn channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error>
     let channel = cached.channel.clone();
     channels.retain(|_, cached| cached.is_usable());
     if channels.len() >= MAX_CHANNELS
-        && let Some(oldest) = channels
-            .iter()
-            .min_by_key(|(_, cached)| cached.used)
-            .map(|(key, _)| key.clone())
+        && let Some(oldest) = channels.iter().min_by_key(|(_, cached)| cached.used).map(|(key, _)| key.clone())
     {
         channels.remove(&oldest);
     }

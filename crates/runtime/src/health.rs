@@ -118,12 +118,7 @@ pub async fn until_serving_over(connect: impl Fn() -> Option<crate::grpc::Traced
     loop {
         if let Some(channel) = connect() {
             let mut client = HealthClient::new(channel);
-            if let Ok(response) = client
-                .watch(HealthCheckRequest {
-                    service: service.to_owned(),
-                })
-                .await
-            {
+            if let Ok(response) = client.watch(HealthCheckRequest { service: service.to_owned() }).await {
                 let mut statuses = response.into_inner();
                 while let Ok(Some(update)) = statuses.message().await {
                     if update.status() == Status::Serving {

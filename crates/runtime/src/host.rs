@@ -294,7 +294,10 @@ impl Host {
         spec.check_roles(&served).map_err(anyhow::Error::msg)?;
         match &trust {
             Some(trust) => tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role"),
-            None => tracing::warn!(service = spec.name, "gRPC in plaintext, every caller may call every rpc (development mode: set --tls-cert, --tls-key and --tls-ca)"),
+            None => tracing::warn!(
+                service = spec.name,
+                "gRPC in plaintext, every caller may call every rpc (development mode: set --tls-cert, --tls-key and --tls-ca)"
+            ),
         }
         let serve = crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, trust, spec.roles);
         let grpc = tokio::spawn(serve);

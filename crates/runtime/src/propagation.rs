@@ -62,10 +62,9 @@ impl tonic::service::Interceptor for TraceContextInterceptor {
         let mut headers = http::HeaderMap::new();
         inject_current(&mut headers);
         for (name, value) in &headers {
-            if let (Ok(key), Ok(value)) = (
-                tonic::metadata::MetadataKey::from_bytes(name.as_str().as_bytes()),
-                tonic::metadata::MetadataValue::try_from(value.as_bytes()),
-            ) {
+            if let (Ok(key), Ok(value)) =
+                (tonic::metadata::MetadataKey::from_bytes(name.as_str().as_bytes()), tonic::metadata::MetadataValue::try_from(value.as_bytes()))
+            {
                 request.metadata_mut().insert(key, value);
             }
         }

@@ -52,9 +52,7 @@ pub fn init(service_name: &str) -> TelemetryGuard {
         tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false).boxed()
     };
 
-    let endpoint_set = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-        .iter()
-        .any(|key| std::env::var(key).is_ok_and(|v| !v.is_empty()));
+    let endpoint_set = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].iter().any(|key| std::env::var(key).is_ok_and(|v| !v.is_empty()));
     let provider = if endpoint_set { build_provider(service_name) } else { None };
     let otel_layer = provider.as_ref().map(|provider| {
         let tracer = provider.tracer("turbine");

@@ -39,8 +39,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Role {
     /// Every role.
-    pub const ALL: [Role; 8] =
-        [Role::Worker, Role::Router, Role::Gateway, Role::Index, Role::KvStore, Role::Planner, Role::Operator, Role::Monitoring];
+    pub const ALL: [Role; 8] = [Role::Worker, Role::Router, Role::Gateway, Role::Index, Role::KvStore, Role::Planner, Role::Operator, Role::Monitoring];
 
     /// The role's name, as certificates and role tables write it.
     pub fn as_str(self) -> &'static str {
@@ -100,9 +99,7 @@ impl Peer {
     /// parse, names no role, or names more than one.
     pub fn of_certificate(der: &[u8]) -> Result<Peer, String> {
         let (_, certificate) = x509_parser::parse_x509_certificate(der).map_err(|error| format!("the certificate does not parse: {error}"))?;
-        let names = certificate
-            .subject_alternative_name()
-            .map_err(|error| format!("the certificate's alternative names do not parse: {error}"))?;
+        let names = certificate.subject_alternative_name().map_err(|error| format!("the certificate's alternative names do not parse: {error}"))?;
         let suffix = format!(".{ROLE_DOMAIN}");
         let mut roles = Vec::new();
         for name in names.iter().flat_map(|names| names.value.general_names.iter()) {

@@ -17,11 +17,7 @@ fn health_server() -> String {
     std::thread::spawn(move || {
         runtime.block_on(async move {
             let (_reporter, health) = tonic_health::server::health_reporter();
-            tonic::transport::Server::builder()
-                .add_service(health)
-                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
-                .await
-                .unwrap();
+            tonic::transport::Server::builder().add_service(health).serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)).await.unwrap();
         })
     });
     endpoint

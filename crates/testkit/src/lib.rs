@@ -16,9 +16,7 @@ pub mod tls;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-pub use turbine_harness::{
-    ChildProcess, PostgresServer, RedisServer, STARTUP_TIMEOUT, ServiceProcess, addresses_file,
-};
+pub use turbine_harness::{ChildProcess, PostgresServer, RedisServer, STARTUP_TIMEOUT, ServiceProcess, addresses_file};
 
 /// Path of a binary built from this workspace (`turbine`, `turbine-worker`,
 /// ...), next to the running test's target directory.
@@ -27,38 +25,22 @@ pub fn workspace_binary(name: &str) -> PathBuf {
     // target/<profile>/deps/<test> -> target/<profile>/<name>
     let profile_dir = test_exe.parent().and_then(|deps| deps.parent()).expect("target layout");
     let path = profile_dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} is not built; run the tests with `cargo test --workspace` (which builds every binary)",
-        path.display()
-    );
+    assert!(path.is_file(), "{} is not built; run the tests with `cargo test --workspace` (which builds every binary)", path.display());
     path
 }
 
 /// Polls `condition` every 20 ms until it holds and returns how long that
 /// took; panics naming `what` if it does not hold within `deadline`.
-pub async fn wait_until(
-    what: &str,
-    deadline: Duration,
-    condition: impl AsyncFnMut() -> bool,
-) -> Duration {
+pub async fn wait_until(what: &str, deadline: Duration, condition: impl AsyncFnMut() -> bool) -> Duration {
     poll_until(what, deadline, Duration::from_millis(20), condition).await
 }
 
 /// [`wait_until`], looking every `every` (for conditions that hold only
 /// briefly).
-pub async fn poll_until(
-    what: &str,
-    deadline: Duration,
-    every: Duration,
-    mut condition: impl AsyncFnMut() -> bool,
-) -> Duration {
+pub async fn poll_until(what: &str, deadline: Duration, every: Duration, mut condition: impl AsyncFnMut() -> bool) -> Duration {
     let started = Instant::now();
     while !condition().await {
-        assert!(
-            started.elapsed() < deadline,
-            "{what}: not within {deadline:?}"
-        );
+        assert!(started.elapsed() < deadline, "{what}: not within {deadline:?}");
         tokio::time::sleep(every).await;
     }
     started.elapsed()
@@ -83,11 +65,7 @@ pub async fn metric_where(base: &str, name: &str, labels: &[(&str, &str)]) -> f6
     metric_lines(base, name)
         .await
         .iter()
-        .filter(|line| {
-            labels
-                .iter()
-                .all(|(label, value)| line.contains(&format!("{label}=\"{value}\"")))
-        })
+        .filter(|line| labels.iter().all(|(label, value)| line.contains(&format!("{label}=\"{value}\""))))
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }

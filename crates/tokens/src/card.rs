@@ -5,10 +5,10 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+use crate::Result;
 use crate::chat::{CHATML_TEMPLATE, ChatMessage, ChatTemplate};
 use crate::gguf::Gguf;
 use crate::tokenizer::{Tokenizer, TokenizerSpec};
-use crate::Result;
 
 /// Context length assumed when a GGUF file does not state one.
 const FALLBACK_CONTEXT_LENGTH: u32 = 2048;
@@ -31,10 +31,7 @@ pub struct ModelCard {
 impl ModelCard {
     /// Builds the card of a GGUF model served under `name`.
     pub fn from_gguf(name: &str, gguf: &Gguf, kv_block_size: u32) -> Result<Self> {
-        let context_length = gguf
-            .arch_u64("context_length")
-            .and_then(|v| u32::try_from(v).ok())
-            .unwrap_or(FALLBACK_CONTEXT_LENGTH);
+        let context_length = gguf.arch_u64("context_length").and_then(|v| u32::try_from(v).ok()).unwrap_or(FALLBACK_CONTEXT_LENGTH);
         Ok(Self {
             name: name.to_owned(),
             context_length,

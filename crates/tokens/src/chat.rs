@@ -41,11 +41,7 @@ impl ChatTemplate {
     /// reference.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut environment = Environment::new();
-        let syntax = SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .map_err(|error| Error::Template(error.to_string()))?;
+        let syntax = SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(|error| Error::Template(error.to_string()))?;
         environment.set_syntax(syntax);
         environment.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         environment.add_function("raise_exception", |message: String| -> std::result::Result<String, minijinja::Error> {
@@ -95,9 +91,7 @@ mod tests {
     #[test]
     fn chatml_renders_a_generation_prompt() {
         let template = ChatTemplate::new(CHATML_TEMPLATE, "", "<|im_end|>").unwrap();
-        let text = template
-            .render(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")], true)
-            .unwrap();
+        let text = template.render(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")], true).unwrap();
         assert_eq!(text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
     }
 

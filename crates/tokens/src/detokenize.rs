@@ -55,7 +55,6 @@ impl TokenBytes {
     pub fn is_special(&self, token_id: u32) -> bool {
         self.special.get(token_id as usize).copied().unwrap_or(false)
     }
-
 }
 
 impl IncrementalDecoder {
@@ -172,12 +171,7 @@ mod tests {
     use super::*;
 
     fn spec(model: &str, tokens: &[&str], types: &[i32]) -> TokenizerSpec {
-        TokenizerSpec {
-            model: model.into(),
-            tokens: tokens.iter().map(|t| t.to_string()).collect(),
-            token_types: types.to_vec(),
-            ..Default::default()
-        }
+        TokenizerSpec { model: model.into(), tokens: tokens.iter().map(|t| t.to_string()).collect(), token_types: types.to_vec(), ..Default::default() }
     }
 
     #[test]

@@ -208,9 +208,7 @@ struct Reader<R> {
 
 impl<R: Read> Reader<R> {
     fn read_exact(&mut self, buf: &mut [u8]) -> Result<()> {
-        self.inner
-            .read_exact(buf)
-            .map_err(|_| Error::Gguf(format!("truncated at byte {}", self.position)))?;
+        self.inner.read_exact(buf).map_err(|_| Error::Gguf(format!("truncated at byte {}", self.position)))?;
         self.position += buf.len() as u64;
         Ok(())
     }
@@ -222,10 +220,7 @@ impl<R: Read> Reader<R> {
     /// Refuses `count` items of at least `min_item_bytes` each if they cannot fit.
     fn check_count(&self, count: u64, min_item_bytes: u64) -> Result<()> {
         if count.saturating_mul(min_item_bytes) > self.remaining() {
-            return Err(Error::Gguf(format!(
-                "count {count} at byte {} exceeds the file size",
-                self.position
-            )));
+            return Err(Error::Gguf(format!("count {count} at byte {} exceeds the file size", self.position)));
         }
         Ok(())
     }

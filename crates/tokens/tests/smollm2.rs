@@ -56,15 +56,49 @@ fn the_fast_encoder_is_in_use_and_matches_the_hf_pipeline_on_the_fixtures() {
 /// punctuation, contractions, emoji with joiners, and control tokens.
 fn fragment() -> impl Strategy<Value = String> {
     prop_oneof![
-        Just("a".to_owned()), Just("Hello".to_owned()), Just(" world".to_owned()), Just("'s".to_owned()), Just("'ll".to_owned()),
-        Just(" ".to_owned()), Just("  ".to_owned()), Just("\n".to_owned()), Just("\n\n".to_owned()), Just("\t".to_owned()),
-        Just(" \n ".to_owned()), Just("7".to_owned()), Just("2024".to_owned()), Just("١٢٣".to_owned()), Just("Ⅷ".to_owned()),
-        Just("½".to_owned()), Just("3.14".to_owned()), Just("\u{4}x\u{1d}".to_owned()),
-        Just("\u{a0}".to_owned()), Just("\u{3000}".to_owned()), Just("\u{85}".to_owned()), Just("\u{2028}".to_owned()),
-        Just("e\u{301}".to_owned()), Just("\u{13460}".to_owned()), Just("'re".to_owned()), Just("'RE".to_owned()), Just(" '".to_owned()), Just("!!".to_owned()), Just("...".to_owned()), Just("(x)".to_owned()),
-        Just("é".to_owned()), Just("naïve".to_owned()), Just("日本語".to_owned()), Just("Привет".to_owned()), Just("مرحبا".to_owned()),
-        Just("😀".to_owned()), Just("👩‍👩‍👧".to_owned()), Just("\u{200b}".to_owned()), Just("<|im_start|>".to_owned()),
-        Just("<|im_end|>".to_owned()), Just("<|endoftext|>".to_owned()), Just("<|im_".to_owned()), Just("<".to_owned()),
+        Just("a".to_owned()),
+        Just("Hello".to_owned()),
+        Just(" world".to_owned()),
+        Just("'s".to_owned()),
+        Just("'ll".to_owned()),
+        Just(" ".to_owned()),
+        Just("  ".to_owned()),
+        Just("\n".to_owned()),
+        Just("\n\n".to_owned()),
+        Just("\t".to_owned()),
+        Just(" \n ".to_owned()),
+        Just("7".to_owned()),
+        Just("2024".to_owned()),
+        Just("١٢٣".to_owned()),
+        Just("Ⅷ".to_owned()),
+        Just("½".to_owned()),
+        Just("3.14".to_owned()),
+        Just("\u{4}x\u{1d}".to_owned()),
+        Just("\u{a0}".to_owned()),
+        Just("\u{3000}".to_owned()),
+        Just("\u{85}".to_owned()),
+        Just("\u{2028}".to_owned()),
+        Just("e\u{301}".to_owned()),
+        Just("\u{13460}".to_owned()),
+        Just("'re".to_owned()),
+        Just("'RE".to_owned()),
+        Just(" '".to_owned()),
+        Just("!!".to_owned()),
+        Just("...".to_owned()),
+        Just("(x)".to_owned()),
+        Just("é".to_owned()),
+        Just("naïve".to_owned()),
+        Just("日本語".to_owned()),
+        Just("Привет".to_owned()),
+        Just("مرحبا".to_owned()),
+        Just("😀".to_owned()),
+        Just("👩‍👩‍👧".to_owned()),
+        Just("\u{200b}".to_owned()),
+        Just("<|im_start|>".to_owned()),
+        Just("<|im_end|>".to_owned()),
+        Just("<|endoftext|>".to_owned()),
+        Just("<|im_".to_owned()),
+        Just("<".to_owned()),
         "[a-zA-Z0-9 ]{1,12}",
         any::<char>().prop_map(String::from),
     ]
@@ -131,12 +165,8 @@ fn chat_template_matches_jinja2() {
         one,
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n"
     );
-    let conversation = [
-        ChatMessage::new("system", "Be terse."),
-        ChatMessage::new("user", "Hi"),
-        ChatMessage::new("assistant", "Hello!"),
-        ChatMessage::new("user", "Bye"),
-    ];
+    let conversation =
+        [ChatMessage::new("system", "Be terse."), ChatMessage::new("user", "Hi"), ChatMessage::new("assistant", "Hello!"), ChatMessage::new("user", "Bye")];
     assert_eq!(
         preprocessor.render_chat(&conversation).unwrap(),
         "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"

@@ -88,9 +88,7 @@ pub(crate) fn serve(worker: &Worker, mut shm_worker: Option<&Worker>, jobs: &mps
         // cancel: stop using (and progressing) shared memory; everything
         // goes through the main context from then on.
         if shm.as_ref().is_some_and(|shm| shm.poisoned) {
-            tracing::warn!(
-                "a shared-memory UCX read could not be cancelled; this worker reads and serves KV blocks without shared memory until it restarts"
-            );
+            tracing::warn!("a shared-memory UCX read could not be cancelled; this worker reads and serves KV blocks without shared memory until it restarts");
             if let Some(poisoned) = shm.take() {
                 // Its endpoints must not be closed (that could hang too).
                 std::mem::forget(poisoned.open);

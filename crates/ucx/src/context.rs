@@ -52,8 +52,7 @@ impl Context {
     /// `tls` (UCX's `UCX_TLS` syntax, e.g. `"sm,self"`), whatever the
     /// environment says.
     pub fn with_transports(tls: &str) -> Result<Self, UcxError> {
-        let tls =
-            std::ffi::CString::new(tls).map_err(|_| UcxError { call: "ucp_config_modify", status: -5, message: "NUL in transport list".into() })?;
+        let tls = std::ffi::CString::new(tls).map_err(|_| UcxError { call: "ucp_config_modify", status: -5, message: "NUL in transport list".into() })?;
         // SAFETY: the config is read, modified and released here; the
         // strings outlive the calls.
         unsafe {

@@ -41,18 +41,13 @@ impl MemoryRegion {
     ///
     /// # Safety
     /// As [`register`](Self::register).
-    unsafe fn map_existing(
-        context: &Context,
-        address: u64,
-        length: usize,
-        memory_type: Option<sys::ucs_memory_type::Type>,
-    ) -> Result<Self, UcxError> {
+    unsafe fn map_existing(context: &Context, address: u64, length: usize, memory_type: Option<sys::ucs_memory_type::Type>) -> Result<Self, UcxError> {
         // SAFETY: per the caller's promise; zeroed params with address,
         // length and (when given) the memory type set.
         unsafe {
             let mut params: sys::ucp_mem_map_params_t = std::mem::zeroed();
-            params.field_mask = (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
+            params.field_mask =
+                (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
             params.address = address as *mut _;
             params.length = length;
             if let Some(memory_type) = memory_type {

@@ -85,12 +85,7 @@ impl Worker {
     /// On [`WaitError::Abandoned`], UCX may still write into the abandoned
     /// requests' buffers at any later time: the caller must never free or
     /// reuse them (leak them).
-    pub unsafe fn wait_all_until(
-        &self,
-        requests: Vec<Request<'_>>,
-        deadline: std::time::Instant,
-        grace: std::time::Duration,
-    ) -> Result<(), WaitError> {
+    pub unsafe fn wait_all_until(&self, requests: Vec<Request<'_>>, deadline: std::time::Instant, grace: std::time::Duration) -> Result<(), WaitError> {
         let mut pending: Vec<Request<'_>> = requests.into_iter().filter(|request| !request.is_done()).collect();
         let mut first_error = None;
         let mut cancelled_at = None;
@@ -124,11 +119,7 @@ impl Worker {
             }
         }
         if cancelled_at.is_some() {
-            return Err(WaitError::Failed(UcxError {
-                call: "wait",
-                status: i32::from(sys::ucs_status_t::UCS_ERR_TIMED_OUT),
-                message: "timed out".into(),
-            }));
+            return Err(WaitError::Failed(UcxError { call: "wait", status: i32::from(sys::ucs_status_t::UCS_ERR_TIMED_OUT), message: "timed out".into() }));
         }
         first_error.map_or(Ok(()), |error| Err(WaitError::Failed(error)))
     }
@@ -177,11 +168,8 @@ impl Worker {
             let mut params: sys::ucp_ep_params_t = std::mem::zeroed();
             params.field_mask =
                 (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64;
-            params.err_mode = if peer_errors {
-                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
-            } else {
-                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE
-            };
+            params.err_mode =
+                if peer_errors { sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER } else { sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE };
             params.address = peer.as_ptr() as *const sys::ucp_address_t;
             let mut endpoint = ptr::null_mut();
             check("ucp_ep_create", sys::ucp_ep_create(self.handle, &params, &mut endpoint))?;

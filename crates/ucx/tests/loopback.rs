@@ -31,11 +31,8 @@ fn a_batch_of_one_sided_reads_copies_registered_blocks() {
     let wanted: Vec<usize> = (0..BLOCKS).rev().step_by(2).collect();
     let mut pulled = vec![0u8; wanted.len() * BLOCK];
     let posted = Instant::now();
-    let requests: Vec<_> = pulled
-        .chunks_mut(BLOCK)
-        .zip(&wanted)
-        .map(|(into, &block)| endpoint.get(into, base + (block * BLOCK) as u64, &key).unwrap())
-        .collect();
+    let requests: Vec<_> =
+        pulled.chunks_mut(BLOCK).zip(&wanted).map(|(into, &block)| endpoint.get(into, base + (block * BLOCK) as u64, &key).unwrap()).collect();
     let post_time = posted.elapsed();
     // The owner's worker must make progress too for transports that need
     // it (tcp); a real owner runs a progress thread.

@@ -108,8 +108,8 @@ pub struct GrpcWorker {
 impl GrpcWorker {
     /// The worker at `endpoint`, over the process's shared channel to it.
     pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
-        let channel = turbine_runtime::grpc::channel(endpoint)
-            .map_err(|error| WorkerError::Unavailable(format!("bad worker endpoint {endpoint:?}: {error}")))?;
+        let channel =
+            turbine_runtime::grpc::channel(endpoint).map_err(|error| WorkerError::Unavailable(format!("bad worker endpoint {endpoint:?}: {error}")))?;
         Ok(Self { client: PbWorkerClient::new(channel).with_message_limits() })
     }
 }

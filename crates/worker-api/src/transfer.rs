@@ -77,8 +77,8 @@ impl KvTransferClient {
     /// The service at `endpoint` (a handle's `transfer_endpoint`), over the
     /// process's shared channel to it.
     pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
-        let channel = turbine_runtime::grpc::channel(endpoint)
-            .map_err(|error| WorkerError::Unavailable(format!("bad transfer endpoint {endpoint:?}: {error}")))?;
+        let channel =
+            turbine_runtime::grpc::channel(endpoint).map_err(|error| WorkerError::Unavailable(format!("bad transfer endpoint {endpoint:?}: {error}")))?;
         Ok(Self::new(Arc::new(GrpcKvTransfer { client: PbKvTransferClient::new(channel).with_message_limits() })))
     }
 
@@ -132,8 +132,7 @@ impl KvTransferApi for GrpcKvTransfer {
         into.clear();
         into.reserve(indices.len() * block_bytes);
         for &index in indices {
-            let pb::BlockData { index: sent, data } =
-                stream.next().await.ok_or_else(|| WorkerError::Unavailable("the block stream ended early".into()))??;
+            let pb::BlockData { index: sent, data } = stream.next().await.ok_or_else(|| WorkerError::Unavailable("the block stream ended early".into()))??;
             if sent as usize != index || data.len() != block_bytes {
                 return Err(WorkerError::Internal(format!("block {sent} of {} bytes where block {index} of {block_bytes} was due", data.len())));
             }

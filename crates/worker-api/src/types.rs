@@ -238,8 +238,7 @@ impl TryFrom<pb::KvHandle> for KvHandle {
         if transfer_endpoint.is_empty() {
             return Err(ConversionError::Missing("handle.transfer_endpoint"));
         }
-        let lease_ms =
-            u64::try_from(lease_expires_unix_ms).map_err(|_| ConversionError::invalid("handle.lease_expires_unix_ms", "must not be negative"))?;
+        let lease_ms = u64::try_from(lease_expires_unix_ms).map_err(|_| ConversionError::invalid("handle.lease_expires_unix_ms", "must not be negative"))?;
         Ok(KvHandle {
             worker_id: WorkerId::from(worker_id),
             transfer_endpoint,

@@ -47,12 +47,7 @@ const MIN_REFRESH_GAP: Duration = Duration::from_millis(100);
 impl ModelCatalog {
     /// An empty catalog fed from `router`'s worker list.
     pub fn new(router: RouterClient, workers: WorkerClients) -> Self {
-        Self {
-            router,
-            workers,
-            state: RwLock::default(),
-            refreshing: tokio::sync::Mutex::new(()),
-        }
+        Self { router, workers, state: RwLock::default(), refreshing: tokio::sync::Mutex::new(()) }
     }
 
     /// Re-reads the live workers; fetches and compiles the card of every

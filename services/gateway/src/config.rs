@@ -24,11 +24,7 @@ impl ServiceDefaults for GatewayPorts {
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct GatewayConfig {
     /// OpenAI REST listen address (also /metrics, /livez, /readyz, /health).
-    #[arg(
-        long,
-        env = "TURBINE_GATEWAY_HTTP_ADDR",
-        default_value = "0.0.0.0:8000"
-    )]
+    #[arg(long, env = "TURBINE_GATEWAY_HTTP_ADDR", default_value = "0.0.0.0:8000")]
     pub http_addr: SocketAddr,
     #[command(flatten)]
     #[serde(flatten)]
@@ -64,11 +60,7 @@ pub struct AdmissionConfig {
     #[arg(long, env = "TURBINE_GATEWAY_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
     /// Requests served at once; more get 429 with Retry-After.
-    #[arg(
-        long,
-        env = "TURBINE_GATEWAY_MAX_CONCURRENT_REQUESTS",
-        default_value_t = 4096
-    )]
+    #[arg(long, env = "TURBINE_GATEWAY_MAX_CONCURRENT_REQUESTS", default_value_t = 4096)]
     pub max_concurrent_requests: usize,
     /// How often the served models are refreshed from the router, in
     /// milliseconds.

@@ -53,11 +53,7 @@ impl GatewayError {
 
     /// A 404 for a model nobody serves.
     pub fn model_not_found(model: &str) -> Self {
-        Self {
-            kind: ErrorKind::ModelNotFound,
-            message: format!("The model `{model}` does not exist or no worker serves it."),
-            param: Some("model".into()),
-        }
+        Self { kind: ErrorKind::ModelNotFound, message: format!("The model `{model}` does not exist or no worker serves it."), param: Some("model".into()) }
     }
 
     /// HTTP status.

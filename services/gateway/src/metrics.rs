@@ -30,20 +30,16 @@ static TOKEN_GAP: LazyLock<HistogramVec> = LazyLock::new(|| {
         slo_latency_buckets(),
     )
 });
-static STARTED_PROMPT_TOKENS: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter("turbine_gateway_started_prompt_tokens_total", "Prompt tokens of the requests that got their first token", &["model"])
-});
-static DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
-    histogram("turbine_gateway_request_duration_seconds", "Time from request to the last token", &["model"], latency_buckets())
-});
+static STARTED_PROMPT_TOKENS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_gateway_started_prompt_tokens_total", "Prompt tokens of the requests that got their first token", &["model"]));
+static DURATION: LazyLock<HistogramVec> =
+    LazyLock::new(|| histogram("turbine_gateway_request_duration_seconds", "Time from request to the last token", &["model"], latency_buckets()));
 static TOKENS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_gateway_tokens_total", "Tokens by model and kind (prompt, cached_prompt, completion)", &["model", "kind"]));
-static RETRIES: LazyLock<IntCounter> = LazyLock::new(|| {
-    counter("turbine_gateway_worker_retries_total", "Requests re-routed before their first token", &[]).with_label_values(&[] as &[&str])
-});
+static RETRIES: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("turbine_gateway_worker_retries_total", "Requests re-routed before their first token", &[]).with_label_values(&[] as &[&str]));
 static MIGRATIONS: LazyLock<IntCounter> = LazyLock::new(|| {
-    counter("turbine_gateway_migrations_total", "Requests continued on another worker after one failed mid-stream", &[])
-        .with_label_values(&[] as &[&str])
+    counter("turbine_gateway_migrations_total", "Requests continued on another worker after one failed mid-stream", &[]).with_label_values(&[] as &[&str])
 });
 
 /// Counts a response by endpoint and status.

@@ -12,16 +12,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use turbine_engine::{
-    FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage,
-};
+use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
 use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
-use turbine_worker_api::{
-    KvHandle, KvTransferClient, RemotePrefill, TokenStream, WorkerClient, WorkerClients,
-    WorkerError,
-};
+use turbine_worker_api::{KvHandle, KvTransferClient, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
 
 use crate::catalog::ModelCatalog;
 use crate::error::{ErrorKind, GatewayError};
@@ -112,11 +107,7 @@ pub enum TextEvent {
 impl Pipeline {
     /// A pipeline over a router, worker clients and the model catalog.
     pub fn new(router: RouterClient, workers: WorkerClients, catalog: Arc<ModelCatalog>) -> Self {
-        Self {
-            router,
-            workers,
-            catalog,
-        }
+        Self { router, workers, catalog }
     }
 
     /// The client of a routed worker.
@@ -194,12 +185,7 @@ impl Pipeline {
     /// Routes and opens a worker stream, trying other workers when one is
     /// unavailable or full: the worker whose tokens it carries (the decode
     /// worker when disaggregated) and the stream.
-    async fn dispatch(
-        &self,
-        model: &str,
-        request: &GenerateRequest,
-        excluded: &mut Vec<WorkerId>,
-    ) -> Result<(WorkerId, TokenStream), GatewayError> {
+    async fn dispatch(&self, model: &str, request: &GenerateRequest, excluded: &mut Vec<WorkerId>) -> Result<(WorkerId, TokenStream), GatewayError> {
         let mut last_error = None;
         for _ in 0..MAX_ROUTES {
             let route = RouteRequest {
@@ -211,12 +197,11 @@ impl Pipeline {
                 token_ids: request.prompt.as_slice().into(),
                 kv: None,
             };
-            let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) =
-                match self.router.route(&route).await {
-                    Ok(routed) => (routed.worker, routed.prefill),
-                    // Every worker was tried: report the last worker error.
-                    Err(error) => return Err(last_error.unwrap_or_else(|| error.into())),
-                };
+            let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) = match self.router.route(&route).await {
+                Ok(routed) => (routed.worker, routed.prefill),
+                // Every worker was tried: report the last worker error.
+                Err(error) => return Err(last_error.unwrap_or_else(|| error.into())),
+            };
             let client = self.client(&worker)?;
             let started = match prefill {
                 Some(prefill) => self.disaggregated(&client, &prefill, request).await,
@@ -246,12 +231,7 @@ impl Pipeline {
     /// failure mid-stream, and the request continues on another worker.
     /// A prefill that fails leaves the decode worker to compute the prompt
     /// itself.
-    async fn disaggregated(
-        &self,
-        decode: &WorkerClient,
-        prefill: &RoutedWorker,
-        request: &GenerateRequest,
-    ) -> Result<TokenStream, WorkerError> {
+    async fn disaggregated(&self, decode: &WorkerClient, prefill: &RoutedWorker, request: &GenerateRequest) -> Result<TokenStream, WorkerError> {
         let prefilled = match self.client(prefill) {
             Ok(client) => client.prefill(request.clone()).await,
             Err(error) => Err(error),
@@ -272,10 +252,7 @@ impl Pipeline {
         }
         // Released if this request goes away before a decode worker has it.
         let guard = prefilled.handle.map(ReleaseOnDrop::new);
-        let remote = RemotePrefill {
-            handle: guard.as_ref().map(|guard| guard.handle.clone()),
-            generated_token_ids: first.tokens.clone(),
-        };
+        let remote = RemotePrefill { handle: guard.as_ref().map(|guard| guard.handle.clone()), generated_token_ids: first.tokens.clone() };
         // Cached prompt tokens: the prefill's hits plus the decode worker's
         // own (it does not count the blocks it read).
         let prefill_cached = prefilled.cached_prompt_tokens;

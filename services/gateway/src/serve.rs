@@ -31,13 +31,11 @@ pub struct GatewayDeps {
 impl GatewayDeps {
     /// A standalone gateway's: the router at `--router`, workers over gRPC.
     pub fn from_config(config: &GatewayConfig) -> anyhow::Result<Self> {
-        let endpoint = config.router.as_deref().context(
-            "turbine-gateway needs a router: pass --router http://HOST:PORT (or run everything in one process with `turbine run`)",
-        )?;
-        Ok(Self {
-            router: RouterClient::connect(endpoint)?,
-            workers: WorkerClients::default(),
-        })
+        let endpoint = config
+            .router
+            .as_deref()
+            .context("turbine-gateway needs a router: pass --router http://HOST:PORT (or run everything in one process with `turbine run`)")?;
+        Ok(Self { router: RouterClient::connect(endpoint)?, workers: WorkerClients::default() })
     }
 }
 
@@ -53,16 +51,8 @@ const SPEC: HostSpec = HostSpec {
 /// Serves the gateway on `listeners` (gRPC, and the REST API on their HTTP
 /// listener) until `shutdown` fires; then stops accepting, lets in-flight
 /// requests finish (up to the grace period) and returns.
-pub async fn serve(
-    config: GatewayConfig,
-    deps: GatewayDeps,
-    listeners: Listeners,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        listeners.http.is_some(),
-        "the gateway needs an HTTP listener for its REST API"
-    );
+pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+    anyhow::ensure!(listeners.http.is_some(), "the gateway needs an HTTP listener for its REST API");
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     let readiness = host.readiness().clone();
     let catalog = Arc::new(ModelCatalog::new(deps.router.clone(), deps.workers.clone()));
@@ -76,14 +66,10 @@ pub async fn serve(
     host.set_http(rest_router(state));
     let serving = host.start(shutdown.clone())?;
     // Ready while the router answers.
-    catalog.spawn_refresh(
-        Duration::from_millis(config.admission.model_refresh_ms),
-        shutdown,
-        move |router_answers| {
-            let readiness = readiness.clone();
-            tokio::spawn(async move { readiness.set_ready(router_answers).await });
-        },
-    );
+    catalog.spawn_refresh(Duration::from_millis(config.admission.model_refresh_ms), shutdown, move |router_answers| {
+        let readiness = readiness.clone();
+        tokio::spawn(async move { readiness.set_ready(router_answers).await });
+    });
     serving.until_shutdown(async {}).await
 }
 
@@ -91,9 +77,7 @@ pub async fn serve(
 pub fn main(config: GatewayConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-gateway", move |shutdown| async move {
         let deps = GatewayDeps::from_config(&config)?;
-        let listeners = Listeners::bind(&config.server)
-            .await?
-            .with_http(bind(config.http_addr, "HTTP").await?);
+        let listeners = Listeners::bind(&config.server).await?.with_http(bind(config.http_addr, "HTTP").await?);
         serve(config, deps, listeners, shutdown).await
     })
 }

@@ -10,15 +10,10 @@ use turbine_testkit::{ChildProcess, ServiceProcess};
 #[tokio::test]
 async fn without_a_reachable_router_it_is_not_ready_and_answers_503() {
     // A router address nothing listens on: bound, then closed.
-    let dead_router = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let dead_router = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-gateway"));
     command.args(["--router", &format!("http://{dead_router}")]);
-    let mut gateway = ServiceProcess::spawn("turbine-gateway", command, true)
-        .await
-        .unwrap();
+    let mut gateway = ServiceProcess::spawn("turbine-gateway", command, true).await.unwrap();
     let base = gateway.http_url();
 
     assert_eq!(reqwest::get(format!("{base}/readyz")).await.unwrap().status(), 503);

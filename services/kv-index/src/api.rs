@@ -161,8 +161,8 @@ impl KvIndexClient {
     /// The kv-index service at `endpoint`, over the process's shared
     /// channel to it (connected on first use).
     pub fn connect(endpoint: &str) -> Result<Self, KvIndexError> {
-        let channel = turbine_runtime::grpc::channel(endpoint)
-            .map_err(|error| KvIndexError::InvalidArgument(format!("bad kv-index endpoint {endpoint:?}: {error}")))?;
+        let channel =
+            turbine_runtime::grpc::channel(endpoint).map_err(|error| KvIndexError::InvalidArgument(format!("bad kv-index endpoint {endpoint:?}: {error}")))?;
         Ok(Self::new(Arc::new(GrpcKvIndex { client: PbKvIndexClient::new(channel).with_message_limits() })))
     }
 
@@ -207,8 +207,7 @@ impl KvIndexApi for GrpcKvIndex {
             cached_blocks_of: cached_blocks_of.iter().map(WorkerId::to_string).collect(),
             ..Default::default()
         };
-        let pb::FindMatchesResponse { query_blocks, matches, log_reachable, cached_blocks } =
-            self.client.clone().find_matches(request).await?.into_inner();
+        let pb::FindMatchesResponse { query_blocks, matches, log_reachable, cached_blocks } = self.client.clone().find_matches(request).await?.into_inner();
         Ok(MatchAnswer {
             query_blocks,
             matches: matches.into_iter().map(worker_match).collect(),
@@ -240,8 +239,7 @@ impl KvIndexApi for GrpcKvIndex {
     }
 
     async fn stats(&self) -> Result<IndexStats, KvIndexError> {
-        IndexStats::try_from(self.client.clone().stats(pb::StatsRequest {}).await?.into_inner())
-            .map_err(|error| KvIndexError::Internal(error.to_string()))
+        IndexStats::try_from(self.client.clone().stats(pb::StatsRequest {}).await?.into_inner()).map_err(|error| KvIndexError::Internal(error.to_string()))
     }
 }
 
@@ -311,8 +309,7 @@ impl TryFrom<pb::StatsResponse> for IndexStats {
             snapshots_written,
             started_from_snapshot,
         } = stats;
-        let position =
-            |field: &'static str, text: &str| text.parse::<LogPosition>().map_err(|error| ConversionError::invalid(field, error.to_string()));
+        let position = |field: &'static str, text: &str| text.parse::<LogPosition>().map_err(|error| ConversionError::invalid(field, error.to_string()));
         Ok(IndexStats {
             workers,
             blocks,
@@ -324,9 +321,7 @@ impl TryFrom<pb::StatsResponse> for IndexStats {
             log_position: position("log_position", &log_position)?,
             workers_expired,
             snapshots_written,
-            started_from_snapshot: (!started_from_snapshot.is_empty())
-                .then(|| position("started_from_snapshot", &started_from_snapshot))
-                .transpose()?,
+            started_from_snapshot: (!started_from_snapshot.is_empty()).then(|| position("started_from_snapshot", &started_from_snapshot)).transpose()?,
         })
     }
 }

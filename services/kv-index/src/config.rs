@@ -26,18 +26,10 @@ pub struct KvIndexConfig {
     #[serde(flatten)]
     pub cluster: ClusterConfig,
     /// Seconds between index snapshots written to Redis; 0 turns them off.
-    #[arg(
-        long,
-        env = "TURBINE_KV_INDEX_SNAPSHOT_INTERVAL_SECS",
-        default_value_t = 30.0
-    )]
+    #[arg(long, env = "TURBINE_KV_INDEX_SNAPSHOT_INTERVAL_SECS", default_value_t = 30.0)]
     pub snapshot_interval_secs: f64,
     /// Registry poll interval in milliseconds.
-    #[arg(
-        long,
-        env = "TURBINE_KV_INDEX_REGISTRY_POLL_MS",
-        default_value_t = 1000
-    )]
+    #[arg(long, env = "TURBINE_KV_INDEX_REGISTRY_POLL_MS", default_value_t = 1000)]
     pub registry_poll_ms: u64,
     /// Seconds a worker may be missing from the registry (its lease expired)
     /// before its blocks leave the index.

@@ -22,9 +22,7 @@ pub mod local;
 pub mod serve;
 pub mod service;
 
-pub use api::{
-    GrpcKvIndex, IndexStats, KvIndexApi, KvIndexClient, KvIndexError, MatchAnswer, MatchQuery,
-};
+pub use api::{GrpcKvIndex, IndexStats, KvIndexApi, KvIndexClient, KvIndexError, MatchAnswer, MatchQuery};
 pub use config::KvIndexConfig;
 pub use local::{LocalKvIndex, ReplicaCounters};
 pub use serve::{IndexFeed, KvIndexDeps, main, serve};

@@ -102,8 +102,7 @@ impl KvIndexApi for LocalKvIndex {
         }
         let mut positions = Vec::with_capacity(batches.len());
         for batch in &batches {
-            let position =
-                log.publish(batch).await.map_err(|error| KvIndexError::Unavailable(format!("the KV event log (Redis) is unreachable: {error}")))?;
+            let position = log.publish(batch).await.map_err(|error| KvIndexError::Unavailable(format!("the KV event log (Redis) is unreachable: {error}")))?;
             positions.push(position);
         }
         Ok(positions)

@@ -9,9 +9,7 @@ use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use tokio::task::JoinHandle;
 use turbine_kv::{KvIndex, Unregistered, WorkerId};
-use turbine_kv_log::{
-    EventLog, FollowerStatus, LogPosition, dump_fetcher, follow_from, start_from_snapshot,
-};
+use turbine_kv_log::{EventLog, FollowerStatus, LogPosition, dump_fetcher, follow_from, start_from_snapshot};
 use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexServer};
 use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace, WorkerRecord};
@@ -25,10 +23,7 @@ use crate::service::KvIndexService;
 
 /// How a replica's index is kept current.
 #[derive(Debug, Clone)]
-#[allow(
-    clippy::large_enum_variant,
-    reason = "one value per process, built at startup"
-)]
+#[allow(clippy::large_enum_variant, reason = "one value per process, built at startup")]
 pub enum IndexFeed {
     /// Following the namespace's event log (a standalone replica).
     Log(EventLog),
@@ -51,15 +46,10 @@ pub struct KvIndexDeps {
 impl KvIndexDeps {
     /// A standalone replica's: the registry and event log in Redis.
     pub fn from_config(config: &KvIndexConfig) -> anyhow::Result<Self> {
-        let redis = config.cluster.redis.as_deref().context(
-            "turbine-kv-index follows the KV event log in Redis: pass --redis redis://HOST:PORT/",
-        )?;
+        let redis = config.cluster.redis.as_deref().context("turbine-kv-index follows the KV event log in Redis: pass --redis redis://HOST:PORT/")?;
         Ok(Self {
             registry: Registry::Redis(RedisRegistry::new(redis, &config.cluster.namespace)?),
-            feed: IndexFeed::Log(
-                EventLog::new(redis, &config.cluster.namespace)
-                    .context("bad Redis URL for the KV event log")?,
-            ),
+            feed: IndexFeed::Log(EventLog::new(redis, &config.cluster.namespace).context("bad Redis URL for the KV event log")?),
             workers: WorkerClients::default(),
         })
     }
@@ -89,12 +79,7 @@ pub const ROLES: &[RpcRoles] = &[
 ];
 
 /// Serves a replica on `listeners` until `shutdown` fires, then drains.
-pub async fn serve(
-    config: KvIndexConfig,
-    deps: KvIndexDeps,
-    listeners: Listeners,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+pub async fn serve(config: KvIndexConfig, deps: KvIndexDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut tasks = Vec::new();
     let replica = match deps.feed {
         IndexFeed::InProcess(index) => LocalKvIndex::new(index),
@@ -118,43 +103,14 @@ pub async fn serve(
                 let workers = dump_fetcher(deps.workers.clone(), move |worker_id| workers.read().get(worker_id).cloned());
                 turbine_kv_store::events::dump_fetcher(workers, move |name| stores.read().get(name).cloned())
             };
-            tasks.push(follow_from(
-                index.clone(),
-                &log,
-                start,
-                fetch,
-                status.clone(),
-                shutdown.clone(),
-            ));
-            tasks.push(turbine_kv_log::export_metrics(
-                "kv-index",
-                index.clone(),
-                status.clone(),
-                shutdown.clone(),
-            ));
-            tasks.push(sweep_expired(
-                index.clone(),
-                deps.registry.clone(),
-                endpoints,
-                &config,
-                counters.clone(),
-                shutdown.clone(),
-            ));
+            tasks.push(follow_from(index.clone(), &log, start, fetch, status.clone(), shutdown.clone()));
+            tasks.push(turbine_kv_log::export_metrics("kv-index", index.clone(), status.clone(), shutdown.clone()));
+            tasks.push(sweep_expired(index.clone(), deps.registry.clone(), endpoints, &config, counters.clone(), shutdown.clone()));
             if config.snapshot_interval_secs > 0.0 {
                 let interval = Duration::from_secs_f64(config.snapshot_interval_secs);
-                tasks.push(write_snapshots(
-                    index.clone(),
-                    log.clone(),
-                    status.clone(),
-                    counters.clone(),
-                    interval,
-                    shutdown.clone(),
-                ));
+                tasks.push(write_snapshots(index.clone(), log.clone(), status.clone(), counters.clone(), interval, shutdown.clone()));
             }
-            LocalKvIndex::new(index)
-                .with_follower(Some(status))
-                .with_log(log)
-                .with_counters(counters)
+            LocalKvIndex::new(index).with_follower(Some(status)).with_log(log).with_counters(counters)
         }
     };
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
@@ -261,10 +217,7 @@ fn write_snapshots(
                 continue;
             }
             let started = Instant::now();
-            match log
-                .save_snapshot(index.clone(), position, status.stale_workers())
-                .await
-            {
+            match log.save_snapshot(index.clone(), position, status.stale_workers()).await {
                 Ok(Some(bytes)) => {
                     counters.snapshots_written.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%position, bytes, took_ms = started.elapsed().as_millis() as u64, "KV index snapshot written");

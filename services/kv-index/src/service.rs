@@ -61,52 +61,23 @@ impl KvIndexRpc for KvIndexService {
         let batches = batches
             .into_iter()
             .enumerate()
-            .map(|(number, batch)| {
-                EventBatch::try_from(batch)
-                    .map_err(|error| Status::invalid_argument(format!("batch {number}: {error}")))
-            })
+            .map(|(number, batch)| EventBatch::try_from(batch).map_err(|error| Status::invalid_argument(format!("batch {number}: {error}"))))
             .collect::<Result<Vec<_>, _>>()?;
         let positions = self.replica.publish_events(batches).await?;
-        Ok(Response::new(pb::PublishEventsResponse {
-            entry_ids: positions.iter().map(ToString::to_string).collect(),
-        }))
+        Ok(Response::new(pb::PublishEventsResponse { entry_ids: positions.iter().map(ToString::to_string).collect() }))
     }
 
-    async fn find_matches(
-        &self,
-        request: Request<pb::FindMatchesRequest>,
-    ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+    async fn find_matches(&self, request: Request<pb::FindMatchesRequest>) -> Result<Response<pb::FindMatchesResponse>, Status> {
         let request = request.into_inner();
-        let query = MatchQuery {
-            hashes: query_hashes(&request)?,
-            cached_blocks_of: request
-                .cached_blocks_of
-                .into_iter()
-                .map(WorkerId::from)
-                .collect(),
-        };
-        let MatchAnswer {
-            query_blocks,
-            mut matches,
-            cached_blocks,
-            log_reachable,
-        } = self.replica.find_matches(&query).await?;
+        let query = MatchQuery { hashes: query_hashes(&request)?, cached_blocks_of: request.cached_blocks_of.into_iter().map(WorkerId::from).collect() };
+        let MatchAnswer { query_blocks, mut matches, cached_blocks, log_reachable } = self.replica.find_matches(&query).await?;
         // Deepest first, for people reading the answer.
-        matches.sort_by(|a, b| {
-            b.blocks
-                .cmp(&a.blocks)
-                .then_with(|| a.worker_id.cmp(&b.worker_id))
-        });
+        matches.sort_by(|a, b| b.blocks.cmp(&a.blocks).then_with(|| a.worker_id.cmp(&b.worker_id)));
         Ok(Response::new(pb::FindMatchesResponse {
             query_blocks,
             matches: matches.into_iter().map(match_to_wire).collect(),
             log_reachable,
-            cached_blocks: query
-                .cached_blocks_of
-                .iter()
-                .map(ToString::to_string)
-                .zip(cached_blocks.into_iter().map(|blocks| blocks as u64))
-                .collect(),
+            cached_blocks: query.cached_blocks_of.iter().map(ToString::to_string).zip(cached_blocks.into_iter().map(|blocks| blocks as u64)).collect(),
         }))
     }
 
@@ -123,35 +94,17 @@ impl KvIndexRpc for KvIndexService {
         };
         // One worker at a time, so a big index is never copied whole.
         let replica = self.replica.clone();
-        let dumps = tokio_stream::iter(ids).filter_map(move |id| {
-            replica
-                .dump_of(&id)
-                .map(|dump| Ok(pb::WorkerDump::from(&dump)))
-        });
+        let dumps = tokio_stream::iter(ids).filter_map(move |id| replica.dump_of(&id).map(|dump| Ok(pb::WorkerDump::from(&dump))));
         Ok(Response::new(Box::pin(dumps)))
     }
 
-    async fn remove_worker(
-        &self,
-        request: Request<pb::RemoveWorkerRequest>,
-    ) -> Result<Response<pb::RemoveWorkerResponse>, Status> {
-        let removed = self
-            .replica
-            .remove_worker(WorkerId::from(request.into_inner().worker_id))
-            .await?;
-        Ok(Response::new(pb::RemoveWorkerResponse {
-            removed: removed.is_some(),
-            blocks: removed.unwrap_or(0),
-        }))
+    async fn remove_worker(&self, request: Request<pb::RemoveWorkerRequest>) -> Result<Response<pb::RemoveWorkerResponse>, Status> {
+        let removed = self.replica.remove_worker(WorkerId::from(request.into_inner().worker_id)).await?;
+        Ok(Response::new(pb::RemoveWorkerResponse { removed: removed.is_some(), blocks: removed.unwrap_or(0) }))
     }
 
-    async fn stats(
-        &self,
-        _request: Request<pb::StatsRequest>,
-    ) -> Result<Response<pb::StatsResponse>, Status> {
-        Ok(Response::new(pb::StatsResponse::from(
-            self.replica.stats().await?,
-        )))
+    async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
+        Ok(Response::new(pb::StatsResponse::from(self.replica.stats().await?)))
     }
 }
 

@@ -9,9 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tonic::transport::Channel;
-use turbine_kv::{
-    BlockHasher, EventBatch, KvEvent, NumberedEvent, SequenceHash, StoredBlock, Tier,
-};
+use turbine_kv::{BlockHasher, EventBatch, KvEvent, NumberedEvent, SequenceHash, StoredBlock, Tier};
 use turbine_proto::kvindex::v1 as pb;
 use turbine_proto::kvindex::v1::kv_index_client::KvIndexClient;
 use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
@@ -20,7 +18,17 @@ use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, wait_until};
 const BLOCK: usize = 16;
 
 fn record(id: &str) -> WorkerRecord {
-    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default(), kv_store: None }
+    WorkerRecord {
+        worker_id: id.into(),
+        endpoint: format!("http://127.0.0.1:1/{id}"),
+        model: "m".into(),
+        load: Default::default(),
+        kv_block_size: 16,
+        instance: 1,
+        role: Default::default(),
+        read_costs: Default::default(),
+        kv_store: None,
+    }
 }
 
 struct Replica {
@@ -31,35 +39,17 @@ struct Replica {
 /// A replica listening at `grpc` (`127.0.0.1:0`: a free port).
 async fn start_replica(redis: &RedisServer, grpc: &str, extra: &[&str]) -> Replica {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-kv-index"));
-    command.args([
-        "--grpc-addr",
-        grpc,
-        "--redis",
-        &redis.url(),
-        "--namespace",
-        "t",
-    ]);
+    command.args(["--grpc-addr", grpc, "--redis", &redis.url(), "--namespace", "t"]);
     command.args(["--registry-poll-ms", "100"]).args(extra);
-    let mut process = ServiceProcess::spawn("turbine-kv-index", command, false)
-        .await
-        .unwrap();
-    process
-        .until_serving("turbine.kvindex.v1.KvIndex", STARTUP_TIMEOUT)
-        .await
-        .unwrap();
-    let client = KvIndexClient::connect(process.grpc_endpoint())
-        .await
-        .unwrap();
+    let mut process = ServiceProcess::spawn("turbine-kv-index", command, false).await.unwrap();
+    process.until_serving("turbine.kvindex.v1.KvIndex", STARTUP_TIMEOUT).await.unwrap();
+    let client = KvIndexClient::connect(process.grpc_endpoint()).await.unwrap();
     Replica { process, client }
 }
 
 /// One worker's events as published.
 fn batch(worker: &str, instance: u64, events: Vec<NumberedEvent>) -> pb::EventBatch {
-    pb::EventBatch::from(&EventBatch {
-        worker_id: worker.into(),
-        instance,
-        events,
-    })
+    pb::EventBatch::from(&EventBatch { worker_id: worker.into(), instance, events })
 }
 
 /// The prompt of conversation `n`: `blocks` blocks of its own tokens.
@@ -68,11 +58,8 @@ fn prompt(n: u32, blocks: usize) -> Vec<u32> {
 }
 
 fn stored(event_id: u64, tokens: &[u32]) -> NumberedEvent {
-    let blocks = BlockHasher::default()
-        .hash_blocks(tokens, BLOCK)
-        .into_iter()
-        .map(|b| StoredBlock { sequence_hash: b.sequence, local_hash: b.local })
-        .collect();
+    let blocks =
+        BlockHasher::default().hash_blocks(tokens, BLOCK).into_iter().map(|b| StoredBlock { sequence_hash: b.sequence, local_hash: b.local }).collect();
     NumberedEvent { event_id, event: KvEvent::Stored { parent: None, blocks, tier: Tier::Device } }
 }
 
@@ -98,12 +85,7 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
     let _lease_a = Lease::start(registry.clone(), ttl, || record("a"));
     let lease_b = Lease::start(registry.clone(), ttl, || record("b"));
 
-    let mut first = start_replica(
-        &redis,
-        "127.0.0.1:0",
-        &["--snapshot-interval-secs", "0.2", "--lease-grace-secs", "1"],
-    )
-    .await;
+    let mut first = start_replica(&redis, "127.0.0.1:0", &["--snapshot-interval-secs", "0.2", "--lease-grace-secs", "1"]).await;
     let first_addr = first.process.addresses().grpc.to_string();
 
     // Worker a caches conversation 1 (6 blocks); b caches conversation 2 (4
@@ -113,16 +95,8 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
     if let KvEvent::Stored { tier, .. } = &mut b_host.event {
         *tier = Tier::Host;
     }
-    let batches = vec![
-        batch("a", 7, vec![stored(0, &one)]),
-        batch("b", 9, vec![stored(0, &two), b_host]),
-    ];
-    let published = first
-        .client
-        .publish_events(pb::PublishEventsRequest { batches })
-        .await
-        .unwrap()
-        .into_inner();
+    let batches = vec![batch("a", 7, vec![stored(0, &one)]), batch("b", 9, vec![stored(0, &two), b_host])];
+    let published = first.client.publish_events(pb::PublishEventsRequest { batches }).await.unwrap().into_inner();
     assert_eq!(published.entry_ids.len(), 2);
 
     let expected = vec![("a".to_owned(), 6), ("b".to_owned(), 3)];
@@ -152,35 +126,20 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
     assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
     let mut malformed = batch("a", 7, vec![stored(1, &two)]);
     malformed.events[0].kind = None;
-    let refused = first
-        .client
-        .publish_events(pb::PublishEventsRequest {
-            batches: vec![batch("a", 7, vec![stored(1, &two)]), malformed],
-        })
-        .await
-        .unwrap_err();
+    let refused = first.client.publish_events(pb::PublishEventsRequest { batches: vec![batch("a", 7, vec![stored(1, &two)]), malformed] }).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     assert!(refused.message().contains("batch 1"), "{}", refused.message());
     // Had the refused call's valid batch (a caching conversation 2) been
     // appended, it would be applied before this one, which is awaited.
     let four = prompt(4, 2);
-    first
-        .client
-        .publish_events(pb::PublishEventsRequest {
-            batches: vec![batch("b", 9, vec![stored(2, &four)])],
-        })
-        .await
-        .unwrap();
+    first.client.publish_events(pb::PublishEventsRequest { batches: vec![batch("b", 9, vec![stored(2, &four)])] }).await.unwrap();
     let client = &mut first.client;
     wait_until("a later batch applied", Duration::from_secs(5), async || matches(client, &four).await == [("b".to_owned(), 2)]).await;
     assert_eq!(matches(&mut first.client, &two).await, vec![("b".to_owned(), 4)], "the valid batch of a refused call was not appended either");
 
     // A snapshot is written; a replica started later begins from it.
     let client = &mut first.client;
-    wait_until("a snapshot", Duration::from_secs(5), async || {
-        stats(client).await.snapshots_written > 0
-    })
-    .await;
+    wait_until("a snapshot", Duration::from_secs(5), async || stats(client).await.snapshots_written > 0).await;
     let mut second = start_replica(&redis, "127.0.0.1:0", &["--snapshot-interval-secs", "0"]).await;
     let second_stats = stats(&mut second.client).await;
     assert!(!second_stats.started_from_snapshot.is_empty(), "the late replica loaded the snapshot");
@@ -192,27 +151,12 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
     // (through the second); restarted on its port, it catches up.
     first.process.kill();
     let three = prompt(3, 5);
-    second
-        .client
-        .publish_events(pb::PublishEventsRequest {
-            batches: vec![batch("a", 7, vec![stored(1, &three)])],
-        })
-        .await
-        .unwrap();
-    let mut restarted = start_replica(
-        &redis,
-        &first_addr,
-        &["--snapshot-interval-secs", "0.2", "--lease-grace-secs", "1"],
-    )
-    .await;
-    assert!(
-        !stats(&mut restarted.client)
-            .await
-            .started_from_snapshot
-            .is_empty()
-    );
+    second.client.publish_events(pb::PublishEventsRequest { batches: vec![batch("a", 7, vec![stored(1, &three)])] }).await.unwrap();
+    let mut restarted = start_replica(&redis, &first_addr, &["--snapshot-interval-secs", "0.2", "--lease-grace-secs", "1"]).await;
+    assert!(!stats(&mut restarted.client).await.started_from_snapshot.is_empty());
     let client = &mut restarted.client;
-    let caught_up = wait_until("the restarted replica catches up", Duration::from_secs(10), async || matches(client, &three).await == [("a".to_owned(), 5)]).await;
+    let caught_up =
+        wait_until("the restarted replica catches up", Duration::from_secs(10), async || matches(client, &three).await == [("a".to_owned(), 5)]).await;
     println!("restarted replica answered like the live one {caught_up:?} after starting");
     for tokens in [&one, &two, &three] {
         assert_eq!(matches(&mut restarted.client, tokens).await, matches(&mut second.client, tokens).await);

@@ -107,7 +107,12 @@ impl KvStoreClient {
     /// `i × length` of the caller's `region` (block `i`): the store reads
     /// them over UCX. The staged bytes must stay unchanged until this
     /// returns.
-    pub async fn put_from(&self, fingerprint: Fingerprint, region: &turbine_engine::UcxRegion, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> Result<PutOutcome, KvStoreClientError> {
+    pub async fn put_from(
+        &self,
+        fingerprint: Fingerprint,
+        region: &turbine_engine::UcxRegion,
+        blocks: &[(SequenceHash, Arc<HostBlock>)],
+    ) -> Result<PutOutcome, KvStoreClientError> {
         let length = blocks.first().map_or(0, |(_, block)| block.bytes.len()) as u64;
         let request = pb::PutFromRequest {
             fingerprint: fingerprint.get(),

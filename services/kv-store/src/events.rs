@@ -23,9 +23,9 @@ use rustc_hash::FxHashMap;
 use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::task::JoinHandle;
+use turbine_kv::WorkerDump;
 use turbine_kv::index::Applied;
 use turbine_kv::{CachedBlock, Dump, EventBatch, KvEvent, KvIndex, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, TierSet, WorkerId};
-use turbine_kv::WorkerDump;
 use turbine_kv_log::{DumpFetcher, EventLog, Publisher};
 
 use crate::KvStoreClient;
@@ -272,8 +272,7 @@ pub fn dump_fetcher(workers: DumpFetcher, store_endpoint: impl Fn(&str) -> Optio
         let client = store_endpoint(&worker_id).and_then(|endpoint| KvStoreClient::connect(&endpoint).ok());
         let fingerprint = Fingerprint::new(fingerprint);
         Box::pin(async move {
-            let (instance, dump) =
-                tokio::time::timeout(std::time::Duration::from_secs(10), client?.dump(fingerprint?)).await.ok()?.ok()?;
+            let (instance, dump) = tokio::time::timeout(std::time::Duration::from_secs(10), client?.dump(fingerprint?)).await.ok()?.ok()?;
             Some(WorkerDump { worker_id, instance, dump })
         })
     })

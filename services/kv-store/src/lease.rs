@@ -118,14 +118,22 @@ impl DataPath {
     ) -> Result<R, String> {
         let mut buffer = self.staged.lock().await;
         let pulled = self.agent.pull(region, offsets, block_bytes, std::mem::take(&mut *buffer), timeout).await?;
-        let (result, bytes) = tokio::task::spawn_blocking(move || (with(&pulled.bytes), pulled.bytes)).await.map_err(|_| "the store failed while storing staged blocks")?;
+        let (result, bytes) =
+            tokio::task::spawn_blocking(move || (with(&pulled.bytes), pulled.bytes)).await.map_err(|_| "the store failed while storing staged blocks")?;
         *buffer = bytes;
         Ok(result)
     }
 
     /// Without UCX in the build there is no data path to read with.
     #[cfg(not(feature = "ucx"))]
-    pub async fn read_staged<R: Send + 'static>(&self, _: &UcxRegion, _: &[u64], _: usize, _: Duration, _: impl FnOnce(&[u8]) -> R + Send + 'static) -> Result<R, String> {
+    pub async fn read_staged<R: Send + 'static>(
+        &self,
+        _: &UcxRegion,
+        _: &[u64],
+        _: usize,
+        _: Duration,
+        _: impl FnOnce(&[u8]) -> R + Send + 'static,
+    ) -> Result<R, String> {
         Err("this build has no UCX".into())
     }
 
@@ -248,9 +256,8 @@ impl Lease {
         let offsets = self.segment_offsets()?;
         let Some(first) = self.blocks.first() else { return Ok((offsets, self.segment_bytes)) };
         let per_block = first.segments.len();
-        let whole = self.blocks.iter().all(|block| {
-            block.segments.len() == per_block && block.segments.windows(2).all(|pair| pair[1] == pair[0].wrapping_add(1))
-        });
+        let whole =
+            self.blocks.iter().all(|block| block.segments.len() == per_block && block.segments.windows(2).all(|pair| pair[1] == pair[0].wrapping_add(1)));
         if !whole || per_block == 1 {
             return Ok((offsets, self.segment_bytes));
         }
@@ -271,10 +278,7 @@ impl Lease {
                 tracing::warn!(sequence_hash = block.sequence.0, "a block read from the kv-store over UCX fails its checksum; not used");
                 break;
             }
-            run.push((
-                block.sequence,
-                turbine_engine::HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into() },
-            ));
+            run.push((block.sequence, turbine_engine::HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into() }));
         }
         run
     }
@@ -422,7 +426,14 @@ mod tests {
                 .map(|(n, &(segments, length))| {
                     let checksum = turbine_engine::block_checksum(&bytes[at..at + length]);
                     at += segments.len() * 4;
-                    LeasedBlock { sequence: SequenceHash(n as u64), local: LocalBlockHash(n as u64), parent: None, checksum, length, segments: segments.to_vec() }
+                    LeasedBlock {
+                        sequence: SequenceHash(n as u64),
+                        local: LocalBlockHash(n as u64),
+                        parent: None,
+                        checksum,
+                        length,
+                        segments: segments.to_vec(),
+                    }
                 })
                 .collect(),
         }

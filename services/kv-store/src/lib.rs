@@ -32,15 +32,15 @@ pub mod service;
 pub mod store;
 pub mod tier;
 
+pub use arena::Arena;
 pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
 pub use disk::DiskBlocks;
 pub use events::{Announced, Announcer, StoreEventSink};
-pub use lease::{DataPath, Lease, LeasedBlock};
 #[cfg(feature = "ucx")]
 pub use lease::UcxLink;
+pub use lease::{DataPath, Lease, LeasedBlock};
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
+pub use store::{BlockKey, BlockRef, Fingerprint, MemoryBlock, PutOutcome, Store, StoreError, StoreStats, TierUsage, arena_bytes};
 pub use tier::KvStoreTier;
-pub use arena::Arena;
-pub use store::{BlockKey, BlockRef, Fingerprint, MemoryBlock, PutOutcome, arena_bytes, Store, StoreError, StoreStats, TierUsage};

@@ -12,9 +12,9 @@ use anyhow::Context;
 use crate::config::KvStoreConfig;
 use crate::disk::DiskBlocks;
 use crate::events::StoreEventSink;
-use turbine_kv_log::EventLog;
 use crate::service::KvStoreService;
 use crate::store::Store;
+use turbine_kv_log::EventLog;
 
 /// Who may call each rpc of `turbine.kvstore.v1.KvStore`.
 pub const ROLES: &[RpcRoles] = &[

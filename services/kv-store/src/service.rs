@@ -44,11 +44,7 @@ impl KvStoreService {
 
     fn hashes(&self, hashes: Vec<u64>) -> Result<Vec<SequenceHash>, Status> {
         if hashes.len() > self.max_blocks_per_call {
-            return Err(Status::invalid_argument(format!(
-                "sequence_hashes: {} hashes, at most {} per call",
-                hashes.len(),
-                self.max_blocks_per_call
-            )));
+            return Err(Status::invalid_argument(format!("sequence_hashes: {} hashes, at most {} per call", hashes.len(), self.max_blocks_per_call)));
         }
         Ok(hashes.into_iter().map(SequenceHash).collect())
     }
@@ -80,7 +76,13 @@ pub(crate) fn to_pb(sequence: SequenceHash, block: &HostBlock) -> pb::Block {
 
 /// A held block for the wire (its bytes copied off the arena).
 fn held_to_pb(sequence: SequenceHash, block: &MemoryBlock) -> pb::Block {
-    pb::Block { sequence_hash: sequence.0, local_hash: block.local.0, parent_hash: block.parent.map(|p| p.0), checksum: block.checksum, data: block.slots.to_vec() }
+    pb::Block {
+        sequence_hash: sequence.0,
+        local_hash: block.local.0,
+        parent_hash: block.parent.map(|p| p.0),
+        checksum: block.checksum,
+        data: block.slots.to_vec(),
+    }
 }
 
 fn status(error: StoreError) -> Status {

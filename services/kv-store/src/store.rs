@@ -13,8 +13,8 @@ use turbine_kv::SequenceHash;
 
 use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
-use crate::lease::DataPath;
 use crate::events::Announcer;
+use crate::lease::DataPath;
 
 /// Model and KV layout of a block's bytes (nonzero): blocks of different
 /// fingerprints never mix.
@@ -506,7 +506,10 @@ mod tests {
 
     fn block(n: u64, len: usize) -> (SequenceHash, HostBlock) {
         let bytes: Box<[u8]> = (0..len).map(|i| (i as u64 * 7 + n) as u8).collect();
-        (SequenceHash(1000 + n), HostBlock { local: LocalBlockHash(n), parent: n.checked_sub(1).map(|p| SequenceHash(1000 + p)), checksum: block_checksum(&bytes), bytes })
+        (
+            SequenceHash(1000 + n),
+            HostBlock { local: LocalBlockHash(n), parent: n.checked_sub(1).map(|p| SequenceHash(1000 + p)), checksum: block_checksum(&bytes), bytes },
+        )
     }
 
     fn fp(n: u64) -> Fingerprint {

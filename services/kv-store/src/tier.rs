@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+use crate::client::KvStoreClient;
+use crate::store::Fingerprint;
 use tokio::sync::mpsc;
 use turbine_engine::{HostBlock, RemoteStore};
 use turbine_kv::{BlockHashes, SequenceHash};
-use crate::client::KvStoreClient;
-use crate::store::Fingerprint;
 
 /// Runs of blocks queued for the store at most; more are dropped (not
 /// shared) rather than held.

@@ -47,7 +47,9 @@ async fn a_follower_credits_the_stores_blocks_across_a_restart() {
     let no_workers: turbine_kv_log::DumpFetcher = Arc::new(|_| Box::pin(async { None }));
     let fetch = {
         let endpoint = endpoint.clone();
-        turbine_kv_store::events::dump_fetcher(no_workers, move |name| (name == WorkerId::of_store("shared", FINGERPRINT).as_str()).then(|| endpoint.lock().clone()))
+        turbine_kv_store::events::dump_fetcher(no_workers, move |name| {
+            (name == WorkerId::of_store("shared", FINGERPRINT).as_str()).then(|| endpoint.lock().clone())
+        })
     };
     let (index, status, shutdown) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()), CancellationToken::new());
     let log = EventLog::new(&redis.url(), "t").unwrap();

@@ -160,7 +160,6 @@ fn status_kib(pid: u32, field: &str) -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
-
 #[tokio::test]
 async fn bad_requests_are_refused_and_the_store_keeps_serving() {
     const MIB: u64 = 32;

@@ -65,7 +65,14 @@ pub fn describe(decision: &Decision) -> String {
         let _ = write!(text, "  {}: {} -> {} (proposed {})", pool.pool, pool.current_replicas, pool.desired_replicas, pool.proposed_replicas);
         if let Some(seen) = seen {
             let latency = |value: Option<f64>| value.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1} ms"));
-            let _ = write!(text, "; seen {:.2} req/s, TTFT {}, ITL {}, {} serving", seen.load.request_rate, latency(seen.ttft_ms), latency(seen.itl_ms), seen.replicas);
+            let _ = write!(
+                text,
+                "; seen {:.2} req/s, TTFT {}, ITL {}, {} serving",
+                seen.load.request_rate,
+                latency(seen.ttft_ms),
+                latency(seen.itl_ms),
+                seen.replicas
+            );
             let _ = writeln!(text);
             let _ = write!(
                 text,
@@ -85,7 +92,13 @@ pub fn describe(decision: &Decision) -> String {
         let _ = writeln!(text);
         let _ = writeln!(text, "    why: {}", pool.reason);
         if let Some(action) = &pool.action {
-            let _ = writeln!(text, "    action {}: {}{}", action.id, action.state.name(), if action.message.is_empty() { String::new() } else { format!(": {}", action.message) });
+            let _ = writeln!(
+                text,
+                "    action {}: {}{}",
+                action.id,
+                action.state.name(),
+                if action.message.is_empty() { String::new() } else { format!(": {}", action.message) }
+            );
         }
     }
     text
@@ -148,13 +161,24 @@ mod tests {
                 proposed_replicas: 6,
                 desired_replicas: 5,
                 reason: "cut to 5 by the budget of 8 workers".into(),
-                action: Some(Action { id: "ns/42/decode".into(), pool: "decode".into(), replicas: 5, state: ActionState::Done, message: "started ns-decode-7, ns-decode-8".into() }),
+                action: Some(Action {
+                    id: "ns/42/decode".into(),
+                    pool: "decode".into(),
+                    replicas: 5,
+                    state: ActionState::Done,
+                    message: "started ns-decode-7, ns-decode-8".into(),
+                }),
             }],
             reason: "forecast 3.00 req/s".into(),
             paused: false,
         };
         let text = describe(&decision);
-        assert!(text.starts_with("#42 1970-01-01T00:00:00Z  forecast 3.00 req/s\n  decode: 3 -> 5 (proposed 6); seen 6.25 req/s, TTFT 250.0 ms, ITL -, 3 serving\n"), "{text}");
+        assert!(
+            text.starts_with(
+                "#42 1970-01-01T00:00:00Z  forecast 3.00 req/s\n  decode: 3 -> 5 (proposed 6); seen 6.25 req/s, TTFT 250.0 ms, ITL -, 3 serving\n"
+            ),
+            "{text}"
+        );
         assert!(
             text.contains("\n    load: ISL 1100, OSL 110 (started ISL 1050); 24 running, 2 queued, KV 40% (1210 tokens a sequence); 5.50 finished/s; mean ITL -, token gap 31.3 ms\n"),
             "{text}"

@@ -86,7 +86,12 @@ pub fn intervals(requests: &[TraceRequest], interval: Duration) -> anyhow::Resul
     let Some(start) = requests.iter().map(|request| request.at_secs).min_by(f64::total_cmp) else { return Ok(Vec::new()) };
     let end = requests.iter().map(|request| request.at_secs).max_by(f64::total_cmp).unwrap_or(start);
     let span = (end - start) / width;
-    anyhow::ensure!(span < MAX_INTERVALS as f64, "the trace spans {:.0} intervals of {} s, at most {MAX_INTERVALS}: use a longer interval", span.ceil(), interval.as_secs());
+    anyhow::ensure!(
+        span < MAX_INTERVALS as f64,
+        "the trace spans {:.0} intervals of {} s, at most {MAX_INTERVALS}: use a longer interval",
+        span.ceil(),
+        interval.as_secs()
+    );
     let count = span.floor() as usize + 1;
     let mut sums = vec![(0u64, 0u64, 0u64); count];
     for request in requests {
@@ -146,7 +151,13 @@ pub fn backtest(loads: &[Load], predictors: &[Predictor], season_intervals: usiz
             }
             anyhow::ensure!(scored > 0, "no interval after the first saw a request");
             let percent = |total: f64| 100.0 * total / scored as f64;
-            Ok(PredictorError { predictor: predictor.name(), rate_mape: percent(totals[0]), isl_mape: percent(totals[1]), osl_mape: percent(totals[2]), scored })
+            Ok(PredictorError {
+                predictor: predictor.name(),
+                rate_mape: percent(totals[0]),
+                isl_mape: percent(totals[1]),
+                osl_mape: percent(totals[2]),
+                scored,
+            })
         })
         .collect()
 }
@@ -201,7 +212,10 @@ pub fn run(args: &BacktestArgs) -> anyhow::Result<Vec<TraceReport>> {
     for report in &reports {
         let name = Path::new(&report.trace).file_name().map_or(report.trace.clone(), |name| name.to_string_lossy().into_owned());
         for error in &report.predictors {
-            println!("{:<48} {:>8} {:>9} {:<16} {:>9.1} {:>9.1} {:>9.1}", name, report.requests, report.intervals, error.predictor, error.rate_mape, error.isl_mape, error.osl_mape);
+            println!(
+                "{:<48} {:>8} {:>9} {:<16} {:>9.1} {:>9.1} {:>9.1}",
+                name, report.requests, report.intervals, error.predictor, error.rate_mape, error.isl_mape, error.osl_mape
+            );
         }
     }
     if let Some(path) = &args.json {

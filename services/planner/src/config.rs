@@ -175,7 +175,9 @@ impl Settings for PlannerConfig {
         }
         self.planning.validate()?;
         match &self.planning.database {
-            None => Err("database: required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine".into()),
+            None => {
+                Err("database: required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine".into())
+            }
             Some(_) => Ok(()),
         }
     }

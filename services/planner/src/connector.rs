@@ -24,8 +24,8 @@ use crate::hosted::HostedConnector;
 use crate::kubernetes::KubernetesConnector;
 use crate::ledger::{Ledger, LedgerError};
 use crate::local::LocalConnector;
-use crate::targets::PoolKind;
 use crate::service::now_unix_ms;
+use crate::targets::PoolKind;
 
 /// Workers draining, per pool, as a connector that drains them counts
 /// them (and the planner's metrics show them). Cloning shares the counts.
@@ -177,7 +177,9 @@ impl Connector {
     /// Carries out `action` on a pool of `kind` (idempotent on its id).
     pub async fn execute(&self, action: &Action, kind: PoolKind) -> Outcome {
         match self {
-            Connector::Virtual => Outcome::Awaiting(format!("published: set {} to {} replicas, then report it with CompleteAction", action.pool, action.replicas)),
+            Connector::Virtual => {
+                Outcome::Awaiting(format!("published: set {} to {} replicas, then report it with CompleteAction", action.pool, action.replicas))
+            }
             Connector::Local(local) => local.execute(action, kind).await,
             Connector::Hosted(hosted) => hosted.execute(action, kind).await,
             #[cfg(feature = "kubernetes")]
@@ -195,7 +197,9 @@ pub async fn execute(ledger: &Ledger, connector: &Connector, actions: &[Action])
     }
     let pending = ledger.pending_actions().await?;
     let targets = ledger.control().await?.targets;
-    let kind = |pool: &str| targets.as_ref().and_then(|targets| targets.pools().iter().find(|limits| limits.pool == pool)).map_or(PoolKind::Aggregated, |limits| limits.kind);
+    let kind = |pool: &str| {
+        targets.as_ref().and_then(|targets| targets.pools().iter().find(|limits| limits.pool == pool)).map_or(PoolKind::Aggregated, |limits| limits.kind)
+    };
     for action in actions {
         supersede(ledger, &pending, action).await?;
         carry_out(ledger, connector, action, kind(&action.pool)).await?;

@@ -47,7 +47,13 @@ pub struct Constrained {
 
 /// `proposals` constrained by `targets`, given each pool's `current` size
 /// and when it was last scaled (ms since the epoch), at `now`.
-pub fn constrain(targets: &Targets, proposals: &[Proposal], current: &HashMap<String, PoolSize>, last_scaled: &HashMap<String, i64>, now_unix_ms: i64) -> Vec<Constrained> {
+pub fn constrain(
+    targets: &Targets,
+    proposals: &[Proposal],
+    current: &HashMap<String, PoolSize>,
+    last_scaled: &HashMap<String, i64>,
+    now_unix_ms: i64,
+) -> Vec<Constrained> {
     let cooldown_ms = targets.cooldown().as_millis() as i64;
     let mut pools: Vec<Constrained> = targets
         .pools()
@@ -115,12 +121,24 @@ mod tests {
 
     fn targets(budget: u32) -> Targets {
         let pool = |name: &str, kind, min, max| PoolLimits { pool: name.into(), kind, min_replicas: min, max_replicas: max };
-        Targets::new(200.0, 20.0, 90.0, vec![pool("p", PoolKind::Prefill, 1, 6), pool("d", PoolKind::Decode, 2, 10)], budget, Duration::from_secs(30), Duration::from_secs(60), Predictor::Constant)
-            .unwrap()
+        Targets::new(
+            200.0,
+            20.0,
+            90.0,
+            vec![pool("p", PoolKind::Prefill, 1, 6), pool("d", PoolKind::Decode, 2, 10)],
+            budget,
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+            Predictor::Constant,
+        )
+        .unwrap()
     }
 
     fn proposals(prefill: u32, decode: u32) -> Vec<Proposal> {
-        vec![Proposal { pool: "p".into(), replicas: prefill, reason: "profile".into() }, Proposal { pool: "d".into(), replicas: decode, reason: "profile".into() }]
+        vec![
+            Proposal { pool: "p".into(), replicas: prefill, reason: "profile".into() },
+            Proposal { pool: "d".into(), replicas: decode, reason: "profile".into() },
+        ]
     }
 
     fn steady(replicas: u32) -> PoolSize {

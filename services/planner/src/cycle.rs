@@ -116,7 +116,9 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
                                 past.advance(observed.clone(), &decision, sizing.wanted());
                                 unrecorded.push(now, observed, decision);
                             }
-                            Some(_) => tracing::warn!(held = unrecorded.len(), "the database unreachable and as many decisions held as are kept: holding the plan"),
+                            Some(_) => {
+                                tracing::warn!(held = unrecorded.len(), "the database unreachable and as many decisions held as are kept: holding the plan")
+                            }
                             None => tracing::warn!("the database unreachable before any decision: holding"),
                         }
                     }
@@ -267,7 +269,15 @@ impl Past {
 /// `past`: a pool is never proposed below its last plan (a scale-down
 /// waits until it can be recorded), and each action is carried out at once,
 /// its outcome kept in the decision.
-async fn decide_unrecorded(state: &PlannerState, targets: &Targets, paused: bool, sizing: &Sizing, past: &Past, observed: Vec<Observation>, now: i64) -> Decision {
+async fn decide_unrecorded(
+    state: &PlannerState,
+    targets: &Targets,
+    paused: bool,
+    sizing: &Sizing,
+    past: &Past,
+    observed: Vec<Observation>,
+    now: i64,
+) -> Decision {
     let mut past = past.clone();
     past.intervals.push(observed.clone());
     // Nothing is pending: actions from memory are carried out as decided.
@@ -312,7 +322,8 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
     let attempt = |predictor: Predictor| {
         let forecaster = Forecaster::new(predictor, season_intervals);
         let rate = forecaster.forecast(&history.iter().map(|load| load.request_rate).collect::<Vec<_>>())?;
-        let length = |value: fn(&Load) -> f64| if busy.is_empty() { Ok(0.0) } else { forecaster.forecast(&busy.iter().map(|load| value(load)).collect::<Vec<_>>()) };
+        let length =
+            |value: fn(&Load) -> f64| if busy.is_empty() { Ok(0.0) } else { forecaster.forecast(&busy.iter().map(|load| value(load)).collect::<Vec<_>>()) };
         Ok::<_, crate::predict::ForecastError>(Load { request_rate: rate, isl_mean: length(|load| load.isl_mean)?, osl_mean: length(|load| load.osl_mean)? })
     };
     let (mut prediction, mut words) = match attempt(targets.predictor()) {
@@ -347,7 +358,15 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
 /// is sized for the longer of the mean prompt forecast and that of the
 /// requests that got their first token in the last interval
 /// ([`scale_down_at_prompts_started`]).
-fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation], rising: Option<f64>) -> Vec<Proposal> {
+fn proposals(
+    profile: &Profile,
+    targets: &Targets,
+    load: &Load,
+    corrections: Corrections,
+    current: &HashMap<String, PoolSize>,
+    observed: &[Observation],
+    rising: Option<f64>,
+) -> Vec<Proposal> {
     let mut proposals = if load.request_rate > 0.0 && load.isl_mean == 0.0 && load.osl_mean == 0.0 {
         targets
             .pools()
@@ -370,7 +389,11 @@ fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Cor
             seen.load.request_rate = seen.load.request_rate.max(rising.unwrap_or(0.0));
             seen
         };
-        let Some(in_flight) = observed.iter().find(|seen| decode && seen.pool == proposal.pool).and_then(|seen| decode_in_flight(profile, targets, &starting(seen), corrections)) else { continue };
+        let Some(in_flight) =
+            observed.iter().find(|seen| decode && seen.pool == proposal.pool).and_then(|seen| decode_in_flight(profile, targets, &starting(seen), corrections))
+        else {
+            continue;
+        };
         if in_flight.replicas > proposal.replicas {
             proposal.reason = format!("{}; {}: {}", proposal.reason, in_flight.reason, in_flight.replicas);
             proposal.replicas = in_flight.replicas;
@@ -387,14 +410,25 @@ fn proposals(profile: &Profile, targets: &Targets, load: &Load, corrections: Cor
 /// misses the interval after. Scale-ups stay on the forecast: sizing every
 /// interval for the longer of two noisy means costs workers (measured:
 /// docs/benchmarks.md, "A scale-down sized at the prompts started").
-fn scale_down_at_prompts_started(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, current: &HashMap<String, PoolSize>, observed: &[Observation], proposed: &mut [Proposal]) {
+fn scale_down_at_prompts_started(
+    profile: &Profile,
+    targets: &Targets,
+    load: &Load,
+    corrections: Corrections,
+    current: &HashMap<String, PoolSize>,
+    observed: &[Observation],
+    proposed: &mut [Proposal],
+) {
     let Some(started) = observed.iter().map(|seen| seen.started_isl_mean).find(|isl| *isl > load.isl_mean && load.isl_mean > 0.0) else { return };
     let longer = propose(profile, targets, &Load { isl_mean: started, ..*load }, corrections);
     for proposal in proposed {
         let Some(decided) = current.get(&proposal.pool).map(|size| size.decided) else { continue };
         let Some(needed) = longer.iter().find(|other| other.pool == proposal.pool).map(|other| other.replicas.min(decided)) else { continue };
         if proposal.replicas < decided && needed > proposal.replicas {
-            proposal.reason = format!("{}; a scale-down sized at the prompts started in the last interval (ISL {started:.0}, over {:.0}): {needed}", proposal.reason, load.isl_mean);
+            proposal.reason = format!(
+                "{}; a scale-down sized at the prompts started in the last interval (ISL {started:.0}, over {:.0}): {needed}",
+                proposal.reason, load.isl_mean
+            );
             proposal.replicas = needed;
         }
     }
@@ -403,7 +437,16 @@ fn scale_down_at_prompts_started(profile: &Profile, targets: &Targets, load: &Lo
 /// One interval's decision from `past`. `unrecorded`: the database is
 /// unreachable, and a pool is held at least at what was last decided.
 #[allow(clippy::too_many_arguments)]
-async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &Sizing, past: &Past, observed: Vec<Observation>, now: i64, unrecorded: bool) -> Decision {
+async fn decide(
+    state: &PlannerState,
+    targets: &Targets,
+    paused: bool,
+    sizing: &Sizing,
+    past: &Past,
+    observed: Vec<Observation>,
+    now: i64,
+    unrecorded: bool,
+) -> Decision {
     let intervals = &past.intervals;
     let history: Vec<Load> = intervals.iter().filter_map(|pools| pools.first().map(|pool| pool.load)).collect();
     let (prediction, fallback) = forecast(targets, sizing.season_intervals, &history);
@@ -422,7 +465,8 @@ async fn decide(state: &PlannerState, targets: &Targets, paused: bool, sizing: &
             .filter(|pool| pool.action.as_ref().is_none_or(|action| action.state != ActionState::Failed))
             .map(|pool| pool.desired_replicas);
         let decided = decided.unwrap_or(observed_replicas);
-        let counted = if past.pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool, limits.kind).await };
+        let counted =
+            if past.pending.iter().any(|action| action.pool == limits.pool) { None } else { state.connector().serving(&limits.pool, limits.kind).await };
         current.insert(limits.pool.clone(), PoolSize { running: counted.unwrap_or(decided), decided });
     }
     let proposals = proposals(&sizing.profile, targets, &prediction.load, corrections, &current, &observed, carried_rise(targets, &history));
@@ -497,7 +541,14 @@ mod tests {
         let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
         let sizing = Sizing { profile, season_intervals: 4 };
         let targets = targets(Predictor::Constant);
-        let pool = |desired| PoolDecision { pool: "workers".into(), current_replicas: desired, proposed_replicas: desired, desired_replicas: desired, reason: String::new(), action: None };
+        let pool = |desired| PoolDecision {
+            pool: "workers".into(),
+            current_replicas: desired,
+            proposed_replicas: desired,
+            desired_replicas: desired,
+            reason: String::new(),
+            action: None,
+        };
         let last = Decision { id: 6, at_unix_ms: 1_000, observed: Vec::new(), predicted: None, pools: vec![pool(5)], reason: String::new(), paused: false };
         let past = Past { latest: Some(last), next_id: 7, ..Past::default() };
         let seen = |request_rate| Observation {
@@ -574,7 +625,8 @@ mod tests {
             started_isl_mean,
         };
         let decided = |decided| HashMap::from([("workers".to_owned(), PoolSize { running: decided, decided })]);
-        let proposed = |current: u32, started: f64| proposals(&profile, &targets, &load, Corrections::default(), &decided(current), &[seen(started)], None).remove(0);
+        let proposed =
+            |current: u32, started: f64| proposals(&profile, &targets, &load, Corrections::default(), &decided(current), &[seen(started)], None).remove(0);
         // From above what the longer prompts need: down to what they need.
         let down = proposed(longer + 2, 3_000.0);
         assert_eq!(down.replicas, longer, "{down:?}");
@@ -600,7 +652,15 @@ mod tests {
         let held = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[], None);
         assert_eq!((held[0].replicas, held[0].reason.as_str()), (5, "too few requests finished to know their lengths: holding 5"));
         // Known lengths: the profile's proposal.
-        let known = proposals(&profile, &targets(Predictor::Constant), &Load { isl_mean: 1000.0, osl_mean: 100.0, ..unknown }, Corrections::default(), &current, &[], None);
+        let known = proposals(
+            &profile,
+            &targets(Predictor::Constant),
+            &Load { isl_mean: 1000.0, osl_mean: 100.0, ..unknown },
+            Corrections::default(),
+            &current,
+            &[],
+            None,
+        );
         assert!(known[0].reason.starts_with("prefill "), "{:?}", known[0]);
 
         // Prefill and decode pools at a start: prefill holds, decode is
@@ -629,7 +689,10 @@ mod tests {
         };
         let start = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)], None);
         assert_eq!(start.iter().map(|proposal| proposal.replicas).collect::<Vec<_>>(), [2, 10], "{start:?}");
-        assert!(start[1].reason.starts_with("too few requests finished to know their lengths: holding 2; decode 140 sequences by the next interval"), "{start:?}");
+        assert!(
+            start[1].reason.starts_with("too few requests finished to know their lengths: holding 2; decode 140 sequences by the next interval"),
+            "{start:?}"
+        );
         assert!(start[1].reason.ends_with("(context 1200 from their KV cache): 10"), "{start:?}");
         // A rise past chance carried forward (30 a second): the requests
         // start at that rate, 190 sequences by the next interval.
@@ -644,7 +707,10 @@ mod tests {
         let current = HashMap::from([("workers".to_owned(), PoolSize { running: 5, decided: 5 })]);
         let shared = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[seen("workers", 40, 0.0)], None);
         assert_eq!(shared[0].replicas, 10, "{shared:?}");
-        assert!(shared[0].reason.starts_with("too few requests finished to know their lengths: holding 5; decode 140 sequences by the next interval"), "{shared:?}");
+        assert!(
+            shared[0].reason.starts_with("too few requests finished to know their lengths: holding 5; decode 140 sequences by the next interval"),
+            "{shared:?}"
+        );
     }
 
     #[test]

@@ -435,6 +435,9 @@ mod tests {
     fn an_observation_recorded_before_the_sequences_in_flight_were_kept_still_reads() {
         let older = r#"{"pool":"decode","load":{"request_rate":6.5,"isl_mean":1200.0,"osl_mean":90.0},"ttft_ms":310.0,"itl_ms":null,"queue_depth":1.0,"kv_usage":0.4,"replicas":2}"#;
         let seen: Observation = serde_json::from_str(older).unwrap();
-        assert_eq!((seen.pool.as_str(), seen.replicas, seen.running, seen.context_tokens, seen.finish_rate, seen.itl_mean_ms), ("decode", 2, 0, 0.0, 0.0, None));
+        assert_eq!(
+            (seen.pool.as_str(), seen.replicas, seen.running, seen.context_tokens, seen.finish_rate, seen.itl_mean_ms),
+            ("decode", 2, 0, 0.0, 0.0, None)
+        );
     }
 }

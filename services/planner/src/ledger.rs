@@ -134,7 +134,10 @@ impl Ledger {
 
     /// The targets and the pause switch (defaults before anything was set).
     pub async fn control(&self) -> Result<Control, LedgerError> {
-        let row = sqlx::query("SELECT targets, paused, pause_reason FROM planner_control WHERE namespace = $1").bind(&self.namespace).fetch_optional(&self.pool).await?;
+        let row = sqlx::query("SELECT targets, paused, pause_reason FROM planner_control WHERE namespace = $1")
+            .bind(&self.namespace)
+            .fetch_optional(&self.pool)
+            .await?;
         let Some(row) = row else { return Ok(Control::default()) };
         let targets = match row.try_get::<Option<String>, _>("targets")? {
             None => None,
@@ -179,7 +182,11 @@ impl Ledger {
 
     /// The id the next decision takes: one past the newest.
     pub async fn next_decision_id(&self) -> Result<u64, LedgerError> {
-        let newest: Option<i64> = sqlx::query("SELECT MAX(id) AS newest FROM planner_decisions WHERE namespace = $1").bind(&self.namespace).fetch_one(&self.pool).await?.try_get("newest")?;
+        let newest: Option<i64> = sqlx::query("SELECT MAX(id) AS newest FROM planner_decisions WHERE namespace = $1")
+            .bind(&self.namespace)
+            .fetch_one(&self.pool)
+            .await?
+            .try_get("newest")?;
         Ok(newest.map_or(1, |id| id as u64 + 1))
     }
 
@@ -200,15 +207,17 @@ impl Ledger {
     async fn insert(&self, decision: &Decision, on_conflict: &str) -> Result<(), LedgerError> {
         let json = serde_json::to_string(decision).expect("decisions serialize");
         let mut transaction = self.pool.begin().await?;
-        sqlx::query(&format!("INSERT INTO planner_decisions (namespace, id, at_unix_ms, paused, reason, decision) VALUES ($1, $2, $3, $4, $5, $6){on_conflict}"))
-            .bind(&self.namespace)
-            .bind(decision.id as i64)
-            .bind(decision.at_unix_ms)
-            .bind(i64::from(decision.paused))
-            .bind(&decision.reason)
-            .bind(json)
-            .execute(&mut *transaction)
-            .await?;
+        sqlx::query(&format!(
+            "INSERT INTO planner_decisions (namespace, id, at_unix_ms, paused, reason, decision) VALUES ($1, $2, $3, $4, $5, $6){on_conflict}"
+        ))
+        .bind(&self.namespace)
+        .bind(decision.id as i64)
+        .bind(decision.at_unix_ms)
+        .bind(i64::from(decision.paused))
+        .bind(&decision.reason)
+        .bind(json)
+        .execute(&mut *transaction)
+        .await?;
         for action in decision.pools.iter().filter_map(|pool| pool.action.as_ref()) {
             sqlx::query(
                 "INSERT INTO planner_actions (id, namespace, decision_id, pool, replicas, state, message, updated_at_unix_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
@@ -254,10 +263,11 @@ impl Ledger {
 
     /// The actions still pending, oldest decision first.
     pub async fn pending_actions(&self) -> Result<Vec<Action>, LedgerError> {
-        let rows = sqlx::query("SELECT id, pool, replicas, state, message FROM planner_actions WHERE namespace = $1 AND state = 'pending' ORDER BY decision_id, pool")
-            .bind(&self.namespace)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows =
+            sqlx::query("SELECT id, pool, replicas, state, message FROM planner_actions WHERE namespace = $1 AND state = 'pending' ORDER BY decision_id, pool")
+                .bind(&self.namespace)
+                .fetch_all(&self.pool)
+                .await?;
         rows.iter().map(action_of).collect()
     }
 
@@ -266,14 +276,15 @@ impl Ledger {
     /// once: a second report changes nothing.
     pub async fn end_action(&self, id: &str, state: ActionState, message: &str, now_unix_ms: i64) -> Result<bool, LedgerError> {
         debug_assert_ne!(state, ActionState::Pending);
-        let ended = sqlx::query("UPDATE planner_actions SET state = $1, message = $2, updated_at_unix_ms = $3 WHERE id = $4 AND namespace = $5 AND state = 'pending'")
-            .bind(state.name())
-            .bind(message)
-            .bind(now_unix_ms)
-            .bind(id)
-            .bind(&self.namespace)
-            .execute(&self.pool)
-            .await?;
+        let ended =
+            sqlx::query("UPDATE planner_actions SET state = $1, message = $2, updated_at_unix_ms = $3 WHERE id = $4 AND namespace = $5 AND state = 'pending'")
+                .bind(state.name())
+                .bind(message)
+                .bind(now_unix_ms)
+                .bind(id)
+                .bind(&self.namespace)
+                .execute(&self.pool)
+                .await?;
         Ok(ended.rows_affected() == 1)
     }
 
@@ -302,18 +313,22 @@ impl Ledger {
             .await?;
         let mut decisions = rows.iter().map(|row| self.decision(row)).collect::<Result<Vec<_>, _>>()?;
         let (Some(newest), Some(oldest)) = (decisions.first(), decisions.last()) else { return Ok(decisions) };
-        let states: HashMap<String, (String, String)> = sqlx::query("SELECT id, state, message FROM planner_actions WHERE namespace = $1 AND decision_id >= $2 AND decision_id <= $3")
-            .bind(&self.namespace)
-            .bind(oldest.id as i64)
-            .bind(newest.id as i64)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|row| Ok((row.try_get("id")?, (row.try_get("state")?, row.try_get("message")?))))
-            .collect::<Result<_, sqlx::Error>>()?;
+        let states: HashMap<String, (String, String)> =
+            sqlx::query("SELECT id, state, message FROM planner_actions WHERE namespace = $1 AND decision_id >= $2 AND decision_id <= $3")
+                .bind(&self.namespace)
+                .bind(oldest.id as i64)
+                .bind(newest.id as i64)
+                .fetch_all(&self.pool)
+                .await?
+                .iter()
+                .map(|row| Ok((row.try_get("id")?, (row.try_get("state")?, row.try_get("message")?))))
+                .collect::<Result<_, sqlx::Error>>()?;
         for action in decisions.iter_mut().flat_map(|decision| decision.pools.iter_mut()).filter_map(|pool| pool.action.as_mut()) {
             if let Some((state, message)) = states.get(&action.id) {
-                action.state = ActionState::from_name(state).ok_or_else(|| LedgerError::Corrupt { what: format!("planner_actions {:?}.state", action.id), problem: format!("unknown state {state:?}") })?;
+                action.state = ActionState::from_name(state).ok_or_else(|| LedgerError::Corrupt {
+                    what: format!("planner_actions {:?}.state", action.id),
+                    problem: format!("unknown state {state:?}"),
+                })?;
                 action.message.clone_from(message);
             }
         }
@@ -418,7 +433,8 @@ impl Ledger {
     fn decision(&self, row: &AnyRow) -> Result<Decision, LedgerError> {
         let id: i64 = row.try_get("id")?;
         let json: String = row.try_get("decision")?;
-        serde_json::from_str(&json).map_err(|error| LedgerError::Corrupt { what: format!("planner_decisions ({:?}, {id})", self.namespace), problem: error.to_string() })
+        serde_json::from_str(&json)
+            .map_err(|error| LedgerError::Corrupt { what: format!("planner_decisions ({:?}, {id})", self.namespace), problem: error.to_string() })
     }
 }
 

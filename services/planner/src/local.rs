@@ -213,7 +213,8 @@ impl LocalConnector {
         let settings = &self.settings;
         let name = format!("{}-{pool}-{}", settings.namespace, fleet.next);
         fleet.next += 1;
-        std::fs::write(settings.state_dir.join(NEXT_FILE), fleet.next.to_string()).map_err(|error| format!("cannot write {}: {error}", settings.state_dir.join(NEXT_FILE).display()))?;
+        std::fs::write(settings.state_dir.join(NEXT_FILE), fleet.next.to_string())
+            .map_err(|error| format!("cannot write {}: {error}", settings.state_dir.join(NEXT_FILE).display()))?;
         let files = Files::of(&settings.state_dir, &name);
         let log = std::fs::File::create(&files.log).map_err(|error| format!("cannot create {}: {error}", files.log.display()))?;
         let log_too = log.try_clone().map_err(|error| format!("{}: {error}", files.log.display()))?;
@@ -239,7 +240,9 @@ impl LocalConnector {
         let mut child = command.spawn().map_err(|error| format!("cannot start {}: {error}", settings.worker_binary.display()))?;
         let pid = child.id().unwrap_or(0);
         let record = Record { name: name.clone(), pool: pool.to_owned(), pid };
-        let written = serde_json::to_vec(&record).map_err(|error| error.to_string()).and_then(|json| std::fs::write(&files.record, json).map_err(|error| error.to_string()));
+        let written = serde_json::to_vec(&record)
+            .map_err(|error| error.to_string())
+            .and_then(|json| std::fs::write(&files.record, json).map_err(|error| error.to_string()));
         if let Err(problem) = written {
             let _ = child.start_kill();
             return Err(format!("cannot write {}: {problem}", files.record.display()));
@@ -367,7 +370,8 @@ fn runs(pid: u32, name: &str) -> bool {
     let Ok(command_line) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
     let arguments: Vec<&[u8]> = command_line.split(|byte| *byte == 0).collect();
     let named = arguments.windows(2).any(|pair| pair[0] == b"--worker-id" && pair[1] == name.as_bytes());
-    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')));
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')));
     named && !zombie
 }
 

@@ -13,9 +13,12 @@ use crate::connector::Outcome;
 use crate::decision::Decision;
 use crate::targets::Targets;
 
-static DESIRED: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_planner_desired_replicas", "Replicas the latest decision asked for, per pool", &["pool"]));
-static OBSERVED: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_planner_observed_replicas", "Replicas serving in the latest interval, per pool (from the registry)", &["pool"]));
-static DRAINING: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_planner_draining_replicas", "Replicas the local connector is draining, per pool", &["pool"]));
+static DESIRED: LazyLock<IntGaugeVec> =
+    LazyLock::new(|| gauge("turbine_planner_desired_replicas", "Replicas the latest decision asked for, per pool", &["pool"]));
+static OBSERVED: LazyLock<IntGaugeVec> =
+    LazyLock::new(|| gauge("turbine_planner_observed_replicas", "Replicas serving in the latest interval, per pool (from the registry)", &["pool"]));
+static DRAINING: LazyLock<IntGaugeVec> =
+    LazyLock::new(|| gauge("turbine_planner_draining_replicas", "Replicas the local connector is draining, per pool", &["pool"]));
 static INTERVALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_planner_intervals_total",
@@ -23,8 +26,11 @@ static INTERVALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["pool", "sla"],
     )
 });
-static DECISIONS: LazyLock<IntCounterVec> = LazyLock::new(|| counter("turbine_planner_decisions_total", "Decisions made, by whether acting was paused", &["paused"]));
-static ACTIONS: LazyLock<IntCounterVec> = LazyLock::new(|| counter("turbine_planner_actions_total", "Actions handed to the connector, by outcome: done, failed or awaiting (a report)", &["outcome"]));
+static DECISIONS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_planner_decisions_total", "Decisions made, by whether acting was paused", &["paused"]));
+static ACTIONS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter("turbine_planner_actions_total", "Actions handed to the connector, by outcome: done, failed or awaiting (a report)", &["outcome"])
+});
 
 /// How an interval's latencies compare with `targets`.
 pub fn sla_outcome(targets: &Targets, ttft_ms: Option<f64>, itl_ms: Option<f64>) -> &'static str {

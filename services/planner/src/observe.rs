@@ -218,7 +218,8 @@ impl Observer {
         let (isl_mean, osl_mean) = self.lengths(&interval);
         let load = Load { request_rate: interval.ttft.count() / seconds, isl_mean, osl_mean };
         let quantile = targets.percentile() / 100.0;
-        let milliseconds = |histogram: &Histogram| (histogram.count() >= MIN_SAMPLES).then(|| histogram.quantile(quantile)).flatten().map(|seconds| seconds * 1000.0);
+        let milliseconds =
+            |histogram: &Histogram| (histogram.count() >= MIN_SAMPLES).then(|| histogram.quantile(quantile)).flatten().map(|seconds| seconds * 1000.0);
         let (ttft_ms, itl_ms) = (milliseconds(&interval.ttft), milliseconds(&interval.itl));
         let itl_mean_ms = itl_ms.map(|_| interval.itl_sum / interval.itl.count() * 1000.0);
         let token_gap_ms = (interval.gap_count >= MIN_SAMPLES).then(|| interval.gap_sum / interval.gap_count * 1000.0);
@@ -229,7 +230,9 @@ impl Observer {
                 .iter()
                 .map(|pool| {
                     let members: Vec<_> = workers.iter().map(|live| &live.record).filter(|record| record.role == role(pool.kind)).collect();
-                    let (used, total) = members.iter().fold((0u64, 0u64), |(used, total), record| (used + u64::from(record.load.blocks_used), total + u64::from(record.load.blocks_total)));
+                    let (used, total) = members
+                        .iter()
+                        .fold((0u64, 0u64), |(used, total), record| (used + u64::from(record.load.blocks_used), total + u64::from(record.load.blocks_total)));
                     let running: u32 = members.iter().map(|record| record.load.running).sum();
                     let cached_tokens: f64 = members.iter().map(|record| f64::from(record.load.blocks_used) * f64::from(record.kv_block_size)).sum();
                     Observation {

@@ -109,7 +109,9 @@ impl Profile {
         let contexts = self.contexts();
         let concurrencies: Vec<u32> = self.decode.iter().filter(|point| point.context == contexts[0]).map(|point| point.concurrency).collect();
         let grid: Vec<(u32, u32)> = contexts.iter().flat_map(|&context| concurrencies.iter().map(move |&concurrency| (context, concurrency))).collect();
-        if self.decode.iter().map(|point| (point.context, point.concurrency)).collect::<Vec<_>>() != grid || !concurrencies.windows(2).all(|pair| pair[0] < pair[1]) {
+        if self.decode.iter().map(|point| (point.context, point.concurrency)).collect::<Vec<_>>() != grid
+            || !concurrencies.windows(2).all(|pair| pair[0] < pair[1])
+        {
             return Err(invalid("decode points must form a grid: by context, then concurrency, both ascending".into()));
         }
         Ok(self)
@@ -141,7 +143,8 @@ impl Profile {
             .contexts()
             .into_iter()
             .map(|ctx| {
-                let row: Vec<(f64, f64)> = self.decode.iter().filter(|point| point.context == ctx).map(|point| (f64::from(point.concurrency), point.itl_ms)).collect();
+                let row: Vec<(f64, f64)> =
+                    self.decode.iter().filter(|point| point.context == ctx).map(|point| (f64::from(point.concurrency), point.itl_ms)).collect();
                 (f64::from(ctx), interpolate(&row, concurrency))
             })
             .collect();
@@ -214,9 +217,11 @@ mod tests {
         assert!(refused(|p| p.prefill.clear()).contains("needs prefill and decode"));
         assert!(refused(|p| p.prefill.reverse()).contains("ascend"));
         assert!(refused(|p| p.decode[1].itl_ms = f64::NAN).contains("must be positive"));
-        assert!(refused(|p| {
-            p.decode.pop();
-        })
-        .contains("grid"));
+        assert!(
+            refused(|p| {
+                p.decode.pop();
+            })
+            .contains("grid")
+        );
     }
 }

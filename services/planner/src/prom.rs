@@ -147,7 +147,11 @@ impl Histogram {
 
 /// The sum of every series of `name` whose labels include all of `labels`.
 pub fn sum(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
-    samples.iter().filter(|sample| sample.name == name && labels.iter().all(|(label, value)| sample.label(label) == Some(value))).map(|sample| sample.value).sum()
+    samples
+        .iter()
+        .filter(|sample| sample.name == name && labels.iter().all(|(label, value)| sample.label(label) == Some(value)))
+        .map(|sample| sample.value)
+        .sum()
 }
 
 #[cfg(test)]

@@ -160,19 +160,29 @@ fn interval_corrections(profile: &Profile, targets: &Targets, observed: &[Observ
     // An interval the profile cannot model says nothing of its accuracy:
     // prefill saturated (the queue, not the work, sets the latencies) or
     // more sequences per worker than the profile measured.
-    let ttft = observed.iter().filter(|seen| kind(seen) != Some(PoolKind::Decode)).find_map(|seen| Some((seen, seen.ttft_ms?))).filter(|(seen, _)| measured(seen)).and_then(|(seen, ttft)| {
-        let utilization = prefill(seen);
-        let expected = profile.ttft_ms(seen.load.isl_mean) / (1.0 - utilization);
-        (utilization < UTILIZATION.1).then(|| (ttft / expected).clamp(CORRECTION.0, CORRECTION.1))
-    });
-    let itl = observed.iter().filter(|seen| kind(seen) != Some(PoolKind::Prefill)).find_map(|seen| Some((seen, seen.itl_ms?))).filter(|(seen, _)| measured(seen)).and_then(|(seen, itl)| {
-        let concurrency = (seen.load.request_rate * seen.load.osl_mean * itl / 1e3 / f64::from(seen.replicas)).max(1.0);
-        // On an aggregated pool the prompts' steps stretch each token by
-        // the prefill utilization; on a decode pool nothing does.
-        let utilization = if kind(seen) == Some(PoolKind::Aggregated) { prefill(seen) } else { 0.0 };
-        let expected = token_ms(profile.itl_ms(decode_context(&seen.load), concurrency), utilization);
-        (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (itl / expected).clamp(CORRECTION.0, CORRECTION.1))
-    });
+    let ttft = observed
+        .iter()
+        .filter(|seen| kind(seen) != Some(PoolKind::Decode))
+        .find_map(|seen| Some((seen, seen.ttft_ms?)))
+        .filter(|(seen, _)| measured(seen))
+        .and_then(|(seen, ttft)| {
+            let utilization = prefill(seen);
+            let expected = profile.ttft_ms(seen.load.isl_mean) / (1.0 - utilization);
+            (utilization < UTILIZATION.1).then(|| (ttft / expected).clamp(CORRECTION.0, CORRECTION.1))
+        });
+    let itl = observed
+        .iter()
+        .filter(|seen| kind(seen) != Some(PoolKind::Prefill))
+        .find_map(|seen| Some((seen, seen.itl_ms?)))
+        .filter(|(seen, _)| measured(seen))
+        .and_then(|(seen, itl)| {
+            let concurrency = (seen.load.request_rate * seen.load.osl_mean * itl / 1e3 / f64::from(seen.replicas)).max(1.0);
+            // On an aggregated pool the prompts' steps stretch each token by
+            // the prefill utilization; on a decode pool nothing does.
+            let utilization = if kind(seen) == Some(PoolKind::Aggregated) { prefill(seen) } else { 0.0 };
+            let expected = token_ms(profile.itl_ms(decode_context(&seen.load), concurrency), utilization);
+            (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (itl / expected).clamp(CORRECTION.0, CORRECTION.1))
+        });
     (ttft, itl.or_else(|| start_itl_correction(profile, targets, observed)))
 }
 
@@ -320,7 +330,10 @@ pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation
     Some(Proposal {
         pool: seen.pool.clone(),
         replicas,
-        reason: format!("decode {sequences:.0} sequences by the next interval ({how}) at {per_worker:.1} per worker (context {:.0} from their KV cache{shared})", seen.context_tokens),
+        reason: format!(
+            "decode {sequences:.0} sequences by the next interval ({how}) at {per_worker:.1} per worker (context {:.0} from their KV cache{shared})",
+            seen.context_tokens
+        ),
     })
 }
 
@@ -387,7 +400,14 @@ mod tests {
             .into_iter()
             .map(|(context, concurrency, itl_ms)| DecodePoint { context, concurrency, itl_ms })
             .collect();
-        Profile { version: PROFILE_VERSION, worker: "test".into(), prefill: vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }], decode }.check("test").unwrap()
+        Profile {
+            version: PROFILE_VERSION,
+            worker: "test".into(),
+            prefill: vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }],
+            decode,
+        }
+        .check("test")
+        .unwrap()
     }
 
     fn targets(kinds: &[(&str, PoolKind)]) -> Targets {
@@ -418,7 +438,11 @@ mod tests {
         // 2/3) = 17.82 ms, its step 12.73 ms.
         let aggregated = propose(&profile(), &targets_aggregated(), &load, Corrections::default());
         assert_eq!(aggregated[0].replicas, 14, "{:?}", aggregated[0]);
-        assert!(aggregated[0].reason.contains("5.1 per worker in 12.73 ms steps at context 1050, 17.82 ms a token with 29% of the time prefill"), "{:?}", aggregated[0]);
+        assert!(
+            aggregated[0].reason.contains("5.1 per worker in 12.73 ms steps at context 1050, 17.82 ms a token with 29% of the time prefill"),
+            "{:?}",
+            aggregated[0]
+        );
         // No load: nothing proposed (the minimums apply later).
         assert_eq!(propose(&profile(), &targets, &Load { request_rate: 0.0, ..load }, Corrections::default())[0].replicas, 0);
     }
@@ -432,7 +456,21 @@ mod tests {
         let targets = targets(&[("p", PoolKind::Prefill), ("d", PoolKind::Decode)]);
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
         // Observed on 8 prefill workers at 50%: expected 200 ms; observed 300 ms is ×1.5.
-        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation { pool: pool.into(), load, ttft_ms, itl_ms, queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None, token_gap_ms: None, started_isl_mean: 0.0 };
+        let seen = |pool: &str, ttft_ms, itl_ms, replicas| Observation {
+            pool: pool.into(),
+            load,
+            ttft_ms,
+            itl_ms,
+            queue_depth: 0.0,
+            kv_usage: 0.0,
+            replicas,
+            running: 0,
+            context_tokens: 0.0,
+            finish_rate: 0.0,
+            itl_mean_ms: None,
+            token_gap_ms: None,
+            started_isl_mean: 0.0,
+        };
         let corrections = corrections(&profile(), &targets, &[seen("p", Some(300.0), None, 8), seen("d", None, Some(20.0), 5)]);
         assert!((corrections.ttft - 1.5).abs() < 1e-9, "{corrections:?}");
         // 40 × 100 × 0.02 / 5 = 16 sequences per decode worker: expected 20 ms, as observed.
@@ -454,7 +492,8 @@ mod tests {
         let profile = Profile { decode: flat, ..profile() };
         let load = Load { request_rate: 40.0, isl_mean: 1000.0, osl_mean: 100.0 };
         let within = |itl_ms: f64| {
-            Targets::new(200.0, itl_ms, 90.0, targets_aggregated().pools().to_vec(), 200, Duration::from_secs(30), Duration::from_secs(60), Predictor::Constant).unwrap()
+            Targets::new(200.0, itl_ms, 90.0, targets_aggregated().pools().to_vec(), 200, Duration::from_secs(30), Duration::from_secs(60), Predictor::Constant)
+                .unwrap()
         };
         // 4 workers of prefill; on n a token takes 10 / (1 − 4/n) ms: within
         // 95% of 16 ms (15.2) from n = 12 (15.00 ms; on 11, 15.71).
@@ -471,7 +510,21 @@ mod tests {
         // every 10 / 0.6 = 16.67 ms; 20 ms is ×1.2. On 8 (50%), 20 ms; 30
         // ms is ×1.5. On 5 (80%) at 80 ms, 64 sequences a worker: more than
         // the profile measured (16), so no correction (×1).
-        let seen = |itl_ms, replicas| Observation { pool: "a".into(), load, ttft_ms: None, itl_ms: Some(itl_ms), queue_depth: 0.0, kv_usage: 0.0, replicas, running: 0, context_tokens: 0.0, finish_rate: 0.0, itl_mean_ms: None, token_gap_ms: None, started_isl_mean: 0.0 };
+        let seen = |itl_ms, replicas| Observation {
+            pool: "a".into(),
+            load,
+            ttft_ms: None,
+            itl_ms: Some(itl_ms),
+            queue_depth: 0.0,
+            kv_usage: 0.0,
+            replicas,
+            running: 0,
+            context_tokens: 0.0,
+            finish_rate: 0.0,
+            itl_mean_ms: None,
+            token_gap_ms: None,
+            started_isl_mean: 0.0,
+        };
         assert!((corrections(&profile, &targets_aggregated(), &[seen(20.0, 10)]).itl - 1.2).abs() < 1e-9);
         assert!((corrections(&profile, &targets_aggregated(), &[seen(30.0, 8)]).itl - 1.5).abs() < 1e-9);
         assert_eq!(corrections(&profile, &targets_aggregated(), &[seen(80.0, 5)]).itl, 1.0);
@@ -506,14 +559,22 @@ mod tests {
         // sequences, 14.5 per worker within 19 ms: 3 workers.
         let sized = decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections::default()).unwrap();
         assert_eq!((sized.pool.as_str(), sized.replicas), ("d", 3), "{sized:?}");
-        assert!(sized.reason.contains("39 sequences by the next interval (39 in flight, 2.00 starting and 2.00 finishing a second) at 14.5 per worker (context 1200"), "{sized:?}");
+        assert!(
+            sized
+                .reason
+                .contains("39 sequences by the next interval (39 in flight, 2.00 starting and 2.00 finishing a second) at 14.5 per worker (context 1200"),
+            "{sized:?}"
+        );
         // A ramp: 0.5 a second more start than finish over the 30-second
         // interval, 54 sequences: 4 workers. Falling as fast: 24, 2.
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.5, 2.0), Corrections::default()).unwrap().replicas, 4);
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.5), Corrections::default()).unwrap().replicas, 2);
         // Twice as slow as the profile: 19 ms is the profile's 9.5 ms, under
         // its ITL alone: a worker per sequence.
-        assert_eq!(decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0, token_mean: 1.0 }).unwrap().replicas, 39);
+        assert_eq!(
+            decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0, token_mean: 1.0 }).unwrap().replicas,
+            39
+        );
         // Nothing running: nothing to size on.
         assert_eq!(decode_in_flight(&profile(), &targets, &seen(0, 4.0, 0.0, 2.0, 0.0), Corrections::default()), None);
         // With the requests' lengths: 100 tokens at 50 ms, 5 s a sequence;
@@ -521,10 +582,19 @@ mod tests {
         // drains toward it over the 30-second interval (e^-6 of the excess
         // left: 10.07, one worker), whatever the last interval saw finish;
         // a start from 1 in flight at 8 a second climbs to 40 (3 workers).
-        let timed = |running, queue_depth, started| Observation { load: Load { request_rate: started, isl_mean: 1_000.0, osl_mean: 100.0 }, itl_mean_ms: Some(50.0), ..seen(running, queue_depth, 1_200.0, started, 0.0) };
+        let timed = |running, queue_depth, started| Observation {
+            load: Load { request_rate: started, isl_mean: 1_000.0, osl_mean: 100.0 },
+            itl_mean_ms: Some(50.0),
+            ..seen(running, queue_depth, 1_200.0, started, 0.0)
+        };
         let draining = decode_in_flight(&profile(), &targets, &timed(30, 9.0, 2.0), Corrections::default()).unwrap();
         assert_eq!(draining.replicas, 1, "{draining:?}");
-        assert!(draining.reason.contains("decode 10 sequences by the next interval (39 in flight, 2.00 starting a second, each decoding 5.0 s: 10 at the steady state)"), "{draining:?}");
+        assert!(
+            draining
+                .reason
+                .contains("decode 10 sequences by the next interval (39 in flight, 2.00 starting a second, each decoding 5.0 s: 10 at the steady state)"),
+            "{draining:?}"
+        );
         assert_eq!(decode_in_flight(&profile(), &targets, &timed(1, 0.0, 8.0), Corrections::default()).unwrap().replicas, 3);
         // On an aggregated pool the same 39.9 sequences share the workers
         // with 8 prompts a second of 100 ms (0.8 workers of prefill): on 4,
@@ -535,7 +605,12 @@ mod tests {
         assert_eq!(shared.replicas, 5, "{shared:?}");
         assert!(shared.reason.contains("at 8.0 per worker (context 1200 from their KV cache, their tokens stretched by the interval's prompts)"), "{shared:?}");
         // Without prompts (their lengths unknown), as a decode pool.
-        assert_eq!(decode_in_flight(&profile(), &targets_aggregated(), &Observation { pool: "a".into(), ..seen(30, 9.0, 1_200.0, 2.0, 2.0) }, Corrections::default()).unwrap().replicas, 3);
+        assert_eq!(
+            decode_in_flight(&profile(), &targets_aggregated(), &Observation { pool: "a".into(), ..seen(30, 9.0, 1_200.0, 2.0, 2.0) }, Corrections::default())
+                .unwrap()
+                .replicas,
+            3
+        );
     }
 
     #[test]
@@ -575,7 +650,8 @@ mod tests {
         // Once requests finish, their ITL percentile is read, not the gaps
         // (20 ms over the 1,050-context step at 40 × 100 × 20 ms / 4 = 20
         // sequences a worker: more than the profile measured, so ×1).
-        let finished = Observation { load: Load { request_rate: 40.0, isl_mean: 1_000.0, osl_mean: 100.0 }, itl_ms: Some(20.0), ..start("a", Some(18.0), 1_000.0) };
+        let finished =
+            Observation { load: Load { request_rate: 40.0, isl_mean: 1_000.0, osl_mean: 100.0 }, itl_ms: Some(20.0), ..start("a", Some(18.0), 1_000.0) };
         assert_eq!(corrections(&profile(), &aggregated, &[finished]).itl, 1.0);
         // The start's sequences, held within the ITL target corrected: 3
         // workers at the profile's speed, 4 at 1.2 times its step (on 3,

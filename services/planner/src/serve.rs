@@ -10,13 +10,13 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
 use crate::config::PlannerConfig;
 use crate::connector::{Connector, ConnectorKind};
-use crate::local::LocalConnector;
-use crate::ledger::Ledger;
 use crate::cycle::Sizing;
+use crate::ledger::Ledger;
+use crate::local::LocalConnector;
 use crate::observe::Observer;
 use crate::profile::Profile;
-use turbine_registry::{RedisRegistry, Registry};
 use crate::service::{PlannerService, PlannerState};
+use turbine_registry::{RedisRegistry, Registry};
 
 /// Who may call each rpc of `turbine.planner.v1.Planner`: reading the plan
 /// is for operators and monitoring, changing it for operators (reporting
@@ -46,7 +46,13 @@ const DATABASE_PROBE: Duration = Duration::from_secs(2);
 /// Serves `state` on `listeners` until `shutdown` fires, then drains; with
 /// an `observer`, runs the planner's cycle beside. The planner is ready
 /// while its database answers.
-pub async fn serve(config: PlannerConfig, state: PlannerState, cycle: Option<(Observer, Sizing)>, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn serve(
+    config: PlannerConfig,
+    state: PlannerState,
+    cycle: Option<(Observer, Sizing)>,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     host.add_service(PlannerServer::new(PlannerService::new(state.clone(), shutdown.clone())));
     let mut serving = host.start(shutdown.clone())?;
@@ -54,11 +60,12 @@ pub async fn serve(config: PlannerConfig, state: PlannerState, cycle: Option<(Ob
         serving.spawn(tokio::spawn(crate::cycle::run(state.clone(), observer, sizing, shutdown)));
     }
     let ledger = state.ledger().clone();
-    serving.ready_when(DATABASE_PROBE, move || {
-        let ledger = ledger.clone();
-        async move { ledger.ping().await.is_ok() }
-    })
-    .await;
+    serving
+        .ready_when(DATABASE_PROBE, move || {
+            let ledger = ledger.clone();
+            async move { ledger.ping().await.is_ok() }
+        })
+        .await;
     serving.until_shutdown(async {}).await
 }
 
@@ -76,7 +83,13 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
             _ => None,
         };
         let listeners = Listeners::bind(&config.server).await?;
-        tracing::info!(database = ledger.backend().name(), namespace = config.cluster.namespace, gateways = config.gateway_metrics.len(), observing = cycle.is_some(), "planner listening");
+        tracing::info!(
+            database = ledger.backend().name(),
+            namespace = config.cluster.namespace,
+            gateways = config.gateway_metrics.len(),
+            observing = cycle.is_some(),
+            "planner listening"
+        );
         let connector = match config.connector {
             ConnectorKind::Virtual => Connector::Virtual,
             ConnectorKind::Local => {

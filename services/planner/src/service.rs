@@ -8,8 +8,8 @@ use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
-use turbine_runtime::CancellationToken;
 use turbine_proto::planner::v1::{self as pb, planner_server};
+use turbine_runtime::CancellationToken;
 
 use crate::connector::Connector;
 use crate::decision::{ActionState, Decision, Plan};
@@ -127,11 +127,9 @@ fn parse_page_token(token: &str) -> Result<Option<u64>, Status> {
     if token.is_empty() {
         return Ok(None);
     }
-    token
-        .strip_prefix("before-")
-        .and_then(|id| id.parse().ok())
-        .map(Some)
-        .ok_or_else(|| Status::invalid_argument(format!("page_token: {token:?} was not issued by this planner (pass a previous answer's next_page_token, or nothing)")))
+    token.strip_prefix("before-").and_then(|id| id.parse().ok()).map(Some).ok_or_else(|| {
+        Status::invalid_argument(format!("page_token: {token:?} was not issued by this planner (pass a previous answer's next_page_token, or nothing)"))
+    })
 }
 
 type DecisionStream = Pin<Box<dyn Stream<Item = Result<pb::Decision, Status>> + Send>>;
@@ -219,11 +217,15 @@ impl planner_server::Planner for PlannerService {
             return Err(Status::invalid_argument(format!("message: {} bytes, at most {MAX_REASON}", message.len())));
         }
         if !self.state.connector().awaits_reports() {
-            return Err(Status::failed_precondition(format!("this planner's {:?} connector carries out actions itself; outcomes are not reported to it", self.state.connector().kind())));
+            return Err(Status::failed_precondition(format!(
+                "this planner's {:?} connector carries out actions itself; outcomes are not reported to it",
+                self.state.connector().kind()
+            )));
         }
         let ledger = self.state.ledger();
         let ended = ledger.end_action(&id, state, &message, now_unix_ms()).await.map_err(unavailable)?;
-        let action = ledger.action(&id).await.map_err(unavailable)?.ok_or_else(|| Status::not_found(format!("id: no action {id:?} was issued by this planner")))?;
+        let action =
+            ledger.action(&id).await.map_err(unavailable)?.ok_or_else(|| Status::not_found(format!("id: no action {id:?} was issued by this planner")))?;
         let reported_before = action.state == state && action.message == message;
         if !ended && !reported_before {
             return Err(Status::failed_precondition(format!("action {id:?} already ended {}: {}", action.state.name(), action.message)));

@@ -121,7 +121,11 @@ impl Targets {
         predictor: Predictor,
     ) -> Result<Self, TargetsError> {
         let positive = |field: &str, value: f64| {
-            if value.is_finite() && value > 0.0 { Ok(()) } else { Err(refuse(format!("targets.{field}"), format!("must be a positive number of milliseconds, got {value}"))) }
+            if value.is_finite() && value > 0.0 {
+                Ok(())
+            } else {
+                Err(refuse(format!("targets.{field}"), format!("must be a positive number of milliseconds, got {value}")))
+            }
         };
         positive("ttft_ms", ttft_ms)?;
         positive("itl_ms", itl_ms)?;
@@ -236,8 +240,18 @@ impl TryFrom<pb::Targets> for Targets {
                 Ok(PoolLimits { pool, kind, min_replicas, max_replicas })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let predictor = if predictor.is_empty() { Predictor::default() } else { predictor.parse().map_err(|problem: String| refuse("targets.predictor", problem))? };
-        Targets::new(ttft_ms, itl_ms, percentile, pools, budget_workers, Duration::from_secs(u64::from(interval_secs)), Duration::from_secs(u64::from(cooldown_secs)), predictor)
+        let predictor =
+            if predictor.is_empty() { Predictor::default() } else { predictor.parse().map_err(|problem: String| refuse("targets.predictor", problem))? };
+        Targets::new(
+            ttft_ms,
+            itl_ms,
+            percentile,
+            pools,
+            budget_workers,
+            Duration::from_secs(u64::from(interval_secs)),
+            Duration::from_secs(u64::from(cooldown_secs)),
+            predictor,
+        )
     }
 }
 

@@ -58,7 +58,10 @@ async fn serve(database: &str) -> (PlannerState, PlannerClient, String, Cancella
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = CancellationToken::new();
-    let config = turbine_planner::PlannerConfig { planning: turbine_planner::config::PlanningConfig { database: Some(database.to_owned()), ..Default::default() }, ..Default::default() };
+    let config = turbine_planner::PlannerConfig {
+        planning: turbine_planner::config::PlanningConfig { database: Some(database.to_owned()), ..Default::default() },
+        ..Default::default()
+    };
     let serving = tokio::spawn(turbine_planner::serve(config, state.clone(), None, listeners, shutdown.clone()));
     tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
     (state, PlannerClient::connect(&endpoint).unwrap(), endpoint, shutdown, serving)
@@ -166,7 +169,10 @@ async fn a_planner_that_acts_itself_refuses_reports() {
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = CancellationToken::new();
-    let config = turbine_planner::PlannerConfig { planning: turbine_planner::config::PlanningConfig { database: Some(database), ..Default::default() }, ..Default::default() };
+    let config = turbine_planner::PlannerConfig {
+        planning: turbine_planner::config::PlanningConfig { database: Some(database), ..Default::default() },
+        ..Default::default()
+    };
     let serving = tokio::spawn(turbine_planner::serve(config, state, None, listeners, shutdown.clone()));
     tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
     let client = PlannerClient::connect(&endpoint).unwrap();

@@ -71,7 +71,11 @@ fn answer(cluster: &Cluster, namespace: &str, deployment: &str) -> (StatusCode, 
     }
 }
 
-async fn get_scale(State(cluster): State<Shared>, Path((namespace, deployment)): Path<(String, String)>, RawQuery(query): RawQuery) -> (StatusCode, axum::Json<Value>) {
+async fn get_scale(
+    State(cluster): State<Shared>,
+    Path((namespace, deployment)): Path<(String, String)>,
+    RawQuery(query): RawQuery,
+) -> (StatusCode, axum::Json<Value>) {
     let mut cluster = cluster.lock().unwrap();
     let path = format!("/apis/apps/v1/namespaces/{namespace}/deployments/{deployment}/scale");
     cluster.seen.push(Seen { method: "GET", path, query: parameters(query), content_type: String::new(), body: Value::Null });
@@ -110,10 +114,8 @@ async fn patch_scale(
 
 /// The stand-in API server with `deployments` at their replicas; its URL.
 async fn api_server(deployments: &[(&str, i32)]) -> (String, Shared) {
-    let cluster: Shared = Arc::new(Mutex::new(Cluster {
-        replicas: deployments.iter().map(|(name, replicas)| ((*name).to_owned(), *replicas)).collect(),
-        seen: Vec::new(),
-    }));
+    let cluster: Shared =
+        Arc::new(Mutex::new(Cluster { replicas: deployments.iter().map(|(name, replicas)| ((*name).to_owned(), *replicas)).collect(), seen: Vec::new() }));
     let app = axum::Router::new()
         .route("/apis/apps/v1/namespaces/{namespace}/deployments/{deployment}/scale", get(get_scale).patch(patch_scale))
         .with_state(cluster.clone());
@@ -198,7 +200,14 @@ async fn the_planner_records_how_each_kubernetes_action_ended() {
             at_unix_ms: 1_764_000_000_000 + id as i64 * 30_000,
             observed: Vec::new(),
             predicted: None,
-            pools: vec![PoolDecision { pool: pool.into(), current_replicas: 2, proposed_replicas: replicas, desired_replicas: replicas, reason: "test".into(), action: Some(action.clone()) }],
+            pools: vec![PoolDecision {
+                pool: pool.into(),
+                current_replicas: 2,
+                proposed_replicas: replicas,
+                desired_replicas: replicas,
+                reason: "test".into(),
+                action: Some(action.clone()),
+            }],
             reason: "test".into(),
             paused: false,
         };

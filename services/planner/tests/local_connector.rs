@@ -51,7 +51,8 @@ impl Drop for Fleet<'_> {
 }
 
 async fn registered(registry: &Registry) -> Vec<(String, WorkerRole, String)> {
-    let mut workers: Vec<_> = registry.list().await.unwrap().into_iter().map(|live| (live.record.worker_id.to_string(), live.record.role, live.record.endpoint)).collect();
+    let mut workers: Vec<_> =
+        registry.list().await.unwrap().into_iter().map(|live| (live.record.worker_id.to_string(), live.record.role, live.record.endpoint)).collect();
     workers.sort_by(|a, b| a.0.cmp(&b.0));
     workers
 }
@@ -76,7 +77,10 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     let up = connector.execute(&action(1, 2), PoolKind::Decode).await;
     assert!(done(&up).contains("started local-test-decode-0, local-test-decode-1"), "{up:?}");
     let workers = registered(&registry).await;
-    assert_eq!(workers.iter().map(|(id, role, _)| (id.as_str(), *role)).collect::<Vec<_>>(), [("local-test-decode-0", WorkerRole::Decode), ("local-test-decode-1", WorkerRole::Decode)]);
+    assert_eq!(
+        workers.iter().map(|(id, role, _)| (id.as_str(), *role)).collect::<Vec<_>>(),
+        [("local-test-decode-0", WorkerRole::Decode), ("local-test-decode-1", WorkerRole::Decode)]
+    );
     // Handed over again (as after a restart): the same answer, nothing started.
     assert_eq!(connector.execute(&action(1, 2), PoolKind::Decode).await, up);
     assert_eq!(connector.serving("decode").await, 2);
@@ -102,7 +106,11 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     assert_eq!(connector.running_by_pool(), std::collections::BTreeMap::from([("decode".to_owned(), 2)]));
     wait_until("the draining worker leaves the registry", Duration::from_secs(30), async || registered(&registry).await.len() == 1).await;
     let finish = loop {
-        let message = tokio::time::timeout(Duration::from_secs(30), stream.message()).await.expect("tokens keep coming").expect("the stream is not cut").expect("a finish reason before the end");
+        let message = tokio::time::timeout(Duration::from_secs(30), stream.message())
+            .await
+            .expect("tokens keep coming")
+            .expect("the stream is not cut")
+            .expect("a finish reason before the end");
         tokens += message.token_ids.len();
         if message.finish_reason() != pb::FinishReason::Unspecified {
             break message.finish_reason();
@@ -125,7 +133,11 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     done(&connector.execute(&action(4, 0), PoolKind::Decode).await);
     wait_until("every worker drains and exits", Duration::from_secs(60), async || connector.draining() == 0).await;
     wait_until("the registry empties", Duration::from_secs(30), async || registered(&registry).await.is_empty()).await;
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().flatten().filter(|entry| entry.path().extension().is_some_and(|ext| ext == "worker")).count(), 0, "no records left");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().flatten().filter(|entry| entry.path().extension().is_some_and(|ext| ext == "worker")).count(),
+        0,
+        "no records left"
+    );
 
     // A worker that cannot start fails the action, naming its log.
     let broken_dir = tempfile::tempdir().unwrap();

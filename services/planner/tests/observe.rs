@@ -32,7 +32,12 @@ fn slow_profile() -> Profile {
         .into_iter()
         .map(|(context, concurrency, itl_ms)| DecodePoint { context, concurrency, itl_ms })
         .collect();
-    Profile { version: PROFILE_VERSION, worker: "test".into(), prefill: vec![PrefillPoint { isl: 128, ttft_ms: 2000.0 }, PrefillPoint { isl: 2048, ttft_ms: 2000.0 }], decode }
+    Profile {
+        version: PROFILE_VERSION,
+        worker: "test".into(),
+        prefill: vec![PrefillPoint { isl: 128, ttft_ms: 2000.0 }, PrefillPoint { isl: 2048, ttft_ms: 2000.0 }],
+        decode,
+    }
 }
 
 fn targets(interval: Duration) -> Targets {
@@ -166,7 +171,8 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     assert!(value(r#"turbine_planner_desired_replicas{pool="workers"}"#).is_some_and(|replicas| (2.0..=4.0).contains(&replicas)), "{metrics}");
     assert_eq!(value(r#"turbine_planner_observed_replicas{pool="workers"}"#), Some(2.0), "{metrics}");
     assert!(value(r#"turbine_planner_intervals_total{pool="workers",sla="idle"}"#).is_some_and(|idle| idle >= 1.0), "{metrics}");
-    let busy_intervals = ["met", "missed"].iter().filter_map(|sla| value(&format!(r#"turbine_planner_intervals_total{{pool="workers",sla="{sla}"}}"#))).sum::<f64>();
+    let busy_intervals =
+        ["met", "missed"].iter().filter_map(|sla| value(&format!(r#"turbine_planner_intervals_total{{pool="workers",sla="{sla}"}}"#))).sum::<f64>();
     assert!(busy_intervals >= 1.0, "{metrics}");
     // The connector's outcome is counted once it answers, after the
     // decision (with its pending action) is recorded.

@@ -14,8 +14,8 @@ use std::time::Duration;
 use tokio_stream::StreamExt;
 use tonic::Code;
 use turbine_planner::{
-    Action, ActionState, Decision, Ledger, Observation, PlannerClient, PlannerClientError, PlannerState, PoolDecision, PoolKind, PoolLimits, Prediction, Predictor,
-    Targets, predict::Load,
+    Action, ActionState, Decision, Ledger, Observation, PlannerClient, PlannerClientError, PlannerState, PoolDecision, PoolKind, PoolLimits, Prediction,
+    Predictor, Targets, predict::Load,
 };
 use turbine_proto::planner::v1 as pb;
 use turbine_testkit::{PostgresServer, STARTUP_TIMEOUT, ServiceProcess, wait_until};
@@ -59,7 +59,21 @@ fn decision(namespace: &str, id: u64, pool: &str, replicas: u32) -> Decision {
     Decision {
         id,
         at_unix_ms: 1_764_000_000_000 + id as i64 * 30_000,
-        observed: vec![Observation { pool: pool.into(), load, ttft_ms: Some(310.0), itl_ms: Some(38.0), queue_depth: 4.0, kv_usage: 0.7, replicas: replicas - 1, running: 12, context_tokens: 1_150.0, finish_rate: 4.5, itl_mean_ms: Some(31.5), token_gap_ms: Some(30.2), started_isl_mean: 1_020.0 }],
+        observed: vec![Observation {
+            pool: pool.into(),
+            load,
+            ttft_ms: Some(310.0),
+            itl_ms: Some(38.0),
+            queue_depth: 4.0,
+            kv_usage: 0.7,
+            replicas: replicas - 1,
+            running: 12,
+            context_tokens: 1_150.0,
+            finish_rate: 4.5,
+            itl_mean_ms: Some(31.5),
+            token_gap_ms: Some(30.2),
+            started_isl_mean: 1_020.0,
+        }],
         predicted: Some(Prediction { predictor: Predictor::MovingAverage, load }),
         pools: vec![PoolDecision {
             pool: pool.into(),
@@ -104,7 +118,10 @@ async fn targets_and_pause_survive_a_sigkill(database: &str) -> (ServiceProcess,
     assert_eq!(client.set_targets(&targets()).await.unwrap(), targets());
     let paused = client.pause("load test until 14:00").await.unwrap();
     assert!(paused.paused);
-    assert_eq!(paused.pools.iter().map(|pool| (pool.pool.as_str(), pool.kind)).collect::<Vec<_>>(), [("prefill", PoolKind::Prefill), ("decode", PoolKind::Decode)]);
+    assert_eq!(
+        paused.pools.iter().map(|pool| (pool.pool.as_str(), pool.kind)).collect::<Vec<_>>(),
+        [("prefill", PoolKind::Prefill), ("decode", PoolKind::Decode)]
+    );
     let (code_, message) = code(client.pause(&"x".repeat(2000)).await.unwrap_err());
     assert_eq!(code_, Code::InvalidArgument, "{message}");
 
@@ -151,7 +168,10 @@ async fn decisions_page_and_reach_watchers(database: &str) {
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let shutdown = turbine_runtime::CancellationToken::new();
-    let config = turbine_planner::PlannerConfig { planning: turbine_planner::config::PlanningConfig { database: Some(database.to_owned()), ..Default::default() }, ..Default::default() };
+    let config = turbine_planner::PlannerConfig {
+        planning: turbine_planner::config::PlanningConfig { database: Some(database.to_owned()), ..Default::default() },
+        ..Default::default()
+    };
     let serving = tokio::spawn(turbine_planner::serve(config, state.clone(), None, listeners, shutdown.clone()));
     tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
     let client = PlannerClient::connect(&endpoint).unwrap();
@@ -165,7 +185,9 @@ async fn decisions_page_and_reach_watchers(database: &str) {
 
     // The watcher gets the latest first, then each new decision.
     let mut watch = client.watch().await.unwrap();
-    let next = async |watch: &mut turbine_planner::client::DecisionStream| tokio::time::timeout(Duration::from_secs(10), watch.next()).await.expect("a decision within 10 s").unwrap().unwrap();
+    let next = async |watch: &mut turbine_planner::client::DecisionStream| {
+        tokio::time::timeout(Duration::from_secs(10), watch.next()).await.expect("a decision within 10 s").unwrap().unwrap()
+    };
     assert_eq!(next(&mut watch).await.id, 5);
     state.record(decision(namespace, 6, "decode", 8)).await.unwrap();
     assert_eq!(next(&mut watch).await, decision(namespace, 6, "decode", 8));
@@ -284,14 +306,19 @@ async fn observations_with_and_without_latencies_are_kept_on_sqlite() {
 
 #[test]
 fn a_planner_without_a_database_says_what_it_needs() {
-    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--grpc-addr", "127.0.0.1:0"]).env_remove("TURBINE_PLANNER_DATABASE").output().unwrap();
+    let output =
+        Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--grpc-addr", "127.0.0.1:0"]).env_remove("TURBINE_PLANNER_DATABASE").output().unwrap();
     assert!(!output.status.success());
     let text = String::from_utf8_lossy(&output.stderr);
     assert!(text.contains("database: required"), "{text}");
     let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "mysql://db/planner"]).output().unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("postgres://"));
-    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "sqlite::memory:", "--gateway-metrics", "http://gateway:8000/metrics"]).env_remove("TURBINE_REDIS_URL").output().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner"))
+        .args(["--database", "sqlite::memory:", "--gateway-metrics", "http://gateway:8000/metrics"])
+        .env_remove("TURBINE_REDIS_URL")
+        .output()
+        .unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--redis"), "observing needs the registry");
     let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner"))
@@ -300,7 +327,11 @@ fn a_planner_without_a_database_says_what_it_needs() {
         .unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--profile"), "deciding needs the profile");
-    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner")).args(["--database", "sqlite::memory:", "--connector", "local"]).env_remove("TURBINE_REDIS_URL").output().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner"))
+        .args(["--database", "sqlite::memory:", "--connector", "local"])
+        .env_remove("TURBINE_REDIS_URL")
+        .output()
+        .unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--redis"), "local workers need the registry");
     let output = Command::new(env!("CARGO_BIN_EXE_turbine-planner"))

@@ -45,11 +45,7 @@ fn router() -> (Router, Arc<[u32]>) {
             }
         })
         .collect();
-    let router = Router::with_kv(
-        Policy::Kv,
-        Duration::from_secs(600),
-        Arc::new(KvState::local(KvConfig::default(), index, None)),
-    );
+    let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::local(KvConfig::default(), index, None)));
     router.update_workers(workers);
     (router, tokens)
 }
@@ -58,7 +54,14 @@ fn decision(c: &mut Criterion) {
     let (router, tokens) = router();
     let mut group = c.benchmark_group("route_32k_tokens_100_workers");
     for policy in [Policy::Kv, Policy::LeastLoaded] {
-        let request = RouteRequest { request_id: "r".into(), model: "m".into(), prompt_tokens: 32_000, policy: Some(policy), token_ids: tokens.clone(), ..Default::default() };
+        let request = RouteRequest {
+            request_id: "r".into(),
+            model: "m".into(),
+            prompt_tokens: 32_000,
+            policy: Some(policy),
+            token_ids: tokens.clone(),
+            ..Default::default()
+        };
         group.bench_function(policy.name(), |b| {
             b.iter(|| {
                 let routed = block_on(router.route(black_box(&request))).unwrap();
@@ -69,7 +72,14 @@ fn decision(c: &mut Criterion) {
     }
     group.finish();
     for policy in [Policy::Kv, Policy::LeastLoaded] {
-        let request = RouteRequest { request_id: "r".into(), model: "m".into(), prompt_tokens: 32_000, policy: Some(policy), token_ids: tokens.clone(), ..Default::default() };
+        let request = RouteRequest {
+            request_id: "r".into(),
+            model: "m".into(),
+            prompt_tokens: 32_000,
+            policy: Some(policy),
+            token_ids: tokens.clone(),
+            ..Default::default()
+        };
         let mut latencies: Vec<Duration> = (0..22_000)
             .map(|_| {
                 let started = Instant::now();

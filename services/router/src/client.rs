@@ -42,9 +42,7 @@ impl From<tonic::Status> for RouterCallError {
         match status.code() {
             // The router marks "no worker serves the model"; a bare
             // UNAVAILABLE is the router itself being unreachable.
-            Code::Unavailable if status.metadata().get(ERROR_KIND_KEY).is_some_and(|kind| kind == NO_WORKERS) => {
-                RouterCallError::NoWorkers(message)
-            }
+            Code::Unavailable if status.metadata().get(ERROR_KIND_KEY).is_some_and(|kind| kind == NO_WORKERS) => RouterCallError::NoWorkers(message),
             Code::InvalidArgument => RouterCallError::InvalidRequest(message),
             _ => RouterCallError::Unavailable(format!("{}: {message}", status.code())),
         }
@@ -79,14 +77,8 @@ impl RouterApi for Router {
     async fn route(&self, request: RouteRequest) -> Result<Routed, RouterCallError> {
         let started = Instant::now();
         let result = Router::route(self, &request).await;
-        let outcome = result
-            .as_ref()
-            .map_or_else(RouteError::outcome, |_| "routed");
-        crate::metrics::decision(
-            request.policy.unwrap_or(self.policy()),
-            outcome,
-            started.elapsed(),
-        );
+        let outcome = result.as_ref().map_or_else(RouteError::outcome, |_| "routed");
+        crate::metrics::decision(request.policy.unwrap_or(self.policy()), outcome, started.elapsed());
         Ok(result?)
     }
 
@@ -124,12 +116,9 @@ impl RouterClient {
     /// The router at `endpoint`, over the process's shared channel to it
     /// (connected on first use).
     pub fn connect(endpoint: &str) -> Result<Self, RouterCallError> {
-        let channel = turbine_runtime::grpc::channel(endpoint).map_err(|error| {
-            RouterCallError::Unavailable(format!("bad router endpoint {endpoint:?}: {error}"))
-        })?;
-        Ok(Self::new(Arc::new(GrpcRouter {
-            client: PbRouterClient::new(channel).with_message_limits(),
-        })))
+        let channel =
+            turbine_runtime::grpc::channel(endpoint).map_err(|error| RouterCallError::Unavailable(format!("bad router endpoint {endpoint:?}: {error}")))?;
+        Ok(Self::new(Arc::new(GrpcRouter { client: PbRouterClient::new(channel).with_message_limits() })))
     }
 
     /// Chooses a worker and books the request.
@@ -139,10 +128,7 @@ impl RouterClient {
 
     /// Tells the router a request's first token came.
     pub async fn prefill_done(&self, request_id: &str) -> Result<(), RouterCallError> {
-        self.inner
-            .prefill_done(request_id.to_owned())
-            .await
-            .map(drop)
+        self.inner.prefill_done(request_id.to_owned()).await.map(drop)
     }
 
     /// Releases a booking.
@@ -194,48 +180,19 @@ pub struct GrpcRouter {
 #[tonic::async_trait]
 impl RouterApi for GrpcRouter {
     async fn route(&self, request: RouteRequest) -> Result<Routed, RouterCallError> {
-        Ok(Routed::try_from(
-            self.client
-                .clone()
-                .route(pb::RouteRequest::from(request))
-                .await?
-                .into_inner(),
-        )?)
+        Ok(Routed::try_from(self.client.clone().route(pb::RouteRequest::from(request)).await?.into_inner())?)
     }
 
     async fn prefill_done(&self, request_id: String) -> Result<bool, RouterCallError> {
-        Ok(self
-            .client
-            .clone()
-            .prefill_done(pb::PrefillDoneRequest { request_id })
-            .await?
-            .into_inner()
-            .found)
+        Ok(self.client.clone().prefill_done(pb::PrefillDoneRequest { request_id }).await?.into_inner().found)
     }
 
     async fn finished(&self, request_id: String) -> Result<bool, RouterCallError> {
-        Ok(self
-            .client
-            .clone()
-            .request_finished(pb::RequestFinishedRequest { request_id })
-            .await?
-            .into_inner()
-            .released)
+        Ok(self.client.clone().request_finished(pb::RequestFinishedRequest { request_id }).await?.into_inner().released)
     }
 
     async fn workers(&self, model: Option<String>) -> Result<Vec<RoutedWorker>, RouterCallError> {
-        let workers = self
-            .client
-            .clone()
-            .list_workers(pb::ListWorkersRequest {
-                model: model.unwrap_or_default(),
-            })
-            .await?
-            .into_inner()
-            .workers;
-        Ok(workers
-            .into_iter()
-            .map(RoutedWorker::try_from)
-            .collect::<Result<_, _>>()?)
+        let workers = self.client.clone().list_workers(pb::ListWorkersRequest { model: model.unwrap_or_default() }).await?.into_inner().workers;
+        Ok(workers.into_iter().map(RoutedWorker::try_from).collect::<Result<_, _>>()?)
     }
 }

@@ -124,11 +124,8 @@ mod tests {
     #[test]
     fn the_kv_settings_are_a_typed_section() {
         let file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(
-            file.path(),
-            "policy = \"kv\"\nprefill_max_queue = 3\n[kv]\ndevice_credit = 1.0\nprefill_load_scale = 1.0\napproximate = true\n",
-        )
-        .unwrap();
+        std::fs::write(file.path(), "policy = \"kv\"\nprefill_max_queue = 3\n[kv]\ndevice_credit = 1.0\nprefill_load_scale = 1.0\napproximate = true\n")
+            .unwrap();
         let config = parse(&["--config", file.path().to_str().unwrap(), "--kv-temperature", "0.5"]).unwrap();
         assert_eq!(config.routing.policy, Policy::Kv);
         assert_eq!(config.routing.disagg().max_prefill_queue, 3);

@@ -25,8 +25,6 @@ pub use client::{GrpcRouter, RouterApi, RouterCallError, RouterClient};
 pub use config::{RouterConfig, RoutingConfig};
 pub use kv::{KvConfig, KvOverrides, KvState, KvTuning, KvWeights};
 pub use policy::Policy;
-pub use router::{
-    DisaggPolicy, RouteError, RouteRequest, Routed, RoutedWorker, Router, WorkerBook,
-};
+pub use router::{DisaggPolicy, RouteError, RouteRequest, Routed, RoutedWorker, Router, WorkerBook};
 pub use serve::{IndexSource, RouterDeps, main, serve, start};
 pub use service::RouterService;

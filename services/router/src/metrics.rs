@@ -19,8 +19,7 @@ static DECISION_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
     )
 });
 static WORKERS: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_router_live_workers", "Live workers by model", &["model"]));
-static IN_FLIGHT: LazyLock<IntGaugeVec> =
-    LazyLock::new(|| gauge("turbine_router_in_flight_requests", "Requests booked against each worker", &["worker"]));
+static IN_FLIGHT: LazyLock<IntGaugeVec> = LazyLock::new(|| gauge("turbine_router_in_flight_requests", "Requests booked against each worker", &["worker"]));
 
 static KV_OVERLAP: LazyLock<HistogramVec> = LazyLock::new(|| {
     histogram(
@@ -33,9 +32,8 @@ static KV_OVERLAP: LazyLock<HistogramVec> = LazyLock::new(|| {
 static KV_BLOCKS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_router_kv_prompt_blocks_total", "Prompt blocks of kv-routed requests, cached on the chosen worker or not", &["cached"]));
 
-static KV_INDEX_ERRORS: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter("turbine_router_kv_index_errors_total", "kv decisions routed by load alone because the kv-index could not answer", &["reason"])
-});
+static KV_INDEX_ERRORS: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_router_kv_index_errors_total", "kv decisions routed by load alone because the kv-index could not answer", &["reason"]));
 
 /// Counts a kv decision the kv-index could not serve.
 pub(crate) fn kv_index_error(reason: &'static str) {

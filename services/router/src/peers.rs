@@ -57,10 +57,7 @@ impl PeerLoad {
     }
 
     /// Publishes `own` and returns the sum of the other live replicas'.
-    pub async fn exchange(
-        &self,
-        own: &FxHashMap<WorkerId, WorkerBook>,
-    ) -> RedisResult<FxHashMap<WorkerId, WorkerBook>> {
+    pub async fn exchange(&self, own: &FxHashMap<WorkerId, WorkerBook>) -> RedisResult<FxHashMap<WorkerId, WorkerBook>> {
         let mut connection = self.connection.clone();
         let ttl_ms = EXPIRY.as_millis() as u64;
         let (ids,): (Vec<String>,) = redis::pipe()
@@ -102,26 +99,15 @@ impl PeerLoad {
 
 /// `worker in_flight prefill decode` lines.
 fn encode(books: &FxHashMap<WorkerId, WorkerBook>) -> String {
-    books
-        .iter()
-        .map(|(worker, b)| {
-            format!(
-                "{worker}\t{}\t{}\t{}\n",
-                b.in_flight, b.prefill_blocks, b.decode_blocks
-            )
-        })
-        .collect()
+    books.iter().map(|(worker, b)| format!("{worker}\t{}\t{}\t{}\n", b.in_flight, b.prefill_blocks, b.decode_blocks)).collect()
 }
 
 fn decode(text: &str) -> impl Iterator<Item = (WorkerId, WorkerBook)> + '_ {
     text.lines().filter_map(|line| {
         let mut fields = line.split('\t');
         let worker = WorkerId::from(fields.next()?);
-        let book = WorkerBook {
-            in_flight: fields.next()?.parse().ok()?,
-            prefill_blocks: fields.next()?.parse().ok()?,
-            decode_blocks: fields.next()?.parse().ok()?,
-        };
+        let book =
+            WorkerBook { in_flight: fields.next()?.parse().ok()?, prefill_blocks: fields.next()?.parse().ok()?, decode_blocks: fields.next()?.parse().ok()? };
         Some((worker, book))
     })
 }
@@ -164,22 +150,8 @@ mod tests {
     #[test]
     fn books_round_trip_through_the_text_form() {
         let mut books = FxHashMap::default();
-        books.insert(
-            WorkerId::from("w-1"),
-            WorkerBook {
-                in_flight: 3,
-                prefill_blocks: 40,
-                decode_blocks: 900,
-            },
-        );
-        books.insert(
-            WorkerId::from("w-2"),
-            WorkerBook {
-                in_flight: 1,
-                prefill_blocks: 0,
-                decode_blocks: 12,
-            },
-        );
+        books.insert(WorkerId::from("w-1"), WorkerBook { in_flight: 3, prefill_blocks: 40, decode_blocks: 900 });
+        books.insert(WorkerId::from("w-2"), WorkerBook { in_flight: 1, prefill_blocks: 0, decode_blocks: 12 });
         let decoded: FxHashMap<WorkerId, WorkerBook> = decode(&encode(&books)).collect();
         assert_eq!(decoded, books);
         assert_eq!(decode("garbage\nw\t1\t2\n").count(), 0, "malformed lines are skipped");

@@ -56,9 +56,11 @@ impl RouterDeps {
     /// A standalone router's: the registry, the event log or kv-index, and
     /// the load exchange, all through Redis.
     pub fn from_config(config: &RouterConfig) -> anyhow::Result<Self> {
-        let redis = config.cluster.redis.as_deref().context(
-            "turbine-router needs the worker registry: pass --redis redis://HOST:PORT/ (or run everything in one process with `turbine run`)",
-        )?;
+        let redis = config
+            .cluster
+            .redis
+            .as_deref()
+            .context("turbine-router needs the worker registry: pass --redis redis://HOST:PORT/ (or run everything in one process with `turbine run`)")?;
         let namespace = &config.cluster.namespace;
         let kv = &config.routing.kv;
         let index = match &kv.index {
@@ -95,12 +97,7 @@ pub async fn serve(config: RouterConfig, deps: RouterDeps, listeners: Listeners,
 
 /// [`serve`] in the background; the router itself is handed out for
 /// callers in this process.
-pub async fn start(
-    config: RouterConfig,
-    deps: RouterDeps,
-    listeners: Listeners,
-    shutdown: CancellationToken,
-) -> anyhow::Result<Running<Arc<Router>>> {
+pub async fn start(config: RouterConfig, deps: RouterDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<Running<Arc<Router>>> {
     let RouterDeps { registry, index, peers, workers } = deps;
     let kv_config = config.routing.kv.clone();
     let (kv, log) = match index {
@@ -112,9 +109,8 @@ pub async fn start(
             (KvState::local(kv_config, index.clone(), Some(status.clone())), Some((log, index, status)))
         }
     };
-    let router = Arc::new(
-        Router::with_kv(config.routing.policy, Duration::from_secs_f64(config.booking_ttl_secs), Arc::new(kv)).with_disagg(config.routing.disagg()),
-    );
+    let router =
+        Arc::new(Router::with_kv(config.routing.policy, Duration::from_secs_f64(config.booking_ttl_secs), Arc::new(kv)).with_disagg(config.routing.disagg()));
     // Know the workers (and their endpoints, for dumps) before following.
     if let Ok(listed) = registry.list().await {
         router.update_workers(listed);
@@ -124,8 +120,7 @@ pub async fn start(
         let start = start_from_snapshot(&log, &index).await;
         tasks.push(turbine_kv_log::export_metrics("router", index.clone(), status.clone(), shutdown.clone()));
         let (endpoints, stores) = (router.clone(), router.clone());
-        let fetch =
-            dump_fetcher(workers, move |worker_id| endpoints.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint));
+        let fetch = dump_fetcher(workers, move |worker_id| endpoints.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint));
         // kv-stores' names too, at the endpoints their readers name.
         let fetch = turbine_kv_store::events::dump_fetcher(fetch, move |name| stores.store_endpoint(name));
         tasks.push(follow_from(index, &log, start, fetch, status, shutdown.clone()));

@@ -40,10 +40,7 @@ impl From<RouterCallError> for Status {
             // being unreachable.
             RouterCallError::NoWorkers(message) => {
                 let mut status = Status::unavailable(message);
-                status.metadata_mut().insert(
-                    ERROR_KIND_KEY,
-                    tonic::metadata::MetadataValue::from_static(NO_WORKERS),
-                );
+                status.metadata_mut().insert(ERROR_KIND_KEY, tonic::metadata::MetadataValue::from_static(NO_WORKERS));
                 status
             }
             RouterCallError::InvalidRequest(message) => Status::invalid_argument(message),
@@ -55,10 +52,7 @@ impl From<RouterCallError> for Status {
 #[tonic::async_trait]
 impl pb::router_server::Router for RouterService {
     #[tracing::instrument(skip_all, name = "router.route", fields(request_id, worker))]
-    async fn route(
-        &self,
-        request: Request<pb::RouteRequest>,
-    ) -> Result<Response<pb::RouteResponse>, Status> {
+    async fn route(&self, request: Request<pb::RouteRequest>) -> Result<Response<pb::RouteResponse>, Status> {
         let request = RouteRequest::try_from(request.into_inner())?;
         tracing::Span::current().record("request_id", request.request_id.as_str());
         let routed = RouterApi::route(&*self.router, request).await?;
@@ -66,33 +60,20 @@ impl pb::router_server::Router for RouterService {
         Ok(Response::new(pb::RouteResponse::from(routed)))
     }
 
-    async fn prefill_done(
-        &self,
-        request: Request<pb::PrefillDoneRequest>,
-    ) -> Result<Response<pb::PrefillDoneResponse>, Status> {
+    async fn prefill_done(&self, request: Request<pb::PrefillDoneRequest>) -> Result<Response<pb::PrefillDoneResponse>, Status> {
         let found = self.router.prefill_done(&request.into_inner().request_id);
         Ok(Response::new(pb::PrefillDoneResponse { found }))
     }
 
-    async fn request_finished(
-        &self,
-        request: Request<pb::RequestFinishedRequest>,
-    ) -> Result<Response<pb::RequestFinishedResponse>, Status> {
+    async fn request_finished(&self, request: Request<pb::RequestFinishedRequest>) -> Result<Response<pb::RequestFinishedResponse>, Status> {
         let released = self.router.finished(&request.into_inner().request_id);
         Ok(Response::new(pb::RequestFinishedResponse { released }))
     }
 
-    async fn list_workers(
-        &self,
-        request: Request<pb::ListWorkersRequest>,
-    ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+    async fn list_workers(&self, request: Request<pb::ListWorkersRequest>) -> Result<Response<pb::ListWorkersResponse>, Status> {
         let model = request.into_inner().model;
-        let workers = self
-            .router
-            .workers((!model.is_empty()).then_some(model.as_str()));
-        Ok(Response::new(pb::ListWorkersResponse {
-            workers: workers.into_iter().map(pb::WorkerInfo::from).collect(),
-        }))
+        let workers = self.router.workers((!model.is_empty()).then_some(model.as_str()));
+        Ok(Response::new(pb::ListWorkersResponse { workers: workers.into_iter().map(pb::WorkerInfo::from).collect() }))
     }
 }
 
@@ -104,10 +85,7 @@ fn policy_from_wire(value: i32) -> ConversionResult<Option<Policy>> {
         Ok(pb::Policy::Random) => Ok(Some(Policy::Random)),
         Ok(pb::Policy::LeastLoaded) => Ok(Some(Policy::LeastLoaded)),
         Ok(pb::Policy::Kv) => Ok(Some(Policy::Kv)),
-        Err(_) => Err(ConversionError::UnknownEnum {
-            field: "policy",
-            value,
-        }),
+        Err(_) => Err(ConversionError::UnknownEnum { field: "policy", value }),
     }
 }
 
@@ -127,10 +105,7 @@ fn role_from_wire(value: i32) -> ConversionResult<WorkerRole> {
         Ok(pb::WorkerRole::Unspecified | pb::WorkerRole::Aggregated) => Ok(WorkerRole::Aggregated),
         Ok(pb::WorkerRole::Prefill) => Ok(WorkerRole::Prefill),
         Ok(pb::WorkerRole::Decode) => Ok(WorkerRole::Decode),
-        Err(_) => Err(ConversionError::UnknownEnum {
-            field: "role",
-            value,
-        }),
+        Err(_) => Err(ConversionError::UnknownEnum { field: "role", value }),
     }
 }
 
@@ -144,43 +119,15 @@ fn role_to_wire(role: WorkerRole) -> pb::WorkerRole {
 
 impl From<pb::KvWeights> for KvOverrides {
     fn from(weights: pb::KvWeights) -> Self {
-        let pb::KvWeights {
-            device_credit,
-            host_credit,
-            disk_credit,
-            remote_credit,
-            prefill_load_scale,
-            temperature,
-        } = weights;
-        KvOverrides {
-            device_credit,
-            host_credit,
-            disk_credit,
-            remote_credit,
-            prefill_load_scale,
-            temperature,
-        }
+        let pb::KvWeights { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature } = weights;
+        KvOverrides { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature }
     }
 }
 
 impl From<KvOverrides> for pb::KvWeights {
     fn from(overrides: KvOverrides) -> Self {
-        let KvOverrides {
-            device_credit,
-            host_credit,
-            disk_credit,
-            remote_credit,
-            prefill_load_scale,
-            temperature,
-        } = overrides;
-        pb::KvWeights {
-            device_credit,
-            host_credit,
-            disk_credit,
-            remote_credit,
-            prefill_load_scale,
-            temperature,
-        }
+        let KvOverrides { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature } = overrides;
+        pb::KvWeights { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature }
     }
 }
 
@@ -188,15 +135,7 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
     type Error = ConversionError;
 
     fn try_from(request: pb::RouteRequest) -> ConversionResult<Self> {
-        let pb::RouteRequest {
-            request_id,
-            model,
-            prompt_tokens,
-            policy,
-            exclude_worker_ids,
-            token_ids,
-            kv_weights,
-        } = request;
+        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights } = request;
         Ok(RouteRequest {
             request_id,
             model,
@@ -211,15 +150,7 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
 
 impl From<RouteRequest> for pb::RouteRequest {
     fn from(request: RouteRequest) -> Self {
-        let RouteRequest {
-            request_id,
-            model,
-            prompt_tokens,
-            policy,
-            exclude_worker_ids,
-            token_ids,
-            kv,
-        } = request;
+        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv } = request;
         pb::RouteRequest {
             request_id,
             model,
@@ -234,30 +165,12 @@ impl From<RouteRequest> for pb::RouteRequest {
 
 impl From<RoutedWorker> for pb::WorkerInfo {
     fn from(worker: RoutedWorker) -> Self {
-        let RoutedWorker {
-            worker_id,
-            endpoint,
-            model,
-            load:
-                WorkerLoad {
-                    running,
-                    waiting,
-                    blocks_used,
-                    blocks_total,
-                },
-            in_flight,
-            role,
-        } = worker;
+        let RoutedWorker { worker_id, endpoint, model, load: WorkerLoad { running, waiting, blocks_used, blocks_total }, in_flight, role } = worker;
         pb::WorkerInfo {
             worker_id: worker_id.to_string(),
             endpoint,
             model,
-            load: Some(pb::WorkerLoad {
-                running,
-                waiting,
-                blocks_used,
-                blocks_total,
-            }),
+            load: Some(pb::WorkerLoad { running, waiting, blocks_used, blocks_total }),
             in_flight,
             role: role_to_wire(role) as i32,
         }
@@ -268,33 +181,16 @@ impl TryFrom<pb::WorkerInfo> for RoutedWorker {
     type Error = ConversionError;
 
     fn try_from(worker: pb::WorkerInfo) -> ConversionResult<Self> {
-        let pb::WorkerInfo {
-            worker_id,
-            endpoint,
-            model,
-            load,
-            in_flight,
-            role,
-        } = worker;
+        let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight, role } = worker;
         if worker_id.is_empty() {
             return Err(ConversionError::Missing("worker.worker_id"));
         }
-        let pb::WorkerLoad {
-            running,
-            waiting,
-            blocks_used,
-            blocks_total,
-        } = load.unwrap_or_default();
+        let pb::WorkerLoad { running, waiting, blocks_used, blocks_total } = load.unwrap_or_default();
         Ok(RoutedWorker {
             worker_id: WorkerId::from(worker_id),
             endpoint,
             model,
-            load: WorkerLoad {
-                running,
-                waiting,
-                blocks_used,
-                blocks_total,
-            },
+            load: WorkerLoad { running, waiting, blocks_used, blocks_total },
             in_flight,
             role: role_from_wire(role)?,
         })
@@ -303,13 +199,7 @@ impl TryFrom<pb::WorkerInfo> for RoutedWorker {
 
 impl From<Routed> for pb::RouteResponse {
     fn from(routed: Routed) -> Self {
-        let Routed {
-            worker,
-            in_flight,
-            prompt_blocks,
-            overlap_blocks,
-            prefill,
-        } = routed;
+        let Routed { worker, in_flight, prompt_blocks, overlap_blocks, prefill } = routed;
         pb::RouteResponse {
             worker: Some(pb::WorkerInfo::from(worker)),
             in_flight,
@@ -324,13 +214,7 @@ impl TryFrom<pb::RouteResponse> for Routed {
     type Error = ConversionError;
 
     fn try_from(response: pb::RouteResponse) -> ConversionResult<Self> {
-        let pb::RouteResponse {
-            worker,
-            in_flight,
-            prompt_blocks,
-            overlap_blocks,
-            prefill_worker,
-        } = response;
+        let pb::RouteResponse { worker, in_flight, prompt_blocks, overlap_blocks, prefill_worker } = response;
         Ok(Routed {
             worker: RoutedWorker::try_from(worker.ok_or(ConversionError::Missing("worker"))?)?,
             in_flight,
@@ -354,15 +238,9 @@ mod tests {
             policy: Some(Policy::Kv),
             exclude_worker_ids: vec!["w-2".into()],
             token_ids: vec![1, 2, 3].into(),
-            kv: Some(KvOverrides {
-                temperature: Some(0.5),
-                ..KvOverrides::default()
-            }),
+            kv: Some(KvOverrides { temperature: Some(0.5), ..KvOverrides::default() }),
         };
-        assert_eq!(
-            RouteRequest::try_from(pb::RouteRequest::from(request.clone())).unwrap(),
-            request
-        );
+        assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(request.clone())).unwrap(), request);
         let worker = RoutedWorker {
             worker_id: "w-1".into(),
             endpoint: "http://w".into(),
@@ -376,33 +254,15 @@ mod tests {
             in_flight: 2,
             prompt_blocks: 4,
             overlap_blocks: 1,
-            prefill: Some(RoutedWorker {
-                role: WorkerRole::Prefill,
-                ..worker
-            }),
+            prefill: Some(RoutedWorker { role: WorkerRole::Prefill, ..worker }),
         };
-        assert_eq!(
-            Routed::try_from(pb::RouteResponse::from(routed.clone())).unwrap(),
-            routed
-        );
+        assert_eq!(Routed::try_from(pb::RouteResponse::from(routed.clone())).unwrap(), routed);
     }
 
     #[test]
     fn unknown_enums_and_missing_workers_are_refused() {
-        let bad_policy = pb::RouteRequest {
-            policy: 42,
-            ..Default::default()
-        };
-        assert_eq!(
-            RouteRequest::try_from(bad_policy).unwrap_err(),
-            ConversionError::UnknownEnum {
-                field: "policy",
-                value: 42
-            }
-        );
-        assert_eq!(
-            Routed::try_from(pb::RouteResponse::default()).unwrap_err(),
-            ConversionError::Missing("worker")
-        );
+        let bad_policy = pb::RouteRequest { policy: 42, ..Default::default() };
+        assert_eq!(RouteRequest::try_from(bad_policy).unwrap_err(), ConversionError::UnknownEnum { field: "policy", value: 42 });
+        assert_eq!(Routed::try_from(pb::RouteResponse::default()).unwrap_err(), ConversionError::Missing("worker"));
     }
 }

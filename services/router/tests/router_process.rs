@@ -13,12 +13,20 @@ use tonic_health::pb::health_client::HealthClient;
 use turbine_proto::router::v1 as pb;
 use turbine_proto::router::v1::router_client::RouterClient;
 use turbine_registry::{Lease, RedisRegistry, Registry, WorkerRecord};
-use turbine_testkit::{
-    ChildProcess, RedisServer, STARTUP_TIMEOUT, ServiceProcess, metric, wait_until,
-};
+use turbine_testkit::{ChildProcess, RedisServer, STARTUP_TIMEOUT, ServiceProcess, metric, wait_until};
 
 fn record(id: &str) -> WorkerRecord {
-    WorkerRecord { worker_id: id.into(), endpoint: format!("http://127.0.0.1:1/{id}"), model: "m".into(), load: Default::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default(), kv_store: None }
+    WorkerRecord {
+        worker_id: id.into(),
+        endpoint: format!("http://127.0.0.1:1/{id}"),
+        model: "m".into(),
+        load: Default::default(),
+        kv_block_size: 16,
+        instance: 1,
+        role: Default::default(),
+        read_costs: Default::default(),
+        kv_store: None,
+    }
 }
 
 async fn start_router(redis: &RedisServer) -> (ServiceProcess, String) {
@@ -30,17 +38,11 @@ async fn start_router(redis: &RedisServer) -> (ServiceProcess, String) {
 async fn start_router_with_admin(redis: &RedisServer) -> (ServiceProcess, String, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-router"));
     command.args(["--redis", &redis.url(), "--namespace", "t"]);
-    let mut process = ServiceProcess::spawn("turbine-router", command, false)
-        .await
-        .unwrap();
-    process
-        .until_serving("turbine.router.v1.Router", STARTUP_TIMEOUT)
-        .await
-        .unwrap();
+    let mut process = ServiceProcess::spawn("turbine-router", command, false).await.unwrap();
+    process.until_serving("turbine.router.v1.Router", STARTUP_TIMEOUT).await.unwrap();
     let (endpoint, admin) = (process.grpc_endpoint(), process.admin_url());
     (process, endpoint, admin)
 }
-
 
 /// Routes `n` requests round-robin and returns the chosen worker ids.
 async fn chosen(client: &mut RouterClient<tonic::transport::Channel>, n: usize) -> HashSet<String> {
@@ -104,11 +106,7 @@ async fn membership_follows_the_registry() {
     let mut pace = tokio::time::interval(Duration::from_millis(100));
     while tokio::time::Instant::now() < outage {
         pace.tick().await;
-        assert_eq!(
-            chosen(&mut client, 4).await,
-            HashSet::from(["a".to_owned()]),
-            "routing survives a registry outage"
-        );
+        assert_eq!(chosen(&mut client, 4).await, HashSet::from(["a".to_owned()]), "routing survives a registry outage");
     }
     drop(lease_a);
 }
@@ -148,14 +146,8 @@ async fn router_replicas_share_the_kv_index_through_redis() {
     let mut redis = RedisServer::start();
     let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
     let ttl = Duration::from_secs(30);
-    let _leases = [
-        Lease::start(registry.clone(), ttl, || record("a")),
-        Lease::start(registry.clone(), ttl, || record("b")),
-    ];
-    let routers = [
-        start_router_with_admin(&redis).await,
-        start_router_with_admin(&redis).await,
-    ];
+    let _leases = [Lease::start(registry.clone(), ttl, || record("a")), Lease::start(registry.clone(), ttl, || record("b"))];
+    let routers = [start_router_with_admin(&redis).await, start_router_with_admin(&redis).await];
 
     let prompt: Vec<u32> = (1000..1128).collect();
     let blocks = BlockHasher::default().hash_blocks(&prompt, 16);
@@ -167,15 +159,7 @@ async fn router_replicas_share_the_kv_index_through_redis() {
             tier: Tier::Device,
         },
     };
-    EventLog::new(&redis.url(), "t")
-        .unwrap()
-        .publish(&EventBatch {
-            worker_id: "a".into(),
-            instance: 1,
-            events: vec![stored],
-        })
-        .await
-        .unwrap();
+    EventLog::new(&redis.url(), "t").unwrap().publish(&EventBatch { worker_id: "a".into(), instance: 1, events: vec![stored] }).await.unwrap();
 
     let route = |client: &mut RouterClient<tonic::transport::Channel>, id: String| {
         let request = pb::RouteRequest {
@@ -248,10 +232,7 @@ async fn replicas_weigh_each_others_bookings() {
     let redis = RedisServer::start();
     let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap());
     let ttl = Duration::from_secs(30);
-    let _leases = [
-        Lease::start(registry.clone(), ttl, || record("a")),
-        Lease::start(registry.clone(), ttl, || record("b")),
-    ];
+    let _leases = [Lease::start(registry.clone(), ttl, || record("a")), Lease::start(registry.clone(), ttl, || record("b"))];
     let (_first, first_endpoint) = start_router(&redis).await;
     let (_second, second_endpoint) = start_router(&redis).await;
     let mut first = RouterClient::connect(first_endpoint).await.unwrap();

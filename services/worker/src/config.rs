@@ -282,19 +282,10 @@ pub struct EngineConfig {
     #[arg(long, env = "TURBINE_WORKER_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Sequences running at once.
-    #[arg(
-        long,
-        visible_alias = "max-seqs",
-        env = "TURBINE_WORKER_MAX_NUM_SEQS",
-        default_value_t = 256
-    )]
+    #[arg(long, visible_alias = "max-seqs", env = "TURBINE_WORKER_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
     /// Tokens computed per engine step.
-    #[arg(
-        long,
-        env = "TURBINE_WORKER_MAX_BATCHED_TOKENS",
-        default_value_t = 8192
-    )]
+    #[arg(long, env = "TURBINE_WORKER_MAX_BATCHED_TOKENS", default_value_t = 8192)]
     pub max_batched_tokens: usize,
     /// Requests allowed to queue before new ones are refused.
     #[arg(long, env = "TURBINE_WORKER_MAX_WAITING", default_value_t = 4096)]
@@ -342,7 +333,12 @@ impl EngineConfig {
         if !(self.disk_cache_gib.is_finite() && self.disk_cache_gib > 0.0) {
             return Err(format!("disk_cache_gib must be a positive number, got {}", self.disk_cache_gib));
         }
-        for (name, value) in [("speedup", self.speedup), ("mock_host_gbps", self.mock_host_gbps), ("mock_disk_gbps", self.mock_disk_gbps), ("mock_remote_gbps", self.mock_remote_gbps)] {
+        for (name, value) in [
+            ("speedup", self.speedup),
+            ("mock_host_gbps", self.mock_host_gbps),
+            ("mock_disk_gbps", self.mock_disk_gbps),
+            ("mock_remote_gbps", self.mock_remote_gbps),
+        ] {
             if !(value.is_finite() && value > 0.0) {
                 return Err(format!("{name} must be a positive number, got {value}"));
             }
@@ -421,9 +417,7 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> Result<WorkerConfig, String> {
-        Cli::try_parse_from(std::iter::once("turbine-worker").chain(args.iter().copied()))
-            .map(|cli| cli.config.0)
-            .map_err(|error| error.to_string())
+        Cli::try_parse_from(std::iter::once("turbine-worker").chain(args.iter().copied())).map(|cli| cli.config.0).map_err(|error| error.to_string())
     }
 
     #[test]
@@ -452,33 +446,16 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(config.server.grpc_addr, "127.0.0.1:1".parse().unwrap());
+        assert_eq!((config.cluster.redis.as_deref(), config.cluster.namespace.as_str()), (Some("redis://r/"), "ns"));
+        assert_eq!((config.worker_id.as_deref(), config.role), (Some("w"), WorkerRole::Decode));
         assert_eq!(
-            (
-                config.cluster.redis.as_deref(),
-                config.cluster.namespace.as_str()
-            ),
-            (Some("redis://r/"), "ns")
-        );
-        assert_eq!(
-            (config.worker_id.as_deref(), config.role),
-            (Some("w"), WorkerRole::Decode)
-        );
-        assert_eq!(
-            (
-                config.engine.engine,
-                config.engine.max_num_seqs,
-                config.engine.threads(),
-                config.engine.context_length
-            ),
+            (config.engine.engine, config.engine.max_num_seqs, config.engine.threads(), config.engine.context_length),
             (EngineKind::Mock, 4, 2, Some(100))
         );
         assert_eq!(config.engine.block_size(), 64, "the mocker's block size");
         assert_eq!(config.transfer.kv_transport, KvTransport::Tcp);
         assert_eq!(parse(&[]).unwrap(), WorkerConfig::default());
-        assert_eq!(
-            WorkerConfig::default().server.admin_addr,
-            Some("0.0.0.0:9091".parse().unwrap())
-        );
+        assert_eq!(WorkerConfig::default().server.admin_addr, Some("0.0.0.0:9091".parse().unwrap()));
     }
 
     #[test]
@@ -486,38 +463,16 @@ mod tests {
         let file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(file.path(), "engine = \"mock\"\nspeedup = 10.0\nnum_blocks = 4096\nredis = \"redis://redis:6379/\"\nkv_lease_ms = 5\n").unwrap();
         let config = parse(&["--config", file.path().to_str().unwrap(), "--speedup", "2"]).unwrap();
-        assert_eq!(
-            (
-                config.engine.engine,
-                config.engine.speedup,
-                config.engine.num_blocks
-            ),
-            (EngineKind::Mock, 2.0, Some(4096))
-        );
-        assert_eq!(
-            (config.cluster.redis.as_deref(), config.transfer.kv_lease_ms),
-            (Some("redis://redis:6379/"), 5)
-        );
+        assert_eq!((config.engine.engine, config.engine.speedup, config.engine.num_blocks), (EngineKind::Mock, 2.0, Some(4096)));
+        assert_eq!((config.cluster.redis.as_deref(), config.transfer.kv_lease_ms), (Some("redis://redis:6379/"), 5));
     }
 
     #[test]
     fn nonsense_values_are_refused() {
         assert!(parse(&["--speedup", "0"]).unwrap_err().contains("speedup"));
-        assert!(
-            parse(&["--block-size", "0"])
-                .unwrap_err()
-                .contains("block_size")
-        );
-        assert!(
-            parse(&["--device", "tpu"])
-                .unwrap_err()
-                .contains("unknown device")
-        );
-        assert!(
-            parse(&["--lease-ttl-secs", "0"])
-                .unwrap_err()
-                .contains("lease_ttl_secs")
-        );
+        assert!(parse(&["--block-size", "0"]).unwrap_err().contains("block_size"));
+        assert!(parse(&["--device", "tpu"]).unwrap_err().contains("unknown device"));
+        assert!(parse(&["--lease-ttl-secs", "0"]).unwrap_err().contains("lease_ttl_secs"));
         assert!(parse(&["--disk-cache-dir", "/tmp/kv"]).unwrap_err().contains("host_cache_mib"));
         assert!(parse(&["--kv-store", "http://127.0.0.1:50053"]).unwrap_err().contains("host_cache_mib"));
         assert!(parse(&["--kv-store", "http://127.0.0.1:50053", "--host-cache-mib", "64", "--engine", "mock"]).is_ok(), "the mocker models the shared tier");

@@ -11,14 +11,12 @@ use prometheus::{Counter, Gauge, GaugeVec, HistogramVec, IntCounter, IntCounterV
 use turbine_engine::{EngineError, EngineHandle};
 use turbine_runtime::metrics::{CollectorGuard, counter, histogram, latency_buckets, register_collector};
 
-static REQUESTS: LazyLock<IntCounterVec> =
-    LazyLock::new(|| counter("turbine_worker_requests_total", "Generate calls by outcome", &["worker", "outcome"]));
+static REQUESTS: LazyLock<IntCounterVec> = LazyLock::new(|| counter("turbine_worker_requests_total", "Generate calls by outcome", &["worker", "outcome"]));
 static TIME_TO_FIRST_TOKEN: LazyLock<HistogramVec> = LazyLock::new(|| {
     histogram("turbine_worker_time_to_first_token_seconds", "Time from accepting a request to its first tokens", &["worker"], latency_buckets())
 });
-static REQUEST_DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
-    histogram("turbine_worker_request_duration_seconds", "Time from accepting a request to its last token", &["worker"], latency_buckets())
-});
+static REQUEST_DURATION: LazyLock<HistogramVec> =
+    LazyLock::new(|| histogram("turbine_worker_request_duration_seconds", "Time from accepting a request to its last token", &["worker"], latency_buckets()));
 
 pub(crate) fn request_refused(worker: &str, error: &EngineError) {
     let outcome = match error {
@@ -152,9 +150,15 @@ impl TierMetrics {
             onboarded_blocks: count("turbine_worker_kv_tier_onboarded_blocks_total", "KV blocks onboarded from a tier into the pool"),
             evicted_blocks: count("turbine_worker_kv_tier_evicted_blocks_total", "KV blocks evicted from a tier for room"),
             corrupt_blocks: count("turbine_worker_kv_tier_corrupt_blocks_total", "KV blocks dropped from a tier because they failed their checksum"),
-            read_bytes: count("turbine_worker_kv_tier_read_bytes_total", "Bytes read from a tier for onboards (disk, remote); over read_seconds: its bandwidth"),
-            read_seconds: Counter::with_opts(opts("turbine_worker_kv_tier_read_seconds_total", "Seconds spent reading from a tier for onboards (disk, remote)"))
-                .expect("valid counter"),
+            read_bytes: count(
+                "turbine_worker_kv_tier_read_bytes_total",
+                "Bytes read from a tier for onboards (disk, remote); over read_seconds: its bandwidth",
+            ),
+            read_seconds: Counter::with_opts(opts(
+                "turbine_worker_kv_tier_read_seconds_total",
+                "Seconds spent reading from a tier for onboards (disk, remote)",
+            ))
+            .expect("valid counter"),
             failures: count("turbine_worker_kv_tier_failures_total", "Reads or writes of a tier that failed (remote: the store down, slow or refusing)"),
         }
     }
@@ -301,9 +305,8 @@ pub fn register_engine(worker_id: &str, engine: EngineHandle) -> CollectorGuard 
 static KV_PINS: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
     turbine_runtime::metrics::gauge("turbine_worker_kv_pinned_handles", "Prefill handles whose KV blocks are pinned for a decode worker", &["worker"])
 });
-static KV_LEASES_EXPIRED: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter("turbine_worker_kv_leases_expired_total", "Prefill handles freed because no decode worker released them in time", &["worker"])
-});
+static KV_LEASES_EXPIRED: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter("turbine_worker_kv_leases_expired_total", "Prefill handles freed because no decode worker released them in time", &["worker"]));
 static KV_IMPORTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_worker_kv_imports_total",
@@ -316,9 +319,8 @@ static KV_IMPORTS_IN_FLIGHT: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|
 });
 static KV_IMPORT_BYTES: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_worker_kv_import_bytes_total", "KV block bytes read from prefill workers", &["worker", "transport"]));
-static KV_IMPORT_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
-    histogram("turbine_worker_kv_import_seconds", "Time to read a remote prefill's blocks (or give up)", &["worker"], latency_buckets())
-});
+static KV_IMPORT_SECONDS: LazyLock<HistogramVec> =
+    LazyLock::new(|| histogram("turbine_worker_kv_import_seconds", "Time to read a remote prefill's blocks (or give up)", &["worker"], latency_buckets()));
 static KV_CHECKSUM_MISMATCHES: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_worker_kv_checksum_mismatches_total", "Transferred KV blocks that failed their checksum", &["worker"]));
 static KV_UCX_READS: LazyLock<IntCounterVec> = LazyLock::new(|| {

@@ -44,9 +44,7 @@ impl<T> Loaded<T> {
     }
 
     fn get(&self) -> Result<&T, Status> {
-        self.0
-            .get()
-            .ok_or_else(|| Status::unavailable("the worker is still loading its model"))
+        self.0.get().ok_or_else(|| Status::unavailable("the worker is still loading its model"))
     }
 }
 
@@ -61,10 +59,7 @@ pub struct WorkerService {
 impl WorkerService {
     /// Serves the worker `loaded` will hold.
     pub fn new(loaded: Loaded<Arc<Worker>>) -> Self {
-        Self {
-            loaded,
-            card: Arc::default(),
-        }
+        Self { loaded, card: Arc::default() }
     }
 }
 
@@ -75,46 +70,27 @@ impl pb::worker_server::Worker for WorkerService {
     type GenerateStream = GenerateStream;
 
     #[tracing::instrument(skip_all, name = "worker.generate", fields(request_id))]
-    async fn generate(
-        &self,
-        request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<GenerateStream>, Status> {
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
         let worker = self.loaded.get()?;
         let GenerateCall { request, remote } = GenerateCall::try_from(request.into_inner())?;
         tracing::Span::current().record("request_id", request.request_id.as_str());
         let chunks = WorkerApi::generate(&**worker, request, remote).await?;
-        Ok(Response::new(Box::pin(
-            chunks.map(|chunk| Ok(pb::GenerateResponse::from(chunk?))),
-        )))
+        Ok(Response::new(Box::pin(chunks.map(|chunk| Ok(pb::GenerateResponse::from(chunk?))))))
     }
 
-    async fn load(
-        &self,
-        _request: Request<pb::LoadRequest>,
-    ) -> Result<Response<pb::LoadResponse>, Status> {
+    async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
         let load = self.loaded.get()?.load();
-        Ok(Response::new(pb::LoadResponse {
-            load: Some(pb::WorkerLoad::from(load)),
-        }))
+        Ok(Response::new(pb::LoadResponse { load: Some(pb::WorkerLoad::from(load)) }))
     }
 
-    async fn get_model_card(
-        &self,
-        _request: Request<pb::GetModelCardRequest>,
-    ) -> Result<Response<pb::GetModelCardResponse>, Status> {
+    async fn get_model_card(&self, _request: Request<pb::GetModelCardRequest>) -> Result<Response<pb::GetModelCardResponse>, Status> {
         let worker = self.loaded.get()?;
-        let card = self
-            .card
-            .get_or_init(|| pb::ModelCard::from(worker.card()))
-            .clone();
+        let card = self.card.get_or_init(|| pb::ModelCard::from(worker.card())).clone();
         Ok(Response::new(pb::GetModelCardResponse { card: Some(card) }))
     }
 
     #[tracing::instrument(skip_all, name = "worker.prefill", fields(request_id))]
-    async fn prefill(
-        &self,
-        request: Request<pb::PrefillRequest>,
-    ) -> Result<Response<pb::PrefillResponse>, Status> {
+    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
         let worker = self.loaded.get()?;
         let PrefillCall { request, lease } = PrefillCall::try_from(request.into_inner())?;
         tracing::Span::current().record("request_id", request.request_id.as_str());
@@ -122,14 +98,9 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(pb::PrefillResponse::from(prefilled)))
     }
 
-    async fn dump_kv_cache(
-        &self,
-        _request: Request<pb::DumpKvCacheRequest>,
-    ) -> Result<Response<pb::DumpKvCacheResponse>, Status> {
+    async fn dump_kv_cache(&self, _request: Request<pb::DumpKvCacheRequest>) -> Result<Response<pb::DumpKvCacheResponse>, Status> {
         let dump = self.loaded.get()?.dump_kv_cache().await?;
-        Ok(Response::new(pb::DumpKvCacheResponse {
-            dump: Some(turbine_proto::kvindex::v1::WorkerDump::from(&dump)),
-        }))
+        Ok(Response::new(pb::DumpKvCacheResponse { dump: Some(turbine_proto::kvindex::v1::WorkerDump::from(&dump)) }))
     }
 }
 
@@ -153,44 +124,21 @@ type BlockStream = Pin<Box<dyn Stream<Item = Result<pb::BlockData, Status>> + Se
 impl pb::kv_transfer_server::KvTransfer for KvTransferService {
     type ReadBlocksStream = BlockStream;
 
-    async fn describe(
-        &self,
-        request: Request<pb::DescribeRequest>,
-    ) -> Result<Response<pb::DescribeResponse>, Status> {
-        let described = self
-            .loaded
-            .get()?
-            .describe(request.into_inner().handle_id)?;
+    async fn describe(&self, request: Request<pb::DescribeRequest>) -> Result<Response<pb::DescribeResponse>, Status> {
+        let described = self.loaded.get()?.describe(request.into_inner().handle_id)?;
         Ok(Response::new(pb::DescribeResponse::from(described)))
     }
 
-    async fn read_blocks(
-        &self,
-        request: Request<pb::ReadBlocksRequest>,
-    ) -> Result<Response<BlockStream>, Status> {
+    async fn read_blocks(&self, request: Request<pb::ReadBlocksRequest>) -> Result<Response<BlockStream>, Status> {
         let disagg = self.loaded.get()?.clone();
         let pb::ReadBlocksRequest { handle_id, indices } = request.into_inner();
-        let indices: Vec<u32> = if indices.is_empty() {
-            (0..disagg.block_count(handle_id)? as u32).collect()
-        } else {
-            indices
-        };
+        let indices: Vec<u32> = if indices.is_empty() { (0..disagg.block_count(handle_id)? as u32).collect() } else { indices };
         // One block at a time, copied under the pin table's lock.
-        let stream = futures::stream::iter(indices).map(move |index| {
-            Ok(pb::BlockData {
-                index,
-                data: disagg.copy_block(handle_id, index as usize)?,
-            })
-        });
+        let stream = futures::stream::iter(indices).map(move |index| Ok(pb::BlockData { index, data: disagg.copy_block(handle_id, index as usize)? }));
         Ok(Response::new(Box::pin(stream)))
     }
 
-    async fn release(
-        &self,
-        request: Request<pb::ReleaseRequest>,
-    ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        Ok(Response::new(pb::ReleaseResponse {
-            released: self.loaded.get()?.release(request.into_inner().handle_id),
-        }))
+    async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+        Ok(Response::new(pb::ReleaseResponse { released: self.loaded.get()?.release(request.into_inner().handle_id) }))
     }
 }

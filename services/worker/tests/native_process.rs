@@ -16,16 +16,9 @@ const MODEL: &str = "smollm2-135m";
 
 async fn native_worker(extra: &[&str]) -> ServiceProcess {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
-    command
-        .args(["--engine", "native", "--model", MODEL, "--threads", "2"])
-        .args(extra);
-    let mut process = ServiceProcess::spawn("turbine-worker", command, false)
-        .await
-        .unwrap();
-    process
-        .until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT)
-        .await
-        .unwrap();
+    command.args(["--engine", "native", "--model", MODEL, "--threads", "2"]).args(extra);
+    let mut process = ServiceProcess::spawn("turbine-worker", command, false).await.unwrap();
+    process.until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT).await.unwrap();
     process
 }
 
@@ -51,7 +44,10 @@ async fn generate(client: WorkerClient<tonic::transport::Channel>, request: pb::
     tokio::time::timeout(Duration::from_secs(240), generate_unbounded(client, request)).await.expect("a request finishes within 240 s")
 }
 
-async fn generate_unbounded(mut client: WorkerClient<tonic::transport::Channel>, request: pb::GenerateRequest) -> Result<(Vec<u32>, pb::FinishReason), tonic::Status> {
+async fn generate_unbounded(
+    mut client: WorkerClient<tonic::transport::Channel>,
+    request: pb::GenerateRequest,
+) -> Result<(Vec<u32>, pb::FinishReason), tonic::Status> {
     let mut stream = client.generate(request).await?.into_inner();
     let mut tokens = Vec::new();
     while let Some(message) = stream.message().await? {
@@ -63,28 +59,20 @@ async fn generate_unbounded(mut client: WorkerClient<tonic::transport::Channel>,
     Err(tonic::Status::internal("stream ended without finish_reason"))
 }
 
-
 #[tokio::test]
 async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budget() {
     let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
     let model_bytes = std::fs::metadata(&model.path).unwrap().len();
     let kv_cache_mib = 24u64;
-    let worker = native_worker(&[
-        "--kv-cache-mib",
-        &kv_cache_mib.to_string(),
-        "--max-seqs",
-        "64",
-    ])
-    .await;
+    let worker = native_worker(&["--kv-cache-mib", &kv_cache_mib.to_string(), "--max-seqs", "64"]).await;
     let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
 
     // Eight prompts (block-boundary lengths among them), eight copies of
     // each: 64 sequences of up to 144 tokens need about 400 blocks, and a
     // 24 MiB pool holds 68.
     let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
-    let passage = tokens
-        .encode_text(&"Rivers carry water from the mountains to the sea, shaping valleys and feeding the towns along their banks. ".repeat(12))
-        .unwrap();
+    let passage =
+        tokens.encode_text(&"Rivers carry water from the mountains to the sea, shaping valleys and feeding the towns along their banks. ".repeat(12)).unwrap();
     let lengths = [16, 31, 32, 33, 47, 64, 90, 120];
     let max_tokens = 24;
     let requests: Vec<_> = (0..8).flat_map(|_| lengths.iter().map(|&n| greedy(&passage[..n], max_tokens))).collect();
@@ -102,11 +90,7 @@ async fn a_64_request_burst_beyond_the_kv_pool_completes_within_the_memory_budge
         assert!(copies.iter().all(|copy| *copy == copies[0]), "copies of the {length}-token prompt differ");
     }
     let preemptions = metric(&worker.admin_url(), "turbine_worker_preemptions_total").await;
-    let cached = metric(
-        &worker.admin_url(),
-        "turbine_worker_cached_prompt_tokens_total",
-    )
-    .await;
+    let cached = metric(&worker.admin_url(), "turbine_worker_cached_prompt_tokens_total").await;
     assert!(cached > 0.0, "copies of a prompt shared no cached blocks");
     assert!(preemptions > 0.0, "the pool was never short: the burst did not exercise preemption");
 
@@ -208,7 +192,13 @@ async fn kv_store() -> (String, turbine_kv_store::Store, turbine_runtime::Cancel
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
     let store = turbine_kv_store::Store::new(256 << 20);
     let shutdown = turbine_runtime::CancellationToken::new();
-    tokio::spawn(turbine_kv_store::serve(turbine_kv_store::KvStoreConfig::default(), store.clone(), turbine_kv_store::StoreEventSink::None, listeners, shutdown.clone()));
+    tokio::spawn(turbine_kv_store::serve(
+        turbine_kv_store::KvStoreConfig::default(),
+        store.clone(),
+        turbine_kv_store::StoreEventSink::None,
+        listeners,
+        shutdown.clone(),
+    ));
     (endpoint, store, shutdown)
 }
 

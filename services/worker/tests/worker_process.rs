@@ -4,11 +4,11 @@
 use std::process::Command;
 use std::time::Duration;
 
+use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
-use turbine_proto::worker::v1 as pb;
 use turbine_proto::MessageLimits;
+use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess};
 
@@ -23,23 +23,9 @@ async fn start_worker(speedup: &str) -> RunningWorker {
 
 async fn start_worker_with(speedup: &str, extra: &[&str]) -> RunningWorker {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
-    command
-        .args([
-            "--engine",
-            "mock",
-            "--speedup",
-            speedup,
-            "--worker-id",
-            "w-test",
-        ])
-        .args(extra);
-    let mut process = ServiceProcess::spawn("turbine-worker", command, false)
-        .await
-        .unwrap();
-    process
-        .until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT)
-        .await
-        .unwrap();
+    command.args(["--engine", "mock", "--speedup", speedup, "--worker-id", "w-test"]).args(extra);
+    let mut process = ServiceProcess::spawn("turbine-worker", command, false).await.unwrap();
+    process.until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT).await.unwrap();
     let endpoint = process.grpc_endpoint();
     RunningWorker { process, endpoint }
 }
@@ -68,11 +54,7 @@ async fn collect(mut stream: tonic::Streaming<pb::GenerateResponse>) -> Result<(
 #[tokio::test]
 async fn generates_reports_health_and_refuses_bad_input() {
     let worker = start_worker("1000").await;
-    let channel = tonic::transport::Channel::from_shared(worker.endpoint.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = tonic::transport::Channel::from_shared(worker.endpoint.clone()).unwrap().connect().await.unwrap();
     let mut health = HealthClient::new(channel);
     for service in ["", "turbine.worker.v1.Worker"] {
         let status = health.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner().status();
@@ -118,9 +100,7 @@ async fn generates_reports_health_and_refuses_bad_input() {
 async fn sigterm_lets_32_in_flight_streams_finish_then_exits_zero() {
     // Real-time mocker: each request takes about a second of decode steps.
     let mut worker = start_worker("1").await;
-    let client = WorkerClient::connect(worker.endpoint.clone())
-        .await
-        .unwrap();
+    let client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap();
     let mut streams = Vec::new();
     for _ in 0..32 {
         let mut client = client.clone();
@@ -144,43 +124,13 @@ async fn sigterm_lets_32_in_flight_streams_finish_then_exits_zero() {
 
 #[tokio::test]
 async fn any_gguf_path_is_served_under_the_given_name() {
-    let model = turbine_tokens::pull::resolve_model(
-        "smollm2-135m",
-        None,
-        &turbine_tokens::pull::default_cache_dir(),
-        turbine_tokens::pull::Progress::Quiet,
-    )
-    .unwrap();
+    let model =
+        turbine_tokens::pull::resolve_model("smollm2-135m", None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap();
     let path = model.path.to_str().unwrap();
-    let worker = start_worker_with(
-        "1000",
-        &[
-            "--model",
-            path,
-            "--served-model-name",
-            "my-model",
-            "--block-size",
-            "16",
-            "--context-length",
-            "2048",
-        ],
-    )
-    .await;
-    let mut client = WorkerClient::connect(worker.endpoint.clone())
-        .await
-        .unwrap()
-        .with_message_limits();
-    let card = client
-        .get_model_card(pb::GetModelCardRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .card
-        .unwrap();
-    assert_eq!(
-        (card.name.as_str(), card.kv_block_size, card.context_length),
-        ("my-model", 16, 2048)
-    );
+    let worker = start_worker_with("1000", &["--model", path, "--served-model-name", "my-model", "--block-size", "16", "--context-length", "2048"]).await;
+    let mut client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap().with_message_limits();
+    let card = client.get_model_card(pb::GetModelCardRequest {}).await.unwrap().into_inner().card.unwrap();
+    assert_eq!((card.name.as_str(), card.kv_block_size, card.context_length), ("my-model", 16, 2048));
     let status = client.generate(request(2000, 100)).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "the overridden context length applies");
 }

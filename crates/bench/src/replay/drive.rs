@@ -63,8 +63,7 @@ pub(super) async fn drive(
         results.push(result);
     }
     let wall = started.elapsed();
-    let timeline =
-        if args.window_secs > 0.0 { timeline(args.window_secs, requests.iter().map(arrival).collect(), &results, oracle) } else { Vec::new() };
+    let timeline = if args.window_secs > 0.0 { timeline(args.window_secs, requests.iter().map(arrival).collect(), &results, oracle) } else { Vec::new() };
     let outcomes: Vec<&Outcome> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -111,9 +110,8 @@ pub(super) async fn drive(
 /// Hit rates per window of `window` seconds of arrival time.
 fn timeline(window: f64, arrivals: Vec<f64>, results: &[anyhow::Result<Outcome>], oracle: &[usize]) -> Vec<Window> {
     let count = arrivals.iter().map(|&a| (a / window) as usize + 1).max().unwrap_or(0);
-    let mut windows: Vec<(Window, u64, u64, u64, u64)> = (0..count)
-        .map(|i| (Window { start_secs: i as f64 * window, requests: 0, failed: 0, hit_rate: 0.0, oracle_share: None }, 0, 0, 0, 0))
-        .collect();
+    let mut windows: Vec<(Window, u64, u64, u64, u64)> =
+        (0..count).map(|i| (Window { start_secs: i as f64 * window, requests: 0, failed: 0, hit_rate: 0.0, oracle_share: None }, 0, 0, 0, 0)).collect();
     for ((arrival, result), &oracle) in arrivals.iter().zip(results).zip(oracle) {
         let (window, prompt, cached, captured, available) = &mut windows[(arrival / window) as usize];
         window.requests += 1;

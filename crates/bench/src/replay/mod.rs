@@ -181,10 +181,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
     // Ids well inside the vocabulary of the default model, clear of its special tokens.
     let prompts: Arc<Vec<Arc<Vec<u32>>>> = Arc::new(requests.iter().map(|r| Arc::new(prompt_tokens(r, 1000..40_000))).collect());
     anyhow::ensure!(args.routers.iter().all(|&n| n >= 1), "--routers counts must be at least 1");
-    anyhow::ensure!(
-        args.redis.is_some() || args.routers.iter().all(|&n| n == 1),
-        "several routers share their index through Redis: pass --redis URL"
-    );
+    anyhow::ensure!(args.redis.is_some() || args.routers.iter().all(|&n| n == 1), "several routers share their index through Redis: pass --redis URL");
     let mut policies = Vec::new();
     if let Some(gateway) = &args.gateway {
         let base = gateway.trim_end_matches('/').trim_end_matches("/v1");
@@ -210,7 +207,8 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
             }
             eprintln!("replaying {} requests on {prefill} prefill + {decode} decode workers...", requests.len());
             let report =
-                replay_one(&args, Policy::Kv, 1, Some((prefill, decode)), Tiers::NONE, workers, &requests, &prompts, context_length, &oracle, oracle_rate).await?;
+                replay_one(&args, Policy::Kv, 1, Some((prefill, decode)), Tiers::NONE, workers, &requests, &prompts, context_length, &oracle, oracle_rate)
+                    .await?;
             policies.push(PolicyReport { router: format!("{prefill}P:{decode}D"), ..report });
         }
     }
@@ -352,8 +350,7 @@ async fn replay_one(
     };
     // Traffic starts once every gateway lists the model.
     let cluster = Cluster::start(config, options, shutdown.clone()).await?;
-    let urls: Vec<String> =
-        cluster.gateways().iter().map(|gateway| format!("http://{}/v1/completions", gateway.http.expect("gateways serve HTTP"))).collect();
+    let urls: Vec<String> = cluster.gateways().iter().map(|gateway| format!("http://{}/v1/completions", gateway.http.expect("gateways serve HTTP"))).collect();
     // The workers' tier counters and the routers' cached blocks, read
     // before they stop (they share this process's metrics registry; the
     // routers' count since the process started, hence the difference).

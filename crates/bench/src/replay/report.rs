@@ -203,19 +203,7 @@ pub fn print(report: &ReplayReport) {
     }
     println!(
         "{:<14} {:>7} {:>8} {:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>8}",
-        "router",
-        "workers",
-        "requests",
-        "failed",
-        "ttft mean",
-        "ttft p50",
-        "ttft p90",
-        "itl mean",
-        "itl p90",
-        "e2e mean",
-        "out tok/s",
-        "hit",
-        "oracle"
+        "router", "workers", "requests", "failed", "ttft mean", "ttft p50", "ttft p90", "itl mean", "itl p90", "e2e mean", "out tok/s", "hit", "oracle"
     );
     for p in &report.policies {
         let label = label(p);
@@ -262,7 +250,12 @@ pub fn print(report: &ReplayReport) {
     // The kv-store against the same configuration without it.
     for p in report.policies.iter().filter(|p| p.kv_store) {
         let without = report.policies.iter().find(|o| {
-            !o.kv_store && o.router == p.router && o.routers == p.routers && o.host_cache_mib == p.host_cache_mib && o.disk_cache_gib == p.disk_cache_gib && o.kv_fetch == p.kv_fetch
+            !o.kv_store
+                && o.router == p.router
+                && o.routers == p.routers
+                && o.host_cache_mib == p.host_cache_mib
+                && o.disk_cache_gib == p.disk_cache_gib
+                && o.kv_fetch == p.kv_fetch
         });
         if let Some(without) = without {
             println!(
@@ -402,11 +395,7 @@ pub fn write_plot(report: &ReplayReport, path: &std::path::Path) -> anyhow::Resu
             for (offset, value, fill) in [(0.0, mean, color.0), (40.0, p90, color.1)] {
                 let height = plot_height * value / max;
                 svg += &format!("<rect x=\"{}\" y=\"{}\" width=\"38\" height=\"{height}\" fill=\"{fill}\"/>\n", x + offset, base - height);
-                svg += &format!(
-                    "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"10\">{value:.0}</text>\n",
-                    x + offset + 19.0,
-                    base - height - 3.0
-                );
+                svg += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"10\">{value:.0}</text>\n", x + offset + 19.0, base - height - 3.0);
             }
             svg += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", x + 39.0, base + 16.0, escape(&policy.router));
         }

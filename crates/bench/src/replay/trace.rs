@@ -30,8 +30,7 @@ pub fn read_trace(path: &std::path::Path, limit: Option<usize>) -> anyhow::Resul
         if limit.is_some_and(|limit| requests.len() >= limit) {
             break;
         }
-        let request: TraceRequest =
-            serde_json::from_str(line).with_context(|| format!("{}:{}: not a Mooncake trace line", path.display(), number + 1))?;
+        let request: TraceRequest = serde_json::from_str(line).with_context(|| format!("{}:{}: not a Mooncake trace line", path.display(), number + 1))?;
         if request.input_length == 0 || request.hash_ids.is_empty() {
             bail!("{}:{}: a request needs input_length > 0 and hash_ids", path.display(), number + 1);
         }

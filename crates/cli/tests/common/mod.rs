@@ -16,12 +16,7 @@ pub const MODEL: &str = "smollm2-135m";
 
 /// Starts the workspace binary `binary` with `args` (and environment
 /// `env`) on free loopback ports; returns once it is SERVING.
-pub async fn service(
-    binary: &str,
-    args: &[&str],
-    env: &[(&str, String)],
-    http: bool,
-) -> ServiceProcess {
+pub async fn service(binary: &str, args: &[&str], env: &[(&str, String)], http: bool) -> ServiceProcess {
     let mut command = Command::new(workspace_binary(binary));
     command.args(args);
     for (key, value) in env {
@@ -35,13 +30,7 @@ pub async fn service(
 /// Waits until the router at `router` lists `workers` workers.
 pub async fn until_registered(router: &ServiceProcess, workers: usize) {
     let client = RouterClient::connect(&router.grpc_endpoint()).unwrap();
-    wait_until("the workers are registered", STARTUP_TIMEOUT, async || {
-        client
-            .workers(None)
-            .await
-            .is_ok_and(|listed| listed.len() == workers)
-    })
-    .await;
+    wait_until("the workers are registered", STARTUP_TIMEOUT, async || client.workers(None).await.is_ok_and(|listed| listed.len() == workers)).await;
 }
 
 /// Waits until the gateway at `base` lists a model.
@@ -51,10 +40,7 @@ pub async fn until_listed(base: &str) {
         let Ok(response) = client.get(format!("{base}/v1/models")).send().await else {
             return false;
         };
-        response
-            .json::<serde_json::Value>()
-            .await
-            .is_ok_and(|body| body["data"].as_array().is_some_and(|data| !data.is_empty()))
+        response.json::<serde_json::Value>().await.is_ok_and(|body| body["data"].as_array().is_some_and(|data| !data.is_empty()))
     })
     .await;
 }

@@ -1,5 +1,5 @@
 use proptest::prelude::*;
-use turbine_kv::{BlockHashes, BlockHasher};
+use turbine_kv::{BlockHasher, BlockHashes};
 
 use super::*;
 
@@ -136,10 +136,7 @@ enum Op {
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        prop::collection::vec(0u32..3, 1..24).prop_map(|tokens| Op::Admit { tokens }),
-        (0usize..8).prop_map(Op::Finish),
-    ]
+    prop_oneof![prop::collection::vec(0u32..3, 1..24).prop_map(|tokens| Op::Admit { tokens }), (0usize..8).prop_map(Op::Finish),]
 }
 
 proptest! {

@@ -181,7 +181,14 @@ mod tests {
 
     #[test]
     fn headers_round_trip_and_a_flipped_bit_is_refused() {
-        let header = BlockHeader { fingerprint: 7, sequence: SequenceHash(u64::MAX), local: LocalBlockHash(3), parent: Some(SequenceHash(0)), len: 368_640, checksum: 42 };
+        let header = BlockHeader {
+            fingerprint: 7,
+            sequence: SequenceHash(u64::MAX),
+            local: LocalBlockHash(3),
+            parent: Some(SequenceHash(0)),
+            len: 368_640,
+            checksum: 42,
+        };
         let mut encoded = header.encode();
         assert_eq!(BlockHeader::decode(&encoded), Some(header));
         let first = BlockHeader { parent: None, ..header };

@@ -107,8 +107,8 @@ impl DiskTier {
                 })
                 .build()
         };
-        let tier =
-            Self { inner: Arc::new(Inner {
+        let tier = Self {
+            inner: Arc::new(Inner {
                 dir: dir.to_path_buf(),
                 fingerprint,
                 index,
@@ -119,7 +119,8 @@ impl DiskTier {
                 evicted,
                 writing: parking_lot::Mutex::default(),
                 _lock: lock,
-            }) };
+            }),
+        };
         tier.rebuild()?;
         Ok(tier)
     }

@@ -241,10 +241,7 @@ impl HostTier {
 
     /// Every block the tier holds, for a dump.
     pub fn cached_blocks(&self) -> Vec<CachedBlock> {
-        self.cache
-            .iter()
-            .map(|(hash, block)| CachedBlock { sequence_hash: *hash, local_hash: block.local, tiers: TierSet(Tier::Host.bit()) })
-            .collect()
+        self.cache.iter().map(|(hash, block)| CachedBlock { sequence_hash: *hash, local_hash: block.local, tiers: TierSet(Tier::Host.bit()) }).collect()
     }
 
     /// Moves the tier's events since the last call into `out`, then the
@@ -294,7 +291,8 @@ mod tests {
         let mut events = Vec::new();
         tier.drain_events(&mut events);
         let stored: usize = events.iter().map(|e| if let KvEvent::Stored { blocks, tier: Tier::Host, .. } = e { blocks.len() } else { 0 }).sum();
-        let removed: usize = events.iter().map(|e| if let KvEvent::Removed { sequence_hashes, tier: Tier::Host } = e { sequence_hashes.len() } else { 0 }).sum();
+        let removed: usize =
+            events.iter().map(|e| if let KvEvent::Removed { sequence_hashes, tier: Tier::Host } = e { sequence_hashes.len() } else { 0 }).sum();
         assert_eq!((stored, removed), (10, 6), "{events:?}");
         // The most recent blocks stay.
         assert_eq!(tier.lookup_run(&[hashes(9)]).len(), 1);

@@ -1,8 +1,6 @@
 //! `turbine.kvindex.v1` ⇄ `turbine-kv`: KV events, batches and dumps.
 
-use turbine_kv::{
-    CachedBlock, Dump, EventBatch, KvEvent, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, TierSet, WorkerDump, WorkerId,
-};
+use turbine_kv::{CachedBlock, Dump, EventBatch, KvEvent, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, TierSet, WorkerDump, WorkerId};
 
 use super::{ConversionError, ConversionResult};
 use crate::kvindex::v1 as pb;
@@ -39,10 +37,9 @@ impl From<&NumberedEvent> for pb::KvEvent {
                 blocks: blocks.iter().map(|b| pb::StoredBlock { sequence_hash: b.sequence_hash.0, local_hash: b.local_hash.0 }).collect(),
                 tier: pb::Tier::from(*tier) as i32,
             }),
-            KvEvent::Removed { sequence_hashes, tier } => pb::kv_event::Kind::Removed(pb::Removed {
-                sequence_hashes: sequence_hashes.iter().map(|h| h.0).collect(),
-                tier: pb::Tier::from(*tier) as i32,
-            }),
+            KvEvent::Removed { sequence_hashes, tier } => {
+                pb::kv_event::Kind::Removed(pb::Removed { sequence_hashes: sequence_hashes.iter().map(|h| h.0).collect(), tier: pb::Tier::from(*tier) as i32 })
+            }
             KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::Cleared {}),
         };
         pb::KvEvent { event_id: *event_id, kind: Some(kind) }
@@ -66,10 +63,9 @@ impl TryFrom<pb::KvEvent> for NumberedEvent {
                     .collect(),
                 tier: tier_from_wire("stored.tier", tier)?,
             },
-            pb::kv_event::Kind::Removed(pb::Removed { sequence_hashes, tier }) => KvEvent::Removed {
-                sequence_hashes: sequence_hashes.into_iter().map(SequenceHash).collect(),
-                tier: tier_from_wire("removed.tier", tier)?,
-            },
+            pb::kv_event::Kind::Removed(pb::Removed { sequence_hashes, tier }) => {
+                KvEvent::Removed { sequence_hashes: sequence_hashes.into_iter().map(SequenceHash).collect(), tier: tier_from_wire("removed.tier", tier)? }
+            }
             pb::kv_event::Kind::Cleared(pb::Cleared {}) => KvEvent::Cleared,
         };
         Ok(NumberedEvent { event_id, event })

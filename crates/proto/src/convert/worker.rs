@@ -13,8 +13,7 @@ impl TryFrom<pb::SamplingParams> for SamplingParams {
     /// Checked against [`SamplingParams::validate`], the ranges the gateway
     /// applies too.
     fn try_from(sampling: pb::SamplingParams) -> ConversionResult<Self> {
-        let pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } =
-            sampling;
+        let pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = sampling;
         let sampling = SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs };
         sampling.validate().map_err(|error| ConversionError::Invalid { field: error.param, message: error.message })?;
         Ok(sampling)
@@ -158,8 +157,8 @@ impl TryFrom<pb::KvLayout> for KvLayout {
 
     fn try_from(layout: pb::KvLayout) -> ConversionResult<Self> {
         let pb::KvLayout { block_bytes, block_size, layers, kv_heads, head_dim, dtype, order } = layout;
-        let block_bytes = usize::try_from(block_bytes)
-            .map_err(|_| ConversionError::invalid("layout.block_bytes", format!("{block_bytes} does not fit this machine")))?;
+        let block_bytes =
+            usize::try_from(block_bytes).map_err(|_| ConversionError::invalid("layout.block_bytes", format!("{block_bytes} does not fit this machine")))?;
         if block_bytes == 0 {
             return Err(ConversionError::invalid("layout.block_bytes", "must be positive"));
         }
@@ -282,13 +281,7 @@ mod tests {
         let wire = pb::GenerateRequest::from(&request);
         assert_eq!(
             wire,
-            pb::GenerateRequest {
-                request_id: "r".into(),
-                prompt_token_ids: vec![1, 2, 3],
-                sampling: Some(sampling),
-                stop: stop(),
-                remote_prefill: None
-            }
+            pb::GenerateRequest { request_id: "r".into(), prompt_token_ids: vec![1, 2, 3], sampling: Some(sampling), stop: stop(), remote_prefill: None }
         );
     }
 

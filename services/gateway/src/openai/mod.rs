@@ -51,9 +51,10 @@ pub struct AppState {
 impl AppState {
     /// A permit for one more request, or 429.
     pub fn admit(&self) -> Result<OwnedSemaphorePermit, GatewayError> {
-        self.admission.clone().try_acquire_owned().map_err(|_| {
-            GatewayError::new(ErrorKind::Overloaded, "The server is at its limit of concurrent requests; retry shortly.")
-        })
+        self.admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| GatewayError::new(ErrorKind::Overloaded, "The server is at its limit of concurrent requests; retry shortly."))
     }
 }
 
@@ -114,14 +115,8 @@ async fn list_models(State(state): State<AppState>) -> Response {
 async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> Response {
     let models = state.pipeline.catalog().listed();
     match models.iter().find(|listed| listed.name == model) {
-        Some(listed) => axum::Json(ModelObject {
-            id: &listed.name,
-            object: "model",
-            created: 0,
-            owned_by: "turbine",
-            context_length: listed.context_length,
-        })
-        .into_response(),
+        Some(listed) => axum::Json(ModelObject { id: &listed.name, object: "model", created: 0, owned_by: "turbine", context_length: listed.context_length })
+            .into_response(),
         None => GatewayError::model_not_found(&model).into_response(),
     }
 }
@@ -220,10 +215,8 @@ fn sse_events(text: TextStream, meta: ResponseMeta, include_usage: bool, guards:
             Phase::Opening => chunk(&state.meta, ChunkContent::Role, state.include_usage),
             Phase::Streaming => match state.text.next().await {
                 Some(Ok(TextEvent::Delta { text, logprobs })) => {
-                    let logprobs = state
-                        .text
-                        .wants_logprobs()
-                        .then(|| logprobs_body(state.meta.endpoint, &logprobs, state.text.token_bytes(), &mut state.offset));
+                    let logprobs =
+                        state.text.wants_logprobs().then(|| logprobs_body(state.meta.endpoint, &logprobs, state.text.token_bytes(), &mut state.offset));
                     chunk(&state.meta, ChunkContent::Text(&text, logprobs.as_ref()), state.include_usage)
                 }
                 Some(Ok(TextEvent::Finished { reason, usage })) => {

@@ -313,8 +313,7 @@ mod tests {
         let text: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Text("hé", None), true)).unwrap();
         assert_eq!(text["choices"][0]["delta"]["content"], "hé");
         assert!(text["usage"].is_null() && text.get("usage").is_some());
-        let finish: serde_json::Value =
-            serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Finish(FinishReason::Length), false)).unwrap();
+        let finish: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Finish(FinishReason::Length), false)).unwrap();
         assert_eq!(finish["choices"][0]["finish_reason"], "length");
         assert_eq!(finish["choices"][0]["delta"], serde_json::json!({}));
         let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_prompt_tokens: 1 };

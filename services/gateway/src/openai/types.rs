@@ -260,9 +260,10 @@ impl CommonParams {
             Some((param, value)) if value < 1 => {
                 return Err(GatewayError::invalid(param, format!("'{param}' must be at least 1, got {value}.")));
             }
-            Some((param, value)) => Some(u32::try_from(value).map_err(|_| {
-                GatewayError::invalid(param, format!("'{param}' is too large: {value} exceeds any model's context length."))
-            })?),
+            Some((param, value)) => Some(
+                u32::try_from(value)
+                    .map_err(|_| GatewayError::invalid(param, format!("'{param}' is too large: {value} exceeds any model's context length.")))?,
+            ),
         };
         if let Some(n) = n
             && n != 1
@@ -340,11 +341,7 @@ impl ChatCompletionRequest {
         if messages.is_empty() {
             return Err(GatewayError::invalid("messages", "'messages' must contain at least one message."));
         }
-        let messages = messages
-            .into_iter()
-            .enumerate()
-            .map(|(index, message)| chat_message(index, message))
-            .collect::<Result<Vec<_>, _>>()?;
+        let messages = messages.into_iter().enumerate().map(|(index, message)| chat_message(index, message)).collect::<Result<Vec<_>, _>>()?;
         let max_tokens = match (max_completion_tokens, common.max_tokens) {
             (Some(value), _) => Some(("max_completion_tokens", value)),
             (None, Some(value)) => Some(("max_tokens", value)),
@@ -496,14 +493,8 @@ mod tests {
             (r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#, "model"),
             (r#"{"messages":[{"role":"user","content":"x"}]}"#, "model"),
             (r#"{"model":"m","messages":"hi"}"#, "messages"),
-            (
-                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#,
-                "temperature",
-            ),
-            (
-                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"repetition_penalty":11}"#,
-                "repetition_penalty",
-            ),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#, "temperature"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"repetition_penalty":11}"#, "repetition_penalty"),
         ];
         for (json, param) in cases {
             let error = chat(json).unwrap_err();

@@ -31,8 +31,7 @@ impl Default for KvTuning {
 impl KvTuning {
     /// The weights these settings give.
     pub fn weights(&self) -> KvWeights {
-        KvWeights { prefill_load_scale: self.prefill_load_scale, temperature: self.temperature, ..KvWeights::default() }
-            .with_device_credit(self.device_credit)
+        KvWeights { prefill_load_scale: self.prefill_load_scale, temperature: self.temperature, ..KvWeights::default() }.with_device_credit(self.device_credit)
     }
 }
 

@@ -44,8 +44,7 @@ impl Default for KvWeights {
 impl KvWeights {
     /// Dynamo's default weights (DESIGN §5's baseline): a cached block
     /// saves one block of prefill, prefill and decode blocks weigh the same.
-    pub const DYNAMO: Self =
-        Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 };
+    pub const DYNAMO: Self = Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 };
 
     /// Checks that every weight is finite and non-negative.
     pub fn validate(&self) -> Result<(), String> {

@@ -350,9 +350,6 @@ mod tests {
     async fn a_stale_replica_routes_by_load() {
         let status = Arc::new(FollowerStatus::default());
         let state = KvState::local(KvConfig::default(), Arc::new(KvIndex::new()), Some(status));
-        assert!(
-            matches!(state.look_up(&[1; 32], vec!["a".into()], &[16]).await, KvView::Unavailable),
-            "a follower that never read its log is not trusted"
-        );
+        assert!(matches!(state.look_up(&[1; 32], vec!["a".into()], &[16]).await, KvView::Unavailable), "a follower that never read its log is not trusted");
     }
 }

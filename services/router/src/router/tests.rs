@@ -11,7 +11,17 @@ fn route(router: &Router, request: &RouteRequest) -> Result<Routed, RouteError> 
 
 fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
     LiveWorker {
-        record: WorkerRecord { worker_id: id.into(), endpoint: format!("http://{id}"), model: model.into(), load: WorkerLoad::default(), kv_block_size: 16, instance: 1, role: Default::default(), read_costs: Default::default(), kv_store: None },
+        record: WorkerRecord {
+            worker_id: id.into(),
+            endpoint: format!("http://{id}"),
+            model: model.into(),
+            load: WorkerLoad::default(),
+            kv_block_size: 16,
+            instance: 1,
+            role: Default::default(),
+            read_costs: Default::default(),
+            kv_store: None,
+        },
         expires_at: Instant::now() + ttl,
     }
 }
@@ -23,20 +33,10 @@ fn request(id: &str, model: &str) -> RouteRequest {
 #[test]
 fn bookings_are_made_at_route_and_released_at_finish() {
     let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600));
-    router.update_workers(vec![
-        live("a", "m", Duration::from_secs(60)),
-        live("b", "m", Duration::from_secs(60)),
-    ]);
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60))]);
     let first = route(&router, &request("r1", "m")).unwrap().worker;
-    let Routed {
-        worker: second,
-        in_flight,
-        ..
-    } = route(&router, &request("r2", "m")).unwrap();
-    assert_ne!(
-        first.worker_id, second.worker_id,
-        "least-loaded spreads two requests"
-    );
+    let Routed { worker: second, in_flight, .. } = route(&router, &request("r2", "m")).unwrap();
+    assert_ne!(first.worker_id, second.worker_id, "least-loaded spreads two requests");
     assert_eq!(in_flight, 1);
     assert_eq!(router.total_in_flight(), 2);
     assert!(router.finished("r1"));
@@ -49,26 +49,11 @@ fn only_workers_of_the_model_and_not_excluded_are_chosen() {
     let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
     router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "other", Duration::from_secs(60))]);
     for i in 0..5 {
-        assert_eq!(
-            route(&router, &request(&format!("r{i}"), "m"))
-                .unwrap()
-                .worker
-                .worker_id,
-            "a"
-        );
+        assert_eq!(route(&router, &request(&format!("r{i}"), "m")).unwrap().worker.worker_id, "a");
     }
-    let excluded = RouteRequest {
-        exclude_worker_ids: vec!["a".into()],
-        ..request("x", "m")
-    };
-    assert_eq!(
-        route(&router, &excluded),
-        Err(RouteError::NoWorkers("m".into()))
-    );
-    assert_eq!(
-        route(&router, &request("y", "nope")),
-        Err(RouteError::NoWorkers("nope".into()))
-    );
+    let excluded = RouteRequest { exclude_worker_ids: vec!["a".into()], ..request("x", "m") };
+    assert_eq!(route(&router, &excluded), Err(RouteError::NoWorkers("m".into())));
+    assert_eq!(route(&router, &request("y", "nope")), Err(RouteError::NoWorkers("nope".into())));
 }
 
 #[test]
@@ -78,13 +63,7 @@ fn an_expired_lease_stops_traffic_and_drops_its_bookings() {
     std::thread::sleep(Duration::from_millis(5));
     // Even before the next expire() sweep, an expired worker is not chosen.
     for i in 0..4 {
-        assert_eq!(
-            route(&router, &request(&format!("r{i}"), "m"))
-                .unwrap()
-                .worker
-                .worker_id,
-            "b"
-        );
+        assert_eq!(route(&router, &request(&format!("r{i}"), "m")).unwrap().worker.worker_id, "b");
     }
     router.expire(Instant::now());
     assert_eq!(router.workers(None).len(), 1);
@@ -96,16 +75,8 @@ fn a_registry_outage_keeps_live_workers_but_not_expired_ones() {
     router.update_workers(vec![live("a", "m", Duration::from_millis(1)), live("b", "m", Duration::from_secs(60))]);
     std::thread::sleep(Duration::from_millis(5));
     router.extend_leases(Duration::from_secs(60));
-    let ids: Vec<String> = router
-        .workers(None)
-        .into_iter()
-        .map(|w| w.worker_id.to_string())
-        .collect();
-    assert_eq!(
-        ids,
-        ["b"],
-        "a crashed worker is not resurrected by an outage"
-    );
+    let ids: Vec<String> = router.workers(None).into_iter().map(|w| w.worker_id.to_string()).collect();
+    assert_eq!(ids, ["b"], "a crashed worker is not resurrected by an outage");
 }
 
 #[test]
@@ -129,15 +100,9 @@ fn stale_bookings_expire() {
 #[test]
 fn a_retried_request_id_moves_its_booking() {
     let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
-    router.update_workers(vec![
-        live("a", "m", Duration::from_secs(60)),
-        live("b", "m", Duration::from_secs(60)),
-    ]);
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60))]);
     let first = route(&router, &request("r", "m")).unwrap().worker;
-    let retry = RouteRequest {
-        exclude_worker_ids: vec![first.worker_id.clone()],
-        ..request("r", "m")
-    };
+    let retry = RouteRequest { exclude_worker_ids: vec![first.worker_id.clone()], ..request("r", "m") };
     let second = route(&router, &retry).unwrap().worker;
     assert_ne!(first.worker_id, second.worker_id);
     assert_eq!(router.total_in_flight(), 1);
@@ -191,16 +156,12 @@ fn prompt(id: &str, tokens: u32) -> RouteRequest {
 
 #[test]
 fn long_prompts_go_to_a_prefill_worker_and_short_ones_stay_on_the_decode_worker() {
-    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600))
-        .with_disagg(DisaggPolicy { threshold_tokens: 100, max_prefill_queue: 2 });
+    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600)).with_disagg(DisaggPolicy { threshold_tokens: 100, max_prefill_queue: 2 });
     router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("d", WorkerRole::Decode)]);
     // Prefill workers never decode.
     let short = route(&router, &prompt("short", 100)).unwrap();
     assert_eq!(short.worker.worker_id, "d");
-    assert_eq!(
-        short.prefill, None,
-        "at the threshold the decode worker computes the prompt"
-    );
+    assert_eq!(short.prefill, None, "at the threshold the decode worker computes the prompt");
     let long = route(&router, &prompt("long", 101)).unwrap();
     assert_eq!(long.worker.worker_id, "d");
     assert_eq!(long.prefill.as_ref().map(|w| w.worker_id.as_str()), Some("p"));
@@ -216,55 +177,23 @@ fn long_prompts_go_to_a_prefill_worker_and_short_ones_stay_on_the_decode_worker(
 
 #[test]
 fn a_saturated_prefill_pool_leaves_prompts_on_the_decode_worker() {
-    let router =
-        Router::new(Policy::LeastLoaded, Duration::from_secs(600)).with_disagg(DisaggPolicy {
-            threshold_tokens: 10,
-            max_prefill_queue: 2,
-        });
-    router.update_workers(vec![
-        with_role("p", WorkerRole::Prefill),
-        with_role("d", WorkerRole::Decode),
-    ]);
-    let routed: Vec<bool> = (0..4)
-        .map(|i| {
-            route(&router, &prompt(&format!("r{i}"), 500))
-                .unwrap()
-                .prefill
-                .is_some()
-        })
-        .collect();
-    assert_eq!(
-        routed,
-        [true, true, false, false],
-        "two prefills queue, then the pool is saturated"
-    );
+    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600)).with_disagg(DisaggPolicy { threshold_tokens: 10, max_prefill_queue: 2 });
+    router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("d", WorkerRole::Decode)]);
+    let routed: Vec<bool> = (0..4).map(|i| route(&router, &prompt(&format!("r{i}"), 500)).unwrap().prefill.is_some()).collect();
+    assert_eq!(routed, [true, true, false, false], "two prefills queue, then the pool is saturated");
     // Finishing a request (without its prefill done) frees its prefill slot too.
     assert!(router.finished("r0"));
-    assert!(
-        route(&router, &prompt("r4", 500))
-            .unwrap()
-            .prefill
-            .is_some()
-    );
+    assert!(route(&router, &prompt("r4", 500)).unwrap().prefill.is_some());
 }
 
 #[test]
 fn aggregated_workers_compute_their_own_prompts_and_prefill_only_pools_serve_nothing() {
     let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600));
-    router.update_workers(vec![
-        with_role("p", WorkerRole::Prefill),
-        with_role("a", WorkerRole::Aggregated),
-    ]);
+    router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("a", WorkerRole::Aggregated)]);
     let routed = route(&router, &prompt("r", 5000)).unwrap();
-    assert_eq!(
-        (routed.worker.worker_id.as_str(), routed.prefill),
-        ("a", None)
-    );
+    assert_eq!((routed.worker.worker_id.as_str(), routed.prefill), ("a", None));
     router.update_workers(vec![with_role("p", WorkerRole::Prefill)]);
-    assert_eq!(
-        route(&router, &prompt("r2", 5000)),
-        Err(RouteError::NoWorkers("m".into()))
-    );
+    assert_eq!(route(&router, &prompt("r2", 5000)), Err(RouteError::NoWorkers("m".into())));
 }
 
 #[test]

@@ -107,13 +107,7 @@ impl Disagg {
 
     /// Reads blocks `wanted` of a handle: UCX when allowed and possible,
     /// else (or when UCX fails, in auto mode) the gRPC stream.
-    async fn read(
-        &self,
-        handle: &KvHandle,
-        peer: &KvTransferClient,
-        wanted: &[usize],
-        block_bytes: usize,
-    ) -> Result<(Vec<u8>, &'static str), ImportError> {
+    async fn read(&self, handle: &KvHandle, peer: &KvTransferClient, wanted: &[usize], block_bytes: usize) -> Result<(Vec<u8>, &'static str), ImportError> {
         #[cfg(feature = "ucx")]
         if self.transport != KvTransport::Tcp {
             match self.read_ucx(handle, peer, wanted, block_bytes).await {

@@ -110,12 +110,7 @@ impl SimulatedTransfer {
 impl Disagg {
     /// The state of a worker whose engine exposes `memory` (None: this
     /// worker computes every prompt itself and serves no blocks).
-    pub fn new(
-        worker_id: &WorkerId,
-        engine: EngineHandle,
-        memory: Option<KvMemory>,
-        options: &DisaggOptions,
-    ) -> Self {
+    pub fn new(worker_id: &WorkerId, engine: EngineHandle, memory: Option<KvMemory>, options: &DisaggOptions) -> Self {
         #[cfg(feature = "ucx")]
         let ucx = match (options.transport, options.role) {
             // An aggregated worker neither serves nor reads peers' blocks

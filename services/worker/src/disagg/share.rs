@@ -158,10 +158,8 @@ impl Disagg {
         let memory = self.memory.as_ref().ok_or_else(|| WorkerError::NotFound("this worker holds no KV blocks for others".into()))?;
         let pins = self.pins.lock();
         let pin = pins.get(&handle_id).ok_or_else(|| unknown_handle(handle_id))?;
-        let &block = pin
-            .blocks
-            .get(index)
-            .ok_or_else(|| WorkerError::InvalidArgument(format!("the handle has {} blocks, not {}", pin.blocks.len(), index + 1)))?;
+        let &block =
+            pin.blocks.get(index).ok_or_else(|| WorkerError::InvalidArgument(format!("the handle has {} blocks, not {}", pin.blocks.len(), index + 1)))?;
         // SAFETY: pinned while the table lock is held (a release removes
         // the pin under this lock before unpinning).
         #[allow(unsafe_code)]
