@@ -20,7 +20,8 @@
 # killed and named if it hangs, none is retried), the doc tests, the client
 # end-to-end suite (OpenAI Python SDK, grpcurl), checks the Kubernetes
 # manifests offline (scripts/check-manifests.py), and checks that the CUDA
-# build compiles (scripts/check-cuda.sh; TURBINE_SKIP_CUDA_CHECK=1 skips it).
+# build compiles (scripts/check-cuda.sh, beside the Rust tests;
+# TURBINE_SKIP_CUDA_CHECK=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,6 +39,15 @@ esac
 # So is the planner's kubernetes connector (tested against a stand-in API
 # server: no API server runs here).
 features=(--features turbine-cli/ucx,turbine-worker/ucx,turbine-planner/kubernetes)
+
+# Lint: clippy checks the workspace's crates inside the test build itself
+# (clippy-driver as the workspace's compiler wrapper, as `cargo clippy`
+# runs it), with every warning an error; the tree is compiled once, not
+# once more for clippy. Every cargo command below runs so (the same
+# wrapper keeps the build's artifacts shared between them).
+clippy_driver="$(rustup which clippy-driver 2>/dev/null || command -v clippy-driver)"
+export RUSTC_WORKSPACE_WRAPPER="$clippy_driver"
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 
 if ((quick)); then
   log "quick tier (cargo-nextest, every test but the heavy group)"
@@ -75,11 +85,25 @@ cargo fmt --all --check
 log "contracts (buf lint and breaking, proto/buf.yaml)"
 scripts/check-proto.sh
 
-log "building (tests and the binaries they run)"
+log "building and linting (clippy -D warnings; the tests, the benches, and the binaries the tests run)"
 cargo nextest run --workspace --locked "${features[@]}" --no-run
+cargo test --workspace --locked "${features[@]}" --benches --no-run
 
 log "default model"
 ./target/debug/turbine model pull smollm2-135m
+
+# The CUDA check (nvcc compiling candle's kernels, about 8 minutes of one
+# core) runs beside the Rust tests, at the lowest priority: while the heavy
+# tests run one at a time a core is often idle. Its own target directory,
+# so it never holds the build's lock.
+cuda_check=""
+if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
+  log "CUDA build compiles (cargo check --features cuda; in the background, niced)"
+  CARGO_TARGET_DIR=target/cuda-check setsid nice -n 19 scripts/check-cuda.sh >target/check-cuda.log 2>&1 &
+  cuda_check=$!
+  # Whatever ends this script ends the check (its own process group).
+  trap 'kill -- "-$cuda_check" 2>/dev/null || true' EXIT
+fi
 
 log "Rust tests (cargo-nextest, profile ci)"
 status=0
@@ -96,9 +120,14 @@ python3 scripts/e2e.py
 log "Kubernetes manifests (infra/k8s, offline)"
 python3 scripts/check-manifests.py
 
-if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
-  log "CUDA build compiles (cargo check --features cuda)"
-  scripts/check-cuda.sh
+if [ -n "$cuda_check" ]; then
+  log "CUDA build compiles: waiting for the check"
+  if ! wait "$cuda_check"; then
+    cat target/check-cuda.log
+    echo "the CUDA build does not compile (target/check-cuda.log)" >&2
+    exit 1
+  fi
+  tail -n 1 target/check-cuda.log
 fi
 
 log "passed"

@@ -71,7 +71,7 @@ async fn complete(base: &str, prompt: &[u32]) -> (String, u64) {
 /// own, so each computes only the prompts it uses).
 async fn reference(chosen: &[usize]) -> Vec<String> {
     let mut config = Sandbox::native();
-    config.worker.engine.threads = Some(1);
+    config.worker.engine.threads = Some(2);
     config.worker.engine.kv_cache_mib = 128;
     let sandbox = Sandbox::start(config).await;
     let all = prompts();
@@ -100,7 +100,7 @@ async fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str
         "--engine",
         "native",
         "--threads",
-        "1",
+        "2",
         "--kv-cache-mib",
         "640",
         "--redis",

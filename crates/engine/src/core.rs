@@ -93,6 +93,8 @@ impl EngineStats {
     }
 }
 
+// Submit, the large one, is the common message: boxing it would allocate once more per request.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     Submit { request: GenerateRequest, handoff: Handoff, outputs: tokio_mpsc::UnboundedSender<EngineOutput> },
     Dump { reply: tokio::sync::oneshot::Sender<Dump> },

@@ -381,7 +381,7 @@ impl Scheduler {
             let chunk = sequence.tokens.len().min(budget);
             let needed = self.blocks.blocks_for(chunk);
             let fits = budget > 0 && seats > 0 && needed <= free;
-            if !fits && !(position == 0 && sequence.look_up_now) {
+            if !(fits || (position == 0 && sequence.look_up_now)) {
                 break;
             }
             free = free.saturating_sub(needed);

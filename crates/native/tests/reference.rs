@@ -14,7 +14,7 @@
 //!    GGUF (`tests/fixtures/llama_cpp_chat_greedy.json`) agree with ours,
 //!    again up to near-ties.
 //!
-//! The suite runs a smaller prompt set (prompts of up to 640 tokens, four
+//! The suite runs a smaller prompt set (prompts of up to 640 tokens, three
 //! 2,000-token prompts through the tiers); `TURBINE_REFERENCE_FULL=1` runs
 //! the full one (up to 1,500 tokens, twenty through the tiers), as does
 //! `turbine bench tiers --prompts 20` for the tiers (docs/testing.md).
@@ -631,7 +631,7 @@ fn candle_engines_hand_off(device: EngineDevice) {
     }
 }
 
-/// Different 2,000-token prompts, a sentence repeated: four in the suite,
+/// Different 2,000-token prompts, a sentence repeated: three in the suite,
 /// twenty in the full set.
 fn long_prompts() -> Vec<Vec<u32>> {
     let tokens = preprocessor();
@@ -657,7 +657,7 @@ fn long_prompts() -> Vec<Vec<u32>> {
         "Tram lines cross the square where the market stalls open on Saturdays. ",
         "The cartographer redrew the coastline after the storm moved the dunes. ",
     ];
-    let count = if full_set() { sentences.len() } else { 4 };
+    let count = if full_set() { sentences.len() } else { 3 };
     sentences[..count].iter().map(|text| tokens.encode_text(&text.repeat(200)).unwrap()[..2000].to_vec()).collect()
 }
 
@@ -691,7 +691,7 @@ fn ask_again(engine: &EngineHandle, prompts: &[Vec<u32>], computed: &[Vec<u32>],
     }
 }
 
-/// The lower tiers on the real model, prompts of 2,000 tokens (4, or 20 in
+/// The lower tiers on the real model, prompts of 2,000 tokens (3, or 20 in
 /// the full set), each computed once, on engines whose pool holds one
 /// prompt at a time:
 ///

@@ -80,8 +80,10 @@ pub enum ConnectorKind {
     Hosted,
 }
 
-/// A connector, ready to carry out actions.
+/// A connector, ready to carry out actions. (A planner holds one: boxing
+/// the large clients would buy nothing.)
 #[derive(Debug, Clone, Default)]
+#[allow(clippy::large_enum_variant)]
 pub enum Connector {
     /// See [`ConnectorKind::Virtual`].
     #[default]

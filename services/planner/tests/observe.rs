@@ -101,7 +101,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     // counted all 20, one reading takes those it counted late, and the
     // next interval has nothing.
     wait_until("the gateway counts the 20 requests", Duration::from_secs(30), async || {
-        metric(&sandbox.base(), "turbine_gateway_time_to_first_token_seconds_count").await >= 20.0
+        metric(sandbox.base(), "turbine_gateway_time_to_first_token_seconds_count").await >= 20.0
     })
     .await;
     observer.observe(&targets).await.unwrap().expect("an interval");
