@@ -99,9 +99,13 @@ log "default model"
 cuda_check=""
 if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
   log "CUDA build compiles (cargo check --features cuda; in the background, niced)"
-  CARGO_TARGET_DIR=target/cuda-check setsid nice -n 19 scripts/check-cuda.sh >target/check-cuda.log 2>&1 &
+  # A process group of its own (job control), so that whatever ends this
+  # script ends the check; the same session, so that its low priority
+  # holds (the scheduler shares CPU equally between sessions first).
+  set -m
+  CARGO_TARGET_DIR=target/cuda-check nice -n 19 scripts/check-cuda.sh >target/check-cuda.log 2>&1 &
   cuda_check=$!
-  # Whatever ends this script ends the check (its own process group).
+  set +m
   trap 'kill -- "-$cuda_check" 2>/dev/null || true' EXIT
 fi
 
