@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -16,6 +17,8 @@ pub struct Lease {
     worker_id: WorkerId,
     stop: CancellationToken,
     task: Option<JoinHandle<()>>,
+    /// Whether the last put reached the registry.
+    registered: watch::Receiver<bool>,
 }
 
 impl Lease {
@@ -29,6 +32,7 @@ impl Lease {
         let worker_id = current().worker_id;
         let stop = CancellationToken::new();
         let interval = (ttl / 3).max(Duration::from_millis(50));
+        let (registering, registered) = watch::channel(false);
         let task = tokio::spawn({
             let registry = registry.clone();
             let stop = stop.clone();
@@ -36,7 +40,9 @@ impl Lease {
                 let mut healthy = true;
                 loop {
                     let record = current();
-                    match registry.put(&record, ttl).await {
+                    let put = registry.put(&record, ttl).await;
+                    registering.send_replace(put.is_ok());
+                    match put {
                         Ok(()) if !healthy => {
                             tracing::info!(worker = %record.worker_id, "registry reachable again; lease renewed");
                             healthy = true;
@@ -55,7 +61,15 @@ impl Lease {
                 }
             }
         });
-        Self { registry, worker_id, stop, task: Some(task) }
+        Self { registry, worker_id, stop, task: Some(task), registered }
+    }
+
+    /// Whether the worker is listed (the last put, the first right after
+    /// start, reached the registry), as it changes. A worker reports
+    /// SERVING only once it is, so that whoever waits for it to serve also
+    /// finds it listed.
+    pub fn registration(&self) -> watch::Receiver<bool> {
+        self.registered.clone()
     }
 
     /// Stops heartbeating and removes the registration at once.

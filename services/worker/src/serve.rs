@@ -124,15 +124,25 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
         KvEventSink::Log(log) => serving.spawn(publish_events(worker.clone(), log, shutdown.clone())),
         KvEventSink::Index(index) => serving.spawn(feed_index(worker.clone(), index, shutdown.clone())),
     }
+    // Ready once the registry answers and this worker is listed in it (the
+    // lease's first put is its own task's): whoever waits for SERVING then
+    // finds the worker listed too.
     let registry = deps.registry.clone();
+    let registered = lease.as_ref().map(Lease::registration);
     serving
         .ready_when(Duration::from_secs(1), move || {
-            let registry = registry.clone();
+            let (registry, registered) = (registry.clone(), registered.clone());
             async move {
-                match &registry {
-                    Some(registry) => registry.ping().await.is_ok(),
-                    None => true,
-                }
+                let Some(registry) = &registry else { return true };
+                let listed = async {
+                    match registered {
+                        Some(mut registered) => {
+                            tokio::time::timeout(Duration::from_secs(1), registered.wait_for(|listed| *listed)).await.is_ok_and(|listed| listed.is_ok())
+                        }
+                        None => true,
+                    }
+                };
+                registry.ping().await.is_ok() && listed.await
             }
         })
         .await;
