@@ -8,21 +8,22 @@
 //!   unrelated ones) equal those of an aggregated `turbine run`, with the
 //!   KV blocks read from the prefill worker; asked again, the prompts hit
 //!   the blocks installed on the decode worker and give the same outputs.
-//! - The prefill worker killed while a decode worker reads its blocks:
-//!   every request still completes with the right text (computed locally).
+//! - The prefill worker killed while a decode worker reads its blocks (a
+//!   relay in front of it holds the read mid-stream): every request still
+//!   completes with the right text (computed locally).
 //! - A decode worker dead but still listed fails a request only after its
 //!   prefill: the gateway continues it on the other decode worker, never
 //!   on the dead one again.
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{MODEL, metric, post, service, until_listed, until_registered};
 use serde_json::json;
 use turbine_cluster::sandbox::Sandbox;
 use turbine_router::{RouteRequest, RouterClient};
-use turbine_testkit::{RedisServer, ServiceProcess, metric_lines, metric_where, poll_until, wait_until};
+use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, TcpRelay, metric_where, wait_until};
 
 /// One cluster at a time: each runs two native workers, and on two cores
 /// several at once starve each other.
@@ -92,9 +93,10 @@ struct Cluster {
     base: String,
 }
 
-async fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str) -> ServiceProcess {
+async fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str, advertise: Option<&TcpRelay>) -> ServiceProcess {
     let url = redis.url();
-    let args = [
+    let advertised = advertise.map(|relay| format!("http://{}", relay.addr()));
+    let mut args = vec![
         // 640 MiB: 1,777 blocks, room for every prompt of the test at once
         // (1,312 blocks), so the second pass can expect hits.
         "--engine",
@@ -116,13 +118,26 @@ async fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str
         "--kv-transport",
         transport,
     ];
-    service("turbine-worker", &args, &[], false).await
+    if let Some(advertised) = &advertised {
+        args.extend(["--advertise", advertised]);
+    }
+    let worker = service("turbine-worker", &args, &[], false).await;
+    if let Some(relay) = advertise {
+        relay.set_upstream(worker.addresses().grpc);
+    }
+    worker
 }
 
 async fn start_cluster(transport: &str) -> Cluster {
+    start_cluster_with(transport, None).await
+}
+
+/// A cluster whose prefill worker, when `relay` is given, is reached
+/// through it (it advertises the relay's address).
+async fn start_cluster_with(transport: &str, relay: Option<&TcpRelay>) -> Cluster {
     let redis = RedisServer::start();
-    let prefill = start_worker(&redis, "prefill-0", "prefill", transport).await;
-    let decode = start_worker(&redis, "decode-0", "decode", transport).await;
+    let prefill = start_worker(&redis, "prefill-0", "prefill", transport, relay).await;
+    let decode = start_worker(&redis, "decode-0", "decode", transport, None).await;
     let url = redis.url();
     let router = service("turbine-router", &["--redis", &url, "--namespace", "disagg", "--policy", "kv", "--disagg-threshold-tokens", "64"], &[], false).await;
     until_registered(&router, 2).await;
@@ -199,47 +214,48 @@ async fn disaggregated_outputs_equal_aggregated_ones_over_tcp() {
     outputs_equal_aggregated("tcp", &[0, 2, 5, 11]).await;
 }
 
-/// The prefill worker is SIGKILLed at a moment the decode worker is reading
-/// its blocks; every request (those read, those being read, those still
-/// queued for prefill) completes with the right text.
+/// The prefill worker is SIGKILLed while the decode worker reads its
+/// blocks: a relay in front of the prefill worker holds a read mid-stream,
+/// so the moment is certain rather than polled for. Every request (one read
+/// whole before, the one being read, one beside it) completes with the
+/// right text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
     let _one = ONE_CLUSTER.lock().await;
     let prompts = prompts();
-    // Prompts of 800 to 1,300 tokens, all at once: prefills queue, reads
-    // overlap them.
-    let chosen: Vec<usize> = (7..13).collect();
+    // 600, 800 and 1,000 tokens, unrelated: each read whole from the
+    // prefill worker (13-23 MiB of blocks).
+    let chosen = [5, 7, 9];
     let expected = reference(&chosen).await;
-    let mut cluster = start_cluster("tcp").await;
-    let requests: Vec<_> = chosen
+    let relay = TcpRelay::start().await.unwrap();
+    let mut cluster = start_cluster_with("tcp", Some(&relay)).await;
+    let decode = cluster.decode.admin_url();
+
+    let (text, _) = complete(&cluster.base, &prompts[chosen[0]]).await;
+    assert_eq!(text, expected[0], "prompt of {} tokens, before the kill", prompts[chosen[0]].len());
+    // From now on, the first connection to carry 1 MiB more toward its
+    // client stops relaying: only a read's replies are that large, so the
+    // decode worker is then mid-read.
+    relay.freeze_after(1 << 20);
+    let requests: Vec<_> = chosen[1..]
         .iter()
         .map(|&i| {
             let (base, prompt) = (cluster.base.clone(), prompts[i].clone());
             tokio::spawn(async move { try_complete(&base, &prompt).await.map(|(text, _)| text) })
         })
         .collect();
-    let decode = cluster.decode.admin_url();
-    let started = Instant::now();
-    // Until a read is in flight, or every request is over (then no read
-    // was caught: the diagnostics below say why). Reads last tens of
-    // milliseconds: look often.
-    let mut reading = false;
-    poll_until("a read in flight, or every request over", Duration::from_secs(300), Duration::from_millis(2), async || {
-        reading = metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0;
-        reading || requests.iter().all(|request| request.is_finished())
-    })
-    .await;
-    if !reading {
-        let imports = metric_lines(&decode, "turbine_worker_kv_imports_total").await;
+    if let Err(error) = relay.frozen(STARTUP_TIMEOUT).await {
         panic!(
-            "no read of the prefill worker's blocks was seen in flight\nimports: {imports:#?}\ngateway: {:#?}\ndecode worker: {:#?}\nprefill worker: {:#?}",
+            "{error}: no read of the prefill worker's blocks\ngateway: {:#?}\ndecode worker: {:#?}\nprefill worker: {:#?}",
             warnings(&cluster.gateway),
             warnings(&cluster.decode),
             warnings(&cluster.prefill)
         );
     }
+    assert!(metric(&decode, "turbine_worker_kv_imports_in_flight").await >= 1.0, "the decode worker is reading the held blocks");
     cluster.prefill.kill();
-    eprintln!("prefill worker killed {:?} after the requests were sent, a read in flight", started.elapsed());
+    relay.sever();
+
     let mut results = Vec::new();
     for request in requests {
         results.push(request.await.unwrap());
@@ -247,7 +263,7 @@ async fn killing_the_prefill_worker_mid_transfer_loses_no_request() {
     if results.iter().any(Result::is_err) {
         panic!("requests failed: {results:?}\ngateway: {:#?}\ndecode worker: {:#?}", warnings(&cluster.gateway), warnings(&cluster.decode));
     }
-    for ((result, &i), expected) in results.into_iter().zip(&chosen).zip(&expected) {
+    for ((result, &i), expected) in results.into_iter().zip(&chosen[1..]).zip(&expected[1..]) {
         assert_eq!(&result.unwrap(), expected, "prompt of {} tokens after the prefill worker died", prompts[i].len());
     }
     let failed_reads = metric_where(&decode, "turbine_worker_kv_imports_total", &[("outcome", "transfer")]).await;

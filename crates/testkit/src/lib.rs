@@ -10,12 +10,16 @@
 //! - [`metric`], [`metric_where`], [`metric_lines`]: Prometheus values from
 //!   a `/metrics` page.
 //! - [`workspace_binary`]: a binary built from this workspace.
+//! - [`TcpRelay`]: a relay in front of a server that can hold a transfer
+//!   mid-stream, for tests that act at that moment.
 
+pub mod relay;
 pub mod tls;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub use relay::TcpRelay;
 pub use turbine_harness::{ChildProcess, PostgresServer, RedisServer, STARTUP_TIMEOUT, ServiceProcess, addresses_file};
 
 /// Path of a binary built from this workspace (`turbine`, `turbine-worker`,
