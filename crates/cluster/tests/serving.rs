@@ -5,6 +5,8 @@
 //! The tests take turns (one sandbox at a time): some read the gateway's
 //! metrics, which the process's clusters share.
 
+use std::time::Duration;
+
 use serde_json::json;
 use tokio::sync::Mutex;
 use turbine_cluster::sandbox::{Sandbox, streamed_text};
@@ -296,6 +298,51 @@ async fn requests_beyond_the_concurrency_limit_get_429_with_retry_after() {
         sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "now", "max_tokens": 2})).await.0 == 200
     })
     .await;
+    sandbox.stop().await;
+}
+
+/// The gateway counts demand, not only what it serves: every request as
+/// it arrives, those refused for want of capacity (by reason), and those
+/// still waiting for a first token (queued at a full worker): what a
+/// planner sizes on once the workers are saturated.
+#[tokio::test]
+async fn arrivals_refusals_and_the_backlog_are_counted() {
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1.0);
+    config.workers = 1;
+    config.worker.engine.max_num_seqs = 1;
+    config.gateway.max_concurrent_requests = 2;
+    let sandbox = Sandbox::start(config).await;
+    let client = reqwest::Client::new();
+    let completions = format!("{}/v1/completions", sandbox.base());
+    let stream = |prompt: &str, max_tokens: u32| {
+        client.post(&completions).json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": true, "ignore_eos": true})).send()
+    };
+    let awaiting = async || sandbox.metric("turbine_gateway_awaiting_first_token", &[("model", MODEL)]).await;
+    let arrivals = async || sandbox.metric("turbine_gateway_arrivals_total", &[("model", MODEL)]).await;
+    let refused = async || sandbox.metric("turbine_gateway_refused_total", &[("reason", "gateway_full")]).await;
+    let (arrivals_before, refused_before) = (arrivals().await, refused().await);
+
+    // The worker's one seat taken.
+    let first = stream("hold the seat", 2000).await.unwrap();
+    assert_eq!(first.status(), 200);
+    wait_until("the first request has its first token", Duration::from_secs(10), async || awaiting().await == 0.0).await;
+    // The next waits in the worker's queue: arrived, no first token yet.
+    let second = tokio::spawn(stream("wait for it", 2));
+    wait_until("the second request is counted as waiting", Duration::from_secs(10), async || awaiting().await == 1.0).await;
+    // The gateway's limit (two at once): refused before the body is read.
+    let third = client.post(&completions).json(&json!({"model": MODEL, "prompt": "one more", "max_tokens": 2})).send().await.unwrap();
+    assert_eq!(third.status(), 429);
+    assert_eq!(refused().await - refused_before, 1.0);
+    assert_eq!(arrivals().await - arrivals_before, 2.0, "the refused one never arrived");
+
+    // The seat freed, the waiting request gets its tokens.
+    drop(first);
+    let second = tokio::time::timeout(Duration::from_secs(10), second).await.expect("the queued request is served").unwrap().unwrap();
+    assert_eq!(second.status(), 200);
+    let events = second.text().await.unwrap();
+    assert!(events.trim_end().ends_with("data: [DONE]"), "{events}");
+    assert_eq!(awaiting().await, 0.0);
     sandbox.stop().await;
 }
 

@@ -3,7 +3,7 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 use turbine_engine::Usage;
 use turbine_runtime::metrics::{counter, gauge, histogram, latency_buckets, slo_latency_buckets};
 
@@ -11,6 +11,27 @@ static REQUESTS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_gateway_requests_total", "Requests by endpoint and HTTP status", &["endpoint", "status"]));
 static IN_FLIGHT: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("turbine_gateway_in_flight_requests", "Requests being served", &[]).with_label_values(&[] as &[&str]));
+static ARRIVALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_arrivals_total",
+        "Generation requests as they arrive, by model, before they are routed (those refused later included): the demand, which the rate of first tokens is not once the workers are saturated",
+        &["model"],
+    )
+});
+static REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_refused_total",
+        "Generation requests refused for want of capacity, by reason: gateway_full (the gateway's limit of concurrent requests; refused before the body is read, so not among the arrivals), workers_full (every worker tried was at capacity), no_worker (none could take it)",
+        &["reason"],
+    )
+});
+static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    gauge(
+        "turbine_gateway_awaiting_first_token",
+        "Requests arrived that have not had their first token yet (being routed, queued at a worker, or in prefill): the backlog",
+        &["model"],
+    )
+});
 static TTFT: LazyLock<HistogramVec> = LazyLock::new(|| {
     histogram("turbine_gateway_time_to_first_token_seconds", "Time from request to the first generated token", &["model"], slo_latency_buckets())
 });
@@ -58,6 +79,59 @@ fn itoa(status: u16) -> &'static str {
         500 => "500",
         503 => "503",
         _ => "other",
+    }
+}
+
+/// A generation request for `model` arrived (it passed the checks that
+/// need no worker: the model exists, the prompt fits).
+pub(crate) fn arrival(model: &str) {
+    ARRIVALS.with_label_values(&[model]).inc();
+}
+
+/// Why a request was refused for want of capacity.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Refusal {
+    /// The gateway's own limit of concurrent requests.
+    GatewayFull,
+    /// Every worker tried was at capacity.
+    WorkersFull,
+    /// No worker could take the request.
+    NoWorker,
+}
+
+/// A request refused for want of capacity.
+pub(crate) fn refused(why: Refusal) {
+    let reason = match why {
+        Refusal::GatewayFull => "gateway_full",
+        Refusal::WorkersFull => "workers_full",
+        Refusal::NoWorker => "no_worker",
+    };
+    REFUSED.with_label_values(&[reason]).inc();
+}
+
+/// One request counted in `turbine_gateway_awaiting_first_token` from its
+/// arrival until its first token, or until it ends without one.
+#[derive(Debug)]
+pub(crate) struct AwaitingFirstToken(Option<IntGauge>);
+
+impl AwaitingFirstToken {
+    pub(crate) fn start(model: &str) -> Self {
+        let gauge = AWAITING_FIRST_TOKEN.with_label_values(&[model]);
+        gauge.inc();
+        Self(Some(gauge))
+    }
+
+    /// The first token came.
+    pub(crate) fn end(&mut self) {
+        if let Some(gauge) = self.0.take() {
+            gauge.dec();
+        }
+    }
+}
+
+impl Drop for AwaitingFirstToken {
+    fn drop(&mut self) {
+        self.end();
     }
 }
 

@@ -150,6 +150,8 @@ impl Pipeline {
             }
             None => context - prompt_len as u32,
         };
+        metrics::arrival(&request.model);
+        let awaiting = metrics::AwaitingFirstToken::start(&request.model);
         let engine_request = GenerateRequest {
             request_id: request_id.clone(),
             prompt,
@@ -158,7 +160,11 @@ impl Pipeline {
         };
         let booking = Booking { router: self.router.clone(), request_id: request_id.clone() };
         let mut excluded = Vec::new();
-        let (serving, tokens) = self.dispatch(&request.model, &engine_request, &mut excluded).await?;
+        let (serving, tokens) = self.dispatch(&request.model, &engine_request, &mut excluded).await.inspect_err(|error| match error.kind {
+            ErrorKind::Overloaded => metrics::refused(metrics::Refusal::WorkersFull),
+            ErrorKind::Unavailable => metrics::refused(metrics::Refusal::NoWorker),
+            _ => {}
+        })?;
         Ok(TextStream {
             pipeline: self.clone(),
             token_gaps: metrics::TokenGaps::new(&request.model),
@@ -179,6 +185,7 @@ impl Pipeline {
             first_token_at: None,
             last_token_at: None,
             booking,
+            awaiting,
         })
     }
 
@@ -377,6 +384,8 @@ pub struct TextStream {
     last_token_at: Option<Instant>,
     token_gaps: metrics::TokenGaps,
     booking: Booking,
+    /// Counted as awaiting its first token until it comes.
+    awaiting: metrics::AwaitingFirstToken,
 }
 
 impl std::fmt::Debug for TextStream {
@@ -448,6 +457,7 @@ impl TextStream {
                     None => {
                         metrics::time_to_first_token(&self.model, now - self.started, self.prompt_tokens());
                         self.first_token_at = Some(now);
+                        self.awaiting.end();
                         self.booking.prefill_done();
                     }
                     Some(last) => self.token_gaps.observe(now - last, chunk.tokens.len()),

@@ -51,10 +51,10 @@ pub struct AppState {
 impl AppState {
     /// A permit for one more request, or 429.
     pub fn admit(&self) -> Result<OwnedSemaphorePermit, GatewayError> {
-        self.admission
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| GatewayError::new(ErrorKind::Overloaded, "The server is at its limit of concurrent requests; retry shortly."))
+        self.admission.clone().try_acquire_owned().map_err(|_| {
+            metrics::refused(metrics::Refusal::GatewayFull);
+            GatewayError::new(ErrorKind::Overloaded, "The server is at its limit of concurrent requests; retry shortly.")
+        })
     }
 }
 
