@@ -67,8 +67,10 @@ pub fn describe(decision: &Decision) -> String {
             let latency = |value: Option<f64>| value.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1} ms"));
             let _ = write!(
                 text,
-                "; seen {:.2} req/s, TTFT {}, ITL {}, {} serving",
+                "; seen {:.2} req/s arriving ({:.2} served, {:.0} awaiting a first token), TTFT {}, ITL {}, {} serving",
                 seen.load.request_rate,
+                seen.served_rate,
+                seen.awaiting_first_token,
                 latency(seen.ttft_ms),
                 latency(seen.itl_ms),
                 seen.replicas
@@ -153,6 +155,8 @@ mod tests {
                 itl_mean_ms: None,
                 token_gap_ms: Some(31.3),
                 started_isl_mean: 1_050.0,
+                served_rate: 5.75,
+                awaiting_first_token: 3.0,
             }],
             predicted: None,
             pools: vec![PoolDecision {
@@ -175,7 +179,7 @@ mod tests {
         let text = describe(&decision);
         assert!(
             text.starts_with(
-                "#42 1970-01-01T00:00:00Z  forecast 3.00 req/s\n  decode: 3 -> 5 (proposed 6); seen 6.25 req/s, TTFT 250.0 ms, ITL -, 3 serving\n"
+                "#42 1970-01-01T00:00:00Z  forecast 3.00 req/s\n  decode: 3 -> 5 (proposed 6); seen 6.25 req/s arriving (5.75 served, 3 awaiting a first token), TTFT 250.0 ms, ITL -, 3 serving\n"
             ),
             "{text}"
         );

@@ -19,7 +19,7 @@ use crate::ledger::{Control, LedgerError};
 use crate::observe::Observer;
 use crate::predict::{Forecaster, Load};
 use crate::profile::Profile;
-use crate::propose::{Corrections, Proposal, corrections_over, decode_in_flight, propose};
+use crate::propose::{Corrections, Proposal, corrections_over, decode_in_flight, propose, propose_queued};
 use crate::service::PlannerState;
 use crate::targets::{PoolKind, Predictor, Targets};
 
@@ -377,7 +377,8 @@ fn proposals(
             })
             .collect()
     } else {
-        let mut proposed = propose(profile, targets, load, corrections);
+        let queued = |pool: &str| observed.iter().find(|seen| seen.pool == pool).map_or(0.0, |seen| seen.queue_depth);
+        let mut proposed = propose_queued(profile, targets, load, corrections, &queued);
         scale_down_at_prompts_started(profile, targets, load, corrections, current, observed, &mut proposed);
         proposed
     };
@@ -399,7 +400,63 @@ fn proposals(
             proposal.replicas = in_flight.replicas;
         }
     }
+    for proposal in &mut proposals {
+        let Some(seen) = observed.iter().find(|seen| seen.pool == proposal.pool) else { continue };
+        let decided = current.get(&proposal.pool).map_or(seen.replicas, |size| size.decided);
+        queued_requests(targets, seen, decided, proposal);
+    }
     proposals
+}
+
+/// Requests queued at a pool's workers are demand served late. Where the
+/// pool also missed a latency target, the profile's sizing is wrong for
+/// these workers, whatever it says: the pool grows by at least one worker,
+/// and to as many as seat every sequence running and queued at what each
+/// worker runs now (a worker with a queue seats no more: the backlog over
+/// the sequences running, in proportion). While any request is queued
+/// the pool does not shrink: it shrinks only when the forecast and an
+/// empty queue both allow.
+fn queued_requests(targets: &Targets, seen: &Observation, decided: u32, proposal: &mut Proposal) {
+    if seen.queue_depth < 1.0 {
+        return;
+    }
+    // The latency a pool's queue delays: a prompt's first token (prefill),
+    // the tokens after it (decode), or both.
+    let kind = targets.pools().iter().find(|limits| limits.pool == seen.pool).map_or(PoolKind::Aggregated, |limits| limits.kind);
+    let missed: Vec<String> =
+        [("TTFT", seen.ttft_ms, targets.ttft_ms(), kind != PoolKind::Decode), ("ITL", seen.itl_ms, targets.itl_ms(), kind != PoolKind::Prefill)]
+            .into_iter()
+            .filter(|(_, _, _, delays)| *delays)
+            .map(|(name, observed, target, _)| (name, observed, target))
+            .filter_map(|(name, observed, target)| {
+                observed.filter(|observed| *observed > target).map(|observed| format!("{name} {observed:.0} ms over {target:.0} ms"))
+            })
+            .collect();
+    if !missed.is_empty() {
+        let step = decided + 1;
+        let seated = if seen.running > 0 && seen.replicas > 0 {
+            let each = f64::from(seen.running) / f64::from(seen.replicas);
+            ((f64::from(seen.running) + seen.queue_depth) / each - 1e-9).ceil() as u32
+        } else {
+            step
+        };
+        let wanted = step.max(seated);
+        if wanted > proposal.replicas {
+            proposal.reason = format!(
+                "{}; {} with {:.0} queued ({} running on {} workers): grown to seat them all, at least one more: {wanted}",
+                proposal.reason,
+                missed.join(", "),
+                seen.queue_depth,
+                seen.running,
+                seen.replicas
+            );
+            proposal.replicas = wanted;
+        }
+    }
+    if proposal.replicas < decided {
+        proposal.reason = format!("{}; {:.0} queued: held at {decided} until the queue is empty", proposal.reason, seen.queue_depth);
+        proposal.replicas = decided;
+    }
 }
 
 /// A pool proposed fewer workers than it was decided at keeps as many as
@@ -492,8 +549,9 @@ async fn decide(
         })
         .collect();
     let load = prediction.load;
+    let seats = corrections.seats.map_or_else(String::new, |seats| format!("; a worker seats {seats:.1} sequences (seen while requests queued)"));
     let reason = format!(
-        "forecast {:.2} req/s, ISL {:.0}, OSL {:.0} by {}{fallback}; latencies ×{:.2} (TTFT) and ×{:.2} (ITL) of the profile's; the mean ITL ×{:.2} of its percentile",
+        "forecast {:.2} req/s, ISL {:.0}, OSL {:.0} by {}{fallback}; latencies ×{:.2} (TTFT) and ×{:.2} (ITL) of the profile's; the mean ITL ×{:.2} of its percentile{seats}",
         load.request_rate,
         load.isl_mean,
         load.osl_mean,
@@ -565,6 +623,8 @@ mod tests {
             itl_mean_ms: None,
             token_gap_ms: None,
             started_isl_mean: 0.0,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
 
         // A quiet interval: from the ledger the pool would shrink; from
@@ -623,6 +683,8 @@ mod tests {
             itl_mean_ms: None,
             token_gap_ms: None,
             started_isl_mean,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
         let decided = |decided| HashMap::from([("workers".to_owned(), PoolSize { running: decided, decided })]);
         let proposed =
@@ -639,6 +701,73 @@ mod tests {
         // Shorter prompts started, or too few to say: the forecast's.
         assert_eq!(proposed(longer + 2, 300.0).replicas, forecast);
         assert_eq!(proposed(longer + 2, 0.0).replicas, forecast);
+    }
+
+    /// The saturated fleet an operator met (issue #51): one worker of
+    /// eight allowed, running the 4 sequences its `--max-num-seqs` seats,
+    /// 20 queued behind them, the TTFT percentile at 2,845 ms against 300.
+    /// The profile knows no seat limit and would keep a worker or two.
+    #[test]
+    fn a_queue_with_a_missed_target_grows_the_pool_to_seat_it() {
+        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
+        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
+        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
+        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let targets = targets(Predictor::Constant);
+        let load = Load { request_rate: 8.0, isl_mean: 100.0, osl_mean: 100.0 };
+        let seen = |queue_depth: f64, ttft_ms, replicas, running| Observation {
+            pool: "workers".into(),
+            load,
+            ttft_ms: Some(ttft_ms),
+            itl_ms: Some(15.0),
+            queue_depth,
+            kv_usage: 0.1,
+            replicas,
+            running,
+            context_tokens: 150.0,
+            finish_rate: 8.0,
+            itl_mean_ms: Some(12.0),
+            token_gap_ms: None,
+            started_isl_mean: 100.0,
+            served_rate: 8.0,
+            awaiting_first_token: queue_depth + f64::from(running),
+        };
+        let decided = |decided| HashMap::from([("workers".to_owned(), PoolSize { running: decided, decided })]);
+        let proposed =
+            |seen: Observation, current: u32| proposals(&profile, &targets, &load, Corrections::default(), &decided(current), &[seen], None).remove(0);
+        let forecast = propose(&profile, &targets, &load, Corrections::default())[0].replicas;
+        assert!(forecast <= 2, "the forecast alone: {forecast}");
+
+        // Queued and missed: seat all 24 at the 4 a worker runs: 6.
+        let saturated = seen(20.0, 2_845.0, 1, 4);
+        let grown = proposed(saturated.clone(), 1);
+        assert_eq!(grown.replicas, 6, "{grown:?}");
+        assert!(
+            grown.reason.contains("; TTFT 2845 ms over 300 ms with 20 queued (4 running on 1 workers): grown to seat them all, at least one more: 6"),
+            "{grown:?}"
+        );
+        // Two workers already, one queued, a miss: at least one more.
+        assert_eq!(proposed(seen(1.0, 400.0, 2, 8), 2).replicas, 3);
+
+        // The same queue within the targets: the queue is still work (its
+        // prompts within the TTFT target, seats for its sequences).
+        let within = proposed(seen(20.0, 250.0, 1, 4), 1);
+        assert!(within.replicas > forecast && within.reason.contains("; 20 queued: "), "{within:?}");
+        assert!(!within.reason.contains("over 300 ms"), "{within:?}");
+
+        // A queue holds a pool that the forecast would shrink.
+        let held = proposed(seen(3.0, 250.0, 6, 24), 6);
+        assert_eq!(held.replicas, 6, "{held:?}");
+        assert!(held.reason.ends_with("; 3 queued: held at 6 until the queue is empty"), "{held:?}");
+        // Without a queue it shrinks.
+        assert!(proposed(seen(0.0, 250.0, 6, 24), 6).replicas < 6);
+
+        // The seats seen while requests queued are learned (4 a worker),
+        // and size the forecast once the queue has drained.
+        let learned = corrections_over(&profile, &targets, &[vec![saturated], vec![seen(0.0, 250.0, 6, 30)]]);
+        assert_eq!(learned.seats, Some(4.0));
+        let seated = propose(&profile, &targets, &load, Corrections { seats: learned.seats, ..Corrections::default() })[0].replicas;
+        assert!(seated > forecast, "{seated} workers at 4 seats each, {forecast} without");
     }
 
     #[test]
@@ -686,6 +815,8 @@ mod tests {
             itl_mean_ms: None,
             token_gap_ms: None,
             started_isl_mean: 0.0,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
         let start = proposals(&profile, &split, &unknown, Corrections::default(), &current, &[seen("prefill", 12, 0.0), seen("decode", 40, 0.0)], None);
         assert_eq!(start.iter().map(|proposal| proposal.replicas).collect::<Vec<_>>(), [2, 10], "{start:?}");

@@ -13,7 +13,10 @@ use crate::targets::{PoolKind, Predictor, Targets};
 pub struct Observation {
     /// The pool's name.
     pub pool: String,
-    /// Requests per second, the interval's input and output lengths.
+    /// The demand: requests per second as they arrived at the gateways
+    /// (those refused for capacity included; before gateways counted
+    /// arrivals, those that got their first token), the interval's input
+    /// and output lengths.
     pub load: Load,
     /// TTFT at the targets' percentile, milliseconds; `None` when fewer
     /// than ten requests got their first token in the interval.
@@ -52,6 +55,16 @@ pub struct Observation {
     /// the interval, tokens; 0 when fewer than ten did.
     #[serde(default)]
     pub started_isl_mean: f64,
+    /// Requests per second that got their first token during the interval
+    /// (the deployment's): what was served, below the demand while
+    /// requests queue (0 in decisions recorded before it was kept).
+    #[serde(default)]
+    pub served_rate: f64,
+    /// Requests arrived at the gateways without a first token when the
+    /// interval ended (the deployment's): routing, queued at a worker, or
+    /// in prefill.
+    #[serde(default)]
+    pub awaiting_first_token: f64,
 }
 
 /// The load a decision sized for.
@@ -214,6 +227,8 @@ impl From<&Decision> for pb::Decision {
                     itl_mean_ms: seen.itl_mean_ms.unwrap_or(0.0),
                     token_gap_ms: seen.token_gap_ms.unwrap_or(0.0),
                     started_isl_mean: seen.started_isl_mean,
+                    served_rate: seen.served_rate,
+                    awaiting_first_token: seen.awaiting_first_token,
                 })
                 .collect(),
             predicted: decision.predicted.as_ref().map(|predicted| pb::Prediction {
@@ -396,6 +411,8 @@ impl TryFrom<pb::Decision> for Decision {
                     itl_mean_ms: (seen.itl_mean_ms > 0.0).then_some(seen.itl_mean_ms),
                     token_gap_ms: (seen.token_gap_ms > 0.0).then_some(seen.token_gap_ms),
                     started_isl_mean: seen.started_isl_mean,
+                    served_rate: seen.served_rate,
+                    awaiting_first_token: seen.awaiting_first_token,
                 })
                 .collect(),
             predicted: predicted

@@ -341,8 +341,8 @@ impl Ledger {
         let mut transaction = self.pool.begin().await?;
         for seen in observed {
             sqlx::query(
-                "INSERT INTO planner_observations (namespace, at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas, running, context_tokens, finish_rate, itl_mean_ms, token_gap_ms, started_isl_mean) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) ON CONFLICT (namespace, at_unix_ms, pool) DO NOTHING",
+                "INSERT INTO planner_observations (namespace, at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas, running, context_tokens, finish_rate, itl_mean_ms, token_gap_ms, started_isl_mean, served_rate, awaiting_first_token) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) ON CONFLICT (namespace, at_unix_ms, pool) DO NOTHING",
             )
             // Not prepared once per connection: sqlx's Any driver types a
             // NULL double as float4 for Postgres, and a statement prepared
@@ -366,6 +366,8 @@ impl Ledger {
             .bind(seen.itl_mean_ms)
             .bind(seen.token_gap_ms)
             .bind(seen.started_isl_mean)
+            .bind(seen.served_rate)
+            .bind(seen.awaiting_first_token)
             .execute(&mut *transaction)
             .await?;
         }
@@ -377,7 +379,7 @@ impl Ledger {
     /// ended and what each pool did.
     pub async fn observations(&self, intervals: usize) -> Result<Vec<(i64, Vec<Observation>)>, LedgerError> {
         let rows = sqlx::query(
-            "SELECT at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas, running, context_tokens, finish_rate, itl_mean_ms, token_gap_ms, started_isl_mean FROM planner_observations \
+            "SELECT at_unix_ms, pool, request_rate, isl_mean, osl_mean, ttft_ms, itl_ms, queue_depth, kv_usage, replicas, running, context_tokens, finish_rate, itl_mean_ms, token_gap_ms, started_isl_mean, served_rate, awaiting_first_token FROM planner_observations \
              WHERE namespace = $1 AND at_unix_ms >= (SELECT COALESCE(MIN(at), 0) FROM (SELECT DISTINCT at_unix_ms AS at FROM planner_observations WHERE namespace = $1 ORDER BY at DESC LIMIT $2) AS recent) \
              ORDER BY at_unix_ms, pool",
         )
@@ -402,6 +404,8 @@ impl Ledger {
                 itl_mean_ms: row.try_get("itl_mean_ms")?,
                 token_gap_ms: row.try_get("token_gap_ms")?,
                 started_isl_mean: row.try_get("started_isl_mean")?,
+                served_rate: row.try_get("served_rate")?,
+                awaiting_first_token: row.try_get("awaiting_first_token")?,
             };
             match history.last_mut() {
                 Some((last, pools)) if *last == at => pools.push(seen),

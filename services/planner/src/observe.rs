@@ -6,10 +6,14 @@
 //!   latency histograms, read as the change since the last interval and
 //!   summed over gateways and models; the percentiles are read from the
 //!   summed buckets (`turbine_runtime::metrics::slo_latency_buckets`, each
-//!   15% above the last). The request rate is of requests that got their
-//!   first token (the TTFT histogram's count), which trails arrivals by a
-//!   TTFT; requests finishing trail them by a whole request, longer than an
-//!   interval on a ramp. The lengths are the means of the latest requests
+//!   15% above the last). The request rate is the demand: requests as they
+//!   arrived, those refused for capacity included (gateways before
+//!   `turbine_gateway_arrivals_total`: of requests that got their first
+//!   token, which is the fleet's capacity, not the demand, once requests
+//!   queue). The rate of first tokens is kept beside it (served), and the
+//!   requests awaiting a first token when the interval ended (the
+//!   backlog); requests finishing trail arrivals by a whole request,
+//!   longer than an interval on a ramp. The lengths are the means of the latest requests
 //!   finished, at least ten (the intervals before are added while fewer
 //!   finished in this one, up to twenty intervals; none when fewer than
 //!   ten finished in all: the first to finish are the short ones). A
@@ -43,6 +47,9 @@ const TOKENS: &str = "turbine_gateway_tokens_total";
 const STARTED_PROMPT: &str = "turbine_gateway_started_prompt_tokens_total";
 const GAP_SUM: &str = "turbine_gateway_token_gap_seconds_sum";
 const GAP_COUNT: &str = "turbine_gateway_token_gap_seconds_count";
+const ARRIVALS: &str = "turbine_gateway_arrivals_total";
+const REFUSED: &str = "turbine_gateway_refused_total";
+const AWAITING: &str = "turbine_gateway_awaiting_first_token";
 
 /// Fewest requests a percentile or a mean length is read from: the p90
 /// of fewer than ten is their slowest, and the first requests to finish
@@ -93,6 +100,14 @@ struct Totals {
     gap_count: f64,
     ttft: Histogram,
     itl: Histogram,
+    /// Requests as they arrived, with those the gateways refused before
+    /// reading them (at their limit of concurrent requests): the demand.
+    arrivals: f64,
+    /// Whether a gateway counts arrivals (one that counts none yet, or an
+    /// older one, does not show the counter).
+    counts_arrivals: bool,
+    /// Requests awaiting their first token, now (a gauge: not a change).
+    awaiting: f64,
 }
 
 impl Totals {
@@ -104,6 +119,9 @@ impl Totals {
         self.started_prompt_tokens += prom::sum(samples, STARTED_PROMPT, &[]);
         self.gap_sum += prom::sum(samples, GAP_SUM, &[]);
         self.gap_count += prom::sum(samples, GAP_COUNT, &[]);
+        self.arrivals += prom::sum(samples, ARRIVALS, &[]) + prom::sum(samples, REFUSED, &[("reason", "gateway_full")]);
+        self.counts_arrivals |= samples.iter().any(|sample| sample.name == ARRIVALS);
+        self.awaiting += prom::sum(samples, AWAITING, &[]);
         for (total, name) in [(&mut self.ttft, TTFT), (&mut self.itl, ITL)] {
             let more = Histogram::sum_of(samples, name);
             for (bound, count) in more.buckets {
@@ -130,6 +148,9 @@ impl Totals {
             gap_count: delta(self.gap_count, earlier.gap_count)?,
             ttft: self.ttft.since(&earlier.ttft)?,
             itl: self.itl.since(&earlier.itl)?,
+            arrivals: delta(self.arrivals, earlier.arrivals)?,
+            counts_arrivals: self.counts_arrivals,
+            awaiting: self.awaiting,
         })
     }
 }
@@ -216,7 +237,11 @@ impl Observer {
         };
         let seconds = now.duration_since(then).as_secs_f64().max(1e-3);
         let (isl_mean, osl_mean) = self.lengths(&interval);
-        let load = Load { request_rate: interval.ttft.count() / seconds, isl_mean, osl_mean };
+        let served_rate = interval.ttft.count() / seconds;
+        // The demand: requests as they arrive. The rate of first tokens is
+        // what the fleet served, its capacity once requests queue.
+        let request_rate = if interval.counts_arrivals { interval.arrivals / seconds } else { served_rate };
+        let load = Load { request_rate, isl_mean, osl_mean };
         let quantile = targets.percentile() / 100.0;
         let milliseconds =
             |histogram: &Histogram| (histogram.count() >= MIN_SAMPLES).then(|| histogram.quantile(quantile)).flatten().map(|seconds| seconds * 1000.0);
@@ -249,6 +274,8 @@ impl Observer {
                         itl_mean_ms,
                         token_gap_ms,
                         started_isl_mean,
+                        served_rate,
+                        awaiting_first_token: interval.awaiting,
                     }
                 })
                 .collect(),

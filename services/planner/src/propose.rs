@@ -34,6 +34,15 @@
 //! (98%; 92% at 95%); scaling up from memory through the outages, the
 //! planner meets that run at 95% too (98%: docs/benchmarks.md).
 //!
+//! Requests queued at a pool's workers are work on top of the forecast
+//! (`propose_queued`): their prompts computed within the TTFT target by
+//! fully busy workers, seats for their sequences. A worker never counts
+//! more seats than a worker of its pool was seen to run while at least as
+//! many again queued at it (`Corrections::seats`, the most over the
+//! intervals kept):
+//! the profile may not know the workers' `--max-num-seqs` or KV cache,
+//! and a queue shows the limit.
+//!
 //! The corrections are the observed latency (at the targets' percentile)
 //! over what the same model expects at the observed load and replicas
 //! (each within ×0.25 to ×4), the median of the last five intervals that
@@ -87,12 +96,38 @@ pub struct Corrections {
     /// observed (at most 1): Little's law counts the sequences decoding
     /// at the mean, and the corrected ITL is the percentile's.
     pub token_mean: f64,
+    /// The sequences a worker of the pools that decode ran while at least
+    /// as many again queued at it (the most seen in the intervals kept): a limit the
+    /// profile may not know (the workers' `--max-num-seqs`, or their KV
+    /// cache), learned from the deployment; `None` before any queued.
+    pub seats: Option<f64>,
 }
 
 impl Default for Corrections {
     fn default() -> Self {
-        Self { ttft: 1.0, itl: 1.0, token_mean: 1.0 }
+        Self { ttft: 1.0, itl: 1.0, token_mean: 1.0, seats: None }
     }
+}
+
+impl Corrections {
+    /// Sequences a worker decodes together: `per_worker`, within the seats
+    /// seen.
+    fn seated(&self, per_worker: f64) -> f64 {
+        self.seats.map_or(per_worker, |seats| per_worker.min(seats)).max(1.0)
+    }
+}
+
+/// A worker's seats as one interval shows them: the sequences its pool's
+/// workers ran, each, while at least as many more queued (a worker with
+/// that queue seats no more; a request or two waiting a step for the
+/// step's token budget says nothing of its seats).
+fn seats_seen(targets: &Targets, seen: &Observation) -> Option<f64> {
+    let decodes = targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind != PoolKind::Prefill);
+    if !decodes || seen.replicas == 0 || seen.running == 0 {
+        return None;
+    }
+    let each = f64::from(seen.running) / f64::from(seen.replicas);
+    (seen.queue_depth >= each.max(1.0)).then_some(each)
 }
 
 /// What the profile proposes for one pool.
@@ -137,7 +172,10 @@ pub fn corrections_over(profile: &Profile, targets: &Targets, intervals: &[Vec<O
         let decodes = |seen: &&Observation| targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind != PoolKind::Prefill);
         token_mean.extend(observed.iter().filter(decodes).find_map(|seen| Some((seen.itl_mean_ms? / seen.itl_ms?).clamp(CORRECTION.0, 1.0))));
     }
-    Corrections { ttft: median(&mut ttft).unwrap_or(1.0), itl: median(&mut itl).unwrap_or(1.0), token_mean: median(&mut token_mean).unwrap_or(1.0) }
+    // Seats are a property of the workers, not of one interval's noise:
+    // the most seen over every interval kept.
+    let seats = intervals.iter().flatten().filter_map(|seen| seats_seen(targets, seen)).max_by(f64::total_cmp);
+    Corrections { ttft: median(&mut ttft).unwrap_or(1.0), itl: median(&mut itl).unwrap_or(1.0), token_mean: median(&mut token_mean).unwrap_or(1.0), seats }
 }
 
 fn median(values: &mut [f64]) -> Option<f64> {
@@ -218,6 +256,14 @@ fn started_isl(seen: &Observation) -> f64 {
 
 /// Replicas per pool of `targets` for `load`.
 pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections) -> Vec<Proposal> {
+    propose_queued(profile, targets, load, corrections, &|_| 0.0)
+}
+
+/// [`propose`], with the requests `queued` at each pool's workers (by
+/// pool) as work on top of the forecast: a pool that computes prompts gets
+/// the workers that compute the queued prompts within the TTFT target
+/// (fully busy), a pool that decodes the seats for them.
+pub fn propose_queued(profile: &Profile, targets: &Targets, load: &Load, corrections: Corrections, queued: &dyn Fn(&str) -> f64) -> Vec<Proposal> {
     let (ttft_aim, itl_aim) = (targets.ttft_ms() * AIM, targets.itl_ms() * AIM);
     // Prefill: the profile's work, at the utilization the corrected TTFT allows.
     let alone = profile.ttft_ms(load.isl_mean);
@@ -227,26 +273,36 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
     let prefill = prefill_work / cap;
     // Decode: sequences decoding at once, and how many a worker takes within the ITL target.
     let context = decode_context(load);
-    let per_worker = profile.concurrency_within(context, itl_aim / corrections.itl);
+    let per_worker = corrections.seated(profile.concurrency_within(context, itl_aim / corrections.itl));
     let itl = profile.itl_ms(context, per_worker) * corrections.itl;
     let sequences = load.request_rate * load.osl_mean * itl * corrections.token_mean / 1e3;
     let decode = sequences / per_worker;
     let unreachable = if ttft >= ttft_aim { " (the TTFT alone is over the share of the target sized for: sized at the lowest utilization)" } else { "" };
-    let whole = |workers: f64| if load.request_rate > 0.0 { round_up(workers).max(1.0) as u32 } else { 0 };
+    let whole = |workers: f64, queued: f64| if load.request_rate > 0.0 || queued >= 1.0 { round_up(workers).max(1.0) as u32 } else { 0 };
+    // The queued prompts computed within the TTFT target, workers fully busy.
+    let draining = |queued: f64| queued * alone / ttft_aim;
+    let queue_words = |queued: f64, workers: f64| {
+        if queued >= 1.0 { format!("; {queued:.0} queued: {workers:.2} workers more to start them within the target") } else { String::new() }
+    };
     let prefill_words = format!("prefill {prefill_work:.2} workers of work at up to {:.0}% utilization (TTFT {ttft:.1} ms alone){unreachable}", cap * 100.0);
     targets
         .pools()
         .iter()
         .map(|limits| {
+            let queued = queued(&limits.pool).max(0.0);
             let (replicas, reason) = match limits.kind {
-                PoolKind::Prefill => (whole(prefill), prefill_words.clone()),
+                PoolKind::Prefill => (whole(prefill + draining(queued), queued), format!("{prefill_words}{}", queue_words(queued, draining(queued)))),
                 PoolKind::Decode => (
-                    whole(decode),
-                    format!("decode {sequences:.1} sequences at {per_worker:.1} per worker (ITL {itl:.2} ms at context {context:.0}, {:.2} ms on average)", itl * corrections.token_mean),
+                    whole(decode + queued / per_worker, queued),
+                    format!(
+                        "decode {sequences:.1} sequences at {per_worker:.1} per worker (ITL {itl:.2} ms at context {context:.0}, {:.2} ms on average){}",
+                        itl * corrections.token_mean,
+                        queue_words(queued, queued / per_worker)
+                    ),
                 ),
                 PoolKind::Aggregated => {
-                    let shared = aggregated(profile, itl_aim, load, corrections, prefill_work, cap);
-                    let replicas = if load.request_rate > 0.0 { shared.workers } else { 0 };
+                    let shared = aggregated(profile, itl_aim, load, corrections, prefill_work, cap, queued, draining(queued));
+                    let replicas = if load.request_rate > 0.0 || queued >= 1.0 { shared.workers } else { 0 };
                     let words = if shared.reached {
                         format!(
                             "{prefill_words}; decode {:.1} sequences, {:.1} per worker in {:.2} ms steps at context {context:.0}, {:.2} ms a token with {:.0}% of the time prefill",
@@ -259,7 +315,7 @@ pub fn propose(profile: &Profile, targets: &Targets, load: &Load, corrections: C
                     } else {
                         format!("{prefill_words}; decode {:.1} sequences: ITL {:.2} ms even alone, over the share of the target sized for: a worker per sequence", shared.sequences, shared.step_ms)
                     };
-                    (replicas, words)
+                    (replicas, words + &queue_words(queued, draining(queued)))
                 }
             };
             Proposal { pool: limits.pool.clone(), replicas, reason }
@@ -288,7 +344,7 @@ pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation
     if seen.running == 0 || seen.context_tokens <= 0.0 {
         return None;
     }
-    let per_worker = profile.concurrency_within(seen.context_tokens, targets.itl_ms() * AIM / corrections.itl);
+    let per_worker = corrections.seated(profile.concurrency_within(seen.context_tokens, targets.itl_ms() * AIM / corrections.itl));
     let now = f64::from(seen.running) + seen.queue_depth;
     let interval = targets.interval().as_secs_f64();
     let decoding_secs = seen.itl_mean_ms.filter(|_| seen.load.osl_mean > 0.0).map(|itl_mean| seen.load.osl_mean * itl_mean / 1e3).filter(|secs| *secs > 0.0);
@@ -316,7 +372,7 @@ pub fn decode_in_flight(profile: &Profile, targets: &Targets, seen: &Observation
             let n = f64::from(workers);
             let utilization = prefill_work / n;
             let step_ms = profile.itl_ms(seen.context_tokens, (sequences / n).max(1.0)) * corrections.itl;
-            utilization < UTILIZATION.1 && token_ms(step_ms, utilization) <= targets.itl_ms() * AIM
+            utilization < UTILIZATION.1 && token_ms(step_ms, utilization) <= targets.itl_ms() * AIM && sequences / n <= corrections.seated(f64::INFINITY)
         };
         // At most a worker per sequence (where not even that meets the
         // target, the aggregated proposal says so).
@@ -354,14 +410,18 @@ struct Shared {
 /// the same steps: prefill utilization within `cap`, and a sequence's mean
 /// time between tokens (the decode step at their concurrency, stretched by
 /// the prompts' steps) within `itl_aim`, ms.
-fn aggregated(profile: &Profile, itl_aim: f64, load: &Load, corrections: Corrections, prefill_work: f64, cap: f64) -> Shared {
+#[allow(clippy::too_many_arguments)]
+fn aggregated(profile: &Profile, itl_aim: f64, load: &Load, corrections: Corrections, prefill_work: f64, cap: f64, queued: f64, draining: f64) -> Shared {
     let context = decode_context(load);
-    let first = round_up(prefill_work / cap).max(1.0) as u32;
+    // The forecast's prompts within the utilization allowed, and the
+    // queued ones computed within the target besides; each worker seats
+    // no more than it was seen to.
+    let first = round_up(prefill_work / cap + draining).max(1.0) as u32;
     let fastest = profile.itl_ms(context, 1.0) * corrections.itl;
     if fastest > itl_aim {
         // Not even a worker per sequence, without prefill, meets the
         // target: a worker per sequence.
-        let sequences = load.request_rate * load.osl_mean * fastest / 1e3;
+        let sequences = load.request_rate * load.osl_mean * fastest / 1e3 + queued;
         let workers = first.max(round_up(sequences).min(f64::from(MOST_WORKERS)) as u32);
         let utilization = prefill_work / f64::from(workers);
         return Shared { workers, sequences, utilization, step_ms: fastest, itl_ms: token_ms(fastest, utilization), reached: false };
@@ -375,11 +435,11 @@ fn aggregated(profile: &Profile, itl_aim: f64, load: &Load, corrections: Correct
         let mut itl_ms = token_ms(step_ms, utilization);
         let mut sequences = 0.0;
         for _ in 0..20 {
-            sequences = load.request_rate * load.osl_mean * itl_ms / 1e3;
+            sequences = load.request_rate * load.osl_mean * itl_ms / 1e3 + queued;
             step_ms = profile.itl_ms(context, (sequences / n).max(1.0)) * corrections.itl;
             itl_ms = token_ms(step_ms, utilization);
         }
-        if itl_ms <= itl_aim {
+        if itl_ms <= itl_aim && sequences / n <= corrections.seated(f64::INFINITY) {
             return Shared { workers, sequences, utilization, step_ms, itl_ms, reached: true };
         }
     }
@@ -470,6 +530,8 @@ mod tests {
             itl_mean_ms: None,
             token_gap_ms: None,
             started_isl_mean: 0.0,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
         let corrections = corrections(&profile(), &targets, &[seen("p", Some(300.0), None, 8), seen("d", None, Some(20.0), 5)]);
         assert!((corrections.ttft - 1.5).abs() < 1e-9, "{corrections:?}");
@@ -503,7 +565,7 @@ mod tests {
         // Within 95% of 25 ms from 7, but the TTFT's 47% utilization takes 9.
         assert_eq!(propose(&profile, &within(25.0), &load, Corrections::default())[0].replicas, 9);
         // A decode step alone over the target: a worker per sequence (40 × 100 × 0.025 = 100), said so.
-        let hopeless = propose(&profile, &within(12.5), &load, Corrections { ttft: 1.0, itl: 2.5, token_mean: 1.0 });
+        let hopeless = propose(&profile, &within(12.5), &load, Corrections { ttft: 1.0, itl: 2.5, token_mean: 1.0, seats: None });
         assert_eq!(hopeless[0].replicas, 100, "{}", hopeless[0].reason);
         assert!(hopeless[0].reason.contains("over the share of the target sized for"), "{}", hopeless[0].reason);
         // Observed: on 10 workers (40% prefill) the profile expects a token
@@ -524,6 +586,8 @@ mod tests {
             itl_mean_ms: None,
             token_gap_ms: None,
             started_isl_mean: 0.0,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
         assert!((corrections(&profile, &targets_aggregated(), &[seen(20.0, 10)]).itl - 1.2).abs() < 1e-9);
         assert!((corrections(&profile, &targets_aggregated(), &[seen(30.0, 8)]).itl - 1.5).abs() < 1e-9);
@@ -554,6 +618,8 @@ mod tests {
             itl_mean_ms: None,
             token_gap_ms: None,
             started_isl_mean: 0.0,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
         // 30 running and 9 queued, as many starting as finishing: 39
         // sequences, 14.5 per worker within 19 ms: 3 workers.
@@ -572,7 +638,9 @@ mod tests {
         // Twice as slow as the profile: 19 ms is the profile's 9.5 ms, under
         // its ITL alone: a worker per sequence.
         assert_eq!(
-            decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0, token_mean: 1.0 }).unwrap().replicas,
+            decode_in_flight(&profile(), &targets, &seen(30, 9.0, 1_200.0, 2.0, 2.0), Corrections { ttft: 1.0, itl: 2.0, token_mean: 1.0, seats: None })
+                .unwrap()
+                .replicas,
             39
         );
         // Nothing running: nothing to size on.
@@ -633,6 +701,8 @@ mod tests {
             itl_mean_ms: None,
             token_gap_ms,
             started_isl_mean,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
         let aggregated = targets_aggregated();
         let seen = start("a", Some(18.0), 1_000.0);
@@ -679,6 +749,8 @@ mod tests {
             itl_mean_ms,
             token_gap_ms: None,
             started_isl_mean: 0.0,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         };
         // 0.75, 0.9 and 0.8 (the prefill pool's 0.1 and the interval
         // without an ITL skipped): the median, 0.8.

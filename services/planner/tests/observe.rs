@@ -79,6 +79,10 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     // within the time from before the first to after the second.
     let window = 20.0 / pool.load.request_rate;
     assert!(window > 0.0 && window <= elapsed, "{pool:?}: a window of {window} s within {elapsed} s");
+    // Sent one after another: each arrived and got its first token in the
+    // interval, none was left waiting; the demand is what was served.
+    assert_eq!(pool.served_rate, pool.load.request_rate, "{pool:?}");
+    assert_eq!(pool.awaiting_first_token, 0.0, "{pool:?}");
     // All 20 finished too, but the gateway records a request's duration
     // after its response reached this client (under load, several land
     // in the next interval): some, never more than the 20 sent.
@@ -107,7 +111,7 @@ async fn an_interval_reads_rate_lengths_latencies_and_replicas_and_the_cycle_kee
     observer.observe(&targets).await.unwrap().expect("an interval");
     let idle = observer.observe(&targets).await.unwrap().expect("an interval");
     assert_eq!((idle[0].load.request_rate, idle[0].ttft_ms, idle[0].itl_ms, idle[0].itl_mean_ms), (0.0, None, None, None));
-    assert_eq!((idle[0].token_gap_ms, idle[0].started_isl_mean), (None, 0.0));
+    assert_eq!((idle[0].token_gap_ms, idle[0].started_isl_mean, idle[0].served_rate), (None, 0.0, 0.0));
 
     // Five requests: their rate, but too few for a percentile. Their
     // lengths are read with the intervals before (ten requests at least):

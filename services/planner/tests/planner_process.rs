@@ -73,6 +73,8 @@ fn decision(namespace: &str, id: u64, pool: &str, replicas: u32) -> Decision {
             itl_mean_ms: Some(31.5),
             token_gap_ms: Some(30.2),
             started_isl_mean: 1_020.0,
+            served_rate: 0.0,
+            awaiting_first_token: 0.0,
         }],
         predicted: Some(Prediction { predictor: Predictor::MovingAverage, load }),
         pools: vec![PoolDecision {
@@ -236,6 +238,8 @@ async fn decisions_page_and_reach_watchers(database: &str) {
         itl_mean_ms: None,
         token_gap_ms: None,
         started_isl_mean: 0.0,
+        served_rate: 0.0,
+        awaiting_first_token: 0.0,
     };
     for at in [1_000, 2_000, 3_000] {
         ledger.record_observations(at, &[seen("decode", Some(120.5)), seen("prefill", None)]).await.unwrap();
@@ -282,6 +286,8 @@ async fn observations_with_and_without_latencies_are_kept(database: &str) {
         itl_mean_ms: ttft_ms.map(|ms| ms / 12.0),
         token_gap_ms: None,
         started_isl_mean: 0.0,
+        served_rate: 0.0,
+        awaiting_first_token: 0.0,
     };
     let mut expected = Vec::new();
     for at in 1..=24 {
