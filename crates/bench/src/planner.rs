@@ -159,6 +159,22 @@ pub struct PlannerBenchArgs {
     /// the bench.
     #[arg(long, value_delimiter = ',')]
     pub kill_planner_at: Vec<f64>,
+    /// A closed loop instead of the trace's arrival times: this many
+    /// clients, each sending its next request (the trace's lengths, in
+    /// turn) as soon as its last one finished, for --duration-secs: the
+    /// demand is the clients', whatever the fleet serves. Run with
+    /// --planner-start at the pool's minimum to see the planner grow a
+    /// saturated fleet.
+    #[arg(long, requires = "duration_secs")]
+    pub closed_loop: Option<u32>,
+    /// How long the closed loop runs, seconds of the run's time (then the
+    /// clients stop: the planner's fleet shrinks during the idle tail).
+    #[arg(long, requires = "closed_loop")]
+    pub duration_secs: Option<f64>,
+    /// Seconds the fleets stay measured after a closed loop ends (its
+    /// scale-down is part of the planner's worker-seconds).
+    #[arg(long, default_value_t = 0.0)]
+    pub idle_secs: f64,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -194,6 +210,14 @@ pub struct FleetReport {
     pub itl: Summary,
     /// The replay's length, seconds.
     pub wall_secs: f64,
+    /// When the first interval with requests missed a target (its start,
+    /// seconds).
+    pub first_missed_secs: Option<f64>,
+    /// When the fleet first reached its peak, seconds.
+    pub peak_at_secs: Option<f64>,
+    /// After the last request was sent: the fewest workers the fleet came
+    /// down to, and how many seconds after that last request it got there.
+    pub after_load: Option<(u32, f64)>,
     /// Per interval: start (s), requests, TTFT and ITL at the percentile
     /// (ms), workers at its end (in all and per pool).
     pub timeline: Vec<IntervalReport>,
@@ -256,6 +280,8 @@ pub struct PlannerBenchReport {
     pub database_outage_secs: f64,
     /// The planner's actions by how they ended (done, failed, pending).
     pub planner_actions: ActionCounts,
+    /// The closed loop's clients (none: the trace's arrival times).
+    pub closed_loop_clients: Option<u32>,
 }
 
 /// The planner's actions by how they ended.
@@ -270,6 +296,7 @@ pub struct ActionCounts {
 }
 
 /// One request of the compressed trace.
+#[derive(Debug, Clone)]
 struct Request {
     at: Duration,
     prompt: Vec<u32>,
@@ -283,9 +310,26 @@ type Measured = (Duration, Option<(f64, Option<f64>)>);
 /// order of the bench's pools).
 type Samples = Vec<(Duration, Vec<u32>)>;
 
+/// How requests are sent: at the trace's times, or by a closed loop of
+/// clients.
+#[derive(Debug, Clone, Copy)]
+enum Sending {
+    Trace,
+    ClosedLoop { clients: u32, duration: Duration, idle: Duration },
+}
+
 /// Runs the bench.
 pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> {
     anyhow::ensure!(args.speedup > 0.0, "--speedup: must be positive");
+    let sending = match (args.closed_loop, args.duration_secs) {
+        (Some(clients), Some(secs)) => {
+            anyhow::ensure!(clients > 0, "--closed-loop: at least one client");
+            let duration = Duration::try_from_secs_f64(secs).map_err(|error| anyhow::anyhow!("--duration-secs: {error}"))?;
+            let idle = Duration::try_from_secs_f64(args.idle_secs).map_err(|error| anyhow::anyhow!("--idle-secs: {error}"))?;
+            Sending::ClosedLoop { clients, duration, idle }
+        }
+        _ => Sending::Trace,
+    };
     let outage = Duration::try_from_secs_f64(args.database_outage_secs)
         .map_err(|error| anyhow::anyhow!("--database-outage-secs: {error} (a number of seconds, 0 or more)"))?;
     let profile = Profile::read(&args.profile)?;
@@ -346,13 +390,16 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         anyhow::bail!("--planner-start: {outside} is outside --min-workers {} and --max-workers {}", args.min_workers, args.max_workers);
     }
     let words = |sizes: &[u32]| pools.iter().zip(sizes).map(|(limits, size)| format!("{} {size}", limits.pool)).collect::<Vec<_>>().join(", ");
-    eprintln!(
-        "{} requests over {:.0} s of run time; static fleet: {}; the planner's starts at {}",
-        requests.len(),
-        requests.last().map_or(0.0, |r| r.at.as_secs_f64()),
-        words(&static_workers),
-        words(&planner_start)
-    );
+    let load = match sending {
+        Sending::Trace => format!("{} requests over {:.0} s of run time", requests.len(), requests.last().map_or(0.0, |r| r.at.as_secs_f64())),
+        Sending::ClosedLoop { clients, duration, idle } => format!(
+            "{clients} clients back to back for {:.0} s of run time (the trace's {} requests in turn), then {:.0} s idle",
+            duration.as_secs_f64(),
+            requests.len(),
+            idle.as_secs_f64()
+        ),
+    };
+    eprintln!("{load}; static fleet: {}; the planner's starts at {}", words(&static_workers), words(&planner_start));
 
     // The stack: a router following the Redis registry and event log, a
     // gateway in front of it.
@@ -407,7 +454,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     if prompts_cut > 0 {
         println!("{prompts_cut} prompts cut to fit the model's context of {context} tokens with their output");
     }
-    let measured = replay(&http, &completions, &model, &requests, &connector, &pool_names).await;
+    let measured = send(sending, &http, &completions, &model, &requests, &connector, &pool_names).await;
     let static_report = fleet_report("static", &targets, measured);
     resize(&connector, &none).await?;
     until_drained(&connector, &registry).await?;
@@ -447,7 +494,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
             Sizing { profile, season_intervals: SEASON_INTERVALS },
             cycle_stop.clone(),
         ));
-        let measured = replay(&http, &completions, &model, &requests, &connector, &pool_names).await;
+        let measured = send(sending, &http, &completions, &model, &requests, &connector, &pool_names).await;
         cycle_stop.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(60), cycle).await;
         measured
@@ -472,7 +519,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
             }
             anyhow::Ok((planner, restarts))
         });
-        let measured = replay(&http, &completions, &model, &requests, &connector, &pool_names).await;
+        let measured = send(sending, &http, &completions, &model, &requests, &connector, &pool_names).await;
         let (mut planner, killed_at) = killer.await??;
         restarts = killed_at;
         planner.kill().await;
@@ -512,6 +559,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         database_restarts_at_secs,
         database_outage_secs: args.database_outage_secs,
         planner_actions,
+        closed_loop_clients: args.closed_loop,
     })
 }
 
@@ -763,7 +811,10 @@ async fn until_drained(connector: &LocalConnector, registry: &Registry) -> anyho
 
 /// Sends `requests` at their arrival times; each request's measurement,
 /// and the fleet's size sampled over the replay.
-async fn replay(
+/// Sends the requests as `sending` says, sampling the fleet's size
+/// meanwhile.
+async fn send(
+    sending: Sending,
     http: &reqwest::Client,
     url: &str,
     model: &str,
@@ -786,40 +837,92 @@ async fn replay(
             }
         }
     });
-    let mut tasks = Vec::with_capacity(requests.len());
-    for request in requests {
-        tokio::time::sleep_until((started + request.at).into()).await;
-        let body = serde_json::json!({
-            "model": model,
-            "prompt": request.prompt,
-            "max_tokens": request.max_tokens,
-            "ignore_eos": true,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        let (http, url, at) = (http.clone(), url.to_owned(), request.at);
-        tasks.push(tokio::spawn(async move {
-            let outcome = stream_completion(&http, &url, &body).await;
-            if let Err(error) = &outcome {
-                eprintln!("  request at {:.2} s failed: {error:#}", at.as_secs_f64());
-            }
-            let measured = outcome.ok().map(|outcome| {
-                let ttft = outcome.ttft.as_secs_f64() * 1e3;
-                let itl = (outcome.text_events > 1).then(|| (outcome.end_to_end - outcome.ttft).as_secs_f64() * 1e3 / (outcome.text_events - 1) as f64);
-                (ttft, itl)
-            });
-            (at, measured)
-        }));
-    }
-    let mut measured = Vec::with_capacity(tasks.len());
-    for task in tasks {
-        measured.push(task.await.unwrap_or((Duration::ZERO, None)));
-    }
+    let measured = match sending {
+        Sending::Trace => replay(started, http, url, model, requests).await,
+        Sending::ClosedLoop { clients, duration, idle } => {
+            let measured = closed_loop(started, clients, duration, http, url, model, requests).await;
+            tokio::time::sleep_until((started + duration + idle).into()).await;
+            measured
+        }
+    };
     let wall = started.elapsed();
     sampling.cancel();
     let _ = sampler.await;
     let samples = std::mem::take(&mut *samples.lock().expect("samples"));
     (measured, samples, wall)
+}
+
+/// One streamed request sent `at` into the run: its TTFT and ITL (ms), or
+/// `None` when it failed (said on stderr).
+async fn measure(http: &reqwest::Client, url: &str, model: &str, request: &Request, at: Duration) -> Measured {
+    let body = serde_json::json!({
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let outcome = stream_completion(http, url, &body).await;
+    if let Err(error) = &outcome {
+        eprintln!("  request at {:.2} s failed: {error:#}", at.as_secs_f64());
+    }
+    let measured = outcome.ok().map(|outcome| {
+        let ttft = outcome.ttft.as_secs_f64() * 1e3;
+        let itl = (outcome.text_events > 1).then(|| (outcome.end_to_end - outcome.ttft).as_secs_f64() * 1e3 / (outcome.text_events - 1) as f64);
+        (ttft, itl)
+    });
+    (at, measured)
+}
+
+/// Each request at its time in the trace.
+async fn replay(started: Instant, http: &reqwest::Client, url: &str, model: &str, requests: &[Request]) -> Vec<Measured> {
+    let mut tasks = Vec::with_capacity(requests.len());
+    for request in requests {
+        tokio::time::sleep_until((started + request.at).into()).await;
+        let (http, url, model, request) = (http.clone(), url.to_owned(), model.to_owned(), request.clone());
+        tasks.push(tokio::spawn(async move { measure(&http, &url, &model, &request, request.at).await }));
+    }
+    let mut measured = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        measured.push(task.await.unwrap_or((Duration::ZERO, None)));
+    }
+    measured
+}
+
+/// `clients` clients sending back to back until `duration` has passed,
+/// taking the trace's requests in turn (from the start again at its end);
+/// a request counts at the moment it was sent.
+async fn closed_loop(
+    started: Instant,
+    clients: u32,
+    duration: Duration,
+    http: &reqwest::Client,
+    url: &str,
+    model: &str,
+    requests: &[Request],
+) -> Vec<Measured> {
+    let requests: Arc<Vec<Request>> = Arc::new(requests.to_vec());
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (http, url, model, requests, next) = (http.clone(), url.to_owned(), model.to_owned(), requests.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut measured = Vec::new();
+                while started.elapsed() < duration {
+                    let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % requests.len();
+                    measured.push(measure(&http, &url, &model, &requests[index], started.elapsed()).await);
+                }
+                measured
+            })
+        })
+        .collect();
+    let mut measured = Vec::new();
+    for task in tasks {
+        measured.extend(task.await.unwrap_or_default());
+    }
+    measured.sort_by_key(|(at, _)| *at);
+    measured
 }
 
 /// The value at `percentile` (0-100) of `values`, nearest rank.
@@ -853,6 +956,14 @@ fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<
     let intervals_met = busy.iter().filter(|interval| interval.met).count();
     let worker_seconds = samples.windows(2).map(|pair| f64::from(total(&pair[0].1)) * (pair[1].0 - pair[0].0).as_secs_f64()).sum::<f64>();
     let ok: Vec<(f64, Option<f64>)> = measured.iter().filter_map(|(_, result)| *result).collect();
+    let peak_workers = samples.iter().map(|(_, workers)| total(workers)).max().unwrap_or(0);
+    let last_sent = measured.iter().map(|(at, _)| *at).max().unwrap_or_default();
+    let after: Vec<&(Duration, Vec<u32>)> = samples.iter().filter(|(at, _)| *at >= last_sent).collect();
+    let after_load = after
+        .iter()
+        .map(|(_, workers)| total(workers))
+        .min()
+        .and_then(|fewest| after.iter().find(|(_, workers)| total(workers) == fewest).map(|(at, _)| (fewest, (*at - last_sent).as_secs_f64())));
     FleetReport {
         fleet: fleet.to_owned(),
         requests: measured.len(),
@@ -861,7 +972,10 @@ fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<
         intervals_met,
         sla_attainment: if busy.is_empty() { 0.0 } else { intervals_met as f64 / busy.len() as f64 },
         worker_seconds,
-        peak_workers: samples.iter().map(|(_, workers)| total(workers)).max().unwrap_or(0),
+        peak_workers,
+        first_missed_secs: busy.iter().find(|interval| !interval.met).map(|interval| interval.start_secs),
+        peak_at_secs: samples.iter().find(|(_, workers)| total(workers) == peak_workers).map(|(at, _)| at.as_secs_f64()),
+        after_load,
         ttft: summarize(ok.iter().map(|(ttft, _)| *ttft).collect()),
         itl: summarize(ok.iter().filter_map(|(_, itl)| *itl).collect()),
         wall_secs: wall.as_secs_f64(),
@@ -894,6 +1008,17 @@ pub fn print(report: &PlannerBenchReport) {
             fleet.peak_workers,
             fleet.ttft.p90_ms,
             fleet.itl.p90_ms
+        );
+    }
+    for fleet in &report.fleets {
+        let secs = |at: Option<f64>| at.map_or_else(|| "-".to_owned(), |at| format!("{at:.1} s"));
+        let after = fleet.after_load.map_or_else(|| "-".to_owned(), |(workers, secs)| format!("{workers} workers {secs:.1} s after the last request"));
+        println!(
+            "{:<8} first interval missed at {}, peak of {} workers reached at {}; after the load: {after}",
+            fleet.fleet,
+            secs(fleet.first_missed_secs),
+            fleet.peak_workers,
+            secs(fleet.peak_at_secs)
         );
     }
     println!("planner worker-seconds / static: {:.3}", report.worker_seconds_ratio);

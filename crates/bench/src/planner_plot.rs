@@ -254,6 +254,9 @@ mod tests {
             ttft: Summary::default(),
             itl: Summary::default(),
             wall_secs: 20.0,
+            first_missed_secs: None,
+            peak_at_secs: None,
+            after_load: None,
             timeline,
         }
     }
@@ -314,6 +317,7 @@ mod tests {
             database_restarts_at_secs: vec![10.0],
             database_outage_secs: 4.0,
             planner_actions: Default::default(),
+            closed_loop_clients: None,
         }
     }
 
