@@ -19,7 +19,7 @@ use crate::ledger::{Control, LedgerError};
 use crate::observe::Observer;
 use crate::predict::{Forecaster, Load};
 use crate::profile::Profile;
-use crate::propose::{Corrections, Proposal, corrections_over, decode_in_flight, propose, propose_queued};
+use crate::propose::{Corrections, Proposal, backlogged, corrections_over, decode_in_flight, propose, propose_queued};
 use crate::service::PlannerState;
 use crate::targets::{PoolKind, Predictor, Targets};
 
@@ -408,8 +408,9 @@ fn proposals(
     proposals
 }
 
-/// Requests queued at a pool's workers are demand served late. Where the
-/// pool also missed a latency target, the profile's sizing is wrong for
+/// Requests queued at a pool's workers (at least one a worker: a request
+/// or two waiting for a step's token budget is not a backlog) are demand
+/// served late. Where the pool also missed a latency target, the profile's sizing is wrong for
 /// these workers, whatever it says: the pool grows by at least one worker,
 /// and to as many as seat every sequence running and queued at what each
 /// worker runs now (a worker with a queue seats no more: the backlog over
@@ -417,7 +418,7 @@ fn proposals(
 /// the pool does not shrink: it shrinks only when the forecast and an
 /// empty queue both allow.
 fn queued_requests(targets: &Targets, seen: &Observation, decided: u32, proposal: &mut Proposal) {
-    if seen.queue_depth < 1.0 {
+    if !backlogged(seen) {
         return;
     }
     // The latency a pool's queue delays: a prompt's first token (prefill),
@@ -746,8 +747,10 @@ mod tests {
             grown.reason.contains("; TTFT 2845 ms over 300 ms with 20 queued (4 running on 1 workers): grown to seat them all, at least one more: 6"),
             "{grown:?}"
         );
-        // Two workers already, one queued, a miss: at least one more.
-        assert_eq!(proposed(seen(1.0, 400.0, 2, 8), 2).replicas, 3);
+        // Two workers already, two queued, a miss: at least one more.
+        assert_eq!(proposed(seen(2.0, 400.0, 2, 8), 2).replicas, 3);
+        // A request waiting a step on each of few workers is no backlog.
+        assert!(!proposed(seen(1.0, 400.0, 2, 8), 2).reason.contains("grown to seat"));
 
         // The same queue within the targets: the queue is still work (its
         // prompts within the TTFT target, seats for its sequences).
@@ -756,15 +759,17 @@ mod tests {
         assert!(!within.reason.contains("over 300 ms"), "{within:?}");
 
         // A queue holds a pool that the forecast would shrink.
-        let held = proposed(seen(3.0, 250.0, 6, 24), 6);
+        let held = proposed(seen(8.0, 250.0, 6, 24), 6);
         assert_eq!(held.replicas, 6, "{held:?}");
-        assert!(held.reason.ends_with("; 3 queued: held at 6 until the queue is empty"), "{held:?}");
-        // Without a queue it shrinks.
+        assert!(held.reason.ends_with("; 8 queued: held at 6 until the queue is empty"), "{held:?}");
+        // Without a queue, or with a request waiting a step, it shrinks.
         assert!(proposed(seen(0.0, 250.0, 6, 24), 6).replicas < 6);
+        assert!(proposed(seen(3.0, 250.0, 6, 24), 6).replicas < 6);
 
-        // The seats seen while requests queued are learned (4 a worker),
-        // and size the forecast once the queue has drained.
-        let learned = corrections_over(&profile, &targets, &[vec![saturated], vec![seen(0.0, 250.0, 6, 30)]]);
+        // The seats seen while requests queued and the target was missed
+        // are learned (4 a worker), and size the forecast once the queue
+        // has drained; a queue within the targets teaches nothing.
+        let learned = corrections_over(&profile, &targets, &[vec![saturated], vec![seen(0.0, 250.0, 6, 30)], vec![seen(12.0, 250.0, 6, 12)]]);
         assert_eq!(learned.seats, Some(4.0));
         let seated = propose(&profile, &targets, &load, Corrections { seats: learned.seats, ..Corrections::default() })[0].replicas;
         assert!(seated > forecast, "{seated} workers at 4 seats each, {forecast} without");

@@ -38,8 +38,8 @@
 //! (`propose_queued`): their prompts computed within the TTFT target by
 //! fully busy workers, seats for their sequences. A worker never counts
 //! more seats than a worker of its pool was seen to run while at least as
-//! many again queued at it (`Corrections::seats`, the most over the
-//! intervals kept):
+//! many again queued at it and a latency target was missed
+//! (`Corrections::seats`, the most over the intervals kept):
 //! the profile may not know the workers' `--max-num-seqs` or KV cache,
 //! and a queue shows the limit.
 //!
@@ -118,16 +118,29 @@ impl Corrections {
 }
 
 /// A worker's seats as one interval shows them: the sequences its pool's
-/// workers ran, each, while at least as many more queued (a worker with
-/// that queue seats no more; a request or two waiting a step for the
-/// step's token budget says nothing of its seats).
+/// workers ran, each, while at least as many more queued and a latency
+/// target was missed (a worker with that queue, too slow, seats no more; a
+/// few requests waiting a step for the step's token budget, the targets
+/// met, say nothing of its seats).
 fn seats_seen(targets: &Targets, seen: &Observation) -> Option<f64> {
     let decodes = targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind != PoolKind::Prefill);
-    if !decodes || seen.replicas == 0 || seen.running == 0 {
+    if !decodes || seen.replicas == 0 || seen.running == 0 || !missed(targets, seen) {
         return None;
     }
     let each = f64::from(seen.running) / f64::from(seen.replicas);
     (seen.queue_depth >= each.max(1.0)).then_some(each)
+}
+
+/// Whether the interval's TTFT or ITL percentile missed its target.
+pub fn missed(targets: &Targets, seen: &Observation) -> bool {
+    seen.ttft_ms.is_some_and(|ttft| ttft > targets.ttft_ms()) || seen.itl_ms.is_some_and(|itl| itl > targets.itl_ms())
+}
+
+/// Whether requests queue at a pool's workers beyond a step's wait: at
+/// least one waiting per worker (a request or two waiting for the next
+/// step's token budget is not a backlog).
+pub fn backlogged(seen: &Observation) -> bool {
+    seen.queue_depth >= f64::from(seen.replicas.max(1))
 }
 
 /// What the profile proposes for one pool.
