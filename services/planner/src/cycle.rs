@@ -414,9 +414,9 @@ fn proposals(
 /// these workers, whatever it says: the pool grows by at least one worker,
 /// and to as many as seat every sequence running and queued at what each
 /// worker runs now (a worker with a queue seats no more: the backlog over
-/// the sequences running, in proportion). While any request is queued
-/// the pool does not shrink: it shrinks only when the forecast and an
-/// empty queue both allow.
+/// the sequences running, in proportion). While so backlogged the pool
+/// does not shrink: it shrinks only when the forecast allows and no more
+/// than a step's wait is queued.
 fn queued_requests(targets: &Targets, seen: &Observation, decided: u32, proposal: &mut Proposal) {
     if !backlogged(seen) {
         return;
