@@ -167,7 +167,7 @@ impl EngineHandle {
         let fetch = offload.as_ref().map(|_| Arc::new(parking_lot::Mutex::new(FetchModel::new(tiers.fetch, config.block_size, config.max_batched_tokens))));
         let reader = match (&tiers.host, &fetch) {
             (Some(host), Some(fetch)) if host.disk().is_some() || tiers.modelled.is_some() || tiers.remote.is_some() => {
-                let (jobs, done) = spawn_reader(host.disk().cloned(), tiers.remote.clone(), tiers.modelled, fetch.clone());
+                let (jobs, done) = spawn_reader(host.clone(), tiers.remote.clone(), tiers.modelled, fetch.clone());
                 Some(Reader { jobs, done, waiting: HashMap::new(), fetch: fetch.clone() })
             }
             _ => None,
@@ -337,7 +337,8 @@ struct OnboardPlan {
     hashes: Vec<BlockHashes>,
     /// Leading blocks in G1 when planned.
     in_device: usize,
-    /// The blocks that follow them, in order (host first, then disk).
+    /// The blocks that follow them, in order (host first, then disk, then
+    /// any host blocks after the disk's).
     blocks: Vec<Arc<HostBlock>>,
     /// How many of `blocks` came from the host tier.
     from_host: usize,
@@ -504,7 +505,11 @@ impl EngineLoop {
             let in_device = self.scheduler.cached_prefix(&sequence);
             let blocks = host.lookup_run(&hashes[in_device..]);
             let disk_from = in_device + blocks.len();
-            let on_disk = host.disk().map_or(0, |disk| hashes[disk_from..].iter().take_while(|next| disk.contains(next.sequence)).count());
+            // On disk, or in host memory again after the disk's part (a
+            // chain's head leaves host memory first): the reader reads both.
+            let on_disk = host
+                .disk()
+                .map_or(0, |disk| hashes[disk_from..].iter().take_while(|next| disk.contains(next.sequence) || host.contains(next.sequence)).count());
             // The shared tier costs a round trip: asked only for a long
             // enough remainder.
             let past_disk = hashes.len() - disk_from - on_disk;
@@ -630,14 +635,15 @@ impl EngineLoop {
         let mut finished = Vec::new();
         while let Ok(done) = reader.done.try_recv() {
             if let Some(plan) = reader.waiting.remove(&done.id) {
-                finished.push((done.id, plan, done.blocks, done.from_remote));
+                finished.push((done.id, plan, done.blocks, done.from_host, done.from_remote));
             }
         }
         if reader.waiting.is_empty() {
             reader.fetch.lock().reader_idle();
         }
-        for (seq_id, mut plan, blocks, from_remote) in finished {
+        for (seq_id, mut plan, blocks, from_host, from_remote) in finished {
             plan.blocks.extend(blocks);
+            plan.from_host += from_host;
             plan.from_remote = from_remote;
             self.install_onboarded(seq_id, plan);
             // False when it was cancelled meanwhile: the blocks stay cached.

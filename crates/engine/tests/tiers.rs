@@ -327,6 +327,40 @@ async fn the_disk_tier_outlives_its_engine() {
     engine.shutdown();
 }
 
+/// A chain leaves host memory head first: its head is on disk while its
+/// tail is still in memory, and the whole prefix comes back (the onboard
+/// once read the disk's part only and computed the rest).
+#[tokio::test]
+async fn a_prefix_whose_head_is_on_disk_and_tail_in_host_memory_comes_back_whole() {
+    let expected = computed_output().await;
+    let hashes = BlockHasher::default().hash_blocks(&prompt(0), BLOCK_SIZE);
+    let blocks = {
+        let host = HostTier::new(1 << 20);
+        let engine = engine(Some(host.clone()));
+        generate(&engine, &prompt(0)).await;
+        wait_for_copies(&engine, &host, 10).await;
+        engine.shutdown();
+        host.lookup_run(&hashes[..10])
+    };
+    assert_eq!(blocks.len(), 10);
+    let dir = tempfile::tempdir().unwrap();
+    let disk = DiskTier::open(dir.path(), 1 << 20, 7).unwrap();
+    for (hashes, block) in hashes[..4].iter().zip(&blocks) {
+        disk.write(hashes.sequence, block);
+    }
+    let host = HostTier::with_disk(1 << 20, disk.clone());
+    host.insert_shared_run(hashes[4..10].iter().zip(&blocks[4..]).map(|(hashes, block)| (hashes.sequence, block.clone())).collect());
+    assert!(!host.contains(hashes[0].sequence) && disk.contains(hashes[0].sequence) && !disk.contains(hashes[4].sequence));
+
+    let engine = engine(Some(host.clone()));
+    let (output, cached) = generate(&engine, &prompt(0)).await;
+    assert_eq!(output, expected);
+    assert_eq!(cached, 40, "4 blocks from disk, then 6 from host memory");
+    assert_eq!(disk.stats().onboarded_blocks.load(Ordering::Relaxed), 4);
+    assert_eq!(host.stats().onboarded_blocks.load(Ordering::Relaxed), 6);
+    engine.shutdown();
+}
+
 /// The mocker holds no KV bytes: its tiers keep stamps that count as the
 /// modelled block size, and its onboards take modelled time.
 #[tokio::test]

@@ -359,11 +359,14 @@ pub(crate) struct ReadJob {
     pub host_blocks: usize,
 }
 
-/// What a [`ReadJob`] found: the leading blocks that were on disk (then
-/// in the shared tier) and intact.
+/// What a [`ReadJob`] found: the leading blocks that were on disk or in
+/// host memory (then in the shared tier) and intact.
 pub(crate) struct ReadDone {
     pub id: crate::scheduler::SeqId,
     pub blocks: Vec<Arc<HostBlock>>,
+    /// How many of `blocks` came from host memory (a chain's tail, still
+    /// there after its head went to disk).
+    pub from_host: usize,
     /// How many of `blocks` (the last ones) came from the shared tier.
     pub from_remote: usize,
 }
@@ -376,10 +379,31 @@ fn count_read(stats: &TierStats, blocks: &[Arc<HostBlock>], started: Instant) {
     stats.read_micros.fetch_add(started.elapsed().as_micros() as u64, Relaxed);
 }
 
-/// Starts the thread that reads disk blocks for waiting requests and, with
-/// modelled transfers, takes each onboard's modelled time.
+/// The leading blocks of `hashes` on `disk` or in `host` memory, each
+/// read from where it is, and how many came from `host`. A chain leaves
+/// host memory head first (its oldest blocks are the least recently used),
+/// so its head is often on disk while its tail is still in memory: a read
+/// of the disk alone would end where the disk's part does.
+fn read_disk_or_host(disk: &DiskTier, host: &HostTier, hashes: &[BlockHashes]) -> (Vec<Arc<HostBlock>>, usize) {
+    let mut blocks = Vec::new();
+    let mut from_host = 0;
+    loop {
+        let on_disk = disk.read_run(&hashes[blocks.len()..]);
+        let in_memory = host.lookup_run(&hashes[blocks.len() + on_disk.len()..]);
+        if on_disk.is_empty() && in_memory.is_empty() {
+            return (blocks, from_host);
+        }
+        from_host += in_memory.len();
+        blocks.extend(on_disk);
+        blocks.extend(in_memory);
+    }
+}
+
+/// Starts the thread that reads disk blocks (and host blocks after them)
+/// for waiting requests and, with modelled transfers, takes each onboard's
+/// modelled time.
 pub(crate) fn spawn_reader(
-    disk: Option<DiskTier>,
+    host: HostTier,
     remote: Option<RemoteTier>,
     modelled: Option<ModelledTransfer>,
     fetch: Arc<Mutex<fetch::FetchModel>>,
@@ -391,18 +415,18 @@ pub(crate) fn spawn_reader(
         .spawn(move || {
             while let Ok(job) = job_receiver.recv() {
                 let started = Instant::now();
-                let mut blocks = match &disk {
+                let (mut blocks, from_host) = match host.disk() {
                     Some(disk) if job.disk && !job.hashes.is_empty() => {
-                        let read = disk.read_run(&job.hashes);
+                        let (read, from_host) = read_disk_or_host(disk, &host, &job.hashes);
                         count_read(disk.stats(), &read, started);
-                        read
+                        (read, from_host)
                     }
-                    _ => Vec::new(),
+                    _ => (Vec::new(), 0),
                 };
-                let from_disk = blocks.len();
+                let from_disk = blocks.len() - from_host;
                 let disk_read = started.elapsed();
                 if let Some(modelled) = modelled {
-                    std::thread::sleep(modelled.onboard_time(job.host_blocks, from_disk).saturating_sub(started.elapsed()));
+                    std::thread::sleep(modelled.onboard_time(job.host_blocks + from_host, from_disk).saturating_sub(started.elapsed()));
                 }
                 if job.disk {
                     // The disk's share of the time (modelled, if transfers are).
@@ -413,7 +437,7 @@ pub(crate) fn spawn_reader(
                     // The store is the worker's code: one that panics is a
                     // miss, and the reader lives on for the next request.
                     let asked = Instant::now();
-                    let wanted = &job.hashes[from_disk..];
+                    let wanted = &job.hashes[from_disk + from_host..];
                     let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| remote.get_run(wanted)));
                     let returned = match &fetched {
                         Ok(Ok(fetched)) => fetched.len(),
@@ -438,8 +462,8 @@ pub(crate) fn spawn_reader(
                         }
                     }
                 }
-                let from_remote = blocks.len() - from_disk;
-                if done_sender.send(ReadDone { id: job.id, blocks, from_remote }).is_err() {
+                let from_remote = blocks.len() - from_disk - from_host;
+                if done_sender.send(ReadDone { id: job.id, blocks, from_host, from_remote }).is_err() {
                     break;
                 }
             }
