@@ -44,10 +44,15 @@
 //! and a queue shows the limit.
 //!
 //! The corrections are the observed latency (at the targets' percentile)
-//! over what the same model expects at the observed load and replicas
-//! (each within ×0.25 to ×4), the median of the last five intervals that
-//! observed it (×1 without an observation): a deployment slower than its
-//! profile gets more workers. Before any request finishes, the ITL's is
+//! over what the same model expects at the observed load and replicas,
+//! the median of the last five intervals that observed it (×1 without an
+//! observation): a deployment slower than its profile gets more workers,
+//! as many more as it is slower (no cap above; at least ×0.25, so that a
+//! fast interval never shrinks a pool below a quarter of the profile's
+//! sizing). Only intervals the model describes are read: prefill below
+//! 90% utilization, no more sequences per worker than profiled, and no
+//! backlog (requests waiting for a seat wait on what the profile does not
+//! know; the queue rules above answer them). Before any request finishes, the ITL's is
 //! the mean time between streamed tokens over what the profile expects of
 //! the sequences running (`start_itl_correction`).
 
@@ -59,8 +64,11 @@ use crate::targets::{PoolKind, Targets};
 /// Bounds of the prefill utilization the planner sizes for.
 const UTILIZATION: (f64, f64) = (0.05, 0.9);
 
-/// Bounds of a correction.
-const CORRECTION: (f64, f64) = (0.25, 4.0);
+/// The least a correction is (a deployment is credited with at most four
+/// times its profile's speed; one slower than its profile gets the
+/// correction observed, however large: sizing short of a deployment's real
+/// speed misses every interval).
+const FASTEST: f64 = 0.25;
 
 /// Intervals whose corrections are read (their median).
 const CORRECTION_WINDOW: usize = 5;
@@ -183,7 +191,7 @@ pub fn corrections_over(profile: &Profile, targets: &Targets, intervals: &[Vec<O
         ttft.extend(seen_ttft);
         itl.extend(seen_itl);
         let decodes = |seen: &&Observation| targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind != PoolKind::Prefill);
-        token_mean.extend(observed.iter().filter(decodes).find_map(|seen| Some((seen.itl_mean_ms? / seen.itl_ms?).clamp(CORRECTION.0, 1.0))));
+        token_mean.extend(observed.iter().filter(decodes).find_map(|seen| Some((seen.itl_mean_ms? / seen.itl_ms?).clamp(FASTEST, 1.0))));
     }
     // Seats are a property of the workers, not of one interval's noise:
     // the most seen over every interval kept.
@@ -205,12 +213,15 @@ fn median(values: &mut [f64]) -> Option<f64> {
 /// requests finished: the lengths the expectation needs).
 fn interval_corrections(profile: &Profile, targets: &Targets, observed: &[Observation]) -> (Option<f64>, Option<f64>) {
     let kind = |pool: &Observation| targets.pools().iter().find(|limits| limits.pool == pool.pool).map(|limits| limits.kind);
-    let measured = |seen: &Observation| seen.replicas > 0 && seen.load.request_rate > 0.0 && seen.load.isl_mean > 0.0 && seen.load.osl_mean > 0.0;
+    // Requests waiting for a seat at the workers (a backlog) wait on
+    // what the profile does not model: the queue rules size those.
+    let measured =
+        |seen: &Observation| seen.replicas > 0 && seen.load.request_rate > 0.0 && seen.load.isl_mean > 0.0 && seen.load.osl_mean > 0.0 && !backlogged(seen);
     // Prefill at the profile's speed, per replica.
     let prefill = |seen: &Observation| seen.load.request_rate * profile.ttft_ms(seen.load.isl_mean) / 1e3 / f64::from(seen.replicas);
     // An interval the profile cannot model says nothing of its accuracy:
-    // prefill saturated (the queue, not the work, sets the latencies) or
-    // more sequences per worker than the profile measured.
+    // prefill saturated (the queue, not the work, sets the latencies),
+    // more sequences per worker than the profile measured, or a backlog.
     let ttft = observed
         .iter()
         .filter(|seen| kind(seen) != Some(PoolKind::Decode))
@@ -219,7 +230,7 @@ fn interval_corrections(profile: &Profile, targets: &Targets, observed: &[Observ
         .and_then(|(seen, ttft)| {
             let utilization = prefill(seen);
             let expected = profile.ttft_ms(seen.load.isl_mean) / (1.0 - utilization);
-            (utilization < UTILIZATION.1).then(|| (ttft / expected).clamp(CORRECTION.0, CORRECTION.1))
+            (utilization < UTILIZATION.1).then(|| (ttft / expected).max(FASTEST))
         });
     let itl = observed
         .iter()
@@ -232,7 +243,7 @@ fn interval_corrections(profile: &Profile, targets: &Targets, observed: &[Observ
             // the prefill utilization; on a decode pool nothing does.
             let utilization = if kind(seen) == Some(PoolKind::Aggregated) { prefill(seen) } else { 0.0 };
             let expected = token_ms(profile.itl_ms(decode_context(&seen.load), concurrency), utilization);
-            (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (itl / expected).clamp(CORRECTION.0, CORRECTION.1))
+            (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (itl / expected).max(FASTEST))
         });
     (ttft, itl.or_else(|| start_itl_correction(profile, targets, observed)))
 }
@@ -251,14 +262,14 @@ fn start_itl_correction(profile: &Profile, targets: &Targets, observed: &[Observ
     let decodes = |seen: &&Observation| targets.pools().iter().any(|limits| limits.pool == seen.pool && limits.kind != PoolKind::Prefill);
     let seen = observed.iter().filter(decodes).find(|seen| seen.itl_ms.is_none() && seen.token_gap_ms.is_some())?;
     let gap = seen.token_gap_ms?;
-    if seen.replicas == 0 || seen.running == 0 || seen.context_tokens <= 0.0 {
+    if seen.replicas == 0 || seen.running == 0 || seen.context_tokens <= 0.0 || backlogged(seen) {
         return None;
     }
     let concurrency = (f64::from(seen.running) / f64::from(seen.replicas)).max(1.0);
     let isl = started_isl(seen);
     let utilization = if aggregated(seen) && isl > 0.0 { seen.load.request_rate * profile.ttft_ms(isl) / 1e3 / f64::from(seen.replicas) } else { 0.0 };
     let expected = token_ms(profile.itl_ms(seen.context_tokens, concurrency), utilization);
-    (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (gap / expected).clamp(CORRECTION.0, CORRECTION.1))
+    (utilization < UTILIZATION.1 && concurrency <= profile.max_concurrency()).then(|| (gap / expected).max(FASTEST))
 }
 
 /// The interval's mean prompt: of the requests finished, or before any
@@ -555,6 +566,17 @@ mod tests {
         // observed (150 of 190 ms) allows 21.1%: 19.
         assert_eq!(slower[0].replicas, 19, "{}", slower[0].reason);
         assert_eq!(corrections_without_observations(&targets), Corrections::default());
+        // A deployment eight times slower at decode than its profile (on
+        // 40 workers, 40 × 100 × 0.16 / 40 = 16 sequences each, expected
+        // 20 ms): the correction is what was observed (it was capped at ×4).
+        let eight = super::corrections(&profile(), &targets, &[seen("d", None, Some(160.0), 40)]);
+        assert!((eight.itl - 8.0).abs() < 1e-9, "{eight:?}");
+        // And 15× at prefill: 3 s where 200 ms was expected. A backlog (a
+        // request waiting per worker or more) teaches nothing: its
+        // latencies are the wait for a seat.
+        let backlog = Observation { queue_depth: 8.0, ..seen("p", Some(3_000.0), None, 8) };
+        assert_eq!(super::corrections(&profile(), &targets, std::slice::from_ref(&backlog)).ttft, 1.0);
+        assert!((super::corrections(&profile(), &targets, &[Observation { queue_depth: 7.0, ..backlog }]).ttft - 15.0).abs() < 1e-9);
     }
 
     #[test]
