@@ -175,6 +175,15 @@ pub struct PlannerBenchArgs {
     /// scale-down is part of the planner's worker-seconds).
     #[arg(long, default_value_t = 0.0)]
     pub idle_secs: f64,
+    /// A burst: AT,SECS,FACTOR: the requests arriving from AT for SECS
+    /// seconds (the run's time) come FACTOR times as often (each with
+    /// FACTOR-1 copies of its lengths, spread evenly until the next
+    /// request's arrival, each with a prompt of its own). The static fleet
+    /// is sized for the peak, burst included; start the planner's at the
+    /// trace's first interval (the default) or at --min-workers to see it
+    /// answer demand above its capacity.
+    #[arg(long, value_delimiter = ',', num_args = 1, value_name = "AT,SECS,FACTOR")]
+    pub burst: Vec<f64>,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -218,9 +227,79 @@ pub struct FleetReport {
     /// After the last request was sent: the fewest workers the fleet came
     /// down to, and how many seconds after that last request it got there.
     pub after_load: Option<(u32, f64)>,
+    /// How the fleet took the burst (with --burst).
+    pub burst: Option<BurstReport>,
     /// Per interval: start (s), requests, TTFT and ITL at the percentile
     /// (ms), workers at its end (in all and per pool).
     pub timeline: Vec<IntervalReport>,
+}
+
+/// A fleet through the burst: the intervals that start within it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BurstReport {
+    /// Intervals with requests that start within the burst.
+    pub intervals: usize,
+    /// Of those, intervals that met both targets.
+    pub intervals_met: usize,
+    /// Workers when the burst began.
+    pub workers_at_start: u32,
+    /// Seconds from the burst's start until a worker more than at its
+    /// start was serving (`None`: the fleet did not grow).
+    pub grown_after_secs: Option<f64>,
+    /// Intervals of the burst that missed a target and started before
+    /// the fleet grew (all it missed, if it never grew).
+    pub missed_before_grown: usize,
+    /// Most workers from the burst's start to its end.
+    pub peak_workers: u32,
+}
+
+/// A burst of --burst: from `at_secs`, for `secs`, requests `factor`
+/// times as often.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Burst {
+    /// Start, seconds of the run's time.
+    pub at_secs: f64,
+    /// Length, seconds.
+    pub secs: f64,
+    /// Requests this many times as often.
+    pub factor: u32,
+}
+
+impl Burst {
+    fn parse(given: &[f64]) -> anyhow::Result<Option<Self>> {
+        let [at_secs, secs, factor] = match given {
+            [] => return Ok(None),
+            [at, secs, factor] => [*at, *secs, *factor],
+            _ => anyhow::bail!("--burst: three numbers, AT,SECS,FACTOR (got {})", given.len()),
+        };
+        anyhow::ensure!(at_secs >= 0.0 && at_secs.is_finite(), "--burst: AT must be 0 or more seconds");
+        anyhow::ensure!(secs > 0.0 && secs.is_finite(), "--burst: SECS must be positive");
+        anyhow::ensure!((2.0..=1000.0).contains(&factor) && factor.fract() == 0.0, "--burst: FACTOR must be a whole number from 2 to 1000");
+        Ok(Some(Self { at_secs, secs, factor: factor as u32 }))
+    }
+
+    /// `trace` with the requests arriving within the burst (at `speedup`,
+    /// the run's time) `factor` times over: each request's copies spread
+    /// evenly until the next arrival (the burst's end, for its last).
+    fn apply(&self, trace: &[turbine_planner::backtest::TraceRequest], speedup: f64) -> Vec<turbine_planner::backtest::TraceRequest> {
+        let Some(first) = trace.first().map(|request| request.at_secs) else { return Vec::new() };
+        let run_secs = |request: &turbine_planner::backtest::TraceRequest| (request.at_secs - first) / speedup;
+        let end = self.at_secs + self.secs;
+        let mut out = Vec::with_capacity(trace.len());
+        for (index, request) in trace.iter().enumerate() {
+            out.push(*request);
+            let at = run_secs(request);
+            if !(self.at_secs..end).contains(&at) {
+                continue;
+            }
+            let next = trace.get(index + 1).map_or(end, run_secs).min(end);
+            let gap = (next - at).max(0.0) / f64::from(self.factor);
+            for copy in 1..self.factor {
+                out.push(turbine_planner::backtest::TraceRequest { at_secs: request.at_secs + gap * f64::from(copy) * speedup, ..*request });
+            }
+        }
+        out
+    }
 }
 
 /// One interval of a fleet's replay.
@@ -282,6 +361,8 @@ pub struct PlannerBenchReport {
     pub planner_actions: ActionCounts,
     /// The closed loop's clients (none: the trace's arrival times).
     pub closed_loop_clients: Option<u32>,
+    /// The burst (--burst).
+    pub burst: Option<Burst>,
 }
 
 /// The planner's actions by how they ended.
@@ -341,6 +422,11 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         trace.truncate(limit);
     }
     anyhow::ensure!(!trace.is_empty(), "{}: no requests", args.trace.display());
+    let burst = Burst::parse(&args.burst)?;
+    anyhow::ensure!(burst.is_none() || matches!(sending, Sending::Trace), "--burst: a trace's arrivals, not --closed-loop");
+    if let Some(burst) = burst {
+        trace = burst.apply(&trace, args.speedup);
+    }
     let first = trace[0].at_secs;
     let mut requests: Vec<Request> = trace
         .iter()
@@ -455,7 +541,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         println!("{prompts_cut} prompts cut to fit the model's context of {context} tokens with their output");
     }
     let measured = send(sending, &http, &completions, &model, &requests, &connector, &pool_names).await;
-    let static_report = fleet_report("static", &targets, measured);
+    let static_report = fleet_report("static", &targets, burst, measured);
     resize(&connector, &none).await?;
     until_drained(&connector, &registry).await?;
 
@@ -532,7 +618,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     // kept running until the bench ends: the ledger reads it below.
     replay_done.cancel();
     let (_database_server, database_restarts_at_secs) = database_restarts.await??;
-    let planner_report = fleet_report("planner", &targets, measured);
+    let planner_report = fleet_report("planner", &targets, burst, measured);
     let planner_actions = action_counts(&ledger).await?;
     resize(&connector, &none).await?;
     until_drained(&connector, &registry).await?;
@@ -560,6 +646,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         database_outage_secs: args.database_outage_secs,
         planner_actions,
         closed_loop_clients: args.closed_loop,
+        burst,
     })
 }
 
@@ -935,7 +1022,7 @@ fn percentile_of(values: &mut [f64], percentile: f64) -> Option<f64> {
     Some(values[rank.min(values.len()) - 1])
 }
 
-fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<Measured>, Samples, Duration)) -> FleetReport {
+fn fleet_report(fleet: &str, targets: &Targets, burst: Option<Burst>, (measured, samples, wall): (Vec<Measured>, Samples, Duration)) -> FleetReport {
     let interval = targets.interval().as_secs_f64();
     let count = measured.iter().map(|(at, _)| (at.as_secs_f64() / interval) as usize + 1).max().unwrap_or(0);
     let total = |workers: &[u32]| workers.iter().sum::<u32>();
@@ -976,10 +1063,30 @@ fn fleet_report(fleet: &str, targets: &Targets, (measured, samples, wall): (Vec<
         first_missed_secs: busy.iter().find(|interval| !interval.met).map(|interval| interval.start_secs),
         peak_at_secs: samples.iter().find(|(_, workers)| total(workers) == peak_workers).map(|(at, _)| at.as_secs_f64()),
         after_load,
+        burst: burst.map(|burst| burst_report(burst, &timeline, &samples)),
         ttft: summarize(ok.iter().map(|(ttft, _)| *ttft).collect()),
         itl: summarize(ok.iter().filter_map(|(_, itl)| *itl).collect()),
         wall_secs: wall.as_secs_f64(),
         timeline,
+    }
+}
+
+/// How a fleet took `burst`, from its intervals and its size sampled.
+fn burst_report(burst: Burst, timeline: &[IntervalReport], samples: &Samples) -> BurstReport {
+    let (start, end) = (burst.at_secs, burst.at_secs + burst.secs);
+    let total = |workers: &[u32]| workers.iter().sum::<u32>();
+    let workers_at_start = samples.iter().take_while(|(at, _)| at.as_secs_f64() <= start).last().map_or(0, |(_, workers)| total(workers));
+    let grown_after_secs =
+        samples.iter().find(|(at, workers)| at.as_secs_f64() >= start && total(workers) > workers_at_start).map(|(at, _)| at.as_secs_f64() - start);
+    let during: Vec<&IntervalReport> = timeline.iter().filter(|interval| interval.requests > 0 && (start..end).contains(&interval.start_secs)).collect();
+    let grown_at = grown_after_secs.map_or(f64::INFINITY, |secs| start + secs);
+    BurstReport {
+        intervals: during.len(),
+        intervals_met: during.iter().filter(|interval| interval.met).count(),
+        workers_at_start,
+        grown_after_secs,
+        missed_before_grown: during.iter().filter(|interval| !interval.met && interval.start_secs < grown_at).count(),
+        peak_workers: samples.iter().filter(|(at, _)| (start..=end).contains(&at.as_secs_f64())).map(|(_, workers)| total(workers)).max().unwrap_or(0),
     }
 }
 
@@ -1021,6 +1128,19 @@ pub fn print(report: &PlannerBenchReport) {
             secs(fleet.peak_at_secs)
         );
     }
+    if let Some(burst) = report.burst {
+        for fleet in &report.fleets {
+            let Some(taken) = &fleet.burst else { continue };
+            let grown = taken.grown_after_secs.map_or_else(
+                || "the fleet did not grow".to_owned(),
+                |secs| format!("a worker more serving {secs:.1} s in, {} intervals missed before it", taken.missed_before_grown),
+            );
+            println!(
+                "{:<8} burst of x{} from {:.1} s for {:.1} s: {}/{} intervals met; workers: {} at its start, {} at most; {grown}",
+                fleet.fleet, burst.factor, burst.at_secs, burst.secs, taken.intervals_met, taken.intervals, taken.workers_at_start, taken.peak_workers
+            );
+        }
+    }
     println!("planner worker-seconds / static: {:.3}", report.worker_seconds_ratio);
     let actions = &report.planner_actions;
     println!("planner actions: {} done, {} failed, {} pending", actions.done, actions.failed, actions.pending);
@@ -1031,5 +1151,31 @@ pub fn print(report: &PlannerBenchReport) {
     if !report.database_restarts_at_secs.is_empty() {
         let at: Vec<String> = report.database_restarts_at_secs.iter().map(|secs| format!("{secs:.1} s")).collect();
         println!("the planner's database killed (SIGKILL) at {}, each down for {:.0} s", at.join(", "), report.database_outage_secs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Burst;
+    use turbine_planner::backtest::TraceRequest;
+
+    #[test]
+    fn a_burst_multiplies_the_requests_within_it_and_leaves_the_rest() {
+        // A request a second of trace time, replayed at 2x: one every 0.5 s of the run.
+        let trace: Vec<TraceRequest> =
+            (0..10).map(|second| TraceRequest { at_secs: 100.0 + f64::from(second), input_tokens: second, output_tokens: 7 }).collect();
+        let burst = Burst::parse(&[1.0, 1.0, 4.0]).unwrap().unwrap();
+        let out = burst.apply(&trace, 2.0);
+        // The requests at 1.0 and 1.5 s of the run, four times each.
+        assert_eq!(out.len(), 10 + 2 * 3);
+        let run_secs: Vec<f64> = out.iter().map(|request| (request.at_secs - 100.0) / 2.0).collect();
+        assert!(run_secs.windows(2).all(|pair| pair[0] <= pair[1]), "in order: {run_secs:?}");
+        let within: Vec<f64> = run_secs.iter().copied().filter(|at| (1.0..2.0).contains(at)).collect();
+        assert_eq!(within, [1.0, 1.125, 1.25, 1.375, 1.5, 1.625, 1.75, 1.875]);
+        assert!(out.iter().filter(|request| request.input_tokens == 2).count() == 4, "copies keep their request's lengths");
+        for bad in [&[1.0, 1.0][..], &[1.0, 0.0, 4.0], &[1.0, 1.0, 1.0], &[1.0, 1.0, 2.5], &[-1.0, 1.0, 2.0]] {
+            assert!(Burst::parse(bad).is_err(), "{bad:?}");
+        }
+        assert!(Burst::parse(&[]).unwrap().is_none());
     }
 }

@@ -4,7 +4,8 @@
 //! run has several), and TTFT and ITL at the targets' percentile
 //! per fleet against their targets, with a strip per fleet showing each
 //! interval met (green), missed (red) or idle (grey), and a dotted line
-//! where the planner was killed and started again. Plain SVG, no
+//! where the planner was killed and started again (a band where its
+//! database was down, another over a --burst). Plain SVG, no
 //! scripts or external references: it opens in any browser.
 
 use std::fmt::Write as _;
@@ -118,6 +119,17 @@ pub fn svg(report: &PlannerBenchReport) -> String {
             strips_top - GAP + 6.0 - TOP
         );
         let _ = writeln!(out, r##"<text x="{:.1}" y="{:.1}" fill="#9467bd">database down</text>"##, from + 3.0, TOP + 22.0);
+    }
+    // The burst: a band across every panel.
+    if let Some(burst) = report.burst {
+        let (from, to) = (x(burst.at_secs), x(burst.at_secs + burst.secs));
+        let _ = writeln!(
+            out,
+            r##"<rect x="{from:.1}" y="{TOP:.1}" width="{:.1}" height="{:.1}" fill="#ff7f0e" fill-opacity="0.12"/>"##,
+            (to - from).max(1.0),
+            strips_top - GAP + 6.0 - TOP
+        );
+        let _ = writeln!(out, r##"<text x="{:.1}" y="{:.1}" fill="#ff7f0e">burst x{}</text>"##, from + 3.0, TOP + 34.0, burst.factor);
     }
     // The time axis under the strips.
     let axis = strips_top + report.fleets.len() as f64 * (STRIP + 6.0) + 14.0;
@@ -257,6 +269,7 @@ mod tests {
             first_missed_secs: None,
             peak_at_secs: None,
             after_load: None,
+            burst: None,
             timeline,
         }
     }
@@ -318,6 +331,7 @@ mod tests {
             database_outage_secs: 4.0,
             planner_actions: Default::default(),
             closed_loop_clients: None,
+            burst: None,
         }
     }
 

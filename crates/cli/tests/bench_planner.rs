@@ -5,7 +5,8 @@
 //! minimum as the load comes, and the report and the plot carry each
 //! interval; the same with prefill and decode workers in pools of their
 //! own; with the planner SIGKILLed mid-replay and started again; and a
-//! closed loop of clients above the fleet's capacity.
+//! closed loop of clients above the fleet's capacity; and a burst above the
+//! starting fleet's capacity.
 
 use std::path::Path;
 use std::process::Command;
@@ -115,14 +116,7 @@ fn a_planner_killed_mid_replay_resumes_from_its_database_and_no_request_is_lost(
 fn a_closed_loop_above_capacity_grows_the_fleet_to_its_maximum_and_back() {
     let dir = tempfile::tempdir().unwrap();
     let redis = RedisServer::start();
-    let profile = dir.path().join("profile.json");
-    // A profile far faster than the mocker, flat to 64 sequences.
-    let decode: Vec<_> = [(256, 1, 0.1), (256, 64, 0.1), (4096, 1, 0.1), (4096, 64, 0.1)]
-        .into_iter()
-        .map(|(context, concurrency, itl_ms)| json!({"context": context, "concurrency": concurrency, "itl_ms": itl_ms}))
-        .collect();
-    let written = json!({"version": 1, "worker": "test", "prefill": [{"isl": 128, "ttft_ms": 0.1}, {"isl": 4096, "ttft_ms": 0.3}], "decode": decode});
-    std::fs::write(&profile, written.to_string()).unwrap();
+    let profile = fast_profile(dir.path());
     let report = dir.path().join("report.json");
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv");
     let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
@@ -146,4 +140,61 @@ fn a_closed_loop_above_capacity_grows_the_fleet_to_its_maximum_and_back() {
     let planner = &fleets[1];
     assert_eq!(planner["peak_workers"].as_u64(), Some(3), "grown to its maximum: {planner}");
     assert_eq!(planner["after_load"][0].as_u64(), Some(1), "back to its minimum after the load: {planner}");
+}
+
+/// A profile far faster than the mocker, flat to 64 sequences: what
+/// sizes the planner's fleet is what it observes (queues, missed targets,
+/// the seats a worker was seen to take).
+fn fast_profile(dir: &Path) -> std::path::PathBuf {
+    let profile = dir.join("profile.json");
+    let decode: Vec<_> = [(256, 1, 0.1), (256, 64, 0.1), (4096, 1, 0.1), (4096, 64, 0.1)]
+        .into_iter()
+        .map(|(context, concurrency, itl_ms)| json!({"context": context, "concurrency": concurrency, "itl_ms": itl_ms}))
+        .collect();
+    let written = json!({"version": 1, "worker": "test", "prefill": [{"isl": 128, "ttft_ms": 0.1}, {"isl": 4096, "ttft_ms": 0.3}], "decode": decode});
+    std::fs::write(&profile, written.to_string()).unwrap();
+    profile
+}
+
+/// `--burst`: a stretch of the trace eight times as dense, on workers of
+/// two seats each, above what the one worker the planner starts with
+/// takes: both fleets serve every request, the planner's grows during the
+/// burst, and the report says how each fleet took it.
+#[test]
+fn a_burst_above_the_starting_fleet_grows_it_and_no_request_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start();
+    let profile = fast_profile(dir.path());
+    let report = dir.path().join("report.json");
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv");
+    let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
+        .args(["bench", "planner", "--trace", trace, "--redis", &redis.url(), "--speedup", "10", "--engine-speedup", "2", "--limit", "60"])
+        .args(["--every", "5", "--max-output-tokens", "16", "--burst", "2,4,8"])
+        .args(["--ttft-ms", "100", "--itl-ms", "40", "--interval-secs", "1", "--cooldown-secs", "1", "--predictor", "constant"])
+        .args(["--min-workers", "1", "--max-workers", "3", "--static-workers", "3", "--planner-start", "1", "--worker-args", "--max-num-seqs 2"])
+        .arg("--profile")
+        .arg(&profile)
+        .arg("--json")
+        .arg(&report)
+        .arg("--svg")
+        .arg(dir.path().join("plot.svg"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["burst"], json!({"at_secs": 2.0, "secs": 4.0, "factor": 8}));
+    let fleets = report["fleets"].as_array().unwrap();
+    let requests = fleets[0]["requests"].as_u64().unwrap();
+    assert!(requests > 60 + 50, "the burst's copies were sent: {requests}");
+    for fleet in fleets {
+        assert_eq!((fleet["requests"].as_u64(), fleet["failed"].as_u64()), (Some(requests), Some(0)), "{fleet}");
+        assert!(fleet["burst"]["intervals"].as_u64().unwrap() >= 3, "{fleet}");
+    }
+    let burst = &fleets[1]["burst"];
+    assert_eq!(burst["workers_at_start"].as_u64(), Some(1), "{burst}");
+    assert!(burst["grown_after_secs"].as_f64().is_some() && burst["peak_workers"].as_u64().unwrap() > 1, "the planner grew its fleet in the burst: {burst}");
+    assert!(stdout.contains("burst of x8 from 2.0 s for 4.0 s: ") && stdout.contains("workers: 1 at its start"), "{stdout}");
+    let plot = std::fs::read_to_string(dir.path().join("plot.svg")).unwrap();
+    assert!(plot.contains("burst x8"), "{plot}");
 }
