@@ -18,56 +18,10 @@ use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
 
+pub use turbine_api::{KvLayout, UcxRegion};
+
 /// Alignment of the buffer: a page, as memory registration prefers.
 const ALIGN: usize = 4096;
-
-/// How a worker's KV blocks are laid out; two workers exchange blocks only
-/// when their layouts are equal.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvLayout {
-    /// Bytes of one block (every layer's keys and values).
-    pub block_bytes: usize,
-    /// Tokens per block.
-    pub block_size: usize,
-    /// Transformer layers.
-    pub layers: usize,
-    /// Key/value heads per layer.
-    pub kv_heads: usize,
-    /// Values per head.
-    pub head_dim: usize,
-    /// Element type, e.g. "f16".
-    pub dtype: String,
-    /// Order of a block's contents, e.g. "layer,kv,token,head,dim".
-    pub order: String,
-}
-
-impl KvLayout {
-    /// A layout of opaque blocks of `block_bytes` (no model behind them:
-    /// a benchmark's pool, a modelled transfer), told apart by `kind`.
-    pub fn opaque(block_bytes: usize, kind: &str) -> Self {
-        Self { block_bytes, block_size: 0, layers: 0, kv_heads: 0, head_dim: 0, dtype: kind.into(), order: kind.into() }
-    }
-}
-
-/// How peers read a KV pool over UCX without its owner's engine taking
-/// part: the owner's UCX worker addresses and packed remote keys (a main
-/// context for every peer, and a shared-memory one for peers on the same
-/// machine), and where the pool lies in the owner's address space.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct UcxRegion {
-    /// The owner's UCX worker address (main context).
-    pub worker_address: Vec<u8>,
-    /// The pool's packed remote key (main context).
-    pub remote_key: Vec<u8>,
-    /// The pool's first byte in the owner's address space.
-    pub base_address: u64,
-    /// The pool's length in bytes.
-    pub length: u64,
-    /// The owner's shared-memory UCX worker address (empty: none).
-    pub shm_worker_address: Vec<u8>,
-    /// The pool's packed remote key on the shared-memory context (empty: none).
-    pub shm_remote_key: Vec<u8>,
-}
 
 /// The KV pool's bytes, shared by the engine and transfers: a zeroed,
 /// page-aligned heap allocation, or memory someone else provides (shared

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use parking_lot::RwLock;
-use turbine_engine::{GenerateRequest, Load};
+use turbine_api::{GenerateRequest, Load};
 use turbine_kv::{WorkerDump, WorkerId};
 use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1 as pb;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
-use turbine_engine::{KvLayout, UcxRegion};
+use turbine_api::{KvLayout, UcxRegion};
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient as PbKvTransferClient;
 use turbine_proto::{ConversionError, ConversionResult, MessageLimits};

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::Stream;
 use tonic::Code;
-use turbine_engine::{EngineError, FinishReason, GenerateRequest, KvLayout, TokenLogprobs, Usage};
+use turbine_api::{FinishReason, GenerateRequest, KvLayout, TokenLogprobs, Usage};
 use turbine_kv::{BlockHashes, LocalBlockHash, SequenceHash, WorkerId};
 use turbine_proto::convert::{finish_reason, generate_request};
 use turbine_proto::worker::v1 as pb;
@@ -46,17 +46,6 @@ pub enum WorkerError {
     /// The worker failed.
     #[error("{0}")]
     Internal(String),
-}
-
-impl From<EngineError> for WorkerError {
-    fn from(error: EngineError) -> Self {
-        match error {
-            EngineError::InvalidRequest(message) => WorkerError::InvalidArgument(message),
-            EngineError::Overloaded(_) => WorkerError::Overloaded(error.to_string()),
-            EngineError::ShuttingDown => WorkerError::Unavailable(error.to_string()),
-            EngineError::Executor(_) => WorkerError::Internal(error.to_string()),
-        }
-    }
 }
 
 impl From<ConversionError> for WorkerError {
@@ -329,7 +318,7 @@ impl TryFrom<pb::PrefillRequest> for PrefillCall {
 
 #[cfg(test)]
 mod tests {
-    use turbine_engine::StopConditions;
+    use turbine_api::StopConditions;
 
     use super::*;
 

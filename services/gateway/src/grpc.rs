@@ -5,7 +5,7 @@ use std::pin::Pin;
 
 use futures::Stream;
 use tonic::{Request, Response, Status};
-use turbine_engine::FinishReason;
+use turbine_api::FinishReason;
 use turbine_proto::gateway::v1 as pb;
 use turbine_tokens::ChatMessage;
 

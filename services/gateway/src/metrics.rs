@@ -4,7 +4,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
-use turbine_engine::Usage;
+use turbine_api::Usage;
 use turbine_runtime::metrics::{counter, gauge, histogram, latency_buckets, slo_latency_buckets};
 
 static REQUESTS: LazyLock<IntCounterVec> =

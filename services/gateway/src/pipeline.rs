@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
-use turbine_engine::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use turbine_api::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
 use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};

@@ -22,7 +22,7 @@ impl WorkerApi for Worker {
             Some(remote) => self.decode_after_prefill(request, remote).await,
             None => self.engine().generate(request),
         };
-        let outputs = submitted.inspect_err(|error| metrics::request_refused(self.id(), error))?;
+        let outputs = submitted.inspect_err(|error| metrics::request_refused(self.id(), error)).map_err(worker_error)?;
         let (started, worker_id) = (Instant::now(), self.id().clone());
         let mut first = true;
         let chunks = engine_chunks(outputs).inspect(move |chunk| {
@@ -94,7 +94,7 @@ pub fn engine_chunks(receiver: UnboundedReceiver<EngineOutput>) -> TokenStream {
                     return Some((Ok(chunk), None));
                 }
                 Some(EngineOutput::Failed(error)) => {
-                    return Some((Err(WorkerError::from(error)), None));
+                    return Some((Err(worker_error(error)), None));
                 }
                 // Only prefills pin, and they do not stream through here.
                 Some(EngineOutput::Pinned(_)) => {}
@@ -108,4 +108,14 @@ pub fn engine_chunks(receiver: UnboundedReceiver<EngineOutput>) -> TokenStream {
             }
         }
     }))
+}
+
+/// An engine's refusal or failure as the worker's callers see it.
+pub(crate) fn worker_error(error: EngineError) -> WorkerError {
+    match error {
+        EngineError::InvalidRequest(message) => WorkerError::InvalidArgument(message),
+        EngineError::Overloaded(_) => WorkerError::Overloaded(error.to_string()),
+        EngineError::ShuttingDown => WorkerError::Unavailable(error.to_string()),
+        EngineError::Executor(_) => WorkerError::Internal(error.to_string()),
+    }
 }

@@ -14,14 +14,14 @@
 /// field the same, so that neither package imports the other).
 macro_rules! ucx_region_conversions {
     ($message:path) => {
-        impl From<&turbine_engine::UcxRegion> for $message {
-            fn from(region: &turbine_engine::UcxRegion) -> Self {
-                let turbine_engine::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
+        impl From<&turbine_api::UcxRegion> for $message {
+            fn from(region: &turbine_api::UcxRegion) -> Self {
+                let turbine_api::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
                 Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
             }
         }
 
-        impl From<$message> for turbine_engine::UcxRegion {
+        impl From<$message> for turbine_api::UcxRegion {
             fn from(region: $message) -> Self {
                 let $message { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
                 Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }

@@ -1,7 +1,7 @@
 //! `turbine.worker.v1` ⇄ `turbine-engine` and `turbine-tokens`: sampling,
 //! stop conditions, results, load, KV layouts and model cards.
 
-use turbine_engine::{FinishReason, GenerateRequest, KvLayout, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use turbine_api::{FinishReason, GenerateRequest, KvLayout, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_tokens::{ModelCard, TokenizerSpec};
 
 use super::{ConversionError, ConversionResult};

@@ -21,7 +21,7 @@ use futures::Stream;
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::trace::TraceLayer;
-use turbine_engine::Usage;
+use turbine_api::Usage;
 use turbine_runtime::health::Readiness;
 use turbine_runtime::propagation::set_parent_from_headers;
 
@@ -170,7 +170,7 @@ async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, bod
 
 /// Runs a stream to its end, concatenating the text (and the
 /// log-probabilities, if asked).
-pub async fn collect(mut text: TextStream) -> Result<(String, turbine_engine::FinishReason, Usage, Vec<GeneratedLogprob>), GatewayError> {
+pub async fn collect(mut text: TextStream) -> Result<(String, turbine_api::FinishReason, Usage, Vec<GeneratedLogprob>), GatewayError> {
     let mut content = String::new();
     let mut all_logprobs = Vec::new();
     while let Some(event) = text.next().await {

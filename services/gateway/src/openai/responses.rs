@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 use serde_json::{Map, Value, json};
-use turbine_engine::{FinishReason, Usage};
+use turbine_api::{FinishReason, Usage};
 use turbine_tokens::TokenBytes;
 
 use crate::pipeline::GeneratedLogprob;

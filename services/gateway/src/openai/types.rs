@@ -6,7 +6,7 @@
 
 use serde::Deserialize;
 use serde_json::Value;
-use turbine_engine::{MAX_LOGPROBS, SamplingError, SamplingParams};
+use turbine_api::{MAX_LOGPROBS, SamplingError, SamplingParams};
 use turbine_tokens::ChatMessage;
 
 use crate::error::GatewayError;

@@ -25,7 +25,7 @@ impl Disagg {
         self.engine.config().validate(&request).map_err(|error| WorkerError::InvalidArgument(error.to_string()))?;
         let wanted = request.stop.max_tokens;
         request.stop.max_tokens = 1;
-        let mut outputs = self.engine.submit(request, Handoff::Prefill)?;
+        let mut outputs = self.engine.submit(request, Handoff::Prefill).map_err(crate::local::worker_error)?;
         let mut pin = None;
         let mut first = TokenChunk::default();
         loop {
@@ -41,7 +41,7 @@ impl Disagg {
                     first.finished = Some((reason, usage));
                     break;
                 }
-                Some(EngineOutput::Failed(error)) => return Err(error.into()),
+                Some(EngineOutput::Failed(error)) => return Err(crate::local::worker_error(error)),
                 None => return Err(WorkerError::Unavailable("the engine stopped".into())),
             }
         }

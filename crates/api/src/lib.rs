@@ -1,0 +1,12 @@
+//! The words Turbine's services speak to each other, apart from any one
+//! service: what a generation request asks (prompt, sampling, when to
+//! stop), what comes back (finish reason, token accounting,
+//! log-probabilities), a worker's load, and how workers lay out and expose
+//! their KV blocks. The gateway, the protobuf conversions and the worker's
+//! clients use these without linking an engine; the engine re-exports them.
+
+mod kv;
+mod request;
+
+pub use kv::{KvLayout, UcxRegion};
+pub use request::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage};

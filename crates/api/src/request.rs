@@ -1,0 +1,134 @@
+//! A generation request and what comes back for it: the words the gateway,
+//! the router, the workers and their engines share.
+
+/// Token sampling parameters; `None` everywhere means greedy.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `None` or 0 is greedy.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling threshold in (0, 1].
+    pub top_p: Option<f32>,
+    /// Keep the k most likely tokens; `None` or 0 disables.
+    pub top_k: Option<u32>,
+    /// Sampler seed; the same seed and prompt give the same output.
+    pub seed: Option<u64>,
+    /// Penalty for tokens already present (-2..2).
+    pub presence_penalty: Option<f32>,
+    /// Penalty proportional to a token's count so far (-2..2).
+    pub frequency_penalty: Option<f32>,
+    /// Keep tokens whose probability is at least this fraction of the most
+    /// likely one's (0..1).
+    pub min_p: Option<f32>,
+    /// Divides positive logits (multiplies negative ones) of every token
+    /// already in the prompt or output; 1 disables.
+    pub repetition_penalty: Option<f32>,
+    /// Return this many most likely alternatives (with log-probabilities)
+    /// for each generated token.
+    pub logprobs: Option<u32>,
+}
+
+/// Most alternatives a request may ask log-probabilities for.
+pub const MAX_LOGPROBS: u32 = 20;
+
+/// A sampling parameter out of its range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{param} {message}")]
+pub struct SamplingError {
+    /// The parameter at fault, as named in every API (`temperature`, ...).
+    pub param: &'static str,
+    /// What its value must be, and what it was.
+    pub message: String,
+}
+
+impl SamplingParams {
+    /// Checks every parameter against its range. One definition of the
+    /// ranges for every door into the engine: the gateway validates client
+    /// requests with it, the worker validates `Generate` and `Prefill` calls
+    /// with it, so the two can never disagree.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let Self { temperature, top_p, top_k: _, seed: _, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = self;
+        let out_of = |param: &'static str, range: &str, value: f32| SamplingError { param, message: format!("must be {range}, got {value}") };
+        let check = |param: &'static str, value: Option<f32>, range: &str, within: fn(f32) -> bool| match value {
+            Some(value) if !(value.is_finite() && within(value)) => Err(out_of(param, range, value)),
+            _ => Ok(()),
+        };
+        check("temperature", *temperature, "between 0 and 2", |t| (0.0..=2.0).contains(&t))?;
+        check("top_p", *top_p, "in (0, 1]", |p| p > 0.0 && p <= 1.0)?;
+        check("presence_penalty", *presence_penalty, "between -2 and 2", |p| (-2.0..=2.0).contains(&p))?;
+        check("frequency_penalty", *frequency_penalty, "between -2 and 2", |p| (-2.0..=2.0).contains(&p))?;
+        check("min_p", *min_p, "between 0 and 1", |p| (0.0..=1.0).contains(&p))?;
+        check("repetition_penalty", *repetition_penalty, "in (0, 10]", |p| p > 0.0 && p <= 10.0)?;
+        if let Some(n) = logprobs
+            && *n > MAX_LOGPROBS
+        {
+            return Err(SamplingError { param: "logprobs", message: format!("must be at most {MAX_LOGPROBS}, got {n}") });
+        }
+        Ok(())
+    }
+}
+
+/// Log-probabilities of one generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// Log-probability of the generated token.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, descending.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// When a sequence ends.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopConditions {
+    /// Tokens to generate at most (at least 1).
+    pub max_tokens: u32,
+    /// Extra tokens that end generation (not included in the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+/// One generation request over a tokenized prompt.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerateRequest {
+    /// Caller's id, for logs and traces.
+    pub request_id: String,
+    /// Prompt token ids; never empty.
+    pub prompt: Vec<u32>,
+    /// How tokens are chosen.
+    pub sampling: SamplingParams,
+    /// When to stop.
+    pub stop: StopConditions,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation or stop token was sampled.
+    Stop,
+    /// `max_tokens` or the context window was reached.
+    Length,
+}
+
+/// Token accounting of a finished sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Tokens in the prompt.
+    pub prompt_tokens: u32,
+    /// Tokens generated (a stop token excluded).
+    pub completion_tokens: u32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_prompt_tokens: u32,
+}
+
+/// A snapshot of an engine's occupancy (a worker reports its engine's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Sequences scheduled (prefilling or decoding).
+    pub running: u32,
+    /// Sequences queued.
+    pub waiting: u32,
+    /// KV blocks referenced.
+    pub blocks_used: u32,
+    /// KV blocks in the pool.
+    pub blocks_total: u32,
+}
