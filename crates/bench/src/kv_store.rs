@@ -308,7 +308,7 @@ async fn put_ucx(
     fingerprint: Fingerprint,
     batch: &[(SequenceHash, Arc<HostBlock>)],
 ) -> anyhow::Result<Option<Vec<f64>>> {
-    let link = turbine_kv_store::UcxLink::with_staging(turbine_kv_store::service::MAX_PUT_FROM_BYTES as usize).map_err(anyhow::Error::msg)?;
+    let link = turbine_kv_store::UcxLink::with_staging(turbine_kv_store::wire::MAX_PUT_FROM_BYTES as usize).map_err(anyhow::Error::msg)?;
     let mut seconds = Vec::new();
     for round in 0..=args.batches {
         client.delete(fingerprint, &[]).await?;

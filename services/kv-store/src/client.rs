@@ -10,9 +10,10 @@ use turbine_proto::MessageLimits;
 use turbine_proto::kvstore::v1::{self as pb, kv_store_client::KvStoreClient as PbClient};
 use turbine_runtime::grpc::TracedChannel;
 
+use crate::keys::Fingerprint;
 use crate::lease::{Lease, LeasedBlock};
-use crate::service::{from_pb, to_pb};
-use crate::store::{Fingerprint, PutOutcome};
+use crate::store::PutOutcome;
+use crate::wire::{from_pb, to_pb};
 
 /// Why a call to the store failed.
 #[derive(Debug, thiserror::Error)]

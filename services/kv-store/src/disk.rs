@@ -21,7 +21,8 @@ use turbine_engine::tiers::block_file::{self, block_path};
 use turbine_kv::SequenceHash;
 
 use crate::events::Announcer;
-use crate::store::{BlockKey, Fingerprint, TierUsage};
+use crate::keys::{BlockKey, Fingerprint};
+use crate::store::TierUsage;
 
 /// The disk tier. Cloning shares it.
 #[derive(Clone)]

@@ -31,7 +31,7 @@ use turbine_kv_log::{DumpFetcher, EventLog, Publisher};
 use crate::KvStoreClient;
 use turbine_runtime::CancellationToken;
 
-use crate::store::Fingerprint;
+use crate::keys::Fingerprint;
 
 /// Announcements buffered per subscriber; a subscriber that falls further
 /// behind misses some and its consumers load a dump.

@@ -346,7 +346,7 @@ impl UcxLink {
             return Err(tonic::Status::invalid_argument("blocks of one put must have one nonzero length").into());
         }
         let mut staging = staging.lock().await;
-        let per_call = (staging.len() / length).min(crate::service::MAX_PUT_FROM_BYTES as usize / length);
+        let per_call = (staging.len() / length).min(crate::wire::MAX_PUT_FROM_BYTES as usize / length);
         if per_call == 0 {
             return Err(tonic::Status::invalid_argument(format!("a block of {length} bytes does not fit the staging memory")).into());
         }

@@ -5,6 +5,9 @@
 //! different models or KV layouts never mix, and carries the XXH3-64 of its
 //! bytes, checked when it arrives and again before it is served.
 //!
+//! - [`keys`]: what a block is keyed by ([`Fingerprint`], [`BlockKey`])
+//!   and why blocks are refused ([`StoreError`]); [`wire`]: the contract's
+//!   blocks to and from the store's types, and its limits.
 //! - [`Store`]: the blocks in memory, bounded in bytes, least recently used
 //!   evicted first, written through to a disk tier ([`DiskBlocks`]) that
 //!   survives a restart.
@@ -25,22 +28,25 @@ pub mod client;
 pub mod config;
 pub mod disk;
 pub mod events;
+pub mod keys;
 pub mod lease;
 pub mod metrics;
 pub mod serve;
 pub mod service;
 pub mod store;
 pub mod tier;
+pub mod wire;
 
 pub use arena::Arena;
 pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
 pub use disk::DiskBlocks;
 pub use events::{Announced, Announcer, StoreEventSink};
+pub use keys::{BlockKey, Fingerprint, StoreError};
 #[cfg(feature = "ucx")]
 pub use lease::UcxLink;
 pub use lease::{DataPath, Lease, LeasedBlock};
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
-pub use store::{BlockKey, BlockRef, Fingerprint, MemoryBlock, PutOutcome, Store, StoreError, StoreStats, TierUsage, arena_bytes};
+pub use store::{BlockRef, MemoryBlock, PutOutcome, Store, StoreStats, TierUsage, arena_bytes};
 pub use tier::KvStoreTier;

@@ -5,12 +5,13 @@ use std::sync::Arc;
 
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
-use turbine_engine::HostBlock;
 use turbine_kv::{LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
+use crate::keys::{Fingerprint, StoreError};
 use crate::lease::DataPath;
-use crate::store::{BlockRef, Fingerprint, MemoryBlock, Store, StoreError, StoreStats, TierUsage};
+use crate::store::{BlockRef, Store, StoreStats, TierUsage};
+use crate::wire::{MAX_PUT_FROM_BYTES, from_pb, held_to_pb};
 
 /// The service.
 #[derive(Debug, Clone)]
@@ -54,37 +55,6 @@ fn fingerprint(value: u64) -> Result<Fingerprint, Status> {
     Fingerprint::new(value).ok_or_else(|| Status::invalid_argument("fingerprint: must be set (nonzero)"))
 }
 
-/// A block off the wire, as the store keeps it.
-pub(crate) fn from_pb(block: pb::Block) -> (SequenceHash, HostBlock) {
-    let pb::Block { sequence_hash, local_hash, parent_hash, checksum, data } = block;
-    (
-        SequenceHash(sequence_hash),
-        HostBlock { local: LocalBlockHash(local_hash), parent: parent_hash.map(SequenceHash), checksum, bytes: data.into_boxed_slice() },
-    )
-}
-
-/// A block for the wire.
-pub(crate) fn to_pb(sequence: SequenceHash, block: &HostBlock) -> pb::Block {
-    pb::Block {
-        sequence_hash: sequence.0,
-        local_hash: block.local.0,
-        parent_hash: block.parent.map(|p| p.0),
-        checksum: block.checksum,
-        data: block.bytes.to_vec(),
-    }
-}
-
-/// A held block for the wire (its bytes copied off the arena).
-fn held_to_pb(sequence: SequenceHash, block: &MemoryBlock) -> pb::Block {
-    pb::Block {
-        sequence_hash: sequence.0,
-        local_hash: block.local.0,
-        parent_hash: block.parent.map(|p| p.0),
-        checksum: block.checksum,
-        data: block.slots.to_vec(),
-    }
-}
-
 fn status(error: StoreError) -> Status {
     match error {
         StoreError::TooLarge(..) => Status::resource_exhausted(error.to_string()),
@@ -94,10 +64,6 @@ fn status(error: StoreError) -> Status {
 
 type GetStream = Pin<Box<dyn Stream<Item = Result<pb::GetResponse, Status>> + Send>>;
 type DumpStream = Pin<Box<dyn Stream<Item = Result<pb::DumpResponse, Status>> + Send>>;
-
-/// Most bytes one PutFrom may stage (the store reads them into one buffer).
-/// (Counted beyond the memory tier: keep it small next to it.)
-pub const MAX_PUT_FROM_BYTES: u64 = 16 << 20;
 
 /// How long the store waits for its read of staged blocks.
 const PUT_FROM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);

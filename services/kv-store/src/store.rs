@@ -14,33 +14,8 @@ use turbine_kv::SequenceHash;
 use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
 use crate::events::Announcer;
+use crate::keys::{BlockKey, Fingerprint, StoreError};
 use crate::lease::DataPath;
-
-/// Model and KV layout of a block's bytes (nonzero): blocks of different
-/// fingerprints never mix.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Fingerprint(u64);
-
-impl Fingerprint {
-    /// A fingerprint; None for 0 (unset on the wire).
-    pub fn new(value: u64) -> Option<Self> {
-        (value != 0).then_some(Self(value))
-    }
-
-    /// Its value.
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-/// Where a block lives in the store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct BlockKey {
-    /// Its model and layout.
-    pub fingerprint: Fingerprint,
-    /// The prefix it ends.
-    pub sequence: SequenceHash,
-}
 
 /// What each block costs beyond its bytes (key, entry, bookkeeping of the
 /// cache), counted against the capacity so that the bound holds for the
@@ -56,29 +31,6 @@ const EVICT_EVERY_BYTES: usize = 4 << 20;
 /// at least 16 MiB (address space; pages are touched only as used).
 pub fn arena_bytes(capacity_bytes: u64) -> usize {
     (capacity_bytes + (capacity_bytes / 32).max(16 << 20)) as usize
-}
-
-/// Why blocks were refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum StoreError {
-    /// A block's bytes do not match its checksum.
-    #[error("block {0:016x}: its bytes do not match its checksum")]
-    Corrupt(u64),
-    /// A block's size differs from the fingerprint's other blocks.
-    #[error("block {sequence:016x} is {got} bytes; blocks of fingerprint {fingerprint:016x} are {expected}")]
-    WrongSize {
-        /// The block.
-        sequence: u64,
-        /// Its fingerprint.
-        fingerprint: u64,
-        /// The fingerprint's block size.
-        expected: usize,
-        /// This block's.
-        got: usize,
-    },
-    /// A block larger than the whole store.
-    #[error("a block of {0} bytes does not fit the store's memory ({1} bytes)")]
-    TooLarge(usize, u64),
 }
 
 /// What a put did.
@@ -339,7 +291,7 @@ impl Store {
             }
             match size {
                 Some(expected) if expected != got => {
-                    return Err(StoreError::WrongSize { sequence: hash.0, fingerprint: fingerprint.0, expected, got });
+                    return Err(StoreError::WrongSize { sequence: hash.0, fingerprint: fingerprint.get(), expected, got });
                 }
                 _ => size = Some(got),
             }
@@ -412,7 +364,7 @@ impl Store {
             };
             if check && !block.is_intact() {
                 self.counters.corrupt_blocks.fetch_add(1, Relaxed);
-                tracing::warn!(sequence_hash = sequence.0, fingerprint = fingerprint.0, "a stored KV block failed its checksum; dropped");
+                tracing::warn!(sequence_hash = sequence.0, fingerprint = fingerprint.get(), "a stored KV block failed its checksum; dropped");
                 self.blocks.invalidate(&key);
                 break;
             }

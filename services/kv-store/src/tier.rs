@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use crate::client::KvStoreClient;
-use crate::store::Fingerprint;
+use crate::keys::Fingerprint;
 use tokio::sync::mpsc;
 use turbine_engine::{HostBlock, RemoteStore};
 use turbine_kv::{BlockHashes, SequenceHash};

@@ -1,0 +1,54 @@
+//! What a block is keyed by in the store, and why the store refuses
+//! blocks: the words the store, its disk tier, its data path, its gRPC
+//! shell and its client share.
+
+use turbine_kv::SequenceHash;
+
+/// Model and KV layout of a block's bytes (nonzero): blocks of different
+/// fingerprints never mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Fingerprint(u64);
+
+impl Fingerprint {
+    /// A fingerprint; None for 0 (unset on the wire).
+    pub fn new(value: u64) -> Option<Self> {
+        (value != 0).then_some(Self(value))
+    }
+
+    /// Its value.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Where a block lives in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockKey {
+    /// Its model and layout.
+    pub fingerprint: Fingerprint,
+    /// The prefix it ends.
+    pub sequence: SequenceHash,
+}
+
+/// Why blocks were refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StoreError {
+    /// A block's bytes do not match its checksum.
+    #[error("block {0:016x}: its bytes do not match its checksum")]
+    Corrupt(u64),
+    /// A block's size differs from the fingerprint's other blocks.
+    #[error("block {sequence:016x} is {got} bytes; blocks of fingerprint {fingerprint:016x} are {expected}")]
+    WrongSize {
+        /// The block.
+        sequence: u64,
+        /// Its fingerprint.
+        fingerprint: u64,
+        /// The fingerprint's block size.
+        expected: usize,
+        /// This block's.
+        got: usize,
+    },
+    /// A block larger than the whole store.
+    #[error("a block of {0} bytes does not fit the store's memory ({1} bytes)")]
+    TooLarge(usize, u64),
+}
