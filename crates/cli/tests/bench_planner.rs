@@ -17,7 +17,6 @@ use turbine_testkit::RedisServer;
 /// Runs the bench on the first `limit` requests at 10x with `more` flags;
 /// the report.
 fn bench(dir: &Path, limit: &str, more: &[&str]) -> serde_json::Value {
-    let redis = RedisServer::start();
     // A profile far slower than the mocker at this speedup (500 ms to a
     // first token alone): even corrected by the observed latency (at
     // least x0.25 of the profile's), one worker cannot hold the load.
@@ -28,22 +27,33 @@ fn bench(dir: &Path, limit: &str, more: &[&str]) -> serde_json::Value {
         .collect();
     let written = json!({"version": 1, "worker": "test", "prefill": [{"isl": 128, "ttft_ms": 500.0}, {"isl": 4096, "ttft_ms": 500.0}], "decode": decode});
     std::fs::write(&profile, written.to_string()).unwrap();
+    let mut flags = vec!["--speedup", "10", "--limit", limit, "--max-output-tokens", "16", "--ttft-ms", "2000", "--itl-ms", "20"];
+    flags.extend(["--interval-secs", "1", "--cooldown-secs", "1", "--min-workers", "1", "--max-workers", "3"]);
+    flags.extend(more);
+    run_bench(dir, &profile, &flags).0
+}
+
+/// Runs `turbine bench planner` on the conversation trace with `profile`
+/// and `flags` against a Redis of its own, writing the plot to
+/// `dir/plot.svg`; the report and what it printed.
+fn run_bench(dir: &Path, profile: &Path, flags: &[&str]) -> (serde_json::Value, String) {
+    let redis = RedisServer::start();
     let report = dir.join("report.json");
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv");
     let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
-        .args(["bench", "planner", "--trace", trace, "--redis", &redis.url(), "--speedup", "10", "--limit", limit, "--max-output-tokens", "16"])
-        .args(["--ttft-ms", "2000", "--itl-ms", "20", "--interval-secs", "1", "--cooldown-secs", "1", "--min-workers", "1", "--max-workers", "3"])
-        .args(more)
+        .args(["bench", "planner", "--trace", trace, "--redis", &redis.url()])
+        .args(flags)
         .arg("--profile")
-        .arg(&profile)
+        .arg(profile)
         .arg("--json")
         .arg(&report)
         .arg("--svg")
         .arg(dir.join("plot.svg"))
         .output()
         .unwrap();
-    assert!(run.status.success(), "{}\n{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
-    serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    (serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap(), stdout)
 }
 
 /// Both fleets served all `requests`, each interval reported.
@@ -115,23 +125,13 @@ fn a_planner_killed_mid_replay_resumes_from_its_database_and_no_request_is_lost(
 #[test]
 fn a_closed_loop_above_capacity_grows_the_fleet_to_its_maximum_and_back() {
     let dir = tempfile::tempdir().unwrap();
-    let redis = RedisServer::start();
-    let profile = fast_profile(dir.path());
-    let report = dir.path().join("report.json");
-    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv");
-    let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
-        .args(["bench", "planner", "--trace", trace, "--redis", &redis.url(), "--speedup", "10", "--limit", "200", "--max-output-tokens", "16"])
-        .args(["--ttft-ms", "50", "--itl-ms", "20", "--interval-secs", "1", "--cooldown-secs", "1", "--predictor", "constant"])
-        .args(["--min-workers", "1", "--max-workers", "3", "--static-workers", "3", "--planner-start", "1", "--worker-args", "--max-num-seqs 2"])
-        .args(["--closed-loop", "12", "--duration-secs", "8", "--idle-secs", "8"])
-        .arg("--profile")
-        .arg(&profile)
-        .arg("--json")
-        .arg(&report)
-        .output()
-        .unwrap();
-    assert!(run.status.success(), "{}\n{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let flags = [
+        ["--speedup", "10", "--limit", "200", "--max-output-tokens", "16", "--ttft-ms", "50", "--itl-ms", "20", "--interval-secs", "1"].as_slice(),
+        &["--cooldown-secs", "1", "--predictor", "constant", "--min-workers", "1", "--max-workers", "3", "--static-workers", "3", "--planner-start", "1"],
+        &["--worker-args", "--max-num-seqs 2", "--closed-loop", "12", "--duration-secs", "8", "--idle-secs", "8"],
+    ]
+    .concat();
+    let (report, _) = run_bench(dir.path(), &fast_profile(dir.path()), &flags);
     assert_eq!(report["closed_loop_clients"], 12);
     let fleets = report["fleets"].as_array().unwrap();
     for fleet in fleets {
@@ -163,26 +163,13 @@ fn fast_profile(dir: &Path) -> std::path::PathBuf {
 #[test]
 fn a_burst_above_the_starting_fleet_grows_it_and_no_request_is_lost() {
     let dir = tempfile::tempdir().unwrap();
-    let redis = RedisServer::start();
-    let profile = fast_profile(dir.path());
-    let report = dir.path().join("report.json");
-    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv");
-    let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
-        .args(["bench", "planner", "--trace", trace, "--redis", &redis.url(), "--speedup", "10", "--engine-speedup", "2", "--limit", "60"])
-        .args(["--every", "5", "--max-output-tokens", "16", "--burst", "2,4,8"])
-        .args(["--ttft-ms", "100", "--itl-ms", "40", "--interval-secs", "1", "--cooldown-secs", "1", "--predictor", "constant"])
-        .args(["--min-workers", "1", "--max-workers", "3", "--static-workers", "3", "--planner-start", "1", "--worker-args", "--max-num-seqs 2"])
-        .arg("--profile")
-        .arg(&profile)
-        .arg("--json")
-        .arg(&report)
-        .arg("--svg")
-        .arg(dir.path().join("plot.svg"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let flags = [
+        ["--speedup", "10", "--engine-speedup", "2", "--limit", "60", "--every", "5", "--max-output-tokens", "16", "--burst", "2,4,8"].as_slice(),
+        &["--ttft-ms", "100", "--itl-ms", "40", "--interval-secs", "1", "--cooldown-secs", "1", "--predictor", "constant", "--min-workers", "1"],
+        &["--max-workers", "3", "--static-workers", "3", "--planner-start", "1", "--worker-args", "--max-num-seqs 2"],
+    ]
+    .concat();
+    let (report, stdout) = run_bench(dir.path(), &fast_profile(dir.path()), &flags);
     assert_eq!(report["burst"], json!({"at_secs": 2.0, "secs": 4.0, "factor": 8}));
     let fleets = report["fleets"].as_array().unwrap();
     let requests = fleets[0]["requests"].as_u64().unwrap();
