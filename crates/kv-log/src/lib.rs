@@ -26,5 +26,5 @@ pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_fro
 pub use log::{EventLog, EventReader};
 pub use metrics::export_metrics;
 pub use position::{BadPosition, LogPosition};
-pub use publish::Publisher;
+pub use publish::{Publisher, publish_all};
 pub use snapshot::{LoadedSnapshot, start_from_snapshot};

@@ -21,12 +21,12 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use tokio::sync::broadcast;
-use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use tokio::sync::broadcast::error::RecvError;
 use tokio::task::JoinHandle;
 use turbine_kv::WorkerDump;
 use turbine_kv::index::Applied;
 use turbine_kv::{CachedBlock, Dump, EventBatch, KvEvent, KvIndex, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, TierSet, WorkerId};
-use turbine_kv_log::{DumpFetcher, EventLog, Publisher};
+use turbine_kv_log::{DumpFetcher, EventLog};
 
 use crate::KvStoreClient;
 use turbine_runtime::CancellationToken;
@@ -167,11 +167,6 @@ pub enum StoreEventSink {
     Index(Arc<KvIndex>),
 }
 
-/// Events per published batch at most.
-const BATCH_EVENTS: usize = 256;
-/// Batches waiting for Redis at most.
-const PENDING_BATCHES: usize = 64;
-
 /// Sends `announcer`'s changes, named as store `store_id`'s, to `sink`
 /// until `shutdown`.
 pub fn announce(announcer: Announcer, store_id: &str, sink: StoreEventSink, shutdown: CancellationToken) -> Option<JoinHandle<()>> {
@@ -184,48 +179,23 @@ pub fn announce(announcer: Announcer, store_id: &str, sink: StoreEventSink, shut
 }
 
 async fn publish(announcer: Announcer, store_id: String, log: EventLog, shutdown: CancellationToken) {
-    let mut events = announcer.subscribe();
+    let events = announcer.subscribe();
     announcer.announce_presence();
-    let mut publisher = Publisher::new(log, PENDING_BATCHES);
     let mut names = Names::new(store_id);
-    loop {
-        let mut received = Vec::new();
-        // Wait for a change unless batches are already waiting for Redis.
-        if publisher.is_idle() {
-            let next = tokio::select! {
-                () = shutdown.cancelled() => break,
-                next = events.recv() => next,
-            };
-            match next {
-                Ok(announced) => received.push(announced),
-                // Missed changes leave a gap: followers load a dump.
-                Err(RecvError::Lagged(missed)) => tracing::warn!(missed, "kv-store events dropped before publishing"),
-                Err(RecvError::Closed) => break,
-            }
-        }
-        while received.len() < BATCH_EVENTS {
-            match events.try_recv() {
-                Ok(announced) => received.push(announced),
-                Err(TryRecvError::Lagged(missed)) => tracing::warn!(missed, "kv-store events dropped before publishing"),
-                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
-            }
-        }
-        // One batch per fingerprint, each in order.
+    let instance = announcer.instance();
+    // One batch per fingerprint, each in order.
+    turbine_kv_log::publish_all(events, log, shutdown, "kv-store events", |received| {
         let mut batches: Vec<EventBatch> = Vec::new();
         for Announced { fingerprint, event } in received {
             let worker_id = names.of(fingerprint);
             match batches.iter_mut().find(|batch| batch.worker_id == worker_id) {
                 Some(batch) => batch.events.push(event),
-                None => batches.push(EventBatch { worker_id, instance: announcer.instance(), events: vec![event] }),
+                None => batches.push(EventBatch { worker_id, instance, events: vec![event] }),
             }
         }
-        for batch in batches {
-            publisher.push(batch);
-        }
-        if !publisher.flush(&shutdown).await {
-            return;
-        }
-    }
+        batches
+    })
+    .await;
 }
 
 async fn feed(announcer: Announcer, store_id: String, index: Arc<KvIndex>, shutdown: CancellationToken) {

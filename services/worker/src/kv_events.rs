@@ -8,18 +8,12 @@
 
 use std::sync::Arc;
 
-use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use tokio::sync::broadcast::error::RecvError;
 use turbine_kv::index::Applied;
 use turbine_kv::{EventBatch, KvIndex};
 use turbine_runtime::CancellationToken;
 
 use crate::worker::Worker;
-
-/// Events per published batch at most.
-const BATCH_EVENTS: usize = 256;
-/// Batches waiting for Redis at most; beyond that they are dropped and the
-/// followers resynchronise from a dump (they see the numbering gap).
-const PENDING_BATCHES: usize = 64;
 
 /// Keeps `index` in step with `worker`'s prefix cache until `shutdown`
 /// (or the engine stops); the worker is removed from the index then.
@@ -72,35 +66,8 @@ pub fn feed_index(worker: Arc<Worker>, index: Arc<KvIndex>, shutdown: Cancellati
 /// are dropped, which followers see as a gap and repair with a dump.
 pub fn publish_events(worker: Arc<Worker>, log: turbine_kv_log::EventLog, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let mut events = worker.engine().subscribe_events();
-        let mut publisher = turbine_kv_log::Publisher::new(log, PENDING_BATCHES);
-        loop {
-            let mut batch = Vec::new();
-            // Wait for an event unless batches are already waiting for Redis.
-            if publisher.is_idle() {
-                let event = tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    event = events.recv() => event,
-                };
-                match event {
-                    Ok(event) => batch.push(event),
-                    // Missed events leave a gap in the numbering: followers
-                    // load a dump.
-                    Err(RecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
-                    Err(RecvError::Closed) => break,
-                }
-            }
-            while batch.len() < BATCH_EVENTS {
-                match events.try_recv() {
-                    Ok(event) => batch.push(event),
-                    Err(TryRecvError::Lagged(missed)) => tracing::warn!(missed, "KV events dropped before publishing"),
-                    Err(TryRecvError::Empty | TryRecvError::Closed) => break,
-                }
-            }
-            publisher.push(EventBatch { worker_id: worker.id().clone(), instance: worker.instance(), events: batch });
-            if !publisher.flush(&shutdown).await {
-                return;
-            }
-        }
+        let events = worker.engine().subscribe_events();
+        let (worker_id, instance) = (worker.id().clone(), worker.instance());
+        turbine_kv_log::publish_all(events, log, shutdown, "KV events", |events| vec![EventBatch { worker_id: worker_id.clone(), instance, events }]).await;
     })
 }
