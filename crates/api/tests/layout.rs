@@ -1,0 +1,108 @@
+//! The layout the API crate exists for, read from `cargo metadata`: no
+//! service crate depends on another service crate, and the crates every
+//! service shares (the API, the contracts, the runtime, the KV log, the
+//! worker's client) link neither an engine nor a service.
+//!
+//! Service-to-service links from before the API crate are listed in
+//! `REMAINING`, each to go as the client it stands for moves into
+//! `turbine-api` (issue #52); a link not listed fails here, and so does a
+//! listed one that is gone (the list only shrinks).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+
+/// Service crates that still depend on another service crate: (from, to).
+const REMAINING: &[(&str, &str)] = &[
+    // The router's client.
+    ("turbine-gateway", "turbine-router"),
+    // The kv-store's dump fetcher (its client).
+    ("turbine-kv-index", "turbine-kv-store"),
+    ("turbine-router", "turbine-kv-store"),
+    // The kv-index's client.
+    ("turbine-router", "turbine-kv-index"),
+    // The kv-store's client, as the worker's shared tier.
+    ("turbine-worker", "turbine-kv-store"),
+];
+
+/// Crates that every service may link: none of them links an engine.
+const SHARED: &[&str] =
+    &["turbine-api", "turbine-proto", "turbine-runtime", "turbine-kv", "turbine-kv-log", "turbine-tokens", "turbine-registry", "turbine-worker-api"];
+
+/// Engines: what the shared crates must not link.
+const ENGINES: &[&str] = &["turbine-engine", "turbine-native"];
+
+struct Workspace {
+    /// Each workspace package's normal (not dev, not build) dependencies
+    /// within the workspace.
+    links: BTreeMap<String, BTreeSet<String>>,
+    /// The service crates (under `services/`).
+    services: BTreeSet<String>,
+}
+
+fn workspace() -> Workspace {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../../Cargo.toml");
+    let output = Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--no-deps", "--offline", "--manifest-path", manifest])
+        .output()
+        .expect("run cargo metadata");
+    assert!(output.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&output.stderr));
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).expect("cargo metadata's JSON");
+    let packages = metadata["packages"].as_array().expect("packages");
+    let names: BTreeSet<String> = packages.iter().map(|package| package["name"].as_str().unwrap().to_owned()).collect();
+    let mut links = BTreeMap::new();
+    let mut services = BTreeSet::new();
+    for package in packages {
+        let name = package["name"].as_str().unwrap().to_owned();
+        if package["manifest_path"].as_str().unwrap().contains("/services/") {
+            services.insert(name.clone());
+        }
+        let normal = package["dependencies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|dependency| dependency["kind"].is_null())
+            .map(|dependency| dependency["name"].as_str().unwrap().to_owned())
+            .filter(|dependency| names.contains(dependency))
+            .collect();
+        links.insert(name, normal);
+    }
+    Workspace { links, services }
+}
+
+#[test]
+fn no_service_crate_depends_on_another_beyond_the_links_still_to_remove() {
+    let workspace = workspace();
+    assert!(workspace.services.len() >= 6, "the services: {:?}", workspace.services);
+    let found: BTreeSet<(String, String)> = workspace
+        .services
+        .iter()
+        .flat_map(|service| workspace.links[service].iter().filter(|to| workspace.services.contains(*to)).map(move |to| (service.clone(), to.clone())))
+        .collect();
+    let remaining: BTreeSet<(String, String)> = REMAINING.iter().map(|(from, to)| ((*from).to_owned(), (*to).to_owned())).collect();
+    let new: Vec<_> = found.difference(&remaining).collect();
+    assert!(new.is_empty(), "a service crate links another service crate: {new:?}; share the types through turbine-api instead");
+    let gone: Vec<_> = remaining.difference(&found).collect();
+    assert!(gone.is_empty(), "these links are gone: take them off REMAINING: {gone:?}");
+}
+
+#[test]
+fn the_shared_crates_link_no_engine_and_no_service() {
+    let workspace = workspace();
+    for shared in SHARED {
+        // Everything the crate links, through the workspace.
+        let mut reached = BTreeSet::new();
+        let mut next = vec![(*shared).to_owned()];
+        while let Some(crate_name) = next.pop() {
+            for dependency in workspace.links.get(&crate_name).unwrap_or_else(|| panic!("{crate_name} is not in the workspace")) {
+                if reached.insert(dependency.clone()) {
+                    next.push(dependency.clone());
+                }
+            }
+        }
+        let engines: Vec<_> = reached.iter().filter(|name| ENGINES.contains(&name.as_str())).collect();
+        assert!(engines.is_empty(), "{shared} links an engine: {engines:?}");
+        let services: Vec<_> = reached.iter().filter(|name| workspace.services.contains(*name)).collect();
+        assert!(services.is_empty(), "{shared} links a service: {services:?}");
+    }
+}
