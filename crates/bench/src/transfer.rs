@@ -118,8 +118,8 @@ pub struct TransferReport {
 struct NoModel;
 
 impl Executor for NoModel {
-    fn execute(&mut self, _batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, String> {
-        Err("the transfer benchmark's owner runs no model".into())
+    fn execute(&mut self, _batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, turbine_engine::ExecutorError> {
+        Err(turbine_engine::ExecutorError::Compute("the transfer benchmark's owner runs no model".into()))
     }
 }
 

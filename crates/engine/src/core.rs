@@ -23,7 +23,7 @@ use crate::tiers::{
     BlockSource, FetchEstimates, HostBlock, HostTier, KvTiers, ModelledTransfer, OffloadBlock, ReadDone, ReadJob, RemoteOffload, RemoteTier, offload_evictions,
     spawn_offload, spawn_reader,
 };
-use crate::{EngineError, Result};
+use crate::{EngineError, ExecutorError, Result};
 use turbine_kv::BlockHashes;
 use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 
@@ -35,7 +35,7 @@ use turbine_kv::{CachedBlock, Dump, KvEvent, NumberedEvent, SequenceHash};
 /// sampled).
 pub trait Executor: Send + 'static {
     /// Computes one step.
-    fn execute(&mut self, batch: &Batch<'_>) -> std::result::Result<Vec<Option<Sampled>>, String>;
+    fn execute(&mut self, batch: &Batch<'_>) -> std::result::Result<Vec<Option<Sampled>>, ExecutorError>;
 
     /// Called when a sequence ends or is aborted, to drop per-sequence state.
     fn release(&mut self, _seq_id: SeqId) {}
@@ -44,8 +44,8 @@ pub trait Executor: Send + 'static {
     /// [`KvMemory`](crate::KvMemory) describes) into `block` of the pool:
     /// installing KV computed by another worker. Engines without such
     /// memory refuse, and the sequence is computed here instead.
-    fn write_block(&mut self, _block: BlockId, _bytes: &[u8]) -> std::result::Result<(), String> {
-        Err("this engine cannot install KV blocks from another worker".into())
+    fn write_block(&mut self, _block: BlockId, _bytes: &[u8]) -> std::result::Result<(), ExecutorError> {
+        Err(ExecutorError::CannotInstall)
     }
 }
 
@@ -788,11 +788,11 @@ impl EngineLoop {
         let sampled = match sampled {
             Ok(sampled) if sampled.len() == plan.len() => sampled,
             Ok(sampled) => {
-                self.fail_batch(&plan, &format!("executor returned {} results for {} items", sampled.len(), plan.len()));
+                self.fail_batch(&plan, ExecutorError::WrongResults { expected: plan.len(), got: sampled.len() });
                 return;
             }
-            Err(message) => {
-                self.fail_batch(&plan, &message);
+            Err(error) => {
+                self.fail_batch(&plan, error);
                 return;
             }
         };
@@ -847,11 +847,11 @@ impl EngineLoop {
         }
     }
 
-    fn fail_batch(&mut self, plan: &[ScheduledChunk], message: &str) {
-        tracing::error!(error = message, "executor failed a step");
+    fn fail_batch(&mut self, plan: &[ScheduledChunk], error: ExecutorError) {
+        tracing::error!(%error, "executor failed a step");
         for chunk in plan {
             if let Some(sender) = self.outputs.remove(&chunk.seq_id) {
-                let _ = sender.send(EngineOutput::Failed(EngineError::Executor(message.to_owned())));
+                let _ = sender.send(EngineOutput::Failed(EngineError::Executor(error.clone())));
             }
             self.scheduler.abort(chunk.seq_id);
             self.executor.release(chunk.seq_id);

@@ -23,6 +23,7 @@ pub mod scheduler;
 pub mod tiers;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
+
 pub use kv_memory::{DeviceKv, DeviceMemory, KvAllocator, KvBuffer, KvLayout, KvMemory, UcxRegion, block_checksum};
 pub use request::{
     EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
@@ -46,7 +47,38 @@ pub enum EngineError {
     ShuttingDown,
     /// The model failed while computing a step.
     #[error("the model failed: {0}")]
-    Executor(String),
+    Executor(ExecutorError),
+}
+
+/// Why an [`Executor`] could not compute a step or install a block.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExecutorError {
+    /// The step's computation failed (a kernel, the device, memory).
+    #[error("{0}")]
+    Compute(String),
+    /// The executor answered a step with the wrong number of results.
+    #[error("the executor returned {got} results for {expected} items")]
+    WrongResults {
+        /// Items in the step.
+        expected: usize,
+        /// Results returned.
+        got: usize,
+    },
+    /// This engine keeps no KV memory another worker's blocks could be
+    /// written into (it computes them instead).
+    #[error("this engine cannot install KV blocks from another worker")]
+    CannotInstall,
+    /// A block's bytes are not the pool's block size.
+    #[error("a block is {expected} bytes, got {got}")]
+    BlockSize {
+        /// The pool's block size.
+        expected: usize,
+        /// The bytes offered.
+        got: usize,
+    },
+    /// Writing a block into the pool failed.
+    #[error("cannot write the block: {0}")]
+    Install(String),
 }
 
 impl From<AdmissionError> for EngineError {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::ExecutorError;
 use crate::core::Executor;
 use crate::request::Sampled;
 use crate::scheduler::Batch;
@@ -89,7 +90,7 @@ impl MockExecutor {
 }
 
 impl Executor for MockExecutor {
-    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, String> {
+    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, ExecutorError> {
         self.sleep(self.timing.step_duration(batch));
         let sampled = batch
             .items
@@ -114,7 +115,7 @@ impl Executor for MockExecutor {
 
     /// The mocker holds no KV bytes: an installed block is only its hash
     /// (its transfer time is modelled by the worker).
-    fn write_block(&mut self, _block: u32, _bytes: &[u8]) -> Result<(), String> {
+    fn write_block(&mut self, _block: u32, _bytes: &[u8]) -> Result<(), ExecutorError> {
         Ok(())
     }
 }

@@ -1,10 +1,12 @@
 //! The engine thread with the mocker: streaming, cancellation, overload and
-//! shutdown, through the public handle.
+//! shutdown, through the public handle; and an executor that fails.
 
 use std::time::Duration;
 
 use turbine_engine::mocker::{MockExecutor, MockTiming};
-use turbine_engine::{EngineError, EngineHandle, EngineOutput, FinishReason, GenerateRequest, SchedulerConfig, StopConditions};
+use turbine_engine::{
+    Batch, EngineError, EngineHandle, EngineOutput, Executor, ExecutorError, FinishReason, GenerateRequest, Sampled, SchedulerConfig, StopConditions,
+};
 
 fn engine(speedup: f64, config: SchedulerConfig) -> EngineHandle {
     let executor = MockExecutor::new(MockTiming { speedup }, (100..200).collect(), Some(2));
@@ -103,4 +105,33 @@ async fn shutdown_fails_sequences_still_running() {
     let (_, last) = collect(stream).await;
     assert_eq!(last, EngineOutput::Failed(EngineError::ShuttingDown));
     assert!(matches!(engine.generate(request(16, 1)), Err(EngineError::ShuttingDown)));
+}
+
+/// Fails every step whose batch holds a prompt of `poison` tokens, with
+/// an error of its own kind; answers the others with token 7.
+struct Failing {
+    poison: usize,
+}
+
+impl Executor for Failing {
+    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, ExecutorError> {
+        if batch.items.iter().any(|item| item.tokens.len() == self.poison) {
+            return Err(ExecutorError::Compute("out of device memory".into()));
+        }
+        Ok(batch.items.iter().map(|item| item.sample.then(|| Sampled::token(7))).collect())
+    }
+}
+
+#[tokio::test]
+async fn an_executor_failure_fails_its_step_typed_and_the_engine_serves_on() {
+    let engine = EngineHandle::spawn(SchedulerConfig::default(), vec![], Box::new(Failing { poison: 13 }));
+    let (_, last) = collect(engine.generate(request(13, 4)).unwrap()).await;
+    assert_eq!(last, EngineOutput::Failed(EngineError::Executor(ExecutorError::Compute("out of device memory".into()))));
+    if let EngineOutput::Failed(error) = &last {
+        assert_eq!(error.to_string(), "the model failed: out of device memory");
+    }
+    let (tokens, last) = collect(engine.generate(request(16, 3)).unwrap()).await;
+    assert_eq!(tokens, [7, 7, 7]);
+    assert!(matches!(last, EngineOutput::Finished { reason: FinishReason::Length, .. }), "{last:?}");
+    engine.shutdown();
 }

@@ -16,8 +16,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use turbine_engine::{
-    Batch, DiskTier, EngineHandle, EngineOutput, Executor, FetchPolicy, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory, KvTiers,
-    RemoteStore, RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
+    Batch, DiskTier, EngineHandle, EngineOutput, Executor, ExecutorError, FetchPolicy, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory,
+    KvTiers, RemoteStore, RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
 };
 use turbine_kv::{BlockHasher, BlockHashes, KvEvent, SequenceHash};
 use turbine_testkit::wait_until;
@@ -52,7 +52,7 @@ impl ChainExecutor {
 }
 
 impl Executor for ChainExecutor {
-    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, String> {
+    fn execute(&mut self, batch: &Batch<'_>) -> Result<Vec<Option<Sampled>>, ExecutorError> {
         let mut sampled = Vec::new();
         for item in &batch.items {
             let mut last = 0;
@@ -66,10 +66,10 @@ impl Executor for ChainExecutor {
         Ok(sampled)
     }
 
-    fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), String> {
+    fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ExecutorError> {
         let block_bytes = BLOCK_SIZE * SLOT;
         if bytes.len() != block_bytes {
-            return Err(format!("a block is {block_bytes} bytes, got {}", bytes.len()));
+            return Err(ExecutorError::BlockSize { expected: block_bytes, got: bytes.len() });
         }
         // SAFETY: a free block the engine handed over for this write.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.buffer.as_ptr().add(block as usize * block_bytes), block_bytes) };

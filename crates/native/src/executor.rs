@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use turbine_engine::{Batch, Executor, KvAllocator, KvMemory, Sampled};
+use turbine_engine::{Batch, Executor, ExecutorError, KvAllocator, KvMemory, Sampled};
 use turbine_tokens::Gguf;
 
 use crate::candle_backend::{CandleCache, CandleModel};
@@ -199,7 +199,7 @@ fn open_cuda(ordinal: usize) -> Result<candle_core::Device> {
 }
 
 impl Executor for NativeExecutor {
-    fn execute(&mut self, batch: &Batch<'_>) -> std::result::Result<Vec<Option<Sampled>>, String> {
+    fn execute(&mut self, batch: &Batch<'_>) -> std::result::Result<Vec<Option<Sampled>>, ExecutorError> {
         let sequences: Vec<SequenceRows<'_>> = batch
             .items
             .iter()
@@ -214,7 +214,7 @@ impl Executor for NativeExecutor {
             Compute::Kernels { model, cache, pool } => model.forward(&sequences, cache, pool),
             Compute::Candle { model, cache } => model.forward(&sequences, cache),
         };
-        let mut logits = logits.map_err(|error| error.to_string())?;
+        let mut logits = logits.map_err(|error| ExecutorError::Compute(error.to_string()))?;
         let vocab = self.config.vocab;
         let mut rows = logits.chunks_exact_mut(vocab);
         Ok(batch
@@ -231,10 +231,10 @@ impl Executor for NativeExecutor {
             .collect())
     }
 
-    fn write_block(&mut self, block: u32, bytes: &[u8]) -> std::result::Result<(), String> {
+    fn write_block(&mut self, block: u32, bytes: &[u8]) -> std::result::Result<(), ExecutorError> {
         match &mut self.compute {
-            Compute::Kernels { cache, .. } => cache.write_block(block, bytes).map_err(|error| error.to_string()),
-            Compute::Candle { cache, .. } => cache.write_block(block, bytes).map_err(|error| error.to_string()),
+            Compute::Kernels { cache, .. } => cache.write_block(block, bytes).map_err(|error| ExecutorError::Install(error.to_string())),
+            Compute::Candle { cache, .. } => cache.write_block(block, bytes).map_err(|error| ExecutorError::Install(error.to_string())),
         }
     }
 }
