@@ -255,7 +255,7 @@ async fn read_ucx(args: &TransferBenchArgs, handle: &KvHandle, client: KvTransfe
     // One buffer for every batch, as the decode worker reuses its own.
     let mut buffer = Vec::new();
     for batch in 0..=args.batches {
-        let pulled = agent.pull(&region, &offsets, args.block_bytes, buffer, Duration::from_secs(5)).await.map_err(anyhow::Error::msg)?;
+        let pulled = agent.pull(&region, &offsets, args.block_bytes, buffer, Duration::from_secs(5)).await?;
         if batch == 0 {
             verify(handle, &pulled.bytes, args.block_bytes)?;
         } else {

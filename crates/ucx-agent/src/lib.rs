@@ -58,7 +58,24 @@ pub(crate) struct Job {
     pub(crate) block_bytes: usize,
     pub(crate) into: Vec<u8>,
     pub(crate) deadline: Instant,
-    pub(crate) reply: tokio::sync::oneshot::Sender<Result<Pulled, String>>,
+    pub(crate) reply: tokio::sync::oneshot::Sender<Result<Pulled, PullError>>,
+}
+
+/// Why a read of a peer's blocks failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    /// A block asked for lies outside the region the peer described.
+    #[error("block at offset {0} lies outside the peer's region")]
+    OutsideRegion(u64),
+    /// The UCX thread has stopped (the agent is shutting down).
+    #[error("the UCX thread stopped")]
+    Stopped,
+    /// The UCX thread dropped the read or did not answer in time.
+    #[error("the UCX thread did not answer in time")]
+    NoAnswer,
+    /// UCX failed the read (the peer, its key, the transfer, the deadline).
+    #[error(transparent)]
+    Failed(#[from] turbine_ucx::WaitError),
 }
 /// The UCX thread of a worker.
 pub struct UcxAgent {
@@ -171,9 +188,9 @@ impl UcxAgent {
     /// Reads `block_bytes` at each of `offsets` (relative to the peer's
     /// region) into `into` (resized; pass a used buffer back to skip
     /// faulting in fresh pages), giving up after `timeout`.
-    pub async fn pull(&self, peer: &UcxRegion, offsets: &[u64], block_bytes: usize, into: Vec<u8>, timeout: Duration) -> Result<Pulled, String> {
+    pub async fn pull(&self, peer: &UcxRegion, offsets: &[u64], block_bytes: usize, into: Vec<u8>, timeout: Duration) -> Result<Pulled, PullError> {
         if let Some(&offset) = offsets.iter().find(|&&offset| offset.saturating_add(block_bytes as u64) > peer.length) {
-            return Err(format!("block at offset {offset} lies outside the peer's region"));
+            return Err(PullError::OutsideRegion(offset));
         }
         let (reply, answer) = tokio::sync::oneshot::channel();
         let give_up = tokio::time::Instant::now() + timeout + ABANDON_GRACE + Duration::from_secs(1);
@@ -188,11 +205,11 @@ impl UcxAgent {
             deadline: Instant::now() + timeout,
             reply,
         };
-        self.jobs.as_ref().ok_or("the UCX thread stopped")?.send(job).map_err(|_| "the UCX thread stopped".to_owned())?;
+        self.jobs.as_ref().ok_or(PullError::Stopped)?.send(job).map_err(|_| PullError::Stopped)?;
         self.waker.wake();
         match tokio::time::timeout_at(give_up, answer).await {
-            Ok(answer) => answer.map_err(|_| "the UCX thread dropped the read".to_owned())?,
-            Err(_) => Err("the UCX thread did not answer in time".to_owned()),
+            Ok(answer) => answer.map_err(|_| PullError::NoAnswer)?,
+            Err(_) => Err(PullError::NoAnswer),
         }
     }
 }
@@ -204,5 +221,19 @@ impl Drop for UcxAgent {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_read_outside_the_peers_region_is_refused_before_ucx_sees_it() {
+        let agent = UcxAgent::start(None, None).expect("a UCX agent without memory");
+        let peer = UcxRegion { worker_address: vec![1], remote_key: vec![1], base_address: 4096, length: 100, ..UcxRegion::default() };
+        let refused = agent.pull(&peer, &[0, 96], 8, Vec::new(), Duration::from_secs(1)).await;
+        assert!(matches!(refused, Err(PullError::OutsideRegion(96))), "{refused:?}");
+        assert_eq!(refused.unwrap_err().to_string(), "block at offset 96 lies outside the peer's region");
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use turbine_ucx::{Endpoint, RemoteKey, UcxError, WaitError, Worker};
 
 use crate::copy::{Copier, copy_threads};
-use crate::{ABANDON_GRACE, Job, Pulled};
+use crate::{ABANDON_GRACE, Job, PullError, Pulled};
 
 /// Endpoints of one UCX worker by peer address.
 struct Endpoints<'w> {
@@ -172,7 +172,7 @@ fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &std::
                     Err(_) => shm.drop_peer(&job.shm_peer),
                     Ok(_) => {}
                 }
-                let _ = job.reply.send(result.map_err(|error| error.to_string()));
+                let _ = job.reply.send(result.map_err(PullError::from));
                 return;
             }
             Err(error) => {
@@ -201,7 +201,7 @@ fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &std::
         }
         Ok(_) => {}
     }
-    let _ = job.reply.send(result.map_err(|error| error.to_string()));
+    let _ = job.reply.send(result.map_err(PullError::from));
 }
 
 /// Reads a job's blocks through `endpoint`: copied out of the peer's

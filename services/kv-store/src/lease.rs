@@ -117,7 +117,7 @@ impl DataPath {
         with: impl FnOnce(&[u8]) -> R + Send + 'static,
     ) -> Result<R, String> {
         let mut buffer = self.staged.lock().await;
-        let pulled = self.agent.pull(region, offsets, block_bytes, std::mem::take(&mut *buffer), timeout).await?;
+        let pulled = self.agent.pull(region, offsets, block_bytes, std::mem::take(&mut *buffer), timeout).await.map_err(|error| error.to_string())?;
         let (result, bytes) =
             tokio::task::spawn_blocking(move || (with(&pulled.bytes), pulled.bytes)).await.map_err(|_| "the store failed while storing staged blocks")?;
         *buffer = bytes;
@@ -370,7 +370,7 @@ impl UcxLink {
         if offsets.is_empty() {
             return Ok(into);
         }
-        Ok(self.agent.pull(&lease.region, &offsets, piece, into, timeout).await?.bytes)
+        Ok(self.agent.pull(&lease.region, &offsets, piece, into, timeout).await.map_err(|error| error.to_string())?.bytes)
     }
 
     /// The leading blocks of `hashes` the store behind `client` holds, read

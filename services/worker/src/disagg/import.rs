@@ -142,7 +142,8 @@ impl Disagg {
         // A second plus the time at 0.5 GB/s (far below any UCX transport's),
         // at most PULL_TIMEOUT: a dead peer costs no more than that.
         let deadline = (Duration::from_secs(1) + Duration::from_secs_f64((offsets.len() * block_bytes) as f64 / 0.5e9)).min(PULL_TIMEOUT);
-        let pulled = agent.pull(&region, &offsets, block_bytes, self.staging_buffer(), deadline).await.map_err(ImportError::Transfer)?;
+        let pulled =
+            agent.pull(&region, &offsets, block_bytes, self.staging_buffer(), deadline).await.map_err(|error| ImportError::Transfer(error.to_string()))?;
         metrics::kv_ucx_read(&self.worker_id, pulled.post, pulled.mapped);
         Ok(pulled.bytes)
     }
