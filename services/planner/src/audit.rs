@@ -46,7 +46,7 @@ async fn fetch(args: &HistoryArgs) -> Result<Vec<Decision>, crate::PlannerClient
     let mut decisions = Vec::new();
     let mut token: Option<String> = None;
     while decisions.len() < args.limit as usize {
-        let page_size = (args.limit as usize - decisions.len()).min(crate::service::MAX_PAGE as usize) as u32;
+        let page_size = (args.limit as usize - decisions.len()).min(crate::ledger::MAX_PAGE as usize) as u32;
         let page = client.history(page_size, token.as_deref()).await?;
         decisions.extend(page.decisions);
         match page.next_page_token {

@@ -24,7 +24,6 @@ use crate::hosted::HostedConnector;
 use crate::kubernetes::KubernetesConnector;
 use crate::ledger::{Ledger, LedgerError};
 use crate::local::LocalConnector;
-use crate::service::now_unix_ms;
 use crate::targets::PoolKind;
 
 /// Workers draining, per pool, as a connector that drains them counts
@@ -213,7 +212,10 @@ pub async fn execute(ledger: &Ledger, connector: &Connector, actions: &[Action])
 /// failed, superseded by it.
 pub async fn supersede(ledger: &Ledger, pending: &[Action], action: &Action) -> Result<(), LedgerError> {
     for older in pending.iter().filter(|older| older.pool == action.pool && older.id != action.id) {
-        if ledger.end_action(&older.id, ActionState::Failed, &format!("superseded by {} before it was carried out", action.id), now_unix_ms()).await? {
+        if ledger
+            .end_action(&older.id, ActionState::Failed, &format!("superseded by {} before it was carried out", action.id), ledger.clock().now_unix_ms())
+            .await?
+        {
             tracing::info!(action = older.id, by = action.id, "action superseded");
         }
     }
@@ -265,14 +267,14 @@ async fn carry_out(ledger: &Ledger, connector: &Connector, action: &Action, kind
     match outcome {
         Outcome::Done(message) => {
             tracing::info!(action = action.id, message, "action done");
-            ledger.end_action(&action.id, ActionState::Done, &message, now_unix_ms()).await?;
+            ledger.end_action(&action.id, ActionState::Done, &message, ledger.clock().now_unix_ms()).await?;
         }
         Outcome::Awaiting(message) => {
-            ledger.note_pending_action(&action.id, &message, now_unix_ms()).await?;
+            ledger.note_pending_action(&action.id, &message, ledger.clock().now_unix_ms()).await?;
         }
         Outcome::Failed(message) => {
             tracing::warn!(action = action.id, message, "action failed");
-            ledger.end_action(&action.id, ActionState::Failed, &message, now_unix_ms()).await?;
+            ledger.end_action(&action.id, ActionState::Failed, &message, ledger.clock().now_unix_ms()).await?;
         }
     }
     Ok(())

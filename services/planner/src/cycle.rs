@@ -20,7 +20,7 @@ use crate::observe::Observer;
 use crate::predict::{Forecaster, Load};
 use crate::profile::Profile;
 use crate::propose::{Corrections, Proposal, backlogged, corrections_over, decode_in_flight, propose, propose_queued};
-use crate::service::PlannerState;
+use crate::state::PlannerState;
 use crate::targets::{PoolKind, Predictor, Targets};
 
 /// How often a planner without targets looks for them.
@@ -100,7 +100,7 @@ pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, sh
         };
         match observer.observe(&targets).await {
             Ok(Some(observed)) => {
-                let now = crate::service::now_unix_ms();
+                let now = state.ledger().clock().now_unix_ms();
                 let recorded = if online { decide_and_record(&state, &targets, paused, &sizing, &observed, now, &mut memory).await } else { Err(None) };
                 match recorded {
                     Ok(()) => {}

@@ -14,6 +14,7 @@ use std::time::Duration;
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
+use crate::clock::Clock;
 use crate::decision::{Action, ActionState, Decision, Observation};
 use crate::predict::Load;
 use crate::targets::Targets;
@@ -91,7 +92,11 @@ pub struct Ledger {
     pool: AnyPool,
     namespace: String,
     backend: Backend,
+    clock: Clock,
 }
+
+/// Most decisions one history page holds (`History`'s `page_size`).
+pub const MAX_PAGE: u32 = 1000;
 
 /// How long a statement may wait for a connection.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -113,7 +118,18 @@ impl Ledger {
         };
         let pool = AnyPoolOptions::new().max_connections(connections).acquire_timeout(ACQUIRE_TIMEOUT).connect(&url).await?;
         MIGRATOR.run(&pool).await?;
-        Ok(Self { pool, namespace: namespace.to_owned(), backend })
+        Ok(Self { pool, namespace: namespace.to_owned(), backend, clock: Clock::System })
+    }
+
+    /// The same ledger, its records stamped by `clock`.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The clock its records are stamped by.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     /// Which database it is.

@@ -26,6 +26,9 @@
 //! - [`audit`]: `turbine planner history`, decisions in words;
 //! - [`ledger`]: the state in PostgreSQL or SQLite (targets, the pause
 //!   switch, decisions, actions), migrated at start;
+//! - [`state`]: what the cycle and the service share (the ledger, the
+//!   decisions as recorded, the connector); [`clock`]: the time the
+//!   ledger stamps records with (the system's, or a test's);
 //! - [`service`]: `turbine.planner.v1.Planner` over the ledger, and
 //!   [`serve()`]: the planner on the service host, who may call what
 //!   ([`ROLES`]); [`PlannerConfig`]: configuration and flags;
@@ -34,6 +37,7 @@
 pub mod audit;
 pub mod backtest;
 pub mod client;
+pub mod clock;
 pub mod config;
 pub mod connector;
 pub mod constrain;
@@ -51,12 +55,15 @@ pub mod prom;
 pub mod propose;
 pub mod serve;
 pub mod service;
+pub mod state;
 pub mod targets;
 
 pub use client::{HistoryPage, PlannerClient, PlannerClientError};
+pub use clock::Clock;
 pub use config::PlannerConfig;
 pub use decision::{Action, ActionState, Decision, Malformed, Observation, Plan, PoolDecision, PoolState, Prediction};
 pub use ledger::{Backend, Control, Ledger, LedgerError};
 pub use serve::{ROLES, main, serve};
-pub use service::{PlannerService, PlannerState};
+pub use service::PlannerService;
+pub use state::PlannerState;
 pub use targets::{PoolKind, PoolLimits, Predictor, Targets, TargetsError};

@@ -15,7 +15,8 @@ use crate::ledger::Ledger;
 use crate::local::LocalConnector;
 use crate::observe::Observer;
 use crate::profile::Profile;
-use crate::service::{PlannerService, PlannerState};
+use crate::service::PlannerService;
+use crate::state::PlannerState;
 use turbine_registry::{RedisRegistry, Registry};
 
 /// Who may call each rpc of `turbine.planner.v1.Planner`: reading the plan

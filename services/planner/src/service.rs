@@ -1,9 +1,7 @@
 //! The gRPC shell over the ledger: `turbine.planner.v1.Planner`.
 
 use std::pin::Pin;
-use std::sync::Arc;
 
-use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 use tokio_stream::{Stream, StreamExt};
@@ -11,71 +9,16 @@ use tonic::{Request, Response, Status};
 use turbine_proto::planner::v1::{self as pb, planner_server};
 use turbine_runtime::CancellationToken;
 
-use crate::connector::Connector;
-use crate::decision::{ActionState, Decision, Plan};
-use crate::ledger::{Ledger, LedgerError};
+use crate::decision::{ActionState, Plan};
+use crate::ledger::{LedgerError, MAX_PAGE};
+use crate::state::{PlannerState, WATCH_BUFFER};
 use crate::targets::Targets;
-
-/// Decisions a watcher may fall behind by before its stream is ended.
-pub const WATCH_BUFFER: usize = 64;
 
 /// Longest pause reason, bytes.
 pub const MAX_REASON: usize = 1024;
 
-/// Most decisions per History page.
-pub const MAX_PAGE: u32 = 1000;
-
 /// Decisions per History page when the caller names none.
 pub const DEFAULT_PAGE: u32 = 100;
-
-/// The planner's state as the service shares it: the ledger, the
-/// decisions as they are recorded, for watchers, and the connector that
-/// carries out their actions.
-#[derive(Debug, Clone)]
-pub struct PlannerState {
-    ledger: Ledger,
-    decisions: broadcast::Sender<Arc<Decision>>,
-    connector: Connector,
-}
-
-impl PlannerState {
-    /// The state kept in `ledger`, its actions carried out by the
-    /// `virtual` connector.
-    pub fn new(ledger: Ledger) -> Self {
-        Self::with_connector(ledger, Connector::Virtual)
-    }
-
-    /// The state kept in `ledger`, its actions carried out by `connector`.
-    pub fn with_connector(ledger: Ledger, connector: Connector) -> Self {
-        Self { ledger, decisions: broadcast::channel(WATCH_BUFFER).0, connector }
-    }
-
-    /// The ledger.
-    pub fn ledger(&self) -> &Ledger {
-        &self.ledger
-    }
-
-    /// The connector.
-    pub fn connector(&self) -> &Connector {
-        &self.connector
-    }
-
-    /// Records `decision` and hands it to every watcher.
-    pub async fn record(&self, decision: Decision) -> Result<(), LedgerError> {
-        self.ledger.record(&decision).await?;
-        // No watcher is not an error.
-        let _ = self.decisions.send(Arc::new(decision));
-        Ok(())
-    }
-
-    /// Records a decision made while the database was unreachable
-    /// ([`Ledger::record_late`]) and publishes it to the watchers.
-    pub async fn record_late(&self, decision: Decision) -> Result<(), LedgerError> {
-        self.ledger.record_late(&decision).await?;
-        let _ = self.decisions.send(Arc::new(decision));
-        Ok(())
-    }
-}
 
 /// The service.
 #[derive(Debug, Clone)]
@@ -101,11 +44,6 @@ impl PlannerService {
         }
         Ok(pb::Plan::from(&plan))
     }
-}
-
-/// Now, milliseconds since the Unix epoch.
-pub(crate) fn now_unix_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64)
 }
 
 /// A ledger failure as the caller sees it: the planner's database cannot
@@ -144,7 +82,7 @@ impl planner_server::Planner for PlannerService {
 
     async fn watch_plan(&self, _request: Request<pb::WatchPlanRequest>) -> Result<Response<DecisionStream>, Status> {
         // Subscribe before reading the latest, so nothing falls between.
-        let decisions = self.state.decisions.subscribe();
+        let decisions = self.state.subscribe();
         let latest = self.state.ledger().latest().await.map_err(unavailable)?;
         let sent = latest.as_ref().map_or(0, |decision| decision.id);
         let first = tokio_stream::iter(latest.map(|decision| Ok(pb::Decision::from(&decision))));
@@ -161,7 +99,7 @@ impl planner_server::Planner for PlannerService {
     async fn set_targets(&self, request: Request<pb::SetTargetsRequest>) -> Result<Response<pb::SetTargetsResponse>, Status> {
         let targets = request.into_inner().targets.ok_or_else(|| Status::invalid_argument("targets: required"))?;
         let targets = Targets::try_from(targets).map_err(|error| Status::invalid_argument(error.to_string()))?;
-        self.state.ledger().set_targets(&targets, now_unix_ms()).await.map_err(unavailable)?;
+        self.state.ledger().set_targets(&targets, self.state.ledger().clock().now_unix_ms()).await.map_err(unavailable)?;
         tracing::info!(?targets, "targets set");
         Ok(Response::new(pb::SetTargetsResponse { targets: Some(pb::Targets::from(&targets)) }))
     }
@@ -190,13 +128,13 @@ impl planner_server::Planner for PlannerService {
         if reason.len() > MAX_REASON {
             return Err(Status::invalid_argument(format!("reason: {} bytes, at most {MAX_REASON}", reason.len())));
         }
-        self.state.ledger().set_paused(true, &reason, now_unix_ms()).await.map_err(unavailable)?;
+        self.state.ledger().set_paused(true, &reason, self.state.ledger().clock().now_unix_ms()).await.map_err(unavailable)?;
         tracing::info!(reason, "planner paused");
         Ok(Response::new(pb::PauseResponse { plan: Some(self.plan().await?) }))
     }
 
     async fn resume(&self, _request: Request<pb::ResumeRequest>) -> Result<Response<pb::ResumeResponse>, Status> {
-        self.state.ledger().set_paused(false, "", now_unix_ms()).await.map_err(unavailable)?;
+        self.state.ledger().set_paused(false, "", self.state.ledger().clock().now_unix_ms()).await.map_err(unavailable)?;
         tracing::info!("planner resumed");
         Ok(Response::new(pb::ResumeResponse { plan: Some(self.plan().await?) }))
     }
@@ -223,7 +161,7 @@ impl planner_server::Planner for PlannerService {
             )));
         }
         let ledger = self.state.ledger();
-        let ended = ledger.end_action(&id, state, &message, now_unix_ms()).await.map_err(unavailable)?;
+        let ended = ledger.end_action(&id, state, &message, self.state.ledger().clock().now_unix_ms()).await.map_err(unavailable)?;
         let action =
             ledger.action(&id).await.map_err(unavailable)?.ok_or_else(|| Status::not_found(format!("id: no action {id:?} was issued by this planner")))?;
         let reported_before = action.state == state && action.message == message;
