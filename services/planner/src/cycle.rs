@@ -579,6 +579,15 @@ mod tests {
     use super::*;
     use crate::targets::{PoolKind, PoolLimits};
 
+    /// TTFT 10 ms at 100 tokens and 100 ms at 1,000; ITL 10 ms alone and
+    /// 20 ms at 16 sequences.
+    fn profile() -> Profile {
+        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
+        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
+        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
+        Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap()
+    }
+
     fn targets(predictor: Predictor) -> Targets {
         let pool = PoolLimits { pool: "workers".into(), kind: PoolKind::Aggregated, min_replicas: 1, max_replicas: 8 };
         Targets::new(300.0, 20.0, 90.0, vec![pool], 8, Duration::from_secs(5), Duration::from_secs(10), predictor).unwrap()
@@ -590,14 +599,11 @@ mod tests {
 
     #[tokio::test]
     async fn from_memory_a_pool_scales_up_but_is_never_proposed_below_its_last_plan() {
-        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
         let dir = tempfile::tempdir().unwrap();
         let ledger = crate::ledger::Ledger::open(&format!("sqlite:{}", dir.path().join("planner.sqlite").display()), "test").await.unwrap();
         // The virtual connector counts nothing: a pool runs what was decided.
         let state = PlannerState::new(ledger);
-        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
-        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
-        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let profile = profile();
         let sizing = Sizing { profile, season_intervals: 4 };
         let targets = targets(Predictor::Constant);
         let pool = |desired| PoolDecision {
@@ -661,10 +667,7 @@ mod tests {
 
     #[test]
     fn a_scale_down_is_sized_at_the_prompts_started_when_they_are_longer() {
-        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
-        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
-        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
-        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let profile = profile();
         let targets = targets(Predictor::Constant);
         let load = Load { request_rate: 10.0, isl_mean: 500.0, osl_mean: 50.0 };
         let at = |isl_mean| propose(&profile, &targets, &Load { isl_mean, ..load }, Corrections::default())[0].replicas;
@@ -710,10 +713,7 @@ mod tests {
     /// The profile knows no seat limit and would keep a worker or two.
     #[test]
     fn a_queue_with_a_missed_target_grows_the_pool_to_seat_it() {
-        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
-        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
-        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
-        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let profile = profile();
         let targets = targets(Predictor::Constant);
         let load = Load { request_rate: 8.0, isl_mean: 100.0, osl_mean: 100.0 };
         let seen = |queue_depth: f64, ttft_ms, replicas, running| Observation {
@@ -777,10 +777,7 @@ mod tests {
 
     #[test]
     fn requests_without_known_lengths_hold_the_pools() {
-        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
-        let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
-        let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
-        let profile = Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap();
+        let profile = profile();
         let current = HashMap::from([("workers".to_owned(), PoolSize { running: 5, decided: 5 })]);
         let unknown = Load { request_rate: 20.0, isl_mean: 0.0, osl_mean: 0.0 };
         let held = proposals(&profile, &targets(Predictor::Constant), &unknown, Corrections::default(), &current, &[], None);
