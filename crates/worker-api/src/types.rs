@@ -7,9 +7,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::Stream;
 use tonic::Code;
+use turbine_api::wire::{finish_reason, generate_request};
 use turbine_api::{FinishReason, GenerateRequest, KvLayout, TokenLogprobs, Usage};
 use turbine_kv::{BlockHashes, LocalBlockHash, SequenceHash, WorkerId};
-use turbine_proto::convert::{finish_reason, generate_request};
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::{ConversionError, ConversionResult};
 

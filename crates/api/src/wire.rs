@@ -1,0 +1,247 @@
+//! The request vocabulary to and from `turbine.worker.v1` (and the
+//! `UcxRegion` both kv-store and worker packages carry), beside the types:
+//! `TryFrom<pb::X>` checks what the wire cannot (missing messages, unknown
+//! enum values, ranges) and reports a [`ConversionError`]; `From<&X>` builds
+//! the message. Every conversion destructures its input exhaustively, so a
+//! field added to either side is a compile error here until it is handled.
+
+use turbine_proto::worker::v1 as pb;
+use turbine_proto::{ConversionError, ConversionResult};
+
+use crate::{FinishReason, GenerateRequest, KvLayout, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
+
+/// `UcxRegion` both ways for a package's copy of the message
+/// (`turbine.worker.v1` and `turbine.kvstore.v1` each carry one, field for
+/// field the same, so that neither package imports the other).
+macro_rules! ucx_region_conversions {
+    ($message:path) => {
+        impl From<&crate::UcxRegion> for $message {
+            fn from(region: &crate::UcxRegion) -> Self {
+                let crate::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
+                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
+            }
+        }
+
+        impl From<$message> for crate::UcxRegion {
+            fn from(region: $message) -> Self {
+                let $message { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
+                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
+            }
+        }
+    };
+}
+
+ucx_region_conversions!(turbine_proto::worker::v1::UcxRegion);
+ucx_region_conversions!(turbine_proto::kvstore::v1::UcxRegion);
+
+impl TryFrom<pb::SamplingParams> for SamplingParams {
+    type Error = ConversionError;
+
+    /// Checked against [`SamplingParams::validate`], the ranges the gateway
+    /// applies too.
+    fn try_from(sampling: pb::SamplingParams) -> ConversionResult<Self> {
+        let pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = sampling;
+        let sampling = SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs };
+        sampling.validate().map_err(|error| ConversionError::Invalid { field: error.param, message: error.message })?;
+        Ok(sampling)
+    }
+}
+
+impl From<&SamplingParams> for pb::SamplingParams {
+    fn from(sampling: &SamplingParams) -> Self {
+        let SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = *sampling;
+        pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs }
+    }
+}
+
+impl TryFrom<pb::StopConditions> for StopConditions {
+    type Error = ConversionError;
+
+    fn try_from(stop: pb::StopConditions) -> ConversionResult<Self> {
+        let pb::StopConditions { max_tokens, stop_token_ids, ignore_eos } = stop;
+        if max_tokens == 0 {
+            return Err(ConversionError::invalid("stop.max_tokens", "must be at least 1"));
+        }
+        Ok(StopConditions { max_tokens, stop_token_ids, ignore_eos })
+    }
+}
+
+impl From<&StopConditions> for pb::StopConditions {
+    fn from(stop: &StopConditions) -> Self {
+        let StopConditions { max_tokens, stop_token_ids, ignore_eos } = stop;
+        pb::StopConditions { max_tokens: *max_tokens, stop_token_ids: stop_token_ids.clone(), ignore_eos: *ignore_eos }
+    }
+}
+
+/// The parts of a `Generate` or `Prefill` call that make an engine request,
+/// checked (the prompt's ids against a vocabulary are the worker's to check).
+pub fn generate_request(
+    request_id: String,
+    prompt_token_ids: Vec<u32>,
+    sampling: Option<pb::SamplingParams>,
+    stop: Option<pb::StopConditions>,
+) -> ConversionResult<GenerateRequest> {
+    if prompt_token_ids.is_empty() {
+        return Err(ConversionError::invalid("prompt_token_ids", "must not be empty"));
+    }
+    let stop = StopConditions::try_from(stop.ok_or(ConversionError::Missing("stop.max_tokens"))?)?;
+    let sampling = sampling.map(SamplingParams::try_from).transpose()?.unwrap_or_default();
+    Ok(GenerateRequest { request_id, prompt: prompt_token_ids, sampling, stop })
+}
+
+impl From<&GenerateRequest> for pb::GenerateRequest {
+    /// The call without a remote prefill (the caller adds one).
+    fn from(request: &GenerateRequest) -> Self {
+        let GenerateRequest { request_id, prompt, sampling, stop } = request;
+        pb::GenerateRequest {
+            request_id: request_id.clone(),
+            prompt_token_ids: prompt.clone(),
+            sampling: Some(pb::SamplingParams::from(sampling)),
+            stop: Some(pb::StopConditions::from(stop)),
+            remote_prefill: None,
+        }
+    }
+}
+
+impl From<FinishReason> for pb::FinishReason {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => pb::FinishReason::Stop,
+            FinishReason::Length => pb::FinishReason::Length,
+        }
+    }
+}
+
+/// A response's finish reason: `None` while the stream goes on.
+pub fn finish_reason(value: i32) -> ConversionResult<Option<FinishReason>> {
+    match pb::FinishReason::try_from(value) {
+        Ok(pb::FinishReason::Unspecified) => Ok(None),
+        Ok(pb::FinishReason::Stop) => Ok(Some(FinishReason::Stop)),
+        Ok(pb::FinishReason::Length) => Ok(Some(FinishReason::Length)),
+        Err(_) => Err(ConversionError::UnknownEnum { field: "finish_reason", value }),
+    }
+}
+
+impl From<Usage> for pb::Usage {
+    fn from(usage: Usage) -> Self {
+        let Usage { prompt_tokens, completion_tokens, cached_prompt_tokens } = usage;
+        pb::Usage { prompt_tokens, completion_tokens, cached_prompt_tokens }
+    }
+}
+
+impl From<pb::Usage> for Usage {
+    fn from(usage: pb::Usage) -> Self {
+        let pb::Usage { prompt_tokens, completion_tokens, cached_prompt_tokens } = usage;
+        Usage { prompt_tokens, completion_tokens, cached_prompt_tokens }
+    }
+}
+
+impl From<TokenLogprobs> for pb::TokenLogprobs {
+    fn from(logprobs: TokenLogprobs) -> Self {
+        let TokenLogprobs { logprob, top } = logprobs;
+        pb::TokenLogprobs { logprob, top: top.into_iter().map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob }).collect() }
+    }
+}
+
+impl From<pb::TokenLogprobs> for TokenLogprobs {
+    fn from(logprobs: pb::TokenLogprobs) -> Self {
+        let pb::TokenLogprobs { logprob, top } = logprobs;
+        TokenLogprobs { logprob, top: top.into_iter().map(|pb::TopLogprob { token_id, logprob }| (token_id, logprob)).collect() }
+    }
+}
+
+impl From<Load> for pb::WorkerLoad {
+    fn from(load: Load) -> Self {
+        let Load { running, waiting, blocks_used, blocks_total } = load;
+        pb::WorkerLoad { running, waiting, blocks_used, blocks_total }
+    }
+}
+
+impl From<pb::WorkerLoad> for Load {
+    fn from(load: pb::WorkerLoad) -> Self {
+        let pb::WorkerLoad { running, waiting, blocks_used, blocks_total } = load;
+        Load { running, waiting, blocks_used, blocks_total }
+    }
+}
+
+impl From<&KvLayout> for pb::KvLayout {
+    fn from(layout: &KvLayout) -> Self {
+        let KvLayout { block_bytes, block_size, layers, kv_heads, head_dim, dtype, order } = layout;
+        pb::KvLayout {
+            block_bytes: *block_bytes as u64,
+            block_size: *block_size as u32,
+            layers: *layers as u32,
+            kv_heads: *kv_heads as u32,
+            head_dim: *head_dim as u32,
+            dtype: dtype.clone(),
+            order: order.clone(),
+        }
+    }
+}
+
+impl TryFrom<pb::KvLayout> for KvLayout {
+    type Error = ConversionError;
+
+    fn try_from(layout: pb::KvLayout) -> ConversionResult<Self> {
+        let pb::KvLayout { block_bytes, block_size, layers, kv_heads, head_dim, dtype, order } = layout;
+        let block_bytes =
+            usize::try_from(block_bytes).map_err(|_| ConversionError::invalid("layout.block_bytes", format!("{block_bytes} does not fit this machine")))?;
+        if block_bytes == 0 {
+            return Err(ConversionError::invalid("layout.block_bytes", "must be positive"));
+        }
+        Ok(KvLayout {
+            block_bytes,
+            block_size: block_size as usize,
+            layers: layers as usize,
+            kv_heads: kv_heads as usize,
+            head_dim: head_dim as usize,
+            dtype,
+            order,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stop() -> Option<pb::StopConditions> {
+        Some(pb::StopConditions { max_tokens: 4, stop_token_ids: vec![9], ignore_eos: true })
+    }
+
+    #[test]
+    fn a_valid_request_round_trips() {
+        let sampling = pb::SamplingParams { temperature: Some(0.5), ..Default::default() };
+        let request = generate_request("r".into(), vec![1, 2, 3], Some(sampling), stop()).unwrap();
+        let wire = pb::GenerateRequest::from(&request);
+        assert_eq!(
+            wire,
+            pb::GenerateRequest { request_id: "r".into(), prompt_token_ids: vec![1, 2, 3], sampling: Some(sampling), stop: stop(), remote_prefill: None }
+        );
+    }
+
+    #[test]
+    fn invalid_requests_name_the_field() {
+        let sampling = |sampling: pb::SamplingParams| generate_request("r".into(), vec![1], Some(sampling), stop()).unwrap_err().to_string();
+        assert!(generate_request("r".into(), vec![], None, stop()).unwrap_err().to_string().contains("prompt_token_ids"));
+        assert!(generate_request("r".into(), vec![1], None, None).unwrap_err().to_string().contains("max_tokens"));
+        let zero = Some(pb::StopConditions { max_tokens: 0, ..Default::default() });
+        assert!(generate_request("r".into(), vec![1], None, zero).unwrap_err().to_string().contains("max_tokens"));
+        assert!(sampling(pb::SamplingParams { temperature: Some(-1.0), ..Default::default() }).starts_with("temperature"));
+        assert!(sampling(pb::SamplingParams { top_p: Some(0.0), ..Default::default() }).starts_with("top_p"));
+        assert!(sampling(pb::SamplingParams { presence_penalty: Some(f32::NAN), ..Default::default() }).starts_with("presence_penalty"));
+        assert!(sampling(pb::SamplingParams { min_p: Some(1.5), ..Default::default() }).starts_with("min_p"));
+        assert!(sampling(pb::SamplingParams { repetition_penalty: Some(0.0), ..Default::default() }).starts_with("repetition_penalty"));
+        assert!(sampling(pb::SamplingParams { logprobs: Some(21), ..Default::default() }).starts_with("logprobs"));
+    }
+
+    #[test]
+    fn finish_reasons_and_layouts_convert() {
+        assert_eq!(finish_reason(pb::FinishReason::Unspecified as i32), Ok(None));
+        assert_eq!(finish_reason(pb::FinishReason::from(FinishReason::Length) as i32), Ok(Some(FinishReason::Length)));
+        assert!(finish_reason(7).is_err());
+        let layout = KvLayout::opaque(4096, "test");
+        assert_eq!(KvLayout::try_from(pb::KvLayout::from(&layout)).unwrap(), layout);
+        assert!(KvLayout::try_from(pb::KvLayout::default()).is_err(), "a zero block size is refused");
+    }
+}
