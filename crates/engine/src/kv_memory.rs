@@ -16,7 +16,6 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use xxhash_rust::xxh3::xxh3_64;
 
 pub use turbine_api::{KvLayout, UcxRegion};
 
@@ -254,10 +253,7 @@ impl KvMemory {
     }
 }
 
-/// The checksum every transferred block carries (XXH3-64 of its bytes).
-pub fn block_checksum(bytes: &[u8]) -> u64 {
-    xxh3_64(bytes)
-}
+pub use turbine_kv::block_checksum;
 
 #[cfg(test)]
 mod tests {

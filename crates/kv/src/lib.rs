@@ -7,6 +7,7 @@
 //! Dynamo's (XXH3-64, seed 1337, tokens as little-endian `u32`), so traces
 //! and tools interoperate. A LoRA adapter or tenant salt changes the seed.
 
+mod block;
 pub mod events;
 pub mod index;
 pub mod unregistered;
@@ -14,6 +15,7 @@ mod worker_id;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+pub use block::{HostBlock, block_checksum};
 pub use events::{CachedBlock, Dump, EventBatch, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet, WorkerDump};
 pub use index::{FindMatches, KvIndex, WorkerMatch};
 pub use unregistered::Unregistered;

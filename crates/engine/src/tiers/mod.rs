@@ -60,7 +60,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use turbine_kv::{BlockHashes, KvEvent, LocalBlockHash, SequenceHash, Tier};
+use turbine_kv::{BlockHashes, KvEvent, SequenceHash, Tier};
 
 use crate::kv_memory::{KvMemory, block_checksum};
 
@@ -68,26 +68,7 @@ pub use disk::DiskTier;
 pub use fetch::{FetchEstimates, FetchPolicy};
 pub use host::HostTier;
 pub use remote::{RemoteOffload, RemoteStore, RemoteTier};
-
-/// A block held below the pool, its bytes in the pool's layout.
-#[derive(Debug)]
-pub struct HostBlock {
-    /// Hash of the block's own tokens.
-    pub local: LocalBlockHash,
-    /// The sequence hash of the block before it (None: the first block).
-    pub parent: Option<SequenceHash>,
-    /// XXH3-64 of `bytes`, taken when the block was copied out of G1.
-    pub checksum: u64,
-    /// The block's bytes.
-    pub bytes: Box<[u8]>,
-}
-
-impl HostBlock {
-    /// Whether the bytes still match their checksum.
-    pub fn is_intact(&self) -> bool {
-        block_checksum(&self.bytes) == self.checksum
-    }
-}
+pub use turbine_kv::HostBlock;
 
 /// Counters of one tier, readable from any thread.
 #[derive(Debug, Default)]
