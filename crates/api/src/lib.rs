@@ -2,14 +2,23 @@
 //! service: what a generation request asks (prompt, sampling, when to
 //! stop), what comes back (finish reason, token accounting,
 //! log-probabilities), a worker's load, and how workers lay out and expose
-//! their KV blocks. The gateway and the worker's clients use these without
-//! linking an engine; the engine re-exports them (without the `grpc`
-//! feature: [`wire`], the conversions to and from the contracts).
+//! their KV blocks; one set of error codes ([`ErrorCode`]) every client's
+//! error maps through. The gateway and the worker's clients use these
+//! without linking an engine; the engine re-exports them.
+//!
+//! With the `grpc` feature (the default; an engine goes without it): the
+//! services' clients, each beside its own words ([`kv_store`]), and
+//! [`wire`], the request vocabulary to and from the contracts.
 
+mod error;
 mod kv;
+pub mod kv_store;
 mod request;
 #[cfg(feature = "grpc")]
 pub mod wire;
 
+pub use error::{ApiError, ErrorCode};
+#[cfg(feature = "grpc")]
+pub use error::{from_status, to_status};
 pub use kv::{KvLayout, UcxRegion};
 pub use request::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage};

@@ -15,9 +15,6 @@ use std::process::Command;
 const REMAINING: &[(&str, &str)] = &[
     // The router's client.
     ("turbine-gateway", "turbine-router"),
-    // The kv-store's dump fetcher (its client).
-    ("turbine-kv-index", "turbine-kv-store"),
-    ("turbine-router", "turbine-kv-store"),
     // The kv-index's client.
     ("turbine-router", "turbine-kv-index"),
     // The kv-store's client, as the worker's shared tier.

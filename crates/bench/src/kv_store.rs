@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde::Serialize;
+use turbine_api::kv_store::{Fingerprint, KvStoreClient};
 use turbine_engine::{HostBlock, block_checksum};
 use turbine_kv::{LocalBlockHash, SequenceHash};
-use turbine_kv_store::{Fingerprint, KvStoreClient};
 
 use crate::transfer::{median, perftest};
 
@@ -308,7 +308,7 @@ async fn put_ucx(
     fingerprint: Fingerprint,
     batch: &[(SequenceHash, Arc<HostBlock>)],
 ) -> anyhow::Result<Option<Vec<f64>>> {
-    let link = turbine_kv_store::UcxLink::with_staging(turbine_kv_store::wire::MAX_PUT_FROM_BYTES as usize).map_err(anyhow::Error::msg)?;
+    let link = turbine_kv_store::UcxLink::with_staging(turbine_api::kv_store::MAX_PUT_FROM_BYTES as usize).map_err(anyhow::Error::msg)?;
     let mut seconds = Vec::new();
     for round in 0..=args.batches {
         client.delete(fingerprint, &[]).await?;

@@ -189,7 +189,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     ));
     let fingerprint = turbine_kv_store::Fingerprint::new(1).expect("nonzero");
     let remote_over = |ucx: bool| -> anyhow::Result<RemoteTier> {
-        let tier = KvStoreTier::new(turbine_kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30));
+        let tier = KvStoreTier::new(turbine_api::kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30));
         let tier = if ucx { tier } else { tier.without_ucx() };
         Ok(RemoteTier::new(std::sync::Arc::new(tier), 2))
     };

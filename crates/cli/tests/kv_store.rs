@@ -66,7 +66,7 @@ async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_
     let prompt: Vec<u32> = (0..384u32).map(|i| 200 + (i * 37) % 20_000).collect();
 
     let computed = generate(&a, &prompt).await;
-    let store_client = turbine_kv_store::KvStoreClient::connect(&endpoint).unwrap();
+    let store_client = turbine_api::kv_store::KvStoreClient::connect(&endpoint).unwrap();
     wait_until("A's blocks are in the store", Duration::from_secs(30), async || store_client.stats().await.is_ok_and(|stats| stats.put_blocks >= 23)).await;
     assert_eq!(generate(&b, &prompt).await, computed, "B decodes A's prefix from the store");
 
@@ -84,7 +84,7 @@ async fn a_prefix_moves_between_worker_processes_through_the_store_and_a_killed_
     assert_eq!(name.store_part().map(|(store_id, _)| store_id), Some("kv-store"), "{name}");
     let index = std::sync::Arc::new(turbine_kv::KvIndex::new());
     let no_workers: turbine_kv_log::DumpFetcher = std::sync::Arc::new(|_| Box::pin(async { None }));
-    let fetch = turbine_kv_store::events::dump_fetcher(no_workers, {
+    let fetch = turbine_kv_log::with_store_dumps(no_workers, {
         let endpoint = endpoint.clone();
         move |_| Some(endpoint.clone())
     });

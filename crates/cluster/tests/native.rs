@@ -151,7 +151,7 @@ async fn a_prompt_computed_on_one_worker_is_reused_by_the_other_through_the_embe
     config.router.policy = turbine_router::Policy::RoundRobin;
     config.worker.engine.kv_cache_mib = 32;
     let sandbox = Sandbox::start(config).await;
-    let store = turbine_kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
+    let store = turbine_api::kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
     let request = json!({
         "model": MODEL,
         "prompt": "Lighthouses guide ships past the rocks along the coast at night. ".repeat(20),

@@ -431,7 +431,7 @@ async fn mocker_workers_share_prefixes_through_the_embedded_kv_store() {
     config.router.policy = turbine_router::Policy::RoundRobin;
     config.worker.engine.host_cache_mib = 256;
     let sandbox = Sandbox::start(config).await;
-    let store = turbine_kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
+    let store = turbine_api::kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
     // 5 blocks of 64 tokens.
     let tokens: Vec<u32> = (0..320).map(|i| 2000 + i).collect();
     let request = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true});

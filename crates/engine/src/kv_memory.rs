@@ -16,7 +16,6 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-
 pub use turbine_api::{KvLayout, UcxRegion};
 
 /// Alignment of the buffer: a page, as memory registration prefers.

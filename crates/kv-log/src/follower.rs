@@ -305,3 +305,21 @@ pub fn dump_fetcher(clients: WorkerClients, endpoint_of: impl Fn(&str) -> Option
         })
     })
 }
+
+/// Dumps for an index's followers: a kv-store's name
+/// ([`WorkerId::of_store`]) is answered by that store's `Dump`, at the
+/// endpoint `store_endpoint` gives for the name, within 10 s; every other
+/// name by `workers`.
+pub fn with_store_dumps(workers: DumpFetcher, store_endpoint: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> DumpFetcher {
+    Arc::new(move |worker_id: WorkerId| {
+        let Some((_, fingerprint)) = worker_id.store_part() else {
+            return workers(worker_id);
+        };
+        let client = store_endpoint(&worker_id).and_then(|endpoint| turbine_api::kv_store::KvStoreClient::connect(&endpoint).ok());
+        let fingerprint = turbine_api::kv_store::Fingerprint::new(fingerprint);
+        Box::pin(async move {
+            let (instance, dump) = tokio::time::timeout(Duration::from_secs(10), client?.dump(fingerprint?)).await.ok()?.ok()?;
+            Some(WorkerDump { worker_id, instance, dump })
+        })
+    })
+}

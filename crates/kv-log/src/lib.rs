@@ -22,7 +22,7 @@ mod position;
 mod publish;
 mod snapshot;
 
-pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_from};
+pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_from, with_store_dumps};
 pub use log::{EventLog, EventReader};
 pub use metrics::export_metrics;
 pub use position::{BadPosition, LogPosition};

@@ -101,7 +101,7 @@ pub async fn serve(config: KvIndexConfig, deps: KvIndexDeps, listeners: Listener
             let fetch = {
                 let (workers, stores) = (endpoints.clone(), endpoints.clone());
                 let workers = dump_fetcher(deps.workers.clone(), move |worker_id| workers.read().get(worker_id).cloned());
-                turbine_kv_store::events::dump_fetcher(workers, move |name| stores.read().get(name).cloned())
+                turbine_kv_log::with_store_dumps(workers, move |name| stores.read().get(name).cloned())
             };
             tasks.push(follow_from(index.clone(), &log, start, fetch, status.clone(), shutdown.clone()));
             tasks.push(turbine_kv_log::export_metrics("kv-index", index.clone(), status.clone(), shutdown.clone()));

@@ -23,12 +23,10 @@ use rustc_hash::FxHashMap;
 use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::task::JoinHandle;
-use turbine_kv::WorkerDump;
 use turbine_kv::index::Applied;
 use turbine_kv::{CachedBlock, Dump, EventBatch, KvEvent, KvIndex, LocalBlockHash, NumberedEvent, SequenceHash, StoredBlock, Tier, TierSet, WorkerId};
-use turbine_kv_log::{DumpFetcher, EventLog};
+use turbine_kv_log::EventLog;
 
-use crate::KvStoreClient;
 use turbine_runtime::CancellationToken;
 
 use crate::keys::Fingerprint;
@@ -228,24 +226,6 @@ async fn feed(announcer: Announcer, store_id: String, index: Arc<KvIndex>, shutd
     for (fingerprint, _) in announcer.held() {
         index.remove_worker(&names.of(fingerprint));
     }
-}
-
-/// Dumps for an index's followers: a kv-store's name
-/// ([`WorkerId::of_store`]) is answered by that store's `Dump`, at the
-/// endpoint `store_endpoint` gives for the name, within 10 s; every other
-/// name by `workers`.
-pub fn dump_fetcher(workers: DumpFetcher, store_endpoint: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> DumpFetcher {
-    Arc::new(move |worker_id: WorkerId| {
-        let Some((_, fingerprint)) = worker_id.store_part() else {
-            return workers(worker_id);
-        };
-        let client = store_endpoint(&worker_id).and_then(|endpoint| KvStoreClient::connect(&endpoint).ok());
-        let fingerprint = Fingerprint::new(fingerprint);
-        Box::pin(async move {
-            let (instance, dump) = tokio::time::timeout(std::time::Duration::from_secs(10), client?.dump(fingerprint?)).await.ok()?.ok()?;
-            Some(WorkerDump { worker_id, instance, dump })
-        })
-    })
 }
 
 /// Each fingerprint's name in the index, made once.

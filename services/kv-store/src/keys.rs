@@ -4,22 +4,7 @@
 
 use turbine_kv::SequenceHash;
 
-/// Model and KV layout of a block's bytes (nonzero): blocks of different
-/// fingerprints never mix.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Fingerprint(u64);
-
-impl Fingerprint {
-    /// A fingerprint; None for 0 (unset on the wire).
-    pub fn new(value: u64) -> Option<Self> {
-        (value != 0).then_some(Self(value))
-    }
-
-    /// Its value.
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
+pub use turbine_api::kv_store::Fingerprint;
 
 /// Where a block lives in the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

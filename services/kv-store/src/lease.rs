@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use turbine_engine::UcxRegion;
+use turbine_api::UcxRegion;
+#[cfg(feature = "ucx")]
+use turbine_api::kv_store::{Fingerprint, KvStoreClient, KvStoreError, Lease, MAX_PUT_FROM_BYTES, PutOutcome};
 
 use crate::store::MemoryBlock;
 
@@ -192,98 +194,6 @@ impl DataPath {
     }
 }
 
-/// A lease as a reader holds it: where the blocks' segments lie.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
-    /// Names it for Release (0: nothing was leased).
-    pub id: u64,
-    /// The store's memory tier.
-    pub region: UcxRegion,
-    /// Bytes per segment.
-    pub segment_bytes: usize,
-    /// The leading blocks held, in order.
-    pub blocks: Vec<LeasedBlock>,
-}
-
-/// One leased block.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeasedBlock {
-    /// The prefix it ends.
-    pub sequence: turbine_kv::SequenceHash,
-    /// Hash of its own tokens.
-    pub local: turbine_kv::LocalBlockHash,
-    /// The block before it.
-    pub parent: Option<turbine_kv::SequenceHash>,
-    /// XXH3-64 of its bytes.
-    pub checksum: u64,
-    /// Its length in bytes.
-    pub length: usize,
-    /// Its segments, in order.
-    pub segments: Vec<u32>,
-}
-
-impl Lease {
-    /// Every segment's offset from the region's base, block by block; an
-    /// error when the store's answer is inconsistent (a block whose
-    /// segments cannot hold it, a segment outside the region).
-    pub fn segment_offsets(&self) -> Result<Vec<u64>, String> {
-        let segment = self.segment_bytes as u64;
-        if segment == 0 && !self.blocks.is_empty() {
-            return Err("the lease has no segment size".into());
-        }
-        let mut offsets = Vec::with_capacity(self.blocks.iter().map(|block| block.segments.len()).sum());
-        for block in &self.blocks {
-            if block.segments.len() as u64 != (block.length as u64).div_ceil(segment).max(1) {
-                return Err(format!("block {:016x}: {} segments for {} bytes", block.sequence.0, block.segments.len(), block.length));
-            }
-            for &index in &block.segments {
-                let offset = u64::from(index) * segment;
-                if offset + segment > self.region.length {
-                    return Err(format!("block {:016x}: segment {index} lies outside the region", block.sequence.0));
-                }
-                offsets.push(offset);
-            }
-        }
-        Ok(offsets)
-    }
-
-    /// What to read: an offset per piece and the piece's length. Blocks
-    /// whose segments all form one ascending run of the same length are
-    /// read as one piece each; otherwise every segment is a piece. Either
-    /// way the pieces land back to back as [`blocks_from`](Self::blocks_from)
-    /// expects.
-    pub fn pieces(&self) -> Result<(Vec<u64>, usize), String> {
-        let offsets = self.segment_offsets()?;
-        let Some(first) = self.blocks.first() else { return Ok((offsets, self.segment_bytes)) };
-        let per_block = first.segments.len();
-        let whole =
-            self.blocks.iter().all(|block| block.segments.len() == per_block && block.segments.windows(2).all(|pair| pair[1] == pair[0].wrapping_add(1)));
-        if !whole || per_block == 1 {
-            return Ok((offsets, self.segment_bytes));
-        }
-        Ok((offsets.into_iter().step_by(per_block).collect(), per_block * self.segment_bytes))
-    }
-
-    /// The blocks out of `pulled` (every segment, `segment_bytes` each, in
-    /// [`segment_offsets`](Self::segment_offsets)' order), each checked
-    /// against its checksum: the run ends before the first that fails.
-    pub fn blocks_from(&self, pulled: &[u8]) -> Vec<(turbine_kv::SequenceHash, turbine_engine::HostBlock)> {
-        let mut run = Vec::with_capacity(self.blocks.len());
-        let mut at = 0;
-        for block in &self.blocks {
-            let span = block.segments.len() * self.segment_bytes;
-            let Some(bytes) = pulled.get(at..at + block.length) else { break };
-            at += span;
-            if turbine_engine::block_checksum(bytes) != block.checksum {
-                tracing::warn!(sequence_hash = block.sequence.0, "a block read from the kv-store over UCX fails its checksum; not used");
-                break;
-            }
-            run.push((block.sequence, turbine_engine::HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into() }));
-        }
-        run
-    }
-}
-
 /// A reader's side of the UCX data path: its own UCX thread, which reads
 /// leased segments out of the store's memory (copies them from the mapped
 /// region on the same machine, one-sided gets from another).
@@ -332,23 +242,23 @@ impl UcxLink {
     /// answers once it has read and stored them.
     pub async fn put(
         &self,
-        client: &crate::KvStoreClient,
-        fingerprint: crate::Fingerprint,
-        blocks: &[(turbine_kv::SequenceHash, Arc<turbine_engine::HostBlock>)],
-    ) -> Result<crate::PutOutcome, crate::KvStoreClientError> {
+        client: &KvStoreClient,
+        fingerprint: Fingerprint,
+        blocks: &[(turbine_kv::SequenceHash, Arc<turbine_kv::HostBlock>)],
+    ) -> Result<PutOutcome, KvStoreError> {
         let Some((staging, region)) = &self.staging else {
-            return Err(tonic::Status::failed_precondition("this UCX link has no staging memory").into());
+            return Err(KvStoreError::NotServed("this UCX link has no staging memory".into()));
         };
-        let mut outcome = crate::PutOutcome::default();
+        let mut outcome = PutOutcome::default();
         let Some((_, first)) = blocks.first() else { return Ok(outcome) };
         let length = first.bytes.len();
         if length == 0 || blocks.iter().any(|(_, block)| block.bytes.len() != length) {
-            return Err(tonic::Status::invalid_argument("blocks of one put must have one nonzero length").into());
+            return Err(KvStoreError::Invalid("blocks of one put must have one nonzero length".into()));
         }
         let mut staging = staging.lock().await;
-        let per_call = (staging.len() / length).min(crate::wire::MAX_PUT_FROM_BYTES as usize / length);
+        let per_call = (staging.len() / length).min(MAX_PUT_FROM_BYTES as usize / length);
         if per_call == 0 {
-            return Err(tonic::Status::invalid_argument(format!("a block of {length} bytes does not fit the staging memory")).into());
+            return Err(KvStoreError::Invalid(format!("a block of {length} bytes does not fit the staging memory")));
         }
         for chunk in blocks.chunks(per_call) {
             for (i, (_, block)) in chunk.iter().enumerate() {
@@ -377,11 +287,11 @@ impl UcxLink {
     /// over UCX and each checked: lease, read, release (in the background).
     pub async fn get(
         &self,
-        client: &crate::KvStoreClient,
-        fingerprint: crate::Fingerprint,
+        client: &KvStoreClient,
+        fingerprint: Fingerprint,
         hashes: &[turbine_kv::SequenceHash],
         timeout: Duration,
-    ) -> Result<Vec<(turbine_kv::SequenceHash, turbine_engine::HostBlock)>, crate::KvStoreClientError> {
+    ) -> Result<Vec<(turbine_kv::SequenceHash, turbine_kv::HostBlock)>, KvStoreError> {
         let lease = client.lease(fingerprint, hashes).await?;
         if lease.id == 0 {
             return Ok(Vec::new());
@@ -393,66 +303,17 @@ impl UcxLink {
             // An unreleased lease expires on its own.
             let _ = releasing.release(lease.id).await;
         });
-        let bytes = read.map_err(|error| tonic::Status::unavailable(format!("UCX read of leased blocks failed: {error}")))?;
+        let bytes = read.map_err(|error| KvStoreError::Unavailable(format!("UCX read of leased blocks failed: {error}")))?;
         let mut run = lease.blocks_from(&bytes);
         *self.spare.lock() = bytes;
         if run.len() < lease.blocks.len() {
             // The store leases blocks unchecked: read them with Get, which
             // checks them in the store and drops the one that failed.
-            return Err(tonic::Status::data_loss("a block read over UCX failed its checksum").into());
+            return Err(KvStoreError::Damaged("a block read over UCX failed its checksum".into()));
         }
         // The store's run follows the asked order; anything else is not used.
         let in_order = run.iter().zip(hashes).take_while(|((sequence, _), want)| sequence == *want).count();
         run.truncate(in_order);
         Ok(run)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use turbine_kv::{LocalBlockHash, SequenceHash};
-
-    use super::*;
-
-    fn lease(blocks: &[(&[u32], usize)], bytes: &[u8]) -> Lease {
-        let mut at = 0;
-        Lease {
-            id: 1,
-            region: UcxRegion { length: 1 << 20, ..UcxRegion::default() },
-            segment_bytes: 4,
-            blocks: blocks
-                .iter()
-                .enumerate()
-                .map(|(n, &(segments, length))| {
-                    let checksum = turbine_engine::block_checksum(&bytes[at..at + length]);
-                    at += segments.len() * 4;
-                    LeasedBlock {
-                        sequence: SequenceHash(n as u64),
-                        local: LocalBlockHash(n as u64),
-                        parent: None,
-                        checksum,
-                        length,
-                        segments: segments.to_vec(),
-                    }
-                })
-                .collect(),
-        }
-    }
-
-    #[test]
-    fn adjacent_segments_are_read_as_one_piece_and_blocks_are_checked() {
-        let bytes: Vec<u8> = (0..32).collect();
-        let whole = lease(&[(&[4, 5], 8), (&[0, 1], 8)], &bytes);
-        assert_eq!(whole.pieces().unwrap(), (vec![16, 0], 8), "one piece per block");
-        let scattered = lease(&[(&[4, 6], 8), (&[0, 1], 7)], &bytes);
-        assert_eq!(scattered.pieces().unwrap(), (vec![16, 24, 0, 4], 4), "a gap: every segment is a piece");
-        assert_eq!(scattered.blocks_from(&bytes[..16]).len(), 2, "the last block's tail segment is partly used");
-        let mut bad = bytes.clone();
-        bad[9] ^= 1;
-        assert_eq!(whole.blocks_from(&bad).len(), 1, "the run ends before the block that fails its checksum");
-        let lying = lease(&[(&[4, 5], 12)], &bytes);
-        assert!(lying.segment_offsets().is_err(), "two segments cannot hold 12 bytes");
-        let outside = Lease { region: UcxRegion { length: 16, ..UcxRegion::default() }, ..whole };
-        assert!(outside.segment_offsets().is_err(), "segment 5 lies outside a 16-byte region");
     }
 }

@@ -1,5 +1,5 @@
 //! The kv-store service: a shared store of KV blocks (the G4 tier) behind
-//! `turbine.kvstore.v1`, and the client workers use to reach it.
+//! `turbine.kvstore.v1` (its client and words are `turbine_api::kv_store`).
 //!
 //! A block is keyed by (layout fingerprint, sequence hash), so blocks of
 //! different models or KV layouts never mix, and carries the XXH3-64 of its
@@ -17,14 +17,13 @@
 //! - [`Announcer`]: what the store holds, as numbered KV events (tier
 //!   remote) and dumps, for the KV event log.
 //! - [`KvStoreService`]: the gRPC shell over a [`Store`].
-//! - [`KvStoreClient`]: the typed client (domain types in, domain types
-//!   out), and [`KvStoreTier`]: that client as an engine's shared tier.
+//! - [`KvStoreTier`]: the store's client (`turbine_api::kv_store`) as an
+//!   engine's shared tier.
 //! - [`serve()`]: the store on the service host.
 //! - [`KvStoreConfig`]: configuration and flags; [`metrics`]: the store's
 //!   Prometheus metrics.
 
 pub mod arena;
-pub mod client;
 pub mod config;
 pub mod disk;
 pub mod events;
@@ -38,14 +37,13 @@ pub mod tier;
 pub mod wire;
 
 pub use arena::Arena;
-pub use client::{KvStoreClient, KvStoreClientError};
 pub use config::KvStoreConfig;
 pub use disk::DiskBlocks;
 pub use events::{Announced, Announcer, StoreEventSink};
 pub use keys::{BlockKey, Fingerprint, StoreError};
+pub use lease::DataPath;
 #[cfg(feature = "ucx")]
 pub use lease::UcxLink;
-pub use lease::{DataPath, Lease, LeasedBlock};
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
 pub use store::{BlockRef, MemoryBlock, PutOutcome, Store, StoreStats, TierUsage, arena_bytes};

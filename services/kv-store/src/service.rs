@@ -10,7 +10,7 @@ use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
 use crate::keys::{Fingerprint, StoreError};
 use crate::lease::DataPath;
-use crate::store::{BlockRef, Store, StoreStats, TierUsage};
+use crate::store::{BlockRef, Store};
 use crate::wire::{MAX_PUT_FROM_BYTES, from_pb, held_to_pb};
 
 /// The service.
@@ -202,7 +202,7 @@ impl KvStore for KvStoreService {
             return Err(Status::invalid_argument(format!("blocks: {} blocks, at most {} per call", blocks.len(), self.max_blocks_per_call)));
         }
         let Some(first) = blocks.first() else { return Ok(Response::new(pb::PutResponse::default())) };
-        let region = turbine_engine::UcxRegion::from(region.ok_or_else(|| Status::invalid_argument("region: must be set"))?);
+        let region = turbine_api::UcxRegion::from(region.ok_or_else(|| Status::invalid_argument("region: must be set"))?);
         let length = first.length;
         if length == 0 || blocks.iter().any(|block| block.length != length) {
             return Err(Status::invalid_argument("blocks: every block must have the same nonzero length"));
@@ -242,22 +242,6 @@ impl KvStore for KvStoreService {
     }
 
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
-        let StoreStats { memory, disk, put_blocks, get_blocks, misses, fingerprints } = self.store.stats();
-        let tier = |TierUsage { blocks, bytes, capacity_bytes, evicted_blocks, corrupt_blocks }: TierUsage| pb::TierStats {
-            blocks,
-            bytes,
-            capacity_bytes,
-            evicted_blocks,
-            corrupt_blocks,
-        };
-        Ok(Response::new(pb::StatsResponse {
-            memory: Some(tier(memory)),
-            disk: Some(tier(disk)),
-            put_blocks,
-            get_blocks,
-            misses,
-            fingerprints,
-            store_id: self.announced_as.clone().unwrap_or_default(),
-        }))
+        Ok(Response::new(self.store.stats().to_pb(self.announced_as.clone())))
     }
 }

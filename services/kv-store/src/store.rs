@@ -16,6 +16,7 @@ use crate::disk::DiskBlocks;
 use crate::events::Announcer;
 use crate::keys::{BlockKey, Fingerprint, StoreError};
 use crate::lease::DataPath;
+pub use turbine_api::kv_store::{PutOutcome, StoreStats, TierUsage};
 
 /// What each block costs beyond its bytes (key, entry, bookkeeping of the
 /// cache), counted against the capacity so that the bound holds for the
@@ -31,47 +32,6 @@ const EVICT_EVERY_BYTES: usize = 4 << 20;
 /// at least 16 MiB (address space; pages are touched only as used).
 pub fn arena_bytes(capacity_bytes: u64) -> usize {
     (capacity_bytes + (capacity_bytes / 32).max(16 << 20)) as usize
-}
-
-/// What a put did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PutOutcome {
-    /// Blocks written.
-    pub stored: u32,
-    /// Blocks already held.
-    pub already_held: u32,
-}
-
-/// Sizes and counters of one tier of the store.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TierUsage {
-    /// Blocks held.
-    pub blocks: u64,
-    /// Bytes held (memory: block bytes and their bookkeeping; disk: files).
-    pub bytes: u64,
-    /// Bytes the tier may hold.
-    pub capacity_bytes: u64,
-    /// Blocks evicted for room.
-    pub evicted_blocks: u64,
-    /// Blocks found corrupt in the tier (dropped).
-    pub corrupt_blocks: u64,
-}
-
-/// Sizes and counters of the store.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StoreStats {
-    /// The memory tier.
-    pub memory: TierUsage,
-    /// The disk tier (all zero without one).
-    pub disk: TierUsage,
-    /// Blocks stored by puts.
-    pub put_blocks: u64,
-    /// Blocks served by gets.
-    pub get_blocks: u64,
-    /// Hashes asked for that the store did not hold.
-    pub misses: u64,
-    /// Fingerprints with blocks held in memory.
-    pub fingerprints: u32,
 }
 
 #[derive(Debug, Default)]

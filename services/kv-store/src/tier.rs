@@ -13,9 +13,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use crate::client::KvStoreClient;
-use crate::keys::Fingerprint;
 use tokio::sync::mpsc;
+#[cfg(feature = "ucx")]
+use turbine_api::kv_store::KvStoreError;
+use turbine_api::kv_store::{Fingerprint, KvStoreClient};
 use turbine_engine::{HostBlock, RemoteStore};
 use turbine_kv::{BlockHashes, SequenceHash};
 
@@ -74,8 +75,8 @@ impl UcxSide {
 
     /// Whether a failed call says the store has no UCX data path (and
     /// remembers it).
-    fn refused(&self, error: &crate::KvStoreClientError) -> bool {
-        let refused = matches!(error, crate::KvStoreClientError::Rpc(status) if status.code() == tonic::Code::FailedPrecondition);
+    fn refused(&self, error: &KvStoreError) -> bool {
+        let refused = matches!(error, KvStoreError::NotServed(_));
         if refused && !self.no_data_path.swap(true, Relaxed) {
             tracing::info!("the kv-store has no UCX data path; KV blocks go to and from it over gRPC");
         }

@@ -9,10 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use turbine_engine::{HostBlock, block_checksum};
-use turbine_kv::{KvIndex, LocalBlockHash, SequenceHash, WorkerId};
+use turbine_api::kv_store::{Fingerprint, KvStoreClient};
+use turbine_kv::{HostBlock, KvIndex, LocalBlockHash, SequenceHash, WorkerId, block_checksum};
 use turbine_kv_log::{EventLog, FollowerStatus, follow};
-use turbine_kv_store::{Fingerprint, KvStoreClient};
 use turbine_runtime::CancellationToken;
 use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, wait_until};
 
@@ -47,9 +46,7 @@ async fn a_follower_credits_the_stores_blocks_across_a_restart() {
     let no_workers: turbine_kv_log::DumpFetcher = Arc::new(|_| Box::pin(async { None }));
     let fetch = {
         let endpoint = endpoint.clone();
-        turbine_kv_store::events::dump_fetcher(no_workers, move |name| {
-            (name == WorkerId::of_store("shared", FINGERPRINT).as_str()).then(|| endpoint.lock().clone())
-        })
+        turbine_kv_log::with_store_dumps(no_workers, move |name| (name == WorkerId::of_store("shared", FINGERPRINT).as_str()).then(|| endpoint.lock().clone()))
     };
     let (index, status, shutdown) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()), CancellationToken::new());
     let log = EventLog::new(&redis.url(), "t").unwrap();

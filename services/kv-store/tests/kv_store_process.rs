@@ -7,9 +7,9 @@ use std::process::Command;
 use std::sync::Arc;
 
 use tonic::Code;
-use turbine_engine::{HostBlock, block_checksum};
-use turbine_kv::{LocalBlockHash, SequenceHash};
-use turbine_kv_store::{Fingerprint, KvStoreClient, KvStoreClientError, PutOutcome};
+use turbine_api::ApiError;
+use turbine_api::kv_store::{Fingerprint, KvStoreClient, KvStoreError, PutOutcome};
+use turbine_kv::{HostBlock, LocalBlockHash, SequenceHash, block_checksum};
 use turbine_proto::MessageLimits;
 use turbine_proto::kvstore::v1 as pb;
 use turbine_proto::kvstore::v1::kv_store_client::KvStoreClient as PbClient;
@@ -42,11 +42,8 @@ fn fp(n: u64) -> Fingerprint {
     Fingerprint::new(n).unwrap()
 }
 
-fn code(error: KvStoreClientError) -> Code {
-    match error {
-        KvStoreClientError::Rpc(status) => status.code(),
-        other => panic!("{other}"),
-    }
+fn code(error: KvStoreError) -> Code {
+    error.code().into()
 }
 
 #[tokio::test]

@@ -122,7 +122,7 @@ pub async fn start(config: RouterConfig, deps: RouterDeps, listeners: Listeners,
         let (endpoints, stores) = (router.clone(), router.clone());
         let fetch = dump_fetcher(workers, move |worker_id| endpoints.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint));
         // kv-stores' names too, at the endpoints their readers name.
-        let fetch = turbine_kv_store::events::dump_fetcher(fetch, move |name| stores.store_endpoint(name));
+        let fetch = turbine_kv_log::with_store_dumps(fetch, move |name| stores.store_endpoint(name));
         tasks.push(follow_from(index, &log, start, fetch, status, shutdown.clone()));
     }
     tasks.push(watch_registry(router.clone(), registry.clone(), Duration::from_millis(config.poll_interval_ms), shutdown.clone()));
