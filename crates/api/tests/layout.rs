@@ -17,8 +17,6 @@ const REMAINING: &[(&str, &str)] = &[
     ("turbine-gateway", "turbine-router"),
     // The kv-index's client.
     ("turbine-router", "turbine-kv-index"),
-    // The kv-store's client, as the worker's shared tier.
-    ("turbine-worker", "turbine-kv-store"),
 ];
 
 /// Crates that every service may link: none of them links an engine.

@@ -34,10 +34,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::Serialize;
 use turbine_engine::{DiskTier, EngineHandle, EngineOutput, GenerateRequest, HostTier, KvTiers, RemoteTier, SchedulerConfig, StopConditions};
-use turbine_kv_store::KvStoreTier;
 use turbine_native::{NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
+use turbine_worker::store_tier::KvStoreTier;
 
 /// Flags of `turbine bench tiers`.
 #[derive(Debug, Clone, clap::Args)]

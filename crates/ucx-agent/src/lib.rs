@@ -21,6 +21,7 @@
 mod copy;
 mod serve;
 mod shm;
+mod store_link;
 
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
@@ -30,6 +31,7 @@ use turbine_engine::{DeviceMemory, KvMemory, UcxRegion};
 use turbine_ucx::{Context, MemoryRegion, UcxError, Waker, Worker};
 
 pub use shm::ShmPool;
+pub use store_link::KvStoreLink;
 
 /// How long cancelled reads get to let go of their buffers.
 pub(crate) const ABANDON_GRACE: Duration = Duration::from_millis(200);

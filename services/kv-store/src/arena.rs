@@ -255,35 +255,3 @@ mod tests {
         assert_eq!(b.to_vec(), block(2, 2500), "and nothing else changed");
     }
 }
-
-/// A caller's staging memory for `PutFrom`: blocks are copied in, then the
-/// store reads them (registered with UCX by the caller's UCX thread).
-#[cfg(feature = "ucx")]
-#[derive(Debug)]
-pub(crate) struct Staging {
-    buffer: Arc<KvBuffer>,
-}
-
-#[cfg(feature = "ucx")]
-impl Staging {
-    /// Staging memory over `buffer`.
-    pub(crate) fn new(buffer: Arc<KvBuffer>) -> Self {
-        Self { buffer }
-    }
-
-    /// Bytes it holds.
-    pub(crate) fn len(&self) -> usize {
-        self.buffer.len()
-    }
-
-    /// Copies `bytes` to `offset`.
-    ///
-    /// The caller holds the staging memory exclusively (`&mut self`) and
-    /// no store is reading it: the `PutFrom` that named it has returned.
-    pub(crate) fn write(&mut self, offset: usize, bytes: &[u8]) {
-        assert!(offset + bytes.len() <= self.buffer.len(), "staged bytes exceed the staging memory");
-        // SAFETY: in bounds (checked); nothing else writes the buffer, and
-        // no reader is reading it (the contract above).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.buffer.as_ptr().add(offset), bytes.len()) };
-    }
-}

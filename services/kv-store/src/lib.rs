@@ -17,8 +17,6 @@
 //! - [`Announcer`]: what the store holds, as numbered KV events (tier
 //!   remote) and dumps, for the KV event log.
 //! - [`KvStoreService`]: the gRPC shell over a [`Store`].
-//! - [`KvStoreTier`]: the store's client (`turbine_api::kv_store`) as an
-//!   engine's shared tier.
 //! - [`serve()`]: the store on the service host.
 //! - [`KvStoreConfig`]: configuration and flags; [`metrics`]: the store's
 //!   Prometheus metrics.
@@ -33,7 +31,6 @@ pub mod metrics;
 pub mod serve;
 pub mod service;
 pub mod store;
-pub mod tier;
 pub mod wire;
 
 pub use arena::Arena;
@@ -42,9 +39,6 @@ pub use disk::DiskBlocks;
 pub use events::{Announced, Announcer, StoreEventSink};
 pub use keys::{BlockKey, Fingerprint, StoreError};
 pub use lease::DataPath;
-#[cfg(feature = "ucx")]
-pub use lease::UcxLink;
 pub use serve::{ROLES, main, serve};
 pub use service::KvStoreService;
 pub use store::{BlockRef, MemoryBlock, PutOutcome, Store, StoreStats, TierUsage, arena_bytes};
-pub use tier::KvStoreTier;

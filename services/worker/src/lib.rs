@@ -8,6 +8,8 @@
 //!   behind them, reading a prefill worker's blocks (UCX or TCP).
 //! - [`kv_events`]: the engine's KV events, into an index in this process
 //!   or onto the event log in Redis.
+//! - [`store_tier`]: the kv-store as the engine's shared tier (over gRPC,
+//!   or UCX where this build and the store have it).
 //! - [`serve()`](serve::serve): the service on the host: model load,
 //!   registry lease, health, graceful drain.
 //! - [`WorkerConfig`]: configuration, flags and the sections `turbine run`
@@ -22,6 +24,7 @@ pub mod local;
 pub mod metrics;
 pub mod serve;
 pub mod service;
+pub mod store_tier;
 pub mod worker;
 
 pub use config::{EngineConfig, EngineKind, KvFetch, KvStoreOffload, KvTransport, TransferConfig, WorkerConfig, WorkerRole};

@@ -12,8 +12,8 @@ use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
 use crate::config::{EngineKind, WorkerConfig, WorkerRole};
+use crate::store_tier::KvStoreTier;
 use turbine_api::kv_store::{Fingerprint, KvStoreClient};
-use turbine_kv_store::KvStoreTier;
 
 use crate::disagg::{Disagg, DisaggOptions, SharedKvPool, SimulatedTransfer};
 

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
+
 #[cfg(feature = "ucx")]
 use turbine_api::kv_store::KvStoreError;
 use turbine_api::kv_store::{Fingerprint, KvStoreClient};
@@ -52,7 +53,7 @@ const STAGING_BYTES: usize = 64 << 20;
 #[derive(Default)]
 struct UcxSide {
     /// Started at first use; None inside: UCX cannot start here.
-    link: std::sync::OnceLock<Option<crate::UcxLink>>,
+    link: std::sync::OnceLock<Option<turbine_ucx_agent::KvStoreLink>>,
     /// The store has no UCX data path (or the caller turned UCX off).
     no_data_path: AtomicBool,
 }
@@ -60,13 +61,13 @@ struct UcxSide {
 #[cfg(feature = "ucx")]
 impl UcxSide {
     /// The link, unless UCX is off or cannot start.
-    fn link(&self) -> Option<&crate::UcxLink> {
+    fn link(&self) -> Option<&turbine_ucx_agent::KvStoreLink> {
         if self.no_data_path.load(Relaxed) {
             return None;
         }
         self.link
             .get_or_init(|| {
-                crate::UcxLink::with_staging(STAGING_BYTES)
+                turbine_ucx_agent::KvStoreLink::with_staging(STAGING_BYTES)
                     .inspect_err(|error| tracing::warn!(%error, "cannot start UCX; KV blocks go to and from the kv-store over gRPC"))
                     .ok()
             })
