@@ -7,11 +7,12 @@
 //! without linking an engine; the engine re-exports them.
 //!
 //! With the `grpc` feature (the default; an engine goes without it): the
-//! services' clients, each beside its own words ([`kv_store`]), and
+//! services' clients, each beside its own words ([`kv_index`], [`kv_store`]), and
 //! [`wire`], the request vocabulary to and from the contracts.
 
 mod error;
 mod kv;
+pub mod kv_index;
 pub mod kv_store;
 mod request;
 #[cfg(feature = "grpc")]

@@ -15,8 +15,6 @@ use std::process::Command;
 const REMAINING: &[(&str, &str)] = &[
     // The router's client.
     ("turbine-gateway", "turbine-router"),
-    // The kv-index's client.
-    ("turbine-router", "turbine-kv-index"),
 ];
 
 /// Crates that every service may link: none of them links an engine.

@@ -17,8 +17,8 @@ use serde_json::json;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+use turbine_api::kv_index::{KvIndexClient, MatchQuery};
 use turbine_kv::BlockHasher;
-use turbine_kv_index::{KvIndexClient, MatchQuery};
 use turbine_router::RouterClient;
 use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, workspace_binary};
 

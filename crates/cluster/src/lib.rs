@@ -29,10 +29,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio::task::JoinHandle;
+use turbine_api::kv_index::KvIndexClient;
 use turbine_gateway::{GatewayConfig, GatewayDeps};
 use turbine_kv::{KvIndex, WorkerId};
-use turbine_kv_index::{IndexFeed, KvIndexClient, KvIndexConfig, KvIndexDeps, LocalKvIndex};
+use turbine_kv_index::{IndexFeed, KvIndexConfig, KvIndexDeps};
 use turbine_kv_log::EventLog;
+use turbine_kv_log::LocalKvIndex;
 use turbine_kv_store::{KvStoreConfig, Store as KvStore, StoreEventSink};
 use turbine_planner::config::PlanningConfig;
 use turbine_planner::connector::Connector;

@@ -18,13 +18,15 @@
 mod follower;
 mod log;
 mod metrics;
-mod position;
+
 mod publish;
+mod replica;
 mod snapshot;
 
 pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_from, with_store_dumps};
 pub use log::{EventLog, EventReader};
 pub use metrics::export_metrics;
-pub use position::{BadPosition, LogPosition};
 pub use publish::{Publisher, publish_all};
+pub use replica::{LocalKvIndex, MAX_PUBLISH_BATCHES, ReplicaCounters};
 pub use snapshot::{LoadedSnapshot, start_from_snapshot};
+pub use turbine_api::kv_index::{BadPosition, LogPosition};

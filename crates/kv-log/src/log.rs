@@ -87,9 +87,7 @@ impl EventLog {
             .arg(pb::EventBatch::from(batch).encode_to_vec())
             .query_async(&mut connection)
             .await?;
-        id.parse().map_err(|error: crate::position::BadPosition| {
-            redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "XADD answered", error.to_string()))
-        })
+        id.parse().map_err(|error: crate::BadPosition| redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "XADD answered", error.to_string())))
     }
 
     /// A reader with its own connection (blocking reads would hold up

@@ -1,5 +1,6 @@
-//! The kv-index service: the global KV index behind `turbine.kvindex.v1`,
-//! and the client every other service uses to ask an index.
+//! The kv-index service: the global KV index behind `turbine.kvindex.v1`
+//! (the client every other service uses to ask an index, and its words,
+//! are `turbine_api::kv_index`; a replica, `turbine_kv_log::LocalKvIndex`).
 //!
 //! Every replica follows the namespace's KV event log (a Redis stream the
 //! workers publish to, see `turbine-kv-log`) into its own
@@ -8,22 +9,17 @@
 //! registry lease has expired. Replicas never talk to each other: having
 //! read the same log, they answer alike.
 //!
-//! - [`KvIndexClient`] over a [`KvIndexApi`]: a replica in this process
-//!   ([`LocalKvIndex`]) or the service ([`GrpcKvIndex`]); callers never
-//!   know which.
-//! - [`KvIndexService`]: the gRPC shell over a [`LocalKvIndex`].
+//! - [`KvIndexService`]: the gRPC shell over a replica
+//!   (`turbine_kv_log::LocalKvIndex`, which callers in one process call
+//!   directly through `turbine_api::kv_index::KvIndexClient`).
 //! - [`serve()`]: the replica on the service host: snapshot load, follower,
 //!   snapshot writer, lease sweep, health, drain.
 //! - [`KvIndexConfig`]: configuration and flags.
 
-pub mod api;
 pub mod config;
-pub mod local;
 pub mod serve;
 pub mod service;
 
-pub use api::{GrpcKvIndex, IndexStats, KvIndexApi, KvIndexClient, KvIndexError, MatchAnswer, MatchQuery};
 pub use config::KvIndexConfig;
-pub use local::{LocalKvIndex, ReplicaCounters};
 pub use serve::{IndexFeed, KvIndexDeps, main, serve};
 pub use service::KvIndexService;

@@ -18,8 +18,8 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 use turbine_worker_api::WorkerClients;
 
 use crate::config::KvIndexConfig;
-use crate::local::{LocalKvIndex, ReplicaCounters};
 use crate::service::KvIndexService;
+use turbine_kv_log::{LocalKvIndex, ReplicaCounters};
 
 /// How a replica's index is kept current.
 #[derive(Debug, Clone)]

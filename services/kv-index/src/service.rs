@@ -1,6 +1,6 @@
 //! The `turbine.kvindex.v1.KvIndex` gRPC shell over one replica: the wire
 //! is converted at the edge and the calls go to the same
-//! [`LocalKvIndex`] an in-process client calls.
+//! `LocalKvIndex` an in-process client calls.
 
 use std::pin::Pin;
 
@@ -10,8 +10,8 @@ use turbine_kv::{BlockHasher, EventBatch, SequenceHash, WorkerId};
 use turbine_proto::kvindex::v1 as pb;
 use turbine_proto::kvindex::v1::kv_index_server::KvIndex as KvIndexRpc;
 
-use crate::api::{KvIndexApi, MatchAnswer, MatchQuery, match_to_wire};
-use crate::local::{LocalKvIndex, MAX_PUBLISH_BATCHES};
+use turbine_api::kv_index::{KvIndexApi, MatchAnswer, MatchQuery, match_to_wire};
+use turbine_kv_log::{LocalKvIndex, MAX_PUBLISH_BATCHES};
 
 /// Largest block size FindMatches hashes tokens in.
 pub const MAX_BLOCK_SIZE: u32 = 1 << 16;

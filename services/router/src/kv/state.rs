@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
+use turbine_api::kv_index::{KvIndexClient, MatchAnswer, MatchQuery};
 use turbine_kv::{BlockHasher, KvEvent, KvIndex, SequenceHash, StoredBlock, Tier, WorkerId, WorkerMatch};
-use turbine_kv_index::{KvIndexClient, LocalKvIndex, MatchQuery};
 use turbine_kv_log::FollowerStatus;
+use turbine_kv_log::LocalKvIndex;
 
 use super::{KvConfig, KvWeights};
 
@@ -223,7 +224,7 @@ impl KvState {
         Ok(lookup)
     }
 
-    async fn ask_remote(&self, remote: &RemoteLookups, query: &MatchQuery) -> Result<turbine_kv_index::MatchAnswer, LookupError> {
+    async fn ask_remote(&self, remote: &RemoteLookups, query: &MatchQuery) -> Result<MatchAnswer, LookupError> {
         match tokio::time::timeout(remote.timeout, self.index.find_matches(query)).await {
             Ok(Ok(answer)) => {
                 if remote.resting_until.lock().take().is_some() {

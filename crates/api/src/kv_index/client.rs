@@ -1,67 +1,23 @@
-//! [`KvIndexClient`]: one client for a KV index, a replica in this process
-//! or a kv-index service over gRPC, and the domain types of its API.
+//! The kv-index's client: [`KvIndexApi`] (what an index does for its
+//! callers: a replica in the caller's process, `turbine_kv_log::LocalKvIndex`,
+//! or the service over gRPC, [`GrpcKvIndex`]) and [`KvIndexClient`], the
+//! handle callers hold. Domain types in and out; every failure is a
+//! [`KvIndexError`], which maps through [`ErrorCode`] both ways.
 
 use std::sync::Arc;
 
-use tonic::Code;
-use turbine_kv::{EventBatch, SequenceHash, WorkerDump, WorkerId, WorkerMatch};
-use turbine_kv_log::LogPosition;
+use turbine_kv::{EventBatch, WorkerDump, WorkerId, WorkerMatch};
 use turbine_proto::kvindex::v1 as pb;
 use turbine_proto::kvindex::v1::kv_index_client::KvIndexClient as PbKvIndexClient;
 use turbine_proto::{ConversionError, ConversionResult, MessageLimits};
 use turbine_runtime::grpc::TracedChannel;
+use turbine_runtime::host::Role;
 
-/// Which workers cache a prompt's leading blocks.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct MatchQuery {
-    /// The prompt's sequence hashes (in the block size and salt its
-    /// workers hash with).
-    pub hashes: Vec<SequenceHash>,
-    /// Workers whose cached tree size to report too (a router's tie-break).
-    pub cached_blocks_of: Vec<WorkerId>,
-}
+use super::{IndexStats, LogPosition, MatchAnswer, MatchQuery};
+use crate::error::{ApiError, ErrorCode, from_status};
 
-/// The answer to a [`MatchQuery`].
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct MatchAnswer {
-    /// Blocks in the query.
-    pub query_blocks: u32,
-    /// Every worker holding at least the first block (in no particular
-    /// order).
-    pub matches: Vec<WorkerMatch>,
-    /// The cached tree size of each worker asked about, in the order asked.
-    pub cached_blocks: Vec<usize>,
-    /// Whether the replica follows its event log (false: the answer may be
-    /// stale; route by load).
-    pub log_reachable: bool,
-}
-
-/// How far a replica got, and how big its index is.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct IndexStats {
-    /// Workers with a view.
-    pub workers: u64,
-    /// Distinct blocks.
-    pub blocks: u64,
-    /// (worker, block) entries.
-    pub entries: u64,
-    /// Events applied.
-    pub events_applied: u64,
-    /// Event-log entries read.
-    pub batches_read: u64,
-    /// Dumps loaded after gaps.
-    pub resyncs: u64,
-    /// Whether the last read of the log succeeded.
-    pub log_reachable: bool,
-    /// The last log entry applied.
-    pub log_position: LogPosition,
-    /// Workers dropped because their registry lease expired.
-    pub workers_expired: u64,
-    /// Snapshots written to Redis.
-    pub snapshots_written: u64,
-    /// The snapshot this replica started from, if any.
-    pub started_from_snapshot: Option<LogPosition>,
-}
+/// The role a kv-index's certificate names: who this client calls.
+pub const ROLE: Role = Role::Index;
 
 /// Why an index call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,43 +28,64 @@ pub enum KvIndexError {
     /// The worker asked about has no view in the index.
     #[error("{0}")]
     NotFound(String),
-    /// The index or its event log cannot be reached.
+    /// The index or its event log cannot be reached, or did not answer in
+    /// time.
     #[error("{0}")]
     Unavailable(String),
+    /// The caller may not make this call.
+    #[error("the kv-index denied the call ({code:?}): {message}")]
+    Denied {
+        /// Unauthenticated or PermissionDenied.
+        code: ErrorCode,
+        /// The index's words.
+        message: String,
+    },
     /// The index failed.
     #[error("{0}")]
     Internal(String),
 }
 
-impl From<KvIndexError> for tonic::Status {
-    fn from(error: KvIndexError) -> Self {
-        match error {
-            KvIndexError::InvalidArgument(message) => tonic::Status::invalid_argument(message),
-            KvIndexError::NotFound(message) => tonic::Status::not_found(message),
-            KvIndexError::Unavailable(message) => tonic::Status::unavailable(message),
-            KvIndexError::Internal(message) => tonic::Status::internal(message),
+impl ApiError for KvIndexError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            KvIndexError::InvalidArgument(_) => ErrorCode::InvalidArgument,
+            KvIndexError::NotFound(_) => ErrorCode::NotFound,
+            KvIndexError::Unavailable(_) => ErrorCode::Unavailable,
+            KvIndexError::Denied { code, .. } => *code,
+            KvIndexError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    fn message(&self) -> String {
+        match self {
+            KvIndexError::InvalidArgument(message)
+            | KvIndexError::NotFound(message)
+            | KvIndexError::Unavailable(message)
+            | KvIndexError::Denied { message, .. }
+            | KvIndexError::Internal(message) => message.clone(),
+        }
+    }
+
+    fn from_parts(code: ErrorCode, message: String) -> Self {
+        match code {
+            ErrorCode::InvalidArgument | ErrorCode::FailedPrecondition => KvIndexError::InvalidArgument(message),
+            ErrorCode::NotFound => KvIndexError::NotFound(message),
+            ErrorCode::Unavailable | ErrorCode::DeadlineExceeded | ErrorCode::Cancelled | ErrorCode::ResourceExhausted => KvIndexError::Unavailable(message),
+            ErrorCode::Unauthenticated | ErrorCode::PermissionDenied => KvIndexError::Denied { code, message },
+            ErrorCode::DataLoss | ErrorCode::Unimplemented | ErrorCode::Internal => KvIndexError::Internal(message),
         }
     }
 }
 
 impl From<tonic::Status> for KvIndexError {
     fn from(status: tonic::Status) -> Self {
-        let message = status.message().to_owned();
-        match status.code() {
-            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => KvIndexError::InvalidArgument(message),
-            Code::NotFound => KvIndexError::NotFound(message),
-            Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded | Code::Aborted | Code::ResourceExhausted => {
-                KvIndexError::Unavailable(format!("{}: {message}", status.code()))
-            }
-            Code::Ok
-            | Code::Unknown
-            | Code::AlreadyExists
-            | Code::PermissionDenied
-            | Code::Unimplemented
-            | Code::Internal
-            | Code::DataLoss
-            | Code::Unauthenticated => KvIndexError::Internal(format!("{}: {message}", status.code())),
-        }
+        from_status(&status)
+    }
+}
+
+impl From<KvIndexError> for tonic::Status {
+    fn from(error: KvIndexError) -> Self {
+        crate::error::to_status(&error)
     }
 }
 
@@ -119,7 +96,7 @@ impl From<ConversionError> for KvIndexError {
 }
 
 /// What a KV index does for its callers: a replica in this process
-/// ([`LocalKvIndex`](crate::LocalKvIndex)) or the service over gRPC
+/// (`turbine_kv_log::LocalKvIndex`) or the service over gRPC
 /// ([`GrpcKvIndex`]).
 #[tonic::async_trait]
 pub trait KvIndexApi: Send + Sync + 'static {
@@ -219,7 +196,7 @@ impl KvIndexApi for GrpcKvIndex {
     async fn publish_events(&self, batches: Vec<EventBatch>) -> Result<Vec<LogPosition>, KvIndexError> {
         let request = pb::PublishEventsRequest { batches: batches.iter().map(pb::EventBatch::from).collect() };
         let entry_ids = self.client.clone().publish_events(request).await?.into_inner().entry_ids;
-        entry_ids.iter().map(|id| id.parse().map_err(|error: turbine_kv_log::BadPosition| KvIndexError::Internal(error.to_string()))).collect()
+        entry_ids.iter().map(|id| id.parse().map_err(|error: super::BadPosition| KvIndexError::Internal(error.to_string()))).collect()
     }
 
     async fn dump(&self, worker_id: Option<WorkerId>) -> Result<Vec<WorkerDump>, KvIndexError> {
@@ -244,7 +221,7 @@ impl KvIndexApi for GrpcKvIndex {
 }
 
 /// A match as sent.
-pub(crate) fn match_to_wire(found: WorkerMatch) -> pb::WorkerMatch {
+pub fn match_to_wire(found: WorkerMatch) -> pb::WorkerMatch {
     let WorkerMatch { worker_id, blocks, by_tier: [device, host, disk, remote] } = found;
     pb::WorkerMatch {
         worker_id: worker_id.to_string(),
@@ -323,5 +300,38 @@ impl TryFrom<pb::StatsResponse> for IndexStats {
             snapshots_written,
             started_from_snapshot: (!started_from_snapshot.is_empty()).then(|| position("started_from_snapshot", &started_from_snapshot)).transpose()?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::to_status;
+
+    #[test]
+    fn every_error_an_index_sends_comes_back_as_itself() {
+        let sent = [
+            KvIndexError::InvalidArgument("worker_id is required".into()),
+            KvIndexError::NotFound("worker \"w\" has no view in this index".into()),
+            KvIndexError::Unavailable("the KV event log (Redis) is unreachable".into()),
+            KvIndexError::Denied { code: ErrorCode::PermissionDenied, message: "not a router".into() },
+            KvIndexError::Internal("the index failed".into()),
+        ];
+        for error in sent {
+            assert_eq!(KvIndexError::from(to_status(&error)), error);
+        }
+        for code in ErrorCode::ALL {
+            let error = KvIndexError::from_parts(code, "m".into());
+            assert_eq!(KvIndexError::from_parts(error.code(), error.message()), error, "{code:?}");
+        }
+        assert!(matches!(KvIndexError::from(tonic::Status::deadline_exceeded("slow")), KvIndexError::Unavailable(_)));
+    }
+
+    #[test]
+    fn stats_convert_both_ways_and_a_bad_position_is_refused() {
+        let stats = IndexStats { workers: 2, log_position: "5-1".parse().unwrap(), started_from_snapshot: Some("3-0".parse().unwrap()), ..Default::default() };
+        assert_eq!(IndexStats::try_from(pb::StatsResponse::from(stats.clone())), Ok(stats));
+        let bad = pb::StatsResponse { log_position: "x".into(), ..Default::default() };
+        assert!(IndexStats::try_from(bad).unwrap_err().to_string().contains("log_position"));
     }
 }

@@ -1,14 +1,16 @@
-//! [`LocalKvIndex`]: an index replica in this process, behind the same API
-//! as the kv-index service.
+//! [`LocalKvIndex`]: an index replica in this process (the index, the
+//! follower feeding it, the log publishes go to), behind the same API as
+//! the kv-index service (`turbine_api::kv_index`): the kv-index serves one,
+//! a router may keep its own.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
+use turbine_api::kv_index::{IndexStats, KvIndexApi, KvIndexError, MatchAnswer, MatchQuery};
 use turbine_kv::{EventBatch, KvIndex, WorkerDump, WorkerId};
-use turbine_kv_log::{EventLog, FollowerStatus, LogPosition};
 
-use crate::api::{IndexStats, KvIndexApi, KvIndexError, MatchAnswer, MatchQuery};
+use crate::{EventLog, FollowerStatus, LogPosition};
 
 /// Batches accepted by one publish.
 pub const MAX_PUBLISH_BATCHES: usize = 1024;
