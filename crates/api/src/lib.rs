@@ -22,4 +22,4 @@ pub use error::{ApiError, ErrorCode};
 #[cfg(feature = "grpc")]
 pub use error::{from_status, to_status};
 pub use kv::{KvLayout, UcxRegion};
-pub use request::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage};
+pub use request::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage, WorkerRole};

@@ -120,8 +120,9 @@ pub struct Usage {
     pub cached_prompt_tokens: u32,
 }
 
-/// A snapshot of an engine's occupancy (a worker reports its engine's).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// A snapshot of an engine's occupancy (a worker reports its engine's,
+/// with each heartbeat to the registry too).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Load {
     /// Sequences scheduled (prefilling or decoding).
     pub running: u32,
@@ -131,4 +132,35 @@ pub struct Load {
     pub blocks_used: u32,
     /// KV blocks in the pool.
     pub blocks_total: u32,
+}
+
+/// A worker's part in disaggregated serving.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerRole {
+    /// Computes whole requests, prompt and decode.
+    #[default]
+    Aggregated,
+    /// Computes prompts and hands their KV cache to decode workers.
+    Prefill,
+    /// Decodes, reading long prompts' KV from prefill workers (short ones
+    /// it computes itself).
+    Decode,
+}
+
+impl WorkerRole {
+    /// The role's name, as in configuration ("aggregated", "prefill", "decode").
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Aggregated => "aggregated",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }

@@ -111,49 +111,8 @@ impl ReadCosts {
     }
 }
 
-/// A worker's part in disaggregated serving.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkerRole {
-    /// Computes whole requests, prompt and decode.
-    #[default]
-    Aggregated,
-    /// Computes prompts and hands their KV cache to decode workers.
-    Prefill,
-    /// Decodes, reading long prompts' KV from prefill workers (short ones
-    /// it computes itself).
-    Decode,
-}
-
-impl WorkerRole {
-    /// The role's name, as in configuration ("aggregated", "prefill", "decode").
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WorkerRole::Aggregated => "aggregated",
-            WorkerRole::Prefill => "prefill",
-            WorkerRole::Decode => "decode",
-        }
-    }
-}
-
-impl std::fmt::Display for WorkerRole {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Engine occupancy reported with each heartbeat.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WorkerLoad {
-    /// Sequences scheduled.
-    pub running: u32,
-    /// Sequences queued.
-    pub waiting: u32,
-    /// KV blocks in use.
-    pub blocks_used: u32,
-    /// KV blocks in the pool.
-    pub blocks_total: u32,
-}
+pub use turbine_api::Load as WorkerLoad;
+pub use turbine_api::WorkerRole;
 
 /// A registered worker and when its lease runs out.
 #[derive(Debug, Clone, PartialEq)]

@@ -11,7 +11,7 @@ use turbine_kv::KvIndex;
 use turbine_kv_log::EventLog;
 use turbine_proto::service_names;
 use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, kv_transfer_server::KvTransferServer, worker_server::WorkerServer};
-use turbine_registry::{Lease, ReadCost, ReadCosts, RedisRegistry, Registry, WorkerLoad, WorkerRecord};
+use turbine_registry::{Lease, ReadCost, ReadCosts, RedisRegistry, Registry, WorkerRecord};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 use turbine_worker_api::{WorkerClient, WorkerClients};
@@ -175,12 +175,11 @@ pub fn main(config: WorkerConfig) -> std::process::ExitCode {
 
 /// The registry record of a worker with its current load.
 pub fn worker_record(worker: &Worker, endpoint: &str) -> WorkerRecord {
-    let load = worker.load();
     WorkerRecord {
         worker_id: worker.id().clone(),
         endpoint: endpoint.to_owned(),
         model: worker.card().name.clone(),
-        load: WorkerLoad { running: load.running, waiting: load.waiting, blocks_used: load.blocks_used, blocks_total: load.blocks_total },
+        load: worker.load(),
         kv_block_size: worker.block_size() as u32,
         instance: worker.instance(),
         role: worker.role(),
