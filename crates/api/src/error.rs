@@ -69,24 +69,35 @@ impl ErrorCode {
     }
 }
 
-/// A client's error: it has a code and a message, and comes back from
-/// them. `from_parts(e.code(), e.message())` is `e` again for every error
-/// a server sends (errors made on the caller's side, such as a malformed
-/// endpoint, may come back as another variant of the same code).
+/// Where a status carries an error's [`reason`](ApiError::reason).
+pub const REASON_KEY: &str = "turbine-error";
+
+/// A client's error: it has a code, perhaps a reason, and a message, and
+/// comes back from them. `from_parts(e.code(), e.reason(), e.message())`
+/// is `e` again for every error a server sends (errors made on the
+/// caller's side, such as a malformed endpoint, may come back as another
+/// variant of the same code).
 pub trait ApiError: std::error::Error + Sized {
     /// Its kind.
     fn code(&self) -> ErrorCode;
 
+    /// A finer kind, where a caller must tell two errors of one code apart
+    /// (a router with no worker for the model from a router that cannot be
+    /// reached); sent beside the code ([`REASON_KEY`]).
+    fn reason(&self) -> Option<&'static str> {
+        None
+    }
+
     /// What happened, without the client's own prefix.
     fn message(&self) -> String;
 
-    /// The error of kind `code`.
-    fn from_parts(code: ErrorCode, message: String) -> Self;
+    /// The error of kind `code` (and `reason`, when the error has one).
+    fn from_parts(code: ErrorCode, reason: Option<&str>, message: String) -> Self;
 }
 
 #[cfg(feature = "grpc")]
 mod grpc {
-    use super::{ApiError, ErrorCode};
+    use super::{ApiError, ErrorCode, REASON_KEY};
 
     impl From<ErrorCode> for tonic::Code {
         fn from(code: ErrorCode) -> Self {
@@ -129,12 +140,17 @@ mod grpc {
 
     /// The status a server answers `error` with.
     pub fn to_status<E: ApiError>(error: &E) -> tonic::Status {
-        tonic::Status::new(error.code().into(), error.message())
+        let mut status = tonic::Status::new(error.code().into(), error.message());
+        if let Some(reason) = error.reason() {
+            status.metadata_mut().insert(REASON_KEY, tonic::metadata::MetadataValue::from_static(reason));
+        }
+        status
     }
 
     /// The client's error for a status a call ended with.
     pub fn from_status<E: ApiError>(status: &tonic::Status) -> E {
-        E::from_parts(status.code().into(), status.message().to_owned())
+        let reason = status.metadata().get(REASON_KEY).and_then(|value| value.to_str().ok());
+        E::from_parts(status.code().into(), reason, status.message().to_owned())
     }
 }
 

@@ -7,7 +7,7 @@
 //! without linking an engine; the engine re-exports them.
 //!
 //! With the `grpc` feature (the default; an engine goes without it): the
-//! services' clients, each beside its own words ([`kv_index`], [`kv_store`]), and
+//! services' clients, each beside its own words ([`kv_index`], [`kv_store`], [`router`]), and
 //! [`wire`], the request vocabulary to and from the contracts.
 
 mod error;
@@ -15,10 +15,11 @@ mod kv;
 pub mod kv_index;
 pub mod kv_store;
 mod request;
+pub mod router;
 #[cfg(feature = "grpc")]
 pub mod wire;
 
-pub use error::{ApiError, ErrorCode};
+pub use error::{ApiError, ErrorCode, REASON_KEY};
 #[cfg(feature = "grpc")]
 pub use error::{from_status, to_status};
 pub use kv::{KvLayout, UcxRegion};

@@ -832,7 +832,7 @@ async fn start_stack(redis: &str, namespace: &str, shutdown: CancellationToken) 
     router_config.poll_interval_ms = 100;
     let deps = turbine_router::RouterDeps::from_config(&router_config)?;
     let router = turbine_router::start(router_config, deps, Listeners::loopback().await?, shutdown.clone()).await?;
-    let router_client = turbine_router::RouterClient::new(router.local.clone());
+    let router_client = turbine_api::router::RouterClient::new(router.local.clone());
     let gateway_listeners =
         Listeners { grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await?, admin: None, http: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await?) };
     let http = gateway_listeners.http.as_ref().expect("bound above").local_addr()?;

@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use common::{MODEL, metric, post, service, until_listed, until_registered};
 use serde_json::json;
+use turbine_api::router::{RouteRequest, RouterClient};
 use turbine_cluster::sandbox::Sandbox;
-use turbine_router::{RouteRequest, RouterClient};
 use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, TcpRelay, metric_where, wait_until};
 
 /// One cluster at a time: each runs two native workers, and on two cores

@@ -18,8 +18,8 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use turbine_api::kv_index::{KvIndexClient, MatchQuery};
+use turbine_api::router::RouterClient;
 use turbine_kv::BlockHasher;
-use turbine_router::RouterClient;
 use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, workspace_binary};
 
 const BLOCK: usize = 16;

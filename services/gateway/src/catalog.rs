@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
-use turbine_router::{RoutedWorker, RouterClient};
+use turbine_api::router::{RoutedWorker, RouterClient};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::Preprocessor;
 use turbine_worker_api::WorkerClients;

@@ -4,7 +4,7 @@
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use turbine_router::RouterCallError;
+use turbine_api::router::RouterCallError;
 use turbine_worker_api::WorkerError;
 
 /// What went wrong, from the client's point of view.
@@ -148,6 +148,12 @@ impl From<RouterCallError> for GatewayError {
             RouterCallError::Unavailable(message) => {
                 tracing::warn!(error = %message, "router call failed");
                 GatewayError::new(ErrorKind::Unavailable, "the router is unavailable; retry shortly")
+            }
+            // The gateway's own identity was refused: its operator's to fix,
+            // nothing the client did.
+            denied @ RouterCallError::Denied { .. } => {
+                tracing::error!(error = %denied, "the router refused the gateway's call");
+                GatewayError::new(ErrorKind::Internal, "the gateway cannot reach its router")
             }
         }
     }

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
+use turbine_api::router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_api::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
-use turbine_router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
 use turbine_worker_api::{KvHandle, KvTransferClient, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
 

@@ -5,15 +5,16 @@
 //!   decision; no transport.
 //! - [`policy`]: round-robin, random, least-loaded.
 //! - [`kv`]: KV-aware routing: the cost function, the `[kv]` section, and
-//!   where matches come from (a `KvIndexClient`).
-//! - [`RouterClient`]: in this process or over gRPC, one type;
+//!   where matches come from (a `turbine_api::kv_index::KvIndexClient`).
+//! - [`local`]: the router as its own client's `RouterApi` (the client
+//!   and the router's words are `turbine_api::router`);
 //!   [`RouterService`]: the `turbine.router.v1.Router` gRPC shell.
 //! - [`peers`]: load booked by the other router replicas, through Redis.
 //! - [`serve()`]: the router on the service host, and the registry watch.
 
-pub mod client;
 pub mod config;
 pub mod kv;
+pub mod local;
 pub mod metrics;
 pub mod peers;
 pub mod policy;
@@ -21,7 +22,6 @@ pub mod router;
 pub mod serve;
 pub mod service;
 
-pub use client::{GrpcRouter, RouterApi, RouterCallError, RouterClient};
 pub use config::{RouterConfig, RoutingConfig};
 pub use kv::{KvConfig, KvOverrides, KvState, KvTuning, KvWeights};
 pub use policy::Policy;

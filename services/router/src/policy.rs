@@ -1,34 +1,7 @@
 //! Worker selection policies: pure functions over candidates.
 
 use rand::Rng;
-use serde::{Deserialize, Serialize};
-
-/// How the router chooses among live workers serving the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Policy {
-    /// Cycle through the workers in id order.
-    RoundRobin,
-    /// Uniformly at random.
-    Random,
-    /// Fewest booked requests, then least reported queue and KV use.
-    LeastLoaded,
-    /// Cache overlap against booked load (DESIGN §5's cost function);
-    /// needs a KV index.
-    Kv,
-}
-
-impl Policy {
-    /// The policy's name as used in flags and metrics.
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::RoundRobin => "round-robin",
-            Policy::Random => "random",
-            Policy::LeastLoaded => "least-loaded",
-            Policy::Kv => "kv",
-        }
-    }
-}
+pub use turbine_api::router::Policy;
 
 /// What a policy sees of one candidate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

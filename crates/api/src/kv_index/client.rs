@@ -66,7 +66,7 @@ impl ApiError for KvIndexError {
         }
     }
 
-    fn from_parts(code: ErrorCode, message: String) -> Self {
+    fn from_parts(code: ErrorCode, _reason: Option<&str>, message: String) -> Self {
         match code {
             ErrorCode::InvalidArgument | ErrorCode::FailedPrecondition => KvIndexError::InvalidArgument(message),
             ErrorCode::NotFound => KvIndexError::NotFound(message),
@@ -321,8 +321,8 @@ mod tests {
             assert_eq!(KvIndexError::from(to_status(&error)), error);
         }
         for code in ErrorCode::ALL {
-            let error = KvIndexError::from_parts(code, "m".into());
-            assert_eq!(KvIndexError::from_parts(error.code(), error.message()), error, "{code:?}");
+            let error = KvIndexError::from_parts(code, None, "m".into());
+            assert_eq!(KvIndexError::from_parts(error.code(), None, error.message()), error, "{code:?}");
         }
         assert!(matches!(KvIndexError::from(tonic::Status::deadline_exceeded("slow")), KvIndexError::Unavailable(_)));
     }

@@ -89,7 +89,7 @@ impl ApiError for KvStoreError {
         }
     }
 
-    fn from_parts(code: ErrorCode, message: String) -> Self {
+    fn from_parts(code: ErrorCode, _reason: Option<&str>, message: String) -> Self {
         match code {
             ErrorCode::InvalidArgument => KvStoreError::Invalid(message),
             ErrorCode::FailedPrecondition => KvStoreError::NotServed(message),
@@ -454,7 +454,7 @@ mod tests {
     #[test]
     fn every_error_a_store_sends_comes_back_as_itself() {
         for code in ErrorCode::ALL {
-            let error = KvStoreError::from_parts(code, format!("{code:?} happened"));
+            let error = KvStoreError::from_parts(code, None, format!("{code:?} happened"));
             assert_eq!(error.code(), code);
             let status = to_status(&error);
             assert_eq!(status.code(), tonic::Code::from(code));

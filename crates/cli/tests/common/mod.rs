@@ -7,8 +7,8 @@
 use std::process::Command;
 use std::time::Duration;
 
+use turbine_api::router::RouterClient;
 pub use turbine_cluster::sandbox::{read_events, streamed_text};
-use turbine_router::RouterClient;
 use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess, workspace_binary};
 pub use turbine_testkit::{metric, wait_until};
 

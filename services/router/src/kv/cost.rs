@@ -5,6 +5,8 @@ use rand::Rng;
 use turbine_kv::Tier;
 use turbine_registry::ReadCosts;
 
+pub use turbine_api::router::KvOverrides;
+
 /// Weights of the cost function; every field can be overridden per request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvWeights {
@@ -42,6 +44,19 @@ impl Default for KvWeights {
 }
 
 impl KvWeights {
+    /// These weights with a request's `overrides` applied.
+    pub fn overridden_by(self, overrides: &KvOverrides) -> KvWeights {
+        let KvOverrides { device_credit, host_credit, disk_credit, remote_credit, prefill_load_scale, temperature } = *overrides;
+        KvWeights {
+            device_credit: device_credit.unwrap_or(self.device_credit),
+            host_credit: host_credit.unwrap_or(self.host_credit),
+            disk_credit: disk_credit.unwrap_or(self.disk_credit),
+            remote_credit: remote_credit.unwrap_or(self.remote_credit),
+            prefill_load_scale: prefill_load_scale.unwrap_or(self.prefill_load_scale),
+            temperature: temperature.unwrap_or(self.temperature),
+        }
+    }
+
     /// Dynamo's default weights (DESIGN §5's baseline): a cached block
     /// saves one block of prefill, prefill and decode blocks weigh the same.
     pub const DYNAMO: Self = Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 };
@@ -77,37 +92,6 @@ impl KvWeights {
             Tier::Host => self.host_credit,
             Tier::Disk => self.disk_credit,
             Tier::Remote => self.remote_credit,
-        }
-    }
-}
-
-/// Per-request overrides of [`KvWeights`]; unset fields keep the router's.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct KvOverrides {
-    /// See [`KvWeights::device_credit`].
-    pub device_credit: Option<f64>,
-    /// See [`KvWeights::host_credit`].
-    pub host_credit: Option<f64>,
-    /// See [`KvWeights::disk_credit`].
-    pub disk_credit: Option<f64>,
-    /// See [`KvWeights::remote_credit`].
-    pub remote_credit: Option<f64>,
-    /// See [`KvWeights::prefill_load_scale`].
-    pub prefill_load_scale: Option<f64>,
-    /// See [`KvWeights::temperature`].
-    pub temperature: Option<f64>,
-}
-
-impl KvOverrides {
-    /// `base` with these overrides applied.
-    pub fn apply(&self, base: KvWeights) -> KvWeights {
-        KvWeights {
-            device_credit: self.device_credit.unwrap_or(base.device_credit),
-            host_credit: self.host_credit.unwrap_or(base.host_credit),
-            disk_credit: self.disk_credit.unwrap_or(base.disk_credit),
-            remote_credit: self.remote_credit.unwrap_or(base.remote_credit),
-            prefill_load_scale: self.prefill_load_scale.unwrap_or(base.prefill_load_scale),
-            temperature: self.temperature.unwrap_or(base.temperature),
         }
     }
 }
@@ -354,7 +338,7 @@ mod tests {
     #[test]
     fn overrides_replace_only_what_they_set() {
         let overrides = KvOverrides { temperature: Some(0.5), ..KvOverrides::default() };
-        let weights = overrides.apply(KvWeights::default());
+        let weights = KvWeights::default().overridden_by(&overrides);
         assert_eq!(weights.temperature, 0.5);
         assert_eq!(weights.device_credit, KvWeights::default().device_credit);
         assert!(KvWeights { host_credit: -1.0, ..KvWeights::default() }.validate().is_err());

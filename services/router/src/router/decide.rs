@@ -34,7 +34,7 @@ impl Router {
         };
         let weights = match (&kv, &request.kv) {
             (Some((kv, _)), Some(overrides)) => {
-                let weights = overrides.apply(kv.weights());
+                let weights = kv.weights().overridden_by(overrides);
                 weights.validate().map_err(RouteError::InvalidRequest)?;
                 Some(weights)
             }
