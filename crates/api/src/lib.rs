@@ -3,21 +3,26 @@
 //! stop), what comes back (finish reason, token accounting,
 //! log-probabilities), a worker's load, and how workers lay out and expose
 //! their KV blocks; one set of error codes ([`ErrorCode`]) every client's
-//! error maps through. The gateway and the worker's clients use these
-//! without linking an engine; the engine re-exports them.
+//! error maps through. Every service speaks these without linking an
+//! engine or another service; the engine re-exports them.
 //!
 //! With the `grpc` feature (the default; an engine goes without it): the
-//! services' clients, each beside its own words ([`kv_index`], [`kv_store`], [`router`]), and
-//! [`wire`], the request vocabulary to and from the contracts.
+//! services' clients, each beside its own words ([`kv_index`],
+//! [`kv_store`], [`kv_transfer`], [`router`], [`worker`]), and [`wire`],
+//! the request vocabulary to and from the contracts.
 
 mod error;
 mod kv;
 pub mod kv_index;
 pub mod kv_store;
+#[cfg(feature = "grpc")]
+pub mod kv_transfer;
 mod request;
 pub mod router;
 #[cfg(feature = "grpc")]
 pub mod wire;
+#[cfg(feature = "grpc")]
+pub mod worker;
 
 pub use error::{ApiError, ErrorCode, REASON_KEY};
 #[cfg(feature = "grpc")]

@@ -12,8 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 
 /// Crates that every service may link: none of them links an engine.
-const SHARED: &[&str] =
-    &["turbine-api", "turbine-proto", "turbine-runtime", "turbine-kv", "turbine-kv-log", "turbine-tokens", "turbine-registry", "turbine-worker-api"];
+const SHARED: &[&str] = &["turbine-api", "turbine-proto", "turbine-runtime", "turbine-kv", "turbine-kv-log", "turbine-tokens", "turbine-registry"];
 
 /// Engines: what the shared crates must not link.
 const ENGINES: &[&str] = &["turbine-engine", "turbine-native"];

@@ -20,6 +20,8 @@ use anyhow::Context;
 use prost::Message;
 use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
+use turbine_api::kv_transfer::KvTransferClient;
+use turbine_api::worker::KvHandle;
 use turbine_engine::{Batch, EngineHandle, Executor, KvBuffer, KvLayout, KvMemory, Sampled, SchedulerConfig, block_checksum};
 use turbine_kv::{BlockHashes, LocalBlockHash, SequenceHash, WorkerId};
 use turbine_proto::MessageLimits;
@@ -28,7 +30,6 @@ use turbine_proto::worker::v1::kv_transfer_server::KvTransferServer;
 use turbine_worker::disagg::{Disagg, DisaggOptions, SharedKvPool};
 use turbine_worker::service::{KvTransferService, Loaded};
 use turbine_worker::{KvTransport, WorkerRole};
-use turbine_worker_api::{KvHandle, KvTransferClient};
 
 /// A transport to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]

@@ -31,6 +31,7 @@ use anyhow::Context;
 use tokio::task::JoinHandle;
 use turbine_api::kv_index::KvIndexClient;
 use turbine_api::router::RouterClient;
+use turbine_api::worker::{WorkerClient, WorkerClients};
 use turbine_gateway::{GatewayConfig, GatewayDeps};
 use turbine_kv::{KvIndex, WorkerId};
 use turbine_kv_index::{IndexFeed, KvIndexConfig, KvIndexDeps};
@@ -53,7 +54,6 @@ use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{BoundAddrs, Listeners, bind};
 use turbine_tokens::pull::{Progress, catalog_entry, default_cache_dir, pull};
 use turbine_worker::{KvEventSink, WorkerConfig, WorkerDeps};
-use turbine_worker_api::{WorkerClient, WorkerClients};
 
 pub use config::{RUN_PLANNER_DATABASE, RunConfig, RunWorkerConfig};
 pub use workers::HostedWorkers;

@@ -12,10 +12,10 @@ use prost::Message;
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
+use turbine_api::worker::WorkerClients;
 use turbine_kv::index::Applied;
 use turbine_kv::{EventBatch, KvIndex, WorkerDump, WorkerId};
 use turbine_proto::kvindex::v1 as pb;
-use turbine_worker_api::WorkerClients;
 
 use crate::LogPosition;
 use crate::log::EventLog;

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 use turbine_api::router::{RoutedWorker, RouterClient};
+use turbine_api::worker::WorkerClients;
 use turbine_runtime::CancellationToken;
 use turbine_tokens::Preprocessor;
-use turbine_worker_api::WorkerClients;
 
 use crate::error::{ErrorKind, GatewayError};
 

@@ -5,7 +5,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use turbine_api::router::RouterCallError;
-use turbine_worker_api::WorkerError;
+use turbine_api::worker::WorkerError;
 
 /// What went wrong, from the client's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +170,11 @@ impl From<WorkerError> for GatewayError {
             }
             WorkerError::NotFound(message) | WorkerError::Internal(message) => {
                 tracing::error!(error = %message, "worker failed");
+                GatewayError::new(ErrorKind::Internal, "the worker failed to generate")
+            }
+            // The gateway's own identity was refused: its operator's to fix.
+            denied @ WorkerError::Denied { .. } => {
+                tracing::error!(error = %denied, "a worker refused the gateway's call");
                 GatewayError::new(ErrorKind::Internal, "the worker failed to generate")
             }
         }

@@ -10,9 +10,9 @@
 //! - [`error`]: client-facing errors with one mapping to HTTP and gRPC.
 //! - [`serve()`]: the gateway on the service host.
 //!
-//! It reaches the router and the workers through their clients
-//! (`turbine-router`'s `RouterClient`, `turbine-worker-api`'s
-//! `WorkerClients`): it links no engine.
+//! It reaches the router and the workers through their clients in
+//! `turbine-api` (`router::RouterClient`, `worker::WorkerClients`): it
+//! links no engine and no other service.
 
 pub mod catalog;
 pub mod config;

@@ -12,11 +12,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
+use turbine_api::kv_transfer::KvTransferClient;
 use turbine_api::router::{RouteRequest, RoutedWorker, RouterClient};
+use turbine_api::worker::{KvHandle, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
 use turbine_api::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
 use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
-use turbine_worker_api::{KvHandle, KvTransferClient, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
 
 use crate::catalog::ModelCatalog;
 use crate::error::{ErrorKind, GatewayError};

@@ -7,11 +7,11 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::sync::Semaphore;
 use turbine_api::router::RouterClient;
+use turbine_api::worker::WorkerClients;
 use turbine_proto::gateway::v1::{FILE_DESCRIPTOR_SET, inference_server::InferenceServer};
 use turbine_proto::service_names;
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, bind};
-use turbine_worker_api::WorkerClients;
 
 use crate::catalog::ModelCatalog;
 use crate::config::GatewayConfig;

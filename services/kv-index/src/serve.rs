@@ -8,6 +8,7 @@ use anyhow::Context;
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use tokio::task::JoinHandle;
+use turbine_api::worker::WorkerClients;
 use turbine_kv::{KvIndex, Unregistered, WorkerId};
 use turbine_kv_log::{EventLog, FollowerStatus, LogPosition, dump_fetcher, follow_from, start_from_snapshot};
 use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexServer};
@@ -15,7 +16,6 @@ use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace, WorkerRecord};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
-use turbine_worker_api::WorkerClients;
 
 use crate::config::KvIndexConfig;
 use crate::service::KvIndexService;

@@ -7,6 +7,7 @@ use anyhow::Context;
 use rustc_hash::FxHashSet;
 use tokio::task::JoinHandle;
 use turbine_api::kv_index::KvIndexClient;
+use turbine_api::worker::WorkerClients;
 use turbine_kv::{KvIndex, Unregistered, WorkerId};
 use turbine_kv_log::{EventLog, FollowerStatus, dump_fetcher, follow_from, start_from_snapshot};
 use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
@@ -14,7 +15,6 @@ use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles, Running};
-use turbine_worker_api::WorkerClients;
 
 use crate::config::RouterConfig;
 use crate::kv::KvState;

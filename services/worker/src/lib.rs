@@ -1,7 +1,7 @@
 //! The worker service: an inference engine behind `turbine.worker.v1`.
 //!
 //! - [`Worker`]: the loaded model card and running engine; it implements
-//!   [`WorkerApi`](turbine_worker_api::WorkerApi) itself ([`local`]), so a
+//!   [`WorkerApi`](turbine_api::worker::WorkerApi) itself ([`local`]), so a
 //!   client in this process calls it directly and the gRPC shell
 //!   ([`service`]) serves the same calls.
 //! - [`disagg`]: disaggregated serving: prefill handles and the blocks
@@ -15,7 +15,7 @@
 //! - [`WorkerConfig`]: configuration, flags and the sections `turbine run`
 //!   shares ([`EngineConfig`], [`TransferConfig`]).
 //!
-//! Callers elsewhere use `turbine-worker-api`'s clients.
+//! Callers elsewhere use its client, `turbine_api::worker`.
 
 pub mod config;
 pub mod disagg;

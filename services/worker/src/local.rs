@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use tokio::sync::mpsc::UnboundedReceiver;
+use turbine_api::worker::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
 use turbine_engine::{EngineError, EngineOutput, GenerateRequest, Handoff, Load};
 use turbine_kv::WorkerDump;
 use turbine_tokens::ModelCard;
-use turbine_worker_api::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
 
 use crate::metrics;
 use crate::worker::Worker;

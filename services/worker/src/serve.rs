@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use turbine_api::worker::{WorkerClient, WorkerClients};
 use turbine_kv::KvIndex;
 use turbine_kv_log::EventLog;
 use turbine_proto::service_names;
@@ -14,7 +15,6 @@ use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, kv_transfer_server::KvTrans
 use turbine_registry::{Lease, ReadCost, ReadCosts, RedisRegistry, Registry, WorkerRecord};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
-use turbine_worker_api::{WorkerClient, WorkerClients};
 
 use crate::config::WorkerConfig;
 use crate::kv_events::{feed_index, publish_events};

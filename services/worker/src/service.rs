@@ -7,8 +7,8 @@ use std::sync::{Arc, OnceLock};
 
 use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
+use turbine_api::worker::{GenerateCall, PrefillCall, WorkerApi};
 use turbine_proto::worker::v1 as pb;
-use turbine_worker_api::{GenerateCall, PrefillCall, WorkerApi};
 
 use crate::disagg::Disagg;
 use crate::worker::Worker;

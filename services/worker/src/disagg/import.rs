@@ -3,9 +3,10 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use turbine_api::kv_transfer::KvTransferClient;
+use turbine_api::worker::KvHandle;
 use turbine_engine::{GenerateRequest, ImportedPrefix, block_checksum};
 use turbine_kv::{BlockHasher, BlockHashes};
-use turbine_worker_api::{KvHandle, KvTransferClient};
 
 use super::Disagg;
 use crate::config::KvTransport;

@@ -12,7 +12,7 @@
 //! worker gone, the lease expired, a checksum or layout mismatch, no room)
 //! turns into computing the prompt locally: slower, never wrong.
 //!
-//! [`KvHandle`]: turbine_worker_api::KvHandle
+//! [`KvHandle`]: turbine_api::worker::KvHandle
 
 mod import;
 mod pool;

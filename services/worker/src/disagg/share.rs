@@ -3,9 +3,10 @@
 
 use std::time::{Duration, SystemTime};
 
+use turbine_api::kv_transfer::{Described, KvTransferApi};
+use turbine_api::worker::{KvBlockRef, KvHandle, Prefilled, TokenChunk, WorkerError};
 use turbine_engine::{EngineHandle, EngineOutput, FinishReason, GenerateRequest, Handoff, KvMemory, block_checksum};
 use turbine_kv::BlockHashes;
-use turbine_worker_api::{Described, KvBlockRef, KvHandle, KvTransferApi, Prefilled, TokenChunk, WorkerError};
 
 use super::{Disagg, Pin, rand_u64};
 use crate::metrics;

@@ -1,28 +1,19 @@
-//! [`KvTransferClient`]: a decode worker's side of a prefill worker's
-//! `KvTransfer` service (the control path of KV transfers, and the TCP data
-//! path).
+//! The kv-transfer client: [`KvTransferApi`] (a worker's `KvTransfer`
+//! service: the worker itself in its process, [`GrpcKvTransfer`] over the
+//! wire, the TCP data path), [`KvTransferClient`] (the handle callers
+//! hold), and the conversions to and from its messages.
 
 use std::sync::Arc;
 
-use futures::StreamExt;
-use turbine_api::{KvLayout, UcxRegion};
+use tokio_stream::StreamExt;
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient as PbKvTransferClient;
 use turbine_proto::{ConversionError, ConversionResult, MessageLimits};
 use turbine_runtime::grpc::TracedChannel;
 
-use crate::types::WorkerError;
-
-/// How to read a worker's pinned blocks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Described {
-    /// The layout of its blocks.
-    pub layout: KvLayout,
-    /// How to read its pool with UCX (`None`: it has no UCX).
-    pub ucx: Option<UcxRegion>,
-    /// Random per start of its pool (descriptions are cached by it).
-    pub memory_id: u64,
-}
+use super::Described;
+use crate::worker::WorkerError;
+use crate::{KvLayout, UcxRegion};
 
 impl From<Described> for pb::DescribeResponse {
     fn from(described: Described) -> Self {

@@ -1,52 +1,30 @@
-//! The domain types of `turbine.worker.v1` that belong to the worker's API
-//! (the engine's request and result types live in `turbine-engine`), with
-//! their conversions from and to the wire.
+//! The worker's client: [`WorkerApi`] (what a worker does for its
+//! callers: the worker itself in its process, [`GrpcWorker`] over the
+//! wire, or a test's double), [`WorkerClient`] (the handle callers hold)
+//! and [`WorkerClients`]; the conversions between the worker's words and
+//! `turbine.worker.v1`, which the worker's gRPC shell uses too.
 
-use std::pin::Pin;
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::Stream;
-use tonic::Code;
-use turbine_api::wire::{finish_reason, generate_request};
-use turbine_api::{FinishReason, GenerateRequest, KvLayout, TokenLogprobs, Usage};
-use turbine_kv::{BlockHashes, LocalBlockHash, SequenceHash, WorkerId};
+use parking_lot::RwLock;
+use tokio_stream::StreamExt;
+use turbine_kv::{BlockHashes, LocalBlockHash, SequenceHash, WorkerDump, WorkerId};
 use turbine_proto::worker::v1 as pb;
-use turbine_proto::{ConversionError, ConversionResult};
+use turbine_proto::worker::v1::worker_client::WorkerClient as PbWorkerClient;
+use turbine_proto::{ConversionError, ConversionResult, MessageLimits};
+use turbine_runtime::grpc::TracedChannel;
+use turbine_runtime::host::Role;
+use turbine_tokens::ModelCard;
 
-/// Tokens produced since the previous chunk, and the end of the stream.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TokenChunk {
-    /// Generated token ids, in order.
-    pub tokens: Vec<u32>,
-    /// Their log-probabilities (one per token) when the request asked.
-    pub logprobs: Vec<TokenLogprobs>,
-    /// Set on the last chunk.
-    pub finished: Option<(FinishReason, Usage)>,
-}
+use super::{GenerateCall, KvBlockRef, KvHandle, PrefillCall, Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerError};
+use crate::error::{from_status, to_status};
+use crate::wire::{finish_reason, generate_request};
+use crate::{GenerateRequest, KvLayout, Load, TokenLogprobs, Usage};
 
-/// A stream of token chunks; ends after the chunk that carries `finished`.
-/// Dropping it cancels the sequence on the worker.
-pub type TokenStream = Pin<Box<dyn Stream<Item = Result<TokenChunk, WorkerError>> + Send>>;
-
-/// Why a worker call failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WorkerError {
-    /// The request is invalid for this worker (prompt too long, bad ids...).
-    #[error("{0}")]
-    InvalidArgument(String),
-    /// The worker is at capacity; retry later or elsewhere.
-    #[error("{0}")]
-    Overloaded(String),
-    /// The worker cannot be reached or is shutting down; another may serve.
-    #[error("{0}")]
-    Unavailable(String),
-    /// The handle or block asked for does not exist (released, expired).
-    #[error("{0}")]
-    NotFound(String),
-    /// The worker failed.
-    #[error("{0}")]
-    Internal(String),
-}
+/// The role a worker's certificate names: who this client calls.
+pub const ROLE: Role = Role::Worker;
 
 impl From<ConversionError> for WorkerError {
     fn from(error: ConversionError) -> Self {
@@ -56,110 +34,171 @@ impl From<ConversionError> for WorkerError {
 
 impl From<WorkerError> for tonic::Status {
     fn from(error: WorkerError) -> Self {
-        match error {
-            WorkerError::InvalidArgument(message) => tonic::Status::invalid_argument(message),
-            WorkerError::Overloaded(message) => tonic::Status::resource_exhausted(message),
-            WorkerError::Unavailable(message) => tonic::Status::unavailable(message),
-            WorkerError::NotFound(message) => tonic::Status::not_found(message),
-            WorkerError::Internal(message) => tonic::Status::internal(message),
-        }
+        to_status(&error)
     }
 }
 
 impl From<tonic::Status> for WorkerError {
     fn from(status: tonic::Status) -> Self {
-        let message = status.message().to_owned();
-        match status.code() {
-            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => WorkerError::InvalidArgument(message),
-            Code::ResourceExhausted => WorkerError::Overloaded(message),
-            Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded | Code::Aborted => {
-                WorkerError::Unavailable(if message.is_empty() { "worker unavailable".into() } else { message })
-            }
-            Code::NotFound => WorkerError::NotFound(message),
-            Code::Ok
-            | Code::Unknown
-            | Code::AlreadyExists
-            | Code::PermissionDenied
-            | Code::Unimplemented
-            | Code::Internal
-            | Code::DataLoss
-            | Code::Unauthenticated => WorkerError::Internal(format!("{}: {message}", status.code())),
-        }
+        from_status(&status)
     }
 }
 
-/// One block behind a [`KvHandle`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvBlockRef {
-    /// The block's hashes (they must match the prompt's).
-    pub hashes: BlockHashes,
-    /// Its offset in the owner's pool.
-    pub offset: u64,
-    /// XXH3-64 of its bytes when pinned.
-    pub checksum: u64,
+/// What a worker does for its callers. The worker implements it in its own
+/// process; [`GrpcWorker`] implements it over the wire; a test may
+/// implement it too.
+#[tonic::async_trait]
+pub trait WorkerApi: Send + Sync + 'static {
+    /// Starts generating; the stream ends after the finishing chunk.
+    /// `remote`: continue after a prefill on another worker (read its
+    /// blocks, or compute the prompt here when they cannot be read).
+    async fn generate(&self, request: GenerateRequest, remote: Option<RemotePrefill>) -> Result<TokenStream, WorkerError>;
+
+    /// Computes the prompt and the first token, and pins the prompt's KV
+    /// blocks for a decode worker (for `lease`, or the worker's default).
+    async fn prefill(&self, request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError>;
+
+    /// The served model's card.
+    async fn model_card(&self) -> Result<ModelCard, WorkerError>;
+
+    /// The engine's current load.
+    async fn load(&self) -> Result<Load, WorkerError>;
+
+    /// Every block the worker caches, as of one KV event number.
+    async fn dump_kv_cache(&self) -> Result<WorkerDump, WorkerError>;
 }
 
-/// A prefill worker's pinned prompt blocks, offered to a decode worker: a
-/// capability to read them until the lease runs out or it is released.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvHandle {
-    /// The prefill worker.
-    pub worker_id: WorkerId,
-    /// Where its `KvTransfer` service listens.
-    pub transfer_endpoint: String,
-    /// The handle's id on that worker.
-    pub handle_id: u64,
-    /// How its blocks are laid out.
-    pub layout: KvLayout,
-    /// The prompt's full blocks, in order.
-    pub blocks: Vec<KvBlockRef>,
-    /// When the prefill worker frees the blocks unless released earlier.
-    pub lease_expires: SystemTime,
-    /// Random per start of the owner's pool: a cached description of the
-    /// pool is stale when it changes.
-    pub memory_id: u64,
+/// A worker, in this process or behind gRPC; cheap to clone.
+#[derive(Clone)]
+pub struct WorkerClient {
+    inner: Arc<dyn WorkerApi>,
 }
 
-/// A decode worker's part of a disaggregated request: the prefill's handle
-/// (none when its prompt had no full block) and the tokens it sampled.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct RemotePrefill {
-    /// The pinned blocks to read.
-    pub handle: Option<KvHandle>,
-    /// Tokens already sampled by the prefill worker (not streamed again).
-    pub generated_token_ids: Vec<u32>,
+impl std::fmt::Debug for WorkerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerClient").finish_non_exhaustive()
+    }
 }
 
-/// A prefill's outcome: the first token and, unless that finished the
-/// request, the handle of the pinned blocks.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Prefilled {
-    /// The first token (finished when a stop token ended the request).
-    pub first: TokenChunk,
-    /// The pinned blocks; `None` when `first` finished the request or the
-    /// prompt is shorter than a block.
-    pub handle: Option<KvHandle>,
-    /// Prompt tokens the prefill served from its prefix cache.
-    pub cached_prompt_tokens: u32,
+impl WorkerClient {
+    /// A client for `worker`, called directly.
+    pub fn new(worker: Arc<dyn WorkerApi>) -> Self {
+        Self { inner: worker }
+    }
+
+    /// A client for the worker at `endpoint`, over the process's shared
+    /// channel to it (connected on first use).
+    pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
+        Ok(Self::new(Arc::new(GrpcWorker::connect(endpoint)?)))
+    }
+
+    /// Starts generating; tokens arrive on the returned stream. Dropping the
+    /// stream cancels the sequence on the worker.
+    pub async fn generate(&self, request: GenerateRequest) -> Result<TokenStream, WorkerError> {
+        self.inner.generate(request, None).await
+    }
+
+    /// Continues `request` after a prefill elsewhere: this (decode) worker
+    /// reads the handle's blocks, or computes the prompt if it cannot, and
+    /// streams the tokens after `remote.generated_token_ids`.
+    pub async fn generate_after_prefill(&self, request: GenerateRequest, remote: RemotePrefill) -> Result<TokenStream, WorkerError> {
+        self.inner.generate(request, Some(remote)).await
+    }
+
+    /// Computes the prompt and first token on this (prefill) worker and
+    /// pins the prompt's blocks for the worker's default lease.
+    pub async fn prefill(&self, request: GenerateRequest) -> Result<Prefilled, WorkerError> {
+        self.inner.prefill(request, None).await
+    }
+
+    /// The served model's card.
+    pub async fn model_card(&self) -> Result<ModelCard, WorkerError> {
+        self.inner.model_card().await
+    }
+
+    /// The worker's current load.
+    pub async fn load(&self) -> Result<Load, WorkerError> {
+        self.inner.load().await
+    }
+
+    /// The worker's cached blocks.
+    pub async fn dump_kv_cache(&self) -> Result<WorkerDump, WorkerError> {
+        self.inner.dump_kv_cache().await
+    }
 }
 
-/// A `Generate` call: the request, and the prefill it continues, if any.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GenerateCall {
-    /// The request.
-    pub request: GenerateRequest,
-    /// Set on a decode worker after a prefill elsewhere.
-    pub remote: Option<RemotePrefill>,
+/// [`WorkerApi`] over gRPC.
+#[derive(Debug, Clone)]
+pub struct GrpcWorker {
+    client: PbWorkerClient<TracedChannel>,
 }
 
-/// A `Prefill` call: the request and how long the blocks stay pinned.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PrefillCall {
-    /// The whole request (`max_tokens` included: the decode worker
-    /// continues it).
-    pub request: GenerateRequest,
-    /// The pin's lease; `None`: the worker's default.
-    pub lease: Option<Duration>,
+impl GrpcWorker {
+    /// The worker at `endpoint`, over the process's shared channel to it.
+    pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
+        let channel =
+            turbine_runtime::grpc::channel(endpoint).map_err(|error| WorkerError::Unavailable(format!("bad worker endpoint {endpoint:?}: {error}")))?;
+        Ok(Self { client: PbWorkerClient::new(channel).with_message_limits() })
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerApi for GrpcWorker {
+    async fn generate(&self, request: GenerateRequest, remote: Option<RemotePrefill>) -> Result<TokenStream, WorkerError> {
+        let message = pb::GenerateRequest::from(&GenerateCall { request, remote });
+        let responses = self.client.clone().generate(message).await?.into_inner();
+        Ok(Box::pin(responses.map(|message| Ok(TokenChunk::try_from(message?)?))))
+    }
+
+    async fn prefill(&self, request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
+        let message = pb::PrefillRequest::from(&PrefillCall { request, lease });
+        Ok(Prefilled::try_from(self.client.clone().prefill(message).await?.into_inner())?)
+    }
+
+    async fn model_card(&self) -> Result<ModelCard, WorkerError> {
+        let card = self.client.clone().get_model_card(pb::GetModelCardRequest {}).await?.into_inner().card;
+        ModelCard::try_from(card.ok_or_else(|| WorkerError::Internal("the worker sent no model card".into()))?)
+            .map_err(|error| WorkerError::Internal(format!("the worker's model card: {error}")))
+    }
+
+    async fn load(&self) -> Result<Load, WorkerError> {
+        Ok(Load::from(self.client.clone().load(pb::LoadRequest {}).await?.into_inner().load.unwrap_or_default()))
+    }
+
+    async fn dump_kv_cache(&self) -> Result<WorkerDump, WorkerError> {
+        let dump = self.client.clone().dump_kv_cache(pb::DumpKvCacheRequest {}).await?.into_inner().dump;
+        let dump = dump.ok_or_else(|| WorkerError::Internal("the worker sent no dump".into()))?;
+        WorkerDump::try_from(dump).map_err(|error| WorkerError::Internal(format!("the worker's dump: {error}")))
+    }
+}
+
+/// Finds the client of a worker the registry or the router names: the
+/// worker itself when it lives in this process (the embedded cluster
+/// registers them), else its endpoint over gRPC.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerClients {
+    local: Arc<RwLock<HashMap<WorkerId, WorkerClient>>>,
+}
+
+impl WorkerClients {
+    /// Workers of this process are called directly from now on.
+    pub fn add_local(&self, worker_id: WorkerId, client: WorkerClient) {
+        self.local.write().insert(worker_id, client);
+    }
+
+    /// A worker of this process that stopped.
+    pub fn remove_local(&self, worker_id: &str) {
+        self.local.write().remove(worker_id);
+    }
+
+    /// The client for `worker_id`, reached at `endpoint` unless it lives in
+    /// this process.
+    pub fn client(&self, worker_id: &str, endpoint: &str) -> Result<WorkerClient, WorkerError> {
+        if let Some(client) = self.local.read().get(worker_id) {
+            return Ok(client.clone());
+        }
+        WorkerClient::connect(endpoint)
+    }
 }
 
 fn unix_ms(time: SystemTime) -> i64 {
@@ -318,9 +357,8 @@ impl TryFrom<pb::PrefillRequest> for PrefillCall {
 
 #[cfg(test)]
 mod tests {
-    use turbine_api::StopConditions;
-
     use super::*;
+    use crate::{FinishReason, StopConditions};
 
     fn handle() -> KvHandle {
         KvHandle {
@@ -365,5 +403,22 @@ mod tests {
         assert!(KvHandle::try_from(no_endpoint).is_err());
         let finished_without_usage = pb::GenerateResponse { finish_reason: pb::FinishReason::Stop as i32, ..Default::default() };
         assert_eq!(TokenChunk::try_from(finished_without_usage).unwrap_err(), ConversionError::Missing("usage"));
+    }
+
+    #[test]
+    fn every_error_a_worker_sends_comes_back_as_itself() {
+        let sent = [
+            WorkerError::InvalidArgument("prompt_token_ids: id 70000 is outside the vocabulary".into()),
+            WorkerError::Overloaded("the worker is at capacity".into()),
+            WorkerError::Unavailable("the worker is shutting down".into()),
+            WorkerError::NotFound("handle 7 is not pinned here".into()),
+            WorkerError::Denied { code: crate::ErrorCode::PermissionDenied, message: "not a gateway".into() },
+            WorkerError::Internal("the model failed".into()),
+        ];
+        for error in sent {
+            assert_eq!(WorkerError::from(tonic::Status::from(error.clone())), error);
+        }
+        assert_eq!(WorkerError::from(tonic::Status::unavailable("")), WorkerError::Unavailable("worker unavailable".into()));
+        assert_eq!(WorkerError::from(tonic::Status::deadline_exceeded("slow")), WorkerError::Unavailable("slow".into()));
     }
 }
