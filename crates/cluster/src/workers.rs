@@ -10,7 +10,7 @@ use anyhow::Context;
 use tokio::task::JoinHandle;
 use turbine_kv::WorkerId;
 use turbine_planner::PoolKind;
-use turbine_planner::hosted::{HostFuture, WorkerHost};
+use turbine_planner::hosted::{HostError, HostFuture, WorkerHost};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{BoundAddrs, Listeners};
 use turbine_worker::{WorkerConfig, WorkerDeps, WorkerRole};
@@ -152,24 +152,27 @@ impl WorkerHost for HostedWorkers {
         fleet.running.iter().filter(|running| running.role == role && running.serving).map(|running| running.id.to_string()).collect()
     }
 
-    fn start(&self, kind: PoolKind) -> HostFuture<'_, Result<String, String>> {
+    fn start(&self, kind: PoolKind) -> HostFuture<'_, Result<String, HostError>> {
         Box::pin(async move {
-            let (id, addresses) = self.spawn(role_of(kind)).await.map_err(|error| format!("cannot start a worker: {error:#}"))?;
+            let (id, addresses) = self.spawn(role_of(kind)).await.map_err(|error| HostError::Launch(format!("{error:#}")))?;
             tracing::info!(worker = %id, role = %role_of(kind), "starting a worker");
-            self.until_serving(&id, addresses).await.map(|_| id.to_string()).map_err(|error| format!("{error:#}"))
+            match self.until_serving(&id, addresses).await {
+                Ok(_) => Ok(id.to_string()),
+                Err(error) => Err(HostError::NotServing { name: id.to_string(), why: format!("{error:#}") }),
+            }
         })
     }
 
-    fn drain(&self, name: &str) -> HostFuture<'_, Result<(), String>> {
+    fn drain(&self, name: &str) -> HostFuture<'_, Result<(), HostError>> {
         let id = WorkerId::from(name.to_owned());
         Box::pin(async move {
-            let running = self.forget(&id).ok_or_else(|| format!("no worker {id} runs here"))?;
+            let running = self.forget(&id).ok_or_else(|| HostError::Unknown(id.to_string()))?;
             running.stop.cancel();
             let Some(task) = running.task else { return Ok(()) };
             match task.await {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(error)) => Err(format!("{error:#}")),
-                Err(error) => Err(format!("it panicked: {error}")),
+                Ok(Err(error)) => Err(HostError::Stopped(format!("{error:#}"))),
+                Err(error) => Err(HostError::Stopped(format!("it panicked: {error}"))),
             }
         })
     }

@@ -31,7 +31,7 @@ use turbine_engine::{DeviceMemory, KvMemory, UcxRegion};
 use turbine_ucx::{Context, MemoryRegion, UcxError, Waker, Worker};
 
 pub use shm::ShmPool;
-pub use store_link::KvStoreLink;
+pub use store_link::{KvStoreLink, LinkReadError};
 
 /// How long cancelled reads get to let go of their buffers.
 pub(crate) const ABANDON_GRACE: Duration = Duration::from_millis(200);
@@ -79,6 +79,23 @@ pub enum PullError {
     #[error(transparent)]
     Failed(#[from] turbine_ucx::WaitError),
 }
+/// Why the UCX thread did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// UCX refused (its context, a worker, a registration, an address).
+    #[error("UCX: {0}")]
+    Ucx(#[from] UcxError),
+    /// The thread could not be spawned.
+    #[error("cannot start the UCX thread: {0}")]
+    Thread(#[from] std::io::Error),
+    /// The thread died before it said it had started.
+    #[error("the UCX thread died while starting")]
+    Died,
+    /// Memory was given to register, and UCX registered no region for it.
+    #[error("UCX registered no region for the memory given")]
+    NoRegion,
+}
+
 /// The UCX thread of a worker.
 pub struct UcxAgent {
     jobs: Option<mpsc::Sender<Job>>,
@@ -96,89 +113,86 @@ impl std::fmt::Debug for UcxAgent {
 impl UcxAgent {
     /// Starts the thread; registers `memory` for peers when given (with
     /// `pool`'s region, when `pool` allocated it).
-    pub fn start(memory: Option<&KvMemory>, pool: Option<Arc<ShmPool>>) -> Result<Self, String> {
+    pub fn start(memory: Option<&KvMemory>, pool: Option<Arc<ShmPool>>) -> Result<Self, StartError> {
         let (jobs, receiver) = mpsc::channel();
         let (ready, started) = mpsc::channel();
         let memory = memory.cloned();
-        let thread = std::thread::Builder::new()
-            .name("turbine-ucx".into())
-            .spawn(move || {
-                // Host pools are registered with both contexts; a device
-                // pool only with the main one (shared memory cannot map it).
-                let register = |context: &Context, main: bool| -> Result<Option<Arc<MemoryRegion>>, UcxError> {
-                    let Some(memory) = &memory else { return Ok(None) };
-                    // SAFETY: the pool lives as long as `memory`, which this
-                    // thread holds past the regions' drop.
-                    #[allow(unsafe_code)]
-                    let region = match (memory.buffer(), memory.device()) {
-                        (Some(buffer), _) => unsafe { MemoryRegion::register(context, buffer.as_ptr(), buffer.len()) }?,
-                        (None, Some(device)) if main => match device.kind() {
-                            DeviceMemory::Cuda(_) => unsafe { MemoryRegion::register_cuda(context, device.address(), device.len()) }?,
+        let thread = std::thread::Builder::new().name("turbine-ucx".into()).spawn(move || {
+            // Host pools are registered with both contexts; a device
+            // pool only with the main one (shared memory cannot map it).
+            let register = |context: &Context, main: bool| -> Result<Option<Arc<MemoryRegion>>, UcxError> {
+                let Some(memory) = &memory else { return Ok(None) };
+                // SAFETY: the pool lives as long as `memory`, which this
+                // thread holds past the regions' drop.
+                #[allow(unsafe_code)]
+                let region = match (memory.buffer(), memory.device()) {
+                    (Some(buffer), _) => unsafe { MemoryRegion::register(context, buffer.as_ptr(), buffer.len()) }?,
+                    (None, Some(device)) if main => match device.kind() {
+                        DeviceMemory::Cuda(_) => unsafe { MemoryRegion::register_cuda(context, device.address(), device.len()) }?,
+                    },
+                    _ => return Ok(None),
+                };
+                Ok(Some(Arc::new(region)))
+            };
+            type Region = Option<Arc<MemoryRegion>>;
+            type Setup = (Worker, Region, Option<(Worker, Region)>, Option<UcxRegion>);
+            let setup = || -> Result<Setup, UcxError> {
+                let context = Context::with_wakeup()?;
+                let worker = Worker::new(&context)?;
+                let region = register(&context, true)?;
+                let shm_context = match &pool {
+                    Some(pool) => Ok(Some(pool.context.clone())),
+                    None => shm::shm_context(),
+                };
+                let shm = shm_context.and_then(|context| {
+                    let Some(context) = context else { return Ok(None) };
+                    let allocated = match (&pool, &memory) {
+                        (Some(pool), Some(memory)) => pool.region_of(memory),
+                        _ => None,
+                    };
+                    let region = match allocated {
+                        Some(region) => Some(region),
+                        None => register(&context, false)?,
+                    };
+                    Ok(Some((Worker::new(&context)?, region)))
+                });
+                let shm = shm.unwrap_or_else(|error: UcxError| {
+                    tracing::debug!(%error, "no shared-memory UCX context; same-machine reads use the main one");
+                    None
+                });
+                let described = match &region {
+                    Some(region) => Some(UcxRegion {
+                        worker_address: worker.address()?,
+                        remote_key: region.packed_rkey()?,
+                        base_address: region.address(),
+                        length: region.len() as u64,
+                        shm_worker_address: match &shm {
+                            Some((shm_worker, Some(_))) => shm_worker.address()?,
+                            _ => Vec::new(),
                         },
-                        _ => return Ok(None),
-                    };
-                    Ok(Some(Arc::new(region)))
+                        shm_remote_key: match &shm {
+                            Some((_, Some(shm_region))) => shm_region.packed_rkey()?,
+                            _ => Vec::new(),
+                        },
+                    }),
+                    None => None,
                 };
-                type Region = Option<Arc<MemoryRegion>>;
-                type Setup = (Worker, Region, Option<(Worker, Region)>, Option<UcxRegion>);
-                let setup = || -> Result<Setup, UcxError> {
-                    let context = Context::with_wakeup()?;
-                    let worker = Worker::new(&context)?;
-                    let region = register(&context, true)?;
-                    let shm_context = match &pool {
-                        Some(pool) => Ok(Some(pool.context.clone())),
-                        None => shm::shm_context(),
-                    };
-                    let shm = shm_context.and_then(|context| {
-                        let Some(context) = context else { return Ok(None) };
-                        let allocated = match (&pool, &memory) {
-                            (Some(pool), Some(memory)) => pool.region_of(memory),
-                            _ => None,
-                        };
-                        let region = match allocated {
-                            Some(region) => Some(region),
-                            None => register(&context, false)?,
-                        };
-                        Ok(Some((Worker::new(&context)?, region)))
-                    });
-                    let shm = shm.unwrap_or_else(|error: UcxError| {
-                        tracing::debug!(%error, "no shared-memory UCX context; same-machine reads use the main one");
-                        None
-                    });
-                    let described = match &region {
-                        Some(region) => Some(UcxRegion {
-                            worker_address: worker.address()?,
-                            remote_key: region.packed_rkey()?,
-                            base_address: region.address(),
-                            length: region.len() as u64,
-                            shm_worker_address: match &shm {
-                                Some((shm_worker, Some(_))) => shm_worker.address()?,
-                                _ => Vec::new(),
-                            },
-                            shm_remote_key: match &shm {
-                                Some((_, Some(shm_region))) => shm_region.packed_rkey()?,
-                                _ => Vec::new(),
-                            },
-                        }),
-                        None => None,
-                    };
-                    Ok((worker, region, shm, described))
-                };
-                match setup() {
-                    Ok((worker, region, shm, described)) => {
-                        let _ = ready.send(Ok((worker.waker(), described)));
-                        serve::serve(&worker, shm.as_ref().map(|(shm_worker, _)| shm_worker), &receiver);
-                        drop(region);
-                        drop(shm);
-                        drop(memory);
-                    }
-                    Err(error) => {
-                        let _ = ready.send(Err(error.to_string()));
-                    }
+                Ok((worker, region, shm, described))
+            };
+            match setup() {
+                Ok((worker, region, shm, described)) => {
+                    let _ = ready.send(Ok((worker.waker(), described)));
+                    serve::serve(&worker, shm.as_ref().map(|(shm_worker, _)| shm_worker), &receiver);
+                    drop(region);
+                    drop(shm);
+                    drop(memory);
                 }
-            })
-            .map_err(|error| format!("cannot start the UCX thread: {error}"))?;
-        let (waker, region) = started.recv().map_err(|_| "the UCX thread died while starting".to_owned())??;
+                Err(error) => {
+                    let _ = ready.send(Err(error));
+                }
+            }
+        })?;
+        let (waker, region) = started.recv().map_err(|_| StartError::Died)??;
         Ok(Self { jobs: Some(jobs), waker, region, thread: Some(thread) })
     }
 

@@ -8,8 +8,19 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use turbine_api::UcxRegion;
-use turbine_api::kv_store::{Fingerprint, KvStoreClient, KvStoreError, Lease, MAX_PUT_FROM_BYTES, PutOutcome};
+use turbine_api::kv_store::{Fingerprint, KvStoreClient, KvStoreError, Lease, LeaseError, MAX_PUT_FROM_BYTES, PutOutcome};
 use turbine_engine::KvBuffer;
+
+/// Why a read of leased blocks failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkReadError {
+    /// The store's answer is inconsistent.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    /// UCX failed the read.
+    #[error(transparent)]
+    Pull(#[from] crate::PullError),
+}
 
 /// A reader's side of the UCX data path: its own UCX thread, which reads
 /// leased segments out of the store's memory (copies them from the mapped
@@ -27,14 +38,14 @@ pub struct KvStoreLink {
 
 impl KvStoreLink {
     /// Starts the link's UCX thread, for reads only.
-    pub fn start() -> Result<Self, String> {
+    pub fn start() -> Result<Self, crate::StartError> {
         Ok(Self { agent: crate::UcxAgent::start(None, None)?, spare: Mutex::default(), staging: None })
     }
 
     /// Starts the link's UCX thread with `staging_bytes` of memory that
     /// puts are staged in for the store to read (from UCX's shared-memory
     /// allocator when it can, so a store on the same machine maps it).
-    pub fn with_staging(staging_bytes: usize) -> Result<Self, String> {
+    pub fn with_staging(staging_bytes: usize) -> Result<Self, crate::StartError> {
         let pool = crate::ShmPool::open();
         let buffer = Arc::new(match &pool {
             Some(pool) => pool.allocator().allocate(staging_bytes),
@@ -43,7 +54,7 @@ impl KvStoreLink {
         const PAGE: usize = 4096;
         let memory = turbine_engine::KvMemory::new(buffer.clone(), turbine_engine::KvLayout::opaque(PAGE, "kv-store staging"), staging_bytes / PAGE);
         let agent = crate::UcxAgent::start(Some(&memory), pool)?;
-        let region = agent.region().cloned().ok_or("UCX registered no staging region")?;
+        let region = agent.region().cloned().ok_or(crate::StartError::NoRegion)?;
         Ok(Self { agent, spare: Mutex::default(), staging: Some((tokio::sync::Mutex::new(Staging::new(buffer)), region)) })
     }
 
@@ -90,12 +101,12 @@ impl KvStoreLink {
     /// whose segments are adjacent in one piece), into
     /// `into` (resized; pass a used buffer back to skip faulting in fresh
     /// pages), giving up after `timeout`.
-    pub async fn read(&self, lease: &Lease, into: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, String> {
+    pub async fn read(&self, lease: &Lease, into: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, LinkReadError> {
         let (offsets, piece) = lease.pieces()?;
         if offsets.is_empty() {
             return Ok(into);
         }
-        Ok(self.agent.pull(&lease.region, &offsets, piece, into, timeout).await.map_err(|error| error.to_string())?.bytes)
+        Ok(self.agent.pull(&lease.region, &offsets, piece, into, timeout).await?.bytes)
     }
 
     /// The leading blocks of `hashes` the store behind `client` holds, read

@@ -26,16 +26,39 @@ use crate::targets::PoolKind;
 /// A future a [`WorkerHost`] answers with.
 pub type HostFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Why a worker could not be started or drained.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// The worker could not be launched (its files, its process, its task).
+    #[error("cannot start a worker: {0}")]
+    Launch(String),
+    /// It was launched and did not come to serve (it exited, or the wait
+    /// ran out); it has been stopped.
+    #[error("worker {name} {why}")]
+    NotServing {
+        /// The worker.
+        name: String,
+        /// What happened instead.
+        why: String,
+    },
+    /// No worker of that name runs here.
+    #[error("no worker {0} runs here")]
+    Unknown(String),
+    /// It stopped with an error, or its task panicked.
+    #[error("it stopped badly: {0}")]
+    Stopped(String),
+}
+
 /// Where the hosted connector's workers run.
 pub trait WorkerHost: Send + Sync + std::fmt::Debug {
     /// The serving workers of `kind`, oldest first.
     fn workers(&self, kind: PoolKind) -> Vec<String>;
     /// Starts a worker of `kind` and resolves once it serves, with its
     /// name (or why it could not).
-    fn start(&self, kind: PoolKind) -> HostFuture<'_, Result<String, String>>;
+    fn start(&self, kind: PoolKind) -> HostFuture<'_, Result<String, HostError>>;
     /// Drains worker `name`: it leaves the registry, finishes its streams
     /// and stops. Resolves once it has stopped.
-    fn drain(&self, name: &str) -> HostFuture<'_, Result<(), String>>;
+    fn drain(&self, name: &str) -> HostFuture<'_, Result<(), HostError>>;
 }
 
 /// The hosted connector. Cloning shares its state.
@@ -79,7 +102,7 @@ impl HostedConnector {
                 match self.host.start(kind).await {
                     Ok(name) => started.push(name),
                     Err(problem) => {
-                        failure = Some(problem);
+                        failure = Some(problem.to_string());
                         break;
                     }
                 }
@@ -107,7 +130,7 @@ impl HostedConnector {
         tokio::spawn(async move {
             match connector.host.drain(&name).await {
                 Ok(()) => tracing::info!(worker = name, "worker drained"),
-                Err(problem) => tracing::warn!(worker = name, problem, "a worker did not drain cleanly"),
+                Err(problem) => tracing::warn!(worker = name, %problem, "a worker did not drain cleanly"),
             }
             connector.draining.ended(&pool);
         });

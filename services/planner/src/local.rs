@@ -30,6 +30,7 @@ use turbine_runtime::host::BoundAddrs;
 
 use crate::connector::{DrainingCounts, Outcome};
 use crate::decision::Action;
+use crate::hosted::HostError;
 use crate::targets::PoolKind;
 
 /// The state folder's file holding the next worker's number.
@@ -187,7 +188,7 @@ impl LocalConnector {
                 match self.start(&mut fleet, &action.pool, kind).await {
                     Ok(name) => started.push(name),
                     Err(problem) => {
-                        failure = Some(problem);
+                        failure = Some(problem.to_string());
                         break;
                     }
                 }
@@ -209,15 +210,15 @@ impl LocalConnector {
     }
 
     /// Starts one worker of `pool` and waits until it serves; its name.
-    async fn start(&self, fleet: &mut Fleet, pool: &str, kind: PoolKind) -> Result<String, String> {
+    async fn start(&self, fleet: &mut Fleet, pool: &str, kind: PoolKind) -> Result<String, HostError> {
         let settings = &self.settings;
         let name = format!("{}-{pool}-{}", settings.namespace, fleet.next);
         fleet.next += 1;
         std::fs::write(settings.state_dir.join(NEXT_FILE), fleet.next.to_string())
-            .map_err(|error| format!("cannot write {}: {error}", settings.state_dir.join(NEXT_FILE).display()))?;
+            .map_err(|error| HostError::Launch(format!("cannot write {}: {error}", settings.state_dir.join(NEXT_FILE).display())))?;
         let files = Files::of(&settings.state_dir, &name);
-        let log = std::fs::File::create(&files.log).map_err(|error| format!("cannot create {}: {error}", files.log.display()))?;
-        let log_too = log.try_clone().map_err(|error| format!("{}: {error}", files.log.display()))?;
+        let log = std::fs::File::create(&files.log).map_err(|error| HostError::Launch(format!("cannot create {}: {error}", files.log.display())))?;
+        let log_too = log.try_clone().map_err(|error| HostError::Launch(format!("{}: {error}", files.log.display())))?;
         let _ = std::fs::remove_file(&files.addresses);
         let role = match kind {
             PoolKind::Aggregated => "aggregated",
@@ -237,7 +238,7 @@ impl LocalConnector {
             // Its own process group: a signal to the planner's terminal
             // does not reach the fleet.
             .process_group(0);
-        let mut child = command.spawn().map_err(|error| format!("cannot start {}: {error}", settings.worker_binary.display()))?;
+        let mut child = command.spawn().map_err(|error| HostError::Launch(format!("cannot start {}: {error}", settings.worker_binary.display())))?;
         let pid = child.id().unwrap_or(0);
         let record = Record { name: name.clone(), pool: pool.to_owned(), pid };
         let written = serde_json::to_vec(&record)
@@ -245,7 +246,7 @@ impl LocalConnector {
             .and_then(|json| std::fs::write(&files.record, json).map_err(|error| error.to_string()));
         if let Err(problem) = written {
             let _ = child.start_kill();
-            return Err(format!("cannot write {}: {problem}", files.record.display()));
+            return Err(HostError::Launch(format!("cannot write {}: {problem}", files.record.display())));
         }
         tracing::info!(worker = name, pool, pid, "starting a worker");
         match self.until_serving(&mut child, &files).await {
@@ -258,7 +259,7 @@ impl LocalConnector {
                 let _ = child.start_kill();
                 let _ = tokio::time::timeout(self.settings.drain_timeout, child.wait()).await;
                 remove_files(&settings.state_dir, &name);
-                Err(format!("worker {name} {problem} (its log: {})", files.log.display()))
+                Err(HostError::NotServing { name, why: format!("{problem} (its log: {})", files.log.display()) })
             }
         }
     }

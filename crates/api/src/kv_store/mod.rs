@@ -81,6 +81,33 @@ pub struct Lease {
     pub blocks: Vec<LeasedBlock>,
 }
 
+/// Why a lease the store answered cannot be read: the answer is
+/// inconsistent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    /// Blocks without a segment size.
+    #[error("the lease has no segment size")]
+    NoSegmentSize,
+    /// A block whose segments cannot hold it (or more than it needs).
+    #[error("block {sequence:016x}: {segments} segments for {length} bytes")]
+    WrongSegments {
+        /// The block's sequence hash.
+        sequence: u64,
+        /// Its segments.
+        segments: usize,
+        /// Its length in bytes.
+        length: usize,
+    },
+    /// A segment past the end of the store's region.
+    #[error("block {sequence:016x}: segment {segment} lies outside the region")]
+    OutsideRegion {
+        /// The block's sequence hash.
+        sequence: u64,
+        /// The segment.
+        segment: u32,
+    },
+}
+
 /// One leased block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeasedBlock {
@@ -102,20 +129,20 @@ impl Lease {
     /// Every segment's offset from the region's base, block by block; an
     /// error when the store's answer is inconsistent (a block whose
     /// segments cannot hold it, a segment outside the region).
-    pub fn segment_offsets(&self) -> Result<Vec<u64>, String> {
+    pub fn segment_offsets(&self) -> Result<Vec<u64>, LeaseError> {
         let segment = self.segment_bytes as u64;
         if segment == 0 && !self.blocks.is_empty() {
-            return Err("the lease has no segment size".into());
+            return Err(LeaseError::NoSegmentSize);
         }
         let mut offsets = Vec::with_capacity(self.blocks.iter().map(|block| block.segments.len()).sum());
         for block in &self.blocks {
             if block.segments.len() as u64 != (block.length as u64).div_ceil(segment).max(1) {
-                return Err(format!("block {:016x}: {} segments for {} bytes", block.sequence.0, block.segments.len(), block.length));
+                return Err(LeaseError::WrongSegments { sequence: block.sequence.0, segments: block.segments.len(), length: block.length });
             }
             for &index in &block.segments {
                 let offset = u64::from(index) * segment;
                 if offset + segment > self.region.length {
-                    return Err(format!("block {:016x}: segment {index} lies outside the region", block.sequence.0));
+                    return Err(LeaseError::OutsideRegion { sequence: block.sequence.0, segment: index });
                 }
                 offsets.push(offset);
             }
@@ -128,7 +155,7 @@ impl Lease {
     /// read as one piece each; otherwise every segment is a piece. Either
     /// way the pieces land back to back as [`blocks_from`](Self::blocks_from)
     /// expects.
-    pub fn pieces(&self) -> Result<(Vec<u64>, usize), String> {
+    pub fn pieces(&self) -> Result<(Vec<u64>, usize), LeaseError> {
         let offsets = self.segment_offsets()?;
         let Some(first) = self.blocks.first() else { return Ok((offsets, self.segment_bytes)) };
         let per_block = first.segments.len();
@@ -202,8 +229,12 @@ mod tests {
         bad[9] ^= 1;
         assert_eq!(whole.blocks_from(&bad).len(), 1, "the run ends before the block that fails its checksum");
         let lying = lease(&[(&[4, 5], 12)], &bytes);
-        assert!(lying.segment_offsets().is_err(), "two segments cannot hold 12 bytes");
+        assert_eq!(lying.segment_offsets(), Err(LeaseError::WrongSegments { sequence: 0, segments: 2, length: 12 }), "two segments cannot hold 12 bytes");
         let outside = Lease { region: UcxRegion { length: 16, ..UcxRegion::default() }, ..whole };
-        assert!(outside.segment_offsets().is_err(), "segment 5 lies outside a 16-byte region");
+        assert_eq!(
+            outside.segment_offsets(),
+            Err(LeaseError::OutsideRegion { sequence: 0, segment: 4 }),
+            "segment 4 (bytes 16..20) is the first outside a 16-byte region"
+        );
     }
 }
