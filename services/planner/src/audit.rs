@@ -24,8 +24,8 @@ pub struct HistoryArgs {
 pub fn run(args: &HistoryArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let decisions = runtime.block_on(fetch(args)).map_err(|error| match error {
-        crate::PlannerClientError::Rpc(status) if status.code() == tonic::Code::Unavailable => {
-            anyhow::anyhow!("cannot reach the planner at {} (--planner): {}", args.planner, status.message())
+        crate::PlannerClientError::Call { code: turbine_api::ErrorCode::Unavailable, message } => {
+            anyhow::anyhow!("cannot reach the planner at {} (--planner): {message}", args.planner)
         }
         other => other.into(),
     })?;

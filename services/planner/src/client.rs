@@ -8,6 +8,8 @@ use turbine_proto::MessageLimits;
 use turbine_proto::planner::v1::{self as pb, planner_client::PlannerClient as PbClient};
 use turbine_runtime::grpc::TracedChannel;
 
+use turbine_api::{ApiError, ErrorCode};
+
 use crate::decision::{Action, ActionState, Decision, Malformed, Plan};
 use crate::targets::Targets;
 
@@ -18,11 +20,43 @@ pub enum PlannerClientError {
     #[error("bad planner endpoint {0:?}: {1}")]
     Endpoint(String, String),
     /// The planner refused the call or could not be reached.
-    #[error("planner: {0}")]
-    Rpc(#[from] tonic::Status),
+    #[error("planner ({code:?}): {message}")]
+    Call {
+        /// The kind of failure.
+        code: ErrorCode,
+        /// The planner's words.
+        message: String,
+    },
     /// The planner's answer does not read as the contract says.
     #[error("planner: {0}")]
     Malformed(#[from] Malformed),
+}
+
+impl ApiError for PlannerClientError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            PlannerClientError::Endpoint(..) => ErrorCode::Unavailable,
+            PlannerClientError::Call { code, .. } => *code,
+            PlannerClientError::Malformed(_) => ErrorCode::Internal,
+        }
+    }
+
+    fn message(&self) -> String {
+        match self {
+            PlannerClientError::Call { message, .. } => message.clone(),
+            other => other.to_string(),
+        }
+    }
+
+    fn from_parts(code: ErrorCode, _reason: Option<&str>, message: String) -> Self {
+        PlannerClientError::Call { code, message }
+    }
+}
+
+impl From<tonic::Status> for PlannerClientError {
+    fn from(status: tonic::Status) -> Self {
+        turbine_api::from_status(&status)
+    }
 }
 
 /// A page of past decisions: newest first, and where the next page starts.
@@ -61,14 +95,6 @@ impl PlannerClient {
         let stored = self.client.clone().set_targets(pb::SetTargetsRequest { targets: Some(targets.into()) }).await?.into_inner().targets;
         let stored = stored.ok_or_else(|| Malformed { field: "targets".into(), problem: "missing".into() })?;
         Ok(Targets::try_from(stored).map_err(|error| Malformed { field: "targets".into(), problem: error.to_string() })?)
-    }
-
-    /// Sends targets as they are on the wire, unchecked here (for tools
-    /// that pass an operator's input through, and for testing the
-    /// planner's own checks).
-    pub async fn set_raw_targets(&self, targets: pb::Targets) -> Result<(), PlannerClientError> {
-        self.client.clone().set_targets(pb::SetTargetsRequest { targets: Some(targets) }).await?;
-        Ok(())
     }
 
     /// A page of `page_size` decisions (0: the planner's default), from

@@ -48,7 +48,7 @@ async fn decide(state: &PlannerState, decision: Decision) -> Action {
 
 fn code(error: PlannerClientError) -> (Code, String) {
     match error {
-        PlannerClientError::Rpc(status) => (status.code(), status.message().to_owned()),
+        PlannerClientError::Call { code, message } => (code.into(), message),
         other => panic!("{other}"),
     }
 }
