@@ -8,6 +8,7 @@
 //! and tools interoperate. A LoRA adapter or tenant salt changes the seed.
 
 mod block;
+pub mod block_file;
 pub mod events;
 pub mod index;
 pub mod unregistered;

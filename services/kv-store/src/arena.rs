@@ -216,7 +216,7 @@ impl Drop for Slots {
 
 #[cfg(test)]
 mod tests {
-    use turbine_engine::block_checksum;
+    use turbine_kv::block_checksum;
 
     use super::*;
 

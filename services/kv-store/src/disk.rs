@@ -16,9 +16,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use turbine_engine::HostBlock;
-use turbine_engine::tiers::block_file::{self, block_path};
+use turbine_kv::HostBlock;
 use turbine_kv::SequenceHash;
+use turbine_kv::block_file::{self, block_path};
 
 use crate::events::Announcer;
 use crate::keys::{BlockKey, Fingerprint};

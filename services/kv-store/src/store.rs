@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use turbine_engine::{HostBlock, block_checksum};
 use turbine_kv::SequenceHash;
+use turbine_kv::{HostBlock, block_checksum};
 
 use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
@@ -547,7 +547,7 @@ mod tests {
         // Over a disk: memory evicts freely, the files are what is held,
         // and a reopened store announces what it kept.
         let dir = tempfile::tempdir().unwrap();
-        let file = 1024 + turbine_engine::tiers::block_file::HEADER_BYTES as u64;
+        let file = 1024 + turbine_kv::block_file::HEADER_BYTES as u64;
         {
             let store = Store::with_disk(2 * (1024 + ENTRY_OVERHEAD), DiskBlocks::open(dir.path(), 5 * file).unwrap());
             store.put(fp(1), (0..4).map(|n| block(n, 1024)).collect()).unwrap();
@@ -567,7 +567,7 @@ mod tests {
     #[test]
     fn the_disk_tier_stays_within_its_bytes() {
         let dir = tempfile::tempdir().unwrap();
-        let file = 1024 + turbine_engine::tiers::block_file::HEADER_BYTES as u64;
+        let file = 1024 + turbine_kv::block_file::HEADER_BYTES as u64;
         let store = Store::with_disk(1 << 20, DiskBlocks::open(dir.path(), 5 * file).unwrap());
         for n in 0..20 {
             store.put(fp(1), vec![block(n, 1024)]).unwrap();

@@ -36,8 +36,8 @@
 //!   past the host and disk tiers by at least its `min_blocks` asks it on
 //!   the reader thread (one round trip, the sequence suspended meanwhile);
 //!   whatever it fails to return is computed.
-//! - [`DiskTier`] (`disk.rs`): one file per block ([`block_file`], a
-//!   format the kv-store's disk tier shares), its index a byte-bounded
+//! - [`DiskTier`] (`disk.rs`): one file per block ([`block_file`], in
+//!   `turbine-kv`: a format the kv-store's disk tier shares), its index a byte-bounded
 //!   `moka` cache rebuilt from the files at start.
 //!
 //! **Modelled transfers.** An engine that holds no KV bytes (the mocker)
@@ -49,7 +49,6 @@
 //! sequences keep stepping meanwhile (as copies overlap compute on a GPU),
 //! and onboards queue behind each other on one link.
 
-pub mod block_file;
 mod disk;
 pub mod fetch;
 mod host;
@@ -69,6 +68,7 @@ pub use fetch::{FetchEstimates, FetchPolicy};
 pub use host::HostTier;
 pub use remote::{RemoteOffload, RemoteStore, RemoteTier};
 pub use turbine_kv::HostBlock;
+pub use turbine_kv::block_file;
 
 /// Counters of one tier, readable from any thread.
 #[derive(Debug, Default)]

@@ -13,11 +13,9 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use turbine_kv::{LocalBlockHash, SequenceHash};
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::HostBlock;
-use crate::kv_memory::block_checksum;
+use crate::{HostBlock, LocalBlockHash, SequenceHash, block_checksum};
 
 const MAGIC: [u8; 4] = *b"TKVB";
 const VERSION: u32 = 1;
