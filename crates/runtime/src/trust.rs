@@ -78,6 +78,31 @@ impl std::str::FromStr for Role {
     }
 }
 
+/// Why a certificate names no peer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CertificateError {
+    /// It is not an X.509 certificate.
+    #[error("the certificate does not parse: {0}")]
+    Unparsable(String),
+    /// Its subject alternative names do not parse.
+    #[error("the certificate's alternative names do not parse: {0}")]
+    BadNames(String),
+    /// A `<role>.turbine` name whose role Turbine does not know.
+    #[error("the certificate's DNS name {name}: {problem}")]
+    UnknownRole {
+        /// The DNS name.
+        name: String,
+        /// Why the role is unknown.
+        problem: String,
+    },
+    /// No `<role>.turbine` name.
+    #[error("the certificate names no role (a DNS name <role>.{})", ROLE_DOMAIN)]
+    NoRole,
+    /// More than one.
+    #[error("the certificate names {0} roles; a certificate holds one")]
+    ManyRoles(usize),
+}
+
 /// The holder of a certificate, as its certificate names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {
@@ -97,22 +122,22 @@ impl Peer {
     /// The holder of the DER certificate `der`: its one `<role>.turbine`
     /// DNS name and its common name. Fails on a certificate that does not
     /// parse, names no role, or names more than one.
-    pub fn of_certificate(der: &[u8]) -> Result<Peer, String> {
-        let (_, certificate) = x509_parser::parse_x509_certificate(der).map_err(|error| format!("the certificate does not parse: {error}"))?;
-        let names = certificate.subject_alternative_name().map_err(|error| format!("the certificate's alternative names do not parse: {error}"))?;
+    pub fn of_certificate(der: &[u8]) -> Result<Peer, CertificateError> {
+        let (_, certificate) = x509_parser::parse_x509_certificate(der).map_err(|error| CertificateError::Unparsable(error.to_string()))?;
+        let names = certificate.subject_alternative_name().map_err(|error| CertificateError::BadNames(error.to_string()))?;
         let suffix = format!(".{ROLE_DOMAIN}");
         let mut roles = Vec::new();
         for name in names.iter().flat_map(|names| names.value.general_names.iter()) {
             if let x509_parser::extensions::GeneralName::DNSName(dns) = name
                 && let Some(role) = dns.strip_suffix(&suffix)
             {
-                roles.push(role.parse::<Role>().map_err(|error| format!("the certificate's DNS name {dns}: {error}"))?);
+                roles.push(role.parse::<Role>().map_err(|problem| CertificateError::UnknownRole { name: (*dns).to_owned(), problem })?);
             }
         }
         let role = match roles.as_slice() {
             [role] => *role,
-            [] => return Err(format!("the certificate names no role (a DNS name <role>{suffix})")),
-            _ => return Err(format!("the certificate names {} roles; a certificate holds one", roles.len())),
+            [] => return Err(CertificateError::NoRole),
+            _ => return Err(CertificateError::ManyRoles(roles.len())),
         };
         let name = certificate.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).unwrap_or_default().to_owned();
         Ok(Peer { role, name })
@@ -183,7 +208,7 @@ impl Trust {
     /// the holder's), its key, and the CA certificate.
     pub fn from_pem(cert: &[u8], key: &[u8], ca: &[u8]) -> anyhow::Result<Self> {
         let (_, pem) = x509_parser::pem::parse_x509_pem(cert).map_err(|error| anyhow::anyhow!("not a PEM certificate: {error}"))?;
-        let own = Peer::of_certificate(&pem.contents).map_err(anyhow::Error::msg)?;
+        let own = Peer::of_certificate(&pem.contents)?;
         x509_parser::pem::parse_x509_pem(ca).map_err(|error| anyhow::anyhow!("the CA is not a PEM certificate: {error}"))?;
         let inner = TrustInner { identity: Identity::from_pem(cert, key), ca: Certificate::from_pem(ca), own };
         Ok(Self { inner: Arc::new(inner) })
@@ -321,5 +346,7 @@ mod tests {
         assert_eq!(status.code(), tonic::Code::Unauthenticated);
         let status = authorize(&[], "/x/y", Some(&[b"not a certificate".to_vec()][..])).unwrap_err();
         assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+        assert!(status.message().contains("the certificate does not parse"), "{status:?}");
+        assert!(matches!(Peer::of_certificate(b"not a certificate"), Err(CertificateError::Unparsable(_))));
     }
 }
