@@ -6,17 +6,12 @@
 use turbine_kv::SequenceHash;
 use turbine_proto::kvstore::v1 as pb;
 
+use turbine_api::kv_store::block_message;
 pub use turbine_api::kv_store::{MAX_PUT_FROM_BYTES, block_from_pb as from_pb};
 
 use crate::store::MemoryBlock;
 
 /// A held block for the wire (its bytes copied off the arena).
 pub(crate) fn held_to_pb(sequence: SequenceHash, block: &MemoryBlock) -> pb::Block {
-    pb::Block {
-        sequence_hash: sequence.0,
-        local_hash: block.local.0,
-        parent_hash: block.parent.map(|p| p.0),
-        checksum: block.checksum,
-        data: block.slots.to_vec(),
-    }
+    block_message(sequence, block.local, block.parent, block.checksum, block.slots.to_vec())
 }

@@ -398,13 +398,13 @@ pub fn block_from_pb(block: pb::Block) -> (SequenceHash, HostBlock) {
 
 /// A block for the wire.
 pub fn block_to_pb(sequence: SequenceHash, block: &HostBlock) -> pb::Block {
-    pb::Block {
-        sequence_hash: sequence.0,
-        local_hash: block.local.0,
-        parent_hash: block.parent.map(|p| p.0),
-        checksum: block.checksum,
-        data: block.bytes.to_vec(),
-    }
+    block_message(sequence, block.local, block.parent, block.checksum, block.bytes.to_vec())
+}
+
+/// A block for the wire, from its parts (a store's held blocks are not
+/// [`HostBlock`]s).
+pub fn block_message(sequence: SequenceHash, local: LocalBlockHash, parent: Option<SequenceHash>, checksum: u64, data: Vec<u8>) -> pb::Block {
+    pb::Block { sequence_hash: sequence.0, local_hash: local.0, parent_hash: parent.map(|p| p.0), checksum, data }
 }
 
 impl From<pb::TierStats> for TierUsage {

@@ -8,7 +8,7 @@ use turbine_kv::{HostBlock, LocalBlockHash, SequenceHash, block_checksum};
 mod client;
 
 #[cfg(feature = "grpc")]
-pub use client::{GrpcKvStore, KvStoreApi, KvStoreClient, KvStoreError, MAX_PUT_FROM_BYTES, ROLE, block_from_pb, block_to_pb};
+pub use client::{GrpcKvStore, KvStoreApi, KvStoreClient, KvStoreError, MAX_PUT_FROM_BYTES, ROLE, block_from_pb, block_message, block_to_pb};
 
 /// Model and KV layout of a block's bytes (nonzero): blocks of different
 /// fingerprints never mix.
