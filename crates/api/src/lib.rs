@@ -8,7 +8,7 @@
 //!
 //! With the `grpc` feature (the default; an engine goes without it): the
 //! services' clients, each beside its own words ([`kv_index`],
-//! [`kv_store`], [`kv_transfer`], [`router`], [`worker`]), and [`wire`],
+//! [`kv_store`], [`kv_transfer`], [`planner`], [`router`], [`worker`]), and [`wire`],
 //! the request vocabulary to and from the contracts.
 
 mod error;
@@ -17,6 +17,7 @@ pub mod kv_index;
 pub mod kv_store;
 #[cfg(feature = "grpc")]
 pub mod kv_transfer;
+pub mod planner;
 mod request;
 pub mod router;
 #[cfg(feature = "grpc")]

@@ -445,7 +445,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
         .map(|(pool, kind)| PoolLimits { pool: (*pool).into(), kind: *kind, min_replicas: args.min_workers, max_replicas: args.max_workers })
         .collect();
     let pool_names: Vec<String> = pools.iter().map(|limits| limits.pool.clone()).collect();
-    let predictor: Predictor = args.predictor.parse().map_err(|problem: String| anyhow::anyhow!("--predictor: {problem}"))?;
+    let predictor: Predictor = args.predictor.parse().map_err(|unknown| anyhow::anyhow!("--predictor: {unknown}"))?;
     let targets = Targets::new(
         args.ttft_ms,
         args.itl_ms,

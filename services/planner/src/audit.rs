@@ -3,8 +3,8 @@
 
 use std::fmt::Write as _;
 
-use crate::client::PlannerClient;
 use crate::decision::Decision;
+use turbine_api::planner::PlannerClient;
 
 /// `turbine planner history`.
 #[derive(Debug, Clone, clap::Args)]

@@ -32,11 +32,10 @@
 //! - [`service`]: `turbine.planner.v1.Planner` over the ledger, and
 //!   [`serve()`]: the planner on the service host, who may call what
 //!   ([`ROLES`]); [`PlannerConfig`]: configuration and flags;
-//! - [`PlannerClient`]: the typed client.
+//! - [`PlannerClient`]: the typed client (in `turbine_api::planner`).
 
 pub mod audit;
 pub mod backtest;
-pub mod client;
 pub mod clock;
 pub mod config;
 pub mod connector;
@@ -58,7 +57,6 @@ pub mod service;
 pub mod state;
 pub mod targets;
 
-pub use client::{HistoryPage, PlannerClient, PlannerClientError};
 pub use clock::Clock;
 pub use config::PlannerConfig;
 pub use decision::{Action, ActionState, Decision, Malformed, Observation, Plan, PoolDecision, PoolState, Prediction};
@@ -67,3 +65,4 @@ pub use serve::{ROLES, main, serve};
 pub use service::PlannerService;
 pub use state::PlannerState;
 pub use targets::{PoolKind, PoolLimits, Predictor, Targets, TargetsError};
+pub use turbine_api::planner::{HistoryPage, PlannerClient, PlannerClientError};

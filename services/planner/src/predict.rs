@@ -28,16 +28,7 @@ pub struct Forecaster {
     pub season_intervals: usize,
 }
 
-/// One interval's load, as the planner sizes for it.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Load {
-    /// Requests per second.
-    pub request_rate: f64,
-    /// Mean input length, tokens.
-    pub isl_mean: f64,
-    /// Mean output length, tokens.
-    pub osl_mean: f64,
-}
+pub use turbine_api::planner::Load;
 
 /// Why a predictor gave no forecast.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

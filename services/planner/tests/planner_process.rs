@@ -190,7 +190,7 @@ async fn decisions_page_and_reach_watchers(database: &str) {
 
     // The watcher gets the latest first, then each new decision.
     let mut watch = client.watch().await.unwrap();
-    let next = async |watch: &mut turbine_planner::client::DecisionStream| {
+    let next = async |watch: &mut turbine_api::planner::DecisionStream| {
         tokio::time::timeout(Duration::from_secs(10), watch.next()).await.expect("a decision within 10 s").unwrap().unwrap()
     };
     assert_eq!(next(&mut watch).await.id, 5);
