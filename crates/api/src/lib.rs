@@ -9,7 +9,9 @@
 //! With the `grpc` feature (the default; an engine goes without it): the
 //! services' clients, each beside its own words ([`kv_index`],
 //! [`kv_store`], [`kv_transfer`], [`planner`], [`router`], [`worker`]), and [`wire`],
-//! the request vocabulary to and from the contracts.
+//! the request vocabulary to and from the contracts. With the `mock`
+//! feature (for callers' tests): a mockall double of each client's trait
+//! beside it (`router::MockRouterApi`, `worker::MockWorkerApi`, ...).
 
 mod error;
 mod kv;

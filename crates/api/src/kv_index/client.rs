@@ -98,6 +98,7 @@ impl From<ConversionError> for KvIndexError {
 /// What a KV index does for its callers: a replica in this process
 /// (`turbine_kv_log::LocalKvIndex`) or the service over gRPC
 /// ([`GrpcKvIndex`]).
+#[cfg_attr(feature = "mock", mockall::automock)]
 #[tonic::async_trait]
 pub trait KvIndexApi: Send + Sync + 'static {
     /// Which workers cache the query's leading blocks.

@@ -8,6 +8,8 @@ use turbine_kv::{SequenceHash, WorkerId, WorkerMatch};
 mod client;
 mod position;
 
+#[cfg(feature = "mock")]
+pub use client::MockKvIndexApi;
 #[cfg(feature = "grpc")]
 pub use client::{GrpcKvIndex, KvIndexApi, KvIndexClient, KvIndexError, ROLE, match_to_wire};
 pub use position::{BadPosition, LogPosition};

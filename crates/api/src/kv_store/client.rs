@@ -112,6 +112,7 @@ impl From<tonic::Status> for KvStoreError {
 
 /// What a kv-store does for its callers: [`GrpcKvStore`] over the wire,
 /// or a test's double.
+#[cfg_attr(feature = "mock", mockall::automock)]
 #[tonic::async_trait]
 pub trait KvStoreApi: Send + Sync + 'static {
     /// Stores blocks of one fingerprint.

@@ -7,6 +7,8 @@ use turbine_kv::{HostBlock, LocalBlockHash, SequenceHash, block_checksum};
 #[cfg(feature = "grpc")]
 mod client;
 
+#[cfg(feature = "mock")]
+pub use client::MockKvStoreApi;
 #[cfg(feature = "grpc")]
 pub use client::{GrpcKvStore, KvStoreApi, KvStoreClient, KvStoreError, MAX_PUT_FROM_BYTES, ROLE, block_from_pb, block_message, block_to_pb};
 

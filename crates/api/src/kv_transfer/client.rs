@@ -32,6 +32,7 @@ impl TryFrom<pb::DescribeResponse> for Described {
 }
 
 /// What a worker's `KvTransfer` service does for its peers.
+#[cfg_attr(feature = "mock", mockall::automock)]
 #[tonic::async_trait]
 pub trait KvTransferApi: Send + Sync + 'static {
     /// How to read handle `handle_id`'s blocks.

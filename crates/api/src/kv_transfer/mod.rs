@@ -7,6 +7,8 @@ use crate::{KvLayout, UcxRegion};
 
 mod client;
 
+#[cfg(feature = "mock")]
+pub use client::MockKvTransferApi;
 pub use client::{GrpcKvTransfer, KvTransferApi, KvTransferClient};
 
 /// How to read a worker's pinned blocks.

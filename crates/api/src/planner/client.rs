@@ -84,6 +84,7 @@ pub type DecisionStream = Pin<Box<dyn Stream<Item = Result<Decision, PlannerClie
 
 /// What a planner does for its callers: [`GrpcPlanner`] over the wire, or
 /// a test's double.
+#[cfg_attr(feature = "mock", mockall::automock)]
 #[tonic::async_trait]
 pub trait PlannerApi: Send + Sync + 'static {
     /// The plan in force.

@@ -12,6 +12,8 @@ mod targets;
 #[cfg(feature = "grpc")]
 mod wire;
 
+#[cfg(feature = "mock")]
+pub use client::MockPlannerApi;
 #[cfg(feature = "grpc")]
 pub use client::{DecisionStream, GrpcPlanner, HistoryPage, PlannerApi, PlannerClient, PlannerClientError, ROLE};
 pub use decision::{Action, ActionState, Decision, Load, Malformed, Observation, Plan, PoolDecision, PoolState, Prediction};

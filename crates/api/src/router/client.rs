@@ -106,6 +106,7 @@ impl From<ConversionError> for RouterCallError {
 /// What the router does for its callers: the router itself in its
 /// process (`turbine_router::Router`), [`GrpcRouter`] over the wire, or a
 /// test's double.
+#[cfg_attr(feature = "mock", mockall::automock)]
 #[tonic::async_trait]
 pub trait RouterApi: Send + Sync + 'static {
     /// Chooses a worker and books the request.

@@ -11,6 +11,8 @@ use crate::{Load, WorkerRole};
 #[cfg(feature = "grpc")]
 mod client;
 
+#[cfg(feature = "mock")]
+pub use client::MockRouterApi;
 #[cfg(feature = "grpc")]
 pub use client::{GrpcRouter, NO_WORKERS, ROLE, RouterApi, RouterCallError, RouterClient};
 

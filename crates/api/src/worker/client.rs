@@ -47,6 +47,7 @@ impl From<tonic::Status> for WorkerError {
 /// What a worker does for its callers. The worker implements it in its own
 /// process; [`GrpcWorker`] implements it over the wire; a test may
 /// implement it too.
+#[cfg_attr(feature = "mock", mockall::automock)]
 #[tonic::async_trait]
 pub trait WorkerApi: Send + Sync + 'static {
     /// Starts generating; the stream ends after the finishing chunk.

@@ -15,6 +15,8 @@ use crate::{FinishReason, GenerateRequest, KvLayout, TokenLogprobs, Usage};
 
 mod client;
 
+#[cfg(feature = "mock")]
+pub use client::MockWorkerApi;
 pub use client::{GrpcWorker, ROLE, WorkerApi, WorkerClient, WorkerClients};
 
 /// Tokens produced since the previous chunk, and the end of the stream.
