@@ -41,9 +41,9 @@ use turbine_kv_store::{KvStoreConfig, Store as KvStore, StoreEventSink};
 use turbine_planner::config::PlanningConfig;
 use turbine_planner::connector::Connector;
 use turbine_planner::cycle::Sizing;
-use turbine_planner::hosted::HostedConnector;
 use turbine_planner::observe::Observer;
 use turbine_planner::profile::Profile;
+use turbine_planner::scale::Scaler;
 use turbine_planner::{Ledger, PlannerConfig, PlannerState};
 use turbine_proto::gateway::v1::ListModelsRequest;
 use turbine_proto::gateway::v1::inference_client::InferenceClient;
@@ -273,7 +273,7 @@ impl Cluster {
                 let profile = planner.planning.profile.as_deref().context("--planner needs --planner-profile")?;
                 let sizing = Sizing { profile: Profile::read(profile)?, season_intervals: planner.planning.season_intervals };
                 let observer = Observer::new(vec![metrics], registry.clone());
-                let state = PlannerState::with_connector(ledger, Connector::Hosted(HostedConnector::new(Arc::new(hosted.clone()))));
+                let state = PlannerState::with_connector(ledger, Connector::Hosted(Scaler::new(Arc::new(hosted.clone()))));
                 tracing::info!(%address, database = state.ledger().backend().name(), "planner listening: it sizes this process's workers once targets are set (SetTargets)");
                 services
                     .push(("planner".to_owned(), tokio::spawn(turbine_planner::serve(planner, state, Some((observer, sizing)), listeners, shutdown.clone()))));

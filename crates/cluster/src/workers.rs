@@ -10,7 +10,7 @@ use anyhow::Context;
 use tokio::task::JoinHandle;
 use turbine_kv::WorkerId;
 use turbine_planner::PoolKind;
-use turbine_planner::hosted::{HostError, HostFuture, WorkerHost};
+use turbine_planner::scale::{HostError, HostFuture, WorkerHost};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{BoundAddrs, Listeners};
 use turbine_worker::{WorkerConfig, WorkerDeps, WorkerRole};
@@ -146,13 +146,14 @@ impl HostedWorkers {
 }
 
 impl WorkerHost for HostedWorkers {
-    fn workers(&self, kind: PoolKind) -> Vec<String> {
+    /// A pool is the workers of its kind's role.
+    fn workers(&self, _pool: &str, kind: PoolKind) -> Vec<String> {
         let role = role_of(kind);
         let fleet = self.fleet.lock().expect("fleet");
         fleet.running.iter().filter(|running| running.role == role && running.serving).map(|running| running.id.to_string()).collect()
     }
 
-    fn start(&self, kind: PoolKind) -> HostFuture<'_, Result<String, HostError>> {
+    fn start<'a>(&'a self, _pool: &'a str, kind: PoolKind) -> HostFuture<'a, Result<String, HostError>> {
         Box::pin(async move {
             let (id, addresses) = self.spawn(role_of(kind)).await.map_err(|error| HostError::Launch(format!("{error:#}")))?;
             tracing::info!(worker = %id, role = %role_of(kind), "starting a worker");
@@ -163,10 +164,12 @@ impl WorkerHost for HostedWorkers {
         })
     }
 
-    fn drain(&self, name: &str) -> HostFuture<'_, Result<(), HostError>> {
+    fn drain(&self, name: &str) -> HostFuture<'static, Result<(), HostError>> {
         let id = WorkerId::from(name.to_owned());
+        // Out of the list before the drain starts.
+        let running = self.forget(&id);
         Box::pin(async move {
-            let running = self.forget(&id).ok_or_else(|| HostError::Unknown(id.to_string()))?;
+            let running = running.ok_or_else(|| HostError::Unknown(id.to_string()))?;
             running.stop.cancel();
             let Some(task) = running.task else { return Ok(()) };
             match task.await {

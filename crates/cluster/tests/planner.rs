@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use turbine_cluster::sandbox::{Sandbox, read_events};
-use turbine_planner::hosted::WorkerHost;
 use turbine_planner::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
+use turbine_planner::scale::WorkerHost;
 use turbine_planner::{ActionState, PlannerClient, PoolKind, PoolLimits, Predictor, Targets};
 use turbine_testkit::wait_until;
 
@@ -53,7 +53,7 @@ async fn until_serving(sandbox: &Sandbox, workers: usize) {
     let hosted = sandbox.cluster().hosted_workers();
     wait_until(&format!("{workers} aggregated workers serve"), RESIZE_TIMEOUT, async || {
         let listed = sandbox.cluster().registry().list().await.map(|live| live.len()).unwrap_or(0);
-        hosted.workers(PoolKind::Aggregated).len() == workers && listed == workers
+        hosted.workers("workers", PoolKind::Aggregated).len() == workers && listed == workers
     })
     .await;
 }
@@ -66,7 +66,7 @@ async fn the_planner_of_turbine_run_starts_and_drains_the_process_own_workers() 
     let database = format!("sqlite:{}", folder.path().join("planner.db").display());
 
     let (sandbox, planner) = start(&database, &profile_path).await;
-    assert_eq!(sandbox.cluster().hosted_workers().workers(PoolKind::Aggregated).len(), 1, "turbine run starts one worker");
+    assert_eq!(sandbox.cluster().hosted_workers().workers("workers", PoolKind::Aggregated).len(), 1, "turbine run starts one worker");
 
     // The minimum raises the pool: a second worker starts in the process.
     planner.set_targets(&targets(2, 3)).await.unwrap();

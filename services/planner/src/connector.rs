@@ -9,8 +9,8 @@
 //! - `kubernetes`: each pool is a Deployment whose replicas the planner
 //!   sets through its scale subresource ([`crate::kubernetes`]).
 //! - `hosted`: the pools' workers run in the planner's own process
-//!   (`turbine run --planner`), which starts and drains them
-//!   ([`crate::hosted`]).
+//!   (`turbine run --planner`), which starts and drains them; both this
+//!   and `local` scale through one loop ([`crate::scale`]).
 //!
 //! Every action has an id derived from its decision and pool, kept in the
 //! ledger. A connector is handed an id again only after a restart (the
@@ -19,11 +19,11 @@
 //! failed, saying so, and are never carried out.
 
 use crate::decision::{Action, ActionState};
-use crate::hosted::HostedConnector;
 #[cfg(feature = "kubernetes")]
 use crate::kubernetes::KubernetesConnector;
 use crate::ledger::{Ledger, LedgerError};
 use crate::local::LocalConnector;
+use crate::scale::Scaler;
 use crate::targets::PoolKind;
 
 /// Workers draining, per pool, as a connector that drains them counts
@@ -90,7 +90,7 @@ pub enum Connector {
     /// See [`ConnectorKind::Local`].
     Local(LocalConnector),
     /// See [`ConnectorKind::Hosted`].
-    Hosted(HostedConnector),
+    Hosted(Scaler),
     /// See [`ConnectorKind::Kubernetes`].
     #[cfg(feature = "kubernetes")]
     Kubernetes(KubernetesConnector),
@@ -168,8 +168,8 @@ impl Connector {
     pub async fn serving(&self, pool: &str, kind: PoolKind) -> Option<u32> {
         match self {
             Connector::Virtual => None,
-            Connector::Local(local) => Some(local.serving(pool).await),
-            Connector::Hosted(hosted) => Some(hosted.serving(kind)),
+            Connector::Local(local) => Some(local.serving(pool)),
+            Connector::Hosted(hosted) => Some(hosted.serving(pool, kind)),
             #[cfg(feature = "kubernetes")]
             Connector::Kubernetes(kubernetes) => kubernetes.serving(pool).await,
         }

@@ -20,7 +20,8 @@
 //! - [`cycle`]: once per interval, observe, forecast, propose, constrain,
 //!   record the decision and hand its actions to the [`connector`]
 //!   (`virtual`, [`local`] worker processes, [`kubernetes`] Deployments,
-//!   or workers [`hosted`] in this process);
+//!   or workers hosted in this process; the
+//!   two that start and drain workers share one loop, [`scale`]);
 //! - [`metrics`]: replicas asked for, observed and draining, SLA outcome
 //!   per interval, actions by outcome;
 //! - [`audit`]: `turbine planner history`, decisions in words;
@@ -42,7 +43,6 @@ pub mod connector;
 pub mod constrain;
 pub mod cycle;
 pub mod decision;
-pub mod hosted;
 pub mod kubernetes;
 pub mod ledger;
 pub mod local;
@@ -52,6 +52,7 @@ pub mod predict;
 pub mod profile;
 pub mod prom;
 pub mod propose;
+pub mod scale;
 pub mod serve;
 pub mod service;
 pub mod state;

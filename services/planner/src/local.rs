@@ -1,5 +1,6 @@
 //! The `local` connector: each pool's workers are `turbine-worker`
-//! processes on this machine, started and stopped by the planner.
+//! processes on this machine, started and stopped by the planner through
+//! the one scale loop ([`Scaler`]).
 //!
 //! - Scaling up starts workers (the pool's role, the planner's Redis and
 //!   namespace, the operator's `--local-worker-args`, loopback ports) and
@@ -17,20 +18,19 @@
 //!   restart), it answers what it answered the first time, or sets the
 //!   pool to the same size, which changes nothing.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::Mutex;
 use turbine_proto::service_names;
 use turbine_runtime::host::BoundAddrs;
 
-use crate::connector::{DrainingCounts, Outcome};
+use crate::connector::Outcome;
 use crate::decision::Action;
-use crate::hosted::HostError;
+use crate::scale::{HostError, HostFuture, Scaler, WorkerHost};
 use crate::targets::PoolKind;
 
 /// The state folder's file holding the next worker's number.
@@ -81,18 +81,23 @@ struct LocalWorker {
 struct Fleet {
     /// Serving workers per pool, oldest first.
     serving: BTreeMap<String, Vec<LocalWorker>>,
-    /// What each action carried out answered.
-    done: HashMap<String, Outcome>,
     /// The next worker's number.
     next: u64,
+}
+
+/// Worker processes on this machine, as a [`WorkerHost`]: what the local
+/// connector's [`Scaler`] starts and drains.
+#[derive(Debug)]
+struct LocalHost {
+    settings: Arc<LocalSettings>,
+    fleet: Mutex<Fleet>,
 }
 
 /// The local connector. Cloning shares the fleet.
 #[derive(Debug, Clone)]
 pub struct LocalConnector {
-    settings: Arc<LocalSettings>,
-    fleet: Arc<Mutex<Fleet>>,
-    draining: DrainingCounts,
+    host: Arc<LocalHost>,
+    scaler: Scaler,
 }
 
 impl LocalConnector {
@@ -128,15 +133,14 @@ impl LocalConnector {
         if let Some(next) = std::fs::read_to_string(settings.state_dir.join(NEXT_FILE)).ok().and_then(|text| text.trim().parse::<u64>().ok()) {
             fleet.next = fleet.next.max(next);
         }
-        Ok(Self { settings: Arc::new(settings), fleet: Arc::new(Mutex::new(fleet)), draining: DrainingCounts::default() })
+        let host = Arc::new(LocalHost { settings: Arc::new(settings), fleet: Mutex::new(fleet) });
+        Ok(Self { scaler: Scaler::new(host.clone()), host })
     }
 
     /// Serving workers of `pool`, as the connector knows them (exited ones
     /// dropped).
-    pub async fn serving(&self, pool: &str) -> u32 {
-        let mut fleet = self.fleet.lock().await;
-        self.reap(&mut fleet);
-        fleet.serving.get(pool).map_or(0, |workers| workers.len() as u32)
+    pub fn serving(&self, pool: &str) -> u32 {
+        self.host.workers(pool, PoolKind::Aggregated).len() as u32
     }
 
     /// Workers with a record in the state folder whose process runs,
@@ -150,7 +154,7 @@ impl LocalConnector {
     /// [`running`](Self::running), per pool (pools with none left out).
     pub fn running_by_pool(&self) -> BTreeMap<String, u32> {
         let mut pools = BTreeMap::new();
-        let Ok(entries) = std::fs::read_dir(&self.settings.state_dir) else { return pools };
+        let Ok(entries) = std::fs::read_dir(&self.host.settings.state_dir) else { return pools };
         let records = entries
             .filter_map(|entry| entry.ok().map(|entry| entry.path()))
             .filter(|path| path.extension().is_some_and(|extension| extension == "worker"))
@@ -164,58 +168,59 @@ impl LocalConnector {
 
     /// Workers draining now, over all pools.
     pub fn draining(&self) -> u32 {
-        self.draining.total()
+        self.scaler.draining()
     }
 
     /// Workers of `pool` draining now.
     pub fn draining_in(&self, pool: &str) -> u32 {
-        self.draining.of(pool)
+        self.scaler.draining_in(pool)
     }
 
     /// Sets `action.pool` (of `kind`) to `action.replicas` workers.
     pub async fn execute(&self, action: &Action, kind: PoolKind) -> Outcome {
-        let mut fleet = self.fleet.lock().await;
-        if let Some(outcome) = fleet.done.get(&action.id) {
-            return outcome.clone();
-        }
+        self.scaler.execute(action, kind).await
+    }
+}
+
+impl WorkerHost for LocalHost {
+    fn workers(&self, pool: &str, _kind: PoolKind) -> Vec<String> {
+        let mut fleet = self.fleet.lock().expect("fleet");
         self.reap(&mut fleet);
-        let serving = fleet.serving.get(&action.pool).map_or(0, Vec::len);
-        let wanted = action.replicas as usize;
-        let outcome = if wanted > serving {
-            let mut started = Vec::new();
-            let mut failure = None;
-            for _ in serving..wanted {
-                match self.start(&mut fleet, &action.pool, kind).await {
-                    Ok(name) => started.push(name),
-                    Err(problem) => {
-                        failure = Some(problem.to_string());
-                        break;
-                    }
-                }
-            }
-            Outcome::scaled_up(&action.pool, serving, wanted, &started, failure)
-        } else if wanted < serving {
-            let workers = fleet.serving.get_mut(&action.pool).expect("a pool with workers");
-            let leaving: Vec<LocalWorker> = workers.drain(wanted..).collect();
-            let names: Vec<String> = leaving.iter().map(|worker| worker.record.name.clone()).collect();
-            for worker in leaving {
-                self.drain(worker);
-            }
-            Outcome::draining(&action.pool, wanted, &names)
-        } else {
-            Outcome::unchanged(&action.pool, wanted)
-        };
-        fleet.done.insert(action.id.clone(), outcome.clone());
-        outcome
+        fleet.serving.get(pool).map(|workers| workers.iter().map(|worker| worker.record.name.clone()).collect()).unwrap_or_default()
     }
 
+    fn start<'a>(&'a self, pool: &'a str, kind: PoolKind) -> HostFuture<'a, Result<String, HostError>> {
+        Box::pin(self.start_one(pool, kind))
+    }
+
+    fn drain(&self, name: &str) -> HostFuture<'static, Result<(), HostError>> {
+        let leaving = {
+            let mut fleet = self.fleet.lock().expect("fleet");
+            fleet.serving.values_mut().find_map(|workers| {
+                let at = workers.iter().position(|worker| worker.record.name == name)?;
+                Some(workers.remove(at))
+            })
+        };
+        let Some(worker) = leaving else {
+            let name = name.to_owned();
+            return Box::pin(async move { Err(HostError::Unknown(name)) });
+        };
+        Box::pin(drain(self.settings.clone(), worker))
+    }
+}
+
+impl LocalHost {
     /// Starts one worker of `pool` and waits until it serves; its name.
-    async fn start(&self, fleet: &mut Fleet, pool: &str, kind: PoolKind) -> Result<String, HostError> {
+    async fn start_one(&self, pool: &str, kind: PoolKind) -> Result<String, HostError> {
         let settings = &self.settings;
-        let name = format!("{}-{pool}-{}", settings.namespace, fleet.next);
-        fleet.next += 1;
-        std::fs::write(settings.state_dir.join(NEXT_FILE), fleet.next.to_string())
-            .map_err(|error| HostError::Launch(format!("cannot write {}: {error}", settings.state_dir.join(NEXT_FILE).display())))?;
+        let name = {
+            let mut fleet = self.fleet.lock().expect("fleet");
+            let name = format!("{}-{pool}-{}", settings.namespace, fleet.next);
+            fleet.next += 1;
+            std::fs::write(settings.state_dir.join(NEXT_FILE), fleet.next.to_string())
+                .map_err(|error| HostError::Launch(format!("cannot write {}: {error}", settings.state_dir.join(NEXT_FILE).display())))?;
+            name
+        };
         let files = Files::of(&settings.state_dir, &name);
         let log = std::fs::File::create(&files.log).map_err(|error| HostError::Launch(format!("cannot create {}: {error}", files.log.display())))?;
         let log_too = log.try_clone().map_err(|error| HostError::Launch(format!("{}: {error}", files.log.display())))?;
@@ -252,7 +257,7 @@ impl LocalConnector {
         match self.until_serving(&mut child, &files).await {
             Ok(()) => {
                 tracing::info!(worker = name, pool, "worker serving");
-                fleet.serving.entry(pool.to_owned()).or_default().push(LocalWorker { record, child: Some(child) });
+                self.fleet.lock().expect("fleet").serving.entry(pool.to_owned()).or_default().push(LocalWorker { record, child: Some(child) });
                 Ok(name)
             }
             Err(problem) => {
@@ -264,61 +269,27 @@ impl LocalConnector {
         }
     }
 
-    async fn until_serving(&self, child: &mut tokio::process::Child, files: &Files) -> Result<(), String> {
-        let deadline = Instant::now() + self.settings.ready_timeout;
+    async fn until_serving(&self, child: &mut tokio::process::Child, files: &Files) -> Result<(), NotServing> {
+        let timeout = self.settings.ready_timeout;
+        let deadline = Instant::now() + timeout;
         let addresses = loop {
             if let Ok(Some(status)) = child.try_wait() {
-                return Err(format!("exited ({status}) before listening"));
+                return Err(NotServing::Exited { before: "listening", status: status.to_string() });
             }
             if let Some(addresses) = std::fs::read(&files.addresses).ok().and_then(|bytes| serde_json::from_slice::<BoundAddrs>(&bytes).ok()) {
                 break addresses;
             }
             if Instant::now() >= deadline {
-                return Err(format!("did not listen within {:?}", self.settings.ready_timeout));
+                return Err(NotServing::TooSlow { to: "listen", timeout });
             }
             tokio::time::sleep(POLL).await;
         };
         let endpoint = addresses.grpc_endpoint();
         tokio::select! {
             () = turbine_runtime::health::until_serving(&endpoint, service_names::WORKER) => Ok(()),
-            status = child.wait() => Err(format!("exited ({}) before serving", status.map_or_else(|error| error.to_string(), |status| status.to_string()))),
-            () = tokio::time::sleep_until(deadline.into()) => Err(format!("did not serve within {:?}", self.settings.ready_timeout)),
+            status = child.wait() => Err(NotServing::Exited { before: "serving", status: status.map_or_else(|error| error.to_string(), |status| status.to_string()) }),
+            () = tokio::time::sleep_until(deadline.into()) => Err(NotServing::TooSlow { to: "serve", timeout }),
         }
-    }
-
-    /// SIGTERM `worker` and, in the background, wait for it to exit (killed
-    /// after the drain timeout), then forget it.
-    fn drain(&self, mut worker: LocalWorker) {
-        let (settings, connector) = (self.settings.clone(), self.clone());
-        let Record { name, pid, pool } = worker.record.clone();
-        self.draining.started(&pool);
-        tracing::info!(worker = name, pid, "draining a worker");
-        signal(pid, libc::SIGTERM);
-        tokio::spawn(async move {
-            let exited = tokio::time::timeout(settings.drain_timeout, async {
-                match &mut worker.child {
-                    Some(child) => drop(child.wait().await),
-                    None => {
-                        while runs(pid, &name) {
-                            tokio::time::sleep(POLL).await;
-                        }
-                    }
-                }
-            })
-            .await;
-            if exited.is_err() {
-                tracing::warn!(worker = name, pid, timeout = ?settings.drain_timeout, "a draining worker did not exit in time; killing it");
-                match &mut worker.child {
-                    Some(child) => {
-                        let _ = child.kill().await;
-                    }
-                    None => signal(pid, libc::SIGKILL),
-                }
-            }
-            remove_files(&settings.state_dir, &name);
-            connector.draining.ended(&pool);
-            tracing::info!(worker = name, "worker drained");
-        });
     }
 
     /// Forgets workers that exited by themselves (a crash), saying so.
@@ -337,6 +308,47 @@ impl LocalConnector {
             });
         }
     }
+}
+
+/// Why a started worker did not come to serve.
+#[derive(Debug, thiserror::Error)]
+enum NotServing {
+    /// Its process ended first.
+    #[error("exited ({status}) before {before}")]
+    Exited { before: &'static str, status: String },
+    /// The wait ran out.
+    #[error("did not {to} within {timeout:?}")]
+    TooSlow { to: &'static str, timeout: Duration },
+}
+
+/// SIGTERMs `worker` and waits for it to exit (killed after the drain
+/// timeout), then removes its files.
+async fn drain(settings: Arc<LocalSettings>, mut worker: LocalWorker) -> Result<(), HostError> {
+    let Record { name, pid, .. } = worker.record.clone();
+    tracing::info!(worker = name, pid, "draining a worker");
+    signal(pid, libc::SIGTERM);
+    let exited = tokio::time::timeout(settings.drain_timeout, async {
+        match &mut worker.child {
+            Some(child) => drop(child.wait().await),
+            None => {
+                while runs(pid, &name) {
+                    tokio::time::sleep(POLL).await;
+                }
+            }
+        }
+    })
+    .await;
+    if exited.is_err() {
+        tracing::warn!(worker = name, pid, timeout = ?settings.drain_timeout, "a draining worker did not exit in time; killing it");
+        match &mut worker.child {
+            Some(child) => {
+                let _ = child.kill().await;
+            }
+            None => signal(pid, libc::SIGKILL),
+        }
+    }
+    remove_files(&settings.state_dir, &name);
+    Ok(())
 }
 
 /// A worker's files in the state folder.

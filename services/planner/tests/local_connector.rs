@@ -83,7 +83,7 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     );
     // Handed over again (as after a restart): the same answer, nothing started.
     assert_eq!(connector.execute(&action(1, 2), PoolKind::Decode).await, up);
-    assert_eq!(connector.serving("decode").await, 2);
+    assert_eq!(connector.serving("decode"), 2);
     // Their processes count for any connector on the folder.
     assert_eq!((connector.running(), LocalConnector::open(settings.clone()).unwrap().running()), (2, 2));
 
@@ -101,7 +101,7 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     let mut tokens = stream.message().await.unwrap().unwrap().token_ids.len();
     let down = connector.execute(&action(2, 1), PoolKind::Decode).await;
     assert!(done(&down).contains("draining local-test-decode-1"), "{down:?}");
-    assert_eq!(connector.serving("decode").await, 1);
+    assert_eq!(connector.serving("decode"), 1);
     assert_eq!(connector.running(), 2, "a draining worker still runs");
     assert_eq!(connector.running_by_pool(), std::collections::BTreeMap::from([("decode".to_owned(), 2)]));
     wait_until("the draining worker leaves the registry", Duration::from_secs(30), async || registered(&registry).await.len() == 1).await;
@@ -124,7 +124,7 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
     // next one after every name used.
     drop(connector);
     let connector = LocalConnector::open(settings.clone()).unwrap();
-    assert_eq!(connector.serving("decode").await, 1);
+    assert_eq!(connector.serving("decode"), 1);
     let up = connector.execute(&action(3, 2), PoolKind::Decode).await;
     assert!(done(&up).contains("started local-test-decode-2"), "{up:?}");
     let ids: Vec<String> = registered(&registry).await.into_iter().map(|(id, _, _)| id).collect();
@@ -147,5 +147,5 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
         Outcome::Failed(message) => assert!(message.contains("exited") && message.contains(".log"), "{message}"),
         other => panic!("{other:?}"),
     }
-    assert_eq!(broken.serving("decode").await, 0);
+    assert_eq!(broken.serving("decode"), 0);
 }
