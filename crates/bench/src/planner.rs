@@ -26,13 +26,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use turbine_planner::connector::{Connector, Outcome};
+use turbine_planner::act::connector::{Connector, Outcome};
+use turbine_planner::act::local::{LocalConnector, LocalSettings};
 use turbine_planner::cycle::Sizing;
-use turbine_planner::local::{LocalConnector, LocalSettings};
 use turbine_planner::observe::Observer;
-use turbine_planner::predict::Load;
-use turbine_planner::profile::Profile;
-use turbine_planner::propose::{Corrections, propose};
+use turbine_planner::plan::predict::Load;
+use turbine_planner::plan::profile::Profile;
+use turbine_planner::plan::propose::{Corrections, propose};
 use turbine_planner::{Action, ActionState, Ledger, PlannerState, PoolKind, PoolLimits, Predictor, Targets};
 use turbine_registry::{RedisRegistry, Registry};
 use turbine_runtime::CancellationToken;
@@ -281,9 +281,9 @@ impl Burst {
     /// `trace` with the requests arriving within the burst (at `speedup`,
     /// the run's time) `factor` times over: each request's copies spread
     /// evenly until the next arrival (the burst's end, for its last).
-    fn apply(&self, trace: &[turbine_planner::backtest::TraceRequest], speedup: f64) -> Vec<turbine_planner::backtest::TraceRequest> {
+    fn apply(&self, trace: &[turbine_planner::plan::backtest::TraceRequest], speedup: f64) -> Vec<turbine_planner::plan::backtest::TraceRequest> {
         let Some(first) = trace.first().map(|request| request.at_secs) else { return Vec::new() };
-        let run_secs = |request: &turbine_planner::backtest::TraceRequest| (request.at_secs - first) / speedup;
+        let run_secs = |request: &turbine_planner::plan::backtest::TraceRequest| (request.at_secs - first) / speedup;
         let end = self.at_secs + self.secs;
         let mut out = Vec::with_capacity(trace.len());
         for (index, request) in trace.iter().enumerate() {
@@ -295,7 +295,7 @@ impl Burst {
             let next = trace.get(index + 1).map_or(end, run_secs).min(end);
             let gap = (next - at).max(0.0) / f64::from(self.factor);
             for copy in 1..self.factor {
-                out.push(turbine_planner::backtest::TraceRequest { at_secs: request.at_secs + gap * f64::from(copy) * speedup, ..*request });
+                out.push(turbine_planner::plan::backtest::TraceRequest { at_secs: request.at_secs + gap * f64::from(copy) * speedup, ..*request });
             }
         }
         out
@@ -414,7 +414,7 @@ pub async fn run(args: &PlannerBenchArgs) -> anyhow::Result<PlannerBenchReport> 
     let outage = Duration::try_from_secs_f64(args.database_outage_secs)
         .map_err(|error| anyhow::anyhow!("--database-outage-secs: {error} (a number of seconds, 0 or more)"))?;
     let profile = Profile::read(&args.profile)?;
-    let mut trace = turbine_planner::backtest::read_azure_csv(&args.trace)?;
+    let mut trace = turbine_planner::plan::backtest::read_azure_csv(&args.trace)?;
     if args.every > 1 {
         trace = trace.into_iter().step_by(args.every as usize).collect();
     }
@@ -796,7 +796,7 @@ impl PlannerProcess {
 /// interval and for its busiest, each within --min-workers (at least 1)
 /// and --max-workers.
 fn profile_sizes(
-    trace: &[turbine_planner::backtest::TraceRequest],
+    trace: &[turbine_planner::plan::backtest::TraceRequest],
     args: &PlannerBenchArgs,
     profile: &Profile,
     targets: &Targets,
@@ -804,13 +804,13 @@ fn profile_sizes(
     // The load as replayed: compressed, outputs capped.
     let compressed: Vec<_> = trace
         .iter()
-        .map(|request| turbine_planner::backtest::TraceRequest {
+        .map(|request| turbine_planner::plan::backtest::TraceRequest {
             at_secs: request.at_secs / args.speedup,
             output_tokens: args.max_output_tokens.map_or(request.output_tokens, |cap| request.output_tokens.min(cap)),
             ..*request
         })
         .collect();
-    let loads = turbine_planner::backtest::intervals(&compressed, Duration::from_secs(u64::from(args.interval_secs)))?;
+    let loads = turbine_planner::plan::backtest::intervals(&compressed, Duration::from_secs(u64::from(args.interval_secs)))?;
     let idle = Load { request_rate: 0.0, isl_mean: 0.0, osl_mean: 0.0 };
     let first = loads.first().copied().unwrap_or(idle);
     let peak = loads.iter().copied().max_by(|a, b| a.request_rate.total_cmp(&b.request_rate)).unwrap_or(idle);
@@ -1157,7 +1157,7 @@ pub fn print(report: &PlannerBenchReport) {
 #[cfg(test)]
 mod tests {
     use super::Burst;
-    use turbine_planner::backtest::TraceRequest;
+    use turbine_planner::plan::backtest::TraceRequest;
 
     #[test]
     fn a_burst_multiplies_the_requests_within_it_and_leaves_the_rest() {

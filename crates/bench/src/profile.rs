@@ -1,7 +1,7 @@
 //! `turbine profile`: measures one worker configuration (the engine flags
 //! of `turbine worker`, native or mocker) through a gateway, as the
 //! planner will see it, and writes the profile the planner sizes pools
-//! from (`turbine_planner::profile::Profile`):
+//! from (`turbine_planner::plan::profile::Profile`):
 //!
 //! - prefill: for each `--isl`, `--samples` requests alone, one generated
 //!   token each; the median time to first token;
@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use turbine_cluster::{Cluster, ClusterOptions, RunConfig};
-use turbine_planner::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
+use turbine_planner::plan::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
 use turbine_runtime::CancellationToken;
 use turbine_worker::EngineConfig;
 

@@ -62,7 +62,7 @@ enum PlannerCommand {
     Serve(Box<Layered<turbine_planner::PlannerConfig>>),
     /// Each predictor's one-step-ahead error (MAPE of request rate, input
     /// and output length) on recorded traces.
-    Backtest(turbine_planner::backtest::BacktestArgs),
+    Backtest(turbine_planner::plan::backtest::BacktestArgs),
     /// Past decisions, newest first: what was observed and forecast, each
     /// pool's replicas before, proposed and asked for, why, and how the
     /// connector's action ended.
@@ -85,7 +85,7 @@ fn main() -> ExitCode {
         Command::KvIndex(config) => turbine_kv_index::main(config.into_inner()),
         Command::KvStore(config) => turbine_kv_store::main(config.into_inner()),
         Command::Planner(PlannerCommand::Serve(config)) => turbine_planner::main(config.into_inner()),
-        Command::Planner(PlannerCommand::Backtest(args)) => match turbine_planner::backtest::run(&args) {
+        Command::Planner(PlannerCommand::Backtest(args)) => match turbine_planner::plan::backtest::run(&args) {
             Ok(_) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("turbine: error: {error:#}");

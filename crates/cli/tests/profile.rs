@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use turbine_planner::profile::Profile;
+use turbine_planner::plan::profile::Profile;
 
 #[test]
 fn the_mocker_profile_grows_with_input_length_and_concurrency() {

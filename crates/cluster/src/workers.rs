@@ -10,7 +10,7 @@ use anyhow::Context;
 use tokio::task::JoinHandle;
 use turbine_kv::WorkerId;
 use turbine_planner::PoolKind;
-use turbine_planner::scale::{HostError, HostFuture, WorkerHost};
+use turbine_planner::act::scale::{HostError, HostFuture, WorkerHost};
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{BoundAddrs, Listeners};
 use turbine_worker::{WorkerConfig, WorkerDeps, WorkerRole};

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use turbine_cluster::sandbox::{Sandbox, read_events};
-use turbine_planner::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
-use turbine_planner::scale::WorkerHost;
+use turbine_planner::act::scale::WorkerHost;
+use turbine_planner::plan::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
 use turbine_planner::{ActionState, PlannerClient, PoolKind, PoolLimits, Predictor, Targets};
 use turbine_testkit::wait_until;
 

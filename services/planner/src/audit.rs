@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::decision::Decision;
+use crate::plan::Decision;
 use turbine_api::planner::PlannerClient;
 
 /// `turbine planner history`.
@@ -126,8 +126,8 @@ fn utc(unix_ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decision::{Action, ActionState, Observation, PoolDecision};
-    use crate::predict::Load;
+    use crate::plan::predict::Load;
+    use crate::plan::{Action, ActionState, Observation, PoolDecision};
 
     #[test]
     fn times_read_as_utc() {

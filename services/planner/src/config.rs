@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings};
 
-use crate::connector::ConnectorKind;
+use crate::act::connector::ConnectorKind;
 use crate::ledger::Backend;
 
 /// Where a planner listens by default.
@@ -167,7 +167,7 @@ impl Settings for PlannerConfig {
         if self.connector == ConnectorKind::Hosted {
             return Err("connector: hosted workers run inside turbine run (--planner)".into());
         }
-        crate::kubernetes::parse_mapping(&self.kubernetes_deployments).map_err(|problem| format!("kubernetes_deployments: {problem}"))?;
+        crate::act::kubernetes::parse_mapping(&self.kubernetes_deployments).map_err(|problem| format!("kubernetes_deployments: {problem}"))?;
         for (field, seconds) in [("local_ready_timeout_secs", self.local_ready_timeout_secs), ("local_drain_timeout_secs", self.local_drain_timeout_secs)] {
             if !(1..=86_400).contains(&seconds) {
                 return Err(format!("{field}: {seconds}, must be 1 to 86400"));
@@ -186,13 +186,13 @@ impl Settings for PlannerConfig {
 impl PlannerConfig {
     /// The local connector's settings (meaningful with `--connector
     /// local`, which requires `--redis`).
-    pub fn local_settings(&self) -> crate::local::LocalSettings {
+    pub fn local_settings(&self) -> crate::act::local::LocalSettings {
         let namespace = self.cluster.namespace.clone();
         let (worker_binary, worker_subcommand) = match &self.local_worker_binary {
             Some(binary) => (binary.clone(), None),
             None => default_worker_command(),
         };
-        crate::local::LocalSettings {
+        crate::act::local::LocalSettings {
             worker_binary,
             worker_subcommand,
             worker_args: self.local_worker_args.split_whitespace().map(str::to_owned).collect(),

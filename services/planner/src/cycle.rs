@@ -13,15 +13,15 @@ use std::time::Duration;
 
 use turbine_runtime::CancellationToken;
 
-use crate::constrain::{PoolSize, constrain};
-use crate::decision::{Action, ActionState, Decision, Observation, PoolDecision, Prediction};
 use crate::ledger::{Control, LedgerError};
 use crate::observe::Observer;
-use crate::predict::{Forecaster, Load};
-use crate::profile::Profile;
-use crate::propose::{Corrections, Proposal, backlogged, corrections_over, decode_in_flight, propose, propose_queued};
+use crate::plan::constrain::{PoolSize, constrain};
+use crate::plan::predict::{Forecaster, Load};
+use crate::plan::profile::Profile;
+use crate::plan::propose::{Corrections, Proposal, backlogged, corrections_over, decode_in_flight, propose, propose_queued};
+use crate::plan::{Action, ActionState, Decision, Observation, PoolDecision, Prediction};
+use crate::plan::{PoolKind, Predictor, Targets};
 use crate::state::PlannerState;
-use crate::targets::{PoolKind, Predictor, Targets};
 
 /// How often a planner without targets looks for them.
 const NO_TARGETS_POLL: Duration = Duration::from_secs(1);
@@ -58,7 +58,7 @@ impl Sizing {
 /// answers again (see [`Unrecorded`]).
 pub async fn run(state: PlannerState, mut observer: Observer, sizing: Sizing, shutdown: CancellationToken) {
     // Actions pending when the planner last stopped are carried out first.
-    while let Err(error) = crate::connector::resume(state.ledger(), state.connector()).await {
+    while let Err(error) = crate::act::connector::resume(state.ledger(), state.connector()).await {
         tracing::warn!(%error, "cannot resume the pending actions; retrying");
         if sleep_or_shutdown(LEDGER_RETRY, &shutdown).await {
             return;
@@ -166,7 +166,7 @@ async fn decide_and_record(
     }
     // Recorded: the intervals the decision read already hold this one's.
     past.advance(Vec::new(), &decision, sizing.wanted());
-    if let Err(error) = crate::connector::execute(ledger, state.connector(), &actions).await {
+    if let Err(error) = crate::act::connector::execute(ledger, state.connector(), &actions).await {
         tracing::warn!(%error, "cannot record how this interval's actions ended");
     }
     past.pending = Vec::new();
@@ -212,7 +212,7 @@ impl Unrecorded {
             let actions: Vec<Action> = decision.pools.iter().filter_map(|pool| pool.action.clone()).collect();
             state.record_late(decision.clone()).await?;
             for action in &actions {
-                crate::connector::supersede(ledger, &pending, action).await?;
+                crate::act::connector::supersede(ledger, &pending, action).await?;
             }
             tracing::info!(id = decision.id, "a decision made while the database was unreachable is recorded");
             self.0.pop_front();
@@ -286,7 +286,7 @@ async fn decide_unrecorded(
     for pool in &mut decision.pools {
         let kind = targets.pools().iter().find(|limits| limits.pool == pool.pool).map_or(PoolKind::Aggregated, |limits| limits.kind);
         if let Some(action) = pool.action.as_mut() {
-            crate::connector::execute_unrecorded(state.connector(), action, kind).await;
+            crate::act::connector::execute_unrecorded(state.connector(), action, kind).await;
         }
     }
     decision.reason += "; decided while the database was unreachable (scale-ups only), recorded once it answered";
@@ -324,7 +324,11 @@ fn forecast(targets: &Targets, season_intervals: usize, history: &[Load]) -> (Pr
         let rate = forecaster.forecast(&history.iter().map(|load| load.request_rate).collect::<Vec<_>>())?;
         let length =
             |value: fn(&Load) -> f64| if busy.is_empty() { Ok(0.0) } else { forecaster.forecast(&busy.iter().map(|load| value(load)).collect::<Vec<_>>()) };
-        Ok::<_, crate::predict::ForecastError>(Load { request_rate: rate, isl_mean: length(|load| load.isl_mean)?, osl_mean: length(|load| load.osl_mean)? })
+        Ok::<_, crate::plan::predict::ForecastError>(Load {
+            request_rate: rate,
+            isl_mean: length(|load| load.isl_mean)?,
+            osl_mean: length(|load| load.osl_mean)?,
+        })
     };
     let (mut prediction, mut words) = match attempt(targets.predictor()) {
         Ok(load) => (Prediction { predictor: targets.predictor(), load }, String::new()),
@@ -577,12 +581,12 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::targets::{PoolKind, PoolLimits};
+    use crate::plan::{PoolKind, PoolLimits};
 
     /// TTFT 10 ms at 100 tokens and 100 ms at 1,000; ITL 10 ms alone and
     /// 20 ms at 16 sequences.
     fn profile() -> Profile {
-        use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
+        use crate::plan::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
         let decode = vec![DecodePoint { context: 256, concurrency: 1, itl_ms: 10.0 }, DecodePoint { context: 256, concurrency: 16, itl_ms: 20.0 }];
         let prefill = vec![PrefillPoint { isl: 100, ttft_ms: 10.0 }, PrefillPoint { isl: 1000, ttft_ms: 100.0 }];
         Profile { version: PROFILE_VERSION, worker: "test".into(), prefill, decode }.check("test").unwrap()

@@ -15,9 +15,9 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
 use crate::clock::Clock;
-use crate::decision::{Action, ActionState, Decision, Observation};
-use crate::predict::Load;
-use crate::targets::Targets;
+use crate::plan::Targets;
+use crate::plan::predict::Load;
+use crate::plan::{Action, ActionState, Decision, Observation};
 
 /// The migrations, compiled into the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -9,9 +9,9 @@ use std::sync::LazyLock;
 use prometheus::{IntCounterVec, IntGaugeVec};
 use turbine_runtime::metrics::{counter, gauge};
 
-use crate::connector::Outcome;
-use crate::decision::Decision;
-use crate::targets::Targets;
+use crate::act::connector::Outcome;
+use crate::plan::Decision;
+use crate::plan::Targets;
 
 static DESIRED: LazyLock<IntGaugeVec> =
     LazyLock::new(|| gauge("turbine_planner_desired_replicas", "Replicas the latest decision asked for, per pool", &["pool"]));
@@ -74,7 +74,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::targets::{PoolKind, PoolLimits, Predictor};
+    use crate::plan::{PoolKind, PoolLimits, Predictor};
 
     #[test]
     fn an_interval_meets_the_sla_when_every_latency_seen_is_within_target() {

@@ -8,13 +8,13 @@ use turbine_proto::service_names;
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
+use crate::act::connector::{Connector, ConnectorKind};
+use crate::act::local::LocalConnector;
 use crate::config::PlannerConfig;
-use crate::connector::{Connector, ConnectorKind};
 use crate::cycle::Sizing;
 use crate::ledger::Ledger;
-use crate::local::LocalConnector;
 use crate::observe::Observer;
-use crate::profile::Profile;
+use crate::plan::profile::Profile;
 use crate::service::PlannerService;
 use crate::state::PlannerState;
 use turbine_registry::{RedisRegistry, Registry};
@@ -108,8 +108,8 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
 /// The kubernetes connector `config` asks for.
 #[cfg(feature = "kubernetes")]
 async fn kubernetes(config: &PlannerConfig) -> anyhow::Result<Connector> {
-    let names = crate::kubernetes::parse_mapping(&config.kubernetes_deployments).map_err(anyhow::Error::msg)?;
-    let connector = crate::kubernetes::KubernetesConnector::connect(config.kubernetes_namespace.as_deref(), names)
+    let names = crate::act::kubernetes::parse_mapping(&config.kubernetes_deployments).map_err(anyhow::Error::msg)?;
+    let connector = crate::act::kubernetes::KubernetesConnector::connect(config.kubernetes_namespace.as_deref(), names)
         .await
         .context("cannot configure the Kubernetes client (in a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config)")?;
     Ok(Connector::Kubernetes(connector))

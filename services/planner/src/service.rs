@@ -9,10 +9,10 @@ use tonic::{Request, Response, Status};
 use turbine_proto::planner::v1::{self as pb, planner_server};
 use turbine_runtime::CancellationToken;
 
-use crate::decision::{ActionState, Plan};
 use crate::ledger::{LedgerError, MAX_PAGE};
+use crate::plan::Targets;
+use crate::plan::{ActionState, Plan};
 use crate::state::{PlannerState, WATCH_BUFFER};
-use crate::targets::Targets;
 
 /// Longest pause reason, bytes.
 pub const MAX_REASON: usize = 1024;

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use tokio::sync::broadcast;
 
-use crate::connector::Connector;
-use crate::decision::Decision;
+use crate::act::connector::Connector;
 use crate::ledger::{Ledger, LedgerError};
+use crate::plan::Decision;
 
 /// Decisions a watcher may fall behind by before its stream is ended.
 pub const WATCH_BUFFER: usize = 64;

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use tonic::Code;
-use turbine_planner::connector::{self, Connector};
+use turbine_planner::act::connector::{self, Connector};
 use turbine_planner::{Action, ActionState, Decision, Ledger, PlannerClient, PlannerClientError, PlannerState, PoolDecision};
 use turbine_proto::planner::v1 as pb;
 use turbine_runtime::CancellationToken;
@@ -153,7 +153,7 @@ async fn on_sqlite_virtual_actions_are_reported_once_and_resumed_after_a_restart
 async fn a_planner_that_acts_itself_refuses_reports() {
     let dir = tempfile::tempdir().unwrap();
     let database = format!("sqlite:{}", dir.path().join("planner.sqlite").display());
-    let settings = turbine_planner::local::LocalSettings {
+    let settings = turbine_planner::act::local::LocalSettings {
         worker_binary: "turbine-worker".into(),
         worker_subcommand: None,
         worker_args: Vec::new(),
@@ -163,7 +163,7 @@ async fn a_planner_that_acts_itself_refuses_reports() {
         ready_timeout: Duration::from_secs(1),
         drain_timeout: Duration::from_secs(1),
     };
-    let local = Connector::Local(turbine_planner::local::LocalConnector::open(settings).unwrap());
+    let local = Connector::Local(turbine_planner::act::local::LocalConnector::open(settings).unwrap());
     let state = PlannerState::with_connector(Ledger::open(&database, "test").await.unwrap(), local);
     state.record(decision("test", 1, "decode", 4)).await.unwrap();
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();

@@ -14,8 +14,8 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use serde_json::Value;
-use turbine_planner::connector::{self, Connector, Outcome};
-use turbine_planner::kubernetes::{KubernetesConnector, parse_mapping};
+use turbine_planner::act::connector::{self, Connector, Outcome};
+use turbine_planner::act::kubernetes::{KubernetesConnector, parse_mapping};
 use turbine_planner::{Action, ActionState, Decision, Ledger, PlannerState, PoolDecision};
 
 const NAMESPACE: &str = "turbine";

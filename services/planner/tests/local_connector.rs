@@ -10,8 +10,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use turbine_planner::connector::Outcome;
-use turbine_planner::local::{LocalConnector, LocalSettings};
+use turbine_planner::act::connector::Outcome;
+use turbine_planner::act::local::{LocalConnector, LocalSettings};
 use turbine_planner::{Action, ActionState, PoolKind};
 use turbine_proto::worker::v1::{self as pb, worker_client::WorkerClient};
 use turbine_registry::{RedisRegistry, Registry, WorkerRole};

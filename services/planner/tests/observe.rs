@@ -13,7 +13,7 @@ use turbine_cluster::sandbox::Sandbox;
 use turbine_planner::ActionState;
 use turbine_planner::cycle::Sizing;
 use turbine_planner::observe::Observer;
-use turbine_planner::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
+use turbine_planner::plan::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile};
 use turbine_planner::{Ledger, PlannerState, PoolKind, PoolLimits, Predictor, Targets};
 use turbine_testkit::{PostgresServer, metric, wait_until};
 

@@ -15,7 +15,7 @@ use tokio_stream::StreamExt;
 use tonic::Code;
 use turbine_planner::{
     Action, ActionState, Decision, Ledger, Observation, PlannerClient, PlannerClientError, PlannerState, PoolDecision, PoolKind, PoolLimits, Prediction,
-    Predictor, Targets, predict::Load,
+    Predictor, Targets, plan::predict::Load,
 };
 use turbine_proto::planner::v1 as pb;
 use turbine_testkit::{PostgresServer, STARTUP_TIMEOUT, ServiceProcess, wait_until};

@@ -27,9 +27,9 @@ use kube::api::{Api, Patch, PatchParams};
 use tokio::sync::Mutex;
 
 #[cfg(feature = "kubernetes")]
-use crate::connector::Outcome;
+use crate::act::connector::Outcome;
 #[cfg(feature = "kubernetes")]
-use crate::decision::Action;
+use crate::plan::Action;
 
 /// The field manager the planner's patches carry.
 pub const FIELD_MANAGER: &str = "turbine-planner";

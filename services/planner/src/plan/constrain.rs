@@ -16,8 +16,8 @@
 
 use std::collections::HashMap;
 
-use crate::propose::Proposal;
-use crate::targets::Targets;
+use crate::plan::Targets;
+use crate::plan::propose::Proposal;
 
 /// A pool's size going in: what runs and what was last decided. They
 /// differ when a worker exited by itself (a crash), or when the connector
@@ -117,7 +117,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::targets::{PoolKind, PoolLimits, Predictor};
+    use crate::plan::{PoolKind, PoolLimits, Predictor};
 
     fn targets(budget: u32) -> Targets {
         let pool = |name: &str, kind, min, max| PoolLimits { pool: name.into(), kind, min_replicas: min, max_replicas: max };

@@ -1,7 +1,7 @@
 //! The scale loop, written once for every connector whose workers the
 //! planner starts and drains itself: [`Scaler`] sets a pool to an action's
 //! replicas over a [`WorkerHost`], where the workers run — worker processes
-//! on this machine (the `local` connector, [`crate::local`]) or workers in
+//! on this machine (the `local` connector, [`crate::act::local`]) or workers in
 //! the planner's own process (the `hosted` connector, as `turbine run
 //! --planner` has them).
 //!
@@ -23,9 +23,9 @@ use std::sync::Arc;
 
 use tokio::sync::Mutex as AsyncMutex;
 
-use crate::connector::{DrainingCounts, Outcome};
-use crate::decision::Action;
-use crate::targets::PoolKind;
+use crate::act::connector::{DrainingCounts, Outcome};
+use crate::plan::Action;
+use crate::plan::PoolKind;
 
 /// A future a [`WorkerHost`] answers with.
 pub type HostFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -181,7 +181,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::decision::ActionState;
+    use crate::plan::ActionState;
 
     /// Workers that are names in a list; the `fail_at`th start fails.
     #[derive(Debug, Default)]

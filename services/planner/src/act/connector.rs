@@ -5,12 +5,12 @@
 //!   pool's replicas and reports the outcome by the action's id
 //!   (`CompleteAction`).
 //! - `local`: the pools' workers are processes on this machine, started and
-//!   drained by the planner ([`crate::local`]).
+//!   drained by the planner ([`crate::act::local`]).
 //! - `kubernetes`: each pool is a Deployment whose replicas the planner
-//!   sets through its scale subresource ([`crate::kubernetes`]).
+//!   sets through its scale subresource ([`crate::act::kubernetes`]).
 //! - `hosted`: the pools' workers run in the planner's own process
 //!   (`turbine run --planner`), which starts and drains them; both this
-//!   and `local` scale through one loop ([`crate::scale`]).
+//!   and `local` scale through one loop ([`crate::act::scale`]).
 //!
 //! Every action has an id derived from its decision and pool, kept in the
 //! ledger. A connector is handed an id again only after a restart (the
@@ -18,13 +18,13 @@
 //! action on a pool supersedes the older ones still pending: they end as
 //! failed, saying so, and are never carried out.
 
-use crate::decision::{Action, ActionState};
 #[cfg(feature = "kubernetes")]
-use crate::kubernetes::KubernetesConnector;
+use crate::act::kubernetes::KubernetesConnector;
+use crate::act::local::LocalConnector;
+use crate::act::scale::Scaler;
 use crate::ledger::{Ledger, LedgerError};
-use crate::local::LocalConnector;
-use crate::scale::Scaler;
-use crate::targets::PoolKind;
+use crate::plan::PoolKind;
+use crate::plan::{Action, ActionState};
 
 /// Workers draining, per pool, as a connector that drains them counts
 /// them (and the planner's metrics show them). Cloning shares the counts.

@@ -8,8 +8,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::predict::{Forecaster, Load};
-use crate::targets::Predictor;
+use crate::plan::Predictor;
+use crate::plan::predict::{Forecaster, Load};
 
 /// One request of a trace: when it arrived (seconds from an arbitrary
 /// origin), its input and output lengths.

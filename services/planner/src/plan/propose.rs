@@ -56,10 +56,10 @@
 //! the mean time between streamed tokens over what the profile expects of
 //! the sequences running (`start_itl_correction`).
 
-use crate::decision::Observation;
-use crate::predict::Load;
-use crate::profile::Profile;
-use crate::targets::{PoolKind, Targets};
+use crate::plan::Observation;
+use crate::plan::predict::Load;
+use crate::plan::profile::Profile;
+use crate::plan::{PoolKind, Targets};
 
 /// Bounds of the prefill utilization the planner sizes for.
 const UTILIZATION: (f64, f64) = (0.05, 0.9);
@@ -475,8 +475,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
-    use crate::targets::{PoolLimits, Predictor};
+    use crate::plan::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint};
+    use crate::plan::{PoolLimits, Predictor};
 
     fn profile() -> Profile {
         // TTFT alone 100 ms at 1,000 tokens; ITL 10 ms alone, 20 ms at 16 sequences, whatever the context.

@@ -33,10 +33,12 @@ use std::time::{Duration, Instant};
 
 use turbine_registry::{Registry, WorkerRole};
 
-use crate::decision::Observation;
-use crate::predict::Load;
-use crate::prom::{self, Histogram, Sample};
-use crate::targets::{PoolKind, Targets};
+use crate::plan::Observation;
+use crate::plan::predict::Load;
+pub mod prom;
+
+use self::prom::{Histogram, Sample};
+use crate::plan::{PoolKind, Targets};
 
 /// The gateway histograms and counters read.
 const TTFT: &str = "turbine_gateway_time_to_first_token_seconds";

@@ -28,10 +28,10 @@ use serde::{Deserialize, Serialize};
 use turbine_proto::service_names;
 use turbine_runtime::host::BoundAddrs;
 
-use crate::connector::Outcome;
-use crate::decision::Action;
-use crate::scale::{HostError, HostFuture, Scaler, WorkerHost};
-use crate::targets::PoolKind;
+use crate::act::connector::Outcome;
+use crate::act::scale::{HostError, HostFuture, Scaler, WorkerHost};
+use crate::plan::Action;
+use crate::plan::PoolKind;
 
 /// The state folder's file holding the next worker's number.
 const NEXT_FILE: &str = "next-worker";

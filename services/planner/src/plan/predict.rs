@@ -14,7 +14,7 @@
 
 use augurs_core::{Fit, Predict};
 
-use crate::targets::Predictor;
+use crate::plan::Predictor;
 
 /// Intervals the moving average spans.
 pub const MOVING_AVERAGE_WINDOW: usize = 5;
