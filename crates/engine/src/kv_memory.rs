@@ -152,7 +152,25 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
     /// The memory's kind and device, e.g. CUDA device 0.
     fn kind(&self) -> DeviceMemory;
     /// Copies `into.len()` bytes at `offset` to the host.
-    fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), String>;
+    fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), DeviceReadError>;
+}
+
+/// Why a device pool's bytes could not be copied to the host.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceReadError {
+    /// The bytes asked for are not (whole rows) inside the pool.
+    #[error("bytes {offset}..{end} are not whole rows inside the device pool of {len} bytes")]
+    OutOfRange {
+        /// First byte asked for.
+        offset: usize,
+        /// One past the last.
+        end: usize,
+        /// Bytes in the pool.
+        len: usize,
+    },
+    /// The device's copy failed, in its runtime's words.
+    #[error("the device copy failed: {0}")]
+    Copy(String),
 }
 
 /// Kinds of device memory a pool can live in.
@@ -240,7 +258,7 @@ impl KvMemory {
     ///
     /// # Safety
     /// The block must be pinned (see the module's rule) during the call.
-    pub unsafe fn with_block<R>(&self, block: u32, scratch: &mut Vec<u8>, f: impl FnOnce(&[u8]) -> R) -> Result<R, String> {
+    pub unsafe fn with_block<R>(&self, block: u32, scratch: &mut Vec<u8>, f: impl FnOnce(&[u8]) -> R) -> Result<R, DeviceReadError> {
         // SAFETY: the caller's promise.
         if let Some(bytes) = unsafe { self.block(block) } {
             return Ok(f(bytes));
@@ -277,8 +295,9 @@ mod tests {
         fn kind(&self) -> DeviceMemory {
             DeviceMemory::Cuda(0)
         }
-        fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), String> {
-            let bytes = self.0.get(offset..offset + into.len()).ok_or("outside the pool")?;
+        fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), DeviceReadError> {
+            let end = offset + into.len();
+            let bytes = self.0.get(offset..end).ok_or(DeviceReadError::OutOfRange { offset, end, len: self.0.len() })?;
             into.copy_from_slice(bytes);
             Ok(())
         }

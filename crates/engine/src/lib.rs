@@ -24,7 +24,7 @@ pub mod tiers;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
 
-pub use kv_memory::{DeviceKv, DeviceMemory, KvAllocator, KvBuffer, KvLayout, KvMemory, UcxRegion, block_checksum};
+pub use kv_memory::{DeviceKv, DeviceMemory, DeviceReadError, KvAllocator, KvBuffer, KvLayout, KvMemory, UcxRegion, block_checksum};
 pub use request::{
     EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
     StopConditions, TokenLogprobs, Usage,

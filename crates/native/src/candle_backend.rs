@@ -332,7 +332,7 @@ impl CandleModel {
 mod cuda_pool {
     use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     use candle_core::{DeviceLocation, Storage, Tensor};
-    use turbine_engine::{DeviceKv, DeviceMemory};
+    use turbine_engine::{DeviceKv, DeviceMemory, DeviceReadError};
 
     /// The pool tensor (kept alive: peers read its memory) and where its
     /// memory is.
@@ -379,12 +379,13 @@ mod cuda_pool {
             DeviceMemory::Cuda(self.ordinal)
         }
 
-        fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), String> {
+        fn read(&self, offset: usize, into: &mut [u8]) -> Result<(), DeviceReadError> {
             if !offset.is_multiple_of(self.row_bytes) || !into.len().is_multiple_of(self.row_bytes) || offset + into.len() > self.len {
-                return Err(format!("bytes {offset}..{} are not whole rows of the pool", offset + into.len()));
+                return Err(DeviceReadError::OutOfRange { offset, end: offset + into.len(), len: self.len });
             }
-            let rows = self.pool.narrow(0, offset / self.row_bytes, into.len() / self.row_bytes).map_err(|error| error.to_string())?;
-            let values: Vec<half::f16> = rows.flatten_all().and_then(|rows| rows.to_vec1()).map_err(|error| error.to_string())?;
+            let copy = |error: candle_core::Error| DeviceReadError::Copy(error.to_string());
+            let rows = self.pool.narrow(0, offset / self.row_bytes, into.len() / self.row_bytes).map_err(copy)?;
+            let values: Vec<half::f16> = rows.flatten_all().and_then(|rows| rows.to_vec1()).map_err(copy)?;
             for (bytes, value) in into.chunks_exact_mut(2).zip(values) {
                 bytes.copy_from_slice(&value.to_le_bytes());
             }

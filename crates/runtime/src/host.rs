@@ -106,37 +106,83 @@ impl HostSpec {
     /// them): a declared table names every rpc once, each with a role, and
     /// no rpc the host does not serve (an rpc without a row would be
     /// refused to every caller). An empty table (not declared yet) passes.
-    pub fn check_roles(&self, served: &[&str]) -> Result<(), String> {
+    pub fn check_roles(&self, served: &[&str]) -> Result<(), RoleTableError> {
         use prost::Message;
         if self.roles.is_empty() {
             return Ok(());
         }
+        let service = self.name;
         let mut methods = Vec::new();
         for set in self.descriptors {
-            let set = prost_types::FileDescriptorSet::decode(*set).map_err(|error| format!("{}: a descriptor set does not decode: {error}", self.name))?;
+            let set = prost_types::FileDescriptorSet::decode(*set).map_err(|error| RoleTableError::Descriptor { service, problem: error.to_string() })?;
             for file in &set.file {
-                for service in file.service.iter().filter(|service| served.contains(&format!("{}.{}", file.package(), service.name()).as_str())) {
-                    methods.extend(service.method.iter().map(|method| format!("/{}.{}/{}", file.package(), service.name(), method.name())));
+                for served_service in file.service.iter().filter(|candidate| served.contains(&format!("{}.{}", file.package(), candidate.name()).as_str())) {
+                    methods.extend(served_service.method.iter().map(|method| format!("/{}.{}/{}", file.package(), served_service.name(), method.name())));
                 }
             }
         }
         for method in &methods {
             match self.roles.iter().filter(|row| row.method == method).count() {
                 1 => {}
-                0 => return Err(format!("{}: {method} has no row in the role table", self.name)),
-                _ => return Err(format!("{}: {method} has more than one row in the role table", self.name)),
+                0 => return Err(RoleTableError::NoRow { service, method: method.clone() }),
+                _ => return Err(RoleTableError::ManyRows { service, method: method.clone() }),
             }
         }
         for row in self.roles {
             if !methods.iter().any(|method| method == row.method) {
-                return Err(format!("{}: the role table names {}, which the service does not serve", self.name, row.method));
+                return Err(RoleTableError::NotServed { service, method: row.method });
             }
             if row.roles.is_empty() {
-                return Err(format!("{}: {} names no role (no caller could call it)", self.name, row.method));
+                return Err(RoleTableError::NoRole { service, method: row.method });
             }
         }
         Ok(())
     }
+}
+
+/// Why a service's role table does not fit the rpcs it serves.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RoleTableError {
+    /// One of its descriptor sets does not decode.
+    #[error("{service}: a descriptor set does not decode: {problem}")]
+    Descriptor {
+        /// The service.
+        service: &'static str,
+        /// The decoder's words.
+        problem: String,
+    },
+    /// An rpc it serves has no row (every caller would be refused).
+    #[error("{service}: {method} has no row in the role table")]
+    NoRow {
+        /// The service.
+        service: &'static str,
+        /// The rpc.
+        method: String,
+    },
+    /// An rpc has more than one row.
+    #[error("{service}: {method} has more than one row in the role table")]
+    ManyRows {
+        /// The service.
+        service: &'static str,
+        /// The rpc.
+        method: String,
+    },
+    /// A row names an rpc the service does not serve.
+    #[error("{service}: the role table names {method}, which the service does not serve")]
+    NotServed {
+        /// The service.
+        service: &'static str,
+        /// The rpc.
+        method: &'static str,
+    },
+    /// A row names no role (no caller could call the rpc).
+    #[error("{service}: {method} names no role (no caller could call it)")]
+    NoRole {
+        /// The service.
+        service: &'static str,
+        /// The rpc.
+        method: &'static str,
+    },
 }
 
 /// Concurrent calls per client connection at most; more wait their turn.
@@ -291,7 +337,7 @@ impl Host {
     /// ([`HostSpec::check_roles`]).
     pub fn start(self, shutdown: CancellationToken) -> anyhow::Result<Serving> {
         let Host { spec, readiness, routes, listeners, http_router, grace, addresses_file, addresses, trust, served } = self;
-        spec.check_roles(&served).map_err(anyhow::Error::msg)?;
+        spec.check_roles(&served)?;
         match &trust {
             Some(trust) => tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role"),
             None => tracing::warn!(
@@ -437,14 +483,16 @@ mod tests {
         const HEALTH: &[&str] = &["grpc.health.v1.Health"];
         assert_eq!(spec(&[]).check_roles(HEALTH), Ok(()), "not declared yet");
         assert_eq!(spec(&[CHECK, WATCH]).check_roles(HEALTH), Ok(()));
-        assert!(spec(&[CHECK]).check_roles(HEALTH).unwrap_err().contains("/grpc.health.v1.Health/Watch has no row"));
-        assert!(spec(&[CHECK, WATCH, CHECK]).check_roles(HEALTH).unwrap_err().contains("more than one row"));
+        let watch = "/grpc.health.v1.Health/Watch";
+        assert_eq!(spec(&[CHECK]).check_roles(HEALTH), Err(RoleTableError::NoRow { service: "health", method: watch.into() }));
+        assert_eq!(spec(&[CHECK]).check_roles(HEALTH).unwrap_err().to_string(), "health: /grpc.health.v1.Health/Watch has no row in the role table");
+        assert!(matches!(spec(&[CHECK, WATCH, CHECK]).check_roles(HEALTH), Err(RoleTableError::ManyRows { .. })));
         const UNKNOWN: RpcRoles = RpcRoles { method: "/grpc.health.v1.Health/Poke", roles: &[Role::Operator] };
-        assert!(spec(&[CHECK, WATCH, UNKNOWN]).check_roles(HEALTH).unwrap_err().contains("does not serve"));
+        assert!(matches!(spec(&[CHECK, WATCH, UNKNOWN]).check_roles(HEALTH), Err(RoleTableError::NotServed { .. })));
         const NOBODY: RpcRoles = RpcRoles { method: "/grpc.health.v1.Health/Watch", roles: &[] };
-        assert!(spec(&[CHECK, NOBODY]).check_roles(HEALTH).unwrap_err().contains("names no role"));
+        assert!(matches!(spec(&[CHECK, NOBODY]).check_roles(HEALTH), Err(RoleTableError::NoRole { .. })));
         // A service in the descriptors but not served: its rpcs need no row,
         // and a row for one is refused.
-        assert!(spec(&[CHECK, WATCH]).check_roles(&[]).unwrap_err().contains("does not serve"));
+        assert!(matches!(spec(&[CHECK, WATCH]).check_roles(&[]), Err(RoleTableError::NotServed { .. })));
     }
 }

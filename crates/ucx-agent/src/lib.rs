@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use turbine_engine::{DeviceMemory, KvMemory, UcxRegion};
 use turbine_ucx::{Context, MemoryRegion, UcxError, Waker, Worker};
 
-pub use shm::ShmPool;
+pub use shm::{ShmError, ShmPool};
 pub use store_link::{KvStoreLink, LinkReadError};
 
 /// How long cancelled reads get to let go of their buffers.

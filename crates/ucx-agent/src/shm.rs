@@ -21,6 +21,39 @@ impl std::fmt::Debug for ShmPool {
     }
 }
 
+/// Why the KV pool could not be allocated in shared memory (it then stays
+/// on the heap).
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// The shared-memory file system's free space could not be read.
+    #[error("cannot read the free space of {0}")]
+    Unreadable(String),
+    /// It has too little room for the pool.
+    #[error("{dir} has {free_mib} MiB free, the pool needs {needed_mib} MiB (give the container more shared memory, e.g. compose `shm_size`)")]
+    TooSmall {
+        /// The file system (`UCX_POSIX_DIR`, else `/dev/shm`).
+        dir: String,
+        /// Its free space.
+        free_mib: u64,
+        /// The pool's size.
+        needed_mib: u64,
+    },
+    /// UCX refused the allocation.
+    #[error(transparent)]
+    Ucx(#[from] UcxError),
+    /// UCX returned memory not aligned to a page.
+    #[error("UCX returned unaligned memory")]
+    Unaligned,
+    /// UCX returned less than was asked for.
+    #[error("UCX allocated {allocated} of {asked} bytes")]
+    Short {
+        /// Bytes returned.
+        allocated: usize,
+        /// Bytes asked for.
+        asked: usize,
+    },
+}
+
 impl ShmPool {
     /// The shared-memory context; `None` when `UCX_TLS` chooses transports
     /// (the operator's choice wins) or UCX cannot start one.
@@ -46,23 +79,19 @@ impl ShmPool {
         })
     }
 
-    fn allocate(&self, bytes: usize) -> Result<KvBuffer, String> {
+    fn allocate(&self, bytes: usize) -> Result<KvBuffer, ShmError> {
         // Shared memory lives in a tmpfs (a container's is often 64 MiB):
         // touching pages past its size would kill the worker, so make sure
         // the pool fits before asking for it.
         let dir = std::env::var("UCX_POSIX_DIR").unwrap_or_else(|_| "/dev/shm".into());
-        let free = free_bytes(&dir).ok_or_else(|| format!("cannot read the free space of {dir}"))?;
+        let free = free_bytes(&dir).ok_or_else(|| ShmError::Unreadable(dir.clone()))?;
         if free < bytes as u64 + (64 << 20) {
-            return Err(format!(
-                "{dir} has {} MiB free, the pool needs {} MiB (give the container more shared memory, e.g. compose `shm_size`)",
-                free >> 20,
-                bytes >> 20
-            ));
+            return Err(ShmError::TooSmall { dir, free_mib: free >> 20, needed_mib: bytes as u64 >> 20 });
         }
-        let region = Arc::new(MemoryRegion::allocate(&self.context, bytes).map_err(|error| error.to_string())?);
-        let ptr = NonNull::new(region.as_ptr()).filter(|ptr| (ptr.as_ptr() as usize).is_multiple_of(4096)).ok_or("UCX returned unaligned memory")?;
+        let region = Arc::new(MemoryRegion::allocate(&self.context, bytes)?);
+        let ptr = NonNull::new(region.as_ptr()).filter(|ptr| (ptr.as_ptr() as usize).is_multiple_of(4096)).ok_or(ShmError::Unaligned)?;
         if region.len() < bytes {
-            return Err(format!("UCX allocated {} of {bytes} bytes", region.len()));
+            return Err(ShmError::Short { allocated: region.len(), asked: bytes });
         }
         *self.region.lock() = Some(region.clone());
         // SAFETY: UCX allocated `bytes` fresh (zeroed), page-aligned bytes

@@ -72,6 +72,21 @@ pub struct TooManyLeased {
     pub limit: usize,
 }
 
+/// Why a caller's staged blocks could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum StagedReadError {
+    /// This build has no UCX data path.
+    #[error("this build has no UCX")]
+    NoUcx,
+    /// The read from the caller's region failed.
+    #[cfg(feature = "ucx")]
+    #[error(transparent)]
+    Pull(#[from] turbine_ucx_agent::PullError),
+    /// Storing the bytes read failed (its thread panicked).
+    #[error("the store failed while storing staged blocks")]
+    Panicked,
+}
+
 /// The store's UCX data path: where its arena lies for UCX readers, and
 /// the leases outstanding.
 pub struct DataPath {
@@ -115,11 +130,10 @@ impl DataPath {
         block_bytes: usize,
         timeout: Duration,
         with: impl FnOnce(&[u8]) -> R + Send + 'static,
-    ) -> Result<R, String> {
+    ) -> Result<R, StagedReadError> {
         let mut buffer = self.staged.lock().await;
-        let pulled = self.agent.pull(region, offsets, block_bytes, std::mem::take(&mut *buffer), timeout).await.map_err(|error| error.to_string())?;
-        let (result, bytes) =
-            tokio::task::spawn_blocking(move || (with(&pulled.bytes), pulled.bytes)).await.map_err(|_| "the store failed while storing staged blocks")?;
+        let pulled = self.agent.pull(region, offsets, block_bytes, std::mem::take(&mut *buffer), timeout).await?;
+        let (result, bytes) = tokio::task::spawn_blocking(move || (with(&pulled.bytes), pulled.bytes)).await.map_err(|_| StagedReadError::Panicked)?;
         *buffer = bytes;
         Ok(result)
     }
@@ -133,8 +147,8 @@ impl DataPath {
         _: usize,
         _: Duration,
         _: impl FnOnce(&[u8]) -> R + Send + 'static,
-    ) -> Result<R, String> {
-        Err("this build has no UCX".into())
+    ) -> Result<R, StagedReadError> {
+        Err(StagedReadError::NoUcx)
     }
 
     /// Where the arena lies for readers.

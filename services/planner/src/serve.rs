@@ -108,7 +108,7 @@ pub fn main(config: PlannerConfig) -> std::process::ExitCode {
 /// The kubernetes connector `config` asks for.
 #[cfg(feature = "kubernetes")]
 async fn kubernetes(config: &PlannerConfig) -> anyhow::Result<Connector> {
-    let names = crate::act::kubernetes::parse_mapping(&config.kubernetes_deployments).map_err(anyhow::Error::msg)?;
+    let names = crate::act::kubernetes::parse_mapping(&config.kubernetes_deployments)?;
     let connector = crate::act::kubernetes::KubernetesConnector::connect(config.kubernetes_namespace.as_deref(), names)
         .await
         .context("cannot configure the Kubernetes client (in a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config)")?;

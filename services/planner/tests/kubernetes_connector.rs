@@ -15,7 +15,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use serde_json::Value;
 use turbine_planner::act::connector::{self, Connector, Outcome};
-use turbine_planner::act::kubernetes::{KubernetesConnector, parse_mapping};
+use turbine_planner::act::kubernetes::{KubernetesConnector, MappingError, parse_mapping};
 use turbine_planner::{Action, ActionState, Decision, Ledger, PlannerState, PoolDecision};
 
 const NAMESPACE: &str = "turbine";
@@ -225,7 +225,9 @@ async fn the_planner_records_how_each_kubernetes_action_ended() {
 fn mappings_are_pool_equals_a_deployment_name() {
     let parse = |mappings: &[&str]| parse_mapping(&mappings.iter().map(|mapping| (*mapping).to_owned()).collect::<Vec<_>>());
     assert_eq!(parse(&["decode=llama-decode"]).unwrap()["decode"], "llama-decode");
-    for bad in [&["decode"][..], &["decode=Llama"], &["=x"], &["decode=a", "decode=b"], &["decode=-x"]] {
-        assert!(parse(bad).is_err(), "{bad:?}");
+    for bad in [&["decode=Llama"][..], &["=x"], &["decode=-x"]] {
+        assert!(matches!(parse(bad), Err(MappingError::BadName(_))), "{bad:?}");
     }
+    assert_eq!(parse(&["decode"]), Err(MappingError::NotAPair("decode".into())));
+    assert_eq!(parse(&["decode=a", "decode=b"]), Err(MappingError::Twice("decode".into())));
 }

@@ -59,18 +59,32 @@ impl std::fmt::Debug for KubernetesConnector {
 
 /// Pools mapped to Deployments by `pool=deployment` (`--kubernetes-deployments`),
 /// or why a mapping is refused.
-pub fn parse_mapping(mappings: &[String]) -> Result<BTreeMap<String, String>, String> {
+pub fn parse_mapping(mappings: &[String]) -> Result<BTreeMap<String, String>, MappingError> {
     let mut names = BTreeMap::new();
     for mapping in mappings {
-        let (pool, deployment) = mapping.split_once('=').ok_or_else(|| format!("{mapping:?} is not pool=deployment"))?;
+        let (pool, deployment) = mapping.split_once('=').ok_or_else(|| MappingError::NotAPair(mapping.clone()))?;
         if pool.is_empty() || !is_dns_label(deployment) {
-            return Err(format!("{mapping:?}: the pool must be named and the Deployment a DNS label (lowercase letters, digits, '-', at most 63)"));
+            return Err(MappingError::BadName(mapping.clone()));
         }
         if names.insert(pool.to_owned(), deployment.to_owned()).is_some() {
-            return Err(format!("pool {pool:?} is mapped twice"));
+            return Err(MappingError::Twice(pool.to_owned()));
         }
     }
     Ok(names)
+}
+
+/// Why a `pool=deployment` mapping is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MappingError {
+    /// No `=`.
+    #[error("{0:?} is not pool=deployment")]
+    NotAPair(String),
+    /// An empty pool, or a Deployment name that is not a DNS label.
+    #[error("{0:?}: the pool must be named and the Deployment a DNS label (lowercase letters, digits, '-', at most 63)")]
+    BadName(String),
+    /// A pool mapped twice.
+    #[error("pool {0:?} is mapped twice")]
+    Twice(String),
 }
 
 /// A Kubernetes object name as a DNS-1123 label.

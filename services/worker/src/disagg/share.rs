@@ -109,7 +109,7 @@ impl Disagg {
             // SAFETY: the caller keeps the blocks pinned until the handle
             // is released.
             #[allow(unsafe_code)]
-            let sums: Result<Vec<u64>, String> = ids.iter().map(|&block| unsafe { memory.with_block(block, &mut scratch, block_checksum) }).collect();
+            let sums: Result<Vec<u64>, _> = ids.iter().map(|&block| unsafe { memory.with_block(block, &mut scratch, block_checksum) }).collect();
             sums
         })
         .await
