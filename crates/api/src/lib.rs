@@ -14,7 +14,6 @@
 //! beside it (`router::MockRouterApi`, `worker::MockWorkerApi`, ...).
 
 mod error;
-mod kv;
 pub mod kv_index;
 pub mod kv_store;
 #[cfg(feature = "grpc")]
@@ -30,5 +29,5 @@ pub mod worker;
 pub use error::{ApiError, ErrorCode, REASON_KEY};
 #[cfg(feature = "grpc")]
 pub use error::{from_status, to_status};
-pub use kv::{KvLayout, UcxRegion};
 pub use request::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage, WorkerRole};
+pub use turbine_kv::{KvLayout, UcxRegion};

@@ -1,5 +1,6 @@
-//! The request vocabulary to and from `turbine.worker.v1` (and the
-//! `UcxRegion` both kv-store and worker packages carry), beside the types:
+//! The request vocabulary to and from `turbine.worker.v1`, beside the types
+//! (the KV layout and `UcxRegion`, which live in `turbine-kv`, convert in
+//! `turbine-proto`):
 //! `TryFrom<pb::X>` checks what the wire cannot (missing messages, unknown
 //! enum values, ranges) and reports a [`ConversionError`]; `From<&X>` builds
 //! the message. Every conversion destructures its input exhaustively, so a
@@ -8,31 +9,7 @@
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::{ConversionError, ConversionResult};
 
-use crate::{FinishReason, GenerateRequest, KvLayout, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
-
-/// `UcxRegion` both ways for a package's copy of the message
-/// (`turbine.worker.v1` and `turbine.kvstore.v1` each carry one, field for
-/// field the same, so that neither package imports the other).
-macro_rules! ucx_region_conversions {
-    ($message:path) => {
-        impl From<&crate::UcxRegion> for $message {
-            fn from(region: &crate::UcxRegion) -> Self {
-                let crate::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
-                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
-            }
-        }
-
-        impl From<$message> for crate::UcxRegion {
-            fn from(region: $message) -> Self {
-                let $message { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
-                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
-            }
-        }
-    };
-}
-
-ucx_region_conversions!(turbine_proto::worker::v1::UcxRegion);
-ucx_region_conversions!(turbine_proto::kvstore::v1::UcxRegion);
+use crate::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
 
 impl TryFrom<pb::SamplingParams> for SamplingParams {
     type Error = ConversionError;
@@ -164,43 +141,6 @@ impl From<pb::WorkerLoad> for Load {
     }
 }
 
-impl From<&KvLayout> for pb::KvLayout {
-    fn from(layout: &KvLayout) -> Self {
-        let KvLayout { block_bytes, block_size, layers, kv_heads, head_dim, dtype, order } = layout;
-        pb::KvLayout {
-            block_bytes: *block_bytes as u64,
-            block_size: *block_size as u32,
-            layers: *layers as u32,
-            kv_heads: *kv_heads as u32,
-            head_dim: *head_dim as u32,
-            dtype: dtype.clone(),
-            order: order.clone(),
-        }
-    }
-}
-
-impl TryFrom<pb::KvLayout> for KvLayout {
-    type Error = ConversionError;
-
-    fn try_from(layout: pb::KvLayout) -> ConversionResult<Self> {
-        let pb::KvLayout { block_bytes, block_size, layers, kv_heads, head_dim, dtype, order } = layout;
-        let block_bytes =
-            usize::try_from(block_bytes).map_err(|_| ConversionError::invalid("layout.block_bytes", format!("{block_bytes} does not fit this machine")))?;
-        if block_bytes == 0 {
-            return Err(ConversionError::invalid("layout.block_bytes", "must be positive"));
-        }
-        Ok(KvLayout {
-            block_bytes,
-            block_size: block_size as usize,
-            layers: layers as usize,
-            kv_heads: kv_heads as usize,
-            head_dim: head_dim as usize,
-            dtype,
-            order,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,12 +176,9 @@ mod tests {
     }
 
     #[test]
-    fn finish_reasons_and_layouts_convert() {
+    fn finish_reasons_convert() {
         assert_eq!(finish_reason(pb::FinishReason::Unspecified as i32), Ok(None));
         assert_eq!(finish_reason(pb::FinishReason::from(FinishReason::Length) as i32), Ok(Some(FinishReason::Length)));
         assert!(finish_reason(7).is_err());
-        let layout = KvLayout::opaque(4096, "test");
-        assert_eq!(KvLayout::try_from(pb::KvLayout::from(&layout)).unwrap(), layout);
-        assert!(KvLayout::try_from(pb::KvLayout::default()).is_err(), "a zero block size is refused");
     }
 }

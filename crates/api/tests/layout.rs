@@ -1,7 +1,8 @@
 //! The layout the API crate exists for, read from `cargo metadata`: no
-//! service crate depends on another service crate, and the crates every
+//! service crate depends on another service crate, the crates every
 //! service shares (the API, the contracts, the runtime, the KV log, the
-//! worker's client) link neither an engine nor a service.
+//! UCX agent) link neither an engine nor a service, and no service but the
+//! worker (which hosts one) links an engine.
 //!
 //! Services meet through `turbine-api` (their words and clients) and the
 //! shared crates; a service that needs another's types or client takes
@@ -12,7 +13,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 
 /// Crates that every service may link: none of them links an engine.
-const SHARED: &[&str] = &["turbine-api", "turbine-proto", "turbine-runtime", "turbine-kv", "turbine-kv-log", "turbine-tokens", "turbine-registry"];
+const SHARED: &[&str] =
+    &["turbine-api", "turbine-proto", "turbine-runtime", "turbine-kv", "turbine-kv-log", "turbine-tokens", "turbine-registry", "turbine-ucx-agent"];
+
+/// The one service that links an engine: it hosts it.
+const HOSTS_AN_ENGINE: &str = "turbine-worker";
 
 /// Engines: what the shared crates must not link.
 const ENGINES: &[&str] = &["turbine-engine", "turbine-native"];
@@ -68,20 +73,38 @@ fn no_service_crate_depends_on_another() {
     assert!(found.is_empty(), "a service crate links another service crate: {found:?}; share the types through turbine-api instead");
 }
 
-#[test]
-fn the_shared_crates_link_no_engine_and_no_service() {
-    let workspace = workspace();
-    for shared in SHARED {
-        // Everything the crate links, through the workspace.
+impl Workspace {
+    /// Everything `crate_name` links, through the workspace.
+    fn reached(&self, crate_name: &str) -> BTreeSet<String> {
         let mut reached = BTreeSet::new();
-        let mut next = vec![(*shared).to_owned()];
+        let mut next = vec![crate_name.to_owned()];
         while let Some(crate_name) = next.pop() {
-            for dependency in workspace.links.get(&crate_name).unwrap_or_else(|| panic!("{crate_name} is not in the workspace")) {
+            for dependency in self.links.get(&crate_name).unwrap_or_else(|| panic!("{crate_name} is not in the workspace")) {
                 if reached.insert(dependency.clone()) {
                     next.push(dependency.clone());
                 }
             }
         }
+        reached
+    }
+}
+
+#[test]
+fn no_service_but_the_worker_links_an_engine() {
+    let workspace = workspace();
+    assert!(workspace.services.contains(HOSTS_AN_ENGINE));
+    for service in workspace.services.iter().filter(|service| *service != HOSTS_AN_ENGINE) {
+        let engines: Vec<_> = workspace.reached(service).into_iter().filter(|name| ENGINES.contains(&name.as_str())).collect();
+        assert!(engines.is_empty(), "{service} links an engine: {engines:?}");
+    }
+    assert!(workspace.reached(HOSTS_AN_ENGINE).contains("turbine-engine"), "the scan sees the worker's engine");
+}
+
+#[test]
+fn the_shared_crates_link_no_engine_and_no_service() {
+    let workspace = workspace();
+    for shared in SHARED {
+        let reached = workspace.reached(shared);
         let engines: Vec<_> = reached.iter().filter(|name| ENGINES.contains(&name.as_str())).collect();
         assert!(engines.is_empty(), "{shared} links an engine: {engines:?}");
         let services: Vec<_> = reached.iter().filter(|name| workspace.services.contains(*name)).collect();

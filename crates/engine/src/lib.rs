@@ -16,7 +16,6 @@
 
 pub mod block_manager;
 pub mod core;
-pub mod kv_memory;
 pub mod mocker;
 pub mod request;
 pub mod scheduler;
@@ -24,13 +23,16 @@ pub mod tiers;
 
 pub use crate::core::{EngineHandle, EngineStats, Executor};
 
-pub use kv_memory::{DeviceKv, DeviceMemory, DeviceReadError, KvAllocator, KvBuffer, KvLayout, KvMemory, UcxRegion, block_checksum};
 pub use request::{
     EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
     StopConditions, TokenLogprobs, Usage,
 };
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
 pub use tiers::{DiskTier, FetchEstimates, FetchPolicy, HostBlock, HostTier, KvTiers, ModelledTransfer, RemoteOffload, RemoteStore, RemoteTier, TierStats};
+/// The KV pool as transfers see it (in `turbine-kv`, which the kv-store and
+/// the UCX agent share without an engine).
+pub use turbine_kv::memory as kv_memory;
+pub use turbine_kv::{DeviceKv, DeviceMemory, DeviceReadError, KvAllocator, KvBuffer, KvLayout, KvMemory, UcxRegion, block_checksum};
 pub use turbine_kv::{Dump, KvEvent, NumberedEvent, StoredBlock, Tier};
 
 /// Errors of an engine, as callers see them.

@@ -11,6 +11,8 @@ mod block;
 pub mod block_file;
 pub mod events;
 pub mod index;
+mod layout;
+pub mod memory;
 pub mod unregistered;
 mod worker_id;
 
@@ -19,6 +21,8 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 pub use block::{HostBlock, block_checksum};
 pub use events::{CachedBlock, Dump, EventBatch, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet, WorkerDump};
 pub use index::{FindMatches, KvIndex, WorkerMatch};
+pub use layout::{KvLayout, UcxRegion};
+pub use memory::{DeviceKv, DeviceMemory, DeviceReadError, KvAllocator, KvBuffer, KvMemory};
 pub use unregistered::Unregistered;
 pub use worker_id::{STORE_PREFIX, WorkerId};
 

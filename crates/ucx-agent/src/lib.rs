@@ -27,7 +27,7 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use turbine_engine::{DeviceMemory, KvMemory, UcxRegion};
+use turbine_kv::{DeviceMemory, KvMemory, UcxRegion};
 use turbine_ucx::{Context, MemoryRegion, UcxError, Waker, Worker};
 
 pub use shm::{ShmError, ShmPool};

@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use turbine_engine::{KvAllocator, KvBuffer, KvMemory};
+use turbine_kv::{KvAllocator, KvBuffer, KvMemory};
 use turbine_ucx::{Context, MemoryRegion, UcxError};
 
 /// The UCX shared-memory context a prefill worker allocates its KV pool

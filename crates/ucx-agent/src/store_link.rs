@@ -9,7 +9,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use turbine_api::UcxRegion;
 use turbine_api::kv_store::{Fingerprint, KvStoreClient, KvStoreError, Lease, LeaseError, MAX_PUT_FROM_BYTES, PutOutcome};
-use turbine_engine::KvBuffer;
+use turbine_kv::KvBuffer;
 
 /// Why a read of leased blocks failed.
 #[derive(Debug, thiserror::Error)]
@@ -49,10 +49,10 @@ impl KvStoreLink {
         let pool = crate::ShmPool::open();
         let buffer = Arc::new(match &pool {
             Some(pool) => pool.allocator().allocate(staging_bytes),
-            None => turbine_engine::KvBuffer::zeroed(staging_bytes),
+            None => turbine_kv::KvBuffer::zeroed(staging_bytes),
         });
         const PAGE: usize = 4096;
-        let memory = turbine_engine::KvMemory::new(buffer.clone(), turbine_engine::KvLayout::opaque(PAGE, "kv-store staging"), staging_bytes / PAGE);
+        let memory = turbine_kv::KvMemory::new(buffer.clone(), turbine_kv::KvLayout::opaque(PAGE, "kv-store staging"), staging_bytes / PAGE);
         let agent = crate::UcxAgent::start(Some(&memory), pool)?;
         let region = agent.region().cloned().ok_or(crate::StartError::NoRegion)?;
         Ok(Self { agent, spare: Mutex::default(), staging: Some((tokio::sync::Mutex::new(Staging::new(buffer)), region)) })

@@ -20,7 +20,7 @@
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
-use turbine_engine::{KvBuffer, KvLayout, KvMemory};
+use turbine_kv::{KvBuffer, KvLayout, KvMemory};
 use xxhash_rust::xxh3::Xxh3;
 
 /// The largest segment.

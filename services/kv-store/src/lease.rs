@@ -32,7 +32,7 @@ pub fn arena_with_data_path(bytes: usize) -> (Arc<crate::Arena>, Option<Arc<Data
         let pool = turbine_ucx_agent::ShmPool::open();
         let buffer = match &pool {
             Some(pool) => pool.allocator().allocate(bytes),
-            None => turbine_engine::KvBuffer::zeroed(bytes),
+            None => turbine_kv::KvBuffer::zeroed(bytes),
         };
         let arena = crate::Arena::new(buffer);
         match turbine_ucx_agent::UcxAgent::start(Some(&arena.memory()), pool) {

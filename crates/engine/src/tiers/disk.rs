@@ -290,7 +290,7 @@ impl DiskTier {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_memory::block_checksum;
+    use turbine_kv::block_checksum;
 
     fn block(byte: u8, len: usize, parent: Option<u64>) -> HostBlock {
         let bytes: Box<[u8]> = (0..len).map(|i| byte.wrapping_add(i as u8)).collect();

@@ -268,8 +268,8 @@ impl HostTier {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_memory::block_checksum;
     use turbine_kv::LocalBlockHash;
+    use turbine_kv::block_checksum;
 
     fn block(byte: u8, len: usize) -> HostBlock {
         let bytes = vec![byte; len].into_boxed_slice();

@@ -61,7 +61,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use turbine_kv::{BlockHashes, KvEvent, SequenceHash, Tier};
 
-use crate::kv_memory::{KvMemory, block_checksum};
+use turbine_kv::{KvMemory, block_checksum};
 
 pub use disk::DiskTier;
 pub use fetch::{FetchEstimates, FetchPolicy};

@@ -10,6 +10,7 @@
 //! worker's KV handle): this crate links none of them.
 
 mod kvindex;
+mod layout;
 mod worker;
 
 /// Why a message does not convert into its domain type.

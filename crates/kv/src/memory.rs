@@ -16,7 +16,7 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-pub use turbine_api::{KvLayout, UcxRegion};
+use crate::KvLayout;
 
 /// Alignment of the buffer: a page, as memory registration prefers.
 const ALIGN: usize = 4096;
@@ -269,8 +269,6 @@ impl KvMemory {
         Ok(f(scratch))
     }
 }
-
-pub use turbine_kv::block_checksum;
 
 #[cfg(test)]
 mod tests {
