@@ -1,53 +1,57 @@
-//! The gRPC shell over a [`Store`]: `turbine.kvstore.v1.KvStore`.
+//! The gRPC shell over a [`LocalKvStore`]: `turbine.kvstore.v1.KvStore`.
+//! Each rpc reads its message into the store's words, calls the store as
+//! an in-process caller would, and answers its result or its refusal
+//! (`turbine_api::to_status`).
 
 use std::pin::Pin;
 use std::sync::Arc;
 
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use turbine_api::kv_store::{KvStoreApi, KvStoreError};
+use turbine_api::to_status;
 use turbine_kv::{LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
-use crate::keys::{Fingerprint, StoreError};
+use crate::keys::Fingerprint;
 use crate::lease::DataPath;
-use crate::store::{BlockRef, Store};
-use crate::wire::{MAX_PUT_FROM_BYTES, from_pb, held_to_pb};
+use crate::local::{LocalKvStore, StagedBlock};
+use crate::store::Store;
+use crate::wire::{from_pb, held_to_pb};
 
 /// The service.
 #[derive(Debug, Clone)]
 pub struct KvStoreService {
-    store: Store,
-    max_blocks_per_call: usize,
-    announced_as: Option<String>,
-    data_path: Option<Arc<DataPath>>,
+    local: LocalKvStore,
 }
 
 impl KvStoreService {
     /// Serves `store`; a Get or Lookup may name at most
     /// `max_blocks_per_call` blocks.
     pub fn new(store: Store, max_blocks_per_call: usize) -> Self {
-        Self { store, max_blocks_per_call, announced_as: None, data_path: None }
+        Self { local: LocalKvStore::new(store, max_blocks_per_call) }
+    }
+
+    /// Serves `local`, the store as its process calls it.
+    pub fn over(local: LocalKvStore) -> Self {
+        Self { local }
     }
 
     /// Serves Lease and Release: remote readers copy blocks out of the
     /// store's arena over UCX.
-    pub fn with_data_path(mut self, data_path: Arc<DataPath>) -> Self {
-        self.data_path = Some(data_path);
-        self
+    pub fn with_data_path(self, data_path: Arc<DataPath>) -> Self {
+        Self { local: self.local.with_data_path(data_path) }
     }
 
     /// Says in Stats that the store's blocks are announced as store
     /// `store_id`'s.
-    pub fn announcing_as(mut self, store_id: &str) -> Self {
-        self.announced_as = Some(store_id.to_owned());
-        self
+    pub fn announcing_as(self, store_id: &str) -> Self {
+        Self { local: self.local.announcing_as(store_id) }
     }
 
-    fn hashes(&self, hashes: Vec<u64>) -> Result<Vec<SequenceHash>, Status> {
-        if hashes.len() > self.max_blocks_per_call {
-            return Err(Status::invalid_argument(format!("sequence_hashes: {} hashes, at most {} per call", hashes.len(), self.max_blocks_per_call)));
-        }
-        Ok(hashes.into_iter().map(SequenceHash).collect())
+    /// The store as its process calls it.
+    pub fn local(&self) -> &LocalKvStore {
+        &self.local
     }
 }
 
@@ -55,18 +59,16 @@ fn fingerprint(value: u64) -> Result<Fingerprint, Status> {
     Fingerprint::new(value).ok_or_else(|| Status::invalid_argument("fingerprint: must be set (nonzero)"))
 }
 
-fn status(error: StoreError) -> Status {
-    match error {
-        StoreError::TooLarge(..) => Status::resource_exhausted(error.to_string()),
-        StoreError::Corrupt(_) | StoreError::WrongSize { .. } => Status::invalid_argument(error.to_string()),
-    }
+fn hashes(values: Vec<u64>) -> Vec<SequenceHash> {
+    values.into_iter().map(SequenceHash).collect()
+}
+
+fn refused(error: KvStoreError) -> Status {
+    to_status(&error)
 }
 
 type GetStream = Pin<Box<dyn Stream<Item = Result<pb::GetResponse, Status>> + Send>>;
 type DumpStream = Pin<Box<dyn Stream<Item = Result<pb::DumpResponse, Status>> + Send>>;
-
-/// How long the store waits for its read of staged blocks.
-const PUT_FROM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Blocks per Dump message (16 bytes each on the wire).
 const DUMP_CHUNK: usize = 65_536;
@@ -86,13 +88,7 @@ impl KvStore for KvStoreService {
             if *stream_fingerprint.get_or_insert(fingerprint) != fingerprint {
                 return Err(Status::invalid_argument("fingerprint: changed within one Put stream"));
             }
-            let store = self.store.clone();
-            let blocks: Vec<_> = blocks.into_iter().map(from_pb).collect();
-            // Checksumming is CPU work: off the runtime's threads.
-            let outcome = tokio::task::spawn_blocking(move || store.put(fingerprint, blocks))
-                .await
-                .map_err(|_| Status::internal("the store failed while storing blocks"))?
-                .map_err(status)?;
+            let outcome = self.local.put_owned(fingerprint, blocks.into_iter().map(from_pb).collect()).await.map_err(refused)?;
             response.stored += outcome.stored;
             response.already_held += outcome.already_held;
         }
@@ -103,42 +99,28 @@ impl KvStore for KvStoreService {
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<GetStream>, Status> {
         let pb::GetRequest { fingerprint: value, sequence_hashes } = request.into_inner();
-        let fingerprint = fingerprint(value)?;
-        let hashes = self.hashes(sequence_hashes)?;
-        let store = self.store.clone();
-        let run = tokio::task::spawn_blocking(move || store.get(fingerprint, &hashes))
-            .await
-            .map_err(|_| Status::internal("the store failed while reading blocks"))?;
+        // The held blocks go on the wire straight off the arena.
+        let run = self.local.held(fingerprint(value)?, hashes(sequence_hashes)).await.map_err(refused)?;
         let stream = tokio_stream::iter(run).map(|(sequence, block)| Ok(pb::GetResponse { block: Some(held_to_pb(sequence, &block)) }));
         Ok(Response::new(Box::pin(stream)))
     }
 
     async fn lookup(&self, request: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
         let pb::LookupRequest { fingerprint: value, sequence_hashes } = request.into_inner();
-        let fingerprint = fingerprint(value)?;
-        let hashes = self.hashes(sequence_hashes)?;
-        let (present, leading) = self.store.lookup(fingerprint, &hashes);
+        let (present, leading) = self.local.lookup(fingerprint(value)?, &hashes(sequence_hashes)).await.map_err(refused)?;
         Ok(Response::new(pb::LookupResponse { present, leading: leading as u32 }))
     }
 
     async fn delete(&self, request: Request<pb::DeleteRequest>) -> Result<Response<pb::DeleteResponse>, Status> {
         let pb::DeleteRequest { fingerprint: value, sequence_hashes } = request.into_inner();
-        let fingerprint = fingerprint(value)?;
-        let hashes: Vec<SequenceHash> = sequence_hashes.into_iter().map(SequenceHash).collect();
-        let store = self.store.clone();
-        let deleted = tokio::task::spawn_blocking(move || store.delete(fingerprint, &hashes))
-            .await
-            .map_err(|_| Status::internal("the store failed while deleting blocks"))?;
+        let deleted = self.local.delete(fingerprint(value)?, &hashes(sequence_hashes)).await.map_err(refused)?;
         Ok(Response::new(pb::DeleteResponse { deleted }))
     }
 
     type DumpStream = DumpStream;
 
     async fn dump(&self, request: Request<pb::DumpRequest>) -> Result<Response<DumpStream>, Status> {
-        let fingerprint = fingerprint(request.into_inner().fingerprint)?;
-        let announcer = self.store.announcer();
-        let instance = announcer.instance();
-        let dump = announcer.dump(fingerprint);
+        let (instance, dump) = self.local.dump_of(fingerprint(request.into_inner().fingerprint)?);
         let next_event_id = dump.next_event_id;
         let mut messages: Vec<pb::DumpResponse> = dump
             .blocks
@@ -157,91 +139,58 @@ impl KvStore for KvStoreService {
     }
 
     async fn lease(&self, request: Request<pb::LeaseRequest>) -> Result<Response<pb::LeaseResponse>, Status> {
-        let Some(data_path) = self.data_path.clone() else {
-            return Err(Status::failed_precondition("this kv-store has no UCX data path; read with Get"));
-        };
         let pb::LeaseRequest { fingerprint: value, sequence_hashes } = request.into_inner();
         let fingerprint = fingerprint(value)?;
-        let hashes = self.hashes(sequence_hashes)?;
-        let store = self.store.clone();
-        let run = tokio::task::spawn_blocking(move || store.get_unchecked(fingerprint, &hashes))
-            .await
-            .map_err(|_| Status::internal("the store failed while reading blocks"))?;
-        let blocks: Vec<pb::LeasedBlock> = run
-            .iter()
-            .map(|(sequence, block)| pb::LeasedBlock {
-                sequence_hash: sequence.0,
-                local_hash: block.local.0,
-                parent_hash: block.parent.map(|p| p.0),
-                checksum: block.checksum,
-                length: block.slots.len() as u64,
-                segments: block.slots.segments().to_vec(),
-            })
-            .collect();
-        let lease_id = if run.is_empty() {
-            0
-        } else {
-            data_path.grant(run.into_iter().map(|(_, block)| block).collect()).map_err(|error| Status::resource_exhausted(error.to_string()))?
-        };
+        let lease = self.local.lease(fingerprint, &hashes(sequence_hashes)).await.map_err(refused)?;
         Ok(Response::new(pb::LeaseResponse {
-            lease_id,
-            expires_in_ms: data_path.ttl().as_millis() as u64,
-            segment_bytes: self.store.arena().segment().unwrap_or_default() as u64,
-            region: Some(data_path.region().into()),
-            blocks,
+            lease_id: lease.id,
+            expires_in_ms: self.local.lease_ttl().as_millis() as u64,
+            segment_bytes: lease.segment_bytes as u64,
+            region: Some((&lease.region).into()),
+            blocks: lease
+                .blocks
+                .into_iter()
+                .map(|block| pb::LeasedBlock {
+                    sequence_hash: block.sequence.0,
+                    local_hash: block.local.0,
+                    parent_hash: block.parent.map(|p| p.0),
+                    checksum: block.checksum,
+                    length: block.length as u64,
+                    segments: block.segments,
+                })
+                .collect(),
         }))
     }
 
     async fn put_from(&self, request: Request<pb::PutFromRequest>) -> Result<Response<pb::PutResponse>, Status> {
-        let Some(data_path) = self.data_path.clone() else {
-            return Err(Status::failed_precondition("this kv-store has no UCX data path; put with Put"));
-        };
         let pb::PutFromRequest { fingerprint: value, region, blocks } = request.into_inner();
         let fingerprint = fingerprint(value)?;
-        if blocks.len() > self.max_blocks_per_call {
-            return Err(Status::invalid_argument(format!("blocks: {} blocks, at most {} per call", blocks.len(), self.max_blocks_per_call)));
-        }
-        let Some(first) = blocks.first() else { return Ok(Response::new(pb::PutResponse::default())) };
-        let region = turbine_api::UcxRegion::from(region.ok_or_else(|| Status::invalid_argument("region: must be set"))?);
-        let length = first.length;
-        if length == 0 || blocks.iter().any(|block| block.length != length) {
-            return Err(Status::invalid_argument("blocks: every block must have the same nonzero length"));
-        }
-        if length.saturating_mul(blocks.len() as u64) > MAX_PUT_FROM_BYTES {
-            return Err(Status::invalid_argument(format!("blocks: more than {} MiB in one call", MAX_PUT_FROM_BYTES >> 20)));
-        }
-        if let Some(block) = blocks.iter().find(|block| block.offset.checked_add(length).is_none_or(|end| end > region.length)) {
-            return Err(Status::invalid_argument(format!("blocks: block {:016x} lies outside the region", block.sequence_hash)));
-        }
-        let offsets: Vec<u64> = blocks.iter().map(|block| block.offset).collect();
-        // Checked and copied into the arena straight from the read buffer.
-        let store = self.store.clone();
-        let outcome = data_path
-            .read_staged(&region, &offsets, length as usize, PUT_FROM_TIMEOUT, move |bytes| {
-                let refs: Vec<(SequenceHash, BlockRef<'_>)> = blocks
-                    .iter()
-                    .zip(bytes.chunks(length as usize))
-                    .map(|(block, bytes)| {
-                        let parent = block.parent_hash.map(SequenceHash);
-                        (SequenceHash(block.sequence_hash), BlockRef { local: LocalBlockHash(block.local_hash), parent, checksum: block.checksum, bytes })
-                    })
-                    .collect();
-                store.put_refs(fingerprint, &refs)
+        let staged: Vec<StagedBlock> = blocks
+            .into_iter()
+            .map(|pb::StagedBlock { sequence_hash, local_hash, parent_hash, checksum, length, offset }| StagedBlock {
+                sequence: SequenceHash(sequence_hash),
+                local: LocalBlockHash(local_hash),
+                parent: parent_hash.map(SequenceHash),
+                checksum,
+                length,
+                offset,
             })
-            .await
-            .map_err(|error| Status::unavailable(format!("cannot read the staged blocks: {error}")))?
-            .map_err(status)?;
+            .collect();
+        let region = region.map(turbine_api::UcxRegion::from);
+        if region.is_none() && !staged.is_empty() && self.local.has_data_path() {
+            return Err(Status::invalid_argument("region: must be set"));
+        }
+        let outcome = self.local.put_staged(fingerprint, &region.unwrap_or_default(), staged).await.map_err(refused)?;
         Ok(Response::new(pb::PutResponse { stored: outcome.stored, already_held: outcome.already_held }))
     }
 
     async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
-        if let Some(data_path) = &self.data_path {
-            data_path.release(request.into_inner().lease_id);
-        }
+        self.local.release(request.into_inner().lease_id).await.map_err(refused)?;
         Ok(Response::new(pb::ReleaseResponse {}))
     }
 
     async fn stats(&self, _request: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
-        Ok(Response::new(self.store.stats().to_pb(self.announced_as.clone())))
+        let (stats, announced_as) = self.local.stats().await.map_err(refused)?;
+        Ok(Response::new(stats.to_pb(announced_as)))
     }
 }

@@ -10,10 +10,15 @@ use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient as PbKvTransferClient;
 use turbine_proto::{ConversionError, ConversionResult, MessageLimits};
 use turbine_runtime::grpc::TracedChannel;
+use turbine_runtime::host::Role;
 
 use super::Described;
 use crate::worker::WorkerError;
 use crate::{KvLayout, UcxRegion};
+
+/// The role whose certificate a `KvTransfer` server names: a worker (a
+/// prefill worker serves its pinned blocks).
+pub const ROLE: Role = Role::Worker;
 
 impl From<Described> for pb::DescribeResponse {
     fn from(described: Described) -> Self {

@@ -9,7 +9,7 @@ mod client;
 
 #[cfg(feature = "mock")]
 pub use client::MockKvTransferApi;
-pub use client::{GrpcKvTransfer, KvTransferApi, KvTransferClient};
+pub use client::{GrpcKvTransfer, KvTransferApi, KvTransferClient, ROLE};
 
 /// How to read a worker's pinned blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
