@@ -30,6 +30,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::task::JoinHandle;
 use turbine_api::kv_index::KvIndexClient;
+use turbine_api::kv_store::KvStoreClient;
 use turbine_api::router::RouterClient;
 use turbine_api::worker::{WorkerClient, WorkerClients};
 use turbine_gateway::{GatewayConfig, GatewayDeps};
@@ -37,7 +38,7 @@ use turbine_kv::{KvIndex, WorkerId};
 use turbine_kv_index::{IndexFeed, KvIndexConfig, KvIndexDeps};
 use turbine_kv_log::EventLog;
 use turbine_kv_log::LocalKvIndex;
-use turbine_kv_store::{KvStoreConfig, Store as KvStore, StoreEventSink};
+use turbine_kv_store::{KvStoreConfig, LocalKvStore, Store as KvStore, StoreEventSink};
 use turbine_planner::act::connector::Connector;
 use turbine_planner::act::scale::Scaler;
 use turbine_planner::config::PlanningConfig;
@@ -169,6 +170,8 @@ impl Cluster {
 
         // The kv-store first: the workers connect to it as they start.
         let mut worker_engine = config.worker.engine.clone();
+        // The store in this process: its workers call it directly.
+        let mut local_store = None;
         let kv_store = match kv_store_listeners {
             Some(listeners) => {
                 let address = listeners.grpc.local_addr()?;
@@ -180,6 +183,8 @@ impl Cluster {
                     Some(log) => StoreEventSink::Log(log.clone()),
                     None => StoreEventSink::Index(shared_index.clone()),
                 };
+                // It announces its blocks (to the log or the shared index).
+                local_store = Some(KvStoreClient::new(Arc::new(LocalKvStore::configured(store.clone(), &store_config, true))));
                 services.push(("kv-store".to_owned(), tokio::spawn(turbine_kv_store::serve(store_config, store, events, listeners, shutdown.clone()))));
                 worker_engine.kv_store.get_or_insert_with(|| format!("http://{}", loopback(address)));
                 Some(address)
@@ -197,7 +202,7 @@ impl Cluster {
             Some(log) => KvEventSink::Log(log.clone()),
             None => KvEventSink::Index(shared_index.clone()),
         };
-        let deps = WorkerDeps { registry: Some(registry.clone()), events, local: Some(clients.clone()) };
+        let deps = WorkerDeps { registry: Some(registry.clone()), events, local: Some(clients.clone()), kv_store: local_store };
         let hosted = HostedWorkers::new(WorkerTemplate { config: template, deps, prefix: options.worker_id_prefix.clone() }, shutdown.clone());
         let mut workers = Vec::new();
         for (_, role) in roles {

@@ -2,7 +2,7 @@
 //! implements `turbine_api::kv_store::KvStoreApi` over a [`Store`] (and its
 //! UCX data path), with the store's limits and refusals. The gRPC shell
 //! ([`crate::KvStoreService`]) is this behind `turbine.kvstore.v1`;
-//! `turbine run` hands it to its workers directly.
+//! `turbine run` hands it to its workers, which call it directly.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,6 +63,20 @@ impl LocalKvStore {
     /// `store`; a call may name at most `max_blocks_per_call` blocks.
     pub fn new(store: Store, max_blocks_per_call: usize) -> Self {
         Self { store, max_blocks_per_call, announced_as: None, data_path: None }
+    }
+
+    /// `store` as `config` serves it: its per-call bound, its UCX data path
+    /// if it has one, and the id it announces its blocks under when
+    /// `announces` (its events go somewhere).
+    pub fn configured(store: Store, config: &crate::KvStoreConfig, announces: bool) -> Self {
+        let mut local = Self::new(store.clone(), config.max_blocks_per_call);
+        if announces {
+            local = local.announcing_as(&config.store_id);
+        }
+        if let Some(data_path) = store.data_path() {
+            local = local.with_data_path(data_path.clone());
+        }
+        local
     }
 
     /// Serves Lease, Release and PutFrom: remote readers copy blocks out of

@@ -12,6 +12,7 @@ use anyhow::Context;
 use crate::config::KvStoreConfig;
 use crate::disk::DiskBlocks;
 use crate::events::StoreEventSink;
+use crate::local::LocalKvStore;
 use crate::service::KvStoreService;
 use crate::store::Store;
 use turbine_kv_log::EventLog;
@@ -43,13 +44,7 @@ pub async fn serve(config: KvStoreConfig, store: Store, events: StoreEventSink, 
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     let _metrics = crate::metrics::register(store.clone());
     let announcing = crate::events::announce(store.announcer().clone(), &config.store_id, events, shutdown.clone());
-    let mut service = KvStoreService::new(store.clone(), config.max_blocks_per_call);
-    if announcing.is_some() {
-        service = service.announcing_as(&config.store_id);
-    }
-    if let Some(data_path) = store.data_path() {
-        service = service.with_data_path(data_path.clone());
-    }
+    let service = KvStoreService::over(LocalKvStore::configured(store.clone(), &config, announcing.is_some()));
     host.add_service(KvStoreServer::new(service));
     let mut serving = host.start(shutdown)?;
     if let Some(task) = announcing {

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use turbine_api::kv_store::KvStoreClient;
 
 use anyhow::Context;
 use turbine_api::worker::{WorkerClient, WorkerClients};
@@ -45,6 +46,9 @@ pub struct WorkerDeps {
     /// The clients of this process's workers: once loaded, the worker adds
     /// itself, so callers in this process skip gRPC.
     pub local: Option<WorkerClients>,
+    /// The kv-store of this process, called directly (`--kv-store` still
+    /// names its endpoint, which the worker advertises to its peers).
+    pub kv_store: Option<KvStoreClient>,
 }
 
 impl WorkerDeps {
@@ -58,6 +62,7 @@ impl WorkerDeps {
             registry: Some(Registry::Redis(RedisRegistry::new(url, &config.cluster.namespace)?)),
             events: KvEventSink::Log(EventLog::new(url, &config.cluster.namespace).context("bad Redis URL for the KV event log")?),
             local: None,
+            kv_store: None,
         })
     }
 }
@@ -100,8 +105,8 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
     tracing::info!(%endpoint, "loading the model");
 
     let loading = tokio::task::spawn_blocking({
-        let config = config.clone();
-        move || Worker::start(&config)
+        let (config, kv_store) = (config.clone(), deps.kv_store.clone());
+        move || Worker::start(&config, kv_store)
     });
     let worker = tokio::select! {
         loaded = loading => loaded.context("model loading panicked")??,

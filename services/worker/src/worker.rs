@@ -48,7 +48,9 @@ struct SharedStore {
 impl Worker {
     /// Resolves (fetching if needed) and loads the model, then starts the
     /// engine. Blocking: call from a blocking context.
-    pub fn start(config: &WorkerConfig) -> anyhow::Result<Arc<Self>> {
+    /// `kv_store`: the process's own kv-store, called directly instead of
+    /// over gRPC to `--kv-store`.
+    pub fn start(config: &WorkerConfig, kv_store: Option<KvStoreClient>) -> anyhow::Result<Arc<Self>> {
         let id = WorkerId::from(config.worker_id.clone().unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])));
         let (engine_config, transfer) = (&config.engine, &config.transfer);
         let cache_dir = engine_config.cache_dir.clone().unwrap_or_else(default_cache_dir);
@@ -131,10 +133,14 @@ impl Worker {
                 None
             }
         };
+        let in_process = kv_store;
         let mut kv_store = None;
         let remote = match (&engine_config.kv_store, &host, layout) {
             (Some(endpoint), Some(_), Some(layout)) => {
-                let client = KvStoreClient::connect(endpoint)?;
+                let client = match in_process {
+                    Some(client) => client,
+                    None => KvStoreClient::connect(endpoint)?,
+                };
                 let fingerprint = Fingerprint::new(shared_fingerprint(&model.path, &layout, &scheduler)).context("a zero layout fingerprint")?;
                 kv_store = Some(SharedStore { client: client.clone(), endpoint: endpoint.clone(), fingerprint, name: std::sync::OnceLock::new() });
                 let tier = KvStoreTier::new(client, fingerprint, Duration::from_millis(engine_config.kv_store_timeout_ms));
