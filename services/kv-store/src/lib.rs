@@ -16,7 +16,8 @@
 //!   region.
 //! - [`Announcer`]: what the store holds, as numbered KV events (tier
 //!   remote) and dumps, for the KV event log.
-//! - [`KvStoreService`]: the gRPC shell over a [`Store`].
+//! - [`LocalKvStore`]: the store as an in-process caller calls it;
+//!   [`KvStoreService`]: the gRPC shell over it.
 //! - [`serve()`]: the store on the service host.
 //! - [`KvStoreConfig`]: configuration and flags; [`metrics`]: the store's
 //!   Prometheus metrics.

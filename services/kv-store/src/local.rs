@@ -98,11 +98,6 @@ impl LocalKvStore {
         self.data_path.is_some()
     }
 
-    /// The store.
-    pub fn store(&self) -> &Store {
-        &self.store
-    }
-
     /// `count` of `field` (its `noun`s) in one call, or why not.
     fn check_count(&self, field: &str, noun: &str, count: usize) -> Result<(), KvStoreError> {
         if count > self.max_blocks_per_call {

@@ -4,7 +4,6 @@
 //! (`turbine_api::to_status`).
 
 use std::pin::Pin;
-use std::sync::Arc;
 
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -14,9 +13,7 @@ use turbine_kv::{LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
 use crate::keys::Fingerprint;
-use crate::lease::DataPath;
 use crate::local::{LocalKvStore, StagedBlock};
-use crate::store::Store;
 use crate::wire::{from_pb, held_to_pb};
 
 /// The service.
@@ -26,32 +23,9 @@ pub struct KvStoreService {
 }
 
 impl KvStoreService {
-    /// Serves `store`; a Get or Lookup may name at most
-    /// `max_blocks_per_call` blocks.
-    pub fn new(store: Store, max_blocks_per_call: usize) -> Self {
-        Self { local: LocalKvStore::new(store, max_blocks_per_call) }
-    }
-
     /// Serves `local`, the store as its process calls it.
     pub fn over(local: LocalKvStore) -> Self {
         Self { local }
-    }
-
-    /// Serves Lease and Release: remote readers copy blocks out of the
-    /// store's arena over UCX.
-    pub fn with_data_path(self, data_path: Arc<DataPath>) -> Self {
-        Self { local: self.local.with_data_path(data_path) }
-    }
-
-    /// Says in Stats that the store's blocks are announced as store
-    /// `store_id`'s.
-    pub fn announcing_as(self, store_id: &str) -> Self {
-        Self { local: self.local.announcing_as(store_id) }
-    }
-
-    /// The store as its process calls it.
-    pub fn local(&self) -> &LocalKvStore {
-        &self.local
     }
 }
 
