@@ -6,6 +6,7 @@
 
 use std::net::IpAddr;
 use std::path::PathBuf;
+use turbine_runtime::config::InvalidSetting;
 
 use clap::Command;
 use serde::{Deserialize, Serialize};
@@ -100,24 +101,27 @@ impl Default for RunConfig {
 impl Settings for RunConfig {
     const CONFIG_ENV: &'static str = "TURBINE_RUN_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         if self.workers == 0 {
-            return Err("workers must be at least 1".into());
+            return Err(InvalidSetting::new("workers", "must be at least 1"));
         }
         let disaggregated = self.prefill_workers + self.decode_workers > 0;
         if disaggregated && (self.prefill_workers == 0 || self.decode_workers == 0) {
-            return Err("disaggregated serving needs at least one prefill and one decode worker".into());
+            return Err(InvalidSetting::new("prefill_workers and decode_workers", "disaggregated serving needs at least one prefill and one decode worker"));
         }
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
-            return Err("shutdown_grace_secs must be non-negative".into());
+            return Err(InvalidSetting::new("shutdown_grace_secs", "must be non-negative"));
         }
         self.gateway.validate()?;
         self.router.validate()?;
         self.worker.engine.validate()?;
         self.worker.transfer.validate()?;
-        self.planner.validate().map_err(|error| format!("planner {error}"))?;
+        self.planner.validate().map_err(|error| error.within("planner."))?;
         if self.planner_port.is_some() && self.planner.profile.is_none() {
-            return Err("planner: the planner sizes the workers from their profile: give --planner-profile (written by turbine profile)".into());
+            return Err(InvalidSetting::new(
+                "planner.profile",
+                "the planner sizes the workers from their profile: give --planner-profile (written by turbine profile)",
+            ));
         }
         Ok(())
     }

@@ -119,5 +119,6 @@ fn a_planner_without_a_profile_is_refused() {
     let mut config = Sandbox::mock(1.0);
     config.planner_port = Some(0);
     let refused = turbine_runtime::config::Settings::validate(&config).unwrap_err();
-    assert!(refused.contains("--planner-profile"), "{refused}");
+    assert_eq!(refused.setting, "planner.profile");
+    assert!(refused.problem.contains("--planner-profile"), "{refused}");
 }

@@ -31,7 +31,7 @@ pub trait Settings: clap::Args + FromArgMatches + Serialize + DeserializeOwned {
     const CONFIG_ENV: &'static str;
 
     /// Checks what types alone do not constrain.
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         Ok(())
     }
 
@@ -133,6 +133,34 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
+    /// A value is refused for what types alone do not constrain.
+    #[error("invalid configuration: {0}")]
+    Setting(#[from] InvalidSetting),
+}
+
+/// A value the configuration refuses for what types alone do not
+/// constrain: the setting, as the config file spells it, and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{setting}: {problem}")]
+pub struct InvalidSetting {
+    /// The setting (`max_body_bytes`, `kv.index`), or the settings that
+    /// conflict, as the config file spells them.
+    pub setting: String,
+    /// What is wrong with its value.
+    pub problem: String,
+}
+
+impl InvalidSetting {
+    /// `setting`'s value is refused for `problem`.
+    pub fn new(setting: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self { setting: setting.into(), problem: problem.into() }
+    }
+
+    /// The same refusal for a section composed into another under a prefix
+    /// (the planner's settings in `turbine run`, `planner.`).
+    pub fn within(self, prefix: &str) -> Self {
+        Self { setting: format!("{prefix}{}", self.setting), problem: self.problem }
+    }
 }
 
 /// Lays `file` over `parsed` (defaults, environment and flags, as clap
@@ -157,7 +185,7 @@ fn layer<C: Settings>(parsed: C, explicit: &HashSet<String>, file: Option<&Path>
             from_table(merge(merged, only_explicit(parsed, explicit)), "")?
         }
     };
-    config.validate().map_err(|message| ConfigError::Invalid { origin: String::new(), message })?;
+    config.validate()?;
     Ok(config)
 }
 
@@ -267,9 +295,9 @@ impl<S: ServiceDefaults> Default for ServerConfig<S> {
 
 impl<S: ServiceDefaults> ServerConfig<S> {
     /// Checks the shared settings.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
-            return Err("shutdown_grace_secs must be non-negative".into());
+            return Err(InvalidSetting::new("shutdown_grace_secs", "must be non-negative"));
         }
         self.tls.validate()
     }

@@ -166,17 +166,17 @@ pub struct TlsConfig {
 
 impl TlsConfig {
     /// Checks that the three settings come together.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::config::InvalidSetting> {
         match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
             (None, None, None) | (Some(_), Some(_), Some(_)) => Ok(()),
-            _ => Err("tls_cert, tls_key and tls_ca go together: set all three, or none for plaintext".into()),
+            _ => Err(crate::config::InvalidSetting::new("tls_cert, tls_key, tls_ca", "go together: set all three, or none for plaintext")),
         }
     }
 
     /// The process's credentials, or `None` for plaintext. Fails on an
     /// unreadable file or a certificate that names no role.
     pub fn load(&self) -> anyhow::Result<Option<Trust>> {
-        self.validate().map_err(anyhow::Error::msg)?;
+        self.validate()?;
         let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else { return Ok(None) };
         let read = |path: &Path, what: &str| std::fs::read(path).with_context(|| format!("cannot read the TLS {what} {}", path.display()));
         Trust::from_pem(&read(cert, "certificate")?, &read(key, "key")?, &read(ca, "CA certificate")?)

@@ -3,6 +3,7 @@
 //! with `turbine run`.
 
 use std::net::SocketAddr;
+use turbine_runtime::config::InvalidSetting;
 
 use serde::{Deserialize, Serialize};
 use turbine_runtime::config::{ServerConfig, ServiceDefaults, Settings, defaults};
@@ -47,7 +48,7 @@ impl Default for GatewayConfig {
 impl Settings for GatewayConfig {
     const CONFIG_ENV: &'static str = "TURBINE_GATEWAY_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
         self.admission.validate()
     }
@@ -76,15 +77,15 @@ impl Default for AdmissionConfig {
 
 impl AdmissionConfig {
     /// Checks values that types alone do not constrain.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.max_body_bytes < 1024 {
-            return Err("max_body_bytes must be at least 1024".into());
+            return Err(InvalidSetting::new("max_body_bytes", "must be at least 1024"));
         }
         if self.max_concurrent_requests == 0 {
-            return Err("max_concurrent_requests must be positive".into());
+            return Err(InvalidSetting::new("max_concurrent_requests", "must be positive"));
         }
         if self.model_refresh_ms == 0 {
-            return Err("model_refresh_ms must be positive".into());
+            return Err(InvalidSetting::new("model_refresh_ms", "must be positive"));
         }
         Ok(())
     }

@@ -2,6 +2,7 @@
 //! `TURBINE_*` env < flags (see `turbine_runtime::config`).
 
 use serde::{Deserialize, Serialize};
+use turbine_runtime::config::InvalidSetting;
 use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings};
 
 /// Where a kv-index listens by default.
@@ -46,16 +47,16 @@ impl Default for KvIndexConfig {
 impl Settings for KvIndexConfig {
     const CONFIG_ENV: &'static str = "TURBINE_KV_INDEX_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
         if !(self.snapshot_interval_secs.is_finite() && self.snapshot_interval_secs >= 0.0) {
-            return Err("snapshot_interval_secs must be non-negative (0 turns snapshots off)".into());
+            return Err(InvalidSetting::new("snapshot_interval_secs", "must be non-negative (0 turns snapshots off)"));
         }
         if self.registry_poll_ms == 0 || self.registry_poll_ms > 60_000 {
-            return Err("registry_poll_ms must be between 1 and 60000".into());
+            return Err(InvalidSetting::new("registry_poll_ms", "must be between 1 and 60000"));
         }
         if !(self.lease_grace_secs.is_finite() && self.lease_grace_secs >= 0.0) {
-            return Err("lease_grace_secs must be non-negative".into());
+            return Err(InvalidSetting::new("lease_grace_secs", "must be non-negative"));
         }
         Ok(())
     }

@@ -2,6 +2,7 @@
 //! `TURBINE_*` env < flags (see `turbine_runtime::config`).
 
 use serde::{Deserialize, Serialize};
+use turbine_runtime::config::InvalidSetting;
 use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings};
 
 /// Where a kv-store listens by default.
@@ -67,19 +68,19 @@ impl Default for KvStoreConfig {
 impl Settings for KvStoreConfig {
     const CONFIG_ENV: &'static str = "TURBINE_KV_STORE_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
         if self.store_id.is_empty() || !self.store_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
-            return Err(format!("store_id {:?}: must be letters, digits, '.', '_' or '-'", self.store_id));
+            return Err(InvalidSetting::new("store_id", format!("{:?} must be letters, digits, '.', '_' or '-'", self.store_id)));
         }
         if self.memory_mib == 0 {
-            return Err("memory_mib must be positive".into());
+            return Err(InvalidSetting::new("memory_mib", "must be positive"));
         }
         if self.disk_dir.is_some() && self.disk_gib == 0 {
-            return Err("disk_gib must be positive with a disk_dir".into());
+            return Err(InvalidSetting::new("disk_gib", "must be positive with a disk_dir"));
         }
         if self.max_blocks_per_call == 0 {
-            return Err("max_blocks_per_call must be positive".into());
+            return Err(InvalidSetting::new("max_blocks_per_call", "must be positive"));
         }
         Ok(())
     }

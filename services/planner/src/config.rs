@@ -2,6 +2,7 @@
 //! `TURBINE_*` env < flags (see `turbine_runtime::config`).
 
 use serde::{Deserialize, Serialize};
+use turbine_runtime::config::InvalidSetting;
 use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings};
 
 use crate::act::connector::ConnectorKind;
@@ -125,12 +126,12 @@ impl Default for PlanningConfig {
 impl PlanningConfig {
     /// Checks the settings (the database is optional here: where it is
     /// required is the caller's to say).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if !(2..=100_000).contains(&self.season_intervals) {
-            return Err(format!("season_intervals: {}, must be 2 to 100000", self.season_intervals));
+            return Err(InvalidSetting::new("season_intervals", format!("{}, must be 2 to 100000", self.season_intervals)));
         }
         match &self.database {
-            Some(url) => Backend::of(url).map(|_| ()).map_err(|error| format!("database: {error}")),
+            Some(url) => Backend::of(url).map(|_| ()).map_err(|error| InvalidSetting::new("database", error.to_string())),
             None => Ok(()),
         }
     }
@@ -145,39 +146,41 @@ impl Default for PlannerConfig {
 impl Settings for PlannerConfig {
     const CONFIG_ENV: &'static str = "TURBINE_PLANNER_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
         for url in &self.gateway_metrics {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(format!("gateway_metrics: {url:?} is not an http:// or https:// URL"));
+                return Err(InvalidSetting::new("gateway_metrics", format!("{url:?} is not an http:// or https:// URL")));
             }
         }
         if !self.gateway_metrics.is_empty() && self.cluster.redis.is_none() {
-            return Err("gateway_metrics: observing needs the worker registry too (--redis)".into());
+            return Err(InvalidSetting::new("gateway_metrics", "observing needs the worker registry too (--redis)"));
         }
         if !self.gateway_metrics.is_empty() && self.planning.profile.is_none() {
-            return Err("gateway_metrics: deciding needs the workers' profile too (--profile, written by turbine profile)".into());
+            return Err(InvalidSetting::new("gateway_metrics", "deciding needs the workers' profile too (--profile, written by turbine profile)"));
         }
         if self.connector == ConnectorKind::Local && self.cluster.redis.is_none() {
-            return Err("connector: local workers join the registry; give it (--redis)".into());
+            return Err(InvalidSetting::new("connector", "local workers join the registry; give it (--redis)"));
         }
         if self.connector == ConnectorKind::Kubernetes && !cfg!(feature = "kubernetes") {
-            return Err("connector: this build has no kubernetes connector (build turbine with --features kubernetes)".into());
+            return Err(InvalidSetting::new("connector", "this build has no kubernetes connector (build turbine with --features kubernetes)"));
         }
         if self.connector == ConnectorKind::Hosted {
-            return Err("connector: hosted workers run inside turbine run (--planner)".into());
+            return Err(InvalidSetting::new("connector", "hosted workers run inside turbine run (--planner)"));
         }
-        crate::act::kubernetes::parse_mapping(&self.kubernetes_deployments).map_err(|problem| format!("kubernetes_deployments: {problem}"))?;
+        crate::act::kubernetes::parse_mapping(&self.kubernetes_deployments)
+            .map_err(|problem| InvalidSetting::new("kubernetes_deployments", problem.to_string()))?;
         for (field, seconds) in [("local_ready_timeout_secs", self.local_ready_timeout_secs), ("local_drain_timeout_secs", self.local_drain_timeout_secs)] {
             if !(1..=86_400).contains(&seconds) {
-                return Err(format!("{field}: {seconds}, must be 1 to 86400"));
+                return Err(InvalidSetting::new(field, format!("{seconds}, must be 1 to 86400")));
             }
         }
         self.planning.validate()?;
         match &self.planning.database {
-            None => {
-                Err("database: required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine".into())
-            }
+            None => Err(InvalidSetting::new(
+                "database",
+                "required (--database or TURBINE_PLANNER_DATABASE): postgres://user@host:port/database, or sqlite:path on one machine",
+            )),
             Some(_) => Ok(()),
         }
     }

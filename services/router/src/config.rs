@@ -3,6 +3,7 @@
 //! with `turbine run`.
 
 use serde::{Deserialize, Serialize};
+use turbine_runtime::config::InvalidSetting;
 use turbine_runtime::config::{ClusterConfig, ServerConfig, ServiceDefaults, Settings, defaults};
 
 use crate::kv::KvConfig;
@@ -51,13 +52,13 @@ impl Default for RouterConfig {
 impl Settings for RouterConfig {
     const CONFIG_ENV: &'static str = "TURBINE_ROUTER_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
         if self.poll_interval_ms == 0 || self.poll_interval_ms > 60_000 {
-            return Err("poll_interval_ms must be between 1 and 60000".into());
+            return Err(InvalidSetting::new("poll_interval_ms", "must be between 1 and 60000"));
         }
         if !(self.booking_ttl_secs.is_finite() && self.booking_ttl_secs > 0.0) {
-            return Err("booking_ttl_secs must be positive".into());
+            return Err(InvalidSetting::new("booking_ttl_secs", "must be positive"));
         }
         self.routing.validate()
     }
@@ -91,9 +92,9 @@ impl Default for RoutingConfig {
 
 impl RoutingConfig {
     /// Checks values that types alone do not constrain.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.prefill_max_queue == 0 {
-            return Err("prefill_max_queue must be positive".into());
+            return Err(InvalidSetting::new("prefill_max_queue", "must be positive"));
         }
         self.kv.validate()
     }

@@ -3,6 +3,7 @@
 //! shared with `turbine run`, which starts workers with them.
 
 use std::path::PathBuf;
+use turbine_runtime::config::InvalidSetting;
 
 use serde::{Deserialize, Serialize};
 pub use turbine_registry::WorkerRole;
@@ -168,15 +169,18 @@ impl Default for WorkerConfig {
 impl Settings for WorkerConfig {
     const CONFIG_ENV: &'static str = "TURBINE_WORKER_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
         if let Some(id) = &self.worker_id
             && (id.is_empty() || id.starts_with(turbine_kv::STORE_PREFIX))
         {
-            return Err(format!("worker_id {id:?}: must not be empty or start with {:?} (the index's names for kv-stores)", turbine_kv::STORE_PREFIX));
+            return Err(InvalidSetting::new(
+                "worker_id",
+                format!("{id:?} must not be empty or start with {:?} (the index's names for kv-stores)", turbine_kv::STORE_PREFIX),
+            ));
         }
         if !(self.lease_ttl_secs.is_finite() && self.lease_ttl_secs >= 0.1) {
-            return Err("lease_ttl_secs must be at least 0.1".to_owned());
+            return Err(InvalidSetting::new("lease_ttl_secs", "must be at least 0.1"));
         }
         self.engine.validate()?;
         self.transfer.validate()
@@ -306,7 +310,7 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     /// Checks values that types alone do not constrain.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         let positive = [
             ("block_size", self.block_size()),
             ("num_blocks", self.num_blocks.unwrap_or(1)),
@@ -317,21 +321,21 @@ impl EngineConfig {
         ];
         for (name, value) in positive {
             if value == 0 {
-                return Err(format!("{name} must be positive"));
+                return Err(InvalidSetting::new(name, "must be positive"));
             }
         }
-        self.device.parse::<turbine_native::Device>()?;
+        self.device.parse::<turbine_native::Device>().map_err(|error| InvalidSetting::new("device", error.to_string()))?;
         if self.disk_cache_dir.is_some() && self.host_cache_mib == 0 {
-            return Err("disk_cache_dir needs a host tier above it: set host_cache_mib too".into());
+            return Err(InvalidSetting::new("disk_cache_dir", "needs a host tier above it: set host_cache_mib too"));
         }
         if self.kv_store.is_some() && self.host_cache_mib == 0 {
-            return Err("kv_store needs a host tier above it (blocks reach the store through it): set host_cache_mib too".into());
+            return Err(InvalidSetting::new("kv_store", "needs a host tier above it (blocks reach the store through it): set host_cache_mib too"));
         }
         if self.kv_store_min_blocks == 0 || self.kv_store_timeout_ms == 0 {
-            return Err("kv_store_min_blocks and kv_store_timeout_ms must be positive".into());
+            return Err(InvalidSetting::new("kv_store_min_blocks and kv_store_timeout_ms", "must be positive"));
         }
         if !(self.disk_cache_gib.is_finite() && self.disk_cache_gib > 0.0) {
-            return Err(format!("disk_cache_gib must be a positive number, got {}", self.disk_cache_gib));
+            return Err(InvalidSetting::new("disk_cache_gib", format!("must be a positive number, got {}", self.disk_cache_gib)));
         }
         for (name, value) in [
             ("speedup", self.speedup),
@@ -340,7 +344,7 @@ impl EngineConfig {
             ("mock_remote_gbps", self.mock_remote_gbps),
         ] {
             if !(value.is_finite() && value > 0.0) {
-                return Err(format!("{name} must be a positive number, got {value}"));
+                return Err(InvalidSetting::new(name, format!("must be a positive number, got {value}")));
             }
         }
         Ok(())
@@ -389,15 +393,15 @@ impl Default for TransferConfig {
 
 impl TransferConfig {
     /// Checks values that types alone do not constrain.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.kv_lease_ms == 0 {
-            return Err("kv_lease_ms must be positive".to_owned());
+            return Err(InvalidSetting::new("kv_lease_ms", "must be positive"));
         }
         if self.kv_transfer_mib == 0 {
-            return Err("kv_transfer_mib must be positive".to_owned());
+            return Err(InvalidSetting::new("kv_transfer_mib", "must be positive"));
         }
         if !(self.mock_transfer_gbps.is_finite() && self.mock_transfer_gbps > 0.0) {
-            return Err("mock_transfer_gbps must be positive".to_owned());
+            return Err(InvalidSetting::new("mock_transfer_gbps", "must be positive"));
         }
         Ok(())
     }

@@ -45,8 +45,8 @@ struct TestConfig {
 impl Settings for TestConfig {
     const CONFIG_ENV: &'static str = "TURBINE_CONFIG_TEST_CONFIG";
 
-    fn validate(&self) -> Result<(), String> {
-        if self.port == 0 { Err("port must be positive".into()) } else { self.server.validate() }
+    fn validate(&self) -> Result<(), InvalidSetting> {
+        if self.port == 0 { Err(InvalidSetting::new("port", "must be positive")) } else { self.server.validate() }
     }
 }
 
@@ -135,7 +135,7 @@ fn unknown_and_mistyped_keys_are_refused_naming_the_file() {
 
 #[test]
 fn values_are_validated_after_layering() {
-    assert!(parse(&["--port", "0"]).unwrap_err().contains("port must be positive"));
+    assert!(parse(&["--port", "0"]).unwrap_err().contains("port: must be positive"));
     assert!(parse(&["--shutdown-grace-secs=-1"]).unwrap_err().contains("shutdown_grace_secs"));
 }
 
@@ -148,5 +148,5 @@ fn the_tls_settings_come_together() {
     // A file that sets only some of them.
     let partial = file("tls_cert = \"a.crt\"\n");
     let error = parse(&["--config", partial.path().to_str().unwrap()]).unwrap_err();
-    assert!(error.contains("tls_cert, tls_key and tls_ca go together"), "{error}");
+    assert!(error.contains("tls_cert, tls_key, tls_ca: go together"), "{error}");
 }

@@ -2,6 +2,7 @@
 //! where it looks blocks up.
 
 use serde::{Deserialize, Serialize};
+use turbine_runtime::config::InvalidSetting;
 use turbine_runtime::config::defaults;
 
 use super::KvWeights;
@@ -71,19 +72,19 @@ impl Default for KvConfig {
 
 impl KvConfig {
     /// Checks values that types alone do not constrain.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         self.tuning.weights().validate()?;
         if !(self.approx_ttl_secs.is_finite() && self.approx_ttl_secs > 0.0) {
-            return Err("kv.approx_ttl_secs must be positive".into());
+            return Err(InvalidSetting::new("kv.approx_ttl_secs", "must be positive"));
         }
         if self.approx_max_blocks == 0 {
-            return Err("kv.approx_max_blocks must be positive".into());
+            return Err(InvalidSetting::new("kv.approx_max_blocks", "must be positive"));
         }
         if self.index.is_some() && self.approximate {
-            return Err("kv.index and kv.approximate exclude each other: the kv-index follows the workers' events".into());
+            return Err(InvalidSetting::new("kv.index and kv.approximate", "exclude each other: the kv-index follows the workers' events"));
         }
         if self.index_timeout_ms == 0 || self.index_timeout_ms > 10_000 {
-            return Err("kv.index_timeout_ms must be between 1 and 10000".into());
+            return Err(InvalidSetting::new("kv.index_timeout_ms", "must be between 1 and 10000"));
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 use rand::Rng;
 use turbine_kv::Tier;
 use turbine_registry::ReadCosts;
+use turbine_runtime::config::InvalidSetting;
 
 pub use turbine_api::router::KvOverrides;
 
@@ -62,7 +63,7 @@ impl KvWeights {
     pub const DYNAMO: Self = Self { device_credit: 1.0, host_credit: 0.75, disk_credit: 0.25, remote_credit: 0.1, prefill_load_scale: 1.0, temperature: 0.0 };
 
     /// Checks that every weight is finite and non-negative.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         let fields = [
             ("device_credit", self.device_credit),
             ("host_credit", self.host_credit),
@@ -73,7 +74,7 @@ impl KvWeights {
         ];
         for (name, value) in fields {
             if !(value.is_finite() && value >= 0.0) {
-                return Err(format!("kv weight {name} must be a finite non-negative number, got {value}"));
+                return Err(InvalidSetting::new(format!("kv.{name}"), format!("a weight must be a finite non-negative number, got {value}")));
             }
         }
         Ok(())

@@ -35,7 +35,7 @@ impl Router {
         let weights = match (&kv, &request.kv) {
             (Some((kv, _)), Some(overrides)) => {
                 let weights = kv.weights().overridden_by(overrides);
-                weights.validate().map_err(RouteError::InvalidRequest)?;
+                weights.validate().map_err(|invalid| RouteError::InvalidRequest(invalid.to_string()))?;
                 Some(weights)
             }
             (Some((kv, _)), None) => Some(kv.weights()),
