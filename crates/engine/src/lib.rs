@@ -28,7 +28,9 @@ pub use request::{
     StopConditions, TokenLogprobs, Usage,
 };
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
-pub use tiers::{DiskTier, FetchEstimates, FetchPolicy, HostBlock, HostTier, KvTiers, ModelledTransfer, RemoteOffload, RemoteStore, RemoteTier, TierStats};
+pub use tiers::{
+    DiskTier, FetchEstimates, FetchPolicy, HostBlock, HostTier, KvTiers, ModelledTransfer, RemoteGetError, RemoteOffload, RemoteStore, RemoteTier, TierStats,
+};
 /// The KV pool as transfers see it (in `turbine-kv`, which the kv-store and
 /// the UCX agent share without an engine).
 pub use turbine_kv::memory as kv_memory;

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use turbine_engine::{
     Batch, DiskTier, EngineHandle, EngineOutput, Executor, ExecutorError, FetchPolicy, GenerateRequest, HostBlock, HostTier, KvBuffer, KvLayout, KvMemory,
-    KvTiers, RemoteStore, RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
+    KvTiers, RemoteGetError, RemoteStore, RemoteTier, Sampled, SchedulerConfig, StopConditions, Tier,
 };
 use turbine_kv::{BlockHasher, BlockHashes, KvEvent, SequenceHash};
 use turbine_testkit::wait_until;
@@ -431,9 +431,9 @@ impl RemoteStore for SharedStore {
         blocks.len()
     }
 
-    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String> {
+    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, RemoteGetError> {
         if self.down.load(Ordering::Relaxed) {
-            return Err("down".into());
+            return Err(RemoteGetError::Failed("down".into()));
         }
         let blocks = self.blocks.lock();
         Ok(hashes.iter().map_while(|h| blocks.get(&h.sequence).filter(|b| b.local == h.local && b.is_intact()).cloned()).collect())

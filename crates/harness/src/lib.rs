@@ -25,6 +25,40 @@ use std::time::Duration;
 /// How long a server may take to start before the caller gives up.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Why a server did not come up on a port (the next port is tried).
+#[derive(Debug, thiserror::Error)]
+enum StartFailure {
+    /// Its directory, client or readiness probe could not be made or run.
+    #[error("{what}: {source}")]
+    Setup {
+        /// What was being made or run.
+        what: &'static str,
+        /// The cause.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The server exited (the port taken, a bad option).
+    #[error("exited ({status}): {output}")]
+    Exited {
+        /// Its exit status.
+        status: std::process::ExitStatus,
+        /// What it printed.
+        output: String,
+    },
+    /// It did not answer within [`STARTUP_TIMEOUT`].
+    #[error("no answer within {STARTUP_TIMEOUT:?}")]
+    NoAnswer,
+}
+
+impl StartFailure {
+    fn setup(what: &'static str) -> impl FnOnce(Box<dyn std::error::Error + Send + Sync>) -> Self {
+        move |source| StartFailure::Setup { what, source }
+    }
+
+    fn exited(status: std::process::ExitStatus, process: &ChildProcess) -> Self {
+        StartFailure::Exited { status, output: process.output().join("\n") }
+    }
+}
+
 /// A port that was free a moment ago (bound to port 0 and released), for
 /// programs that cannot be handed a bound listener (`ucx_perftest`,
 /// `redis-server`): the caller must cope with it being taken meanwhile.

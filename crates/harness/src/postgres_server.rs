@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::{ChildProcess, STARTUP_TIMEOUT, free_port};
+use crate::{ChildProcess, STARTUP_TIMEOUT, StartFailure, free_port};
 
 /// A private PostgreSQL server on a loopback port: a fresh cluster in a
 /// temporary directory, trust authentication for the user `turbine`, no
@@ -49,17 +49,17 @@ impl PostgresServer {
         let output = initdb.output().unwrap_or_else(|error| panic!("cannot run initdb: {error}"));
         assert!(output.status.success(), "initdb failed: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
         let mut server = Self { process: None, port: 0, bin, run_as, dir };
-        let mut last_error = String::new();
+        let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
             match server.try_start_on(free_port()) {
                 Ok(()) => return server,
-                Err(error) => last_error = error,
+                Err(error) => last_error = Some(error),
             }
         }
-        panic!("postgres did not start: {last_error}");
+        panic!("postgres did not start: {}", last_error.expect("at least one attempt"));
     }
 
-    fn try_start_on(&mut self, port: u16) -> Result<(), String> {
+    fn try_start_on(&mut self, port: u16) -> Result<(), StartFailure> {
         let mut command = Command::new(self.bin.join("postgres"));
         command
             .arg("-D")
@@ -72,19 +72,19 @@ impl PostgresServer {
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         loop {
             if let Some(status) = process.exited() {
-                return Err(format!("exited ({status}): {}", process.output().join("\n")));
+                return Err(StartFailure::exited(status, &process));
             }
             let ready = Command::new(self.bin.join("pg_isready"))
                 .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string(), "-U", USER, "-t", "1"])
                 .status()
-                .map_err(|error| format!("cannot run pg_isready: {error}"))?;
+                .map_err(|error| StartFailure::setup("running pg_isready")(error.into()))?;
             if ready.success() {
                 self.process = Some(process);
                 self.port = port;
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                return Err(format!("not accepting connections within {STARTUP_TIMEOUT:?}"));
+                return Err(StartFailure::NoAnswer);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -123,14 +123,14 @@ impl PostgresServer {
     pub fn restart(&mut self) {
         self.kill();
         let port = self.port;
-        let mut last_error = String::new();
+        let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
             match self.try_start_on(port) {
                 Ok(()) => return,
-                Err(error) => last_error = error,
+                Err(error) => last_error = Some(error),
             }
         }
-        panic!("postgres did not restart on port {port}: {last_error}");
+        panic!("postgres did not restart on port {port}: {}", last_error.expect("at least one attempt"));
     }
 }
 

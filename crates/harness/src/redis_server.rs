@@ -3,7 +3,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::{ChildProcess, STARTUP_TIMEOUT, free_port};
+use crate::{ChildProcess, STARTUP_TIMEOUT, StartFailure, free_port};
 
 /// A private Redis server on a loopback port, with no persistence.
 #[derive(Debug)]
@@ -21,30 +21,30 @@ impl RedisServer {
     /// Starts `redis-server` (`$TURBINE_REDIS_SERVER`, else from PATH) and
     /// returns once it answers PING.
     pub fn start() -> Self {
-        let mut last_error = String::new();
+        let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
             match Self::try_start_on(free_port()) {
                 Ok(server) => return server,
-                Err(error) => last_error = error,
+                Err(error) => last_error = Some(error),
             }
         }
-        panic!("redis-server did not start: {last_error}");
+        panic!("redis-server did not start: {}", last_error.expect("at least one attempt"));
     }
 
     /// Starts `redis-server` on `port` (to restart one at the same address).
     pub fn start_on(port: u16) -> Self {
-        let mut last_error = String::new();
+        let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
             match Self::try_start_on(port) {
                 Ok(server) => return server,
-                Err(error) => last_error = error,
+                Err(error) => last_error = Some(error),
             }
         }
-        panic!("redis-server did not start on port {port}: {last_error}");
+        panic!("redis-server did not start on port {port}: {}", last_error.expect("at least one attempt"));
     }
 
-    fn try_start_on(port: u16) -> Result<Self, String> {
-        let dir = tempfile::tempdir().map_err(|error| error.to_string())?;
+    fn try_start_on(port: u16) -> Result<Self, StartFailure> {
+        let dir = tempfile::tempdir().map_err(|error| StartFailure::setup("a temporary directory")(error.into()))?;
         let binary = std::env::var("TURBINE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned());
         let mut command = Command::new(&binary);
         command
@@ -54,11 +54,11 @@ impl RedisServer {
             .arg("--dir")
             .arg(dir.path());
         let mut process = ChildProcess::spawn("redis-server", command);
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).map_err(|error| error.to_string())?;
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).map_err(|error| StartFailure::setup("a redis client")(error.into()))?;
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         loop {
             if let Some(status) = process.exited() {
-                return Err(format!("exited ({status}): {}", process.output().join("\n")));
+                return Err(StartFailure::exited(status, &process));
             }
             let pong =
                 client.get_connection_with_timeout(Duration::from_millis(200)).and_then(|mut connection| redis::cmd("PING").query::<String>(&mut connection));
@@ -66,7 +66,7 @@ impl RedisServer {
                 return Ok(Self { process, port, _dir: dir });
             }
             if Instant::now() >= deadline {
-                return Err(format!("no answer to PING within {STARTUP_TIMEOUT:?}"));
+                return Err(StartFailure::NoAnswer);
             }
             std::thread::sleep(Duration::from_millis(10));
         }

@@ -23,16 +23,21 @@ pub enum Device {
     Cuda(usize),
 }
 
-impl std::str::FromStr for Device {
-    type Err = String;
+/// A device name that is neither `cpu`, `cuda` nor `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown device {0:?} (cpu, cuda, cuda:N)")]
+pub struct UnknownDevice(pub String);
 
-    fn from_str(text: &str) -> std::result::Result<Self, String> {
+impl std::str::FromStr for Device {
+    type Err = UnknownDevice;
+
+    fn from_str(text: &str) -> std::result::Result<Self, UnknownDevice> {
         match text {
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda(0)),
             other => match other.strip_prefix("cuda:").map(str::parse) {
                 Some(Ok(ordinal)) => Ok(Device::Cuda(ordinal)),
-                _ => Err(format!("unknown device {other:?} (cpu, cuda, cuda:N)")),
+                _ => Err(UnknownDevice(other.to_owned())),
             },
         }
     }

@@ -30,7 +30,7 @@ pub mod weights;
 use std::path::PathBuf;
 
 pub use config::LlamaConfig;
-pub use executor::{Backend, Device, NativeExecutor, NativeOptions, check_device};
+pub use executor::{Backend, Device, NativeExecutor, NativeOptions, UnknownDevice, check_device};
 pub use model::{KvCache, LlamaModel, SequenceRows};
 
 /// Errors of the native engine.

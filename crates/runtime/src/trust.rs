@@ -68,15 +68,17 @@ impl std::fmt::Display for Role {
 }
 
 impl std::str::FromStr for Role {
-    type Err = String;
+    type Err = NoSuchRole;
 
-    fn from_str(name: &str) -> Result<Self, String> {
-        Role::ALL.into_iter().find(|role| role.as_str() == name).ok_or_else(|| {
-            let known: Vec<_> = Role::ALL.iter().map(|role| role.as_str()).collect();
-            format!("unknown role {name:?} (one of {})", known.join(", "))
-        })
+    fn from_str(name: &str) -> Result<Self, NoSuchRole> {
+        Role::ALL.into_iter().find(|role| role.as_str() == name).ok_or_else(|| NoSuchRole(name.to_owned()))
     }
 }
+
+/// A role name Turbine does not know.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown role {0:?} (one of {known})", known = Role::ALL.map(Role::as_str).join(", "))]
+pub struct NoSuchRole(pub String);
 
 /// Why a certificate names no peer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -88,12 +90,12 @@ pub enum CertificateError {
     #[error("the certificate's alternative names do not parse: {0}")]
     BadNames(String),
     /// A `<role>.turbine` name whose role Turbine does not know.
-    #[error("the certificate's DNS name {name}: {problem}")]
+    #[error("the certificate's DNS name {name}: {role}")]
     UnknownRole {
         /// The DNS name.
         name: String,
-        /// Why the role is unknown.
-        problem: String,
+        /// The role it names.
+        role: NoSuchRole,
     },
     /// No `<role>.turbine` name.
     #[error("the certificate names no role (a DNS name <role>.{})", ROLE_DOMAIN)]
@@ -131,7 +133,7 @@ impl Peer {
             if let x509_parser::extensions::GeneralName::DNSName(dns) = name
                 && let Some(role) = dns.strip_suffix(&suffix)
             {
-                roles.push(role.parse::<Role>().map_err(|problem| CertificateError::UnknownRole { name: (*dns).to_owned(), problem })?);
+                roles.push(role.parse::<Role>().map_err(|role| CertificateError::UnknownRole { name: (*dns).to_owned(), role })?);
             }
         }
         let role = match roles.as_slice() {
@@ -337,7 +339,9 @@ mod tests {
         for role in Role::ALL {
             assert_eq!(role.as_str().parse::<Role>(), Ok(role));
         }
-        assert!("admin".parse::<Role>().unwrap_err().contains("operator"));
+        let unknown = "admin".parse::<Role>().unwrap_err();
+        assert_eq!(unknown, NoSuchRole("admin".into()));
+        assert!(unknown.to_string().contains("operator"), "{unknown}");
     }
 
     #[test]

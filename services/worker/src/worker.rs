@@ -68,7 +68,7 @@ impl Worker {
                     kv_cache_mib: engine_config.kv_cache_mib,
                     kv_blocks: engine_config.num_blocks,
                     threads: engine_config.threads(),
-                    device: engine_config.device.parse().map_err(anyhow::Error::msg)?,
+                    device: engine_config.device.parse()?,
                     backend: Backend::Auto,
                     kv_allocator: pool.allocator(),
                 };

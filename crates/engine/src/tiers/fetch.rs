@@ -59,19 +59,6 @@ impl FetchPolicy {
     }
 }
 
-impl std::str::FromStr for FetchPolicy {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "auto" => Ok(FetchPolicy::Auto),
-            "always" => Ok(FetchPolicy::Always),
-            "never" => Ok(FetchPolicy::Never),
-            other => Err(format!("unknown fetch policy {other:?} (auto, always, never)")),
-        }
-    }
-}
-
 /// A tier passed over is read again after this long, so that a tier that
 /// got faster (or was measured during a hiccup) is noticed.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(10);
@@ -597,7 +584,5 @@ mod tests {
         let mut never = measured(FetchPolicy::Never);
         never.observe_disk(10, 10, MS, now);
         assert_eq!(never.choose(now + PROBE_INTERVAL * 2, 4, 3, Duration::ZERO, 0), FetchChoice::NOTHING);
-        assert_eq!("auto".parse::<FetchPolicy>(), Ok(FetchPolicy::Auto));
-        assert!("sometimes".parse::<FetchPolicy>().is_err());
     }
 }

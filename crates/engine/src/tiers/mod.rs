@@ -66,7 +66,7 @@ use turbine_kv::{KvMemory, block_checksum};
 pub use disk::DiskTier;
 pub use fetch::{FetchEstimates, FetchPolicy};
 pub use host::HostTier;
-pub use remote::{RemoteOffload, RemoteStore, RemoteTier};
+pub use remote::{RemoteGetError, RemoteOffload, RemoteStore, RemoteTier};
 pub use turbine_kv::HostBlock;
 pub use turbine_kv::block_file;
 

@@ -28,12 +28,24 @@ pub trait RemoteStore: Send + Sync + 'static {
     /// its checksum and hashes; a block that fails ends the run. An error
     /// (the store down or slow) is a miss, counted as a failure: what is
     /// missing is computed.
-    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String>;
+    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, RemoteGetError>;
 
     /// Puts that failed since start (they happen off the engine's threads).
     fn failed_puts(&self) -> u64 {
         0
     }
+}
+
+/// Why the shared store gave no blocks. Either is a miss: the engine
+/// computes what is missing and counts a failure.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteGetError {
+    /// The store answered with an error, or could not be reached.
+    #[error("the kv-store failed: {0}")]
+    Failed(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// No answer within the reader's bound.
+    #[error("no answer within {0:?}")]
+    TimedOut(std::time::Duration),
 }
 
 /// Which blocks the engine puts to the shared tier.
@@ -109,7 +121,7 @@ impl RemoteTier {
         self.stats.offloads_skipped.fetch_add((blocks.len() - queued) as u64, Relaxed);
     }
 
-    pub(crate) fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String> {
+    pub(crate) fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, RemoteGetError> {
         if hashes.is_empty() { Ok(Vec::new()) } else { self.store.get_run(hashes) }
     }
 

@@ -210,7 +210,7 @@ impl Observer {
                 return Err(failed(format!("HTTP {}", response.status())));
             }
             let text = response.text().await.map_err(|error| failed(error.to_string()))?;
-            totals.add(&prom::parse(&text).map_err(failed)?);
+            totals.add(&prom::parse(&text).map_err(|unreadable| failed(unreadable.to_string()))?);
         }
         Ok(totals)
     }

@@ -22,12 +22,22 @@ impl Sample {
 
 /// The samples of a `/metrics` page; comments and blank lines are skipped.
 /// A line that does not parse is an error naming its number.
-pub fn parse(text: &str) -> Result<Vec<Sample>, String> {
+pub fn parse(text: &str) -> Result<Vec<Sample>, Unreadable> {
     text.lines()
         .enumerate()
         .filter(|(_, line)| !line.trim().is_empty() && !line.starts_with('#'))
-        .map(|(index, line)| sample(line).ok_or_else(|| format!("line {}: cannot read {:?}", index + 1, line.chars().take(120).collect::<String>())))
+        .map(|(index, line)| sample(line).ok_or_else(|| Unreadable { line: index + 1, text: line.chars().take(120).collect() }))
         .collect()
+}
+
+/// A `/metrics` line that is not a sample.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("line {line}: cannot read {text:?}")]
+pub struct Unreadable {
+    /// Its number, from 1.
+    pub line: usize,
+    /// Its first 120 characters.
+    pub text: String,
 }
 
 fn sample(line: &str) -> Option<Sample> {
@@ -177,7 +187,7 @@ tokens_total{kind="completion",model="a"} 300 1764000000000
         assert_eq!(samples.len(), 9);
         assert_eq!(samples[3].label("model"), Some("b \"x\""));
         assert_eq!(sum(&samples, "tokens_total", &[("kind", "completion")]), 300.0);
-        assert!(parse("t_bucket{le=\"0.1} 2").unwrap_err().starts_with("line 1:"));
+        assert_eq!(parse("t_bucket{le=\"0.1} 2").unwrap_err().line, 1);
     }
 
     #[test]

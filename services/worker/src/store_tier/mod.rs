@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 #[cfg(feature = "ucx")]
 use turbine_api::kv_store::KvStoreError;
 use turbine_api::kv_store::{Fingerprint, KvStoreClient};
-use turbine_engine::{HostBlock, RemoteStore};
+use turbine_engine::{HostBlock, RemoteGetError, RemoteStore};
 use turbine_kv::{BlockHashes, SequenceHash};
 
 /// Runs of blocks queued for the store at most; more are dropped (not
@@ -186,7 +186,7 @@ impl RemoteStore for KvStoreTier {
         self.failed_puts.load(Relaxed)
     }
 
-    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, String> {
+    fn get_run(&self, hashes: &[BlockHashes]) -> Result<Vec<Arc<HostBlock>>, RemoteGetError> {
         let sequence: Vec<SequenceHash> = hashes.iter().map(|h| h.sequence).collect();
         // The timer is made inside the runtime: this is the engine's reader thread.
         let answer = self.runtime.block_on(async {
@@ -196,20 +196,22 @@ impl RemoteStore for KvStoreTier {
             }
             tokio::time::timeout(self.get_timeout, self.client.get(self.fingerprint, &sequence)).await
         });
-        let run = match answer {
-            Ok(Ok(run)) => run,
-            failed => {
-                let error = match failed {
-                    Ok(Err(error)) => error.to_string(),
-                    _ => format!("no answer within {:?}", self.get_timeout),
-                };
-                if !self.get_failed.swap(true, Relaxed) {
-                    tracing::warn!(%error, "cannot get KV blocks from the kv-store; computing them (logged once)");
-                }
-                return Err(error);
-            }
+        let error = match answer {
+            Ok(Ok(run)) => return Ok(self.checked(run, hashes)),
+            Ok(Err(error)) => RemoteGetError::Failed(Box::new(error)),
+            Err(_) => RemoteGetError::TimedOut(self.get_timeout),
         };
-        // The client checked checksums; the hashes must match too.
+        if !self.get_failed.swap(true, Relaxed) {
+            tracing::warn!(%error, "cannot get KV blocks from the kv-store; computing them (logged once)");
+        }
+        Err(error)
+    }
+}
+
+impl KvStoreTier {
+    /// The leading blocks of `run` whose hashes match `hashes` (the client
+    /// checked their checksums), remembered as held.
+    fn checked(&self, run: Vec<(SequenceHash, HostBlock)>, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
         let mut blocks = Vec::with_capacity(run.len());
         for ((sequence, block), want) in run.into_iter().zip(hashes) {
             if sequence != want.sequence || block.local != want.local {
@@ -218,6 +220,6 @@ impl RemoteStore for KvStoreTier {
             self.known.insert(sequence, ());
             blocks.push(Arc::new(block));
         }
-        Ok(blocks)
+        blocks
     }
 }
