@@ -21,6 +21,7 @@ mod metrics;
 
 mod publish;
 mod replica;
+mod replicate;
 mod snapshot;
 
 pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_from, with_store_dumps};
@@ -28,5 +29,6 @@ pub use log::{EventLog, EventReader};
 pub use metrics::export_metrics;
 pub use publish::{Publisher, publish_all};
 pub use replica::{LocalKvIndex, MAX_PUBLISH_BATCHES, ReplicaCounters};
+pub use replicate::{Replicating, dumps_from, replicate};
 pub use snapshot::{LoadedSnapshot, start_from_snapshot};
 pub use turbine_api::kv_index::{BadPosition, LogPosition};

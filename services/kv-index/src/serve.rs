@@ -10,7 +10,7 @@ use rustc_hash::FxHashMap;
 use tokio::task::JoinHandle;
 use turbine_api::worker::WorkerClients;
 use turbine_kv::{KvIndex, Unregistered, WorkerId};
-use turbine_kv_log::{EventLog, FollowerStatus, LogPosition, dump_fetcher, follow_from, start_from_snapshot};
+use turbine_kv_log::{EventLog, FollowerStatus, LogPosition, dumps_from, replicate};
 use turbine_proto::kvindex::v1::{FILE_DESCRIPTOR_SET, kv_index_server::KvIndexServer};
 use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace, WorkerRecord};
@@ -86,10 +86,6 @@ pub async fn serve(config: KvIndexConfig, deps: KvIndexDeps, listeners: Listener
         IndexFeed::Log(log) => {
             let index = Arc::new(KvIndex::new());
             let counters = Arc::new(ReplicaCounters::default());
-            let start = start_from_snapshot(&log, &index).await;
-            if !start.is_start() {
-                *counters.started_from_snapshot.lock() = Some(start);
-            }
             let status = Arc::new(FollowerStatus::default());
             let endpoints: Endpoints = Arc::default();
             // Know the workers' endpoints before the first gap needs a dump.
@@ -98,13 +94,13 @@ pub async fn serve(config: KvIndexConfig, deps: KvIndexDeps, listeners: Listener
             }
             // Workers' and kv-stores' names alike: the stores' endpoints
             // come from the records of the workers that read them.
-            let fetch = {
-                let (workers, stores) = (endpoints.clone(), endpoints.clone());
-                let workers = dump_fetcher(deps.workers.clone(), move |worker_id| workers.read().get(worker_id).cloned());
-                turbine_kv_log::with_store_dumps(workers, move |name| stores.read().get(name).cloned())
-            };
-            tasks.push(follow_from(index.clone(), &log, start, fetch, status.clone(), shutdown.clone()));
-            tasks.push(turbine_kv_log::export_metrics("kv-index", index.clone(), status.clone(), shutdown.clone()));
+            let (workers, stores) = (endpoints.clone(), endpoints.clone());
+            let fetch = dumps_from(deps.workers.clone(), move |worker_id| workers.read().get(worker_id).cloned(), move |name| stores.read().get(name).cloned());
+            let replicating = replicate("kv-index", index.clone(), &log, fetch, status.clone(), shutdown.clone()).await;
+            if !replicating.start.is_start() {
+                *counters.started_from_snapshot.lock() = Some(replicating.start);
+            }
+            tasks.extend(replicating.tasks);
             tasks.push(sweep_expired(index.clone(), deps.registry.clone(), endpoints, &config, counters.clone(), shutdown.clone()));
             if config.snapshot_interval_secs > 0.0 {
                 let interval = Duration::from_secs_f64(config.snapshot_interval_secs);

@@ -9,7 +9,7 @@ use tokio::task::JoinHandle;
 use turbine_api::kv_index::KvIndexClient;
 use turbine_api::worker::WorkerClients;
 use turbine_kv::{KvIndex, Unregistered, WorkerId};
-use turbine_kv_log::{EventLog, FollowerStatus, dump_fetcher, follow_from, start_from_snapshot};
+use turbine_kv_log::{EventLog, FollowerStatus, dumps_from, replicate};
 use turbine_proto::router::v1::{FILE_DESCRIPTOR_SET, router_server::RouterServer};
 use turbine_proto::service_names;
 use turbine_registry::{RedisRegistry, Registry, RestartGrace};
@@ -117,13 +117,14 @@ pub async fn start(config: RouterConfig, deps: RouterDeps, listeners: Listeners,
     }
     let mut tasks = Vec::new();
     if let Some((log, index, status)) = log {
-        let start = start_from_snapshot(&log, &index).await;
-        tasks.push(turbine_kv_log::export_metrics("router", index.clone(), status.clone(), shutdown.clone()));
         let (endpoints, stores) = (router.clone(), router.clone());
-        let fetch = dump_fetcher(workers, move |worker_id| endpoints.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint));
         // kv-stores' names too, at the endpoints their readers name.
-        let fetch = turbine_kv_log::with_store_dumps(fetch, move |name| stores.store_endpoint(name));
-        tasks.push(follow_from(index, &log, start, fetch, status, shutdown.clone()));
+        let fetch = dumps_from(
+            workers,
+            move |worker_id| endpoints.workers(None).into_iter().find(|w| w.worker_id == worker_id).map(|w| w.endpoint),
+            move |name| stores.store_endpoint(name),
+        );
+        tasks.extend(replicate("router", index, &log, fetch, status, shutdown.clone()).await.tasks);
     }
     tasks.push(watch_registry(router.clone(), registry.clone(), Duration::from_millis(config.poll_interval_ms), shutdown.clone()));
     if let Some(peers) = peers {
