@@ -33,6 +33,7 @@ use turbine_harness::{RedisServer, STARTUP_TIMEOUT, ServiceProcess};
 use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
+use turbine_runtime::host::Role;
 use turbine_tokens::{ModelCard, Preprocessor};
 
 /// Flags of `turbine bench gateway`.
@@ -182,7 +183,12 @@ async fn turbine(name: &str, args: &[String], http: bool) -> anyhow::Result<Serv
     let mut command = Command::new(exe);
     command.arg(name).args(args).env("RUST_LOG", "warn,turbine=info");
     let mut service = ServiceProcess::spawn(name, command, http).await?;
-    service.until_serving("", STARTUP_TIMEOUT).await?;
+    let role = match name {
+        "worker" => Role::Worker,
+        "router" => Role::Router,
+        _ => Role::Gateway,
+    };
+    service.until_serving(role, "", STARTUP_TIMEOUT).await?;
     Ok(service)
 }
 

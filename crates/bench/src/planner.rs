@@ -777,7 +777,7 @@ impl PlannerCommand {
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         let endpoint = addresses.grpc_endpoint();
-        let serving = turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::PLANNER);
+        let serving = turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Planner, turbine_proto::service_names::PLANNER);
         tokio::time::timeout_at(deadline.into(), serving)
             .await
             .map_err(|_| anyhow::anyhow!("the planner did not serve within 60 s; its log: {}", self.log.display()))?;

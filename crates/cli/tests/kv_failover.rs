@@ -30,7 +30,7 @@ async fn start_kv_index(redis: &str, grpc: &str) -> ServiceProcess {
     let mut command = Command::new(workspace_binary("turbine-kv-index"));
     command.args(["--grpc-addr", grpc, "--redis", redis, "--namespace", "kv", "--snapshot-interval-secs", "0.5"]);
     let mut process = ServiceProcess::spawn("turbine-kv-index", command, false).await.unwrap();
-    process.until_serving("", STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::Index, "", STARTUP_TIMEOUT).await.unwrap();
     process
 }
 

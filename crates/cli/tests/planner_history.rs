@@ -54,7 +54,12 @@ async fn history_shows_the_newest_decisions_with_their_reasons() {
         ..Default::default()
     };
     let serving = tokio::spawn(turbine_planner::serve(config, state, None, listeners, shutdown.clone()));
-    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, "turbine.planner.v1.Planner")).await.expect("the planner serves");
+    tokio::time::timeout(
+        STARTUP_TIMEOUT,
+        turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Planner, "turbine.planner.v1.Planner"),
+    )
+    .await
+    .expect("the planner serves");
 
     let (ok, text, stderr) = history(&["--planner", &endpoint, "--limit", "2"]).await;
     assert!(ok, "{stderr}");

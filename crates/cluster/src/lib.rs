@@ -316,8 +316,8 @@ impl Cluster {
     /// learned it from the router), asking its own API.
     async fn until_listed(&self, addresses: &BoundAddrs) -> anyhow::Result<()> {
         let endpoint = addresses.grpc_endpoint();
-        turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::GATEWAY_INFERENCE).await;
-        let mut client = InferenceClient::new(turbine_runtime::grpc::channel(&endpoint)?);
+        turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Gateway, turbine_proto::service_names::GATEWAY_INFERENCE).await;
+        let mut client = InferenceClient::new(turbine_runtime::grpc::channel(&endpoint, turbine_runtime::host::Role::Gateway)?);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             let listed = client.list_models(ListModelsRequest {}).await?.into_inner().models;

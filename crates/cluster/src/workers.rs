@@ -108,7 +108,7 @@ impl HostedWorkers {
         let mut task = self.with(id, |running| running.task.take()).flatten().context("an unknown worker")?;
         let endpoint = addresses.grpc_endpoint();
         let failed = tokio::select! {
-            () = turbine_runtime::health::until_serving(&endpoint, turbine_proto::service_names::WORKER) => None,
+            () = turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Worker, turbine_proto::service_names::WORKER) => None,
             ended = &mut task => Some(ended.context("a worker panicked")?.err().unwrap_or_else(|| anyhow::anyhow!("worker {id} stopped before it was ready"))),
             () = tokio::time::sleep(LOAD_TIMEOUT) => Some(anyhow::anyhow!("worker {id} did not load its model within {LOAD_TIMEOUT:?}")),
         };

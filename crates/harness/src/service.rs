@@ -61,10 +61,11 @@ impl ServiceProcess {
     }
 
     /// Waits until `service` (`""`: the whole server) reports SERVING, or
-    /// fails when the process exits or `timeout` passes first.
-    pub async fn until_serving(&mut self, service: &str, timeout: Duration) -> anyhow::Result<()> {
+    /// fails when the process exits or `timeout` passes first. `role` is
+    /// the server's (over mutual TLS its certificate must name it).
+    pub async fn until_serving(&mut self, role: turbine_runtime::host::Role, service: &str, timeout: Duration) -> anyhow::Result<()> {
         let endpoint = self.addresses.grpc_endpoint();
-        let serving = turbine_runtime::health::until_serving(&endpoint, service);
+        let serving = turbine_runtime::health::until_serving(&endpoint, role, service);
         tokio::pin!(serving);
         let deadline = tokio::time::sleep(timeout);
         tokio::pin!(deadline);

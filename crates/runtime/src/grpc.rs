@@ -105,9 +105,13 @@ struct Cached {
 }
 
 impl Cached {
-    /// Makes a channel to `endpoint` on the current runtime.
-    fn new(endpoint: &str, now: Instant) -> Result<Self, tonic::transport::Error> {
-        let channel = traced_channel(endpoint)?;
+    /// Makes a channel to `endpoint` on the current runtime: mutual TLS
+    /// as `trust` to a server of role `server`, or plaintext.
+    fn new(endpoint: &str, tls: Option<(&Trust, Role)>, now: Instant) -> Result<Self, tonic::transport::Error> {
+        let channel = match tls {
+            Some((trust, server)) => tls_channel(endpoint, trust, server)?,
+            None => traced_channel(endpoint)?,
+        };
         let runtime_alive = Arc::new(());
         let alive = Arc::downgrade(&runtime_alive);
         let (release, released) = oneshot::channel::<()>();
@@ -123,20 +127,29 @@ impl Cached {
     }
 }
 
-/// Channels by the runtime that drives them and endpoint.
-static CHANNELS: LazyLock<Mutex<HashMap<(tokio::runtime::Id, String), Cached>>> = LazyLock::new(Mutex::default);
+/// A cached channel's key: the runtime that drives it, the endpoint and,
+/// over TLS, the role the server's certificate must name.
+type ChannelKey = (tokio::runtime::Id, String, Option<Role>);
+
+/// The process's channels.
+static CHANNELS: LazyLock<Mutex<HashMap<ChannelKey, Cached>>> = LazyLock::new(Mutex::default);
 
 /// Endpoints kept at most; beyond it the least recently used is dropped.
 const MAX_CHANNELS: usize = 1024;
 
-/// The process's channel to `endpoint` (`http://10.0.0.7:50061`, or
-/// `host:port`): every client of one endpoint shares one lazily connected
-/// HTTP/2 connection, multiplexed, instead of opening its own (one per
-/// runtime, where a process runs several). Fails only on a malformed
-/// endpoint. Must be called on a Tokio runtime: the channel's connection is
-/// driven there.
-pub fn channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error> {
-    let key = (tokio::runtime::Handle::current().id(), endpoint_uri(endpoint));
+/// The process's channel to the service of role `server` at `endpoint`
+/// (`http://10.0.0.7:50061`, or `host:port`): every client of one
+/// endpoint shares one lazily connected HTTP/2 connection, multiplexed,
+/// instead of opening its own (one per runtime, where a process runs
+/// several). Once the process has an identity
+/// ([`TlsConfig::establish`](crate::trust::TlsConfig::establish)) the
+/// channel is mutual TLS: this process presents its certificate and
+/// accepts only a server certificate from its CA naming `server`;
+/// without one, plaintext. Fails only on a malformed endpoint. Must be
+/// called on a Tokio runtime: the channel's connection is driven there.
+pub fn channel(endpoint: &str, server: Role) -> Result<TracedChannel, tonic::transport::Error> {
+    let trust = crate::trust::dialing_as();
+    let key = (tokio::runtime::Handle::current().id(), endpoint_uri(endpoint), trust.as_ref().map(|_| server));
     let mut channels = CHANNELS.lock();
     let now = Instant::now();
     if let Some(cached) = channels.get_mut(&key)
@@ -145,7 +158,7 @@ pub fn channel(endpoint: &str) -> Result<TracedChannel, tonic::transport::Error>
         cached.used = now;
         return Ok(cached.channel.clone());
     }
-    let cached = Cached::new(&key.1, now)?;
+    let cached = Cached::new(&key.1, trust.as_ref().map(|trust| (trust, server)), now)?;
     let channel = cached.channel.clone();
     channels.retain(|_, cached| cached.is_usable());
     if channels.len() >= MAX_CHANNELS

@@ -104,8 +104,10 @@ impl Readiness {
 /// no polling while it answers. While it cannot be reached the watch is
 /// retried every 50 ms, so the caller bounds the wait (a timeout, or the
 /// server's task ending).
-pub async fn until_serving(endpoint: &str, service: &str) {
-    until_serving_over(|| crate::grpc::channel(endpoint).ok(), service).await
+/// `role` is the server's: over mutual TLS (the process's identity set,
+/// [`crate::trust::TlsConfig::establish`]) its certificate must name it.
+pub async fn until_serving(endpoint: &str, role: crate::host::Role, service: &str) {
+    until_serving_over(|| crate::grpc::channel(endpoint, role).ok(), service).await
 }
 
 /// [`until_serving`] over the channels `connect` makes (a mutual TLS one:

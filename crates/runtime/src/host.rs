@@ -278,7 +278,7 @@ impl Host {
     /// process's certificate ([`crate::trust`]). Fails on TLS files that
     /// cannot be read or a certificate that names no role.
     pub async fn new<S: ServiceDefaults>(spec: HostSpec, server: &ServerConfig<S>, listeners: Listeners) -> anyhow::Result<Self> {
-        let trust = server.tls.load()?;
+        let trust = server.tls.establish()?;
         let (readiness, health) = Readiness::new(spec.health).await;
         let routes = crate::grpc::base_routes(health, spec.descriptors);
         let addresses = BoundAddrs {

@@ -175,8 +175,38 @@ impl TlsConfig {
         }
     }
 
-    /// The process's credentials, or `None` for plaintext. Fails on an
-    /// unreadable file or a certificate that names no role.
+    /// The process's credentials, or `None` for plaintext, loaded once
+    /// per process: the first call with certificates makes them the
+    /// identity every client of this process dials with ([`dialing_as`],
+    /// [`crate::grpc::channel`]); a later call naming the same files
+    /// returns them, one naming others is refused (a process has one
+    /// identity: a certificate may name several roles for a process that
+    /// hosts several services). Fails on an unreadable file or a
+    /// certificate that names no role.
+    pub fn establish(&self) -> anyhow::Result<Option<Trust>> {
+        self.validate()?;
+        if self.tls_cert.is_none() {
+            return Ok(None);
+        }
+        let mut process = PROCESS_IDENTITY.lock();
+        if let Some((config, trust)) = &*process {
+            anyhow::ensure!(
+                config == self,
+                "this process already has the identity {} ({}): a process dials with one certificate",
+                trust.peer(),
+                config.tls_cert.as_deref().unwrap_or(Path::new("")).display()
+            );
+            return Ok(Some(trust.clone()));
+        }
+        let trust = self.load()?.expect("certificates given");
+        *process = Some((self.clone(), trust.clone()));
+        Ok(Some(trust))
+    }
+
+    /// The credentials these settings name, or `None` for plaintext,
+    /// without making them the process's ([`establish`](Self::establish)
+    /// does). Fails on an unreadable file or a certificate that names no
+    /// role.
     pub fn load(&self) -> anyhow::Result<Option<Trust>> {
         self.validate()?;
         let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else { return Ok(None) };
@@ -185,6 +215,15 @@ impl TlsConfig {
             .with_context(|| format!("the TLS certificate {}", cert.display()))
             .map(Some)
     }
+}
+
+/// The identity this process dials with, and the settings it came from.
+static PROCESS_IDENTITY: parking_lot::Mutex<Option<(TlsConfig, Trust)>> = parking_lot::Mutex::new(None);
+
+/// The identity this process's clients dial with: `None` until
+/// [`TlsConfig::establish`] loaded certificates (clients dial plaintext).
+pub fn dialing_as() -> Option<Trust> {
+    PROCESS_IDENTITY.lock().as_ref().map(|(_, trust)| trust.clone())
 }
 
 /// A process's credentials: its certificate and key, and the CA it trusts.

@@ -25,7 +25,7 @@ fn health_server() -> String {
 
 /// One health check through the process's channel to `endpoint`, bounded.
 async fn check(endpoint: &str) -> Result<ServingStatus, String> {
-    let channel = turbine_runtime::grpc::channel(endpoint).map_err(|error| error.to_string())?;
+    let channel = turbine_runtime::grpc::channel(endpoint, turbine_runtime::host::Role::Worker).map_err(|error| error.to_string())?;
     let mut client = HealthClient::new(channel);
     let call = client.check(HealthCheckRequest { service: String::new() });
     match tokio::time::timeout(Duration::from_secs(10), call).await {

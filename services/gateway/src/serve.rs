@@ -76,6 +76,8 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
 /// Entry point shared by `turbine-gateway` and `turbine gateway`.
 pub fn main(config: GatewayConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-gateway", move |shutdown| async move {
+        // The identity first: every client made below dials with it.
+        config.server.tls.establish()?;
         let deps = GatewayDeps::from_config(&config)?;
         let listeners = Listeners::bind(&config.server).await?.with_http(bind(config.http_addr, "HTTP").await?);
         serve(config, deps, listeners, shutdown).await

@@ -128,6 +128,8 @@ pub async fn serve(config: KvIndexConfig, deps: KvIndexDeps, listeners: Listener
 /// Entry point shared by `turbine-kv-index` and `turbine kv-index`.
 pub fn main(config: KvIndexConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-kv-index", move |shutdown| async move {
+        // The identity first: every client made below dials with it.
+        config.server.tls.establish()?;
         let deps = KvIndexDeps::from_config(&config)?;
         let listeners = Listeners::bind(&config.server).await?;
         serve(config, deps, listeners, shutdown).await

@@ -42,7 +42,7 @@ async fn start_replica(redis: &RedisServer, grpc: &str, extra: &[&str]) -> Repli
     command.args(["--grpc-addr", grpc, "--redis", &redis.url(), "--namespace", "t"]);
     command.args(["--registry-poll-ms", "100"]).args(extra);
     let mut process = ServiceProcess::spawn("turbine-kv-index", command, false).await.unwrap();
-    process.until_serving("turbine.kvindex.v1.KvIndex", STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::Index, "turbine.kvindex.v1.KvIndex", STARTUP_TIMEOUT).await.unwrap();
     let client = KvIndexClient::connect(process.grpc_endpoint()).await.unwrap();
     Replica { process, client }
 }

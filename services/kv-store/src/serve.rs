@@ -58,6 +58,8 @@ pub async fn serve(config: KvStoreConfig, store: Store, events: StoreEventSink, 
 /// Entry point shared by `turbine-kv-store` and `turbine kv-store`.
 pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-kv-store", move |shutdown| async move {
+        // The identity first: every client made below dials with it.
+        config.server.tls.establish()?;
         let memory_bytes = config.memory_mib << 20;
         let store = match &config.disk_dir {
             None => Store::open(memory_bytes, None, config.ucx),

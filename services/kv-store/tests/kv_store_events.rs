@@ -22,7 +22,7 @@ async fn start(redis: &RedisServer, disk: &std::path::Path) -> (ServiceProcess, 
     command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--memory-mib", "4", "--disk-gib", "1"]);
     command.args(["--redis", &redis.url(), "--namespace", "t", "--store-id", "shared", "--disk-dir", disk.to_str().unwrap()]);
     let mut process = ServiceProcess::spawn("turbine-kv-store", command, false).await.unwrap();
-    process.until_serving("turbine.kvstore.v1.KvStore", STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::KvStore, "turbine.kvstore.v1.KvStore", STARTUP_TIMEOUT).await.unwrap();
     let client = KvStoreClient::connect(&process.grpc_endpoint()).unwrap();
     (process, client)
 }

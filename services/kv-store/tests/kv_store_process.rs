@@ -26,7 +26,7 @@ async fn start_with(memory_mib: u64, flags: &[&str]) -> (ServiceProcess, KvStore
     command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--memory-mib", &memory_mib.to_string(), "--max-blocks-per-call", "1000"]);
     command.args(flags);
     let mut process = ServiceProcess::spawn("turbine-kv-store", command, false).await.unwrap();
-    process.until_serving("turbine.kvstore.v1.KvStore", STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::KvStore, "turbine.kvstore.v1.KvStore", STARTUP_TIMEOUT).await.unwrap();
     let client = KvStoreClient::connect(&process.grpc_endpoint()).unwrap();
     (process, client)
 }

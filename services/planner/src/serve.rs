@@ -73,6 +73,8 @@ pub async fn serve(
 /// Entry point shared by `turbine-planner` and `turbine planner serve`.
 pub fn main(config: PlannerConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-planner", move |shutdown| async move {
+        // The identity first: every client made below dials with it.
+        config.server.tls.establish()?;
         let url = config.planning.database.clone().context("database: required")?;
         let ledger = Ledger::open(&url, &config.cluster.namespace).await.context("cannot open the planner's database")?;
         let cycle = match (&config.cluster.redis, &config.planning.profile) {

@@ -63,7 +63,9 @@ async fn serve(database: &str) -> (PlannerState, PlannerClient, String, Cancella
         ..Default::default()
     };
     let serving = tokio::spawn(turbine_planner::serve(config, state.clone(), None, listeners, shutdown.clone()));
-    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
+    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Planner, SERVICE))
+        .await
+        .expect("the planner serves");
     (state, PlannerClient::connect(&endpoint).unwrap(), endpoint, shutdown, serving)
 }
 
@@ -174,7 +176,9 @@ async fn a_planner_that_acts_itself_refuses_reports() {
         ..Default::default()
     };
     let serving = tokio::spawn(turbine_planner::serve(config, state, None, listeners, shutdown.clone()));
-    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
+    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Planner, SERVICE))
+        .await
+        .expect("the planner serves");
     let client = PlannerClient::connect(&endpoint).unwrap();
     let (code_of, message) = code(client.complete_action("test/1/decode", ActionState::Done, "").await.unwrap_err());
     assert_eq!(code_of, Code::FailedPrecondition, "{message}");

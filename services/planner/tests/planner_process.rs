@@ -26,7 +26,7 @@ async fn start(database: &str) -> (ServiceProcess, PlannerClient) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-planner"));
     command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--namespace", "test", "--database", database]);
     let mut process = ServiceProcess::spawn("turbine-planner", command, false).await.unwrap();
-    process.until_serving(SERVICE, STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::Planner, SERVICE, STARTUP_TIMEOUT).await.unwrap();
     let client = PlannerClient::connect(&process.grpc_endpoint()).unwrap();
     (process, client)
 }
@@ -178,7 +178,9 @@ async fn decisions_page_and_reach_watchers(database: &str) {
         ..Default::default()
     };
     let serving = tokio::spawn(turbine_planner::serve(config, state.clone(), None, listeners, shutdown.clone()));
-    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, SERVICE)).await.expect("the planner serves");
+    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Planner, SERVICE))
+        .await
+        .expect("the planner serves");
     let client = PlannerClient::connect(&endpoint).unwrap();
 
     assert_eq!(ledger.next_decision_id().await.unwrap(), 1);

@@ -150,6 +150,8 @@ pub async fn start(config: RouterConfig, deps: RouterDeps, listeners: Listeners,
 /// Entry point shared by `turbine-router` and `turbine router`.
 pub fn main(config: RouterConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-router", move |shutdown| async move {
+        // The identity first: every client made below dials with it.
+        config.server.tls.establish()?;
         let deps = RouterDeps::from_config(&config)?;
         let listeners = Listeners::bind(&config.server).await?;
         serve(config, deps, listeners, shutdown).await

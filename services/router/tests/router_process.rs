@@ -39,7 +39,7 @@ async fn start_router_with_admin(redis: &RedisServer) -> (ServiceProcess, String
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-router"));
     command.args(["--redis", &redis.url(), "--namespace", "t"]);
     let mut process = ServiceProcess::spawn("turbine-router", command, false).await.unwrap();
-    process.until_serving("turbine.router.v1.Router", STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::Router, "turbine.router.v1.Router", STARTUP_TIMEOUT).await.unwrap();
     let (endpoint, admin) = (process.grpc_endpoint(), process.admin_url());
     (process, endpoint, admin)
 }

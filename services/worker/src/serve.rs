@@ -172,6 +172,8 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
 /// Entry point shared by `turbine-worker` and `turbine worker`.
 pub fn main(config: WorkerConfig) -> std::process::ExitCode {
     turbine_runtime::run_service("turbine-worker", move |shutdown| async move {
+        // The identity first: every client made below dials with it.
+        config.server.tls.establish()?;
         let listeners = Listeners::bind(&config.server).await?;
         let deps = WorkerDeps::from_config(&config)?;
         serve(config, deps, listeners, shutdown).await

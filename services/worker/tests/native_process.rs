@@ -18,7 +18,7 @@ async fn native_worker(extra: &[&str]) -> ServiceProcess {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
     command.args(["--engine", "native", "--model", MODEL, "--threads", "2"]).args(extra);
     let mut process = ServiceProcess::spawn("turbine-worker", command, false).await.unwrap();
-    process.until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::Worker, "turbine.worker.v1.Worker", STARTUP_TIMEOUT).await.unwrap();
     process
 }
 

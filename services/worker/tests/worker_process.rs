@@ -25,7 +25,7 @@ async fn start_worker_with(speedup: &str, extra: &[&str]) -> RunningWorker {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
     command.args(["--engine", "mock", "--speedup", speedup, "--worker-id", "w-test"]).args(extra);
     let mut process = ServiceProcess::spawn("turbine-worker", command, false).await.unwrap();
-    process.until_serving("turbine.worker.v1.Worker", STARTUP_TIMEOUT).await.unwrap();
+    process.until_serving(turbine_runtime::host::Role::Worker, "turbine.worker.v1.Worker", STARTUP_TIMEOUT).await.unwrap();
     let endpoint = process.grpc_endpoint();
     RunningWorker { process, endpoint }
 }

@@ -139,8 +139,8 @@ impl KvIndexClient {
     /// The kv-index service at `endpoint`, over the process's shared
     /// channel to it (connected on first use).
     pub fn connect(endpoint: &str) -> Result<Self, KvIndexError> {
-        let channel =
-            turbine_runtime::grpc::channel(endpoint).map_err(|error| KvIndexError::InvalidArgument(format!("bad kv-index endpoint {endpoint:?}: {error}")))?;
+        let channel = turbine_runtime::grpc::channel(endpoint, ROLE)
+            .map_err(|error| KvIndexError::InvalidArgument(format!("bad kv-index endpoint {endpoint:?}: {error}")))?;
         Ok(Self::new(Arc::new(GrpcKvIndex { client: PbKvIndexClient::new(channel).with_message_limits() })))
     }
 

@@ -252,8 +252,8 @@ pub struct GrpcKvStore {
 impl GrpcKvStore {
     /// The store at `endpoint`, over the process's shared channel to it.
     pub fn connect(endpoint: &str) -> Result<Self, KvStoreError> {
-        let channel =
-            turbine_runtime::grpc::channel(endpoint).map_err(|error| KvStoreError::Unavailable(format!("bad kv-store endpoint {endpoint:?}: {error}")))?;
+        let channel = turbine_runtime::grpc::channel(endpoint, ROLE)
+            .map_err(|error| KvStoreError::Unavailable(format!("bad kv-store endpoint {endpoint:?}: {error}")))?;
         Ok(Self { client: PbClient::new(channel).with_message_limits() })
     }
 }

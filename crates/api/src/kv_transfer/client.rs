@@ -75,7 +75,7 @@ impl KvTransferClient {
     /// process's shared channel to it.
     pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
         let channel =
-            turbine_runtime::grpc::channel(endpoint).map_err(|error| WorkerError::Unavailable(format!("bad transfer endpoint {endpoint:?}: {error}")))?;
+            turbine_runtime::grpc::channel(endpoint, ROLE).map_err(|error| WorkerError::Unavailable(format!("bad transfer endpoint {endpoint:?}: {error}")))?;
         Ok(Self::new(Arc::new(GrpcKvTransfer { client: PbKvTransferClient::new(channel).with_message_limits() })))
     }
 

@@ -131,7 +131,7 @@ impl PlannerClient {
     /// The planner at `endpoint` (`http://host:port`), over the process's
     /// shared channel to it (connected on first use).
     pub fn connect(endpoint: &str) -> Result<Self, PlannerClientError> {
-        let channel = turbine_runtime::grpc::channel(endpoint).map_err(|error| PlannerClientError::Endpoint(endpoint.to_owned(), error.to_string()))?;
+        let channel = turbine_runtime::grpc::channel(endpoint, ROLE).map_err(|error| PlannerClientError::Endpoint(endpoint.to_owned(), error.to_string()))?;
         Ok(Self::new(Arc::new(GrpcPlanner { client: PbClient::new(channel).with_message_limits() })))
     }
 

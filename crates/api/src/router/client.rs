@@ -143,8 +143,8 @@ impl RouterClient {
     /// The router at `endpoint`, over the process's shared channel to it
     /// (connected on first use).
     pub fn connect(endpoint: &str) -> Result<Self, RouterCallError> {
-        let channel =
-            turbine_runtime::grpc::channel(endpoint).map_err(|error| RouterCallError::Unavailable(format!("bad router endpoint {endpoint:?}: {error}")))?;
+        let channel = turbine_runtime::grpc::channel(endpoint, ROLE)
+            .map_err(|error| RouterCallError::Unavailable(format!("bad router endpoint {endpoint:?}: {error}")))?;
         Ok(Self::new(Arc::new(GrpcRouter { client: PbRouterClient::new(channel).with_message_limits() })))
     }
 

@@ -138,7 +138,7 @@ impl GrpcWorker {
     /// The worker at `endpoint`, over the process's shared channel to it.
     pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
         let channel =
-            turbine_runtime::grpc::channel(endpoint).map_err(|error| WorkerError::Unavailable(format!("bad worker endpoint {endpoint:?}: {error}")))?;
+            turbine_runtime::grpc::channel(endpoint, ROLE).map_err(|error| WorkerError::Unavailable(format!("bad worker endpoint {endpoint:?}: {error}")))?;
         Ok(Self { client: PbWorkerClient::new(channel).with_message_limits() })
     }
 }

@@ -23,8 +23,22 @@ pub async fn service(binary: &str, args: &[&str], env: &[(&str, String)], http: 
         command.env(key, value);
     }
     let mut service = ServiceProcess::spawn(binary, command, http).await.unwrap();
-    service.until_serving("", STARTUP_TIMEOUT).await.unwrap();
+    service.until_serving(role_of(binary), "", STARTUP_TIMEOUT).await.unwrap();
     service
+}
+
+/// The role of the service `binary` (`turbine-router`) runs.
+pub fn role_of(binary: &str) -> turbine_runtime::host::Role {
+    use turbine_runtime::host::Role;
+    match binary.trim_start_matches("turbine-") {
+        "worker" => Role::Worker,
+        "router" => Role::Router,
+        "gateway" => Role::Gateway,
+        "kv-index" => Role::Index,
+        "kv-store" => Role::KvStore,
+        "planner" => Role::Planner,
+        other => panic!("no service {other}"),
+    }
 }
 
 /// Waits until the router at `router` lists `workers` workers.

@@ -286,7 +286,7 @@ impl LocalHost {
         };
         let endpoint = addresses.grpc_endpoint();
         tokio::select! {
-            () = turbine_runtime::health::until_serving(&endpoint, service_names::WORKER) => Ok(()),
+            () = turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Worker, service_names::WORKER) => Ok(()),
             status = child.wait() => Err(NotServing::Exited { before: "serving", status: status.map_or_else(|error| error.to_string(), |status| status.to_string()) }),
             () = tokio::time::sleep_until(deadline.into()) => Err(NotServing::TooSlow { to: "serve", timeout }),
         }
