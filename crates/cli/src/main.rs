@@ -1,5 +1,6 @@
 //! `turbine`: one command for every way to run Turbine.
 
+mod certs;
 mod model;
 mod run;
 
@@ -53,6 +54,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Box<turbine_bench::BenchCommand>),
+    /// Make a CA for one deployment and a certificate per role (and per
+    /// --worker id) for the services' --tls-cert, --tls-key and --tls-ca.
+    Certs(certs::CertsArgs),
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -101,5 +105,12 @@ fn main() -> ExitCode {
         },
         Command::Profile(args) => turbine_bench::profile_main(*args),
         Command::Bench(command) => turbine_bench::main(*command),
+        Command::Certs(args) => match certs::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("turbine: error: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }

@@ -1,6 +1,6 @@
 //! The distributed stack over mutual TLS: `turbine-worker`,
 //! `turbine-router` and `turbine-gateway` as separate processes, each with
-//! a certificate of its role from one CA, sharing a real Redis registry.
+//! a certificate of its role from `turbine certs`, sharing a real Redis registry.
 //! Every gRPC hop (gateway → router, gateway → worker, router → worker,
 //! this test → each) is TLS with the caller's certificate checked against
 //! the callee's role table, and the caller checking the callee's role.
@@ -20,13 +20,27 @@ use turbine_proto::worker::v1 as pb;
 use turbine_runtime::grpc::tls_channel;
 use turbine_runtime::host::Role;
 use turbine_runtime::trust::TlsConfig;
-use turbine_testkit::RedisServer;
 use turbine_testkit::tls::TestCa;
+use turbine_testkit::{RedisServer, workspace_binary};
+
+/// The certificates `turbine certs` wrote under `dir` for `stem`
+/// (`router`, `workers/worker-0`).
+fn tls(dir: &Path, stem: &str) -> TlsConfig {
+    let (cert, key) = (dir.join(format!("{stem}.crt")), dir.join(format!("{stem}.key")));
+    TlsConfig { tls_cert: Some(cert), tls_key: Some(key), tls_ca: Some(dir.join("ca.crt")) }
+}
 
 /// The `--tls-*` flags of `config`.
 fn flags(config: &TlsConfig) -> Vec<String> {
     let path = |path: &Option<std::path::PathBuf>| path.as_deref().map(Path::display).expect("written").to_string();
     vec!["--tls-cert".into(), path(&config.tls_cert), "--tls-key".into(), path(&config.tls_key), "--tls-ca".into(), path(&config.tls_ca)]
+}
+
+/// `turbine certs --out dir --worker worker-0`.
+fn make_certs(dir: &Path) {
+    let output =
+        std::process::Command::new(workspace_binary("turbine")).args(["certs", "--worker", "worker-0", "--out"]).arg(dir).output().expect("turbine certs runs");
+    assert!(output.status.success(), "turbine certs: {}", String::from_utf8_lossy(&output.stderr));
 }
 
 /// A call the connection failed (the handshake refused, or a plaintext
@@ -40,16 +54,16 @@ fn assert_transport_failure(status: &tonic::Status) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_role() {
     let dir = tempfile::tempdir().unwrap();
-    let ca = TestCa::new("turbine test CA");
+    make_certs(dir.path());
     // This process is an operator: it waits on health and lists workers.
-    ca.issue(Role::Operator, "test").write(dir.path(), "operator").establish().unwrap().expect("an identity");
+    tls(dir.path(), "operator").establish().unwrap().expect("an identity");
 
     let redis = RedisServer::start();
     let url = redis.url();
     let cluster = ["--redis", url.as_str(), "--namespace", "mtls"];
-    let worker_tls = flags(&ca.issue(Role::Worker, "worker-0").write(dir.path(), "worker"));
-    let router_tls = flags(&ca.issue(Role::Router, "router-0").write(dir.path(), "router"));
-    let gateway_tls = flags(&ca.issue(Role::Gateway, "gateway-0").write(dir.path(), "gateway"));
+    let worker_tls = flags(&tls(dir.path(), "workers/worker-0"));
+    let router_tls = flags(&tls(dir.path(), "router"));
+    let gateway_tls = flags(&tls(dir.path(), "gateway"));
     let args = |own: &[&str], tls: &[String]| -> Vec<String> { own.iter().map(|arg| arg.to_string()).chain(tls.iter().cloned()).collect() };
 
     let worker_args = args(&[&cluster[..], &["--engine", "mock", "--speedup", "1000", "--worker-id", "worker-0"]].concat(), &worker_tls);
@@ -73,7 +87,7 @@ async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_rol
 
     // A router's certificate may not generate on a worker (only gateways).
     let generate = pb::GenerateRequest { request_id: "not-a-gateway".into(), prompt_token_ids: vec![1, 2, 3], ..Default::default() };
-    let as_router = tls_channel(&worker.grpc_endpoint(), &ca.trust(Role::Router, "router-1"), Role::Worker).unwrap();
+    let as_router = tls_channel(&worker.grpc_endpoint(), &tls(dir.path(), "router").load().unwrap().unwrap(), Role::Worker).unwrap();
     let refused = pb::worker_client::WorkerClient::new(as_router).generate(generate.clone()).await.unwrap_err();
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
     assert!(refused.message().contains("/turbine.worker.v1.Worker/Generate"), "{}", refused.message());
@@ -86,7 +100,7 @@ async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_rol
     // A caller that means to reach a kv-store refuses the worker's
     // certificate, with a certificate the worker takes from a caller that
     // means to reach a worker.
-    let gateway_trust = ca.trust(Role::Gateway, "gateway-1");
+    let gateway_trust = tls(dir.path(), "gateway").load().unwrap().unwrap();
     let card = pb::GetModelCardRequest {};
     let meant = tls_channel(&worker.grpc_endpoint(), &gateway_trust, Role::Worker).unwrap();
     pb::worker_client::WorkerClient::new(meant).get_model_card(card).await.expect("a gateway reads the worker's card");
@@ -118,4 +132,24 @@ fn a_process_dials_with_one_identity() {
     let refused = other.establish().unwrap_err().to_string();
     assert!(refused.contains("already has the identity"), "{refused}");
     assert_eq!(turbine_runtime::trust::dialing_as().unwrap().peer().role, Role::Router);
+}
+
+#[test]
+fn turbine_certs_names_each_role_and_worker_and_overwrites_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path());
+    for role in Role::ALL {
+        let trust = tls(dir.path(), role.as_str()).load().unwrap().expect("credentials");
+        assert_eq!((trust.peer().role, trust.peer().name.as_str()), (role, role.as_str()));
+    }
+    let worker = tls(dir.path(), "workers/worker-0").load().unwrap().unwrap();
+    assert_eq!((worker.peer().role, worker.peer().name.as_str()), (Role::Worker, "worker-0"));
+    let mode = |path: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(dir.path().join(path)).unwrap().permissions()) & 0o777;
+    assert_eq!((mode("ca.key"), mode("router.key"), mode("workers/worker-0.key")), (0o600, 0o600, 0o600), "keys are the owner's only");
+    let again = std::process::Command::new(workspace_binary("turbine")).args(["certs", "--out"]).arg(dir.path()).output().unwrap();
+    assert!(!again.status.success(), "a second CA over the first is refused");
+    assert!(String::from_utf8_lossy(&again.stderr).contains("overwrites nothing"), "{}", String::from_utf8_lossy(&again.stderr));
+    let bad =
+        std::process::Command::new(workspace_binary("turbine")).args(["certs", "--worker", "../x", "--out"]).arg(dir.path().join("other")).output().unwrap();
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("worker id"), "{}", String::from_utf8_lossy(&bad.stderr));
 }

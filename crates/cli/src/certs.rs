@@ -1,0 +1,112 @@
+//! `turbine certs`: a certificate authority for one deployment and a
+//! certificate per role (and per worker id), the files every service's
+//! `--tls-cert`, `--tls-key` and `--tls-ca` read.
+//!
+//! Each certificate names its role as the DNS name `<role>.turbine` (what
+//! a caller checks the server's against, and what the server's role table
+//! authorizes the caller by) and its holder as the subject's common name
+//! (a worker's id). Keys are written readable by their owner only. Nothing
+//! is overwritten: a directory that already holds a CA is refused.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use turbine_runtime::host::Role;
+
+/// `turbine certs`.
+#[derive(Debug, clap::Args)]
+pub struct CertsArgs {
+    /// Folder to write into (made if missing): ca.crt and ca.key, then
+    /// <role>.crt and <role>.key for every role, and workers/<ID>.crt and
+    /// workers/<ID>.key for each --worker.
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Also a worker certificate naming this worker id (its
+    /// --worker-id) as its common name, repeatable.
+    #[arg(long = "worker", value_name = "ID")]
+    pub workers: Vec<String>,
+    /// Days the certificates are valid, from now.
+    #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=3650))]
+    pub days: u32,
+    /// The CA's common name.
+    #[arg(long, default_value = "turbine deployment CA")]
+    pub ca_name: String,
+}
+
+/// What was written.
+#[derive(Debug)]
+pub struct Written {
+    /// The CA's certificate (every service's --tls-ca).
+    pub ca: PathBuf,
+    /// Each holder's certificate and key: the roles', then the workers'.
+    pub holders: Vec<(String, PathBuf, PathBuf)>,
+}
+
+/// Makes the CA and the certificates under `args.out`.
+pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
+    for id in &args.workers {
+        let valid = !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        anyhow::ensure!(valid, "--worker {id:?}: a worker id is letters, digits, '.', '_' or '-'");
+    }
+    let out = &args.out;
+    std::fs::create_dir_all(out.join("workers")).with_context(|| format!("cannot make {}", out.display()))?;
+    let ca_cert = out.join("ca.crt");
+    anyhow::ensure!(!ca_cert.exists(), "{} exists: turbine certs makes a new CA and overwrites nothing; choose an empty --out", ca_cert.display());
+
+    let now = time::OffsetDateTime::now_utc();
+    let until = now + time::Duration::days(i64::from(args.days));
+    let ca_key = KeyPair::generate().context("a CA key")?;
+    let mut ca = CertificateParams::new(Vec::<String>::new()).context("CA parameters")?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.distinguished_name.push(DnType::CommonName, args.ca_name.as_str());
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    (ca.not_before, ca.not_after) = (now, until);
+    let ca_pem = ca.self_signed(&ca_key).context("the CA certificate")?.pem();
+    write(&ca_cert, &ca_pem, false)?;
+    write(&out.join("ca.key"), &ca_key.serialize_pem(), true)?;
+    let issuer = Issuer::from_params(&ca, &ca_key);
+
+    let mut holders = Vec::new();
+    let roles = Role::ALL.into_iter().map(|role| (role, role.as_str().to_owned(), out.join(role.as_str())));
+    let workers = args.workers.iter().map(|id| (Role::Worker, id.clone(), out.join("workers").join(id)));
+    for (role, name, stem) in roles.chain(workers) {
+        let key = KeyPair::generate().context("a key")?;
+        let mut params = CertificateParams::new(vec![role.dns_name()]).context("certificate parameters")?;
+        params.distinguished_name.push(DnType::CommonName, name.as_str());
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        (params.not_before, params.not_after) = (now, until);
+        let cert = params.signed_by(&key, &issuer).with_context(|| format!("the certificate of {name}"))?;
+        let (cert_path, key_path) = (stem.with_extension("crt"), stem.with_extension("key"));
+        write(&cert_path, &cert.pem(), false)?;
+        write(&key_path, &key.serialize_pem(), true)?;
+        holders.push((name, cert_path, key_path));
+    }
+    Ok(Written { ca: ca_cert, holders })
+}
+
+/// Writes `text` to a new file at `path`; `secret`: readable by its owner only.
+fn write(path: &Path, text: &str, secret: bool) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    let mode = if secret { 0o600 } else { 0o644 };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+        .with_context(|| format!("cannot create {} (turbine certs overwrites nothing)", path.display()))?;
+    file.write_all(text.as_bytes()).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// `turbine certs`: makes them and says how each service takes its own.
+pub fn run(args: &CertsArgs) -> anyhow::Result<()> {
+    let written = make(args)?;
+    println!("CA: {} (every service's --tls-ca); its key ca.key signs new certificates: keep it off the machines", written.ca.display());
+    for (name, cert, key) in &written.holders {
+        println!("{name}: --tls-cert {} --tls-key {} --tls-ca {}", cert.display(), key.display(), written.ca.display());
+    }
+    Ok(())
+}
