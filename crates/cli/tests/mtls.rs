@@ -153,3 +153,28 @@ fn turbine_certs_names_each_role_and_worker_and_overwrites_nothing() {
         std::process::Command::new(workspace_binary("turbine")).args(["certs", "--worker", "../x", "--out"]).arg(dir.path().join("other")).output().unwrap();
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("worker id"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+#[tokio::test]
+async fn plaintext_beyond_loopback_is_refused_unless_insecure() {
+    let redis = RedisServer::start();
+    // Refused at start, naming the address and the ways out.
+    let refused = std::process::Command::new(workspace_binary("turbine-router"))
+        .args(["--redis", &redis.url(), "--grpc-addr", "0.0.0.0:0", "--admin-addr", "127.0.0.1:0"])
+        .output()
+        .expect("turbine-router runs");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{stderr}");
+    assert!(stderr.contains("refusing to serve gRPC in plaintext on 0.0.0.0") && stderr.contains("--insecure"), "{stderr}");
+    // With --insecure it serves.
+    let router = service("turbine-router", &["--redis", &redis.url(), "--grpc-addr", "0.0.0.0:0", "--insecure"], &[], false).await;
+    assert!(router.addresses().grpc.ip().is_unspecified());
+    // turbine run listens on loopback unless told otherwise, and exposing
+    // it asks for --insecure.
+    let refused = std::process::Command::new(workspace_binary("turbine"))
+        .args(["run", "--engine", "mock", "--host", "0.0.0.0", "--http-port", "0", "--grpc-port", "0"])
+        .output()
+        .expect("turbine run runs");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("--insecure"), "{stderr}");
+    drop((router, redis));
+}

@@ -28,9 +28,17 @@ pub const RUN_PLANNER_DATABASE: &str = "planner.db";
 /// `turbine run`'s configuration.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct RunConfig {
-    /// Address to listen on.
-    #[arg(long, env = "TURBINE_HOST", default_value = "0.0.0.0")]
+    /// Address to listen on: loopback (this machine only) by default;
+    /// 0.0.0.0 or another host's address exposes the API and gRPC to the
+    /// network, in plaintext with no keys, and needs --insecure.
+    #[arg(long, env = "TURBINE_HOST", default_value = "127.0.0.1")]
     pub host: IpAddr,
+    /// Listen on a --host other machines reach although nothing
+    /// authenticates callers there: any host that reaches it may generate
+    /// and call every rpc. For a network you trust entirely.
+    #[arg(long, env = "TURBINE_INSECURE")]
+    #[serde(default)]
+    pub insecure: bool,
     /// OpenAI REST port (0: a free one).
     #[arg(long, env = "TURBINE_HTTP_PORT", default_value_t = 8000)]
     pub http_port: u16,
@@ -105,6 +113,15 @@ impl Settings for RunConfig {
         if self.workers == 0 {
             return Err(InvalidSetting::new("workers", "must be at least 1"));
         }
+        if !self.host.is_loopback() && !self.insecure {
+            return Err(InvalidSetting::new(
+                "host",
+                format!(
+                    "{} exposes the API and gRPC to other machines with nothing authenticating callers: keep the default loopback (127.0.0.1), or pass --insecure on a network you trust entirely",
+                    self.host
+                ),
+            ));
+        }
         let disaggregated = self.prefill_workers + self.decode_workers > 0;
         if disaggregated && (self.prefill_workers == 0 || self.decode_workers == 0) {
             return Err(InvalidSetting::new("prefill_workers and decode_workers", "disaggregated serving needs at least one prefill and one decode worker"));
@@ -177,6 +194,15 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<RunConfig, String> {
         Cli::try_parse_from(std::iter::once("turbine-run").chain(args.iter().copied())).map(|cli| cli.config.0).map_err(|error| error.to_string())
+    }
+
+    #[test]
+    fn it_listens_on_loopback_unless_exposed_with_insecure() {
+        assert!(parse(&[]).unwrap().host.is_loopback());
+        let refused = parse(&["--host", "0.0.0.0"]).unwrap_err();
+        assert!(refused.contains("host: 0.0.0.0") && refused.contains("--insecure"), "{refused}");
+        let exposed = parse(&["--host", "0.0.0.0", "--insecure"]).unwrap();
+        assert!(exposed.host.is_unspecified() && exposed.insecure);
     }
 
     #[test]

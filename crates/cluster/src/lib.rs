@@ -177,6 +177,7 @@ impl Cluster {
                 let address = listeners.grpc.local_addr()?;
                 let mut store_config = KvStoreConfig::default();
                 store_config.server.shutdown_grace_secs = config.shutdown_grace_secs;
+                store_config.server.insecure = config.insecure;
                 store_config.store_id = "embedded".to_owned();
                 let store = KvStore::open(store_config.memory_mib << 20, None, store_config.ucx);
                 let events = match &log {
@@ -239,6 +240,7 @@ impl Cluster {
                 let addresses = BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: None, http: None };
                 let mut kv_config = KvIndexConfig::default();
                 kv_config.server.shutdown_grace_secs = config.shutdown_grace_secs;
+                kv_config.server.insecure = config.insecure;
                 let feed = match &log {
                     Some(log) => IndexFeed::Log(log.clone()),
                     None => IndexFeed::InProcess(shared_index.clone()),
@@ -259,6 +261,7 @@ impl Cluster {
         for (replica, (listeners, router)) in gateway_listeners.into_iter().zip(&router_clients).enumerate() {
             let mut gateway = GatewayConfig { admission: config.gateway.clone(), ..GatewayConfig::default() };
             gateway.server.shutdown_grace_secs = config.shutdown_grace_secs;
+            gateway.server.insecure = config.insecure;
             if replica == 0 {
                 gateway.server.addresses_file = config.addresses_file.clone();
             }
@@ -274,6 +277,7 @@ impl Cluster {
                 let planning = PlanningConfig { database: Some(planner_database.clone()), ..config.planner.clone() };
                 let mut planner = PlannerConfig { planning, ..PlannerConfig::default() };
                 planner.server.shutdown_grace_secs = config.shutdown_grace_secs;
+                planner.server.insecure = config.insecure;
                 let ledger = Ledger::open(&planner_database, &planner.cluster.namespace).await.context("cannot open the planner's database")?;
                 let profile = planner.planning.profile.as_deref().context("--planner needs --planner-profile")?;
                 let sizing = Sizing { profile: Profile::read(profile)?, season_intervals: planner.planning.season_intervals };

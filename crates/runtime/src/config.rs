@@ -282,6 +282,12 @@ pub struct ServerConfig<S: ServiceDefaults> {
     #[command(flatten)]
     #[serde(flatten)]
     pub tls: crate::trust::TlsConfig,
+    /// Serve gRPC in plaintext on an address other hosts reach (without
+    /// it, a service with no --tls-* settings refuses to bind one: every
+    /// caller could call every rpc). For a network you trust entirely.
+    #[arg(long, env = "TURBINE_INSECURE")]
+    #[serde(default)]
+    pub insecure: bool,
     #[arg(skip)]
     #[serde(skip)]
     service: PhantomData<S>,

@@ -272,13 +272,32 @@ impl std::fmt::Debug for Host {
     }
 }
 
+/// A plaintext gRPC listener other hosts reach: refused unless `insecure`
+/// (an operator's explicit choice), then logged once per process.
+fn refuse_plaintext(service: &str, address: SocketAddr, insecure: bool) -> anyhow::Result<()> {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    anyhow::ensure!(
+        insecure,
+        "{service}: refusing to serve gRPC in plaintext on {address}, where any host that reaches it may call every rpc: give \
+         --tls-cert, --tls-key and --tls-ca (turbine certs makes them), listen on loopback (--grpc-addr 127.0.0.1:PORT), or pass \
+         --insecure (TURBINE_INSECURE=true) on a network you trust entirely"
+    );
+    WARNED.call_once(|| tracing::warn!(%address, "--insecure: gRPC in plaintext on a non-loopback address; any caller that reaches it may call every rpc"));
+    Ok(())
+}
+
 impl Host {
     /// A host for `spec` on `listeners`, NOT_SERVING, with health and
     /// reflection mounted; over mutual TLS when `server` names the
     /// process's certificate ([`crate::trust`]). Fails on TLS files that
-    /// cannot be read or a certificate that names no role.
+    /// cannot be read, a certificate that names no role, or plaintext on
+    /// a gRPC address other hosts reach without `--insecure`.
     pub async fn new<S: ServiceDefaults>(spec: HostSpec, server: &ServerConfig<S>, listeners: Listeners) -> anyhow::Result<Self> {
         let trust = server.tls.establish()?;
+        let grpc = listeners.grpc.local_addr()?;
+        if trust.is_none() && !grpc.ip().is_loopback() {
+            refuse_plaintext(spec.name, grpc, server.insecure)?;
+        }
         let (readiness, health) = Readiness::new(spec.health).await;
         let routes = crate::grpc::base_routes(health, spec.descriptors);
         let addresses = BoundAddrs {
