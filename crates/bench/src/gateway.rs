@@ -59,6 +59,11 @@ pub struct GatewayBenchArgs {
     /// that tokens arrive one per event (see the module docs).
     #[arg(long, default_value_t = 10.0)]
     pub speedup: f64,
+    /// Every gRPC hop over mutual TLS (certificates from `turbine certs`
+    /// in a temporary folder; this process calls the worker directly as a
+    /// gateway): what TLS adds, against a plaintext run.
+    #[arg(long)]
+    pub tls: bool,
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -107,6 +112,8 @@ pub struct CpuPhase {
 /// Everything `turbine bench gateway` measures.
 #[derive(Debug, Clone, Serialize)]
 pub struct GatewayBenchReport {
+    /// Whether every gRPC hop was mutual TLS.
+    pub tls: bool,
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
     /// Tokens streamed per request.
@@ -171,6 +178,8 @@ fn cpu_between(before: &HashMap<u32, u64>, after: &HashMap<u32, u64>) -> Duratio
 }
 
 struct Stack {
+    /// The certificates, with --tls.
+    _certs: Option<tempfile::TempDir>,
     _redis: RedisServer,
     worker: ServiceProcess,
     router: ServiceProcess,
@@ -192,18 +201,61 @@ async fn turbine(name: &str, args: &[String], http: bool) -> anyhow::Result<Serv
     Ok(service)
 }
 
-async fn start_stack(speedup: f64) -> anyhow::Result<Stack> {
+/// With `tls`: a CA and certificates for every role in a temporary folder
+/// (`turbine certs`), this process made a gateway; the folder, and each
+/// role's `--tls-*` flags.
+fn certificates(tls: bool) -> anyhow::Result<(Option<tempfile::TempDir>, impl Fn(Role) -> Vec<String>)> {
+    let dir = if tls { Some(tempfile::tempdir()?) } else { None };
+    if let Some(dir) = &dir {
+        let exe = std::env::current_exe().context("locating the turbine binary")?;
+        let made = Command::new(exe).args(["certs", "--out"]).arg(dir.path()).output()?;
+        anyhow::ensure!(made.status.success(), "turbine certs: {}", String::from_utf8_lossy(&made.stderr));
+    }
+    let path = dir.as_ref().map(|dir| dir.path().to_owned());
+    if let Some(path) = &path {
+        turbine_runtime::trust::TlsConfig {
+            tls_cert: Some(path.join("gateway.crt")),
+            tls_key: Some(path.join("gateway.key")),
+            tls_ca: Some(path.join("ca.crt")),
+        }
+        .establish()?;
+    }
+    let flags = move |role: Role| -> Vec<String> {
+        let Some(path) = &path else { return Vec::new() };
+        let file = |name: String| path.join(name).display().to_string();
+        let name = role.as_str();
+        vec!["--tls-cert".into(), file(format!("{name}.crt")), "--tls-key".into(), file(format!("{name}.key")), "--tls-ca".into(), file("ca.crt".into())]
+    };
+    Ok((dir, flags))
+}
+
+/// The channel this process calls the worker on directly: plain tonic (no
+/// trace context), over TLS as a gateway with --tls.
+async fn direct_channel(endpoint: &str) -> anyhow::Result<tonic::transport::Channel> {
+    let uri = match (turbine_runtime::trust::dialing_as(), endpoint.strip_prefix("http://")) {
+        (Some(_), Some(rest)) => format!("https://{rest}"),
+        _ => endpoint.to_owned(),
+    };
+    let mut endpoint = tonic::transport::Endpoint::from_shared(uri)?;
+    if let Some(trust) = turbine_runtime::trust::dialing_as() {
+        endpoint = endpoint.tls_config(trust.client_config(Role::Worker))?;
+    }
+    Ok(endpoint.connect().await?)
+}
+
+async fn start_stack(speedup: f64, tls: bool) -> anyhow::Result<Stack> {
     if Command::new(std::env::var("TURBINE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())).arg("--version").output().is_err() {
         bail!("redis-server is needed for the distributed stack; install it (Debian: apt-get install redis-server)");
     }
+    let (certs, tls_flags) = certificates(tls)?;
     let redis = RedisServer::start();
     let s = |v: &str| v.to_owned();
     let cluster = [s("--redis"), redis.url(), s("--namespace"), s("bench")];
     let worker_args = [s("--engine"), s("mock"), s("--speedup"), speedup.to_string(), s("--worker-id"), s("bench-worker")];
-    let worker = turbine("worker", &[&cluster[..], &worker_args[..]].concat(), false).await?;
-    let router = turbine("router", &cluster, false).await?;
-    let gateway = turbine("gateway", &[s("--router"), router.grpc_endpoint()], true).await?;
-    Ok(Stack { _redis: redis, worker, router, gateway })
+    let worker = turbine("worker", &[&cluster[..], &worker_args[..], &tls_flags(Role::Worker)[..]].concat(), false).await?;
+    let router = turbine("router", &[&cluster[..], &tls_flags(Role::Router)[..]].concat(), false).await?;
+    let gateway = turbine("gateway", &[&[s("--router"), router.grpc_endpoint()][..], &tls_flags(Role::Gateway)[..]].concat(), true).await?;
+    Ok(Stack { _certs: certs, _redis: redis, worker, router, gateway })
 }
 
 /// Text that the model's tokenizer turns into exactly `tokens` tokens.
@@ -325,8 +377,8 @@ pub async fn run(args: GatewayBenchArgs) -> anyhow::Result<GatewayBenchReport> {
     anyhow::ensure!(args.output_tokens >= 2, "--output-tokens must be at least 2");
     anyhow::ensure!(!args.concurrency.is_empty() && args.concurrency.iter().all(|&c| c >= 1), "--concurrency values must be at least 1");
     eprintln!("starting redis, worker, router and gateway...");
-    let stack = start_stack(args.speedup).await?;
-    let mut worker = WorkerClient::connect(stack.worker.grpc_endpoint()).await?.with_message_limits();
+    let stack = start_stack(args.speedup, args.tls).await?;
+    let mut worker = WorkerClient::new(direct_channel(&stack.worker.grpc_endpoint()).await?).with_message_limits();
     let card = worker.get_model_card(pb::GetModelCardRequest {}).await?.into_inner().card.context("no card")?;
     let card = ModelCard::try_from(card)?;
     let model = card.name.clone();
@@ -392,6 +444,7 @@ pub async fn run(args: GatewayBenchArgs) -> anyhow::Result<GatewayBenchReport> {
     }
 
     let report = GatewayBenchReport {
+        tls: args.tls,
         prompt_tokens: args.prompt_tokens,
         output_tokens: args.output_tokens,
         direct_end_to_end,
@@ -410,7 +463,8 @@ pub async fn run(args: GatewayBenchArgs) -> anyhow::Result<GatewayBenchReport> {
 /// Prints the report as a table.
 pub fn print(report: &GatewayBenchReport) {
     let row = |name: &str, l: &Latency| println!("{name:<28} {:>10.0} {:>10.0} {:>10.0} {:>10.0}", l.p50_us, l.p90_us, l.p99_us, l.mean_us);
-    println!("prompt {} tokens, {} streamed tokens per request", report.prompt_tokens, report.output_tokens);
+    let hops = if report.tls { "every gRPC hop mutual TLS" } else { "plaintext gRPC" };
+    println!("prompt {} tokens, {} streamed tokens per request, {hops}", report.prompt_tokens, report.output_tokens);
     println!("{:<28} {:>10} {:>10} {:>10} {:>10}", "latency (µs)", "p50", "p90", "p99", "mean");
     row("worker gRPC, end to end", &report.direct_end_to_end);
     row("gateway SSE, end to end", &report.gateway_end_to_end);

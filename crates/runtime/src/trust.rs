@@ -288,7 +288,7 @@ pub fn authorize(table: &[RpcRoles], path: &str, certificates: Option<&[impl AsR
     let Some(first) = certificates.and_then(|certificates| certificates.first()) else {
         return Err(tonic::Status::unauthenticated("no client certificate: this service takes callers with a certificate from its CA"));
     };
-    let peer = Peer::of_certificate(first.as_ref()).map_err(|problem| tonic::Status::unauthenticated(format!("client certificate: {problem}")))?;
+    let peer = peer_of(first.as_ref()).map_err(|problem| tonic::Status::unauthenticated(format!("client certificate: {problem}")))?;
     if table.is_empty() || OPEN_PREFIXES.iter().any(|prefix| path.starts_with(prefix)) {
         return Ok(peer);
     }
@@ -300,6 +300,31 @@ pub fn authorize(table: &[RpcRoles], path: &str, certificates: Option<&[impl AsR
         }
         None => Err(tonic::Status::permission_denied(format!("{path} is not in this service's role table: no caller may call it"))),
     }
+}
+
+/// Certificates already read, and whom they name: every call of a
+/// connection presents the same certificate, so each is parsed once (the
+/// TLS handshake verified it; the bytes are the key).
+static PEERS: std::sync::LazyLock<parking_lot::Mutex<ReadCertificates>> = std::sync::LazyLock::new(Default::default);
+
+/// Certificates (DER) and what reading each gave.
+type ReadCertificates = std::collections::HashMap<Vec<u8>, Result<Peer, CertificateError>>;
+
+/// Certificates remembered at most; past it the memory starts over.
+const PEERS_REMEMBERED: usize = 4096;
+
+/// [`Peer::of_certificate`], parsed once per certificate.
+fn peer_of(der: &[u8]) -> Result<Peer, CertificateError> {
+    if let Some(known) = PEERS.lock().get(der) {
+        return known.clone();
+    }
+    let read = Peer::of_certificate(der);
+    let mut peers = PEERS.lock();
+    if peers.len() >= PEERS_REMEMBERED {
+        peers.clear();
+    }
+    peers.insert(der.to_vec(), read.clone());
+    read
 }
 
 /// The tower layer that authorizes every call against a role table,
