@@ -86,3 +86,49 @@ async fn history_shows_the_newest_decisions_with_their_reasons() {
     let (ok, _, stderr) = history(&["--planner", &endpoint, "--limit", "0"]).await;
     assert!(!ok && stderr.contains("--limit"), "{stderr}");
 }
+
+#[tokio::test]
+async fn history_reads_a_planner_over_mutual_tls_with_an_operators_certificate() {
+    use turbine_runtime::host::Role;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = turbine_testkit::tls::TestCa::new("turbine test CA");
+    let database = format!("sqlite:{}", dir.path().join("planner.sqlite").display());
+    let state = PlannerState::new(Ledger::open(&database, "default").await.unwrap());
+    state.record(decision(7)).await.unwrap();
+    let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
+    let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
+    let shutdown = turbine_runtime::CancellationToken::new();
+    let mut config = turbine_planner::PlannerConfig {
+        planning: turbine_planner::config::PlanningConfig { database: Some(database), ..Default::default() },
+        ..Default::default()
+    };
+    config.server.tls = ca.issue(Role::Planner, "planner-0").write(dir.path(), "planner");
+    let serving = tokio::spawn(turbine_planner::serve(config, state, None, listeners, shutdown.clone()));
+    // This process now dials as the planner: health is open to any holder.
+    tokio::time::timeout(STARTUP_TIMEOUT, turbine_runtime::health::until_serving(&endpoint, Role::Planner, "turbine.planner.v1.Planner"))
+        .await
+        .expect("the planner serves over TLS");
+
+    let flags = |stem: &str, role: Role| {
+        let tls = ca.issue(role, stem).write(dir.path(), stem);
+        let path = |path: Option<std::path::PathBuf>| path.unwrap().display().to_string();
+        vec!["--tls-cert".to_owned(), path(tls.tls_cert), "--tls-key".to_owned(), path(tls.tls_key), "--tls-ca".to_owned(), path(tls.tls_ca)]
+    };
+    let operator = flags("alice", Role::Operator);
+    let mut args = vec!["--planner", endpoint.as_str()];
+    args.extend(operator.iter().map(String::as_str));
+    let (ok, text, stderr) = history(&args).await;
+    assert!(ok, "{stderr}");
+    assert!(text.contains("#7 "), "{text}");
+    // Without a certificate the planner gives no answer.
+    let (ok, _, stderr) = history(&["--planner", &endpoint]).await;
+    assert!(!ok, "{stderr}");
+    // A worker's certificate may not read the planner's history.
+    let worker = flags("worker-0", Role::Worker);
+    let mut args = vec!["--planner", endpoint.as_str()];
+    args.extend(worker.iter().map(String::as_str));
+    let (ok, _, stderr) = history(&args).await;
+    assert!(!ok && stderr.contains("may not call /turbine.planner.v1.Planner/History"), "{stderr}");
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), serving).await.unwrap().unwrap().unwrap();
+}

@@ -18,10 +18,15 @@ pub struct HistoryArgs {
     /// Print the decisions as JSON (one array) instead of text.
     #[arg(long)]
     pub json: bool,
+    /// An operator's (or monitoring) certificate, key and CA, for a
+    /// planner that serves mutual TLS.
+    #[command(flatten)]
+    pub tls: turbine_runtime::trust::TlsConfig,
 }
 
 /// Prints the history `args` ask for to stdout.
 pub fn run(args: &HistoryArgs) -> anyhow::Result<()> {
+    args.tls.establish()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let decisions = runtime.block_on(fetch(args)).map_err(|error| match error {
         crate::PlannerClientError::Call { code: turbine_api::ErrorCode::Unavailable, message } => {
