@@ -365,7 +365,9 @@ impl EngineConfig {
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct TransferConfig {
     /// Prefill workers: milliseconds pinned blocks wait for their decode
-    /// worker before they are freed.
+    /// worker before they are freed; also the longest a caller's Prefill
+    /// may ask for (a longer lease_ms is cut to it: pinned blocks are
+    /// memory other requests cannot use).
     #[arg(long, env = "TURBINE_WORKER_KV_LEASE_MS", default_value_t = 30_000)]
     pub kv_lease_ms: u64,
     /// Decode workers: how to read prefill workers' KV blocks: auto (UCX

@@ -144,3 +144,28 @@ fn a_missing_model_file_is_a_clear_startup_error() {
     assert!(!status.success());
     assert!(worker.output().iter().any(|line| line.contains("neither a GGUF file nor a known model")), "{:?}", worker.output());
 }
+
+#[tokio::test]
+async fn a_prefill_cannot_pin_blocks_longer_than_the_workers_lease() {
+    // The attack: lease_ms 4294967295 pinned a prompt's blocks for 49.7 days.
+    let worker = start_worker_with("1000", &["--role", "prefill", "--kv-lease-ms", "2000"]).await;
+    let mut client = WorkerClient::connect(worker.endpoint.clone()).await.unwrap().with_message_limits();
+    let generate = request(64, 8);
+    let prefill = |lease_ms: u32| pb::PrefillRequest {
+        request_id: format!("lease-{lease_ms}"),
+        prompt_token_ids: generate.prompt_token_ids.clone(),
+        sampling: None,
+        stop: generate.stop.clone(),
+        lease_ms,
+    };
+    let now_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let asked = now_ms();
+    let handle = client.prefill(prefill(u32::MAX)).await.unwrap().into_inner().handle.expect("a handle");
+    let lease = handle.lease_expires_unix_ms - asked;
+    assert!((0..=2_000 + 1_000).contains(&lease), "the lease is cut to the worker's 2 s, got {lease} ms");
+    // A shorter one is the caller's to ask for.
+    let asked = now_ms();
+    let handle = client.prefill(prefill(500)).await.unwrap().into_inner().handle.expect("a handle");
+    assert!(handle.lease_expires_unix_ms - asked <= 500 + 1_000, "{} ms", handle.lease_expires_unix_ms - asked);
+    drop(worker);
+}

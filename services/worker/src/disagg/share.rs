@@ -58,7 +58,10 @@ impl Disagg {
             first.finished = finished.then_some((reason, usage));
             return Ok(Prefilled { first, handle: None, cached_prompt_tokens: usage.cached_prompt_tokens });
         }
-        let handle = self.share(guard.pin_id, &blocks, lease.unwrap_or(self.lease)).await?;
+        // A caller may shorten the lease, never lengthen it past the
+        // worker's: pinned blocks are memory other requests wait for.
+        let lease = lease.map_or(self.lease, |asked| asked.min(self.lease));
+        let handle = self.share(guard.pin_id, &blocks, lease).await?;
         guard.disarm();
         Ok(Prefilled { first, handle: Some(handle), cached_prompt_tokens: usage.cached_prompt_tokens })
     }
