@@ -83,6 +83,28 @@ impl ModelCard {
     }
 }
 
+/// What control-token texts (`<|im_start|>`) in a chat message become.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContentControlTokens {
+    /// Ordinary text: only the chat template writes control tokens, so a
+    /// user cannot end their turn or open a system one.
+    #[default]
+    Text,
+    /// Control tokens, as llama.cpp and vLLM do (they tokenize the rendered
+    /// prompt whole): for deployments whose clients write them on purpose.
+    Parse,
+}
+
+/// A tokenized conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatTokens {
+    /// The prompt's tokens.
+    pub ids: Vec<u32>,
+    /// Control-token texts found in the messages' roles and content (kept
+    /// as text or parsed, as asked).
+    pub control_texts: usize,
+}
+
 /// A model card compiled for use: tokenizer and chat template ready.
 #[derive(Debug)]
 pub struct Preprocessor {
@@ -119,10 +141,38 @@ impl Preprocessor {
         &self.tokenizer
     }
 
-    /// Renders a conversation with the chat template and tokenizes it.
+    /// Renders a conversation with the chat template and tokenizes it,
+    /// control-token texts in the messages kept as text.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.template.render(messages, true)?;
-        self.tokenizer.encode(&text)
+        Ok(self.encode_chat_with(messages, ContentControlTokens::Text)?.ids)
+    }
+
+    /// Renders a conversation with the chat template and tokenizes it, the
+    /// control-token texts in its messages (roles and content) treated as
+    /// `content` says.
+    pub fn encode_chat_with(&self, messages: &[ChatMessage], content: ContentControlTokens) -> Result<ChatTokens> {
+        let controls = self.tokenizer.control_texts();
+        match content {
+            ContentControlTokens::Parse => {
+                let control_texts = messages.iter().map(|message| controls.count(&message.role) + controls.count(&message.content)).sum();
+                let ids = self.tokenizer.encode(&self.template.render(messages, true)?)?;
+                Ok(ChatTokens { ids, control_texts })
+            }
+            ContentControlTokens::Text => {
+                let mut control_texts = 0;
+                let marked: Vec<ChatMessage> = messages
+                    .iter()
+                    .map(|message| {
+                        let (role, in_role) = controls.mark(&message.role);
+                        let (text, in_content) = controls.mark(&message.content);
+                        control_texts += in_role + in_content;
+                        ChatMessage::new(role, text)
+                    })
+                    .collect();
+                let ids = self.tokenizer.encode_marked(&self.template.render(&marked, true)?)?;
+                Ok(ChatTokens { ids, control_texts })
+            }
+        }
     }
 
     /// Renders a conversation with the chat template (generation prompt added).

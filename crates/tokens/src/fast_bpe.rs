@@ -228,6 +228,9 @@ pub(crate) struct ByteLevelBpe {
     pre_tokenizer: PreTokenizer,
     /// Control and user-defined tokens, matched before anything else.
     added: Option<(AhoCorasick, Vec<u32>)>,
+    /// User-defined tokens alone (for text whose control-token texts stay
+    /// text).
+    user_defined: Option<(AhoCorasick, Vec<u32>)>,
     cache: RwLock<PieceCache>,
 }
 
@@ -263,21 +266,35 @@ impl ByteLevelBpe {
             .filter(|&id| matches!(spec.token_type(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
             .filter(|&id| !spec.tokens[id as usize].is_empty())
             .collect();
-        let added = if added_ids.is_empty() {
-            None
-        } else {
-            let patterns: Vec<&str> = added_ids.iter().map(|&id| spec.tokens[id as usize].as_str()).collect();
+        let user_defined_ids: Vec<u32> = added_ids.iter().copied().filter(|&id| spec.token_type(id) == TOKEN_TYPE_USER_DEFINED).collect();
+        let matcher = |ids: Vec<u32>| -> Option<Option<(AhoCorasick, Vec<u32>)>> {
+            if ids.is_empty() {
+                return Some(None);
+            }
+            let patterns: Vec<&str> = ids.iter().map(|&id| spec.tokens[id as usize].as_str()).collect();
             let automaton = AhoCorasick::builder().match_kind(MatchKind::LeftmostLongest).build(&patterns).ok()?;
-            Some((automaton, added_ids))
+            Some(Some((automaton, ids)))
         };
-        Some(Self { byte_tokens, merges, pre_tokenizer, added, cache: RwLock::new(FxHashMap::default()) })
+        let added = matcher(added_ids)?;
+        let user_defined = matcher(user_defined_ids)?;
+        Some(Self { byte_tokens, merges, pre_tokenizer, added, user_defined, cache: RwLock::new(FxHashMap::default()) })
     }
 
     /// Encodes text to token ids.
     pub(crate) fn encode(&self, text: &str) -> Vec<u32> {
+        self.encode_with(text, self.added.as_ref())
+    }
+
+    /// Encodes text to token ids with control-token texts as ordinary text
+    /// (user-defined tokens are still matched).
+    pub(crate) fn encode_plain(&self, text: &str) -> Vec<u32> {
+        self.encode_with(text, self.user_defined.as_ref())
+    }
+
+    fn encode_with(&self, text: &str, added: Option<&(AhoCorasick, Vec<u32>)>) -> Vec<u32> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 4);
         let mut pieces = Vec::with_capacity(text.len() / 3 + 4);
-        match &self.added {
+        match added {
             None => self.pre_tokenizer.pieces(text, &mut pieces),
             Some((automaton, added_ids)) => {
                 let mut previous = 0;

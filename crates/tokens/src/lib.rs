@@ -6,12 +6,14 @@
 //! - [`detokenize`]: token ids back to text incrementally, never splitting a
 //!   UTF-8 character.
 //! - [`chat`]: renders the model's Jinja chat template.
+//! - [`control`]: keeps control-token texts in user content as text.
 //! - [`card`]: the model card (tokenizer + template + limits) that workers
 //!   publish and gateways compile into a [`Preprocessor`].
 //! - [`pull`]: the model catalog and cache (`turbine model pull`).
 
 pub mod card;
 pub mod chat;
+pub mod control;
 pub mod detokenize;
 mod fast_bpe;
 pub mod gguf;
@@ -20,8 +22,9 @@ pub mod tokenizer;
 
 use std::path::PathBuf;
 
-pub use card::{ModelCard, Preprocessor};
+pub use card::{ChatTokens, ContentControlTokens, ModelCard, Preprocessor};
 pub use chat::{ChatMessage, ChatTemplate};
+pub use control::ControlTexts;
 pub use detokenize::{IncrementalDecoder, TokenBytes};
 pub use gguf::Gguf;
 pub use tokenizer::{Tokenizer, TokenizerSpec};

@@ -7,7 +7,7 @@
 //! refused with an error naming the family.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -19,6 +19,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
+use crate::control::{ControlTexts, Piece};
 use crate::detokenize::{IncrementalDecoder, TokenBytes};
 use crate::fast_bpe::{ByteLevelBpe, GPT2_REGEX, PreTokenizer};
 use crate::gguf::{Gguf, Value};
@@ -140,9 +141,13 @@ impl TokenizerSpec {
 #[derive(Debug)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with control-token texts split as ordinary text (built when
+    /// first needed).
+    inner_plain: OnceLock<tokenizers::Tokenizer>,
     fast: Option<ByteLevelBpe>,
     spec: TokenizerSpec,
     token_bytes: Arc<TokenBytes>,
+    controls: ControlTexts,
 }
 
 impl Tokenizer {
@@ -178,7 +183,8 @@ impl Tokenizer {
         } else {
             None
         };
-        Ok(Self { inner, fast, spec, token_bytes })
+        let controls = ControlTexts::new(&spec);
+        Ok(Self { inner, inner_plain: OnceLock::new(), fast, spec, token_bytes, controls })
     }
 
     /// Builds the tokenizer stored in a GGUF file's metadata.
@@ -201,6 +207,49 @@ impl Tokenizer {
     pub fn encode_reference(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self.inner.encode_fast(text, false).map_err(tokenizer_error)?;
         Ok(self.with_bos(encoding.get_ids().to_vec()))
+    }
+
+    /// Encodes a prompt rendered from marked messages
+    /// ([`ControlTexts::mark`]): control tokens written in it become their
+    /// ids; each mark becomes the text it stands for, tokenized as ordinary
+    /// text (so a user's `<|im_start|>` is a few tokens of text, never the
+    /// control token). Text without marks encodes as [`encode`](Self::encode)
+    /// does.
+    pub fn encode_marked(&self, text: &str) -> Result<Vec<u32>> {
+        if !text.contains(crate::control::MARK) {
+            return self.encode(text);
+        }
+        let mut ids = Vec::with_capacity(text.len() / 3 + 4);
+        for piece in self.controls.pieces(text) {
+            match piece {
+                Piece::Control(id) => ids.push(id),
+                Piece::Text(text) => ids.extend(self.encode_plain(&self.controls.unmark(text))?),
+            }
+        }
+        Ok(self.with_bos(ids))
+    }
+
+    /// Encodes text with control-token texts as ordinary text, no BOS.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        match &self.fast {
+            Some(fast) => Ok(fast.encode_plain(text)),
+            None => self.encode_plain_reference(text),
+        }
+    }
+
+    /// [`encode_plain`](Self::encode_plain) with the HF pipeline alone.
+    pub fn encode_plain_reference(&self, text: &str) -> Result<Vec<u32>> {
+        let plain = self.inner_plain.get_or_init(|| {
+            let mut plain = self.inner.clone();
+            plain.set_encode_special_tokens(true);
+            plain
+        });
+        Ok(plain.encode_fast(text, false).map_err(tokenizer_error)?.get_ids().to_vec())
+    }
+
+    /// The control tokens of this vocabulary, as text.
+    pub fn control_texts(&self) -> &ControlTexts {
+        &self.controls
     }
 
     /// Whether the fast encoder is in use.

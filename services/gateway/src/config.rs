@@ -67,6 +67,34 @@ pub struct AdmissionConfig {
     /// milliseconds.
     #[arg(long, env = "TURBINE_GATEWAY_MODEL_REFRESH_MS", default_value_t = 1000)]
     pub model_refresh_ms: u64,
+    /// What control-token texts (`<|im_start|>`, `<|im_end|>`, ...) in a
+    /// chat message become: `text` (ordinary text; only the chat template
+    /// writes control tokens, so no user can end their turn or open a
+    /// system one) or `parse` (control tokens, as llama.cpp and vLLM do:
+    /// only for clients trusted to write whole prompts).
+    #[arg(long, env = "TURBINE_GATEWAY_CONTENT_CONTROL_TOKENS", value_enum, default_value_t = ContentControlTokens::Text)]
+    pub content_control_tokens: ContentControlTokens,
+}
+
+/// What control-token texts in chat messages become (see
+/// [`AdmissionConfig::content_control_tokens`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContentControlTokens {
+    /// Ordinary text.
+    #[default]
+    Text,
+    /// Control tokens.
+    Parse,
+}
+
+impl From<ContentControlTokens> for turbine_tokens::ContentControlTokens {
+    fn from(value: ContentControlTokens) -> Self {
+        match value {
+            ContentControlTokens::Text => Self::Text,
+            ContentControlTokens::Parse => Self::Parse,
+        }
+    }
 }
 
 impl Default for AdmissionConfig {

@@ -24,7 +24,7 @@ pub mod pipeline;
 pub mod serve;
 pub mod stop;
 
-pub use config::{AdmissionConfig, GatewayConfig};
+pub use config::{AdmissionConfig, ContentControlTokens, GatewayConfig};
 pub use error::{ErrorKind, GatewayError};
 pub use pipeline::{Pipeline, Prompt, TextEvent, TextRequest, TextStream};
 pub use serve::{GatewayDeps, main, serve};

@@ -59,9 +59,23 @@ static TOKENS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_gateway_tokens_total", "Tokens by model and kind (prompt, cached_prompt, completion)", &["model", "kind"]));
 static RETRIES: LazyLock<IntCounter> =
     LazyLock::new(|| counter("turbine_gateway_worker_retries_total", "Requests re-routed before their first token", &[]).with_label_values(&[] as &[&str]));
+static CONTROL_TEXTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_control_texts_in_messages_total",
+        "Control-token texts (<|im_start|> and the like) found in chat messages' roles and content, by what they became: text (--content-control-tokens text, the default: a turn cannot be forged) or control (parse: they became control tokens)",
+        &["model", "became"],
+    )
+});
 static MIGRATIONS: LazyLock<IntCounter> = LazyLock::new(|| {
     counter("turbine_gateway_migrations_total", "Requests continued on another worker after one failed mid-stream", &[]).with_label_values(&[] as &[&str])
 });
+
+/// Counts control-token texts found in a chat request's messages.
+pub fn control_texts(model: &str, count: usize, became_control: bool) {
+    if count > 0 {
+        CONTROL_TEXTS.with_label_values(&[model, if became_control { "control" } else { "text" }]).inc_by(count as u64);
+    }
+}
 
 /// Counts a response by endpoint and status.
 pub fn response(endpoint: &str, status: u16) {

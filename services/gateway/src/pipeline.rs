@@ -17,7 +17,7 @@ use turbine_api::router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_api::worker::{KvHandle, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
 use turbine_api::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
-use turbine_tokens::{ChatMessage, IncrementalDecoder, Preprocessor, TokenBytes};
+use turbine_tokens::{ChatMessage, ContentControlTokens, IncrementalDecoder, Preprocessor, TokenBytes};
 
 use crate::catalog::ModelCatalog;
 use crate::error::{ErrorKind, GatewayError};
@@ -73,6 +73,7 @@ pub struct Pipeline {
     router: RouterClient,
     workers: WorkerClients,
     catalog: Arc<ModelCatalog>,
+    content_control_tokens: ContentControlTokens,
 }
 
 /// A generated token with its log-probabilities (requests that asked).
@@ -106,9 +107,10 @@ pub enum TextEvent {
 }
 
 impl Pipeline {
-    /// A pipeline over a router, worker clients and the model catalog.
-    pub fn new(router: RouterClient, workers: WorkerClients, catalog: Arc<ModelCatalog>) -> Self {
-        Self { router, workers, catalog }
+    /// A pipeline over a router, worker clients and the model catalog;
+    /// control-token texts in chat messages become `content_control_tokens`.
+    pub fn new(router: RouterClient, workers: WorkerClients, catalog: Arc<ModelCatalog>, content_control_tokens: ContentControlTokens) -> Self {
+        Self { router, workers, catalog, content_control_tokens }
     }
 
     /// The client of a routed worker.
@@ -127,7 +129,7 @@ impl Pipeline {
     pub async fn start(&self, request: TextRequest, request_id: String) -> Result<TextStream, GatewayError> {
         let started = Instant::now();
         let model = self.catalog.get(&request.model).await?;
-        let prompt = tokenize(&model, request.prompt)?;
+        let prompt = tokenize(&model, &request.model, request.prompt, self.content_control_tokens)?;
         let context = model.card().context_length;
         let prompt_len = prompt.len() as u64;
         if prompt_len >= u64::from(context) {
@@ -322,9 +324,13 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
-fn tokenize(model: &Preprocessor, prompt: Prompt) -> Result<Vec<u32>, GatewayError> {
+fn tokenize(model: &Preprocessor, name: &str, prompt: Prompt, content: ContentControlTokens) -> Result<Vec<u32>, GatewayError> {
     let tokens = match prompt {
-        Prompt::Chat(messages) => model.encode_chat(&messages)?,
+        Prompt::Chat(messages) => {
+            let chat = model.encode_chat_with(&messages, content)?;
+            metrics::control_texts(name, chat.control_texts, content == ContentControlTokens::Parse);
+            chat.ids
+        }
         Prompt::Text(text) => model.encode_text(&text)?,
         Prompt::Tokens(tokens) => {
             if let Some(bad) = tokens.iter().find(|&&t| !model.is_valid_token(t)) {

@@ -57,7 +57,7 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
     let readiness = host.readiness().clone();
     let catalog = Arc::new(ModelCatalog::new(deps.router.clone(), deps.workers.clone()));
     let state = AppState {
-        pipeline: Pipeline::new(deps.router, deps.workers, catalog.clone()),
+        pipeline: Pipeline::new(deps.router, deps.workers, catalog.clone(), config.admission.content_control_tokens.into()),
         admission: Arc::new(Semaphore::new(config.admission.max_concurrent_requests)),
         max_body_bytes: config.admission.max_body_bytes,
         readiness: readiness.clone(),
