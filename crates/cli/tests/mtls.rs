@@ -108,6 +108,36 @@ async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_rol
     let refused = pb::worker_client::WorkerClient::new(misdirected).get_model_card(card).await.unwrap_err();
     assert_transport_failure(&refused);
 
+    // Anyone who can write to Redis adds a worker record pointing at a
+    // listener of theirs: the router skips it (no worker's seal), counts
+    // it, and no request reaches the listener.
+    let rogue = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    rogue.set_nonblocking(true).unwrap();
+    let record =
+        json!({"worker_id": "rogue", "endpoint": format!("http://{}", rogue.local_addr().unwrap()), "model": MODEL, "kv_block_size": 16, "instance": 1});
+    let mut redis_cli = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    redis::pipe()
+        .cmd("SET")
+        .arg("turbine:mtls:workers:rogue")
+        .arg(record.to_string())
+        .arg("EX")
+        .arg(60)
+        .ignore()
+        .sadd("turbine:mtls:workers", "rogue")
+        .ignore()
+        .query_async::<()>(&mut redis_cli)
+        .await
+        .unwrap();
+    let refused = async || turbine_testkit::metric_where(&router.admin_url(), "turbine_registry_refused_records_total", &[("reason", "unsigned")]).await;
+    turbine_testkit::wait_until("the router reads the rogue record", std::time::Duration::from_secs(20), async || refused().await >= 1.0).await;
+    for i in 0..6 {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": format!("victim {i}")}], "max_tokens": 4, "ignore_eos": true});
+        let (status, body) = post(&base, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert!(rogue.accept().is_err(), "no connection reached the rogue listener");
+    until_registered(&router, 1).await;
+
     // The stack served on through all of it.
     let body = json!({"model": MODEL, "prompt": "still serving", "max_tokens": 4, "ignore_eos": true});
     let (status, body) = post(&base, "/v1/completions", &body).await;

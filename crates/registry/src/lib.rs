@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 pub use lease::Lease;
 pub use memory::MemoryRegistry;
-pub use redis_backend::RedisRegistry;
+pub use redis_backend::{RedisRegistry, SignedRecord, signed_bytes};
 pub use restart::RestartGrace;
 use serde::{Deserialize, Serialize};
 pub use turbine_kv::WorkerId;
@@ -129,14 +129,6 @@ pub enum RegistryError {
     /// Redis refused or could not be reached.
     #[error("registry backend unavailable: {0}")]
     Unavailable(String),
-    /// A stored record could not be decoded.
-    #[error("corrupt registry record {key}: {message}")]
-    Corrupt {
-        /// The key.
-        key: String,
-        /// What is wrong.
-        message: String,
-    },
 }
 
 impl From<redis::RedisError> for RegistryError {

@@ -81,3 +81,99 @@ async fn an_unreachable_redis_is_an_error_not_a_hang() {
     assert!(tokio::time::timeout(bound, registry.ping()).await.expect("ping returns").is_err());
     assert!(tokio::time::timeout(bound, registry.list()).await.expect("list returns").is_err());
 }
+
+/// How many records readers in this process skipped for `reason`.
+fn refused(reason: &str) -> f64 {
+    let page = turbine_runtime::metrics::render();
+    let prefix = format!("turbine_registry_refused_records_total{{reason=\"{reason}\"}} ");
+    page.lines().find_map(|line| line.strip_prefix(&prefix)?.parse().ok()).unwrap_or(0.0)
+}
+
+/// With certificates, a worker's record is sealed by its key, and readers
+/// list only records sealed by a worker certificate of their CA naming the
+/// record's worker, before their expiry. A client that can write to Redis
+/// adds no worker, moves none, and replays none; what it writes is
+/// skipped and counted, and the genuine records stay listed.
+#[tokio::test]
+async fn with_certificates_only_a_workers_own_sealed_record_is_listed() {
+    use turbine_registry::{SignedRecord, signed_bytes};
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let ca = TestCa::new("deployment");
+    let as_worker = |name: &str| Registry::Redis(RedisRegistry::new(&url, "sealed").unwrap().with_trust(Some(ca.trust(Role::Worker, name))));
+    let reader = Registry::Redis(RedisRegistry::new(&url, "sealed").unwrap().with_trust(Some(ca.trust(Role::Router, "router-0"))));
+    let listed = async || reader.list().await.unwrap().into_iter().map(|w| (w.record.worker_id.to_string(), w.record.endpoint)).collect::<Vec<_>>();
+    as_worker("w0").put(&record("w0"), Duration::from_secs(30)).await.unwrap();
+    assert_eq!(listed().await, [("w0".to_owned(), record("w0").endpoint)]);
+
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut redis_cli = client.get_multiplexed_async_connection().await.unwrap();
+    let mut write = async |id: &str, value: String| {
+        redis::pipe()
+            .cmd("SET")
+            .arg(format!("turbine:sealed:workers:{id}"))
+            .arg(value)
+            .arg("EX")
+            .arg(60)
+            .ignore()
+            .sadd("turbine:sealed:workers", id)
+            .ignore()
+            .query_async::<()>(&mut redis_cli)
+            .await
+            .unwrap();
+    };
+    let genuine: String =
+        redis::cmd("GET").arg("turbine:sealed:workers:w0").query_async(&mut client.get_multiplexed_async_connection().await.unwrap()).await.unwrap();
+    let genuine: SignedRecord = serde_json::from_str(&genuine).unwrap();
+
+    // A bare record, as every reader took before.
+    let rogue = WorkerRecord { endpoint: "http://10.6.6.6:50052".into(), ..record("rogue") };
+    write("rogue", serde_json::to_string(&rogue).unwrap()).await;
+    // w0's record moved to another endpoint, its seal kept.
+    let moved = WorkerRecord { endpoint: "http://10.6.6.6:50052".into(), ..record("w1") };
+    let mut altered = genuine.clone();
+    altered.record = altered.record.replace(&record("w0").endpoint, "http://10.6.6.6:50052").replace("\"w0\"", "\"w1\"");
+    write("w1", serde_json::to_string(&altered).unwrap()).await;
+    // w3's certificate seals a record naming w2.
+    as_worker("w3").put(&record("w2"), Duration::from_secs(30)).await.unwrap();
+    // Another CA's worker.
+    let theirs = TestCa::new("attacker");
+    Registry::Redis(RedisRegistry::new(&url, "sealed").unwrap().with_trust(Some(theirs.trust(Role::Worker, "w4"))))
+        .put(&record("w4"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    // w5's genuine seal over a lease that ended a minute ago, replayed.
+    let w5 = ca.trust(Role::Worker, "w5");
+    let json = serde_json::to_string(&record("w5")).unwrap();
+    let expires_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 - 60_000;
+    let seal = w5.signer().seal(&signed_bytes(&json, expires_unix_ms)).unwrap();
+    write("w5", serde_json::to_string(&SignedRecord { record: json, expires_unix_ms, seal }).unwrap()).await;
+    // Garbage, and w0's genuine record copied under another key.
+    write("w6", "{not json".into()).await;
+    write("w7", serde_json::to_string(&genuine).unwrap()).await;
+
+    let before: Vec<f64> = ["unsigned", "bad_signature", "wrong_writer", "untrusted", "expired", "corrupt"].iter().map(|reason| refused(reason)).collect();
+    assert_eq!(listed().await, [("w0".to_owned(), record("w0").endpoint)], "only w0's own record; {moved:?} is not among them");
+    let after: Vec<f64> = ["unsigned", "bad_signature", "wrong_writer", "untrusted", "expired", "corrupt"].iter().map(|reason| refused(reason)).collect();
+    let counted: Vec<f64> = after.iter().zip(&before).map(|(after, before)| after - before).collect();
+    assert_eq!(counted, [1.0, 1.0, 1.0, 1.0, 1.0, 2.0], "one of each, two corrupt (garbage, a record under another's key)");
+
+    // A plaintext reader (development) lists every record that parses,
+    // sealed or not.
+    let plaintext = Registry::Redis(RedisRegistry::new(&url, "sealed").unwrap().with_trust(None));
+    let mut ids: Vec<String> = plaintext.list().await.unwrap().into_iter().map(|w| w.record.worker_id.to_string()).collect();
+    ids.sort();
+    assert_eq!(ids, ["rogue", "w0", "w1", "w2", "w4", "w5"]);
+
+    // w0's record, already read and taken once, overwritten in place with
+    // another endpoint: read again, and refused.
+    let mut moved_in_place = genuine.clone();
+    moved_in_place.record = moved_in_place.record.replace(&record("w0").endpoint, "http://10.6.6.6:50052");
+    write("w0", serde_json::to_string(&moved_in_place).unwrap()).await;
+    let before = refused("bad_signature");
+    assert_eq!(listed().await, [], "w0 moved is no longer w0's record");
+    assert_eq!(refused("bad_signature") - before, 2.0, "w0 now, and w1 as before");
+}

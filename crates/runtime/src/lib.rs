@@ -27,6 +27,7 @@ pub mod host;
 pub mod metrics;
 pub mod propagation;
 pub mod shutdown;
+pub mod signed;
 pub mod telemetry;
 pub mod trust;
 

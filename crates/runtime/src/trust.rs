@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 use crate::host::{Role, RpcRoles};
+use crate::signed::{Signer, Verifier};
 
 /// The suffix of a role's DNS name (`router.turbine`).
 pub const ROLE_DOMAIN: &str = "turbine";
@@ -236,6 +237,8 @@ struct TrustInner {
     identity: Identity,
     ca: Certificate,
     own: Peer,
+    signer: Signer,
+    verifier: Verifier,
 }
 
 impl std::fmt::Debug for Trust {
@@ -251,13 +254,24 @@ impl Trust {
         let (_, pem) = x509_parser::pem::parse_x509_pem(cert).map_err(|error| anyhow::anyhow!("not a PEM certificate: {error}"))?;
         let own = Peer::of_certificate(&pem.contents)?;
         x509_parser::pem::parse_x509_pem(ca).map_err(|error| anyhow::anyhow!("the CA is not a PEM certificate: {error}"))?;
-        let inner = TrustInner { identity: Identity::from_pem(cert, key), ca: Certificate::from_pem(ca), own };
+        let (signer, verifier) = (Signer::from_pem(cert, key)?, Verifier::from_pem(ca)?);
+        let inner = TrustInner { identity: Identity::from_pem(cert, key), ca: Certificate::from_pem(ca), own, signer, verifier };
         Ok(Self { inner: Arc::new(inner) })
     }
 
     /// Who this process is.
     pub fn peer(&self) -> &Peer {
         &self.inner.own
+    }
+
+    /// Signs what this process writes to shared stores.
+    pub fn signer(&self) -> &Signer {
+        &self.inner.signer
+    }
+
+    /// Checks what others wrote against this process's CA.
+    pub fn verifier(&self) -> &Verifier {
+        &self.inner.verifier
     }
 
     /// The server side: this certificate, and callers must present one the

@@ -1,0 +1,61 @@
+//! Seals: a record signed by its writer's certificate key verifies against
+//! the writer's CA and names the writer; an altered record, another
+//! writer's certificate, or another CA's does not.
+
+use turbine_runtime::host::Role;
+use turbine_runtime::signed::{Seal, SealError};
+use turbine_runtime::trust::Peer;
+use turbine_testkit::tls::TestCa;
+
+#[test]
+fn a_sealed_record_names_its_writer() {
+    let ca = TestCa::new("deployment");
+    let worker = ca.trust(Role::Worker, "worker-0");
+    let router = ca.trust(Role::Router, "router-0");
+    let record = br#"{"worker_id":"worker-0","endpoint":"https://10.0.0.5:50052"}"#;
+    let seal = worker.signer().seal(record).unwrap();
+    assert_eq!(seal.scheme, 0x0403, "ECDSA P-256 SHA-256, the key turbine certs makes");
+    let writer = router.verifier().verify(record, &seal).unwrap();
+    assert_eq!(writer, Peer { role: Role::Worker, name: "worker-0".into() });
+    // Again, from the remembered certificate.
+    assert_eq!(router.verifier().verify(record, &seal).unwrap(), writer);
+    // A seal survives JSON.
+    let json = serde_json::to_string(&seal).unwrap();
+    assert_eq!(serde_json::from_str::<Seal>(&json).unwrap(), seal);
+}
+
+#[test]
+fn an_altered_record_or_a_borrowed_certificate_is_refused() {
+    let ca = TestCa::new("deployment");
+    let worker = ca.trust(Role::Worker, "worker-0");
+    let other = ca.trust(Role::Worker, "worker-1");
+    let reader = ca.trust(Role::Router, "router-0");
+    let record = br#"{"worker_id":"worker-0","endpoint":"https://10.0.0.5:50052"}"#;
+    let seal = worker.signer().seal(record).unwrap();
+
+    let altered = br#"{"worker_id":"worker-0","endpoint":"https://10.6.6.6:50052"}"#;
+    assert_eq!(reader.verifier().verify(altered, &seal), Err(SealError::BadSignature));
+    // worker-1 signs, and claims worker-0's certificate.
+    let mut borrowed = other.signer().seal(record).unwrap();
+    borrowed.certificate = seal.certificate.clone();
+    assert_eq!(reader.verifier().verify(record, &borrowed), Err(SealError::BadSignature));
+    let mut flipped = seal.clone();
+    flipped.signature[10] ^= 1;
+    assert_eq!(reader.verifier().verify(record, &flipped), Err(SealError::BadSignature));
+    flipped.scheme = 0x9999;
+    assert_eq!(reader.verifier().verify(record, &flipped), Err(SealError::UnsupportedScheme(0x9999)));
+}
+
+#[test]
+fn another_cas_certificate_is_untrusted() {
+    let ours = TestCa::new("deployment");
+    let theirs = TestCa::new("attacker");
+    let forger = theirs.trust(Role::Worker, "worker-0");
+    let record = b"worker-0 lives at 10.6.6.6";
+    let seal = forger.signer().seal(record).unwrap();
+    let refused = ours.trust(Role::Router, "router-0").verifier().verify(record, &seal).unwrap_err();
+    assert!(matches!(refused, SealError::Untrusted(_)), "{refused:?}");
+    let mut garbage = seal;
+    garbage.certificate = b"not a certificate".to_vec();
+    assert!(matches!(ours.trust(Role::Router, "router-0").verifier().verify(record, &garbage), Err(SealError::Untrusted(_))));
+}
