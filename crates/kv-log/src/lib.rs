@@ -32,3 +32,19 @@ pub use replica::{LocalKvIndex, MAX_PUBLISH_BATCHES, ReplicaCounters};
 pub use replicate::{Replicating, dumps_from, replicate};
 pub use snapshot::{LoadedSnapshot, start_from_snapshot};
 pub use turbine_api::kv_index::{BadPosition, LogPosition};
+
+use turbine_kv::WorkerId;
+use turbine_runtime::host::Role;
+use turbine_runtime::trust::Peer;
+
+/// Whether `peer` may publish KV events in the name of `writer`: a worker
+/// only under the worker id its certificate names, a kv-store only under
+/// its own store names (`store:<its name>/...`, [`WorkerId::of_store`]);
+/// no other role.
+pub fn may_publish_for(peer: &Peer, writer: &WorkerId) -> bool {
+    match (peer.role, writer.store_part()) {
+        (Role::Worker, None) => writer.as_str() == peer.name,
+        (Role::KvStore, Some((store, _))) => store == peer.name,
+        _ => false,
+    }
+}

@@ -316,6 +316,37 @@ pub fn authorize(table: &[RpcRoles], path: &str, certificates: Option<&[impl AsR
     }
 }
 
+static REFUSED_CALLS: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync::LazyLock::new(|| {
+    crate::metrics::counter(
+        "turbine_rpc_refused_total",
+        "Calls refused for who the caller is, by rpc (unknown: not in the service's role table) and reason: unauthenticated (no or unreadable certificate), wrong_role (the caller's role may not call the rpc), wrong_writer (the caller wrote data in another's name)",
+        &["method", "reason"],
+    )
+});
+
+/// Why a call was refused for who made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No certificate, or one that names no role.
+    Unauthenticated,
+    /// The caller's role may not call the rpc.
+    WrongRole,
+    /// The caller wrote data in another's name (a handler's check).
+    WrongWriter,
+}
+
+/// Counts a refused call of `method` (a path in the service's role table;
+/// others are counted as `unknown`, so callers cannot grow the series).
+pub fn count_refusal(table: &[RpcRoles], method: &str, refusal: Refusal) {
+    let method = table.iter().find(|row| row.method == method).map_or("unknown", |row| row.method);
+    let reason = match refusal {
+        Refusal::Unauthenticated => "unauthenticated",
+        Refusal::WrongRole => "wrong_role",
+        Refusal::WrongWriter => "wrong_writer",
+    };
+    REFUSED_CALLS.with_label_values(&[method, reason]).inc();
+}
+
 /// Certificates already read, and whom they name: every call of a
 /// connection presents the same certificate, so each is parsed once (the
 /// TLS handshake verified it; the bytes are the key).
@@ -401,6 +432,8 @@ where
                 futures::future::Either::Right(self.inner.call(request))
             }
             Err(status) => {
+                let refusal = if status.code() == tonic::Code::Unauthenticated { Refusal::Unauthenticated } else { Refusal::WrongRole };
+                count_refusal(table, request.uri().path(), refusal);
                 tracing::warn!(path = request.uri().path(), status = %status.message(), "call refused");
                 futures::future::Either::Left(std::future::ready(Ok(status.into_http())))
             }

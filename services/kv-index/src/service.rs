@@ -11,7 +11,11 @@ use turbine_proto::kvindex::v1 as pb;
 use turbine_proto::kvindex::v1::kv_index_server::KvIndex as KvIndexRpc;
 
 use turbine_api::kv_index::{KvIndexApi, MatchAnswer, MatchQuery, match_to_wire};
-use turbine_kv_log::{LocalKvIndex, MAX_PUBLISH_BATCHES};
+use turbine_kv_log::{LocalKvIndex, MAX_PUBLISH_BATCHES, may_publish_for};
+use turbine_runtime::trust::{Peer, Refusal, count_refusal};
+
+/// The rpc whose writes are checked against the caller.
+const PUBLISH_EVENTS: &str = "/turbine.kvindex.v1.KvIndex/PublishEvents";
 
 /// Largest block size FindMatches hashes tokens in.
 pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
@@ -53,6 +57,7 @@ type DumpStream = Pin<Box<dyn Stream<Item = Result<pb::WorkerDump, Status>> + Se
 #[tonic::async_trait]
 impl KvIndexRpc for KvIndexService {
     async fn publish_events(&self, request: Request<pb::PublishEventsRequest>) -> Result<Response<pb::PublishEventsResponse>, Status> {
+        let caller = request.extensions().get::<Peer>().cloned();
         let batches = request.into_inner().batches;
         if batches.len() > MAX_PUBLISH_BATCHES {
             return Err(Status::invalid_argument(format!("at most {MAX_PUBLISH_BATCHES} batches per call, got {}", batches.len())));
@@ -63,6 +68,16 @@ impl KvIndexRpc for KvIndexService {
             .enumerate()
             .map(|(number, batch)| EventBatch::try_from(batch).map_err(|error| Status::invalid_argument(format!("batch {number}: {error}"))))
             .collect::<Result<Vec<_>, _>>()?;
+        // With certificates, each writes only its own events.
+        if let Some(caller) = caller
+            && let Some(other) = batches.iter().find(|batch| !may_publish_for(&caller, &batch.worker_id))
+        {
+            count_refusal(crate::serve::ROLES, PUBLISH_EVENTS, Refusal::WrongWriter);
+            return Err(Status::permission_denied(format!(
+                "{caller} may not publish the KV events of {:?}: a worker publishes its own",
+                other.worker_id.as_str()
+            )));
+        }
         let positions = self.replica.publish_events(batches).await?;
         Ok(Response::new(pb::PublishEventsResponse { entry_ids: positions.iter().map(ToString::to_string).collect() }))
     }

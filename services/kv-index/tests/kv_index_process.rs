@@ -178,3 +178,65 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
     let empty = second.client.remove_worker(pb::RemoveWorkerRequest::default()).await.unwrap_err();
     assert_eq!(empty.code(), tonic::Code::InvalidArgument);
 }
+
+/// With certificates, a worker publishes only its own KV events and a
+/// kv-store only its store's: a batch in another's name is refused with
+/// PERMISSION_DENIED naming the worker, counted, and never indexed; a
+/// router may not publish at all.
+#[tokio::test]
+async fn with_certificates_each_publishes_only_its_own_events() {
+    use turbine_runtime::grpc::tls_channel;
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("deployment");
+    ca.issue(Role::Operator, "operator").write(dir.path(), "operator").establish().unwrap();
+    let index_tls = ca.issue(Role::Index, "kv-index").write(dir.path(), "kv-index");
+    let path = |path: &Option<std::path::PathBuf>| path.as_deref().unwrap().display().to_string();
+    let tls_flags =
+        ["--tls-cert".to_owned(), path(&index_tls.tls_cert), "--tls-key".into(), path(&index_tls.tls_key), "--tls-ca".into(), path(&index_tls.tls_ca)];
+    let w0 = ca.trust(Role::Worker, "w0");
+    // w0's sealed registry record keeps its blocks indexed.
+    let registry = Registry::Redis(RedisRegistry::new(&redis.url(), "t").unwrap().with_trust(Some(w0.clone())));
+    let _lease = Lease::start(registry, Duration::from_secs(30), || record("w0"));
+    let replica = start_replica(&redis, "127.0.0.1:0", &tls_flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let endpoint = replica.process.grpc_endpoint();
+    let as_peer = |trust: &turbine_runtime::trust::Trust| KvIndexClient::new(tls_channel(&endpoint, trust, Role::Index).unwrap());
+
+    let (own, forged, stores) = (prompt(1, 4), prompt(2, 4), prompt(3, 4));
+    let mut worker = as_peer(&w0);
+    worker.publish_events(pb::PublishEventsRequest { batches: vec![batch("w0", 1, vec![stored(0, &own)])] }).await.expect("w0 publishes its own events");
+    let refused = worker.publish_events(pb::PublishEventsRequest { batches: vec![batch("w1", 1, vec![stored(0, &forged)])] }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("\"w1\""), "{}", refused.message());
+    // One forged batch among genuine ones: none is appended.
+    let mixed = vec![batch("w0", 1, vec![stored(1, &forged)]), batch("w1", 1, vec![stored(0, &forged)])];
+    assert_eq!(worker.publish_events(pb::PublishEventsRequest { batches: mixed }).await.unwrap_err().code(), tonic::Code::PermissionDenied);
+
+    let mut store = as_peer(&ca.trust(Role::KvStore, "kv-store"));
+    let store_name = turbine_kv::WorkerId::of_store("kv-store", 7);
+    store
+        .publish_events(pb::PublishEventsRequest { batches: vec![batch(store_name.as_str(), 1, vec![stored(0, &stores)])] })
+        .await
+        .expect("a kv-store publishes its own");
+    let refused = store.publish_events(pb::PublishEventsRequest { batches: vec![batch("w0", 1, vec![stored(2, &forged)])] }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "a store is no worker");
+    let router = as_peer(&ca.trust(Role::Router, "router-0"));
+    let refused = router.clone().publish_events(pb::PublishEventsRequest { batches: vec![batch("w0", 1, vec![stored(2, &forged)])] }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+
+    let admin = replica.process.admin_url();
+    let refusals = async |reason: &str| turbine_testkit::metric_where(&admin, "turbine_rpc_refused_total", &[("reason", reason)]).await;
+    assert_eq!(refusals("wrong_writer").await, 3.0);
+    assert_eq!(refusals("wrong_role").await, 1.0);
+    // The genuine events are indexed; the forged prompt matches nobody.
+    let router = &router;
+    let matched = async |tokens: &[u32]| -> Vec<(String, u32)> {
+        let response = router.clone().find_matches(query(tokens)).await.unwrap().into_inner();
+        response.matches.into_iter().map(|m| (m.worker_id, m.matched_blocks)).collect()
+    };
+    wait_until("w0's events are indexed", STARTUP_TIMEOUT, async || matched(&own).await == [("w0".to_owned(), 4)]).await;
+    assert_eq!(matched(&forged).await, [], "nothing forged was indexed");
+}
