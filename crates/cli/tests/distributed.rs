@@ -76,8 +76,8 @@ async fn requests_flow_through_separate_processes_and_spread_over_workers() {
     let expected: std::collections::BTreeMap<String, u64> = [("worker-0".to_string(), 0), ("worker-1".to_string(), 0)].into();
     let first_ids = async || {
         let mut first_ids = std::collections::BTreeMap::new();
-        for (_, payload) in log.reader().read(LogPosition::START, std::time::Duration::from_millis(100), 10_000).await.unwrap() {
-            let wire: turbine_proto::kvindex::v1::EventBatch = prost::Message::decode(payload.as_slice()).unwrap();
+        for entry in log.reader().read(LogPosition::START, std::time::Duration::from_millis(100), 10_000).await.unwrap() {
+            let wire: turbine_proto::kvindex::v1::EventBatch = prost::Message::decode(entry.payload.as_slice()).unwrap();
             let batch = turbine_kv::EventBatch::try_from(wire).unwrap();
             first_ids.entry(batch.worker_id.to_string()).or_insert(batch.events[0].event_id);
         }

@@ -138,6 +138,20 @@ async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_rol
     assert!(rogue.accept().is_err(), "no connection reached the rogue listener");
     until_registered(&router, 1).await;
 
+    // A raw XADD of events in worker-0's name: the router's index skips
+    // it (unsealed) and counts it, while worker-0's own sealed events
+    // were applied.
+    let forged = turbine_kv::EventBatch {
+        worker_id: "worker-0".into(),
+        instance: 1,
+        events: vec![turbine_kv::NumberedEvent { event_id: 1 << 40, event: turbine_kv::KvEvent::Cleared }],
+    };
+    let payload = prost::Message::encode_to_vec(&turbine_proto::kvindex::v1::EventBatch::from(&forged));
+    let _: String = redis::cmd("XADD").arg("turbine:mtls:kv:events").arg("*").arg("b").arg(payload).query_async(&mut redis_cli).await.unwrap();
+    let skipped = async || turbine_testkit::metric_where(&router.admin_url(), "turbine_kv_log_refused_entries_total", &[("reason", "unsigned")]).await;
+    turbine_testkit::wait_until("the router skips the forged events", std::time::Duration::from_secs(20), async || skipped().await >= 1.0).await;
+    assert_eq!(turbine_testkit::metric_where(&router.admin_url(), "turbine_kv_log_refused_entries_total", &[]).await, 1.0, "worker-0's own events all applied");
+
     // The stack served on through all of it.
     let body = json!({"model": MODEL, "prompt": "still serving", "max_tokens": 4, "ignore_eos": true});
     let (status, body) = post(&base, "/v1/completions", &body).await;

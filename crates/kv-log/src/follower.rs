@@ -17,8 +17,23 @@ use turbine_kv::index::Applied;
 use turbine_kv::{EventBatch, KvIndex, WorkerDump, WorkerId};
 use turbine_proto::kvindex::v1 as pb;
 
-use crate::LogPosition;
-use crate::log::EventLog;
+use crate::log::{EventLog, EventReader, LogEntry, sealed_bytes};
+use crate::{LogPosition, may_publish_for};
+use turbine_runtime::host::Role;
+use turbine_runtime::signed::{Seal, SealError, fingerprint};
+use turbine_runtime::trust::Trust;
+
+/// Writers' certificates a follower remembers at most (unknown
+/// fingerprints included); past it the memory starts over.
+const CERTIFICATES_REMEMBERED: usize = 1024;
+
+static REFUSED: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::counter(
+        "turbine_kv_log_refused_entries_total",
+        "KV event log entries a follower skipped, by reason: unsigned (no seal, where followers require one), unknown_writer (no certificate stored under the entry's fingerprint), untrusted (a certificate the CA did not sign, or not valid now), bad_signature (the batch was altered, or sealed by another key), wrong_writer (sealed by a certificate that may not write that worker's events), malformed (does not decode)",
+        &["reason"],
+    )
+});
 
 /// Fetches a worker's cache dump, or `None` when the worker cannot be
 /// reached (it is asked again a second later).
@@ -108,9 +123,20 @@ pub fn follow_from(
 ) -> JoinHandle<()> {
     let mut reader = log.reader();
     let key = log.key().to_owned();
+    let trust = log.trust().cloned();
     status.set_position(after);
     tokio::spawn(async move {
-        let mut follower = Follower { index, fetch, status, retired: FxHashMap::default(), stale: FxHashMap::default(), fetches: JoinSet::new() };
+        let mut follower = Follower {
+            index,
+            fetch,
+            status,
+            retired: FxHashMap::default(),
+            stale: FxHashMap::default(),
+            fetches: JoinSet::new(),
+            trust,
+            certificates: FxHashMap::default(),
+            warned: FxHashSet::default(),
+        };
         let mut after = after;
         let mut failures = 0u32;
         loop {
@@ -124,13 +150,15 @@ pub fn follow_from(
                         tracing::info!(stream = key, "following the KV event log");
                     }
                     failures = 0;
-                    for (position, payload) in entries {
-                        after = position;
-                        let batch = pb::EventBatch::decode(payload.as_slice()).map_err(|error| error.to_string());
-                        match batch.and_then(|batch| EventBatch::try_from(batch).map_err(|error| error.to_string())) {
+                    for entry in entries {
+                        after = entry.position;
+                        match follower.accept(&mut reader, &entry).await {
                             Ok(batch) => follower.apply(batch),
-                            Err(error) => {
-                                tracing::warn!(entry = %after, error, "skipping a malformed KV event batch")
+                            Err((reason, why)) => {
+                                REFUSED.with_label_values(&[reason]).inc();
+                                if follower.warned.insert(reason) {
+                                    tracing::warn!(entry = %after, reason, why, "skipping a KV event batch (logged once per reason; counted in turbine_kv_log_refused_entries_total)");
+                                }
                             }
                         }
                         follower.status.set_position(after);
@@ -182,9 +210,54 @@ struct Follower {
     /// Dump fetches in flight, off the follower's path: one slow worker
     /// never holds up the others' events.
     fetches: JoinSet<(WorkerId, Option<WorkerDump>)>,
+    /// Checks entries' seals (with certificates).
+    trust: Option<Trust>,
+    /// Writers' certificates by fingerprint (`None`: none stored).
+    certificates: FxHashMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Reasons already logged (each is logged once, counted always).
+    warned: FxHashSet<&'static str>,
 }
 
 impl Follower {
+    /// The batch of `entry`, if this follower takes it: it decodes and,
+    /// with certificates, is sealed by a writer of the CA that may write
+    /// that worker's events (the worker itself, its kv-store for a store's
+    /// names, or a kv-index relaying what it checked).
+    async fn accept(&mut self, reader: &mut EventReader, entry: &LogEntry) -> Result<EventBatch, (&'static str, String)> {
+        let batch = pb::EventBatch::decode(entry.payload.as_slice()).map_err(|error| error.to_string());
+        let batch = batch.and_then(|batch| EventBatch::try_from(batch).map_err(|error| error.to_string())).map_err(|why| ("malformed", why))?;
+        let Some(trust) = &self.trust else { return Ok(batch) };
+        if entry.writer.is_empty() || entry.signature.len() < 2 {
+            return Err(("unsigned", format!("the batch of {:?} is not sealed", batch.worker_id.as_str())));
+        }
+        let certificate = match self.certificates.get(&entry.writer) {
+            Some(known) => known.clone(),
+            None => {
+                let stored = reader
+                    .writer_certificate(&entry.writer)
+                    .await
+                    .map_err(|error| ("unknown_writer", format!("cannot read the writer's certificate: {error}")))?;
+                let stored = stored.filter(|der| fingerprint(der)[..] == entry.writer[..]);
+                if self.certificates.len() >= CERTIFICATES_REMEMBERED {
+                    self.certificates.clear();
+                }
+                self.certificates.insert(entry.writer.clone(), stored.clone());
+                stored
+            }
+        };
+        let certificate =
+            certificate.ok_or_else(|| ("unknown_writer", format!("no certificate is stored for the writer of {:?}'s batch", batch.worker_id.as_str())))?;
+        let seal = Seal { certificate, scheme: u16::from_be_bytes([entry.signature[0], entry.signature[1]]), signature: entry.signature[2..].to_vec() };
+        let writer = trust.verifier().verify(&sealed_bytes(&entry.payload), &seal).map_err(|error| match error {
+            SealError::BadSignature => ("bad_signature", error.to_string()),
+            _ => ("untrusted", error.to_string()),
+        })?;
+        if writer.role != Role::Index && !may_publish_for(&writer, &batch.worker_id) {
+            return Err(("wrong_writer", format!("{writer} sealed the events of {:?}", batch.worker_id.as_str())));
+        }
+        Ok(batch)
+    }
+
     fn apply(&mut self, batch: EventBatch) {
         self.status.batches.fetch_add(1, Ordering::Relaxed);
         self.apply_batch(batch);

@@ -25,7 +25,7 @@ mod replicate;
 mod snapshot;
 
 pub use follower::{DumpFetcher, FollowerStatus, dump_fetcher, follow, follow_from, with_store_dumps};
-pub use log::{EventLog, EventReader};
+pub use log::{EventLog, EventReader, LogEntry, sealed_bytes};
 pub use metrics::export_metrics;
 pub use publish::{Publisher, publish_all};
 pub use replica::{LocalKvIndex, MAX_PUBLISH_BATCHES, ReplicaCounters};

@@ -222,3 +222,82 @@ async fn snapshots_only_move_forward_and_leave_out_stale_workers() {
     assert_eq!(log.load_snapshot(&reloaded).await.unwrap().unwrap().workers, 2);
     assert_eq!(reloaded.find_matches(&seq(&[1, 2, 3])).deepest(), 3);
 }
+
+/// How many entries followers in this process skipped for `reason`.
+fn refused(reason: &str) -> f64 {
+    let page = turbine_runtime::metrics::render();
+    let prefix = format!("turbine_kv_log_refused_entries_total{{reason=\"{reason}\"}} ");
+    page.lines().find_map(|line| line.strip_prefix(&prefix)?.parse().ok()).unwrap_or(0.0)
+}
+
+/// With certificates, each entry is sealed by its writer and a follower
+/// applies only what a writer of its CA may write: a worker its own
+/// events, a kv-store its store's, a kv-index what it relays. Entries
+/// added to the stream by anyone else (unsealed, altered, sealed by
+/// another worker or another CA, naming an unknown certificate) are
+/// skipped and counted; the genuine ones are applied.
+#[tokio::test]
+async fn with_certificates_a_follower_applies_only_sealed_entries_of_their_writers() {
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+
+    let redis = RedisServer::start();
+    let ca = TestCa::new("deployment");
+    let log_as = |role: Role, name: &str| EventLog::new(&redis.url(), "sealed").unwrap().with_trust(Some(ca.trust(role, name)));
+    let w0 = log_as(Role::Worker, "w0");
+    w0.publish(&batch("w0", 1, &[stored(0, &[1, 2])])).await.unwrap();
+    let store = WorkerId::of_store("kv-store", 7);
+    log_as(Role::KvStore, "kv-store").publish(&batch(store.as_str(), 1, &[stored(0, &[3])])).await.unwrap();
+    log_as(Role::Index, "kv-index").publish(&batch("w9", 1, &[stored(0, &[4])])).await.unwrap();
+
+    // The attacks, each claiming w0's next event (id 1).
+    let forged = batch("w0", 1, &[stored(1, &[666])]);
+    let payload = prost::Message::encode_to_vec(&turbine_proto::kvindex::v1::EventBatch::from(&forged));
+    let mut redis_cli = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut add = async |fields: &[(&str, &[u8])]| {
+        let mut command = redis::cmd("XADD");
+        command.arg(w0.key()).arg("*");
+        for (name, value) in fields {
+            command.arg(*name).arg(*value);
+        }
+        let _: String = command.query_async(&mut redis_cli).await.unwrap();
+    };
+    add(&[("b", &payload)]).await;
+    log_as(Role::Worker, "w1").publish(&forged).await.unwrap();
+    log_as(Role::KvStore, "w0").publish(&forged).await.unwrap();
+    EventLog::new(&redis.url(), "sealed").unwrap().with_trust(Some(TestCa::new("attacker").trust(Role::Worker, "w0"))).publish(&forged).await.unwrap();
+    // w0's genuine seal over its first batch, on the forged batch.
+    let genuine = w0.reader().read(LogPosition::START, Duration::from_millis(10), 1).await.unwrap().remove(0);
+    add(&[("b", &payload), ("w", &genuine.writer), ("s", &genuine.signature)]).await;
+    add(&[("b", &payload), ("w", &[7; 32]), ("s", &genuine.signature)]).await;
+    add(&[("b", b"\xff not protobuf"), ("w", &genuine.writer), ("s", &genuine.signature)]).await;
+    // w0's genuine next event, after all of them.
+    w0.publish(&batch("w0", 1, &[stored(1, &[5])])).await.unwrap();
+
+    let reasons = ["unsigned", "wrong_writer", "untrusted", "bad_signature", "unknown_writer", "malformed"];
+    let before: Vec<f64> = reasons.iter().map(|reason| refused(reason)).collect();
+    let follow_as = |trust| {
+        let (index, status) = (Arc::new(KvIndex::new()), Arc::new(FollowerStatus::default()));
+        let shutdown = CancellationToken::new();
+        let no_dumps: DumpFetcher = Arc::new(|_| Box::pin(async { None }));
+        let log = EventLog::new(&redis.url(), "sealed").unwrap().with_trust(trust);
+        follow(index.clone(), &log, no_dumps, status, shutdown.clone());
+        (index, shutdown)
+    };
+    let (index, shutdown) = follow_as(Some(ca.trust(Role::Router, "router-0")));
+    wait_until("w0's genuine second batch", || depths(&index, &[5]) == vec![("w0".to_string(), 1)]).await;
+    assert_eq!(depths(&index, &[666]), [], "no forged event was applied");
+    assert_eq!(depths(&index, &[1, 2]), [("w0".to_string(), 2)]);
+    assert_eq!(depths(&index, &[3]), [(store.to_string(), 1)], "a kv-store's own");
+    assert_eq!(depths(&index, &[4]), [("w9".to_string(), 1)], "relayed by a kv-index");
+    let counted: Vec<f64> = reasons.iter().zip(&before).map(|(reason, before)| refused(reason) - before).collect();
+    assert_eq!(counted, [1.0, 2.0, 1.0, 1.0, 1.0, 1.0], "{reasons:?}");
+    shutdown.cancel();
+
+    // A plaintext follower (development) applies what decodes: the first
+    // forged batch takes w0's event 1.
+    let (index, shutdown) = follow_as(None);
+    wait_until("the whole log", || depths(&index, &[4]) == vec![("w9".to_string(), 1)]).await;
+    wait_until("w0's event 1", || !depths(&index, &[666]).is_empty()).await;
+    shutdown.cancel();
+}

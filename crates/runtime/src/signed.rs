@@ -74,6 +74,7 @@ pub enum SealError {
 pub struct Signer {
     key: Arc<dyn SigningKey>,
     certificate: Vec<u8>,
+    fingerprint: [u8; 32],
 }
 
 impl std::fmt::Debug for Signer {
@@ -88,9 +89,21 @@ impl Signer {
         let certificate = CertificateDer::from_pem_slice(cert).map_err(|error| anyhow::anyhow!("not a PEM certificate: {error}"))?;
         let key = PrivateKeyDer::from_pem_slice(key).map_err(|error| anyhow::anyhow!("not a PEM private key: {error}"))?;
         let key = rustls::crypto::ring::sign::any_supported_type(&key).map_err(|error| anyhow::anyhow!("the private key cannot sign: {error}"))?;
-        let signer = Self { key, certificate: certificate.as_ref().to_vec() };
+        let fingerprint = fingerprint(certificate.as_ref());
+        let signer = Self { key, certificate: certificate.as_ref().to_vec(), fingerprint };
         signer.seal(b"probe")?;
         Ok(signer)
+    }
+
+    /// The certificate seals carry (DER).
+    pub fn certificate(&self) -> &[u8] {
+        &self.certificate
+    }
+
+    /// The SHA-256 of [`certificate`](Self::certificate): what a record
+    /// names its writer by where certificates are stored apart from it.
+    pub fn fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
     }
 
     /// Signs `record`.
@@ -179,6 +192,12 @@ impl Verifier {
             .map_err(|error| SealError::Untrusted(error.to_string()))?;
         Ok(Peer::of_certificate(der)?)
     }
+}
+
+/// The SHA-256 of a certificate's DER bytes.
+pub fn fingerprint(certificate: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(certificate).into()
 }
 
 mod hex_bytes {
