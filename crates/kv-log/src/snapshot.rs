@@ -1,6 +1,13 @@
 //! Index snapshots in Redis: the whole index at one position of the event
 //! log, so a starting replica loads it and reads only the entries after
 //! that position (instead of the whole stream, or a dump from every worker).
+//!
+//! With certificates a snapshot is sealed by the replica that wrote it
+//! (the `seal` field: its certificate and signature over the snapshot's
+//! bytes), and a replica with certificates loads only a snapshot sealed by
+//! a router or kv-index certificate of its CA; any other is ignored
+//! (counted in `turbine_kv_log_refused_snapshots_total{reason}`) and the
+//! log is replayed instead.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -10,8 +17,22 @@ use redis::RedisResult;
 use turbine_kv::{KvIndex, WorkerDump, WorkerId};
 use turbine_proto::kvindex::v1 as pb;
 
+use turbine_runtime::host::Role;
+use turbine_runtime::signed::{Seal, SealError};
+
 use crate::LogPosition;
 use crate::log::EventLog;
+
+/// What a snapshot's seal signs begins with this.
+const SEALED_AS: &[u8] = b"turbine.kvlog.v1 index snapshot\n";
+
+static REFUSED: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::counter(
+        "turbine_kv_log_refused_snapshots_total",
+        "Index snapshots a starting replica ignored (replaying the event log instead), by reason: unsigned, untrusted, bad_signature, wrong_writer (sealed by a certificate that is not a router's or a kv-index's)",
+        &["reason"],
+    )
+});
 
 /// What [`EventLog::load_snapshot`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +47,8 @@ pub struct LoadedSnapshot {
 
 /// Writes the snapshot unless the stored one is at the same or a later log
 /// position (replicas write the same key; a lagging one must not replace a
-/// newer snapshot). KEYS[1]: the hash; ARGV: position, snapshot bytes.
+/// newer snapshot). KEYS[1]: the hash; ARGV: position, snapshot bytes,
+/// seal (JSON; empty without certificates).
 const WRITE_IF_NEWER: &str = r"
 local old = redis.call('HGET', KEYS[1], 'position')
 if old then
@@ -37,7 +59,7 @@ if old then
     if om > nm or (om == nm and os >= ns) then return 0 end
   end
 end
-redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2])
+redis.call('HSET', KEYS[1], 'position', ARGV[1], 'data', ARGV[2], 'seal', ARGV[3])
 return 1
 ";
 
@@ -68,9 +90,26 @@ impl EventLog {
         .await
         .map_err(|error| redis::RedisError::from((redis::ErrorKind::Client, "encoding the snapshot failed", error.to_string())))?;
         let size = bytes.len();
+        let seal = match self.trust() {
+            None => String::new(),
+            Some(trust) => {
+                let seal = trust
+                    .signer()
+                    .seal(&[SEALED_AS, &bytes].concat())
+                    .map_err(|error| redis::RedisError::from((redis::ErrorKind::Client, "cannot seal the snapshot", format!("{error:#}"))))?;
+                serde_json::to_string(&seal).expect("seals serialize")
+            }
+        };
         let mut connection = self.slow_connection(SNAPSHOT_TIMEOUT).await?;
-        let written: i64 =
-            redis::cmd("EVAL").arg(WRITE_IF_NEWER).arg(1).arg(self.snapshot_key()).arg(position.to_string()).arg(bytes).query_async(&mut connection).await?;
+        let written: i64 = redis::cmd("EVAL")
+            .arg(WRITE_IF_NEWER)
+            .arg(1)
+            .arg(self.snapshot_key())
+            .arg(position.to_string())
+            .arg(bytes)
+            .arg(seal)
+            .query_async(&mut connection)
+            .await?;
         Ok((written == 1).then_some(size))
     }
 
@@ -79,8 +118,26 @@ impl EventLog {
     /// is ignored with a warning (the log is replayed instead).
     pub async fn load_snapshot(&self, index: &KvIndex) -> RedisResult<Option<LoadedSnapshot>> {
         let mut connection = self.slow_connection(SNAPSHOT_TIMEOUT).await?;
-        let bytes: Option<Vec<u8>> = redis::cmd("HGET").arg(self.snapshot_key()).arg("data").query_async(&mut connection).await?;
+        let (bytes, seal): (Option<Vec<u8>>, Option<String>) =
+            redis::cmd("HMGET").arg(self.snapshot_key()).arg("data").arg("seal").query_async(&mut connection).await?;
         let Some(bytes) = bytes else { return Ok(None) };
+        if let Some(trust) = self.trust() {
+            let seal = seal.as_deref().and_then(|seal| serde_json::from_str::<Seal>(seal).ok());
+            let checked = match seal {
+                None => Err(("unsigned", "the snapshot is not sealed".to_owned())),
+                Some(seal) => match trust.verifier().verify(&[SEALED_AS, &bytes].concat(), &seal) {
+                    Ok(writer) if matches!(writer.role, Role::Router | Role::Index) => Ok(()),
+                    Ok(writer) => Err(("wrong_writer", format!("{writer} sealed it: only routers and kv-indexes write snapshots"))),
+                    Err(error @ SealError::BadSignature) => Err(("bad_signature", error.to_string())),
+                    Err(error) => Err(("untrusted", error.to_string())),
+                },
+            };
+            if let Err((reason, why)) = checked {
+                REFUSED.with_label_values(&[reason]).inc();
+                tracing::warn!(key = self.snapshot_key(), reason, why, "ignoring the index snapshot; replaying the event log instead");
+                return Ok(None);
+            }
+        }
         let snapshot = match pb::IndexSnapshot::decode(bytes.as_slice()) {
             Ok(snapshot) => snapshot,
             Err(error) => {

@@ -301,3 +301,56 @@ async fn with_certificates_a_follower_applies_only_sealed_entries_of_their_write
     wait_until("w0's event 1", || !depths(&index, &[666]).is_empty()).await;
     shutdown.cancel();
 }
+
+/// With certificates a replica loads only a snapshot a router or kv-index
+/// of its CA sealed: a snapshot written into Redis by anyone else (bare,
+/// altered, sealed by a worker) is ignored and counted, and the replica
+/// replays the log instead.
+#[tokio::test]
+async fn with_certificates_only_a_replicas_sealed_snapshot_is_loaded() {
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+
+    let redis = RedisServer::start();
+    let ca = TestCa::new("deployment");
+    let log_as = |role: Role, name: &str| EventLog::new(&redis.url(), "snap").unwrap().with_trust(Some(ca.trust(role, name)));
+    let snapshot_refused = |reason: &str| {
+        let page = turbine_runtime::metrics::render();
+        let prefix = format!("turbine_kv_log_refused_snapshots_total{{reason=\"{reason}\"}} ");
+        page.lines().find_map(|line| line.strip_prefix(&prefix)?.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    let index = Arc::new(KvIndex::new());
+    index.apply("a", 1, &stored(0, &[1, 2]));
+    let reader = log_as(Role::Index, "kv-index-1");
+    assert!(log_as(Role::Router, "router-0").save_snapshot(index.clone(), position("100-5"), vec![]).await.unwrap().is_some());
+    let loaded = KvIndex::new();
+    assert_eq!(reader.load_snapshot(&loaded).await.unwrap().unwrap().workers, 1, "a router's sealed snapshot loads");
+
+    let mut redis_cli = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let stored_data: Vec<u8> = redis::cmd("HGET").arg(reader.snapshot_key()).arg("data").query_async(&mut redis_cli).await.unwrap();
+    let poisoned = Arc::new(KvIndex::new());
+    poisoned.apply("rogue", 1, &stored(0, &[1, 2, 3]));
+    let poisoned_data = {
+        let other = EventLog::new(&redis.url(), "scratch").unwrap();
+        other.save_snapshot(poisoned.clone(), position("200-0"), vec![]).await.unwrap();
+        let data: Vec<u8> = redis::cmd("HGET").arg(other.snapshot_key()).arg("data").query_async(&mut redis_cli).await.unwrap();
+        data
+    };
+    assert_ne!(stored_data, poisoned_data);
+    let genuine_seal: String = redis::cmd("HGET").arg(reader.snapshot_key()).arg("seal").query_async(&mut redis_cli).await.unwrap();
+    for (seal, reason) in [(String::new(), "unsigned"), (genuine_seal, "bad_signature")] {
+        let _: () =
+            redis::cmd("HSET").arg(reader.snapshot_key()).arg("data").arg(&poisoned_data).arg("seal").arg(seal).query_async(&mut redis_cli).await.unwrap();
+        let before = snapshot_refused(reason);
+        let loaded = KvIndex::new();
+        assert_eq!(reader.load_snapshot(&loaded).await.unwrap(), None, "{reason}");
+        assert!(loaded.worker_ids().is_empty());
+        assert_eq!(snapshot_refused(reason) - before, 1.0);
+    }
+    // A worker's certificate does not write snapshots.
+    let _: () = redis::cmd("DEL").arg(reader.snapshot_key()).query_async(&mut redis_cli).await.unwrap();
+    log_as(Role::Worker, "a").save_snapshot(poisoned, position("300-0"), vec![]).await.unwrap();
+    let before = snapshot_refused("wrong_writer");
+    assert_eq!(reader.load_snapshot(&KvIndex::new()).await.unwrap(), None);
+    assert_eq!(snapshot_refused("wrong_writer") - before, 1.0);
+}
