@@ -32,6 +32,12 @@ pub struct CertsArgs {
     /// The CA's common name.
     #[arg(long, default_value = "turbine deployment CA")]
     pub ca_name: String,
+    /// Also a server certificate for Redis (redis.crt and redis.key, for
+    /// its tls-cert-file and tls-key-file; ca.crt is its tls-ca-cert-file)
+    /// naming each --redis host name, repeatable: services then reach it as
+    /// rediss://HOST:PORT with their own certificates.
+    #[arg(long = "redis", value_name = "HOST")]
+    pub redis_hosts: Vec<String>,
 }
 
 /// What was written.
@@ -83,6 +89,19 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
         write(&key_path, &key.serialize_pem(), true)?;
         holders.push((name, cert_path, key_path));
     }
+    if !args.redis_hosts.is_empty() {
+        let key = KeyPair::generate().context("a key")?;
+        let mut params = CertificateParams::new(args.redis_hosts.clone()).context("the Redis certificate's names")?;
+        params.distinguished_name.push(DnType::CommonName, "redis");
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        (params.not_before, params.not_after) = (now, until);
+        let cert = params.signed_by(&key, &issuer).context("the Redis certificate")?;
+        let (cert_path, key_path) = (out.join("redis.crt"), out.join("redis.key"));
+        write(&cert_path, &cert.pem(), false)?;
+        write(&key_path, &key.serialize_pem(), true)?;
+        holders.push(("redis".to_owned(), cert_path, key_path));
+    }
     Ok(Written { ca: ca_cert, holders })
 }
 
@@ -106,7 +125,16 @@ pub fn run(args: &CertsArgs) -> anyhow::Result<()> {
     let written = make(args)?;
     println!("CA: {} (every service's --tls-ca); its key ca.key signs new certificates: keep it off the machines", written.ca.display());
     for (name, cert, key) in &written.holders {
-        println!("{name}: --tls-cert {} --tls-key {} --tls-ca {}", cert.display(), key.display(), written.ca.display());
+        if name == "redis" {
+            println!(
+                "redis: --tls-cert-file {} --tls-key-file {} --tls-ca-cert-file {} --tls-auth-clients yes",
+                cert.display(),
+                key.display(),
+                written.ca.display()
+            );
+        } else {
+            println!("{name}: --tls-cert {} --tls-key {} --tls-ca {}", cert.display(), key.display(), written.ca.display());
+        }
     }
     Ok(())
 }

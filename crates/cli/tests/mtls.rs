@@ -21,7 +21,7 @@ use turbine_runtime::grpc::tls_channel;
 use turbine_runtime::host::Role;
 use turbine_runtime::trust::TlsConfig;
 use turbine_testkit::tls::TestCa;
-use turbine_testkit::{RedisServer, workspace_binary};
+use turbine_testkit::{RedisServer, RedisTls, workspace_binary};
 
 /// The certificates `turbine certs` wrote under `dir` for `stem`
 /// (`router`, `workers/worker-0`).
@@ -36,10 +36,13 @@ fn flags(config: &TlsConfig) -> Vec<String> {
     vec!["--tls-cert".into(), path(&config.tls_cert), "--tls-key".into(), path(&config.tls_key), "--tls-ca".into(), path(&config.tls_ca)]
 }
 
-/// `turbine certs --out dir --worker worker-0`.
+/// `turbine certs --out dir --worker worker-0 --redis localhost`.
 fn make_certs(dir: &Path) {
-    let output =
-        std::process::Command::new(workspace_binary("turbine")).args(["certs", "--worker", "worker-0", "--out"]).arg(dir).output().expect("turbine certs runs");
+    let output = std::process::Command::new(workspace_binary("turbine"))
+        .args(["certs", "--worker", "worker-0", "--redis", "localhost", "--out"])
+        .arg(dir)
+        .output()
+        .expect("turbine certs runs");
     assert!(output.status.success(), "turbine certs: {}", String::from_utf8_lossy(&output.stderr));
 }
 
@@ -58,8 +61,14 @@ async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_rol
     // This process is an operator: it waits on health and lists workers.
     tls(dir.path(), "operator").establish().unwrap().expect("an identity");
 
-    let redis = RedisServer::start();
+    // Redis over TLS too, with its certificate from turbine certs: every
+    // service reaches it as rediss:// with its own certificate.
+    let file = |name: &str| dir.path().join(name);
+    let redis_tls =
+        RedisTls { cert: file("redis.crt"), key: file("redis.key"), ca: file("ca.crt"), client_cert: file("operator.crt"), client_key: file("operator.key") };
+    let redis = RedisServer::start_tls(&redis_tls, &[]);
     let url = redis.url();
+    assert!(url.starts_with("rediss://"), "{url}");
     let cluster = ["--redis", url.as_str(), "--namespace", "mtls"];
     let worker_tls = flags(&tls(dir.path(), "workers/worker-0"));
     let router_tls = flags(&tls(dir.path(), "router"));
@@ -115,7 +124,9 @@ async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_rol
     rogue.set_nonblocking(true).unwrap();
     let record =
         json!({"worker_id": "rogue", "endpoint": format!("http://{}", rogue.local_addr().unwrap()), "model": MODEL, "kv_block_size": 16, "instance": 1});
-    let mut redis_cli = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    // (The writer holds some certificate of the deployment, say a leaked
+    // gateway's: enough to reach Redis, not to seal a worker's record.)
+    let mut redis_cli = turbine_runtime::redis::client(&url).unwrap().get_multiplexed_async_connection().await.unwrap();
     redis::pipe()
         .cmd("SET")
         .arg("turbine:mtls:workers:rogue")
@@ -189,7 +200,13 @@ fn turbine_certs_names_each_role_and_worker_and_overwrites_nothing() {
     let worker = tls(dir.path(), "workers/worker-0").load().unwrap().unwrap();
     assert_eq!((worker.peer().role, worker.peer().name.as_str()), (Role::Worker, "worker-0"));
     let mode = |path: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(dir.path().join(path)).unwrap().permissions()) & 0o777;
-    assert_eq!((mode("ca.key"), mode("router.key"), mode("workers/worker-0.key")), (0o600, 0o600, 0o600), "keys are the owner's only");
+    assert_eq!(
+        (mode("ca.key"), mode("router.key"), mode("workers/worker-0.key"), mode("redis.key")),
+        (0o600, 0o600, 0o600, 0o600),
+        "keys are the owner's only"
+    );
+    // (Redis's certificate names the --redis host: the stack test's
+    // services verify it, reaching Redis as rediss://localhost.)
     let again = std::process::Command::new(workspace_binary("turbine")).args(["certs", "--out"]).arg(dir.path()).output().unwrap();
     assert!(!again.status.success(), "a second CA over the first is refused");
     assert!(String::from_utf8_lossy(&again.stderr).contains("overwrites nothing"), "{}", String::from_utf8_lossy(&again.stderr));

@@ -17,7 +17,7 @@ mod service;
 
 pub use postgres_server::PostgresServer;
 pub use process::ChildProcess;
-pub use redis_server::RedisServer;
+pub use redis_server::{RedisServer, RedisTls};
 pub use service::{ServiceProcess, addresses_file};
 
 use std::time::Duration;

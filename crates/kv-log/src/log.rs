@@ -77,7 +77,7 @@ impl EventLog {
     /// checked with the process's identity, if it has one (establish it
     /// first).
     pub fn new(url: &str, namespace: &str) -> RedisResult<Self> {
-        let client = redis::Client::open(url)?;
+        let client = turbine_runtime::redis::client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_response_timeout(Some(Duration::from_secs(1)))

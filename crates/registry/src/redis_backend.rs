@@ -145,7 +145,7 @@ impl RedisRegistry {
     /// Records are sealed and checked with the process's identity, if it
     /// has one ([`dialing_as`]; establish it first).
     pub fn new(url: &str, namespace: &str) -> Result<Self> {
-        let client = redis::Client::open(url).map_err(|error| RegistryError::Unavailable(format!("bad Redis URL {url:?}: {error}")))?;
+        let client = turbine_runtime::redis::client(url).map_err(|error| RegistryError::Unavailable(format!("bad Redis URL {url:?}: {error}")))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_response_timeout(Some(Duration::from_secs(1)))

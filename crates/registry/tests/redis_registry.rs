@@ -177,3 +177,48 @@ async fn with_certificates_only_a_workers_own_sealed_record_is_listed() {
     assert_eq!(listed().await, [], "w0 moved is no longer w0's record");
     assert_eq!(refused("bad_signature") - before, 2.0, "w0 now, and w1 as before");
 }
+
+/// `rediss://` with an ACL user: the registry connects over TLS with the
+/// process's certificate and the user's password, and its records are
+/// sealed as over plaintext. Without the password, without TLS, or with
+/// another CA's certificate, Redis answers nothing useful.
+#[tokio::test]
+async fn over_tls_with_an_acl_user() {
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("deployment");
+    ca.issue(Role::Worker, "w0").write(dir.path(), "w0").establish().unwrap().expect("an identity");
+    let acl = ["--user", "default", "off", "--user", "turbine", "on", ">s3cret", "~turbine:*", "+@all"];
+    let redis = RedisServer::start_tls(&ca.redis_tls(dir.path()), &acl);
+    let port = redis.port();
+    assert_eq!(redis.url(), format!("rediss://localhost:{port}/"));
+
+    let registry = Registry::Redis(RedisRegistry::new(&format!("rediss://turbine:s3cret@localhost:{port}/"), "acl").unwrap());
+    registry.put(&record("w0"), Duration::from_secs(30)).await.unwrap();
+    let listed: Vec<String> = registry.list().await.unwrap().into_iter().map(|w| w.record.worker_id.to_string()).collect();
+    assert_eq!(listed, ["w0"], "sealed by w0's certificate, read back over TLS");
+
+    let no_password = Registry::Redis(RedisRegistry::new(&format!("rediss://localhost:{port}/"), "acl").unwrap());
+    let refused = no_password.list().await.unwrap_err().to_string();
+    assert!(refused.contains("NOAUTH") || refused.contains("uthentication"), "{refused}");
+    let plaintext = Registry::Redis(RedisRegistry::new(&format!("redis://turbine:s3cret@localhost:{port}/"), "acl").unwrap());
+    assert!(plaintext.list().await.is_err(), "a plaintext client gets nothing from a TLS port");
+    let stranger = TestCa::new("attacker").issue(Role::Worker, "w0");
+    let client = redis::Client::build_with_tls(
+        format!("rediss://turbine:s3cret@localhost:{port}/"),
+        redis::TlsCertificates {
+            client_tls: Some(redis::ClientTlsConfig { client_cert: stranger.cert.into_bytes(), client_key: stranger.key.into_bytes() }),
+            root_cert: Some(std::fs::read(dir.path().join("redis-ca.crt")).unwrap()),
+        },
+    )
+    .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut connection = client.get_multiplexed_async_connection().await?;
+        redis::cmd("PING").query_async::<String>(&mut connection).await
+    })
+    .await
+    .expect("bounded");
+    assert!(answer.is_err(), "another CA's certificate is refused: {answer:?}");
+}

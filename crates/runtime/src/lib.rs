@@ -26,6 +26,7 @@ pub mod health;
 pub mod host;
 pub mod metrics;
 pub mod propagation;
+pub mod redis;
 pub mod shutdown;
 pub mod signed;
 pub mod telemetry;

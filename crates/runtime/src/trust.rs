@@ -239,6 +239,19 @@ struct TrustInner {
     own: Peer,
     signer: Signer,
     verifier: Verifier,
+    /// The PEM texts, for clients that take them (Redis over TLS).
+    pem: PemFiles,
+}
+
+/// A process's certificate, key and CA as PEM text.
+#[derive(Clone)]
+pub struct PemFiles {
+    /// The certificate.
+    pub cert: Vec<u8>,
+    /// Its key.
+    pub key: Vec<u8>,
+    /// The CA's certificate.
+    pub ca: Vec<u8>,
 }
 
 impl std::fmt::Debug for Trust {
@@ -255,13 +268,25 @@ impl Trust {
         let own = Peer::of_certificate(&pem.contents)?;
         x509_parser::pem::parse_x509_pem(ca).map_err(|error| anyhow::anyhow!("the CA is not a PEM certificate: {error}"))?;
         let (signer, verifier) = (Signer::from_pem(cert, key)?, Verifier::from_pem(ca)?);
-        let inner = TrustInner { identity: Identity::from_pem(cert, key), ca: Certificate::from_pem(ca), own, signer, verifier };
+        let inner = TrustInner {
+            identity: Identity::from_pem(cert, key),
+            ca: Certificate::from_pem(ca),
+            own,
+            signer,
+            verifier,
+            pem: PemFiles { cert: cert.to_vec(), key: key.to_vec(), ca: ca.to_vec() },
+        };
         Ok(Self { inner: Arc::new(inner) })
     }
 
     /// Who this process is.
     pub fn peer(&self) -> &Peer {
         &self.inner.own
+    }
+
+    /// The certificate, key and CA as PEM text.
+    pub fn pem(&self) -> &PemFiles {
+        &self.inner.pem
     }
 
     /// Signs what this process writes to shared stores.

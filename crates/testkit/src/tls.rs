@@ -64,6 +64,22 @@ impl TestCa {
     pub fn trust(&self, role: Role, name: &str) -> Trust {
         self.issue(role, name).trust()
     }
+
+    /// Files under `dir` for a Redis server this CA vouches for: a server
+    /// certificate for `localhost`, and an operator's certificate the
+    /// harness checks readiness with.
+    pub fn redis_tls(&self, dir: &Path) -> turbine_harness::RedisTls {
+        let server = self.issue_names(&["localhost".to_owned()], "redis").write(dir, "redis");
+        let client = self.issue(Role::Operator, "redis-check").write(dir, "redis-check");
+        let path = |path: Option<PathBuf>| path.expect("written");
+        turbine_harness::RedisTls {
+            cert: path(server.tls_cert),
+            key: path(server.tls_key),
+            ca: path(server.tls_ca),
+            client_cert: path(client.tls_cert),
+            client_key: path(client.tls_key),
+        }
+    }
 }
 
 impl Issued {

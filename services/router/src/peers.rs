@@ -42,7 +42,7 @@ impl PeerLoad {
     /// The exchange of `namespace` on the Redis at `url`, as replica
     /// `router_id` (unique per process); connects lazily.
     pub fn new(url: &str, namespace: &str, router_id: &str) -> RedisResult<Self> {
-        let client = redis::Client::open(url)?;
+        let client = turbine_runtime::redis::client(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_response_timeout(Some(Duration::from_secs(1)))
