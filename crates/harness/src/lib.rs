@@ -15,7 +15,7 @@ mod process;
 mod redis_server;
 mod service;
 
-pub use postgres_server::PostgresServer;
+pub use postgres_server::{PostgresServer, PostgresTls};
 pub use process::ChildProcess;
 pub use redis_server::{RedisServer, RedisTls};
 pub use service::{ServiceProcess, addresses_file};

@@ -20,6 +20,19 @@ pub struct PostgresServer {
     dir: tempfile::TempDir,
 }
 
+/// A PostgreSQL server's TLS: its certificate and key (naming
+/// `127.0.0.1`) and the CA its clients' certificates must chain to (PEM
+/// files).
+#[derive(Debug, Clone)]
+pub struct PostgresTls {
+    /// The server's certificate.
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+    /// The CA.
+    pub ca: PathBuf,
+}
+
 /// Ports tried before giving up (each may be taken by someone else
 /// between choosing it and the server binding it).
 const PORT_ATTEMPTS: usize = 5;
@@ -101,10 +114,40 @@ impl PostgresServer {
         format!("postgres://{USER}@127.0.0.1:{}/{database}", self.port)
     }
 
-    /// Creates an empty database named `name`.
+    /// Turns TLS on and requires it, with a client certificate of the CA
+    /// in `tls`, for every connection over TCP (the local socket, which the
+    /// harness itself uses, stays open); restarts the server.
+    pub fn require_tls(&mut self, tls: &PostgresTls) {
+        let data = data_dir(self.dir.path());
+        for (from, name, mode) in [(&tls.cert, "server.crt", 0o644), (&tls.key, "server.key", 0o600), (&tls.ca, "root.crt", 0o644)] {
+            let to = data.join(name);
+            std::fs::copy(from, &to).unwrap_or_else(|error| panic!("cannot copy {}: {error}", from.display()));
+            std::fs::set_permissions(&to, std::os::unix::fs::PermissionsExt::from_mode(mode)).expect("set the mode");
+            if let Some((uid, gid)) = self.run_as {
+                std::os::unix::fs::chown(&to, Some(uid), Some(gid)).expect("hand the file to the postgres user");
+            }
+        }
+        let mut conf = std::fs::OpenOptions::new().append(true).open(data.join("postgresql.conf")).expect("postgresql.conf");
+        std::io::Write::write_all(&mut conf, b"\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\nssl_ca_file = 'root.crt'\n")
+            .expect("write postgresql.conf");
+        let hba = "local all all trust\nhostssl all all 127.0.0.1/32 trust clientcert=verify-ca\nhostssl all all ::1/128 trust clientcert=verify-ca\n";
+        std::fs::write(data.join("pg_hba.conf"), hba).expect("write pg_hba.conf");
+        self.restart();
+    }
+
+    /// [`url`](Self::url) over TLS: the server verified against the CA and
+    /// this client's certificate presented (libpq's `sslmode=verify-full`
+    /// parameters, which sqlx reads too).
+    pub fn tls_url(&self, database: &str, ca: &Path, cert: &Path, key: &Path) -> String {
+        format!("{}?sslmode=verify-full&sslrootcert={}&sslcert={}&sslkey={}", self.url(database), ca.display(), cert.display(), key.display())
+    }
+
+    /// Creates an empty database named `name` (over the local socket).
     pub fn create_database(&self, name: &str) {
         let output = Command::new(self.bin.join("createdb"))
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", USER, name])
+            .arg("-h")
+            .arg(self.dir.path())
+            .args(["-p", &self.port.to_string(), "-U", USER, name])
             .output()
             .unwrap_or_else(|error| panic!("cannot run createdb: {error}"));
         assert!(output.status.success(), "createdb {name} failed: {}", String::from_utf8_lossy(&output.stderr));

@@ -65,6 +65,14 @@ impl TestCa {
         self.issue(role, name).trust()
     }
 
+    /// Files under `dir` for a PostgreSQL server this CA vouches for (its
+    /// certificate names `127.0.0.1`).
+    pub fn postgres_tls(&self, dir: &Path) -> turbine_harness::PostgresTls {
+        let server = self.issue_names(&["127.0.0.1".to_owned()], "postgres").write(dir, "postgres");
+        let path = |path: Option<PathBuf>| path.expect("written");
+        turbine_harness::PostgresTls { cert: path(server.tls_cert), key: path(server.tls_key), ca: path(server.tls_ca) }
+    }
+
     /// Files under `dir` for a Redis server this CA vouches for: a server
     /// certificate for `localhost`, and an operator's certificate the
     /// harness checks readiness with.

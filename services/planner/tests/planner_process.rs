@@ -354,3 +354,36 @@ fn a_planner_without_a_database_says_what_it_needs() {
     let expected = if cfg!(feature = "kubernetes") { "kubernetes_deployments" } else { "no kubernetes connector" };
     assert!(text.contains(expected), "{text}");
 }
+
+/// Postgres over TLS: a server that takes only TLS connections with a
+/// client certificate of the deployment's CA. The planner connects with
+/// its certificate (libpq's `sslmode=verify-full` parameters) and keeps
+/// its state there; a plaintext connection, one without a certificate, and
+/// one with another CA's certificate are refused.
+#[tokio::test]
+async fn on_postgres_over_tls_with_a_client_certificate() {
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("deployment");
+    let mut postgres = PostgresServer::start();
+    postgres.create_database("planner");
+    postgres.require_tls(&ca.postgres_tls(dir.path()));
+    let planner = ca.issue(Role::Planner, "planner").write(dir.path(), "planner");
+    let file = |path: &Option<std::path::PathBuf>| path.clone().unwrap();
+    let (ca_file, cert, key) = (file(&planner.tls_ca), file(&planner.tls_cert), file(&planner.tls_key));
+    let url = postgres.tls_url("planner", &ca_file, &cert, &key);
+
+    observations_with_and_without_latencies_are_kept(&url).await;
+    let (_process, client) = start(&url).await;
+    client.set_targets(&targets()).await.expect("the planner keeps its targets in Postgres over TLS");
+
+    let plaintext = format!("{}?sslmode=disable", postgres.url("planner"));
+    assert!(Ledger::open(&plaintext, "test").await.is_err(), "plaintext is refused");
+    let no_certificate = format!("{}?sslmode=verify-full&sslrootcert={}", postgres.url("planner"), ca_file.display());
+    assert!(Ledger::open(&no_certificate, "test").await.is_err(), "a client without a certificate is refused");
+    let stranger = TestCa::new("attacker").issue(Role::Planner, "planner").write(dir.path(), "stranger");
+    let foreign = postgres.tls_url("planner", &ca_file, &file(&stranger.tls_cert), &file(&stranger.tls_key));
+    assert!(Ledger::open(&foreign, "test").await.is_err(), "another CA's certificate is refused");
+}
