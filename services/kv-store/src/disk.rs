@@ -209,6 +209,14 @@ impl DiskBlocks {
         block
     }
 
+    /// The checksum a held block was written with (its file's header; no
+    /// payload is read).
+    pub fn checksum(&self, key: &BlockKey) -> Option<u64> {
+        self.inner.index.get(key)?;
+        let path = block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence);
+        block_file::read_header(&path).map(|header| header.checksum)
+    }
+
     /// Drops a block, deleting its file; whether it was held.
     pub fn remove(&self, key: &BlockKey) -> bool {
         let _ = std::fs::remove_file(block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence));

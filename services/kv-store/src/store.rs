@@ -23,6 +23,15 @@ pub use turbine_api::kv_store::{PutOutcome, StoreStats, TierUsage};
 /// process's memory too.
 const ENTRY_OVERHEAD: u64 = 200;
 
+static CONFLICTS: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::counter(
+        "turbine_kv_store_conflicting_blocks_total",
+        "Puts of a block the store already held with other bytes (another checksum): the held block is dropped from every tier and the new one not stored, so a key two writers disagree on is never served",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
+
 /// Bytes stored between runs of the memory tier's pending evictions.
 const EVICT_EVERY_BYTES: usize = 4 << 20;
 
@@ -267,8 +276,24 @@ impl Store {
                 since_evictions = 0;
             }
             let key = BlockKey { fingerprint, sequence };
-            if self.blocks.contains_key(&key) {
-                outcome.already_held += 1;
+            // A key held with other bytes: two writers disagree on what
+            // the prefix's KV is; neither copy is served.
+            let held = self.blocks.get(&key).map(|held| held.checksum).or_else(|| self.disk.as_ref()?.checksum(&key));
+            if let Some(checksum) = held {
+                if checksum == block.checksum {
+                    outcome.already_held += 1;
+                } else {
+                    self.blocks.remove(&key);
+                    if let Some(disk) = &self.disk {
+                        disk.remove(&key);
+                    }
+                    CONFLICTS.inc();
+                    tracing::warn!(
+                        sequence_hash = sequence.0,
+                        fingerprint = fingerprint.get(),
+                        "a put disagrees with the block held under its key: both dropped (turbine_kv_store_conflicting_blocks_total)"
+                    );
+                }
                 continue;
             }
             let on_disk = self.disk.as_ref().is_some_and(|disk| {
@@ -430,6 +455,48 @@ mod tests {
 
     fn hashes(range: std::ops::Range<u64>) -> Vec<SequenceHash> {
         range.map(|n| SequenceHash(1000 + n)).collect()
+    }
+
+    /// A second put of a key with other bytes (a valid checksum of its
+    /// own) is a conflict: the held block is dropped too and neither is
+    /// served, whichever came first; the same bytes again are held as
+    /// before.
+    #[test]
+    fn a_conflicting_put_drops_the_key_instead_of_serving_either() {
+        let conflicts = || CONFLICTS.get();
+        let zeroed = |n: u64, len: usize| {
+            let (hash, genuine) = block(n, len);
+            let zeroes: Box<[u8]> = vec![0u8; len].into();
+            (hash, HostBlock { local: genuine.local, parent: genuine.parent, checksum: block_checksum(&zeroes), bytes: zeroes })
+        };
+        let store = Store::new(1 << 20);
+        assert_eq!(store.put(fp(1), (0..3).map(|n| block(n, 64)).collect()), Ok(PutOutcome { stored: 3, already_held: 0 }));
+        let before = conflicts();
+        assert_eq!(store.put(fp(1), vec![zeroed(1, 64)]), Ok(PutOutcome { stored: 0, already_held: 0 }));
+        assert_eq!(conflicts() - before, 1);
+        assert_eq!(store.get(fp(1), &hashes(0..3)).len(), 1, "the run stops where the disputed block was");
+        // The forged block first, then the genuine one: the same.
+        assert_eq!(store.put(fp(1), vec![zeroed(1, 64)]), Ok(PutOutcome { stored: 1, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![block(1, 64)]), Ok(PutOutcome { stored: 0, already_held: 0 }));
+        assert_eq!(conflicts() - before, 2);
+        assert_eq!(store.get(fp(1), &hashes(0..3)).len(), 1);
+        // Agreement is no conflict.
+        assert_eq!(store.put(fp(1), vec![block(1, 64)]), Ok(PutOutcome { stored: 1, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![block(1, 64)]), Ok(PutOutcome { stored: 0, already_held: 1 }));
+        assert_eq!(conflicts() - before, 2);
+        assert_eq!(store.get(fp(1), &hashes(0..3)).len(), 3);
+
+        // A block held on disk only (evicted from memory) is checked by
+        // its file's header, and dropped from the disk on a conflict.
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::with_disk(2 * (1024 + ENTRY_OVERHEAD), DiskBlocks::open(dir.path(), 1 << 20).unwrap());
+        store.put(fp(1), (0..4).map(|n| block(n, 1024)).collect()).unwrap();
+        let (hash, _) = block(0, 1024);
+        assert!(!store.blocks.contains_key(&BlockKey { fingerprint: fp(1), sequence: hash }), "on disk only");
+        assert_eq!(store.put(fp(1), vec![zeroed(0, 1024)]), Ok(PutOutcome { stored: 0, already_held: 0 }));
+        assert_eq!(conflicts() - before, 3);
+        assert!(store.get(fp(1), &hashes(0..1)).is_empty());
+        assert_eq!(store.stats().disk.blocks, 3);
     }
 
     #[test]

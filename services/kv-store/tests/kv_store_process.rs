@@ -323,3 +323,36 @@ async fn blocks_staged_over_ucx_are_stored() {
     let (_plain, plain) = start_with(16, &["--ucx", "false"]).await;
     assert_eq!(code(link.put(&plain, fp(9), &blocks[..2]).await.unwrap_err()), Code::FailedPrecondition);
 }
+
+/// The poisoning attack: a writer puts zeroed blocks (with a valid XXH3
+/// checksum of their own) under the keys of a genuine prefix. Whichever
+/// put came first, the store serves neither copy of a disputed key (a
+/// reader misses and recomputes), counts the conflicts, and keeps serving.
+#[tokio::test]
+async fn a_put_that_disagrees_with_a_held_block_drops_the_key() {
+    let (process, client) = start(64).await;
+    let genuine: Vec<_> = (0..20).map(block).collect();
+    let forged: Vec<_> = genuine
+        .iter()
+        .map(|(hash, block)| {
+            let zeroes: Box<[u8]> = vec![0u8; BLOCK_BYTES].into();
+            (*hash, Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block_checksum(&zeroes), bytes: zeroes }))
+        })
+        .collect();
+    let hashes: Vec<SequenceHash> = genuine.iter().map(|(hash, _)| *hash).collect();
+
+    // Genuine first: the forged half disputes blocks 10..20.
+    assert_eq!(client.put(fp(3), &genuine).await.unwrap(), PutOutcome { stored: 20, already_held: 0 });
+    assert_eq!(client.put(fp(3), &forged[10..]).await.unwrap(), PutOutcome { stored: 0, already_held: 0 });
+    let got = client.get(fp(3), &hashes).await.unwrap();
+    assert_eq!(got.len(), 10, "the undisputed prefix only");
+    assert!(got.iter().zip(&genuine).all(|((_, got), (_, genuine))| got.bytes == genuine.bytes));
+    // Forged first (another layout): the genuine put disputes them all.
+    assert_eq!(client.put(fp(4), &forged).await.unwrap(), PutOutcome { stored: 20, already_held: 0 });
+    assert_eq!(client.put(fp(4), &genuine).await.unwrap(), PutOutcome { stored: 0, already_held: 0 });
+    assert!(client.get(fp(4), &hashes).await.unwrap().is_empty(), "no zeroed block is served");
+    assert_eq!(metric(&process.admin_url(), "turbine_kv_store_conflicting_blocks_total").await, 30.0);
+    // Agreement afterwards stores as usual.
+    assert_eq!(client.put(fp(4), &genuine).await.unwrap(), PutOutcome { stored: 20, already_held: 0 });
+    assert_eq!(client.get(fp(4), &hashes).await.unwrap().len(), 20);
+}
