@@ -206,7 +206,7 @@ pub async fn run(args: &TransferBenchArgs) -> anyhow::Result<TransferReport> {
                 let mut buffer = Vec::new();
                 for batch in 0..=args.batches {
                     let started = Instant::now();
-                    buffer = client.read_blocks(handle.handle_id, &wanted, args.block_bytes, buffer).await?;
+                    buffer = client.read_blocks(handle.key(), &wanted, args.block_bytes, buffer).await?;
                     let elapsed = started.elapsed().as_secs_f64();
                     if batch == 0 {
                         verify(&handle, &buffer, args.block_bytes)?;
@@ -249,7 +249,7 @@ pub async fn run(args: &TransferBenchArgs) -> anyhow::Result<TransferReport> {
 async fn read_ucx(args: &TransferBenchArgs, handle: &KvHandle, client: KvTransferClient) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     use turbine_ucx_agent::UcxAgent;
     let agent = UcxAgent::start(None, None).map_err(anyhow::Error::msg)?;
-    let described = client.describe(handle.handle_id).await?;
+    let described = client.describe(handle.key()).await?;
     let region = described.ucx.context("the owner has no UCX")?;
     let offsets: Vec<u64> = handle.blocks.iter().map(|block| block.offset).collect();
     let (mut seconds, mut posts) = (Vec::new(), Vec::new());

@@ -344,7 +344,7 @@ pub fn authorize(table: &[RpcRoles], path: &str, certificates: Option<&[impl AsR
 static REFUSED_CALLS: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync::LazyLock::new(|| {
     crate::metrics::counter(
         "turbine_rpc_refused_total",
-        "Calls refused for who the caller is, by rpc (unknown: not in the service's role table) and reason: unauthenticated (no or unreadable certificate), wrong_role (the caller's role may not call the rpc), wrong_writer (the caller wrote data in another's name)",
+        "Calls refused for who the caller is, by rpc (unknown: not in the service's role table) and reason: unauthenticated (no or unreadable certificate), wrong_role (the caller's role may not call the rpc), wrong_writer (the caller wrote data in another's name), bad_capability (the call named a resource with a token that is not its own)",
         &["method", "reason"],
     )
 });
@@ -358,6 +358,9 @@ pub enum Refusal {
     WrongRole,
     /// The caller wrote data in another's name (a handler's check).
     WrongWriter,
+    /// The call named a resource (a KV handle) with a token that is not
+    /// the resource's (a handler's check).
+    BadCapability,
 }
 
 /// Counts a refused call of `method` (a path in the service's role table;
@@ -368,6 +371,7 @@ pub fn count_refusal(table: &[RpcRoles], method: &str, refusal: Refusal) {
         Refusal::Unauthenticated => "unauthenticated",
         Refusal::WrongRole => "wrong_role",
         Refusal::WrongWriter => "wrong_writer",
+        Refusal::BadCapability => "bad_capability",
     };
     REFUSED_CALLS.with_label_values(&[method, reason]).inc();
 }

@@ -316,7 +316,7 @@ impl Drop for ReleaseOnDrop {
             return;
         }
         match KvTransferClient::connect(&self.handle.transfer_endpoint) {
-            Ok(client) => client.release_in_background(self.handle.handle_id),
+            Ok(client) => client.release_in_background(self.handle.key()),
             Err(error) => {
                 tracing::debug!(%error, handle_id = self.handle.handle_id, "the handle's lease frees its blocks")
             }

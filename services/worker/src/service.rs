@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
-use turbine_api::worker::{GenerateCall, PrefillCall, WorkerApi};
+use turbine_api::worker::{GenerateCall, HandleKey, HandleToken, PrefillCall, WorkerApi};
 use turbine_proto::worker::v1 as pb;
 
 use crate::disagg::Disagg;
@@ -125,20 +125,29 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
     type ReadBlocksStream = BlockStream;
 
     async fn describe(&self, request: Request<pb::DescribeRequest>) -> Result<Response<pb::DescribeResponse>, Status> {
-        let described = self.loaded.get()?.describe(request.into_inner().handle_id)?;
+        let pb::DescribeRequest { handle_id, token } = request.into_inner();
+        let described = self.loaded.get()?.describe(handle_key(handle_id, &token)?)?;
         Ok(Response::new(pb::DescribeResponse::from(described)))
     }
 
     async fn read_blocks(&self, request: Request<pb::ReadBlocksRequest>) -> Result<Response<BlockStream>, Status> {
         let disagg = self.loaded.get()?.clone();
-        let pb::ReadBlocksRequest { handle_id, indices } = request.into_inner();
-        let indices: Vec<u32> = if indices.is_empty() { (0..disagg.block_count(handle_id)? as u32).collect() } else { indices };
+        let pb::ReadBlocksRequest { handle_id, indices, token } = request.into_inner();
+        let handle = handle_key(handle_id, &token)?;
+        let indices: Vec<u32> = if indices.is_empty() { (0..disagg.block_count(handle)? as u32).collect() } else { indices };
         // One block at a time, copied under the pin table's lock.
-        let stream = futures::stream::iter(indices).map(move |index| Ok(pb::BlockData { index, data: disagg.copy_block(handle_id, index as usize)? }));
+        let stream = futures::stream::iter(indices).map(move |index| Ok(pb::BlockData { index, data: disagg.copy_block(handle, index as usize)? }));
         Ok(Response::new(Box::pin(stream)))
     }
 
     async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
-        Ok(Response::new(pb::ReleaseResponse { released: self.loaded.get()?.release(request.into_inner().handle_id) }))
+        let pb::ReleaseRequest { handle_id, token } = request.into_inner();
+        Ok(Response::new(pb::ReleaseResponse { released: self.loaded.get()?.release(handle_key(handle_id, &token)?) }))
     }
+}
+
+/// A request's handle id and token (INVALID_ARGUMENT when the token is not
+/// a token's length, whatever the handle).
+fn handle_key(id: u64, token: &[u8]) -> Result<HandleKey, Status> {
+    Ok(HandleKey { id, token: HandleToken::try_from(token)? })
 }

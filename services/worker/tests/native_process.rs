@@ -6,7 +6,9 @@
 use std::process::Command;
 use std::time::Duration;
 
+use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1 as pb;
+use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, metric, metric_where};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -267,4 +269,63 @@ fn a_device_this_build_cannot_use_is_refused_at_startup() {
     let output = worker.output().join("\n");
     assert!(!output.contains("panicked"), "{output}");
     assert!(output.contains("CUDA"), "the error names the problem: {output}");
+}
+
+#[tokio::test]
+async fn a_handles_blocks_are_read_and_released_only_with_its_token() {
+    // The attack: with a handle id alone, ReadBlocks returned another
+    // request's KV and Describe the pool's UCX key.
+    let worker = native_worker(&["--role", "prefill"]).await;
+    let endpoint = worker.grpc_endpoint();
+    let mut client = WorkerClient::connect(endpoint.clone()).await.unwrap().with_message_limits();
+    let generate = greedy(&(0..96).map(|i| 300 + i).collect::<Vec<u32>>(), 8);
+    let prefill = pb::PrefillRequest {
+        request_id: "victim".into(),
+        prompt_token_ids: generate.prompt_token_ids,
+        sampling: generate.sampling,
+        stop: generate.stop,
+        lease_ms: 0,
+    };
+    let handle = client.prefill(prefill).await.unwrap().into_inner().handle.expect("a handle on the prompt's blocks");
+    assert_eq!(handle.token.len(), 16);
+    let mut transfer = KvTransferClient::connect(endpoint).await.unwrap().with_message_limits();
+    let read = |token: Vec<u8>| pb::ReadBlocksRequest { handle_id: handle.handle_id, indices: vec![], token };
+    let read_all = |mut transfer: KvTransferClient<tonic::transport::Channel>, request: pb::ReadBlocksRequest| async move {
+        let mut stream = transfer.read_blocks(request).await?.into_inner();
+        let mut blocks = Vec::new();
+        while let Some(block) = stream.message().await? {
+            blocks.push(block.data);
+        }
+        Ok::<_, tonic::Status>(blocks)
+    };
+
+    // No token, a token of the wrong length, another token: refused, and
+    // a wrong token reads exactly as a handle that does not exist.
+    let missing = read_all(transfer.clone(), read(vec![])).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::InvalidArgument, "{missing:?}");
+    let forged = read_all(transfer.clone(), read(vec![0; 16])).await.unwrap_err();
+    assert_eq!(forged.code(), tonic::Code::NotFound, "{forged:?}");
+    let unknown = read_all(transfer.clone(), pb::ReadBlocksRequest { handle_id: handle.handle_id ^ 1, indices: vec![], token: vec![0; 16] }).await.unwrap_err();
+    assert_eq!(forged.message().replace(&handle.handle_id.to_string(), "ID"), unknown.message().replace(&(handle.handle_id ^ 1).to_string(), "ID"));
+    let described = transfer.describe(pb::DescribeRequest { handle_id: handle.handle_id, token: vec![7; 16] }).await.unwrap_err();
+    assert_eq!(described.code(), tonic::Code::NotFound, "{described:?}");
+    let released = transfer.release(pb::ReleaseRequest { handle_id: handle.handle_id, token: vec![7; 16] }).await.unwrap().into_inner();
+    assert!(!released.released, "a forged release frees nothing");
+
+    // The holder of the token reads every block, intact, and releases.
+    let blocks = read_all(transfer.clone(), read(handle.token.clone())).await.expect("the handle's own token reads its blocks");
+    assert_eq!(blocks.len(), handle.blocks.len());
+    for (block, reference) in blocks.iter().zip(&handle.blocks) {
+        assert_eq!(turbine_kv::block_checksum(block), reference.checksum);
+    }
+    transfer.describe(pb::DescribeRequest { handle_id: handle.handle_id, token: handle.token.clone() }).await.expect("described with its token");
+    let released = transfer.release(pb::ReleaseRequest { handle_id: handle.handle_id, token: handle.token.clone() }).await.unwrap().into_inner();
+    assert!(released.released);
+    let admin = worker.admin_url();
+    for method in ["ReadBlocks", "Describe", "Release"] {
+        let path = format!("/turbine.worker.v1.KvTransfer/{method}");
+        let refused = metric_where(&admin, "turbine_rpc_refused_total", &[("method", &path), ("reason", "bad_capability")]).await;
+        assert_eq!(refused, 1.0, "{method}'s forged call is counted");
+    }
+    drop(worker);
 }

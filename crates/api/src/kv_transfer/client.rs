@@ -13,7 +13,7 @@ use turbine_runtime::grpc::TracedChannel;
 use turbine_runtime::host::Role;
 
 use super::Described;
-use crate::worker::WorkerError;
+use crate::worker::{HandleKey, WorkerError};
 use crate::{KvLayout, UcxRegion};
 
 /// The role whose certificate a `KvTransfer` server names: a worker (a
@@ -40,17 +40,17 @@ impl TryFrom<pb::DescribeResponse> for Described {
 #[cfg_attr(feature = "mock", mockall::automock)]
 #[tonic::async_trait]
 pub trait KvTransferApi: Send + Sync + 'static {
-    /// How to read handle `handle_id`'s blocks.
-    async fn describe(&self, handle_id: u64) -> Result<Described, WorkerError>;
+    /// How to read `handle`'s blocks.
+    async fn describe(&self, handle: HandleKey) -> Result<Described, WorkerError>;
 
     /// Blocks `indices` of a handle (indices into its block list), each
     /// `block_bytes` long, back to back into `into` (cleared first; pass a
     /// used buffer to skip faulting in fresh pages).
-    async fn read_blocks(&self, handle_id: u64, indices: &[usize], block_bytes: usize, into: Vec<u8>) -> Result<Vec<u8>, WorkerError>;
+    async fn read_blocks(&self, handle: HandleKey, indices: &[usize], block_bytes: usize, into: Vec<u8>) -> Result<Vec<u8>, WorkerError>;
 
     /// Unpins a handle's blocks; false if it was unknown (released or
-    /// expired).
-    async fn release(&self, handle_id: u64) -> Result<bool, WorkerError>;
+    /// expired) or the token was not its.
+    async fn release(&self, handle: HandleKey) -> Result<bool, WorkerError>;
 }
 
 /// A worker's `KvTransfer` service, in this process or behind gRPC.
@@ -80,32 +80,32 @@ impl KvTransferClient {
     }
 
     /// See [`KvTransferApi::describe`].
-    pub async fn describe(&self, handle_id: u64) -> Result<Described, WorkerError> {
-        self.inner.describe(handle_id).await
+    pub async fn describe(&self, handle: HandleKey) -> Result<Described, WorkerError> {
+        self.inner.describe(handle).await
     }
 
     /// See [`KvTransferApi::read_blocks`].
-    pub async fn read_blocks(&self, handle_id: u64, indices: &[usize], block_bytes: usize, into: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
-        self.inner.read_blocks(handle_id, indices, block_bytes, into).await
+    pub async fn read_blocks(&self, handle: HandleKey, indices: &[usize], block_bytes: usize, into: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
+        self.inner.read_blocks(handle, indices, block_bytes, into).await
     }
 
     /// See [`KvTransferApi::release`].
-    pub async fn release(&self, handle_id: u64) -> Result<bool, WorkerError> {
-        self.inner.release(handle_id).await
+    pub async fn release(&self, handle: HandleKey) -> Result<bool, WorkerError> {
+        self.inner.release(handle).await
     }
 
     /// Releases a handle in the background on the current runtime (none:
     /// nothing is sent); a failed release leaves the handle's lease to free
     /// its blocks. For a decode worker done reading, or a caller that will
     /// not pass the handle on (a cancelled request).
-    pub fn release_in_background(&self, handle_id: u64) {
+    pub fn release_in_background(&self, handle: HandleKey) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let client = self.clone();
         runtime.spawn(async move {
-            if let Err(error) = client.release(handle_id).await {
-                tracing::debug!(handle_id, %error, "releasing a KV handle failed; its lease frees it");
+            if let Err(error) = client.release(handle).await {
+                tracing::debug!(handle_id = handle.id, %error, "releasing a KV handle failed; its lease frees it");
             }
         });
     }
@@ -119,12 +119,14 @@ pub struct GrpcKvTransfer {
 
 #[tonic::async_trait]
 impl KvTransferApi for GrpcKvTransfer {
-    async fn describe(&self, handle_id: u64) -> Result<Described, WorkerError> {
-        Ok(Described::try_from(self.client.clone().describe(pb::DescribeRequest { handle_id }).await?.into_inner())?)
+    async fn describe(&self, handle: HandleKey) -> Result<Described, WorkerError> {
+        let request = pb::DescribeRequest { handle_id: handle.id, token: handle.token.as_bytes().to_vec() };
+        Ok(Described::try_from(self.client.clone().describe(request).await?.into_inner())?)
     }
 
-    async fn read_blocks(&self, handle_id: u64, indices: &[usize], block_bytes: usize, mut into: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
-        let request = pb::ReadBlocksRequest { handle_id, indices: indices.iter().map(|&i| i as u32).collect() };
+    async fn read_blocks(&self, handle: HandleKey, indices: &[usize], block_bytes: usize, mut into: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
+        let request =
+            pb::ReadBlocksRequest { handle_id: handle.id, token: handle.token.as_bytes().to_vec(), indices: indices.iter().map(|&i| i as u32).collect() };
         let mut stream = self.client.clone().read_blocks(request).await?.into_inner();
         into.clear();
         into.reserve(indices.len() * block_bytes);
@@ -138,7 +140,8 @@ impl KvTransferApi for GrpcKvTransfer {
         Ok(into)
     }
 
-    async fn release(&self, handle_id: u64) -> Result<bool, WorkerError> {
-        Ok(self.client.clone().release(pb::ReleaseRequest { handle_id }).await?.into_inner().released)
+    async fn release(&self, handle: HandleKey) -> Result<bool, WorkerError> {
+        let request = pb::ReleaseRequest { handle_id: handle.id, token: handle.token.as_bytes().to_vec() };
+        Ok(self.client.clone().release(request).await?.into_inner().released)
     }
 }

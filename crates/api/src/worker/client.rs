@@ -18,7 +18,7 @@ use turbine_runtime::grpc::TracedChannel;
 use turbine_runtime::host::Role;
 use turbine_tokens::ModelCard;
 
-use super::{GenerateCall, KvBlockRef, KvHandle, PrefillCall, Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerError};
+use super::{GenerateCall, HandleToken, KvBlockRef, KvHandle, PrefillCall, Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerError};
 use crate::error::{from_status, to_status};
 use crate::wire::{finish_reason, generate_request};
 use crate::{GenerateRequest, KvLayout, Load, TokenLogprobs, Usage};
@@ -246,11 +246,12 @@ impl From<pb::KvBlockRef> for KvBlockRef {
 
 impl From<KvHandle> for pb::KvHandle {
     fn from(handle: KvHandle) -> Self {
-        let KvHandle { worker_id, transfer_endpoint, handle_id, layout, blocks, lease_expires, memory_id } = handle;
+        let KvHandle { worker_id, transfer_endpoint, handle_id, token, layout, blocks, lease_expires, memory_id } = handle;
         pb::KvHandle {
             worker_id: worker_id.to_string(),
             transfer_endpoint,
             handle_id,
+            token: token.as_bytes().to_vec(),
             layout: Some(pb::KvLayout::from(&layout)),
             blocks: blocks.into_iter().map(pb::KvBlockRef::from).collect(),
             lease_expires_unix_ms: unix_ms(lease_expires),
@@ -263,7 +264,7 @@ impl TryFrom<pb::KvHandle> for KvHandle {
     type Error = ConversionError;
 
     fn try_from(handle: pb::KvHandle) -> ConversionResult<Self> {
-        let pb::KvHandle { worker_id, transfer_endpoint, handle_id, layout, blocks, lease_expires_unix_ms, memory_id } = handle;
+        let pb::KvHandle { worker_id, transfer_endpoint, handle_id, layout, blocks, lease_expires_unix_ms, memory_id, token } = handle;
         if transfer_endpoint.is_empty() {
             return Err(ConversionError::Missing("handle.transfer_endpoint"));
         }
@@ -272,6 +273,8 @@ impl TryFrom<pb::KvHandle> for KvHandle {
             worker_id: WorkerId::from(worker_id),
             transfer_endpoint,
             handle_id,
+            token: HandleToken::try_from(token.as_slice())
+                .map_err(|_| ConversionError::invalid("handle.token", format!("must be {} bytes", HandleToken::LEN)))?,
             layout: KvLayout::try_from(layout.ok_or(ConversionError::Missing("handle.layout"))?)?,
             blocks: blocks.into_iter().map(KvBlockRef::from).collect(),
             lease_expires: UNIX_EPOCH + Duration::from_millis(lease_ms),
@@ -366,11 +369,23 @@ mod tests {
             worker_id: "prefill-0".into(),
             transfer_endpoint: "http://127.0.0.1:1".into(),
             handle_id: 7,
+            token: HandleToken::new([5; HandleToken::LEN]),
             layout: KvLayout::opaque(4096, "test"),
             blocks: vec![KvBlockRef { hashes: BlockHashes { local: LocalBlockHash(1), sequence: SequenceHash(2) }, offset: 8192, checksum: 3 }],
             lease_expires: UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
             memory_id: 9,
         }
+    }
+
+    #[test]
+    fn a_handle_carries_its_token_and_never_prints_it() {
+        let mut wire = pb::KvHandle::from(handle());
+        assert_eq!(wire.token, vec![5; HandleToken::LEN]);
+        assert!(!format!("{:?}", handle()).contains("5, 5"), "{:?}", handle());
+        wire.token.pop();
+        assert_eq!(KvHandle::try_from(wire).unwrap_err().to_string(), ConversionError::invalid("handle.token", "must be 16 bytes").to_string());
+        let (a, b) = (HandleToken::new([1; 16]), HandleToken::new([2; 16]));
+        assert!(a.matches(&a) && !a.matches(&b) && a != b);
     }
 
     #[test]

@@ -121,6 +121,8 @@ pub struct KvHandle {
     pub transfer_endpoint: String,
     /// The handle's id on that worker.
     pub handle_id: u64,
+    /// The secret that lets its holder read and release the blocks.
+    pub token: HandleToken,
     /// How its blocks are laid out.
     pub layout: KvLayout,
     /// The prompt's full blocks, in order.
@@ -130,6 +132,75 @@ pub struct KvHandle {
     /// Random per start of the owner's pool: a cached description of the
     /// pool is stale when it changes.
     pub memory_id: u64,
+}
+
+impl KvHandle {
+    /// What a `KvTransfer` call names the handle by.
+    pub fn key(&self) -> HandleKey {
+        HandleKey { id: self.handle_id, token: self.token }
+    }
+}
+
+/// A handle's capability: 16 random bytes its owner made for it alone.
+/// Whoever holds it may read the handle's blocks, so it is compared in
+/// constant time and never printed.
+#[derive(Clone, Copy, Default)]
+pub struct HandleToken([u8; HandleToken::LEN]);
+
+impl HandleToken {
+    /// Bytes in a token.
+    pub const LEN: usize = 16;
+
+    /// A token of these bytes (the owner draws them from a CSPRNG).
+    pub const fn new(bytes: [u8; Self::LEN]) -> Self {
+        Self(bytes)
+    }
+
+    /// The token's bytes, for the wire.
+    pub fn as_bytes(&self) -> &[u8; Self::LEN] {
+        &self.0
+    }
+
+    /// Whether `other` is this token, in time independent of where they
+    /// differ (a caller probing byte by byte learns nothing).
+    pub fn matches(&self, other: &HandleToken) -> bool {
+        let difference = self.0.iter().zip(&other.0).fold(0u8, |difference, (a, b)| difference | (a ^ b));
+        std::hint::black_box(difference) == 0
+    }
+}
+
+impl TryFrom<&[u8]> for HandleToken {
+    type Error = turbine_proto::ConversionError;
+
+    fn try_from(bytes: &[u8]) -> Result<Self, Self::Error> {
+        let bytes = <[u8; Self::LEN]>::try_from(bytes)
+            .map_err(|_| turbine_proto::ConversionError::invalid("token", format!("must be {} bytes, got {}", Self::LEN, bytes.len())))?;
+        Ok(Self(bytes))
+    }
+}
+
+impl PartialEq for HandleToken {
+    fn eq(&self, other: &Self) -> bool {
+        self.matches(other)
+    }
+}
+
+impl Eq for HandleToken {}
+
+impl std::fmt::Debug for HandleToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HandleToken(..)")
+    }
+}
+
+/// How a `KvTransfer` call names a handle: its id, and its token to show
+/// the caller was given it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandleKey {
+    /// The handle's id on its worker.
+    pub id: u64,
+    /// Its token.
+    pub token: HandleToken,
 }
 
 /// A decode worker's part of a disaggregated request: the prefill's handle

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use turbine_api::kv_transfer::KvTransferClient;
-use turbine_api::worker::KvHandle;
+use turbine_api::worker::{HandleKey, KvHandle};
 use turbine_engine::{GenerateRequest, ImportedPrefix, block_checksum};
 use turbine_kv::{BlockHasher, BlockHashes};
 
@@ -32,7 +32,7 @@ impl Disagg {
         // Once the blocks are read (or will never be, this call cancelled
         // included), the prefill worker can let them go.
         let peer = KvTransferClient::connect(&handle.transfer_endpoint).ok();
-        let _release = peer.clone().map(|client| ReleaseRemote { client, handle_id: handle.handle_id });
+        let _release = peer.clone().map(|client| ReleaseRemote { client, handle: handle.key() });
         let outcome = match peer {
             Some(peer) => self.try_import(request, handle, &peer).await,
             None => Err(ImportError::Transfer(format!("bad transfer endpoint {:?}", handle.transfer_endpoint))),
@@ -121,7 +121,7 @@ impl Disagg {
         if self.transport == KvTransport::Ucx {
             return Err(ImportError::Transfer("this build has no UCX (rebuild with --features ucx)".into()));
         }
-        let read = peer.read_blocks(handle.handle_id, wanted, block_bytes, self.staging_buffer());
+        let read = peer.read_blocks(handle.key(), wanted, block_bytes, self.staging_buffer());
         let bytes = tokio::time::timeout(PULL_TIMEOUT, read).await.map_err(|_| ImportError::Transfer("timed out".into()))?;
         Ok((bytes.map_err(|error| ImportError::Transfer(format!("read blocks: {error}")))?, "tcp"))
     }
@@ -133,7 +133,7 @@ impl Disagg {
         let region = match known {
             Some(region) => region,
             None => {
-                let described = peer.describe(handle.handle_id).await.map_err(|error| ImportError::Transfer(format!("describe: {error}")))?;
+                let described = peer.describe(handle.key()).await.map_err(|error| ImportError::Transfer(format!("describe: {error}")))?;
                 self.regions.lock().insert(described.memory_id, described.ucx.clone());
                 described.ucx
             }
@@ -158,12 +158,12 @@ impl Disagg {
 /// Releases a handle on its worker, in the background, when dropped.
 struct ReleaseRemote {
     client: KvTransferClient,
-    handle_id: u64,
+    handle: HandleKey,
 }
 
 impl Drop for ReleaseRemote {
     fn drop(&mut self) {
-        self.client.release_in_background(self.handle_id);
+        self.client.release_in_background(self.handle);
     }
 }
 

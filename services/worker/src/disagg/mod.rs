@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
+use turbine_api::worker::HandleToken;
 use turbine_engine::{EngineHandle, KvLayout, KvMemory};
 use turbine_kv::WorkerId;
 
@@ -35,6 +36,8 @@ use crate::config::{KvTransport, WorkerRole};
 #[derive(Debug)]
 struct Pin {
     pin_id: u64,
+    /// The handle's capability: calls naming the handle must carry it.
+    token: HandleToken,
     blocks: Vec<u32>,
 }
 

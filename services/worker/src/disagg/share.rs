@@ -1,12 +1,14 @@
 //! The prefill side: compute a prompt, pin its blocks under a lease, hand
 //! out a handle, serve the blocks to the decode worker, release.
 
+use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
 use turbine_api::kv_transfer::{Described, KvTransferApi};
-use turbine_api::worker::{KvBlockRef, KvHandle, Prefilled, TokenChunk, WorkerError};
+use turbine_api::worker::{HandleKey, HandleToken, KvBlockRef, KvHandle, Prefilled, TokenChunk, WorkerError};
 use turbine_engine::{EngineHandle, EngineOutput, FinishReason, GenerateRequest, Handoff, KvMemory, block_checksum};
 use turbine_kv::BlockHashes;
+use turbine_runtime::trust::Refusal;
 
 use super::{Disagg, Pin, rand_u64};
 use crate::metrics;
@@ -87,10 +89,13 @@ impl Disagg {
             }
         };
         let handle_id = rand_u64();
+        // ThreadRng is a CSPRNG seeded from the operating system.
+        let token = HandleToken::new(rand::random());
         let handle = KvHandle {
             worker_id: self.worker_id.clone(),
             transfer_endpoint: endpoint,
             handle_id,
+            token,
             layout,
             blocks: blocks
                 .iter()
@@ -100,7 +105,7 @@ impl Disagg {
             lease_expires: SystemTime::now() + lease,
             memory_id: self.memory_id,
         };
-        self.register(handle_id, Pin { pin_id, blocks: ids }, lease);
+        self.register(handle_id, Pin { pin_id, token, blocks: ids }, lease);
         Ok(handle)
     }
 
@@ -138,9 +143,16 @@ impl Disagg {
         });
     }
 
-    /// Unpins a handle; false if it was unknown (released or expired).
-    pub fn release(&self, handle_id: u64) -> bool {
-        let pin = self.pins.lock().remove(&handle_id);
+    /// Unpins a handle; false if it was unknown (released or expired) or
+    /// `handle`'s token is not its own (then nothing is released).
+    pub fn release(&self, handle: HandleKey) -> bool {
+        let pin = {
+            let mut pins = self.pins.lock();
+            match pinned(&pins, handle, RELEASE) {
+                Ok(_) => pins.remove(&handle.id),
+                Err(_) => None,
+            }
+        };
         match pin {
             Some(pin) => {
                 self.engine.unpin(pin.pin_id);
@@ -152,16 +164,15 @@ impl Disagg {
     }
 
     /// Blocks of a handle.
-    pub fn block_count(&self, handle_id: u64) -> Result<usize, WorkerError> {
-        let pins = self.pins.lock();
-        Ok(pins.get(&handle_id).ok_or_else(|| unknown_handle(handle_id))?.blocks.len())
+    pub fn block_count(&self, handle: HandleKey) -> Result<usize, WorkerError> {
+        Ok(pinned(&self.pins.lock(), handle, READ_BLOCKS)?.blocks.len())
     }
 
     /// Copies block `index` of a handle.
-    pub fn copy_block(&self, handle_id: u64, index: usize) -> Result<Vec<u8>, WorkerError> {
+    pub fn copy_block(&self, handle: HandleKey, index: usize) -> Result<Vec<u8>, WorkerError> {
         let memory = self.memory.as_ref().ok_or_else(|| WorkerError::NotFound("this worker holds no KV blocks for others".into()))?;
         let pins = self.pins.lock();
-        let pin = pins.get(&handle_id).ok_or_else(|| unknown_handle(handle_id))?;
+        let pin = pinned(&pins, handle, READ_BLOCKS)?;
         let &block =
             pin.blocks.get(index).ok_or_else(|| WorkerError::InvalidArgument(format!("the handle has {} blocks, not {}", pin.blocks.len(), index + 1)))?;
         // SAFETY: pinned while the table lock is held (a release removes
@@ -172,16 +183,33 @@ impl Disagg {
     }
 
     /// What `Describe` answers.
-    pub fn describe(&self, handle_id: u64) -> Result<Described, WorkerError> {
+    pub fn describe(&self, handle: HandleKey) -> Result<Described, WorkerError> {
         let memory = self.memory.as_ref().ok_or_else(|| WorkerError::NotFound("this worker holds no KV blocks for others".into()))?;
-        if !self.pins.lock().contains_key(&handle_id) {
-            return Err(unknown_handle(handle_id));
-        }
+        pinned(&self.pins.lock(), handle, DESCRIBE)?;
         #[cfg(feature = "ucx")]
         let ucx = self.ucx.as_ref().and_then(|agent| agent.region().cloned());
         #[cfg(not(feature = "ucx"))]
         let ucx = None;
         Ok(Described { layout: memory.layout().clone(), ucx, memory_id: self.memory_id })
+    }
+}
+
+const DESCRIBE: &str = "/turbine.worker.v1.KvTransfer/Describe";
+const READ_BLOCKS: &str = "/turbine.worker.v1.KvTransfer/ReadBlocks";
+const RELEASE: &str = "/turbine.worker.v1.KvTransfer/Release";
+
+/// The pin `handle` names, if its token is the pin's. A wrong token reads
+/// as an unknown handle (a caller cannot tell a live id from a dead one)
+/// and is counted against `method` as a refused capability.
+fn pinned<'a>(pins: &'a HashMap<u64, Pin>, handle: HandleKey, method: &str) -> Result<&'a Pin, WorkerError> {
+    match pins.get(&handle.id) {
+        Some(pin) if pin.token.matches(&handle.token) => Ok(pin),
+        Some(_) => {
+            turbine_runtime::trust::count_refusal(crate::serve::ROLES, method, Refusal::BadCapability);
+            tracing::warn!(handle_id = handle.id, method, "a KvTransfer call named a live handle with another token: refused as unknown");
+            Err(unknown_handle(handle.id))
+        }
+        None => Err(unknown_handle(handle.id)),
     }
 }
 
@@ -192,14 +220,14 @@ fn unknown_handle(handle_id: u64) -> WorkerError {
 /// The worker's own KvTransfer, for a client in the same process.
 #[tonic::async_trait]
 impl KvTransferApi for Disagg {
-    async fn describe(&self, handle_id: u64) -> Result<Described, WorkerError> {
-        Disagg::describe(self, handle_id)
+    async fn describe(&self, handle: HandleKey) -> Result<Described, WorkerError> {
+        Disagg::describe(self, handle)
     }
 
-    async fn read_blocks(&self, handle_id: u64, indices: &[usize], block_bytes: usize, mut into: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
+    async fn read_blocks(&self, handle: HandleKey, indices: &[usize], block_bytes: usize, mut into: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
         into.clear();
         for &index in indices {
-            let block = self.copy_block(handle_id, index)?;
+            let block = self.copy_block(handle, index)?;
             if block.len() != block_bytes {
                 return Err(WorkerError::InvalidArgument(format!("blocks are {} bytes, not {block_bytes}", block.len())));
             }
@@ -208,8 +236,8 @@ impl KvTransferApi for Disagg {
         Ok(into)
     }
 
-    async fn release(&self, handle_id: u64) -> Result<bool, WorkerError> {
-        Ok(Disagg::release(self, handle_id))
+    async fn release(&self, handle: HandleKey) -> Result<bool, WorkerError> {
+        Ok(Disagg::release(self, handle))
     }
 }
 
