@@ -27,7 +27,7 @@ use turbine_kv::{BlockHashes, LocalBlockHash, SequenceHash, WorkerId};
 use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::kv_transfer_server::KvTransferServer;
-use turbine_worker::disagg::{Disagg, DisaggOptions, SharedKvPool};
+use turbine_worker::disagg::{Disagg, DisaggOptions, PinBudget, SharedKvPool};
 use turbine_worker::service::{KvTransferService, Loaded};
 use turbine_worker::{KvTransport, WorkerRole};
 
@@ -144,8 +144,15 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
     let layout = KvLayout::opaque(args.block_bytes, "benchmark");
     let memory = KvMemory::new(Arc::new(buffer), layout, args.blocks);
     let engine = EngineHandle::spawn(SchedulerConfig { num_blocks: 1, block_size: 1, ..SchedulerConfig::default() }, vec![], Box::new(NoModel));
-    let options =
-        DisaggOptions { role: WorkerRole::Prefill, lease: Duration::from_secs(3600), transport: KvTransport::Auto, transfer_mib: 1, simulated: None, pool };
+    let options = DisaggOptions {
+        role: WorkerRole::Prefill,
+        lease: Duration::from_secs(3600),
+        transport: KvTransport::Auto,
+        transfer_mib: 1,
+        pinned: PinBudget::WHOLE_POOL,
+        simulated: None,
+        pool,
+    };
     let disagg = Arc::new(Disagg::new(&WorkerId::from("bench-owner"), engine.clone(), Some(memory), &options));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("http://{}", listener.local_addr()?);
@@ -167,7 +174,7 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
     let blocks: Vec<(u32, BlockHashes)> =
         order.iter().map(|&block| (block, BlockHashes { local: LocalBlockHash(block as u64), sequence: SequenceHash(block as u64) })).collect();
     // Pin id 0 belongs to no engine pin: nothing to unpin on release.
-    let handle = disagg.share(0, &blocks, Duration::from_secs(3600)).await.map_err(|error| anyhow::anyhow!("{error}"))?;
+    let handle = disagg.share("bench", 0, &blocks, Duration::from_secs(3600)).await.map_err(|error| anyhow::anyhow!("{error}"))?;
     println!("handle {}", hex::encode(pb::KvHandle::from(handle).encode_to_vec()));
     tokio::task::spawn_blocking(|| std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new())).await??;
     stop.cancel();

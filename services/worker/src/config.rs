@@ -370,6 +370,18 @@ pub struct TransferConfig {
     /// memory other requests cannot use).
     #[arg(long, env = "TURBINE_WORKER_KV_LEASE_MS", default_value_t = 30_000)]
     pub kv_lease_ms: u64,
+    /// Prefill workers: the most of the KV pool that handles waiting for
+    /// their decode workers may pin at once (0 to 1). A prefill past it
+    /// hands over no blocks (its decode worker computes the prompt), so
+    /// pinned blocks never starve the requests this worker computes.
+    #[arg(long, env = "TURBINE_WORKER_KV_PINNED_SHARE", default_value_t = 0.5)]
+    pub kv_pinned_share: f64,
+    /// Prefill workers: the most of the KV pool one requester's handles
+    /// may pin at once (0 to 1, at most --kv-pinned-share). A requester is
+    /// the Prefill caller's certificate (every caller without one counts
+    /// as one requester).
+    #[arg(long, env = "TURBINE_WORKER_KV_PINNED_SHARE_PER_REQUESTER", default_value_t = 0.25)]
+    pub kv_pinned_share_per_requester: f64,
     /// Decode workers: how to read prefill workers' KV blocks: auto (UCX
     /// when both sides have it, else TCP), ucx or tcp.
     #[arg(long, value_enum, env = "TURBINE_WORKER_KV_TRANSPORT", default_value_t = KvTransport::Auto)]
@@ -401,6 +413,15 @@ impl TransferConfig {
         }
         if self.kv_transfer_mib == 0 {
             return Err(InvalidSetting::new("kv_transfer_mib", "must be positive"));
+        }
+        if !(self.kv_pinned_share > 0.0 && self.kv_pinned_share <= 1.0) {
+            return Err(InvalidSetting::new("kv_pinned_share", format!("must be above 0 and at most 1, got {}", self.kv_pinned_share)));
+        }
+        if !(self.kv_pinned_share_per_requester > 0.0 && self.kv_pinned_share_per_requester <= self.kv_pinned_share) {
+            return Err(InvalidSetting::new(
+                "kv_pinned_share_per_requester",
+                format!("must be above 0 and at most kv_pinned_share ({}), got {}", self.kv_pinned_share, self.kv_pinned_share_per_requester),
+            ));
         }
         if !(self.mock_transfer_gbps.is_finite() && self.mock_transfer_gbps > 0.0) {
             return Err(InvalidSetting::new("mock_transfer_gbps", "must be positive"));
@@ -489,5 +510,9 @@ mod tests {
         assert_eq!(parse(&["--kv-fetch", "never"]).unwrap().engine.kv_fetch, KvFetch::Never);
         assert_eq!(parse(&["--kv-store-offload", "on-evict"]).unwrap().engine.kv_store_offload, KvStoreOffload::OnEvict);
         assert!(parse(&["--kv-store-offload", "sometimes"]).is_err());
+        assert!(parse(&["--kv-pinned-share", "0"]).unwrap_err().contains("kv_pinned_share"));
+        assert!(parse(&["--kv-pinned-share", "1.5"]).unwrap_err().contains("kv_pinned_share"));
+        assert!(parse(&["--kv-pinned-share", "0.2"]).unwrap_err().contains("kv_pinned_share_per_requester"), "the default 0.25 per requester is above it");
+        assert!(parse(&["--kv-pinned-share", "0.2", "--kv-pinned-share-per-requester", "0.1"]).is_ok());
     }
 }

@@ -37,8 +37,7 @@ impl WorkerApi for Worker {
     }
 
     async fn prefill(&self, request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
-        self.check_vocabulary(&request.prompt, "prompt")?;
-        self.disagg().prefill(request, lease).await
+        self.prefill_for(IN_PROCESS, request, lease).await
     }
 
     async fn model_card(&self) -> Result<ModelCard, WorkerError> {
@@ -55,7 +54,22 @@ impl WorkerApi for Worker {
     }
 }
 
+/// The requester of prefills called in this process (the embedded
+/// cluster's gateway).
+const IN_PROCESS: &str = "in-process";
+
+/// The requester of prefills over gRPC without a certificate (plaintext
+/// callers share one budget).
+pub(crate) const ANONYMOUS: &str = "anonymous";
+
 impl Worker {
+    /// [`WorkerApi::prefill`] for `requester`, whose handles may pin only
+    /// its share of the pool.
+    pub async fn prefill_for(&self, requester: &str, request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
+        self.check_vocabulary(&request.prompt, "prompt")?;
+        self.disagg().prefill(requester, request, lease).await
+    }
+
     /// Refuses token ids outside the model's vocabulary.
     fn check_vocabulary(&self, tokens: &[u32], what: &str) -> Result<(), WorkerError> {
         let vocab = self.card().tokenizer.tokens.len();

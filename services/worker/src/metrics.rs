@@ -307,6 +307,13 @@ static KV_PINS: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
 });
 static KV_LEASES_EXPIRED: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_worker_kv_leases_expired_total", "Prefill handles freed because no decode worker released them in time", &["worker"]));
+static KV_PINS_REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_worker_kv_pins_refused_total",
+        "Prefills that handed over no blocks because a handle would pass a pin budget: requester_share (the caller's share of the pool) or pool_share (all handles' share); their decode workers computed the prompts",
+        &["worker", "reason"],
+    )
+});
 static KV_IMPORTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_worker_kv_imports_total",
@@ -341,6 +348,10 @@ static KV_UCX_POST: LazyLock<HistogramVec> = LazyLock::new(|| {
 
 pub(crate) fn kv_pins(worker: &str, delta: i64) {
     KV_PINS.with_label_values(&[worker]).add(delta);
+}
+
+pub(crate) fn kv_pins_refused(worker: &str, reason: &str) {
+    KV_PINS_REFUSED.with_label_values(&[worker, reason]).inc();
 }
 
 pub(crate) fn kv_lease_expired(worker: &str) {

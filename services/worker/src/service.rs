@@ -9,6 +9,7 @@ use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 use turbine_api::worker::{GenerateCall, HandleKey, HandleToken, PrefillCall, WorkerApi};
 use turbine_proto::worker::v1 as pb;
+use turbine_runtime::trust::Peer;
 
 use crate::disagg::Disagg;
 use crate::worker::Worker;
@@ -92,9 +93,10 @@ impl pb::worker_server::Worker for WorkerService {
     #[tracing::instrument(skip_all, name = "worker.prefill", fields(request_id))]
     async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
         let worker = self.loaded.get()?;
+        let requester = request.extensions().get::<Peer>().map_or_else(|| crate::local::ANONYMOUS.to_owned(), Peer::to_string);
         let PrefillCall { request, lease } = PrefillCall::try_from(request.into_inner())?;
         tracing::Span::current().record("request_id", request.request_id.as_str());
-        let prefilled = WorkerApi::prefill(&**worker, request, lease).await?;
+        let prefilled = worker.prefill_for(&requester, request, lease).await?;
         Ok(Response::new(pb::PrefillResponse::from(prefilled)))
     }
 

@@ -15,7 +15,7 @@ use crate::config::{EngineKind, WorkerConfig, WorkerRole};
 use crate::store_tier::KvStoreTier;
 use turbine_api::kv_store::{Fingerprint, KvStoreClient};
 
-use crate::disagg::{Disagg, DisaggOptions, SharedKvPool, SimulatedTransfer};
+use crate::disagg::{Disagg, DisaggOptions, PinBudget, SharedKvPool, SimulatedTransfer};
 
 /// The mocker's pool unless configured (DESIGN §5: 16,384 blocks of 64 tokens).
 const MOCK_NUM_BLOCKS: usize = 16_384;
@@ -171,6 +171,7 @@ impl Worker {
             lease: Duration::from_millis(transfer.kv_lease_ms),
             transport: transfer.kv_transport,
             transfer_mib: transfer.kv_transfer_mib,
+            pinned: PinBudget { pool_share: transfer.kv_pinned_share, requester_share: transfer.kv_pinned_share_per_requester },
             simulated,
             pool,
         };

@@ -9,8 +9,13 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1 as pb;
+use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess};
+use turbine_runtime::grpc::tls_channel;
+use turbine_runtime::host::Role;
+use turbine_runtime::trust::TlsConfig;
+use turbine_testkit::tls::TestCa;
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, metric_where};
 
 struct RunningWorker {
     process: ServiceProcess,
@@ -168,4 +173,62 @@ async fn a_prefill_cannot_pin_blocks_longer_than_the_workers_lease() {
     let handle = client.prefill(prefill(500)).await.unwrap().into_inner().handle.expect("a handle");
     assert!(handle.lease_expires_unix_ms - asked <= 500 + 1_000, "{} ms", handle.lease_expires_unix_ms - asked);
     drop(worker);
+}
+
+#[tokio::test]
+async fn each_requester_pins_only_its_share_of_the_pool() {
+    // The attack: four long pins took 40 of 48 blocks and an ordinary
+    // request stalled. Pins are bounded per requester (its certificate)
+    // and in all; a prefill past either hands over no blocks (its decode
+    // worker computes the prompt) and nothing fails.
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("pins");
+    let path = |config: &TlsConfig| -> Vec<String> {
+        let show = |path: &Option<std::path::PathBuf>| path.as_deref().unwrap().display().to_string();
+        vec!["--tls-cert".into(), show(&config.tls_cert), "--tls-key".into(), show(&config.tls_key), "--tls-ca".into(), show(&config.tls_ca)]
+    };
+    ca.issue(Role::Operator, "test").write(dir.path(), "operator").establish().unwrap().expect("this process is an operator");
+    let worker_tls = path(&ca.issue(Role::Worker, "w-test").write(dir.path(), "worker"));
+    // 32 blocks of 16 tokens: handles may pin 16 in all, 12 per requester.
+    let mut extra =
+        vec!["--role", "prefill", "--num-blocks", "32", "--block-size", "16", "--kv-pinned-share", "0.5", "--kv-pinned-share-per-requester", "0.375"];
+    extra.extend(worker_tls.iter().map(String::as_str));
+    let worker = start_worker_with("1000", &extra).await;
+    let gateway = |name: &str| {
+        let channel = tls_channel(&worker.endpoint, &ca.trust(Role::Gateway, name), Role::Worker).unwrap();
+        (WorkerClient::new(channel.clone()).with_message_limits(), KvTransferClient::new(channel).with_message_limits())
+    };
+    let ((mut a, mut a_transfer), (mut b, _)) = (gateway("gateway-a"), gateway("gateway-b"));
+    // 65 tokens: 4 full blocks each.
+    let generate = request(65, 8);
+    let prefill = |id: &str| pb::PrefillRequest {
+        request_id: id.into(),
+        prompt_token_ids: generate.prompt_token_ids.clone(),
+        sampling: None,
+        stop: generate.stop.clone(),
+        lease_ms: 0,
+    };
+    let mut a_handles = Vec::new();
+    for i in 0..3 {
+        let prefilled = a.prefill(prefill(&format!("a-{i}"))).await.unwrap().into_inner();
+        a_handles.push(prefilled.handle.expect("within gateway-a's 12 blocks"));
+    }
+    let refused = a.prefill(prefill("a-3")).await.expect("a prefill past the share still answers").into_inner();
+    assert!(refused.handle.is_none(), "gateway-a's fourth handle would pass its 12 blocks");
+    let first = refused.first.expect("the first token");
+    assert_eq!((first.token_ids.len(), first.finish_reason()), (1, pb::FinishReason::Unspecified), "the request goes on, computed by its decode worker");
+    // Another requester has its own share, up to the pool's 16 blocks.
+    let b_handle = b.prefill(prefill("b-0")).await.unwrap().into_inner().handle.expect("gateway-b's own share");
+    assert!(b.prefill(prefill("b-1")).await.unwrap().into_inner().handle.is_none(), "16 blocks are pinned: the pool's share");
+    let counted = |reason: &'static str| {
+        let admin = worker.process.admin_url();
+        async move { metric_where(&admin, "turbine_worker_kv_pins_refused_total", &[("reason", reason)]).await }
+    };
+    assert_eq!((counted("requester_share").await, counted("pool_share").await), (1.0, 1.0));
+    // A release gives the room back.
+    let first = &a_handles[0];
+    let released = a_transfer.release(pb::ReleaseRequest { handle_id: first.handle_id, token: first.token.clone() }).await.unwrap().into_inner();
+    assert!(released.released);
+    assert!(b.prefill(prefill("b-2")).await.unwrap().into_inner().handle.is_some(), "4 blocks were released");
+    drop(b_handle);
 }

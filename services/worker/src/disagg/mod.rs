@@ -36,6 +36,8 @@ use crate::config::{KvTransport, WorkerRole};
 #[derive(Debug)]
 struct Pin {
     pin_id: u64,
+    /// Who asked for the prefill (counted against its share of the pool).
+    requester: Arc<str>,
     /// The handle's capability: calls naming the handle must carry it.
     token: HandleToken,
     blocks: Vec<u32>,
@@ -50,6 +52,8 @@ pub struct Disagg {
     /// Random per start: tells readers when cached descriptions go stale.
     memory_id: u64,
     lease: Duration,
+    /// Blocks handles may pin: (in all, per requester).
+    pinned_blocks: (usize, usize),
     transport: KvTransport,
     simulated: Option<SimulatedTransfer>,
     /// MiB of blocks in flight to this worker.
@@ -87,11 +91,35 @@ pub struct DisaggOptions {
     pub transport: KvTransport,
     /// MiB of blocks in flight to this worker.
     pub transfer_mib: usize,
+    /// How much of the pool handles may pin.
+    pub pinned: PinBudget,
     /// Engines without KV memory (the mocker): hand-offs move no bytes but
     /// take the time these would take.
     pub simulated: Option<SimulatedTransfer>,
     /// Where the engine's pool was allocated (see [`SharedKvPool`]).
     pub pool: SharedKvPool,
+}
+
+/// How much of a prefill worker's KV pool its handles may pin at once, in
+/// all and per requester (shares of the pool's blocks): handles past
+/// either are not made (the decode worker computes the prompt).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PinBudget {
+    /// Share of the pool all handles together may pin.
+    pub pool_share: f64,
+    /// Share of the pool one requester's handles may pin.
+    pub requester_share: f64,
+}
+
+impl PinBudget {
+    /// No bound but the pool (a benchmark that shares the whole pool).
+    pub const WHOLE_POOL: PinBudget = PinBudget { pool_share: 1.0, requester_share: 1.0 };
+
+    /// Blocks of a `pool_blocks` pool: (all handles, one requester's).
+    fn blocks(&self, pool_blocks: usize) -> (usize, usize) {
+        let share = |share: f64| (pool_blocks as f64 * share).floor() as usize;
+        (share(self.pool_share), share(self.requester_share))
+    }
 }
 
 /// A modelled KV transfer (for mocker workers): blocks of `block_bytes`
@@ -129,6 +157,7 @@ impl Disagg {
                 }
             },
         };
+        let pinned_blocks = options.pinned.blocks(engine.config().num_blocks);
         Self {
             worker_id: worker_id.clone(),
             role: options.role,
@@ -136,6 +165,7 @@ impl Disagg {
             memory,
             memory_id: rand_u64(),
             lease: options.lease,
+            pinned_blocks,
             transport: options.transport,
             simulated: options.simulated,
             budget: Arc::new(Semaphore::new(options.transfer_mib)),

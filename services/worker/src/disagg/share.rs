@@ -16,8 +16,9 @@ use crate::metrics;
 impl Disagg {
     /// Computes `request`'s prompt and first token and pins the prompt's
     /// blocks for a decode worker (see the module). `request.stop.max_tokens`
-    /// is the whole request's; one token is generated here.
-    pub async fn prefill(&self, mut request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
+    /// is the whole request's; one token is generated here. `requester`
+    /// names the caller, whose handles may pin only its share of the pool.
+    pub async fn prefill(&self, requester: &str, mut request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
         if self.layout().is_none() {
             return Err(WorkerError::InvalidArgument("this worker's engine cannot hand its KV cache to another worker".into()));
         }
@@ -28,6 +29,7 @@ impl Disagg {
         self.engine.config().validate(&request).map_err(|error| WorkerError::InvalidArgument(error.to_string()))?;
         let wanted = request.stop.max_tokens;
         request.stop.max_tokens = 1;
+        let request_id = request.request_id.clone();
         let mut outputs = self.engine.submit(request, Handoff::Prefill).map_err(crate::local::worker_error)?;
         let mut pin = None;
         let mut first = TokenChunk::default();
@@ -63,7 +65,17 @@ impl Disagg {
         // A caller may shorten the lease, never lengthen it past the
         // worker's: pinned blocks are memory other requests wait for.
         let lease = lease.map_or(self.lease, |asked| asked.min(self.lease));
-        let handle = self.share(guard.pin_id, &blocks, lease).await?;
+        let handle = match self.share(requester, guard.pin_id, &blocks, lease).await {
+            Ok(handle) => handle,
+            Err(WorkerError::Overloaded(why)) => {
+                // No room for more pins: the decode worker computes the
+                // prompt itself (slower, never wrong).
+                tracing::debug!(request_id = %request_id, requester, %why, "handing over no blocks");
+                drop(guard);
+                return Ok(Prefilled { first, handle: None, cached_prompt_tokens: usage.cached_prompt_tokens });
+            }
+            Err(error) => return Err(error),
+        };
         guard.disarm();
         Ok(Prefilled { first, handle: Some(handle), cached_prompt_tokens: usage.cached_prompt_tokens })
     }
@@ -71,10 +83,15 @@ impl Disagg {
     /// Offers pinned blocks to other workers: checksums them, registers a
     /// handle for `lease`, and returns it. `pin_id` is the engine's pin,
     /// released with the handle (an id the engine never gave, such as 0,
-    /// releases nothing: blocks pinned some other way).
-    pub async fn share(&self, pin_id: u64, blocks: &[(u32, BlockHashes)], lease: Duration) -> Result<KvHandle, WorkerError> {
+    /// releases nothing: blocks pinned some other way). Overloaded when
+    /// the handle would take handles, or `requester`'s, past their share
+    /// of the pool (see [`PinBudget`](super::PinBudget)).
+    pub async fn share(&self, requester: &str, pin_id: u64, blocks: &[(u32, BlockHashes)], lease: Duration) -> Result<KvHandle, WorkerError> {
         let endpoint = self.endpoint().ok_or_else(|| WorkerError::Unavailable("this worker does not serve KvTransfer yet".into()))?.to_owned();
         let ids: Vec<u32> = blocks.iter().map(|(block, _)| *block).collect();
+        // Checked before the checksums' work, and again as the handle is
+        // registered (others may have pinned meanwhile).
+        self.admit(&self.pins.lock(), requester, ids.len())?;
         let (layout, offsets, checksums) = match (&self.memory, &self.simulated) {
             (Some(memory), _) => {
                 if let Some(bad) = ids.iter().find(|&&block| block as usize >= memory.num_blocks()) {
@@ -105,8 +122,34 @@ impl Disagg {
             lease_expires: SystemTime::now() + lease,
             memory_id: self.memory_id,
         };
-        self.register(handle_id, Pin { pin_id, token, blocks: ids }, lease);
+        self.register(handle_id, Pin { pin_id, requester: requester.into(), token, blocks: ids }, lease)?;
         Ok(handle)
+    }
+
+    /// Whether `requester` may pin `blocks` more blocks, given `pins`.
+    fn admit(&self, pins: &HashMap<u64, Pin>, requester: &str, blocks: usize) -> Result<(), WorkerError> {
+        let (pool_cap, requester_cap) = self.pinned_blocks;
+        let (mut pinned, mut by_requester) = (0, 0);
+        for pin in pins.values() {
+            pinned += pin.blocks.len();
+            if &*pin.requester == requester {
+                by_requester += pin.blocks.len();
+            }
+        }
+        let refused = if by_requester + blocks > requester_cap {
+            Some(("requester_share", format!("{requester} holds {by_requester} pinned blocks; {blocks} more would pass its {requester_cap}")))
+        } else if pinned + blocks > pool_cap {
+            Some(("pool_share", format!("handles hold {pinned} pinned blocks; {blocks} more would pass the worker's {pool_cap}")))
+        } else {
+            None
+        };
+        match refused {
+            Some((reason, why)) => {
+                metrics::kv_pins_refused(&self.worker_id, reason);
+                Err(WorkerError::Overloaded(why))
+            }
+            None => Ok(()),
+        }
     }
 
     /// Checksums of pinned blocks, computed off the async threads.
@@ -126,9 +169,14 @@ impl Disagg {
     }
 
     /// Records a handle and starts its lease: the blocks are freed if
-    /// nobody releases them in time.
-    fn register(&self, handle_id: u64, pin: Pin, lease: Duration) {
-        self.pins.lock().insert(handle_id, pin);
+    /// nobody releases them in time. Overloaded (nothing recorded) past the
+    /// pin budget.
+    fn register(&self, handle_id: u64, pin: Pin, lease: Duration) -> Result<(), WorkerError> {
+        {
+            let mut pins = self.pins.lock();
+            self.admit(&pins, &pin.requester, pin.blocks.len())?;
+            pins.insert(handle_id, pin);
+        }
         metrics::kv_pins(&self.worker_id, 1);
         let (pins, engine, worker_id) = (self.pins.clone(), self.engine.clone(), self.worker_id.clone());
         tokio::spawn(async move {
@@ -141,6 +189,7 @@ impl Disagg {
                 tracing::debug!(handle_id, "a prefill's lease expired before its decode worker released it");
             }
         });
+        Ok(())
     }
 
     /// Unpins a handle; false if it was unknown (released or expired) or
