@@ -308,7 +308,8 @@ async fn put_ucx(
     fingerprint: Fingerprint,
     batch: &[(SequenceHash, Arc<HostBlock>)],
 ) -> anyhow::Result<Option<Vec<f64>>> {
-    let link = turbine_ucx_agent::KvStoreLink::with_staging(turbine_api::kv_store::MAX_PUT_FROM_BYTES as usize).map_err(anyhow::Error::msg)?;
+    let link = turbine_ucx_agent::KvStoreLink::with_staging(turbine_api::kv_store::MAX_PUT_FROM_BYTES as usize, &turbine_kv::UcxNetwork::Any)
+        .map_err(anyhow::Error::msg)?;
     let mut seconds = Vec::new();
     for round in 0..=args.batches {
         client.delete(fingerprint, &[]).await?;
@@ -343,7 +344,7 @@ async fn get_ucx(
     batch: &[(SequenceHash, Arc<HostBlock>)],
     ucx_tls: &str,
 ) -> anyhow::Result<UcxGets> {
-    let reader = turbine_ucx_agent::KvStoreLink::start().map_err(anyhow::Error::msg)?;
+    let reader = turbine_ucx_agent::KvStoreLink::start(&turbine_kv::UcxNetwork::Any).map_err(anyhow::Error::msg)?;
     let hashes: Vec<SequenceHash> = batch.iter().map(|(hash, _)| *hash).collect();
     let timeout = Duration::from_secs(10);
     let (mut raw, mut tier) = (Vec::new(), Vec::new());

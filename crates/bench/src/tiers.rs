@@ -176,7 +176,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let _entered = runtime.enter();
     // Served over UCX too where this build has it: the fetching pass runs
     // once over the gRPC stream and once over UCX.
-    let store = turbine_kv_store::Store::open((args.prompts * blocks) as u64 * (block_bytes + 4096) * 2, None, true);
+    let store = turbine_kv_store::Store::open((args.prompts * blocks) as u64 * (block_bytes + 4096) * 2, None, Some(turbine_kv::UcxNetwork::Any));
     let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback())?;
     let endpoint = format!("http://{}", listeners.grpc.local_addr()?);
     let shutdown = turbine_runtime::CancellationToken::new();
@@ -189,7 +189,8 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     ));
     let fingerprint = turbine_kv_store::Fingerprint::new(1).expect("nonzero");
     let remote_over = |ucx: bool| -> anyhow::Result<RemoteTier> {
-        let tier = KvStoreTier::new(turbine_api::kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30));
+        let tier =
+            KvStoreTier::new(turbine_api::kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30), turbine_kv::UcxNetwork::Any);
         let tier = if ucx { tier } else { tier.without_ucx() };
         Ok(RemoteTier::new(std::sync::Arc::new(tier), 2))
     };

@@ -179,7 +179,9 @@ impl Cluster {
                 store_config.server.shutdown_grace_secs = config.shutdown_grace_secs;
                 store_config.server.insecure = config.insecure;
                 store_config.store_id = "embedded".to_owned();
-                let store = KvStore::open(store_config.memory_mib << 20, None, store_config.ucx);
+                // Its UCX on the loopback device, as its gRPC.
+                let ucx = store_config.ucx.then(|| turbine_kv::UcxNetwork::for_service(None, false, address.ip()));
+                let store = KvStore::open(store_config.memory_mib << 20, None, ucx);
                 let events = match &log {
                     Some(log) => StoreEventSink::Log(log.clone()),
                     None => StoreEventSink::Index(shared_index.clone()),

@@ -14,11 +14,13 @@ mod postgres_server;
 mod process;
 mod redis_server;
 mod service;
+mod sockets;
 
 pub use postgres_server::{PostgresServer, PostgresTls};
 pub use process::ChildProcess;
 pub use redis_server::{RedisServer, RedisTls};
 pub use service::{ServiceProcess, addresses_file};
+pub use sockets::listening_sockets;
 
 use std::time::Duration;
 

@@ -48,3 +48,52 @@ pub struct UcxRegion {
     /// The pool's packed remote key on the shared-memory context (empty: none).
     pub shm_remote_key: Vec<u8>,
 }
+
+/// Which network devices a process's UCX may use. UCX authenticates no
+/// one: over TCP a peer that reaches a UCX listener may read and write any
+/// address of the process (UCX trusts its fabric), so UCX must never reach
+/// further than the service's own trust boundary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UcxNetwork {
+    /// UCX's own choice (`UCX_NET_DEVICES`, else every device it finds).
+    Any,
+    /// Only these devices, in UCX's syntax (`eth1`, `mlx5_0:1`, `lo`).
+    Devices(String),
+    /// No network device: peers on this machine read through shared
+    /// memory (files only this user may open); others over gRPC.
+    Off,
+}
+
+impl UcxNetwork {
+    /// The devices of a service configured with `devices` (`all`: UCX's
+    /// choice), serving gRPC on `grpc` with certificates when `tls`.
+    /// Unconfigured, UCX reaches no further than the gRPC port: no network
+    /// device under TLS (UCX cannot check a certificate), loopback only
+    /// for a plaintext service on loopback, UCX's choice for a plaintext
+    /// service other hosts reach (allowed only with `--insecure`).
+    pub fn for_service(devices: Option<&str>, tls: bool, grpc: std::net::IpAddr) -> Self {
+        match devices.map(str::trim) {
+            Some("all") => UcxNetwork::Any,
+            Some(devices) => UcxNetwork::Devices(devices.to_owned()),
+            None if tls => UcxNetwork::Off,
+            None if grpc.is_loopback() => UcxNetwork::Devices("lo".to_owned()),
+            None => UcxNetwork::Any,
+        }
+    }
+}
+
+#[cfg(test)]
+mod ucx_network_tests {
+    use super::UcxNetwork;
+
+    #[test]
+    fn ucx_reaches_no_further_than_the_service() {
+        let (loopback, everywhere) = ("127.0.0.1".parse().unwrap(), "0.0.0.0".parse().unwrap());
+        assert_eq!(UcxNetwork::for_service(None, true, everywhere), UcxNetwork::Off);
+        assert_eq!(UcxNetwork::for_service(None, true, loopback), UcxNetwork::Off);
+        assert_eq!(UcxNetwork::for_service(None, false, loopback), UcxNetwork::Devices("lo".into()));
+        assert_eq!(UcxNetwork::for_service(None, false, everywhere), UcxNetwork::Any);
+        assert_eq!(UcxNetwork::for_service(Some("mlx5_0:1"), true, everywhere), UcxNetwork::Devices("mlx5_0:1".into()));
+        assert_eq!(UcxNetwork::for_service(Some("all"), true, loopback), UcxNetwork::Any);
+    }
+}

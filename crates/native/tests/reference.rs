@@ -724,8 +724,12 @@ fn long_prefixes_onboarded_from_host_memory_disk_and_the_kv_store_give_the_compu
     ));
     let remote = |offload| {
         let client = turbine_api::kv_store::KvStoreClient::connect(&endpoint).unwrap();
-        let tier =
-            turbine_worker::store_tier::KvStoreTier::new(client, turbine_api::kv_store::Fingerprint::new(7).unwrap(), std::time::Duration::from_secs(60));
+        let tier = turbine_worker::store_tier::KvStoreTier::new(
+            client,
+            turbine_api::kv_store::Fingerprint::new(7).unwrap(),
+            std::time::Duration::from_secs(60),
+            turbine_worker::UcxNetwork::Off,
+        );
         turbine_engine::RemoteTier::new(std::sync::Arc::new(tier), 2).with_offload(offload)
     };
 

@@ -20,7 +20,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub use relay::TcpRelay;
-pub use turbine_harness::{ChildProcess, PostgresServer, PostgresTls, RedisServer, RedisTls, STARTUP_TIMEOUT, ServiceProcess, addresses_file};
+pub use turbine_harness::{
+    ChildProcess, PostgresServer, PostgresTls, RedisServer, RedisTls, STARTUP_TIMEOUT, ServiceProcess, addresses_file, listening_sockets,
+};
 
 /// Path of a binary built from this workspace (`turbine`, `turbine-worker`,
 /// ...), next to the running test's target directory.

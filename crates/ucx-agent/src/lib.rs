@@ -28,6 +28,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use turbine_kv::{DeviceMemory, KvMemory, UcxRegion};
+
+pub use turbine_kv::UcxNetwork;
 use turbine_ucx::{Context, MemoryRegion, UcxError, Waker, Worker};
 
 pub use shm::{ShmError, ShmPool};
@@ -112,11 +114,15 @@ impl std::fmt::Debug for UcxAgent {
 
 impl UcxAgent {
     /// Starts the thread; registers `memory` for peers when given (with
-    /// `pool`'s region, when `pool` allocated it).
-    pub fn start(memory: Option<&KvMemory>, pool: Option<Arc<ShmPool>>) -> Result<Self, StartError> {
+    /// `pool`'s region, when `pool` allocated it). The main context uses
+    /// only the devices `network` allows (see [`UcxNetwork`]); the
+    /// shared-memory one reaches only this machine's processes of this
+    /// user.
+    pub fn start(memory: Option<&KvMemory>, pool: Option<Arc<ShmPool>>, network: &UcxNetwork) -> Result<Self, StartError> {
         let (jobs, receiver) = mpsc::channel();
         let (ready, started) = mpsc::channel();
         let memory = memory.cloned();
+        let network = network.clone();
         let thread = std::thread::Builder::new().name("turbine-ucx".into()).spawn(move || {
             // Host pools are registered with both contexts; a device
             // pool only with the main one (shared memory cannot map it).
@@ -137,7 +143,12 @@ impl UcxAgent {
             type Region = Option<Arc<MemoryRegion>>;
             type Setup = (Worker, Region, Option<(Worker, Region)>, Option<UcxRegion>);
             let setup = || -> Result<Setup, UcxError> {
-                let context = Context::with_wakeup()?;
+                let context = match &network {
+                    UcxNetwork::Any => Context::with_wakeup()?,
+                    UcxNetwork::Devices(devices) => Context::with_settings(&[("NET_DEVICES", devices)])?,
+                    // Loopback within the process only: nothing listens.
+                    UcxNetwork::Off => Context::with_transports("self")?,
+                };
                 let worker = Worker::new(&context)?;
                 let region = register(&context, true)?;
                 let shm_context = match &pool {
@@ -246,7 +257,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_read_outside_the_peers_region_is_refused_before_ucx_sees_it() {
-        let agent = UcxAgent::start(None, None).expect("a UCX agent without memory");
+        let agent = UcxAgent::start(None, None, &UcxNetwork::Off).expect("a UCX agent without memory");
         let peer = UcxRegion { worker_address: vec![1], remote_key: vec![1], base_address: 4096, length: 100, ..UcxRegion::default() };
         let refused = agent.pull(&peer, &[0, 96], 8, Vec::new(), Duration::from_secs(1)).await;
         assert!(matches!(refused, Err(PullError::OutsideRegion(96))), "{refused:?}");

@@ -37,15 +37,16 @@ pub struct KvStoreLink {
 }
 
 impl KvStoreLink {
-    /// Starts the link's UCX thread, for reads only.
-    pub fn start() -> Result<Self, crate::StartError> {
-        Ok(Self { agent: crate::UcxAgent::start(None, None)?, spare: Mutex::default(), staging: None })
+    /// Starts the link's UCX thread, for reads only, on the devices
+    /// `network` allows.
+    pub fn start(network: &crate::UcxNetwork) -> Result<Self, crate::StartError> {
+        Ok(Self { agent: crate::UcxAgent::start(None, None, network)?, spare: Mutex::default(), staging: None })
     }
 
     /// Starts the link's UCX thread with `staging_bytes` of memory that
     /// puts are staged in for the store to read (from UCX's shared-memory
     /// allocator when it can, so a store on the same machine maps it).
-    pub fn with_staging(staging_bytes: usize) -> Result<Self, crate::StartError> {
+    pub fn with_staging(staging_bytes: usize, network: &crate::UcxNetwork) -> Result<Self, crate::StartError> {
         let pool = crate::ShmPool::open();
         let buffer = Arc::new(match &pool {
             Some(pool) => pool.allocator().allocate(staging_bytes),
@@ -53,7 +54,7 @@ impl KvStoreLink {
         });
         const PAGE: usize = 4096;
         let memory = turbine_kv::KvMemory::new(buffer.clone(), turbine_kv::KvLayout::opaque(PAGE, "kv-store staging"), staging_bytes / PAGE);
-        let agent = crate::UcxAgent::start(Some(&memory), pool)?;
+        let agent = crate::UcxAgent::start(Some(&memory), pool, network)?;
         let region = agent.region().cloned().ok_or(crate::StartError::NoRegion)?;
         Ok(Self { agent, spare: Mutex::default(), staging: Some((tokio::sync::Mutex::new(Staging::new(buffer)), region)) })
     }

@@ -52,13 +52,25 @@ impl Context {
     /// `tls` (UCX's `UCX_TLS` syntax, e.g. `"sm,self"`), whatever the
     /// environment says.
     pub fn with_transports(tls: &str) -> Result<Self, UcxError> {
-        let tls = std::ffi::CString::new(tls).map_err(|_| UcxError { call: "ucp_config_modify", status: -5, message: "NUL in transport list".into() })?;
+        Self::with_settings(&[("TLS", tls)])
+    }
+
+    /// Initializes UCX with RMA and wakeup, its configuration read from
+    /// the environment and then each `(name, value)` of `settings` set
+    /// (names without the `UCX_` prefix: `("NET_DEVICES", "eth1")`).
+    pub fn with_settings(settings: &[(&str, &str)]) -> Result<Self, UcxError> {
+        let bad = |_| UcxError { call: "ucp_config_modify", status: -5, message: "NUL in a UCX setting".into() };
+        let settings: Vec<(std::ffi::CString, std::ffi::CString)> = settings
+            .iter()
+            .map(|(name, value)| Ok((std::ffi::CString::new(*name).map_err(bad)?, std::ffi::CString::new(*value).map_err(bad)?)))
+            .collect::<Result<_, UcxError>>()?;
         // SAFETY: the config is read, modified and released here; the
         // strings outlive the calls.
         unsafe {
             let mut config = ptr::null_mut();
             check("ucp_config_read", sys::ucp_config_read(ptr::null(), ptr::null(), &mut config))?;
-            let modified = check("ucp_config_modify", sys::ucp_config_modify(config, c"TLS".as_ptr(), tls.as_ptr()));
+            let modified =
+                settings.iter().try_for_each(|(name, value)| check("ucp_config_modify", sys::ucp_config_modify(config, name.as_ptr(), value.as_ptr())));
             let features = (sys::ucp_feature::UCP_FEATURE_RMA | sys::ucp_feature::UCP_FEATURE_WAKEUP) as u64;
             let context = modified.and_then(|()| Self::init(features, config));
             sys::ucp_config_release(config);

@@ -54,6 +54,15 @@ pub struct KvStoreConfig {
     /// build has UCX; `false`: readers use the gRPC stream (`Get`).
     #[arg(long, env = "TURBINE_KV_STORE_UCX", default_value_t = true, action = clap::ArgAction::Set)]
     pub ucx: bool,
+    /// Network devices UCX may use, in UCX's syntax (`eth1`, `mlx5_0:1`;
+    /// `all`: every device UCX finds). UCX checks no certificate: a host
+    /// that reaches a UCX device may read and write this process's
+    /// memory, so name only a fabric reserved to Turbine's services.
+    /// Unset: none with certificates (readers on this machine use shared
+    /// memory, others Get over mutual TLS), loopback for a plaintext store
+    /// on loopback, every device for a plaintext store beyond it.
+    #[arg(long, env = "TURBINE_KV_STORE_UCX_DEVICES")]
+    pub ucx_devices: Option<String>,
     /// Most blocks one Get or Lookup may name.
     #[arg(long, env = "TURBINE_KV_STORE_MAX_BLOCKS_PER_CALL", default_value_t = 8192)]
     pub max_blocks_per_call: usize,

@@ -26,7 +26,7 @@ pub const MAX_LEASED_BLOCKS: usize = 32_768;
 /// serves it (None when UCX cannot start: readers use Get). The arena
 /// comes from UCX's shared-memory allocator when it can, so readers on the
 /// same machine map it and copy blocks with no help from the store.
-pub fn arena_with_data_path(bytes: usize) -> (Arc<crate::Arena>, Option<Arc<DataPath>>) {
+pub fn arena_with_data_path(bytes: usize, network: &turbine_kv::UcxNetwork) -> (Arc<crate::Arena>, Option<Arc<DataPath>>) {
     #[cfg(feature = "ucx")]
     {
         let pool = turbine_ucx_agent::ShmPool::open();
@@ -35,7 +35,7 @@ pub fn arena_with_data_path(bytes: usize) -> (Arc<crate::Arena>, Option<Arc<Data
             None => turbine_kv::KvBuffer::zeroed(bytes),
         };
         let arena = crate::Arena::new(buffer);
-        match turbine_ucx_agent::UcxAgent::start(Some(&arena.memory()), pool) {
+        match turbine_ucx_agent::UcxAgent::start(Some(&arena.memory()), pool, network) {
             Ok(agent) => match agent.region().cloned() {
                 Some(region) => {
                     let path = DataPath::new(region, agent, MAX_LEASED_BLOCKS, LEASE_TTL);
@@ -48,7 +48,10 @@ pub fn arena_with_data_path(bytes: usize) -> (Arc<crate::Arena>, Option<Arc<Data
         (arena, None)
     }
     #[cfg(not(feature = "ucx"))]
-    (crate::Arena::on_heap(bytes), None)
+    {
+        let _ = network;
+        (crate::Arena::on_heap(bytes), None)
+    }
 }
 
 struct Granted {

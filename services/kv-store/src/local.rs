@@ -281,7 +281,7 @@ mod tests {
 
     #[tokio::test]
     async fn in_process_callers_get_what_grpc_callers_get() {
-        let local = LocalKvStore::new(Store::open(1 << 20, None, false), 4);
+        let local = LocalKvStore::new(Store::open(1 << 20, None, None), 4);
         let fingerprint = Fingerprint::new(9).unwrap();
         let blocks: Vec<_> = (0..3).map(|n| block(n, 256)).collect();
         let hashes: Vec<SequenceHash> = blocks.iter().map(|(sequence, _)| *sequence).collect();

@@ -15,6 +15,7 @@ use crate::events::StoreEventSink;
 use crate::local::LocalKvStore;
 use crate::service::KvStoreService;
 use crate::store::Store;
+use turbine_kv::UcxNetwork;
 use turbine_kv_log::EventLog;
 
 /// Who may call each rpc of `turbine.kvstore.v1.KvStore`.
@@ -61,15 +62,17 @@ pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
         // The identity first: every client made below dials with it.
         config.server.tls.establish()?;
         let memory_bytes = config.memory_mib << 20;
+        let tls = config.server.tls.tls_cert.is_some();
+        let ucx = config.ucx.then(|| UcxNetwork::for_service(config.ucx_devices.as_deref(), tls, config.server.grpc_addr.ip()));
         let store = match &config.disk_dir {
-            None => Store::open(memory_bytes, None, config.ucx),
+            None => Store::open(memory_bytes, None, ucx),
             Some(dir) => {
                 let (dir, capacity) = (dir.clone(), config.disk_gib << 30);
                 // Rebuilding the index reads every block file's header.
                 let disk = tokio::task::spawn_blocking(move || DiskBlocks::open(&dir, capacity))
                     .await?
                     .with_context(|| format!("cannot open the disk tier in {}", config.disk_dir.as_ref().expect("set").display()))?;
-                Store::open(memory_bytes, Some(disk), config.ucx)
+                Store::open(memory_bytes, Some(disk), ucx)
             }
         };
         let events = match &config.cluster.redis {

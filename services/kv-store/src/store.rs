@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use turbine_kv::SequenceHash;
 use turbine_kv::{HostBlock, block_checksum};
+use turbine_kv::{SequenceHash, UcxNetwork};
 
 use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
@@ -139,12 +139,12 @@ impl Store {
     /// A store as the service runs it: at most `capacity_bytes` in memory,
     /// over `disk` if given, its memory served over UCX too when `ucx` is
     /// set and this build and machine have UCX.
-    pub fn open(capacity_bytes: u64, disk: Option<DiskBlocks>, ucx: bool) -> Self {
+    pub fn open(capacity_bytes: u64, disk: Option<DiskBlocks>, ucx: Option<UcxNetwork>) -> Self {
         let bytes = arena_bytes(capacity_bytes);
-        if !ucx {
+        let Some(network) = ucx else {
             return Self::in_arena(capacity_bytes, Arena::on_heap(bytes), disk);
-        }
-        let (arena, data_path) = crate::lease::arena_with_data_path(bytes);
+        };
+        let (arena, data_path) = crate::lease::arena_with_data_path(bytes, &network);
         Self { data_path, ..Self::in_arena(capacity_bytes, arena, disk) }
     }
 

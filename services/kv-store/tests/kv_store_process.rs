@@ -230,7 +230,7 @@ async fn leased_blocks_are_read_over_ucx_even_while_evicted() {
     let blocks: Vec<_> = (0..100).map(block).collect();
     client.put(fp(7), &blocks).await.unwrap();
     let hashes: Vec<SequenceHash> = (0..120).map(|n| SequenceHash(0xa000 + n)).collect();
-    let reader = KvStoreLink::start().unwrap();
+    let reader = KvStoreLink::start(&turbine_kv::UcxNetwork::Devices("lo".into())).unwrap();
     let run = reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap();
     assert_eq!(run.len(), 100, "the leading blocks held");
     for ((sequence, got), (want_sequence, want)) in run.iter().zip(&blocks) {
@@ -266,7 +266,7 @@ async fn a_corrupt_leased_block_is_caught_by_the_reader_and_dropped_by_get() {
     use turbine_kv_store::{BlockKey, KvStoreConfig, Store, StoreEventSink};
     use turbine_ucx_agent::KvStoreLink;
 
-    let store = Store::open(64 << 20, None, true);
+    let store = Store::open(64 << 20, None, Some(turbine_kv::UcxNetwork::Devices("lo".into())));
     assert!(store.data_path().is_some(), "this build and machine serve UCX");
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());
@@ -282,7 +282,7 @@ async fn a_corrupt_leased_block_is_caught_by_the_reader_and_dropped_by_get() {
     }
     assert!(store.corrupt_for_test(BlockKey { fingerprint: fp(7), sequence: hashes[5] }));
 
-    let reader = KvStoreLink::start().unwrap();
+    let reader = KvStoreLink::start(&turbine_kv::UcxNetwork::Devices("lo".into())).unwrap();
     assert_eq!(code(reader.get(&client, fp(7), &hashes, Duration::from_secs(10)).await.unwrap_err()), Code::DataLoss);
     assert_eq!(client.get(fp(7), &hashes).await.unwrap().len(), 5, "Get stops before the corrupt block");
     assert_eq!(client.lookup(fp(7), &hashes).await.unwrap().1, 5, "and the store dropped it");
@@ -301,7 +301,7 @@ async fn blocks_staged_over_ucx_are_stored() {
 
     let (_process, client) = start(64).await;
     // Staging for 10 blocks: 25 blocks take three PutFrom calls.
-    let link = KvStoreLink::with_staging(10 * BLOCK_BYTES).unwrap();
+    let link = KvStoreLink::with_staging(10 * BLOCK_BYTES, &turbine_kv::UcxNetwork::Devices("lo".into())).unwrap();
     let blocks: Vec<_> = (0..25).map(block).collect();
     assert_eq!(link.put(&client, fp(9), &blocks).await.unwrap(), PutOutcome { stored: 25, already_held: 0 });
     assert_eq!(link.put(&client, fp(9), &blocks[..5]).await.unwrap(), PutOutcome { stored: 0, already_held: 5 });

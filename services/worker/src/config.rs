@@ -386,6 +386,16 @@ pub struct TransferConfig {
     /// when both sides have it, else TCP), ucx or tcp.
     #[arg(long, value_enum, env = "TURBINE_WORKER_KV_TRANSPORT", default_value_t = KvTransport::Auto)]
     pub kv_transport: KvTransport,
+    /// Network devices UCX may use for KV blocks, in UCX's syntax (`eth1`,
+    /// `mlx5_0:1`; `all`: every device UCX finds). UCX checks no
+    /// certificate: a host that reaches a UCX device may read and write
+    /// this process's memory, so name only a fabric reserved to Turbine's
+    /// services. Unset: none with certificates (workers on this machine
+    /// use shared memory, others KvTransfer over mutual TLS), loopback for
+    /// a plaintext worker on loopback, every device for a plaintext worker
+    /// beyond it.
+    #[arg(long, env = "TURBINE_WORKER_KV_UCX_DEVICES")]
+    pub kv_ucx_devices: Option<String>,
     /// Decode workers: MiB of KV blocks in flight from prefill workers;
     /// requests beyond it compute their prompt here.
     #[arg(long, env = "TURBINE_WORKER_KV_TRANSFER_MIB", default_value_t = 1024)]

@@ -29,4 +29,5 @@ pub mod worker;
 
 pub use config::{EngineConfig, EngineKind, KvFetch, KvStoreOffload, KvTransport, TransferConfig, WorkerConfig, WorkerRole};
 pub use serve::{KvEventSink, WorkerDeps, main, serve};
+pub use turbine_kv::UcxNetwork;
 pub use worker::Worker;

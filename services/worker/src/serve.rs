@@ -9,7 +9,7 @@ use turbine_api::kv_store::KvStoreClient;
 
 use anyhow::Context;
 use turbine_api::worker::{WorkerClient, WorkerClients};
-use turbine_kv::KvIndex;
+use turbine_kv::{KvIndex, UcxNetwork};
 use turbine_kv_log::EventLog;
 use turbine_proto::service_names;
 use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, kv_transfer_server::KvTransferServer, worker_server::WorkerServer};
@@ -96,7 +96,9 @@ pub const ROLES: &[RpcRoles] = &[
 
 /// Serves a worker on `listeners` until `shutdown` fires, then drains.
 pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let endpoint = advertised_endpoint(config.advertise.as_deref(), listeners.grpc.local_addr()?);
+    let bound = listeners.grpc.local_addr()?;
+    let endpoint = advertised_endpoint(config.advertise.as_deref(), bound);
+    let (host_tls, endpoint_ip) = (config.server.tls.tls_cert.is_some(), bound.ip());
     let (loaded, pool) = (Loaded::default(), Loaded::default());
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     host.add_service(WorkerServer::new(WorkerService::new(loaded.clone())));
@@ -104,9 +106,14 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
     let mut serving = host.start(shutdown.clone())?;
     tracing::info!(%endpoint, "loading the model");
 
+    // UCX reaches no further than this gRPC port (see UcxNetwork).
+    let ucx = UcxNetwork::for_service(config.transfer.kv_ucx_devices.as_deref(), host_tls, endpoint_ip);
+    if host_tls && config.transfer.kv_ucx_devices.is_some() {
+        tracing::warn!(devices = ?config.transfer.kv_ucx_devices, "UCX checks no certificate: any host that reaches these devices may read and write this worker's memory");
+    }
     let loading = tokio::task::spawn_blocking({
         let (config, kv_store) = (config.clone(), deps.kv_store.clone());
-        move || Worker::start(&config, kv_store)
+        move || Worker::start(&config, kv_store, &ucx)
     });
     let worker = tokio::select! {
         loaded = loading => loaded.context("model loading panicked")??,

@@ -10,7 +10,9 @@ use turbine_proto::MessageLimits;
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, metric, metric_where};
+use turbine_runtime::host::Role;
+use turbine_testkit::tls::TestCa;
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, listening_sockets, metric, metric_where};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
@@ -328,4 +330,46 @@ async fn a_handles_blocks_are_read_and_released_only_with_its_token() {
         assert_eq!(refused, 1.0, "{method}'s forged call is counted");
     }
     drop(worker);
+}
+
+/// What `worker` listens on besides its gRPC and admin ports.
+fn other_listeners(worker: &ServiceProcess) -> Vec<std::net::SocketAddr> {
+    let own = worker.addresses();
+    let listening = listening_sockets(worker.pid()).unwrap();
+    listening.into_iter().filter(|address| Some(*address) != Some(own.grpc) && Some(*address) != own.admin).collect()
+}
+
+#[tokio::test]
+async fn ucx_listens_no_further_than_the_workers_grpc() {
+    // UCX authenticates no one (over TCP a peer may read and write any
+    // address of the process), and it listened on every interface even
+    // when the worker served gRPC on loopback only.
+    let worker = native_worker(&["--role", "prefill"]).await;
+    let ucx = other_listeners(&worker);
+    assert!(ucx.iter().all(|address| address.ip().is_loopback()), "a plaintext worker on loopback: UCX on loopback only, got {ucx:?}");
+    if cfg!(feature = "ucx") {
+        assert!(!ucx.is_empty(), "UCX serves the pool to same-machine readers on loopback");
+    }
+    drop(worker);
+
+    // With certificates UCX uses no network device unless told which:
+    // nothing listens but the worker's own ports.
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("ucx");
+    ca.issue(Role::Operator, "test").write(dir.path(), "operator").establish().unwrap().expect("this process is an operator");
+    let tls = ca.issue(Role::Worker, "prefill-0").write(dir.path(), "worker");
+    let show = |path: &Option<std::path::PathBuf>| path.as_deref().unwrap().display().to_string();
+    let (cert, key, ca_file) = (show(&tls.tls_cert), show(&tls.tls_key), show(&tls.tls_ca));
+    let flags = ["--role", "prefill", "--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca_file];
+    let worker = native_worker(&flags).await;
+    assert_eq!(other_listeners(&worker), vec![], "under TLS UCX listens nowhere");
+    drop(worker);
+
+    // The operator names the fabric UCX may use.
+    let worker = native_worker(&[&flags[..], &["--kv-ucx-devices", "lo"]].concat()).await;
+    let ucx = other_listeners(&worker);
+    assert!(ucx.iter().all(|address| address.ip().is_loopback()), "only the named device: {ucx:?}");
+    if cfg!(feature = "ucx") {
+        assert!(!ucx.is_empty(), "UCX on the named device");
+    }
 }

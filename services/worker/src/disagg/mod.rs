@@ -93,6 +93,8 @@ pub struct DisaggOptions {
     pub transfer_mib: usize,
     /// How much of the pool handles may pin.
     pub pinned: PinBudget,
+    /// The network devices UCX may use.
+    pub network: turbine_kv::UcxNetwork,
     /// Engines without KV memory (the mocker): hand-offs move no bytes but
     /// take the time these would take.
     pub simulated: Option<SimulatedTransfer>,
@@ -149,7 +151,7 @@ impl Disagg {
             // workers): no UCX thread to start, wake and stop.
             (_, WorkerRole::Aggregated) => None,
             _ if options.simulated.is_some() => None,
-            _ => match turbine_ucx_agent::UcxAgent::start(memory.as_ref(), options.pool.shm()) {
+            _ => match turbine_ucx_agent::UcxAgent::start(memory.as_ref(), options.pool.shm(), &options.network) {
                 Ok(agent) => Some(agent),
                 Err(error) => {
                     tracing::warn!(%error, "UCX is unavailable; KV blocks move over TCP");

@@ -50,10 +50,11 @@ const STAGING_BYTES: usize = 64 << 20;
 
 /// The tier's UCX link, shared by the reader thread and the put task.
 #[cfg(feature = "ucx")]
-#[derive(Default)]
 struct UcxSide {
     /// Started at first use; None inside: UCX cannot start here.
     link: std::sync::OnceLock<Option<turbine_ucx_agent::KvStoreLink>>,
+    /// The devices the link may use.
+    network: turbine_kv::UcxNetwork,
     /// The store has no UCX data path (or the caller turned UCX off).
     no_data_path: AtomicBool,
 }
@@ -67,7 +68,7 @@ impl UcxSide {
         }
         self.link
             .get_or_init(|| {
-                turbine_ucx_agent::KvStoreLink::with_staging(STAGING_BYTES)
+                turbine_ucx_agent::KvStoreLink::with_staging(STAGING_BYTES, &self.network)
                     .inspect_err(|error| tracing::warn!(%error, "cannot start UCX; KV blocks go to and from the kv-store over gRPC"))
                     .ok()
             })
@@ -100,14 +101,17 @@ impl UcxSide {
 
 impl KvStoreTier {
     /// The store behind `client`, for blocks of layout `fingerprint`; a get
-    /// that takes longer than `get_timeout` is a miss. Must be called
-    /// within a Tokio runtime (the put task runs on it).
-    pub fn new(client: KvStoreClient, fingerprint: Fingerprint, get_timeout: Duration) -> Self {
+    /// that takes longer than `get_timeout` is a miss; UCX (when built)
+    /// on the devices `network` allows. Must be called within a Tokio
+    /// runtime (the put task runs on it).
+    pub fn new(client: KvStoreClient, fingerprint: Fingerprint, get_timeout: Duration, network: turbine_kv::UcxNetwork) -> Self {
         let (puts, mut queued) = mpsc::channel::<Vec<(SequenceHash, Arc<HostBlock>)>>(PUT_QUEUE);
         let known = moka::sync::Cache::new(KNOWN_BLOCKS);
         let failed_puts = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "ucx")]
-        let ucx = Arc::new(UcxSide::default());
+        let ucx = Arc::new(UcxSide { link: std::sync::OnceLock::new(), network, no_data_path: AtomicBool::new(false) });
+        #[cfg(not(feature = "ucx"))]
+        let _ = network;
         {
             let (client, known, failures) = (client.clone(), known.clone(), failed_puts.clone());
             #[cfg(feature = "ucx")]
