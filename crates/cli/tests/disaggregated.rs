@@ -11,6 +11,9 @@
 //! - The prefill worker killed while a decode worker reads its blocks (a
 //!   relay in front of it holds the read mid-stream): every request still
 //!   completes with the right text (computed locally).
+//! - With certificates on every hop (Redis too), no worker has a UCX
+//!   listener and the blocks still move through shared memory, the
+//!   handle's token riding the gateway's calls; outputs as aggregated.
 //! - A decode worker dead but still listed fails a request only after its
 //!   prefill: the gateway continues it on the other decode worker, never
 //!   on the dead one again.
@@ -94,6 +97,10 @@ struct Cluster {
 }
 
 async fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str, advertise: Option<&TcpRelay>) -> ServiceProcess {
+    start_worker_with(redis, id, role, transport, advertise, &[]).await
+}
+
+async fn start_worker_with(redis: &RedisServer, id: &str, role: &str, transport: &str, advertise: Option<&TcpRelay>, extra: &[String]) -> ServiceProcess {
     let url = redis.url();
     let advertised = advertise.map(|relay| format!("http://{}", relay.addr()));
     let mut args = vec![
@@ -121,6 +128,7 @@ async fn start_worker(redis: &RedisServer, id: &str, role: &str, transport: &str
     if let Some(advertised) = &advertised {
         args.extend(["--advertise", advertised]);
     }
+    args.extend(extra.iter().map(String::as_str));
     let worker = service("turbine-worker", &args, &[], false).await;
     if let Some(relay) = advertise {
         relay.set_upstream(worker.addresses().grpc);
@@ -212,6 +220,94 @@ async fn disaggregated_outputs_equal_aggregated_ones_over_ucx() {
 async fn disaggregated_outputs_equal_aggregated_ones_over_tcp() {
     // A few, to 1,200 tokens (the UCX test has the longest).
     outputs_equal_aggregated("tcp", &[0, 2, 5, 11]).await;
+}
+
+/// The `--tls-*` flags of the certificate `turbine certs` wrote under
+/// `dir` for `stem` (`router`, `workers/prefill-0`).
+fn tls_flags(dir: &std::path::Path, stem: &str) -> Vec<String> {
+    let file = |name: String| dir.join(name).display().to_string();
+    vec!["--tls-cert".into(), file(format!("{stem}.crt")), "--tls-key".into(), file(format!("{stem}.key")), "--tls-ca".into(), file("ca.crt".into())]
+}
+
+/// What `process` listens on besides its gRPC and admin ports.
+fn other_listeners(process: &ServiceProcess) -> Vec<std::net::SocketAddr> {
+    let own = process.addresses();
+    let listening = turbine_testkit::listening_sockets(process.pid()).unwrap();
+    listening.into_iter().filter(|address| *address != own.grpc && Some(*address) != own.admin).collect()
+}
+
+/// With certificates on every hop (Redis over TLS too) the handle's token
+/// rides the gateway's mutual-TLS calls, and UCX, which checks no
+/// certificate, listens nowhere: the decode worker copies the blocks out
+/// of the prefill worker's pool through shared memory (same machine), the
+/// outputs equal the aggregated ones.
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_mutual_tls_blocks_move_through_shared_memory_with_no_ucx_listener() {
+    let _one = ONE_CLUSTER.lock().await;
+    let chosen = [4, 9];
+    let expected = reference(&chosen).await;
+    let dir = tempfile::tempdir().unwrap();
+    let certs = std::process::Command::new(turbine_testkit::workspace_binary("turbine"))
+        .args(["certs", "--worker", "prefill-0", "--worker", "decode-0", "--redis", "localhost", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(certs.status.success(), "{}", String::from_utf8_lossy(&certs.stderr));
+    let file = |name: &str| dir.path().join(name);
+    let operator =
+        turbine_runtime::trust::TlsConfig { tls_cert: Some(file("operator.crt")), tls_key: Some(file("operator.key")), tls_ca: Some(file("ca.crt")) };
+    operator.establish().unwrap().expect("this process is an operator");
+    let redis_tls = turbine_testkit::RedisTls {
+        cert: file("redis.crt"),
+        key: file("redis.key"),
+        ca: file("ca.crt"),
+        client_cert: file("operator.crt"),
+        client_key: file("operator.key"),
+    };
+    let redis = RedisServer::start_tls(&redis_tls, &[]);
+    let url = redis.url();
+    let prefill = start_worker_with(&redis, "prefill-0", "prefill", "auto", None, &tls_flags(dir.path(), "workers/prefill-0")).await;
+    let decode = start_worker_with(&redis, "decode-0", "decode", "auto", None, &tls_flags(dir.path(), "workers/decode-0")).await;
+    let mut router_args: Vec<String> =
+        ["--redis", &url, "--namespace", "disagg", "--policy", "kv", "--disagg-threshold-tokens", "64"].iter().map(|arg| arg.to_string()).collect();
+    router_args.extend(tls_flags(dir.path(), "router"));
+    let router = service("turbine-router", &router_args.iter().map(String::as_str).collect::<Vec<_>>(), &[], false).await;
+    until_registered(&router, 2).await;
+    let mut gateway_args = vec!["--router".to_owned(), router.grpc_endpoint()];
+    gateway_args.extend(tls_flags(dir.path(), "gateway"));
+    let gateway = service("turbine-gateway", &gateway_args.iter().map(String::as_str).collect::<Vec<_>>(), &[], true).await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
+
+    for process in [&prefill, &decode] {
+        assert_eq!(other_listeners(process), vec![], "a worker under TLS has no UCX listener");
+    }
+    let all = prompts();
+    for (&i, expected) in chosen.iter().zip(&expected) {
+        let (text, _) = complete(&base, &all[i]).await;
+        assert_eq!(&text, expected, "prompt of {} tokens over mutual TLS", all[i].len());
+    }
+    let admin = decode.admin_url();
+    let read = async |transport: &str| metric_where(&admin, "turbine_worker_kv_imports_total", &[("transport", transport), ("outcome", "ok")]).await as usize;
+    match shm_free_mib() {
+        Some(free) if free >= 640 + 128 => {
+            assert_eq!(read("ucx").await, chosen.len(), "every prompt's blocks were read over UCX");
+            let mapped = metric_where(&admin, "turbine_worker_kv_ucx_reads_total", &[("path", "mapped")]).await;
+            assert_eq!(mapped as usize, chosen.len(), "copied out of the mapped pool");
+        }
+        free => {
+            // The pool stayed on the heap: with no UCX network device the
+            // blocks come over KvTransfer/ReadBlocks (mutual TLS).
+            eprintln!("/dev/shm has {free:?} MiB free: the pool is on the heap");
+            assert_eq!(read("ucx").await + read("tcp").await, chosen.len(), "every prompt's blocks were read from the prefill worker");
+        }
+    }
+    let prefill_admin = prefill.admin_url();
+    wait_until("handles released", Duration::from_secs(5), async || metric(&prefill_admin, "turbine_worker_kv_pinned_handles").await == 0.0).await;
+    let refused = metric(&prefill_admin, "turbine_rpc_refused_total").await;
+    assert_eq!(refused, 0.0, "no call of the deployment's own was refused");
+    drop((gateway, router, decode, prefill, redis));
 }
 
 /// The prefill worker is SIGKILLed while the decode worker reads its
