@@ -98,6 +98,9 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// When to stop.
     pub stop: StopConditions,
+    /// The KV namespace its blocks are cached in (its tenant's): its
+    /// prompt hits only blocks of the same salt.
+    pub cache_salt: turbine_kv::CacheSalt,
 }
 
 /// Why a sequence ended.

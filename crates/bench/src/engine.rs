@@ -138,6 +138,7 @@ fn request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         prompt: prompt.to_vec(),
         sampling: Default::default(),
         stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true },
+        cache_salt: Default::default(),
     }
 }
 

@@ -289,6 +289,7 @@ async fn direct_request(client: &mut WorkerClient<tonic::transport::Channel>, id
         sampling: None,
         stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
         remote_prefill: None,
+        cache_salt: Default::default(),
     };
     let mut stream = client.generate(request).await?.into_inner();
     let mut first = None;

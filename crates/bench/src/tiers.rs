@@ -287,6 +287,7 @@ fn decode(engine: &EngineHandle, prompt: &[u32], tokens: u32) -> anyhow::Result<
         prompt: prompt.to_vec(),
         sampling: Default::default(),
         stop: StopConditions { max_tokens: tokens, stop_token_ids: vec![], ignore_eos: true },
+        cache_salt: Default::default(),
     })?;
     let mut first = None;
     let mut decoded = Vec::new();

@@ -425,6 +425,7 @@ async fn a_dead_decode_worker_still_listed_is_not_asked_again_for_the_request() 
             exclude_worker_ids: Vec::new(),
             token_ids: longer.as_slice().into(),
             kv: None,
+            cache_salt: Default::default(),
         };
         let Ok(routed) = routing.route(&probe).await else { return false };
         let _ = routing.finished(&probe.request_id).await;

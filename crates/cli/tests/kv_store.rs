@@ -25,6 +25,7 @@ fn greedy(prompt: &[u32]) -> pb::GenerateRequest {
         sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
         stop: Some(pb::StopConditions { max_tokens: 8, stop_token_ids: vec![], ignore_eos: true }),
         remote_prefill: None,
+        cache_salt: Default::default(),
     }
 }
 

@@ -496,3 +496,69 @@ async fn control_token_texts_in_messages_stay_text_unless_the_deployment_parses_
         sandbox.stop().await;
     }
 }
+
+/// A `cache_salt` is a namespace of the prompt cache in every tier: a
+/// prompt hits only blocks cached under its own salt, on the device, in
+/// host memory and in the shared kv-store alike; the unsalted namespace
+/// is one more. REST and gRPC carry it; a bad one is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_hit_only_blocks_cached_under_their_own_salt() {
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1000.0);
+    config.workers = 2;
+    config.kv_store_port = Some(0);
+    config.worker.engine.host_cache_mib = 256;
+    let sandbox = Sandbox::start(config).await;
+    let store = turbine_api::kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
+    // 5 blocks of 64 tokens.
+    let tokens: Vec<u32> = (0..320).map(|i| 3000 + i).collect();
+    let cached = async |salt: Option<&str>| {
+        let mut request = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true});
+        if let Some(salt) = salt {
+            request["cache_salt"] = json!(salt);
+        }
+        let (status, body) = sandbox.post("/v1/completions", &request).await;
+        assert_eq!(status, 200, "{body}");
+        body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+    };
+    assert_eq!(cached(Some("alice")).await, 0);
+    assert_eq!(cached(Some("alice")).await, 256, "the same salt hits its 4 full blocks");
+    // Every tier holds alice's blocks now, the shared store included.
+    wait_until("alice's blocks put to the kv-store", Duration::from_secs(30), async || store.stats().await.unwrap().put_blocks >= 4).await;
+    assert_eq!(cached(Some("bob")).await, 0, "another salt hits nothing, in no tier");
+    assert_eq!(cached(None).await, 0, "nor does the unsalted namespace");
+    assert_eq!(cached(Some("bob")).await, 256, "bob's own blocks hit");
+    assert_eq!(cached(None).await, 256);
+
+    // The gRPC API: the same namespaces.
+    use turbine_proto::gateway::v1 as pb;
+    let channel = tonic::transport::Channel::from_shared(sandbox.cluster().grpc_endpoint()).unwrap().connect().await.unwrap();
+    let inference = pb::inference_client::InferenceClient::new(channel);
+    let grpc_cached = async |salt: &str| -> Result<u32, tonic::Status> {
+        let request = pb::GenerateRequest {
+            model: MODEL.into(),
+            input: Some(pb::generate_request::Input::Prompt("the quick brown fox jumps over the lazy dog ".repeat(40))),
+            max_tokens: Some(2),
+            ignore_eos: true,
+            cache_salt: Some(salt.into()),
+            ..Default::default()
+        };
+        let mut stream = inference.clone().generate(request).await?.into_inner();
+        let mut usage = None;
+        while let Some(message) = stream.message().await? {
+            usage = message.usage.or(usage);
+        }
+        Ok(usage.expect("usage on the last message").cached_prompt_tokens)
+    };
+    assert_eq!(grpc_cached("carol").await.unwrap(), 0);
+    assert!(grpc_cached("carol").await.unwrap() >= 256, "the same salt hits over gRPC");
+    assert_eq!(grpc_cached("dave").await.unwrap(), 0, "another salt does not");
+    assert_eq!(grpc_cached("").await.unwrap_err().code(), tonic::Code::InvalidArgument);
+
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "hi", "cache_salt": ""})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("cache_salt")), "{body}");
+    let long = "x".repeat(257);
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "hi", "cache_salt": long})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("cache_salt")), "{body}");
+    sandbox.stop().await;
+}

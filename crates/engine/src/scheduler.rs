@@ -112,6 +112,8 @@ struct Sequence {
     blocks: Vec<BlockId>,
     /// Hashes of the complete blocks of `tokens` computed so far.
     hashes: Vec<BlockHashes>,
+    /// Hashes its blocks in its request's KV namespace.
+    hasher: BlockHasher,
     /// Leading blocks already registered in (or taken from) the prefix cache.
     num_registered: usize,
     sampling: SamplingParams,
@@ -238,7 +240,6 @@ pub struct SequenceUpdate {
 pub struct Scheduler {
     config: SchedulerConfig,
     blocks: BlockManager,
-    hasher: BlockHasher,
     /// Tokens that end generation unless a request ignores them.
     eos_token_ids: Vec<u32>,
     sequences: HashMap<SeqId, Sequence>,
@@ -264,11 +265,9 @@ impl Scheduler {
     /// that does not ask to ignore them.
     pub fn new(config: SchedulerConfig, eos_token_ids: Vec<u32>) -> Self {
         let blocks = BlockManager::new(config.num_blocks, config.block_size, config.prefix_caching);
-        let hasher = BlockHasher::with_seed(config.hash_seed);
         Self {
             config,
             blocks,
-            hasher,
             eos_token_ids,
             sequences: HashMap::new(),
             waiting: VecDeque::new(),
@@ -323,6 +322,7 @@ impl Scheduler {
                 num_computed: 0,
                 blocks: Vec::new(),
                 hashes: Vec::new(),
+                hasher: BlockHasher::salted(self.config.hash_seed, request.cache_salt),
                 num_registered: 0,
                 sampling: request.sampling,
                 stop: request.stop,
@@ -392,7 +392,7 @@ impl Scheduler {
             }
             sequence.onboard_checked = true;
             sequence.look_up_now = false;
-            extend_hashes(&self.hasher, sequence, block_size);
+            extend_hashes(sequence, block_size);
             let reusable = ((sequence.tokens.len() - 1) / block_size).min(sequence.hashes.len());
             due.push((seq_id, sequence.hashes[..reusable].to_vec()));
         }
@@ -561,7 +561,7 @@ impl Scheduler {
             let Some(&seq_id) = self.waiting.front() else { break };
             let block_size = self.config.block_size;
             let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
-            extend_hashes(&self.hasher, sequence, block_size);
+            extend_hashes(sequence, block_size);
             // Always compute at least the last token, so there is something to sample from.
             let reusable = ((sequence.tokens.len() - 1) / block_size).min(sequence.hashes.len());
             let wanted: Vec<SequenceHash> = sequence.hashes[..reusable].iter().map(|h| h.sequence).collect();
@@ -685,7 +685,7 @@ impl Scheduler {
         if full <= sequence.num_registered {
             return;
         }
-        extend_hashes(&self.hasher, sequence, block_size);
+        extend_hashes(sequence, block_size);
         let parent = sequence.num_registered.checked_sub(1).map(|i| sequence.hashes[i].sequence);
         let pairs: Vec<(BlockId, BlockHashes)> = (sequence.num_registered..full).map(|i| (sequence.blocks[i], sequence.hashes[i])).collect();
         sequence.num_registered = full;
@@ -823,8 +823,8 @@ impl Scheduler {
 
 /// Computes the hashes of every complete block of the sequence's tokens not
 /// hashed yet.
-fn extend_hashes(hasher: &BlockHasher, sequence: &mut Sequence, block_size: usize) {
-    let full = sequence.tokens.len() / block_size;
+fn extend_hashes(sequence: &mut Sequence, block_size: usize) {
+    let (hasher, full) = (sequence.hasher, sequence.tokens.len() / block_size);
     for index in sequence.hashes.len()..full {
         let local = hasher.local(&sequence.tokens[index * block_size..(index + 1) * block_size]);
         let parent = index.checked_sub(1).map(|i| sequence.hashes[i].sequence);

@@ -47,6 +47,48 @@ pub struct BlockHashes {
     pub sequence: SequenceHash,
 }
 
+/// A namespace of KV blocks: requests of different salts never share a
+/// block in any cache (their block hashes differ), so none can hit, or time,
+/// another's. [`CacheSalt::SHARED`] is the deployment's common namespace
+/// (the hashes of an unsalted hasher).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct CacheSalt(u64);
+
+impl CacheSalt {
+    /// The shared namespace.
+    pub const SHARED: CacheSalt = CacheSalt(0);
+
+    /// The salt of this wire value (0: shared).
+    pub const fn new(value: u64) -> Self {
+        Self(value)
+    }
+
+    /// The salt named by `parts` (a tenant, a client's `cache_salt`), never
+    /// the shared one: each part is hashed with its length, so no two
+    /// lists of parts run together.
+    pub fn of(parts: &[&str]) -> Self {
+        let mut bytes = Vec::new();
+        for part in parts {
+            bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(part.as_bytes());
+        }
+        match xxh3_64_with_seed(&bytes, DEFAULT_SEED) {
+            0 => Self(1),
+            value => Self(value),
+        }
+    }
+
+    /// The wire value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// Whether this is the shared namespace.
+    pub const fn is_shared(self) -> bool {
+        self.0 == 0
+    }
+}
+
 /// Computes block hashes for one salt (seed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockHasher {
@@ -64,6 +106,12 @@ impl BlockHasher {
     /// adapters or tenants never share KV blocks.
     pub fn with_seed(seed: u64) -> Self {
         Self { seed }
+    }
+
+    /// The hasher of `salt`'s namespace over base seed `seed` (the shared
+    /// namespace: `seed` itself).
+    pub fn salted(seed: u64, salt: CacheSalt) -> Self {
+        if salt.is_shared() { Self::with_seed(seed) } else { Self { seed: xxh3_64_with_seed(&salt.0.to_le_bytes(), seed) } }
     }
 
     /// Local hash of one block of tokens.
@@ -150,6 +198,21 @@ mod tests {
         assert_eq!(blocks[0].sequence.0, 0x4ca6490661395090);
         assert_eq!(blocks[1].local.0, 0x7d8b6f9b721bb4ad);
         assert_eq!(blocks[1].sequence.0, 0xe9ed5b2665b2b029);
+    }
+
+    #[test]
+    fn salted_namespaces_share_no_block() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let hashes = |salt| BlockHasher::salted(DEFAULT_SEED, salt).sequence_hashes(&tokens, 16);
+        assert_eq!(hashes(CacheSalt::SHARED), BlockHasher::default().sequence_hashes(&tokens, 16), "the shared namespace is the unsalted one");
+        let (a, b) = (CacheSalt::of(&["tenant-a"]), CacheSalt::of(&["tenant-b"]));
+        assert_ne!(a, b);
+        assert!(!a.is_shared() && !CacheSalt::of(&[]).is_shared());
+        assert_ne!(CacheSalt::of(&["ab", "c"]), CacheSalt::of(&["a", "bc"]), "parts never run together");
+        for (x, y) in [(CacheSalt::SHARED, a), (a, b)] {
+            assert!(hashes(x).iter().all(|hash| !hashes(y).contains(hash)), "{x:?} and {y:?} share a block");
+        }
+        assert_eq!(hashes(a), hashes(CacheSalt::of(&["tenant-a"])), "a salt is stable");
     }
 
     #[test]

@@ -196,6 +196,7 @@ fn submit(engine: &EngineHandle, prompt: &[u32], steps: u32) -> tokio::sync::mps
             prompt: prompt.to_vec(),
             sampling: Default::default(),
             stop: StopConditions { max_tokens: steps, stop_token_ids: vec![], ignore_eos: true },
+            cache_salt: Default::default(),
         })
         .unwrap()
 }
@@ -546,6 +547,7 @@ fn greedy_request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         prompt: prompt.to_vec(),
         sampling: Default::default(),
         stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true },
+        cache_salt: Default::default(),
     }
 }
 

@@ -29,7 +29,7 @@ impl InferenceService {
 }
 
 fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayError> {
-    let pb::GenerateRequest { model, input, max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, ignore_eos } = request;
+    let pb::GenerateRequest { model, input, max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, ignore_eos, cache_salt } = request;
     let common = CommonParams {
         model,
         max_tokens: max_tokens.map(i64::from),
@@ -40,6 +40,7 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
         presence_penalty: presence_penalty.map(f64::from),
         frequency_penalty: frequency_penalty.map(f64::from),
         ignore_eos: Some(ignore_eos),
+        cache_salt,
         ..Default::default()
     };
     let (prompt, default_max_tokens) = match input {
@@ -62,6 +63,7 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
         sampling: validated.sampling,
         stop: validated.stop,
         ignore_eos: validated.ignore_eos,
+        cache_salt: validated.cache_salt,
     })
 }
 

@@ -15,7 +15,7 @@ use futures::StreamExt;
 use turbine_api::kv_transfer::KvTransferClient;
 use turbine_api::router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_api::worker::{KvHandle, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
-use turbine_api::{FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use turbine_api::{CacheSalt, FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
 use turbine_tokens::{ChatMessage, ContentControlTokens, IncrementalDecoder, Preprocessor, TokenBytes};
 
@@ -54,6 +54,19 @@ pub struct TextRequest {
     pub stop: Vec<String>,
     /// Generate past end-of-sequence tokens (for benchmarks).
     pub ignore_eos: bool,
+    /// The client's prompt-cache namespace (`cache_salt`), if any.
+    pub cache_salt: Option<String>,
+}
+
+/// The KV namespace of a request: its tenant's (none yet: every caller is
+/// the deployment's one tenant), narrowed by the client's own salt. Blocks
+/// of different namespaces are never shared, so a request neither hits nor
+/// times another namespace's prefix.
+fn cache_salt(tenant: Option<&str>, client: Option<&str>) -> CacheSalt {
+    match (tenant, client) {
+        (None, None) => CacheSalt::SHARED,
+        (tenant, client) => CacheSalt::of(&[tenant.unwrap_or(""), client.unwrap_or("")]),
+    }
 }
 
 /// How often a request that failed mid-stream may be dispatched (first
@@ -160,6 +173,7 @@ impl Pipeline {
             prompt,
             sampling: request.sampling,
             stop: StopConditions { max_tokens, stop_token_ids: Vec::new(), ignore_eos: request.ignore_eos },
+            cache_salt: cache_salt(None, request.cache_salt.as_deref()),
         };
         let booking = Booking { router: self.router.clone(), request_id: request_id.clone() };
         let mut excluded = Vec::new();
@@ -206,6 +220,7 @@ impl Pipeline {
                 exclude_worker_ids: excluded.clone(),
                 token_ids: request.prompt.as_slice().into(),
                 kv: None,
+                cache_salt: request.cache_salt,
             };
             let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) = match self.router.route(&route).await {
                 Ok(routed) => (routed.worker, routed.prefill),

@@ -282,7 +282,7 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
     type Error = ConversionError;
 
     fn try_from(request: pb::RouteRequest) -> ConversionResult<Self> {
-        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights } = request;
+        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights, cache_salt } = request;
         Ok(RouteRequest {
             request_id,
             model,
@@ -291,13 +291,14 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
             exclude_worker_ids: exclude_worker_ids.into_iter().map(WorkerId::from).collect(),
             token_ids: token_ids.into(),
             kv: kv_weights.map(KvOverrides::from),
+            cache_salt: turbine_kv::CacheSalt::new(cache_salt),
         })
     }
 }
 
 impl From<RouteRequest> for pb::RouteRequest {
     fn from(request: RouteRequest) -> Self {
-        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv } = request;
+        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv, cache_salt } = request;
         pb::RouteRequest {
             request_id,
             model,
@@ -306,6 +307,7 @@ impl From<RouteRequest> for pb::RouteRequest {
             exclude_worker_ids: exclude_worker_ids.into_iter().map(String::from).collect(),
             token_ids: token_ids.to_vec(),
             kv_weights: kv.map(pb::KvWeights::from),
+            cache_salt: cache_salt.get(),
         }
     }
 }
@@ -386,6 +388,7 @@ mod tests {
             exclude_worker_ids: vec!["w-2".into()],
             token_ids: vec![1, 2, 3].into(),
             kv: Some(KvOverrides { temperature: Some(0.5), ..KvOverrides::default() }),
+            cache_salt: turbine_kv::CacheSalt::of(&["tenant"]),
         };
         assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(request.clone())).unwrap(), request);
         let worker = RoutedWorker {

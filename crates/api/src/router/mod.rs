@@ -34,6 +34,9 @@ pub struct RouteRequest {
     pub token_ids: Arc<[u32]>,
     /// Per-request overrides of the `kv` cost function.
     pub kv: Option<KvOverrides>,
+    /// The request's KV namespace: its prompt is hashed with it, so it
+    /// matches only blocks cached under the same salt.
+    pub cache_salt: turbine_kv::CacheSalt,
 }
 
 /// A routing decision.

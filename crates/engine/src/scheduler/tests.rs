@@ -22,6 +22,7 @@ fn request(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         prompt,
         sampling: SamplingParams::default(),
         stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: false },
+        cache_salt: Default::default(),
     }
 }
 

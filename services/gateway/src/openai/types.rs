@@ -85,7 +85,15 @@ pub struct CommonParams {
     /// in the prompt or output by this factor (1: off).
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
+    /// Extension (as in vLLM): a namespace for this request's prompt
+    /// cache: it hits only blocks cached by requests of the same caller
+    /// with the same salt (within the caller's tenant; never another's).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
+
+/// The longest `cache_salt` accepted, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// How the response is delivered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,6 +234,8 @@ pub struct ValidatedParams {
     pub stop: Vec<String>,
     /// Generate past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// The client's prompt-cache namespace, if any.
+    pub cache_salt: Option<String>,
     /// Response delivery.
     pub delivery: Delivery,
 }
@@ -251,6 +261,7 @@ impl CommonParams {
             top_k,
             min_p,
             repetition_penalty,
+            cache_salt,
         } = self;
         if model.trim().is_empty() {
             return Err(GatewayError::invalid("model", "'model' must name a model."));
@@ -305,7 +316,12 @@ impl CommonParams {
         }
         let include_usage = stream_options.and_then(|options| options.include_usage).unwrap_or(false);
         let ignore_eos = ignore_eos.unwrap_or(false);
-        Ok(ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, delivery: Delivery { stream, include_usage } })
+        if let Some(salt) = &cache_salt
+            && (salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES)
+        {
+            return Err(GatewayError::invalid("cache_salt", format!("'cache_salt' must be 1 to {MAX_CACHE_SALT_BYTES} bytes, got {}.", salt.len())));
+        }
+        Ok(ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, cache_salt, delivery: Delivery { stream, include_usage } })
     }
 }
 
@@ -347,9 +363,9 @@ impl ChatCompletionRequest {
             (None, Some(value)) => Some(("max_tokens", value)),
             (None, None) => None,
         };
-        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
         sampling.logprobs = logprobs;
-        Ok((TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos }, delivery))
+        Ok((TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos, cache_salt }, delivery))
     }
 }
 
@@ -412,10 +428,10 @@ impl CompletionRequest {
             PromptField::Texts(_) | PromptField::TokenLists(_) => return Err(batch_error()),
         };
         let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
-        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, delivery } = common.validate_shared(max_tokens)?;
+        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
         sampling.logprobs = logprobs;
         let max_tokens = Some(max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS));
-        Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos }, delivery))
+        Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos, cache_salt }, delivery))
     }
 }
 

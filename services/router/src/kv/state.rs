@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use turbine_api::kv_index::{KvIndexClient, MatchAnswer, MatchQuery};
-use turbine_kv::{BlockHasher, KvEvent, KvIndex, SequenceHash, StoredBlock, Tier, WorkerId, WorkerMatch};
+use turbine_kv::{BlockHasher, CacheSalt, KvEvent, KvIndex, SequenceHash, StoredBlock, Tier, WorkerId, WorkerMatch};
 use turbine_kv_log::FollowerStatus;
 use turbine_kv_log::LocalKvIndex;
 
@@ -177,8 +177,8 @@ impl KvState {
 
     /// Each candidate's match for the prompt `tokens` in every block size
     /// of `block_sizes`, and the candidates' cached tree sizes.
-    pub async fn look_up(&self, tokens: &[u32], candidates: Vec<WorkerId>, block_sizes: &[u32]) -> KvView {
-        match self.ask(tokens, candidates, block_sizes).await {
+    pub async fn look_up(&self, tokens: &[u32], salt: CacheSalt, candidates: Vec<WorkerId>, block_sizes: &[u32]) -> KvView {
+        match self.ask(tokens, salt, candidates, block_sizes).await {
             Ok(lookup) => KvView::Matched(lookup),
             Err(error) => {
                 if self.remote.is_some() {
@@ -189,13 +189,15 @@ impl KvState {
         }
     }
 
-    async fn ask(&self, tokens: &[u32], candidates: Vec<WorkerId>, block_sizes: &[u32]) -> Result<KvLookup, LookupError> {
+    async fn ask(&self, tokens: &[u32], salt: CacheSalt, candidates: Vec<WorkerId>, block_sizes: &[u32]) -> Result<KvLookup, LookupError> {
         if let Some(remote) = &self.remote
             && remote.resting_until.lock().is_some_and(|until| Instant::now() < until)
         {
             return Err(LookupError::Unreachable);
         }
-        let hasher = BlockHasher::default();
+        // The workers' hashes: the default seed, salted by the request's
+        // namespace.
+        let hasher = BlockHasher::salted(turbine_kv::DEFAULT_SEED, salt);
         let mut lookup = KvLookup::default();
         let mut asked_trees = candidates;
         // Without a block size (workers that report none) the tree sizes
@@ -337,7 +339,9 @@ mod tests {
         let stored = blocks[..2].iter().map(|h| StoredBlock { sequence_hash: h.sequence, local_hash: h.local }).collect();
         index.apply_unnumbered("a", &KvEvent::Stored { parent: None, blocks: stored, tier: Tier::Device });
         let state = KvState::local(KvConfig::default(), index, None);
-        let KvView::Matched(lookup) = state.look_up(&tokens, vec!["a".into(), "b".into()], &[16]).await else { panic!("the local index answers") };
+        let KvView::Matched(lookup) = state.look_up(&tokens, CacheSalt::SHARED, vec!["a".into(), "b".into()], &[16]).await else {
+            panic!("the local index answers")
+        };
         assert_eq!(lookup.matched(16, "a").map(|by_tier| by_tier.iter().sum::<u32>()), Some(2));
         assert!(lookup.matched(16, "b").is_none());
         assert_eq!((lookup.cached_tree("a"), lookup.cached_tree("b")), (2, 0));
@@ -351,6 +355,9 @@ mod tests {
     async fn a_stale_replica_routes_by_load() {
         let status = Arc::new(FollowerStatus::default());
         let state = KvState::local(KvConfig::default(), Arc::new(KvIndex::new()), Some(status));
-        assert!(matches!(state.look_up(&[1; 32], vec!["a".into()], &[16]).await, KvView::Unavailable), "a follower that never read its log is not trusted");
+        assert!(
+            matches!(state.look_up(&[1; 32], CacheSalt::SHARED, vec!["a".into()], &[16]).await, KvView::Unavailable),
+            "a follower that never read its log is not trusted"
+        );
     }
 }

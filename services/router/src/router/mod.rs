@@ -76,7 +76,7 @@ impl Router {
         let view = match &self.kv {
             Some(kv) if request.policy.unwrap_or(self.policy) == Policy::Kv && !request.request_id.is_empty() => {
                 let (candidates, sizes) = self.kv_candidates(&request.model);
-                kv.look_up(&request.token_ids, candidates, &sizes).await
+                kv.look_up(&request.token_ids, request.cache_salt, candidates, &sizes).await
             }
             _ => KvView::NotAsked,
         };

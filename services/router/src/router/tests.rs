@@ -239,3 +239,34 @@ fn a_kv_stores_blocks_count_for_the_workers_that_read_it() {
     let no_remote = RouteRequest { kv: Some(crate::kv::KvOverrides { remote_credit: Some(0.0), ..Default::default() }), ..kv_request("r2") };
     assert_eq!(route(&router, &no_remote).unwrap().worker.worker_id, "b");
 }
+
+#[test]
+fn a_request_matches_only_blocks_of_its_own_cache_salt() {
+    use turbine_kv::{BlockHasher, CacheSalt, DEFAULT_SEED, KvEvent, KvIndex, NumberedEvent, StoredBlock, Tier};
+
+    use crate::kv::{KvConfig, KvState};
+
+    let index = Arc::new(KvIndex::new());
+    let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::local(KvConfig::default(), index.clone(), None)));
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60))]);
+    let tokens: Vec<u32> = (0..160).collect();
+    let tenant = CacheSalt::of(&["tenant-a"]);
+    // The same prompt cached on a in tenant-a's namespace, on b in the
+    // shared one.
+    for (worker, salt) in [("a", tenant), ("b", CacheSalt::SHARED)] {
+        let blocks = BlockHasher::salted(DEFAULT_SEED, salt)
+            .hash_blocks(&tokens, 16)
+            .iter()
+            .map(|hashes| StoredBlock { sequence_hash: hashes.sequence, local_hash: hashes.local })
+            .collect();
+        index.apply(worker, 1, &NumberedEvent { event_id: 0, event: KvEvent::Stored { parent: None, blocks, tier: Tier::Device } });
+    }
+    let salted = |id: &str, cache_salt| RouteRequest { token_ids: tokens.clone().into(), policy: Some(Policy::Kv), cache_salt, ..request(id, "m") };
+    for (id, salt, worker, overlap) in [("r1", tenant, "a", 10), ("r2", CacheSalt::SHARED, "b", 10)] {
+        let routed = route(&router, &salted(id, salt)).unwrap();
+        assert_eq!((routed.worker.worker_id.as_str(), routed.overlap_blocks), (worker, overlap), "{salt:?}");
+        assert!(router.finished(id));
+    }
+    let other = route(&router, &salted("r3", CacheSalt::of(&["tenant-b"]))).unwrap();
+    assert_eq!(other.overlap_blocks, 0, "another tenant matches neither worker's blocks");
+}

@@ -66,7 +66,7 @@ impl Disagg {
         // The handle must describe this very prompt, hashed as this engine
         // hashes it: installed blocks serve later requests.
         let config = self.engine.config();
-        let expected = BlockHasher::with_seed(config.hash_seed).sequence_hashes(&request.prompt, config.block_size);
+        let expected = BlockHasher::salted(config.hash_seed, request.cache_salt).sequence_hashes(&request.prompt, config.block_size);
         let hashes: Vec<BlockHashes> = handle.blocks.iter().map(|block| block.hashes).collect();
         if hashes.len() > expected.len() || hashes.iter().zip(&expected).any(|(ours, theirs)| ours.sequence != *theirs) {
             return Err(ImportError::Hashes);
