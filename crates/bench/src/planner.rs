@@ -836,7 +836,7 @@ async fn start_stack(redis: &str, namespace: &str, shutdown: CancellationToken) 
     let gateway_listeners =
         Listeners { grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await?, admin: None, http: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await?) };
     let http = gateway_listeners.http.as_ref().expect("bound above").local_addr()?;
-    let deps = turbine_gateway::GatewayDeps { router: router_client, workers: turbine_api::worker::WorkerClients::default() };
+    let deps = turbine_gateway::GatewayDeps { router: router_client, workers: turbine_api::worker::WorkerClients::default(), own_key: None };
     let gateway = tokio::spawn(turbine_gateway::serve(turbine_gateway::GatewayConfig::default(), deps, gateway_listeners, shutdown));
     Ok((format!("http://{http}"), vec![tokio::spawn(router.finished()), gateway]))
 }

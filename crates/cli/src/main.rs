@@ -1,6 +1,7 @@
 //! `turbine`: one command for every way to run Turbine.
 
 mod certs;
+mod keys;
 mod model;
 mod run;
 
@@ -57,6 +58,9 @@ enum Command {
     /// Make a CA for one deployment and a certificate per role (and per
     /// --worker id) for the services' --tls-cert, --tls-key and --tls-ca.
     Certs(certs::CertsArgs),
+    /// API keys for the gateway's --api-keys file.
+    #[command(subcommand)]
+    Keys(keys::KeysCommand),
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -105,6 +109,13 @@ fn main() -> ExitCode {
         },
         Command::Profile(args) => turbine_bench::profile_main(*args),
         Command::Bench(command) => turbine_bench::main(*command),
+        Command::Keys(command) => match keys::run(&command) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("turbine: error: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Certs(args) => match certs::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {

@@ -62,3 +62,58 @@ fn bad_configuration_is_refused_naming_the_problem() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("unknown key `worker.speeed`") && stderr.contains(&config.path().display().to_string()), "{stderr}");
 }
+
+#[tokio::test]
+async fn turbine_keys_new_makes_keys_that_turbine_run_requires_on_every_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("keys.toml");
+    let new_key = |name: &str, tenant: &str| {
+        Command::new(env!("CARGO_BIN_EXE_turbine")).args(["keys", "new", "--name", name, "--tenant", tenant, "--file"]).arg(&file).output().unwrap()
+    };
+    let made = new_key("alice", "a");
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let key = String::from_utf8(made.stdout).unwrap().trim().to_owned();
+    assert!(key.starts_with("tk_"), "{key}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(!text.contains(&key), "the file holds the digest, not the key");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(new_key("bob", "b").status.success());
+    let again = new_key("alice", "c");
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("another key has this name"));
+    assert_eq!(std::fs::read_to_string(&file).unwrap().matches("[[keys]]").count(), 2, "a refused key is not written");
+
+    // Keys authenticate callers, so turbine run may listen beyond loopback
+    // without --insecure.
+    let (addresses_dir, addresses) = addresses_file().unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine"));
+    command
+        .args(["run", "--engine", "mock", "--speedup", "1000", "--host", "0.0.0.0", "--http-port", "0", "--grpc-port", "0", "--api-keys"])
+        .arg(&file)
+        .arg("--addresses-file")
+        .arg(&addresses);
+    let turbine = ServiceProcess::spawn_with_addresses_file("turbine run", command, addresses_dir, addresses).await.unwrap();
+    let base = turbine.http_url();
+    let client = reqwest::Client::new();
+    turbine_testkit::wait_until("the gateway lists the model to a key holder", turbine_testkit::STARTUP_TIMEOUT, async || {
+        let Ok(response) = client.get(format!("{base}/v1/models")).bearer_auth(&key).send().await else { return false };
+        response.json::<serde_json::Value>().await.is_ok_and(|body| body["data"].as_array().is_some_and(|data| !data.is_empty()))
+    })
+    .await;
+    let refused = client.get(format!("{base}/v1/models")).send().await.unwrap();
+    assert_eq!(refused.status(), 401);
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 3});
+    let answered = client.post(format!("{base}/v1/completions")).bearer_auth(&key).json(&body).send().await.unwrap();
+    assert_eq!(answered.status(), 200);
+    drop(turbine);
+
+    // A keys file the gateway cannot use stops it at start, naming it.
+    std::fs::write(&file, "[[keys]]\nname = \"x\"\n").unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turbine"))
+        .args(["run", "--engine", "mock", "--http-port", "0", "--grpc-port", "0", "--api-keys"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("keys.toml"), "{stderr}");
+}

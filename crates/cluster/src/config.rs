@@ -30,7 +30,8 @@ pub const RUN_PLANNER_DATABASE: &str = "planner.db";
 pub struct RunConfig {
     /// Address to listen on: loopback (this machine only) by default;
     /// 0.0.0.0 or another host's address exposes the API and gRPC to the
-    /// network, in plaintext with no keys, and needs --insecure.
+    /// network and needs API keys (--api-keys; keys travel in plaintext
+    /// unless TLS terminates in front) or --insecure.
     #[arg(long, env = "TURBINE_HOST", default_value = "127.0.0.1")]
     pub host: IpAddr,
     /// Listen on a --host other machines reach although nothing
@@ -113,11 +114,11 @@ impl Settings for RunConfig {
         if self.workers == 0 {
             return Err(InvalidSetting::new("workers", "must be at least 1"));
         }
-        if !self.host.is_loopback() && !self.insecure {
+        if !self.host.is_loopback() && !self.insecure && self.gateway.api_keys.is_none() {
             return Err(InvalidSetting::new(
                 "host",
                 format!(
-                    "{} exposes the API and gRPC to other machines with nothing authenticating callers: keep the default loopback (127.0.0.1), or pass --insecure on a network you trust entirely",
+                    "{} exposes the API and gRPC to other machines with nothing authenticating callers: keep the default loopback (127.0.0.1), require API keys (--api-keys FILE; `turbine keys new` makes them), or pass --insecure on a network you trust entirely",
                     self.host
                 ),
             ));
@@ -203,6 +204,9 @@ mod tests {
         assert!(refused.contains("host: 0.0.0.0") && refused.contains("--insecure"), "{refused}");
         let exposed = parse(&["--host", "0.0.0.0", "--insecure"]).unwrap();
         assert!(exposed.host.is_unspecified() && exposed.insecure);
+        assert!(refused.contains("--api-keys"), "{refused}");
+        let keyed = parse(&["--host", "0.0.0.0", "--api-keys", "/etc/turbine/keys.toml"]).unwrap();
+        assert!(keyed.host.is_unspecified() && !keyed.insecure, "API keys authenticate every caller");
     }
 
     #[test]

@@ -260,15 +260,20 @@ impl Cluster {
 
         let mut gateways = Vec::new();
         let mut front_tasks = Vec::new();
+        // With API keys, this process asks its gateways with a key of its
+        // own, made now and kept in memory only.
+        let own_key = config.gateway.api_keys.is_some().then(turbine_gateway::keys::new_key);
         for (replica, (listeners, router)) in gateway_listeners.into_iter().zip(&router_clients).enumerate() {
             let mut gateway = GatewayConfig { admission: config.gateway.clone(), ..GatewayConfig::default() };
             gateway.server.shutdown_grace_secs = config.shutdown_grace_secs;
-            gateway.server.insecure = config.insecure;
+            // With API keys every call of its gRPC API is authenticated by
+            // key, as the REST API's are (what --host asks for).
+            gateway.server.insecure = config.insecure || config.gateway.api_keys.is_some();
             if replica == 0 {
                 gateway.server.addresses_file = config.addresses_file.clone();
             }
             let addresses = BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: None, http: listeners.http.as_ref().map(|l| l.local_addr()).transpose()? };
-            let deps = GatewayDeps { router: router.clone(), workers: clients.clone() };
+            let deps = GatewayDeps { router: router.clone(), workers: clients.clone(), own_key: own_key.clone() };
             front_tasks.push((format!("gateway {replica}"), tokio::spawn(turbine_gateway::serve(gateway, deps, listeners, front.clone()))));
             gateways.push(addresses);
         }
@@ -306,8 +311,22 @@ impl Cluster {
             services,
             backend: backend.drop_guard(),
         };
-        for gateway in &cluster.gateways {
-            cluster.until_listed(gateway).await?;
+        let mut cluster = cluster;
+        for index in 0..cluster.gateways.len() {
+            let gateway = cluster.gateways[index];
+            if let Err(waiting) = cluster.until_listed(&gateway, own_key.as_deref()).await {
+                // A gateway that stopped (its keys file, say) says why.
+                if let Some(position) = cluster.front.iter().position(|(_, task)| task.is_finished()) {
+                    let (name, task) = cluster.front.remove(position);
+                    let stopped = match task.await {
+                        Ok(Ok(())) => anyhow::anyhow!("{name} stopped"),
+                        Ok(Err(error)) => error.context(format!("{name} stopped")),
+                        Err(error) => anyhow::anyhow!("{name} panicked: {error}"),
+                    };
+                    return Err(stopped);
+                }
+                return Err(waiting);
+            }
         }
         Ok(cluster)
     }
@@ -320,13 +339,29 @@ impl Cluster {
 
     /// Waits until the gateway at `addresses` lists the model (its catalog
     /// learned it from the router), asking its own API.
-    async fn until_listed(&self, addresses: &BoundAddrs) -> anyhow::Result<()> {
+    async fn until_listed(&self, addresses: &BoundAddrs, key: Option<&str>) -> anyhow::Result<()> {
         let endpoint = addresses.grpc_endpoint();
-        turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Gateway, turbine_proto::service_names::GATEWAY_INFERENCE).await;
+        // Bounded, and cut short by a gateway that stopped (never serving).
+        let serving = turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Gateway, turbine_proto::service_names::GATEWAY_INFERENCE);
+        let stopped = async {
+            while !self.front.iter().any(|(_, task)| task.is_finished()) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::select! {
+            () = serving => {}
+            () = stopped => anyhow::bail!("a gateway stopped while starting"),
+            () = tokio::time::sleep(Duration::from_secs(60)) => anyhow::bail!("the gateway at {endpoint} did not serve within a minute"),
+        }
         let mut client = InferenceClient::new(turbine_runtime::grpc::channel(&endpoint, turbine_runtime::host::Role::Gateway)?);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
-            let listed = client.list_models(ListModelsRequest {}).await?.into_inner().models;
+            anyhow::ensure!(!self.front.iter().any(|(_, task)| task.is_finished()), "a gateway stopped while starting");
+            let mut request = tonic::Request::new(ListModelsRequest {});
+            if let Some(key) = key {
+                request.metadata_mut().insert("authorization", format!("Bearer {key}").parse().context("an API key is ASCII")?);
+            }
+            let listed = client.list_models(request).await?.into_inner().models;
             if listed.iter().any(|model| model.name == self.model) {
                 return Ok(());
             }

@@ -562,3 +562,106 @@ async fn prompts_hit_only_blocks_cached_under_their_own_salt() {
     assert_eq!((status, body["error"]["param"].as_str()), (400, Some("cache_salt")), "{body}");
     sandbox.stop().await;
 }
+
+/// With API keys every call names its caller: none or an unknown key is a
+/// 401 (REST, OpenAI's error JSON) or UNAUTHENTICATED (gRPC), counted; and
+/// each tenant's prompts live in its own cache, so one tenant never hits,
+/// nor sees `cached_tokens` of, another's prefix in any tier, whatever
+/// `cache_salt` it sends, unless both keys opt into one shared cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_name_tenants_whose_prompt_caches_are_their_own() {
+    use turbine_gateway::keys::{entry, new_key};
+
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let keys: Vec<(&str, &str, Option<&str>, String)> =
+        [("alice", "a", None), ("bob", "b", None), ("carol", "c", Some("public")), ("dave", "d", Some("public"))]
+            .into_iter()
+            .map(|(name, tenant, shared)| (name, tenant, shared, new_key()))
+            .collect();
+    let file = dir.path().join("keys.toml");
+    std::fs::write(&file, keys.iter().map(|(name, tenant, shared, key)| entry(name, tenant, *shared, key)).collect::<Vec<_>>().join("\n")).unwrap();
+    let key = |name: &str| keys.iter().find(|entry| entry.0 == name).unwrap().3.clone();
+
+    let mut config = Sandbox::mock(1000.0);
+    config.workers = 2;
+    config.kv_store_port = Some(0);
+    config.worker.engine.host_cache_mib = 256;
+    config.gateway.api_keys = Some(file);
+    let sandbox = Sandbox::start(config).await;
+    let store = turbine_api::kv_store::KvStoreClient::connect(&format!("http://{}", sandbox.cluster().kv_store().expect("asked for"))).unwrap();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let tokens: Vec<u32> = (0..320).map(|i| 4000 + i).collect();
+    let complete = async |bearer: Option<&str>, salt: Option<&str>| -> (u16, serde_json::Value) {
+        let mut body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        let mut request = http.post(format!("{}/v1/completions", sandbox.base())).json(&body);
+        if let Some(bearer) = bearer {
+            request = request.bearer_auth(bearer);
+        }
+        let response = request.send().await.unwrap();
+        (response.status().as_u16(), response.json().await.unwrap())
+    };
+    let cached = async |name: &str, salt: Option<&str>| {
+        let (status, body) = complete(Some(&key(name)), salt).await;
+        assert_eq!(status, 200, "{body}");
+        body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+    };
+
+    // No key, a made-up key, the digest of a real key: 401, counted.
+    let missing_before = sandbox.metric("turbine_gateway_unauthenticated_total", &[("reason", "missing")]).await;
+    let unknown_before = sandbox.metric("turbine_gateway_unauthenticated_total", &[("reason", "unknown")]).await;
+    let (status, body) = complete(None, None).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str(), body["error"]["type"].as_str()),
+        (401, Some("invalid_api_key"), Some("invalid_request_error")),
+        "{body}"
+    );
+    for wrong in [new_key(), turbine_gateway::keys::digest_hex(&key("alice"))] {
+        let (status, body) = complete(Some(&wrong), None).await;
+        assert_eq!(status, 401, "{body}");
+    }
+    let models = http.get(format!("{}/v1/models", sandbox.base())).send().await.unwrap();
+    assert_eq!(models.status(), 401, "the model list needs a key too");
+    let models = http.get(format!("{}/v1/models", sandbox.base())).bearer_auth(key("bob")).send().await.unwrap();
+    assert_eq!(models.status(), 200);
+    assert_eq!(sandbox.metric("turbine_gateway_unauthenticated_total", &[("reason", "missing")]).await - missing_before, 2.0);
+    assert_eq!(sandbox.metric("turbine_gateway_unauthenticated_total", &[("reason", "unknown")]).await - unknown_before, 2.0);
+
+    // Alice's prefix, in every tier; Bob, guessing it, gets no hit under
+    // any cache_salt (the attack: 1,344 of 1,356 tokens cached for another
+    // user before).
+    assert_eq!(cached("alice", None).await, 0);
+    assert_eq!(cached("alice", None).await, 256);
+    wait_until("alice's blocks put to the kv-store", Duration::from_secs(30), async || store.stats().await.unwrap().put_blocks >= 4).await;
+    for salt in [None, Some("a"), Some("tenant")] {
+        assert_eq!(cached("bob", salt).await, 0, "bob with cache_salt {salt:?} hits nothing of alice's");
+    }
+    assert_eq!(cached("bob", None).await, 256, "bob's own repeat hits");
+    // Carol and Dave opted into one shared cache.
+    assert_eq!(cached("carol", None).await, 0);
+    assert_eq!(cached("dave", None).await, 256, "a shared cache is shared by its keys");
+
+    // gRPC: the key in the metadata.
+    use turbine_proto::gateway::v1 as pb;
+    let channel = tonic::transport::Channel::from_shared(sandbox.cluster().grpc_endpoint()).unwrap().connect().await.unwrap();
+    let inference = pb::inference_client::InferenceClient::new(channel);
+    fn with_key<T>(bearer: Option<String>, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(bearer) = bearer {
+            request.metadata_mut().insert("authorization", format!("Bearer {bearer}").parse().unwrap());
+        }
+        request
+    }
+    let refused = inference.clone().list_models(with_key(None, pb::ListModelsRequest {})).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    let generate =
+        pb::GenerateRequest { model: MODEL.into(), input: Some(pb::generate_request::Input::Prompt("hi".into())), max_tokens: Some(2), ..Default::default() };
+    let refused = inference.clone().generate(with_key(Some(new_key()), generate.clone())).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    let mut stream = inference.clone().generate(with_key(Some(key("alice")), generate)).await.expect("alice's key").into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    sandbox.stop().await;
+}

@@ -74,6 +74,13 @@ pub struct AdmissionConfig {
     /// only for clients trusted to write whole prompts).
     #[arg(long, env = "TURBINE_GATEWAY_CONTENT_CONTROL_TOKENS", value_enum, default_value_t = ContentControlTokens::Text)]
     pub content_control_tokens: ContentControlTokens,
+    /// A TOML file of API keys (their SHA-256 digests, each with a name and
+    /// a tenant; `turbine keys new` prints entries). Given, every REST and
+    /// gRPC call needs `Authorization: Bearer KEY` (401 / UNAUTHENTICATED
+    /// without a known one), and each tenant's requests use a prompt cache
+    /// of their own. Unset: no keys, one open namespace (for loopback).
+    #[arg(long, env = "TURBINE_GATEWAY_API_KEYS", value_name = "FILE")]
+    pub api_keys: Option<std::path::PathBuf>,
 }
 
 /// What control-token texts in chat messages become (see

@@ -18,6 +18,8 @@ pub enum ErrorKind {
     NotFound,
     /// Wrong method for the path (405).
     MethodNotAllowed,
+    /// No API key, or an unknown one (401).
+    Unauthenticated,
     /// Body over the size limit (413).
     PayloadTooLarge,
     /// Too many requests in flight (429).
@@ -62,6 +64,7 @@ impl GatewayError {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorKind::Unauthenticated => StatusCode::UNAUTHORIZED,
             ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::Overloaded => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -76,6 +79,7 @@ impl GatewayError {
             ErrorKind::ModelNotFound => ("invalid_request_error", Some("model_not_found")),
             ErrorKind::NotFound => ("invalid_request_error", Some("not_found")),
             ErrorKind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
+            ErrorKind::Unauthenticated => ("invalid_request_error", Some("invalid_api_key")),
             ErrorKind::PayloadTooLarge => ("invalid_request_error", Some("request_too_large")),
             ErrorKind::Overloaded => ("rate_limit_error", Some("rate_limit_exceeded")),
             ErrorKind::Unavailable => ("server_error", Some("service_unavailable")),
@@ -89,6 +93,7 @@ impl GatewayError {
             ErrorKind::InvalidRequest | ErrorKind::PayloadTooLarge => tonic::Code::InvalidArgument,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => tonic::Code::NotFound,
             ErrorKind::MethodNotAllowed => tonic::Code::Unimplemented,
+            ErrorKind::Unauthenticated => tonic::Code::Unauthenticated,
             ErrorKind::Overloaded => tonic::Code::ResourceExhausted,
             ErrorKind::Unavailable => tonic::Code::Unavailable,
             ErrorKind::Internal => tonic::Code::Internal,

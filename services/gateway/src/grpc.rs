@@ -2,6 +2,7 @@
 //! gRPC clients, streaming text deltas.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use futures::Stream;
 use tonic::{Request, Response, Status};
@@ -10,6 +11,7 @@ use turbine_proto::gateway::v1 as pb;
 use turbine_tokens::ChatMessage;
 
 use crate::error::GatewayError;
+use crate::keys::{Access, ApiKey};
 use crate::metrics::InFlight;
 use crate::openai::AppState;
 use crate::openai::types::{CommonParams, StopField};
@@ -25,6 +27,14 @@ impl InferenceService {
     /// Serves requests through the same state as the REST API.
     pub fn new(state: AppState) -> Self {
         Self { state }
+    }
+}
+
+impl InferenceService {
+    /// The caller of `request`, by its `authorization: Bearer KEY`
+    /// metadata (`None`: access is open), or UNAUTHENTICATED.
+    fn caller<T>(&self, request: &Request<T>) -> Result<Option<Arc<ApiKey>>, GatewayError> {
+        self.state.access.caller(request.metadata().get("authorization").and_then(|value| value.to_str().ok()))
     }
 }
 
@@ -64,6 +74,7 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
         stop: validated.stop,
         ignore_eos: validated.ignore_eos,
         cache_salt: validated.cache_salt,
+        namespace: crate::pipeline::Namespace::Open,
     })
 }
 
@@ -82,9 +93,11 @@ impl pb::inference_server::Inference for InferenceService {
 
     #[tracing::instrument(skip_all, name = "gateway.grpc.generate")]
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let caller = self.caller(&request)?;
         let permit = self.state.admit()?;
         let in_flight = InFlight::start();
-        let request = text_request(request.into_inner())?;
+        let mut request = text_request(request.into_inner())?;
+        request.namespace = Access::namespace(caller.as_deref());
         let request_id = format!("gen-{}", uuid::Uuid::new_v4().simple());
         let text = self.state.pipeline.start(request, request_id.clone()).await?;
         let stream = futures::stream::unfold(Some((text, permit, in_flight)), move |state| {
@@ -117,7 +130,8 @@ impl pb::inference_server::Inference for InferenceService {
         Ok(Response::new(Box::pin(stream)))
     }
 
-    async fn list_models(&self, _request: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
+    async fn list_models(&self, request: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
+        self.caller(&request)?;
         let models = self
             .state
             .pipeline

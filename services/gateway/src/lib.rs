@@ -18,6 +18,7 @@ pub mod catalog;
 pub mod config;
 pub mod error;
 pub mod grpc;
+pub mod keys;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
@@ -26,5 +27,6 @@ pub mod stop;
 
 pub use config::{AdmissionConfig, ContentControlTokens, GatewayConfig};
 pub use error::{ErrorKind, GatewayError};
-pub use pipeline::{Pipeline, Prompt, TextEvent, TextRequest, TextStream};
+pub use keys::{Access, ApiKey, ApiKeys};
+pub use pipeline::{Namespace, Pipeline, Prompt, TextEvent, TextRequest, TextStream};
 pub use serve::{GatewayDeps, main, serve};

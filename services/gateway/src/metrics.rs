@@ -25,6 +25,13 @@ static REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["reason"],
     )
 });
+static UNAUTHENTICATED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_unauthenticated_total",
+        "Calls refused for their API key (REST 401, gRPC UNAUTHENTICATED), by reason: missing (no Authorization: Bearer) or unknown (a key not in the keys file)",
+        &["reason"],
+    )
+});
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     gauge(
         "turbine_gateway_awaiting_first_token",
@@ -225,4 +232,9 @@ pub(crate) fn retry() {
 
 pub(crate) fn migration() {
     MIGRATIONS.inc();
+}
+
+/// Counts a call refused for its API key (`missing` or `unknown`).
+pub fn unauthenticated(reason: &str) {
+    UNAUTHENTICATED.with_label_values(&[reason]).inc();
 }

@@ -56,16 +56,36 @@ pub struct TextRequest {
     pub ignore_eos: bool,
     /// The client's prompt-cache namespace (`cache_salt`), if any.
     pub cache_salt: Option<String>,
+    /// The caller's namespace (its API key's; set by the handler).
+    pub namespace: Namespace,
 }
 
-/// The KV namespace of a request: its tenant's (none yet: every caller is
-/// the deployment's one tenant), narrowed by the client's own salt. Blocks
-/// of different namespaces are never shared, so a request neither hits nor
-/// times another namespace's prefix.
-fn cache_salt(tenant: Option<&str>, client: Option<&str>) -> CacheSalt {
-    match (tenant, client) {
-        (None, None) => CacheSalt::SHARED,
-        (tenant, client) => CacheSalt::of(&[tenant.unwrap_or(""), client.unwrap_or("")]),
+/// Whose prompt cache a caller's requests use.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Namespace {
+    /// No API keys: the deployment's one open namespace.
+    #[default]
+    Open,
+    /// A tenant's own.
+    Tenant(String),
+    /// A cache shared by every key that opts into this name.
+    Shared(String),
+}
+
+impl Namespace {
+    /// The KV salt of a request in this namespace, narrowed by the
+    /// client's own salt. Blocks of different salts are never shared, so a
+    /// request neither hits nor times another namespace's prefix. Each
+    /// kind is its own slot: no tenant can name a shared cache's salt, nor
+    /// the open one's.
+    pub fn cache_salt(&self, client: Option<&str>) -> CacheSalt {
+        let client = client.unwrap_or("");
+        match self {
+            Namespace::Open if client.is_empty() => CacheSalt::SHARED,
+            Namespace::Open => CacheSalt::of(&["open", client]),
+            Namespace::Tenant(tenant) => CacheSalt::of(&["tenant", tenant, client]),
+            Namespace::Shared(name) => CacheSalt::of(&["shared", name, client]),
+        }
     }
 }
 
@@ -173,7 +193,7 @@ impl Pipeline {
             prompt,
             sampling: request.sampling,
             stop: StopConditions { max_tokens, stop_token_ids: Vec::new(), ignore_eos: request.ignore_eos },
-            cache_salt: cache_salt(None, request.cache_salt.as_deref()),
+            cache_salt: request.namespace.cache_salt(request.cache_salt.as_deref()),
         };
         let booking = Booking { router: self.router.clone(), request_id: request_id.clone() };
         let mut excluded = Vec::new();

@@ -16,6 +16,7 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, bind};
 use crate::catalog::ModelCatalog;
 use crate::config::GatewayConfig;
 use crate::grpc::InferenceService;
+use crate::keys::{Access, ApiKeys};
 use crate::openai::{AppState, router as rest_router};
 use crate::pipeline::Pipeline;
 
@@ -26,6 +27,10 @@ pub struct GatewayDeps {
     pub router: RouterClient,
     /// How to reach the workers the router chooses.
     pub workers: WorkerClients,
+    /// A key the process running this gateway holds for itself (made at
+    /// start, kept in memory only), accepted besides the keys file's: for
+    /// `turbine run` to ask its own gateway whether it lists the model.
+    pub own_key: Option<String>,
 }
 
 impl GatewayDeps {
@@ -35,7 +40,7 @@ impl GatewayDeps {
             .router
             .as_deref()
             .context("turbine-gateway needs a router: pass --router http://HOST:PORT (or run everything in one process with `turbine run`)")?;
-        Ok(Self { router: RouterClient::connect(endpoint)?, workers: WorkerClients::default() })
+        Ok(Self { router: RouterClient::connect(endpoint)?, workers: WorkerClients::default(), own_key: None })
     }
 }
 
@@ -56,7 +61,19 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     let readiness = host.readiness().clone();
     let catalog = Arc::new(ModelCatalog::new(deps.router.clone(), deps.workers.clone()));
+    let access = match &config.admission.api_keys {
+        Some(path) => {
+            let mut keys = ApiKeys::load(path)?;
+            if let Some(own) = &deps.own_key {
+                keys.add_own(own);
+            }
+            tracing::info!(keys = keys.len(), file = %path.display(), "API keys required");
+            Access::Keys(Arc::new(keys))
+        }
+        None => Access::Open,
+    };
     let state = AppState {
+        access,
         pipeline: Pipeline::new(deps.router, deps.workers, catalog.clone(), config.admission.content_control_tokens.into()),
         admission: Arc::new(Semaphore::new(config.admission.max_concurrent_requests)),
         max_body_bytes: config.admission.max_body_bytes,

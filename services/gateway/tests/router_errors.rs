@@ -19,7 +19,7 @@ use turbine_runtime::host::{Listeners, bind};
 async fn gateway(router: MockRouterApi, workers: WorkerClients) -> (String, CancellationToken) {
     let listeners = Listeners::loopback().await.unwrap().with_http(bind("127.0.0.1:0".parse().unwrap(), "HTTP").await.unwrap());
     let base = format!("http://{}", listeners.http.as_ref().unwrap().local_addr().unwrap());
-    let deps = GatewayDeps { router: RouterClient::new(Arc::new(router)), workers };
+    let deps = GatewayDeps { router: RouterClient::new(Arc::new(router)), workers, own_key: None };
     let shutdown = CancellationToken::new();
     tokio::spawn(serve(GatewayConfig::default(), deps, listeners, shutdown.clone()));
     (base, shutdown)

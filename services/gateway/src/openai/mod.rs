@@ -26,6 +26,7 @@ use turbine_runtime::health::Readiness;
 use turbine_runtime::propagation::set_parent_from_headers;
 
 use crate::error::{ErrorKind, GatewayError};
+use crate::keys::{Access, ApiKey};
 use crate::metrics::{self, InFlight};
 use crate::openai::body::read_limited;
 use crate::openai::responses::{ChunkContent, Endpoint, ResponseMeta, chunk, logprobs_body, whole};
@@ -38,6 +39,8 @@ pub const OPENAPI_JSON: &str = include_str!("../../openapi.json");
 /// What every handler shares.
 #[derive(Debug, Clone)]
 pub struct AppState {
+    /// Who may call.
+    pub access: Access,
     /// The generation pipeline.
     pub pipeline: Pipeline,
     /// Admission control: one permit per request in flight.
@@ -49,6 +52,12 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The caller of a request with these headers (`None`: access is
+    /// open), or 401.
+    pub fn caller(&self, headers: &HeaderMap) -> Result<Option<Arc<ApiKey>>, GatewayError> {
+        self.access.caller(headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok()))
+    }
+
     /// A permit for one more request, or 429.
     pub fn admit(&self) -> Result<OwnedSemaphorePermit, GatewayError> {
         self.admission.clone().try_acquire_owned().map_err(|_| {
@@ -103,7 +112,10 @@ struct ModelObject<'a> {
     context_length: u32,
 }
 
-async fn list_models(State(state): State<AppState>) -> Response {
+async fn list_models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(refused) = state.caller(&headers) {
+        return refused.into_response();
+    }
     let models = state.pipeline.catalog().listed();
     let data: Vec<ModelObject<'_>> = models
         .iter()
@@ -112,7 +124,10 @@ async fn list_models(State(state): State<AppState>) -> Response {
     axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
 
-async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> Response {
+async fn get_model(State(state): State<AppState>, headers: HeaderMap, Path(model): Path<String>) -> Response {
+    if let Err(refused) = state.caller(&headers) {
+        return refused.into_response();
+    }
     let models = state.pipeline.catalog().listed();
     match models.iter().find(|listed| listed.name == model) {
         Some(listed) => axum::Json(ModelObject { id: &listed.name, object: "model", created: 0, owned_by: "turbine", context_length: listed.context_length })
@@ -144,12 +159,15 @@ struct Guards {
 }
 
 async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Result<Response, GatewayError> {
+    // Who is calling, before the body is read.
+    let caller = state.caller(headers)?;
     let guards = Guards { _permit: state.admit()?, _in_flight: InFlight::start() };
     let bytes = read_limited(headers, body, state.max_body_bytes).await?;
-    let (request, delivery): (TextRequest, Delivery) = match endpoint {
+    let (mut request, delivery): (TextRequest, Delivery) = match endpoint {
         Endpoint::Chat => parse_chat(&bytes)?,
         Endpoint::Completion => parse_completion(&bytes)?,
     };
+    request.namespace = Access::namespace(caller.as_deref());
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completion => "cmpl",

@@ -11,7 +11,7 @@ use turbine_tokens::ChatMessage;
 
 use crate::error::GatewayError;
 use crate::openai::body::parse_json;
-use crate::pipeline::{DEFAULT_COMPLETION_MAX_TOKENS, Prompt, TextRequest};
+use crate::pipeline::{DEFAULT_COMPLETION_MAX_TOKENS, Namespace, Prompt, TextRequest};
 
 /// OpenAI allows at most four stop sequences.
 const MAX_STOP_SEQUENCES: usize = 4;
@@ -365,7 +365,7 @@ impl ChatCompletionRequest {
         };
         let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
         sampling.logprobs = logprobs;
-        Ok((TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos, cache_salt }, delivery))
+        Ok((TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open }, delivery))
     }
 }
 
@@ -431,7 +431,7 @@ impl CompletionRequest {
         let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
         sampling.logprobs = logprobs;
         let max_tokens = Some(max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS));
-        Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos, cache_salt }, delivery))
+        Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open }, delivery))
     }
 }
 

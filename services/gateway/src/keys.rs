@@ -1,0 +1,261 @@
+//! API keys: who may call the public API (REST and gRPC `Inference`), and
+//! as which tenant.
+//!
+//! Keys are stored as SHA-256 digests only, in a TOML file the operator
+//! writes (`turbine keys new` prints a key and its entry):
+//!
+//! ```toml
+//! [[keys]]
+//! name = "acme-prod"      # in logs and metrics (never the key)
+//! tenant = "acme"         # whose prompt cache the requests use
+//! sha256 = "9f86d0...."   # hex digest of the key
+//! # share_prefixes = "public"  # opt in: a named cache shared by every key that names it
+//! ```
+//!
+//! A caller sends `Authorization: Bearer <key>`. With keys configured, a
+//! request without one, or with one not in the file, is refused (401,
+//! gRPC UNAUTHENTICATED) before anything else is read.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::error::{ErrorKind, GatewayError};
+use crate::pipeline::Namespace;
+
+/// One key's entry in the keys file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeySpec {
+    name: String,
+    tenant: String,
+    sha256: String,
+    #[serde(default)]
+    share_prefixes: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeysFile {
+    #[serde(default)]
+    keys: Vec<KeySpec>,
+}
+
+/// An authenticated caller: the key's entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    /// The key's name (for logs and metrics).
+    pub name: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// The prompt-cache namespace its requests use.
+    pub namespace: Namespace,
+}
+
+/// The keys a gateway accepts, by digest.
+#[derive(Debug, Default)]
+pub struct ApiKeys {
+    by_digest: HashMap<[u8; 32], Arc<ApiKey>>,
+}
+
+/// Why a call was not authenticated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthError {
+    /// No `Authorization: Bearer` header (or metadata).
+    Missing,
+    /// A key not in the file.
+    Unknown,
+}
+
+impl AuthError {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            AuthError::Missing => "missing",
+            AuthError::Unknown => "unknown",
+        }
+    }
+}
+
+impl From<AuthError> for GatewayError {
+    fn from(error: AuthError) -> Self {
+        crate::metrics::unauthenticated(error.label());
+        let message = match error {
+            AuthError::Missing => "You didn't provide an API key. Send it in an Authorization header: `Authorization: Bearer YOUR_KEY`.",
+            AuthError::Unknown => "Incorrect API key provided.",
+        };
+        GatewayError::new(ErrorKind::Unauthenticated, message)
+    }
+}
+
+/// A new key: `tk_` and 64 hex digits of a CSPRNG (256 bits).
+pub fn new_key() -> String {
+    format!("tk_{}", hex::encode(rand::random::<[u8; 32]>()))
+}
+
+/// The keys-file entry of `key` (its digest, never the key).
+pub fn entry(name: &str, tenant: &str, share_prefixes: Option<&str>, key: &str) -> String {
+    let quote = |text: &str| toml::Value::String(text.to_owned()).to_string();
+    let mut entry = format!("[[keys]]\nname = {}\ntenant = {}\nsha256 = {}\n", quote(name), quote(tenant), quote(&digest_hex(key)));
+    if let Some(shared) = share_prefixes {
+        entry.push_str(&format!("share_prefixes = {}\n", quote(shared)));
+    }
+    entry
+}
+
+/// The hex SHA-256 digest of `key`, as the keys file stores it.
+pub fn digest_hex(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+impl ApiKeys {
+    /// The keys in the TOML file at `path`.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", path.display()))?;
+        Self::parse(&text).map_err(|error| anyhow::anyhow!("the API keys file {}: {error}", path.display()))
+    }
+
+    /// The keys in TOML `text`: every entry named, with a tenant and a
+    /// 64-hex-digit digest; no digest or name twice.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let file: KeysFile = toml::from_str(text).map_err(|error| error.to_string())?;
+        let mut keys = Self::default();
+        let mut names = std::collections::HashSet::new();
+        for (number, spec) in file.keys.into_iter().enumerate() {
+            let label = spec.name.clone();
+            let at = |message: String| format!("keys[{number}] ({label:?}): {message}");
+            if spec.name.trim().is_empty() || spec.tenant.trim().is_empty() {
+                return Err(at("name and tenant must not be empty".into()));
+            }
+            let digest: [u8; 32] = hex::decode(spec.sha256.trim())
+                .ok()
+                .and_then(|bytes| bytes.try_into().ok())
+                .ok_or_else(|| at("sha256 must be 64 hex digits (the key's SHA-256; `turbine keys new` prints it)".into()))?;
+            if !names.insert(spec.name.clone()) {
+                return Err(at("another key has this name".into()));
+            }
+            let namespace = match spec.share_prefixes {
+                Some(shared) if shared.trim().is_empty() => return Err(at("share_prefixes must not be empty".into())),
+                Some(shared) => Namespace::Shared(shared),
+                None => Namespace::Tenant(spec.tenant.clone()),
+            };
+            let key = ApiKey { name: spec.name, tenant: spec.tenant, namespace };
+            if keys.by_digest.insert(digest, Arc::new(key)).is_some() {
+                return Err(at("another key has this digest".into()));
+            }
+        }
+        if keys.by_digest.is_empty() {
+            return Err("no keys: with an API keys file every call needs one of its keys".into());
+        }
+        Ok(keys)
+    }
+
+    /// Accepts `key` too, as the running process's own (name and tenant
+    /// `turbine-internal`: a cache of its own).
+    pub fn add_own(&mut self, key: &str) {
+        let own = ApiKey { name: "turbine-internal".into(), tenant: "turbine-internal".into(), namespace: Namespace::Tenant("turbine-internal".into()) };
+        self.by_digest.insert(Sha256::digest(key.as_bytes()).into(), Arc::new(own));
+    }
+
+    /// How many keys there are.
+    pub fn len(&self) -> usize {
+        self.by_digest.len()
+    }
+
+    /// Whether there are none (never, once parsed).
+    pub fn is_empty(&self) -> bool {
+        self.by_digest.is_empty()
+    }
+
+    /// The caller presenting `authorization` (an `Authorization` header's
+    /// value: `Bearer KEY`).
+    pub fn authenticate(&self, authorization: Option<&str>) -> Result<Arc<ApiKey>, AuthError> {
+        let key = authorization
+            .and_then(|value| value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")))
+            .map(str::trim)
+            .filter(|key| !key.is_empty())
+            .ok_or(AuthError::Missing)?;
+        let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        self.by_digest.get(&digest).cloned().ok_or(AuthError::Unknown)
+    }
+}
+
+/// Who may call the public API: anyone (no keys file), or the holders of
+/// its keys.
+#[derive(Debug, Clone, Default)]
+pub enum Access {
+    /// No keys: every caller is the deployment's one open namespace.
+    #[default]
+    Open,
+    /// Callers must present one of these keys.
+    Keys(Arc<ApiKeys>),
+}
+
+impl Access {
+    /// The caller of a request with `authorization`: `None` when access is
+    /// open.
+    pub fn caller(&self, authorization: Option<&str>) -> Result<Option<Arc<ApiKey>>, GatewayError> {
+        match self {
+            Access::Open => Ok(None),
+            Access::Keys(keys) => Ok(Some(keys.authenticate(authorization)?)),
+        }
+    }
+
+    /// The namespace of a caller (the open one without keys).
+    pub fn namespace(caller: Option<&ApiKey>) -> Namespace {
+        caller.map_or(Namespace::Open, |key| key.namespace.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(entries: &[(&str, &str, &str)]) -> String {
+        entries.iter().map(|(name, tenant, key)| format!("[[keys]]\nname = {name:?}\ntenant = {tenant:?}\nsha256 = {:?}\n", digest_hex(key))).collect()
+    }
+
+    #[test]
+    fn a_key_names_its_tenant_and_nothing_else_passes() {
+        let keys = ApiKeys::parse(&file(&[("a-prod", "acme", "tk_alpha"), ("b-prod", "bravo", "tk_bravo")])).unwrap();
+        let caller = keys.authenticate(Some("Bearer tk_alpha")).unwrap();
+        assert_eq!((caller.name.as_str(), caller.tenant.as_str(), &caller.namespace), ("a-prod", "acme", &Namespace::Tenant("acme".into())));
+        assert_eq!(keys.authenticate(Some("Bearer tk_bravo")).unwrap().tenant, "bravo");
+        assert_eq!(keys.authenticate(None), Err(AuthError::Missing));
+        assert_eq!(keys.authenticate(Some("Bearer ")), Err(AuthError::Missing));
+        assert_eq!(keys.authenticate(Some("Basic dGtfYWxwaGE=")), Err(AuthError::Missing));
+        assert_eq!(keys.authenticate(Some("Bearer tk_alph")), Err(AuthError::Unknown));
+        assert_eq!(keys.authenticate(Some(&format!("Bearer {}", digest_hex("tk_alpha")))), Err(AuthError::Unknown), "the digest is not the key");
+    }
+
+    #[test]
+    fn a_new_keys_entry_lets_it_in() {
+        let key = new_key();
+        assert!(key.starts_with("tk_") && key.len() == 67, "{key}");
+        assert_ne!(key, new_key());
+        let text = entry("ops \"night\"", "acme", Some("public"), &key);
+        assert!(!text.contains(&key), "the entry holds the digest only: {text}");
+        let caller = ApiKeys::parse(&text).unwrap().authenticate(Some(&format!("Bearer {key}"))).unwrap();
+        assert_eq!((caller.name.as_str(), &caller.namespace), ("ops \"night\"", &Namespace::Shared("public".into())));
+    }
+
+    #[test]
+    fn bad_files_are_refused_with_the_entry_named() {
+        let shared = format!("{}share_prefixes = \"public\"\n", file(&[("s", "acme", "tk_s")]));
+        assert_eq!(ApiKeys::parse(&shared).unwrap().authenticate(Some("Bearer tk_s")).unwrap().namespace, Namespace::Shared("public".into()));
+        for (text, says) in [
+            (String::new(), "no keys"),
+            ("[[keys]]\nname = \"x\"\ntenant = \"t\"\nsha256 = \"abc\"\n".to_owned(), "64 hex digits"),
+            (file(&[("x", "", "k")]), "must not be empty"),
+            (file(&[("x", "t", "k"), ("x", "u", "l")]), "another key has this name"),
+            (file(&[("x", "t", "k"), ("y", "u", "k")]), "another key has this digest"),
+            (format!("{}rpm = 5\n", file(&[("x", "t", "k")])), "unknown field"),
+        ] {
+            let error = ApiKeys::parse(&text).unwrap_err();
+            assert!(error.contains(says), "{error} should say {says}");
+        }
+    }
+}
