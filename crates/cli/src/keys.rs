@@ -31,6 +31,15 @@ pub struct NewKeyArgs {
     /// common system prompt), instead of the tenant's own.
     #[arg(long)]
     pub share_prefixes: Option<String>,
+    /// Requests a minute the key may make (429 with Retry-After beyond).
+    #[arg(long)]
+    pub requests_per_minute: Option<u32>,
+    /// Tokens (prompt and completion) a minute the key may use.
+    #[arg(long)]
+    pub tokens_per_minute: Option<u64>,
+    /// Requests the key may have in flight at once.
+    #[arg(long)]
+    pub max_concurrent: Option<u32>,
 }
 
 /// Runs a keys command.
@@ -55,6 +64,15 @@ fn new(args: &NewKeyArgs) -> anyhow::Result<()> {
         text.push('\n');
     }
     text.push_str(&entry(&args.name, &args.tenant, args.share_prefixes.as_deref(), &key));
+    for (field, value) in [
+        ("requests_per_minute", args.requests_per_minute.map(u64::from)),
+        ("tokens_per_minute", args.tokens_per_minute),
+        ("max_concurrent", args.max_concurrent.map(u64::from)),
+    ] {
+        if let Some(value) = value {
+            text.push_str(&format!("{field} = {value}\n"));
+        }
+    }
     // The file as the gateway will read it, checked before it is written.
     ApiKeys::parse(&text).map_err(|error| anyhow::anyhow!("{}: {error}", args.file.display()))?;
     let mut options = std::fs::OpenOptions::new();

@@ -78,7 +78,13 @@ async fn turbine_keys_new_makes_keys_that_turbine_run_requires_on_every_host() {
     assert!(!text.contains(&key), "the file holds the digest, not the key");
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
-    assert!(new_key("bob", "b").status.success());
+    let limited = Command::new(env!("CARGO_BIN_EXE_turbine"))
+        .args(["keys", "new", "--name", "bob", "--tenant", "b", "--requests-per-minute", "60", "--max-concurrent", "2", "--file"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(limited.status.success(), "{}", String::from_utf8_lossy(&limited.stderr));
+    assert!(std::fs::read_to_string(&file).unwrap().contains("requests_per_minute = 60\nmax_concurrent = 2"));
     let again = new_key("alice", "c");
     assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("another key has this name"));
     assert_eq!(std::fs::read_to_string(&file).unwrap().matches("[[keys]]").count(), 2, "a refused key is not written");

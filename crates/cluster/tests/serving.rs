@@ -665,3 +665,84 @@ async fn api_keys_name_tenants_whose_prompt_caches_are_their_own() {
     while stream.message().await.unwrap().is_some() {}
     sandbox.stop().await;
 }
+
+/// A key's limits hold it alone: past its requests or tokens per minute,
+/// or its requests at once, it gets 429 with `Retry-After` and OpenAI's
+/// body (gRPC RESOURCE_EXHAUSTED), counted by key and limit, while another
+/// key's requests in the same run are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_over_its_limits_gets_429_and_other_keys_are_served() {
+    use turbine_gateway::keys::{entry, new_key};
+
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (per_minute, tokens, one_at_a_time, other) = (new_key(), new_key(), new_key(), new_key());
+    let file = dir.path().join("keys.toml");
+    let text = [
+        format!("{}requests_per_minute = 3\n", entry("per-minute", "a", None, &per_minute)),
+        format!("{}tokens_per_minute = 100\n", entry("tokens", "b", None, &tokens)),
+        format!("{}max_concurrent = 1\n", entry("one-at-a-time", "c", None, &one_at_a_time)),
+        entry("other", "d", None, &other),
+    ]
+    .join("\n");
+    std::fs::write(&file, text).unwrap();
+    // The mocker at its modelled speed: a long stream stays in flight.
+    let mut config = Sandbox::mock(1.0);
+    config.gateway.api_keys = Some(file);
+    let sandbox = Sandbox::start(config).await;
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let post =
+        async |key: &str, body: serde_json::Value| http.post(format!("{}/v1/completions", sandbox.base())).bearer_auth(key).json(&body).send().await.unwrap();
+    let short = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
+    let assert_limited = async |response: reqwest::Response, limit: &str| {
+        assert_eq!(response.status(), 429);
+        let retry_after: u64 = response.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!(retry_after >= 1, "{retry_after}");
+        let body: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(limit), "{body}");
+        retry_after
+    };
+
+    for _ in 0..3 {
+        assert_eq!(post(&per_minute, short.clone()).await.status(), 200);
+    }
+    let wait = assert_limited(post(&per_minute, short.clone()).await, "requests per minute").await;
+    assert!(wait <= 20, "a third of a minute's worth at most: {wait}");
+    assert_eq!(post(&other, short.clone()).await.status(), 200, "another key is not limited");
+
+    // 100 tokens a minute: one request of more spends them (charged after
+    // the fact), the next waits.
+    let long_prompt = json!({"model": MODEL, "prompt": "word ".repeat(150), "max_tokens": 1});
+    assert_eq!(post(&tokens, long_prompt).await.status(), 200);
+    assert_limited(post(&tokens, short.clone()).await, "tokens per minute").await;
+
+    // One at a time: a stream in flight holds the key's one place.
+    let streaming = post(&one_at_a_time, json!({"model": MODEL, "prompt": "hi", "max_tokens": 4000, "ignore_eos": true, "stream": true})).await;
+    assert_eq!(streaming.status(), 200);
+    assert_limited(post(&one_at_a_time, short.clone()).await, "in flight").await;
+    assert_eq!(post(&other, short.clone()).await.status(), 200);
+    drop(streaming);
+    wait_until("the key's place freed by the client leaving", Duration::from_secs(30), async || post(&one_at_a_time, short.clone()).await.status() == 200)
+        .await;
+
+    // gRPC: the same limits.
+    use turbine_proto::gateway::v1 as pb;
+    let channel = tonic::transport::Channel::from_shared(sandbox.cluster().grpc_endpoint()).unwrap().connect().await.unwrap();
+    let mut request = tonic::Request::new(pb::GenerateRequest {
+        model: MODEL.into(),
+        input: Some(pb::generate_request::Input::Prompt("hi".into())),
+        max_tokens: Some(1),
+        ..Default::default()
+    });
+    request.metadata_mut().insert("authorization", format!("Bearer {per_minute}").parse().unwrap());
+    let refused = pb::inference_client::InferenceClient::new(channel).generate(request).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    assert!(refused.metadata().get("retry-after").is_some());
+
+    for (key, limit) in [("per-minute", "requests"), ("tokens", "tokens"), ("one-at-a-time", "concurrency")] {
+        assert!(sandbox.metric("turbine_gateway_rate_limited_total", &[("key", key), ("limit", limit)]).await >= 1.0, "{key} {limit}");
+    }
+    assert_eq!(sandbox.metric("turbine_gateway_rate_limited_total", &[("key", "other")]).await, 0.0);
+    sandbox.stop().await;
+}

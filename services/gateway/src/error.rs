@@ -24,6 +24,8 @@ pub enum ErrorKind {
     PayloadTooLarge,
     /// Too many requests in flight (429).
     Overloaded,
+    /// The caller's key is over one of its limits (429).
+    RateLimited,
     /// No worker can serve the request now (503).
     Unavailable,
     /// A failure inside the service (500).
@@ -40,22 +42,34 @@ pub struct GatewayError {
     pub message: String,
     /// The request parameter at fault, if any.
     pub param: Option<String>,
+    /// Seconds the client should wait before retrying (429, 503).
+    pub retry_after: Option<u64>,
 }
 
 impl GatewayError {
     /// An error of `kind` with `message`.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), param: None }
+        Self { kind, message: message.into(), param: None, retry_after: None }
+    }
+
+    /// A 429 for a key over its limits, retry after `seconds`.
+    pub fn rate_limited(message: impl Into<String>, seconds: u64) -> Self {
+        Self { kind: ErrorKind::RateLimited, message: message.into(), param: None, retry_after: Some(seconds) }
     }
 
     /// A 400 naming the parameter at fault.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { kind: ErrorKind::InvalidRequest, message: message.into(), param: Some(param.into()) }
+        Self { kind: ErrorKind::InvalidRequest, message: message.into(), param: Some(param.into()), retry_after: None }
     }
 
     /// A 404 for a model nobody serves.
     pub fn model_not_found(model: &str) -> Self {
-        Self { kind: ErrorKind::ModelNotFound, message: format!("The model `{model}` does not exist or no worker serves it."), param: Some("model".into()) }
+        Self {
+            kind: ErrorKind::ModelNotFound,
+            message: format!("The model `{model}` does not exist or no worker serves it."),
+            param: Some("model".into()),
+            retry_after: None,
+        }
     }
 
     /// HTTP status.
@@ -66,7 +80,7 @@ impl GatewayError {
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::Unauthenticated => StatusCode::UNAUTHORIZED,
             ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorKind::Overloaded => StatusCode::TOO_MANY_REQUESTS,
+            ErrorKind::Overloaded | ErrorKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -81,7 +95,7 @@ impl GatewayError {
             ErrorKind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
             ErrorKind::Unauthenticated => ("invalid_request_error", Some("invalid_api_key")),
             ErrorKind::PayloadTooLarge => ("invalid_request_error", Some("request_too_large")),
-            ErrorKind::Overloaded => ("rate_limit_error", Some("rate_limit_exceeded")),
+            ErrorKind::Overloaded | ErrorKind::RateLimited => ("rate_limit_error", Some("rate_limit_exceeded")),
             ErrorKind::Unavailable => ("server_error", Some("service_unavailable")),
             ErrorKind::Internal => ("server_error", None),
         }
@@ -94,7 +108,7 @@ impl GatewayError {
             ErrorKind::ModelNotFound | ErrorKind::NotFound => tonic::Code::NotFound,
             ErrorKind::MethodNotAllowed => tonic::Code::Unimplemented,
             ErrorKind::Unauthenticated => tonic::Code::Unauthenticated,
-            ErrorKind::Overloaded => tonic::Code::ResourceExhausted,
+            ErrorKind::Overloaded | ErrorKind::RateLimited => tonic::Code::ResourceExhausted,
             ErrorKind::Unavailable => tonic::Code::Unavailable,
             ErrorKind::Internal => tonic::Code::Internal,
         }
@@ -132,8 +146,9 @@ impl IntoResponse for GatewayError {
     fn into_response(self) -> Response {
         let body = serde_json::to_vec(&self.body()).expect("error bodies serialize");
         let mut response = (self.status(), [(header::CONTENT_TYPE, "application/json")], body).into_response();
-        if matches!(self.kind, ErrorKind::Overloaded | ErrorKind::Unavailable) {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        if matches!(self.kind, ErrorKind::Overloaded | ErrorKind::RateLimited | ErrorKind::Unavailable) {
+            let seconds = self.retry_after.unwrap_or(1);
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }
@@ -141,7 +156,11 @@ impl IntoResponse for GatewayError {
 
 impl From<GatewayError> for tonic::Status {
     fn from(error: GatewayError) -> Self {
-        tonic::Status::new(error.grpc_code(), error.message)
+        let mut status = tonic::Status::new(error.grpc_code(), error.message);
+        if let Some(seconds) = error.retry_after {
+            status.metadata_mut().insert("retry-after", seconds.into());
+        }
+        status
     }
 }
 

@@ -75,6 +75,7 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
         ignore_eos: validated.ignore_eos,
         cache_salt: validated.cache_salt,
         namespace: crate::pipeline::Namespace::Open,
+        caller: None,
     })
 }
 
@@ -94,10 +95,12 @@ impl pb::inference_server::Inference for InferenceService {
     #[tracing::instrument(skip_all, name = "gateway.grpc.generate")]
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
         let caller = self.caller(&request)?;
-        let permit = self.state.admit()?;
+        let key_permit = caller.as_ref().map(|key| key.admit()).transpose()?;
+        let permit = (self.state.admit()?, key_permit);
         let in_flight = InFlight::start();
         let mut request = text_request(request.into_inner())?;
         request.namespace = Access::namespace(caller.as_deref());
+        request.caller = caller;
         let request_id = format!("gen-{}", uuid::Uuid::new_v4().simple());
         let text = self.state.pipeline.start(request, request_id.clone()).await?;
         let stream = futures::stream::unfold(Some((text, permit, in_flight)), move |state| {

@@ -10,6 +10,9 @@
 //! tenant = "acme"         # whose prompt cache the requests use
 //! sha256 = "9f86d0...."   # hex digest of the key
 //! # share_prefixes = "public"  # opt in: a named cache shared by every key that names it
+//! # requests_per_minute = 600   # limits, each optional: 429 with Retry-After beyond
+//! # tokens_per_minute = 200000  #   (prompt and completion tokens)
+//! # max_concurrent = 16         #   (requests in flight)
 //! ```
 //!
 //! A caller sends `Authorization: Bearer <key>`. With keys configured, a
@@ -20,8 +23,12 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use std::time::Instant;
+
+use parking_lot::Mutex;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{ErrorKind, GatewayError};
 use crate::pipeline::Namespace;
@@ -35,6 +42,12 @@ struct KeySpec {
     sha256: String,
     #[serde(default)]
     share_prefixes: Option<String>,
+    #[serde(default)]
+    requests_per_minute: Option<u32>,
+    #[serde(default)]
+    tokens_per_minute: Option<u64>,
+    #[serde(default)]
+    max_concurrent: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -45,7 +58,7 @@ struct KeysFile {
 }
 
 /// An authenticated caller: the key's entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct ApiKey {
     /// The key's name (for logs and metrics).
     pub name: String,
@@ -53,6 +66,121 @@ pub struct ApiKey {
     pub tenant: String,
     /// The prompt-cache namespace its requests use.
     pub namespace: Namespace,
+    /// Its limits and what it used of them.
+    limits: Limits,
+}
+
+/// Keys are told apart by name (unique in a keys file) and tenant.
+impl PartialEq for ApiKey {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.name, &self.tenant) == (&other.name, &other.tenant)
+    }
+}
+
+impl Eq for ApiKey {}
+
+/// A key's limits: requests and tokens (prompt and completion) per
+/// minute as token buckets holding a minute's worth, and requests at once.
+#[derive(Debug, Default)]
+struct Limits {
+    requests: Option<Mutex<Bucket>>,
+    tokens: Option<Mutex<Bucket>>,
+    concurrent: Option<Arc<Semaphore>>,
+    max_concurrent: u32,
+}
+
+/// A bucket of `per_minute` refilled continuously, at most a minute's
+/// worth held; it may run into debt (tokens are charged after the fact).
+#[derive(Debug)]
+struct Bucket {
+    per_minute: f64,
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(per_minute: f64) -> Self {
+        Self { per_minute, level: per_minute, at: Instant::now() }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let rate = self.per_minute / 60.0;
+        self.level = (self.level + now.saturating_duration_since(self.at).as_secs_f64() * rate).min(self.per_minute);
+        self.at = now;
+    }
+
+    /// Takes `amount` if the bucket holds it; else the seconds until it
+    /// would (at least 1).
+    fn take(&mut self, amount: f64, now: Instant) -> Result<(), u64> {
+        self.refill(now);
+        if self.level >= amount {
+            self.level -= amount;
+            return Ok(());
+        }
+        Err(((amount - self.level) / (self.per_minute / 60.0)).ceil().max(1.0) as u64)
+    }
+
+    /// Seconds until the bucket is out of debt (0: it is).
+    fn wait(&mut self, now: Instant) -> u64 {
+        self.refill(now);
+        if self.level > 0.0 { 0 } else { ((0.0 - self.level + 1.0) / (self.per_minute / 60.0)).ceil().max(1.0) as u64 }
+    }
+
+    fn charge(&mut self, amount: f64, now: Instant) {
+        self.refill(now);
+        self.level -= amount;
+    }
+}
+
+/// A request's place in its key's concurrency limit, held until it ends.
+#[derive(Debug)]
+pub struct KeyPermit {
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl ApiKey {
+    /// Admits one more request of this key, or 429 naming the limit it
+    /// reached, with when to retry: its concurrency limit, its requests
+    /// per minute, or its tokens per minute (spent: prompts and
+    /// completions are charged as they are known, see [`charge`]).
+    ///
+    /// [`charge`]: Self::charge
+    pub fn admit(&self) -> Result<KeyPermit, GatewayError> {
+        let now = Instant::now();
+        let refuse = |limit: &'static str, retry_after: u64, message: String| {
+            crate::metrics::rate_limited(&self.name, limit);
+            Err(GatewayError::rate_limited(message, retry_after))
+        };
+        if let Some(tokens) = &self.limits.tokens {
+            let wait = tokens.lock().wait(now);
+            if wait > 0 {
+                return refuse("tokens", wait, format!("Rate limit reached for key {:?} on tokens per minute; try again in {wait}s.", self.name));
+            }
+        }
+        let permit = match &self.limits.concurrent {
+            Some(semaphore) => match semaphore.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    let limit = self.limits.max_concurrent;
+                    return refuse("concurrency", 1, format!("Key {:?} has {limit} requests in flight, its limit; try again when one ends.", self.name));
+                }
+            },
+            None => None,
+        };
+        if let Some(requests) = &self.limits.requests
+            && let Err(wait) = requests.lock().take(1.0, now)
+        {
+            return refuse("requests", wait, format!("Rate limit reached for key {:?} on requests per minute; try again in {wait}s.", self.name));
+        }
+        Ok(KeyPermit { _permit: permit })
+    }
+
+    /// Charges `tokens` (prompt or completion) to its tokens per minute.
+    pub fn charge(&self, tokens: u32) {
+        if let Some(bucket) = &self.limits.tokens {
+            bucket.lock().charge(f64::from(tokens), Instant::now());
+        }
+    }
 }
 
 /// The keys a gateway accepts, by digest.
@@ -142,7 +270,20 @@ impl ApiKeys {
                 Some(shared) => Namespace::Shared(shared),
                 None => Namespace::Tenant(spec.tenant.clone()),
             };
-            let key = ApiKey { name: spec.name, tenant: spec.tenant, namespace };
+            let positive = |value: Option<u64>, field: &str| match value {
+                Some(0) => Err(at(format!("{field} must be positive (leave it out for no limit)"))),
+                other => Ok(other),
+            };
+            let requests = positive(spec.requests_per_minute.map(u64::from), "requests_per_minute")?;
+            let tokens = positive(spec.tokens_per_minute, "tokens_per_minute")?;
+            let concurrent = positive(spec.max_concurrent.map(u64::from), "max_concurrent")?;
+            let limits = Limits {
+                requests: requests.map(|per_minute| Mutex::new(Bucket::new(per_minute as f64))),
+                tokens: tokens.map(|per_minute| Mutex::new(Bucket::new(per_minute as f64))),
+                concurrent: concurrent.map(|limit| Arc::new(Semaphore::new(limit as usize))),
+                max_concurrent: concurrent.unwrap_or(0) as u32,
+            };
+            let key = ApiKey { name: spec.name, tenant: spec.tenant, namespace, limits };
             if keys.by_digest.insert(digest, Arc::new(key)).is_some() {
                 return Err(at("another key has this digest".into()));
             }
@@ -156,7 +297,12 @@ impl ApiKeys {
     /// Accepts `key` too, as the running process's own (name and tenant
     /// `turbine-internal`: a cache of its own).
     pub fn add_own(&mut self, key: &str) {
-        let own = ApiKey { name: "turbine-internal".into(), tenant: "turbine-internal".into(), namespace: Namespace::Tenant("turbine-internal".into()) };
+        let own = ApiKey {
+            name: "turbine-internal".into(),
+            tenant: "turbine-internal".into(),
+            namespace: Namespace::Tenant("turbine-internal".into()),
+            limits: Limits::default(),
+        };
         self.by_digest.insert(Sha256::digest(key.as_bytes()).into(), Arc::new(own));
     }
 
@@ -224,11 +370,12 @@ mod tests {
         let caller = keys.authenticate(Some("Bearer tk_alpha")).unwrap();
         assert_eq!((caller.name.as_str(), caller.tenant.as_str(), &caller.namespace), ("a-prod", "acme", &Namespace::Tenant("acme".into())));
         assert_eq!(keys.authenticate(Some("Bearer tk_bravo")).unwrap().tenant, "bravo");
-        assert_eq!(keys.authenticate(None), Err(AuthError::Missing));
-        assert_eq!(keys.authenticate(Some("Bearer ")), Err(AuthError::Missing));
-        assert_eq!(keys.authenticate(Some("Basic dGtfYWxwaGE=")), Err(AuthError::Missing));
-        assert_eq!(keys.authenticate(Some("Bearer tk_alph")), Err(AuthError::Unknown));
-        assert_eq!(keys.authenticate(Some(&format!("Bearer {}", digest_hex("tk_alpha")))), Err(AuthError::Unknown), "the digest is not the key");
+        let refused = |header: Option<&str>| keys.authenticate(header).map(|key| key.name.clone()).unwrap_err();
+        assert_eq!(refused(None), AuthError::Missing);
+        assert_eq!(refused(Some("Bearer ")), AuthError::Missing);
+        assert_eq!(refused(Some("Basic dGtfYWxwaGE=")), AuthError::Missing);
+        assert_eq!(refused(Some("Bearer tk_alph")), AuthError::Unknown);
+        assert_eq!(refused(Some(&format!("Bearer {}", digest_hex("tk_alpha")))), AuthError::Unknown, "the digest is not the key");
     }
 
     #[test]
@@ -253,9 +400,34 @@ mod tests {
             (file(&[("x", "t", "k"), ("x", "u", "l")]), "another key has this name"),
             (file(&[("x", "t", "k"), ("y", "u", "k")]), "another key has this digest"),
             (format!("{}rpm = 5\n", file(&[("x", "t", "k")])), "unknown field"),
+            (format!("{}max_concurrent = 0\n", file(&[("x", "t", "k")])), "must be positive"),
         ] {
             let error = ApiKeys::parse(&text).unwrap_err();
             assert!(error.contains(says), "{error} should say {says}");
         }
+    }
+
+    #[test]
+    fn a_key_is_held_to_its_limits_and_told_when_to_retry() {
+        let text = format!("{}requests_per_minute = 2\nmax_concurrent = 1\ntokens_per_minute = 600\n", file(&[("x", "t", "k")]));
+        let keys = ApiKeys::parse(&text).unwrap();
+        let key = keys.authenticate(Some("Bearer k")).unwrap();
+        let first = key.admit().expect("within every limit");
+        let busy = key.admit().unwrap_err();
+        assert_eq!((busy.kind, busy.retry_after), (ErrorKind::RateLimited, Some(1)), "one at a time: {busy:?}");
+        drop(first);
+        let _second = key.admit().expect("the first ended");
+        drop(_second);
+        let spent = key.admit().unwrap_err();
+        assert!(spent.message.contains("requests per minute") && spent.retry_after.is_some_and(|secs| (1..=30).contains(&secs)), "{spent:?}");
+
+        let text = format!("{}tokens_per_minute = 600\n", file(&[("y", "t", "l")]));
+        let keys = ApiKeys::parse(&text).unwrap();
+        let key = keys.authenticate(Some("Bearer l")).unwrap();
+        drop(key.admit().unwrap());
+        key.charge(900);
+        let spent = key.admit().unwrap_err();
+        // 300 tokens of debt at 10 per second.
+        assert!(spent.message.contains("tokens per minute") && spent.retry_after.is_some_and(|secs| (29..=31).contains(&secs)), "{spent:?}");
     }
 }

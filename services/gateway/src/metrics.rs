@@ -32,6 +32,13 @@ static UNAUTHENTICATED: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["reason"],
     )
 });
+static RATE_LIMITED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_rate_limited_total",
+        "Calls refused (429, RESOURCE_EXHAUSTED) because their API key was over a limit, by key name and limit: requests (per minute), tokens (per minute) or concurrency",
+        &["key", "limit"],
+    )
+});
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     gauge(
         "turbine_gateway_awaiting_first_token",
@@ -237,4 +244,9 @@ pub(crate) fn migration() {
 /// Counts a call refused for its API key (`missing` or `unknown`).
 pub fn unauthenticated(reason: &str) {
     UNAUTHENTICATED.with_label_values(&[reason]).inc();
+}
+
+/// Counts a call refused for its key's `limit`.
+pub fn rate_limited(key: &str, limit: &str) {
+    RATE_LIMITED.with_label_values(&[key, limit]).inc();
 }

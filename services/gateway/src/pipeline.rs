@@ -17,6 +17,8 @@ use turbine_api::router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_api::worker::{KvHandle, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
 use turbine_api::{CacheSalt, FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
+
+use crate::keys::ApiKey;
 use turbine_tokens::{ChatMessage, ContentControlTokens, IncrementalDecoder, Preprocessor, TokenBytes};
 
 use crate::catalog::ModelCatalog;
@@ -58,6 +60,8 @@ pub struct TextRequest {
     pub cache_salt: Option<String>,
     /// The caller's namespace (its API key's; set by the handler).
     pub namespace: Namespace,
+    /// The caller's key, charged the request's tokens (set by the handler).
+    pub caller: Option<Arc<ApiKey>>,
 }
 
 /// Whose prompt cache a caller's requests use.
@@ -186,6 +190,9 @@ impl Pipeline {
             }
             None => context - prompt_len as u32,
         };
+        if let Some(key) = &request.caller {
+            key.charge(prompt_len as u32);
+        }
         metrics::arrival(&request.model);
         let awaiting = metrics::AwaitingFirstToken::start(&request.model);
         let engine_request = GenerateRequest {
@@ -223,6 +230,8 @@ impl Pipeline {
             last_token_at: None,
             booking,
             awaiting,
+            caller: request.caller,
+            charged: false,
         })
     }
 
@@ -428,6 +437,18 @@ pub struct TextStream {
     booking: Booking,
     /// Counted as awaiting its first token until it comes.
     awaiting: metrics::AwaitingFirstToken,
+    /// The caller's key, charged the completion's tokens at the end.
+    caller: Option<Arc<ApiKey>>,
+    /// Whether they were charged.
+    charged: bool,
+}
+
+impl Drop for TextStream {
+    fn drop(&mut self) {
+        // A stream cut short (a client gone, an error) still cost what it
+        // generated.
+        self.charge_completion();
+    }
 }
 
 impl std::fmt::Debug for TextStream {
@@ -530,10 +551,21 @@ impl TextStream {
         }
     }
 
+    /// Charges the caller's key the tokens generated (once).
+    fn charge_completion(&mut self) {
+        if let Some(key) = &self.caller
+            && !self.charged
+        {
+            key.charge(self.generated.len() as u32);
+            self.charged = true;
+        }
+    }
+
     /// Ends the stream: queues the last text and the `Finished` event and
     /// drops the worker stream (cancelling it if still running).
     fn finish(&mut self, last_text: String, reason: FinishReason) {
         self.tokens = None;
+        self.charge_completion();
         let usage = Usage {
             prompt_tokens: self.prompt_tokens(),
             completion_tokens: self.generated.len() as u32,

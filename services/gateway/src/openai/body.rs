@@ -67,7 +67,7 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, GatewayError> 
                 if path == "." {
                     // A missing field or a body that is not an object.
                     let param = missing_field(&message);
-                    GatewayError { kind: ErrorKind::InvalidRequest, message: format!("Invalid request: {message}"), param }
+                    GatewayError { kind: ErrorKind::InvalidRequest, message: format!("Invalid request: {message}"), param, retry_after: None }
                 } else {
                     GatewayError::invalid(path.clone(), format!("Invalid value for '{path}': {message}"))
                 }

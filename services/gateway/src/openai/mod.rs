@@ -26,7 +26,7 @@ use turbine_runtime::health::Readiness;
 use turbine_runtime::propagation::set_parent_from_headers;
 
 use crate::error::{ErrorKind, GatewayError};
-use crate::keys::{Access, ApiKey};
+use crate::keys::{Access, ApiKey, KeyPermit};
 use crate::metrics::{self, InFlight};
 use crate::openai::body::read_limited;
 use crate::openai::responses::{ChunkContent, Endpoint, ResponseMeta, chunk, logprobs_body, whole};
@@ -154,6 +154,7 @@ fn unix_now() -> u64 {
 
 /// Holds what a request keeps while it streams.
 struct Guards {
+    _key: Option<KeyPermit>,
     _permit: OwnedSemaphorePermit,
     _in_flight: InFlight,
 }
@@ -161,13 +162,15 @@ struct Guards {
 async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Result<Response, GatewayError> {
     // Who is calling, before the body is read.
     let caller = state.caller(headers)?;
-    let guards = Guards { _permit: state.admit()?, _in_flight: InFlight::start() };
+    let key_permit = caller.as_ref().map(|key| key.admit()).transpose()?;
+    let guards = Guards { _key: key_permit, _permit: state.admit()?, _in_flight: InFlight::start() };
     let bytes = read_limited(headers, body, state.max_body_bytes).await?;
     let (mut request, delivery): (TextRequest, Delivery) = match endpoint {
         Endpoint::Chat => parse_chat(&bytes)?,
         Endpoint::Completion => parse_completion(&bytes)?,
     };
     request.namespace = Access::namespace(caller.as_deref());
+    request.caller = caller;
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completion => "cmpl",

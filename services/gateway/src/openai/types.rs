@@ -365,7 +365,10 @@ impl ChatCompletionRequest {
         };
         let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
         sampling.logprobs = logprobs;
-        Ok((TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open }, delivery))
+        Ok((
+            TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open, caller: None },
+            delivery,
+        ))
     }
 }
 
@@ -431,7 +434,7 @@ impl CompletionRequest {
         let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
         sampling.logprobs = logprobs;
         let max_tokens = Some(max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS));
-        Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open }, delivery))
+        Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open, caller: None }, delivery))
     }
 }
 
