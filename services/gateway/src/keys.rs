@@ -148,7 +148,8 @@ impl ApiKey {
     pub fn admit(&self) -> Result<KeyPermit, GatewayError> {
         let now = Instant::now();
         let refuse = |limit: &'static str, retry_after: u64, message: String| {
-            crate::metrics::rate_limited(&self.name, limit);
+            crate::metrics::rate_limited(limit);
+            tracing::info!(key = %self.name, tenant = %self.tenant, limit, retry_after, "a key over its limit");
             Err(GatewayError::rate_limited(message, retry_after))
         };
         if let Some(tokens) = &self.limits.tokens {

@@ -35,8 +35,8 @@ static UNAUTHENTICATED: LazyLock<IntCounterVec> = LazyLock::new(|| {
 static RATE_LIMITED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_gateway_rate_limited_total",
-        "Calls refused (429, RESOURCE_EXHAUSTED) because their API key was over a limit, by key name and limit: requests (per minute), tokens (per minute) or concurrency",
-        &["key", "limit"],
+        "Calls refused (429, RESOURCE_EXHAUSTED) because their API key was over a limit, by limit: requests (per minute), tokens (per minute) or concurrency (not by key: the gateway's /metrics shares its port with every tenant; the log names the key)",
+        &["limit"],
     )
 });
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
@@ -247,6 +247,6 @@ pub fn unauthenticated(reason: &str) {
 }
 
 /// Counts a call refused for its key's `limit`.
-pub fn rate_limited(key: &str, limit: &str) {
-    RATE_LIMITED.with_label_values(&[key, limit]).inc();
+pub fn rate_limited(limit: &str) {
+    RATE_LIMITED.with_label_values(&[limit]).inc();
 }
