@@ -6,7 +6,8 @@
 //! the callee's role table, and the caller checking the callee's role.
 //! Requests flow end to end; a caller of the wrong role is refused with
 //! PERMISSION_DENIED naming the rpc; a plaintext caller and one expecting
-//! another role get nothing.
+//! another role get nothing. And every service of a deployment at once
+//! (kv-index, kv-store, planner, two routers, two gateways, two workers).
 
 mod common;
 
@@ -238,4 +239,89 @@ async fn plaintext_beyond_loopback_is_refused_unless_insecure() {
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && stderr.contains("--insecure"), "{stderr}");
     drop((router, redis));
+}
+
+/// Every service of a deployment as its own process over mutual TLS, with
+/// Redis over TLS: a kv-index, a kv-store, two mocker workers using the
+/// store, two routers following the workers through the kv-index, a
+/// planner, and a gateway on each router. Requests through both gateways
+/// are routed by KV overlap (the index over TLS), blocks reach the store
+/// (workers over TLS), the planner answers its operator; a router's
+/// certificate may not delete from the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_deployment_serves_with_mutual_tls_on_every_hop() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = std::process::Command::new(workspace_binary("turbine"))
+        .args(["certs", "--worker", "worker-0", "--worker", "worker-1", "--redis", "localhost", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    tls(dir.path(), "operator").establish().unwrap().expect("an identity");
+    let file = |name: &str| dir.path().join(name);
+    let redis_tls =
+        RedisTls { cert: file("redis.crt"), key: file("redis.key"), ca: file("ca.crt"), client_cert: file("operator.crt"), client_key: file("operator.key") };
+    let redis = RedisServer::start_tls(&redis_tls, &[]);
+    let url = redis.url();
+    let start = async |binary: &str, own: &[&str], stem: &str, http: bool| {
+        let args: Vec<String> = own.iter().map(|arg| arg.to_string()).chain(flags(&tls(dir.path(), stem))).collect();
+        service(binary, &args.iter().map(String::as_str).collect::<Vec<_>>(), &[], http).await
+    };
+    let cluster = ["--redis", url.as_str(), "--namespace", "whole"];
+    let index = start("turbine-kv-index", &cluster, "kv-index", false).await;
+    let store = start("turbine-kv-store", &[&cluster[..], &["--store-id", "store-0", "--memory-mib", "64"]].concat(), "kv-store", false).await;
+    let store_endpoint = store.grpc_endpoint();
+    let mut workers = Vec::new();
+    for id in ["worker-0", "worker-1"] {
+        let own =
+            [&cluster[..], &["--engine", "mock", "--speedup", "1000", "--worker-id", id, "--host-cache-mib", "64", "--kv-store", &store_endpoint]].concat();
+        workers.push(start("turbine-worker", &own, &format!("workers/{id}"), false).await);
+    }
+    let index_endpoint = index.grpc_endpoint();
+    let mut routers = Vec::new();
+    for _ in 0..2 {
+        let router = start("turbine-router", &[&cluster[..], &["--policy", "kv", "--kv-index", &index_endpoint]].concat(), "router", false).await;
+        until_registered(&router, 2).await;
+        routers.push(router);
+    }
+    let database = format!("sqlite://{}?mode=rwc", dir.path().join("planner.db").display());
+    let planner = start("turbine-planner", &[&cluster[..], &["--database", &database]].concat(), "planner", false).await;
+    let mut gateways = Vec::new();
+    for router in &routers {
+        let gateway = start("turbine-gateway", &["--router", &router.grpc_endpoint()], "gateway", true).await;
+        until_listed(&gateway.http_url()).await;
+        gateways.push(gateway);
+    }
+
+    // The same 5-block prompt (64-token blocks) through either gateway:
+    // after the first, the routers send it where its blocks are (or the
+    // worker fetches them from the store), so it hits.
+    let tokens: Vec<u32> = (0..320).map(|i| 500 + i).collect();
+    let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true});
+    let mut cached = Vec::new();
+    for round in 0..4 {
+        let (status, answer) = post(&gateways[round % 2].http_url(), "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{answer}");
+        cached.push(answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0));
+    }
+    assert_eq!(cached[0], 0);
+    assert!(cached[1..].iter().all(|&hit| hit == 256), "every repeat hits its 4 full blocks: {cached:?}");
+
+    // The workers put their blocks in the store over TLS; an operator
+    // reads its stats; a router may not delete from it.
+    let operator = tls(dir.path(), "operator").load().unwrap().unwrap();
+    let mut store_client = turbine_proto::kvstore::v1::kv_store_client::KvStoreClient::new(tls_channel(&store_endpoint, &operator, Role::KvStore).unwrap());
+    turbine_testkit::wait_until("blocks in the store", std::time::Duration::from_secs(30), async || {
+        store_client.stats(turbine_proto::kvstore::v1::StatsRequest {}).await.is_ok_and(|stats| stats.into_inner().put_blocks >= 4)
+    })
+    .await;
+    let as_router = tls(dir.path(), "router").load().unwrap().unwrap();
+    let mut store_as_router = turbine_proto::kvstore::v1::kv_store_client::KvStoreClient::new(tls_channel(&store_endpoint, &as_router, Role::KvStore).unwrap());
+    let refused = store_as_router.delete(turbine_proto::kvstore::v1::DeleteRequest::default()).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("/turbine.kvstore.v1.KvStore/Delete"), "{}", refused.message());
+    let mut planner_client =
+        turbine_proto::planner::v1::planner_client::PlannerClient::new(tls_channel(&planner.grpc_endpoint(), &operator, Role::Planner).unwrap());
+    planner_client.get_plan(turbine_proto::planner::v1::GetPlanRequest::default()).await.expect("the operator reads the plan");
+    drop((gateways, routers, planner, workers, store, index, redis));
 }
