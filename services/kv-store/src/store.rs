@@ -32,6 +32,15 @@ static CONFLICTS: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyL
     .with_label_values(&[] as &[&str])
 });
 
+static AGREEING: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::counter(
+        "turbine_kv_store_agreeing_blocks_total",
+        "Puts of a block the store already held with the same bytes (another writer computed the same prefix alike): nothing stored",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
+
 /// Bytes stored between runs of the memory tier's pending evictions.
 const EVICT_EVERY_BYTES: usize = 4 << 20;
 
@@ -282,6 +291,7 @@ impl Store {
             if let Some(checksum) = held {
                 if checksum == block.checksum {
                     outcome.already_held += 1;
+                    AGREEING.inc();
                 } else {
                     self.blocks.remove(&key);
                     if let Some(disk) = &self.disk {

@@ -375,3 +375,59 @@ async fn ucx_listens_no_further_than_the_workers_grpc() {
         assert!(!ucx.is_empty(), "UCX on the named device");
     }
 }
+
+/// The kv-store drops a key two writers disagree on. Two workers computing
+/// one prefix, one alone and one in a batch of four, must agree on every
+/// block's bytes, or the store would purge prefixes it should share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_computing_one_prefix_alone_and_batched_put_the_same_bytes() {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    let (endpoint, store, shutdown) = kv_store().await;
+    let flags = |id: &'static str| -> Vec<String> {
+        ["--kv-cache-mib", "32", "--host-cache-mib", "64", "--kv-store", &endpoint, "--kv-fetch", "never", "--worker-id", id]
+            .iter()
+            .map(|flag| flag.to_string())
+            .collect()
+    };
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    let text = |topic: &str| tokens.encode_text(&format!("{topic} guide ships past rocks along the coast at night. ").repeat(30)).unwrap()[..256].to_vec();
+    let prompt = text("Lighthouses");
+
+    let first = native_worker(&flags("alone").iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let (alone, _) = generate(WorkerClient::connect(first.grpc_endpoint()).await.unwrap(), greedy(&prompt, 4)).await.unwrap();
+    turbine_testkit::wait_until("the first worker's blocks in the store", Duration::from_secs(30), async || store.stats().put_blocks >= 15).await;
+    let held = store.stats().memory.blocks;
+    drop(first);
+
+    let second = native_worker(&flags("batched").iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let client = WorkerClient::connect(second.grpc_endpoint()).await.unwrap();
+    let others = ["Harbors", "Beacons", "Tugboats"].map(text);
+    let batch = futures::future::join_all(std::iter::once(&prompt).chain(others.iter()).map(|prompt| generate(client.clone(), greedy(prompt, 4)))).await;
+    assert_eq!(batch[0].as_ref().unwrap().0, alone, "the same tokens alone and batched");
+    let admin = second.admin_url();
+    turbine_testkit::wait_until("the batch's blocks offered to the store", Duration::from_secs(30), async || {
+        metric_where(&admin, "turbine_worker_kv_tier_offloaded_blocks_total", &[("tier", "remote")]).await >= 60.0
+    })
+    .await;
+    // Counters of this process's store (each appears with its first).
+    let counted = |name: &str| {
+        turbine_runtime::metrics::render()
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ').map(|value| value.parse::<f64>().unwrap()))
+            .unwrap_or(0.0)
+    };
+    // The shared prefix's 16 blocks put again, each agreeing with the held
+    // one or conflicting with it; the others' 48 beside them.
+    turbine_testkit::wait_until("the shared prefix put again", Duration::from_secs(30), async || {
+        counted("turbine_kv_store_agreeing_blocks_total") + counted("turbine_kv_store_conflicting_blocks_total") >= 16.0
+    })
+    .await;
+    turbine_testkit::wait_until("the batch's blocks in the store", Duration::from_secs(30), async || store.stats().memory.blocks >= held + 3 * 16).await;
+    let conflicts = counted("turbine_kv_store_conflicting_blocks_total");
+    let after = store.stats().memory.blocks;
+    eprintln!("held after the first worker: {held}; after the batch: {after}; conflicting puts: {conflicts}");
+    assert_eq!(conflicts, 0.0, "the batched worker's blocks of the shared prefix equal the first worker's");
+    assert_eq!(after, held + 3 * 16, "every block of the shared prefix is still held, beside the batch's others");
+    drop(second);
+    shutdown.cancel();
+}
