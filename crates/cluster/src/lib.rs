@@ -263,7 +263,12 @@ impl Cluster {
         // With API keys, this process asks its gateways with a key of its
         // own, made now and kept in memory only.
         let own_key = config.gateway.api_keys.is_some().then(turbine_gateway::keys::new_key);
-        for (replica, (listeners, router)) in gateway_listeners.into_iter().zip(&router_clients).enumerate() {
+        for (replica, (mut listeners, router)) in gateway_listeners.into_iter().zip(&router_clients).enumerate() {
+            // With API keys, /metrics and the probes leave the API's port
+            // for one on loopback.
+            if config.gateway.api_keys.is_some() {
+                listeners.admin = Some(bind(SocketAddr::new([127, 0, 0, 1].into(), 0), "gateway admin").await?);
+            }
             let mut gateway = GatewayConfig { admission: config.gateway.clone(), ..GatewayConfig::default() };
             gateway.server.shutdown_grace_secs = config.shutdown_grace_secs;
             // With API keys every call of its gRPC API is authenticated by
@@ -272,7 +277,11 @@ impl Cluster {
             if replica == 0 {
                 gateway.server.addresses_file = config.addresses_file.clone();
             }
-            let addresses = BoundAddrs { grpc: listeners.grpc.local_addr()?, admin: None, http: listeners.http.as_ref().map(|l| l.local_addr()).transpose()? };
+            let addresses = BoundAddrs {
+                grpc: listeners.grpc.local_addr()?,
+                admin: listeners.admin.as_ref().map(|l| l.local_addr()).transpose()?,
+                http: listeners.http.as_ref().map(|l| l.local_addr()).transpose()?,
+            };
             let deps = GatewayDeps { router: router.clone(), workers: clients.clone(), own_key: own_key.clone() };
             front_tasks.push((format!("gateway {replica}"), tokio::spawn(turbine_gateway::serve(gateway, deps, listeners, front.clone()))));
             gateways.push(addresses);
@@ -280,7 +289,7 @@ impl Cluster {
         let planner = match planner_listeners {
             Some(listeners) => {
                 let address = listeners.grpc.local_addr()?;
-                let metrics = format!("http://{}/metrics", loopback(gateways[0].http.context("gateways serve HTTP")?));
+                let metrics = format!("http://{}/metrics", loopback(gateways[0].admin.or(gateways[0].http).context("gateways serve HTTP")?));
                 let planning = PlanningConfig { database: Some(planner_database.clone()), ..config.planner.clone() };
                 let mut planner = PlannerConfig { planning, ..PlannerConfig::default() };
                 planner.server.shutdown_grace_secs = config.shutdown_grace_secs;

@@ -105,7 +105,8 @@ impl Sandbox {
     /// The registry is the process's: label by worker to tell clusters
     /// apart.
     pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let text = self.http.get(format!("{}/metrics", self.base)).send().await.expect("metrics").text().await.expect("metrics text");
+        let admin = self.cluster().gateways()[0].admin_url().expect("gateways serve HTTP");
+        let text = self.http.get(format!("{admin}/metrics")).send().await.expect("metrics").text().await.expect("metrics text");
         text.lines()
             .filter(|line| line.starts_with(name) && line[name.len()..].starts_with([' ', '{']))
             .filter(|line| labels.iter().all(|(label, value)| line.contains(&format!("{label}=\"{value}\""))))

@@ -745,7 +745,10 @@ async fn a_key_over_its_limits_gets_429_and_other_keys_are_served() {
     for limit in ["requests", "tokens", "concurrency"] {
         assert!(sandbox.metric("turbine_gateway_rate_limited_total", &[("limit", limit)]).await >= 1.0, "{limit}");
     }
-    let exposition = reqwest::get(format!("{}/metrics", sandbox.base())).await.unwrap().text().await.unwrap();
+    let exposition = reqwest::get(format!("{}/metrics", sandbox.cluster().gateways()[0].admin_url().unwrap())).await.unwrap().text().await.unwrap();
     assert!(!["per-minute", "one-at-a-time", "\"other\""].iter().any(|name| exposition.contains(name)), "no key name in /metrics");
+    // With keys, /metrics is not on the API's port at all.
+    let public = reqwest::get(format!("{}/metrics", sandbox.base())).await.unwrap();
+    assert_eq!(public.status(), 404, "the API's port serves no /metrics");
     sandbox.stop().await;
 }

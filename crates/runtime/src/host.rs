@@ -258,6 +258,8 @@ pub struct Host {
     routes: Routes,
     listeners: Listeners,
     http_router: Option<axum::Router>,
+    /// Whether the admin routes are merged into the HTTP API.
+    admin_on_http: bool,
     grace: Duration,
     addresses_file: Option<PathBuf>,
     addresses: BoundAddrs,
@@ -311,6 +313,7 @@ impl Host {
             routes,
             listeners,
             http_router: None,
+            admin_on_http: true,
             grace: server.grace(),
             addresses_file: server.addresses_file.clone(),
             addresses,
@@ -351,11 +354,21 @@ impl Host {
         self.http_router = Some(router);
     }
 
+    /// Serves `router` on the HTTP listener alone: the admin routes
+    /// (`/metrics`, `/livez`, `/readyz`) only on the admin listener, which
+    /// the service must have (an API whose callers must not read them).
+    pub fn set_http_without_admin(&mut self, router: axum::Router) -> anyhow::Result<()> {
+        anyhow::ensure!(self.listeners.admin.is_some(), "{}: the admin routes need a port of their own (--admin-addr)", self.spec.name);
+        self.http_router = Some(router);
+        self.admin_on_http = false;
+        Ok(())
+    }
+
     /// Starts serving (still NOT_SERVING); writes the addresses file.
     /// Fails on a role table that does not fit the services mounted
     /// ([`HostSpec::check_roles`]).
     pub fn start(self, shutdown: CancellationToken) -> anyhow::Result<Serving> {
-        let Host { spec, readiness, routes, listeners, http_router, grace, addresses_file, addresses, trust, served } = self;
+        let Host { spec, readiness, routes, listeners, http_router, admin_on_http, grace, addresses_file, addresses, trust, served } = self;
         spec.check_roles(&served)?;
         match &trust {
             Some(trust) => tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role"),
@@ -370,7 +383,7 @@ impl Host {
         let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), admin_stop.clone())));
         let http = match (listeners.http, http_router) {
             (Some(listener), Some(router)) => {
-                let router = router.merge(crate::admin::router(readiness.clone()));
+                let router = if admin_on_http { router.merge(crate::admin::router(readiness.clone())) } else { router };
                 Some(tokio::spawn(crate::admin::serve_with_grace(listener, router, shutdown.clone(), grace)))
             }
             (Some(_), None) => anyhow::bail!("{}: an HTTP listener without an HTTP API", spec.name),

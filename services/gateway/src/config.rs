@@ -50,6 +50,14 @@ impl Settings for GatewayConfig {
 
     fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
+        if self.admission.api_keys.is_some() && self.server.admin_addr.is_none() {
+            // Else /metrics would be served on the API's port to anyone,
+            // telling one tenant of the others' traffic.
+            return Err(InvalidSetting::new(
+                "admin_addr",
+                "with --api-keys, /metrics and the probes need a port of their own, kept off the API's: give --admin-addr (e.g. 0.0.0.0:9090)",
+            ));
+        }
         self.admission.validate()
     }
 }

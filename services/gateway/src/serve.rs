@@ -80,7 +80,12 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
         readiness: readiness.clone(),
     };
     host.add_service(InferenceServer::new(InferenceService::new(state.clone())));
-    host.set_http(rest_router(state));
+    // With API keys the API's port serves no /metrics: its callers are
+    // tenants, and the metrics tell of every tenant's traffic.
+    match state.access {
+        Access::Keys(_) => host.set_http_without_admin(rest_router(state))?,
+        Access::Open => host.set_http(rest_router(state)),
+    }
     let serving = host.start(shutdown.clone())?;
     // Ready while the router answers.
     catalog.spawn_refresh(Duration::from_millis(config.admission.model_refresh_ms), shutdown, move |router_answers| {

@@ -44,3 +44,16 @@ fn it_refuses_to_start_without_a_router() {
     assert!(!status.success());
     assert!(gateway.output().iter().any(|line| line.contains("--router")), "{:?}", gateway.output());
 }
+
+#[test]
+fn with_api_keys_it_refuses_to_serve_metrics_on_the_api_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(&keys, turbine_gateway::keys::entry("a", "t", None, &turbine_gateway::keys::new_key())).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-gateway"));
+    command.args(["--router", "http://127.0.0.1:1", "--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0", "--api-keys"]).arg(&keys);
+    let mut gateway = ChildProcess::spawn("turbine-gateway", command);
+    let status = gateway.wait(Duration::from_secs(30)).expect("exits");
+    assert!(!status.success());
+    assert!(gateway.output().iter().any(|line| line.contains("--admin-addr")), "{:?}", gateway.output());
+}
