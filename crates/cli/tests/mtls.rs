@@ -37,14 +37,25 @@ fn flags(config: &TlsConfig) -> Vec<String> {
     vec!["--tls-cert".into(), path(&config.tls_cert), "--tls-key".into(), path(&config.tls_key), "--tls-ca".into(), path(&config.tls_ca)]
 }
 
-/// `turbine certs --out dir --worker worker-0 --redis localhost`.
-fn make_certs(dir: &Path) {
-    let output = std::process::Command::new(workspace_binary("turbine"))
-        .args(["certs", "--worker", "worker-0", "--redis", "localhost", "--out"])
-        .arg(dir)
-        .output()
-        .expect("turbine certs runs");
+/// `turbine certs --out dir --redis localhost`, a certificate for each
+/// of `workers`.
+fn make_certs(dir: &Path, workers: &[&str]) {
+    let mut command = std::process::Command::new(workspace_binary("turbine"));
+    command.arg("certs");
+    for worker in workers {
+        command.args(["--worker", worker]);
+    }
+    let output = command.args(["--redis", "localhost", "--out"]).arg(dir).output().expect("turbine certs runs");
     assert!(output.status.success(), "turbine certs: {}", String::from_utf8_lossy(&output.stderr));
+}
+
+/// A TLS-only redis-server with its certificate from `turbine certs` in
+/// `dir` (this process, the operator, checks it is up).
+fn redis_over_tls(dir: &Path) -> RedisServer {
+    let file = |name: &str| dir.join(name);
+    let tls =
+        RedisTls { cert: file("redis.crt"), key: file("redis.key"), ca: file("ca.crt"), client_cert: file("operator.crt"), client_key: file("operator.key") };
+    RedisServer::start_tls(&tls, &[])
 }
 
 /// A call the connection failed (the handshake refused, or a plaintext
@@ -58,16 +69,13 @@ fn assert_transport_failure(status: &tonic::Status) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stack_with_every_hop_over_mutual_tls_serves_and_refuses_the_wrong_role() {
     let dir = tempfile::tempdir().unwrap();
-    make_certs(dir.path());
+    make_certs(dir.path(), &["worker-0"]);
     // This process is an operator: it waits on health and lists workers.
     tls(dir.path(), "operator").establish().unwrap().expect("an identity");
 
     // Redis over TLS too, with its certificate from turbine certs: every
     // service reaches it as rediss:// with its own certificate.
-    let file = |name: &str| dir.path().join(name);
-    let redis_tls =
-        RedisTls { cert: file("redis.crt"), key: file("redis.key"), ca: file("ca.crt"), client_cert: file("operator.crt"), client_key: file("operator.key") };
-    let redis = RedisServer::start_tls(&redis_tls, &[]);
+    let redis = redis_over_tls(dir.path());
     let url = redis.url();
     assert!(url.starts_with("rediss://"), "{url}");
     let cluster = ["--redis", url.as_str(), "--namespace", "mtls"];
@@ -193,7 +201,7 @@ fn a_process_dials_with_one_identity() {
 #[test]
 fn turbine_certs_names_each_role_and_worker_and_overwrites_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    make_certs(dir.path());
+    make_certs(dir.path(), &["worker-0"]);
     for role in Role::ALL {
         let trust = tls(dir.path(), role.as_str()).load().unwrap().expect("credentials");
         assert_eq!((trust.peer().role, trust.peer().name.as_str()), (role, role.as_str()));
@@ -251,17 +259,9 @@ async fn plaintext_beyond_loopback_is_refused_unless_insecure() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_deployment_serves_with_mutual_tls_on_every_hop() {
     let dir = tempfile::tempdir().unwrap();
-    let output = std::process::Command::new(workspace_binary("turbine"))
-        .args(["certs", "--worker", "worker-0", "--worker", "worker-1", "--redis", "localhost", "--out"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    make_certs(dir.path(), &["worker-0", "worker-1"]);
     tls(dir.path(), "operator").establish().unwrap().expect("an identity");
-    let file = |name: &str| dir.path().join(name);
-    let redis_tls =
-        RedisTls { cert: file("redis.crt"), key: file("redis.key"), ca: file("ca.crt"), client_cert: file("operator.crt"), client_key: file("operator.key") };
-    let redis = RedisServer::start_tls(&redis_tls, &[]);
+    let redis = redis_over_tls(dir.path());
     let url = redis.url();
     let start = async |binary: &str, own: &[&str], stem: &str, http: bool| {
         let args: Vec<String> = own.iter().map(|arg| arg.to_string()).chain(flags(&tls(dir.path(), stem))).collect();
