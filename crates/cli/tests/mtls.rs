@@ -280,7 +280,10 @@ async fn a_whole_deployment_serves_with_mutual_tls_on_every_hop() {
     let index_endpoint = index.grpc_endpoint();
     let mut routers = Vec::new();
     for _ in 0..2 {
-        let router = start("turbine-router", &[&cluster[..], &["--policy", "kv", "--kv-index", &index_endpoint]].concat(), "router", false).await;
+        // The index's answer is awaited (on two busy cores its default
+        // 100 ms may pass, and the request is then routed by load).
+        let own = [&cluster[..], &["--policy", "kv", "--kv-index", &index_endpoint, "--kv-index-timeout-ms", "10000"]].concat();
+        let router = start("turbine-router", &own, "router", false).await;
         until_registered(&router, 2).await;
         routers.push(router);
     }
@@ -299,17 +302,27 @@ async fn a_whole_deployment_serves_with_mutual_tls_on_every_hop() {
     let tokens: Vec<u32> = (0..320).map(|i| 500 + i).collect();
     let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 2, "ignore_eos": true});
     let mut cached = Vec::new();
+    let operator = tls(dir.path(), "operator").load().unwrap().unwrap();
+    let mut index_client = turbine_proto::kvindex::v1::kv_index_client::KvIndexClient::new(tls_channel(&index_endpoint, &operator, Role::Index).unwrap());
     for round in 0..4 {
         let (status, answer) = post(&gateways[round % 2].http_url(), "/v1/completions", &body).await;
         assert_eq!(status, 200, "{answer}");
         cached.push(answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0));
+        if round == 0 {
+            // The first worker's blocks reach the index (over TLS) before
+            // the repeats are routed by it.
+            let query = turbine_proto::kvindex::v1::FindMatchesRequest { token_ids: tokens.clone(), block_size: 64, ..Default::default() };
+            turbine_testkit::wait_until("the index holds the prompt's blocks", std::time::Duration::from_secs(30), async || {
+                index_client.find_matches(query.clone()).await.is_ok_and(|found| found.into_inner().matches.iter().any(|worker| worker.device_blocks >= 4))
+            })
+            .await;
+        }
     }
     assert_eq!(cached[0], 0);
     assert!(cached[1..].iter().all(|&hit| hit == 256), "every repeat hits its 4 full blocks: {cached:?}");
 
     // The workers put their blocks in the store over TLS; an operator
     // reads its stats; a router may not delete from it.
-    let operator = tls(dir.path(), "operator").load().unwrap().unwrap();
     let mut store_client = turbine_proto::kvstore::v1::kv_store_client::KvStoreClient::new(tls_channel(&store_endpoint, &operator, Role::KvStore).unwrap());
     turbine_testkit::wait_until("blocks in the store", std::time::Duration::from_secs(30), async || {
         store_client.stats(turbine_proto::kvstore::v1::StatsRequest {}).await.is_ok_and(|stats| stats.into_inner().put_blocks >= 4)
