@@ -151,7 +151,10 @@ fn chain(first: u64, count: usize, block_bytes: usize) -> Vec<(SequenceHash, Arc
             }
             let parent = n.checked_sub(1).map(|p| SequenceHash(first + p));
             let bytes = bytes.into_boxed_slice();
-            (SequenceHash(first + n), Arc::new(HostBlock { local: LocalBlockHash(first + n), parent, checksum: block_checksum(&bytes), bytes }))
+            (
+                SequenceHash(first + n),
+                Arc::new(HostBlock { local: LocalBlockHash(first + n), parent, checksum: block_checksum(&bytes), bytes, tenant: turbine_kv::KvTenant::SHARED }),
+            )
         })
         .collect()
 }

@@ -20,7 +20,13 @@ fn blocks() -> (Vec<BlockHashes>, Vec<HostBlock>) {
         .enumerate()
         .map(|(n, h)| {
             let bytes: Box<[u8]> = (0..BLOCK_BYTES).map(|i| (i * 31 + n) as u8).collect();
-            HostBlock { local: h.local, parent: n.checked_sub(1).map(|p| hashes[p].sequence), checksum: block_checksum(&bytes), bytes }
+            HostBlock {
+                local: h.local,
+                parent: n.checked_sub(1).map(|p| hashes[p].sequence),
+                checksum: block_checksum(&bytes),
+                bytes,
+                tenant: turbine_kv::KvTenant::SHARED,
+            }
         })
         .collect();
     (hashes, blocks)

@@ -4,7 +4,7 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::{LocalBlockHash, SequenceHash};
+use crate::{KvTenant, LocalBlockHash, SequenceHash};
 
 /// A block held below an engine's pool (host memory, disk, the shared
 /// store), its bytes in the pool's layout.
@@ -18,6 +18,8 @@ pub struct HostBlock {
     pub checksum: u64,
     /// The block's bytes.
     pub bytes: Box<[u8]>,
+    /// Whose block it is (the shared store charges it to that tenant).
+    pub tenant: KvTenant,
 }
 
 impl HostBlock {

@@ -125,6 +125,7 @@ pub fn read_block(path: &Path, fingerprint: u64, sequence: SequenceHash) -> Opti
         parent: header.parent,
         checksum: header.checksum,
         bytes: bytes.into_boxed_slice(),
+        tenant: crate::KvTenant::SHARED,
     })
 }
 
@@ -199,7 +200,8 @@ mod tests {
     fn a_block_reads_back_only_as_itself() {
         let dir = tempfile::tempdir().unwrap();
         let bytes: Box<[u8]> = (0..1000u32).map(|i| i as u8).collect();
-        let block = HostBlock { local: LocalBlockHash(5), parent: Some(SequenceHash(4)), checksum: block_checksum(&bytes), bytes };
+        let block =
+            HostBlock { local: LocalBlockHash(5), parent: Some(SequenceHash(4)), checksum: block_checksum(&bytes), bytes, tenant: crate::KvTenant::SHARED };
         let path = block_path(dir.path(), SequenceHash(9));
         assert_eq!(write_block(&path, 3, SequenceHash(9), &block).unwrap(), 1000 + HEADER_BYTES as u64);
         let read = read_block(&path, 3, SequenceHash(9)).expect("sound");

@@ -89,6 +89,34 @@ impl CacheSalt {
     }
 }
 
+/// Whose blocks these are, for the shared store's quotas: a tenant's name
+/// hashed ([`KvTenant::of`]), or [`KvTenant::SHARED`] for blocks of the
+/// deployment's shared namespace (every block of an open deployment). A
+/// tenant's blocks may span many cache namespaces (its clients'
+/// `cache_salt`s); its quota counts them all.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KvTenant(u64);
+
+impl KvTenant {
+    /// The shared namespace's blocks.
+    pub const SHARED: KvTenant = KvTenant(0);
+
+    /// The tenant of this wire value (0: shared).
+    pub const fn new(value: u64) -> Self {
+        Self(value)
+    }
+
+    /// The tenant named `name` (never the shared one).
+    pub fn of(name: &str) -> Self {
+        Self(CacheSalt::of(&["kv-tenant", name]).get())
+    }
+
+    /// The wire value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
 /// Computes block hashes for one salt (seed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockHasher {

@@ -16,13 +16,23 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use turbine_kv::HostBlock;
 use turbine_kv::SequenceHash;
 use turbine_kv::block_file::{self, block_path};
+use turbine_kv::{HostBlock, KvTenant};
 
 use crate::events::Announcer;
 use crate::keys::{BlockKey, Fingerprint};
 use crate::store::TierUsage;
+
+/// A block file as the index holds it.
+#[derive(Debug, Clone, Copy)]
+struct DiskEntry {
+    /// The file's length.
+    bytes: u64,
+    /// Whose block it is (known for blocks written since start; a file
+    /// kept from before names none: the shared namespace's).
+    tenant: KvTenant,
+}
 
 /// The disk tier. Cloning shares it.
 #[derive(Clone)]
@@ -32,8 +42,8 @@ pub struct DiskBlocks {
 
 struct Inner {
     dir: PathBuf,
-    /// Each block's file length.
-    index: moka::sync::Cache<BlockKey, u64>,
+    /// Each block's file.
+    index: moka::sync::Cache<BlockKey, DiskEntry>,
     /// Per fingerprint: its block size and how many blocks are on disk.
     layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>>,
     evicted_blocks: Arc<AtomicU64>,
@@ -72,7 +82,7 @@ impl DiskBlocks {
             let announcer = announcer.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
-                .weigher(|_, bytes: &u64| u32::try_from(*bytes).unwrap_or(u32::MAX))
+                .weigher(|_, entry: &DiskEntry| u32::try_from(entry.bytes).unwrap_or(u32::MAX))
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .eviction_listener(move |key: Arc<BlockKey>, _, cause| {
                     if matches!(cause, moka::notification::RemovalCause::Replaced) {
@@ -139,7 +149,8 @@ impl DiskBlocks {
                 };
                 if fits {
                     self.inner.announcer.stored(fingerprint, header.sequence, header.local, header.parent);
-                    self.inner.index.insert(BlockKey { fingerprint, sequence: header.sequence }, header.file_bytes());
+                    let entry = DiskEntry { bytes: header.file_bytes(), tenant: KvTenant::SHARED };
+                    self.inner.index.insert(BlockKey { fingerprint, sequence: header.sequence }, entry);
                     kept += 1;
                 } else {
                     let _ = std::fs::remove_file(block_path(&path, header.sequence));
@@ -184,7 +195,7 @@ impl DiskBlocks {
                 // Announced before it is in, so that its removal always
                 // follows its announcement.
                 self.inner.announcer.stored(key.fingerprint, key.sequence, block.local, block.parent);
-                self.inner.index.insert(key, bytes);
+                self.inner.index.insert(key, DiskEntry { bytes, tenant: block.tenant });
                 self.inner.index.run_pending_tasks();
                 true
             }
@@ -198,9 +209,9 @@ impl DiskBlocks {
 
     /// Reads a block, checked; one that fails is deleted (and counted).
     pub fn read(&self, key: &BlockKey) -> Option<HostBlock> {
-        self.inner.index.get(key)?;
+        let entry = self.inner.index.get(key)?;
         let path = block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence);
-        let block = block_file::read_block(&path, key.fingerprint.get(), key.sequence);
+        let block = block_file::read_block(&path, key.fingerprint.get(), key.sequence).map(|block| HostBlock { tenant: entry.tenant, ..block });
         if block.is_none() {
             self.inner.corrupt_blocks.fetch_add(1, Relaxed);
             tracing::warn!(sequence_hash = key.sequence.0, fingerprint = key.fingerprint.get(), "a kv-store disk block is unreadable or corrupt; dropped");

@@ -11,6 +11,9 @@
 //! - [`Store`]: the blocks in memory, bounded in bytes, least recently used
 //!   evicted first, written through to a disk tier ([`DiskBlocks`]) that
 //!   survives a restart.
+//! - [`fair`]: each tenant's fair share of the memory tier: a tenant above
+//!   its share makes room from its own blocks, so one tenant's flood does
+//!   not evict another's working set.
 //! - [`Arena`]: the memory tier's bytes, one allocation cut into equal
 //!   segments, so that remote readers can be given the whole tier as one
 //!   region.
@@ -26,6 +29,7 @@ pub mod arena;
 pub mod config;
 pub mod disk;
 pub mod events;
+pub mod fair;
 pub mod keys;
 pub mod lease;
 pub mod local;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use turbine_api::ErrorCode;
 use turbine_api::UcxRegion;
 use turbine_api::kv_store::{KvStoreApi, KvStoreError, Lease, LeasedBlock, MAX_PUT_FROM_BYTES};
-use turbine_kv::{Dump, HostBlock, LocalBlockHash, SequenceHash};
+use turbine_kv::{Dump, HostBlock, KvTenant, LocalBlockHash, SequenceHash};
 
 use crate::keys::{Fingerprint, StoreError};
 use crate::lease::{DataPath, StagedReadError};
@@ -34,6 +34,8 @@ pub struct StagedBlock {
     pub length: u64,
     /// Where it starts in the caller's region.
     pub offset: u64,
+    /// Whose block it is.
+    pub tenant: KvTenant,
 }
 
 /// The store, called in its own process. Cloning shares it.
@@ -115,10 +117,7 @@ impl LocalKvStore {
     pub async fn put_refs(&self, fingerprint: Fingerprint, blocks: Vec<(SequenceHash, Arc<HostBlock>)>) -> Result<PutOutcome, KvStoreError> {
         let store = self.store.clone();
         tokio::task::spawn_blocking(move || {
-            let refs: Vec<(SequenceHash, BlockRef<'_>)> = blocks
-                .iter()
-                .map(|(sequence, block)| (*sequence, BlockRef { local: block.local, parent: block.parent, checksum: block.checksum, bytes: &block.bytes }))
-                .collect();
+            let refs: Vec<(SequenceHash, BlockRef<'_>)> = blocks.iter().map(|(sequence, block)| (*sequence, BlockRef::from(&**block))).collect();
             store.put_refs(fingerprint, &refs)
         })
         .await
@@ -164,7 +163,9 @@ impl LocalKvStore {
                 let refs: Vec<(SequenceHash, BlockRef<'_>)> = blocks
                     .iter()
                     .zip(bytes.chunks(length as usize))
-                    .map(|(block, bytes)| (block.sequence, BlockRef { local: block.local, parent: block.parent, checksum: block.checksum, bytes }))
+                    .map(|(block, bytes)| {
+                        (block.sequence, BlockRef { local: block.local, parent: block.parent, checksum: block.checksum, bytes, tenant: block.tenant })
+                    })
                     .collect();
                 store.put_refs(fingerprint, &refs)
             })
@@ -236,6 +237,7 @@ impl KvStoreApi for LocalKvStore {
                 checksum: block.checksum,
                 length: block.bytes.len() as u64,
                 offset: i as u64 * length,
+                tenant: block.tenant,
             })
             .collect();
         self.put_staged(fingerprint, region, staged).await
@@ -276,7 +278,10 @@ mod tests {
     fn block(n: u64, len: usize) -> (SequenceHash, Arc<HostBlock>) {
         let bytes: Box<[u8]> = (0..len).map(|i| (i as u64 * 7 + n) as u8).collect();
         let parent = n.checked_sub(1).map(|p| SequenceHash(1000 + p));
-        (SequenceHash(1000 + n), Arc::new(HostBlock { local: LocalBlockHash(n), parent, checksum: block_checksum(&bytes), bytes }))
+        (
+            SequenceHash(1000 + n),
+            Arc::new(HostBlock { local: LocalBlockHash(n), parent, checksum: block_checksum(&bytes), bytes, tenant: turbine_kv::KvTenant::SHARED }),
+        )
     }
 
     #[tokio::test]

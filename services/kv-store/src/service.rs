@@ -9,7 +9,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 use turbine_api::kv_store::{KvStoreApi, KvStoreError};
 use turbine_api::to_status;
-use turbine_kv::{LocalBlockHash, SequenceHash};
+use turbine_kv::{KvTenant, LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
 use crate::keys::Fingerprint;
@@ -141,13 +141,14 @@ impl KvStore for KvStoreService {
         let fingerprint = fingerprint(value)?;
         let staged: Vec<StagedBlock> = blocks
             .into_iter()
-            .map(|pb::StagedBlock { sequence_hash, local_hash, parent_hash, checksum, length, offset }| StagedBlock {
+            .map(|pb::StagedBlock { sequence_hash, local_hash, parent_hash, checksum, length, offset, tenant }| StagedBlock {
                 sequence: SequenceHash(sequence_hash),
                 local: LocalBlockHash(local_hash),
                 parent: parent_hash.map(SequenceHash),
                 checksum,
                 length,
                 offset,
+                tenant: KvTenant::new(tenant),
             })
             .collect();
         let region = region.map(turbine_api::UcxRegion::from);

@@ -6,14 +6,16 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use moka::ops::compute::{CompResult, Op};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use turbine_kv::{HostBlock, block_checksum};
+use turbine_kv::{HostBlock, KvTenant, block_checksum};
 use turbine_kv::{SequenceHash, UcxNetwork};
 
 use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
 use crate::events::Announcer;
+use crate::fair::FairShare;
 use crate::keys::{BlockKey, Fingerprint, StoreError};
 use crate::lease::DataPath;
 pub use turbine_api::kv_store::{PutOutcome, StoreStats, TierUsage};
@@ -40,6 +42,18 @@ static AGREEING: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyLo
     )
     .with_label_values(&[] as &[&str])
 });
+
+static FAIR_EVICTIONS: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::counter(
+        "turbine_kv_store_fair_share_evictions_total",
+        "Blocks the memory tier evicted because their tenant held more than its fair share (the tier's capacity over the tenants holding blocks) when another put needed room; counted in the memory tier's evicted blocks too",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
+
+/// Blocks evicted for fairness before one block is stored, at most.
+const FAIR_EVICTIONS_PER_BLOCK: usize = 64;
 
 /// Bytes stored between runs of the memory tier's pending evictions.
 const EVICT_EVERY_BYTES: usize = 4 << 20;
@@ -72,9 +86,18 @@ pub struct MemoryBlock {
     pub checksum: u64,
     /// The bytes.
     pub slots: Slots,
+    /// Whose block it is.
+    pub tenant: KvTenant,
+    /// When it was stored, in the tier's fair-share books.
+    stamp: u64,
 }
 
 impl MemoryBlock {
+    /// What the block costs the memory tier: its segments and bookkeeping.
+    fn weight(&self) -> u64 {
+        self.slots.footprint() as u64 + ENTRY_OVERHEAD
+    }
+
     /// Whether the bytes still match their checksum.
     pub fn is_intact(&self) -> bool {
         self.slots.checksum() == self.checksum
@@ -82,7 +105,7 @@ impl MemoryBlock {
 
     /// A copy of the block off the arena.
     pub fn to_host(&self) -> HostBlock {
-        HostBlock { local: self.local, parent: self.parent, checksum: self.checksum, bytes: self.slots.to_vec().into_boxed_slice() }
+        HostBlock { local: self.local, parent: self.parent, checksum: self.checksum, bytes: self.slots.to_vec().into_boxed_slice(), tenant: self.tenant }
     }
 }
 
@@ -97,11 +120,13 @@ pub struct BlockRef<'a> {
     pub checksum: u64,
     /// The bytes.
     pub bytes: &'a [u8],
+    /// Whose block it is.
+    pub tenant: KvTenant,
 }
 
 impl<'a> From<&'a HostBlock> for BlockRef<'a> {
     fn from(block: &'a HostBlock) -> Self {
-        Self { local: block.local, parent: block.parent, checksum: block.checksum, bytes: &block.bytes }
+        Self { local: block.local, parent: block.parent, checksum: block.checksum, bytes: &block.bytes, tenant: block.tenant }
     }
 }
 
@@ -119,6 +144,7 @@ pub struct Store {
     arena: Arc<Arena>,
     layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>>,
     counters: Arc<Counters>,
+    fair: Arc<FairShare>,
     capacity_bytes: u64,
     disk: Option<DiskBlocks>,
     announcer: Announcer,
@@ -170,18 +196,21 @@ impl Store {
         let memory_announces = disk.is_none().then(|| announcer.clone());
         let layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>> = Arc::default();
         let counters = Arc::new(Counters::default());
+        let fair = Arc::new(FairShare::new(capacity_bytes));
         let blocks = {
             let layouts = layouts.clone();
             let counters = counters.clone();
+            let fair = fair.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
-                .weigher(|_, block: &Arc<MemoryBlock>| u32::try_from(block.slots.footprint() as u64 + ENTRY_OVERHEAD).unwrap_or(u32::MAX))
+                .weigher(|_, block: &Arc<MemoryBlock>| u32::try_from(block.weight()).unwrap_or(u32::MAX))
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .eviction_listener(move |key: Arc<BlockKey>, _, cause| {
+                .eviction_listener(move |key: Arc<BlockKey>, block: Arc<MemoryBlock>, cause| {
                     if cause.was_evicted() {
                         counters.evicted_blocks.fetch_add(1, Relaxed);
                     }
                     if !matches!(cause, moka::notification::RemovalCause::Replaced) {
+                        fair.remove(block.tenant, block.stamp, block.weight());
                         if let Some(announcer) = &memory_announces {
                             announcer.removed(key.fingerprint, key.sequence);
                         }
@@ -196,7 +225,7 @@ impl Store {
                 })
                 .build()
         };
-        Self { blocks, arena, layouts, counters, capacity_bytes, disk, announcer, data_path: None }
+        Self { blocks, arena, layouts, counters, fair, capacity_bytes, disk, announcer, data_path: None }
     }
 
     /// The memory tier's arena.
@@ -212,7 +241,14 @@ impl Store {
             self.blocks.run_pending_tasks();
             self.arena.store(block.bytes)
         })?;
-        Some(Arc::new(MemoryBlock { local: block.local, parent: block.parent, checksum: block.checksum, slots }))
+        Some(Arc::new(MemoryBlock {
+            local: block.local,
+            parent: block.parent,
+            checksum: block.checksum,
+            slots,
+            tenant: block.tenant,
+            stamp: self.fair.stamp(),
+        }))
     }
 
     /// What the store holds, announced as KV events.
@@ -227,8 +263,11 @@ impl Store {
 
     /// Keeps `block` in memory; whether it was not there yet.
     fn remember(&self, key: BlockKey, block: Arc<MemoryBlock>) -> bool {
+        self.make_room_fairly(block.tenant, block.weight());
         // Counted before it is in, so that its eviction always finds it counted.
         self.layouts.lock().entry(key.fingerprint).or_insert(Layout { block_bytes: block.slots.len(), blocks: 0 }).blocks += 1;
+        let (tenant, stamp, weight) = (block.tenant, block.stamp, block.weight());
+        self.fair.add(tenant, stamp, key, weight);
         let announce = self.disk.is_none();
         let entry = self.blocks.entry(key).or_insert_with(|| {
             // Announced before it is in, so that its removal always
@@ -244,7 +283,28 @@ impl Store {
         if let Some(layout) = self.layouts.lock().get_mut(&key.fingerprint) {
             layout.blocks -= 1;
         }
+        self.fair.remove(tenant, stamp, weight);
         false
+    }
+
+    /// Makes room for `tenant` to store a block of `bytes` (as the memory
+    /// tier weighs it) from tenants above their fair share ([`FairShare`]).
+    fn make_room_fairly(&self, tenant: KvTenant, bytes: u64) {
+        // Bounded: a block another thread changed meanwhile ends the round
+        // (least recently used then decides).
+        for _ in 0..FAIR_EVICTIONS_PER_BLOCK {
+            let Some((stamp, key)) = self.fair.victim(tenant, bytes) else { return };
+            // Removed only if it is still the block the books name.
+            let outcome = self.blocks.entry(key).and_compute_with(|held| match held {
+                Some(held) if held.value().stamp == stamp => Op::Remove,
+                _ => Op::Nop,
+            });
+            if !matches!(outcome, CompResult::Removed(_)) {
+                return;
+            }
+            self.counters.evicted_blocks.fetch_add(1, Relaxed);
+            FAIR_EVICTIONS.inc();
+        }
     }
 
     /// Stores blocks of one fingerprint. Every block is checked first;
@@ -311,7 +371,13 @@ impl Store {
                 // Written through: a block the disk could not take is
                 // still kept in memory.
                 if !held {
-                    let owned = HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: block.bytes.into() };
+                    let owned = HostBlock {
+                        local: block.local,
+                        parent: block.parent,
+                        checksum: block.checksum,
+                        bytes: block.bytes.into(),
+                        tenant: turbine_kv::KvTenant::SHARED,
+                    };
                     disk.write(key, &owned);
                 }
                 held
@@ -429,6 +495,7 @@ impl Store {
             get_blocks: self.counters.get_blocks.load(Relaxed),
             misses: self.counters.misses.load(Relaxed),
             fingerprints: self.layouts.lock().len() as u32,
+            tenants: self.fair.tenants() as u32,
         }
     }
 
@@ -439,15 +506,19 @@ impl Store {
         let Some(block) = self.blocks.get(&key) else { return false };
         let mut copy = block.to_host();
         copy.bytes[0] ^= 0xff;
-        let Some(corrupt) = self.copy_into_arena((&copy).into()) else { return false };
-        self.blocks.insert(key, corrupt);
+        let Some(slots) = self.arena.store(&copy.bytes) else { return false };
+        // The same block in the fair-share books: its stamp kept.
+        self.blocks.insert(
+            key,
+            Arc::new(MemoryBlock { slots, local: block.local, parent: block.parent, checksum: block.checksum, tenant: block.tenant, stamp: block.stamp }),
+        );
         true
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use turbine_kv::LocalBlockHash;
+    use turbine_kv::{KvTenant, LocalBlockHash};
 
     use super::*;
 
@@ -455,7 +526,13 @@ mod tests {
         let bytes: Box<[u8]> = (0..len).map(|i| (i as u64 * 7 + n) as u8).collect();
         (
             SequenceHash(1000 + n),
-            HostBlock { local: LocalBlockHash(n), parent: n.checked_sub(1).map(|p| SequenceHash(1000 + p)), checksum: block_checksum(&bytes), bytes },
+            HostBlock {
+                local: LocalBlockHash(n),
+                parent: n.checked_sub(1).map(|p| SequenceHash(1000 + p)),
+                checksum: block_checksum(&bytes),
+                bytes,
+                tenant: turbine_kv::KvTenant::SHARED,
+            },
         )
     }
 
@@ -477,7 +554,16 @@ mod tests {
         let zeroed = |n: u64, len: usize| {
             let (hash, genuine) = block(n, len);
             let zeroes: Box<[u8]> = vec![0u8; len].into();
-            (hash, HostBlock { local: genuine.local, parent: genuine.parent, checksum: block_checksum(&zeroes), bytes: zeroes })
+            (
+                hash,
+                HostBlock {
+                    local: genuine.local,
+                    parent: genuine.parent,
+                    checksum: block_checksum(&zeroes),
+                    bytes: zeroes,
+                    tenant: turbine_kv::KvTenant::SHARED,
+                },
+            )
         };
         let store = Store::new(1 << 20);
         assert_eq!(store.put(fp(1), (0..3).map(|n| block(n, 64)).collect()), Ok(PutOutcome { stored: 3, already_held: 0 }));
@@ -507,6 +593,51 @@ mod tests {
         assert_eq!(conflicts() - before, 3);
         assert!(store.get(fp(1), &hashes(0..1)).is_empty());
         assert_eq!(store.stats().disk.blocks, 3);
+    }
+
+    /// b's hit rate over `rounds` reads of its 20 two-block prefixes (40
+    /// blocks, 40% of the store), each read putting what missed, while a
+    /// puts `flood` unique blocks per read; `a` and `b` name their tenants.
+    fn hit_rate_beside_a_flood(a: KvTenant, b: KvTenant, flood: u64, rounds: u64) -> (f64, Store) {
+        let store = Store::new(100 * (1024 + ENTRY_OVERHEAD));
+        let of = |tenant: KvTenant, (hash, block): (SequenceHash, HostBlock)| (hash, HostBlock { tenant, ..block });
+        let mut hits = 0;
+        let mut fresh = 10_000;
+        for round in 0..rounds {
+            let prefix = (round * 7) % 20;
+            let wanted = hashes(prefix * 2..prefix * 2 + 2);
+            if store.get(fp(1), &wanted).len() == 2 {
+                hits += 1;
+            } else {
+                store.put(fp(1), (prefix * 2..prefix * 2 + 2).map(|n| of(b, block(n, 1024))).collect()).unwrap();
+            }
+            for _ in 0..flood {
+                store.put(fp(1), vec![of(a, block(fresh, 1024))]).unwrap();
+                fresh += 1;
+            }
+        }
+        (f64::from(hits) / rounds as f64, store)
+    }
+
+    /// The judgement, in the store: tenant b's prefix-hit rate
+    /// beside tenant a flooding stays within 5 points of b's alone, while
+    /// the same flood with both as one tenant (least recently used alone)
+    /// takes b's working set.
+    #[test]
+    fn a_flooding_tenant_evicts_its_own_blocks_not_anothers_working_set() {
+        let (a, b) = (KvTenant::of("a"), KvTenant::of("b"));
+        let before = FAIR_EVICTIONS.get();
+        let (alone, _) = hit_rate_beside_a_flood(a, b, 0, 2000);
+        let (fair, store) = hit_rate_beside_a_flood(a, b, 5, 2000);
+        let (unfair, _) = hit_rate_beside_a_flood(KvTenant::SHARED, KvTenant::SHARED, 5, 2000);
+        println!("b's hit rate: alone {alone:.3}, beside a's flood {fair:.3} (fair shares), {unfair:.3} (one tenant, least recently used)");
+        assert!(alone - fair <= 0.05, "alone {alone}, flooded {fair}");
+        assert!(unfair < alone - 0.5, "the flood is strong enough to matter without fair shares: {unfair}");
+        let stats = store.stats();
+        assert_eq!(stats.tenants, 2);
+        assert!(stats.memory.bytes <= stats.memory.capacity_bytes, "{stats:?}");
+        assert!(FAIR_EVICTIONS.get() - before >= 9000, "a's flood evicted a's own blocks");
+        assert_eq!(store.fair.bytes_of(b), 40 * (1024 + ENTRY_OVERHEAD), "b keeps its whole working set");
     }
 
     #[test]

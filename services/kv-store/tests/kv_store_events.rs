@@ -31,7 +31,10 @@ async fn start(redis: &RedisServer, disk: &std::path::Path) -> (ServiceProcess, 
 fn block(n: u64) -> (SequenceHash, Arc<HostBlock>) {
     let bytes: Box<[u8]> = (0..4096).map(|i| (i as u64 * 13 + n) as u8).collect();
     let parent = n.checked_sub(1).map(|p| SequenceHash(0xb000 + p));
-    (SequenceHash(0xb000 + n), Arc::new(HostBlock { local: LocalBlockHash(n), parent, checksum: block_checksum(&bytes), bytes }))
+    (
+        SequenceHash(0xb000 + n),
+        Arc::new(HostBlock { local: LocalBlockHash(n), parent, checksum: block_checksum(&bytes), bytes, tenant: turbine_kv::KvTenant::SHARED }),
+    )
 }
 
 #[tokio::test]

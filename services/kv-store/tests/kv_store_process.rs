@@ -35,7 +35,10 @@ async fn start_with(memory_mib: u64, flags: &[&str]) -> (ServiceProcess, KvStore
 fn block(n: u64) -> (SequenceHash, Arc<HostBlock>) {
     let bytes: Box<[u8]> = (0..BLOCK_BYTES).map(|i| (i as u64).wrapping_mul(31).wrapping_add(n * 7) as u8).collect();
     let parent = n.checked_sub(1).map(|p| SequenceHash(0xa000 + p));
-    (SequenceHash(0xa000 + n), Arc::new(HostBlock { local: LocalBlockHash(n), parent, checksum: block_checksum(&bytes), bytes }))
+    (
+        SequenceHash(0xa000 + n),
+        Arc::new(HostBlock { local: LocalBlockHash(n), parent, checksum: block_checksum(&bytes), bytes, tenant: turbine_kv::KvTenant::SHARED }),
+    )
 }
 
 fn fp(n: u64) -> Fingerprint {
@@ -165,7 +168,7 @@ async fn bad_requests_are_refused_and_the_store_keeps_serving() {
 
     // A block whose bytes do not match its checksum.
     let (hash, good) = block(1);
-    let mut wire = pb::Block { sequence_hash: hash.0, local_hash: 1, parent_hash: None, checksum: good.checksum, data: good.bytes.to_vec() };
+    let mut wire = pb::Block { sequence_hash: hash.0, local_hash: 1, parent_hash: None, checksum: good.checksum, tenant: 0, data: good.bytes.to_vec() };
     wire.data[10] ^= 1;
     let status = raw.put(tokio_stream::iter([pb::PutRequest { fingerprint: 3, blocks: vec![wire] }])).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
@@ -182,7 +185,13 @@ async fn bad_requests_are_refused_and_the_store_keeps_serving() {
     let status = raw.put(tokio_stream::iter([one(3), one(4)])).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     client.put(fp(3), &[block(1)]).await.unwrap();
-    let small = HostBlock { local: LocalBlockHash(2), parent: None, checksum: block_checksum(&[1, 2, 3]), bytes: vec![1, 2, 3].into() };
+    let small = HostBlock {
+        local: LocalBlockHash(2),
+        parent: None,
+        checksum: block_checksum(&[1, 2, 3]),
+        bytes: vec![1, 2, 3].into(),
+        tenant: turbine_kv::KvTenant::SHARED,
+    };
     assert_eq!(code(client.put(fp(3), &[(SequenceHash(2), Arc::new(small))]).await.unwrap_err()), Code::InvalidArgument);
 
     // More hashes than one call may name.
@@ -191,7 +200,7 @@ async fn bad_requests_are_refused_and_the_store_keeps_serving() {
     assert!(status.message().contains("at most 1000"), "{status:?}");
 
     // A message over the limit.
-    let huge = pb::Block { sequence_hash: 9, local_hash: 9, parent_hash: None, checksum: 0, data: vec![0; turbine_proto::MAX_MESSAGE_BYTES + 1] };
+    let huge = pb::Block { sequence_hash: 9, local_hash: 9, parent_hash: None, checksum: 0, tenant: 0, data: vec![0; turbine_proto::MAX_MESSAGE_BYTES + 1] };
     let status = raw.clone().with_message_limit(usize::MAX).put(tokio_stream::iter([pb::PutRequest { fingerprint: 3, blocks: vec![huge] }])).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
 
@@ -312,11 +321,23 @@ async fn blocks_staged_over_ucx_are_stored() {
 
     // A block whose staged bytes do not match its checksum: nothing of the call is stored.
     let (hash, good) = block(40);
-    let lying = Arc::new(HostBlock { local: good.local, parent: good.parent, checksum: good.checksum ^ 1, bytes: good.bytes.clone() });
+    let lying = Arc::new(HostBlock {
+        local: good.local,
+        parent: good.parent,
+        checksum: good.checksum ^ 1,
+        bytes: good.bytes.clone(),
+        tenant: turbine_kv::KvTenant::SHARED,
+    });
     assert_eq!(code(link.put(&client, fp(9), &[block(41), (hash, lying)]).await.unwrap_err()), Code::InvalidArgument);
     assert_eq!(client.lookup(fp(9), &[block(41).0]).await.unwrap().1, 0);
     // Blocks of two lengths.
-    let short = Arc::new(HostBlock { local: good.local, parent: None, checksum: block_checksum(&good.bytes[..100]), bytes: good.bytes[..100].into() });
+    let short = Arc::new(HostBlock {
+        local: good.local,
+        parent: None,
+        checksum: block_checksum(&good.bytes[..100]),
+        bytes: good.bytes[..100].into(),
+        tenant: turbine_kv::KvTenant::SHARED,
+    });
     assert_eq!(code(link.put(&client, fp(9), &[block(42), (SequenceHash(1), short)]).await.unwrap_err()), Code::InvalidArgument);
     assert_eq!(client.get(fp(9), &hashes[..1]).await.unwrap().len(), 1, "still serving");
 
@@ -336,7 +357,16 @@ async fn a_put_that_disagrees_with_a_held_block_drops_the_key() {
         .iter()
         .map(|(hash, block)| {
             let zeroes: Box<[u8]> = vec![0u8; BLOCK_BYTES].into();
-            (*hash, Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block_checksum(&zeroes), bytes: zeroes }))
+            (
+                *hash,
+                Arc::new(HostBlock {
+                    local: block.local,
+                    parent: block.parent,
+                    checksum: block_checksum(&zeroes),
+                    bytes: zeroes,
+                    tenant: turbine_kv::KvTenant::SHARED,
+                }),
+            )
         })
         .collect();
     let hashes: Vec<SequenceHash> = genuine.iter().map(|(hash, _)| *hash).collect();
@@ -355,4 +385,48 @@ async fn a_put_that_disagrees_with_a_held_block_drops_the_key() {
     // Agreement afterwards stores as usual.
     assert_eq!(client.put(fp(4), &genuine).await.unwrap(), PutOutcome { stored: 20, already_held: 0 });
     assert_eq!(client.get(fp(4), &hashes).await.unwrap().len(), 20);
+}
+
+/// Tenants' fair shares over real sockets: a tenant flooding the store
+/// (each block its put names as tenant a's) evicts its own blocks, and
+/// tenant b's prefix, a fifth of the store, stays whole.
+#[tokio::test]
+async fn a_flooding_tenant_leaves_anothers_blocks_in_the_store() {
+    let (process, client) = start(4).await;
+    let admin = process.admin_url();
+    let of = |tenant: &str, (hash, block): (SequenceHash, Arc<HostBlock>)| {
+        let block = HostBlock {
+            local: block.local,
+            parent: block.parent,
+            checksum: block.checksum,
+            bytes: block.bytes.clone(),
+            tenant: turbine_kv::KvTenant::of(tenant),
+        };
+        (hash, Arc::new(block))
+    };
+    // 4 MiB hold about 60 blocks of 64 KiB; b's prefix is 12.
+    let prefix: Vec<_> = (0..12).map(|n| of("b", block(n))).collect();
+    assert_eq!(client.put(fp(5), &prefix).await.unwrap().stored, 12);
+    let flood: Vec<_> = (100..400).map(|n| of("a", block(n))).collect();
+    for chunk in flood.chunks(20) {
+        client.put(fp(5), chunk).await.unwrap();
+    }
+    let hashes: Vec<SequenceHash> = prefix.iter().map(|(hash, _)| *hash).collect();
+    assert_eq!(client.lookup(fp(5), &hashes).await.unwrap().1, 12, "b's prefix is whole");
+    assert_eq!(client.get(fp(5), &hashes).await.unwrap().len(), 12);
+    let stats = client.stats().await.unwrap();
+    assert_eq!(stats.tenants, 2, "{stats:?}");
+    assert!(stats.memory.bytes <= stats.memory.capacity_bytes, "{stats:?}");
+    let fair = metric(&admin, "turbine_kv_store_fair_share_evictions_total").await;
+    assert!(fair >= 200.0, "a's flood evicted a's own blocks: {fair}");
+
+    // The same flood unnamed (every block the shared namespace's, as an
+    // open deployment's): least recently used takes the prefix.
+    let (_plain, client) = start(4).await;
+    let prefix: Vec<_> = (0..12).map(block).collect();
+    client.put(fp(5), &prefix).await.unwrap();
+    for chunk in (100..400).map(block).collect::<Vec<_>>().chunks(20) {
+        client.put(fp(5), chunk).await.unwrap();
+    }
+    assert_eq!(client.lookup(fp(5), &hashes).await.unwrap().1, 0, "without tenants the flood evicts the prefix");
 }

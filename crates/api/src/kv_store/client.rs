@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use tokio_stream::StreamExt;
-use turbine_kv::{CachedBlock, Dump, HostBlock, LocalBlockHash, SequenceHash, Tier, TierSet};
+use turbine_kv::{CachedBlock, Dump, HostBlock, KvTenant, LocalBlockHash, SequenceHash, Tier, TierSet};
 use turbine_proto::MessageLimits;
 use turbine_proto::kvstore::v1::{self as pb, kv_store_client::KvStoreClient as PbClient};
 use turbine_runtime::grpc::TracedChannel;
@@ -339,6 +339,7 @@ impl KvStoreApi for GrpcKvStore {
                     checksum: block.checksum,
                     length: block.bytes.len() as u64,
                     offset: i as u64 * length,
+                    tenant: block.tenant.get(),
                 })
                 .collect(),
         };
@@ -390,22 +391,28 @@ impl KvStoreApi for GrpcKvStore {
 
 /// A block off the wire.
 pub fn block_from_pb(block: pb::Block) -> (SequenceHash, HostBlock) {
-    let pb::Block { sequence_hash, local_hash, parent_hash, checksum, data } = block;
+    let pb::Block { sequence_hash, local_hash, parent_hash, checksum, data, tenant } = block;
     (
         SequenceHash(sequence_hash),
-        HostBlock { local: LocalBlockHash(local_hash), parent: parent_hash.map(SequenceHash), checksum, bytes: data.into_boxed_slice() },
+        HostBlock {
+            local: LocalBlockHash(local_hash),
+            parent: parent_hash.map(SequenceHash),
+            checksum,
+            bytes: data.into_boxed_slice(),
+            tenant: KvTenant::new(tenant),
+        },
     )
 }
 
-/// A block for the wire.
+/// A block for the wire (as put: its tenant named).
 pub fn block_to_pb(sequence: SequenceHash, block: &HostBlock) -> pb::Block {
-    block_message(sequence, block.local, block.parent, block.checksum, block.bytes.to_vec())
+    pb::Block { tenant: block.tenant.get(), ..block_message(sequence, block.local, block.parent, block.checksum, block.bytes.to_vec()) }
 }
 
-/// A block for the wire, from its parts (a store's held blocks are not
-/// [`HostBlock`]s).
+/// A block for the wire, from its parts, its tenant unset (as Get answers:
+/// a store's held blocks are not [`HostBlock`]s).
 pub fn block_message(sequence: SequenceHash, local: LocalBlockHash, parent: Option<SequenceHash>, checksum: u64, data: Vec<u8>) -> pb::Block {
-    pb::Block { sequence_hash: sequence.0, local_hash: local.0, parent_hash: parent.map(|p| p.0), checksum, data }
+    pb::Block { sequence_hash: sequence.0, local_hash: local.0, parent_hash: parent.map(|p| p.0), checksum, data, tenant: 0 }
 }
 
 impl From<pb::TierStats> for TierUsage {
@@ -425,8 +432,8 @@ impl From<TierUsage> for pb::TierStats {
 impl From<pb::StatsResponse> for StoreStats {
     /// The store's id is read apart (see [`KvStoreApi::stats`]).
     fn from(stats: pb::StatsResponse) -> Self {
-        let pb::StatsResponse { memory, disk, put_blocks, get_blocks, misses, fingerprints, store_id: _ } = stats;
-        StoreStats { memory: memory.unwrap_or_default().into(), disk: disk.unwrap_or_default().into(), put_blocks, get_blocks, misses, fingerprints }
+        let pb::StatsResponse { memory, disk, put_blocks, get_blocks, misses, fingerprints, store_id: _, tenants } = stats;
+        StoreStats { memory: memory.unwrap_or_default().into(), disk: disk.unwrap_or_default().into(), put_blocks, get_blocks, misses, fingerprints, tenants }
     }
 }
 
@@ -434,7 +441,7 @@ impl StoreStats {
     /// The Stats answer of a store announcing its blocks as `store_id`
     /// (None: it announces nothing).
     pub fn to_pb(self, store_id: Option<String>) -> pb::StatsResponse {
-        let StoreStats { memory, disk, put_blocks, get_blocks, misses, fingerprints } = self;
+        let StoreStats { memory, disk, put_blocks, get_blocks, misses, fingerprints, tenants } = self;
         pb::StatsResponse {
             memory: Some(memory.into()),
             disk: Some(disk.into()),
@@ -443,6 +450,7 @@ impl StoreStats {
             misses,
             fingerprints,
             store_id: store_id.unwrap_or_default(),
+            tenants,
         }
     }
 }
@@ -477,6 +485,7 @@ mod tests {
             get_blocks: 12,
             misses: 13,
             fingerprints: 14,
+            tenants: 15,
         };
         let wire = stats.to_pb(Some("s".into()));
         assert_eq!(wire.store_id, "s");

@@ -68,6 +68,9 @@ pub struct StoreStats {
     pub misses: u64,
     /// Fingerprints with blocks held in memory.
     pub fingerprints: u32,
+    /// Tenants with blocks held in memory (each one's fair share of the
+    /// memory tier is its capacity over this).
+    pub tenants: u32,
 }
 
 /// A lease as a reader holds it: where the blocks' segments lie.
@@ -183,7 +186,10 @@ impl Lease {
                 tracing::warn!(sequence_hash = block.sequence.0, "a block read from the kv-store over UCX fails its checksum; not used");
                 break;
             }
-            run.push((block.sequence, HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into() }));
+            run.push((
+                block.sequence,
+                HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into(), tenant: turbine_kv::KvTenant::SHARED },
+            ));
         }
         run
     }

@@ -294,7 +294,13 @@ mod tests {
 
     fn block(byte: u8, len: usize, parent: Option<u64>) -> HostBlock {
         let bytes: Box<[u8]> = (0..len).map(|i| byte.wrapping_add(i as u8)).collect();
-        HostBlock { local: LocalBlockHash(u64::from(byte)), parent: parent.map(SequenceHash), checksum: block_checksum(&bytes), bytes }
+        HostBlock {
+            local: LocalBlockHash(u64::from(byte)),
+            parent: parent.map(SequenceHash),
+            checksum: block_checksum(&bytes),
+            bytes,
+            tenant: turbine_kv::KvTenant::SHARED,
+        }
     }
 
     fn hashes(n: u8) -> BlockHashes {

@@ -260,7 +260,16 @@ impl HostTier {
         let Some(block) = self.cache.get(&hash) else { return false };
         let mut bytes = block.bytes.to_vec();
         bytes[0] ^= 0xff;
-        self.cache.insert(hash, Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into_boxed_slice() }));
+        self.cache.insert(
+            hash,
+            Arc::new(HostBlock {
+                local: block.local,
+                parent: block.parent,
+                checksum: block.checksum,
+                bytes: bytes.into_boxed_slice(),
+                tenant: turbine_kv::KvTenant::SHARED,
+            }),
+        );
         true
     }
 }
@@ -273,7 +282,7 @@ mod tests {
 
     fn block(byte: u8, len: usize) -> HostBlock {
         let bytes = vec![byte; len].into_boxed_slice();
-        HostBlock { local: LocalBlockHash(u64::from(byte)), parent: None, checksum: block_checksum(&bytes), bytes }
+        HostBlock { local: LocalBlockHash(u64::from(byte)), parent: None, checksum: block_checksum(&bytes), bytes, tenant: turbine_kv::KvTenant::SHARED }
     }
 
     fn hashes(n: u64) -> BlockHashes {
@@ -310,7 +319,10 @@ mod tests {
         let tier = HostTier::modelled(3 * MODELLED, MODELLED, Some(disk.clone()));
         for n in 0..4_000u64 {
             let bytes = n.to_le_bytes().to_vec().into_boxed_slice();
-            tier.insert_run(vec![(SequenceHash(1_000_000 + n), HostBlock { local: LocalBlockHash(n), parent: None, checksum: block_checksum(&bytes), bytes })]);
+            tier.insert_run(vec![(
+                SequenceHash(1_000_000 + n),
+                HostBlock { local: LocalBlockHash(n), parent: None, checksum: block_checksum(&bytes), bytes, tenant: turbine_kv::KvTenant::SHARED },
+            )]);
         }
         let evicted = tier.stats().evicted_blocks.load(Ordering::Relaxed);
         assert!(evicted >= 3_990, "{evicted} evicted");

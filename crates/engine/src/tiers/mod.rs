@@ -197,7 +197,7 @@ fn stamp(hashes: BlockHashes, parent: Option<SequenceHash>) -> HostBlock {
     let mut bytes = [0u8; 16];
     bytes[..8].copy_from_slice(&hashes.sequence.0.to_le_bytes());
     bytes[8..].copy_from_slice(&hashes.local.0.to_le_bytes());
-    HostBlock { local: hashes.local, parent, checksum: block_checksum(&bytes), bytes: bytes.into() }
+    HostBlock { local: hashes.local, parent, checksum: block_checksum(&bytes), bytes: bytes.into(), tenant: turbine_kv::KvTenant::SHARED }
 }
 
 /// Where offloaded blocks' bytes come from.
@@ -263,6 +263,7 @@ pub(crate) fn spawn_offload(
                                 parent: item.parent,
                                 checksum: block_checksum(bytes),
                                 bytes: bytes.into(),
+                                tenant: turbine_kv::KvTenant::SHARED,
                             })
                         },
                         BlockSource::Modelled => Ok(stamp(item.hashes, item.parent)),
