@@ -30,4 +30,4 @@ pub use error::{ApiError, ErrorCode, REASON_KEY};
 #[cfg(feature = "grpc")]
 pub use error::{from_status, to_status};
 pub use request::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage, WorkerRole};
-pub use turbine_kv::{CacheSalt, KvLayout, UcxRegion};
+pub use turbine_kv::{CacheSalt, KvLayout, KvTenant, UcxRegion};

@@ -101,6 +101,9 @@ pub struct GenerateRequest {
     /// The KV namespace its blocks are cached in (its tenant's): its
     /// prompt hits only blocks of the same salt.
     pub cache_salt: turbine_kv::CacheSalt,
+    /// Whose blocks it computes (the kv-store charges them to that
+    /// tenant's fair share).
+    pub kv_tenant: turbine_kv::KvTenant,
 }
 
 /// Why a sequence ended.

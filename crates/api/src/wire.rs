@@ -9,7 +9,7 @@
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::{ConversionError, ConversionResult};
 
-use crate::{CacheSalt, FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use crate::{CacheSalt, FinishReason, GenerateRequest, KvTenant, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
 
 impl TryFrom<pb::SamplingParams> for SamplingParams {
     type Error = ConversionError;
@@ -58,19 +58,20 @@ pub fn generate_request(
     sampling: Option<pb::SamplingParams>,
     stop: Option<pb::StopConditions>,
     cache_salt: u64,
+    kv_tenant: u64,
 ) -> ConversionResult<GenerateRequest> {
     if prompt_token_ids.is_empty() {
         return Err(ConversionError::invalid("prompt_token_ids", "must not be empty"));
     }
     let stop = StopConditions::try_from(stop.ok_or(ConversionError::Missing("stop.max_tokens"))?)?;
     let sampling = sampling.map(SamplingParams::try_from).transpose()?.unwrap_or_default();
-    Ok(GenerateRequest { request_id, prompt: prompt_token_ids, sampling, stop, cache_salt: CacheSalt::new(cache_salt) })
+    Ok(GenerateRequest { request_id, prompt: prompt_token_ids, sampling, stop, cache_salt: CacheSalt::new(cache_salt), kv_tenant: KvTenant::new(kv_tenant) })
 }
 
 impl From<&GenerateRequest> for pb::GenerateRequest {
     /// The call without a remote prefill (the caller adds one).
     fn from(request: &GenerateRequest) -> Self {
-        let GenerateRequest { request_id, prompt, sampling, stop, cache_salt } = request;
+        let GenerateRequest { request_id, prompt, sampling, stop, cache_salt, kv_tenant } = request;
         pb::GenerateRequest {
             request_id: request_id.clone(),
             prompt_token_ids: prompt.clone(),
@@ -78,6 +79,7 @@ impl From<&GenerateRequest> for pb::GenerateRequest {
             stop: Some(pb::StopConditions::from(stop)),
             remote_prefill: None,
             cache_salt: cache_salt.get(),
+            kv_tenant: kv_tenant.get(),
         }
     }
 }
@@ -154,7 +156,7 @@ mod tests {
     #[test]
     fn a_valid_request_round_trips() {
         let sampling = pb::SamplingParams { temperature: Some(0.5), ..Default::default() };
-        let request = generate_request("r".into(), vec![1, 2, 3], Some(sampling), stop(), 0).unwrap();
+        let request = generate_request("r".into(), vec![1, 2, 3], Some(sampling), stop(), 0, 7).unwrap();
         let wire = pb::GenerateRequest::from(&request);
         assert_eq!(
             wire,
@@ -164,18 +166,19 @@ mod tests {
                 sampling: Some(sampling),
                 stop: stop(),
                 remote_prefill: None,
-                cache_salt: Default::default()
+                cache_salt: Default::default(),
+                kv_tenant: 7,
             }
         );
     }
 
     #[test]
     fn invalid_requests_name_the_field() {
-        let sampling = |sampling: pb::SamplingParams| generate_request("r".into(), vec![1], Some(sampling), stop(), 0).unwrap_err().to_string();
-        assert!(generate_request("r".into(), vec![], None, stop(), 0).unwrap_err().to_string().contains("prompt_token_ids"));
-        assert!(generate_request("r".into(), vec![1], None, None, 0).unwrap_err().to_string().contains("max_tokens"));
+        let sampling = |sampling: pb::SamplingParams| generate_request("r".into(), vec![1], Some(sampling), stop(), 0, 0).unwrap_err().to_string();
+        assert!(generate_request("r".into(), vec![], None, stop(), 0, 0).unwrap_err().to_string().contains("prompt_token_ids"));
+        assert!(generate_request("r".into(), vec![1], None, None, 0, 0).unwrap_err().to_string().contains("max_tokens"));
         let zero = Some(pb::StopConditions { max_tokens: 0, ..Default::default() });
-        assert!(generate_request("r".into(), vec![1], None, zero, 0).unwrap_err().to_string().contains("max_tokens"));
+        assert!(generate_request("r".into(), vec![1], None, zero, 0, 0).unwrap_err().to_string().contains("max_tokens"));
         assert!(sampling(pb::SamplingParams { temperature: Some(-1.0), ..Default::default() }).starts_with("temperature"));
         assert!(sampling(pb::SamplingParams { top_p: Some(0.0), ..Default::default() }).starts_with("top_p"));
         assert!(sampling(pb::SamplingParams { presence_penalty: Some(f32::NAN), ..Default::default() }).starts_with("presence_penalty"));

@@ -139,6 +139,7 @@ fn request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         sampling: Default::default(),
         stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true },
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     }
 }
 

@@ -290,6 +290,7 @@ async fn direct_request(client: &mut WorkerClient<tonic::transport::Channel>, id
         stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
         remote_prefill: None,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     };
     let mut stream = client.generate(request).await?.into_inner();
     let mut first = None;

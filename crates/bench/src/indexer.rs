@@ -121,7 +121,7 @@ pub fn run(args: &IndexerBenchArgs) -> anyhow::Result<IndexerReport> {
         table.extend(manager.allocate(chain.len() - cached).expect("the pool fits the longest prompt"));
         let parent = cached.checked_sub(1).map(|i| hashes[i]);
         let fresh: Vec<(u32, BlockHashes)> = table[cached..].iter().copied().zip(chain[cached..].iter().copied()).collect();
-        manager.register(parent, &fresh);
+        manager.register(parent, turbine_kv::KvTenant::SHARED, &fresh);
         manager.release(table.into_iter().rev());
         manager.drain_events(&mut drained);
         for event in drained.drain(..) {

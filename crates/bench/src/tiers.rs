@@ -288,6 +288,7 @@ fn decode(engine: &EngineHandle, prompt: &[u32], tokens: u32) -> anyhow::Result<
         sampling: Default::default(),
         stop: StopConditions { max_tokens: tokens, stop_token_ids: vec![], ignore_eos: true },
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     })?;
     let mut first = None;
     let mut decoded = Vec::new();

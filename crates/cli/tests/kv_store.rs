@@ -26,6 +26,7 @@ fn greedy(prompt: &[u32]) -> pb::GenerateRequest {
         stop: Some(pb::StopConditions { max_tokens: 8, stop_token_ids: vec![], ignore_eos: true }),
         remote_prefill: None,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     }
 }
 

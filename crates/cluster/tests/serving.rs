@@ -643,6 +643,9 @@ async fn api_keys_name_tenants_whose_prompt_caches_are_their_own() {
     // Carol and Dave opted into one shared cache.
     assert_eq!(cached("carol", None).await, 0);
     assert_eq!(cached("dave", None).await, 256, "a shared cache is shared by its keys");
+    // The store charges each block to its party (alice's tenant, bob's, the
+    // shared cache), never all to the open namespace.
+    wait_until("every party's blocks charged to it in the kv-store", Duration::from_secs(30), async || store.stats().await.unwrap().tenants == 3).await;
 
     // gRPC: the key in the metadata.
     use turbine_proto::gateway::v1 as pb;

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use turbine_kv::{BlockHashes, CachedBlock, KvEvent, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
+use turbine_kv::{BlockHashes, CachedBlock, KvEvent, KvTenant, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
@@ -63,6 +63,8 @@ pub struct RegisteredBlock {
     pub parent: Option<SequenceHash>,
     /// Its hashes.
     pub hashes: BlockHashes,
+    /// Whose block it is (the sequence's that registered it).
+    pub tenant: KvTenant,
 }
 
 impl BlockManager {
@@ -195,7 +197,7 @@ impl BlockManager {
     /// (`parent` is the sequence hash before the first). Blocks whose hash is
     /// already cached elsewhere stay private; the rest emit one `Stored`
     /// event per contiguous run.
-    pub fn register(&mut self, parent: Option<SequenceHash>, blocks: &[(BlockId, BlockHashes)]) {
+    pub fn register(&mut self, parent: Option<SequenceHash>, tenant: KvTenant, blocks: &[(BlockId, BlockHashes)]) {
         if !self.prefix_caching {
             return;
         }
@@ -214,7 +216,7 @@ impl BlockManager {
                 }
                 run.push(StoredBlock { sequence_hash: hashes.sequence, local_hash: hashes.local });
                 if let Some(stored) = &mut self.stored {
-                    stored.push(RegisteredBlock { block, parent: previous, hashes });
+                    stored.push(RegisteredBlock { block, parent: previous, hashes, tenant });
                 }
             } else if !run.is_empty() {
                 self.events.push(KvEvent::Stored { parent: run_parent, blocks: std::mem::take(&mut run), tier: Tier::Device });

@@ -453,13 +453,14 @@ impl EngineLoop {
             return 0;
         }
         let executor = &mut self.executor;
-        let installed = self.scheduler.install_prefix(import.parent, hashes, |block, index| match executor.write_block(block, import.block(index)) {
-            Ok(()) => true,
-            Err(error) => {
-                tracing::warn!(%error, "cannot install a transferred KV block; computing it here");
-                false
-            }
-        });
+        let installed =
+            self.scheduler.install_prefix(import.parent, import.tenant, hashes, |block, index| match executor.write_block(block, import.block(index)) {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot install a transferred KV block; computing it here");
+                    false
+                }
+            });
         self.stats.imported_blocks.fetch_add(installed as u64, Ordering::Relaxed);
         self.offload_registered();
         if installed < hashes.len() {
@@ -580,7 +581,8 @@ impl EngineLoop {
         let parent = now_in_device.checked_sub(1).map(|i| sequence[i]);
         let executor = &mut self.executor;
         let started = Instant::now();
-        let onboarded = self.scheduler.install_prefix(parent, &hashes[now_in_device..in_device + blocks.len()], |block, index| {
+        let tenant = self.scheduler.kv_tenant(seq_id);
+        let onboarded = self.scheduler.install_prefix(parent, tenant, &hashes[now_in_device..in_device + blocks.len()], |block, index| {
             match executor.write_block(block, &blocks[skip + index].bytes) {
                 Ok(()) => true,
                 Err(error) => {
@@ -622,6 +624,7 @@ impl EngineLoop {
                     block: item.block,
                     parent: item.parent,
                     hashes: item.hashes,
+                    tenant: item.tenant,
                 }),
             );
             self.dispatch_offloads();
@@ -670,7 +673,12 @@ impl EngineLoop {
         if registered.is_empty() {
             return;
         }
-        offload.queued.extend(registered.into_iter().map(|item| OffloadBlock { block: item.block, parent: item.parent, hashes: item.hashes }));
+        offload.queued.extend(registered.into_iter().map(|item| OffloadBlock {
+            block: item.block,
+            parent: item.parent,
+            hashes: item.hashes,
+            tenant: item.tenant,
+        }));
         let mut skipped = 0;
         while offload.queued.len() > offload.queue_limit {
             offload.queued.pop_front();

@@ -71,6 +71,8 @@ pub struct ImportedPrefix {
     pub parent: Option<turbine_kv::SequenceHash>,
     /// The blocks' hashes.
     pub hashes: Vec<turbine_kv::BlockHashes>,
+    /// Whose blocks they are (the request's that reads them).
+    pub tenant: turbine_kv::KvTenant,
     /// Their bytes, back to back (`block_bytes` each, checked).
     pub bytes: Vec<u8>,
     /// Takes `bytes` back once installed (a reader's buffer pool).

@@ -16,7 +16,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use turbine_kv::{BlockHasher, BlockHashes, SequenceHash};
+use turbine_kv::{BlockHasher, BlockHashes, KvTenant, SequenceHash};
 
 use crate::block_manager::{BlockId, BlockManager, RegisteredBlock};
 use crate::request::{FinishReason, GenerateRequest, Load, SamplingParams, StopConditions, Usage};
@@ -114,6 +114,8 @@ struct Sequence {
     hashes: Vec<BlockHashes>,
     /// Hashes its blocks in its request's KV namespace.
     hasher: BlockHasher,
+    /// Whose blocks it computes.
+    kv_tenant: KvTenant,
     /// Leading blocks already registered in (or taken from) the prefix cache.
     num_registered: usize,
     sampling: SamplingParams,
@@ -323,6 +325,7 @@ impl Scheduler {
                 blocks: Vec::new(),
                 hashes: Vec::new(),
                 hasher: BlockHasher::salted(self.config.hash_seed, request.cache_salt),
+                kv_tenant: request.kv_tenant,
                 num_registered: 0,
                 sampling: request.sampling,
                 stop: request.stop,
@@ -689,7 +692,8 @@ impl Scheduler {
         let parent = sequence.num_registered.checked_sub(1).map(|i| sequence.hashes[i].sequence);
         let pairs: Vec<(BlockId, BlockHashes)> = (sequence.num_registered..full).map(|i| (sequence.blocks[i], sequence.hashes[i])).collect();
         sequence.num_registered = full;
-        self.blocks.register(parent, &pairs);
+        let tenant = sequence.kv_tenant;
+        self.blocks.register(parent, tenant, &pairs);
     }
 
     fn finish(&mut self, seq_id: SeqId) -> (Usage, Option<Vec<(BlockId, BlockHashes)>>) {
@@ -753,6 +757,12 @@ impl Scheduler {
         self.blocks.acquire_cached(hashes)
     }
 
+    /// Whose blocks sequence `seq_id` computes (the shared namespace's
+    /// for a sequence no longer held).
+    pub fn kv_tenant(&self, seq_id: SeqId) -> KvTenant {
+        self.sequences.get(&seq_id).map_or(KvTenant::SHARED, |sequence| sequence.kv_tenant)
+    }
+
     /// How many leading blocks of `hashes` are in the prefix cache.
     pub fn cached_prefix(&self, hashes: &[SequenceHash]) -> usize {
         self.blocks.match_prefix(hashes)
@@ -764,7 +774,13 @@ impl Scheduler {
     /// registered (emitting `Stored` events) and left free-but-cached for
     /// the next admission to hit. Stops early when the pool has no free
     /// block. Returns how many were installed.
-    pub fn install_prefix(&mut self, parent: Option<SequenceHash>, hashes: &[BlockHashes], mut write: impl FnMut(BlockId, usize) -> bool) -> usize {
+    pub fn install_prefix(
+        &mut self,
+        parent: Option<SequenceHash>,
+        tenant: KvTenant,
+        hashes: &[BlockHashes],
+        mut write: impl FnMut(BlockId, usize) -> bool,
+    ) -> usize {
         if !self.config.prefix_caching {
             return 0;
         }
@@ -777,7 +793,7 @@ impl Scheduler {
             }
             filled.push((block, block_hashes));
         }
-        self.blocks.register(parent, &filled);
+        self.blocks.register(parent, tenant, &filled);
         let installed = filled.len();
         self.blocks.release(filled.into_iter().rev().map(|(block, _)| block));
         installed

@@ -106,9 +106,12 @@ impl KvTenant {
         Self(value)
     }
 
-    /// The tenant named `name` (never the shared one).
-    pub fn of(name: &str) -> Self {
-        Self(CacheSalt::of(&["kv-tenant", name]).get())
+    /// The party named by `parts` (a tenant's name, a shared cache's),
+    /// never the shared namespace; parts never run together.
+    pub fn of(parts: &[&str]) -> Self {
+        let mut named = vec!["kv-tenant"];
+        named.extend_from_slice(parts);
+        Self(CacheSalt::of(&named).get())
     }
 
     /// The wire value.

@@ -197,6 +197,7 @@ fn submit(engine: &EngineHandle, prompt: &[u32], steps: u32) -> tokio::sync::mps
             sampling: Default::default(),
             stop: StopConditions { max_tokens: steps, stop_token_ids: vec![], ignore_eos: true },
             cache_salt: Default::default(),
+            kv_tenant: Default::default(),
         })
         .unwrap()
 }
@@ -538,7 +539,7 @@ fn prefill_blocks(prefill: &EngineHandle, prefill_memory: &KvMemory, prompt: &[u
     let checksums: Vec<u64> = bytes.chunks(prefill_memory.layout().block_bytes).map(block_checksum).collect();
     prefill.unpin(pinned.pin_id);
     assert!(checksums.iter().all(|&sum| sum != block_checksum(&vec![0; prefill_memory.layout().block_bytes])), "blocks hold computed KV");
-    (first, ImportedPrefix { parent: None, hashes, bytes, recycle: None })
+    (first, ImportedPrefix { parent: None, hashes, tenant: Default::default(), bytes, recycle: None })
 }
 
 fn greedy_request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
@@ -548,6 +549,7 @@ fn greedy_request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         sampling: Default::default(),
         stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true },
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     }
 }
 

@@ -15,7 +15,7 @@ use futures::StreamExt;
 use turbine_api::kv_transfer::KvTransferClient;
 use turbine_api::router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_api::worker::{KvHandle, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
-use turbine_api::{CacheSalt, FinishReason, GenerateRequest, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use turbine_api::{CacheSalt, FinishReason, GenerateRequest, KvTenant, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
 
 use crate::keys::ApiKey;
@@ -89,6 +89,17 @@ impl Namespace {
             Namespace::Open => CacheSalt::of(&["open", client]),
             Namespace::Tenant(tenant) => CacheSalt::of(&["tenant", tenant, client]),
             Namespace::Shared(name) => CacheSalt::of(&["shared", name, client]),
+        }
+    }
+
+    /// Whose fair share of the kv-store the blocks of a request in this
+    /// namespace count against: the tenant's (whatever its clients'
+    /// salts), a shared cache's own, the open deployment's one.
+    pub fn kv_tenant(&self) -> KvTenant {
+        match self {
+            Namespace::Open => KvTenant::SHARED,
+            Namespace::Tenant(tenant) => KvTenant::of(&["tenant", tenant]),
+            Namespace::Shared(name) => KvTenant::of(&["shared", name]),
         }
     }
 }
@@ -201,6 +212,7 @@ impl Pipeline {
             sampling: request.sampling,
             stop: StopConditions { max_tokens, stop_token_ids: Vec::new(), ignore_eos: request.ignore_eos },
             cache_salt: request.namespace.cache_salt(request.cache_salt.as_deref()),
+            kv_tenant: request.namespace.kv_tenant(),
         };
         let booking = Booking { router: self.router.clone(), request_id: request_id.clone() };
         let mut excluded = Vec::new();

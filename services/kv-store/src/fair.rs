@@ -129,7 +129,7 @@ mod tests {
 
     #[test]
     fn room_comes_from_the_tenant_above_its_share() {
-        let (a, b) = (KvTenant::of("a"), KvTenant::of("b"));
+        let (a, b) = (KvTenant::of(&["a"]), KvTenant::of(&["b"]));
         let books = FairShare::new(100);
         for n in 0..9 {
             books.add(a, books.stamp(), key(n), 10);
@@ -159,18 +159,18 @@ mod tests {
         let books = FairShare::new(90);
         for (n, name) in ["a", "b", "c"].iter().enumerate() {
             for m in 0..3 {
-                books.add(KvTenant::of(name), books.stamp(), key(n as u64 * 10 + m), 10);
+                books.add(KvTenant::of(&[name]), books.stamp(), key(n as u64 * 10 + m), 10);
             }
         }
-        assert_eq!(books.victim(KvTenant::of("a"), 10), Some((1, key(0))), "90 of 90 held, each tenant 30 of its 30: a's own oldest");
-        let newcomer = books.victim(KvTenant::of("d"), 10);
+        assert_eq!(books.victim(KvTenant::of(&["a"]), 10), Some((1, key(0))), "90 of 90 held, each tenant 30 of its 30: a's own oldest");
+        let newcomer = books.victim(KvTenant::of(&["d"]), 10);
         assert!(
             [Some((1, key(0))), Some((4, key(10))), Some((7, key(20)))].contains(&newcomer),
             "a newcomer's room comes from one of the largest, oldest first: {newcomer:?}"
         );
-        books.add(KvTenant::of("a"), books.stamp(), key(3), 10);
-        assert_eq!(books.victim(KvTenant::of("b"), 10), Some((4, key(10))), "b with its put as large as a: its own first");
-        books.add(KvTenant::of("a"), books.stamp(), key(4), 10);
-        assert_eq!(books.victim(KvTenant::of("b"), 10), Some((1, key(0))), "a is above b with its put now");
+        books.add(KvTenant::of(&["a"]), books.stamp(), key(3), 10);
+        assert_eq!(books.victim(KvTenant::of(&["b"]), 10), Some((4, key(10))), "b with its put as large as a: its own first");
+        books.add(KvTenant::of(&["a"]), books.stamp(), key(4), 10);
+        assert_eq!(books.victim(KvTenant::of(&["b"]), 10), Some((1, key(0))), "a is above b with its put now");
     }
 }

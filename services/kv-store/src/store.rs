@@ -625,7 +625,7 @@ mod tests {
     /// takes b's working set.
     #[test]
     fn a_flooding_tenant_evicts_its_own_blocks_not_anothers_working_set() {
-        let (a, b) = (KvTenant::of("a"), KvTenant::of("b"));
+        let (a, b) = (KvTenant::of(&["a"]), KvTenant::of(&["b"]));
         let before = FAIR_EVICTIONS.get();
         let (alone, _) = hit_rate_beside_a_flood(a, b, 0, 2000);
         let (fair, store) = hit_rate_beside_a_flood(a, b, 5, 2000);

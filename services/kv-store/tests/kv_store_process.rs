@@ -400,7 +400,7 @@ async fn a_flooding_tenant_leaves_anothers_blocks_in_the_store() {
             parent: block.parent,
             checksum: block.checksum,
             bytes: block.bytes.clone(),
-            tenant: turbine_kv::KvTenant::of(tenant),
+            tenant: turbine_kv::KvTenant::of(&[tenant]),
         };
         (hash, Arc::new(block))
     };

@@ -97,6 +97,7 @@ async fn local_workers_start_drain_and_are_adopted_after_a_restart() {
         stop: Some(pb::StopConditions { max_tokens: 150, stop_token_ids: vec![], ignore_eos: true }),
         remote_prefill: None,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     };
     let mut stream = client.generate(request).await.unwrap().into_inner();
     let mut tokens = stream.message().await.unwrap().unwrap().token_ids.len();

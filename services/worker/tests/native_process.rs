@@ -42,6 +42,7 @@ fn greedy(prompt: &[u32], max_tokens: u32) -> pb::GenerateRequest {
         stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
         remote_prefill: None,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     }
 }
 
@@ -289,6 +290,7 @@ async fn a_handles_blocks_are_read_and_released_only_with_its_token() {
         stop: generate.stop,
         lease_ms: 0,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     };
     let handle = client.prefill(prefill).await.unwrap().into_inner().handle.expect("a handle on the prompt's blocks");
     assert_eq!(handle.token.len(), 16);

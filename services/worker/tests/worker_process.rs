@@ -43,6 +43,7 @@ fn request(prompt_len: u32, max_tokens: u32) -> pb::GenerateRequest {
         stop: Some(pb::StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: true }),
         remote_prefill: None,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     }
 }
 
@@ -164,6 +165,7 @@ async fn a_prefill_cannot_pin_blocks_longer_than_the_workers_lease() {
         stop: generate.stop.clone(),
         lease_ms,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     };
     let now_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
     let asked = now_ms();
@@ -210,6 +212,7 @@ async fn each_requester_pins_only_its_share_of_the_pool() {
         stop: generate.stop.clone(),
         lease_ms: 0,
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     };
     let mut a_handles = Vec::new();
     for i in 0..3 {

@@ -330,9 +330,9 @@ impl TryFrom<pb::GenerateRequest> for GenerateCall {
     type Error = ConversionError;
 
     fn try_from(request: pb::GenerateRequest) -> ConversionResult<Self> {
-        let pb::GenerateRequest { request_id, prompt_token_ids, sampling, stop, remote_prefill, cache_salt } = request;
+        let pb::GenerateRequest { request_id, prompt_token_ids, sampling, stop, remote_prefill, cache_salt, kv_tenant } = request;
         Ok(GenerateCall {
-            request: generate_request(request_id, prompt_token_ids, sampling, stop, cache_salt)?,
+            request: generate_request(request_id, prompt_token_ids, sampling, stop, cache_salt, kv_tenant)?,
             remote: remote_prefill.map(RemotePrefill::try_from).transpose()?,
         })
     }
@@ -341,9 +341,9 @@ impl TryFrom<pb::GenerateRequest> for GenerateCall {
 impl From<&PrefillCall> for pb::PrefillRequest {
     fn from(call: &PrefillCall) -> Self {
         let PrefillCall { request, lease } = call;
-        let pb::GenerateRequest { request_id, prompt_token_ids, sampling, stop, remote_prefill: _, cache_salt } = pb::GenerateRequest::from(request);
+        let pb::GenerateRequest { request_id, prompt_token_ids, sampling, stop, remote_prefill: _, cache_salt, kv_tenant } = pb::GenerateRequest::from(request);
         let lease_ms = lease.map_or(0, |lease| u32::try_from(lease.as_millis()).unwrap_or(u32::MAX));
-        pb::PrefillRequest { request_id, prompt_token_ids, sampling, stop, lease_ms, cache_salt }
+        pb::PrefillRequest { request_id, prompt_token_ids, sampling, stop, lease_ms, cache_salt, kv_tenant }
     }
 }
 
@@ -351,9 +351,9 @@ impl TryFrom<pb::PrefillRequest> for PrefillCall {
     type Error = ConversionError;
 
     fn try_from(request: pb::PrefillRequest) -> ConversionResult<Self> {
-        let pb::PrefillRequest { request_id, prompt_token_ids, sampling, stop, lease_ms, cache_salt } = request;
+        let pb::PrefillRequest { request_id, prompt_token_ids, sampling, stop, lease_ms, cache_salt, kv_tenant } = request;
         Ok(PrefillCall {
-            request: generate_request(request_id, prompt_token_ids, sampling, stop, cache_salt)?,
+            request: generate_request(request_id, prompt_token_ids, sampling, stop, cache_salt, kv_tenant)?,
             lease: (lease_ms > 0).then(|| Duration::from_millis(u64::from(lease_ms))),
         })
     }

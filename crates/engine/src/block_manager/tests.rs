@@ -24,7 +24,7 @@ fn released_cached_blocks_are_reused_by_a_matching_prefix() {
     let block_hashes = hashes(&tokens, 4);
     let blocks = manager.allocate(3).unwrap();
     let pairs: Vec<_> = blocks.iter().copied().zip(block_hashes.iter().copied()).collect();
-    manager.register(None, &pairs);
+    manager.register(None, KvTenant::SHARED, &pairs);
     assert_eq!(drain(&mut manager).len(), 1, "one run, one Stored event");
     manager.release(blocks.iter().rev().copied());
     assert_eq!(manager.num_free(), 8);
@@ -45,7 +45,7 @@ fn eviction_takes_the_least_recently_released_block_and_reports_it() {
     let block_hashes = hashes(&[1, 2, 3, 4, 5, 6], 2);
     let blocks = manager.allocate(3).unwrap();
     let pairs: Vec<_> = blocks.iter().copied().zip(block_hashes.iter().copied()).collect();
-    manager.register(None, &pairs);
+    manager.register(None, KvTenant::SHARED, &pairs);
     drain(&mut manager);
     // Released tail first: block 2 is the least recently released.
     manager.release(blocks.iter().rev().copied());
@@ -62,7 +62,7 @@ fn a_shared_block_is_not_evictable_until_every_holder_releases_it() {
     let mut manager = BlockManager::new(2, 2, true);
     let block_hashes = hashes(&[7, 7], 2);
     let blocks = manager.allocate(1).unwrap();
-    manager.register(None, &[(blocks[0], block_hashes[0])]);
+    manager.register(None, KvTenant::SHARED, &[(blocks[0], block_hashes[0])]);
     let shared = manager.acquire_cached(&[block_hashes[0].sequence]);
     assert_eq!(shared, blocks);
     assert_eq!(manager.ref_count(blocks[0]), 2);
@@ -83,8 +83,8 @@ fn a_duplicate_hash_stays_private_and_emits_nothing() {
     let block_hashes = hashes(&[1, 2], 2);
     let a = manager.allocate(1).unwrap();
     let b = manager.allocate(1).unwrap();
-    manager.register(None, &[(a[0], block_hashes[0])]);
-    manager.register(None, &[(b[0], block_hashes[0])]);
+    manager.register(None, KvTenant::SHARED, &[(a[0], block_hashes[0])]);
+    manager.register(None, KvTenant::SHARED, &[(b[0], block_hashes[0])]);
     assert_eq!(drain(&mut manager).len(), 1, "only the first registration is a new block");
     assert_eq!(manager.cached_hash(b[0]), None);
     manager.release(b);
@@ -106,7 +106,7 @@ fn prefix_caching_off_never_matches_or_emits() {
     let mut manager = BlockManager::new(2, 2, false);
     let block_hashes = hashes(&[1, 2], 2);
     let blocks = manager.allocate(1).unwrap();
-    manager.register(None, &[(blocks[0], block_hashes[0])]);
+    manager.register(None, KvTenant::SHARED, &[(blocks[0], block_hashes[0])]);
     manager.release(blocks);
     assert_eq!(manager.match_prefix(&[block_hashes[0].sequence]), 0);
     assert!(drain(&mut manager).is_empty());
@@ -117,7 +117,7 @@ fn clearing_empties_the_free_cache() {
     let mut manager = BlockManager::new(4, 2, true);
     let block_hashes = hashes(&[1, 2, 3, 4], 2);
     let blocks = manager.allocate(2).unwrap();
-    manager.register(None, &[(blocks[0], block_hashes[0]), (blocks[1], block_hashes[1])]);
+    manager.register(None, KvTenant::SHARED, &[(blocks[0], block_hashes[0]), (blocks[1], block_hashes[1])]);
     manager.release(blocks);
     drain(&mut manager);
     manager.clear_free_cached();
@@ -165,7 +165,7 @@ proptest! {
                     let full = tokens.len() / block_size;
                     let pairs: Vec<_> = (hit..full).map(|i| (table[i], block_hashes[i])).collect();
                     let parent = hit.checked_sub(1).map(|i| block_hashes[i].sequence);
-                    manager.register(parent, &pairs);
+                    manager.register(parent, KvTenant::SHARED, &pairs);
                     live.push(table);
                 }
                 Op::Finish(index) => {

@@ -23,6 +23,7 @@ fn request(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         sampling: SamplingParams::default(),
         stop: StopConditions { max_tokens, stop_token_ids: vec![], ignore_eos: false },
         cache_salt: Default::default(),
+        kv_tenant: Default::default(),
     }
 }
 
@@ -298,7 +299,7 @@ fn a_suspended_sequence_keeps_its_room_while_its_prefix_is_fetched() {
     // Its read done: the prefix is installed into the kept room, and it is
     // admitted with it.
     let hashes: Vec<turbine_kv::BlockHashes> = BlockHasher::with_seed(turbine_kv::DEFAULT_SEED).hash_blocks(&(0..17).collect::<Vec<u32>>(), 4);
-    assert_eq!(scheduler.install_prefix(None, &hashes, |_, _| true), 4, "room for the whole prefix");
+    assert_eq!(scheduler.install_prefix(None, KvTenant::SHARED, &hashes, |_, _| true), 4, "room for the whole prefix");
     assert!(scheduler.resume(ids[0]));
     let plan = scheduler.schedule();
     let first = plan.iter().find(|c| c.seq_id == ids[0]).expect("admitted");
@@ -317,11 +318,11 @@ fn an_onboarded_prefix_evicted_before_admission_is_looked_up_again_a_bounded_num
     let other = hasher.hash_blocks(&(1_000..1_040).collect::<Vec<u32>>(), 4);
     let onboard_then_evict = |scheduler: &mut Scheduler| {
         assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![id], "looked up");
-        assert_eq!(scheduler.install_prefix(None, &hashes, |_, _| true), 4);
+        assert_eq!(scheduler.install_prefix(None, KvTenant::SHARED, &hashes, |_, _| true), 4);
         scheduler.onboarded(id, 4);
         // Another prefix installed meanwhile takes every block: the
         // onboarded one is evicted before the sequence is admitted.
-        assert_eq!(scheduler.install_prefix(None, &other, |_, _| true), 10);
+        assert_eq!(scheduler.install_prefix(None, KvTenant::SHARED, &other, |_, _| true), 10);
         assert_eq!(scheduler.cached_prefix(&hashes.iter().map(|h| h.sequence).collect::<Vec<_>>()), 0);
     };
     for _ in 0..MAX_ONBOARD_RETRIES {
@@ -356,11 +357,11 @@ fn a_prefix_installed_only_in_part_is_looked_up_again() {
     let hashes = BlockHasher::with_seed(turbine_kv::DEFAULT_SEED).hash_blocks(&prompt, 4);
     let id = scheduler.add(request(prompt, 2)).unwrap();
     assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![id]);
-    assert_eq!(scheduler.install_prefix(None, &hashes, |_, index| index < 2), 2);
+    assert_eq!(scheduler.install_prefix(None, KvTenant::SHARED, &hashes, |_, index| index < 2), 2);
     scheduler.onboarded(id, 4);
     assert!(scheduler.schedule().is_empty(), "not admitted with half its prefix: looked up again first");
     assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![id], "due again");
-    assert_eq!(scheduler.install_prefix(Some(hashes[1].sequence), &hashes[2..4], |_, _| true), 2);
+    assert_eq!(scheduler.install_prefix(Some(hashes[1].sequence), KvTenant::SHARED, &hashes[2..4], |_, _| true), 2);
     scheduler.onboarded(id, 4);
     let plan = scheduler.schedule();
     assert_eq!((plan[0].seq_id, plan[0].start), (id, 16), "admitted with the whole prefix");
@@ -382,7 +383,7 @@ fn an_onboarded_prefix_is_admitted_past_the_room_kept_for_reads_behind_it() {
     assert_eq!(scheduler.due_for_onboard().iter().map(|(seq, _)| *seq).collect::<Vec<_>>(), vec![head, behind]);
     scheduler.suspend(behind);
     let hashes = BlockHasher::with_seed(turbine_kv::DEFAULT_SEED).hash_blocks(&prompt, 4);
-    assert_eq!(scheduler.install_prefix(None, &hashes, |_, _| true), 4);
+    assert_eq!(scheduler.install_prefix(None, KvTenant::SHARED, &hashes, |_, _| true), 4);
     scheduler.onboarded(head, 4);
     let plan = scheduler.schedule();
     assert_eq!(plan.iter().map(|c| (c.seq_id, c.start)).collect::<Vec<_>>(), vec![(filler, 16), (head, 16)], "admitted with its prefix");

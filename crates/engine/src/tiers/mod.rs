@@ -215,6 +215,7 @@ pub(crate) struct OffloadBlock {
     pub block: u32,
     pub parent: Option<SequenceHash>,
     pub hashes: BlockHashes,
+    pub tenant: turbine_kv::KvTenant,
 }
 
 /// Starts the thread that copies pinned blocks from `memory` into `host`;
@@ -263,10 +264,10 @@ pub(crate) fn spawn_offload(
                                 parent: item.parent,
                                 checksum: block_checksum(bytes),
                                 bytes: bytes.into(),
-                                tenant: turbine_kv::KvTenant::SHARED,
+                                tenant: item.tenant,
                             })
                         },
-                        BlockSource::Modelled => Ok(stamp(item.hashes, item.parent)),
+                        BlockSource::Modelled => Ok(HostBlock { tenant: item.tenant, ..stamp(item.hashes, item.parent) }),
                     };
                     match copied {
                         Ok(block) => run.push((item.hashes.sequence, block)),

@@ -81,7 +81,11 @@ impl Disagg {
         if let Some(simulated) = &self.simulated {
             // Modelled: no bytes are held, only the time is taken.
             tokio::time::sleep(Duration::from_secs_f64(bytes as f64 / simulated.bytes_per_sec)).await;
-            return Ok((ImportedPrefix { parent, hashes: hashes[cached..].to_vec(), ..ImportedPrefix::default() }, "simulated", bytes));
+            return Ok((
+                ImportedPrefix { parent, hashes: hashes[cached..].to_vec(), tenant: request.kv_tenant, ..ImportedPrefix::default() },
+                "simulated",
+                bytes,
+            ));
         }
         let permits = bytes.div_ceil(1 << 20).max(1);
         if permits > self.budget_mib {
@@ -103,7 +107,7 @@ impl Disagg {
                 staging.push(buffer);
             }
         });
-        Ok((ImportedPrefix { parent, hashes: hashes[cached..].to_vec(), bytes, recycle: Some(recycle) }, transport, pulled))
+        Ok((ImportedPrefix { parent, hashes: hashes[cached..].to_vec(), tenant: request.kv_tenant, bytes, recycle: Some(recycle) }, transport, pulled))
     }
 
     /// Reads blocks `wanted` of a handle: UCX when allowed and possible,
