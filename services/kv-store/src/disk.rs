@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use moka::ops::compute::{CompResult, Op};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use turbine_kv::SequenceHash;
@@ -21,6 +22,7 @@ use turbine_kv::block_file::{self, block_path};
 use turbine_kv::{HostBlock, KvTenant};
 
 use crate::events::Announcer;
+use crate::fair::{self, FairShare};
 use crate::keys::{BlockKey, Fingerprint};
 use crate::store::TierUsage;
 
@@ -29,9 +31,10 @@ use crate::store::TierUsage;
 struct DiskEntry {
     /// The file's length.
     bytes: u64,
-    /// Whose block it is (known for blocks written since start; a file
-    /// kept from before names none: the shared namespace's).
+    /// Whose block it is (as its file says).
     tenant: KvTenant,
+    /// When it was written, in the tier's fair-share books.
+    stamp: u64,
 }
 
 /// The disk tier. Cloning shares it.
@@ -46,6 +49,8 @@ struct Inner {
     index: moka::sync::Cache<BlockKey, DiskEntry>,
     /// Per fingerprint: its block size and how many blocks are on disk.
     layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>>,
+    /// Each tenant's share of the files.
+    fair: Arc<FairShare>,
     evicted_blocks: Arc<AtomicU64>,
     corrupt_blocks: AtomicU64,
     write_failures: AtomicU64,
@@ -75,16 +80,19 @@ impl DiskBlocks {
         let layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>> = Arc::default();
         let evicted_blocks = Arc::new(AtomicU64::new(0));
         let announcer = Announcer::new();
+        let fair = Arc::new(FairShare::new(capacity_bytes));
         let index = {
             let dir = dir.to_path_buf();
             let layouts = layouts.clone();
+            let fair = fair.clone();
             let evicted_blocks = evicted_blocks.clone();
             let announcer = announcer.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
                 .weigher(|_, entry: &DiskEntry| u32::try_from(entry.bytes).unwrap_or(u32::MAX))
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .eviction_listener(move |key: Arc<BlockKey>, _, cause| {
+                .eviction_listener(move |key: Arc<BlockKey>, entry: DiskEntry, cause| {
+                    fair.remove(entry.tenant, entry.stamp, entry.bytes);
                     if matches!(cause, moka::notification::RemovalCause::Replaced) {
                         return;
                     }
@@ -108,6 +116,7 @@ impl DiskBlocks {
                 dir: dir.to_path_buf(),
                 index,
                 layouts,
+                fair,
                 evicted_blocks,
                 corrupt_blocks: AtomicU64::new(0),
                 write_failures: AtomicU64::new(0),
@@ -149,8 +158,8 @@ impl DiskBlocks {
                 };
                 if fits {
                     self.inner.announcer.stored(fingerprint, header.sequence, header.local, header.parent);
-                    let entry = DiskEntry { bytes: header.file_bytes(), tenant: KvTenant::SHARED };
-                    self.inner.index.insert(BlockKey { fingerprint, sequence: header.sequence }, entry);
+                    let key = BlockKey { fingerprint, sequence: header.sequence };
+                    self.index(key, header.file_bytes(), header.tenant);
                     kept += 1;
                 } else {
                     let _ = std::fs::remove_file(block_path(&path, header.sequence));
@@ -195,7 +204,8 @@ impl DiskBlocks {
                 // Announced before it is in, so that its removal always
                 // follows its announcement.
                 self.inner.announcer.stored(key.fingerprint, key.sequence, block.local, block.parent);
-                self.inner.index.insert(key, DiskEntry { bytes, tenant: block.tenant });
+                self.make_room_fairly(block.tenant, bytes);
+                self.index(key, bytes, block.tenant);
                 self.inner.index.run_pending_tasks();
                 true
             }
@@ -207,11 +217,36 @@ impl DiskBlocks {
         }
     }
 
+    /// Indexes a file, counted in its tenant's share.
+    fn index(&self, key: BlockKey, bytes: u64, tenant: KvTenant) {
+        let stamp = self.inner.fair.stamp();
+        self.inner.fair.add(tenant, stamp, key, bytes);
+        self.inner.index.insert(key, DiskEntry { bytes, tenant, stamp });
+    }
+
+    /// Makes room for `tenant` to keep a file of `bytes` from tenants above
+    /// their fair share (`crate::fair`), deleting their oldest files.
+    fn make_room_fairly(&self, tenant: KvTenant, bytes: u64) {
+        for _ in 0..fair::EVICTIONS_PER_PUT {
+            let Some((stamp, key)) = self.inner.fair.victim(tenant, bytes) else { return };
+            let outcome = self.inner.index.entry(key).and_compute_with(|held| match held {
+                Some(held) if held.value().stamp == stamp => Op::Remove,
+                _ => Op::Nop,
+            });
+            if !matches!(outcome, CompResult::Removed(_)) {
+                return;
+            }
+            let _ = std::fs::remove_file(block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence));
+            self.inner.evicted_blocks.fetch_add(1, Relaxed);
+            fair::evicted("disk");
+        }
+    }
+
     /// Reads a block, checked; one that fails is deleted (and counted).
     pub fn read(&self, key: &BlockKey) -> Option<HostBlock> {
-        let entry = self.inner.index.get(key)?;
+        self.inner.index.get(key)?;
         let path = block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence);
-        let block = block_file::read_block(&path, key.fingerprint.get(), key.sequence).map(|block| HostBlock { tenant: entry.tenant, ..block });
+        let block = block_file::read_block(&path, key.fingerprint.get(), key.sequence);
         if block.is_none() {
             self.inner.corrupt_blocks.fetch_add(1, Relaxed);
             tracing::warn!(sequence_hash = key.sequence.0, fingerprint = key.fingerprint.get(), "a kv-store disk block is unreadable or corrupt; dropped");

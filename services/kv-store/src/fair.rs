@@ -22,6 +22,28 @@ use turbine_kv::KvTenant;
 
 use crate::keys::BlockKey;
 
+static EVICTIONS: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::counter(
+        "turbine_kv_store_fair_share_evictions_total",
+        "Blocks a tier evicted because their tenant held more than its fair share (the tier's capacity over the tenants holding blocks) when a put needed room; counted in the tier's evicted blocks too",
+        &["tier"],
+    )
+});
+
+/// Blocks evicted for fairness before one block is stored, at most (a
+/// block another thread changed meanwhile ends the round sooner).
+pub const EVICTIONS_PER_PUT: usize = 64;
+
+/// Counts a block `tier` evicted for fairness.
+pub fn evicted(tier: &str) {
+    EVICTIONS.with_label_values(&[tier]).inc();
+}
+
+/// Blocks `tier` evicted for fairness since start.
+pub fn evictions(tier: &str) -> u64 {
+    EVICTIONS.with_label_values(&[tier]).get()
+}
+
 /// One tenant's blocks in a tier.
 #[derive(Debug, Default)]
 struct Held {

@@ -15,7 +15,7 @@ use turbine_kv::{SequenceHash, UcxNetwork};
 use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
 use crate::events::Announcer;
-use crate::fair::FairShare;
+use crate::fair::{self, FairShare};
 use crate::keys::{BlockKey, Fingerprint, StoreError};
 use crate::lease::DataPath;
 pub use turbine_api::kv_store::{PutOutcome, StoreStats, TierUsage};
@@ -42,18 +42,6 @@ static AGREEING: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyLo
     )
     .with_label_values(&[] as &[&str])
 });
-
-static FAIR_EVICTIONS: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyLock::new(|| {
-    turbine_runtime::metrics::counter(
-        "turbine_kv_store_fair_share_evictions_total",
-        "Blocks the memory tier evicted because their tenant held more than its fair share (the tier's capacity over the tenants holding blocks) when another put needed room; counted in the memory tier's evicted blocks too",
-        &[],
-    )
-    .with_label_values(&[] as &[&str])
-});
-
-/// Blocks evicted for fairness before one block is stored, at most.
-const FAIR_EVICTIONS_PER_BLOCK: usize = 64;
 
 /// Bytes stored between runs of the memory tier's pending evictions.
 const EVICT_EVERY_BYTES: usize = 4 << 20;
@@ -292,7 +280,7 @@ impl Store {
     fn make_room_fairly(&self, tenant: KvTenant, bytes: u64) {
         // Bounded: a block another thread changed meanwhile ends the round
         // (least recently used then decides).
-        for _ in 0..FAIR_EVICTIONS_PER_BLOCK {
+        for _ in 0..fair::EVICTIONS_PER_PUT {
             let Some((stamp, key)) = self.fair.victim(tenant, bytes) else { return };
             // Removed only if it is still the block the books name.
             let outcome = self.blocks.entry(key).and_compute_with(|held| match held {
@@ -303,7 +291,7 @@ impl Store {
                 return;
             }
             self.counters.evicted_blocks.fetch_add(1, Relaxed);
-            FAIR_EVICTIONS.inc();
+            fair::evicted("memory");
         }
     }
 
@@ -371,13 +359,8 @@ impl Store {
                 // Written through: a block the disk could not take is
                 // still kept in memory.
                 if !held {
-                    let owned = HostBlock {
-                        local: block.local,
-                        parent: block.parent,
-                        checksum: block.checksum,
-                        bytes: block.bytes.into(),
-                        tenant: turbine_kv::KvTenant::SHARED,
-                    };
+                    let owned =
+                        HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: block.bytes.into(), tenant: block.tenant };
                     disk.write(key, &owned);
                 }
                 held
@@ -626,7 +609,7 @@ mod tests {
     #[test]
     fn a_flooding_tenant_evicts_its_own_blocks_not_anothers_working_set() {
         let (a, b) = (KvTenant::of(&["a"]), KvTenant::of(&["b"]));
-        let before = FAIR_EVICTIONS.get();
+        let before = fair::evictions("memory");
         let (alone, _) = hit_rate_beside_a_flood(a, b, 0, 2000);
         let (fair, store) = hit_rate_beside_a_flood(a, b, 5, 2000);
         let (unfair, _) = hit_rate_beside_a_flood(KvTenant::SHARED, KvTenant::SHARED, 5, 2000);
@@ -636,8 +619,43 @@ mod tests {
         let stats = store.stats();
         assert_eq!(stats.tenants, 2);
         assert!(stats.memory.bytes <= stats.memory.capacity_bytes, "{stats:?}");
-        assert!(FAIR_EVICTIONS.get() - before >= 9000, "a's flood evicted a's own blocks");
+        assert!(fair::evictions("memory") - before >= 9000, "a's flood evicted a's own blocks");
         assert_eq!(store.fair.bytes_of(b), 40 * (1024 + ENTRY_OVERHEAD), "b keeps its whole working set");
+    }
+
+    /// The disk tier keeps fair shares too, and its files keep their
+    /// tenant across a restart: a flood after the reopen still evicts the
+    /// flooder's own files.
+    #[test]
+    fn the_disk_tier_keeps_fair_shares_across_a_restart() {
+        let (a, b) = (KvTenant::of(&["a"]), KvTenant::of(&["b"]));
+        let of = |tenant: KvTenant, n: u64| {
+            let (hash, block) = block(n, 1024);
+            (hash, HostBlock { tenant, ..block })
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let file = 1024 + turbine_kv::block_file::HEADER_BYTES as u64;
+        let held =
+            |store: &Store| (0..10).filter(|&n| store.disk().unwrap().contains(&BlockKey { fingerprint: fp(1), sequence: SequenceHash(1000 + n) })).count();
+        let before = fair::evictions("disk");
+        {
+            let store = Store::with_disk(4 * (1024 + ENTRY_OVERHEAD), DiskBlocks::open(dir.path(), 30 * file).unwrap());
+            store.put(fp(1), (0..10).map(|n| of(b, n)).collect()).unwrap();
+            for n in 100..200 {
+                store.put(fp(1), vec![of(a, n)]).unwrap();
+            }
+            assert_eq!(held(&store), 10, "b's files stay");
+            assert_eq!(store.stats().disk.blocks, 30);
+            assert!(fair::evictions("disk") - before >= 80, "a's flood deleted a's own files");
+        }
+        let store = Store::with_disk(4 * (1024 + ENTRY_OVERHEAD), DiskBlocks::open(dir.path(), 30 * file).unwrap());
+        for n in 200..300 {
+            store.put(fp(1), vec![of(a, n)]).unwrap();
+        }
+        assert_eq!(held(&store), 10, "b's files are still b's after the restart");
+        let run = store.get(fp(1), &hashes(0..10));
+        assert_eq!(run.len(), 10);
+        assert!(run.iter().all(|(_, block)| block.tenant == b), "read back as b's");
     }
 
     #[test]

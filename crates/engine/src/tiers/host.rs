@@ -262,13 +262,7 @@ impl HostTier {
         bytes[0] ^= 0xff;
         self.cache.insert(
             hash,
-            Arc::new(HostBlock {
-                local: block.local,
-                parent: block.parent,
-                checksum: block.checksum,
-                bytes: bytes.into_boxed_slice(),
-                tenant: turbine_kv::KvTenant::SHARED,
-            }),
+            Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into_boxed_slice(), tenant: block.tenant }),
         );
         true
     }
