@@ -1,0 +1,345 @@
+//! `compose.yaml` run for real, without Docker: each of its services
+//! started as a process on this machine with the command, environment,
+//! secrets and volumes the file gives it (the `turbine` binary for the
+//! Turbine image, redis-server and PostgreSQL for theirs), in the order its
+//! `depends_on` and addresses imply. Only the network differs: a service's
+//! host name becomes the loopback address and each port it listens on a
+//! free one (the certificates name Redis `localhost` too, the one change
+//! to a command). Then the OpenAI API serves the real model through the
+//! gateway, every hop over mutual TLS with the certificates `docker compose
+//! run --rm certs` makes, Redis included; a repeated prompt hits the
+//! cache; the workers' blocks reach the kv-store; and the operator, alone
+//! with its certificate, reads the store and the planner.
+//!
+//! It also holds the file to what the replay cannot see: every address a
+//! service names is a port another service listens on, and every port
+//! published is one its service listens on.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{MODEL, post, until_listed, until_registered};
+use serde_json::json;
+use serde_yaml::Value;
+use turbine_runtime::grpc::tls_channel;
+use turbine_runtime::host::Role;
+use turbine_runtime::trust::TlsConfig;
+use turbine_testkit::{ChildProcess, PostgresServer, STARTUP_TIMEOUT, ServiceProcess, wait_until, workspace_binary};
+
+/// The ports each kind of service listens on (in its container), and the
+/// flag that sets each one: what the replay moves to free ports.
+fn listens(kind: &str) -> &'static [(&'static str, u16)] {
+    match kind {
+        "worker" => &[("--grpc-addr", 50061)],
+        "router" => &[("--grpc-addr", 50051)],
+        "kv-index" => &[("--grpc-addr", 50052)],
+        "kv-store" => &[("--grpc-addr", 50053)],
+        "planner" => &[("--grpc-addr", 50054)],
+        "gateway" => &[("--grpc-addr", 50050), ("--http-addr", 8000)],
+        "redis" => &[("--tls-port", 6379)],
+        "postgres" => &[("", 5432)],
+        other => panic!("compose.yaml runs a service of a kind this test does not know: {other}"),
+    }
+}
+
+fn role(kind: &str) -> Role {
+    match kind {
+        "worker" => Role::Worker,
+        "router" => Role::Router,
+        "kv-index" => Role::Index,
+        "kv-store" => Role::KvStore,
+        "planner" => Role::Planner,
+        "gateway" => Role::Gateway,
+        other => panic!("no role for {other}"),
+    }
+}
+
+fn strings(value: &Value) -> Vec<String> {
+    match value {
+        Value::Sequence(items) => items.iter().map(|item| item.as_str().expect("a string").to_owned()).collect(),
+        Value::Null => Vec::new(),
+        other => panic!("a list of strings, got {other:?}"),
+    }
+}
+
+/// One service of the file.
+struct Spec {
+    name: String,
+    /// `worker`, `router`, ... for the Turbine image; `redis`, `postgres`.
+    kind: String,
+    image: String,
+    command: Vec<String>,
+    environment: BTreeMap<String, String>,
+    /// (source in the top-level `secrets`, name under /run/secrets).
+    secrets: Vec<(String, String)>,
+    /// (volume, path in the container).
+    volumes: Vec<(String, String)>,
+    depends_on: Vec<String>,
+    published: Vec<u16>,
+    healthcheck: Vec<String>,
+}
+
+fn parse(file: &Path) -> (BTreeMap<String, Spec>, BTreeMap<String, String>) {
+    let mut compose: Value = serde_yaml::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    compose.apply_merge().unwrap();
+    let secret_files: BTreeMap<String, String> = compose["secrets"]
+        .as_mapping()
+        .unwrap()
+        .iter()
+        .map(|(name, secret)| (name.as_str().unwrap().to_owned(), secret["file"].as_str().unwrap().to_owned()))
+        .collect();
+    let mut specs = BTreeMap::new();
+    for (name, service) in compose["services"].as_mapping().unwrap() {
+        let name = name.as_str().unwrap().to_owned();
+        let image = service["image"].as_str().unwrap().to_owned();
+        let mut command = strings(&service["entrypoint"]);
+        command.extend(strings(&service["command"]));
+        let kind = match image.as_str() {
+            "turbine:dev" => command[0].clone(),
+            other => other.split(':').next().unwrap().to_owned(),
+        };
+        let environment = service["environment"]
+            .as_mapping()
+            .map(|env| env.iter().map(|(key, value)| (key.as_str().unwrap().to_owned(), value.as_str().unwrap().to_owned())).collect())
+            .unwrap_or_default();
+        let secrets = service["secrets"]
+            .as_sequence()
+            .map(|secrets| {
+                secrets
+                    .iter()
+                    .map(|secret| match secret {
+                        Value::String(name) => (name.clone(), name.clone()),
+                        long => (long["source"].as_str().unwrap().to_owned(), long["target"].as_str().unwrap().to_owned()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let volumes = strings(&service["volumes"])
+            .into_iter()
+            .map(|volume| {
+                let (source, target) = volume.split_once(':').unwrap();
+                (source.to_owned(), target.to_owned())
+            })
+            .collect();
+        let depends_on = match &service["depends_on"] {
+            Value::Mapping(on) => on.keys().map(|key| key.as_str().unwrap().to_owned()).collect(),
+            other => strings(other),
+        };
+        let published = strings(&service["ports"]).iter().map(|port| port.rsplit(':').next().unwrap().parse().unwrap()).collect();
+        let healthcheck = strings(&service["healthcheck"]["test"]);
+        specs.insert(name.clone(), Spec { name, kind, image, command, environment, secrets, volumes, depends_on, published, healthcheck });
+    }
+    (specs, secret_files)
+}
+
+/// Every `host:port` in `text` that names a service of the file.
+fn references(text: &str, services: &BTreeSet<String>) -> Vec<(String, u16)> {
+    let mut found = Vec::new();
+    for (at, _) in text.match_indices(':') {
+        let host: String = text[..at].chars().rev().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect::<String>().chars().rev().collect();
+        let port: String = text[at + 1..].chars().take_while(char::is_ascii_digit).collect();
+        if services.contains(&host) && !port.is_empty() {
+            found.push((host, port.parse().unwrap()));
+        }
+    }
+    found
+}
+
+/// The network as the replay has it: (service, port in its container) →
+/// the loopback port it listens on here.
+struct Network {
+    ports: BTreeMap<(String, u16), u16>,
+}
+
+impl Network {
+    /// `text` with each service's address replaced by its loopback one
+    /// (Redis by `localhost`, the name its certificate carries here).
+    fn rewrite(&self, text: &str) -> String {
+        let mut text = text.to_owned();
+        for ((service, inside), here) in &self.ports {
+            let host = if service == "redis" { "localhost" } else { "127.0.0.1" };
+            text = text.replace(&format!("{service}:{inside}"), &format!("{host}:{here}"));
+        }
+        text
+    }
+}
+
+/// `text` with a service's files where its container sees them: its
+/// secrets (/run/secrets) and volumes, here under `root`.
+fn mount(spec: &Spec, root: &Path, text: &str) -> String {
+    let mut text = text.replace("/run/secrets/", &format!("{}/", root.join("secrets").join(&spec.name).display()));
+    for (volume, inside) in &spec.volumes {
+        text = text.replace(inside.as_str(), &root.join("volumes").join(volume).display().to_string());
+    }
+    text
+}
+
+/// A loopback port free now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../compose.yaml");
+    let (specs, secret_files) = parse(&file);
+    let names: BTreeSet<String> = specs.keys().cloned().collect();
+    let root = tempfile::tempdir().unwrap();
+
+    // The setup step: `docker compose run --rm certs` writes ./certs.
+    let certs = &specs["certs"];
+    assert_eq!(certs.kind, "certs");
+    let certs_dir = root.path().join("certs");
+    let mut make = Command::new(workspace_binary("turbine"));
+    make.args(certs.command.iter().map(|arg| if arg == "/certs" { certs_dir.display().to_string() } else { arg.clone() }));
+    let made = make.args(["--redis", "localhost"]).output().unwrap();
+    assert!(made.status.success(), "turbine certs: {}", String::from_utf8_lossy(&made.stderr));
+    // The test is the operator (its certificate, as grpcurl would use):
+    // it waits on each service's health over TLS.
+    let operator =
+        TlsConfig { tls_cert: Some(certs_dir.join("operator.crt")), tls_key: Some(certs_dir.join("operator.key")), tls_ca: Some(certs_dir.join("ca.crt")) };
+    let operator = operator.establish().unwrap().expect("an identity");
+    let source = |name: &str| certs_dir.join(secret_files[name].strip_prefix("./certs/").expect("secrets come from ./certs"));
+
+    let running: Vec<&Spec> = specs.values().filter(|spec| spec.name != "certs").collect();
+    // Each service's secrets, alone in its own folder (its /run/secrets);
+    // no service holds the CA's key.
+    for spec in &running {
+        let dir = root.path().join("secrets").join(&spec.name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (source_name, target) in &spec.secrets {
+            assert!(!secret_files[source_name].ends_with("ca.key"), "{} must not hold the CA's key", spec.name);
+            std::fs::copy(source(source_name), dir.join(target)).unwrap();
+        }
+    }
+    // No service may serve plaintext on the compose network.
+    for spec in &running {
+        assert!(!spec.environment.contains_key("TURBINE_INSECURE"), "{} runs with TURBINE_INSECURE", spec.name);
+    }
+
+    // Free loopback ports for every port a service listens on; every
+    // address named and every port published must be one of them.
+    let mut network = Network { ports: BTreeMap::new() };
+    for spec in &running {
+        for &(_, inside) in listens(&spec.kind) {
+            network.ports.insert((spec.name.clone(), inside), free_port());
+        }
+    }
+    let mut needs: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for spec in &running {
+        for published in &spec.published {
+            assert!(network.ports.contains_key(&(spec.name.clone(), *published)), "{} publishes {published}, where it does not listen", spec.name);
+        }
+        let texts = spec.command.iter().chain(spec.environment.values());
+        let mut deps: BTreeSet<String> = spec.depends_on.iter().cloned().collect();
+        for (service, port) in texts.flat_map(|text| references(text, &names)) {
+            assert!(network.ports.contains_key(&(service.clone(), port)), "{} names {service}:{port}, where nothing listens", spec.name);
+            deps.insert(service);
+        }
+        // A service naming itself (a worker's advertised address) waits on no one.
+        deps.remove(&spec.name);
+        needs.insert(spec.name.clone(), deps);
+    }
+
+    // Start in dependency order, each once its own readiness says so.
+    let mut started: BTreeSet<String> = BTreeSet::new();
+    let mut children: Vec<ChildProcess> = Vec::new();
+    let mut services: BTreeMap<String, ServiceProcess> = BTreeMap::new();
+    let mut postgres: Option<PostgresServer> = None;
+    while started.len() < running.len() {
+        let spec = running
+            .iter()
+            .find(|spec| !started.contains(&spec.name) && needs[&spec.name].iter().all(|dep| started.contains(dep)))
+            .unwrap_or_else(|| panic!("compose.yaml's services depend on each other in a circle: {needs:?}"));
+        let here = |text: &str| network.rewrite(&mount(spec, root.path(), text));
+        match spec.image.as_str() {
+            "turbine:dev" => {
+                let mut command = Command::new(workspace_binary("turbine"));
+                command.args(spec.command.iter().map(|arg| here(arg)));
+                for &(flag, inside) in listens(&spec.kind) {
+                    command.args([flag.to_owned(), format!("127.0.0.1:{}", network.ports[&(spec.name.clone(), inside)])]);
+                }
+                for (key, value) in &spec.environment {
+                    command.env(key, here(value));
+                }
+                for (volume, _) in &spec.volumes {
+                    std::fs::create_dir_all(root.path().join("volumes").join(volume)).unwrap();
+                }
+                let mut process = ServiceProcess::spawn(&spec.name, command, spec.kind == "gateway").await.unwrap();
+                process.until_serving(role(&spec.kind), "", STARTUP_TIMEOUT).await.unwrap_or_else(|error| panic!("{}: {error}", spec.name));
+                services.insert(spec.name.clone(), process);
+            }
+            image if image.starts_with("redis:") => {
+                let port = network.ports[&(spec.name.clone(), 6379)];
+                let mut args: Vec<String> = spec.command[1..].iter().map(|arg| here(arg)).collect();
+                let at = args.iter().position(|arg| arg == "--tls-port").expect("Redis serves TLS") + 1;
+                args[at] = port.to_string();
+                let data = root.path().join("redis");
+                std::fs::create_dir_all(&data).unwrap();
+                let mut command = Command::new(std::env::var("TURBINE_REDIS_SERVER").unwrap_or_else(|_| spec.command[0].clone()));
+                command.args(&args).args(["--bind", "127.0.0.1", "--dir"]).arg(&data);
+                children.push(ChildProcess::spawn("redis", command));
+                // Its own healthcheck, as Docker would run it.
+                let probe: Vec<String> = spec.healthcheck[1..].iter().map(|arg| here(arg)).collect();
+                wait_until("redis answers its healthcheck", STARTUP_TIMEOUT, async || {
+                    Command::new(&probe[0])
+                        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+                        .args(&probe[1..])
+                        .output()
+                        .is_ok_and(|out| out.stdout.starts_with(b"PONG"))
+                })
+                .await;
+            }
+            image if image.starts_with("postgres:") => {
+                // The harness's Postgres (trust on loopback) under the
+                // file's database name.
+                let server = PostgresServer::start();
+                server.create_database(&spec.environment["POSTGRES_DB"]);
+                network.ports.insert((spec.name.clone(), 5432), server.port());
+                postgres = Some(server);
+            }
+            other => panic!("compose.yaml runs an image this test does not know: {other}"),
+        }
+        started.insert(spec.name.clone());
+    }
+
+    until_registered(&services["router"], 2).await;
+    let base = services["gateway"].http_url();
+    until_listed(&base).await;
+
+    // The real model through the gateway, twice: the repeat hits.
+    let prompt = "Turbine serves language models across many machines. ".repeat(8);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let (status, first) = post(&base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{first}");
+    assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty(), "{first}");
+    let (status, second) = post(&base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["choices"][0]["text"], first["choices"][0]["text"], "greedy text is the same");
+    assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits: {second}");
+    println!(
+        "compose.yaml's stack said {:?}, the repeat with {} cached tokens",
+        second["choices"][0]["text"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    );
+
+    // The workers put the prompt's blocks in the kv-store over TLS; the
+    // operator reads its stats and the planner's plan.
+    let store = services["kv-store"].grpc_endpoint();
+    let mut store = turbine_proto::kvstore::v1::kv_store_client::KvStoreClient::new(tls_channel(&store, &operator, Role::KvStore).unwrap());
+    wait_until("the workers' blocks in the kv-store", Duration::from_secs(60), async || {
+        store.stats(turbine_proto::kvstore::v1::StatsRequest {}).await.is_ok_and(|stats| stats.into_inner().put_blocks > 0)
+    })
+    .await;
+    let planner = services["planner"].grpc_endpoint();
+    let mut planner = turbine_proto::planner::v1::planner_client::PlannerClient::new(tls_channel(&planner, &operator, Role::Planner).unwrap());
+    planner.get_plan(turbine_proto::planner::v1::GetPlanRequest::default()).await.expect("the operator reads the plan");
+    // A caller without a certificate gets nothing from any of them.
+    let plaintext = turbine_runtime::grpc::traced_channel(&services["kv-store"].grpc_endpoint()).unwrap();
+    let refused = turbine_proto::kvstore::v1::kv_store_client::KvStoreClient::new(plaintext).stats(turbine_proto::kvstore::v1::StatsRequest {}).await;
+    assert!(refused.is_err(), "a plaintext caller is refused");
+    drop((services, children, postgres));
+}
