@@ -26,6 +26,13 @@ pub struct CertsArgs {
     /// --worker-id) as its common name, repeatable.
     #[arg(long = "worker", value_name = "ID")]
     pub workers: Vec<String>,
+    /// Also a certificate shared by a pool of workers whose ids are
+    /// NAME-<anything> (the pods of a Kubernetes Deployment NAME, each
+    /// started with --worker-id set to its pod name), written as
+    /// workers/NAME.crt and .key; repeatable. Each pod may write only under
+    /// its pool's ids, and every pod of the pool holds the same key.
+    #[arg(long = "worker-pool", value_name = "NAME")]
+    pub pools: Vec<String>,
     /// Days the certificates are valid, from now.
     #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=3650))]
     pub days: u32,
@@ -51,9 +58,9 @@ pub struct Written {
 
 /// Makes the CA and the certificates under `args.out`.
 pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
-    for id in &args.workers {
+    for (flag, id) in args.workers.iter().map(|id| ("--worker", id)).chain(args.pools.iter().map(|pool| ("--worker-pool", pool))) {
         let valid = !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-        anyhow::ensure!(valid, "--worker {id:?}: a worker id is letters, digits, '.', '_' or '-'");
+        anyhow::ensure!(valid, "{flag} {id:?}: a worker id or pool is letters, digits, '.', '_' or '-'");
     }
     let out = &args.out;
     std::fs::create_dir_all(out.join("workers")).with_context(|| format!("cannot make {}", out.display()))?;
@@ -76,7 +83,8 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
     let mut holders = Vec::new();
     let roles = Role::ALL.into_iter().map(|role| (role, role.as_str().to_owned(), out.join(role.as_str())));
     let workers = args.workers.iter().map(|id| (Role::Worker, id.clone(), out.join("workers").join(id)));
-    for (role, name, stem) in roles.chain(workers) {
+    let pools = args.pools.iter().map(|pool| (Role::Worker, format!("{pool}{}", turbine_runtime::trust::POOL_SUFFIX), out.join("workers").join(pool)));
+    for (role, name, stem) in roles.chain(workers).chain(pools) {
         let key = KeyPair::generate().context("a key")?;
         let mut params = CertificateParams::new(vec![role.dns_name()]).context("certificate parameters")?;
         params.distinguished_name.push(DnType::CommonName, name.as_str());

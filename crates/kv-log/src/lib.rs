@@ -43,7 +43,7 @@ use turbine_runtime::trust::Peer;
 /// no other role.
 pub fn may_publish_for(peer: &Peer, writer: &WorkerId) -> bool {
     match (peer.role, writer.store_part()) {
-        (Role::Worker, None) => writer.as_str() == peer.name,
+        (Role::Worker, None) => peer.is_worker(writer.as_str()),
         (Role::KvStore, Some((store, _))) => store == peer.name,
         _ => false,
     }

@@ -32,7 +32,6 @@ use prometheus::IntCounterVec;
 use redis::AsyncCommands;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
-use turbine_runtime::host::Role;
 use turbine_runtime::signed::Seal;
 use turbine_runtime::trust::{Trust, dialing_as};
 
@@ -275,7 +274,7 @@ impl RedisRegistry {
             (refusal, error.to_string())
         })?;
         let record: WorkerRecord = serde_json::from_str(&signed.record).map_err(corrupt)?;
-        if writer.role != Role::Worker || writer.name != record.worker_id.as_str() {
+        if !writer.is_worker(record.worker_id.as_str()) {
             return Err((Refusal::WrongWriter, format!("{writer} sealed the record of worker {:?}", record.worker_id.as_str())));
         }
         fresh(signed.expires_unix_ms)?;

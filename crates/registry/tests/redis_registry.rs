@@ -178,6 +178,28 @@ async fn with_certificates_only_a_workers_own_sealed_record_is_listed() {
     assert_eq!(refused("bad_signature") - before, 2.0, "w0 now, and w1 as before");
 }
 
+/// A worker pool's certificate (`turbine certs --worker-pool NAME`: the
+/// pods of one Deployment share it) seals the records of its own members
+/// only: `NAME-<pod>` is listed, another pool's id is refused as another
+/// worker's would be.
+#[tokio::test]
+async fn a_pool_certificate_seals_only_its_members_records() {
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let ca = TestCa::new("deployment");
+    let pool = Registry::Redis(RedisRegistry::new(&url, "pool").unwrap().with_trust(Some(ca.trust(Role::Worker, "turbine-worker-prefill-*"))));
+    let reader = Registry::Redis(RedisRegistry::new(&url, "pool").unwrap().with_trust(Some(ca.trust(Role::Router, "router-0"))));
+    pool.put(&record("turbine-worker-prefill-7c9d-x2k4"), Duration::from_secs(30)).await.unwrap();
+    pool.put(&record("turbine-worker-decode-7c9d-x2k4"), Duration::from_secs(30)).await.unwrap();
+    let before = refused("wrong_writer");
+    let listed: Vec<String> = reader.list().await.unwrap().into_iter().map(|w| w.record.worker_id.to_string()).collect();
+    assert_eq!(listed, ["turbine-worker-prefill-7c9d-x2k4"]);
+    assert_eq!(refused("wrong_writer") - before, 1.0, "the other pool's id is refused");
+}
+
 /// `rediss://` with an ACL user: the registry connects over TLS with the
 /// process's certificate and the user's password, and its records are
 /// sealed as over plaintext. Without the password, without TLS, or with

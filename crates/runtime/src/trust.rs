@@ -121,7 +121,26 @@ impl std::fmt::Display for Peer {
     }
 }
 
+/// The end of a worker pool's name in its certificate: `NAME-*` may be
+/// any worker whose id is `NAME-` and more.
+pub const POOL_SUFFIX: &str = "-*";
+
 impl Peer {
+    /// Whether this peer is the worker `id`: a worker's certificate naming
+    /// that id, or a worker pool's naming `NAME-*` (`turbine certs
+    /// --worker-pool NAME`) where `id` is `NAME-` and more (the pods of a
+    /// pool share one certificate; each still writes only under ids of its
+    /// pool).
+    pub fn is_worker(&self, id: &str) -> bool {
+        if self.role != Role::Worker || id.is_empty() {
+            return false;
+        }
+        match self.name.strip_suffix('*') {
+            Some(prefix) if self.name.ends_with(POOL_SUFFIX) => id.len() > prefix.len() && id.starts_with(prefix) && !id.contains('*'),
+            _ => self.name == id,
+        }
+    }
+
     /// The holder of the DER certificate `der`: its one `<role>.turbine`
     /// DNS name and its common name. Fails on a certificate that does not
     /// parse, names no role, or names more than one.
@@ -482,6 +501,20 @@ mod tests {
         let unknown = "admin".parse::<Role>().unwrap_err();
         assert_eq!(unknown, NoSuchRole("admin".into()));
         assert!(unknown.to_string().contains("operator"), "{unknown}");
+    }
+
+    #[test]
+    fn a_worker_is_its_own_id_and_a_pool_its_members() {
+        let worker = |name: &str| Peer { role: Role::Worker, name: name.into() };
+        assert!(worker("worker-0").is_worker("worker-0"));
+        assert!(!worker("worker-0").is_worker("worker-01") && !worker("worker-0").is_worker("worker-1"));
+        let pool = worker("turbine-worker-prefill-*");
+        assert!(pool.is_worker("turbine-worker-prefill-5d8f-x2k"));
+        for other in ["turbine-worker-prefill-", "turbine-worker-decode-5d8f", "turbine-worker-prefill", "", "turbine-worker-prefill-*"] {
+            assert!(!pool.is_worker(other), "{other:?}");
+        }
+        assert!(!worker("*").is_worker("anything"), "a bare star names no pool");
+        assert!(!Peer { role: Role::Router, name: "worker-0".into() }.is_worker("worker-0"), "only a worker's certificate");
     }
 
     #[test]
