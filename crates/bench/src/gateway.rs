@@ -82,7 +82,7 @@ pub struct Latency {
     pub mean_us: f64,
 }
 
-fn summarize(samples: &mut [Duration]) -> Latency {
+pub(crate) fn summarize(samples: &mut [Duration]) -> Latency {
     samples.sort();
     let pick = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize].as_secs_f64() * 1e6;
     let mean = samples.iter().map(Duration::as_secs_f64).sum::<f64>() / samples.len() as f64 * 1e6;
@@ -177,13 +177,32 @@ fn cpu_between(before: &HashMap<u32, u64>, after: &HashMap<u32, u64>) -> Duratio
     Duration::from_nanos(nanos)
 }
 
-struct Stack {
+pub(crate) struct Stack {
     /// The certificates, with --tls.
-    _certs: Option<tempfile::TempDir>,
-    _redis: RedisServer,
-    worker: ServiceProcess,
-    router: ServiceProcess,
-    gateway: ServiceProcess,
+    certs: Option<tempfile::TempDir>,
+    redis: RedisServer,
+    pub(crate) worker: ServiceProcess,
+    pub(crate) router: ServiceProcess,
+    pub(crate) gateway: ServiceProcess,
+}
+
+impl Stack {
+    /// The folder of the certificates (`turbine certs`), with TLS.
+    pub(crate) fn certs(&self) -> Option<&std::path::Path> {
+        self.certs.as_ref().map(tempfile::TempDir::path)
+    }
+
+    /// The Redis the stack's registry is in.
+    pub(crate) fn redis_url(&self) -> String {
+        self.redis.url()
+    }
+}
+
+/// The model the stack's worker serves (asked as a gateway).
+pub(crate) async fn model_of(stack: &Stack) -> anyhow::Result<String> {
+    let mut worker = WorkerClient::new(direct_channel(&stack.worker.grpc_endpoint()).await?).with_message_limits();
+    let card = worker.get_model_card(pb::GetModelCardRequest {}).await?.into_inner().card.context("no card")?;
+    Ok(ModelCard::try_from(card)?.name)
 }
 
 /// `turbine <service>` (this binary) with `args`, on free ports.
@@ -201,6 +220,9 @@ async fn turbine(name: &str, args: &[String], http: bool) -> anyhow::Result<Serv
     Ok(service)
 }
 
+/// The stack's worker id.
+const BENCH_WORKER: &str = "bench-worker";
+
 /// With `tls`: a CA and certificates for every role in a temporary folder
 /// (`turbine certs`), this process made a gateway; the folder, and each
 /// role's `--tls-*` flags.
@@ -208,7 +230,9 @@ fn certificates(tls: bool) -> anyhow::Result<(Option<tempfile::TempDir>, impl Fn
     let dir = if tls { Some(tempfile::tempdir()?) } else { None };
     if let Some(dir) = &dir {
         let exe = std::env::current_exe().context("locating the turbine binary")?;
-        let made = Command::new(exe).args(["certs", "--out"]).arg(dir.path()).output()?;
+        // The worker's certificate names its worker id (its sealed
+        // registry record is refused otherwise).
+        let made = Command::new(exe).args(["certs", "--worker", BENCH_WORKER, "--out"]).arg(dir.path()).output()?;
         anyhow::ensure!(made.status.success(), "turbine certs: {}", String::from_utf8_lossy(&made.stderr));
     }
     let path = dir.as_ref().map(|dir| dir.path().to_owned());
@@ -223,7 +247,7 @@ fn certificates(tls: bool) -> anyhow::Result<(Option<tempfile::TempDir>, impl Fn
     let flags = move |role: Role| -> Vec<String> {
         let Some(path) = &path else { return Vec::new() };
         let file = |name: String| path.join(name).display().to_string();
-        let name = role.as_str();
+        let name = if role == Role::Worker { format!("workers/{BENCH_WORKER}") } else { role.as_str().to_owned() };
         vec!["--tls-cert".into(), file(format!("{name}.crt")), "--tls-key".into(), file(format!("{name}.key")), "--tls-ca".into(), file("ca.crt".into())]
     };
     Ok((dir, flags))
@@ -243,7 +267,7 @@ async fn direct_channel(endpoint: &str) -> anyhow::Result<tonic::transport::Chan
     Ok(endpoint.connect().await?)
 }
 
-async fn start_stack(speedup: f64, tls: bool) -> anyhow::Result<Stack> {
+pub(crate) async fn start_stack(speedup: f64, tls: bool) -> anyhow::Result<Stack> {
     if Command::new(std::env::var("TURBINE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())).arg("--version").output().is_err() {
         bail!("redis-server is needed for the distributed stack; install it (Debian: apt-get install redis-server)");
     }
@@ -251,11 +275,11 @@ async fn start_stack(speedup: f64, tls: bool) -> anyhow::Result<Stack> {
     let redis = RedisServer::start();
     let s = |v: &str| v.to_owned();
     let cluster = [s("--redis"), redis.url(), s("--namespace"), s("bench")];
-    let worker_args = [s("--engine"), s("mock"), s("--speedup"), speedup.to_string(), s("--worker-id"), s("bench-worker")];
+    let worker_args = [s("--engine"), s("mock"), s("--speedup"), speedup.to_string(), s("--worker-id"), s(BENCH_WORKER)];
     let worker = turbine("worker", &[&cluster[..], &worker_args[..], &tls_flags(Role::Worker)[..]].concat(), false).await?;
     let router = turbine("router", &[&cluster[..], &tls_flags(Role::Router)[..]].concat(), false).await?;
     let gateway = turbine("gateway", &[&[s("--router"), router.grpc_endpoint()][..], &tls_flags(Role::Gateway)[..]].concat(), true).await?;
-    Ok(Stack { _certs: certs, _redis: redis, worker, router, gateway })
+    Ok(Stack { certs, redis, worker, router, gateway })
 }
 
 /// Text that the model's tokenizer turns into exactly `tokens` tokens.
@@ -310,7 +334,7 @@ async fn direct_request(client: &mut WorkerClient<tonic::transport::Channel>, id
 
 /// One streamed completion through the gateway: (time to first text, time
 /// to `[DONE]`, SSE events that carried text).
-async fn gateway_request(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<(Duration, Duration, usize)> {
+pub(crate) async fn gateway_request(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<(Duration, Duration, usize)> {
     let started = Instant::now();
     let response = client.post(url).json(body).send().await?;
     anyhow::ensure!(response.status().is_success(), "gateway answered {}", response.status());

@@ -14,6 +14,7 @@
 //! - [`profile`]: `turbine profile`, a worker configuration's TTFT and ITL
 //!   for the planner.
 
+pub mod attack;
 pub mod engine;
 pub mod gateway;
 pub mod indexer;
@@ -35,6 +36,10 @@ use anyhow::Context as _;
 pub enum BenchCommand {
     /// Gateway + router overhead versus calling the worker's gRPC directly.
     Gateway(gateway::GatewayBenchArgs),
+    /// Legitimate latency with and without attackers (wrong-role calls,
+    /// plaintext callers, forged KV handles, rogue registry records) on a
+    /// mutual-TLS stack; every attack must be refused.
+    Attack(attack::AttackBenchArgs),
     /// The native engine's speed, side by side with llama.cpp.
     Engine(engine::EngineBenchArgs),
     /// A Mooncake-format trace through gateway and router onto mocker
@@ -84,6 +89,12 @@ pub fn main(command: BenchCommand) -> ExitCode {
                 let json = args.json.clone();
                 let report = gateway::run(args).await?;
                 gateway::print(&report);
+                write_json(json.as_deref(), &report)
+            }
+            BenchCommand::Attack(args) => {
+                let json = args.json.clone();
+                let report = attack::run(args).await?;
+                attack::print(&report);
                 write_json(json.as_deref(), &report)
             }
             BenchCommand::Replay(args) => {

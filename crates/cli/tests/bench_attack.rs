@@ -1,0 +1,45 @@
+//! `turbine bench attack` on a short run: a mutual-TLS stack (real Redis,
+//! mocker worker, router and gateway as processes) serves every legitimate
+//! request while attackers call the worker's Generate with the router's
+//! certificate, book on the router with a worker's, connect without a
+//! certificate, describe a made-up KV handle and write unsealed worker
+//! records into Redis pointing at a listener of theirs: every attempt is
+//! refused, the services count the wrong-role calls and the unsealed
+//! records, and no connection reaches the rogue listener. (Latency is the
+//! benchmark's to report, not this test's: docs/benchmarks.md.)
+
+use std::process::Command;
+
+use turbine_testkit::workspace_binary;
+
+#[test]
+fn every_attack_is_refused_and_counted_while_legitimate_requests_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("attack.json");
+    let output = Command::new(workspace_binary("turbine"))
+        .args(["bench", "attack", "--rounds", "1", "--requests-per-block", "24", "--attack-rate", "100", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{printed}\n{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["failed_requests"], 0, "{printed}");
+    assert_eq!(report["rogue_connections"], 0, "{printed}");
+    assert_eq!(report["unattacked"]["requests"], 24);
+    assert_eq!(report["attacked"]["requests"], 24);
+    let attacks = report["attacks"].as_array().unwrap();
+    assert_eq!(attacks.len(), 5);
+    for attack in attacks {
+        assert!(attack["attempts"].as_u64().unwrap() > 0, "{attack}");
+        assert_eq!(attack["unexpected"], 0, "{attack}");
+        assert_eq!(attack["refused"], attack["attempts"], "{attack}");
+    }
+    let counted = |series: &str| -> f64 {
+        report["counted"].as_array().unwrap().iter().filter(|entry| entry[0].as_str().unwrap().contains(series)).map(|entry| entry[1].as_f64().unwrap()).sum()
+    };
+    let attempts = |name: &str| attacks.iter().find(|attack| attack["attack"] == name).unwrap()["attempts"].as_f64().unwrap();
+    assert_eq!(counted("Worker/Generate\",reason=\"wrong_role\""), attempts("wrong_role_generate"), "{printed}");
+    assert_eq!(counted("Router/Route\",reason=\"wrong_role\""), attempts("wrong_role_route"), "{printed}");
+    assert!(counted("turbine_registry_refused_records_total{reason=\"unsigned\"}") > 0.0, "the router skipped the unsealed records: {printed}");
+}
