@@ -375,6 +375,18 @@ pub async fn run(args: AttackBenchArgs) -> anyhow::Result<AttackBenchReport> {
             if attacked { &mut loud } else { &mut quiet }.extend(samples);
         }
     }
+    // The rogue records live for 5 s: the router's next registry poll
+    // reads (and must skip) them, however short the attack was.
+    let rogue_writes = tallies[Attack::ALL.iter().position(|&attack| attack == Attack::RogueRecord).expect("an attack")].attempts.load(Relaxed);
+    let router_metrics = format!("{}/metrics", stack.router.admin_url());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rogue_writes > 0 && Instant::now() < deadline {
+        let page = http.get(&router_metrics).send().await?.text().await?;
+        if page.lines().any(|line| line.starts_with("turbine_registry_refused_records_total{reason=\"unsigned\"}")) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     rogue_task.abort();
     let mut counted = Vec::new();
     for (service, admin) in [("worker", stack.worker.admin_url()), ("router", stack.router.admin_url())] {
