@@ -22,13 +22,13 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{MODEL, post, until_listed, until_registered};
+use common::{MODEL, post, role_of, until_listed, until_registered};
 use serde_json::json;
 use serde_yaml::Value;
 use turbine_runtime::grpc::tls_channel;
 use turbine_runtime::host::Role;
 use turbine_runtime::trust::TlsConfig;
-use turbine_testkit::{ChildProcess, PostgresServer, STARTUP_TIMEOUT, ServiceProcess, wait_until, workspace_binary};
+use turbine_testkit::{ChildProcess, PostgresServer, STARTUP_TIMEOUT, ServiceProcess, free_port, wait_until, workspace_binary};
 
 /// The ports each kind of service listens on (in its container), and the
 /// flag that sets each one: what the replay moves to free ports.
@@ -43,18 +43,6 @@ fn listens(kind: &str) -> &'static [(&'static str, u16)] {
         "redis" => &[("--tls-port", 6379)],
         "postgres" => &[("", 5432)],
         other => panic!("compose.yaml runs a service of a kind this test does not know: {other}"),
-    }
-}
-
-fn role(kind: &str) -> Role {
-    match kind {
-        "worker" => Role::Worker,
-        "router" => Role::Router,
-        "kv-index" => Role::Index,
-        "kv-store" => Role::KvStore,
-        "planner" => Role::Planner,
-        "gateway" => Role::Gateway,
-        other => panic!("no role for {other}"),
     }
 }
 
@@ -178,11 +166,6 @@ fn mount(spec: &Spec, root: &Path, text: &str) -> String {
     text
 }
 
-/// A loopback port free now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../compose.yaml");
@@ -270,7 +253,7 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
                     std::fs::create_dir_all(root.path().join("volumes").join(volume)).unwrap();
                 }
                 let mut process = ServiceProcess::spawn(&spec.name, command, spec.kind == "gateway").await.unwrap();
-                process.until_serving(role(&spec.kind), "", STARTUP_TIMEOUT).await.unwrap_or_else(|error| panic!("{}: {error}", spec.name));
+                process.until_serving(role_of(&spec.kind), "", STARTUP_TIMEOUT).await.unwrap_or_else(|error| panic!("{}: {error}", spec.name));
                 services.insert(spec.name.clone(), process);
             }
             image if image.starts_with("redis:") => {

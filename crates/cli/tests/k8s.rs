@@ -6,26 +6,16 @@
 //! certificate and take their pod name as their worker id: the certificate
 //! admits any pod name of its Deployment and no other pool's.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
+use common::role_of;
 use serde::Deserialize;
 use serde_yaml::Value;
-use turbine_runtime::host::Role;
 use turbine_runtime::trust::TlsConfig;
 use turbine_testkit::workspace_binary;
-
-fn role(service: &str) -> Role {
-    match service {
-        "worker" => Role::Worker,
-        "router" => Role::Router,
-        "kv-index" => Role::Index,
-        "kv-store" => Role::KvStore,
-        "planner" => Role::Planner,
-        "gateway" => Role::Gateway,
-        other => panic!("a Deployment runs a service this test does not know: {other}"),
-    }
-}
 
 fn text(value: &Value) -> &str {
     value.as_str().unwrap_or_else(|| panic!("a string, got {value:?}"))
@@ -88,7 +78,7 @@ fn every_pod_speaks_mutual_tls_with_its_own_certificate() {
         };
         let tls = TlsConfig { tls_cert: Some(file("TURBINE_TLS_CERT")), tls_key: Some(file("TURBINE_TLS_KEY")), tls_ca: Some(file("TURBINE_TLS_CA")) };
         let peer = tls.load().unwrap().expect("certificates").peer().clone();
-        assert_eq!(peer.role, role(args[0]), "{name} holds the certificate of its role");
+        assert_eq!(peer.role, role_of(args[0]), "{name} holds the certificate of its role");
 
         if args[0] == "worker" {
             // Its worker id is its pod name, which its pool's certificate admits.
