@@ -202,7 +202,7 @@ pub async fn run(args: &KvStoreBenchArgs) -> anyhow::Result<KvStoreReport> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let fingerprint = Fingerprint::new(0x6b76_5f62_656e_6368).expect("nonzero");
+    let fingerprint = Fingerprint::declaring(0x656e_6368, u32::try_from(args.block_bytes).context("--block-bytes: at most 4 GiB")?);
     let batch = chain(1 << 32, args.blocks, args.block_bytes);
     let hashes: Vec<SequenceHash> = batch.iter().map(|(hash, _)| *hash).collect();
     let total = batch_bytes as f64;

@@ -187,7 +187,7 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
         listeners,
         shutdown.clone(),
     ));
-    let fingerprint = turbine_kv_store::Fingerprint::new(1).expect("nonzero");
+    let fingerprint = turbine_kv_store::Fingerprint::declaring(1, u32::try_from(block_bytes)?);
     let remote_over = |ucx: bool| -> anyhow::Result<RemoteTier> {
         let tier =
             KvStoreTier::new(turbine_api::kv_store::KvStoreClient::connect(&endpoint)?, fingerprint, Duration::from_secs(30), turbine_kv::UcxNetwork::Any);

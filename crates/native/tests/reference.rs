@@ -730,7 +730,7 @@ fn long_prefixes_onboarded_from_host_memory_disk_and_the_kv_store_give_the_compu
         let client = turbine_api::kv_store::KvStoreClient::connect(&endpoint).unwrap();
         let tier = turbine_worker::store_tier::KvStoreTier::new(
             client,
-            turbine_api::kv_store::Fingerprint::new(7).unwrap(),
+            turbine_api::kv_store::Fingerprint::declaring(7, 368_640),
             std::time::Duration::from_secs(60),
             turbine_worker::UcxNetwork::Off,
         );

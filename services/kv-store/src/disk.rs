@@ -47,8 +47,8 @@ struct Inner {
     dir: PathBuf,
     /// Each block's file.
     index: moka::sync::Cache<BlockKey, DiskEntry>,
-    /// Per fingerprint: its block size and how many blocks are on disk.
-    layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>>,
+    /// Per fingerprint: how many blocks are on disk.
+    layouts: Arc<Mutex<FxHashMap<Fingerprint, u64>>>,
     /// Each tenant's share of the files.
     fair: Arc<FairShare>,
     evicted_blocks: Arc<AtomicU64>,
@@ -77,7 +77,7 @@ impl DiskBlocks {
     /// there and deletes the rest.
     pub fn open(dir: &Path, capacity_bytes: u64) -> std::io::Result<Self> {
         let lock = block_file::lock_dir(dir, "Turbine kv-store")?;
-        let layouts: Arc<Mutex<FxHashMap<Fingerprint, (usize, u64)>>> = Arc::default();
+        let layouts: Arc<Mutex<FxHashMap<Fingerprint, u64>>> = Arc::default();
         let evicted_blocks = Arc::new(AtomicU64::new(0));
         let announcer = Announcer::new();
         let fair = Arc::new(FairShare::new(capacity_bytes));
@@ -102,7 +102,7 @@ impl DiskBlocks {
                     }
                     announcer.removed(key.fingerprint, key.sequence);
                     let mut layouts = layouts.lock();
-                    if let Some((_, blocks)) = layouts.get_mut(&key.fingerprint) {
+                    if let Some(blocks) = layouts.get_mut(&key.fingerprint) {
                         *blocks = blocks.saturating_sub(1);
                         if *blocks == 0 {
                             layouts.remove(&key.fingerprint);
@@ -130,8 +130,8 @@ impl DiskBlocks {
     }
 
     /// Indexes the sound files of every fingerprint's directory. A file in
-    /// the wrong directory, or of a size other than its fingerprint's
-    /// first, is deleted.
+    /// the wrong directory, or of a size other than its fingerprint
+    /// declares ([`Fingerprint::block_bytes`]), is deleted.
     fn rebuild(&self) -> std::io::Result<()> {
         let mut kept = 0u64;
         for entry in std::fs::read_dir(&self.inner.dir)? {
@@ -149,13 +149,10 @@ impl DiskBlocks {
                 continue;
             }
             for header in block_file::scan_dir(&path)? {
-                let fits = header.fingerprint == fingerprint.get() && {
-                    let mut layouts = self.inner.layouts.lock();
-                    let (size, blocks) = layouts.entry(fingerprint).or_insert((header.len as usize, 0));
-                    let fits = *size == header.len as usize;
-                    *blocks += u64::from(fits);
-                    fits
-                };
+                let fits = header.fingerprint == fingerprint.get() && fingerprint.block_bytes() == Some(header.len as usize);
+                if fits {
+                    *self.inner.layouts.lock().entry(fingerprint).or_default() += 1;
+                }
                 if fits {
                     self.inner.announcer.stored(fingerprint, header.sequence, header.local, header.parent);
                     let key = BlockKey { fingerprint, sequence: header.sequence };
@@ -178,11 +175,6 @@ impl DiskBlocks {
         &self.inner.announcer
     }
 
-    /// The block size of `fingerprint`'s blocks on disk, if it has any.
-    pub fn block_bytes(&self, fingerprint: Fingerprint) -> Option<usize> {
-        self.inner.layouts.lock().get(&fingerprint).map(|&(size, _)| size)
-    }
-
     /// Whether the tier holds `key`.
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.inner.index.contains_key(key)
@@ -200,7 +192,7 @@ impl DiskBlocks {
         match written {
             Ok(bytes) => {
                 // Counted before it is in, so that its eviction always finds it counted.
-                self.inner.layouts.lock().entry(key.fingerprint).or_insert((block.bytes.len(), 0)).1 += 1;
+                *self.inner.layouts.lock().entry(key.fingerprint).or_default() += 1;
                 // Announced before it is in, so that its removal always
                 // follows its announcement.
                 self.inner.announcer.stored(key.fingerprint, key.sequence, block.local, block.parent);

@@ -21,14 +21,17 @@ pub enum StoreError {
     /// A block's bytes do not match its checksum.
     #[error("block {0:016x}: its bytes do not match its checksum")]
     Corrupt(u64),
-    /// A block's size differs from the fingerprint's other blocks.
-    #[error("block {sequence:016x} is {got} bytes; blocks of fingerprint {fingerprint:016x} are {expected}")]
+    /// A fingerprint that declares no block size.
+    #[error("fingerprint {0:016x} declares no block size (its top 32 bits are the bytes of each block)")]
+    Undeclared(u64),
+    /// A block's size differs from the one its fingerprint declares.
+    #[error("block {sequence:016x} is {got} bytes; fingerprint {fingerprint:016x} declares blocks of {expected}")]
     WrongSize {
         /// The block.
         sequence: u64,
         /// Its fingerprint.
         fingerprint: u64,
-        /// The fingerprint's block size.
+        /// The size the fingerprint declares.
         expected: usize,
         /// This block's.
         got: usize,

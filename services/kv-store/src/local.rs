@@ -51,7 +51,7 @@ impl From<StoreError> for KvStoreError {
     fn from(error: StoreError) -> Self {
         match error {
             StoreError::TooLarge(..) => KvStoreError::Full(error.to_string()),
-            StoreError::Corrupt(_) | StoreError::WrongSize { .. } => KvStoreError::Invalid(error.to_string()),
+            StoreError::Corrupt(_) | StoreError::WrongSize { .. } | StoreError::Undeclared(_) => KvStoreError::Invalid(error.to_string()),
         }
     }
 }
@@ -148,6 +148,14 @@ impl LocalKvStore {
         let length = first.length;
         if length == 0 || blocks.iter().any(|block| block.length != length) {
             return Err(KvStoreError::Invalid("blocks: every block must have the same nonzero length".into()));
+        }
+        // Refused before a byte is read.
+        if fingerprint.block_bytes() != Some(length as usize) {
+            let error = match fingerprint.block_bytes() {
+                None => StoreError::Undeclared(fingerprint.get()),
+                Some(expected) => StoreError::WrongSize { sequence: first.sequence.0, fingerprint: fingerprint.get(), expected, got: length as usize },
+            };
+            return Err(error.into());
         }
         if length.saturating_mul(blocks.len() as u64) > MAX_PUT_FROM_BYTES {
             return Err(KvStoreError::Invalid(format!("blocks: more than {} MiB in one call", MAX_PUT_FROM_BYTES >> 20)));
@@ -287,7 +295,7 @@ mod tests {
     #[tokio::test]
     async fn in_process_callers_get_what_grpc_callers_get() {
         let local = LocalKvStore::new(Store::open(1 << 20, None, None), 4);
-        let fingerprint = Fingerprint::new(9).unwrap();
+        let fingerprint = Fingerprint::declaring(9, 256);
         let blocks: Vec<_> = (0..3).map(|n| block(n, 256)).collect();
         let hashes: Vec<SequenceHash> = blocks.iter().map(|(sequence, _)| *sequence).collect();
         assert_eq!(local.put(fingerprint, &blocks).await.unwrap(), PutOutcome { stored: 3, already_held: 0 });
@@ -310,11 +318,15 @@ mod tests {
         assert!(matches!(local.put(fingerprint, &[(SequenceHash(7), Arc::new(damaged))]).await, Err(KvStoreError::Invalid(_))));
         assert!(
             matches!(local.put(fingerprint, &[block(8, 512)]).await, Err(KvStoreError::Invalid(message)) if message.contains("512")),
-            "one size per fingerprint"
+            "the size the fingerprint declares"
+        );
+        assert!(
+            matches!(local.put(Fingerprint::new(9).unwrap(), &blocks).await, Err(KvStoreError::Invalid(message)) if message.contains("declares no block size")),
+            "a fingerprint that declares no size stores nothing"
         );
         assert!(matches!(local.lease(fingerprint, &hashes).await, Err(KvStoreError::NotServed(message)) if message.contains("read with Get")));
         assert!(matches!(local.put_from(fingerprint, &UcxRegion::default(), &blocks).await, Err(KvStoreError::NotServed(_))));
         let too_large: Vec<_> = vec![block(20, 4 << 20)];
-        assert!(matches!(local.put(Fingerprint::new(10).unwrap(), &too_large).await, Err(KvStoreError::Full(_))));
+        assert!(matches!(local.put(Fingerprint::declaring(10, 4 << 20), &too_large).await, Err(KvStoreError::Full(_))));
     }
 }

@@ -118,19 +118,12 @@ impl<'a> From<&'a HostBlock> for BlockRef<'a> {
     }
 }
 
-/// Per fingerprint: its block size and how many blocks are held.
-#[derive(Debug, Clone, Copy)]
-struct Layout {
-    block_bytes: usize,
-    blocks: u64,
-}
-
 /// The store. Cloning shares it.
 #[derive(Clone)]
 pub struct Store {
     blocks: moka::sync::Cache<BlockKey, Arc<MemoryBlock>>,
     arena: Arc<Arena>,
-    layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>>,
+    layouts: Arc<Mutex<FxHashMap<Fingerprint, u64>>>,
     counters: Arc<Counters>,
     fair: Arc<FairShare>,
     capacity_bytes: u64,
@@ -182,7 +175,7 @@ impl Store {
         // The lowest tier announces what the store holds.
         let announcer = disk.as_ref().map_or_else(Announcer::new, |disk| disk.announcer().clone());
         let memory_announces = disk.is_none().then(|| announcer.clone());
-        let layouts: Arc<Mutex<FxHashMap<Fingerprint, Layout>>> = Arc::default();
+        let layouts: Arc<Mutex<FxHashMap<Fingerprint, u64>>> = Arc::default();
         let counters = Arc::new(Counters::default());
         let fair = Arc::new(FairShare::new(capacity_bytes));
         let blocks = {
@@ -203,9 +196,9 @@ impl Store {
                             announcer.removed(key.fingerprint, key.sequence);
                         }
                         let mut layouts = layouts.lock();
-                        if let Some(layout) = layouts.get_mut(&key.fingerprint) {
-                            layout.blocks = layout.blocks.saturating_sub(1);
-                            if layout.blocks == 0 {
+                        if let Some(blocks) = layouts.get_mut(&key.fingerprint) {
+                            *blocks = blocks.saturating_sub(1);
+                            if *blocks == 0 {
                                 layouts.remove(&key.fingerprint);
                             }
                         }
@@ -253,7 +246,7 @@ impl Store {
     fn remember(&self, key: BlockKey, block: Arc<MemoryBlock>) -> bool {
         self.make_room_fairly(block.tenant, block.weight());
         // Counted before it is in, so that its eviction always finds it counted.
-        self.layouts.lock().entry(key.fingerprint).or_insert(Layout { block_bytes: block.slots.len(), blocks: 0 }).blocks += 1;
+        *self.layouts.lock().entry(key.fingerprint).or_default() += 1;
         let (tenant, stamp, weight) = (block.tenant, block.stamp, block.weight());
         self.fair.add(tenant, stamp, key, weight);
         let announce = self.disk.is_none();
@@ -268,8 +261,8 @@ impl Store {
         if entry.is_fresh() {
             return true;
         }
-        if let Some(layout) = self.layouts.lock().get_mut(&key.fingerprint) {
-            layout.blocks -= 1;
+        if let Some(blocks) = self.layouts.lock().get_mut(&key.fingerprint) {
+            *blocks -= 1;
         }
         self.fair.remove(tenant, stamp, weight);
         false
@@ -305,8 +298,9 @@ impl Store {
     /// [`put`](Self::put) with the blocks' bytes borrowed: copied straight
     /// into the arena (and to disk).
     pub fn put_refs(&self, fingerprint: Fingerprint, blocks: &[(SequenceHash, BlockRef<'_>)]) -> Result<PutOutcome, StoreError> {
-        let expected = self.layouts.lock().get(&fingerprint).map(|layout| layout.block_bytes).or_else(|| self.disk.as_ref()?.block_bytes(fingerprint));
-        let mut size = expected;
+        // The fingerprint declares its blocks' size; whoever stored first
+        // has no say.
+        let Some(expected) = fingerprint.block_bytes() else { return Err(StoreError::Undeclared(fingerprint.get())) };
         for (hash, block) in blocks {
             if block_checksum(block.bytes) != block.checksum {
                 return Err(StoreError::Corrupt(hash.0));
@@ -315,11 +309,8 @@ impl Store {
             if got as u64 + ENTRY_OVERHEAD > self.capacity_bytes {
                 return Err(StoreError::TooLarge(got, self.capacity_bytes));
             }
-            match size {
-                Some(expected) if expected != got => {
-                    return Err(StoreError::WrongSize { sequence: hash.0, fingerprint: fingerprint.get(), expected, got });
-                }
-                _ => size = Some(got),
+            if got != expected {
+                return Err(StoreError::WrongSize { sequence: hash.0, fingerprint: fingerprint.get(), expected, got });
             }
         }
         let mut outcome = PutOutcome::default();
@@ -519,8 +510,9 @@ mod tests {
         )
     }
 
+    /// The fingerprint `n` of blocks of 1,024 bytes.
     fn fp(n: u64) -> Fingerprint {
-        Fingerprint::new(n).unwrap()
+        Fingerprint::declaring(n, 1024)
     }
 
     fn hashes(range: std::ops::Range<u64>) -> Vec<SequenceHash> {
@@ -549,19 +541,19 @@ mod tests {
             )
         };
         let store = Store::new(1 << 20);
-        assert_eq!(store.put(fp(1), (0..3).map(|n| block(n, 64)).collect()), Ok(PutOutcome { stored: 3, already_held: 0 }));
+        assert_eq!(store.put(fp(1), (0..3).map(|n| block(n, 1024)).collect()), Ok(PutOutcome { stored: 3, already_held: 0 }));
         let before = conflicts();
-        assert_eq!(store.put(fp(1), vec![zeroed(1, 64)]), Ok(PutOutcome { stored: 0, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![zeroed(1, 1024)]), Ok(PutOutcome { stored: 0, already_held: 0 }));
         assert_eq!(conflicts() - before, 1);
         assert_eq!(store.get(fp(1), &hashes(0..3)).len(), 1, "the run stops where the disputed block was");
         // The forged block first, then the genuine one: the same.
-        assert_eq!(store.put(fp(1), vec![zeroed(1, 64)]), Ok(PutOutcome { stored: 1, already_held: 0 }));
-        assert_eq!(store.put(fp(1), vec![block(1, 64)]), Ok(PutOutcome { stored: 0, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![zeroed(1, 1024)]), Ok(PutOutcome { stored: 1, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![block(1, 1024)]), Ok(PutOutcome { stored: 0, already_held: 0 }));
         assert_eq!(conflicts() - before, 2);
         assert_eq!(store.get(fp(1), &hashes(0..3)).len(), 1);
         // Agreement is no conflict.
-        assert_eq!(store.put(fp(1), vec![block(1, 64)]), Ok(PutOutcome { stored: 1, already_held: 0 }));
-        assert_eq!(store.put(fp(1), vec![block(1, 64)]), Ok(PutOutcome { stored: 0, already_held: 1 }));
+        assert_eq!(store.put(fp(1), vec![block(1, 1024)]), Ok(PutOutcome { stored: 1, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![block(1, 1024)]), Ok(PutOutcome { stored: 0, already_held: 1 }));
         assert_eq!(conflicts() - before, 2);
         assert_eq!(store.get(fp(1), &hashes(0..3)).len(), 3);
 
@@ -661,11 +653,11 @@ mod tests {
     #[test]
     fn blocks_come_back_by_fingerprint_and_hash_only() {
         let store = Store::new(1 << 20);
-        assert_eq!(store.put(fp(1), (0..4).map(|n| block(n, 64)).collect()), Ok(PutOutcome { stored: 4, already_held: 0 }));
-        assert_eq!(store.put(fp(1), vec![block(0, 64)]), Ok(PutOutcome { stored: 0, already_held: 1 }));
+        assert_eq!(store.put(fp(1), (0..4).map(|n| block(n, 1024)).collect()), Ok(PutOutcome { stored: 4, already_held: 0 }));
+        assert_eq!(store.put(fp(1), vec![block(0, 1024)]), Ok(PutOutcome { stored: 0, already_held: 1 }));
         let got = store.get(fp(1), &hashes(0..6));
         assert_eq!(got.len(), 4, "the run stops at the first block not held");
-        assert_eq!(got[2].1.slots.to_vec(), &block(2, 64).1.bytes[..]);
+        assert_eq!(got[2].1.slots.to_vec(), &block(2, 1024).1.bytes[..]);
         assert!(store.get(fp(2), &hashes(0..4)).is_empty(), "another layout's blocks never mix");
         assert_eq!(store.lookup(fp(1), &[SequenceHash(1000), SequenceHash(5), SequenceHash(1002)]), (vec![true, false, true], 1));
         assert_eq!(store.delete(fp(1), &hashes(1..2)), 1);
@@ -678,13 +670,26 @@ mod tests {
     #[test]
     fn bad_blocks_are_refused_whole() {
         let store = Store::new(1 << 20);
-        let (hash, mut bad) = block(1, 64);
+        let (hash, mut bad) = block(1, 1024);
         bad.bytes[3] ^= 1;
-        assert_eq!(store.put(fp(1), vec![block(0, 64), (hash, bad)]), Err(StoreError::Corrupt(1001)));
+        assert_eq!(store.put(fp(1), vec![block(0, 1024), (hash, bad)]), Err(StoreError::Corrupt(1001)));
         assert_eq!(store.stats().memory.blocks, 0, "nothing of a refused put is stored");
-        store.put(fp(1), vec![block(0, 64)]).unwrap();
-        assert!(matches!(store.put(fp(1), vec![block(1, 32)]), Err(StoreError::WrongSize { expected: 64, got: 32, .. })));
+        store.put(fp(1), vec![block(0, 1024)]).unwrap();
+        assert!(matches!(store.put(fp(1), vec![block(1, 32)]), Err(StoreError::WrongSize { expected: 1024, got: 32, .. })));
         assert!(matches!(store.put(fp(2), vec![block(1, 2 << 20)]), Err(StoreError::TooLarge(..))));
+    }
+
+    /// A writer that stores first with another size than the fingerprint
+    /// declares fixes nothing: it is refused, and the declared size stored
+    /// after it; a fingerprint that declares no size stores nothing.
+    #[test]
+    fn the_fingerprint_not_the_first_writer_fixes_the_block_size() {
+        let store = Store::new(1 << 20);
+        assert!(matches!(store.put(fp(3), vec![block(0, 64)]), Err(StoreError::WrongSize { expected: 1024, got: 64, .. })));
+        assert_eq!(store.put(fp(3), vec![block(0, 1024)]), Ok(PutOutcome { stored: 1, already_held: 0 }));
+        let undeclared = Fingerprint::new(3).unwrap();
+        assert_eq!(store.put(undeclared, vec![block(0, 1024)]), Err(StoreError::Undeclared(3)));
+        assert_eq!(store.stats().memory.blocks, 1);
     }
 
     #[test]
@@ -713,14 +718,17 @@ mod tests {
             let store = Store::with_disk(4 * (1024 + ENTRY_OVERHEAD), DiskBlocks::open(dir.path(), 1 << 20).unwrap());
             assert!(DiskBlocks::open(dir.path(), 1 << 20).is_err(), "a second store cannot use the directory");
             assert_eq!(store.put(fp(1), (0..10).map(|n| block(n, 1024)).collect()).unwrap().stored, 10);
-            assert_eq!(store.put(fp(2), vec![block(0, 512)]).unwrap().stored, 1);
+            assert_eq!(store.put(fp(2), vec![block(0, 1024)]).unwrap().stored, 1);
             let stats = store.stats();
             assert_eq!((stats.memory.blocks, stats.disk.blocks), (4, 11), "{stats:?}");
             assert_eq!(store.put(fp(1), vec![block(0, 1024)]).unwrap().already_held, 1, "held on disk only");
             let run = store.get(fp(1), &hashes(0..10));
             assert_eq!(run.len(), 10, "evicted from memory, read back from disk");
             assert_eq!(run[3].1.slots.to_vec(), &block(3, 1024).1.bytes[..]);
-            assert!(matches!(store.put(fp(1), vec![block(20, 64)]), Err(StoreError::WrongSize { expected: 1024, .. })), "the size of blocks on disk counts");
+            assert!(
+                matches!(store.put(fp(1), vec![block(20, 64)]), Err(StoreError::WrongSize { expected: 1024, got: 64, .. })),
+                "the declared size holds after a restart"
+            );
         }
         // A torn file and a leftover .tmp, as after a crash.
         let store = Store::with_disk(1 << 20, DiskBlocks::open(dir.path(), 1 << 20).unwrap());
@@ -801,7 +809,7 @@ mod tests {
         let disk = store.stats().disk;
         assert_eq!((disk.blocks, disk.evicted_blocks), (5, 15), "{disk:?}");
         assert!(disk.bytes <= disk.capacity_bytes);
-        let files = std::fs::read_dir(dir.path().join(format!("{:016x}", 1))).unwrap().count();
+        let files = std::fs::read_dir(dir.path().join(format!("{:016x}", fp(1).get()))).unwrap().count();
         assert_eq!(files, 5, "evicted blocks' files are deleted");
     }
 }

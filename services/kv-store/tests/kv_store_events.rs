@@ -15,7 +15,8 @@ use turbine_kv_log::{EventLog, FollowerStatus, follow};
 use turbine_runtime::CancellationToken;
 use turbine_testkit::{RedisServer, STARTUP_TIMEOUT, ServiceProcess, wait_until};
 
-const FINGERPRINT: u64 = 7;
+/// Blocks of 4,096 bytes.
+const FINGERPRINT: u64 = Fingerprint::declaring(7, 4096).get();
 
 async fn start(redis: &RedisServer, disk: &std::path::Path) -> (ServiceProcess, KvStoreClient) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-kv-store"));

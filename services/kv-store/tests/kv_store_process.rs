@@ -41,8 +41,9 @@ fn block(n: u64) -> (SequenceHash, Arc<HostBlock>) {
     )
 }
 
+/// The fingerprint `n` of blocks of `BLOCK_BYTES`.
 fn fp(n: u64) -> Fingerprint {
-    Fingerprint::new(n).unwrap()
+    Fingerprint::declaring(n, BLOCK_BYTES as u32)
 }
 
 fn code(error: KvStoreError) -> Code {
@@ -170,7 +171,7 @@ async fn bad_requests_are_refused_and_the_store_keeps_serving() {
     let (hash, good) = block(1);
     let mut wire = pb::Block { sequence_hash: hash.0, local_hash: 1, parent_hash: None, checksum: good.checksum, tenant: 0, data: good.bytes.to_vec() };
     wire.data[10] ^= 1;
-    let status = raw.put(tokio_stream::iter([pb::PutRequest { fingerprint: 3, blocks: vec![wire] }])).await.unwrap_err();
+    let status = raw.put(tokio_stream::iter([pb::PutRequest { fingerprint: fp(3).get(), blocks: vec![wire] }])).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("checksum"), "{status:?}");
 
@@ -192,7 +193,16 @@ async fn bad_requests_are_refused_and_the_store_keeps_serving() {
         bytes: vec![1, 2, 3].into(),
         tenant: turbine_kv::KvTenant::SHARED,
     };
-    assert_eq!(code(client.put(fp(3), &[(SequenceHash(2), Arc::new(small))]).await.unwrap_err()), Code::InvalidArgument);
+    let small = Arc::new(small);
+    assert_eq!(code(client.put(fp(3), &[(SequenceHash(2), small.clone())]).await.unwrap_err()), Code::InvalidArgument);
+    // A first writer of another size than the fingerprint declares fixes
+    // nothing: the declared size is stored after it.
+    let status = client.put(fp(5), &[(SequenceHash(2), small.clone())]).await.unwrap_err();
+    assert!(matches!(&status, KvStoreError::Invalid(message) if message.contains("declares blocks of")), "{status:?}");
+    assert_eq!(client.put(fp(5), &[block(1)]).await.unwrap().stored, 1);
+    // A fingerprint that declares no size stores nothing.
+    let status = client.put(Fingerprint::new(5).unwrap(), &[block(1)]).await.unwrap_err();
+    assert!(matches!(&status, KvStoreError::Invalid(message) if message.contains("declares no block size")), "{status:?}");
 
     // More hashes than one call may name.
     let status = raw.get(pb::GetRequest { fingerprint: 3, sequence_hashes: (0..1001).collect() }).await.unwrap_err();

@@ -101,14 +101,16 @@ impl Worker {
             disk_bytes_per_sec: engine_config.mock_disk_gbps * 1e9 * engine_config.speedup,
             remote_bytes_per_sec: engine_config.mock_remote_gbps * 1e9 * engine_config.speedup,
         });
+        // The layout's description, and the bytes of each of its blocks
+        // as tiers hold them (the mocker's: stamps for the modelled bytes).
         let layout = match (&memory, &modelled) {
-            (Some(memory), _) => Some(format!("{:?}", memory.layout())),
-            (None, Some(modelled)) => Some(format!("mock, {} bytes per block", modelled.block_bytes)),
+            (Some(memory), _) => Some((format!("{:?}", memory.layout()), memory.layout().block_bytes as u64)),
+            (None, Some(modelled)) => Some((format!("mock, {} bytes per block", modelled.block_bytes), turbine_engine::tiers::STAMP_BYTES as u64)),
             (None, None) => None,
         };
         let host = match (engine_config.host_cache_mib, layout.clone()) {
             (0, _) => None,
-            (mib, Some(layout)) => {
+            (mib, Some((layout, _))) => {
                 let disk = match &engine_config.disk_cache_dir {
                     Some(dir) => {
                         let dir = dir.join(id.to_string());
@@ -136,12 +138,18 @@ impl Worker {
         let in_process = kv_store;
         let mut kv_store = None;
         let remote = match (&engine_config.kv_store, &host, layout) {
-            (Some(endpoint), Some(_), Some(layout)) => {
+            (Some(endpoint), Some(_), Some((layout, block_bytes))) => {
                 let client = match in_process {
                     Some(client) => client,
                     None => KvStoreClient::connect(endpoint)?,
                 };
-                let fingerprint = Fingerprint::new(shared_fingerprint(&model.path, &layout, &scheduler)).context("a zero layout fingerprint")?;
+                let block_bytes = u32::try_from(block_bytes)
+                    .ok()
+                    .filter(|&bytes| bytes > 0)
+                    .with_context(|| format!("a KV block of {block_bytes} bytes cannot be shared"))?;
+                // The fingerprint declares the blocks' size: the store
+                // checks every block against it, whoever stores first.
+                let fingerprint = Fingerprint::declaring(shared_fingerprint(&model.path, &layout, &scheduler), block_bytes);
                 kv_store = Some(SharedStore { client: client.clone(), endpoint: endpoint.clone(), fingerprint, name: std::sync::OnceLock::new() });
                 let tier = KvStoreTier::new(client, fingerprint, Duration::from_millis(engine_config.kv_store_timeout_ms), ucx.clone());
                 tracing::info!(kv_store = %endpoint, fingerprint = format!("{:016x}", fingerprint.get()), offload = ?engine_config.kv_store_offload, "shared KV tier on");

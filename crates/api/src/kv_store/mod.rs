@@ -13,7 +13,11 @@ pub use client::MockKvStoreApi;
 pub use client::{GrpcKvStore, KvStoreApi, KvStoreClient, KvStoreError, MAX_PUT_FROM_BYTES, ROLE, block_from_pb, block_message, block_to_pb};
 
 /// Model and KV layout of a block's bytes (nonzero): blocks of different
-/// fingerprints never mix.
+/// fingerprints never mix. A fingerprint's top 32 bits declare the bytes
+/// of each of its blocks ([`declaring`](Self::declaring)): the store
+/// refuses every block of another size, so no writer, first or not,
+/// decides the size for the others. One below 2^32 declares none; the
+/// store serves it no blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Fingerprint(u64);
 
@@ -23,8 +27,21 @@ impl Fingerprint {
         (value != 0).then_some(Self(value))
     }
 
+    /// The fingerprint of blocks of `block_bytes` (nonzero) each, of the
+    /// model and layout that hash to `identity` (its low 32 bits count).
+    pub const fn declaring(identity: u64, block_bytes: u32) -> Self {
+        assert!(block_bytes > 0, "a fingerprint declares blocks of at least one byte");
+        Self(((block_bytes as u64) << 32) | (identity & 0xffff_ffff))
+    }
+
+    /// The bytes of each block it declares (None: it declares none).
+    pub fn block_bytes(self) -> Option<usize> {
+        let bytes = (self.0 >> 32) as usize;
+        (bytes > 0).then_some(bytes)
+    }
+
     /// Its value.
-    pub fn get(self) -> u64 {
+    pub const fn get(self) -> u64 {
         self.0
     }
 }

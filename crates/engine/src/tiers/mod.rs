@@ -192,9 +192,13 @@ impl ModelledTransfer {
     }
 }
 
+/// The bytes of a modelled block as tiers and the kv-store hold it
+/// ([`ModelledTransfer`]): its two hashes.
+pub const STAMP_BYTES: usize = 16;
+
 /// A modelled block: its hashes, standing in for its bytes.
 fn stamp(hashes: BlockHashes, parent: Option<SequenceHash>) -> HostBlock {
-    let mut bytes = [0u8; 16];
+    let mut bytes = [0u8; STAMP_BYTES];
     bytes[..8].copy_from_slice(&hashes.sequence.0.to_le_bytes());
     bytes[8..].copy_from_slice(&hashes.local.0.to_le_bytes());
     HostBlock { local: hashes.local, parent, checksum: block_checksum(&bytes), bytes: bytes.into(), tenant: turbine_kv::KvTenant::SHARED }
