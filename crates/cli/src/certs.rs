@@ -33,6 +33,16 @@ pub struct CertsArgs {
     /// its pool's ids, and every pod of the pool holds the same key.
     #[arg(long = "worker-pool", value_name = "NAME")]
     pub pools: Vec<String>,
+    /// Limits the certificate of a --worker ID or --worker-pool NAME to
+    /// one KV tenant more, as HOLDER=TENANT, repeatable. TENANT is
+    /// tenant:NAME (an API key's tenant), shared:NAME (a shared prefix
+    /// namespace keys opt into) or open (a deployment without keys). The
+    /// kv-store then takes from that worker only those tenants' blocks and
+    /// shows it only theirs (a pool serving one tenant can neither poison
+    /// nor read another's); a worker certificate with none may write every
+    /// tenant's.
+    #[arg(long = "worker-tenant", value_name = "HOLDER=TENANT")]
+    pub worker_tenants: Vec<String>,
     /// Days the certificates are valid, from now.
     #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=3650))]
     pub days: u32,
@@ -62,6 +72,16 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
         let valid = !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
         anyhow::ensure!(valid, "{flag} {id:?}: a worker id or pool is letters, digits, '.', '_' or '-'");
     }
+    let mut kv_tenants: std::collections::BTreeMap<&str, Vec<String>> = std::collections::BTreeMap::new();
+    for spec in &args.worker_tenants {
+        let (holder, tenant) = spec.split_once('=').with_context(|| format!("--worker-tenant {spec:?}: HOLDER=TENANT"))?;
+        anyhow::ensure!(
+            args.workers.iter().chain(&args.pools).any(|named| named == holder),
+            "--worker-tenant {spec:?}: {holder:?} is neither a --worker nor a --worker-pool"
+        );
+        let tenant: turbine_api::KvTenant = tenant.parse().map_err(|error: String| anyhow::anyhow!("--worker-tenant {spec:?}: {error}"))?;
+        kv_tenants.entry(holder).or_default().push(turbine_runtime::trust::kv_tenant_uri(tenant.get()));
+    }
     let out = &args.out;
     std::fs::create_dir_all(out.join("workers")).with_context(|| format!("cannot make {}", out.display()))?;
     let ca_cert = out.join("ca.crt");
@@ -81,12 +101,19 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
     let issuer = Issuer::from_params(&ca, &ca_key);
 
     let mut holders = Vec::new();
-    let roles = Role::ALL.into_iter().map(|role| (role, role.as_str().to_owned(), out.join(role.as_str())));
-    let workers = args.workers.iter().map(|id| (Role::Worker, id.clone(), out.join("workers").join(id)));
-    let pools = args.pools.iter().map(|pool| (Role::Worker, format!("{pool}{}", turbine_runtime::trust::POOL_SUFFIX), out.join("workers").join(pool)));
-    for (role, name, stem) in roles.chain(workers).chain(pools) {
+    let tenants_of = |holder: &str| kv_tenants.get(holder).cloned().unwrap_or_default();
+    let roles = Role::ALL.into_iter().map(|role| (role, role.as_str().to_owned(), out.join(role.as_str()), Vec::new()));
+    let workers = args.workers.iter().map(|id| (Role::Worker, id.clone(), out.join("workers").join(id), tenants_of(id)));
+    let pools = args
+        .pools
+        .iter()
+        .map(|pool| (Role::Worker, format!("{pool}{}", turbine_runtime::trust::POOL_SUFFIX), out.join("workers").join(pool), tenants_of(pool)));
+    for (role, name, stem, uris) in roles.chain(workers).chain(pools) {
         let key = KeyPair::generate().context("a key")?;
         let mut params = CertificateParams::new(vec![role.dns_name()]).context("certificate parameters")?;
+        for uri in uris {
+            params.subject_alt_names.push(rcgen::SanType::URI(uri.as_str().try_into().context("a KV tenant's name")?));
+        }
         params.distinguished_name.push(DnType::CommonName, name.as_str());
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];

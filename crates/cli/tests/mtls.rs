@@ -338,3 +338,111 @@ async fn a_whole_deployment_serves_with_mutual_tls_on_every_hop() {
     planner_client.get_plan(turbine_proto::planner::v1::GetPlanRequest::default()).await.expect("the operator reads the plan");
     drop((gateways, routers, planner, workers, store, index, redis));
 }
+
+/// A worker certificate limited to KV tenants (`turbine certs
+/// --worker-tenant`): the kv-store, over mutual TLS, takes from it only
+/// its tenants' blocks (anything else is refused whole with
+/// PERMISSION_DENIED naming the tenant, and counted) and shows it only
+/// theirs (Get, Lookup and Lease end where another tenant's block is),
+/// while a worker's certificate that names no tenant writes and reads
+/// every tenant's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_limited_to_tenants_can_neither_write_nor_read_another_tenants_blocks() {
+    use turbine_kv::KvTenant;
+    use turbine_proto::kvstore::v1 as kv;
+
+    let dir = tempfile::tempdir().unwrap();
+    let output = std::process::Command::new(workspace_binary("turbine"))
+        .args(["certs", "--worker", "acme-0", "--worker", "any-0", "--worker-tenant", "acme-0=tenant:acme", "--worker-tenant", "acme-0=shared:system"])
+        .arg("--out")
+        .arg(dir.path())
+        .output()
+        .expect("turbine certs runs");
+    assert!(output.status.success(), "turbine certs: {}", String::from_utf8_lossy(&output.stderr));
+    let refused = std::process::Command::new(workspace_binary("turbine"))
+        .args(["certs", "--worker", "acme-0", "--worker-tenant", "bravo-0=tenant:bravo"])
+        .arg("--out")
+        .arg(dir.path().join("again"))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("neither a --worker"), "a tenant for a holder not made");
+    tls(dir.path(), "operator").establish().unwrap().expect("an identity");
+    let args: Vec<String> = ["--memory-mib", "16"].into_iter().map(String::from).chain(flags(&tls(dir.path(), "kv-store"))).collect();
+    let store = service("turbine-kv-store", &args.iter().map(String::as_str).collect::<Vec<_>>(), &[], false).await;
+    let as_worker = |id: &str| {
+        let trust = tls(dir.path(), &format!("workers/{id}")).load().unwrap().unwrap();
+        kv::kv_store_client::KvStoreClient::new(tls_channel(&store.grpc_endpoint(), &trust, Role::KvStore).unwrap())
+    };
+    let (mut acme, mut any) = (as_worker("acme-0"), as_worker("any-0"));
+
+    const BLOCK: usize = 256;
+    let fingerprint = turbine_api::kv_store::Fingerprint::declaring(11, BLOCK as u32).get();
+    let block = |n: u64, tenant: KvTenant| {
+        let data: Vec<u8> = (0..BLOCK).map(|i| (i as u64 * 3 + n) as u8).collect();
+        kv::Block {
+            sequence_hash: 0x100 + n,
+            local_hash: n,
+            parent_hash: n.checked_sub(1).map(|p| 0x100 + p),
+            checksum: turbine_kv::block_checksum(&data),
+            tenant: tenant.get(),
+            data,
+        }
+    };
+    let put = |blocks: Vec<kv::Block>| tokio_stream::iter([kv::PutRequest { fingerprint, blocks }]);
+    let (acme_tenant, system, bravo) = (KvTenant::of_tenant("acme"), KvTenant::of_shared("system"), KvTenant::of_tenant("bravo"));
+    let refusals = async || turbine_testkit::metric_where(&store.admin_url(), "turbine_kv_store_tenant_refused_blocks_total", &[("op", "write")]).await;
+
+    // Its tenants' blocks are stored; a call with one block of another
+    // tenant is refused whole.
+    assert_eq!(acme.put(put(vec![block(0, acme_tenant), block(1, system)])).await.unwrap().into_inner().stored, 2);
+    let denied = acme.put(put(vec![block(2, acme_tenant), block(3, bravo)])).await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+    assert!(denied.message().contains(&format!("{:016x}", bravo.get())) && denied.message().contains("acme-0"), "{}", denied.message());
+    assert_eq!(refusals().await, 1.0, "the refused block counted");
+    let open = acme.put(put(vec![block(2, KvTenant::SHARED)])).await.unwrap_err();
+    assert_eq!(open.code(), Code::PermissionDenied, "the open namespace is a tenant it was not given");
+
+    // A worker whose certificate names no tenant writes any tenant's: bravo's
+    // blocks 2 and 3 follow acme's 0 and 1 in one chain of hashes.
+    assert_eq!(any.put(put(vec![block(2, bravo), block(3, bravo)])).await.unwrap().into_inner().stored, 2);
+    let hashes: Vec<u64> = (0..4).map(|n| 0x100 + n).collect();
+    let run = |client: &mut kv::kv_store_client::KvStoreClient<_>| {
+        let mut client = client.clone();
+        let request = kv::GetRequest { fingerprint, sequence_hashes: hashes.clone() };
+        async move {
+            let mut stream = client.get(request).await.unwrap().into_inner();
+            let mut got = Vec::new();
+            while let Some(message) = stream.message().await.unwrap() {
+                got.push(message.block.unwrap().sequence_hash);
+            }
+            got
+        }
+    };
+    assert_eq!(run(&mut any).await, hashes, "every tenant's blocks for the unlimited worker");
+    assert_eq!(run(&mut acme).await, hashes[..2], "the limited worker's run ends at bravo's first block");
+    let lookup = |client: &mut kv::kv_store_client::KvStoreClient<_>| {
+        let mut client = client.clone();
+        let request = kv::LookupRequest { fingerprint, sequence_hashes: hashes.clone() };
+        async move { client.lookup(request).await.unwrap().into_inner() }
+    };
+    let seen = lookup(&mut acme).await;
+    assert_eq!((seen.present, seen.leading), (vec![true, true, false, false], 2), "bravo's blocks are not held for acme's worker");
+    assert_eq!(lookup(&mut any).await.leading, 4);
+    let hidden = turbine_testkit::metric_where(&store.admin_url(), "turbine_kv_store_tenant_refused_blocks_total", &[("op", "read")]).await;
+    assert!(hidden >= 3.0, "the blocks hidden from it counted: {hidden}");
+
+    // Over UCX the same: a lease grants only the blocks it may read.
+    match acme.lease(kv::LeaseRequest { fingerprint, sequence_hashes: hashes.clone() }).await {
+        Ok(lease) => {
+            let lease = lease.into_inner();
+            assert_eq!(lease.blocks.iter().map(|block| block.sequence_hash).collect::<Vec<_>>(), hashes[..2]);
+            acme.release(kv::ReleaseRequest { lease_id: lease.lease_id }).await.unwrap();
+            let staged = kv::StagedBlock { sequence_hash: 0x200, local_hash: 1, length: BLOCK as u64, tenant: bravo.get(), ..Default::default() };
+            let region = Some(kv::UcxRegion { length: 1 << 20, ..Default::default() });
+            let denied = acme.put_from(kv::PutFromRequest { fingerprint, region, blocks: vec![staged] }).await.unwrap_err();
+            assert_eq!(denied.code(), Code::PermissionDenied, "refused before a byte is read: {denied:?}");
+        }
+        Err(status) => assert_eq!(status.code(), Code::FailedPrecondition, "a store without UCX: {status:?}"),
+    }
+    drop(store);
+}

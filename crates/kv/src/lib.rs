@@ -114,9 +114,35 @@ impl KvTenant {
         Self(CacheSalt::of(&named).get())
     }
 
+    /// The tenant an API key names (the gateway's requests of its keys).
+    pub fn of_tenant(name: &str) -> Self {
+        Self::of(&["tenant", name])
+    }
+
+    /// A shared prefix namespace's own (keys that opt into sharing it).
+    pub fn of_shared(name: &str) -> Self {
+        Self::of(&["shared", name])
+    }
+
     /// The wire value.
     pub const fn get(self) -> u64 {
         self.0
+    }
+}
+
+/// A tenant as an operator names it: `open` (the shared namespace of a
+/// deployment without keys), `tenant:NAME` (an API key's tenant) or
+/// `shared:NAME` (a shared prefix namespace).
+impl std::str::FromStr for KvTenant {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.split_once(':') {
+            _ if text == "open" => Ok(Self::SHARED),
+            Some(("tenant", name)) if !name.is_empty() => Ok(Self::of_tenant(name)),
+            Some(("shared", name)) if !name.is_empty() => Ok(Self::of_shared(name)),
+            _ => Err(format!("{text:?}: a KV tenant is open, tenant:NAME or shared:NAME")),
+        }
     }
 }
 
@@ -229,6 +255,17 @@ mod tests {
         assert_eq!(blocks[0].sequence.0, 0x4ca6490661395090);
         assert_eq!(blocks[1].local.0, 0x7d8b6f9b721bb4ad);
         assert_eq!(blocks[1].sequence.0, 0xe9ed5b2665b2b029);
+    }
+
+    #[test]
+    fn operators_name_tenants_as_the_gateway_charges_them() {
+        assert_eq!("open".parse(), Ok(KvTenant::SHARED));
+        assert_eq!("tenant:acme".parse(), Ok(KvTenant::of_tenant("acme")));
+        assert_eq!("shared:system:v2".parse(), Ok(KvTenant::of_shared("system:v2")), "a name may hold a colon");
+        assert_ne!(KvTenant::of_tenant("acme"), KvTenant::of_shared("acme"));
+        for bad in ["acme", "tenant:", "shared:", "user:acme", ""] {
+            assert!(bad.parse::<KvTenant>().unwrap_err().contains("tenant:NAME"), "{bad:?}");
+        }
     }
 
     #[test]

@@ -35,6 +35,17 @@ use crate::signed::{Signer, Verifier};
 /// The suffix of a role's DNS name (`router.turbine`).
 pub const ROLE_DOMAIN: &str = "turbine";
 
+/// The start of a URI name in a worker's certificate that limits the KV
+/// tenants whose blocks it may write and read in the kv-store: the rest is
+/// the tenant's 16 hex digits (`turbine certs --worker-tenant`).
+pub const KV_TENANT_URI: &str = "turbine:kv-tenant:";
+
+/// The URI name that allows a worker the KV tenant whose wire value is
+/// `tenant` ([`KV_TENANT_URI`]).
+pub fn kv_tenant_uri(tenant: u64) -> String {
+    format!("{KV_TENANT_URI}{tenant:016x}")
+}
+
 /// Longest a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -113,6 +124,9 @@ pub struct Peer {
     pub role: Role,
     /// Its name (the subject's common name; empty when it has none).
     pub name: String,
+    /// The KV tenants (wire values) its certificate limits it to, by
+    /// [`KV_TENANT_URI`] names; None: it names none, so any tenant.
+    pub kv_tenants: Option<Arc<[u64]>>,
 }
 
 impl std::fmt::Display for Peer {
@@ -148,12 +162,21 @@ impl Peer {
         let (_, certificate) = x509_parser::parse_x509_certificate(der).map_err(|error| CertificateError::Unparsable(error.to_string()))?;
         let names = certificate.subject_alternative_name().map_err(|error| CertificateError::BadNames(error.to_string()))?;
         let suffix = format!(".{ROLE_DOMAIN}");
-        let mut roles = Vec::new();
+        let (mut roles, mut kv_tenants) = (Vec::new(), Vec::new());
         for name in names.iter().flat_map(|names| names.value.general_names.iter()) {
-            if let x509_parser::extensions::GeneralName::DNSName(dns) = name
-                && let Some(role) = dns.strip_suffix(&suffix)
-            {
-                roles.push(role.parse::<Role>().map_err(|role| CertificateError::UnknownRole { name: (*dns).to_owned(), role })?);
+            match name {
+                x509_parser::extensions::GeneralName::DNSName(dns) => {
+                    if let Some(role) = dns.strip_suffix(&suffix) {
+                        roles.push(role.parse::<Role>().map_err(|role| CertificateError::UnknownRole { name: (*dns).to_owned(), role })?);
+                    }
+                }
+                x509_parser::extensions::GeneralName::URI(uri) => {
+                    if let Some(hex) = uri.strip_prefix(KV_TENANT_URI) {
+                        let tenant = u64::from_str_radix(hex, 16).ok().filter(|_| hex.len() == 16);
+                        kv_tenants.push(tenant.ok_or_else(|| CertificateError::BadNames(format!("{uri:?}: a KV tenant is 16 hex digits")))?);
+                    }
+                }
+                _ => {}
             }
         }
         let role = match roles.as_slice() {
@@ -162,7 +185,8 @@ impl Peer {
             _ => return Err(CertificateError::ManyRoles(roles.len())),
         };
         let name = certificate.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).unwrap_or_default().to_owned();
-        Ok(Peer { role, name })
+        let kv_tenants = (!kv_tenants.is_empty()).then(|| kv_tenants.into());
+        Ok(Peer { role, name, kv_tenants })
     }
 }
 
@@ -505,7 +529,7 @@ mod tests {
 
     #[test]
     fn a_worker_is_its_own_id_and_a_pool_its_members() {
-        let worker = |name: &str| Peer { role: Role::Worker, name: name.into() };
+        let worker = |name: &str| Peer { role: Role::Worker, name: name.into(), kv_tenants: None };
         assert!(worker("worker-0").is_worker("worker-0"));
         assert!(!worker("worker-0").is_worker("worker-01") && !worker("worker-0").is_worker("worker-1"));
         let pool = worker("turbine-worker-prefill-*");
@@ -514,7 +538,7 @@ mod tests {
             assert!(!pool.is_worker(other), "{other:?}");
         }
         assert!(!worker("*").is_worker("anything"), "a bare star names no pool");
-        assert!(!Peer { role: Role::Router, name: "worker-0".into() }.is_worker("worker-0"), "only a worker's certificate");
+        assert!(!Peer { role: Role::Router, name: "worker-0".into(), kv_tenants: None }.is_worker("worker-0"), "only a worker's certificate");
     }
 
     #[test]

@@ -16,7 +16,7 @@ fn a_sealed_record_names_its_writer() {
     let seal = worker.signer().seal(record).unwrap();
     assert_eq!(seal.scheme, 0x0403, "ECDSA P-256 SHA-256, the key turbine certs makes");
     let writer = router.verifier().verify(record, &seal).unwrap();
-    assert_eq!(writer, Peer { role: Role::Worker, name: "worker-0".into() });
+    assert_eq!(writer, Peer { role: Role::Worker, name: "worker-0".into(), kv_tenants: None });
     // Again, from the remembered certificate.
     assert_eq!(router.verifier().verify(record, &seal).unwrap(), writer);
     // A seal survives JSON.

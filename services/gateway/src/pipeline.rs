@@ -98,8 +98,8 @@ impl Namespace {
     pub fn kv_tenant(&self) -> KvTenant {
         match self {
             Namespace::Open => KvTenant::SHARED,
-            Namespace::Tenant(tenant) => KvTenant::of(&["tenant", tenant]),
-            Namespace::Shared(name) => KvTenant::of(&["shared", name]),
+            Namespace::Tenant(tenant) => KvTenant::of_tenant(tenant),
+            Namespace::Shared(name) => KvTenant::of_shared(name),
         }
     }
 }

@@ -175,6 +175,11 @@ impl DiskBlocks {
         &self.inner.announcer
     }
 
+    /// Whose block `key` is, if the tier holds it.
+    pub fn tenant_of(&self, key: &BlockKey) -> Option<KvTenant> {
+        self.inner.index.get(key).map(|entry| entry.tenant)
+    }
+
     /// Whether the tier holds `key`.
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.inner.index.contains_key(key)

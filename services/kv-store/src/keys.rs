@@ -2,7 +2,10 @@
 //! blocks: the words the store, its disk tier, its data path, its gRPC
 //! shell and its client share.
 
-use turbine_kv::SequenceHash;
+use std::sync::Arc;
+
+use turbine_kv::{KvTenant, SequenceHash};
+use turbine_runtime::trust::Peer;
 
 pub use turbine_api::kv_store::Fingerprint;
 
@@ -39,4 +42,56 @@ pub enum StoreError {
     /// A block larger than the whole store.
     #[error("a block of {0} bytes does not fit the store's memory ({1} bytes)")]
     TooLarge(usize, u64),
+}
+
+/// Whose blocks a caller may write and read: every tenant's, or only the
+/// tenants its worker certificate names (`turbine certs --worker-tenant`:
+/// a pool that serves one tenant cannot write, nor read, another's blocks
+/// in the shared store). Plaintext callers and certificates naming no
+/// tenant are [`Any`](Self::Any).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum TenantScope {
+    /// Every tenant's blocks.
+    #[default]
+    Any,
+    /// Only these tenants' (wire values).
+    Only {
+        /// Who the certificate names (for the refusal's words).
+        holder: String,
+        /// The tenants.
+        tenants: Arc<[u64]>,
+    },
+}
+
+impl TenantScope {
+    /// The scope of a caller authenticated as `peer` (None: plaintext).
+    pub fn of(peer: Option<&Peer>) -> Self {
+        match peer.and_then(|peer| Some((peer.name.clone(), peer.kv_tenants.clone()?))) {
+            Some((holder, tenants)) => Self::Only { holder, tenants },
+            None => Self::Any,
+        }
+    }
+
+    /// Whether the caller may write and read `tenant`'s blocks.
+    pub fn allows(&self, tenant: KvTenant) -> bool {
+        match self {
+            Self::Any => true,
+            Self::Only { tenants, .. } => tenants.contains(&tenant.get()),
+        }
+    }
+
+    /// Why the caller may not write block `sequence` of `tenant`.
+    pub fn refusal(&self, sequence: SequenceHash, tenant: KvTenant) -> String {
+        let (holder, tenants) = match self {
+            Self::Any => ("", &[][..]),
+            Self::Only { holder, tenants } => (holder.as_str(), &tenants[..]),
+        };
+        let allowed: Vec<String> = tenants.iter().map(|tenant| format!("{tenant:016x}")).collect();
+        format!(
+            "block {:016x} is charged to KV tenant {:016x}; the certificate of {holder:?} allows only KV tenants [{}]",
+            sequence.0,
+            tenant.get(),
+            allowed.join(", ")
+        )
+    }
 }

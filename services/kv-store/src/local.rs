@@ -12,9 +12,37 @@ use turbine_api::UcxRegion;
 use turbine_api::kv_store::{KvStoreApi, KvStoreError, Lease, LeasedBlock, MAX_PUT_FROM_BYTES};
 use turbine_kv::{Dump, HostBlock, KvTenant, LocalBlockHash, SequenceHash};
 
-use crate::keys::{Fingerprint, StoreError};
+use crate::keys::{Fingerprint, StoreError, TenantScope};
 use crate::lease::{DataPath, StagedReadError};
 use crate::store::{BlockRef, MemoryBlock, PutOutcome, Store, StoreStats};
+
+static OUT_OF_SCOPE: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::counter(
+        "turbine_kv_store_tenant_refused_blocks_total",
+        "Blocks of KV tenants a worker's certificate does not allow it (turbine certs --worker-tenant), by op: write (blocks of a Put or PutFrom refused whole with PERMISSION_DENIED), read (held, but not served nor reported held to it)",
+        &["op"],
+    )
+});
+
+/// Refuses a write of `blocks` (sequence hash, tenant) unless `scope`
+/// allows every one of them.
+fn check_writes(scope: &TenantScope, blocks: impl Iterator<Item = (SequenceHash, KvTenant)>) -> Result<(), KvStoreError> {
+    if *scope == TenantScope::Any {
+        return Ok(());
+    }
+    let refused: Vec<(SequenceHash, KvTenant)> = blocks.filter(|&(_, tenant)| !scope.allows(tenant)).collect();
+    let Some(&(sequence, tenant)) = refused.first() else { return Ok(()) };
+    OUT_OF_SCOPE.with_label_values(&["write"]).inc_by(refused.len() as u64);
+    Err(KvStoreError::Denied { code: ErrorCode::PermissionDenied, message: scope.refusal(sequence, tenant) })
+}
+
+/// Ends `run` at its first block `scope` does not allow (counted).
+fn within_scope<T>(scope: &TenantScope, run: &mut Vec<T>, tenant: impl Fn(&T) -> KvTenant) {
+    if let Some(first) = run.iter().position(|block| !scope.allows(tenant(block))) {
+        OUT_OF_SCOPE.with_label_values(&["read"]).inc();
+        run.truncate(first);
+    }
+}
 
 /// How long the store waits for its read of staged blocks.
 pub const PUT_FROM_TIMEOUT: Duration = Duration::from_secs(10);
@@ -125,25 +153,54 @@ impl LocalKvStore {
         .map_err(KvStoreError::from)
     }
 
-    /// Stores owned blocks (a Put message's).
-    pub async fn put_owned(&self, fingerprint: Fingerprint, blocks: Vec<(SequenceHash, HostBlock)>) -> Result<PutOutcome, KvStoreError> {
+    /// Stores owned blocks (a Put message's), all of tenants `scope`
+    /// allows.
+    pub async fn put_owned(&self, fingerprint: Fingerprint, blocks: Vec<(SequenceHash, HostBlock)>, scope: &TenantScope) -> Result<PutOutcome, KvStoreError> {
+        check_writes(scope, blocks.iter().map(|(sequence, block)| (*sequence, block.tenant)))?;
         let store = self.store.clone();
         // Checksumming is CPU work: off the runtime's threads.
         tokio::task::spawn_blocking(move || store.put(fingerprint, blocks)).await.map_err(|_| failed("storing blocks"))?.map_err(KvStoreError::from)
     }
 
     /// The leading blocks of `hashes` held, each checked, as they lie in
-    /// the arena.
-    pub async fn held(&self, fingerprint: Fingerprint, hashes: Vec<SequenceHash>) -> Result<Vec<(SequenceHash, Arc<MemoryBlock>)>, KvStoreError> {
+    /// the arena; the run ends at a block of a tenant `scope` does not
+    /// allow.
+    pub async fn held(
+        &self,
+        fingerprint: Fingerprint,
+        hashes: Vec<SequenceHash>,
+        scope: &TenantScope,
+    ) -> Result<Vec<(SequenceHash, Arc<MemoryBlock>)>, KvStoreError> {
         self.check_count("sequence_hashes", "hashes", hashes.len())?;
         let store = self.store.clone();
-        tokio::task::spawn_blocking(move || store.get(fingerprint, &hashes)).await.map_err(|_| failed("reading blocks"))
+        let mut run = tokio::task::spawn_blocking(move || store.get(fingerprint, &hashes)).await.map_err(|_| failed("reading blocks"))?;
+        within_scope(scope, &mut run, |(_, block)| block.tenant);
+        Ok(run)
     }
 
-    /// Stores the blocks staged in the caller's `region`, read over UCX.
-    pub async fn put_staged(&self, fingerprint: Fingerprint, region: &UcxRegion, blocks: Vec<StagedBlock>) -> Result<PutOutcome, KvStoreError> {
+    /// Which of `hashes` are held as blocks of tenants `scope` allows, and
+    /// how many lead without a gap.
+    pub fn lookup_for(&self, fingerprint: Fingerprint, hashes: &[SequenceHash], scope: &TenantScope) -> Result<(Vec<bool>, usize), KvStoreError> {
+        self.check_count("sequence_hashes", "hashes", hashes.len())?;
+        let (present, leading, hidden) = self.store.lookup_within(fingerprint, hashes, scope);
+        if hidden > 0 {
+            OUT_OF_SCOPE.with_label_values(&["read"]).inc_by(hidden as u64);
+        }
+        Ok((present, leading))
+    }
+
+    /// Stores the blocks staged in the caller's `region`, read over UCX,
+    /// all of tenants `scope` allows.
+    pub async fn put_staged(
+        &self,
+        fingerprint: Fingerprint,
+        region: &UcxRegion,
+        blocks: Vec<StagedBlock>,
+        scope: &TenantScope,
+    ) -> Result<PutOutcome, KvStoreError> {
         let data_path = self.data_path("put with Put")?;
         self.check_count("blocks", "blocks", blocks.len())?;
+        check_writes(scope, blocks.iter().map(|block| (block.sequence, block.tenant)))?;
         let Some(first) = blocks.first() else { return Ok(PutOutcome::default()) };
         let length = first.length;
         if length == 0 || blocks.iter().any(|block| block.length != length) {
@@ -192,28 +249,15 @@ impl LocalKvStore {
         (announcer.instance(), announcer.dump(fingerprint))
     }
 
-    /// How long a lease lasts (zero without a data path).
-    pub fn lease_ttl(&self) -> Duration {
-        self.data_path.as_ref().map_or(Duration::ZERO, |data_path| data_path.ttl())
-    }
-}
-
-#[tonic::async_trait]
-impl KvStoreApi for LocalKvStore {
-    async fn put(&self, fingerprint: Fingerprint, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> Result<PutOutcome, KvStoreError> {
-        self.put_refs(fingerprint, blocks.to_vec()).await
-    }
-
-    async fn get(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<Vec<(SequenceHash, HostBlock)>, KvStoreError> {
-        let run = self.held(fingerprint, hashes.to_vec()).await?;
-        Ok(run.into_iter().map(|(sequence, block)| (sequence, block.to_host())).collect())
-    }
-
-    async fn lease(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<Lease, KvStoreError> {
+    /// A lease of the leading blocks of `hashes` held, unchecked (the
+    /// reader checks them), ending at a block of a tenant `scope` does not
+    /// allow: only the blocks granted are readable with its id.
+    pub async fn lease_for(&self, fingerprint: Fingerprint, hashes: &[SequenceHash], scope: &TenantScope) -> Result<Lease, KvStoreError> {
         let data_path = self.data_path("read with Get")?;
         self.check_count("sequence_hashes", "hashes", hashes.len())?;
         let (store, hashes) = (self.store.clone(), hashes.to_vec());
-        let run = tokio::task::spawn_blocking(move || store.get_unchecked(fingerprint, &hashes)).await.map_err(|_| failed("reading blocks"))?;
+        let mut run = tokio::task::spawn_blocking(move || store.get_unchecked(fingerprint, &hashes)).await.map_err(|_| failed("reading blocks"))?;
+        within_scope(scope, &mut run, |(_, block)| block.tenant);
         let blocks = run
             .iter()
             .map(|(sequence, block)| LeasedBlock {
@@ -233,6 +277,27 @@ impl KvStoreApi for LocalKvStore {
         Ok(Lease { id, region: data_path.region().clone(), segment_bytes: self.store.arena().segment().unwrap_or_default(), blocks })
     }
 
+    /// How long a lease lasts (zero without a data path).
+    pub fn lease_ttl(&self) -> Duration {
+        self.data_path.as_ref().map_or(Duration::ZERO, |data_path| data_path.ttl())
+    }
+}
+
+#[tonic::async_trait]
+impl KvStoreApi for LocalKvStore {
+    async fn put(&self, fingerprint: Fingerprint, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> Result<PutOutcome, KvStoreError> {
+        self.put_refs(fingerprint, blocks.to_vec()).await
+    }
+
+    async fn get(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<Vec<(SequenceHash, HostBlock)>, KvStoreError> {
+        let run = self.held(fingerprint, hashes.to_vec(), &TenantScope::Any).await?;
+        Ok(run.into_iter().map(|(sequence, block)| (sequence, block.to_host())).collect())
+    }
+
+    async fn lease(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<Lease, KvStoreError> {
+        self.lease_for(fingerprint, hashes, &TenantScope::Any).await
+    }
+
     async fn put_from(&self, fingerprint: Fingerprint, region: &UcxRegion, blocks: &[(SequenceHash, Arc<HostBlock>)]) -> Result<PutOutcome, KvStoreError> {
         let length = blocks.first().map_or(0, |(_, block)| block.bytes.len()) as u64;
         let staged = blocks
@@ -248,7 +313,7 @@ impl KvStoreApi for LocalKvStore {
                 tenant: block.tenant,
             })
             .collect();
-        self.put_staged(fingerprint, region, staged).await
+        self.put_staged(fingerprint, region, staged, &TenantScope::Any).await
     }
 
     async fn release(&self, lease_id: u64) -> Result<(), KvStoreError> {
@@ -259,8 +324,7 @@ impl KvStoreApi for LocalKvStore {
     }
 
     async fn lookup(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<(Vec<bool>, usize), KvStoreError> {
-        self.check_count("sequence_hashes", "hashes", hashes.len())?;
-        Ok(self.store.lookup(fingerprint, hashes))
+        self.lookup_for(fingerprint, hashes, &TenantScope::Any)
     }
 
     async fn delete(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> Result<u64, KvStoreError> {

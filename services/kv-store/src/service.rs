@@ -12,7 +12,7 @@ use turbine_api::to_status;
 use turbine_kv::{KvTenant, LocalBlockHash, SequenceHash};
 use turbine_proto::kvstore::v1::{self as pb, kv_store_server::KvStore};
 
-use crate::keys::Fingerprint;
+use crate::keys::{Fingerprint, TenantScope};
 use crate::local::{LocalKvStore, StagedBlock};
 use crate::wire::{from_pb, held_to_pb};
 
@@ -37,6 +37,12 @@ fn hashes(values: Vec<u64>) -> Vec<SequenceHash> {
     values.into_iter().map(SequenceHash).collect()
 }
 
+/// Whose blocks the caller may write and read: its certificate's tenants
+/// (every tenant's for a plaintext caller).
+fn scope_of<T>(request: &Request<T>) -> TenantScope {
+    TenantScope::of(request.extensions().get::<turbine_runtime::trust::Peer>())
+}
+
 fn refused(error: KvStoreError) -> Status {
     to_status(&error)
 }
@@ -50,6 +56,7 @@ const DUMP_CHUNK: usize = 65_536;
 #[tonic::async_trait]
 impl KvStore for KvStoreService {
     async fn put(&self, request: Request<Streaming<pb::PutRequest>>) -> Result<Response<pb::PutResponse>, Status> {
+        let scope = scope_of(&request);
         let mut stream = request.into_inner();
         let mut stream_fingerprint = None;
         let mut response = pb::PutResponse::default();
@@ -62,7 +69,7 @@ impl KvStore for KvStoreService {
             if *stream_fingerprint.get_or_insert(fingerprint) != fingerprint {
                 return Err(Status::invalid_argument("fingerprint: changed within one Put stream"));
             }
-            let outcome = self.local.put_owned(fingerprint, blocks.into_iter().map(from_pb).collect()).await.map_err(refused)?;
+            let outcome = self.local.put_owned(fingerprint, blocks.into_iter().map(from_pb).collect(), &scope).await.map_err(refused)?;
             response.stored += outcome.stored;
             response.already_held += outcome.already_held;
         }
@@ -72,16 +79,18 @@ impl KvStore for KvStoreService {
     type GetStream = GetStream;
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<GetStream>, Status> {
+        let scope = scope_of(&request);
         let pb::GetRequest { fingerprint: value, sequence_hashes } = request.into_inner();
         // The held blocks go on the wire straight off the arena.
-        let run = self.local.held(fingerprint(value)?, hashes(sequence_hashes)).await.map_err(refused)?;
+        let run = self.local.held(fingerprint(value)?, hashes(sequence_hashes), &scope).await.map_err(refused)?;
         let stream = tokio_stream::iter(run).map(|(sequence, block)| Ok(pb::GetResponse { block: Some(held_to_pb(sequence, &block)) }));
         Ok(Response::new(Box::pin(stream)))
     }
 
     async fn lookup(&self, request: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
+        let scope = scope_of(&request);
         let pb::LookupRequest { fingerprint: value, sequence_hashes } = request.into_inner();
-        let (present, leading) = self.local.lookup(fingerprint(value)?, &hashes(sequence_hashes)).await.map_err(refused)?;
+        let (present, leading) = self.local.lookup_for(fingerprint(value)?, &hashes(sequence_hashes), &scope).map_err(refused)?;
         Ok(Response::new(pb::LookupResponse { present, leading: leading as u32 }))
     }
 
@@ -113,9 +122,10 @@ impl KvStore for KvStoreService {
     }
 
     async fn lease(&self, request: Request<pb::LeaseRequest>) -> Result<Response<pb::LeaseResponse>, Status> {
+        let scope = scope_of(&request);
         let pb::LeaseRequest { fingerprint: value, sequence_hashes } = request.into_inner();
         let fingerprint = fingerprint(value)?;
-        let lease = self.local.lease(fingerprint, &hashes(sequence_hashes)).await.map_err(refused)?;
+        let lease = self.local.lease_for(fingerprint, &hashes(sequence_hashes), &scope).await.map_err(refused)?;
         Ok(Response::new(pb::LeaseResponse {
             lease_id: lease.id,
             expires_in_ms: self.local.lease_ttl().as_millis() as u64,
@@ -137,6 +147,7 @@ impl KvStore for KvStoreService {
     }
 
     async fn put_from(&self, request: Request<pb::PutFromRequest>) -> Result<Response<pb::PutResponse>, Status> {
+        let scope = scope_of(&request);
         let pb::PutFromRequest { fingerprint: value, region, blocks } = request.into_inner();
         let fingerprint = fingerprint(value)?;
         let staged: Vec<StagedBlock> = blocks
@@ -155,7 +166,7 @@ impl KvStore for KvStoreService {
         if region.is_none() && !staged.is_empty() && self.local.has_data_path() {
             return Err(Status::invalid_argument("region: must be set"));
         }
-        let outcome = self.local.put_staged(fingerprint, &region.unwrap_or_default(), staged).await.map_err(refused)?;
+        let outcome = self.local.put_staged(fingerprint, &region.unwrap_or_default(), staged, &scope).await.map_err(refused)?;
         Ok(Response::new(pb::PutResponse { stored: outcome.stored, already_held: outcome.already_held }))
     }
 

@@ -16,7 +16,7 @@ use crate::arena::{Arena, Slots};
 use crate::disk::DiskBlocks;
 use crate::events::Announcer;
 use crate::fair::{self, FairShare};
-use crate::keys::{BlockKey, Fingerprint, StoreError};
+use crate::keys::{BlockKey, Fingerprint, StoreError, TenantScope};
 use crate::lease::DataPath;
 pub use turbine_api::kv_store::{PutOutcome, StoreStats, TierUsage};
 
@@ -423,10 +423,30 @@ impl Store {
 
     /// Which of `hashes` the store holds, and how many lead without a gap.
     pub fn lookup(&self, fingerprint: Fingerprint, hashes: &[SequenceHash]) -> (Vec<bool>, usize) {
-        let present: Vec<bool> = hashes.iter().map(|&sequence| self.holds(&BlockKey { fingerprint, sequence })).collect();
+        let (present, leading, _) = self.lookup_within(fingerprint, hashes, &TenantScope::Any);
+        (present, leading)
+    }
+
+    /// [`lookup`](Self::lookup) for a caller of `scope`: a block of a
+    /// tenant it does not allow is not held for it. Also how many such
+    /// blocks were held.
+    pub fn lookup_within(&self, fingerprint: Fingerprint, hashes: &[SequenceHash], scope: &TenantScope) -> (Vec<bool>, usize, usize) {
+        let mut hidden = 0;
+        let present: Vec<bool> = hashes
+            .iter()
+            .map(|&sequence| {
+                let key = BlockKey { fingerprint, sequence };
+                if *scope == TenantScope::Any {
+                    return self.holds(&key);
+                }
+                let tenant = self.blocks.get(&key).map(|block| block.tenant).or_else(|| self.disk.as_ref()?.tenant_of(&key));
+                hidden += usize::from(tenant.is_some_and(|tenant| !scope.allows(tenant)));
+                tenant.is_some_and(|tenant| scope.allows(tenant))
+            })
+            .collect();
         let leading = present.iter().take_while(|&&p| p).count();
         self.counters.misses.fetch_add(present.iter().filter(|&&p| !p).count() as u64, Relaxed);
-        (present, leading)
+        (present, leading, hidden)
     }
 
     /// Drops blocks of a fingerprint (all of them when `hashes` is empty)
