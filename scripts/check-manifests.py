@@ -4,8 +4,12 @@ against the Kubernetes schemas (kubernetes-validate, strict), and what the
 planner's kubernetes connector relies on: every worker pool a Deployment
 named turbine-worker-<pool> with a readiness probe and a grace period for
 its streams, and the planner's service account allowed get and patch on
-deployments/scale and nothing else."""
+deployments/scale and nothing else. And that the manifests hang
+together: every Deployment has a readiness probe, and every address a
+container names (`scheme://turbine-NAME:PORT`) is a port of a Service
+whose pods listen on it."""
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,6 +55,24 @@ def main():
     args = spec["containers"][0]["args"]
     check(args[:2] == ["planner", "serve"] and "--connector" in args and args[args.index("--connector") + 1] == "kubernetes",
           "the planner does not use the kubernetes connector")
+    services = {s["metadata"]["name"]: s for s in by_kind.get("Service", [])}
+    deployments = by_kind["Deployment"]
+    for deployment in deployments:
+        name = deployment["metadata"]["name"]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        check("readinessProbe" in container, f"{name} has no readiness probe")
+        named = list(container.get("args", [])) + [var.get("value", "") for var in container.get("env", [])]
+        for host, port in re.findall(r"://(turbine-[a-z0-9-]+):(\d+)", " ".join(named)):
+            service = services.get(host)
+            check(service is not None, f"{name} names {host}, which is no Service")
+            ports = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+            check(ports, f"{name} names {host}:{port}, a port the Service does not have")
+            selector = service["spec"]["selector"]
+            backends = [d for d in deployments if all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+            check(backends, f"the Service {host} selects no Deployment")
+            for backend in backends:
+                listening = {p["name"] for p in backend["spec"]["template"]["spec"]["containers"][0]["ports"]}
+                check(ports[0]["targetPort"] in listening, f"{host}:{port} leads to a port {backend['metadata']['name']} does not name")
     print(f"infra/k8s: {len(resources)} resources in {len(files)} files valid")
 
 

@@ -44,16 +44,36 @@ fn every_pod_speaks_mutual_tls_with_its_own_certificate() {
             }
         }
     }
-    assert!(deployments.len() >= 3, "the planner and two worker pools");
+    let names: Vec<&str> = deployments.iter().map(|deployment| text(&deployment["metadata"]["name"])).collect();
+    for service in ["turbine-redis", "turbine-kv-index", "turbine-kv-store", "turbine-router", "turbine-gateway", "turbine-planner"] {
+        assert!(names.contains(&service), "infra/k8s runs no {service}");
+    }
     for deployment in &deployments {
         let name = text(&deployment["metadata"]["name"]);
         let pod = &deployment["spec"]["template"]["spec"];
         let container = &pod["containers"][0];
         let args: Vec<&str> = container["args"].as_sequence().unwrap().iter().map(text).collect();
+        if name == "turbine-redis" {
+            // Redis takes only TLS, and only clients with a certificate of
+            // the CA; its own is the one `turbine certs --redis` made.
+            let flag = |key: &str| args.iter().position(|arg| *arg == key).map(|at| args[at + 1]);
+            assert_eq!((flag("--port"), flag("--tls-auth-clients")), (Some("0"), Some("yes")), "Redis takes TLS clients of the CA only");
+            let volume = pod["volumes"].as_sequence().unwrap().iter().find(|volume| volume["name"] == "tls").expect("a tls volume");
+            assert_eq!(text(&volume["secret"]["secretName"]), "turbine-redis-tls");
+            continue;
+        }
         let env: Vec<(&str, &Value)> = container["env"].as_sequence().unwrap().iter().map(|var| (text(&var["name"]), var)).collect();
         let value = |key: &str| env.iter().find(|(name, _)| *name == key).map(|(_, var)| text(&var["value"]).to_owned());
         assert!(value("TURBINE_INSECURE").is_none(), "{name} runs with TURBINE_INSECURE");
-        assert!(value("TURBINE_REDIS_URL").is_some_and(|url| url.starts_with("rediss://turbine-redis:")), "{name} reaches Redis over TLS");
+        if args[0] == "gateway" {
+            // The gateway reaches only routers; its clients need API keys.
+            let keys = args.iter().position(|arg| *arg == "--api-keys").map(|at| args[at + 1]).expect("the gateway takes API keys");
+            let mount = container["volumeMounts"].as_sequence().unwrap().iter().find(|mount| mount["name"] == "keys").expect("a keys mount");
+            assert!(keys.starts_with(&format!("{}/", text(&mount["mountPath"]))), "the keys file is in its Secret");
+            assert!(args.contains(&"--admin-addr"), "metrics and probes off the API's port");
+        } else {
+            assert!(value("TURBINE_REDIS_URL").is_some_and(|url| url.starts_with("rediss://turbine-redis:")), "{name} reaches Redis over TLS");
+        }
 
         // The three files come from one Secret volume, named after the
         // Deployment, holding what `kubectl create secret` puts there.
