@@ -4,18 +4,23 @@
 //! the manifests' comments say), reaches Redis over TLS, and none runs
 //! with `TURBINE_INSECURE`. A worker pool's pods share their pool's
 //! certificate and take their pod name as their worker id: the certificate
-//! admits any pod name of its Deployment and no other pool's.
+//! admits any pod name of its Deployment and no other pool's. And the
+//! manifests run for real as processes, serving the real model (see
+//! `infra_k8s_serves_the_real_model_with_mutual_tls_on_every_hop`).
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use common::role_of;
 use serde::Deserialize;
+use serde_json::json;
 use serde_yaml::Value;
 use turbine_runtime::trust::TlsConfig;
-use turbine_testkit::workspace_binary;
+use turbine_testkit::{STARTUP_TIMEOUT, free_port, wait_until, workspace_binary};
 
 fn text(value: &Value) -> &str {
     value.as_str().unwrap_or_else(|| panic!("a string, got {value:?}"))
@@ -115,4 +120,303 @@ fn every_pod_speaks_mutual_tls_with_its_own_certificate() {
             }
         }
     }
+}
+
+/// A container port of a pod, here: its name in the manifest, the port
+/// inside the pod, and the loopback port it listens on.
+struct PodPort {
+    name: String,
+    inside: u16,
+    here: u16,
+}
+
+/// One pod of a Deployment, as the replay runs it.
+struct Pod {
+    deployment: String,
+    name: String,
+    container: Value,
+    volumes: Vec<Value>,
+    ports: Vec<PodPort>,
+}
+
+impl Pod {
+    fn port(&self, name: &str) -> &PodPort {
+        self.ports.iter().find(|port| port.name == name).unwrap_or_else(|| panic!("{} names no port {name}", self.name))
+    }
+}
+
+/// `infra/k8s` run for real, without a cluster: each Deployment's pods
+/// started as processes on this machine (as many as its replicas) with
+/// the args, environment and Secrets their manifest gives them (each
+/// Secret made as the manifests' comments and docs/operations.md say,
+/// from `turbine certs` and `turbine keys new`), in the order the
+/// addresses they name imply, each waited on with its own readiness
+/// probe. A Service's name becomes the loopback address of its first pod
+/// (Redis's `localhost`, the name its certificate carries here) and each
+/// container port a free one. Then the OpenAI API serves the real model
+/// through the gateway with an API key, disaggregated over the prefill and
+/// decode pools, every hop over mutual TLS; a call without a key is
+/// refused; the workers' blocks reach the kv-store. The planner is the one
+/// Deployment not run: its connector is a Kubernetes API server
+/// (`scripts/check-manifests.py` holds its manifest).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn infra_k8s_serves_the_real_model_with_mutual_tls_on_every_hop() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../infra/k8s");
+    let root = tempfile::tempdir().unwrap();
+    let mut deployments = Vec::new();
+    let mut services: BTreeMap<String, Value> = BTreeMap::new();
+    for file in std::fs::read_dir(&dir).unwrap() {
+        for document in serde_yaml::Deserializer::from_str(&std::fs::read_to_string(file.unwrap().path()).unwrap()) {
+            let document = Value::deserialize(document).unwrap();
+            match document["kind"].as_str() {
+                Some("Deployment") if document["metadata"]["name"] != "turbine-planner" => deployments.push(document),
+                Some("Service") => _ = services.insert(text(&document["metadata"]["name"]).to_owned(), document),
+                _ => {}
+            }
+        }
+    }
+
+    // The Secrets, as docs/operations.md makes them (Redis's certificate
+    // names `localhost` too, for the replay's loopback).
+    let certs = root.path().join("certs");
+    let made = Command::new(workspace_binary("turbine"))
+        .args(["certs", "--out"])
+        .arg(&certs)
+        .args(["--worker-pool", "turbine-worker-prefill", "--worker-pool", "turbine-worker-decode", "--redis", "turbine-redis", "--redis", "localhost"])
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "turbine certs: {}", String::from_utf8_lossy(&made.stderr));
+    let secrets = root.path().join("secrets");
+    let keys_dir = secrets.join("turbine-gateway-keys");
+    std::fs::create_dir_all(&keys_dir).unwrap();
+    let made = Command::new(workspace_binary("turbine"))
+        .args(["keys", "new", "--name", "replay", "--tenant", "acme", "--file"])
+        .arg(keys_dir.join("keys.toml"))
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "turbine keys new: {}", String::from_utf8_lossy(&made.stderr));
+    let key = String::from_utf8(made.stdout).unwrap().trim().to_owned();
+    let secret_file = |secret: &str, key: &str| -> std::path::PathBuf {
+        let stem = match secret.strip_suffix("-tls").and_then(|name| name.strip_prefix("turbine-")) {
+            Some("redis") => certs.join("redis"),
+            Some(pool) if pool.starts_with("worker-") => certs.join("workers").join(format!("turbine-{pool}")),
+            Some(role) => certs.join(role),
+            None => panic!("a Secret the docs do not make: {secret}"),
+        };
+        match key {
+            "tls.crt" => stem.with_extension("crt"),
+            "tls.key" => stem.with_extension("key"),
+            "ca.crt" => certs.join("ca.crt"),
+            other => panic!("{secret} has no key {other}"),
+        }
+    };
+    TlsConfig { tls_cert: Some(certs.join("operator.crt")), tls_key: Some(certs.join("operator.key")), tls_ca: Some(certs.join("ca.crt")) }
+        .establish()
+        .unwrap()
+        .expect("the test is the operator");
+
+    // The pods, each port a free one.
+    let mut pods: Vec<Pod> = Vec::new();
+    for deployment in &deployments {
+        let name = text(&deployment["metadata"]["name"]);
+        let spec = &deployment["spec"]["template"]["spec"];
+        for replica in 0..deployment["spec"]["replicas"].as_u64().unwrap() {
+            let container = spec["containers"][0].clone();
+            let ports = container["ports"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(|port| PodPort { name: text(&port["name"]).to_owned(), inside: port["containerPort"].as_u64().unwrap() as u16, here: free_port() })
+                .collect();
+            let volumes = spec["volumes"].as_sequence().cloned().unwrap_or_default();
+            pods.push(Pod { deployment: name.to_owned(), name: format!("{name}-{replica}"), container, volumes, ports });
+        }
+    }
+    // A Service's address → its first pod's loopback one.
+    let first_pod = |deployment: &str| pods.iter().find(|pod| pod.deployment == deployment).unwrap();
+    let mut network: Vec<(String, String, String)> = Vec::new();
+    for (name, service) in &services {
+        let selector = service["spec"]["selector"]["app.kubernetes.io/name"].as_str().unwrap();
+        let backend = deployments
+            .iter()
+            .find(|deployment| deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == selector)
+            .map(|deployment| text(&deployment["metadata"]["name"]));
+        let Some(backend) = backend else { continue };
+        for port in service["spec"]["ports"].as_sequence().unwrap() {
+            let here = first_pod(backend).port(text(&port["targetPort"])).here;
+            let host = if name == "turbine-redis" { "localhost" } else { "127.0.0.1" };
+            network.push((name.clone(), format!("{name}:{}", port["port"].as_u64().unwrap()), format!("{host}:{here}")));
+        }
+    }
+
+    // Start them in the order the Services they name imply.
+    let mut running: BTreeMap<String, Vec<turbine_testkit::ChildProcess>> = BTreeMap::new();
+    let mut started: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+    let mut gateway_http = None;
+    let mut router_endpoint = None;
+    let mut store_endpoint = None;
+    let mut prefill_admin = None;
+    while started.len() < pods.len() {
+        // A pod starts once every Service it names (but its own) has a pod.
+        let ready = |pod: &&Pod| {
+            let named = serde_yaml::to_string(&pod.container).unwrap();
+            !started.contains(&pod.name)
+                && network
+                    .iter()
+                    .filter(|(service, from, _)| named.contains(from.as_str()) && *service != pod.deployment)
+                    .all(|(service, _, _)| running.contains_key(service))
+        };
+        let pod = pods.iter().find(ready).unwrap_or_else(|| panic!("infra/k8s's Deployments name each other in a circle"));
+        // What the pod's environment gives, and where its volumes are here.
+        let mut vars: Vec<(String, String)> = Vec::new();
+        for var in pod.container["env"].as_sequence().cloned().unwrap_or_default() {
+            let value = match var["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
+                Some("metadata.name") => pod.name.clone(),
+                Some("status.podIP") => "127.0.0.1".to_owned(),
+                Some(other) => panic!("a field this replay does not know: {other}"),
+                None if var["valueFrom"].is_mapping() => panic!("{}: a value from elsewhere", pod.name),
+                None => text(&var["value"]).to_owned(),
+            };
+            vars.push((text(&var["name"]).to_owned(), value));
+        }
+        let mut mounts: Vec<(String, String)> = Vec::new();
+        for mount in pod.container["volumeMounts"].as_sequence().cloned().unwrap_or_default() {
+            let volume = pod.volumes.iter().find(|volume| volume["name"] == mount["name"]).unwrap();
+            let inside = text(&mount["mountPath"]).to_owned();
+            if let Some(secret) = volume["secret"]["secretName"].as_str() {
+                if secret == "turbine-gateway-keys" {
+                    mounts.push((inside, keys_dir.display().to_string()));
+                    continue;
+                }
+                let here = secrets.join(&pod.name).join(secret);
+                std::fs::create_dir_all(&here).unwrap();
+                for key in ["tls.crt", "tls.key", "ca.crt"] {
+                    std::fs::copy(secret_file(secret, key), here.join(key)).unwrap();
+                }
+                mounts.push((inside, here.display().to_string()));
+            } else if volume["persistentVolumeClaim"].is_mapping() {
+                let here = root.path().join("volumes").join(&pod.name);
+                std::fs::create_dir_all(&here).unwrap();
+                mounts.push((inside, here.display().to_string()));
+            } else {
+                // A memory-backed /dev/shm: the machine's own.
+                assert_eq!(
+                    (inside.as_str(), volume["emptyDir"]["medium"].as_str()),
+                    ("/dev/shm", Some("Memory")),
+                    "{}: a volume this replay does not know",
+                    pod.name
+                );
+            }
+        }
+        let here = |text: &str| -> String {
+            let mut text = text.to_owned();
+            for (name, value) in &vars {
+                text = text.replace(&format!("$({name})"), value);
+            }
+            for (inside, here) in &mounts {
+                text = text.replace(inside.as_str(), here);
+            }
+            for (_, from, to) in &network {
+                text = text.replace(from.as_str(), to);
+            }
+            // The pod's own ports, whatever address names them.
+            for port in &pod.ports {
+                for host in ["0.0.0.0", "127.0.0.1"] {
+                    text = text.replace(&format!("{host}:{}", port.inside), &format!("127.0.0.1:{}", port.here));
+                }
+            }
+            text
+        };
+        let mut args: Vec<String> = pod.container["args"].as_sequence().unwrap().iter().map(|arg| here(text(arg))).collect();
+        let child = if text(&pod.container["image"]).starts_with("redis:") {
+            let port = pod.port("redis").here;
+            let at = args.iter().position(|arg| arg == "--tls-port").expect("Redis serves TLS") + 1;
+            args[at] = port.to_string();
+            let data = root.path().join("redis");
+            std::fs::create_dir_all(&data).unwrap();
+            let binary = std::env::var("TURBINE_REDIS_SERVER").unwrap_or_else(|_| text(&pod.container["command"][0]).to_owned());
+            let mut command = Command::new(binary);
+            command.args(&args).args(["--bind", "127.0.0.1", "--dir"]).arg(&data);
+            turbine_testkit::ChildProcess::spawn(&pod.name, command)
+        } else {
+            assert_eq!(text(&pod.container["image"]), "turbine:dev");
+            let mut command = Command::new(workspace_binary("turbine"));
+            command.args(&args);
+            for port in &pod.ports {
+                let flag = format!("--{}-addr", port.name);
+                if !args.contains(&flag) {
+                    command.args([flag, format!("127.0.0.1:{}", port.here)]);
+                }
+            }
+            for (name, value) in &vars {
+                command.env(name, here(value));
+            }
+            turbine_testkit::ChildProcess::spawn(&pod.name, command)
+        };
+        // Its readiness probe, as the kubelet would run it.
+        let probe = &pod.container["readinessProbe"];
+        let mut child = child;
+        if let Some(path) = probe["httpGet"]["path"].as_str() {
+            let url = format!("http://127.0.0.1:{}{path}", pod.port(text(&probe["httpGet"]["port"])).here);
+            let client = reqwest::Client::new();
+            wait_until(&format!("{} ready", pod.name), STARTUP_TIMEOUT, async || {
+                assert!(child.exited().is_none(), "{} exited: {}", pod.name, child.output().join("\n"));
+                client.get(&url).send().await.is_ok_and(|response| response.status().is_success())
+            })
+            .await;
+        } else {
+            let port = pod.port(text(&probe["tcpSocket"]["port"])).here;
+            wait_until(&format!("{} ready", pod.name), STARTUP_TIMEOUT, async || tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()).await;
+        }
+        match pod.deployment.as_str() {
+            "turbine-gateway" => gateway_http = Some(format!("http://127.0.0.1:{}", pod.port("http").here)),
+            "turbine-router" => _ = router_endpoint.get_or_insert(format!("http://127.0.0.1:{}", pod.port("grpc").here)),
+            "turbine-kv-store" => store_endpoint = Some(format!("http://127.0.0.1:{}", pod.port("grpc").here)),
+            "turbine-worker-prefill" => prefill_admin = Some(format!("http://127.0.0.1:{}", pod.port("admin").here)),
+            _ => {}
+        }
+        running.entry(pod.deployment.clone()).or_default().push(child);
+        started.insert(pod.name.clone());
+    }
+
+    // Both pools registered with the routers; the model listed to a key.
+    let routers = turbine_api::router::RouterClient::connect(&router_endpoint.unwrap()).unwrap();
+    wait_until("the prefill and decode workers registered", STARTUP_TIMEOUT, async || routers.workers(None).await.is_ok_and(|listed| listed.len() == 2)).await;
+    let base = gateway_http.unwrap();
+    let client = reqwest::Client::new();
+    let unkeyed = client.get(format!("{base}/v1/models")).send().await.unwrap();
+    assert_eq!(unkeyed.status(), 401, "no key, no answer");
+    // Above the router's 256 uncached tokens: computed on the prefill
+    // pool, decoded on the decode pool.
+    let prompt = "Turbine serves language models across many machines. ".repeat(40);
+    let body = json!({"model": common::MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let complete = async || {
+        let response = client.post(format!("{base}/v1/completions")).bearer_auth(&key).json(&body).send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.json::<serde_json::Value>().await.unwrap())
+    };
+    wait_until("the gateway serves the model", STARTUP_TIMEOUT, async || complete().await.0 == 200).await;
+    let (status, first) = complete().await;
+    assert_eq!(status, 200, "{first}");
+    assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty(), "{first}");
+    let (_, second) = complete().await;
+    assert_eq!(second["choices"][0]["text"], first["choices"][0]["text"], "greedy text is the same");
+    println!(
+        "infra/k8s's stack said {:?}; the repeat had {} cached tokens",
+        second["choices"][0]["text"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    );
+
+    let prefilled = turbine_testkit::metric(&prefill_admin.unwrap(), "turbine_worker_prefill_tokens_total").await;
+    assert!(prefilled >= 256.0, "the prefill pool computed the prompt: {prefilled} tokens");
+
+    // The workers' blocks reach the kv-store over mutual TLS.
+    let operator = TlsConfig { tls_cert: Some(certs.join("operator.crt")), tls_key: Some(certs.join("operator.key")), tls_ca: Some(certs.join("ca.crt")) };
+    let operator = operator.load().unwrap().unwrap();
+    let channel = turbine_runtime::grpc::tls_channel(&store_endpoint.unwrap(), &operator, turbine_runtime::host::Role::KvStore).unwrap();
+    let mut store = turbine_proto::kvstore::v1::kv_store_client::KvStoreClient::new(channel);
+    wait_until("the workers' blocks in the kv-store", Duration::from_secs(60), async || {
+        store.stats(turbine_proto::kvstore::v1::StatsRequest {}).await.is_ok_and(|stats| stats.into_inner().put_blocks > 0)
+    })
+    .await;
+    drop(running);
 }
