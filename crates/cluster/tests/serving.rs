@@ -755,3 +755,54 @@ async fn a_key_over_its_limits_gets_429_and_other_keys_are_served() {
     assert_eq!(public.status(), 404, "the API's port serves no /metrics");
     sandbox.stop().await;
 }
+
+/// The keys file is read again when it changes: a key added answers, a
+/// key removed is refused from then on, a key left as it was keeps what it
+/// used of its limits, and a file that does not parse changes nothing
+/// (counted, and the keys before stay in force) — no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_keys_file_adds_and_revokes_keys_without_a_restart() {
+    use turbine_gateway::keys::{entry, new_key};
+
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (kept, revoked, added) = (new_key(), new_key(), new_key());
+    let file = dir.path().join("keys.toml");
+    let kept_entry = format!("{}requests_per_minute = 3\n", entry("kept", "a", None, &kept));
+    // Each version written whole, as an operator's tools (or a Secret's
+    // update) would: never read half-written.
+    let write = |text: String| {
+        std::fs::write(dir.path().join("keys.new"), text).unwrap();
+        std::fs::rename(dir.path().join("keys.new"), &file).unwrap();
+    };
+    write([kept_entry.clone(), entry("revoked", "b", None, &revoked)].join("\n"));
+    let mut config = Sandbox::mock(1000.0);
+    config.gateway.api_keys = Some(file.clone());
+    config.gateway.api_keys_reload_secs = 1;
+    let sandbox = Sandbox::start(config).await;
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let status = async |key: &str| {
+        let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
+        http.post(format!("{}/v1/completions", sandbox.base())).bearer_auth(key).json(&body).send().await.unwrap().status().as_u16()
+    };
+    assert_eq!((status(&kept).await, status(&kept).await, status(&revoked).await, status(&added).await), (200, 200, 200, 401));
+
+    // "revoked" out, "added" in, "kept" as it was.
+    write([kept_entry.clone(), entry("added", "c", None, &added)].join("\n"));
+    wait_until("the added key answers", Duration::from_secs(30), async || status(&added).await == 200).await;
+    assert_eq!(status(&revoked).await, 401, "the removed key is refused");
+    assert_eq!(sandbox.metric("turbine_gateway_api_key_reloads_total", &[("outcome", "applied")]).await, 1.0);
+    // Its third request of the minute, then its limit: what it used
+    // before the change still counts.
+    assert_eq!((status(&kept).await, status(&kept).await), (200, 429));
+
+    // A file that does not parse: nothing changes.
+    write(format!("{kept_entry}\n[[keys]]\nname = \"broken\"\n"));
+    wait_until("the broken file is read and refused", Duration::from_secs(30), async || {
+        sandbox.metric("turbine_gateway_api_key_reloads_total", &[("outcome", "refused")]).await >= 1.0
+    })
+    .await;
+    assert_eq!((status(&added).await, status(&revoked).await), (200, 401), "the keys before stay in force");
+    assert_eq!(sandbox.metric("turbine_gateway_api_keys", &[]).await, 3.0, "kept, added and the process's own");
+    sandbox.stop().await;
+}

@@ -89,6 +89,12 @@ pub struct AdmissionConfig {
     /// of their own. Unset: no keys, one open namespace (for loopback).
     #[arg(long, env = "TURBINE_GATEWAY_API_KEYS", value_name = "FILE")]
     pub api_keys: Option<std::path::PathBuf>,
+    /// How often the API keys file is checked for changes, in seconds: a
+    /// changed file's keys are in force from then on (added keys answer,
+    /// removed ones are refused; a file that does not parse changes
+    /// nothing and is logged). 0: read once, at start.
+    #[arg(long, env = "TURBINE_GATEWAY_API_KEYS_RELOAD_SECS", default_value_t = 5)]
+    pub api_keys_reload_secs: u64,
 }
 
 /// What control-token texts in chat messages become (see

@@ -18,10 +18,16 @@
 //! A caller sends `Authorization: Bearer <key>`. With keys configured, a
 //! request without one, or with one not in the file, is refused (401,
 //! gRPC UNAUTHENTICATED) before anything else is read.
+//!
+//! The file is read again when it changes ([`KeyRing`]): a key added
+//! answers, a key removed is refused from then on (its requests in flight
+//! finish), without a restart; a key kept as it was keeps what it used of
+//! its limits. A changed file that does not parse changes nothing.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use std::time::Instant;
 
@@ -34,7 +40,7 @@ use crate::error::{ErrorKind, GatewayError};
 use crate::pipeline::Namespace;
 
 /// One key's entry in the keys file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct KeySpec {
     name: String,
@@ -68,6 +74,9 @@ pub struct ApiKey {
     pub namespace: Namespace,
     /// Its limits and what it used of them.
     limits: Limits,
+    /// What its entry says beyond its digest: an entry read again alike
+    /// keeps this key, and what it used of its limits.
+    spec: KeySpec,
 }
 
 /// Keys are told apart by name (unique in a keys file) and tenant.
@@ -266,9 +275,9 @@ impl ApiKeys {
             if !names.insert(spec.name.clone()) {
                 return Err(at("another key has this name".into()));
             }
-            let namespace = match spec.share_prefixes {
+            let namespace = match &spec.share_prefixes {
                 Some(shared) if shared.trim().is_empty() => return Err(at("share_prefixes must not be empty".into())),
-                Some(shared) => Namespace::Shared(shared),
+                Some(shared) => Namespace::Shared(shared.clone()),
                 None => Namespace::Tenant(spec.tenant.clone()),
             };
             let positive = |value: Option<u64>, field: &str| match value {
@@ -284,7 +293,7 @@ impl ApiKeys {
                 concurrent: concurrent.map(|limit| Arc::new(Semaphore::new(limit as usize))),
                 max_concurrent: concurrent.unwrap_or(0) as u32,
             };
-            let key = ApiKey { name: spec.name, tenant: spec.tenant, namespace, limits };
+            let key = ApiKey { name: spec.name.clone(), tenant: spec.tenant.clone(), namespace, limits, spec };
             if keys.by_digest.insert(digest, Arc::new(key)).is_some() {
                 return Err(at("another key has this digest".into()));
             }
@@ -303,8 +312,30 @@ impl ApiKeys {
             tenant: "turbine-internal".into(),
             namespace: Namespace::Tenant("turbine-internal".into()),
             limits: Limits::default(),
+            spec: KeySpec {
+                name: "turbine-internal".into(),
+                tenant: "turbine-internal".into(),
+                sha256: String::new(),
+                share_prefixes: None,
+                requests_per_minute: None,
+                tokens_per_minute: None,
+                max_concurrent: None,
+            },
         };
         self.by_digest.insert(Sha256::digest(key.as_bytes()).into(), Arc::new(own));
+    }
+
+    /// Keeps the keys of `before` whose entries are unchanged (the same
+    /// digest, name, tenant, sharing and limits): what they used of their
+    /// limits carries over.
+    fn keep_from(&mut self, before: &ApiKeys) {
+        for (digest, key) in self.by_digest.iter_mut() {
+            if let Some(old) = before.by_digest.get(digest)
+                && old.spec == key.spec
+            {
+                *key = old.clone();
+            }
+        }
     }
 
     /// How many keys there are.
@@ -330,6 +361,93 @@ impl ApiKeys {
     }
 }
 
+/// The keys of a keys file as they are now: read again when the file
+/// changes (its bytes, not its time: a Kubernetes Secret's files are
+/// swapped under a link), so keys are added and revoked without a
+/// restart.
+#[derive(Debug)]
+pub struct KeyRing {
+    path: PathBuf,
+    own: Option<String>,
+    state: Mutex<(Arc<ApiKeys>, [u8; 32])>,
+}
+
+impl KeyRing {
+    /// The keys in the file at `path`, and `own` (the running process's
+    /// key, [`ApiKeys::add_own`]) whatever the file says.
+    pub fn load(path: &Path, own: Option<String>) -> anyhow::Result<Self> {
+        let (keys, digest) = Self::read(path, own.as_deref(), None)?;
+        crate::metrics::keys_in_force(keys.len());
+        Ok(Self { path: path.to_owned(), own, state: Mutex::new((Arc::new(keys), digest)) })
+    }
+
+    fn read(path: &Path, own: Option<&str>, before: Option<&ApiKeys>) -> anyhow::Result<(ApiKeys, [u8; 32])> {
+        let text = std::fs::read_to_string(path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", path.display()))?;
+        let mut keys = ApiKeys::parse(&text).map_err(|error| anyhow::anyhow!("the API keys file {}: {error}", path.display()))?;
+        if let Some(own) = own {
+            keys.add_own(own);
+        }
+        if let Some(before) = before {
+            keys.keep_from(before);
+        }
+        Ok((keys, Sha256::digest(text.as_bytes()).into()))
+    }
+
+    /// The keys in force.
+    pub fn current(&self) -> Arc<ApiKeys> {
+        self.state.lock().0.clone()
+    }
+
+    /// Reads the file again if its bytes changed: `Ok(true)` when its keys
+    /// are in force from now on, `Ok(false)` when it is unchanged, and the
+    /// reason when it cannot be read or is invalid (the keys before stay).
+    pub fn reload(&self) -> anyhow::Result<bool> {
+        let text = std::fs::read(&self.path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", self.path.display()))?;
+        let digest: [u8; 32] = Sha256::digest(&text).into();
+        let before = {
+            let state = self.state.lock();
+            if state.1 == digest {
+                return Ok(false);
+            }
+            state.0.clone()
+        };
+        let (keys, digest) = match Self::read(&self.path, self.own.as_deref(), Some(&before)) {
+            Ok(read) => read,
+            Err(error) => {
+                // Counted once per version of the file.
+                self.state.lock().1 = digest;
+                crate::metrics::key_reload("refused");
+                return Err(error);
+            }
+        };
+        crate::metrics::key_reload("applied");
+        crate::metrics::keys_in_force(keys.len());
+        tracing::info!(keys = keys.len(), file = %self.path.display(), "API keys file changed: its keys are in force");
+        *self.state.lock() = (Arc::new(keys), digest);
+        Ok(true)
+    }
+
+    /// Reads the file again every `every` until `shutdown`.
+    pub fn spawn_watch(self: Arc<Self>, every: Duration, shutdown: turbine_runtime::CancellationToken) {
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = ticks.tick() => {}
+                }
+                let ring = self.clone();
+                match tokio::task::spawn_blocking(move || ring.reload()).await {
+                    Ok(Err(error)) => tracing::error!(%error, "the changed API keys file was not applied; the keys before stay in force"),
+                    Ok(Ok(_)) => {}
+                    Err(_) => tracing::error!("reading the API keys file failed"),
+                }
+            }
+        });
+    }
+}
+
 /// Who may call the public API: anyone (no keys file), or the holders of
 /// its keys.
 #[derive(Debug, Clone, Default)]
@@ -338,7 +456,7 @@ pub enum Access {
     #[default]
     Open,
     /// Callers must present one of these keys.
-    Keys(Arc<ApiKeys>),
+    Keys(Arc<KeyRing>),
 }
 
 impl Access {
@@ -347,7 +465,7 @@ impl Access {
     pub fn caller(&self, authorization: Option<&str>) -> Result<Option<Arc<ApiKey>>, GatewayError> {
         match self {
             Access::Open => Ok(None),
-            Access::Keys(keys) => Ok(Some(keys.authenticate(authorization)?)),
+            Access::Keys(keys) => Ok(Some(keys.current().authenticate(authorization)?)),
         }
     }
 

@@ -39,6 +39,15 @@ static RATE_LIMITED: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["limit"],
     )
 });
+static KEY_RELOADS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_api_key_reloads_total",
+        "Times the API keys file changed and was read again, by outcome: applied (its keys answer from then on) or refused (unreadable or invalid: the keys before stay in force)",
+        &["outcome"],
+    )
+});
+static KEYS: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("turbine_gateway_api_keys", "API keys in force (the keys file's, as last applied)", &[]).with_label_values(&[] as &[&str]));
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     gauge(
         "turbine_gateway_awaiting_first_token",
@@ -244,6 +253,16 @@ pub(crate) fn migration() {
 /// Counts a call refused for its API key (`missing` or `unknown`).
 pub fn unauthenticated(reason: &str) {
     UNAUTHENTICATED.with_label_values(&[reason]).inc();
+}
+
+/// Counts a reading of a changed keys file: applied or refused.
+pub fn key_reload(outcome: &str) {
+    KEY_RELOADS.with_label_values(&[outcome]).inc();
+}
+
+/// The number of API keys in force.
+pub fn keys_in_force(count: usize) {
+    KEYS.set(count as i64);
 }
 
 /// Counts a call refused for its key's `limit`.

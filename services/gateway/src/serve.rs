@@ -16,7 +16,7 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, bind};
 use crate::catalog::ModelCatalog;
 use crate::config::GatewayConfig;
 use crate::grpc::InferenceService;
-use crate::keys::{Access, ApiKeys};
+use crate::keys::{Access, KeyRing};
 use crate::openai::{AppState, router as rest_router};
 use crate::pipeline::Pipeline;
 
@@ -63,12 +63,12 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
     let catalog = Arc::new(ModelCatalog::new(deps.router.clone(), deps.workers.clone()));
     let access = match &config.admission.api_keys {
         Some(path) => {
-            let mut keys = ApiKeys::load(path)?;
-            if let Some(own) = &deps.own_key {
-                keys.add_own(own);
+            let keys = Arc::new(KeyRing::load(path, deps.own_key.clone())?);
+            tracing::info!(keys = keys.current().len(), file = %path.display(), reload_secs = config.admission.api_keys_reload_secs, "API keys required");
+            if config.admission.api_keys_reload_secs > 0 {
+                keys.clone().spawn_watch(Duration::from_secs(config.admission.api_keys_reload_secs), shutdown.clone());
             }
-            tracing::info!(keys = keys.len(), file = %path.display(), "API keys required");
-            Access::Keys(Arc::new(keys))
+            Access::Keys(keys)
         }
         None => Access::Open,
     };
