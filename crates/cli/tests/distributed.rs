@@ -206,3 +206,64 @@ async fn one_request_is_one_trace_across_gateway_router_and_worker() {
 fn tokio_stream_listener(listener: tokio::net::TcpListener) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     futures::stream::unfold(listener, |listener| async move { Some((listener.accept().await.map(|(stream, _)| stream), listener)) })
 }
+
+/// Two gateways in front of one router, with the same API keys and the
+/// same Redis: a key's requests per minute hold across both (not twice
+/// over), while another key is served; with Redis gone each gateway
+/// decides by its own limits (counted), never by none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_sharing_redis_share_a_keys_limits() {
+    use turbine_gateway::keys::{entry, new_key};
+
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let worker =
+        service("turbine-worker", &["--engine", "mock", "--speedup", "1000", "--redis", &url, "--namespace", "limits", "--worker-id", "w0"], &[], false).await;
+    let router = service("turbine-router", &["--redis", &url, "--namespace", "limits"], &[], false).await;
+    until_registered(&router, 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (limited, tokens, other) = (new_key(), new_key(), new_key());
+    let keys = dir.path().join("keys.toml");
+    let text = [
+        format!("{}requests_per_minute = 4\n", entry("limited", "a", None, &limited)),
+        format!("{}tokens_per_minute = 100\n", entry("tokens", "c", None, &tokens)),
+        entry("other", "b", None, &other),
+    ];
+    std::fs::write(&keys, text.join("\n")).unwrap();
+    let mut gateways = Vec::new();
+    for _ in 0..2 {
+        let args = ["--router", &router.grpc_endpoint(), "--api-keys", keys.to_str().unwrap(), "--redis", &url, "--namespace", "limits"];
+        gateways.push(service("turbine-gateway", &args, &[], true).await);
+    }
+    let http = reqwest::Client::new();
+    let status = async |gateway: &ServiceProcess, key: &str| {
+        let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
+        http.post(format!("{}/v1/completions", gateway.http_url())).bearer_auth(key).json(&body).send().await.unwrap().status().as_u16()
+    };
+    for gateway in &gateways {
+        wait_until("the gateway lists the model", turbine_testkit::STARTUP_TIMEOUT, async || status(gateway, &other).await == 200).await;
+    }
+    // Four a minute in all, alternating gateways; then both refuse it.
+    let mut answers = Vec::new();
+    for round in 0..6 {
+        answers.push(status(&gateways[round % 2], &limited).await);
+    }
+    assert_eq!(answers, [200, 200, 200, 200, 429, 429], "the key's limit holds across both gateways");
+    assert_eq!((status(&gateways[0], &other).await, status(&gateways[1], &other).await), (200, 200), "another key is served");
+    // Tokens spent through one gateway count at the other: 150 prompt
+    // tokens of 100 a minute through the first, then the second refuses
+    // (once the charge, sent after the request, has landed).
+    let long = json!({"model": MODEL, "prompt": "word ".repeat(150), "max_tokens": 1});
+    let spent = http.post(format!("{}/v1/completions", gateways[0].http_url())).bearer_auth(&tokens).json(&long).send().await.unwrap();
+    assert_eq!(spent.status(), 200);
+    wait_until("the other gateway refuses the spent key", std::time::Duration::from_secs(10), async || status(&gateways[1], &tokens).await == 429).await;
+
+    // Redis gone: each gateway by its own bucket, which still holds two of
+    // the four (each served two), so the key is served again, on its own
+    // limits, and the missing answers are counted.
+    redis.kill();
+    assert_eq!(status(&gateways[0], &limited).await, 200, "decided by the gateway's own limits");
+    let failures = metric(&gateways[0].admin_url(), "turbine_gateway_shared_limit_failures_total").await;
+    assert!(failures >= 1.0, "{failures}");
+    drop((gateways, router, worker));
+}

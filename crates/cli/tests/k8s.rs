@@ -70,14 +70,13 @@ fn every_pod_speaks_mutual_tls_with_its_own_certificate() {
         let env: Vec<(&str, &Value)> = container["env"].as_sequence().unwrap().iter().map(|var| (text(&var["name"]), var)).collect();
         let value = |key: &str| env.iter().find(|(name, _)| *name == key).map(|(_, var)| text(&var["value"]).to_owned());
         assert!(value("TURBINE_INSECURE").is_none(), "{name} runs with TURBINE_INSECURE");
+        assert!(value("TURBINE_REDIS_URL").is_some_and(|url| url.starts_with("rediss://turbine-redis:")), "{name} reaches Redis over TLS");
         if args[0] == "gateway" {
-            // The gateway reaches only routers; its clients need API keys.
+            // Its clients need API keys.
             let keys = args.iter().position(|arg| *arg == "--api-keys").map(|at| args[at + 1]).expect("the gateway takes API keys");
             let mount = container["volumeMounts"].as_sequence().unwrap().iter().find(|mount| mount["name"] == "keys").expect("a keys mount");
             assert!(keys.starts_with(&format!("{}/", text(&mount["mountPath"]))), "the keys file is in its Secret");
             assert!(args.contains(&"--admin-addr"), "metrics and probes off the API's port");
-        } else {
-            assert!(value("TURBINE_REDIS_URL").is_some_and(|url| url.starts_with("rediss://turbine-redis:")), "{name} reaches Redis over TLS");
         }
 
         // The three files come from one Secret volume, named after the

@@ -318,8 +318,9 @@ impl<S: ServiceDefaults> ServerConfig<S> {
 /// or writes the shared state in Redis.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct ClusterConfig {
-    /// Redis URL of the worker registry and the KV event log, e.g.
-    /// redis://redis:6379/.
+    /// Redis URL of the cluster's shared state, e.g. redis://redis:6379/
+    /// (rediss:// for TLS): the worker registry and the KV event log, and
+    /// at a gateway the API keys' limits shared by every gateway.
     #[arg(long, env = "TURBINE_REDIS_URL")]
     pub redis: Option<String>,
     /// Namespace: separates clusters that share one Redis.

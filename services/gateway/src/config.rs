@@ -37,6 +37,11 @@ pub struct GatewayConfig {
     #[command(flatten)]
     #[serde(flatten)]
     pub admission: AdmissionConfig,
+    /// With --redis, the API keys' per-minute limits are kept in that
+    /// Redis and shared by every gateway of the namespace.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub cluster: turbine_runtime::config::ClusterConfig,
 }
 
 impl Default for GatewayConfig {

@@ -95,7 +95,10 @@ impl pb::inference_server::Inference for InferenceService {
     #[tracing::instrument(skip_all, name = "gateway.grpc.generate")]
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
         let caller = self.caller(&request)?;
-        let key_permit = caller.as_ref().map(|key| key.admit()).transpose()?;
+        let key_permit = match &caller {
+            Some(key) => Some(key.admit().await?),
+            None => None,
+        };
         let permit = (self.state.admit()?, key_permit);
         let in_flight = InFlight::start();
         let mut request = text_request(request.into_inner())?;

@@ -23,6 +23,11 @@
 //! answers, a key removed is refused from then on (its requests in flight
 //! finish), without a restart; a key kept as it was keeps what it used of
 //! its limits. A changed file that does not parse changes nothing.
+//!
+//! Limits hold per gateway process, and with Redis ([`SharedBuckets`],
+//! the gateway's `--redis`) the per-minute ones hold across every gateway
+//! of the namespace: a key behind three gateways gets its limit, not
+//! three times it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -77,6 +82,11 @@ pub struct ApiKey {
     /// What its entry says beyond its digest: an entry read again alike
     /// keeps this key, and what it used of its limits.
     spec: KeySpec,
+    /// Its digest, hex: its buckets' name in Redis.
+    digest: String,
+    /// The per-minute buckets every gateway of the namespace shares, if
+    /// any.
+    shared: std::sync::OnceLock<Arc<SharedBuckets>>,
 }
 
 /// Keys are told apart by name (unique in a keys file) and tenant.
@@ -154,13 +164,36 @@ impl ApiKey {
     /// completions are charged as they are known, see [`charge`]).
     ///
     /// [`charge`]: Self::charge
-    pub fn admit(&self) -> Result<KeyPermit, GatewayError> {
+    pub async fn admit(&self) -> Result<KeyPermit, GatewayError> {
+        let permit = self.admit_here()?;
+        let Some(shared) = self.shared.get() else { return Ok(permit) };
+        // Then the buckets every gateway shares (this process's allowed
+        // it, so only another gateway's use can refuse it here).
+        if let Some(per_minute) = self.spec.tokens_per_minute {
+            let wait = shared.bucket(&self.digest, "tokens", per_minute as f64, 0.0, BucketOp::Wait).await;
+            if wait > 0 {
+                return self.refuse("tokens", wait, format!("Rate limit reached for key {:?} on tokens per minute; try again in {wait}s.", self.name));
+            }
+        }
+        if let Some(per_minute) = self.spec.requests_per_minute {
+            let wait = shared.bucket(&self.digest, "requests", f64::from(per_minute), 1.0, BucketOp::Take).await;
+            if wait > 0 {
+                return self.refuse("requests", wait, format!("Rate limit reached for key {:?} on requests per minute; try again in {wait}s.", self.name));
+            }
+        }
+        Ok(permit)
+    }
+
+    fn refuse<T>(&self, limit: &'static str, retry_after: u64, message: String) -> Result<T, GatewayError> {
+        crate::metrics::rate_limited(limit);
+        tracing::info!(key = %self.name, tenant = %self.tenant, limit, retry_after, "a key over its limit");
+        Err(GatewayError::rate_limited(message, retry_after))
+    }
+
+    /// [`admit`](Self::admit) by this process's own buckets and places.
+    fn admit_here(&self) -> Result<KeyPermit, GatewayError> {
         let now = Instant::now();
-        let refuse = |limit: &'static str, retry_after: u64, message: String| {
-            crate::metrics::rate_limited(limit);
-            tracing::info!(key = %self.name, tenant = %self.tenant, limit, retry_after, "a key over its limit");
-            Err(GatewayError::rate_limited(message, retry_after))
-        };
+        let refuse = |limit: &'static str, retry_after: u64, message: String| self.refuse(limit, retry_after, message);
         if let Some(tokens) = &self.limits.tokens {
             let wait = tokens.lock().wait(now);
             if wait > 0 {
@@ -185,11 +218,116 @@ impl ApiKey {
         Ok(KeyPermit { _permit: permit })
     }
 
-    /// Charges `tokens` (prompt or completion) to its tokens per minute.
+    /// Charges `tokens` (prompt or completion) to its tokens per minute
+    /// (the shared bucket's charge is sent, not awaited).
     pub fn charge(&self, tokens: u32) {
         if let Some(bucket) = &self.limits.tokens {
             bucket.lock().charge(f64::from(tokens), Instant::now());
         }
+        if let (Some(shared), Some(per_minute), Ok(runtime)) = (self.shared.get(), self.spec.tokens_per_minute, tokio::runtime::Handle::try_current()) {
+            let (shared, digest) = (shared.clone(), self.digest.clone());
+            runtime.spawn(async move { shared.bucket(&digest, "tokens", per_minute as f64, f64::from(tokens), BucketOp::Charge).await });
+        }
+    }
+}
+
+/// What a shared bucket is asked.
+#[derive(Debug, Clone, Copy)]
+enum BucketOp {
+    /// Take the amount if held; else the seconds until it would be.
+    Take,
+    /// Seconds until the bucket is out of debt (0: it is).
+    Wait,
+    /// Charge the amount, into debt if need be.
+    Charge,
+}
+
+impl BucketOp {
+    fn as_str(self) -> &'static str {
+        match self {
+            BucketOp::Take => "take",
+            BucketOp::Wait => "wait",
+            BucketOp::Charge => "charge",
+        }
+    }
+}
+
+/// A bucket in Redis, refilled and changed in one step (Redis's clock):
+/// KEYS[1] the bucket; ARGV per minute, amount, op. Answers the seconds to
+/// wait (0: done). An idle bucket expires once it would be full again.
+const BUCKET_SCRIPT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local per_minute = tonumber(ARGV[1])
+local amount = tonumber(ARGV[2])
+local rate = per_minute / 60
+local held = redis.call('HMGET', KEYS[1], 'level', 'at')
+local level = per_minute
+if held[1] then
+  level = math.min(per_minute, tonumber(held[1]) + math.max(0, now - tonumber(held[2])) * rate)
+end
+local wait = 0
+if ARGV[3] == 'take' then
+  if level >= amount then level = level - amount else wait = math.max(1, math.ceil((amount - level) / rate)) end
+elseif ARGV[3] == 'charge' then
+  level = level - amount
+elseif level <= 0 then
+  wait = math.max(1, math.ceil((1 - level) / rate))
+end
+redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil((per_minute - level) / rate) + 1)
+return wait
+"#;
+
+/// The per-minute limits' buckets in Redis, shared by every gateway of a
+/// namespace. When Redis does not answer in time a call is decided by the
+/// process's own buckets alone (counted in
+/// `turbine_gateway_shared_limit_failures_total`): the limits then hold
+/// per gateway, never none.
+#[derive(Clone)]
+pub struct SharedBuckets {
+    connection: redis::aio::ConnectionManager,
+    prefix: String,
+}
+
+impl std::fmt::Debug for SharedBuckets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBuckets").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+impl SharedBuckets {
+    /// Buckets in the Redis at `url` (connected lazily), under the
+    /// namespace `namespace`.
+    pub fn new(url: &str, namespace: &str) -> anyhow::Result<Self> {
+        let client = turbine_runtime::redis::client(url).map_err(|error| anyhow::anyhow!("bad Redis URL {url:?}: {error}"))?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_millis(500)))
+            .set_response_timeout(Some(Duration::from_millis(250)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(200));
+        let connection = redis::aio::ConnectionManager::new_lazy_with_config(client, config)?;
+        Ok(Self { connection, prefix: format!("turbine:{namespace}:limits") })
+    }
+
+    /// Runs `op` on the key `digest`'s bucket `limit`: the seconds to wait
+    /// (0 when Redis did not answer).
+    async fn bucket(&self, digest: &str, limit: &str, per_minute: f64, amount: f64, op: BucketOp) -> u64 {
+        let mut connection = self.connection.clone();
+        let answer: redis::RedisResult<u64> = redis::cmd("EVAL")
+            .arg(BUCKET_SCRIPT)
+            .arg(1)
+            .arg(format!("{}:{digest}:{limit}", self.prefix))
+            .arg(per_minute)
+            .arg(amount)
+            .arg(op.as_str())
+            .query_async(&mut connection)
+            .await;
+        answer.unwrap_or_else(|error| {
+            crate::metrics::shared_limit_failure();
+            tracing::warn!(%error, limit, "the shared limits' Redis did not answer: this call is decided by this gateway's own limits");
+            0
+        })
     }
 }
 
@@ -293,7 +431,15 @@ impl ApiKeys {
                 concurrent: concurrent.map(|limit| Arc::new(Semaphore::new(limit as usize))),
                 max_concurrent: concurrent.unwrap_or(0) as u32,
             };
-            let key = ApiKey { name: spec.name.clone(), tenant: spec.tenant.clone(), namespace, limits, spec };
+            let key = ApiKey {
+                name: spec.name.clone(),
+                tenant: spec.tenant.clone(),
+                namespace,
+                limits,
+                digest: hex::encode(digest),
+                spec,
+                shared: std::sync::OnceLock::new(),
+            };
             if keys.by_digest.insert(digest, Arc::new(key)).is_some() {
                 return Err(at("another key has this digest".into()));
             }
@@ -321,8 +467,17 @@ impl ApiKeys {
                 tokens_per_minute: None,
                 max_concurrent: None,
             },
+            digest: String::new(),
+            shared: std::sync::OnceLock::new(),
         };
         self.by_digest.insert(Sha256::digest(key.as_bytes()).into(), Arc::new(own));
+    }
+
+    /// Has every key's per-minute limits shared through `buckets`.
+    pub fn share_through(&self, buckets: &Arc<SharedBuckets>) {
+        for key in self.by_digest.values() {
+            let _ = key.shared.set(buckets.clone());
+        }
     }
 
     /// Keeps the keys of `before` whose entries are unchanged (the same
@@ -369,23 +524,29 @@ impl ApiKeys {
 pub struct KeyRing {
     path: PathBuf,
     own: Option<String>,
+    shared: Option<Arc<SharedBuckets>>,
     state: Mutex<(Arc<ApiKeys>, [u8; 32])>,
 }
 
 impl KeyRing {
     /// The keys in the file at `path`, and `own` (the running process's
     /// key, [`ApiKeys::add_own`]) whatever the file says.
-    pub fn load(path: &Path, own: Option<String>) -> anyhow::Result<Self> {
-        let (keys, digest) = Self::read(path, own.as_deref(), None)?;
+    /// With `shared`, the keys' per-minute limits are kept there too.
+    pub fn load(path: &Path, own: Option<String>, shared: Option<SharedBuckets>) -> anyhow::Result<Self> {
+        let shared = shared.map(Arc::new);
+        let (keys, digest) = Self::read(path, own.as_deref(), None, shared.as_ref())?;
         crate::metrics::keys_in_force(keys.len());
-        Ok(Self { path: path.to_owned(), own, state: Mutex::new((Arc::new(keys), digest)) })
+        Ok(Self { path: path.to_owned(), own, shared, state: Mutex::new((Arc::new(keys), digest)) })
     }
 
-    fn read(path: &Path, own: Option<&str>, before: Option<&ApiKeys>) -> anyhow::Result<(ApiKeys, [u8; 32])> {
+    fn read(path: &Path, own: Option<&str>, before: Option<&ApiKeys>, shared: Option<&Arc<SharedBuckets>>) -> anyhow::Result<(ApiKeys, [u8; 32])> {
         let text = std::fs::read_to_string(path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", path.display()))?;
         let mut keys = ApiKeys::parse(&text).map_err(|error| anyhow::anyhow!("the API keys file {}: {error}", path.display()))?;
         if let Some(own) = own {
             keys.add_own(own);
+        }
+        if let Some(shared) = shared {
+            keys.share_through(shared);
         }
         if let Some(before) = before {
             keys.keep_from(before);
@@ -411,7 +572,7 @@ impl KeyRing {
             }
             state.0.clone()
         };
-        let (keys, digest) = match Self::read(&self.path, self.own.as_deref(), Some(&before)) {
+        let (keys, digest) = match Self::read(&self.path, self.own.as_deref(), Some(&before), self.shared.as_ref()) {
             Ok(read) => read,
             Err(error) => {
                 // Counted once per version of the file.
@@ -531,21 +692,21 @@ mod tests {
         let text = format!("{}requests_per_minute = 2\nmax_concurrent = 1\ntokens_per_minute = 600\n", file(&[("x", "t", "k")]));
         let keys = ApiKeys::parse(&text).unwrap();
         let key = keys.authenticate(Some("Bearer k")).unwrap();
-        let first = key.admit().expect("within every limit");
-        let busy = key.admit().unwrap_err();
+        let first = key.admit_here().expect("within every limit");
+        let busy = key.admit_here().unwrap_err();
         assert_eq!((busy.kind, busy.retry_after), (ErrorKind::RateLimited, Some(1)), "one at a time: {busy:?}");
         drop(first);
-        let _second = key.admit().expect("the first ended");
+        let _second = key.admit_here().expect("the first ended");
         drop(_second);
-        let spent = key.admit().unwrap_err();
+        let spent = key.admit_here().unwrap_err();
         assert!(spent.message.contains("requests per minute") && spent.retry_after.is_some_and(|secs| (1..=30).contains(&secs)), "{spent:?}");
 
         let text = format!("{}tokens_per_minute = 600\n", file(&[("y", "t", "l")]));
         let keys = ApiKeys::parse(&text).unwrap();
         let key = keys.authenticate(Some("Bearer l")).unwrap();
-        drop(key.admit().unwrap());
+        drop(key.admit_here().unwrap());
         key.charge(900);
-        let spent = key.admit().unwrap_err();
+        let spent = key.admit_here().unwrap_err();
         // 300 tokens of debt at 10 per second.
         assert!(spent.message.contains("tokens per minute") && spent.retry_after.is_some_and(|secs| (29..=31).contains(&secs)), "{spent:?}");
     }

@@ -46,6 +46,14 @@ static KEY_RELOADS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["outcome"],
     )
 });
+static SHARED_LIMIT_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_shared_limit_failures_total",
+        "Calls to the shared limits' Redis (--redis) that got no answer in time: the call was decided by this gateway's own limits",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
 static KEYS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("turbine_gateway_api_keys", "API keys in force (the keys file's, as last applied)", &[]).with_label_values(&[] as &[&str]));
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
@@ -258,6 +266,11 @@ pub fn unauthenticated(reason: &str) {
 /// Counts a reading of a changed keys file: applied or refused.
 pub fn key_reload(outcome: &str) {
     KEY_RELOADS.with_label_values(&[outcome]).inc();
+}
+
+/// Counts a shared-limits call Redis did not answer.
+pub fn shared_limit_failure() {
+    SHARED_LIMIT_FAILURES.inc();
 }
 
 /// The number of API keys in force.

@@ -16,7 +16,7 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, bind};
 use crate::catalog::ModelCatalog;
 use crate::config::GatewayConfig;
 use crate::grpc::InferenceService;
-use crate::keys::{Access, KeyRing};
+use crate::keys::{Access, KeyRing, SharedBuckets};
 use crate::openai::{AppState, router as rest_router};
 use crate::pipeline::Pipeline;
 
@@ -63,7 +63,9 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
     let catalog = Arc::new(ModelCatalog::new(deps.router.clone(), deps.workers.clone()));
     let access = match &config.admission.api_keys {
         Some(path) => {
-            let keys = Arc::new(KeyRing::load(path, deps.own_key.clone())?);
+            // Per-minute limits shared with the namespace's other gateways.
+            let shared = config.cluster.redis.as_deref().map(|url| SharedBuckets::new(url, &config.cluster.namespace)).transpose()?;
+            let keys = Arc::new(KeyRing::load(path, deps.own_key.clone(), shared)?);
             tracing::info!(keys = keys.current().len(), file = %path.display(), reload_secs = config.admission.api_keys_reload_secs, "API keys required");
             if config.admission.api_keys_reload_secs > 0 {
                 keys.clone().spawn_watch(Duration::from_secs(config.admission.api_keys_reload_secs), shutdown.clone());

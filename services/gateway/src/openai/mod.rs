@@ -162,7 +162,10 @@ struct Guards {
 async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Result<Response, GatewayError> {
     // Who is calling, before the body is read.
     let caller = state.caller(headers)?;
-    let key_permit = caller.as_ref().map(|key| key.admit()).transpose()?;
+    let key_permit = match &caller {
+        Some(key) => Some(key.admit().await?),
+        None => None,
+    };
     let guards = Guards { _key: key_permit, _permit: state.admit()?, _in_flight: InFlight::start() };
     let bytes = read_limited(headers, body, state.max_body_bytes).await?;
     let (mut request, delivery): (TextRequest, Delivery) = match endpoint {
