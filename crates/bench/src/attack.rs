@@ -79,6 +79,10 @@ pub struct AttackOutcome {
     pub attempts: u64,
     /// Calls refused as they must be.
     pub refused: u64,
+    /// Of those, the calls whose connection the service closed as it was
+    /// accepted (its connection gate: the attacker's address over its
+    /// rate), before TLS and before the call.
+    pub closed: u64,
     /// Calls that got anything else (each one a defect).
     pub unexpected: u64,
     /// The first unexpected answer, if any.
@@ -152,16 +156,20 @@ impl Attack {
 struct Tally {
     attempts: AtomicU64,
     refused: AtomicU64,
+    closed: AtomicU64,
     unexpected: AtomicU64,
     first_unexpected: parking_lot::Mutex<Option<String>>,
 }
 
 impl Tally {
-    fn record(&self, refused: Result<(), String>) {
+    fn record(&self, refused: Result<Refused, String>) {
         self.attempts.fetch_add(1, Relaxed);
         match refused {
-            Ok(()) => {
+            Ok(how) => {
                 self.refused.fetch_add(1, Relaxed);
+                if how == Refused::Closed {
+                    self.closed.fetch_add(1, Relaxed);
+                }
             }
             Err(answer) => {
                 self.unexpected.fetch_add(1, Relaxed);
@@ -188,16 +196,42 @@ fn trust_of(certs: &Path, role: &str) -> anyhow::Result<Trust> {
     config.load()?.context("certificates")
 }
 
-/// A status the attack must get.
-fn must_be(result: Result<impl std::fmt::Debug, tonic::Status>, code: tonic::Code) -> Result<(), String> {
+/// How an attempt was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    /// By the service's answer (or a failed handshake).
+    Answered,
+    /// Its connection closed as accepted, before TLS.
+    Closed,
+}
+
+/// A status the attack must get, or its connection closed before TLS
+/// (the connection gate: the client's handshake fails on a closed socket).
+fn must_be(result: Result<impl std::fmt::Debug, tonic::Status>, code: tonic::Code) -> Result<Refused, String> {
     match result {
-        Err(status) if status.code() == code => Ok(()),
+        Err(status) if status.code() == code => Ok(Refused::Answered),
+        Err(status) if status.code() == tonic::Code::Unavailable && closed_before_tls(&status) => Ok(Refused::Closed),
         other => Err(format!("{other:?}")),
     }
 }
 
+/// Whether `status` is a connection the server closed during the TLS
+/// handshake (what a client sees of the connection gate).
+fn closed_before_tls(status: &tonic::Status) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(error) = cause {
+        if let Some(io) = error.downcast_ref::<std::io::Error>()
+            && matches!(io.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::BrokenPipe)
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
 impl Attacker {
-    async fn attempt(&self, attack: Attack, n: u64) -> Result<(), String> {
+    async fn attempt(&self, attack: Attack, n: u64) -> Result<Refused, String> {
         let timeout = Duration::from_secs(5);
         match attack {
             Attack::WrongRoleGenerate => {
@@ -218,12 +252,12 @@ impl Attacker {
                 // A fresh connection each time: its failed handshake is the cost.
                 let endpoint = tonic::transport::Endpoint::from_shared(self.worker.clone()).map_err(|error| error.to_string())?;
                 let connected = tokio::time::timeout(timeout, endpoint.connect()).await.map_err(|_| "no answer".to_owned())?;
-                let Ok(channel) = connected else { return Ok(()) };
+                let Ok(channel) = connected else { return Ok(Refused::Answered) };
                 let mut client = worker_pb::worker_client::WorkerClient::new(channel);
                 let call = client.get_model_card(worker_pb::GetModelCardRequest {});
                 match tokio::time::timeout(timeout, call).await {
                     Ok(Ok(answer)) => Err(format!("answered a plaintext caller: {answer:?}")),
-                    _ => Ok(()),
+                    _ => Ok(Refused::Answered),
                 }
             }
             Attack::BadCapability => {
@@ -248,7 +282,7 @@ impl Attacker {
                     read_costs: Default::default(),
                     kv_store: None,
                 };
-                registry.put(&record, Duration::from_secs(5)).await.map_err(|error| format!("Redis refused the write: {error}"))
+                registry.put(&record, Duration::from_secs(5)).await.map(|()| Refused::Answered).map_err(|error| format!("Redis refused the write: {error}"))
             }
         }
     }
@@ -391,7 +425,11 @@ pub async fn run(args: AttackBenchArgs) -> anyhow::Result<AttackBenchReport> {
     let mut counted = Vec::new();
     for (service, admin) in [("worker", stack.worker.admin_url()), ("router", stack.router.admin_url())] {
         let page = http.get(format!("{admin}/metrics")).send().await?.text().await?;
-        for line in page.lines().filter(|line| line.starts_with("turbine_rpc_refused_total") || line.starts_with("turbine_registry_refused_records_total")) {
+        for line in page.lines().filter(|line| {
+            line.starts_with("turbine_rpc_refused_total")
+                || line.starts_with("turbine_registry_refused_records_total")
+                || line.starts_with("turbine_grpc_connections_refused_total")
+        }) {
             if let Some((series, value)) = line.rsplit_once(' ') {
                 counted.push((format!("{service}: {series}"), value.parse().unwrap_or(f64::NAN)));
             }
@@ -411,6 +449,7 @@ pub async fn run(args: AttackBenchArgs) -> anyhow::Result<AttackBenchReport> {
             attack: attack.name().to_owned(),
             attempts: tally.attempts.load(Relaxed),
             refused: tally.refused.load(Relaxed),
+            closed: tally.closed.load(Relaxed),
             unexpected: tally.unexpected.load(Relaxed),
             first_unexpected: tally.first_unexpected.lock().clone(),
         })

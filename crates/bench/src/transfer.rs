@@ -162,7 +162,7 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
     let routes = tonic::service::Routes::new(KvTransferServer::new(KvTransferService::new(Loaded::with(disagg.clone()))).with_message_limits());
     let stop = turbine_runtime::CancellationToken::new();
     let server =
-        tokio::spawn(turbine_runtime::grpc::serve(listener, routes, stop.clone(), Duration::from_millis(100), Duration::from_secs(600), 1024, None, &[]));
+        tokio::spawn(turbine_runtime::grpc::serve(listener, routes, stop.clone(), Duration::from_millis(100), Duration::from_secs(600), 1024, None, &[], None));
     // A prompt's blocks are scattered over a real pool: read them in a
     // shuffled order.
     let mut order: Vec<u32> = (0..args.blocks as u32).collect();

@@ -288,9 +288,20 @@ pub struct ServerConfig<S: ServiceDefaults> {
     #[arg(long, env = "TURBINE_INSECURE")]
     #[serde(default)]
     pub insecure: bool,
+    /// New gRPC connections one address may open a second (a second's
+    /// worth at once); more are closed as accepted, before TLS, and
+    /// counted. Services and clients keep their connections, so only a
+    /// caller connecting again and again meets it. 0: no limit.
+    #[arg(long, env = "TURBINE_CONNECTION_RATE_PER_IP", default_value_t = 100)]
+    #[serde(default = "default_connection_rate")]
+    pub connection_rate_per_ip: u32,
     #[arg(skip)]
     #[serde(skip)]
     service: PhantomData<S>,
+}
+
+fn default_connection_rate() -> u32 {
+    100
 }
 
 impl<S: ServiceDefaults> Default for ServerConfig<S> {

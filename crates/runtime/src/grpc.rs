@@ -69,8 +69,15 @@ pub async fn serve(
     calls_per_connection: usize,
     trust: Option<Trust>,
     roles: &'static [RpcRoles],
+    gate: Option<crate::gate::ConnectionGate>,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    use tokio_stream::StreamExt;
+    // A connection from an address over its rate is dropped as accepted:
+    // closed before any TLS work.
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true)).filter(move |connection| match (&gate, connection) {
+        (Some(gate), Ok(stream)) => stream.peer_addr().map_or(true, |peer| gate.admit(peer.ip())),
+        _ => true,
+    });
     let (builder, authorize) = match &trust {
         Some(trust) => (Server::builder().tls_config(trust.server_config())?, Authorize::new(roles)),
         None => (Server::builder(), Authorize::open()),

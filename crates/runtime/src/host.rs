@@ -266,6 +266,8 @@ pub struct Host {
     trust: Option<Trust>,
     /// The gRPC services mounted (fully qualified names).
     served: Vec<&'static str>,
+    /// New gRPC connections one address may open a second (0: any).
+    connection_rate_per_ip: u32,
 }
 
 impl std::fmt::Debug for Host {
@@ -319,6 +321,7 @@ impl Host {
             addresses,
             trust,
             served: Vec::new(),
+            connection_rate_per_ip: server.connection_rate_per_ip,
         })
     }
 
@@ -368,7 +371,8 @@ impl Host {
     /// Fails on a role table that does not fit the services mounted
     /// ([`HostSpec::check_roles`]).
     pub fn start(self, shutdown: CancellationToken) -> anyhow::Result<Serving> {
-        let Host { spec, readiness, routes, listeners, http_router, admin_on_http, grace, addresses_file, addresses, trust, served } = self;
+        let Host { spec, readiness, routes, listeners, http_router, admin_on_http, grace, addresses_file, addresses, trust, served, connection_rate_per_ip } =
+            self;
         spec.check_roles(&served)?;
         match &trust {
             Some(trust) => tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role"),
@@ -377,7 +381,8 @@ impl Host {
                 "gRPC in plaintext, every caller may call every rpc (development mode: set --tls-cert, --tls-key and --tls-ca)"
             ),
         }
-        let serve = crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, trust, spec.roles);
+        let gate = crate::gate::ConnectionGate::new(connection_rate_per_ip);
+        let serve = crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, trust, spec.roles, gate);
         let grpc = tokio::spawn(serve);
         let admin_stop = CancellationToken::new();
         let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), admin_stop.clone())));

@@ -21,6 +21,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod gate;
 pub mod grpc;
 pub mod health;
 pub mod host;
