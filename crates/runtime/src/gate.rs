@@ -25,7 +25,10 @@ static REFUSED: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 
 /// Addresses remembered at most; past it, those with full buckets are
-/// forgotten (a full bucket is what a new address starts with).
+/// forgotten (a full bucket is what a new address starts with), and if
+/// that is not enough (a caller cycling through many addresses, as an
+/// IPv6 prefix allows), all of them: the memory stays bounded, and the
+/// addresses start again from full buckets.
 const ADDRESSES_REMEMBERED: usize = 4096;
 
 /// Seconds between two log lines about refused connections.
@@ -64,6 +67,9 @@ impl ConnectionGate {
             if buckets.len() >= ADDRESSES_REMEMBERED && !buckets.contains_key(&address) {
                 let rate = self.rate;
                 buckets.retain(|_, (level, at)| *level + now.saturating_duration_since(*at).as_secs_f64() * rate < rate);
+                if buckets.len() >= ADDRESSES_REMEMBERED {
+                    buckets.clear();
+                }
             }
             let (level, at) = buckets.entry(address).or_insert((self.rate, now));
             *level = (*level + now.saturating_duration_since(*at).as_secs_f64() * self.rate).min(self.rate);
@@ -101,5 +107,16 @@ mod tests {
         assert!((5..=6).contains(&admitted), "a second's worth at once: {admitted}");
         assert!(gate.admit(b), "another address has its own");
         assert!(ConnectionGate::new(0).is_none(), "0: no limit");
+    }
+
+    #[test]
+    fn a_caller_cycling_through_addresses_cannot_grow_the_memory() {
+        let gate = ConnectionGate::new(1).unwrap();
+        for n in 0..3 * ADDRESSES_REMEMBERED as u32 {
+            let address = IpAddr::from(std::net::Ipv6Addr::from(u128::from(n) | (0x2001_0db8 << 96)));
+            gate.admit(address);
+            gate.admit(address);
+            assert!(gate.buckets.lock().len() <= ADDRESSES_REMEMBERED);
+        }
     }
 }
