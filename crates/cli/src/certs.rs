@@ -64,6 +64,8 @@ pub struct Written {
     pub ca: PathBuf,
     /// Each holder's certificate and key: the roles', then the workers'.
     pub holders: Vec<(String, PathBuf, PathBuf)>,
+    /// The KV tenants each limited worker certificate names, as given.
+    pub kv_tenants: Vec<(String, Vec<String>)>,
 }
 
 /// Makes the CA and the certificates under `args.out`.
@@ -72,7 +74,7 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
         let valid = !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
         anyhow::ensure!(valid, "{flag} {id:?}: a worker id or pool is letters, digits, '.', '_' or '-'");
     }
-    let mut kv_tenants: std::collections::BTreeMap<&str, Vec<String>> = std::collections::BTreeMap::new();
+    let mut kv_tenants: std::collections::BTreeMap<&str, Vec<(String, String)>> = std::collections::BTreeMap::new();
     for spec in &args.worker_tenants {
         let (holder, tenant) = spec.split_once('=').with_context(|| format!("--worker-tenant {spec:?}: HOLDER=TENANT"))?;
         anyhow::ensure!(
@@ -80,7 +82,7 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
             "--worker-tenant {spec:?}: {holder:?} is neither a --worker nor a --worker-pool"
         );
         let tenant: turbine_api::KvTenant = tenant.parse().map_err(|error: String| anyhow::anyhow!("--worker-tenant {spec:?}: {error}"))?;
-        kv_tenants.entry(holder).or_default().push(turbine_runtime::trust::kv_tenant_uri(tenant.get()));
+        kv_tenants.entry(holder).or_default().push((spec[holder.len() + 1..].to_owned(), turbine_runtime::trust::kv_tenant_uri(tenant.get())));
     }
     let out = &args.out;
     std::fs::create_dir_all(out.join("workers")).with_context(|| format!("cannot make {}", out.display()))?;
@@ -101,7 +103,7 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
     let issuer = Issuer::from_params(&ca, &ca_key);
 
     let mut holders = Vec::new();
-    let tenants_of = |holder: &str| kv_tenants.get(holder).cloned().unwrap_or_default();
+    let tenants_of = |holder: &str| kv_tenants.get(holder).map(|named| named.iter().map(|(_, uri)| uri.clone()).collect()).unwrap_or_default();
     let roles = Role::ALL.into_iter().map(|role| (role, role.as_str().to_owned(), out.join(role.as_str()), Vec::new()));
     let workers = args.workers.iter().map(|id| (Role::Worker, id.clone(), out.join("workers").join(id), tenants_of(id)));
     let pools = args
@@ -137,7 +139,8 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
         write(&key_path, &key.serialize_pem(), true)?;
         holders.push(("redis".to_owned(), cert_path, key_path));
     }
-    Ok(Written { ca: ca_cert, holders })
+    let kv_tenants = kv_tenants.into_iter().map(|(holder, named)| (holder.to_owned(), named.into_iter().map(|(spec, _)| spec).collect())).collect();
+    Ok(Written { ca: ca_cert, holders, kv_tenants })
 }
 
 /// Writes `text` to a new file at `path`; `secret`: readable by its owner only.
@@ -170,6 +173,9 @@ pub fn run(args: &CertsArgs) -> anyhow::Result<()> {
         } else {
             println!("{name}: --tls-cert {} --tls-key {} --tls-ca {}", cert.display(), key.display(), written.ca.display());
         }
+    }
+    for (holder, tenants) in &written.kv_tenants {
+        println!("{holder}: may write and read only the KV tenants {} in the kv-store", tenants.join(", "));
     }
     Ok(())
 }
