@@ -59,3 +59,26 @@ fn another_cas_certificate_is_untrusted() {
     garbage.certificate = b"not a certificate".to_vec();
     assert!(matches!(ours.trust(Role::Router, "router-0").verifier().verify(record, &garbage), Err(SealError::Untrusted(_))));
 }
+
+/// A worker certificate's KV tenants are read from its URI names (16 hex
+/// digits each, after `turbine:kv-tenant:`); a certificate naming none
+/// limits nothing, other URIs are not tenants, and a malformed tenant
+/// name makes the certificate unreadable rather than unlimited.
+#[test]
+fn a_workers_kv_tenants_come_from_its_certificate() {
+    use turbine_runtime::trust::{CertificateError, kv_tenant_uri};
+
+    let ca = TestCa::new("deployment");
+    let der = |issued: &turbine_testkit::tls::Issued| {
+        let (_, pem) = x509_parser::pem::parse_x509_pem(issued.cert.as_bytes()).unwrap();
+        pem.contents
+    };
+    let limited = ca.issue_with_uris(Role::Worker, "acme-0", &[&kv_tenant_uri(7), &kv_tenant_uri(u64::MAX), "https://example.invalid/other"]);
+    let peer = Peer::of_certificate(&der(&limited)).unwrap();
+    assert_eq!(peer.kv_tenants.as_deref(), Some(&[7, u64::MAX][..]), "its tenants, and no other URI");
+    assert_eq!(Peer::of_certificate(&der(&ca.issue(Role::Worker, "any-0"))).unwrap().kv_tenants, None, "none named: unlimited");
+    for bad in ["turbine:kv-tenant:7", "turbine:kv-tenant:xyz0000000000000", "turbine:kv-tenant:"] {
+        let refused = Peer::of_certificate(&der(&ca.issue_with_uris(Role::Worker, "w", &[bad]))).unwrap_err();
+        assert!(matches!(refused, CertificateError::BadNames(_)), "{bad}: {refused:?}");
+    }
+}

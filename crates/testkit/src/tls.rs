@@ -46,8 +46,21 @@ impl TestCa {
     /// A certificate naming `dns_names` (as given: a role's is
     /// `<role>.turbine`) for the holder `name`.
     pub fn issue_names(&self, dns_names: &[String], name: &str) -> Issued {
+        self.issue_alt_names(dns_names, &[], name)
+    }
+
+    /// A certificate of `role` for the holder `name` that also carries the
+    /// URI names `uris` (a worker's KV tenants: `turbine:kv-tenant:...`).
+    pub fn issue_with_uris(&self, role: Role, name: &str, uris: &[&str]) -> Issued {
+        self.issue_alt_names(&[role.dns_name()], uris, name)
+    }
+
+    fn issue_alt_names(&self, dns_names: &[String], uris: &[&str], name: &str) -> Issued {
         let key = KeyPair::generate().expect("a key");
         let mut params = CertificateParams::new(dns_names.to_vec()).expect("certificate parameters");
+        for uri in uris {
+            params.subject_alt_names.push(rcgen::SanType::URI((*uri).try_into().expect("an ASCII URI")));
+        }
         params.distinguished_name.push(DnType::CommonName, name);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         let issuer = Issuer::from_params(&self.params, &self.key);
