@@ -36,10 +36,11 @@ fn check_writes(scope: &TenantScope, blocks: impl Iterator<Item = (SequenceHash,
     Err(KvStoreError::Denied { code: ErrorCode::PermissionDenied, message: scope.refusal(sequence, tenant) })
 }
 
-/// Ends `run` at its first block `scope` does not allow (counted).
+/// Ends `run` at its first block `scope` does not allow (the blocks not
+/// served counted, as Lookup counts the blocks it hides).
 fn within_scope<T>(scope: &TenantScope, run: &mut Vec<T>, tenant: impl Fn(&T) -> KvTenant) {
     if let Some(first) = run.iter().position(|block| !scope.allows(tenant(block))) {
-        OUT_OF_SCOPE.with_label_values(&["read"]).inc();
+        OUT_OF_SCOPE.with_label_values(&["read"]).inc_by((run.len() - first) as u64);
         run.truncate(first);
     }
 }
