@@ -426,6 +426,7 @@ async fn a_dead_decode_worker_still_listed_is_not_asked_again_for_the_request() 
             token_ids: longer.as_slice().into(),
             kv: None,
             cache_salt: Default::default(),
+            kv_tenant: Default::default(),
         };
         let Ok(routed) = routing.route(&probe).await else { return false };
         let _ = routing.finished(&probe.request_id).await;

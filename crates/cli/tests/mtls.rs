@@ -446,3 +446,66 @@ async fn a_worker_limited_to_tenants_can_neither_write_nor_read_another_tenants_
     }
     drop(store);
 }
+
+/// A tenant given its own pool of workers (certificates limited to it by
+/// `turbine certs --worker-tenant`) is served there, and another tenant's
+/// requests never reach that pool: the router reads each worker's tenants
+/// from the certificate that seals its registry record (its `ListWorkers`
+/// shows them), the gateway names each request's tenant from its API key.
+/// Round robin alone would spread both tenants over both workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_requests_stay_on_its_own_pool_and_no_other_tenant_reaches_it() {
+    use turbine_gateway::keys::{entry, new_key};
+    use turbine_kv::KvTenant;
+
+    let dir = tempfile::tempdir().unwrap();
+    let output = std::process::Command::new(workspace_binary("turbine"))
+        .args(["certs", "--worker", "acme-0", "--worker", "any-0", "--worker-tenant", "acme-0=tenant:acme", "--redis", "localhost", "--out"])
+        .arg(dir.path())
+        .output()
+        .expect("turbine certs runs");
+    assert!(output.status.success(), "turbine certs: {}", String::from_utf8_lossy(&output.stderr));
+    tls(dir.path(), "operator").establish().unwrap().expect("an identity");
+    let redis = redis_over_tls(dir.path());
+    let url = redis.url();
+    let cluster = ["--redis", url.as_str(), "--namespace", "pools"];
+    let args = |own: &[&str], stem: &str| -> Vec<String> { own.iter().map(|arg| arg.to_string()).chain(flags(&tls(dir.path(), stem))).collect() };
+    let mut workers = Vec::new();
+    for id in ["acme-0", "any-0"] {
+        let worker_args = args(&[&cluster[..], &["--engine", "mock", "--speedup", "1000", "--worker-id", id]].concat(), &format!("workers/{id}"));
+        workers.push(service("turbine-worker", &worker_args.iter().map(String::as_str).collect::<Vec<_>>(), &[], false).await);
+    }
+    let router_args = args(&[&cluster[..], &["--policy", "round-robin"]].concat(), "router");
+    let router = service("turbine-router", &router_args.iter().map(String::as_str).collect::<Vec<_>>(), &[], false).await;
+    until_registered(&router, 2).await;
+    let listed = turbine_api::router::RouterClient::connect(&router.grpc_endpoint()).unwrap().workers(None).await.unwrap();
+    let tenants: Vec<(String, Vec<KvTenant>)> = listed.into_iter().map(|worker| (worker.worker_id.to_string(), worker.kv_tenants)).collect();
+    assert_eq!(tenants, [("acme-0".to_owned(), vec![KvTenant::of_tenant("acme")]), ("any-0".to_owned(), Vec::new())], "read from the seals");
+
+    let (acme, bravo) = (new_key(), new_key());
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(&keys, [entry("acme-app", "acme", None, &acme), entry("bravo-app", "bravo", None, &bravo)].join("\n")).unwrap();
+    let gateway_args = args(&["--router", &router.grpc_endpoint(), "--api-keys", keys.to_str().unwrap()], "gateway");
+    let gateway = service("turbine-gateway", &gateway_args.iter().map(String::as_str).collect::<Vec<_>>(), &[], true).await;
+    let http = reqwest::Client::new();
+    let complete = async |key: &str, i: usize| {
+        let body = json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": 2, "ignore_eos": true});
+        http.post(format!("{}/v1/completions", gateway.http_url())).bearer_auth(key).json(&body).send().await.unwrap().status().as_u16()
+    };
+    turbine_testkit::wait_until("the gateway serves", turbine_testkit::STARTUP_TIMEOUT, async || complete(&bravo, 0).await == 200).await;
+    let served = async || {
+        let count = async |worker: &turbine_testkit::ServiceProcess| turbine_testkit::metric(&worker.admin_url(), "turbine_worker_requests_total").await;
+        (count(&workers[0]).await, count(&workers[1]).await)
+    };
+    // Each tenant's six in a row: round robin alone would put three on
+    // each worker.
+    for (key, expected) in [(&acme, (6.0, 0.0)), (&bravo, (0.0, 6.0))] {
+        let before = served().await;
+        for i in 0..6 {
+            assert_eq!(complete(key, i).await, 200);
+        }
+        let after = served().await;
+        assert_eq!((after.0 - before.0, after.1 - before.1), expected, "acme's on its pool, bravo's on the unlimited worker");
+    }
+    drop((gateway, router, workers, redis));
+}

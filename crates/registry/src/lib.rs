@@ -16,6 +16,7 @@ mod memory;
 mod redis_backend;
 mod restart;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use lease::Lease;
@@ -23,7 +24,7 @@ pub use memory::MemoryRegistry;
 pub use redis_backend::{RedisRegistry, SignedRecord, signed_bytes};
 pub use restart::RestartGrace;
 use serde::{Deserialize, Serialize};
-pub use turbine_kv::WorkerId;
+pub use turbine_kv::{KvTenant, WorkerId};
 
 /// A worker as registered.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,6 +122,26 @@ pub struct LiveWorker {
     pub record: WorkerRecord,
     /// The instant (local clock) its lease expires unless renewed.
     pub expires_at: Instant,
+    /// The KV tenants the certificate that sealed the record limits the
+    /// worker to (`turbine certs --worker-tenant`); `None`: any tenant
+    /// (an unlimited certificate, or records read without an identity).
+    /// Read from the seal, never from the record: a worker cannot widen
+    /// its own.
+    pub kv_tenants: Option<Arc<[KvTenant]>>,
+}
+
+impl LiveWorker {
+    /// A worker of `record` whose lease ends at `expires_at`, for any
+    /// tenant.
+    pub fn new(record: WorkerRecord, expires_at: Instant) -> Self {
+        Self { record, expires_at, kv_tenants: None }
+    }
+
+    /// Whether the worker may hold `tenant`'s blocks (and so serve its
+    /// requests).
+    pub fn serves_tenant(&self, tenant: KvTenant) -> bool {
+        self.kv_tenants.as_deref().is_none_or(|tenants| tenants.contains(&tenant))
+    }
 }
 
 /// Registry failures.

@@ -21,7 +21,7 @@ impl MemoryRegistry {
     }
 
     pub(crate) fn put(&self, record: &WorkerRecord, ttl: Duration) {
-        let live = LiveWorker { record: record.clone(), expires_at: Instant::now() + ttl };
+        let live = LiveWorker::new(record.clone(), Instant::now() + ttl);
         self.workers.lock().insert(record.worker_id.clone(), live);
     }
 

@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 use turbine_runtime::signed::Seal;
 use turbine_runtime::trust::{Trust, dialing_as};
 
-use crate::{LiveWorker, RegistryError, Result, WorkerRecord};
+use crate::{KvTenant, LiveWorker, RegistryError, Result, WorkerRecord};
 
 /// What a sealed record's signature covers begins with this (a seal made
 /// for anything else never verifies as a registry record).
@@ -129,8 +129,13 @@ pub struct RedisRegistry {
     verified: Arc<Mutex<HashMap<String, Verified>>>,
 }
 
-/// A sealed record read and taken: the stored value, its expiry, and it.
-type Verified = (String, u64, WorkerRecord);
+/// A sealed record read and taken: the stored value, its expiry, it and
+/// the tenants its sealing certificate allows.
+type Verified = (String, u64, Taken);
+
+/// A record a reader takes, and the KV tenants the certificate that sealed
+/// it limits its worker to (`None`: any).
+type Taken = (WorkerRecord, Option<Arc<[KvTenant]>>);
 
 impl std::fmt::Debug for RedisRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -221,8 +226,8 @@ impl RedisRegistry {
         let mut expired = Vec::new();
         for (id, (json, ttl_ms)) in ids.into_iter().zip(replies) {
             match json {
-                Some(json) if ttl_ms > 0 => match self.read(&id, json).and_then(|record| filed_under(record, &id)) {
-                    Ok(record) => live.push(LiveWorker { record, expires_at: asked_at + Duration::from_millis(ttl_ms as u64) }),
+                Some(json) if ttl_ms > 0 => match self.read(&id, json).and_then(|(record, kv_tenants)| Ok((filed_under(record, &id)?, kv_tenants))) {
+                    Ok((record, kv_tenants)) => live.push(LiveWorker { record, expires_at: asked_at + Duration::from_millis(ttl_ms as u64), kv_tenants }),
                     Err((refusal, why)) => {
                         REFUSED.with_label_values(&[refusal.as_str()]).inc();
                         tracing::warn!(key = self.record_key(&id), reason = refusal.as_str(), why, "worker record skipped");
@@ -239,28 +244,29 @@ impl RedisRegistry {
     }
 
     /// The record stored as `json` under `id`, if this reader takes it.
-    fn read(&self, id: &str, json: String) -> std::result::Result<WorkerRecord, (Refusal, String)> {
+    fn read(&self, id: &str, json: String) -> std::result::Result<Taken, (Refusal, String)> {
         if self.trust.is_none() {
             return self.check(&json);
         }
-        if let Some((value, expires_unix_ms, record)) = self.verified.lock().get(id)
+        if let Some((value, expires_unix_ms, taken)) = self.verified.lock().get(id)
             && *value == json
         {
-            return fresh(*expires_unix_ms).map(|()| record.clone());
+            return fresh(*expires_unix_ms).map(|()| taken.clone());
         }
-        let record = self.check(&json)?;
+        let taken = self.check(&json)?;
         let expires_unix_ms = serde_json::from_str::<SignedRecord>(&json).map_or(0, |signed| signed.expires_unix_ms);
-        self.verified.lock().insert(id.to_owned(), (json, expires_unix_ms, record.clone()));
-        Ok(record)
+        self.verified.lock().insert(id.to_owned(), (json, expires_unix_ms, taken.clone()));
+        Ok(taken)
     }
 
-    /// The record stored as `json`, if this reader takes it.
-    fn check(&self, json: &str) -> std::result::Result<WorkerRecord, (Refusal, String)> {
+    /// The record stored as `json`, if this reader takes it, and the
+    /// tenants its seal allows.
+    fn check(&self, json: &str) -> std::result::Result<Taken, (Refusal, String)> {
         let corrupt = |error: serde_json::Error| (Refusal::Corrupt, error.to_string());
         let signed = serde_json::from_str::<SignedRecord>(json).ok();
         let Some(trust) = &self.trust else {
             let json = signed.as_ref().map_or(json, |signed| signed.record.as_str());
-            return serde_json::from_str(json).map_err(corrupt);
+            return Ok((serde_json::from_str(json).map_err(corrupt)?, None));
         };
         let Some(signed) = signed else {
             let unsigned = serde_json::from_str::<WorkerRecord>(json).map_err(corrupt)?;
@@ -278,7 +284,8 @@ impl RedisRegistry {
             return Err((Refusal::WrongWriter, format!("{writer} sealed the record of worker {:?}", record.worker_id.as_str())));
         }
         fresh(signed.expires_unix_ms)?;
-        Ok(record)
+        let kv_tenants = writer.kv_tenants.map(|tenants| tenants.iter().copied().map(KvTenant::new).collect());
+        Ok((record, kv_tenants))
     }
 
     /// The Redis server's run id, new at every server start.

@@ -244,3 +244,38 @@ async fn over_tls_with_an_acl_user() {
     .expect("bounded");
     assert!(answer.is_err(), "another CA's certificate is refused: {answer:?}");
 }
+
+/// A worker's KV tenants come from the certificate that sealed its record
+/// (`turbine certs --worker-tenant`), read on every listing: a limited
+/// worker is listed limited, an unlimited one for any tenant, and a reader
+/// without an identity takes no tenants from anywhere.
+#[tokio::test]
+async fn a_records_kv_tenants_are_those_of_the_certificate_that_sealed_it() {
+    use turbine_kv::KvTenant;
+    use turbine_runtime::host::Role;
+    use turbine_runtime::trust::kv_tenant_uri;
+    use turbine_testkit::tls::TestCa;
+
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let ca = TestCa::new("deployment");
+    let (acme, system) = (KvTenant::of_tenant("acme"), KvTenant::of_shared("system"));
+    let uris = [kv_tenant_uri(acme.get()), kv_tenant_uri(system.get())];
+    let limited = ca.issue_with_uris(Role::Worker, "acme-0", &uris.iter().map(String::as_str).collect::<Vec<_>>()).trust();
+    let as_writer = |trust| Registry::Redis(RedisRegistry::new(&url, "tenants").unwrap().with_trust(Some(trust)));
+    as_writer(limited).put(&record("acme-0"), Duration::from_secs(30)).await.unwrap();
+    as_writer(ca.trust(Role::Worker, "any-0")).put(&record("any-0"), Duration::from_secs(30)).await.unwrap();
+    let reader = Registry::Redis(RedisRegistry::new(&url, "tenants").unwrap().with_trust(Some(ca.trust(Role::Router, "router-0"))));
+    for _ in 0..2 {
+        // The second listing takes the records unchanged since the first.
+        let live = reader.list().await.unwrap();
+        let (acme_0, any_0) = (&live[0], &live[1]);
+        assert_eq!(acme_0.kv_tenants.as_deref(), Some(&[acme, system][..]));
+        assert!(acme_0.serves_tenant(acme) && acme_0.serves_tenant(system));
+        assert!(!acme_0.serves_tenant(KvTenant::of_tenant("bravo")) && !acme_0.serves_tenant(KvTenant::SHARED));
+        assert_eq!(any_0.kv_tenants, None);
+        assert!(any_0.serves_tenant(KvTenant::of_tenant("bravo")));
+    }
+    let bare = Registry::Redis(RedisRegistry::new(&url, "tenants").unwrap().with_trust(None));
+    assert!(bare.list().await.unwrap().iter().all(|worker| worker.kv_tenants.is_none()), "a reader without an identity checks no seal");
+}

@@ -262,6 +262,7 @@ impl Pipeline {
                 token_ids: request.prompt.as_slice().into(),
                 kv: None,
                 cache_salt: request.cache_salt,
+                kv_tenant: request.kv_tenant,
             };
             let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) = match self.router.route(&route).await {
                 Ok(routed) => (routed.worker, routed.prefill),

@@ -79,6 +79,7 @@ async fn a_model_whose_only_worker_gives_no_card_is_not_found() {
             load: Load::default(),
             in_flight: 0,
             role: WorkerRole::Aggregated,
+            kv_tenants: Vec::new(),
         }])
     });
     let mut worker = MockWorkerApi::new();

@@ -42,6 +42,7 @@ fn router() -> (Router, Arc<[u32]>) {
                     kv_store: None,
                 },
                 expires_at: Instant::now() + Duration::from_secs(3600),
+                kv_tenants: None,
             }
         })
         .collect();

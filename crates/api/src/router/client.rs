@@ -282,7 +282,7 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
     type Error = ConversionError;
 
     fn try_from(request: pb::RouteRequest) -> ConversionResult<Self> {
-        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights, cache_salt } = request;
+        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights, cache_salt, kv_tenant } = request;
         Ok(RouteRequest {
             request_id,
             model,
@@ -292,13 +292,14 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
             token_ids: token_ids.into(),
             kv: kv_weights.map(KvOverrides::from),
             cache_salt: turbine_kv::CacheSalt::new(cache_salt),
+            kv_tenant: turbine_kv::KvTenant::new(kv_tenant),
         })
     }
 }
 
 impl From<RouteRequest> for pb::RouteRequest {
     fn from(request: RouteRequest) -> Self {
-        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv, cache_salt } = request;
+        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv, cache_salt, kv_tenant } = request;
         pb::RouteRequest {
             request_id,
             model,
@@ -308,13 +309,14 @@ impl From<RouteRequest> for pb::RouteRequest {
             token_ids: token_ids.to_vec(),
             kv_weights: kv.map(pb::KvWeights::from),
             cache_salt: cache_salt.get(),
+            kv_tenant: kv_tenant.get(),
         }
     }
 }
 
 impl From<RoutedWorker> for pb::WorkerInfo {
     fn from(worker: RoutedWorker) -> Self {
-        let RoutedWorker { worker_id, endpoint, model, load: Load { running, waiting, blocks_used, blocks_total }, in_flight, role } = worker;
+        let RoutedWorker { worker_id, endpoint, model, load: Load { running, waiting, blocks_used, blocks_total }, in_flight, role, kv_tenants } = worker;
         pb::WorkerInfo {
             worker_id: worker_id.to_string(),
             endpoint,
@@ -322,6 +324,7 @@ impl From<RoutedWorker> for pb::WorkerInfo {
             load: Some(pb::WorkerLoad { running, waiting, blocks_used, blocks_total }),
             in_flight,
             role: role_to_wire(role) as i32,
+            kv_tenants: kv_tenants.into_iter().map(turbine_kv::KvTenant::get).collect(),
         }
     }
 }
@@ -330,7 +333,7 @@ impl TryFrom<pb::WorkerInfo> for RoutedWorker {
     type Error = ConversionError;
 
     fn try_from(worker: pb::WorkerInfo) -> ConversionResult<Self> {
-        let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight, role } = worker;
+        let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight, role, kv_tenants } = worker;
         if worker_id.is_empty() {
             return Err(ConversionError::Missing("worker.worker_id"));
         }
@@ -342,6 +345,7 @@ impl TryFrom<pb::WorkerInfo> for RoutedWorker {
             load: Load { running, waiting, blocks_used, blocks_total },
             in_flight,
             role: role_from_wire(role)?,
+            kv_tenants: kv_tenants.into_iter().map(turbine_kv::KvTenant::new).collect(),
         })
     }
 }
@@ -389,6 +393,7 @@ mod tests {
             token_ids: vec![1, 2, 3].into(),
             kv: Some(KvOverrides { temperature: Some(0.5), ..KvOverrides::default() }),
             cache_salt: turbine_kv::CacheSalt::of(&["tenant"]),
+            kv_tenant: turbine_kv::KvTenant::of_tenant("acme"),
         };
         assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(request.clone())).unwrap(), request);
         let worker = RoutedWorker {
@@ -398,6 +403,7 @@ mod tests {
             load: Load::default(),
             in_flight: 2,
             role: WorkerRole::Decode,
+            kv_tenants: vec![turbine_kv::KvTenant::of_tenant("acme"), turbine_kv::KvTenant::SHARED],
         };
         let routed = Routed {
             worker: worker.clone(),

@@ -37,6 +37,9 @@ pub struct RouteRequest {
     /// The request's KV namespace: its prompt is hashed with it, so it
     /// matches only blocks cached under the same salt.
     pub cache_salt: turbine_kv::CacheSalt,
+    /// Whose request it is: only workers allowed this KV tenant are
+    /// chosen, its own pool first.
+    pub kv_tenant: turbine_kv::KvTenant,
 }
 
 /// A routing decision.
@@ -71,6 +74,8 @@ pub struct RoutedWorker {
     pub in_flight: u32,
     /// Its part in disaggregated serving.
     pub role: WorkerRole,
+    /// The KV tenants its certificate limits it to; empty: any tenant.
+    pub kv_tenants: Vec<turbine_kv::KvTenant>,
 }
 
 /// How the router chooses among live workers serving the model.

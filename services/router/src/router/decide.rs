@@ -48,10 +48,16 @@ impl Router {
         let eligible: Vec<&LiveWorker> = state
             .workers
             .values()
-            .filter(|w| w.record.model == request.model && w.expires_at > now && !request.exclude_worker_ids.contains(&w.record.worker_id))
+            .filter(|w| {
+                w.record.model == request.model
+                    && w.expires_at > now
+                    && w.serves_tenant(request.kv_tenant)
+                    && !request.exclude_worker_ids.contains(&w.record.worker_id)
+            })
             .collect();
         // Prefill workers only compute prompts for the others.
         let (prefill_pool, eligible): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.record.role == WorkerRole::Prefill);
+        let (prefill_pool, eligible) = (own_pool_first(prefill_pool), own_pool_first(eligible));
         if eligible.is_empty() {
             return Err(RouteError::NoWorkers(request.model.clone()));
         }
@@ -143,6 +149,18 @@ impl Router {
     }
 }
 
+/// `workers` (each allowed the request's tenant) narrowed to the tenant's
+/// own pool: the workers whose certificates are limited to it (and the
+/// few others it may name), while any is eligible; else the unlimited
+/// ones. A tenant given a pool is served there, and no other tenant's
+/// request lands on it (it is not allowed theirs).
+fn own_pool_first(mut workers: Vec<&LiveWorker>) -> Vec<&LiveWorker> {
+    if workers.iter().any(|w| w.kv_tenants.is_some()) {
+        workers.retain(|w| w.kv_tenants.is_some());
+    }
+    workers
+}
+
 /// `worker`'s measured read costs, less the tiers whose credit the request
 /// set itself (an explicit credit wins over the measurement).
 fn measured_costs(worker: &LiveWorker, request: &RouteRequest) -> turbine_registry::ReadCosts {
@@ -171,5 +189,6 @@ pub(super) fn routed_of(worker: &LiveWorker, in_flight: u32) -> RoutedWorker {
         load: record.load,
         in_flight,
         role: record.role,
+        kv_tenants: worker.kv_tenants.as_deref().map_or_else(Vec::new, <[_]>::to_vec),
     }
 }

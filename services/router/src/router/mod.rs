@@ -75,7 +75,7 @@ impl Router {
     pub async fn route(&self, request: &RouteRequest) -> Result<Routed, RouteError> {
         let view = match &self.kv {
             Some(kv) if request.policy.unwrap_or(self.policy) == Policy::Kv && !request.request_id.is_empty() => {
-                let (candidates, sizes) = self.kv_candidates(&request.model);
+                let (candidates, sizes) = self.kv_candidates(request);
                 kv.look_up(&request.token_ids, request.cache_salt, candidates, &sizes).await
             }
             _ => KvView::NotAsked,
@@ -83,12 +83,13 @@ impl Router {
         self.decide(request, view)
     }
 
-    /// The model's live workers (their tree sizes break ties) and the
-    /// block sizes they hash in.
-    fn kv_candidates(&self, model: &str) -> (Vec<WorkerId>, Vec<u32>) {
+    /// The live workers of the request's model allowed its tenant (their
+    /// tree sizes break ties) and the block sizes they hash in.
+    fn kv_candidates(&self, request: &RouteRequest) -> (Vec<WorkerId>, Vec<u32>) {
         let state = self.state.lock();
         let now = Instant::now();
-        let workers: Vec<&LiveWorker> = state.workers.values().filter(|w| w.record.model == model && w.expires_at > now).collect();
+        let workers: Vec<&LiveWorker> =
+            state.workers.values().filter(|w| w.record.model == request.model && w.expires_at > now && w.serves_tenant(request.kv_tenant)).collect();
         // Few sizes among many workers: dedup as they come.
         let mut sizes: Vec<u32> = Vec::new();
         for size in workers.iter().map(|w| w.record.kv_block_size).filter(|&size| size > 0) {

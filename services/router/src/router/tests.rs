@@ -23,6 +23,7 @@ fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
             kv_store: None,
         },
         expires_at: Instant::now() + ttl,
+        kv_tenants: None,
     }
 }
 
@@ -269,4 +270,67 @@ fn a_request_matches_only_blocks_of_its_own_cache_salt() {
     }
     let other = route(&router, &salted("r3", CacheSalt::of(&["tenant-b"]))).unwrap();
     assert_eq!(other.overlap_blocks, 0, "another tenant matches neither worker's blocks");
+}
+
+fn limited_to(id: &str, role: WorkerRole, tenants: &[turbine_kv::KvTenant]) -> LiveWorker {
+    LiveWorker { kv_tenants: Some(tenants.into()), ..with_role(id, role) }
+}
+
+#[test]
+fn a_tenant_is_kept_on_its_own_pool_and_no_other_tenant_lands_there() {
+    use turbine_kv::KvTenant;
+    let (acme, bravo, system) = (KvTenant::of_tenant("acme"), KvTenant::of_tenant("bravo"), KvTenant::of_shared("system"));
+    let router = Router::new(Policy::RoundRobin, Duration::from_secs(600));
+    router.update_workers(vec![
+        limited_to("acme-0", WorkerRole::Aggregated, &[acme]),
+        limited_to("acme-1", WorkerRole::Aggregated, &[acme, system]),
+        with_role("any-0", WorkerRole::Aggregated),
+        with_role("any-1", WorkerRole::Aggregated),
+    ]);
+    let of = |id: String, kv_tenant| RouteRequest { kv_tenant, ..request(&id, "m") };
+    let served = |tenant: KvTenant, exclude: &[&str]| -> std::collections::BTreeSet<String> {
+        (0..8)
+            .map(|i| {
+                let request = RouteRequest { exclude_worker_ids: exclude.iter().map(|&id| id.into()).collect(), ..of(format!("r{i}"), tenant) };
+                let worker = route(&router, &request).unwrap().worker.worker_id.to_string();
+                router.finished(&request.request_id);
+                worker
+            })
+            .collect()
+    };
+    let set = |ids: &[&str]| ids.iter().map(|&id| id.to_owned()).collect::<std::collections::BTreeSet<_>>();
+    assert_eq!(served(acme, &[]), set(&["acme-0", "acme-1"]), "acme's pool serves acme, all of it");
+    assert_eq!(served(system, &[]), set(&["acme-1"]), "the one worker limited to the shared namespace among others");
+    assert_eq!(served(bravo, &[]), set(&["any-0", "any-1"]), "a tenant without a pool: the unlimited workers, never acme's");
+    assert_eq!(served(KvTenant::SHARED, &[]), set(&["any-0", "any-1"]), "the open namespace likewise");
+    assert_eq!(served(acme, &["acme-0"]), set(&["acme-1"]), "what is left of the pool");
+    assert_eq!(served(acme, &["acme-0", "acme-1"]), set(&["any-0", "any-1"]), "no pool worker eligible: the unlimited ones");
+
+    // The workers list says which tenants each is limited to.
+    let listed: Vec<(String, Vec<KvTenant>)> = router.workers(None).into_iter().map(|w| (w.worker_id.to_string(), w.kv_tenants)).collect();
+    assert_eq!(listed[..2], [("acme-0".to_owned(), vec![acme]), ("acme-1".to_owned(), vec![acme, system])]);
+    assert!(listed[2..].iter().all(|(_, tenants)| tenants.is_empty()));
+
+    // Only pools: a tenant none of them is limited to is not served.
+    router.update_workers(vec![limited_to("acme-0", WorkerRole::Aggregated, &[acme])]);
+    assert_eq!(route(&router, &of("b".into(), bravo)), Err(RouteError::NoWorkers("m".into())));
+}
+
+#[test]
+fn a_tenants_prompt_is_prefilled_on_its_own_pool_too() {
+    use turbine_kv::KvTenant;
+    let (acme, bravo) = (KvTenant::of_tenant("acme"), KvTenant::of_tenant("bravo"));
+    let router = Router::new(Policy::LeastLoaded, Duration::from_secs(600)).with_disagg(DisaggPolicy { threshold_tokens: 100, max_prefill_queue: 8 });
+    router.update_workers(vec![
+        limited_to("acme-prefill", WorkerRole::Prefill, &[acme]),
+        limited_to("acme-decode", WorkerRole::Decode, &[acme]),
+        with_role("any-prefill", WorkerRole::Prefill),
+        with_role("any-decode", WorkerRole::Decode),
+    ]);
+    for i in 0..4 {
+        let routed = route(&router, &RouteRequest { kv_tenant: acme, ..prompt(&format!("a{i}"), 1000) }).unwrap();
+        assert_eq!((routed.worker.worker_id.as_str(), routed.prefill.map(|p| p.worker_id.to_string())), ("acme-decode", Some("acme-prefill".into())));
+        let routed = route(&router, &RouteRequest { kv_tenant: bravo, ..prompt(&format!("b{i}"), 1000) }).unwrap();
+        assert_eq!((routed.worker.worker_id.as_str(), routed.prefill.map(|p| p.worker_id.to_string())), ("any-decode", Some("any-prefill".into())));
+    }
 }
