@@ -11,6 +11,9 @@
   worker, over a private redis-server): reflection `list` and `describe` of the
   versioned services, `grpc.health.v1.Health/Check` SERVING, a streamed
   `Inference/Generate`.
+- A whole deployment over mutual TLS (certificates from `turbine certs`,
+  Redis over TLS, every service): the SDK through two gateways with an API
+  key, grpcurl with an operator's certificate, a wrong role's call refused.
 
 Run by scripts/test.sh after the Rust tests (binaries in target/debug).
 """
@@ -351,6 +354,155 @@ def distributed_grpcurl_suite():
         shutil.rmtree(redis_dir, ignore_errors=True)
 
 
+def redis_answers_tls(port, certs):
+    """Whether a TLS-only redis-server answers PING to an operator's certificate."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=os.path.join(certs, "ca.crt"))
+    context.load_cert_chain(os.path.join(certs, "operator.crt"), os.path.join(certs, "operator.key"))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as raw:
+            with context.wrap_socket(raw, server_hostname="localhost") as connection:
+                connection.sendall(b"PING\r\n")
+                return connection.recv(16).startswith(b"+PONG")
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def grpcurl_as(binary, certs, holder, role, address, *args, data=None):
+    """grpcurl over mutual TLS with the certificate of `holder` (`operator`,
+    `router`), checking the server holds a certificate of `role`. Returns
+    (exit code, stdout, stderr)."""
+    command = [binary, "-cacert", os.path.join(certs, "ca.crt"), "-cert", os.path.join(certs, f"{holder}.crt"),
+               "-key", os.path.join(certs, f"{holder}.key"), "-servername", f"{role}.turbine"]
+    if data is not None:
+        command += ["-d", json.dumps(data)]
+    result = subprocess.run(command + [address, *args], capture_output=True, text=True, timeout=60)
+    return result.returncode, result.stdout, result.stderr
+
+
+def mtls_deployment_suite():
+    """A whole deployment over mutual TLS, set up as docs/security.md says:
+    certificates from `turbine certs`, a TLS-only redis-server, kv-index,
+    kv-store, two workers (mocker), two routers on the kv-index, the planner
+    and a gateway with API keys in front of each router. The OpenAI SDK
+    streams and completes through both gateways (a repeated prompt hits
+    its cached prefix); grpcurl with an operator's certificate lists,
+    describes and health-checks every service and reads their state; with
+    a router's certificate its KvStore/Delete is refused PERMISSION_DENIED
+    naming the rpc, and without a certificate it gets no answer."""
+    directory = tempfile.mkdtemp(prefix="turbine-mtls-")
+    certs = os.path.join(directory, "certs")
+    made = subprocess.run([f"{BIN}/turbine", "certs", "--out", certs, "--worker", "worker-0", "--worker", "worker-1", "--redis", "localhost"],
+                          capture_output=True, text=True, timeout=60)
+    check(made.returncode == 0, f"turbine certs: {made.stderr}")
+    keys_file = os.path.join(directory, "keys.toml")
+    made = subprocess.run([f"{BIN}/turbine", "keys", "new", "--file", keys_file, "--name", "sdk", "--tenant", "acme"],
+                          capture_output=True, text=True, timeout=60)
+    check(made.returncode == 0, f"turbine keys new: {made.stderr}")
+    key = made.stdout.strip()
+    binary = grpcurl_binary()
+    processes = []
+
+    def tls(stem):
+        return ["--tls-cert", os.path.join(certs, f"{stem}.crt"), "--tls-key", os.path.join(certs, f"{stem}.key"),
+                "--tls-ca", os.path.join(certs, "ca.crt")]
+
+    def start(name, binary_name, args, stem, role):
+        process = Process(name, [f"{BIN}/{binary_name}", "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", *args, *tls(stem)])
+        processes.append(process)
+        address = process.addresses()["grpc"]
+
+        def health():
+            code, out, _ = grpcurl_as(binary, certs, "operator", role, address, "grpc.health.v1.Health/Check")
+            return code == 0 and json.loads(out).get("status") == "SERVING"
+
+        poll(f"{name} SERVING over mutual TLS", health, process=process)
+        return process, address
+
+    try:
+        redis_port = free_port()
+        redis = Process("redis-server", ["redis-server", "--port", "0", "--tls-port", str(redis_port),
+                                         "--tls-cert-file", os.path.join(certs, "redis.crt"), "--tls-key-file", os.path.join(certs, "redis.key"),
+                                         "--tls-ca-cert-file", os.path.join(certs, "ca.crt"), "--tls-auth-clients", "yes",
+                                         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory], addresses=False)
+        processes.append(redis)
+        poll("redis-server answering PING over TLS", lambda: redis_answers_tls(redis_port, certs), process=redis)
+        cluster = ["--redis", f"rediss://localhost:{redis_port}/", "--namespace", "e2e-mtls"]
+        _, index = start("kv-index", "turbine-kv-index", cluster, "kv-index", "kv-index")
+        _, store = start("kv-store", "turbine-kv-store", [*cluster, "--store-id", "store-0", "--memory-mib", "64"], "kv-store", "kv-store")
+        for worker_id in ["worker-0", "worker-1"]:
+            start(worker_id, "turbine-worker", [*cluster, "--engine", "mock", "--speedup", "1000", "--worker-id", worker_id,
+                                                "--host-cache-mib", "64", "--kv-store", f"http://{store}"], f"workers/{worker_id}", "worker")
+        routers = []
+        for n in range(2):
+            _, router = start(f"router-{n}", "turbine-router", [*cluster, "--policy", "kv", "--kv-index", f"http://{index}",
+                                                                 "--kv-index-timeout-ms", "10000"], "router", "router")
+            routers.append(router)
+        database = f"sqlite://{os.path.join(directory, 'planner.db')}?mode=rwc"
+        _, planner = start("planner", "turbine-planner", [*cluster, "--database", database], "planner", "planner")
+        bases = []
+        for n, router in enumerate(routers):
+            gateway = Process(f"gateway-{n}", [f"{BIN}/turbine-gateway", "--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0",
+                                               "--admin-addr", "127.0.0.1:0", "--router", f"http://{router}", "--api-keys", keys_file,
+                                               *tls("gateway")])
+            processes.append(gateway)
+            bases.append(f"http://{gateway.addresses()['http']}")
+
+        def listed(base):
+            try:
+                return bool(openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0).models.list().data)
+            except openai.APIError:
+                return False
+
+        for base in bases:
+            poll(f"the model listed at {base} (both routers see both workers)", lambda: listed(base))
+
+        clients = [openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) for base in bases]
+        stream = clients[0].chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Stream over mutual TLS."}], max_tokens=12, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        usage = None
+        for chunk in stream:
+            usage = chunk.usage or usage
+        check(usage is not None and usage.completion_tokens == 12, f"streamed usage {usage}")
+        prompt = "Every hop of this deployment is mutual TLS. " * 30
+        cached = []
+        for round in range(4):
+            done = clients[round % 2].completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
+            details = done.usage.prompt_tokens_details
+            cached.append((details.cached_tokens if details else 0) or 0)
+            if round == 0:
+                # The blocks reach the kv-index (over TLS) before the repeats are routed by it.
+                def indexed():
+                    code, out, _ = grpcurl_as(binary, certs, "operator", "kv-index", index, "turbine.kvindex.v1.KvIndex/Stats")
+                    return code == 0 and int(json.loads(out).get("blocks", 0) or 0) > 0
+
+                poll("the kv-index holds blocks", indexed, timeout=30)
+        check(cached[0] == 0 and all(hit > 0 for hit in cached[1:]), f"cached tokens through both gateways: {cached}")
+
+        listing = grpcurl_as(binary, certs, "operator", "router", routers[0], "list")
+        check(listing[0] == 0 and "turbine.router.v1.Router" in listing[1], f"grpcurl list over mutual TLS: {listing}")
+        described = grpcurl_as(binary, certs, "operator", "kv-store", store, "describe", "turbine.kvstore.v1.DeleteRequest")
+        check(described[0] == 0 and "//" in described[1], f"grpcurl describe over mutual TLS: {described}")
+        workers = grpcurl_as(binary, certs, "operator", "router", routers[1], "turbine.router.v1.Router/ListWorkers")
+        check(workers[0] == 0 and len(json.loads(workers[1])["workers"]) == 2, f"ListWorkers: {workers}")
+        plan = grpcurl_as(binary, certs, "operator", "planner", planner, "turbine.planner.v1.Planner/GetPlan")
+        check(plan[0] == 0, f"GetPlan as the operator: {plan}")
+        denied = grpcurl_as(binary, certs, "router", "kv-store", store, "turbine.kvstore.v1.KvStore/Delete", data={})
+        check(denied[0] != 0 and "PermissionDenied" in denied[2] and "/turbine.kvstore.v1.KvStore/Delete" in denied[2],
+              f"a router's KvStore/Delete: {denied}")
+        plaintext = subprocess.run([binary, "-plaintext", store, "list"], capture_output=True, text=True, timeout=60)
+        check(plaintext.returncode != 0, f"a plaintext grpcurl was answered: {plaintext.stdout}")
+        print(f"mutual TLS deployment: openai sdk streamed {usage.completion_tokens} tokens, cached {cached} through two gateways; "
+              f"grpcurl as operator ok, as router: {denied[2].strip().splitlines()[-1]}")
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main():
     turbine = Process("turbine run", [f"{BIN}/turbine", "run", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0"])
     try:
@@ -362,6 +514,7 @@ def main():
     check(turbine.proc.returncode == 0, f"turbine run exited {turbine.proc.returncode}")
     api_keys_suite()
     distributed_grpcurl_suite()
+    mtls_deployment_suite()
     print("e2e: all client checks passed")
 
 

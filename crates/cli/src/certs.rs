@@ -39,8 +39,10 @@ pub struct CertsArgs {
     /// namespace keys opt into) or open (a deployment without keys). The
     /// kv-store then takes from that worker only those tenants' blocks and
     /// shows it only theirs (a pool serving one tenant can neither poison
-    /// nor read another's); a worker certificate with none may write every
-    /// tenant's.
+    /// nor read another's), and routers send that worker only those
+    /// tenants' requests, keeping each on the workers limited to it while
+    /// any is live; a worker certificate with none may write every
+    /// tenant's and serve every tenant without a pool.
     #[arg(long = "worker-tenant", value_name = "HOLDER=TENANT")]
     pub worker_tenants: Vec<String>,
     /// Days the certificates are valid, from now.
