@@ -267,3 +267,66 @@ async fn gateways_sharing_redis_share_a_keys_limits() {
     assert!(failures >= 1.0, "{failures}");
     drop((gateways, router, worker));
 }
+
+/// A key's `max_concurrent` holds across gateways sharing Redis: two
+/// streams held open through one gateway fill a key allowed two, so the
+/// other gateway refuses a third (429, counted as the concurrency limit)
+/// until a stream ends, its client gone; another key is served all along.
+/// With Redis gone a gateway's own limit decides (counted), never none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_sharing_redis_share_a_keys_concurrency_limit() {
+    use turbine_gateway::keys::{entry, new_key};
+
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let cluster = ["--redis", url.as_str(), "--namespace", "places"];
+    // Real mocker timing: a 4,000-token stream runs for many seconds.
+    let worker = service("turbine-worker", &[&cluster[..], &["--engine", "mock", "--speedup", "1", "--worker-id", "w0"]].concat(), &[], false).await;
+    let router = service("turbine-router", &cluster, &[], false).await;
+    until_registered(&router, 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (two, other) = (new_key(), new_key());
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(&keys, [format!("{}max_concurrent = 2\n", entry("two", "a", None, &two)), entry("other", "b", None, &other)].join("\n")).unwrap();
+    let mut gateways = Vec::new();
+    let router_endpoint = router.grpc_endpoint();
+    for _ in 0..2 {
+        let args = [&["--router", router_endpoint.as_str(), "--api-keys", keys.to_str().unwrap()][..], &cluster[..]].concat();
+        gateways.push(service("turbine-gateway", &args, &[], true).await);
+    }
+    let http = reqwest::Client::new();
+    let short = async |gateway: &ServiceProcess, key: &str| {
+        let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
+        http.post(format!("{}/v1/completions", gateway.http_url())).bearer_auth(key).json(&body).send().await.unwrap().status().as_u16()
+    };
+    for gateway in &gateways {
+        wait_until("the gateway serves", turbine_testkit::STARTUP_TIMEOUT, async || short(gateway, &other).await == 200).await;
+    }
+    let long = json!({"model": MODEL, "prompt": "stream on", "max_tokens": 4000, "ignore_eos": true, "stream": true});
+    let open = async |gateway: &ServiceProcess| {
+        let response = http.post(format!("{}/v1/completions", gateway.http_url())).bearer_auth(&two).json(&long).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        response
+    };
+    let mut streams = vec![open(&gateways[0]).await, open(&gateways[0]).await];
+    let refused = async |gateway: &ServiceProcess| {
+        turbine_testkit::metric_where(&gateway.admin_url(), "turbine_gateway_rate_limited_total", &[("limit", "concurrency")]).await
+    };
+    assert_eq!(short(&gateways[1], &two).await, 429, "the other gateway sees the key's two in flight");
+    assert_eq!(refused(&gateways[1]).await, 1.0);
+    assert_eq!(refused(&gateways[0]).await, 0.0, "the first gateway's own limit was never reached past");
+    assert_eq!(short(&gateways[1], &other).await, 200, "another key is served");
+    // A stream's client goes: its place is given back across gateways.
+    streams.pop();
+    wait_until("the other gateway admits the key again", std::time::Duration::from_secs(20), async || short(&gateways[1], &two).await == 200).await;
+    streams.push(open(&gateways[1]).await);
+    assert_eq!(short(&gateways[0], &two).await, 429, "two in flight, one through each gateway");
+
+    // Redis gone: each gateway by its own limit (the first holds one of
+    // its two places), counted.
+    drop(streams);
+    redis.kill();
+    assert_eq!(short(&gateways[0], &two).await, 200, "decided by the gateway's own limit");
+    assert!(metric(&gateways[0].admin_url(), "turbine_gateway_shared_limit_failures_total").await >= 1.0);
+    drop((gateways, router, worker));
+}

@@ -37,8 +37,8 @@ pub struct GatewayConfig {
     #[command(flatten)]
     #[serde(flatten)]
     pub admission: AdmissionConfig,
-    /// With --redis, the API keys' per-minute limits are kept in that
-    /// Redis and shared by every gateway of the namespace.
+    /// With --redis, the API keys' limits (per minute and concurrent) are
+    /// kept in that Redis and shared by every gateway of the namespace.
     #[command(flatten)]
     #[serde(flatten)]
     pub cluster: turbine_runtime::config::ClusterConfig,

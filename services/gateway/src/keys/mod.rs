@@ -25,9 +25,9 @@
 //! its limits. A changed file that does not parse changes nothing.
 //!
 //! Limits hold per gateway process, and with Redis ([`SharedBuckets`],
-//! the gateway's `--redis`) the per-minute ones hold across every gateway
-//! of the namespace: a key behind three gateways gets its limit, not
-//! three times it.
+//! the gateway's `--redis`) across every gateway of the namespace too (the
+//! per-minute buckets and the places of the concurrency limit): a key
+//! behind three gateways gets its limit, not three times it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -46,8 +46,8 @@ use crate::pipeline::Namespace;
 
 mod shared;
 
-use shared::BucketOp;
-pub use shared::SharedBuckets;
+use shared::{BucketOp, Place};
+pub use shared::{SharedBuckets, SharedPlace};
 
 /// One key's entry in the keys file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -156,10 +156,18 @@ impl Bucket {
     }
 }
 
-/// A request's place in its key's concurrency limit, held until it ends.
+/// A request's place in its key's concurrency limit, held until it ends:
+/// in this gateway, and across the namespace's gateways when they share
+/// limits.
 #[derive(Debug)]
 pub struct KeyPermit {
     _permit: Option<OwnedSemaphorePermit>,
+    _shared: Option<SharedPlace>,
+}
+
+/// The 429 message of a key at its concurrency limit.
+fn concurrency_message(name: &str, limit: u32) -> String {
+    format!("Key {name:?} has {limit} requests in flight, its limit; try again when one ends.")
 }
 
 impl ApiKey {
@@ -170,14 +178,21 @@ impl ApiKey {
     ///
     /// [`charge`]: Self::charge
     pub async fn admit(&self) -> Result<KeyPermit, GatewayError> {
-        let permit = self.admit_here()?;
+        let mut permit = self.admit_here()?;
         let Some(shared) = self.shared.get() else { return Ok(permit) };
-        // Then the buckets every gateway shares (this process's allowed
+        // Then the limits every gateway shares (this process's allowed
         // it, so only another gateway's use can refuse it here).
         if let Some(per_minute) = self.spec.tokens_per_minute {
             let wait = shared.bucket(&self.digest, "tokens", per_minute as f64, 0.0, BucketOp::Wait).await;
             if wait > 0 {
                 return self.refuse("tokens", wait, format!("Rate limit reached for key {:?} on tokens per minute; try again in {wait}s.", self.name));
+            }
+        }
+        if let Some(limit) = self.spec.max_concurrent {
+            match shared.take_place(&self.digest, limit).await {
+                Place::Taken(place) => permit._shared = Some(place),
+                Place::Full => return self.refuse("concurrency", 1, concurrency_message(&self.name, limit)),
+                Place::Unanswered => {}
             }
         }
         if let Some(per_minute) = self.spec.requests_per_minute {
@@ -208,10 +223,7 @@ impl ApiKey {
         let permit = match &self.limits.concurrent {
             Some(semaphore) => match semaphore.clone().try_acquire_owned() {
                 Ok(permit) => Some(permit),
-                Err(_) => {
-                    let limit = self.limits.max_concurrent;
-                    return refuse("concurrency", 1, format!("Key {:?} has {limit} requests in flight, its limit; try again when one ends.", self.name));
-                }
+                Err(_) => return refuse("concurrency", 1, concurrency_message(&self.name, self.limits.max_concurrent)),
             },
             None => None,
         };
@@ -220,7 +232,7 @@ impl ApiKey {
         {
             return refuse("requests", wait, format!("Rate limit reached for key {:?} on requests per minute; try again in {wait}s.", self.name));
         }
-        Ok(KeyPermit { _permit: permit })
+        Ok(KeyPermit { _permit: permit, _shared: None })
     }
 
     /// Charges `tokens` (prompt or completion) to its tokens per minute
