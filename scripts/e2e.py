@@ -12,8 +12,9 @@
   versioned services, `grpc.health.v1.Health/Check` SERVING, a streamed
   `Inference/Generate`.
 - A whole deployment over mutual TLS (certificates from `turbine certs`,
-  Redis over TLS, every service): the SDK through two gateways with an API
-  key, grpcurl with an operator's certificate, a wrong role's call refused.
+  Redis over TLS, every service): the SDK over HTTPS through two gateways
+  with an API key, grpcurl with an operator's certificate, a wrong role's
+  call refused.
 
 Run by scripts/test.sh after the Rust tests (binaries in target/debug).
 """
@@ -385,9 +386,12 @@ def mtls_deployment_suite():
     """A whole deployment over mutual TLS, set up as docs/security.md says:
     certificates from `turbine certs`, a TLS-only redis-server, kv-index,
     kv-store, two workers (mocker), two routers on the kv-index, the planner
-    and a gateway with API keys in front of each router. The OpenAI SDK
-    streams and completes through both gateways (a repeated prompt hits
-    its cached prefix); grpcurl with an operator's certificate lists,
+    and a gateway with API keys in front of each router, its API over TLS
+    with a certificate of its own. The OpenAI SDK streams and completes
+    over HTTPS through both gateways (a repeated prompt hits its cached
+    prefix; a client not trusting the certificate gets no answer), grpcurl
+    calls Inference/Generate over TLS with a key; grpcurl with an
+    operator's certificate lists,
     describes and health-checks every service and reads their state; with
     a router's certificate its KvStore/Delete is refused PERMISSION_DENIED
     naming the rpc, and without a certificate it gets no answer."""
@@ -441,24 +445,43 @@ def mtls_deployment_suite():
             routers.append(router)
         database = f"sqlite://{os.path.join(directory, 'planner.db')}?mode=rwc"
         _, planner = start("planner", "turbine-planner", [*cluster, "--database", database], "planner", "planner")
-        bases = []
+        # The API's own certificate, for clients (not from the deployment's CA).
+        public_cert, public_key = os.path.join(directory, "public.crt"), os.path.join(directory, "public.key")
+        made = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
+                               "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost", "-keyout", public_key, "-out", public_cert],
+                              capture_output=True, text=True, timeout=60)
+        check(made.returncode == 0, f"openssl: {made.stderr}")
+        import ssl
+
+        verify = ssl.create_default_context(cafile=public_cert)
+        bases, gateway_grpc = [], []
         for n, router in enumerate(routers):
             gateway = Process(f"gateway-{n}", [f"{BIN}/turbine-gateway", "--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0",
                                                "--admin-addr", "127.0.0.1:0", "--router", f"http://{router}", "--api-keys", keys_file,
-                                               *tls("gateway")])
+                                               "--public-tls-cert", public_cert, "--public-tls-key", public_key, *tls("gateway")])
             processes.append(gateway)
-            bases.append(f"http://{gateway.addresses()['http']}")
+            addresses = gateway.addresses()
+            bases.append(f"https://localhost:{addresses['http'].rsplit(':', 1)[1]}")
+            gateway_grpc.append(addresses["grpc"])
+
+        def sdk(base):
+            return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, http_client=openai.DefaultHttpxClient(verify=verify))
 
         def listed(base):
             try:
-                return bool(openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0).models.list().data)
+                return bool(sdk(base).models.list().data)
             except openai.APIError:
                 return False
 
         for base in bases:
             poll(f"the model listed at {base} (both routers see both workers)", lambda: listed(base))
+        try:
+            openai.OpenAI(base_url=f"{bases[0]}/v1", api_key=key, max_retries=0).models.list()
+            raise AssertionError("a client that does not trust the API's certificate was answered")
+        except openai.APIConnectionError:
+            pass
 
-        clients = [openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) for base in bases]
+        clients = [sdk(base) for base in bases]
         stream = clients[0].chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Stream over mutual TLS."}], max_tokens=12, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -495,8 +518,14 @@ def mtls_deployment_suite():
               f"a router's KvStore/Delete: {denied}")
         plaintext = subprocess.run([binary, "-plaintext", store, "list"], capture_output=True, text=True, timeout=60)
         check(plaintext.returncode != 0, f"a plaintext grpcurl was answered: {plaintext.stdout}")
-        print(f"mutual TLS deployment: openai sdk streamed {usage.completion_tokens} tokens, cached {cached} through two gateways; "
-              f"grpcurl as operator ok, as router: {denied[2].strip().splitlines()[-1]}")
+        # A gRPC client of the API: the public certificate and a key, no certificate of its own.
+        generate = [binary, "-cacert", public_cert, "-servername", "localhost", "-H", f"authorization: Bearer {key}",
+                    "-d", json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}),
+                    gateway_grpc[1], "turbine.gateway.v1.Inference/Generate"]
+        generated = subprocess.run(generate, capture_output=True, text=True, timeout=60)
+        check(generated.returncode == 0 and "FINISH_REASON_LENGTH" in generated.stdout, f"Inference/Generate over TLS: {generated}")
+        print(f"mutual TLS deployment: openai sdk over https streamed {usage.completion_tokens} tokens, cached {cached} through two gateways; "
+              f"grpcurl Inference over TLS with a key ok, as operator ok, as router: {denied[2].strip().splitlines()[-1]}")
     finally:
         for process in reversed(processes):
             process.stop()

@@ -161,8 +161,18 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
     // The worker's own KvTransfer service, over the bare pool.
     let routes = tonic::service::Routes::new(KvTransferServer::new(KvTransferService::new(Loaded::with(disagg.clone()))).with_message_limits());
     let stop = turbine_runtime::CancellationToken::new();
-    let server =
-        tokio::spawn(turbine_runtime::grpc::serve(listener, routes, stop.clone(), Duration::from_millis(100), Duration::from_secs(600), 1024, None, &[], None));
+    let plaintext = turbine_runtime::grpc::ServerSecurity::Plaintext;
+    let server = tokio::spawn(turbine_runtime::grpc::serve(
+        listener,
+        routes,
+        stop.clone(),
+        Duration::from_millis(100),
+        Duration::from_secs(600),
+        1024,
+        plaintext,
+        &[],
+        None,
+    ));
     // A prompt's blocks are scattered over a real pool: read them in a
     // shuffled order.
     let mut order: Vec<u32> = (0..args.blocks as u32).collect();

@@ -509,3 +509,106 @@ async fn a_tenants_requests_stay_on_its_own_pool_and_no_other_tenant_reaches_it(
     }
     drop((gateway, router, workers, redis));
 }
+
+/// The gateway's public ports over TLS with a public certificate
+/// (`--public-tls-cert`, `--public-tls-key`), its services over mutual
+/// TLS behind it: a client holding no certificate, only the public CA and
+/// an API key, gets a completion over HTTPS and a stream from gRPC
+/// `Inference` over TLS; without a key it is refused by the gateway; a
+/// plaintext request gets no answer; and a client that opens a connection
+/// and never finishes its handshake holds up no other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_public_ports_serve_tls_to_clients_without_certificates() {
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use turbine_gateway::keys::{entry, new_key};
+    use turbine_proto::gateway::v1 as api;
+
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path(), &["worker-0"]);
+    tls(dir.path(), "operator").establish().unwrap().expect("an identity");
+    // The public certificate comes from another CA, one the clients trust.
+    let public_ca = TestCa::new("public");
+    let public = public_ca.issue_names(&["localhost".to_owned()], "api.example").write(dir.path(), "public");
+    let redis = redis_over_tls(dir.path());
+    let url = redis.url();
+    let cluster = ["--redis", url.as_str(), "--namespace", "public"];
+    let args = |own: &[&str], stem: &str| -> Vec<String> { own.iter().map(|arg| arg.to_string()).chain(flags(&tls(dir.path(), stem))).collect() };
+    let worker_args = args(&[&cluster[..], &["--engine", "mock", "--speedup", "1000", "--worker-id", "worker-0"]].concat(), "workers/worker-0");
+    let worker = service("turbine-worker", &worker_args.iter().map(String::as_str).collect::<Vec<_>>(), &[], false).await;
+    let router_args = args(&cluster, "router");
+    let router = service("turbine-router", &router_args.iter().map(String::as_str).collect::<Vec<_>>(), &[], false).await;
+    until_registered(&router, 1).await;
+    let key = new_key();
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(&keys, entry("app", "acme", None, &key)).unwrap();
+    let (cert, private) = (public.tls_cert.as_deref().unwrap(), public.tls_key.as_deref().unwrap());
+    let own = ["--router", &router.grpc_endpoint(), "--api-keys", keys.to_str().unwrap(), "--public-tls-cert", cert.to_str().unwrap(), "--public-tls-key"];
+    let gateway_args = args(&[&own[..], &[private.to_str().unwrap()]].concat(), "gateway");
+    // Readiness from its admin port (plaintext, kept off the API's).
+    let mut command = std::process::Command::new(workspace_binary("turbine-gateway"));
+    command.args(&gateway_args);
+    let gateway = turbine_testkit::ServiceProcess::spawn("turbine-gateway", command, true).await.unwrap();
+    let ready = async || reqwest::get(format!("{}/readyz", gateway.admin_url())).await.is_ok_and(|response| response.status() == 200);
+    turbine_testkit::wait_until("the gateway is ready", turbine_testkit::STARTUP_TIMEOUT, ready).await;
+    let http = gateway.addresses().http.expect("an HTTP port");
+
+    // HTTPS by hand: the client trusts the public CA only.
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(<rustls::pki_types::CertificateDer as rustls::pki_types::pem::PemObject>::from_pem_slice(public_ca.pem().as_bytes()).unwrap()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap();
+    let client = Arc::new(client.with_root_certificates(roots).with_no_client_auth());
+    let https = async |authorization: Option<&str>| -> String {
+        let stream = tokio::net::TcpStream::connect(http).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut tls = tokio_rustls::TlsConnector::from(client.clone()).connect(name, stream).await.expect("the public certificate verifies");
+        let body = json!({"model": MODEL, "prompt": "over https", "max_tokens": 3, "ignore_eos": true}).to_string();
+        let auth = authorization.map(|key| format!("authorization: Bearer {key}\r\n")).unwrap_or_default();
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{auth}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        tls.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        tls.read_to_string(&mut answer).await.unwrap();
+        answer
+    };
+    // A client that connects and never says anything.
+    let _silent = tokio::net::TcpStream::connect(http).await.unwrap();
+    let served = https(Some(&key)).await;
+    assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+    assert!(served.contains("\"completion_tokens\":3"), "{served}");
+    let refused = https(None).await;
+    assert!(refused.starts_with("HTTP/1.1 401") && refused.contains("invalid_api_key"), "{refused}");
+    // Plaintext HTTP to the TLS port: no HTTP answer.
+    let plaintext =
+        reqwest::Client::new().post(format!("http://{http}/v1/completions")).bearer_auth(&key).json(&json!({"model": MODEL, "prompt": "x"})).send().await;
+    assert!(plaintext.is_err(), "a plaintext request was answered: {plaintext:?}");
+    let failed = turbine_testkit::metric_where(&gateway.admin_url(), "turbine_public_tls_handshakes_failed_total", &[("reason", "refused")]).await;
+    assert!(failed >= 1.0, "the plaintext request counted as a refused handshake");
+
+    // gRPC Inference over TLS, no client certificate, the key in metadata.
+    let tls_config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(public_ca.pem())).domain_name("localhost");
+    let grpc = gateway.addresses().grpc;
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{grpc}")).unwrap().tls_config(tls_config).unwrap().connect().await.unwrap();
+    let mut inference = api::inference_client::InferenceClient::new(channel);
+    let generate = api::GenerateRequest {
+        model: MODEL.into(),
+        input: Some(api::generate_request::Input::Prompt("over grpc".into())),
+        max_tokens: Some(4),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut request = tonic::Request::new(generate.clone());
+    request.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    let mut stream = inference.generate(request).await.expect("served over TLS").into_inner();
+    let mut last = None;
+    while let Some(message) = stream.message().await.unwrap() {
+        last = Some(message);
+    }
+    assert_eq!(last.and_then(|message| message.usage).map(|usage| usage.completion_tokens), Some(4));
+    let refused = inference.generate(tonic::Request::new(generate)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    drop((gateway, router, worker, redis));
+}

@@ -42,6 +42,25 @@ fn set_nodelay(stream: &mut tokio::net::TcpStream) {
 /// Serves an HTTP router until `shutdown` fires, then stops accepting and
 /// lets in-flight requests (streams included) finish for up to `grace`.
 pub async fn serve_with_grace(listener: TcpListener, router: Router, shutdown: CancellationToken, grace: std::time::Duration) -> std::io::Result<()> {
-    let server = axum::serve(listener.tap_io(set_nodelay), router).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    serve_listener_with_grace(listener.tap_io(set_nodelay), router, shutdown, grace).await
+}
+
+/// As [`serve_with_grace`], over HTTPS: the connections `listener` hands
+/// out have finished their TLS handshakes.
+pub async fn serve_tls_with_grace(
+    listener: crate::public_tls::TlsListener,
+    router: Router,
+    shutdown: CancellationToken,
+    grace: std::time::Duration,
+) -> std::io::Result<()> {
+    serve_listener_with_grace(listener, router, shutdown, grace).await
+}
+
+async fn serve_listener_with_grace<L>(listener: L, router: Router, shutdown: CancellationToken, grace: std::time::Duration) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    let server = axum::serve(listener, router).with_graceful_shutdown(shutdown.clone().cancelled_owned());
     crate::shutdown::drain_within(std::future::IntoFuture::into_future(server), &shutdown, grace, "HTTP requests").await
 }

@@ -50,15 +50,26 @@ where
     Routes::new(health).add_service(v1).add_service(v1alpha)
 }
 
+/// How a gRPC server meets its callers.
+#[derive(Debug, Clone)]
+pub enum ServerSecurity {
+    /// Plaintext, every caller may call every rpc (development).
+    Plaintext,
+    /// TLS only, callers with a certificate from the CA, each call
+    /// authorized against the role table ([`crate::trust`]).
+    Mutual(Trust),
+    /// TLS with a public certificate, no client certificate asked: the
+    /// services authenticate callers themselves (the gateway by API key).
+    Public(crate::public_tls::PublicTls),
+}
+
 /// Serves `routes` on `listener` until `shutdown` fires, then stops
 /// accepting and lets in-flight calls (streams included) finish for up to
 /// `grace`; calls still open after that are dropped. A handler running
 /// longer than `handler_timeout` fails its call; a connection runs at most
 /// `calls_per_connection` handlers at once.
 ///
-/// With `trust`, the server speaks TLS only, takes callers with a
-/// certificate from its CA, and authorizes each call against `roles`
-/// ([`crate::trust`]); without, it serves plaintext to every caller.
+/// How it is secured: see [`ServerSecurity`].
 #[allow(clippy::too_many_arguments)]
 pub async fn serve(
     listener: TcpListener,
@@ -67,7 +78,7 @@ pub async fn serve(
     grace: Duration,
     handler_timeout: Duration,
     calls_per_connection: usize,
-    trust: Option<Trust>,
+    security: ServerSecurity,
     roles: &'static [RpcRoles],
     gate: Option<crate::gate::ConnectionGate>,
 ) -> Result<(), tonic::transport::Error> {
@@ -78,9 +89,10 @@ pub async fn serve(
         (Some(gate), Ok(stream)) => stream.peer_addr().map_or(true, |peer| gate.admit(peer.ip())),
         _ => true,
     });
-    let (builder, authorize) = match &trust {
-        Some(trust) => (Server::builder().tls_config(trust.server_config())?, Authorize::new(roles)),
-        None => (Server::builder(), Authorize::open()),
+    let (builder, authorize) = match security {
+        ServerSecurity::Mutual(trust) => (Server::builder().tls_config(trust.server_config())?, Authorize::new(roles)),
+        ServerSecurity::Public(tls) => (Server::builder().tls_config(tls.grpc_config())?, Authorize::open()),
+        ServerSecurity::Plaintext => (Server::builder(), Authorize::open()),
     };
     let server = builder
         .layer(TraceLayer::new_for_grpc().make_span_with(server_span))

@@ -47,7 +47,9 @@ use tonic::service::Routes;
 use turbine_proto::MessageLimits;
 
 use crate::config::{ServerConfig, ServiceDefaults};
+use crate::grpc::ServerSecurity;
 use crate::health::Readiness;
+use crate::public_tls::PublicTls;
 use crate::trust::Trust;
 
 /// What a service tells the host about itself.
@@ -264,6 +266,11 @@ pub struct Host {
     addresses_file: Option<PathBuf>,
     addresses: BoundAddrs,
     trust: Option<Trust>,
+    /// A public certificate for the gRPC and HTTP listeners instead
+    /// ([`Host::set_public_tls`]).
+    public_tls: Option<PublicTls>,
+    /// Whether plaintext beyond loopback was asked for (`--insecure`).
+    insecure: bool,
     /// The gRPC services mounted (fully qualified names).
     served: Vec<&'static str>,
     /// New gRPC connections one address may open a second (0: any).
@@ -294,14 +301,13 @@ impl Host {
     /// A host for `spec` on `listeners`, NOT_SERVING, with health and
     /// reflection mounted; over mutual TLS when `server` names the
     /// process's certificate ([`crate::trust`]). Fails on TLS files that
-    /// cannot be read, a certificate that names no role, or plaintext on
-    /// a gRPC address other hosts reach without `--insecure`.
+    /// cannot be read or a certificate that names no role; [`start`]
+    /// fails on plaintext on a gRPC address other hosts reach without
+    /// `--insecure`.
+    ///
+    /// [`start`]: Self::start
     pub async fn new<S: ServiceDefaults>(spec: HostSpec, server: &ServerConfig<S>, listeners: Listeners) -> anyhow::Result<Self> {
         let trust = server.tls.establish()?;
-        let grpc = listeners.grpc.local_addr()?;
-        if trust.is_none() && !grpc.ip().is_loopback() {
-            refuse_plaintext(spec.name, grpc, server.insecure)?;
-        }
         let (readiness, health) = Readiness::new(spec.health).await;
         let routes = crate::grpc::base_routes(health, spec.descriptors);
         let addresses = BoundAddrs {
@@ -320,9 +326,21 @@ impl Host {
             addresses_file: server.addresses_file.clone(),
             addresses,
             trust,
+            public_tls: None,
+            insecure: server.insecure,
             served: Vec::new(),
             connection_rate_per_ip: server.connection_rate_per_ip,
         })
+    }
+
+    /// Serves the gRPC and HTTP listeners over TLS with `tls`, a public
+    /// certificate, asking callers for none: for a service whose callers
+    /// authenticate otherwise (the gateway's, by API key). Its gRPC is then
+    /// not authorized by role (the role table must be empty).
+    pub fn set_public_tls(&mut self, tls: PublicTls) -> anyhow::Result<()> {
+        anyhow::ensure!(self.spec.roles.is_empty(), "{}: a public port cannot authorize by role", self.spec.name);
+        self.public_tls = Some(tls);
+        Ok(())
     }
 
     /// The switch behind health and `/readyz`.
@@ -371,25 +389,55 @@ impl Host {
     /// Fails on a role table that does not fit the services mounted
     /// ([`HostSpec::check_roles`]).
     pub fn start(self, shutdown: CancellationToken) -> anyhow::Result<Serving> {
-        let Host { spec, readiness, routes, listeners, http_router, admin_on_http, grace, addresses_file, addresses, trust, served, connection_rate_per_ip } =
-            self;
+        let Host {
+            spec,
+            readiness,
+            routes,
+            listeners,
+            http_router,
+            admin_on_http,
+            grace,
+            addresses_file,
+            addresses,
+            trust,
+            public_tls,
+            insecure,
+            served,
+            connection_rate_per_ip,
+        } = self;
         spec.check_roles(&served)?;
-        match &trust {
-            Some(trust) => tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role"),
-            None => tracing::warn!(
-                service = spec.name,
-                "gRPC in plaintext, every caller may call every rpc (development mode: set --tls-cert, --tls-key and --tls-ca)"
-            ),
-        }
+        let security = match (&public_tls, trust) {
+            (Some(public), _) => {
+                tracing::info!(service = spec.name, "gRPC and HTTP over TLS with the public certificate, callers authenticated by the service");
+                ServerSecurity::Public(public.clone())
+            }
+            (None, Some(trust)) => {
+                tracing::info!(service = spec.name, peer = %trust.peer(), "gRPC over mutual TLS, each rpc authorized by the caller's role");
+                ServerSecurity::Mutual(trust)
+            }
+            (None, None) => {
+                if !addresses.grpc.ip().is_loopback() {
+                    refuse_plaintext(spec.name, addresses.grpc, insecure)?;
+                }
+                tracing::warn!(
+                    service = spec.name,
+                    "gRPC in plaintext, every caller may call every rpc (development mode: set --tls-cert, --tls-key and --tls-ca)"
+                );
+                ServerSecurity::Plaintext
+            }
+        };
         let gate = crate::gate::ConnectionGate::new(connection_rate_per_ip);
-        let serve = crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, trust, spec.roles, gate);
+        let serve = crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, security, spec.roles, gate);
         let grpc = tokio::spawn(serve);
         let admin_stop = CancellationToken::new();
         let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), admin_stop.clone())));
         let http = match (listeners.http, http_router) {
             (Some(listener), Some(router)) => {
                 let router = if admin_on_http { router.merge(crate::admin::router(readiness.clone())) } else { router };
-                Some(tokio::spawn(crate::admin::serve_with_grace(listener, router, shutdown.clone(), grace)))
+                Some(match &public_tls {
+                    Some(public) => tokio::spawn(crate::admin::serve_tls_with_grace(public.listener(listener)?, router, shutdown.clone(), grace)),
+                    None => tokio::spawn(crate::admin::serve_with_grace(listener, router, shutdown.clone(), grace)),
+                })
             }
             (Some(_), None) => anyhow::bail!("{}: an HTTP listener without an HTTP API", spec.name),
             (None, _) => None,

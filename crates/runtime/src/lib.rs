@@ -18,6 +18,8 @@
 //! - [`metrics`]: Prometheus registry helpers.
 //! - [`trust`]: mutual TLS, the role a certificate names, and the
 //!   authorization of each rpc against its service's role table.
+//! - [`public_tls`]: server-only TLS for public ports (the gateway's API),
+//!   whose clients authenticate with keys, not certificates.
 
 pub mod admin;
 pub mod config;
@@ -27,6 +29,7 @@ pub mod health;
 pub mod host;
 pub mod metrics;
 pub mod propagation;
+pub mod public_tls;
 pub mod redis;
 pub mod shutdown;
 pub mod signed;

@@ -59,6 +59,9 @@ const SPEC: HostSpec = HostSpec {
 pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     anyhow::ensure!(listeners.http.is_some(), "the gateway needs an HTTP listener for its REST API");
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
+    if let Some(public) = config.public_tls()? {
+        host.set_public_tls(public)?;
+    }
     let readiness = host.readiness().clone();
     let catalog = Arc::new(ModelCatalog::new(deps.router.clone(), deps.workers.clone()));
     let access = match &config.admission.api_keys {
