@@ -5,13 +5,13 @@ use turbine_runtime::CancellationToken;
 
 /// Runs everything until SIGTERM/SIGINT, then drains and returns.
 pub async fn run(config: RunConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let workers = config.roles().len();
+    let (workers, keys) = (config.roles().len(), config.gateway.api_keys.is_some());
     let cluster = Cluster::start(config, ClusterOptions { progress: true, ..ClusterOptions::default() }, shutdown).await?;
-    print_banner(&cluster, workers);
+    print_banner(&cluster, workers, keys);
     cluster.finished().await
 }
 
-fn print_banner(cluster: &Cluster, workers: usize) {
+fn print_banner(cluster: &Cluster, workers: usize, keys: bool) {
     let base = cluster.http_url();
     let model = cluster.model();
     println!();
@@ -27,11 +27,14 @@ fn print_banner(cluster: &Cluster, workers: usize) {
     if let Some(planner) = cluster.planner() {
         println!("  planner     {planner} (turbine.planner.v1.Planner: SetTargets to start sizing the workers)");
     }
-    println!("  metrics     {base}/metrics");
+    // With API keys the metrics are on a loopback port of their own.
+    let metrics = cluster.gateways()[0].admin.map_or_else(|| format!("{base}/metrics"), |admin| format!("http://{admin}/metrics"));
+    println!("  metrics     {metrics}");
     println!();
     println!("Try it:");
+    let authorization = if keys { " -H \"Authorization: Bearer $TURBINE_API_KEY\"" } else { "" };
     println!(
-        "  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+        "  curl {base}/v1/chat/completions{authorization} -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
     );
     println!();
 }

@@ -123,3 +123,40 @@ async fn turbine_keys_new_makes_keys_that_turbine_run_requires_on_every_host() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success() && stderr.contains("keys.toml"), "{stderr}");
 }
+
+/// `turbine run --api-keys` on a public certificate (`--public-tls-cert`,
+/// `--public-tls-key`) serves its API over HTTPS to a client that trusts
+/// the certificate's CA and holds a key (it checks its own gateway through
+/// a channel pinned to that certificate: `crates/runtime/tests/public_tls.rs`).
+#[tokio::test]
+async fn turbine_run_serves_its_api_over_tls_with_a_public_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("keys.toml");
+    let made = Command::new(env!("CARGO_BIN_EXE_turbine")).args(["keys", "new", "--name", "app", "--tenant", "a", "--file"]).arg(&file).output().unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let key = String::from_utf8(made.stdout).unwrap().trim().to_owned();
+    let ca = turbine_testkit::tls::TestCa::new("public");
+    let public = ca.issue_names(&["localhost".to_owned()], "api").write(dir.path(), "public");
+    let path = |path: &Option<std::path::PathBuf>| path.as_deref().unwrap().to_str().unwrap().to_owned();
+    let (cert, private) = (path(&public.tls_cert), path(&public.tls_key));
+    let keys = file.to_str().unwrap().to_owned();
+    let (addresses_dir, addresses) = addresses_file().unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine"));
+    command.args(["run", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--engine", "mock", "--speedup", "1000", "--api-keys", &keys]);
+    command.args(["--public-tls-cert", &cert, "--public-tls-key", &private, "--addresses-file"]).arg(&addresses);
+    let turbine = ServiceProcess::spawn_with_addresses_file("turbine run", command, addresses_dir, addresses).await.unwrap();
+    let http = turbine.addresses().http.expect("an HTTP port");
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 3, "ignore_eos": true});
+    let mut served = String::new();
+    turbine_testkit::wait_until("served over https", turbine_testkit::STARTUP_TIMEOUT, async || {
+        served = common::https_post(http, ca.pem(), "/v1/completions", Some(&key), &body).await;
+        served.starts_with("HTTP/1.1 200")
+    })
+    .await;
+    assert!(served.contains("\"completion_tokens\":3"), "{served}");
+    let refused = common::https_post(http, ca.pem(), "/v1/completions", None, &body).await;
+    assert!(refused.starts_with("HTTP/1.1 401"), "{refused}");
+    let plaintext = reqwest::Client::new().post(format!("http://{http}/v1/completions")).bearer_auth(&key).json(&body).send().await;
+    assert!(plaintext.is_err(), "a plaintext request was answered: {plaintext:?}");
+    drop(turbine);
+}

@@ -519,8 +519,6 @@ async fn a_tenants_requests_stay_on_its_own_pool_and_no_other_tenant_reaches_it(
 /// and never finishes its handshake holds up no other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateways_public_ports_serve_tls_to_clients_without_certificates() {
-    use std::sync::Arc;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use turbine_gateway::keys::{entry, new_key};
     use turbine_proto::gateway::v1 as api;
 
@@ -553,27 +551,9 @@ async fn the_gateways_public_ports_serve_tls_to_clients_without_certificates() {
     turbine_testkit::wait_until("the gateway is ready", turbine_testkit::STARTUP_TIMEOUT, ready).await;
     let http = gateway.addresses().http.expect("an HTTP port");
 
-    // HTTPS by hand: the client trusts the public CA only.
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(<rustls::pki_types::CertificateDer as rustls::pki_types::pem::PemObject>::from_pem_slice(public_ca.pem().as_bytes()).unwrap()).unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let client = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap();
-    let client = Arc::new(client.with_root_certificates(roots).with_no_client_auth());
-    let https = async |authorization: Option<&str>| -> String {
-        let stream = tokio::net::TcpStream::connect(http).await.unwrap();
-        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-        let mut tls = tokio_rustls::TlsConnector::from(client.clone()).connect(name, stream).await.expect("the public certificate verifies");
-        let body = json!({"model": MODEL, "prompt": "over https", "max_tokens": 3, "ignore_eos": true}).to_string();
-        let auth = authorization.map(|key| format!("authorization: Bearer {key}\r\n")).unwrap_or_default();
-        let request = format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{auth}content-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        tls.write_all(request.as_bytes()).await.unwrap();
-        let mut answer = String::new();
-        tls.read_to_string(&mut answer).await.unwrap();
-        answer
-    };
+    // HTTPS: the client trusts the public CA only.
+    let body = json!({"model": MODEL, "prompt": "over https", "max_tokens": 3, "ignore_eos": true});
+    let https = async |key: Option<&str>| common::https_post(http, public_ca.pem(), "/v1/completions", key, &body).await;
     // A client that connects and never says anything.
     let _silent = tokio::net::TcpStream::connect(http).await.unwrap();
     let served = https(Some(&key)).await;

@@ -102,6 +102,9 @@ pub struct Cluster {
     hosted: HostedWorkers,
     /// Where the planner listens, when asked for.
     planner: Option<SocketAddr>,
+    /// The gateways' public certificate, when their API serves TLS: this
+    /// process checks them through channels pinned to it.
+    public_tls: Option<turbine_runtime::public_tls::PublicTls>,
     /// The gateways' tasks: they drain first, on the caller's token.
     front: Vec<(String, JoinHandle<anyhow::Result<()>>)>,
     /// Everything behind the gateways (workers, routers, kv-index): stopped
@@ -306,7 +309,9 @@ impl Cluster {
             }
             None => None,
         };
+        let public_tls = config.gateway.public_tls()?;
         let cluster = Self {
+            public_tls,
             gateways,
             routers: router_clients,
             workers: embedded,
@@ -350,8 +355,12 @@ impl Cluster {
     /// learned it from the router), asking its own API.
     async fn until_listed(&self, addresses: &BoundAddrs, key: Option<&str>) -> anyhow::Result<()> {
         let endpoint = addresses.grpc_endpoint();
+        let channel = || match &self.public_tls {
+            Some(public) => public.pinned_channel(&endpoint),
+            None => Ok(turbine_runtime::grpc::channel(&endpoint, turbine_runtime::host::Role::Gateway)?),
+        };
         // Bounded, and cut short by a gateway that stopped (never serving).
-        let serving = turbine_runtime::health::until_serving(&endpoint, turbine_runtime::host::Role::Gateway, turbine_proto::service_names::GATEWAY_INFERENCE);
+        let serving = turbine_runtime::health::until_serving_over(|| channel().ok(), turbine_proto::service_names::GATEWAY_INFERENCE);
         let stopped = async {
             while !self.front.iter().any(|(_, task)| task.is_finished()) {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -362,7 +371,7 @@ impl Cluster {
             () = stopped => anyhow::bail!("a gateway stopped while starting"),
             () = tokio::time::sleep(Duration::from_secs(60)) => anyhow::bail!("the gateway at {endpoint} did not serve within a minute"),
         }
-        let mut client = InferenceClient::new(turbine_runtime::grpc::channel(&endpoint, turbine_runtime::host::Role::Gateway)?);
+        let mut client = InferenceClient::new(channel()?);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             anyhow::ensure!(!self.front.iter().any(|(_, task)| task.is_finished()), "a gateway stopped while starting");
@@ -379,9 +388,11 @@ impl Cluster {
         }
     }
 
-    /// The first gateway's OpenAI base URL (`http://127.0.0.1:8000`).
+    /// The first gateway's OpenAI base URL (`http://127.0.0.1:8000`;
+    /// `https://` when its API serves TLS).
     pub fn http_url(&self) -> String {
-        format!("http://{}", self.gateways[0].http.expect("gateways serve HTTP"))
+        let scheme = if self.public_tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.gateways[0].http.expect("gateways serve HTTP"))
     }
 
     /// Every gateway's addresses (one per router replica).

@@ -48,6 +48,9 @@ static FAILED_HANDSHAKES: LazyLock<IntCounterVec> = LazyLock::new(|| {
 pub struct PublicTls {
     rustls: Arc<rustls::ServerConfig>,
     identity: Identity,
+    /// The server's own certificate (DER): what [`PublicTls::pinned_channel`]
+    /// accepts.
+    leaf: CertificateDer<'static>,
 }
 
 impl std::fmt::Debug for PublicTls {
@@ -71,6 +74,7 @@ impl PublicTls {
         let chain: Vec<CertificateDer<'static>> =
             CertificateDer::pem_slice_iter(cert_pem).collect::<Result<_, _>>().map_err(|error| anyhow::anyhow!("not PEM certificates: {error}"))?;
         anyhow::ensure!(!chain.is_empty(), "no certificate in it");
+        let leaf = chain[0].clone();
         let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|error| anyhow::anyhow!("not a PEM private key: {error}"))?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
@@ -80,12 +84,43 @@ impl PublicTls {
             .with_single_cert(chain, key)
             .context("the key does not suit the certificate")?;
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        Ok(Self { rustls: Arc::new(config), identity: Identity::from_pem(cert_pem, key_pem) })
+        Ok(Self { rustls: Arc::new(config), identity: Identity::from_pem(cert_pem, key_pem), leaf })
     }
 
     /// The gRPC server's TLS: this certificate, no client certificate asked.
     pub fn grpc_config(&self) -> ServerTlsConfig {
         ServerTlsConfig::new().identity(self.identity.clone()).timeout(HANDSHAKE_TIMEOUT)
+    }
+
+    /// A channel to the gRPC server at `endpoint` (`http://127.0.0.1:50050`)
+    /// that presents exactly this certificate: for the process's own
+    /// checks of its public port (`turbine run` waiting for its gateway),
+    /// which needs no CA to trust it. Any other certificate is refused.
+    pub fn pinned_channel(&self, endpoint: &str) -> anyhow::Result<crate::grpc::TracedChannel> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let pinned = Arc::new(Pinned { leaf: self.leaf.clone(), algorithms: provider.signature_verification_algorithms });
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .context("TLS protocol versions")?
+            .dangerous()
+            .with_custom_certificate_verifier(pinned)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let connect = tower::service_fn(move |uri: http::Uri| {
+            let connector = connector.clone();
+            async move {
+                let authority = uri.authority().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{uri} names no host")))?.clone();
+                let stream = TcpStream::connect(authority.as_str()).await?;
+                // The name is not checked (the certificate is pinned).
+                let name = rustls::pki_types::ServerName::try_from("turbine.invalid").expect("a DNS name");
+                let tls = connector.connect(name, stream).await?;
+                Ok::<_, io::Error>(hyper_util::rt::TokioIo::new(tls))
+            }
+        });
+        let endpoint = tonic::transport::Endpoint::from_shared(endpoint.to_owned())?;
+        let channel = endpoint.connect_timeout(Duration::from_secs(5)).connect_with_connector_lazy(connect);
+        Ok(tonic::service::interceptor::InterceptedService::new(channel, crate::propagation::TraceContextInterceptor))
     }
 
     /// Connections accepted on `listener`, handed out once their TLS
@@ -136,6 +171,53 @@ async fn handshake(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr, d
             tracing::debug!(%peer, %error, "a TLS handshake failed");
         }
         Err(_) => FAILED_HANDSHAKES.with_label_values(&["timeout"]).inc(),
+    }
+}
+
+/// Accepts one certificate, by its bytes, whatever signed it; signatures
+/// in the handshake are still checked against its key.
+#[derive(Debug)]
+struct Pinned {
+    leaf: CertificateDer<'static>,
+    algorithms: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        if end_entity.as_ref() == self.leaf.as_ref() {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        signature: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, signature, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        signature: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, signature, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.algorithms.supported_schemes()
     }
 }
 

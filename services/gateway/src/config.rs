@@ -34,18 +34,6 @@ pub struct GatewayConfig {
     /// standalone gateway).
     #[arg(long, env = "TURBINE_ROUTER_ENDPOINT")]
     pub router: Option<String>,
-    /// A certificate chain (PEM, the gateway's first) its clients verify:
-    /// with --public-tls-key, the REST API is served over HTTPS and gRPC
-    /// Inference over TLS, neither asking clients for a certificate (they
-    /// authenticate with API keys, which then never cross the network in
-    /// the clear). From a CA the clients trust, not the deployment's
-    /// (whose certificates name roles). Unset: the REST API is plaintext
-    /// (terminate TLS in front) and gRPC follows --tls-cert.
-    #[arg(long, env = "TURBINE_GATEWAY_PUBLIC_TLS_CERT", value_name = "FILE")]
-    pub public_tls_cert: Option<std::path::PathBuf>,
-    /// The private key of --public-tls-cert (PEM).
-    #[arg(long, env = "TURBINE_GATEWAY_PUBLIC_TLS_KEY", value_name = "FILE")]
-    pub public_tls_key: Option<std::path::PathBuf>,
     #[command(flatten)]
     #[serde(flatten)]
     pub admission: AdmissionConfig,
@@ -75,20 +63,7 @@ impl Settings for GatewayConfig {
                 "with --api-keys, /metrics and the probes need a port of their own, kept off the API's: give --admin-addr (e.g. 0.0.0.0:9090)",
             ));
         }
-        if self.public_tls_cert.is_some() != self.public_tls_key.is_some() {
-            return Err(InvalidSetting::new("public_tls_cert", "--public-tls-cert and --public-tls-key go together: give both or neither"));
-        }
         self.admission.validate()
-    }
-}
-
-impl GatewayConfig {
-    /// The public certificate, if one is configured.
-    pub fn public_tls(&self) -> anyhow::Result<Option<turbine_runtime::public_tls::PublicTls>> {
-        match (&self.public_tls_cert, &self.public_tls_key) {
-            (Some(cert), Some(key)) => Ok(Some(turbine_runtime::public_tls::PublicTls::from_files(cert, key)?)),
-            _ => Ok(None),
-        }
     }
 }
 
@@ -125,6 +100,18 @@ pub struct AdmissionConfig {
     /// nothing and is logged). 0: read once, at start.
     #[arg(long, env = "TURBINE_GATEWAY_API_KEYS_RELOAD_SECS", default_value_t = 5)]
     pub api_keys_reload_secs: u64,
+    /// A certificate chain (PEM, the gateway's first) its clients verify:
+    /// with --public-tls-key, the REST API is served over HTTPS and gRPC
+    /// Inference over TLS, neither asking clients for a certificate (they
+    /// authenticate with API keys, which then never cross the network in
+    /// the clear). From a CA the clients trust, not the deployment's
+    /// (whose certificates name roles). Unset: the REST API is plaintext
+    /// (terminate TLS in front) and a gateway's gRPC follows --tls-cert.
+    #[arg(long, env = "TURBINE_GATEWAY_PUBLIC_TLS_CERT", value_name = "FILE")]
+    pub public_tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --public-tls-cert (PEM).
+    #[arg(long, env = "TURBINE_GATEWAY_PUBLIC_TLS_KEY", value_name = "FILE")]
+    pub public_tls_key: Option<std::path::PathBuf>,
 }
 
 /// What control-token texts in chat messages become (see
@@ -166,7 +153,18 @@ impl AdmissionConfig {
         if self.model_refresh_ms == 0 {
             return Err(InvalidSetting::new("model_refresh_ms", "must be positive"));
         }
+        if self.public_tls_cert.is_some() != self.public_tls_key.is_some() {
+            return Err(InvalidSetting::new("public_tls_cert", "--public-tls-cert and --public-tls-key go together: give both or neither"));
+        }
         Ok(())
+    }
+
+    /// The public certificate, if one is configured.
+    pub fn public_tls(&self) -> anyhow::Result<Option<turbine_runtime::public_tls::PublicTls>> {
+        match (&self.public_tls_cert, &self.public_tls_key) {
+            (Some(cert), Some(key)) => Ok(Some(turbine_runtime::public_tls::PublicTls::from_files(cert, key)?)),
+            _ => Ok(None),
+        }
     }
 }
 
@@ -176,7 +174,7 @@ mod tests {
 
     #[test]
     fn a_public_certificate_goes_with_its_own_key() {
-        let mut config = GatewayConfig { public_tls_cert: Some("api.crt".into()), ..GatewayConfig::default() };
+        let mut config = AdmissionConfig { public_tls_cert: Some("api.crt".into()), ..AdmissionConfig::default() };
         let refused = config.validate().unwrap_err().to_string();
         assert!(refused.contains("--public-tls-key"), "{refused}");
         let dir = tempfile::tempdir().unwrap();

@@ -59,7 +59,7 @@ const SPEC: HostSpec = HostSpec {
 pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listeners, shutdown: CancellationToken) -> anyhow::Result<()> {
     anyhow::ensure!(listeners.http.is_some(), "the gateway needs an HTTP listener for its REST API");
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
-    if let Some(public) = config.public_tls()? {
+    if let Some(public) = config.admission.public_tls()? {
         host.set_public_tls(public)?;
     }
     let readiness = host.readiness().clone();

@@ -76,3 +76,31 @@ pub async fn sse(base: &str, path: &str, body: &serde_json::Value) -> Vec<String
 
 /// How long a drained process may take to exit.
 pub const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// POSTs `body` to `path` over HTTPS at `address` (HTTP/1.1, `localhost`
+/// as the server's name), trusting only the CA `ca_pem`, with the API
+/// key `key` if any; the whole answer (status line, headers, body) as
+/// text.
+pub async fn https_post(address: std::net::SocketAddr, ca_pem: &str, path: &str, key: Option<&str>, body: &serde_json::Value) -> String {
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(<rustls::pki_types::CertificateDer as rustls::pki_types::pem::PemObject>::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap();
+    let client = Arc::new(client.with_root_certificates(roots).with_no_client_auth());
+    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(client).connect(name, stream).await.expect("the server's certificate verifies");
+    let body = body.to_string();
+    let authorization = key.map(|key| format!("authorization: Bearer {key}\r\n")).unwrap_or_default();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{authorization}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    tls.read_to_string(&mut answer).await.unwrap();
+    answer
+}
