@@ -57,6 +57,13 @@ pub struct CertsArgs {
     /// rediss://HOST:PORT with their own certificates.
     #[arg(long = "redis", value_name = "HOST")]
     pub redis_hosts: Vec<String>,
+    /// Also a server certificate for the gateway's API (public.crt and
+    /// public.key, for its --public-tls-cert and --public-tls-key) naming
+    /// each --public-host host name or address, repeatable, signed by this
+    /// CA: for clients given ca.crt to trust (a private deployment; with a
+    /// public CA's certificate instead, clients need nothing).
+    #[arg(long = "public-host", value_name = "HOST")]
+    pub public_hosts: Vec<String>,
 }
 
 /// What was written.
@@ -128,18 +135,23 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
         write(&key_path, &key.serialize_pem(), true)?;
         holders.push((name, cert_path, key_path));
     }
-    if !args.redis_hosts.is_empty() {
+    // Server certificates for what services dial (Redis) and what clients
+    // dial (the gateway's API), by host name.
+    for (name, hosts) in [("redis", &args.redis_hosts), ("public", &args.public_hosts)] {
+        if hosts.is_empty() {
+            continue;
+        }
         let key = KeyPair::generate().context("a key")?;
-        let mut params = CertificateParams::new(args.redis_hosts.clone()).context("the Redis certificate's names")?;
-        params.distinguished_name.push(DnType::CommonName, "redis");
+        let mut params = CertificateParams::new(hosts.clone()).with_context(|| format!("the {name} certificate's names"))?;
+        params.distinguished_name.push(DnType::CommonName, name);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
         (params.not_before, params.not_after) = (now, until);
-        let cert = params.signed_by(&key, &issuer).context("the Redis certificate")?;
-        let (cert_path, key_path) = (out.join("redis.crt"), out.join("redis.key"));
+        let cert = params.signed_by(&key, &issuer).with_context(|| format!("the {name} certificate"))?;
+        let (cert_path, key_path) = (out.join(format!("{name}.crt")), out.join(format!("{name}.key")));
         write(&cert_path, &cert.pem(), false)?;
         write(&key_path, &key.serialize_pem(), true)?;
-        holders.push(("redis".to_owned(), cert_path, key_path));
+        holders.push((name.to_owned(), cert_path, key_path));
     }
     let kv_tenants = kv_tenants.into_iter().map(|(holder, named)| (holder.to_owned(), named.into_iter().map(|(spec, _)| spec).collect())).collect();
     Ok(Written { ca: ca_cert, holders, kv_tenants })
@@ -172,6 +184,8 @@ pub fn run(args: &CertsArgs) -> anyhow::Result<()> {
                 key.display(),
                 written.ca.display()
             );
+        } else if name == "public" {
+            println!("the gateway's API: --public-tls-cert {} --public-tls-key {} (its clients trust {})", cert.display(), key.display(), written.ca.display());
         } else {
             println!("{name}: --tls-cert {} --tls-key {} --tls-ca {}", cert.display(), key.display(), written.ca.display());
         }

@@ -77,6 +77,13 @@ fn every_pod_speaks_mutual_tls_with_its_own_certificate() {
             let mount = container["volumeMounts"].as_sequence().unwrap().iter().find(|mount| mount["name"] == "keys").expect("a keys mount");
             assert!(keys.starts_with(&format!("{}/", text(&mount["mountPath"]))), "the keys file is in its Secret");
             assert!(args.contains(&"--admin-addr"), "metrics and probes off the API's port");
+            // Its API over TLS, with the API's own certificate.
+            let mount = container["volumeMounts"].as_sequence().unwrap().iter().find(|mount| mount["name"] == "public-tls").expect("a public-tls mount");
+            let volume = pod["volumes"].as_sequence().unwrap().iter().find(|volume| volume["name"] == "public-tls").expect("a public-tls volume");
+            assert_eq!(text(&volume["secret"]["secretName"]), "turbine-gateway-public-tls");
+            for (variable, file) in [("TURBINE_GATEWAY_PUBLIC_TLS_CERT", "tls.crt"), ("TURBINE_GATEWAY_PUBLIC_TLS_KEY", "tls.key")] {
+                assert_eq!(value(variable), Some(format!("{}/{file}", text(&mount["mountPath"]))), "the API's certificate from its Secret");
+            }
         }
 
         // The three files come from one Secret volume, named after the
@@ -182,6 +189,7 @@ async fn infra_k8s_serves_the_real_model_with_mutual_tls_on_every_hop() {
         .args(["certs", "--out"])
         .arg(&certs)
         .args(["--worker-pool", "turbine-worker-prefill", "--worker-pool", "turbine-worker-decode", "--redis", "turbine-redis", "--redis", "localhost"])
+        .args(["--public-host", "localhost"])
         .output()
         .unwrap();
     assert!(made.status.success(), "turbine certs: {}", String::from_utf8_lossy(&made.stderr));
@@ -198,6 +206,7 @@ async fn infra_k8s_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let secret_file = |secret: &str, key: &str| -> std::path::PathBuf {
         let stem = match secret.strip_suffix("-tls").and_then(|name| name.strip_prefix("turbine-")) {
             Some("redis") => certs.join("redis"),
+            Some("gateway-public") => certs.join("public"),
             Some(pool) if pool.starts_with("worker-") => certs.join("workers").join(format!("turbine-{pool}")),
             Some(role) => certs.join(role),
             None => panic!("a Secret the docs do not make: {secret}"),
@@ -289,7 +298,9 @@ async fn infra_k8s_serves_the_real_model_with_mutual_tls_on_every_hop() {
                 }
                 let here = secrets.join(&pod.name).join(secret);
                 std::fs::create_dir_all(&here).unwrap();
-                for key in ["tls.crt", "tls.key", "ca.crt"] {
+                // A kubernetes.io/tls Secret (the API's) holds no ca.crt.
+                let keys: &[&str] = if secret == "turbine-gateway-public-tls" { &["tls.crt", "tls.key"] } else { &["tls.crt", "tls.key", "ca.crt"] };
+                for key in keys {
                     std::fs::copy(secret_file(secret, key), here.join(key)).unwrap();
                 }
                 mounts.push((inside, here.display().to_string()));
@@ -368,7 +379,7 @@ async fn infra_k8s_serves_the_real_model_with_mutual_tls_on_every_hop() {
             wait_until(&format!("{} ready", pod.name), STARTUP_TIMEOUT, async || tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()).await;
         }
         match pod.deployment.as_str() {
-            "turbine-gateway" => gateway_http = Some(format!("http://127.0.0.1:{}", pod.port("http").here)),
+            "turbine-gateway" => gateway_http = Some(std::net::SocketAddr::from(([127, 0, 0, 1], pod.port("http").here))),
             "turbine-router" => _ = router_endpoint.get_or_insert(format!("http://127.0.0.1:{}", pod.port("grpc").here)),
             "turbine-kv-store" => store_endpoint = Some(format!("http://127.0.0.1:{}", pod.port("grpc").here)),
             "turbine-worker-prefill" => prefill_admin = Some(format!("http://127.0.0.1:{}", pod.port("admin").here)),
@@ -381,19 +392,21 @@ async fn infra_k8s_serves_the_real_model_with_mutual_tls_on_every_hop() {
     // Both pools registered with the routers; the model listed to a key.
     let routers = turbine_api::router::RouterClient::connect(&router_endpoint.unwrap()).unwrap();
     wait_until("the prefill and decode workers registered", STARTUP_TIMEOUT, async || routers.workers(None).await.is_ok_and(|listed| listed.len() == 2)).await;
-    let base = gateway_http.unwrap();
-    let client = reqwest::Client::new();
-    let unkeyed = client.get(format!("{base}/v1/models")).send().await.unwrap();
-    assert_eq!(unkeyed.status(), 401, "no key, no answer");
+    // The API over HTTPS, its certificate from `turbine certs --public-host`.
+    let gateway = gateway_http.unwrap();
+    let ca = std::fs::read_to_string(certs.join("ca.crt")).unwrap();
     // Above the router's 256 uncached tokens: computed on the prefill
     // pool, decoded on the decode pool.
     let prompt = "Turbine serves language models across many machines. ".repeat(40);
     let body = json!({"model": common::MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0});
-    let complete = async || {
-        let response = client.post(format!("{base}/v1/completions")).bearer_auth(&key).json(&body).send().await.unwrap();
-        let status = response.status().as_u16();
-        (status, response.json::<serde_json::Value>().await.unwrap())
+    let complete = async |key: Option<&str>| {
+        let answer = common::https_post(gateway, &ca, "/v1/completions", key, &body).await;
+        let status = answer.get(9..12).and_then(|code| code.parse::<u16>().ok()).unwrap_or(0);
+        let json = answer.split_once("\r\n\r\n").and_then(|(_, body)| serde_json::from_str(body).ok()).unwrap_or(serde_json::Value::Null);
+        (status, json)
     };
+    assert_eq!(complete(None).await.0, 401, "no key, no answer");
+    let complete = async || complete(Some(&key)).await;
     wait_until("the gateway serves the model", STARTUP_TIMEOUT, async || complete().await.0 == 200).await;
     let (status, first) = complete().await;
     assert_eq!(status, 200, "{first}");
