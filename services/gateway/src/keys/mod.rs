@@ -46,7 +46,7 @@ use crate::pipeline::Namespace;
 
 mod shared;
 
-use shared::{BucketOp, Place};
+use shared::{Admitted, SharedLimits};
 pub use shared::{SharedBuckets, SharedPlace};
 
 /// One key's entry in the keys file.
@@ -180,26 +180,27 @@ impl ApiKey {
     pub async fn admit(&self) -> Result<KeyPermit, GatewayError> {
         let mut permit = self.admit_here()?;
         let Some(shared) = self.shared.get() else { return Ok(permit) };
-        // Then the limits every gateway shares (this process's allowed
-        // it, so only another gateway's use can refuse it here).
-        if let Some(per_minute) = self.spec.tokens_per_minute {
-            let wait = shared.bucket(&self.digest, "tokens", per_minute as f64, 0.0, BucketOp::Wait).await;
-            if wait > 0 {
-                return self.refuse("tokens", wait, format!("Rate limit reached for key {:?} on tokens per minute; try again in {wait}s.", self.name));
-            }
+        // Then the limits every gateway shares, in one call (this
+        // process's allowed it, so only another gateway's use can refuse
+        // it here).
+        let limits = SharedLimits {
+            tokens_per_minute: self.spec.tokens_per_minute,
+            requests_per_minute: self.spec.requests_per_minute,
+            max_concurrent: self.spec.max_concurrent,
+        };
+        if limits.tokens_per_minute.is_none() && limits.requests_per_minute.is_none() && limits.max_concurrent.is_none() {
+            return Ok(permit);
         }
-        if let Some(limit) = self.spec.max_concurrent {
-            match shared.take_place(&self.digest, limit).await {
-                Place::Taken(place) => permit._shared = Some(place),
-                Place::Full => return self.refuse("concurrency", 1, concurrency_message(&self.name, limit)),
-                Place::Unanswered => {}
+        match shared.admit(&self.digest, limits).await {
+            Admitted::Yes(place) => permit._shared = place,
+            Admitted::Refused { limit: "concurrency", .. } => {
+                return self.refuse("concurrency", 1, concurrency_message(&self.name, self.spec.max_concurrent.unwrap_or(0)));
             }
-        }
-        if let Some(per_minute) = self.spec.requests_per_minute {
-            let wait = shared.bucket(&self.digest, "requests", f64::from(per_minute), 1.0, BucketOp::Take).await;
-            if wait > 0 {
-                return self.refuse("requests", wait, format!("Rate limit reached for key {:?} on requests per minute; try again in {wait}s.", self.name));
+            Admitted::Refused { limit, wait } => {
+                let per = if limit == "tokens" { "tokens" } else { "requests" };
+                return self.refuse(limit, wait, format!("Rate limit reached for key {:?} on {per} per minute; try again in {wait}s.", self.name));
             }
+            Admitted::Unanswered => {}
         }
         Ok(permit)
     }
@@ -243,7 +244,7 @@ impl ApiKey {
         }
         if let (Some(shared), Some(per_minute), Ok(runtime)) = (self.shared.get(), self.spec.tokens_per_minute, tokio::runtime::Handle::try_current()) {
             let (shared, digest) = (shared.clone(), self.digest.clone());
-            runtime.spawn(async move { shared.bucket(&digest, "tokens", per_minute as f64, f64::from(tokens), BucketOp::Charge).await });
+            runtime.spawn(async move { shared.charge(&digest, per_minute, tokens).await });
         }
     }
 }

@@ -12,52 +12,64 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-/// What a shared bucket is asked.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum BucketOp {
-    /// Take the amount if held; else the seconds until it would be.
-    Take,
-    /// Seconds until the bucket is out of debt (0: it is).
-    Wait,
-    /// Charge the amount, into debt if need be.
-    Charge,
-}
-
-impl BucketOp {
-    fn as_str(self) -> &'static str {
-        match self {
-            BucketOp::Take => "take",
-            BucketOp::Wait => "wait",
-            BucketOp::Charge => "charge",
-        }
-    }
-}
-
-/// A bucket in Redis, refilled and changed in one step (Redis's clock):
-/// KEYS[1] the bucket; ARGV per minute, amount, op. Answers the seconds to
-/// wait (0: done). An idle bucket expires once it would be full again.
-const BUCKET_SCRIPT: &str = r#"
+/// Charges tokens to a key's bucket in Redis, into debt if need be, at
+/// Redis's clock: KEYS[1] the bucket; ARGV per minute, amount. An idle
+/// bucket expires once it would be full again.
+const CHARGE_SCRIPT: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local per_minute = tonumber(ARGV[1])
-local amount = tonumber(ARGV[2])
 local rate = per_minute / 60
 local held = redis.call('HMGET', KEYS[1], 'level', 'at')
 local level = per_minute
 if held[1] then
   level = math.min(per_minute, tonumber(held[1]) + math.max(0, now - tonumber(held[2])) * rate)
 end
-local wait = 0
-if ARGV[3] == 'take' then
-  if level >= amount then level = level - amount else wait = math.max(1, math.ceil((amount - level) / rate)) end
-elseif ARGV[3] == 'charge' then
-  level = level - amount
-elseif level <= 0 then
-  wait = math.max(1, math.ceil((1 - level) / rate))
-end
+level = level - tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
 redis.call('EXPIRE', KEYS[1], math.ceil((per_minute - level) / rate) + 1)
-return wait
+return 0
+"#;
+
+/// Admits one request of a key against every limit it has, in one step
+/// at Redis's clock: its tokens per minute (refused while that bucket is
+/// in debt), its places in flight (places past their lease dropped
+/// first), then its requests per minute (one taken). Nothing is taken
+/// unless all allow it. KEYS: the tokens bucket, the requests bucket, the
+/// places' set; ARGV: tokens per minute, requests per minute, places (0:
+/// no such limit), the new place's name, its lease in seconds. Answers
+/// {0, 0} (admitted) or {limit refused: 1 tokens, 2 concurrency, 3
+/// requests; seconds to wait}.
+const ADMIT_SCRIPT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local function level_of(key, per_minute)
+  local held = redis.call('HMGET', key, 'level', 'at')
+  if not held[1] then return per_minute end
+  return math.min(per_minute, tonumber(held[1]) + math.max(0, now - tonumber(held[2])) * per_minute / 60)
+end
+local tokens, requests, places = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local lease = tonumber(ARGV[5])
+if tokens > 0 then
+  local level = level_of(KEYS[1], tokens)
+  if level <= 0 then return {1, math.max(1, math.ceil((1 - level) / (tokens / 60)))} end
+end
+if places > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= places then return {2, 1} end
+end
+if requests > 0 then
+  local level = level_of(KEYS[2], requests)
+  if level < 1 then return {3, math.max(1, math.ceil((1 - level) / (requests / 60)))} end
+  level = level - 1
+  redis.call('HSET', KEYS[2], 'level', tostring(level), 'at', tostring(now))
+  redis.call('EXPIRE', KEYS[2], math.ceil((requests - level) / (requests / 60)) + 1)
+end
+if places > 0 then
+  redis.call('ZADD', KEYS[3], now + lease, ARGV[4])
+  redis.call('EXPIRE', KEYS[3], math.ceil(lease) + 1)
+end
+return {0, 0}
 "#;
 
 /// The per-minute limits' buckets in Redis, shared by every gateway of a
@@ -90,20 +102,6 @@ pub(super) const PLACE_LEASE: Duration = Duration::from_secs(30);
 /// How often a gateway renews the places of its requests in flight.
 const PLACE_RENEWAL: Duration = Duration::from_secs(10);
 
-/// Takes a place in a key's set if it holds fewer than its limit: KEYS[1]
-/// the set; ARGV the limit, the place, the lease in seconds. Places whose
-/// lease ran out are dropped first. Answers 1 (taken) or 0 (full).
-const TAKE_PLACE_SCRIPT: &str = r#"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local lease = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now + lease, ARGV[2])
-redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 1)
-return 1
-"#;
-
 /// Renews places: KEYS[1] the set; ARGV the lease in seconds, then the
 /// places (each added again if its lease ran out meanwhile: its request
 /// is still in flight).
@@ -116,14 +114,23 @@ redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 1)
 return #ARGV - 1
 "#;
 
-/// What asking for a shared place gave.
+/// A key's limits, as the admission script takes them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SharedLimits {
+    pub tokens_per_minute: Option<u64>,
+    pub requests_per_minute: Option<u32>,
+    pub max_concurrent: Option<u32>,
+}
+
+/// What asking the shared limits gave.
 #[derive(Debug)]
-pub(super) enum Place {
-    /// Held until dropped.
-    Taken(SharedPlace),
-    /// The key has as many requests in flight as it may, across gateways.
-    Full,
-    /// Redis did not answer: the gateway's own limit decided.
+pub(super) enum Admitted {
+    /// Admitted, holding a place if the key has a concurrency limit.
+    Yes(Option<SharedPlace>),
+    /// Refused by `limit` (`tokens`, `concurrency`, `requests`): retry in
+    /// `wait` seconds.
+    Refused { limit: &'static str, wait: u64 },
+    /// Redis did not answer: the gateway's own limits decided.
     Unanswered,
 }
 
@@ -181,32 +188,46 @@ impl SharedBuckets {
         Ok(Self { connection, prefix: format!("turbine:{namespace}:limits"), places: Arc::new(places) })
     }
 
-    /// A place among the key `digest`'s `max_concurrent` requests in
-    /// flight across every gateway, renewed while it is held.
-    pub(super) async fn take_place(&self, digest: &str, max_concurrent: u32) -> Place {
+    /// Admits one request of the key `digest` against `limits`, across
+    /// every gateway of the namespace, in one call: a place among its
+    /// requests in flight, renewed while it is held, if it has a
+    /// concurrency limit.
+    pub(super) async fn admit(&self, digest: &str, limits: SharedLimits) -> Admitted {
         let set = format!("{}:{digest}:concurrent", self.prefix);
         let name = format!("{:016x}-{}", self.places.instance, self.places.next.fetch_add(1, Ordering::Relaxed));
         let mut connection = self.connection.clone();
-        let answer: redis::RedisResult<u32> = redis::cmd("EVAL")
-            .arg(TAKE_PLACE_SCRIPT)
-            .arg(1)
+        let answer: redis::RedisResult<(u32, u64)> = redis::cmd("EVAL")
+            .arg(ADMIT_SCRIPT)
+            .arg(3)
+            .arg(format!("{}:{digest}:tokens", self.prefix))
+            .arg(format!("{}:{digest}:requests", self.prefix))
             .arg(&set)
-            .arg(max_concurrent)
+            .arg(limits.tokens_per_minute.unwrap_or(0))
+            .arg(limits.requests_per_minute.unwrap_or(0))
+            .arg(limits.max_concurrent.unwrap_or(0))
             .arg(&name)
             .arg(PLACE_LEASE.as_secs())
             .query_async(&mut connection)
             .await;
         match answer {
-            Ok(0) => Place::Full,
-            Ok(_) => {
+            Ok((0, _)) if limits.max_concurrent.is_some() => {
                 self.places.held.lock().entry(set.clone()).or_default().insert(name.clone());
                 self.renew_while_held();
-                Place::Taken(SharedPlace { buckets: self.clone(), set, name })
+                Admitted::Yes(Some(SharedPlace { buckets: self.clone(), set, name }))
             }
+            Ok((0, _)) => Admitted::Yes(None),
+            Ok((refused, wait)) => Admitted::Refused {
+                limit: match refused {
+                    1 => "tokens",
+                    2 => "concurrency",
+                    _ => "requests",
+                },
+                wait,
+            },
             Err(error) => {
                 crate::metrics::shared_limit_failure();
-                tracing::warn!(%error, "the shared limits' Redis did not answer: this request's concurrency is decided by this gateway's own limit");
-                Place::Unanswered
+                tracing::warn!(%error, "the shared limits' Redis did not answer: this call is decided by this gateway's own limits");
+                Admitted::Unanswered
             }
         }
     }
@@ -230,24 +251,22 @@ impl SharedBuckets {
         });
     }
 
-    /// Runs `op` on the key `digest`'s bucket `limit`: the seconds to wait
-    /// (0 when Redis did not answer).
-    pub(super) async fn bucket(&self, digest: &str, limit: &str, per_minute: f64, amount: f64, op: BucketOp) -> u64 {
+    /// Charges `amount` tokens to the key `digest`'s tokens per minute
+    /// (`per_minute`).
+    pub(super) async fn charge(&self, digest: &str, per_minute: u64, amount: u32) {
         let mut connection = self.connection.clone();
         let answer: redis::RedisResult<u64> = redis::cmd("EVAL")
-            .arg(BUCKET_SCRIPT)
+            .arg(CHARGE_SCRIPT)
             .arg(1)
-            .arg(format!("{}:{digest}:{limit}", self.prefix))
+            .arg(format!("{}:{digest}:tokens", self.prefix))
             .arg(per_minute)
             .arg(amount)
-            .arg(op.as_str())
             .query_async(&mut connection)
             .await;
-        answer.unwrap_or_else(|error| {
+        if let Err(error) = answer {
             crate::metrics::shared_limit_failure();
-            tracing::warn!(%error, limit, "the shared limits' Redis did not answer: this call is decided by this gateway's own limits");
-            0
-        })
+            tracing::warn!(%error, "the shared limits' Redis did not answer: these tokens are charged to this gateway's own bucket only");
+        }
     }
 }
 
@@ -280,21 +299,25 @@ mod tests {
         let set = "turbine:places:limits:k:concurrent";
         let mut raw = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
         let count = async |raw: &mut redis::aio::MultiplexedConnection| -> u32 { redis::cmd("ZCARD").arg(set).query_async(raw).await.unwrap() };
-
-        let (Place::Taken(first), Place::Taken(second)) = (buckets.take_place("k", 2).await, buckets.take_place("k", 2).await) else {
-            panic!("two places of two")
+        let two = SharedLimits { max_concurrent: Some(2), ..SharedLimits::default() };
+        let place = async || match buckets.admit("k", two).await {
+            Admitted::Yes(Some(place)) => Some(place),
+            Admitted::Refused { limit: "concurrency", wait: 1 } => None,
+            other => panic!("{other:?}"),
         };
-        assert!(matches!(buckets.take_place("k", 2).await, Place::Full));
+
+        let (first, second) = (place().await.expect("a place of two"), place().await.expect("two places of two"));
+        assert!(place().await.is_none(), "a third of two");
         drop(second);
         turbine_testkit::wait_until("the place given back", Duration::from_secs(5), async || count(&mut raw).await == 1).await;
-        let Place::Taken(third) = buckets.take_place("k", 2).await else { panic!("the place given back is taken") };
+        let third = place().await.expect("the place given back is taken");
 
         // Another gateway died holding a place: once its lease ran out the
         // place no longer counts.
         drop(third);
         turbine_testkit::wait_until("the place given back", Duration::from_secs(5), async || count(&mut raw).await == 1).await;
         let _: () = redis::cmd("ZADD").arg(set).arg(1).arg("dead-gateway-0").query_async(&mut raw).await.unwrap();
-        let Place::Taken(_fourth) = buckets.take_place("k", 2).await else { panic!("the dead gateway's place is not counted") };
+        let _fourth = place().await.expect("the dead gateway's place is not counted");
         assert_eq!(count(&mut raw).await, 2, "dropped from the set when it was passed over");
 
         // Redis lost the first place's lease (it ran out while Redis was
@@ -304,6 +327,45 @@ mod tests {
         let score: Option<f64> = redis::cmd("ZSCORE").arg(set).arg(&first.name).query_async(&mut raw).await.unwrap();
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
         assert!(score.is_some_and(|until| until > now + 20.0), "renewed for a lease: {score:?}");
-        assert!(matches!(buckets.take_place("k", 2).await, Place::Full), "two in flight again");
+        assert!(place().await.is_none(), "two in flight again");
+    }
+
+    /// Every limit of a key in one call: nothing is taken unless all
+    /// allow it (a refusal by the concurrency limit takes no request from
+    /// the minute's, one by the requests per minute holds no place), and
+    /// tokens charged after the fact refuse the key until the bucket is
+    /// out of debt.
+    #[tokio::test]
+    async fn one_call_takes_from_every_limit_or_from_none() {
+        let redis = turbine_testkit::RedisServer::start();
+        let buckets = SharedBuckets::new(&redis.url(), "one").unwrap();
+        let mut raw = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let limits = SharedLimits { tokens_per_minute: Some(100), requests_per_minute: Some(3), max_concurrent: Some(1) };
+        let Admitted::Yes(Some(held)) = buckets.admit("k", limits).await else { panic!("the first is admitted") };
+        for _ in 0..3 {
+            assert!(matches!(buckets.admit("k", limits).await, Admitted::Refused { limit: "concurrency", wait: 1 }));
+        }
+        let level: f64 = redis::cmd("HGET").arg("turbine:one:limits:k:requests").arg("level").query_async(&mut raw).await.unwrap();
+        assert!((level - 2.0).abs() < 0.01, "only the admitted request taken: {level}");
+        drop(held);
+        let places = async |raw: &mut redis::aio::MultiplexedConnection| -> u32 {
+            redis::cmd("ZCARD").arg("turbine:one:limits:k:concurrent").query_async(raw).await.unwrap()
+        };
+        turbine_testkit::wait_until("the place given back", Duration::from_secs(5), async || places(&mut raw).await == 0).await;
+        for _ in 0..2 {
+            let Admitted::Yes(Some(place)) = buckets.admit("k", limits).await else { panic!("within the minute's three") };
+            drop(place);
+            turbine_testkit::wait_until("the place given back", Duration::from_secs(5), async || places(&mut raw).await == 0).await;
+        }
+        let Admitted::Refused { limit: "requests", wait } = buckets.admit("k", limits).await else { panic!("a fourth of three a minute") };
+        assert!((1..=20).contains(&wait), "{wait}");
+        assert_eq!(places(&mut raw).await, 0, "a refused request holds no place");
+
+        // 150 tokens charged to 100 a minute: in debt, refused by tokens.
+        let other = SharedLimits { tokens_per_minute: Some(100), ..SharedLimits::default() };
+        assert!(matches!(buckets.admit("t", other).await, Admitted::Yes(None)));
+        buckets.charge("t", 100, 150).await;
+        let Admitted::Refused { limit: "tokens", wait } = buckets.admit("t", other).await else { panic!("a key in debt") };
+        assert!((30..=32).contains(&wait), "{wait}");
     }
 }
