@@ -85,10 +85,14 @@ pub async fn serve(
     use tokio_stream::StreamExt;
     // A connection from an address over its rate is dropped as accepted:
     // closed before any TLS work.
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true)).filter(move |connection| match (&gate, connection) {
-        (Some(gate), Ok(stream)) => stream.peer_addr().map_or(true, |peer| gate.admit(peer.ip())),
-        _ => true,
-    });
+    // Each connection carries its refusals ([`crate::strikes`]).
+    let incoming = TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .filter(move |connection| match (&gate, connection) {
+            (Some(gate), Ok(stream)) => stream.peer_addr().map_or(true, |peer| gate.admit(peer.ip())),
+            _ => true,
+        })
+        .map(|connection| connection.map(crate::strikes::Struck::new));
     let (builder, authorize) = match security {
         ServerSecurity::Mutual(trust) => (Server::builder().tls_config(trust.server_config())?, Authorize::new(roles)),
         ServerSecurity::Public(tls) => (Server::builder().tls_config(tls.grpc_config())?, Authorize::open()),

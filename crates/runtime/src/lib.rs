@@ -20,6 +20,8 @@
 //!   authorization of each rpc against its service's role table.
 //! - [`public_tls`]: server-only TLS for public ports (the gateway's API),
 //!   whose clients authenticate with keys, not certificates.
+//! - [`gate`] and [`strikes`]: new connections per address, refusals per
+//!   connection.
 
 pub mod admin;
 pub mod config;
@@ -33,6 +35,7 @@ pub mod public_tls;
 pub mod redis;
 pub mod shutdown;
 pub mod signed;
+pub mod strikes;
 pub mod telemetry;
 pub mod trust;
 

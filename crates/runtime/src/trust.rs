@@ -481,7 +481,7 @@ pub struct Authorized<S> {
     table: Option<&'static [RpcRoles]>,
 }
 
-type TlsInfo = tonic::transport::server::TlsConnectInfo<tonic::transport::server::TcpConnectInfo>;
+type TlsInfo = tonic::transport::server::TlsConnectInfo<crate::strikes::StruckInfo>;
 
 impl<S, B> tower::Service<http::Request<B>> for Authorized<S>
 where
@@ -497,7 +497,8 @@ where
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         let Some(table) = self.table else { return futures::future::Either::Right(self.inner.call(request)) };
-        let certificates = request.extensions().get::<TlsInfo>().and_then(TlsInfo::peer_certs);
+        let connection = request.extensions().get::<TlsInfo>();
+        let certificates = connection.and_then(TlsInfo::peer_certs);
         match authorize(table, request.uri().path(), certificates.as_deref().map(Vec::as_slice)) {
             Ok(peer) => {
                 request.extensions_mut().insert(peer);
@@ -507,6 +508,10 @@ where
                 let refusal = if status.code() == tonic::Code::Unauthenticated { Refusal::Unauthenticated } else { Refusal::WrongRole };
                 count_refusal(table, request.uri().path(), refusal);
                 tracing::warn!(path = request.uri().path(), status = %status.message(), "call refused");
+                // Refused again and again on one connection: it is closed.
+                if let Some(connection) = connection {
+                    connection.get_ref().strikes.strike();
+                }
                 futures::future::Either::Left(std::future::ready(Ok(status.into_http())))
             }
         }

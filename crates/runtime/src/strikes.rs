@@ -1,0 +1,176 @@
+//! Refusals per connection: a caller refused again and again on one kept
+//! gRPC connection (a certificate whose role may not call the rpc, call
+//! after call) loses the connection. Each connection holds a bucket of
+//! [`STRIKES_BURST`] refusals, refilled at [`STRIKES_PER_SEC`] a second;
+//! the refusal that finds it empty closes the connection (its calls in
+//! flight end with it). The caller must connect again, and so meets the
+//! handshake and the connection gate ([`crate::gate`]): refusals cost it
+//! what they cost the service. A service never refuses its own
+//! deployment's callers by role, so a well-configured peer never comes
+//! near the bucket's bottom.
+//!
+//! A connection is wrapped as it is accepted ([`Struck`]); its
+//! [`Strikes`] ride each call's connection info, where the authorization
+//! layer finds them.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use futures::task::AtomicWaker;
+use parking_lot::Mutex;
+use prometheus::IntCounter;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+/// Refusals a connection may take at once.
+pub const STRIKES_BURST: f64 = 16.0;
+
+/// Refusals a connection may take each second beyond the burst.
+pub const STRIKES_PER_SEC: f64 = 1.0;
+
+static STRUCK_OFF: LazyLock<IntCounter> = LazyLock::new(|| {
+    crate::metrics::counter(
+        "turbine_grpc_connections_struck_off_total",
+        "gRPC connections closed because their caller was refused (wrong role, no role) more than 16 calls at once, then more than one a second: it must connect again",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
+
+/// One connection's refusals.
+#[derive(Debug)]
+pub struct Strikes {
+    /// Refusals left, and when last refilled.
+    bucket: Mutex<(f64, Instant)>,
+    closed: AtomicBool,
+    /// The connection's reader, woken to see it closed.
+    reader: AtomicWaker,
+}
+
+impl Default for Strikes {
+    fn default() -> Self {
+        Self { bucket: Mutex::new((STRIKES_BURST, Instant::now())), closed: AtomicBool::new(false), reader: AtomicWaker::new() }
+    }
+}
+
+impl Strikes {
+    /// Counts a refusal; the one past the bucket's bottom closes the
+    /// connection. Whether it is closed now.
+    pub fn strike(&self) -> bool {
+        let now = Instant::now();
+        let mut bucket = self.bucket.lock();
+        let (left, at) = &mut *bucket;
+        *left = (*left + now.saturating_duration_since(*at).as_secs_f64() * STRIKES_PER_SEC).min(STRIKES_BURST);
+        *at = now;
+        if *left >= 1.0 {
+            *left -= 1.0;
+            return false;
+        }
+        drop(bucket);
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            STRUCK_OFF.inc();
+            tracing::warn!("a caller refused call after call on one connection: the connection is closed");
+            self.reader.wake();
+        }
+        true
+    }
+
+    /// Whether the connection was closed for its refusals.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// An accepted connection that ends (reads as closed, refuses writes) once
+/// its [`Strikes`] say so.
+#[derive(Debug)]
+pub struct Struck {
+    inner: TcpStream,
+    strikes: Arc<Strikes>,
+}
+
+impl Struck {
+    /// `stream`, with a full bucket of refusals.
+    pub fn new(stream: TcpStream) -> Self {
+        Self { inner: stream, strikes: Arc::default() }
+    }
+}
+
+/// A connection's info as calls see it: its addresses and its strikes.
+#[derive(Debug, Clone)]
+pub struct StruckInfo {
+    /// The connection's addresses.
+    pub tcp: TcpConnectInfo,
+    /// Its refusals.
+    pub strikes: Arc<Strikes>,
+}
+
+impl Connected for Struck {
+    type ConnectInfo = StruckInfo;
+
+    fn connect_info(&self) -> StruckInfo {
+        StruckInfo { tcp: self.inner.connect_info(), strikes: self.strikes.clone() }
+    }
+}
+
+impl AsyncRead for Struck {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.strikes.reader.register(cx.waker());
+        if this.strikes.is_closed() {
+            // End of stream: the server drops the connection.
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Struck {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.strikes.is_closed() {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionAborted, "closed for its refusals")));
+        }
+        Pin::new(&mut this.inner).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.strikes.is_closed() {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionAborted, "closed for its refusals")));
+        }
+        Pin::new(&mut this.inner).poll_write_vectored(cx, data)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_refusal_past_the_burst_closes_the_connection() {
+        let strikes = Strikes::default();
+        for _ in 0..STRIKES_BURST as usize {
+            assert!(!strikes.strike());
+        }
+        assert!(strikes.strike(), "one past the burst");
+        assert!(strikes.is_closed() && strikes.strike(), "closed stays closed");
+    }
+}
