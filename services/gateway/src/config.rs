@@ -63,6 +63,14 @@ impl Settings for GatewayConfig {
                 "with --api-keys, /metrics and the probes need a port of their own, kept off the API's: give --admin-addr (e.g. 0.0.0.0:9090)",
             ));
         }
+        if self.admission.public_tls_cert.is_some() && self.admission.api_keys.is_none() && !self.server.insecure {
+            // Its gRPC would then answer anyone, where under --tls-* alone
+            // it answers only holders of the deployment's certificates.
+            return Err(InvalidSetting::new(
+                "api_keys",
+                "a public certificate serves clients that hold no certificate, and without keys nothing would authenticate them: give --api-keys FILE (`turbine keys new` makes keys), or --insecure for an API open to anyone who reaches it",
+            ));
+        }
         self.admission.validate()
     }
 }
@@ -188,5 +196,20 @@ mod tests {
         config.public_tls_key = other.tls_key;
         let mismatched = format!("{:#}", config.public_tls().unwrap_err());
         assert!(mismatched.contains("does not suit the certificate"), "{mismatched}");
+    }
+
+    #[test]
+    fn a_public_certificate_wants_api_keys_or_insecure() {
+        let mut config = GatewayConfig::default();
+        config.admission.public_tls_cert = Some("api.crt".into());
+        config.admission.public_tls_key = Some("api.key".into());
+        let refused = config.validate().unwrap_err().to_string();
+        assert!(refused.contains("--api-keys") && refused.contains("--insecure"), "{refused}");
+        config.server.insecure = true;
+        config.validate().expect("an open API, asked for");
+        config.server.insecure = false;
+        config.admission.api_keys = Some("keys.toml".into());
+        config.server.admin_addr = Some("127.0.0.1:9090".parse().unwrap());
+        config.validate().expect("keys authenticate the callers");
     }
 }
