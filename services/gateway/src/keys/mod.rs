@@ -89,8 +89,8 @@ pub struct ApiKey {
     spec: KeySpec,
     /// Its digest, hex: its buckets' name in Redis.
     digest: String,
-    /// The per-minute buckets every gateway of the namespace shares, if
-    /// any.
+    /// The limits every gateway of the namespace shares (per-minute
+    /// buckets and concurrency places), if any.
     shared: std::sync::OnceLock<Arc<SharedBuckets>>,
 }
 
