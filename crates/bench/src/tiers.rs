@@ -176,7 +176,11 @@ pub fn run(args: &TiersBenchArgs) -> anyhow::Result<TiersBenchReport> {
     let _entered = runtime.enter();
     // Served over UCX too where this build has it: the fetching pass runs
     // once over the gRPC stream and once over UCX.
-    let store = turbine_kv_store::Store::open((args.prompts * blocks) as u64 * (block_bytes + 4096) * 2, None, Some(turbine_kv::UcxNetwork::Any));
+    let store = turbine_kv_store::Store::open(
+        (args.prompts * blocks) as u64 * (block_bytes + 4096) * 2,
+        None,
+        Some((turbine_kv::UcxNetwork::Any, turbine_kv::UcxKeys::WholePool)),
+    );
     let listeners = runtime.block_on(turbine_runtime::host::Listeners::loopback())?;
     let endpoint = format!("http://{}", listeners.grpc.local_addr()?);
     let shutdown = turbine_runtime::CancellationToken::new();

@@ -151,6 +151,7 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
         transfer_mib: 1,
         pinned: PinBudget::WHOLE_POOL,
         network: turbine_kv::UcxNetwork::Any,
+        keys: turbine_kv::UcxKeys::WholePool,
         simulated: None,
         pool,
     };
@@ -266,7 +267,7 @@ pub async fn run(args: &TransferBenchArgs) -> anyhow::Result<TransferReport> {
 #[cfg(feature = "ucx")]
 async fn read_ucx(args: &TransferBenchArgs, handle: &KvHandle, client: KvTransferClient) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     use turbine_ucx_agent::UcxAgent;
-    let agent = UcxAgent::start(None, None, &turbine_kv::UcxNetwork::Any).map_err(anyhow::Error::msg)?;
+    let agent = UcxAgent::start(None, None, &turbine_kv::UcxNetwork::Any, turbine_kv::UcxKeys::WholePool).map_err(anyhow::Error::msg)?;
     let described = client.describe(handle.key()).await?;
     let region = described.ucx.context("the owner has no UCX")?;
     let offsets: Vec<u64> = handle.blocks.iter().map(|block| block.offset).collect();

@@ -183,7 +183,7 @@ impl Cluster {
                 store_config.server.insecure = config.insecure;
                 store_config.store_id = "embedded".to_owned();
                 // Its UCX on the loopback device, as its gRPC.
-                let ucx = store_config.ucx.then(|| turbine_kv::UcxNetwork::for_service(None, false, address.ip()));
+                let ucx = store_config.ucx.then(|| (turbine_kv::UcxNetwork::for_service(None, false, address.ip()), turbine_kv::UcxKeys::WholePool));
                 let store = KvStore::open(store_config.memory_mib << 20, None, ucx);
                 let events = match &log {
                     Some(log) => StoreEventSink::Log(log.clone()),

@@ -21,7 +21,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 pub use block::{HostBlock, block_checksum};
 pub use events::{CachedBlock, Dump, EventBatch, KvEvent, NumberedEvent, StoredBlock, Tier, TierSet, WorkerDump};
 pub use index::{FindMatches, KvIndex, WorkerMatch};
-pub use layout::{KvLayout, UcxNetwork, UcxRegion};
+pub use layout::{KvLayout, UcxKeys, UcxNetwork, UcxRangeKey, UcxRegion};
 pub use memory::{DeviceKv, DeviceMemory, DeviceReadError, KvAllocator, KvBuffer, KvMemory};
 pub use unregistered::Unregistered;
 pub use worker_id::{STORE_PREFIX, WorkerId};

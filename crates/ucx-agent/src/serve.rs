@@ -166,7 +166,7 @@ fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &std::
         let packed = std::mem::take(&mut job.shm_remote_key);
         match shm.get_with_key(&job.shm_peer, &packed) {
             Ok((endpoint, key)) => {
-                let result = read(endpoint, key, copier, &mut job);
+                let result = read(endpoint, &[key], None, copier, &mut job);
                 match &result {
                     Err(WaitError::Abandoned) => shm.poisoned = true,
                     Err(_) => shm.drop_peer(&job.shm_peer),
@@ -181,10 +181,28 @@ fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &std::
             }
         }
     }
-    let remote_key = std::mem::take(&mut job.remote_key);
+    let remote_keys = std::mem::take(&mut job.remote_keys);
+    let key_of = std::mem::take(&mut job.key_of);
     let result = main.get(&job.peer).map_err(WaitError::from).and_then(|endpoint| {
-        let key = endpoint.remote_key(&remote_key)?;
-        read(endpoint, &key, copier, &mut job)
+        // Only the keys some address uses are unpacked (a pool keyed per
+        // handle sends no key of its own), numbered in order of use.
+        let mut unpacked: Vec<RemoteKey<'_>> = Vec::new();
+        let mut number: Vec<Option<usize>> = vec![None; remote_keys.len()];
+        let mut uses = Vec::with_capacity(key_of.len());
+        for &key in &key_of {
+            // `pull` numbered every address's key among those it sent.
+            let index = match number[key] {
+                Some(index) => index,
+                None => {
+                    unpacked.push(endpoint.remote_key(&remote_keys[key])?);
+                    number[key] = Some(unpacked.len() - 1);
+                    unpacked.len() - 1
+                }
+            };
+            uses.push(index);
+        }
+        let keys: Vec<&RemoteKey<'_>> = unpacked.iter().collect();
+        read(endpoint, &keys, Some(&uses), copier, &mut job)
     });
     match &result {
         Err(WaitError::Abandoned) => {
@@ -206,12 +224,20 @@ fn run(main: &mut Endpoints<'_>, shm: Option<&mut Endpoints<'_>>, copier: &std::
 
 /// Reads a job's blocks through `endpoint`: copied out of the peer's
 /// mapped pool when UCX maps it here, else with one get per block.
-fn read(endpoint: &Endpoint<'_>, key: &RemoteKey<'_>, copier: &std::cell::OnceCell<Copier>, job: &mut Job) -> Result<Pulled, WaitError> {
+/// `keys[key_of[i]]` is address i's key (`None`: `keys[0]` for all).
+fn read(
+    endpoint: &Endpoint<'_>,
+    keys: &[&RemoteKey<'_>],
+    key_of: Option<&[usize]>,
+    copier: &std::cell::OnceCell<Copier>,
+    job: &mut Job,
+) -> Result<Pulled, WaitError> {
+    let key = |i: usize| keys[key_of.map_or(0, |key_of| key_of[i])];
     let worker = endpoint.worker();
     let mut bytes = std::mem::take(&mut job.into);
     bytes.resize(job.addresses.len() * job.block_bytes, 0);
     let started = Instant::now();
-    let sources: Option<Vec<*const u8>> = job.addresses.iter().map(|&address| key.local_ptr(address)).collect();
+    let sources: Option<Vec<*const u8>> = job.addresses.iter().enumerate().map(|(i, &address)| key(i).local_ptr(address)).collect();
     if let Some(sources) = sources {
         // SAFETY: each source is a mapping of `block_bytes` of the peer's
         // region (`pull` checked the offsets against its length), alive
@@ -227,8 +253,8 @@ fn read(endpoint: &Endpoint<'_>, key: &RemoteKey<'_>, copier: &std::cell::OnceCe
     {
         let mut requests = Vec::with_capacity(job.addresses.len());
         let mut refused = None;
-        for (into, &address) in bytes.chunks_mut(job.block_bytes).zip(&job.addresses) {
-            match endpoint.get(into, address, key) {
+        for (i, (into, &address)) in bytes.chunks_mut(job.block_bytes).zip(&job.addresses).enumerate() {
+            match endpoint.get(into, address, key(i)) {
                 Ok(request) => requests.push(request),
                 Err(error) => {
                     refused = Some(error);

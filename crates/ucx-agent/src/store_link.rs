@@ -40,7 +40,7 @@ impl KvStoreLink {
     /// Starts the link's UCX thread, for reads only, on the devices
     /// `network` allows.
     pub fn start(network: &crate::UcxNetwork) -> Result<Self, crate::StartError> {
-        Ok(Self { agent: crate::UcxAgent::start(None, None, network)?, spare: Mutex::default(), staging: None })
+        Ok(Self { agent: crate::UcxAgent::start(None, None, network, crate::UcxKeys::WholePool)?, spare: Mutex::default(), staging: None })
     }
 
     /// Starts the link's UCX thread with `staging_bytes` of memory that
@@ -54,7 +54,7 @@ impl KvStoreLink {
         });
         const PAGE: usize = 4096;
         let memory = turbine_kv::KvMemory::new(buffer.clone(), turbine_kv::KvLayout::opaque(PAGE, "kv-store staging"), staging_bytes / PAGE);
-        let agent = crate::UcxAgent::start(Some(&memory), pool, network)?;
+        let agent = crate::UcxAgent::start(Some(&memory), pool, network, crate::UcxKeys::WholePool)?;
         let region = agent.region().cloned().ok_or(crate::StartError::NoRegion)?;
         Ok(Self { agent, spare: Mutex::default(), staging: Some((tokio::sync::Mutex::new(Staging::new(buffer)), region)) })
     }

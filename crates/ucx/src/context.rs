@@ -98,12 +98,17 @@ impl Context {
     /// # Safety
     /// `config` is null or a live config.
     unsafe fn init(features: u64, config: *const sys::ucp_config_t) -> Result<Self, UcxError> {
-        // SAFETY: zeroed params with only the features field set, as UCX
-        // documents; the out-pointer is valid; config per the caller.
+        // SAFETY: zeroed params with the features and the shared-workers
+        // fields set, as UCX documents; the out-pointer is valid; config
+        // per the caller.
         unsafe {
             let mut params: sys::ucp_params_t = std::mem::zeroed();
-            params.field_mask = sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES as u64;
+            params.field_mask = (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED) as u64;
             params.features = features;
+            // Context-level calls (registering and unregistering memory)
+            // come from any thread while a UCX thread drives the workers:
+            // UCX then locks them.
+            params.mt_workers_shared = 1;
             let mut context = ptr::null_mut();
             check("ucp_init", sys::ucp_init(&params, config, &mut context))?;
             Ok(Self { handle: Arc::new(ContextHandle(context)) })

@@ -26,7 +26,11 @@ pub const MAX_LEASED_BLOCKS: usize = 32_768;
 /// serves it (None when UCX cannot start: readers use Get). The arena
 /// comes from UCX's shared-memory allocator when it can, so readers on the
 /// same machine map it and copy blocks with no help from the store.
-pub fn arena_with_data_path(bytes: usize, network: &turbine_kv::UcxNetwork) -> (Arc<crate::Arena>, Option<Arc<DataPath>>) {
+///
+/// Keyed [`UcxKeys::PerHandle`](turbine_kv::UcxKeys::PerHandle), no
+/// network-facing key of the whole arena exists: each lease's segments are
+/// registered for it alone and unregistered when it goes.
+pub fn arena_with_data_path(bytes: usize, network: &turbine_kv::UcxNetwork, keys: turbine_kv::UcxKeys) -> (Arc<crate::Arena>, Option<Arc<DataPath>>) {
     #[cfg(feature = "ucx")]
     {
         let pool = turbine_ucx_agent::ShmPool::open();
@@ -35,7 +39,7 @@ pub fn arena_with_data_path(bytes: usize, network: &turbine_kv::UcxNetwork) -> (
             None => turbine_kv::KvBuffer::zeroed(bytes),
         };
         let arena = crate::Arena::new(buffer);
-        match turbine_ucx_agent::UcxAgent::start(Some(&arena.memory()), pool, network) {
+        match turbine_ucx_agent::UcxAgent::start(Some(&arena.memory()), pool, network, keys) {
             Ok(agent) => match agent.region().cloned() {
                 Some(region) => {
                     let path = DataPath::new(region, agent, MAX_LEASED_BLOCKS, LEASE_TTL);
@@ -49,14 +53,48 @@ pub fn arena_with_data_path(bytes: usize, network: &turbine_kv::UcxNetwork) -> (
     }
     #[cfg(not(feature = "ucx"))]
     {
-        let _ = network;
+        let _ = (network, keys);
         (crate::Arena::on_heap(bytes), None)
     }
 }
 
 struct Granted {
     expires: Instant,
+    /// The lease's segments registered for it alone (keyed per lease),
+    /// unregistered when it goes; dropped before the blocks.
+    #[cfg(feature = "ucx")]
+    _keys: Option<LeaseKeys>,
     blocks: Vec<Arc<MemoryBlock>>,
+}
+
+#[cfg(feature = "ucx")]
+static LEASE_KEYS: std::sync::LazyLock<prometheus::IntGauge> = std::sync::LazyLock::new(|| {
+    turbine_runtime::metrics::gauge(
+        "turbine_kv_store_ucx_lease_keys",
+        "Runs of leased segments registered with UCX for their lease alone (memory keyed per lease: serving certificates with a network named for UCX), each unregistered when its lease is released, or at the first lease granted or released after it expired",
+        &[],
+    )
+    .with_label_values::<&str>(&[])
+});
+
+/// A lease's segments registered with UCX for it alone, counted in
+/// `turbine_kv_store_ucx_lease_keys` until dropped (unregistered).
+#[cfg(feature = "ucx")]
+struct LeaseKeys(turbine_ucx_agent::Exposed);
+
+#[cfg(feature = "ucx")]
+impl LeaseKeys {
+    fn new(exposed: turbine_ucx_agent::Exposed) -> Self {
+        LEASE_KEYS.add(exposed.range_keys().len() as i64);
+        Self(exposed)
+    }
+}
+
+#[cfg(feature = "ucx")]
+impl Drop for LeaseKeys {
+    fn drop(&mut self) {
+        LEASE_KEYS.sub(self.0.range_keys().len() as i64);
+    }
 }
 
 #[derive(Default)]
@@ -164,17 +202,32 @@ impl DataPath {
         self.ttl
     }
 
-    /// Leases `blocks`; returns the lease's id.
-    pub fn grant(&self, blocks: Vec<Arc<MemoryBlock>>) -> Result<u64, TooManyLeased> {
+    /// Leases `blocks` (held in segments of `segment_bytes`); returns the
+    /// lease's id and where its readers read: the arena's region, with
+    /// keys of the lease's own segments when the arena is keyed per lease.
+    pub fn grant(&self, blocks: Vec<Arc<MemoryBlock>>, segment_bytes: usize) -> Result<(u64, UcxRegion), TooManyLeased> {
+        // Registered before the leases' lock (UCX may take its time on
+        // RDMA); dropped again if the lease is refused.
+        #[cfg(feature = "ucx")]
+        let keys = {
+            let offsets: Vec<u64> =
+                blocks.iter().flat_map(|block| block.slots.segments().iter().map(|&segment| segment as u64 * segment_bytes as u64)).collect();
+            let runs = turbine_ucx_agent::runs(&offsets, segment_bytes as u64);
+            match self.agent.expose(&runs) {
+                None => None,
+                Some(Ok(exposed)) => Some(LeaseKeys::new(exposed)),
+                Some(Err(error)) => {
+                    // No key: the reader finds nothing to read over UCX
+                    // and uses Get.
+                    tracing::warn!(%error, runs = runs.len(), "UCX registered none of a lease's segments");
+                    None
+                }
+            }
+        };
         let now = Instant::now();
         let mut leases = self.leases.lock();
         // Expired leases go first, so what they held counts as free.
-        let expired: Vec<u64> = leases.by_id.iter().filter(|(_, lease)| lease.expires <= now).map(|(&id, _)| id).collect();
-        for id in expired {
-            if let Some(lease) = leases.by_id.remove(&id) {
-                leases.blocks -= lease.blocks.len();
-            }
-        }
+        let _expired = Self::sweep(&mut leases, now);
         if leases.blocks + blocks.len() > self.max_leased_blocks {
             return Err(TooManyLeased { leased: leases.blocks, limit: self.max_leased_blocks });
         }
@@ -184,23 +237,52 @@ impl DataPath {
                 break id;
             }
         };
+        #[cfg(not(feature = "ucx"))]
+        let _ = segment_bytes;
+        let mut region = self.region.clone();
+        #[cfg(feature = "ucx")]
+        if let Some(keys) = &keys {
+            region.range_keys = keys.0.range_keys().to_vec();
+        }
         leases.blocks += blocks.len();
-        leases.by_id.insert(id, Granted { expires: now + self.ttl, blocks });
-        Ok(id)
+        let granted = Granted {
+            expires: now + self.ttl,
+            #[cfg(feature = "ucx")]
+            _keys: keys,
+            blocks,
+        };
+        leases.by_id.insert(id, granted);
+        Ok((id, region))
     }
 
-    /// Lets go of a lease; whether it was outstanding.
+    /// Lets go of a lease (and of any that expired); whether it was
+    /// outstanding.
     pub fn release(&self, id: u64) -> bool {
-        let lease = {
+        let (lease, _expired) = {
             let mut leases = self.leases.lock();
+            let expired = Self::sweep(&mut leases, Instant::now());
             let lease = leases.by_id.remove(&id);
             if let Some(lease) = &lease {
                 leases.blocks -= lease.blocks.len();
             }
-            lease
+            (lease, expired)
         };
         // The blocks' segments went back to the arena outside the lock.
         lease.is_some()
+    }
+
+    /// Takes the leases expired by `now` out of `leases` (their blocks and
+    /// keys go when the caller drops them, outside the lock).
+    fn sweep(leases: &mut Leases, now: Instant) -> Vec<Granted> {
+        let expired: Vec<u64> = leases.by_id.iter().filter(|(_, lease)| lease.expires <= now).map(|(&id, _)| id).collect();
+        let mut swept = Vec::with_capacity(expired.len());
+        for id in expired {
+            if let Some(lease) = leases.by_id.remove(&id) {
+                leases.blocks -= lease.blocks.len();
+                swept.push(lease);
+            }
+        }
+        swept
     }
 
     /// Blocks leased now.

@@ -270,12 +270,13 @@ impl LocalKvStore {
                 segments: block.slots.segments().to_vec(),
             })
             .collect();
-        let id = if run.is_empty() {
-            0
+        let segment_bytes = self.store.arena().segment().unwrap_or_default();
+        let (id, region) = if run.is_empty() {
+            (0, data_path.region().clone())
         } else {
-            data_path.grant(run.into_iter().map(|(_, block)| block).collect()).map_err(|error| KvStoreError::Full(error.to_string()))?
+            data_path.grant(run.into_iter().map(|(_, block)| block).collect(), segment_bytes).map_err(|error| KvStoreError::Full(error.to_string()))?
         };
-        Ok(Lease { id, region: data_path.region().clone(), segment_bytes: self.store.arena().segment().unwrap_or_default(), blocks })
+        Ok(Lease { id, region, segment_bytes, blocks })
     }
 
     /// How long a lease lasts (zero without a data path).

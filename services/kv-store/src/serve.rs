@@ -63,7 +63,12 @@ pub fn main(config: KvStoreConfig) -> std::process::ExitCode {
         config.server.tls.establish()?;
         let memory_bytes = config.memory_mib << 20;
         let tls = config.server.tls.tls_cert.is_some();
-        let ucx = config.ucx.then(|| UcxNetwork::for_service(config.ucx_devices.as_deref(), tls, config.server.grpc_addr.ip()));
+        let ucx = config.ucx.then(|| {
+            let network = UcxNetwork::for_service(config.ucx_devices.as_deref(), tls, config.server.grpc_addr.ip());
+            // Under certificates a lease's holder gets keys of its segments only.
+            let keys = turbine_kv::UcxKeys::for_service(&network, tls);
+            (network, keys)
+        });
         let store = match &config.disk_dir {
             None => Store::open(memory_bytes, None, ucx),
             Some(dir) => {

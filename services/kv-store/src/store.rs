@@ -154,13 +154,14 @@ impl Store {
 
     /// A store as the service runs it: at most `capacity_bytes` in memory,
     /// over `disk` if given, its memory served over UCX too when `ucx` is
-    /// set and this build and machine have UCX.
-    pub fn open(capacity_bytes: u64, disk: Option<DiskBlocks>, ucx: Option<UcxNetwork>) -> Self {
+    /// set (its devices, and whether readers get the memory's key or each
+    /// lease's own) and this build and machine have UCX.
+    pub fn open(capacity_bytes: u64, disk: Option<DiskBlocks>, ucx: Option<(UcxNetwork, turbine_kv::UcxKeys)>) -> Self {
         let bytes = arena_bytes(capacity_bytes);
-        let Some(network) = ucx else {
+        let Some((network, keys)) = ucx else {
             return Self::in_arena(capacity_bytes, Arena::on_heap(bytes), disk);
         };
-        let (arena, data_path) = crate::lease::arena_with_data_path(bytes, &network);
+        let (arena, data_path) = crate::lease::arena_with_data_path(bytes, &network, keys);
         Self { data_path, ..Self::in_arena(capacity_bytes, arena, disk) }
     }
 

@@ -276,6 +276,65 @@ async fn leased_blocks_are_read_over_ucx_even_while_evicted() {
     assert_eq!(code(plain.lease(fp(7), &hashes).await.unwrap_err()), Code::FailedPrecondition);
 }
 
+/// On a fabric named under TLS (RDMA, where UCX checks remote keys), a
+/// lease's holder learned the key of the store's whole memory from
+/// `Lease`: every tenant's blocks, for as long as the store ran. Now each
+/// lease's segments are registered for it alone and unregistered at its
+/// release: the lease carries keys of those runs only, a worker reads the
+/// blocks through them over UCX's network, and the registrations go with
+/// the lease. (Over TCP, as here, UCX checks no key: the test proves what
+/// is given out and revoked, and that reads work through it.)
+#[cfg(feature = "ucx")]
+#[tokio::test]
+async fn on_a_fabric_named_under_tls_a_lease_is_keyed_for_its_segments_alone() {
+    use std::time::Duration;
+    use turbine_runtime::host::Role;
+    use turbine_testkit::tls::TestCa;
+    use turbine_ucx_agent::KvStoreLink;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("fabric");
+    let show = |path: Option<std::path::PathBuf>| path.unwrap().display().to_string();
+    let store_tls = ca.issue(Role::KvStore, "kv-store").write(dir.path(), "kv-store");
+    let (cert, key, ca_file) = (show(store_tls.tls_cert), show(store_tls.tls_key), show(store_tls.tls_ca));
+    // This process is a worker: its clients dial the store over mutual TLS.
+    ca.issue(Role::Worker, "worker-0").write(dir.path(), "worker").establish().unwrap().expect("this process is a worker");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-kv-store"));
+    command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--memory-mib", "16", "--max-blocks-per-call", "1000"]);
+    command.args(["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca_file, "--ucx-devices", "lo"]).env("UCX_TLS", "tcp,self");
+    let mut process = ServiceProcess::spawn("turbine-kv-store", command, false).await.unwrap();
+    process.until_serving(Role::KvStore, "turbine.kvstore.v1.KvStore", STARTUP_TIMEOUT).await.unwrap();
+    let client = KvStoreClient::connect(&process.grpc_endpoint()).unwrap();
+    let blocks: Vec<_> = (0..40).map(block).collect();
+    client.put(fp(7), &blocks).await.unwrap();
+    let hashes: Vec<SequenceHash> = blocks.iter().map(|(hash, _)| *hash).collect();
+
+    let first = client.lease(fp(7), &hashes[..10]).await.unwrap();
+    let second = client.lease(fp(7), &hashes[20..30]).await.unwrap();
+    assert!(first.region.remote_key.is_empty(), "the key of the store's whole memory is given to no one");
+    let (offsets, piece) = first.pieces().unwrap();
+    let inside = |offset: u64| first.region.key_for(offset, piece as u64).is_some();
+    assert!(offsets.iter().all(|&offset| inside(offset)), "every piece of the lease is under a key");
+    let (others, _) = second.pieces().unwrap();
+    assert!(others.iter().all(|&offset| !inside(offset)), "no piece of another lease is");
+    let covered: u64 = first.region.range_keys.iter().map(|range| range.length).sum();
+    assert_eq!(covered, (offsets.len() * piece) as u64, "the keys cover the lease's segments and nothing more");
+    let admin = process.admin_url();
+    let registered = metric(&admin, "turbine_kv_store_ucx_lease_keys").await as usize;
+    assert_eq!(registered, first.region.range_keys.len() + second.region.range_keys.len(), "one registration per run of each lease");
+
+    // Read over UCX's network through the lease's keys: every block intact.
+    let reader = KvStoreLink::start(&turbine_kv::UcxNetwork::Devices("lo".into())).unwrap();
+    let bytes = reader.read(&first, Vec::new(), Duration::from_secs(10)).await.unwrap();
+    let read = first.blocks_from(&bytes);
+    assert_eq!(read.len(), 10);
+    assert!(read.iter().zip(&blocks).all(|((_, got), (_, want))| got.bytes == want.bytes));
+    client.release(first.id).await.unwrap();
+    assert_eq!(metric(&admin, "turbine_kv_store_ucx_lease_keys").await as usize, second.region.range_keys.len(), "the released lease's keys are revoked");
+    client.release(second.id).await.unwrap();
+    assert_eq!(metric(&admin, "turbine_kv_store_ucx_lease_keys").await, 0.0);
+}
+
 /// A block corrupted in the store's memory: the UCX reader's check catches
 /// it and says so, and the Get it falls back to drops it in the store.
 #[cfg(feature = "ucx")]
@@ -285,7 +344,7 @@ async fn a_corrupt_leased_block_is_caught_by_the_reader_and_dropped_by_get() {
     use turbine_kv_store::{BlockKey, KvStoreConfig, Store, StoreEventSink};
     use turbine_ucx_agent::KvStoreLink;
 
-    let store = Store::open(64 << 20, None, Some(turbine_kv::UcxNetwork::Devices("lo".into())));
+    let store = Store::open(64 << 20, None, Some((turbine_kv::UcxNetwork::Devices("lo".into()), turbine_kv::UcxKeys::WholePool)));
     assert!(store.data_path().is_some(), "this build and machine serve UCX");
     let listeners = turbine_runtime::host::Listeners::loopback().await.unwrap();
     let endpoint = format!("http://{}", listeners.grpc.local_addr().unwrap());

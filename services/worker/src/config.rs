@@ -389,8 +389,10 @@ pub struct TransferConfig {
     /// Network devices UCX may use for KV blocks, in UCX's syntax (`eth1`,
     /// `mlx5_0:1`; `all`: every device UCX finds). UCX checks no
     /// certificate: a host that reaches a UCX device may read and write
-    /// this process's memory, so name only a fabric reserved to Turbine's
-    /// services. Unset: none with certificates (workers on this machine
+    /// this process's memory (on RDMA, with certificates, only a handle's
+    /// blocks, through keys issued per handle and revoked at its release),
+    /// so name only a fabric reserved to Turbine's services. Unset: none
+    /// with certificates (workers on this machine
     /// use shared memory, others KvTransfer over mutual TLS), loopback for
     /// a plaintext worker on loopback, every device for a plaintext worker
     /// beyond it.

@@ -305,6 +305,14 @@ pub fn register_engine(worker_id: &str, engine: EngineHandle) -> CollectorGuard 
 static KV_PINS: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
     turbine_runtime::metrics::gauge("turbine_worker_kv_pinned_handles", "Prefill handles whose KV blocks are pinned for a decode worker", &["worker"])
 });
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+static KV_UCX_HANDLE_KEYS: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
+    turbine_runtime::metrics::gauge(
+        "turbine_worker_kv_ucx_handle_keys",
+        "Runs of prefill handles' blocks registered with UCX for those handles alone (a pool keyed per handle: serving certificates with a network named for UCX), each unregistered at its handle's release or expiry",
+        &["worker"],
+    )
+});
 static KV_LEASES_EXPIRED: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter("turbine_worker_kv_leases_expired_total", "Prefill handles freed because no decode worker released them in time", &["worker"]));
 static KV_PINS_REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
@@ -348,6 +356,11 @@ static KV_UCX_POST: LazyLock<HistogramVec> = LazyLock::new(|| {
 
 pub(crate) fn kv_pins(worker: &str, delta: i64) {
     KV_PINS.with_label_values(&[worker]).add(delta);
+}
+
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+pub(crate) fn kv_ucx_handle_keys(worker: &str, delta: i64) {
+    KV_UCX_HANDLE_KEYS.with_label_values(&[worker]).add(delta);
 }
 
 pub(crate) fn kv_pins_refused(worker: &str, reason: &str) {

@@ -9,7 +9,7 @@ use turbine_api::kv_store::KvStoreClient;
 
 use anyhow::Context;
 use turbine_api::worker::{WorkerClient, WorkerClients};
-use turbine_kv::{KvIndex, UcxNetwork};
+use turbine_kv::{KvIndex, UcxKeys, UcxNetwork};
 use turbine_kv_log::EventLog;
 use turbine_proto::service_names;
 use turbine_proto::worker::v1::{FILE_DESCRIPTOR_SET, kv_transfer_server::KvTransferServer, worker_server::WorkerServer};
@@ -108,12 +108,17 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
 
     // UCX reaches no further than this gRPC port (see UcxNetwork).
     let ucx = UcxNetwork::for_service(config.transfer.kv_ucx_devices.as_deref(), host_tls, endpoint_ip);
+    // Under certificates, a handle's holder gets keys of its blocks only.
+    let keys = UcxKeys::for_service(&ucx, host_tls);
     if host_tls && config.transfer.kv_ucx_devices.is_some() {
-        tracing::warn!(devices = ?config.transfer.kv_ucx_devices, "UCX checks no certificate: any host that reaches these devices may read and write this worker's memory");
+        tracing::warn!(
+            devices = ?config.transfer.kv_ucx_devices,
+            "UCX checks no certificate: over TCP any host that reaches these devices may read and write this worker's memory; on RDMA only a handle's blocks, through keys revoked at its release"
+        );
     }
     let loading = tokio::task::spawn_blocking({
         let (config, kv_store) = (config.clone(), deps.kv_store.clone());
-        move || Worker::start(&config, kv_store, &ucx)
+        move || Worker::start(&config, kv_store, &ucx, keys)
     });
     let worker = tokio::select! {
         loaded = loading => loaded.context("model loading panicked")??,

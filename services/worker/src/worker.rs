@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
 use turbine_engine::{DiskTier, EngineHandle, Executor, HostTier, KvMemory, KvTiers, Load, ModelledTransfer, RemoteTier, SchedulerConfig};
-use turbine_kv::{UcxNetwork, WorkerId};
+use turbine_kv::{UcxKeys, UcxNetwork, WorkerId};
 use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
@@ -50,7 +50,7 @@ impl Worker {
     /// engine. Blocking: call from a blocking context.
     /// `kv_store`: the process's own kv-store, called directly instead of
     /// over gRPC to `--kv-store`.
-    pub fn start(config: &WorkerConfig, kv_store: Option<KvStoreClient>, ucx: &UcxNetwork) -> anyhow::Result<Arc<Self>> {
+    pub fn start(config: &WorkerConfig, kv_store: Option<KvStoreClient>, ucx: &UcxNetwork, keys: UcxKeys) -> anyhow::Result<Arc<Self>> {
         let id = WorkerId::from(config.worker_id.clone().unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])));
         let (engine_config, transfer) = (&config.engine, &config.transfer);
         let cache_dir = engine_config.cache_dir.clone().unwrap_or_else(default_cache_dir);
@@ -180,6 +180,7 @@ impl Worker {
             transport: transfer.kv_transport,
             transfer_mib: transfer.kv_transfer_mib,
             network: ucx.clone(),
+            keys,
             pinned: PinBudget { pool_share: transfer.kv_pinned_share, requester_share: transfer.kv_pinned_share_per_requester },
             simulated,
             pool,

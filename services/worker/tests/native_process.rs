@@ -12,7 +12,7 @@ use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_runtime::host::Role;
 use turbine_testkit::tls::TestCa;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, listening_sockets, metric, metric_where};
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, listening_sockets, metric, metric_where, wait_until};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
@@ -376,6 +376,113 @@ async fn ucx_listens_no_further_than_the_workers_grpc() {
     if cfg!(feature = "ucx") {
         assert!(!ucx.is_empty(), "UCX on the named device");
     }
+}
+
+/// A worker of `role` under TLS (`stem`'s certificate of `ca`, written to
+/// `dir`) whose UCX may use loopback (a fabric the operator names), over
+/// UCX's network transports only (no shared memory: `UCX_TLS`).
+#[cfg(feature = "ucx")]
+async fn fabric_worker(dir: &std::path::Path, ca: &TestCa, role: &str, id: &str) -> ServiceProcess {
+    let tls = ca.issue(Role::Worker, id).write(dir, id);
+    let show = |path: &Option<std::path::PathBuf>| path.as_deref().unwrap().display().to_string();
+    let (cert, key, ca_file) = (show(&tls.tls_cert), show(&tls.tls_key), show(&tls.tls_ca));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
+    command.args(["--engine", "native", "--model", MODEL, "--threads", "2", "--role", role, "--worker-id", id, "--kv-transport", "ucx"]);
+    command.args(["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca_file, "--kv-ucx-devices", "lo"]).env("UCX_TLS", "tcp,self");
+    let mut process = ServiceProcess::spawn("turbine-worker", command, false).await.unwrap();
+    process.until_serving(Role::Worker, "turbine.worker.v1.Worker", STARTUP_TIMEOUT).await.unwrap();
+    process
+}
+
+/// On a fabric the operator names under TLS (RDMA, where UCX checks remote
+/// keys), a handle's holder learned the key of the prefill worker's whole
+/// pool from `Describe`: every block of every request, and for as long as
+/// the worker ran. Now each handle's blocks are registered for it alone
+/// and unregistered at its release: `Describe` gives keys of those runs
+/// only, a decode worker reads through them over UCX's network, and the
+/// registrations go with the handles. (Over TCP, as here, UCX checks no
+/// key: the test proves what is given out and revoked, and that reads
+/// work through it.)
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_fabric_named_under_tls_a_handle_is_keyed_for_its_blocks_alone() {
+    use turbine_runtime::grpc::tls_channel;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("fabric");
+    ca.issue(Role::Operator, "test").write(dir.path(), "operator").establish().unwrap().expect("this process is an operator");
+    let prefill = fabric_worker(dir.path(), &ca, "prefill", "prefill-0").await;
+    let decode = fabric_worker(dir.path(), &ca, "decode", "decode-0").await;
+    let gateway = ca.trust(Role::Gateway, "gateway-0");
+    let as_decode = ca.trust(Role::Worker, "decode-1");
+    let mut to_prefill = WorkerClient::new(tls_channel(&prefill.grpc_endpoint(), &gateway, Role::Worker).unwrap()).with_message_limits();
+    let mut transfer = KvTransferClient::new(tls_channel(&prefill.grpc_endpoint(), &as_decode, Role::Worker).unwrap()).with_message_limits();
+    let to_decode = WorkerClient::new(tls_channel(&decode.grpc_endpoint(), &gateway, Role::Worker).unwrap()).with_message_limits();
+    let prefill_of = |request: &pb::GenerateRequest| pb::PrefillRequest {
+        request_id: request.request_id.clone(),
+        prompt_token_ids: request.prompt_token_ids.clone(),
+        sampling: request.sampling,
+        stop: request.stop.clone(),
+        lease_ms: 0,
+        cache_salt: Default::default(),
+        kv_tenant: Default::default(),
+    };
+    let first = greedy(&(0..96).map(|i| 300 + i).collect::<Vec<u32>>(), 8);
+    let second = greedy(&(0..64).map(|i| 900 + i).collect::<Vec<u32>>(), 8);
+    let a = to_prefill.prefill(prefill_of(&first)).await.unwrap().into_inner();
+    let b = to_prefill.prefill(prefill_of(&second)).await.unwrap().into_inner();
+    let (handle_a, handle_b) = (a.handle.clone().expect("a handle on the first prompt"), b.handle.clone().expect("a handle on the second"));
+    let describe = |handle: &pb::KvHandle| pb::DescribeRequest { handle_id: handle.handle_id, token: handle.token.clone() };
+    let described = transfer.describe(describe(&handle_a)).await.unwrap().into_inner();
+    let block_bytes = described.layout.as_ref().unwrap().block_bytes;
+    let region = described.ucx.expect("the prefill worker serves UCX on the named device");
+    assert!(region.remote_key.is_empty(), "the whole pool's key is given to no one");
+    let covered: u64 = region.range_keys.iter().map(|range| range.length).sum();
+    assert_eq!(covered, handle_a.blocks.len() as u64 * block_bytes, "the keys cover the handle's blocks and nothing more");
+    let inside = |offset: u64| region.range_keys.iter().any(|range| offset >= range.offset && offset + block_bytes <= range.offset + range.length);
+    assert!(handle_a.blocks.iter().all(|block| inside(block.offset)), "every block of the handle is under a key");
+    assert!(handle_b.blocks.iter().all(|block| !inside(block.offset)), "no block of another handle is");
+    let prefill_admin = prefill.admin_url();
+    let keys_b = transfer.describe(describe(&handle_b)).await.unwrap().into_inner().ucx.unwrap().range_keys.len();
+    let registered = metric(&prefill_admin, "turbine_worker_kv_ucx_handle_keys").await as usize;
+    assert_eq!(registered, region.range_keys.len() + keys_b, "one registration per run of each live handle");
+
+    // The decode worker reads the first handle over UCX's network through
+    // its keys and releases it; its text is the text computed locally.
+    let remote = pb::GenerateRequest {
+        remote_prefill: Some(pb::RemotePrefill { handle: Some(handle_a.clone()), generated_token_ids: a.first.unwrap().token_ids }),
+        ..first.clone()
+    };
+    let stream = async |mut client: WorkerClient<turbine_runtime::grpc::TracedChannel>, request: pb::GenerateRequest| {
+        let mut stream = client.generate(request).await.unwrap().into_inner();
+        let mut tokens: Vec<u32> = Vec::new();
+        let ended = async {
+            while let Some(message) = stream.message().await.unwrap() {
+                tokens.extend(&message.token_ids);
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(240), ended).await.expect("a request finishes within 240 s");
+        tokens
+    };
+    let handed_over = stream(to_decode.clone(), remote).await;
+    assert_eq!(handed_over.len(), 7, "the tokens after the prefill's first");
+    let decode_admin = decode.admin_url();
+    let imported = metric_where(&decode_admin, "turbine_worker_kv_imports_total", &[("transport", "ucx"), ("outcome", "ok")]).await;
+    assert_eq!(imported, 1.0, "the blocks came over UCX");
+    let gets = metric_where(&decode_admin, "turbine_worker_kv_ucx_reads_total", &[("path", "get")]).await;
+    assert_eq!(gets, 1.0, "read with gets over the network, not mapped");
+    let keys = async |wanted: usize| metric(&prefill_admin, "turbine_worker_kv_ucx_handle_keys").await == wanted as f64;
+    wait_until("the first handle's keys revoked", Duration::from_secs(10), async || keys(keys_b).await).await;
+    let gone = transfer.describe(describe(&handle_a)).await.unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+    let released = transfer.release(pb::ReleaseRequest { handle_id: handle_b.handle_id, token: handle_b.token.clone() }).await.unwrap().into_inner();
+    assert!(released.released);
+    wait_until("every key revoked", Duration::from_secs(10), async || keys(0).await).await;
+    // The first prompt once more, computed by the decode worker itself
+    // (another cache salt: none of the blocks it took in): the same tokens.
+    let computed = stream(to_decode, pb::GenerateRequest { request_id: "computed".into(), cache_salt: 7, ..first }).await;
+    assert_eq!(computed[1..], handed_over[..], "the same tokens after the first");
+    drop((decode, prefill));
 }
 
 /// The kv-store drops a key two writers disagree on. Two workers computing

@@ -10,25 +10,31 @@ use crate::{ConversionError, ConversionResult};
 /// (`turbine.worker.v1` and `turbine.kvstore.v1` each carry one, field for
 /// field the same, so that neither package imports the other).
 macro_rules! ucx_region_conversions {
-    ($message:path) => {
+    ($message:path, $range:ty) => {
         impl From<&turbine_kv::UcxRegion> for $message {
             fn from(region: &turbine_kv::UcxRegion) -> Self {
-                let turbine_kv::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region.clone();
-                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
+                type Range = $range;
+                let turbine_kv::UcxRegion { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key, range_keys } = region.clone();
+                let range_keys =
+                    range_keys.into_iter().map(|turbine_kv::UcxRangeKey { offset, length, remote_key }| Range { offset, length, remote_key }).collect();
+                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key, range_keys }
             }
         }
 
         impl From<$message> for turbine_kv::UcxRegion {
             fn from(region: $message) -> Self {
-                let $message { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key } = region;
-                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key }
+                type Range = $range;
+                let $message { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key, range_keys } = region;
+                let range_keys =
+                    range_keys.into_iter().map(|Range { offset, length, remote_key }| turbine_kv::UcxRangeKey { offset, length, remote_key }).collect();
+                Self { worker_address, remote_key, base_address, length, shm_worker_address, shm_remote_key, range_keys }
             }
         }
     };
 }
 
-ucx_region_conversions!(crate::worker::v1::UcxRegion);
-ucx_region_conversions!(crate::kvstore::v1::UcxRegion);
+ucx_region_conversions!(crate::worker::v1::UcxRegion, crate::worker::v1::UcxRangeKey);
+ucx_region_conversions!(crate::kvstore::v1::UcxRegion, crate::kvstore::v1::UcxRangeKey);
 
 impl From<&KvLayout> for pb::KvLayout {
     fn from(layout: &KvLayout) -> Self {
@@ -83,8 +89,13 @@ mod tests {
             length: 4,
             shm_worker_address: vec![5],
             shm_remote_key: vec![6],
+            range_keys: Vec::new(),
         };
         assert_eq!(turbine_kv::UcxRegion::from(pb::UcxRegion::from(&region)), region);
         assert_eq!(turbine_kv::UcxRegion::from(crate::kvstore::v1::UcxRegion::from(&region)), region);
+        let keyed =
+            turbine_kv::UcxRegion { remote_key: Vec::new(), range_keys: vec![turbine_kv::UcxRangeKey { offset: 7, length: 8, remote_key: vec![9] }], ..region };
+        assert_eq!(turbine_kv::UcxRegion::from(pb::UcxRegion::from(&keyed)), keyed);
+        assert_eq!(turbine_kv::UcxRegion::from(crate::kvstore::v1::UcxRegion::from(&keyed)), keyed);
     }
 }

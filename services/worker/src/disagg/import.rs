@@ -138,7 +138,11 @@ impl Disagg {
             Some(region) => region,
             None => {
                 let described = peer.describe(handle.key()).await.map_err(|error| ImportError::Transfer(format!("describe: {error}")))?;
-                self.regions.lock().insert(described.memory_id, described.ucx.clone());
+                // A pool keyed per handle is described for each handle:
+                // its keys open this handle's blocks only.
+                if described.ucx.as_ref().is_none_or(|region| region.range_keys.is_empty()) {
+                    self.regions.lock().insert(described.memory_id, described.ucx.clone());
+                }
                 described.ucx
             }
         };

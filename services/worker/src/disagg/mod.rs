@@ -41,6 +41,10 @@ struct Pin {
     /// The handle's capability: calls naming the handle must carry it.
     token: HandleToken,
     blocks: Vec<u32>,
+    /// The handle's blocks registered for it alone (a pool keyed per
+    /// handle), unregistered when the pin goes.
+    #[cfg(feature = "ucx")]
+    exposed: Option<share::HandleKeys>,
 }
 
 /// A worker's disaggregated-serving state.
@@ -69,7 +73,9 @@ pub struct Disagg {
     staging: Arc<Mutex<Vec<Vec<u8>>>>,
     #[cfg(feature = "ucx")]
     ucx: Option<turbine_ucx_agent::UcxAgent>,
-    /// Peers' UCX regions by memory id (None: the peer has no UCX).
+    /// Peers' UCX regions by memory id (None: the peer has no UCX), for
+    /// peers that key their pool whole (one keyed per handle is described
+    /// for each handle).
     #[cfg(feature = "ucx")]
     regions: Mutex<HashMap<u64, Option<turbine_engine::UcxRegion>>>,
 }
@@ -95,6 +101,8 @@ pub struct DisaggOptions {
     pub pinned: PinBudget,
     /// The network devices UCX may use.
     pub network: turbine_kv::UcxNetwork,
+    /// Whether peers get the pool's key or each handle's own.
+    pub keys: turbine_kv::UcxKeys,
     /// Engines without KV memory (the mocker): hand-offs move no bytes but
     /// take the time these would take.
     pub simulated: Option<SimulatedTransfer>,
@@ -151,7 +159,7 @@ impl Disagg {
             // workers): no UCX thread to start, wake and stop.
             (_, WorkerRole::Aggregated) => None,
             _ if options.simulated.is_some() => None,
-            _ => match turbine_ucx_agent::UcxAgent::start(memory.as_ref(), options.pool.shm(), &options.network) {
+            _ => match turbine_ucx_agent::UcxAgent::start(memory.as_ref(), options.pool.shm(), &options.network, options.keys) {
                 Ok(agent) => Some(agent),
                 Err(error) => {
                     tracing::warn!(%error, "UCX is unavailable; KV blocks move over TCP");

@@ -8,6 +8,8 @@ use turbine_api::kv_transfer::{Described, KvTransferApi};
 use turbine_api::worker::{HandleKey, HandleToken, KvBlockRef, KvHandle, Prefilled, TokenChunk, WorkerError};
 use turbine_engine::{EngineHandle, EngineOutput, FinishReason, GenerateRequest, Handoff, KvMemory, block_checksum};
 use turbine_kv::BlockHashes;
+#[cfg(feature = "ucx")]
+use turbine_kv::{UcxRegion, WorkerId};
 use turbine_runtime::trust::Refusal;
 
 use super::{Disagg, Pin, rand_u64};
@@ -122,8 +124,35 @@ impl Disagg {
             lease_expires: SystemTime::now() + lease,
             memory_id: self.memory_id,
         };
-        self.register(handle_id, Pin { pin_id, requester: requester.into(), token, blocks: ids }, lease)?;
+        #[cfg(feature = "ucx")]
+        let exposed = self.memory.as_ref().and_then(|memory| self.expose(&offsets, memory.layout().block_bytes as u64));
+        let pin = Pin {
+            pin_id,
+            requester: requester.into(),
+            token,
+            blocks: ids,
+            #[cfg(feature = "ucx")]
+            exposed,
+        };
+        self.register(handle_id, pin, lease)?;
         Ok(handle)
+    }
+
+    /// Registers a handle's blocks (at `offsets`, of `block_bytes` each)
+    /// with UCX for that handle alone, in runs of adjacent blocks, when
+    /// this worker keys its pool per handle. `None` otherwise, and when
+    /// UCX refuses (logged): the handle is then read with `ReadBlocks`.
+    #[cfg(feature = "ucx")]
+    fn expose(&self, offsets: &[u64], block_bytes: u64) -> Option<HandleKeys> {
+        let agent = self.ucx.as_ref()?;
+        let runs = turbine_ucx_agent::runs(offsets, block_bytes);
+        match agent.expose(&runs)? {
+            Ok(exposed) => Some(HandleKeys::new(exposed, &self.worker_id)),
+            Err(error) => {
+                tracing::warn!(%error, runs = runs.len(), "UCX registered none of a handle's blocks; its decode worker reads them over gRPC");
+                None
+            }
+        }
     }
 
     /// Whether `requester` may pin `blocks` more blocks, given `pins`.
@@ -231,14 +260,24 @@ impl Disagg {
         bytes.map_err(|error| WorkerError::Internal(format!("reading KV block {index} off the device: {error}")))
     }
 
-    /// What `Describe` answers.
+    /// What `Describe` answers: the pool's key, or (keyed per handle) the
+    /// keys of this handle's runs only.
     pub fn describe(&self, handle: HandleKey) -> Result<Described, WorkerError> {
         let memory = self.memory.as_ref().ok_or_else(|| WorkerError::NotFound("this worker holds no KV blocks for others".into()))?;
-        pinned(&self.pins.lock(), handle, DESCRIBE)?;
+        let pins = self.pins.lock();
+        let pin = pinned(&pins, handle, DESCRIBE)?;
         #[cfg(feature = "ucx")]
-        let ucx = self.ucx.as_ref().and_then(|agent| agent.region().cloned());
+        let ucx = match (self.ucx.as_ref().and_then(|agent| agent.region()), &pin.exposed) {
+            (Some(region), Some(keys)) => Some(UcxRegion { range_keys: keys.exposed.range_keys().to_vec(), ..region.clone() }),
+            (Some(region), None) if !region.remote_key.is_empty() => Some(region.clone()),
+            // Keyed per handle and this handle's registration failed.
+            _ => None,
+        };
         #[cfg(not(feature = "ucx"))]
-        let ucx = None;
+        let ucx = {
+            let _ = pin;
+            None
+        };
         Ok(Described { layout: memory.layout().clone(), ucx, memory_id: self.memory_id })
     }
 }
@@ -259,6 +298,38 @@ fn pinned<'a>(pins: &'a HashMap<u64, Pin>, handle: HandleKey, method: &str) -> R
             Err(unknown_handle(handle.id))
         }
         None => Err(unknown_handle(handle.id)),
+    }
+}
+
+/// A handle's blocks registered with UCX for it alone, counted in
+/// `turbine_worker_kv_ucx_handle_keys` until dropped (unregistered).
+#[cfg(feature = "ucx")]
+pub(super) struct HandleKeys {
+    exposed: turbine_ucx_agent::Exposed,
+    worker_id: WorkerId,
+    runs: i64,
+}
+
+#[cfg(feature = "ucx")]
+impl std::fmt::Debug for HandleKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandleKeys").field("runs", &self.runs).finish()
+    }
+}
+
+#[cfg(feature = "ucx")]
+impl HandleKeys {
+    fn new(exposed: turbine_ucx_agent::Exposed, worker_id: &WorkerId) -> Self {
+        let runs = exposed.range_keys().len() as i64;
+        metrics::kv_ucx_handle_keys(worker_id, runs);
+        Self { exposed, worker_id: worker_id.clone(), runs }
+    }
+}
+
+#[cfg(feature = "ucx")]
+impl Drop for HandleKeys {
+    fn drop(&mut self) {
+        metrics::kv_ucx_handle_keys(&self.worker_id, -self.runs);
     }
 }
 
