@@ -224,12 +224,14 @@ async fn disaggregated_outputs_equal_aggregated_ones_over_tcp() {
 
 /// The `--tls-*` flags of the certificate `turbine certs` wrote under
 /// `dir` for `stem` (`router`, `workers/prefill-0`).
+#[cfg(feature = "ucx")]
 fn tls_flags(dir: &std::path::Path, stem: &str) -> Vec<String> {
     let file = |name: String| dir.join(name).display().to_string();
     vec!["--tls-cert".into(), file(format!("{stem}.crt")), "--tls-key".into(), file(format!("{stem}.key")), "--tls-ca".into(), file("ca.crt".into())]
 }
 
 /// What `process` listens on besides its gRPC and admin ports.
+#[cfg(feature = "ucx")]
 fn other_listeners(process: &ServiceProcess) -> Vec<std::net::SocketAddr> {
     let own = process.addresses();
     let listening = turbine_testkit::listening_sockets(process.pid()).unwrap();

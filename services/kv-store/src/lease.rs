@@ -239,11 +239,13 @@ impl DataPath {
         };
         #[cfg(not(feature = "ucx"))]
         let _ = segment_bytes;
-        let mut region = self.region.clone();
         #[cfg(feature = "ucx")]
-        if let Some(keys) = &keys {
-            region.range_keys = keys.0.range_keys().to_vec();
-        }
+        let region = match &keys {
+            Some(keys) => UcxRegion { range_keys: keys.0.range_keys().to_vec(), ..self.region.clone() },
+            None => self.region.clone(),
+        };
+        #[cfg(not(feature = "ucx"))]
+        let region = self.region.clone();
         leases.blocks += blocks.len();
         let granted = Granted {
             expires: now + self.ttl,

@@ -12,7 +12,7 @@ use turbine_proto::worker::v1::kv_transfer_client::KvTransferClient;
 use turbine_proto::worker::v1::worker_client::WorkerClient;
 use turbine_runtime::host::Role;
 use turbine_testkit::tls::TestCa;
-use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, listening_sockets, metric, metric_where, wait_until};
+use turbine_testkit::{ChildProcess, STARTUP_TIMEOUT, ServiceProcess, listening_sockets, metric, metric_where};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Preprocessor};
 
@@ -407,6 +407,7 @@ async fn fabric_worker(dir: &std::path::Path, ca: &TestCa, role: &str, id: &str)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_fabric_named_under_tls_a_handle_is_keyed_for_its_blocks_alone() {
     use turbine_runtime::grpc::tls_channel;
+    use turbine_testkit::wait_until;
 
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new("fabric");

@@ -47,6 +47,16 @@ struct Pin {
     exposed: Option<share::HandleKeys>,
 }
 
+impl Pin {
+    /// Unregisters the handle's own UCX keys, if any, and gives the
+    /// engine's pin to let go of: the blocks must not be reused while a
+    /// key still reaches them.
+    fn revoke(self) -> u64 {
+        // `exposed` goes with `self`, before the caller unpins.
+        self.pin_id
+    }
+}
+
 /// A worker's disaggregated-serving state.
 pub struct Disagg {
     worker_id: WorkerId,

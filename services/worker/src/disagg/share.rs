@@ -212,7 +212,7 @@ impl Disagg {
             tokio::time::sleep(lease).await;
             let expired = pins.lock().remove(&handle_id);
             if let Some(pin) = expired {
-                engine.unpin(pin.pin_id);
+                engine.unpin(pin.revoke());
                 metrics::kv_pins(&worker_id, -1);
                 metrics::kv_lease_expired(&worker_id);
                 tracing::debug!(handle_id, "a prefill's lease expired before its decode worker released it");
@@ -233,7 +233,7 @@ impl Disagg {
         };
         match pin {
             Some(pin) => {
-                self.engine.unpin(pin.pin_id);
+                self.engine.unpin(pin.revoke());
                 metrics::kv_pins(&self.worker_id, -1);
                 true
             }
