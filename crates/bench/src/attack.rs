@@ -19,6 +19,13 @@
 //! - `rogue_record`: an unsealed worker record in Redis (anyone who can
 //!   write to Redis) pointing at a listener of the attacker's.
 //!
+//! By default each call of the first, second and fourth attack dials a
+//! connection of its own (its handshake is the attacker's cost, and the
+//! service's connection gate refuses an address over its rate); with
+//! `--kept-connections` each of them keeps one connection, as a gRPC
+//! client does: the service closes a connection after 16 refusals (one
+//! more a second), and the attacker connects again.
+//!
 //! Every attempt must be refused (a record: skipped by the router, and no
 //! connection ever reaches the attacker's listener); the report counts
 //! them, and gives the legitimate requests' p50 and p99, end to end and to
@@ -35,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 use turbine_proto::router::v1 as router_pb;
 use turbine_proto::worker::v1 as worker_pb;
 use turbine_registry::{RedisRegistry, Registry, WorkerLoad, WorkerRecord};
-use turbine_runtime::grpc::tls_channel;
+use turbine_runtime::grpc::{TracedChannel, tls_channel};
 use turbine_runtime::host::Role;
 use turbine_runtime::trust::{TlsConfig, Trust};
 
@@ -65,6 +72,11 @@ pub struct AttackBenchArgs {
     /// Mocker speedup.
     #[arg(long, default_value_t = 10.0)]
     pub speedup: f64,
+    /// The wrong-role and bad-capability attackers keep one connection
+    /// each (reconnecting when the service closes it) instead of dialing
+    /// one per call.
+    #[arg(long)]
+    pub kept_connections: bool,
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -79,9 +91,10 @@ pub struct AttackOutcome {
     pub attempts: u64,
     /// Calls refused as they must be.
     pub refused: u64,
-    /// Of those, the calls whose connection the service closed as it was
+    /// Of those, the calls whose connection the service closed: as it was
     /// accepted (its connection gate: the attacker's address over its
-    /// rate), before TLS and before the call.
+    /// rate), before TLS and before the call, or (a kept connection) once
+    /// the connection had spent its refusals.
     pub closed: u64,
     /// Calls that got anything else (each one a defect).
     pub unexpected: u64,
@@ -109,6 +122,8 @@ pub struct AttackBenchReport {
     pub attack_rate: f64,
     /// Attack calls per second made.
     pub attack_rate_achieved: f64,
+    /// Whether the attackers kept their connections.
+    pub kept_connections: bool,
     /// Without the attack.
     pub unattacked: Blocks,
     /// With it.
@@ -188,6 +203,16 @@ struct Attacker {
     as_router: Trust,
     as_worker: Trust,
     rogue: String,
+    /// Connections kept across calls (`--kept-connections`).
+    kept: Option<Kept>,
+}
+
+/// One connection per attack that keeps its connection: each a channel
+/// that connects again when the service closes it.
+struct Kept {
+    generate: TracedChannel,
+    route: TracedChannel,
+    describe: TracedChannel,
 }
 
 fn trust_of(certs: &Path, role: &str) -> anyhow::Result<Trust> {
@@ -205,23 +230,34 @@ enum Refused {
     Closed,
 }
 
-/// A status the attack must get, or its connection closed before TLS
-/// (the connection gate: the client's handshake fails on a closed socket).
+/// A status the attack must get, or its connection closed by the service:
+/// before TLS (the connection gate: the client's handshake fails on a
+/// closed socket), or under the call on a kept connection (cut off once it
+/// had spent its refusals: the client sees its transport end, UNAVAILABLE
+/// or UNKNOWN "transport error", or CANCELLED for a call queued on it).
 fn must_be(result: Result<impl std::fmt::Debug, tonic::Status>, code: tonic::Code) -> Result<Refused, String> {
     match result {
         Err(status) if status.code() == code => Ok(Refused::Answered),
-        Err(status) if status.code() == tonic::Code::Unavailable && closed_before_tls(&status) => Ok(Refused::Closed),
+        Err(status) if matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled) && closed_by_the_service(&status) => {
+            Ok(Refused::Closed)
+        }
         other => Err(format!("{other:?}")),
     }
 }
 
-/// Whether `status` is a connection the server closed during the TLS
-/// handshake (what a client sees of the connection gate).
-fn closed_before_tls(status: &tonic::Status) -> bool {
+/// Whether `status` is a connection the server closed (during the TLS
+/// handshake: what a client sees of the connection gate; or under a call).
+fn closed_by_the_service(status: &tonic::Status) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
     while let Some(error) = cause {
         if let Some(io) = error.downcast_ref::<std::io::Error>()
             && matches!(io.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::BrokenPipe)
+        {
+            return true;
+        }
+        // A call queued on a kept connection as the service closed it.
+        if let Some(hyper) = error.downcast_ref::<hyper::Error>()
+            && hyper.is_canceled()
         {
             return true;
         }
@@ -235,14 +271,20 @@ impl Attacker {
         let timeout = Duration::from_secs(5);
         match attack {
             Attack::WrongRoleGenerate => {
-                let channel = tls_channel(&self.worker, &self.as_router, Role::Worker).map_err(|error| error.to_string())?;
+                let channel = match &self.kept {
+                    Some(kept) => kept.generate.clone(),
+                    None => tls_channel(&self.worker, &self.as_router, Role::Worker).map_err(|error| error.to_string())?,
+                };
                 let request = worker_pb::GenerateRequest { request_id: format!("attack-{n}"), prompt_token_ids: vec![1, 2, 3], ..Default::default() };
                 let mut client = worker_pb::worker_client::WorkerClient::new(channel);
                 let call = client.generate(request);
                 must_be(tokio::time::timeout(timeout, call).await.map_err(|_| "no answer".to_owned())?, tonic::Code::PermissionDenied)
             }
             Attack::WrongRoleRoute => {
-                let channel = tls_channel(&self.router, &self.as_worker, Role::Router).map_err(|error| error.to_string())?;
+                let channel = match &self.kept {
+                    Some(kept) => kept.route.clone(),
+                    None => tls_channel(&self.router, &self.as_worker, Role::Router).map_err(|error| error.to_string())?,
+                };
                 let request = router_pb::RouteRequest { request_id: format!("attack-{n}"), prompt_tokens: 100_000, ..Default::default() };
                 let mut client = router_pb::router_client::RouterClient::new(channel);
                 let call = client.route(request);
@@ -261,7 +303,10 @@ impl Attacker {
                 }
             }
             Attack::BadCapability => {
-                let channel = tls_channel(&self.worker, &self.as_worker, Role::Worker).map_err(|error| error.to_string())?;
+                let channel = match &self.kept {
+                    Some(kept) => kept.describe.clone(),
+                    None => tls_channel(&self.worker, &self.as_worker, Role::Worker).map_err(|error| error.to_string())?,
+                };
                 let request = worker_pb::DescribeRequest { handle_id: n, token: n.to_le_bytes().repeat(2) };
                 let mut client = worker_pb::kv_transfer_client::KvTransferClient::new(channel);
                 let call = client.describe(request);
@@ -357,14 +402,17 @@ pub async fn run(args: AttackBenchArgs) -> anyhow::Result<AttackBenchReport> {
             drop(socket);
         }
     });
-    let attacker = Arc::new(Attacker {
-        worker: stack.worker.grpc_endpoint(),
-        router: stack.router.grpc_endpoint(),
-        redis: stack.redis_url(),
-        as_router: trust_of(&certs, "router")?,
-        as_worker: trust_of(&certs, "worker")?,
-        rogue: rogue_address,
-    });
+    let (worker, router) = (stack.worker.grpc_endpoint(), stack.router.grpc_endpoint());
+    let (as_router, as_worker) = (trust_of(&certs, "router")?, trust_of(&certs, "worker")?);
+    let kept = match args.kept_connections {
+        true => Some(Kept {
+            generate: tls_channel(&worker, &as_router, Role::Worker)?,
+            route: tls_channel(&router, &as_worker, Role::Router)?,
+            describe: tls_channel(&worker, &as_worker, Role::Worker)?,
+        }),
+        false => None,
+    };
+    let attacker = Arc::new(Attacker { worker, router, redis: stack.redis_url(), as_router, as_worker, rogue: rogue_address, kept });
 
     let model = crate::gateway::model_of(&stack).await?;
     let prompt = "Turbine keeps every tenant's work apart. ".repeat(args.prompt_tokens.div_ceil(8));
@@ -429,6 +477,7 @@ pub async fn run(args: AttackBenchArgs) -> anyhow::Result<AttackBenchReport> {
             line.starts_with("turbine_rpc_refused_total")
                 || line.starts_with("turbine_registry_refused_records_total")
                 || line.starts_with("turbine_grpc_connections_refused_total")
+                || line.starts_with("turbine_grpc_connections_struck_off_total")
         }) {
             if let Some((series, value)) = line.rsplit_once(' ') {
                 counted.push((format!("{service}: {series}"), value.parse().unwrap_or(f64::NAN)));
@@ -459,6 +508,7 @@ pub async fn run(args: AttackBenchArgs) -> anyhow::Result<AttackBenchReport> {
         clients: args.clients,
         attack_rate: args.attack_rate,
         attack_rate_achieved: attempts as f64 / attack_time.as_secs_f64().max(1e-9),
+        kept_connections: args.kept_connections,
         p99_end_to_end_ratio: attacked.end_to_end.p99_us / unattacked.end_to_end.p99_us,
         p99_ttft_ratio: attacked.ttft.p99_us / unattacked.ttft.p99_us,
         unattacked,
@@ -473,8 +523,11 @@ pub async fn run(args: AttackBenchArgs) -> anyhow::Result<AttackBenchReport> {
 /// Prints the report as a table.
 pub fn print(report: &AttackBenchReport) {
     println!(
-        "{} legitimate clients through the gateway, every hop mutual TLS; attack {:.0} calls/s asked, {:.0} made",
-        report.clients, report.attack_rate, report.attack_rate_achieved
+        "{} legitimate clients through the gateway, every hop mutual TLS; attack {:.0} calls/s asked, {:.0} made, {}",
+        report.clients,
+        report.attack_rate,
+        report.attack_rate_achieved,
+        if report.kept_connections { "connections kept" } else { "a connection per call" }
     );
     println!("{:<22} {:>9} {:>12} {:>12} {:>12} {:>12}", "legitimate (µs)", "requests", "e2e p50", "e2e p99", "ttft p50", "ttft p99");
     for (name, blocks) in [("unattacked", &report.unattacked), ("under attack", &report.attacked)] {
@@ -485,9 +538,9 @@ pub fn print(report: &AttackBenchReport) {
     }
     println!("p99 under attack / unattacked: end to end {:.2}×, first token {:.2}×", report.p99_end_to_end_ratio, report.p99_ttft_ratio);
     println!("legitimate requests failed: {}; connections to the rogue worker: {}", report.failed_requests, report.rogue_connections);
-    println!("{:<22} {:>9} {:>9} {:>11}", "attack", "attempts", "refused", "unexpected");
+    println!("{:<22} {:>9} {:>9} {:>9} {:>11}", "attack", "attempts", "refused", "closed", "unexpected");
     for outcome in &report.attacks {
-        println!("{:<22} {:>9} {:>9} {:>11}", outcome.attack, outcome.attempts, outcome.refused, outcome.unexpected);
+        println!("{:<22} {:>9} {:>9} {:>9} {:>11}", outcome.attack, outcome.attempts, outcome.refused, outcome.closed, outcome.unexpected);
         if let Some(answer) = &outcome.first_unexpected {
             println!("    first unexpected: {answer}");
         }
