@@ -12,18 +12,21 @@ use std::process::Command;
 
 use turbine_testkit::workspace_binary;
 
-#[test]
-fn every_attack_is_refused_and_counted_while_legitimate_requests_are_served() {
+/// Runs `turbine bench attack` with `flags`: what it printed, and its
+/// JSON report.
+fn bench_attack(flags: &[&str]) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("attack.json");
-    let output = Command::new(workspace_binary("turbine"))
-        .args(["bench", "attack", "--rounds", "1", "--requests-per-block", "24", "--attack-rate", "100", "--json"])
-        .arg(&json)
-        .output()
-        .unwrap();
-    let printed = String::from_utf8_lossy(&output.stdout);
+    let output = Command::new(workspace_binary("turbine")).args(["bench", "attack"]).args(flags).arg("--json").arg(&json).output().unwrap();
+    let printed = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(output.status.success(), "{printed}\n{}", String::from_utf8_lossy(&output.stderr));
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (printed, report)
+}
+
+#[test]
+fn every_attack_is_refused_and_counted_while_legitimate_requests_are_served() {
+    let (printed, report) = bench_attack(&["--rounds", "1", "--requests-per-block", "24", "--attack-rate", "100"]);
     assert_eq!(report["failed_requests"], 0, "{printed}");
     assert_eq!(report["rogue_connections"], 0, "{printed}");
     assert_eq!(report["unattacked"]["requests"], 24);
@@ -54,16 +57,7 @@ fn every_attack_is_refused_and_counted_while_legitimate_requests_are_served() {
 /// off (the services count it) and must connect again.
 #[test]
 fn attackers_keeping_their_connections_are_refused_and_cut_off() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("attack.json");
-    let output = Command::new(workspace_binary("turbine"))
-        .args(["bench", "attack", "--rounds", "1", "--requests-per-block", "200", "--attack-rate", "1000", "--kept-connections", "--json"])
-        .arg(&json)
-        .output()
-        .unwrap();
-    let printed = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{printed}\n{}", String::from_utf8_lossy(&output.stderr));
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (printed, report) = bench_attack(&["--rounds", "1", "--requests-per-block", "200", "--attack-rate", "1000", "--kept-connections"]);
     assert_eq!(report["kept_connections"], true);
     assert_eq!(report["failed_requests"], 0, "{printed}");
     assert_eq!(report["rogue_connections"], 0, "{printed}");
