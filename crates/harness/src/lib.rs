@@ -9,18 +9,22 @@
 //! - [`RedisServer`]: a private `redis-server`, ready when it answers PING.
 //! - [`PostgresServer`]: a private PostgreSQL cluster (`initdb`, `postgres`),
 //!   ready when `pg_isready` says so.
+//! - [`VllmServer`]: vLLM's CPU build serving a model (an external engine
+//!   for workers to front), ready when its /health answers.
 
 mod postgres_server;
 mod process;
 mod redis_server;
 mod service;
 mod sockets;
+mod vllm_server;
 
 pub use postgres_server::{PostgresServer, PostgresTls};
 pub use process::ChildProcess;
 pub use redis_server::{RedisServer, RedisTls};
 pub use service::{ServiceProcess, addresses_file};
 pub use sockets::listening_sockets;
+pub use vllm_server::{VLLM_STARTUP_TIMEOUT, VllmInstall, VllmServer};
 
 use std::time::Duration;
 

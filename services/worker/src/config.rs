@@ -18,6 +18,20 @@ pub enum EngineKind {
     /// Simulated timing with the real scheduler and block manager; emits
     /// synthetic tokens.
     Mock,
+    /// An engine server running beside the worker (`--upstream`): the
+    /// worker speaks `turbine.worker.v1` for it, token ids in and out.
+    External,
+}
+
+/// What serves at `--upstream`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum UpstreamKind {
+    /// vLLM's OpenAI-compatible server (0.10.2 or later: it streams token
+    /// ids), started with `vllm serve` or `python -m
+    /// vllm.entrypoints.openai.api_server`.
+    #[default]
+    Vllm,
 }
 
 /// Which blocks a worker puts to the kv-store (`--kv-store-offload`).
@@ -69,10 +83,11 @@ impl From<KvFetch> for turbine_engine::FetchPolicy {
 
 impl EngineKind {
     /// Tokens per KV block unless configured: 16 for the native engine,
-    /// 64 for the mocker (DESIGN §5).
+    /// 64 for the mocker (DESIGN §5); an external engine's is its own
+    /// (read from it at start; 16 is vLLM's default on GPUs).
     pub fn default_block_size(self) -> usize {
         match self {
-            EngineKind::Native => 16,
+            EngineKind::Native | EngineKind::External => 16,
             EngineKind::Mock => 64,
         }
     }
@@ -183,6 +198,12 @@ impl Settings for WorkerConfig {
             return Err(InvalidSetting::new("lease_ttl_secs", "must be at least 0.1"));
         }
         self.engine.validate()?;
+        if self.engine.engine == EngineKind::External && self.role != WorkerRole::Aggregated {
+            return Err(InvalidSetting::new(
+                "role",
+                format!("a {} worker hands KV blocks over Turbine's transfer plane, which an external engine's cache is not on (docs/engines.md)", self.role),
+            ));
+        }
         self.transfer.validate()
     }
 }
@@ -197,9 +218,33 @@ pub struct EngineConfig {
     /// file stem].
     #[arg(long, env = "TURBINE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// Engine: native computes the model, mock simulates it.
+    /// Engine: native computes the model, mock simulates it, external
+    /// fronts an engine server at --upstream (the model's card still comes
+    /// from --model: it must be the model the engine serves).
     #[arg(long, value_enum, env = "TURBINE_WORKER_ENGINE", default_value_t = EngineKind::Native)]
     pub engine: EngineKind,
+    /// External engine: the engine server's base URL
+    /// (`http://127.0.0.1:8000`). The worker sends it prompts as token ids
+    /// and streams back token ids, aborts a request whose caller went away,
+    /// reports its load from its /metrics and its health from /health.
+    #[arg(long, env = "TURBINE_WORKER_UPSTREAM", value_name = "URL")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// External engine: what serves at --upstream.
+    #[arg(long, value_enum, env = "TURBINE_WORKER_UPSTREAM_KIND", default_value_t = UpstreamKind::Vllm)]
+    #[serde(default)]
+    pub upstream_kind: UpstreamKind,
+    /// External engine: the model's name at --upstream [default: the one
+    /// model it lists].
+    #[arg(long, env = "TURBINE_WORKER_UPSTREAM_MODEL")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_model: Option<String>,
+    /// External engine: seconds to wait at start for the engine to answer
+    /// (it may still be loading its model); the worker is NOT_SERVING
+    /// meanwhile, and fails to start after.
+    #[arg(long, env = "TURBINE_WORKER_UPSTREAM_WAIT_SECS", default_value_t = 600)]
+    #[serde(default)]
+    pub upstream_wait_secs: u64,
     /// Mocker: divide every simulated duration by this factor.
     #[arg(long, env = "TURBINE_WORKER_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
@@ -330,6 +375,22 @@ impl EngineConfig {
         }
         if self.kv_store.is_some() && self.host_cache_mib == 0 {
             return Err(InvalidSetting::new("kv_store", "needs a host tier above it (blocks reach the store through it): set host_cache_mib too"));
+        }
+        match (self.engine, &self.upstream) {
+            (EngineKind::External, None) => return Err(InvalidSetting::new("upstream", "an external engine needs the URL of its server")),
+            (EngineKind::External, Some(_)) if self.host_cache_mib > 0 || self.kv_store.is_some() => {
+                return Err(InvalidSetting::new(
+                    "host_cache_mib and kv_store",
+                    "Turbine's KV tiers hold the native engine's blocks; an external engine keeps its own (docs/engines.md)",
+                ));
+            }
+            (EngineKind::External, Some(url)) if !(url.starts_with("http://") || url.starts_with("https://")) => {
+                return Err(InvalidSetting::new("upstream", format!("{url:?} is not an http:// or https:// URL")));
+            }
+            (EngineKind::Native | EngineKind::Mock, Some(_)) => {
+                return Err(InvalidSetting::new("upstream", "is the external engine's server: set engine = external too"));
+            }
+            _ => {}
         }
         if self.kv_store_min_blocks == 0 || self.kv_store_timeout_ms == 0 {
             return Err(InvalidSetting::new("kv_store_min_blocks and kv_store_timeout_ms", "must be positive"));
@@ -526,5 +587,18 @@ mod tests {
         assert!(parse(&["--kv-pinned-share", "1.5"]).unwrap_err().contains("kv_pinned_share"));
         assert!(parse(&["--kv-pinned-share", "0.2"]).unwrap_err().contains("kv_pinned_share_per_requester"), "the default 0.25 per requester is above it");
         assert!(parse(&["--kv-pinned-share", "0.2", "--kv-pinned-share-per-requester", "0.1"]).is_ok());
+    }
+
+    #[test]
+    fn an_external_engine_needs_its_url_and_refuses_what_it_cannot_do() {
+        let external = ["--engine", "external", "--upstream", "http://127.0.0.1:8000"];
+        let config = parse(&external).unwrap();
+        assert_eq!((config.engine.upstream.as_deref(), config.engine.upstream_kind), (Some("http://127.0.0.1:8000"), UpstreamKind::Vllm));
+        assert!(parse(&["--engine", "external"]).unwrap_err().contains("upstream"));
+        assert!(parse(&["--upstream", "http://127.0.0.1:8000"]).unwrap_err().contains("engine = external"));
+        assert!(parse(&["--engine", "external", "--upstream", "127.0.0.1:8000"]).unwrap_err().contains("URL"));
+        assert!(parse(&[&external[..], &["--role", "prefill"]].concat()).unwrap_err().contains("transfer plane"));
+        assert!(parse(&[&external[..], &["--host-cache-mib", "64"]].concat()).unwrap_err().contains("keeps its own"));
+        assert!(parse(&[&external[..], &["--upstream-kind", "tgi"]].concat()).is_err(), "a kind the adapter does not speak is refused");
     }
 }

@@ -10,6 +10,8 @@
 //!   or onto the event log in Redis.
 //! - [`store_tier`]: the kv-store as the engine's shared tier (over gRPC,
 //!   or UCX where this build and the store have it).
+//! - [`external`]: a worker in front of an external engine server (vLLM),
+//!   token ids in and out, its load and health from the engine's own.
 //! - [`serve()`](serve::serve): the service on the host: model load,
 //!   registry lease, health, graceful drain.
 //! - [`WorkerConfig`]: configuration, flags and the sections `turbine run`
@@ -19,6 +21,7 @@
 
 pub mod config;
 pub mod disagg;
+pub mod external;
 pub mod kv_events;
 pub mod local;
 pub mod metrics;
@@ -27,7 +30,7 @@ pub mod service;
 pub mod store_tier;
 pub mod worker;
 
-pub use config::{EngineConfig, EngineKind, KvFetch, KvStoreOffload, KvTransport, TransferConfig, WorkerConfig, WorkerRole};
+pub use config::{EngineConfig, EngineKind, KvFetch, KvStoreOffload, KvTransport, TransferConfig, UpstreamKind, WorkerConfig, WorkerRole};
 pub use serve::{KvEventSink, WorkerDeps, main, serve};
 pub use turbine_kv::UcxNetwork;
 pub use worker::Worker;

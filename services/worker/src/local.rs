@@ -2,9 +2,8 @@
 //! what the gRPC service serves, so both take the same path (validation,
 //! metrics, disaggregation).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures::StreamExt;
 use tokio::sync::mpsc::UnboundedReceiver;
 use turbine_api::worker::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
 use turbine_engine::{EngineError, EngineOutput, GenerateRequest, Handoff, Load};
@@ -23,17 +22,7 @@ impl WorkerApi for Worker {
             None => self.engine().generate(request),
         };
         let outputs = submitted.inspect_err(|error| metrics::request_refused(self.id(), error)).map_err(worker_error)?;
-        let (started, worker_id) = (Instant::now(), self.id().clone());
-        let mut first = true;
-        let chunks = engine_chunks(outputs).inspect(move |chunk| {
-            if std::mem::take(&mut first) {
-                metrics::first_token(&worker_id, started.elapsed());
-            }
-            if let Ok(TokenChunk { finished: Some(_), .. }) = chunk {
-                metrics::request_finished(&worker_id, started.elapsed());
-            }
-        });
-        Ok(Box::pin(chunks))
+        Ok(metrics::observe_stream(self.id().clone(), engine_chunks(outputs)))
     }
 
     async fn prefill(&self, request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {

@@ -37,6 +37,32 @@ pub(crate) fn request_finished(worker: &str, elapsed: Duration) {
     REQUEST_DURATION.with_label_values(&[worker]).observe(elapsed.as_secs_f64());
 }
 
+/// Counts a stream's first token and its end, as they pass.
+pub(crate) fn observe_stream(worker_id: turbine_kv::WorkerId, chunks: turbine_api::worker::TokenStream) -> turbine_api::worker::TokenStream {
+    use futures::StreamExt;
+    let (started, mut first) = (std::time::Instant::now(), true);
+    Box::pin(chunks.inspect(move |chunk| {
+        if std::mem::take(&mut first) {
+            first_token(&worker_id, started.elapsed());
+        }
+        if let Ok(turbine_api::worker::TokenChunk { finished: Some(_), .. }) = chunk {
+            request_finished(&worker_id, started.elapsed());
+        }
+    }))
+}
+
+static UPSTREAM_HEALTHY: LazyLock<prometheus::IntGaugeVec> = LazyLock::new(|| {
+    turbine_runtime::metrics::gauge(
+        "turbine_worker_upstream_healthy",
+        "1 while the external engine a worker fronts answers its health checks, else 0",
+        &["worker"],
+    )
+});
+
+pub(crate) fn upstream_healthy(worker: &str, healthy: bool) {
+    UPSTREAM_HEALTHY.with_label_values(&[worker]).set(i64::from(healthy));
+}
+
 /// Exposes one engine's statistics, read when scraped.
 pub struct EngineCollector {
     engine: EngineHandle,

@@ -17,10 +17,10 @@ use turbine_registry::{Lease, ReadCost, ReadCosts, RedisRegistry, Registry, Work
 use turbine_runtime::CancellationToken;
 use turbine_runtime::host::{Host, HostSpec, Listeners, Role, RpcRoles};
 
-use crate::config::WorkerConfig;
+use crate::config::{EngineKind, WorkerConfig};
 use crate::kv_events::{feed_index, publish_events};
 use crate::metrics::register_engine;
-use crate::service::{KvTransferService, Loaded, WorkerService};
+use crate::service::{KvTransferService, Loaded, Served, WorkerService};
 use crate::worker::Worker;
 
 /// Where a worker's KV events go.
@@ -99,9 +99,18 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
     let bound = listeners.grpc.local_addr()?;
     let endpoint = advertised_endpoint(config.advertise.as_deref(), bound);
     let (host_tls, endpoint_ip) = (config.server.tls.tls_cert.is_some(), bound.ip());
-    let (loaded, pool) = (Loaded::default(), Loaded::default());
+    let (loaded, pool) = (Loaded::<Arc<dyn Served>>::default(), Loaded::default());
     let mut host = Host::new(SPEC, &config.server, listeners).await?;
     host.add_service(WorkerServer::new(WorkerService::new(loaded.clone())));
+    if config.engine.engine == EngineKind::External {
+        // The engine's blocks are not on Turbine's transfer plane.
+        host.add_service(KvTransferServer::new(KvTransferService::refusing(
+            "this worker fronts an external engine: its KV blocks are the engine's own, not on Turbine's transfer plane",
+        )));
+        let serving = host.start(shutdown.clone())?;
+        tracing::info!(%endpoint, upstream = ?config.engine.upstream, "waiting for the engine");
+        return crate::external::serve::serve(config, deps, serving, loaded, endpoint, shutdown).await;
+    }
     host.add_service(KvTransferServer::new(KvTransferService::new(pool.clone())));
     let mut serving = host.start(shutdown.clone())?;
     tracing::info!(%endpoint, "loading the model");
@@ -126,7 +135,7 @@ pub async fn serve(config: WorkerConfig, deps: WorkerDeps, listeners: Listeners,
     };
     worker.disagg().set_endpoint(endpoint.clone());
     pool.set(worker.disagg().clone());
-    loaded.set(worker.clone());
+    loaded.set(worker.clone() as Arc<dyn Served>);
     let _metrics = register_engine(worker.id(), worker.engine().clone());
     if let Some(local) = &deps.local {
         local.add_local(worker.id().clone(), WorkerClient::new(worker.clone()));

@@ -7,12 +7,49 @@ use std::sync::{Arc, OnceLock};
 
 use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
-use turbine_api::worker::{GenerateCall, HandleKey, HandleToken, PrefillCall, WorkerApi};
+use turbine_api::GenerateRequest;
+use turbine_api::worker::{GenerateCall, HandleKey, HandleToken, PrefillCall, Prefilled, WorkerApi, WorkerError};
 use turbine_proto::worker::v1 as pb;
 use turbine_runtime::trust::Peer;
+use turbine_tokens::ModelCard;
 
 use crate::disagg::Disagg;
+use crate::external::ExternalWorker;
 use crate::worker::Worker;
+
+/// What the gRPC shell serves: a worker with its own engine, or one in
+/// front of an external engine.
+#[tonic::async_trait]
+pub trait Served: WorkerApi + std::fmt::Debug {
+    /// The served model's card.
+    fn card(&self) -> &ModelCard;
+
+    /// [`WorkerApi::prefill`] for `requester` (the caller's certificate),
+    /// whose handles may pin only its share of the pool.
+    async fn prefill_for(&self, requester: &str, request: GenerateRequest, lease: Option<std::time::Duration>) -> Result<Prefilled, WorkerError>;
+}
+
+#[tonic::async_trait]
+impl Served for Worker {
+    fn card(&self) -> &ModelCard {
+        Worker::card(self)
+    }
+
+    async fn prefill_for(&self, requester: &str, request: GenerateRequest, lease: Option<std::time::Duration>) -> Result<Prefilled, WorkerError> {
+        Worker::prefill_for(self, requester, request, lease).await
+    }
+}
+
+#[tonic::async_trait]
+impl Served for ExternalWorker {
+    fn card(&self) -> &ModelCard {
+        ExternalWorker::card(self)
+    }
+
+    async fn prefill_for(&self, _requester: &str, request: GenerateRequest, lease: Option<std::time::Duration>) -> Result<Prefilled, WorkerError> {
+        WorkerApi::prefill(self, request, lease).await
+    }
+}
 
 /// What a service serves, once the model has loaded: until then every
 /// call is UNAVAILABLE.
@@ -52,14 +89,14 @@ impl<T> Loaded<T> {
 /// `turbine.worker.v1.Worker`.
 #[derive(Debug, Clone, Default)]
 pub struct WorkerService {
-    loaded: Loaded<Arc<Worker>>,
+    loaded: Loaded<Arc<dyn Served>>,
     /// The model card as sent (a vocabulary of MiBs: converted once).
     card: Arc<OnceLock<pb::ModelCard>>,
 }
 
 impl WorkerService {
     /// Serves the worker `loaded` will hold.
-    pub fn new(loaded: Loaded<Arc<Worker>>) -> Self {
+    pub fn new(loaded: Loaded<Arc<dyn Served>>) -> Self {
         Self { loaded, card: Arc::default() }
     }
 }
@@ -80,7 +117,7 @@ impl pb::worker_server::Worker for WorkerService {
     }
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
-        let load = self.loaded.get()?.load();
+        let load = self.loaded.get()?.load().await?;
         Ok(Response::new(pb::LoadResponse { load: Some(pb::WorkerLoad::from(load)) }))
     }
 
@@ -111,12 +148,27 @@ impl pb::worker_server::Worker for WorkerService {
 #[derive(Debug, Clone, Default)]
 pub struct KvTransferService {
     loaded: Loaded<Arc<Disagg>>,
+    /// Why this worker has no blocks to hand over, if it has none.
+    refused: Option<&'static str>,
 }
 
 impl KvTransferService {
     /// Serves the blocks of the pool `loaded` will hold.
     pub fn new(loaded: Loaded<Arc<Disagg>>) -> Self {
-        Self { loaded }
+        Self { loaded, refused: None }
+    }
+
+    /// Answers every call FAILED_PRECONDITION, saying `why` (a worker
+    /// whose engine's blocks are not on Turbine's transfer plane).
+    pub fn refusing(why: &'static str) -> Self {
+        Self { loaded: Loaded::default(), refused: Some(why) }
+    }
+
+    fn pool(&self) -> Result<&Arc<Disagg>, Status> {
+        match self.refused {
+            Some(why) => Err(Status::failed_precondition(why)),
+            None => self.loaded.get(),
+        }
     }
 }
 
@@ -128,12 +180,12 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
 
     async fn describe(&self, request: Request<pb::DescribeRequest>) -> Result<Response<pb::DescribeResponse>, Status> {
         let pb::DescribeRequest { handle_id, token } = request.into_inner();
-        let described = self.loaded.get()?.describe(handle_key(handle_id, &token)?)?;
+        let described = self.pool()?.describe(handle_key(handle_id, &token)?)?;
         Ok(Response::new(pb::DescribeResponse::from(described)))
     }
 
     async fn read_blocks(&self, request: Request<pb::ReadBlocksRequest>) -> Result<Response<BlockStream>, Status> {
-        let disagg = self.loaded.get()?.clone();
+        let disagg = self.pool()?.clone();
         let pb::ReadBlocksRequest { handle_id, indices, token } = request.into_inner();
         let handle = handle_key(handle_id, &token)?;
         let indices: Vec<u32> = if indices.is_empty() { (0..disagg.block_count(handle)? as u32).collect() } else { indices };
@@ -144,7 +196,7 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
 
     async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
         let pb::ReleaseRequest { handle_id, token } = request.into_inner();
-        Ok(Response::new(pb::ReleaseResponse { released: self.loaded.get()?.release(handle_key(handle_id, &token)?) }))
+        Ok(Response::new(pb::ReleaseResponse { released: self.pool()?.release(handle_key(handle_id, &token)?) }))
     }
 }
 

@@ -84,6 +84,7 @@ impl Worker {
                 let executor = MockExecutor::new(MockTiming { speedup: engine_config.speedup }, corpus, card.tokenizer.eos_token_id);
                 (Box::new(executor), engine_config.num_blocks.unwrap_or(MOCK_NUM_BLOCKS), None)
             }
+            EngineKind::External => anyhow::bail!("an external engine runs outside the worker (crate::external serves it)"),
         };
         let scheduler = SchedulerConfig {
             block_size,

@@ -1,0 +1,139 @@
+//! A worker in front of a real external engine: vLLM's CPU build
+//! (installed by the test command, serving the default model converted
+//! from its GGUF) behind `turbine-worker --engine external`, with a real
+//! Redis, router and gateway as processes. The OpenAI SDK streams through
+//! gateway → router → adapter → engine; prompts reach the engine as
+//! Turbine's token ids; a client that goes away aborts its request in the
+//! engine; an engine killed mid-stream leaves the registry and its request
+//! continues on another worker.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{MODEL, metric, post, service, until_listed, until_registered, wait_until};
+use futures::StreamExt;
+use serde_json::json;
+use turbine_api::router::RouterClient;
+use turbine_testkit::{RedisServer, ServiceProcess, VllmInstall, VllmServer};
+
+/// A sample of vLLM's own metrics, summed over its label sets that carry
+/// every label of `labels`.
+async fn engine_metric(vllm: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = reqwest::get(format!("{vllm}/metrics")).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']))
+        .filter(|line| labels.iter().all(|(key, value)| line.contains(&format!("{key}=\"{value}\""))))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Reads SSE `data:` payloads from `stream` until `count` more arrived.
+async fn read_more<B: AsRef<[u8]>>(stream: &mut (impl futures::Stream<Item = reqwest::Result<B>> + Unpin), buffer: &mut String, count: usize) -> Vec<String> {
+    let mut events = Vec::new();
+    while events.len() < count {
+        let bytes = tokio::time::timeout(Duration::from_secs(60), stream.next()).await.expect("the stream stalled").expect("the stream ended").unwrap();
+        buffer.push_str(std::str::from_utf8(bytes.as_ref()).unwrap());
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            events.extend(event.lines().filter_map(|line| line.strip_prefix("data: ")).map(str::to_owned));
+        }
+    }
+    for event in &events {
+        assert!(!event.contains("\"error\""), "the stream failed: {event}");
+    }
+    events
+}
+
+#[tokio::test]
+async fn the_openai_sdk_streams_through_an_adapter_to_vllm_which_aborts_and_fails_over() {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    let mut vllm = tokio::task::spawn_blocking(move || VllmServer::start(&install, MODEL, &[])).await.unwrap();
+    let engine = vllm.url();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let cluster = ["--redis", url.as_str(), "--namespace", "ext"];
+    let external = ["--engine", "external", "--upstream", &engine, "--worker-id", "vllm-0", "--lease-ttl-secs", "2"];
+    let adapter = service("turbine-worker", &[&cluster[..], &external[..]].concat(), &[], false).await;
+    let router = service("turbine-router", &cluster, &[], false).await;
+    until_registered(&router, 1).await;
+    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
+
+    // The prompt reaches the engine as the gateway's token ids: vLLM
+    // counts exactly the prompt tokens the gateway reports.
+    let before = engine_metric(&engine, "vllm:prompt_tokens_total", &[]).await;
+    let (status, body) = post(
+        &base,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(engine_metric(&engine, "vllm:prompt_tokens_total", &[]).await - before, prompt_tokens, "{body}");
+    assert!(!body["choices"][0]["message"]["content"].as_str().unwrap().is_empty(), "{body}");
+
+    // The OpenAI SDK streams a chat through the adapter.
+    let sdk = r#"
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+stream = client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24, stream=True)
+text, reasons = "", []
+for chunk in stream:
+    if chunk.choices:
+        text += chunk.choices[0].delta.content or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+assert text and reasons in (["stop"], ["length"]), (text, reasons)
+print(reasons[0], repr(text))
+"#;
+    let run = tokio::process::Command::new("python3").args(["-c", sdk, &base, MODEL]).kill_on_drop(true).output();
+    let output = tokio::time::timeout(Duration::from_secs(120), run).await.expect("the SDK's stream took over 2 minutes").unwrap();
+    assert!(output.status.success(), "the OpenAI SDK's stream: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert_eq!(metric(&adapter.admin_url(), "turbine_worker_upstream_healthy").await, 1.0);
+
+    // A client that goes away mid-stream aborts its request in the engine.
+    let client = reqwest::Client::new();
+    let long = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
+    read_more(&mut stream, &mut buffer, 3).await;
+    assert_eq!(engine_metric(&engine, "vllm:num_requests_running", &[]).await, 1.0, "the engine runs the stream");
+    let finished = engine_metric(&engine, "vllm:request_success_total", &[]).await;
+    let generated = engine_metric(&engine, "vllm:generation_tokens_total", &[]).await;
+    drop(stream);
+    wait_until("the engine aborts the abandoned request", Duration::from_secs(20), async || {
+        engine_metric(&engine, "vllm:num_requests_running", &[]).await == 0.0
+    })
+    .await;
+    // Stopped, not finished: no request ended as finished, and far fewer
+    // than its 1,500 tokens were generated.
+    assert_eq!(engine_metric(&engine, "vllm:request_success_total", &[]).await, finished, "the abandoned request did not run to its end");
+    let generated = engine_metric(&engine, "vllm:generation_tokens_total", &[]).await - generated;
+    assert!(generated < 1000.0, "the engine generated {generated} more tokens for an abandoned request");
+
+    // An engine killed mid-stream: the request continues on another worker
+    // (a native one, the same model), and the adapter leaves the registry.
+    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
+    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
+    read_more(&mut stream, &mut buffer, 3).await;
+    let native_args = [&cluster[..], &["--engine", "native", "--worker-id", "native-0", "--lease-ttl-secs", "2", "--kv-cache-mib", "128"][..]].concat();
+    let native: ServiceProcess = service("turbine-worker", &native_args, &[], false).await;
+    until_registered(&router, 2).await;
+    vllm.kill();
+    let after_kill = read_more(&mut stream, &mut buffer, 20).await;
+    assert!(after_kill.iter().all(|event| event != "[DONE]"), "the stream went on after the engine died");
+    assert_eq!(metric(&base, "turbine_gateway_migrations_total").await, 1.0);
+    assert!(metric(&native.admin_url(), "turbine_worker_generated_tokens_total").await >= 1.0, "the native worker continued the request");
+    drop(stream);
+    let listed = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+    wait_until("the adapter of the dead engine leaves the registry", Duration::from_secs(20), async || {
+        listed.workers(None).await.is_ok_and(|workers| workers.iter().map(|worker| worker.worker_id.to_string()).collect::<Vec<_>>() == ["native-0"])
+    })
+    .await;
+    assert_eq!(metric(&adapter.admin_url(), "turbine_worker_upstream_healthy").await, 0.0);
+}

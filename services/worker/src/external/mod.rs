@@ -1,0 +1,347 @@
+//! A worker in front of an external engine server (`--engine external`):
+//! it speaks `turbine.worker.v1` to the rest of Turbine exactly as a
+//! worker with its own engine does, and the engine's HTTP API to the
+//! engine.
+//!
+//! - Prompts go to the engine as token ids and generated token ids come
+//!   back ([`vllm`]): the gateway's tokenizer and chat template stay the
+//!   one source of truth, so the card (`--model`) must be the model the
+//!   engine serves.
+//! - A caller that goes away drops its stream, which closes the engine's
+//!   response: the engine aborts the request.
+//! - [`ExternalWorker::watch`] polls the engine's `/health` and
+//!   `/metrics`: load reports (running, waiting, KV usage) are the
+//!   engine's own, and an engine that stops answering is reported
+//!   unhealthy: the worker leaves the registry and fails its streams
+//!   UNAVAILABLE, so the gateway migrates them to another worker.
+//! - What the adapter cannot do is refused when it starts
+//!   ([`WorkerConfig`] validation): disaggregation and Turbine's KV
+//!   tiers need blocks on Turbine's transfer plane.
+
+pub mod prom;
+pub mod serve;
+pub mod vllm;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use tokio::sync::watch;
+use turbine_api::worker::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
+use turbine_api::{GenerateRequest, Load};
+use turbine_kv::{WorkerDump, WorkerId};
+use turbine_runtime::CancellationToken;
+use turbine_tokens::ModelCard;
+use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+
+use crate::config::WorkerConfig;
+use crate::metrics;
+
+/// How long one probe of the engine (`/health`, `/metrics`) may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Probes between the engine's health checks.
+const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// Failed probes in a row before the engine counts as unhealthy (one
+/// slow answer under load is not a dead engine).
+const FAILED_PROBES: u32 = 2;
+/// How long the engine may take to answer a request's headers.
+const HEADERS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What the worker last saw of its engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineState {
+    /// The engine answered its last probes.
+    pub healthy: bool,
+    /// Its occupancy, from its own metrics.
+    pub load: Load,
+}
+
+/// A worker fronting an engine server.
+#[derive(Debug)]
+pub struct ExternalWorker {
+    id: WorkerId,
+    card: ModelCard,
+    instance: u64,
+    /// The engine's base URL, without a trailing slash.
+    base: String,
+    /// The model's name at the engine.
+    model: String,
+    http: reqwest::Client,
+    /// The ids the engine is told to stop on (the card's end-of-generation
+    /// ids).
+    stop_ids: Vec<u32>,
+    state: watch::Sender<EngineState>,
+}
+
+impl ExternalWorker {
+    /// Loads the card, waits for the engine to answer (up to
+    /// `--upstream-wait-secs`, or until `shutdown`) and learns what it
+    /// serves: the model, its context window and its KV block size.
+    pub async fn connect(config: &WorkerConfig, shutdown: &CancellationToken) -> anyhow::Result<Arc<Self>> {
+        let engine = &config.engine;
+        let base = engine.upstream.clone().context("an external engine needs --upstream")?.trim_end_matches('/').to_owned();
+        let id = WorkerId::from(config.worker_id.clone().unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])));
+        let card = tokio::task::spawn_blocking({
+            let engine = engine.clone();
+            move || -> anyhow::Result<ModelCard> {
+                let cache_dir = engine.cache_dir.clone().unwrap_or_else(default_cache_dir);
+                let model = resolve_model(&engine.model, engine.served_model_name.as_deref(), &cache_dir, Progress::Quiet)?;
+                Ok(ModelCard::from_gguf_path(&model.name, &model.path, engine.block_size() as u32)?)
+            }
+        })
+        .await
+        .context("loading the model card panicked")??;
+        let http = reqwest::Client::builder().connect_timeout(PROBE_TIMEOUT).build().context("cannot build the engine's HTTP client")?;
+
+        let deadline = Instant::now() + Duration::from_secs(engine.upstream_wait_secs);
+        let mut waited = false;
+        let (models, stats) = loop {
+            let probe = async { Ok::<_, WorkerError>((get_json::<vllm::Models>(&http, &format!("{base}/v1/models")).await?, probe(&http, &base).await?)) };
+            match probe.await {
+                Ok(answer) => break answer,
+                Err(error) if Instant::now() >= deadline => {
+                    anyhow::bail!("the engine at {base} did not answer within {} s: {error}", engine.upstream_wait_secs)
+                }
+                Err(error) => {
+                    if !std::mem::replace(&mut waited, true) {
+                        tracing::info!(upstream = %base, %error, "waiting for the engine to answer");
+                    }
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => anyhow::bail!("stopped while waiting for the engine at {base}"),
+                () = tokio::time::sleep(PROBE_INTERVAL) => {}
+            }
+        };
+        let served = match &engine.upstream_model {
+            Some(name) => models.data.iter().find(|model| &model.id == name).with_context(|| {
+                format!("the engine at {base} does not serve {name:?}; it serves {:?}", models.data.iter().map(|model| &model.id).collect::<Vec<_>>())
+            })?,
+            None => match models.data.as_slice() {
+                [model] => model,
+                listed => {
+                    anyhow::bail!("the engine at {base} serves {:?}: name one with --upstream-model", listed.iter().map(|model| &model.id).collect::<Vec<_>>())
+                }
+            },
+        };
+        let mut card = card;
+        let block_size = stats.block_size.context("the engine's /metrics does not say its KV block size (vllm:cache_config_info)")?;
+        if let Some(configured) = engine.block_size
+            && configured as u32 != block_size
+        {
+            anyhow::bail!("--block-size {configured} is not the engine's: it caches blocks of {block_size} tokens");
+        }
+        card.kv_block_size = block_size;
+        if let Some(engine_context) = served.max_model_len {
+            card.context_length = card.context_length.min(engine_context);
+        }
+        if let Some(context_length) = engine.context_length {
+            card.context_length = card.context_length.min(context_length);
+        }
+        let stop_ids = card.tokenizer.eog_token_ids.clone();
+        tracing::info!(
+            worker = %id, upstream = %base, upstream_model = %served.id, model = %card.name,
+            context_length = card.context_length, block_size, blocks = stats.load.blocks_total, "fronting the engine"
+        );
+        let (state, _) = watch::channel(EngineState { healthy: true, load: stats.load });
+        let instance = uuid::Uuid::new_v4().as_u64_pair().0;
+        Ok(Arc::new(Self { id, card, instance, base, model: served.id.clone(), http, stop_ids, state }))
+    }
+
+    /// The worker id.
+    pub fn id(&self) -> &WorkerId {
+        &self.id
+    }
+
+    /// The served model's card.
+    pub fn card(&self) -> &ModelCard {
+        &self.card
+    }
+
+    /// This start's random incarnation number.
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+
+    /// The engine as last probed, as it changes.
+    pub fn state(&self) -> watch::Receiver<EngineState> {
+        self.state.subscribe()
+    }
+
+    /// Probes the engine every second until `shutdown`: its load, and
+    /// whether it answers.
+    pub async fn watch(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut failures = 0;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(PROBE_INTERVAL) => {}
+            }
+            match probe(&self.http, &self.base).await {
+                Ok(stats) => {
+                    failures = 0;
+                    let was = self.state.send_replace(EngineState { healthy: true, load: stats.load });
+                    if !was.healthy {
+                        tracing::info!(worker = %self.id, upstream = %self.base, "the engine answers again");
+                    }
+                }
+                Err(error) => {
+                    failures += 1;
+                    if failures == FAILED_PROBES {
+                        tracing::warn!(worker = %self.id, upstream = %self.base, %error, "the engine stopped answering: unhealthy");
+                        self.state.send_modify(|state| state.healthy = false);
+                    }
+                }
+            }
+            metrics::upstream_healthy(&self.id, self.state.borrow().healthy);
+        }
+    }
+
+    fn refuse_if_unhealthy(&self) -> Result<(), WorkerError> {
+        match self.state.borrow().healthy {
+            true => Ok(()),
+            false => Err(WorkerError::Unavailable(format!("the engine at {} does not answer", self.base))),
+        }
+    }
+
+    /// Refuses token ids outside the model's vocabulary.
+    fn check_vocabulary(&self, tokens: &[u32]) -> Result<(), WorkerError> {
+        let vocab = self.card.tokenizer.tokens.len();
+        match tokens.iter().find(|&&token| token as usize >= vocab) {
+            Some(bad) => Err(WorkerError::InvalidArgument(format!("prompt token id {bad} is outside the vocabulary of {vocab} tokens"))),
+            None => Ok(()),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerApi for ExternalWorker {
+    async fn generate(&self, request: GenerateRequest, remote: Option<RemotePrefill>) -> Result<TokenStream, WorkerError> {
+        if remote.is_some() {
+            return Err(WorkerError::InvalidArgument("an external engine's worker decodes no remote prefill (it serves whole requests)".into()));
+        }
+        self.check_vocabulary(&request.prompt)?;
+        self.refuse_if_unhealthy()?;
+        let body = vllm::completion_body(&self.model, &request, &self.stop_ids);
+        let completion = vllm::Completion::new(request.prompt.len(), &body);
+        let url = format!("{}/v1/completions", self.base);
+        let sent = tokio::time::timeout(HEADERS_TIMEOUT, self.http.post(&url).json(&body).send()).await;
+        let response = match sent {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => return Err(WorkerError::Unavailable(format!("the engine at {} cannot be reached: {error}", self.base))),
+            Err(_) => return Err(WorkerError::Unavailable(format!("the engine at {} did not answer within {HEADERS_TIMEOUT:?}", self.base))),
+        };
+        let status = response.status();
+        if !status.is_success() {
+            let text = tokio::time::timeout(PROBE_TIMEOUT, response.text()).await.ok().and_then(Result::ok).unwrap_or_default();
+            return Err(vllm::refusal(status.as_u16(), &text));
+        }
+        let follow = Follow { bytes: Box::pin(response.bytes_stream()), events: vllm::EventStream::default(), completion, state: self.state(), over: false };
+        Ok(metrics::observe_stream(self.id.clone(), follow.into_stream()))
+    }
+
+    async fn prefill(&self, _request: GenerateRequest, _lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
+        Err(WorkerError::InvalidArgument("an external engine's worker hands over no prefills (it serves whole requests)".into()))
+    }
+
+    async fn model_card(&self) -> Result<ModelCard, WorkerError> {
+        Ok(self.card.clone())
+    }
+
+    async fn load(&self) -> Result<Load, WorkerError> {
+        Ok(self.state.borrow().load)
+    }
+
+    async fn dump_kv_cache(&self) -> Result<WorkerDump, WorkerError> {
+        // The engine publishes no blocks (yet): routers see none cached.
+        Ok(WorkerDump { worker_id: self.id.clone(), instance: self.instance, dump: turbine_kv::Dump::default() })
+    }
+}
+
+type Bytes = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+
+/// One request's response from the engine, followed into token chunks.
+/// Dropping it closes the response: the engine aborts the request.
+struct Follow {
+    bytes: Bytes,
+    events: vllm::EventStream,
+    completion: vllm::Completion,
+    state: watch::Receiver<EngineState>,
+    /// The finishing chunk or an error went out.
+    over: bool,
+}
+
+impl Follow {
+    fn into_stream(self) -> TokenStream {
+        Box::pin(futures::stream::unfold(self, |mut follow| async move {
+            if follow.over {
+                return None;
+            }
+            let next = follow.next().await;
+            follow.over = !matches!(next, Ok(TokenChunk { finished: None, .. }));
+            Some((next, follow))
+        }))
+    }
+
+    async fn next(&mut self) -> Result<TokenChunk, WorkerError> {
+        let mut chunk = TokenChunk::default();
+        loop {
+            let read = tokio::select! {
+                read = self.bytes.next() => read,
+                () = unhealthy(&mut self.state) => {
+                    return Err(WorkerError::Unavailable("the engine stopped answering its health checks".into()));
+                }
+            };
+            let bytes = match read {
+                Some(Ok(bytes)) => bytes,
+                Some(Err(error)) => return Err(WorkerError::Unavailable(format!("the engine's stream broke: {error}"))),
+                None => return Err(WorkerError::Unavailable("the engine's stream ended before the request finished".into())),
+            };
+            for data in self.events.push(&bytes)? {
+                if let Some(more) = self.completion.event(&data)? {
+                    chunk.tokens.extend(more.tokens);
+                    chunk.logprobs.extend(more.logprobs);
+                    chunk.finished = more.finished;
+                }
+            }
+            if chunk.finished.is_some() || !chunk.tokens.is_empty() {
+                return Ok(chunk);
+            }
+        }
+    }
+}
+
+/// Returns once the engine is unhealthy (or the worker is gone).
+pub(crate) async fn unhealthy(state: &mut watch::Receiver<EngineState>) {
+    let _ = state.wait_for(|state| !state.healthy).await;
+}
+
+/// The engine's health and stats: `/health` answers 200 and `/metrics`
+/// reads.
+async fn probe(http: &reqwest::Client, base: &str) -> Result<vllm::EngineStats, WorkerError> {
+    let health = tokio::time::timeout(PROBE_TIMEOUT, http.get(format!("{base}/health")).send()).await;
+    match health {
+        Ok(Ok(response)) if response.status().is_success() => {}
+        Ok(Ok(response)) => return Err(WorkerError::Unavailable(format!("/health answered {}", response.status()))),
+        Ok(Err(error)) => return Err(WorkerError::Unavailable(format!("/health: {error}"))),
+        Err(_) => return Err(WorkerError::Unavailable(format!("/health did not answer within {PROBE_TIMEOUT:?}"))),
+    }
+    vllm::engine_stats(&get_text(http, &format!("{base}/metrics")).await?)
+}
+
+async fn get_text(http: &reqwest::Client, url: &str) -> Result<String, WorkerError> {
+    let read = async {
+        let response = http.get(url).send().await.map_err(|error| WorkerError::Unavailable(format!("{url}: {error}")))?;
+        if !response.status().is_success() {
+            return Err(WorkerError::Unavailable(format!("{url} answered {}", response.status())));
+        }
+        response.text().await.map_err(|error| WorkerError::Unavailable(format!("{url}: {error}")))
+    };
+    tokio::time::timeout(PROBE_TIMEOUT, read).await.unwrap_or_else(|_| Err(WorkerError::Unavailable(format!("{url} did not answer within {PROBE_TIMEOUT:?}"))))
+}
+
+async fn get_json<T: serde::de::DeserializeOwned>(http: &reqwest::Client, url: &str) -> Result<T, WorkerError> {
+    let text = get_text(http, url).await?;
+    serde_json::from_str(&text).map_err(|error| WorkerError::Internal(format!("{url}: {error}")))
+}
