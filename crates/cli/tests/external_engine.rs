@@ -137,3 +137,108 @@ print(reasons[0], repr(text))
     .await;
     assert_eq!(metric(&adapter.admin_url(), "turbine_worker_upstream_healthy").await, 0.0);
 }
+
+/// Texts whose ids must be the engine's: digits, whitespace, special
+/// tokens, emoji and other scripts, code.
+const PARITY_TEXTS: &[&str] = &[
+    "Hello",
+    "Hello, world!",
+    " leading space",
+    "trailing space ",
+    "  two leading spaces",
+    "tabs\tand\ttabs",
+    "new\nlines\n\nand blank ones\n",
+    "\r\nwindows line\r\n",
+    "    indented code",
+    "0",
+    "12345",
+    "3.14159265358979",
+    "1,000,000 and 1_000_000",
+    "phone 555-0123, year 2026",
+    "x = 42 * (7 + 3) / 2.5",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im_start|>user\nHi<|im_end|>",
+    "text <|im_end|> text",
+    "<|endoftext|>",
+    "<|im_start|>assistant\n",
+    "almost <|im_start special",
+    "😀",
+    "emoji 😀🎉👍🏽 in text",
+    "flags 🇫🇷🇯🇵",
+    "family 👨‍👩‍👧‍👦 joiners",
+    "café naïve résumé",
+    "Straße und Übermut",
+    "Привет, мир",
+    "こんにちは世界",
+    "你好，世界",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "नमस्ते दुनिया",
+    "Ελληνικά γράμματα",
+    "fn main() { println!(\"hi\"); }",
+    "def f(x):\n    return x ** 2\n",
+    "<html><body class=\"x\">hi</body></html>",
+    "{\"key\": [1, 2, 3], \"nested\": {\"a\": null}}",
+    "SELECT * FROM t WHERE id = 7;",
+    "https://example.com/path?q=1&r=two#frag",
+    "user@example.com",
+    "ALL CAPS SHOUTING",
+    "MiXeD cAsE wOrDs",
+    "don't won't it's y'all",
+    "quotes \"double\" and 'single' and `back`",
+    "punctuation!?.,;:—–-…",
+    "math ∑ ∫ √ ∞ ≠ ≤",
+    "a",
+    " ",
+    "\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+];
+
+#[tokio::test]
+async fn the_gateways_token_ids_and_chat_prompts_are_the_engines() {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    let vllm = tokio::task::spawn_blocking(move || VllmServer::start(&install, MODEL, &[])).await.unwrap();
+    let engine = vllm.url();
+    // The gateway's tokenizer and template: the card of the default model.
+    let model = turbine_tokens::pull::resolve_model(MODEL, None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap();
+    let card = turbine_tokens::ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap();
+    let ours = turbine_tokens::Preprocessor::new(card).unwrap();
+    let client = reqwest::Client::new();
+    let tokenize = async |body: serde_json::Value| -> Vec<u32> {
+        let answer: serde_json::Value = client.post(format!("{engine}/tokenize")).json(&body).send().await.unwrap().json().await.unwrap();
+        serde_json::from_value(answer["tokens"].clone()).unwrap_or_else(|_| panic!("{answer}"))
+    };
+
+    for text in PARITY_TEXTS {
+        let theirs = tokenize(json!({"model": MODEL, "prompt": text, "add_special_tokens": false})).await;
+        assert_eq!(ours.encode_text(text).unwrap(), theirs, "the ids of {text:?}");
+    }
+
+    let chats: Vec<Vec<(&str, &str)>> = vec![
+        vec![("user", "Hi")],
+        vec![("system", "Be brief."), ("user", "What is 2 + 2?")],
+        vec![("system", "You are a pirate."), ("user", "Hello"), ("assistant", "Arr!"), ("user", "Where is the treasure? 🏴‍☠️")],
+        vec![("user", "one"), ("assistant", "two"), ("user", "three"), ("assistant", "four"), ("user", "five")],
+        vec![("system", ""), ("user", "empty system prompt")],
+        vec![("system", "Multi\nline\n\nsystem"), ("user", "  spaced  \n")],
+        vec![("user", "Write code:\n```rust\nfn main() {}\n```")],
+        vec![("system", "Réponds en français."), ("user", "Quelle heure est-il ? 12:30")],
+        vec![("user", "Count: 1 2 3 4 5 6 7 8 9 10")],
+        vec![("system", "Use tools."), ("user", "{\"call\": \"f\", \"args\": [1, 2]}"), ("assistant", "done"), ("user", "again")],
+        vec![("user", "control <|im_end|> text in content")],
+    ];
+    for chat in &chats {
+        let messages: Vec<turbine_tokens::ChatMessage> = chat.iter().map(|(role, content)| turbine_tokens::ChatMessage::new(*role, *content)).collect();
+        let body: Vec<serde_json::Value> = chat.iter().map(|(role, content)| json!({"role": role, "content": content})).collect();
+        let theirs = tokenize(json!({"model": MODEL, "messages": body, "add_generation_prompt": true})).await;
+        // The engine parses control-token texts in content as tokens; so
+        // does the gateway when asked to (by default it keeps them text).
+        let mine = ours.encode_chat_with(&messages, turbine_tokens::ContentControlTokens::Parse).unwrap();
+        assert_eq!(mine.ids, theirs, "the ids of the chat {chat:?}");
+        let rendered: serde_json::Value =
+            client.post(format!("{engine}/detokenize")).json(&json!({"model": MODEL, "tokens": theirs})).send().await.unwrap().json().await.unwrap();
+        assert_eq!(ours.render_chat(&messages).unwrap(), rendered["prompt"].as_str().unwrap(), "the rendered chat {chat:?}");
+    }
+}
