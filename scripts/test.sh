@@ -86,6 +86,18 @@ cargo fmt --all --check
 log "contracts (buf lint and breaking, proto/buf.yaml)"
 scripts/check-proto.sh
 
+# vLLM's install (the external engine the adapter tests run behind workers,
+# docs/engines.md) is mostly downloading and unpacking: it runs beside the
+# build, niced, into a virtual environment of its own under target/engines
+# (about 1.5 minutes and 6 GB the first time).
+log "external engine: installing vLLM's CPU build (in the background, beside the build)"
+mkdir -p target
+set -m
+nice -n 19 scripts/install-vllm.sh >target/install-vllm.log 2>&1 &
+vllm_install=$!
+set +m
+trap 'kill -- "-$vllm_install" 2>/dev/null || true' EXIT
+
 log "building and linting (clippy -D warnings; the tests, the benches, and the binaries the tests run)"
 cargo nextest run --workspace --locked "${features[@]}" --no-run
 cargo test --workspace --locked "${features[@]}" --benches --no-run
@@ -93,12 +105,14 @@ cargo test --workspace --locked "${features[@]}" --benches --no-run
 log "default model"
 model="$(./target/debug/turbine model pull smollm2-135m | sed -n 's/.* ready at //p')"
 
-# The external engine the adapter tests run behind workers (docs/engines.md):
-# vLLM's CPU build in a virtual environment of its own under target/engines
-# (about 1.5 minutes and 6 GB the first time), and the default model
-# converted from its GGUF for it (vLLM does not load GGUF).
-log "external engine (vLLM's CPU build; the default model in Hugging Face format)"
-scripts/install-vllm.sh
+# The default model converted from its GGUF for vLLM (which does not load
+# GGUF), once vLLM's environment is installed.
+log "external engine: waiting for vLLM's install; the default model in Hugging Face format"
+if ! wait "$vllm_install"; then
+  cat target/install-vllm.log
+  echo "vLLM's CPU build did not install (target/install-vllm.log)" >&2
+  exit 1
+fi
 target/engines/vllm/bin/python scripts/gguf-to-hf.py "$model" target/engines/smollm2-135m-hf
 
 # The CUDA check (nvcc compiling candle's kernels, about 8 minutes of one
@@ -115,7 +129,7 @@ if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
   CARGO_TARGET_DIR=target/cuda-check nice -n 19 scripts/check-cuda.sh >target/check-cuda.log 2>&1 &
   cuda_check=$!
   set +m
-  trap 'kill -- "-$cuda_check" 2>/dev/null || true' EXIT
+  trap 'kill -- "-$cuda_check" 2>/dev/null || true; kill -- "-$vllm_install" 2>/dev/null || true' EXIT
 fi
 
 log "Rust tests (cargo-nextest, profile ci)"

@@ -242,3 +242,94 @@ async fn the_gateways_token_ids_and_chat_prompts_are_the_engines() {
         assert_eq!(ours.render_chat(&messages).unwrap(), rendered["prompt"].as_str().unwrap(), "the rendered chat {chat:?}");
     }
 }
+
+/// Runs `request` on `worker` to its end; the engine's count of prompt
+/// tokens served from its prefix cache.
+async fn cached_tokens(worker: &turbine_api::worker::WorkerClient, request: turbine_api::GenerateRequest) -> u32 {
+    let mut stream = worker.generate(request).await.unwrap();
+    loop {
+        let chunk =
+            tokio::time::timeout(Duration::from_secs(60), stream.next()).await.expect("the engine answers").expect("the stream ends with its finish").unwrap();
+        if let Some((_, usage)) = chunk.finished {
+            return usage.cached_prompt_tokens;
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    // Two engines, each publishing its KV events to the port its adapter
+    // listens on (a concrete host: vLLM connects to it).
+    let ports = [turbine_testkit::free_port(), turbine_testkit::free_port()];
+    let engines = futures::future::join_all(ports.map(|port| {
+        let install = install.clone();
+        tokio::task::spawn_blocking(move || {
+            let events = format!(r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}", "topic": "kv-events"}}"#);
+            VllmServer::start(&install, MODEL, &["--kv-events-config", &events])
+        })
+    }))
+    .await;
+    let engines: Vec<VllmServer> = engines.into_iter().map(Result::unwrap).collect();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let cluster = ["--redis", url.as_str(), "--namespace", "exact"];
+    let mut adapters = Vec::new();
+    for (index, (engine, port)) in engines.iter().zip(ports).enumerate() {
+        let (id, upstream, events) = (format!("vllm-{index}"), engine.url(), format!("tcp://127.0.0.1:{port}"));
+        let args = [&cluster[..], &["--engine", "external", "--upstream", &upstream, "--upstream-kv-events", &events, "--worker-id", &id][..]].concat();
+        adapters.push(service("turbine-worker", &args, &[], false).await);
+    }
+    let router = service("turbine-router", &[&cluster[..], &["--policy", "kv"][..]].concat(), &[], false).await;
+    until_registered(&router, 2).await;
+    let router = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+
+    let model = turbine_tokens::pull::resolve_model(MODEL, None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap();
+    let ours = turbine_tokens::Preprocessor::new(turbine_tokens::ModelCard::from_gguf_path(MODEL, &model.path, 32).unwrap()).unwrap();
+    let subjects = ["astronomy", "cooking", "law", "music"];
+    let mut outcomes = Vec::new();
+    for round in 0..10 {
+        for (index, subject) in subjects.iter().enumerate() {
+            let system =
+                format!("You are an expert in {subject}. {}", "Answer carefully, cite sources, and keep every answer short and precise. ".repeat(4 + index));
+            let prompt = ours.encode_text(&format!("{system}\nQuestion {round} about {subject}: what matters most?")).unwrap();
+            let request_id = format!("r-{round}-{index}");
+            let route = turbine_api::router::RouteRequest {
+                request_id: request_id.clone(),
+                model: MODEL.into(),
+                prompt_tokens: prompt.len() as u32,
+                token_ids: prompt.clone().into(),
+                ..Default::default()
+            };
+            let routed = router.route(&route).await.unwrap();
+            let worker = turbine_api::worker::WorkerClient::connect(&routed.worker.endpoint).unwrap();
+            let request = turbine_api::GenerateRequest {
+                request_id: request_id.clone(),
+                prompt: prompt.clone(),
+                stop: turbine_api::StopConditions { max_tokens: 1, ..Default::default() },
+                ..Default::default()
+            };
+            let cached = cached_tokens(&worker, request).await;
+            router.finished(&request_id).await.unwrap();
+            outcomes.push((routed.worker.worker_id.to_string(), routed.overlap_blocks * 32, cached));
+            // The adapter mirrors the prompt's blocks before the next
+            // request routes (events arrive after the engine's step).
+            let last_block = *turbine_kv::BlockHasher::default().sequence_hashes(&prompt, 32).last().unwrap();
+            wait_until("the adapter mirrors the prompt's blocks", Duration::from_secs(20), async || {
+                worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block))
+            })
+            .await;
+        }
+    }
+    let within_a_block = outcomes.iter().filter(|(_, predicted, cached)| predicted.abs_diff(*cached) <= 32).count();
+    let hits = outcomes.iter().filter(|(_, _, cached)| *cached > 0).count();
+    eprintln!(
+        "predicted vs engine-reported cached tokens: {within_a_block}/{} within one block; {hits} requests hit the engine's cache; {outcomes:?}",
+        outcomes.len()
+    );
+    assert!(hits >= 30, "the shared prefixes were cached and hit: {outcomes:?}");
+    assert!(within_a_block * 100 >= outcomes.len() * 95, "the router's predicted overlap is the engine's cache for at least 95% of requests: {outcomes:?}");
+    let used: std::collections::HashSet<&str> = outcomes.iter().map(|(worker, _, _)| worker.as_str()).collect();
+    assert_eq!(used.len(), 2, "both engines served: {outcomes:?}");
+}

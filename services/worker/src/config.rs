@@ -239,6 +239,16 @@ pub struct EngineConfig {
     #[arg(long, env = "TURBINE_WORKER_UPSTREAM_MODEL")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_model: Option<String>,
+    /// External engine: where the worker receives the engine's KV events
+    /// (`tcp://127.0.0.1:PORT`, loopback only: whoever connects is believed).
+    /// The worker binds it; start vLLM with `--kv-events-config
+    /// '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    /// "tcp://127.0.0.1:PORT"}'` (a concrete host: vLLM connects). Routers
+    /// then route on what the engine caches, exactly. Unset: they see
+    /// nothing cached there.
+    #[arg(long, env = "TURBINE_WORKER_UPSTREAM_KV_EVENTS", value_name = "ENDPOINT")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_kv_events: Option<String>,
     /// External engine: seconds to wait at start for the engine to answer
     /// (it may still be loading its model); the worker is NOT_SERVING
     /// meanwhile, and fails to start after.
@@ -392,6 +402,12 @@ impl EngineConfig {
             }
             _ => {}
         }
+        if let Some(endpoint) = &self.upstream_kv_events {
+            if self.engine != EngineKind::External {
+                return Err(InvalidSetting::new("upstream_kv_events", "are an external engine's: set engine = external too"));
+            }
+            self.upstream_kv_events_addr().map_err(|message| InvalidSetting::new("upstream_kv_events", format!("{endpoint:?}: {message}")))?;
+        }
         if self.kv_store_min_blocks == 0 || self.kv_store_timeout_ms == 0 {
             return Err(InvalidSetting::new("kv_store_min_blocks and kv_store_timeout_ms", "must be positive"));
         }
@@ -409,6 +425,17 @@ impl EngineConfig {
             }
         }
         Ok(())
+    }
+
+    /// The loopback address `upstream_kv_events` names, if set.
+    pub fn upstream_kv_events_addr(&self) -> Result<Option<std::net::SocketAddr>, String> {
+        let Some(endpoint) = &self.upstream_kv_events else { return Ok(None) };
+        let address = endpoint.strip_prefix("tcp://").ok_or("must be tcp://IP:PORT")?;
+        let address: std::net::SocketAddr = address.parse().map_err(|_| "must be tcp://IP:PORT with an IP address".to_owned())?;
+        if !address.ip().is_loopback() {
+            return Err("must be a loopback address: the events are not authenticated, whoever connects is believed".into());
+        }
+        Ok(Some(address))
     }
 
     /// Tokens per KV block: configured, or the engine's default.
@@ -600,5 +627,10 @@ mod tests {
         assert!(parse(&[&external[..], &["--role", "prefill"]].concat()).unwrap_err().contains("transfer plane"));
         assert!(parse(&[&external[..], &["--host-cache-mib", "64"]].concat()).unwrap_err().contains("keeps its own"));
         assert!(parse(&[&external[..], &["--upstream-kind", "tgi"]].concat()).is_err(), "a kind the adapter does not speak is refused");
+        let events = parse(&[&external[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557"]].concat()).unwrap();
+        assert_eq!(events.engine.upstream_kv_events_addr(), Ok(Some("127.0.0.1:5557".parse().unwrap())));
+        assert!(parse(&[&external[..], &["--upstream-kv-events", "tcp://0.0.0.0:5557"]].concat()).unwrap_err().contains("loopback"));
+        assert!(parse(&[&external[..], &["--upstream-kv-events", "ipc:///tmp/x"]].concat()).unwrap_err().contains("tcp://"));
+        assert!(parse(&["--upstream-kv-events", "tcp://127.0.0.1:5557"]).unwrap_err().contains("engine = external"));
     }
 }

@@ -63,6 +63,29 @@ pub(crate) fn upstream_healthy(worker: &str, healthy: bool) {
     UPSTREAM_HEALTHY.with_label_values(&[worker]).set(i64::from(healthy));
 }
 
+static UPSTREAM_KV_UNMAPPED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_worker_upstream_kv_blocks_unmapped_total",
+        "Blocks an external engine reported stored that Turbine could not hash (a parent stored before the worker listened, a salt or LoRA it did not send, another block size): not credited to the worker",
+        &["worker"],
+    )
+});
+static UPSTREAM_KV_GAPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_worker_upstream_kv_event_gaps_total",
+        "Gaps in an external engine's KV event numbering (events lost): the worker's mirror of its cache was cleared",
+        &["worker"],
+    )
+});
+
+pub(crate) fn upstream_kv_blocks_unmapped(worker: &str, blocks: usize) {
+    UPSTREAM_KV_UNMAPPED.with_label_values(&[worker]).inc_by(blocks as u64);
+}
+
+pub(crate) fn upstream_kv_event_gap(worker: &str) {
+    UPSTREAM_KV_GAPS.with_label_values(&[worker]).inc();
+}
+
 /// Exposes one engine's statistics, read when scraped.
 pub struct EngineCollector {
     engine: EngineHandle,

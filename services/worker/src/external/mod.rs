@@ -14,13 +14,19 @@
 //!   engine's own, and an engine that stops answering is reported
 //!   unhealthy: the worker leaves the registry and fails its streams
 //!   UNAVAILABLE, so the gateway migrates them to another worker.
+//! - [`events`]: the engine's own KV events (vLLM's ZMQ publisher, over
+//!   [`zmtp`] and [`msgpack`]) mirrored in Turbine's block hashes, so
+//!   routers route on what it caches.
 //! - What the adapter cannot do is refused when it starts
 //!   ([`WorkerConfig`] validation): disaggregation and Turbine's KV
 //!   tiers need blocks on Turbine's transfer plane.
 
+pub mod events;
+pub mod msgpack;
 pub mod prom;
 pub mod serve;
 pub mod vllm;
+pub mod zmtp;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -72,6 +78,10 @@ pub struct ExternalWorker {
     /// ids).
     stop_ids: Vec<u32>,
     state: watch::Sender<EngineState>,
+    /// The engine's cache as its KV events say, when it publishes them.
+    mirror: Option<Arc<parking_lot::Mutex<events::KvMirror>>>,
+    /// Where the engine's KV events arrive, until [`Self::receive_events`].
+    events_listener: parking_lot::Mutex<Option<tokio::net::TcpListener>>,
 }
 
 impl ExternalWorker {
@@ -92,6 +102,13 @@ impl ExternalWorker {
         })
         .await
         .context("loading the model card panicked")??;
+        // Listening first: the engine's first events are not lost.
+        let events_listener = match engine.upstream_kv_events_addr().map_err(anyhow::Error::msg)? {
+            Some(address) => {
+                Some(tokio::net::TcpListener::bind(address).await.with_context(|| format!("cannot listen for the engine's KV events at {address}"))?)
+            }
+            None => None,
+        };
         let http = reqwest::Client::builder().connect_timeout(PROBE_TIMEOUT).build().context("cannot build the engine's HTTP client")?;
 
         let deadline = Instant::now() + Duration::from_secs(engine.upstream_wait_secs);
@@ -140,13 +157,15 @@ impl ExternalWorker {
             card.context_length = card.context_length.min(context_length);
         }
         let stop_ids = card.tokenizer.eog_token_ids.clone();
+        let mirror = events_listener.as_ref().map(|_| Arc::new(parking_lot::Mutex::new(events::KvMirror::new(&id, block_size as usize))));
         tracing::info!(
             worker = %id, upstream = %base, upstream_model = %served.id, model = %card.name,
             context_length = card.context_length, block_size, blocks = stats.load.blocks_total, "fronting the engine"
         );
         let (state, _) = watch::channel(EngineState { healthy: true, load: stats.load });
         let instance = uuid::Uuid::new_v4().as_u64_pair().0;
-        Ok(Arc::new(Self { id, card, instance, base, model: served.id.clone(), http, stop_ids, state }))
+        let events_listener = parking_lot::Mutex::new(events_listener);
+        Ok(Arc::new(Self { id, card, instance, base, model: served.id.clone(), http, stop_ids, state, mirror, events_listener }))
     }
 
     /// The worker id.
@@ -167,6 +186,29 @@ impl ExternalWorker {
     /// The engine as last probed, as it changes.
     pub fn state(&self) -> watch::Receiver<EngineState> {
         self.state.subscribe()
+    }
+
+    /// Receives the engine's KV events until `shutdown` (if it publishes
+    /// them: `--upstream-kv-events`).
+    pub async fn receive_events(self: Arc<Self>, shutdown: CancellationToken) {
+        let listener = self.events_listener.lock().take();
+        if let (Some(listener), Some(mirror)) = (listener, &self.mirror) {
+            events::receive(listener, mirror.clone(), shutdown).await;
+        }
+    }
+
+    /// The KV events mirrored from the engine (none unless it publishes
+    /// them).
+    pub fn subscribe_events(&self) -> tokio::sync::broadcast::Receiver<turbine_kv::NumberedEvent> {
+        match &self.mirror {
+            Some(mirror) => mirror.lock().subscribe(),
+            None => tokio::sync::broadcast::channel(1).1,
+        }
+    }
+
+    /// What the mirror holds, as of its next event.
+    pub fn dump(&self) -> turbine_kv::Dump {
+        self.mirror.as_ref().map(|mirror| mirror.lock().dump()).unwrap_or_default()
     }
 
     /// Probes the engine every second until `shutdown`: its load, and
@@ -254,8 +296,7 @@ impl WorkerApi for ExternalWorker {
     }
 
     async fn dump_kv_cache(&self) -> Result<WorkerDump, WorkerError> {
-        // The engine publishes no blocks (yet): routers see none cached.
-        Ok(WorkerDump { worker_id: self.id.clone(), instance: self.instance, dump: turbine_kv::Dump::default() })
+        Ok(WorkerDump { worker_id: self.id.clone(), instance: self.instance, dump: self.dump() })
     }
 }
 

@@ -13,7 +13,8 @@ use turbine_runtime::host::Serving;
 
 use super::{ExternalWorker, unhealthy};
 use crate::config::WorkerConfig;
-use crate::serve::WorkerDeps;
+use crate::kv_events::{feed_index, publish_events};
+use crate::serve::{KvEventSink, WorkerDeps};
 use crate::service::{Loaded, Served};
 
 /// Serves `worker`'s engine until `shutdown`, then drains.
@@ -34,6 +35,12 @@ pub async fn serve(
         local.add_local(worker.id().clone(), WorkerClient::new(worker.clone()));
     }
     serving.spawn(tokio::spawn(worker.clone().watch(shutdown.clone())));
+    serving.spawn(tokio::spawn(worker.clone().receive_events(shutdown.clone())));
+    match deps.events.clone() {
+        KvEventSink::None => {}
+        KvEventSink::Log(log) => serving.spawn(publish_events(worker.clone(), log, shutdown.clone())),
+        KvEventSink::Index(index) => serving.spawn(feed_index(worker.clone(), index, shutdown.clone())),
+    }
     // Listed in the registry while the engine answers.
     let ttl = Duration::from_secs_f64(config.lease_ttl_secs);
     let (listed_tx, listed) = tokio::sync::watch::channel(false);

@@ -44,7 +44,7 @@ pub fn completion_body(model: &str, request: &GenerateRequest, stop_ids: &[u32])
         return_tokens_as_token_ids: sampling.logprobs.map(|_| true),
         // A tenant's prefixes hit only its own cached blocks in the engine
         // too (vLLM salts its block hashes with it).
-        cache_salt: (!request.cache_salt.is_shared()).then(|| format!("turbine-{:016x}", request.cache_salt.get())),
+        cache_salt: super::events::salt_text(request.cache_salt),
         request_id: (!request.request_id.is_empty()).then(|| request.request_id.clone()),
     }
 }
