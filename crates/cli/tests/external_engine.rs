@@ -322,6 +322,43 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
             .await;
         }
     }
+    // A tenant's requests: its KV namespace is the engine's cache_salt, and
+    // the mirror hashes the blocks vLLM stores for it in that namespace:
+    // the shared prefix is not credited to it, its own repeat is.
+    let salt = turbine_kv::CacheSalt::of(&["tenant-a"]);
+    let system = format!("You are an expert in astronomy. {}", "Answer carefully, cite sources, and keep every answer short and precise. ".repeat(4));
+    let mut tenant = Vec::new();
+    for round in 0..2 {
+        let prompt = ours.encode_text(&format!("{system}\nQuestion {round} about astronomy: what matters most?")).unwrap();
+        let request_id = format!("tenant-{round}");
+        let route = turbine_api::router::RouteRequest {
+            request_id: request_id.clone(),
+            model: MODEL.into(),
+            prompt_tokens: prompt.len() as u32,
+            token_ids: prompt.clone().into(),
+            cache_salt: salt,
+            ..Default::default()
+        };
+        let routed = router.route(&route).await.unwrap();
+        let worker = turbine_api::worker::WorkerClient::connect(&routed.worker.endpoint).unwrap();
+        let request = turbine_api::GenerateRequest {
+            request_id: request_id.clone(),
+            prompt: prompt.clone(),
+            stop: turbine_api::StopConditions { max_tokens: 1, ..Default::default() },
+            cache_salt: salt,
+            ..Default::default()
+        };
+        tenant.push((routed.overlap_blocks * 32, cached_tokens(&worker, request).await));
+        router.finished(&request_id).await.unwrap();
+        let last_block = *turbine_kv::BlockHasher::salted(turbine_kv::DEFAULT_SEED, salt).sequence_hashes(&prompt, 32).last().unwrap();
+        wait_until("the adapter mirrors the tenant's blocks", Duration::from_secs(20), async || {
+            worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block))
+        })
+        .await;
+    }
+    assert_eq!(tenant[0], (0, 0), "the shared prefix is neither credited to nor hit by a tenant");
+    assert!(tenant[1].1 > 0 && tenant[1].0 == tenant[1].1, "the tenant's own prefix is predicted and hit: {tenant:?}");
+
     let within_a_block = outcomes.iter().filter(|(_, predicted, cached)| predicted.abs_diff(*cached) <= 32).count();
     let hits = outcomes.iter().filter(|(_, _, cached)| *cached > 0).count();
     eprintln!(
