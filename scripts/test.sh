@@ -147,6 +147,11 @@ python3 scripts/e2e.py
 log "Kubernetes manifests (infra/k8s, offline)"
 python3 scripts/check-manifests.py
 
+# The GPU check (docs/testing.md): figures on a machine with an NVIDIA GPU,
+# a line saying it skipped elsewhere.
+log "GPU check (scripts/gpu-check.sh; skips without a GPU)"
+scripts/gpu-check.sh
+
 if [ -n "$cuda_check" ]; then
   log "CUDA build compiles: waiting for the check"
   if ! wait "$cuda_check"; then
