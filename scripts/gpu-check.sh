@@ -59,7 +59,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" scripts/gguf-to-hf.py "$model" target/engines/smollm2-135m-hf
 port_turbine=18080 port_vllm=18081
-./target/release/turbine run --device cuda --http-addr "127.0.0.1:$port_turbine" >target/gpu-check-turbine.log 2>&1 &
+./target/release/turbine run --device cuda --http-port "$port_turbine" --grpc-port 0 >target/gpu-check-turbine.log 2>&1 &
 turbine_pid=$!
 HF_HUB_OFFLINE=1 "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model target/engines/smollm2-135m-hf \
   --served-model-name smollm2-135m --host 127.0.0.1 --port "$port_vllm" --gpu-memory-utilization 0.3 >target/gpu-check-vllm.log 2>&1 &
