@@ -152,7 +152,7 @@ pub struct CpuResult {
 /// CPU time (user + system, nanoseconds) of every live thread of a
 /// process, from `/proc/<pid>/task/<tid>/schedstat` (nanosecond precision,
 /// unlike the 10 ms ticks of `/proc/<pid>/stat`).
-fn thread_cpu(pid: u32) -> anyhow::Result<HashMap<u32, u64>> {
+pub(crate) fn thread_cpu(pid: u32) -> anyhow::Result<HashMap<u32, u64>> {
     let mut threads = HashMap::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/task")).with_context(|| format!("listing threads of {pid}"))? {
         let entry = entry?;
@@ -172,7 +172,7 @@ fn thread_cpu(pid: u32) -> anyhow::Result<HashMap<u32, u64>> {
 /// CPU a process used between two [`thread_cpu`] readings (threads that
 /// appeared count in full; threads that exited are lost, a negligible
 /// error for long-lived service threads).
-fn cpu_between(before: &HashMap<u32, u64>, after: &HashMap<u32, u64>) -> Duration {
+pub(crate) fn cpu_between(before: &HashMap<u32, u64>, after: &HashMap<u32, u64>) -> Duration {
     let nanos: u64 = after.iter().map(|(tid, &ns)| ns.saturating_sub(before.get(tid).copied().unwrap_or(0))).sum();
     Duration::from_nanos(nanos)
 }

@@ -14,6 +14,7 @@
 //! - [`profile`]: `turbine profile`, a worker configuration's TTFT and ITL
 //!   for the planner.
 
+pub mod adapter;
 pub mod attack;
 pub mod engine;
 pub mod gateway;
@@ -42,6 +43,9 @@ pub enum BenchCommand {
     Attack(attack::AttackBenchArgs),
     /// The native engine's speed, side by side with llama.cpp.
     Engine(engine::EngineBenchArgs),
+    /// A worker in front of vLLM (--engine external): its CPU per streamed
+    /// token, against calling vLLM directly, in one run.
+    Adapter(adapter::AdapterBenchArgs),
     /// A Mooncake-format trace through gateway and router onto mocker
     /// workers, once per routing policy.
     Replay(replay::ReplayArgs),
@@ -95,6 +99,12 @@ pub fn main(command: BenchCommand) -> ExitCode {
                 let json = args.json.clone();
                 let report = attack::run(args).await?;
                 attack::print(&report);
+                write_json(json.as_deref(), &report)
+            }
+            BenchCommand::Adapter(args) => {
+                let json = args.json.clone();
+                let report = adapter::run(args).await?;
+                adapter::print(&report);
                 write_json(json.as_deref(), &report)
             }
             BenchCommand::Replay(args) => {

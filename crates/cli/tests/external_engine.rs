@@ -370,3 +370,28 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     let used: std::collections::HashSet<&str> = outcomes.iter().map(|(worker, _, _)| worker.as_str()).collect();
     assert_eq!(used.len(), 2, "both engines served: {outcomes:?}");
 }
+
+#[test]
+fn the_adapter_bench_measures_its_cpu_per_token_beside_vllm_called_directly() {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let json = tempfile::NamedTempFile::new().unwrap();
+    let output = std::process::Command::new(turbine_testkit::workspace_binary("turbine"))
+        .args(["bench", "adapter", "--rounds", "1", "--requests", "4", "--concurrency", "2", "--output-tokens", "8", "--prompt-tokens", "32", "--workspace"])
+        .arg(&workspace)
+        .arg("--json")
+        .arg(json.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    let phases = report["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 2, "{report}");
+    for phase in phases {
+        assert_eq!(phase["tokens"], 32, "every stream carried its 8 tokens on both paths: {report}");
+        assert!(phase["engine_cpu_us_per_token"].as_f64().unwrap() > 0.0, "the engine's CPU is read: {report}");
+    }
+    let adapter = phases.iter().find(|phase| phase["path"] == "adapter").unwrap();
+    assert!(adapter["adapter_cpu_us_per_token"].as_f64().unwrap() > 0.0, "the adapter's CPU is read: {report}");
+    assert!(stdout.contains("CPU per token"), "{stdout}");
+}

@@ -100,6 +100,12 @@ impl VllmServer {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// Its process id (also its process group's: its engine core runs in
+    /// the group).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
     /// What it printed.
     pub fn output(&self) -> Vec<String> {
         self.process.output()

@@ -1,0 +1,293 @@
+//! `turbine bench adapter`: what a worker in front of vLLM costs per
+//! streamed token, against calling vLLM directly, in one run.
+//!
+//! Starts vLLM's CPU build (the install the test command makes,
+//! `scripts/install-vllm.sh`) and `turbine worker --engine external` in
+//! front of it, then alternates two phases of the same load (`--requests`
+//! streams of `--output-tokens` tokens, `--concurrency` at a time, unique
+//! prompts of `--prompt-tokens` ids):
+//!
+//! - direct: this process posts to vLLM's `/v1/completions` exactly the
+//!   body the adapter sends (token ids in, `return_token_ids`) and reads
+//!   the event stream;
+//! - adapter: this process calls the worker's gRPC `Generate`, which does
+//!   the same against vLLM and streams token chunks back.
+//!
+//! CPU comes from /proc (every thread of the worker; every process of
+//! vLLM's process group): the adapter's CPU per streamed token is the
+//! cost; the engine's, per phase, shows the engine did the same work.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use serde::Serialize;
+use turbine_api::worker::WorkerClient;
+use turbine_api::{GenerateRequest, StopConditions};
+use turbine_harness::{STARTUP_TIMEOUT, ServiceProcess, VllmInstall, VllmServer};
+use turbine_runtime::host::Role;
+use turbine_tokens::{ModelCard, Preprocessor};
+
+use crate::gateway::{cpu_between, thread_cpu};
+
+/// Flags of `turbine bench adapter`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdapterBenchArgs {
+    /// Rounds (each: one direct phase and one adapter phase, in alternating
+    /// order); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Streams per phase.
+    #[arg(long, default_value_t = 32)]
+    pub requests: usize,
+    /// Streams at once.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Tokens streamed per request (end of generation ignored).
+    #[arg(long, default_value_t = 64)]
+    pub output_tokens: u32,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// The workspace whose `target/engines` holds vLLM and its model
+    /// (`$TURBINE_VLLM_PYTHON`, `$TURBINE_VLLM_MODEL` override).
+    #[arg(long, default_value = ".")]
+    pub workspace: PathBuf,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One phase's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdapterPhase {
+    /// `direct` or `adapter`.
+    pub path: &'static str,
+    pub tokens: usize,
+    pub wall_secs: f64,
+    pub tokens_per_sec: f64,
+    /// The worker's CPU per streamed token (0 when it is not in the path).
+    pub adapter_cpu_us_per_token: f64,
+    /// vLLM's CPU (every process of its group) per streamed token.
+    pub engine_cpu_us_per_token: f64,
+    /// This process's (the client's) CPU per streamed token.
+    pub client_cpu_us_per_token: f64,
+}
+
+/// What the benchmark measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdapterBenchReport {
+    pub requests: usize,
+    pub concurrency: usize,
+    pub output_tokens: u32,
+    pub prompt_tokens: usize,
+    pub phases: Vec<AdapterPhase>,
+    /// Medians over the rounds.
+    pub adapter_cpu_us_per_token: f64,
+    pub engine_cpu_us_per_token_direct: f64,
+    pub engine_cpu_us_per_token_adapter: f64,
+    /// (engine + adapter) CPU per token through the adapter over the
+    /// engine's CPU per token called directly.
+    pub cpu_ratio: f64,
+    /// Tokens/s through the adapter over tokens/s direct.
+    pub throughput_ratio: f64,
+}
+
+/// CPU (every thread) of every live process in the process group `pgid`.
+fn group_cpu(pgid: u32) -> anyhow::Result<std::collections::HashMap<(u32, u32), u64>> {
+    let mut all = std::collections::HashMap::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let Ok(pid) = entry?.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so after ')'.
+        let Some(after) = stat.rsplit_once(')').map(|(_, after)| after) else { continue };
+        if after.split_whitespace().nth(2).and_then(|pgrp| pgrp.parse::<u32>().ok()) != Some(pgid) {
+            continue;
+        }
+        if let Ok(threads) = thread_cpu(pid) {
+            all.extend(threads.into_iter().map(|(tid, ns)| ((pid, tid), ns)));
+        }
+    }
+    Ok(all)
+}
+
+fn group_cpu_between(before: &std::collections::HashMap<(u32, u32), u64>, after: &std::collections::HashMap<(u32, u32), u64>) -> Duration {
+    Duration::from_nanos(after.iter().map(|(key, &ns)| ns.saturating_sub(before.get(key).copied().unwrap_or(0))).sum())
+}
+
+/// CPU time of this process so far.
+fn own_cpu() -> anyhow::Result<std::collections::HashMap<u32, u64>> {
+    thread_cpu(std::process::id())
+}
+
+/// Streams `request` directly from vLLM; the tokens it carried.
+async fn direct(http: &reqwest::Client, url: &str, model: &str, request: &GenerateRequest, stop_ids: &[u32]) -> anyhow::Result<usize> {
+    let body = turbine_worker::external::vllm::completion_body(model, request, stop_ids);
+    let mut completion = turbine_worker::external::vllm::Completion::new(request.prompt.len(), &body);
+    let response = http.post(url).json(&body).send().await?;
+    anyhow::ensure!(response.status().is_success(), "vLLM answered {}", response.status());
+    let (mut bytes, mut events, mut tokens) = (response.bytes_stream(), turbine_worker::external::vllm::EventStream::default(), 0);
+    while let Some(read) = bytes.next().await {
+        for data in events.push(&read?)? {
+            if let Some(chunk) = completion.event(&data)? {
+                tokens += chunk.tokens.len();
+            }
+        }
+    }
+    anyhow::ensure!(completion.is_done(), "vLLM's stream ended unfinished");
+    Ok(tokens)
+}
+
+/// Streams `request` through the adapter; the tokens it carried.
+async fn through_adapter(worker: &WorkerClient, request: GenerateRequest) -> anyhow::Result<usize> {
+    let mut stream = worker.generate(request).await?;
+    let mut tokens = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk?;
+        tokens += chunk.tokens.len();
+        if chunk.finished.is_some() {
+            return Ok(tokens);
+        }
+    }
+    anyhow::bail!("the adapter's stream ended unfinished")
+}
+
+/// Runs the benchmark.
+pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
+    anyhow::ensure!(
+        args.rounds >= 1 && args.requests >= 1 && args.concurrency >= 1 && args.output_tokens >= 2,
+        "rounds, requests, concurrency must be positive, output tokens at least 2"
+    );
+    let install = VllmInstall::find(&args.workspace).map_err(anyhow::Error::msg)?;
+    eprintln!("starting vLLM ({}) and a worker in front of it...", install.python.display());
+    let model = "smollm2-135m";
+    let vllm = tokio::task::spawn_blocking(move || VllmServer::start(&install, model, &[])).await?;
+    let exe = std::env::current_exe().context("locating the turbine binary")?;
+    let mut command = Command::new(exe);
+    command.args(["worker", "--engine", "external", "--upstream", &vllm.url(), "--worker-id", "bench-adapter"]).env("RUST_LOG", "warn");
+    let mut worker_process = ServiceProcess::spawn("worker", command, false).await?;
+    worker_process.until_serving(Role::Worker, "", STARTUP_TIMEOUT).await?;
+    let worker = WorkerClient::connect(&worker_process.grpc_endpoint())?;
+    let card: ModelCard = worker.model_card().await?;
+    let stop_ids = card.tokenizer.eog_token_ids.clone();
+    let preprocessor = Preprocessor::new(card)?;
+    let filler = preprocessor.encode_text(&"many words make a prompt of some length ".repeat(args.prompt_tokens))?;
+    let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
+    let url = format!("{}/v1/completions", vllm.url());
+    let mut counter = 0usize;
+    let mut requests = |count: usize| -> Vec<GenerateRequest> {
+        (0..count)
+            .map(|_| {
+                counter += 1;
+                // A unique head: no request hits another's cached prefix.
+                let mut prompt = preprocessor.encode_text(&format!("request {counter}:")).unwrap_or_default();
+                prompt.extend_from_slice(&filler[..args.prompt_tokens.saturating_sub(prompt.len()).min(filler.len())]);
+                GenerateRequest {
+                    request_id: format!("bench-{counter}"),
+                    prompt,
+                    stop: StopConditions { max_tokens: args.output_tokens, stop_token_ids: vec![], ignore_eos: true },
+                    ..GenerateRequest::default()
+                }
+            })
+            .collect()
+    };
+    // Warm both paths.
+    for request in requests(2) {
+        direct(&http, &url, model, &request, &stop_ids).await?;
+        through_adapter(&worker, request).await?;
+    }
+    let mut phases = Vec::new();
+    for round in 0..args.rounds {
+        let order: [&'static str; 2] = if round % 2 == 0 { ["direct", "adapter"] } else { ["adapter", "direct"] };
+        for path in order {
+            let batch = requests(args.requests);
+            let (adapter_before, engine_before, client_before) = (thread_cpu(worker_process.pid())?, group_cpu(vllm.pid())?, own_cpu()?);
+            let started = Instant::now();
+            let mut tokens = 0;
+            let per_client = batch.len().div_ceil(args.concurrency);
+            let clients = batch.chunks(per_client).map(|chunk| {
+                let (http, url, worker, stop_ids) = (&http, &url, &worker, &stop_ids);
+                async move {
+                    let mut tokens = 0;
+                    for request in chunk {
+                        tokens += match path {
+                            "direct" => direct(http, url, model, request, stop_ids).await?,
+                            _ => through_adapter(worker, request.clone()).await?,
+                        };
+                    }
+                    anyhow::Ok(tokens)
+                }
+            });
+            for result in futures::future::join_all(clients).await {
+                tokens += result?;
+            }
+            let wall = started.elapsed().as_secs_f64();
+            let per_token = |cpu: Duration| cpu.as_secs_f64() * 1e6 / tokens as f64;
+            let adapter = match path {
+                "direct" => 0.0,
+                _ => per_token(cpu_between(&adapter_before, &thread_cpu(worker_process.pid())?)),
+            };
+            phases.push(AdapterPhase {
+                path,
+                tokens,
+                wall_secs: wall,
+                tokens_per_sec: tokens as f64 / wall,
+                adapter_cpu_us_per_token: adapter,
+                engine_cpu_us_per_token: per_token(group_cpu_between(&engine_before, &group_cpu(vllm.pid())?)),
+                client_cpu_us_per_token: per_token(cpu_between(&client_before, &own_cpu()?)),
+            });
+            eprintln!("round {round} {path}: {tokens} tokens in {wall:.1} s");
+        }
+    }
+    let median = |path: &str, value: fn(&AdapterPhase) -> f64| {
+        let mut values: Vec<f64> = phases.iter().filter(|phase| phase.path == path).map(value).collect();
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let adapter_cpu = median("adapter", |phase| phase.adapter_cpu_us_per_token);
+    let (engine_direct, engine_adapter) = (median("direct", |phase| phase.engine_cpu_us_per_token), median("adapter", |phase| phase.engine_cpu_us_per_token));
+    let throughput_ratio = median("adapter", |phase| phase.tokens_per_sec) / median("direct", |phase| phase.tokens_per_sec);
+    Ok(AdapterBenchReport {
+        requests: args.requests,
+        concurrency: args.concurrency,
+        output_tokens: args.output_tokens,
+        prompt_tokens: args.prompt_tokens,
+        phases,
+        adapter_cpu_us_per_token: adapter_cpu,
+        engine_cpu_us_per_token_direct: engine_direct,
+        engine_cpu_us_per_token_adapter: engine_adapter,
+        cpu_ratio: (engine_adapter + adapter_cpu) / engine_direct,
+        throughput_ratio,
+    })
+}
+
+/// Prints the report.
+pub fn print(report: &AdapterBenchReport) {
+    println!(
+        "adapter overhead: {} streams of {} tokens, {} at once, {}-token prompts",
+        report.requests, report.output_tokens, report.concurrency, report.prompt_tokens
+    );
+    println!("{:<8} {:>7} {:>8} {:>10} {:>16} {:>16} {:>16}", "path", "tokens", "wall s", "tokens/s", "adapter µs/tok", "engine µs/tok", "client µs/tok");
+    for phase in &report.phases {
+        println!(
+            "{:<8} {:>7} {:>8.1} {:>10.1} {:>16.1} {:>16.1} {:>16.1}",
+            phase.path,
+            phase.tokens,
+            phase.wall_secs,
+            phase.tokens_per_sec,
+            phase.adapter_cpu_us_per_token,
+            phase.engine_cpu_us_per_token,
+            phase.client_cpu_us_per_token
+        );
+    }
+    println!(
+        "medians: the adapter {:.1} µs CPU per streamed token; the engine {:.1} µs direct, {:.1} µs behind the adapter; CPU per token {:.3}x, tokens/s {:.3}x",
+        report.adapter_cpu_us_per_token,
+        report.engine_cpu_us_per_token_direct,
+        report.engine_cpu_us_per_token_adapter,
+        report.cpu_ratio,
+        report.throughput_ratio
+    );
+}
