@@ -88,10 +88,14 @@ pub struct AdapterBenchReport {
     pub adapter_cpu_us_per_token: f64,
     pub engine_cpu_us_per_token_direct: f64,
     pub engine_cpu_us_per_token_adapter: f64,
-    /// (engine + adapter) CPU per token through the adapter over the
-    /// engine's CPU per token called directly.
+    /// Per round: (engine + adapter) CPU per token through the adapter over
+    /// the engine's CPU per token called directly (the same round: the
+    /// engine's own CPU drifts over a run).
+    pub pair_cpu_ratios: Vec<f64>,
+    /// Per round: tokens/s through the adapter over tokens/s direct.
+    pub pair_throughput_ratios: Vec<f64>,
+    /// Medians of the rounds' ratios.
     pub cpu_ratio: f64,
-    /// Tokens/s through the adapter over tokens/s direct.
     pub throughput_ratio: f64,
 }
 
@@ -248,7 +252,23 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
     };
     let adapter_cpu = median("adapter", |phase| phase.adapter_cpu_us_per_token);
     let (engine_direct, engine_adapter) = (median("direct", |phase| phase.engine_cpu_us_per_token), median("adapter", |phase| phase.engine_cpu_us_per_token));
-    let throughput_ratio = median("adapter", |phase| phase.tokens_per_sec) / median("direct", |phase| phase.tokens_per_sec);
+    let pairs: Vec<(&AdapterPhase, &AdapterPhase)> = phases
+        .chunks(2)
+        .filter_map(|pair| {
+            let direct = pair.iter().find(|phase| phase.path == "direct")?;
+            let adapter = pair.iter().find(|phase| phase.path == "adapter")?;
+            Some((direct, adapter))
+        })
+        .collect();
+    let pair_cpu_ratios: Vec<f64> =
+        pairs.iter().map(|(direct, adapter)| (adapter.engine_cpu_us_per_token + adapter.adapter_cpu_us_per_token) / direct.engine_cpu_us_per_token).collect();
+    let pair_throughput_ratios: Vec<f64> = pairs.iter().map(|(direct, adapter)| adapter.tokens_per_sec / direct.tokens_per_sec).collect();
+    let median_of = |values: &[f64]| {
+        let mut values = values.to_vec();
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let (cpu_ratio, throughput_ratio) = (median_of(&pair_cpu_ratios), median_of(&pair_throughput_ratios));
     Ok(AdapterBenchReport {
         requests: args.requests,
         concurrency: args.concurrency,
@@ -258,7 +278,9 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
         adapter_cpu_us_per_token: adapter_cpu,
         engine_cpu_us_per_token_direct: engine_direct,
         engine_cpu_us_per_token_adapter: engine_adapter,
-        cpu_ratio: (engine_adapter + adapter_cpu) / engine_direct,
+        pair_cpu_ratios,
+        pair_throughput_ratios,
+        cpu_ratio,
         throughput_ratio,
     })
 }
@@ -283,11 +305,15 @@ pub fn print(report: &AdapterBenchReport) {
         );
     }
     println!(
-        "medians: the adapter {:.1} µs CPU per streamed token; the engine {:.1} µs direct, {:.1} µs behind the adapter; CPU per token {:.3}x, tokens/s {:.3}x",
-        report.adapter_cpu_us_per_token,
-        report.engine_cpu_us_per_token_direct,
-        report.engine_cpu_us_per_token_adapter,
+        "medians: the adapter {:.1} µs CPU per streamed token; the engine {:.1} µs direct, {:.1} µs behind the adapter",
+        report.adapter_cpu_us_per_token, report.engine_cpu_us_per_token_direct, report.engine_cpu_us_per_token_adapter
+    );
+    let list = |values: &[f64]| values.iter().map(|value| format!("{value:.3}")).collect::<Vec<_>>().join(", ");
+    println!(
+        "adapter / direct, per round: CPU per token {} (median {:.3}x); tokens/s {} (median {:.3}x)",
+        list(&report.pair_cpu_ratios),
         report.cpu_ratio,
+        list(&report.pair_throughput_ratios),
         report.throughput_ratio
     );
 }

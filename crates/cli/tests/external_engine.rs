@@ -393,5 +393,5 @@ fn the_adapter_bench_measures_its_cpu_per_token_beside_vllm_called_directly() {
     }
     let adapter = phases.iter().find(|phase| phase["path"] == "adapter").unwrap();
     assert!(adapter["adapter_cpu_us_per_token"].as_f64().unwrap() > 0.0, "the adapter's CPU is read: {report}");
-    assert!(stdout.contains("CPU per token"), "{stdout}");
+    assert!(stdout.contains("CPU per token") && report["pair_cpu_ratios"].as_array().unwrap().len() == 1, "{stdout}");
 }
