@@ -319,7 +319,17 @@ async fn gateways_sharing_redis_share_a_keys_concurrency_limit() {
     // A stream's client goes: its place is given back across gateways.
     streams.pop();
     wait_until("the other gateway admits the key again", std::time::Duration::from_secs(20), async || short(&gateways[1], &two).await == 200).await;
-    streams.push(open(&gateways[1]).await);
+    // A place is given back in Redis just after its response ends (the
+    // short request's too): the stream opens once that one is back.
+    let mut reopened = None;
+    wait_until("a stream of the key opens through the other gateway", std::time::Duration::from_secs(20), async || {
+        let response = http.post(format!("{}/v1/completions", gateways[1].http_url())).bearer_auth(&two).json(&long).send().await.unwrap();
+        let admitted = response.status() == 200;
+        reopened = admitted.then_some(response);
+        admitted
+    })
+    .await;
+    streams.push(reopened.unwrap());
     assert_eq!(short(&gateways[0], &two).await, 429, "two in flight, one through each gateway");
 
     // Redis gone: each gateway by its own limit (the first holds one of

@@ -256,6 +256,39 @@ async fn cached_tokens(worker: &turbine_api::worker::WorkerClient, request: turb
     }
 }
 
+/// Routes `prompt` (in `salt`'s KV namespace) with the router and runs it
+/// on the worker it chose; then waits until that worker's adapter mirrors
+/// the prompt's blocks (the engine's events arrive after its step), so the
+/// next request routes on them. (The chosen worker, the router's
+/// predicted overlap in tokens, the engine-reported cached tokens.)
+async fn route_and_run(router: &RouterClient, prompt: Vec<u32>, request_id: &str, salt: turbine_kv::CacheSalt) -> (String, u32, u32) {
+    let route = turbine_api::router::RouteRequest {
+        request_id: request_id.to_owned(),
+        model: MODEL.into(),
+        prompt_tokens: prompt.len() as u32,
+        token_ids: prompt.clone().into(),
+        cache_salt: salt,
+        ..Default::default()
+    };
+    let routed = router.route(&route).await.unwrap();
+    let worker = turbine_api::worker::WorkerClient::connect(&routed.worker.endpoint).unwrap();
+    let request = turbine_api::GenerateRequest {
+        request_id: request_id.to_owned(),
+        prompt: prompt.clone(),
+        stop: turbine_api::StopConditions { max_tokens: 1, ..Default::default() },
+        cache_salt: salt,
+        ..Default::default()
+    };
+    let cached = cached_tokens(&worker, request).await;
+    router.finished(request_id).await.unwrap();
+    let last_block = *turbine_kv::BlockHasher::salted(turbine_kv::DEFAULT_SEED, salt).sequence_hashes(&prompt, 32).last().unwrap();
+    wait_until("the adapter mirrors the prompt's blocks", Duration::from_secs(20), async || {
+        worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block))
+    })
+    .await;
+    (routed.worker.worker_id.to_string(), routed.overlap_blocks * 32, cached)
+}
+
 #[tokio::test]
 async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -294,32 +327,8 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
             let system =
                 format!("You are an expert in {subject}. {}", "Answer carefully, cite sources, and keep every answer short and precise. ".repeat(4 + index));
             let prompt = ours.encode_text(&format!("{system}\nQuestion {round} about {subject}: what matters most?")).unwrap();
-            let request_id = format!("r-{round}-{index}");
-            let route = turbine_api::router::RouteRequest {
-                request_id: request_id.clone(),
-                model: MODEL.into(),
-                prompt_tokens: prompt.len() as u32,
-                token_ids: prompt.clone().into(),
-                ..Default::default()
-            };
-            let routed = router.route(&route).await.unwrap();
-            let worker = turbine_api::worker::WorkerClient::connect(&routed.worker.endpoint).unwrap();
-            let request = turbine_api::GenerateRequest {
-                request_id: request_id.clone(),
-                prompt: prompt.clone(),
-                stop: turbine_api::StopConditions { max_tokens: 1, ..Default::default() },
-                ..Default::default()
-            };
-            let cached = cached_tokens(&worker, request).await;
-            router.finished(&request_id).await.unwrap();
-            outcomes.push((routed.worker.worker_id.to_string(), routed.overlap_blocks * 32, cached));
-            // The adapter mirrors the prompt's blocks before the next
-            // request routes (events arrive after the engine's step).
-            let last_block = *turbine_kv::BlockHasher::default().sequence_hashes(&prompt, 32).last().unwrap();
-            wait_until("the adapter mirrors the prompt's blocks", Duration::from_secs(20), async || {
-                worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block))
-            })
-            .await;
+            let (worker, predicted, cached) = route_and_run(&router, prompt, &format!("r-{round}-{index}"), turbine_kv::CacheSalt::SHARED).await;
+            outcomes.push((worker, predicted, cached));
         }
     }
     // A tenant's requests: its KV namespace is the engine's cache_salt, and
@@ -330,31 +339,8 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     let mut tenant = Vec::new();
     for round in 0..2 {
         let prompt = ours.encode_text(&format!("{system}\nQuestion {round} about astronomy: what matters most?")).unwrap();
-        let request_id = format!("tenant-{round}");
-        let route = turbine_api::router::RouteRequest {
-            request_id: request_id.clone(),
-            model: MODEL.into(),
-            prompt_tokens: prompt.len() as u32,
-            token_ids: prompt.clone().into(),
-            cache_salt: salt,
-            ..Default::default()
-        };
-        let routed = router.route(&route).await.unwrap();
-        let worker = turbine_api::worker::WorkerClient::connect(&routed.worker.endpoint).unwrap();
-        let request = turbine_api::GenerateRequest {
-            request_id: request_id.clone(),
-            prompt: prompt.clone(),
-            stop: turbine_api::StopConditions { max_tokens: 1, ..Default::default() },
-            cache_salt: salt,
-            ..Default::default()
-        };
-        tenant.push((routed.overlap_blocks * 32, cached_tokens(&worker, request).await));
-        router.finished(&request_id).await.unwrap();
-        let last_block = *turbine_kv::BlockHasher::salted(turbine_kv::DEFAULT_SEED, salt).sequence_hashes(&prompt, 32).last().unwrap();
-        wait_until("the adapter mirrors the tenant's blocks", Duration::from_secs(20), async || {
-            worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block))
-        })
-        .await;
+        let (_, predicted, cached) = route_and_run(&router, prompt, &format!("tenant-{round}"), salt).await;
+        tenant.push((predicted, cached));
     }
     assert_eq!(tenant[0], (0, 0), "the shared prefix is neither credited to nor hit by a tenant");
     assert!(tenant[1].1 > 0 && tenant[1].0 == tenant[1].1, "the tenant's own prefix is predicted and hit: {tenant:?}");

@@ -27,7 +27,7 @@ fn protocol(message: impl Into<String>) -> ZmtpError {
 }
 
 /// Our greeting: signature, version 3.0, the NULL mechanism, as client.
-fn greeting() -> [u8; 64] {
+pub(crate) fn greeting() -> [u8; 64] {
     let mut greeting = [0u8; 64];
     greeting[0] = 0xFF;
     greeting[9] = 0x7F;

@@ -177,12 +177,8 @@ async fn events_arrive_over_zmtp_and_a_gap_clears_the_mirror() {
 
     // A publisher as libzmq speaks ZMTP 3.1.
     let mut publisher = tokio::net::TcpStream::connect(address).await.unwrap();
-    let mut greeting = [0u8; 64];
-    greeting[0] = 0xFF;
-    greeting[9] = 0x7F;
-    greeting[10] = 3;
+    let mut greeting = super::super::zmtp::greeting();
     greeting[11] = 1;
-    greeting[12..16].copy_from_slice(b"NULL");
     publisher.write_all(&greeting).await.unwrap();
     let mut theirs = [0u8; 64];
     publisher.read_exact(&mut theirs).await.unwrap();
