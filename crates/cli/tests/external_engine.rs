@@ -199,12 +199,25 @@ const PARITY_TEXTS: &[&str] = &[
 async fn the_gateways_token_ids_and_chat_prompts_are_the_engines() {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    let model_dir = install.model.clone();
     let vllm = tokio::task::spawn_blocking(move || VllmServer::start(&install, MODEL, &[])).await.unwrap();
     let engine = vllm.url();
-    // The gateway's tokenizer and template: the card of the default model.
+    // The gateway's tokenizer and template: the card of the default model,
+    // read from its GGUF, and read from the Hugging Face directory vLLM
+    // serves (`--model DIR`): both give the engine's ids.
     let model = turbine_tokens::pull::resolve_model(MODEL, None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap();
-    let card = turbine_tokens::ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap();
-    let ours = turbine_tokens::Preprocessor::new(card).unwrap();
+    let from_gguf = turbine_tokens::ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap();
+    let from_dir = turbine_tokens::ModelCard::from_path(MODEL, &model_dir, 16).unwrap();
+    assert_eq!(from_dir.chat_template, from_gguf.chat_template);
+    assert_eq!(from_dir.tokenizer.eog_token_ids, from_gguf.tokenizer.eog_token_ids);
+    for card in [from_gguf, from_dir] {
+        check_parity(&engine, turbine_tokens::Preprocessor::new(card).unwrap()).await;
+    }
+}
+
+/// Every parity text and chat: `ours` gives the ids and prompts the
+/// engine at `engine` gives.
+async fn check_parity(engine: &str, ours: turbine_tokens::Preprocessor) {
     let client = reqwest::Client::new();
     let tokenize = async |body: serde_json::Value| -> Vec<u32> {
         let answer: serde_json::Value = client.post(format!("{engine}/tokenize")).json(&body).send().await.unwrap().json().await.unwrap();
@@ -308,18 +321,21 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     let redis = RedisServer::start();
     let url = redis.url();
     let cluster = ["--redis", url.as_str(), "--namespace", "exact"];
+    let model_dir = install.model.to_str().unwrap();
     let mut adapters = Vec::new();
     for (index, (engine, port)) in engines.iter().zip(ports).enumerate() {
         let (id, upstream, events) = (format!("vllm-{index}"), engine.url(), format!("tcp://127.0.0.1:{port}"));
-        let args = [&cluster[..], &["--engine", "external", "--upstream", &upstream, "--upstream-kv-events", &events, "--worker-id", &id][..]].concat();
+        // The card from the directory the engine serves (`--model DIR`).
+        let card = ["--model", model_dir, "--served-model-name", MODEL];
+        let args =
+            [&cluster[..], &card[..], &["--engine", "external", "--upstream", &upstream, "--upstream-kv-events", &events, "--worker-id", &id][..]].concat();
         adapters.push(service("turbine-worker", &args, &[], false).await);
     }
     let router = service("turbine-router", &[&cluster[..], &["--policy", "kv"][..]].concat(), &[], false).await;
     until_registered(&router, 2).await;
     let router = RouterClient::connect(&router.grpc_endpoint()).unwrap();
 
-    let model = turbine_tokens::pull::resolve_model(MODEL, None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap();
-    let ours = turbine_tokens::Preprocessor::new(turbine_tokens::ModelCard::from_gguf_path(MODEL, &model.path, 32).unwrap()).unwrap();
+    let ours = turbine_tokens::Preprocessor::new(turbine_tokens::ModelCard::from_path(MODEL, &install.model, 32).unwrap()).unwrap();
     let subjects = ["astronomy", "cooking", "law", "music"];
     let mut outcomes = Vec::new();
     for round in 0..10 {

@@ -8,6 +8,7 @@ use sha2::{Digest, Sha256};
 use crate::Result;
 use crate::chat::{CHATML_TEMPLATE, ChatMessage, ChatTemplate};
 use crate::gguf::Gguf;
+use crate::hf::ModelDir;
 use crate::tokenizer::{Tokenizer, TokenizerSpec};
 
 /// Context length assumed when a GGUF file does not state one.
@@ -44,6 +45,19 @@ impl ModelCard {
     /// Reads a GGUF file and builds its card.
     pub fn from_gguf_path(name: &str, path: &Path, kv_block_size: u32) -> Result<Self> {
         Self::from_gguf(name, &Gguf::open(path)?, kv_block_size)
+    }
+
+    /// Builds the card of a Hugging Face model directory (`tokenizer.json`
+    /// and its neighbours, [`crate::hf`]) served under `name`.
+    pub fn from_model_dir(name: &str, dir: &Path, kv_block_size: u32) -> Result<Self> {
+        let model = ModelDir::read(dir)?;
+        Ok(Self { name: name.to_owned(), context_length: model.context_length, kv_block_size, tokenizer: model.tokenizer, chat_template: model.chat_template })
+    }
+
+    /// The card of whatever `path` holds: a model directory
+    /// ([`from_model_dir`](Self::from_model_dir)) or a GGUF file.
+    pub fn from_path(name: &str, path: &Path, kv_block_size: u32) -> Result<Self> {
+        if crate::hf::is_model_dir(path) { Self::from_model_dir(name, path, kv_block_size) } else { Self::from_gguf_path(name, path, kv_block_size) }
     }
 
     /// Hex SHA-256 over the card's contents: equal digests mean equal cards.

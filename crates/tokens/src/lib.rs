@@ -1,6 +1,8 @@
 //! Models as clients see them.
 //!
 //! - [`gguf`]: reads a GGUF file's metadata and tensor descriptions.
+//! - [`hf`]: reads a Hugging Face model directory's tokenizer and chat
+//!   template (the models external engines serve).
 //! - [`tokenizer`]: builds a tokenizer from `tokenizer.ggml.*` that
 //!   reproduces llama.cpp's token ids.
 //! - [`detokenize`]: token ids back to text incrementally, never splitting a
@@ -17,6 +19,7 @@ pub mod control;
 pub mod detokenize;
 mod fast_bpe;
 pub mod gguf;
+pub mod hf;
 pub mod pull;
 pub mod tokenizer;
 
@@ -44,6 +47,9 @@ pub enum Error {
     /// The GGUF file is malformed.
     #[error("invalid GGUF: {0}")]
     Gguf(String),
+    /// A model directory's files are malformed.
+    #[error("model directory: {0}")]
+    ModelDir(String),
     /// The tokenizer family or definition is not supported.
     #[error("unsupported tokenizer: {0}")]
     UnsupportedTokenizer(String),

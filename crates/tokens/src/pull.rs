@@ -89,22 +89,27 @@ pub enum Progress {
     Quiet,
 }
 
-/// Resolves `--model`: a path to a GGUF file is used as is (served under its
-/// file stem unless `served_name` says otherwise); a catalog name is fetched
-/// into the cache if missing.
+/// Resolves `--model`: a path to a GGUF file or to a Hugging Face model
+/// directory (one with a `tokenizer.json`, [`crate::hf`]) is used as is
+/// (served under its file stem or directory name unless `served_name` says
+/// otherwise); a catalog name is fetched into the cache if missing.
 pub fn resolve_model(spec: &str, served_name: Option<&str>, cache_dir: &Path, progress: Progress) -> Result<ResolvedModel> {
     if let Some(entry) = catalog_entry(spec) {
         let path = pull(entry, cache_dir, progress)?;
         return Ok(ResolvedModel { name: served_name.unwrap_or(entry.name).to_owned(), path });
     }
     let path = PathBuf::from(spec);
-    if path.is_file() {
-        let name =
-            served_name.map(str::to_owned).or_else(|| path.file_stem().map(|stem| stem.to_string_lossy().into_owned())).unwrap_or_else(|| spec.to_owned());
+    if path.is_file() || crate::hf::is_model_dir(&path) {
+        // A directory's whole name (`SmolLM2-1.7B`), a file's stem.
+        let base = if path.is_dir() { path.file_name() } else { path.file_stem() };
+        let name = served_name.map(str::to_owned).or_else(|| base.map(|base| base.to_string_lossy().into_owned())).unwrap_or_else(|| spec.to_owned());
         return Ok(ResolvedModel { name, path });
     }
     let known: Vec<&str> = CATALOG.iter().map(|entry| entry.name).collect();
-    Err(Error::Pull(format!("model {spec:?} is neither a GGUF file nor a known model (known: {})", known.join(", "))))
+    Err(Error::Pull(format!(
+        "model {spec:?} is neither a GGUF file, nor a model directory with a tokenizer.json, nor a known model (known: {})",
+        known.join(", ")
+    )))
 }
 
 /// Where a catalog model lives in the cache.

@@ -33,13 +33,13 @@ pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 pub const TOKEN_TYPE_BYTE: i32 = 6;
 
 /// Control-token texts that end generation, as llama.cpp recognises them.
-const END_OF_GENERATION_TEXTS: &[&str] =
+pub(crate) const END_OF_GENERATION_TEXTS: &[&str] =
     &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>", "<｜end▁of▁sentence｜>"];
 
 /// Llama 3 style pre-tokenizer regex (also used by `llama-bpe` GGUFs).
-const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub(crate) const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2 style pre-tokenizer regex (single digits).
-const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub(crate) const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A tokenizer's definition as stored in GGUF metadata: everything needed to
 /// rebuild it elsewhere (the model card carries it to gateways).

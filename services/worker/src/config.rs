@@ -211,7 +211,9 @@ impl Settings for WorkerConfig {
 /// What runs the model and how much of the machine it takes.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct EngineConfig {
-    /// Model: a catalog name (fetched if missing) or the path of a GGUF file.
+    /// Model: a catalog name (fetched if missing), the path of a GGUF file,
+    /// or (with --engine external) a Hugging Face model directory whose
+    /// tokenizer.json the card is read from.
     #[arg(long, env = "TURBINE_MODEL", default_value = turbine_tokens::pull::DEFAULT_MODEL)]
     pub model: String,
     /// Name clients use for the model [default: the catalog name or the

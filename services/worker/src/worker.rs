@@ -56,6 +56,12 @@ impl Worker {
         let cache_dir = engine_config.cache_dir.clone().unwrap_or_else(default_cache_dir);
         let model = resolve_model(&engine_config.model, engine_config.served_model_name.as_deref(), &cache_dir, Progress::Quiet)?;
         let block_size = engine_config.block_size();
+        if turbine_tokens::hf::is_model_dir(&model.path) {
+            anyhow::bail!(
+                "{} is a Hugging Face model directory: Turbine's own engine and the mocker read GGUF files; serve the directory with an engine that loads it behind --engine external",
+                model.path.display()
+            );
+        }
         let mut card = ModelCard::from_gguf_path(&model.name, &model.path, block_size as u32)?;
         if let Some(context_length) = engine_config.context_length {
             card.context_length = context_length;

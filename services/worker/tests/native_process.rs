@@ -275,6 +275,22 @@ fn a_device_this_build_cannot_use_is_refused_at_startup() {
     assert!(output.contains("CUDA"), "the error names the problem: {output}");
 }
 
+#[test]
+fn a_hugging_face_directory_is_refused_by_the_native_engine_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+    for engine in ["native", "mock"] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
+        command.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--engine", engine, "--model"]).arg(dir.path());
+        let mut worker = ChildProcess::spawn("turbine-worker", command);
+        let status = worker.wait(Duration::from_secs(60)).expect("exits");
+        assert!(!status.success());
+        let output = worker.output().join("\n");
+        assert!(!output.contains("panicked"), "{output}");
+        assert!(output.contains("Hugging Face model directory") && output.contains("--engine external"), "{engine}: {output}");
+    }
+}
+
 #[tokio::test]
 async fn a_handles_blocks_are_read_and_released_only_with_its_token() {
     // The attack: with a handle id alone, ReadBlocks returned another

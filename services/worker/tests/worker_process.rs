@@ -149,7 +149,11 @@ fn a_missing_model_file_is_a_clear_startup_error() {
     let mut worker = ChildProcess::spawn("turbine-worker", command);
     let status = worker.wait(Duration::from_secs(60)).expect("exits");
     assert!(!status.success());
-    assert!(worker.output().iter().any(|line| line.contains("neither a GGUF file nor a known model")), "{:?}", worker.output());
+    assert!(
+        worker.output().iter().any(|line| line.contains("is neither a GGUF file, nor a model directory with a tokenizer.json, nor a known model")),
+        "{:?}",
+        worker.output()
+    );
 }
 
 #[tokio::test]

@@ -97,7 +97,7 @@ impl ExternalWorker {
             move || -> anyhow::Result<ModelCard> {
                 let cache_dir = engine.cache_dir.clone().unwrap_or_else(default_cache_dir);
                 let model = resolve_model(&engine.model, engine.served_model_name.as_deref(), &cache_dir, Progress::Quiet)?;
-                Ok(ModelCard::from_gguf_path(&model.name, &model.path, engine.block_size() as u32)?)
+                Ok(ModelCard::from_path(&model.name, &model.path, engine.block_size() as u32)?)
             }
         })
         .await
