@@ -5,7 +5,7 @@
 #
 #   scripts/test.sh           the whole suite
 #   scripts/test.sh --quick   the quick tier, for iterating: every test but
-#                             the heavy group (.config/nextest.toml), after
+#                             the heavy and fleet groups (.config/nextest.toml), after
 #                             one build; nothing is installed or fetched
 #
 # The whole suite installs what the tests need and is missing (redis-server,
@@ -64,11 +64,11 @@ if [ -z "${CARGO_INCREMENTAL:-}" ] && { [ ! -d target/debug ] || [ -e target/.no
 fi
 
 if ((quick)); then
-  log "quick tier (cargo-nextest, every test but the heavy group)"
+  log "quick tier (cargo-nextest, every test but the heavy and fleet groups)"
   cargo fmt --all --check
   cargo nextest run --workspace --locked "${features[@]}" --no-run
   ./target/debug/turbine model pull smollm2-135m
-  cargo nextest run --workspace --locked "${features[@]}" -E 'not group(heavy)'
+  cargo nextest run --workspace --locked "${features[@]}" -E 'not (group(heavy) | group(fleet))'
   exit
 fi
 
