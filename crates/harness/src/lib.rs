@@ -65,10 +65,37 @@ impl StartFailure {
     }
 }
 
-/// A port that was free a moment ago (bound to port 0 and released), for
-/// programs that cannot be handed a bound listener (`ucx_perftest`,
-/// `redis-server`): the caller must cope with it being taken meanwhile.
-/// Turbine's own services take pre-bound listeners and need none.
+/// A loopback port no other test on this machine holds, for programs that
+/// cannot be handed a bound listener (`ucx_perftest`, `redis-server`, a
+/// replayed manifest's listeners). Drawn below the kernel's ephemeral range
+/// (`ip_local_port_range`), so no outgoing connection and no bind to port
+/// 0 takes it meanwhile; reserved, until this process exits, by a lock on
+/// a file named for it under the temporary directory, so no other test
+/// process draws it. (A port bound to 0 and released, as before, was taken
+/// by another test's listener now and then once more tests ran at once.)
 pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    static HELD: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next().and_then(|low| low.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_low.min(60_000));
+    let dir = std::env::temp_dir().join("turbine-test-ports");
+    if high > low + 1_000 && std::fs::create_dir_all(&dir).is_ok() {
+        for _ in 0..2_000 {
+            let draw = std::collections::hash_map::RandomState::new().build_hasher().finish();
+            let port = low + (draw % u64::from(high - low)) as u16;
+            let Ok(file) = std::fs::File::create(dir.join(port.to_string())) else { continue };
+            if file.try_lock().is_err() {
+                continue;
+            }
+            if std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port)).is_err() {
+                continue;
+            }
+            HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(file);
+            return port;
+        }
+    }
     std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).and_then(|listener| listener.local_addr()).expect("bind port 0").port()
 }
