@@ -109,7 +109,14 @@ set -m
 nice -n 19 scripts/install-vllm.sh >target/install-vllm.log 2>&1 &
 vllm_install=$!
 set +m
-trap 'kill -- "-$vllm_install" 2>/dev/null || true' EXIT
+# llama.cpp's server (the external engine without KV events) is a C++
+# build of about 5 core-minutes, beside the Rust build, niced too.
+log "external engine: building llama.cpp's server (in the background, beside the build)"
+set -m
+nice -n 19 scripts/install-llama-cpp.sh >target/install-llama-cpp.log 2>&1 &
+llama_install=$!
+set +m
+trap 'kill -- "-$vllm_install" "-$llama_install" 2>/dev/null || true' EXIT
 
 log "building and linting (clippy -D warnings; the tests, the benches, and the binaries the tests run)"
 cargo nextest run --workspace --locked "${features[@]}" --no-run
@@ -127,6 +134,12 @@ if ! wait "$vllm_install"; then
   exit 1
 fi
 target/engines/vllm/bin/python scripts/gguf-to-hf.py "$model" target/engines/smollm2-135m-hf
+log "external engine: waiting for llama.cpp's server"
+if ! wait "$llama_install"; then
+  cat target/install-llama-cpp.log
+  echo "llama.cpp's server did not build (target/install-llama-cpp.log)" >&2
+  exit 1
+fi
 
 # The CUDA check (nvcc compiling candle's kernels, about 8 minutes of one
 # core) runs beside the Rust tests, at the lowest priority: while the heavy
@@ -142,7 +155,7 @@ if [ "${TURBINE_SKIP_CUDA_CHECK:-0}" != 1 ]; then
   CARGO_TARGET_DIR=target/cuda-check nice -n 19 scripts/check-cuda.sh >target/check-cuda.log 2>&1 &
   cuda_check=$!
   set +m
-  trap 'kill -- "-$cuda_check" 2>/dev/null || true; kill -- "-$vllm_install" 2>/dev/null || true' EXIT
+  trap 'kill -- "-$cuda_check" 2>/dev/null || true; kill -- "-$vllm_install" "-$llama_install" 2>/dev/null || true' EXIT
 fi
 
 log "Rust tests (cargo-nextest, profile ci)"

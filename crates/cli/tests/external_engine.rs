@@ -15,7 +15,7 @@ use common::{MODEL, metric, post, service, until_listed, until_registered, wait_
 use futures::StreamExt;
 use serde_json::json;
 use turbine_api::router::RouterClient;
-use turbine_testkit::{RedisServer, ServiceProcess, VllmInstall, VllmServer};
+use turbine_testkit::{LlamaCppInstall, LlamaCppServer, RedisServer, ServiceProcess, VllmInstall, VllmServer};
 
 /// A sample of vLLM's own metrics, summed over its label sets that carry
 /// every label of `labels`.
@@ -43,6 +43,26 @@ async fn read_more<B: AsRef<[u8]>>(stream: &mut (impl futures::Stream<Item = req
         assert!(!event.contains("\"error\""), "the stream failed: {event}");
     }
     events
+}
+
+/// The OpenAI SDK streams a chat through the gateway at `base`.
+async fn sdk_streams_a_chat(base: &str) {
+    let sdk = r#"
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+stream = client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24, stream=True)
+text, reasons = "", []
+for chunk in stream:
+    if chunk.choices:
+        text += chunk.choices[0].delta.content or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+assert text and reasons in (["stop"], ["length"]), (text, reasons)
+print(reasons[0], repr(text))
+"#;
+    let run = tokio::process::Command::new("python3").args(["-c", sdk, base, MODEL]).kill_on_drop(true).output();
+    let output = tokio::time::timeout(Duration::from_secs(120), run).await.expect("the SDK's stream took over 2 minutes").unwrap();
+    assert!(output.status.success(), "the OpenAI SDK's stream: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
 }
 
 #[tokio::test]
@@ -77,22 +97,7 @@ async fn the_openai_sdk_streams_through_an_adapter_to_vllm_which_aborts_and_fail
     assert!(!body["choices"][0]["message"]["content"].as_str().unwrap().is_empty(), "{body}");
 
     // The OpenAI SDK streams a chat through the adapter.
-    let sdk = r#"
-import sys, openai
-client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
-stream = client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24, stream=True)
-text, reasons = "", []
-for chunk in stream:
-    if chunk.choices:
-        text += chunk.choices[0].delta.content or ""
-        if chunk.choices[0].finish_reason:
-            reasons.append(chunk.choices[0].finish_reason)
-assert text and reasons in (["stop"], ["length"]), (text, reasons)
-print(reasons[0], repr(text))
-"#;
-    let run = tokio::process::Command::new("python3").args(["-c", sdk, &base, MODEL]).kill_on_drop(true).output();
-    let output = tokio::time::timeout(Duration::from_secs(120), run).await.expect("the SDK's stream took over 2 minutes").unwrap();
-    assert!(output.status.success(), "the OpenAI SDK's stream: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    sdk_streams_a_chat(&base).await;
     assert_eq!(metric(&adapter.admin_url(), "turbine_worker_upstream_healthy").await, 1.0);
 
     // A client that goes away mid-stream aborts its request in the engine.
@@ -275,6 +280,24 @@ async fn cached_tokens(worker: &turbine_api::worker::WorkerClient, request: turb
 /// next request routes on them. (The chosen worker, the router's
 /// predicted overlap in tokens, the engine-reported cached tokens.)
 async fn route_and_run(router: &RouterClient, prompt: Vec<u32>, request_id: &str, salt: turbine_kv::CacheSalt) -> (String, u32, u32) {
+    let (worker, routed, cached) = route_and_run_once(router, prompt.clone(), request_id, salt).await;
+    let last_block = *turbine_kv::BlockHasher::salted(turbine_kv::DEFAULT_SEED, salt).sequence_hashes(&prompt, 32).last().unwrap();
+    wait_until("the adapter mirrors the prompt's blocks", Duration::from_secs(20), async || {
+        worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block))
+    })
+    .await;
+    (routed.worker.worker_id.to_string(), routed.overlap_blocks * 32, cached)
+}
+
+/// Routes `prompt` with the router and runs it on the worker it chose, to
+/// its first token: (that worker, the router's answer, the engine-reported
+/// cached prompt tokens).
+async fn route_and_run_once(
+    router: &RouterClient,
+    prompt: Vec<u32>,
+    request_id: &str,
+    salt: turbine_kv::CacheSalt,
+) -> (turbine_api::worker::WorkerClient, turbine_api::router::Routed, u32) {
     let route = turbine_api::router::RouteRequest {
         request_id: request_id.to_owned(),
         model: MODEL.into(),
@@ -294,12 +317,7 @@ async fn route_and_run(router: &RouterClient, prompt: Vec<u32>, request_id: &str
     };
     let cached = cached_tokens(&worker, request).await;
     router.finished(request_id).await.unwrap();
-    let last_block = *turbine_kv::BlockHasher::salted(turbine_kv::DEFAULT_SEED, salt).sequence_hashes(&prompt, 32).last().unwrap();
-    wait_until("the adapter mirrors the prompt's blocks", Duration::from_secs(20), async || {
-        worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block))
-    })
-    .await;
-    (routed.worker.worker_id.to_string(), routed.overlap_blocks * 32, cached)
+    (worker, routed, cached)
 }
 
 #[tokio::test]
@@ -371,6 +389,138 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     assert!(within_a_block * 100 >= outcomes.len() * 95, "the router's predicted overlap is the engine's cache for at least 95% of requests: {outcomes:?}");
     let used: std::collections::HashSet<&str> = outcomes.iter().map(|(worker, _, _)| worker.as_str()).collect();
     assert_eq!(used.len(), 2, "both engines served: {outcomes:?}");
+}
+
+/// The sum of a metric over `engines`.
+async fn engines_metric(engines: &[String], name: &str) -> f64 {
+    let mut sum = 0.0;
+    for engine in engines {
+        sum += engine_metric(engine, name, &[]).await;
+    }
+    sum
+}
+
+#[tokio::test]
+async fn llama_cpp_serves_behind_adapters_routed_on_the_routers_own_decisions() {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let install = LlamaCppInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    // The GGUF the native workers serve: llama.cpp loads it as it is, and
+    // the adapters' cards come from the same file.
+    let gguf =
+        turbine_tokens::pull::resolve_model(MODEL, None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap().path;
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        let (install, gguf) = (install.clone(), gguf.clone());
+        engines.push(tokio::task::spawn_blocking(move || LlamaCppServer::start(&install, &gguf, MODEL, &[])).await.unwrap());
+    }
+    let urls: Vec<String> = engines.iter().map(LlamaCppServer::url).collect();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let cluster = ["--redis", url.as_str(), "--namespace", "llama"];
+    let mut adapters = Vec::new();
+    for (index, upstream) in urls.iter().enumerate() {
+        let id = format!("llama-{index}");
+        let external = ["--engine", "external", "--upstream-kind", "llama-cpp", "--upstream", upstream, "--worker-id", &id, "--lease-ttl-secs", "2"];
+        adapters.push(service("turbine-worker", &[&cluster[..], &external[..]].concat(), &[], false).await);
+    }
+    // No KV events from llama.cpp: the router credits its own decisions.
+    let router = service("turbine-router", &[&cluster[..], &["--policy", "kv", "--kv-approximate"][..]].concat(), &[], false).await;
+    until_registered(&router, 2).await;
+    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
+
+    // The engine computes exactly the gateway's prompt tokens, and the
+    // greedy text that comes back is the engine's own for that prompt.
+    let before = engines_metric(&urls, "llamacpp:prompt_tokens_total").await;
+    let (status, body) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12})).await;
+    assert_eq!(status, 200, "{body}");
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(engines_metric(&urls, "llamacpp:prompt_tokens_total").await - before, prompt_tokens, "{body}");
+    let direct = reqwest::Client::new()
+        .post(format!("{}/completion", urls[0]))
+        .json(&json!({"prompt": "The capital of France is", "n_predict": 12, "temperature": 0.0, "cache_prompt": false}))
+        .send()
+        .await
+        .unwrap();
+    let direct: serde_json::Value = direct.json().await.unwrap();
+    assert_eq!(direct["tokens_evaluated"].as_f64(), Some(prompt_tokens), "the engine tokenizes the text as the gateway does: {direct}");
+    assert_eq!(body["choices"][0]["text"], direct["content"], "the gateway's text is the engine's own greedy text: {body} {direct}");
+
+    sdk_streams_a_chat(&base).await;
+
+    // Routed on the router's own decisions: a prefix goes back to the
+    // worker that computed it, which finds it in the engine's cache (the
+    // router's predicted overlap is within a block of the engine's hit).
+    let router_client = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+    let ours = turbine_tokens::Preprocessor::new(turbine_tokens::ModelCard::from_path(MODEL, &gguf, 16).unwrap()).unwrap();
+    let mut outcomes = Vec::new();
+    for round in 0..4 {
+        for subject in ["astronomy", "cooking"] {
+            let system = format!("You are an expert in {subject}. {}", "Answer carefully, cite sources, and keep every answer short and precise. ".repeat(4));
+            let prompt = ours.encode_text(&format!("{system}\nQuestion {round} about {subject}: what matters most?")).unwrap();
+            let (_, routed, cached) = route_and_run_once(&router_client, prompt, &format!("r-{round}-{subject}"), turbine_kv::CacheSalt::SHARED).await;
+            outcomes.push((subject, routed.worker.worker_id.to_string(), routed.overlap_blocks * 16, cached));
+        }
+    }
+    eprintln!("(subject, worker, predicted tokens, engine-cached tokens): {outcomes:?}");
+    for (subject, worker, predicted, cached) in &outcomes[2..] {
+        let first = outcomes.iter().find(|outcome| outcome.0 == *subject).unwrap();
+        assert_eq!(worker, &first.1, "{subject} went back to the worker that computed it: {outcomes:?}");
+        assert!(*predicted > 0 && *cached > 0 && predicted.abs_diff(*cached) <= 16, "predicted and hit within a block: {outcomes:?}");
+    }
+    // A tenant's request shares no cache in an engine that cannot scope it.
+    let system = format!("You are an expert in astronomy. {}", "Answer carefully, cite sources, and keep every answer short and precise. ".repeat(4));
+    let prompt = ours.encode_text(&format!("{system}\nQuestion 9 about astronomy: what matters most?")).unwrap();
+    let (_, _, cached) = route_and_run_once(&router_client, prompt, "tenant-0", turbine_kv::CacheSalt::of(&["tenant-a"])).await;
+    assert_eq!(cached, 0, "a tenant's request reads no other request's cache");
+
+    // A client that goes away mid-stream cancels its request in the engine:
+    // it stops decoding long before its 1,500 tokens.
+    let client = reqwest::Client::new();
+    let long = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
+    read_more(&mut stream, &mut buffer, 3).await;
+    assert_eq!(engines_metric(&urls, "llamacpp:requests_processing").await, 1.0, "an engine runs the stream");
+    let decodes = engines_metric(&urls, "llamacpp:n_decode_total").await;
+    drop(stream);
+    wait_until("the engine cancels the abandoned request", Duration::from_secs(20), async || {
+        engines_metric(&urls, "llamacpp:requests_processing").await == 0.0
+    })
+    .await;
+    let decoded = engines_metric(&urls, "llamacpp:n_decode_total").await - decodes;
+    assert!(decoded < 1000.0, "the engines decoded {decoded} more steps for an abandoned request");
+
+    // An engine killed mid-stream: the request continues on the other
+    // engine's worker, and the dead one's adapter leaves the registry.
+    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
+    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
+    read_more(&mut stream, &mut buffer, 3).await;
+    let mut running = None;
+    for (index, engine) in urls.iter().enumerate() {
+        if engine_metric(engine, "llamacpp:requests_processing", &[]).await == 1.0 {
+            running = Some(index);
+        }
+    }
+    let running = running.expect("one engine runs the stream");
+    let before = engine_metric(&urls[1 - running], "llamacpp:n_decode_total", &[]).await;
+    engines[running].kill();
+    let after_kill = read_more(&mut stream, &mut buffer, 20).await;
+    assert!(after_kill.iter().all(|event| event != "[DONE]"), "the stream went on after the engine died");
+    assert_eq!(metric(&base, "turbine_gateway_migrations_total").await, 1.0);
+    assert!(engine_metric(&urls[1 - running], "llamacpp:n_decode_total", &[]).await > before, "the other engine continued the request");
+    drop(stream);
+    let survivor = format!("llama-{}", 1 - running);
+    wait_until("the adapter of the dead engine leaves the registry", Duration::from_secs(20), async || {
+        router_client
+            .workers(None)
+            .await
+            .is_ok_and(|workers| workers.iter().map(|worker| worker.worker_id.to_string()).collect::<Vec<_>>() == [survivor.as_str()])
+    })
+    .await;
+    assert_eq!(metric(&adapters[running].admin_url(), "turbine_worker_upstream_healthy").await, 0.0);
 }
 
 #[test]

@@ -11,7 +11,10 @@
 //!   ready when `pg_isready` says so.
 //! - [`VllmServer`]: vLLM's CPU build serving a model (an external engine
 //!   for workers to front), ready when its /health answers.
+//! - [`LlamaCppServer`]: llama.cpp's server on a GGUF (an external engine
+//!   without KV events), ready when its /health answers.
 
+mod llama_cpp_server;
 mod postgres_server;
 mod process;
 mod redis_server;
@@ -19,6 +22,7 @@ mod service;
 mod sockets;
 mod vllm_server;
 
+pub use llama_cpp_server::{LLAMA_CPP_STARTUP_TIMEOUT, LlamaCppInstall, LlamaCppServer};
 pub use postgres_server::{PostgresServer, PostgresTls};
 pub use process::ChildProcess;
 pub use redis_server::{RedisServer, RedisTls};

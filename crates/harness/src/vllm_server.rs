@@ -132,7 +132,7 @@ impl Drop for VllmServer {
 
 /// The status of `GET path` on the loopback port, if it answers within a
 /// second.
-fn http_status(port: u16, path: &str) -> Option<u16> {
+pub(crate) fn http_status(port: u16, path: &str) -> Option<u16> {
     let timeout = Duration::from_secs(1);
     let mut stream = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), timeout).ok()?;
     stream.set_read_timeout(Some(timeout)).ok()?;

@@ -32,6 +32,13 @@ pub enum UpstreamKind {
     /// vllm.entrypoints.openai.api_server`.
     #[default]
     Vllm,
+    /// llama.cpp's own server (`llama-server --metrics`, on the model's
+    /// GGUF: the same file can be the card). It takes prompts as token ids
+    /// and streams back ids on its `/completion`; it publishes no KV
+    /// events, so routers credit it approximately (`--kv-approximate`), and
+    /// it cannot scope its cache by tenant (a tenant's request runs with
+    /// its prompt cache off).
+    LlamaCpp,
 }
 
 /// Which blocks a worker puts to the kv-store (`--kv-store-offload`).
@@ -408,6 +415,12 @@ impl EngineConfig {
             if self.engine != EngineKind::External {
                 return Err(InvalidSetting::new("upstream_kv_events", "are an external engine's: set engine = external too"));
             }
+            if self.upstream_kind == UpstreamKind::LlamaCpp {
+                return Err(InvalidSetting::new(
+                    "upstream_kv_events",
+                    "llama.cpp's server publishes no KV events: leave them unset and run the router with --kv-approximate (docs/engines.md)",
+                ));
+            }
             self.upstream_kv_events_addr().map_err(|message| InvalidSetting::new("upstream_kv_events", format!("{endpoint:?}: {message}")))?;
         }
         if self.kv_store_min_blocks == 0 || self.kv_store_timeout_ms == 0 {
@@ -634,5 +647,8 @@ mod tests {
         assert!(parse(&[&external[..], &["--upstream-kv-events", "tcp://0.0.0.0:5557"]].concat()).unwrap_err().contains("loopback"));
         assert!(parse(&[&external[..], &["--upstream-kv-events", "ipc:///tmp/x"]].concat()).unwrap_err().contains("tcp://"));
         assert!(parse(&["--upstream-kv-events", "tcp://127.0.0.1:5557"]).unwrap_err().contains("engine = external"));
+        let llama = [&external[..], &["--upstream-kind", "llama-cpp"]].concat();
+        assert_eq!(parse(&llama).unwrap().engine.upstream_kind, UpstreamKind::LlamaCpp);
+        assert!(parse(&[&llama[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557"]].concat()).unwrap_err().contains("--kv-approximate"));
     }
 }

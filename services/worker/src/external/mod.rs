@@ -4,7 +4,7 @@
 //! engine.
 //!
 //! - Prompts go to the engine as token ids and generated token ids come
-//!   back ([`vllm`]): the gateway's tokenizer and chat template stay the
+//!   back ([`vllm`], [`llama_cpp`]): the gateway's tokenizer and chat template stay the
 //!   one source of truth, so the card (`--model`) must be the model the
 //!   engine serves.
 //! - A caller that goes away drops its stream, which closes the engine's
@@ -22,6 +22,7 @@
 //!   tiers need blocks on Turbine's transfer plane.
 
 pub mod events;
+pub mod llama_cpp;
 pub mod msgpack;
 pub mod prom;
 pub mod serve;
@@ -41,7 +42,7 @@ use turbine_runtime::CancellationToken;
 use turbine_tokens::ModelCard;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 
-use crate::config::WorkerConfig;
+use crate::config::{UpstreamKind, WorkerConfig};
 use crate::metrics;
 
 /// How long one probe of the engine (`/health`, `/metrics`) may take.
@@ -69,6 +70,8 @@ pub struct ExternalWorker {
     id: WorkerId,
     card: ModelCard,
     instance: u64,
+    /// What serves at `base`.
+    kind: UpstreamKind,
     /// The engine's base URL, without a trailing slash.
     base: String,
     /// The model's name at the engine.
@@ -90,6 +93,7 @@ impl ExternalWorker {
     /// serves: the model, its context window and its KV block size.
     pub async fn connect(config: &WorkerConfig, shutdown: &CancellationToken) -> anyhow::Result<Arc<Self>> {
         let engine = &config.engine;
+        let kind = engine.upstream_kind;
         let base = engine.upstream.clone().context("an external engine needs --upstream")?.trim_end_matches('/').to_owned();
         let id = WorkerId::from(config.worker_id.clone().unwrap_or_else(|| format!("worker-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])));
         let card = tokio::task::spawn_blocking({
@@ -114,7 +118,8 @@ impl ExternalWorker {
         let deadline = Instant::now() + Duration::from_secs(engine.upstream_wait_secs);
         let mut waited = false;
         let (models, stats) = loop {
-            let probe = async { Ok::<_, WorkerError>((get_json::<vllm::Models>(&http, &format!("{base}/v1/models")).await?, probe(&http, &base).await?)) };
+            let probe =
+                async { Ok::<_, WorkerError>((get_json::<vllm::Models>(&http, &format!("{base}/v1/models")).await?, probe(&http, &base, kind).await?)) };
             match probe.await {
                 Ok(answer) => break answer,
                 Err(error) if Instant::now() >= deadline => {
@@ -143,14 +148,22 @@ impl ExternalWorker {
             },
         };
         let mut card = card;
-        let block_size = stats.block_size.context("the engine's /metrics does not say its KV block size (vllm:cache_config_info)")?;
-        if let Some(configured) = engine.block_size
-            && configured as u32 != block_size
-        {
-            anyhow::bail!("--block-size {configured} is not the engine's: it caches blocks of {block_size} tokens");
-        }
+        let block_size = match kind {
+            UpstreamKind::Vllm => {
+                let block_size = stats.block_size.context("the engine's /metrics does not say its KV block size (vllm:cache_config_info)")?;
+                if let Some(configured) = engine.block_size
+                    && configured as u32 != block_size
+                {
+                    anyhow::bail!("--block-size {configured} is not the engine's: it caches blocks of {block_size} tokens");
+                }
+                block_size
+            }
+            // Its cache is per slot, not in blocks: the block size is only
+            // the unit routers credit prefixes in.
+            UpstreamKind::LlamaCpp => engine.block_size() as u32,
+        };
         card.kv_block_size = block_size;
-        if let Some(engine_context) = served.max_model_len {
+        if let Some(engine_context) = served.context_length() {
             card.context_length = card.context_length.min(engine_context);
         }
         if let Some(context_length) = engine.context_length {
@@ -159,13 +172,13 @@ impl ExternalWorker {
         let stop_ids = card.tokenizer.eog_token_ids.clone();
         let mirror = events_listener.as_ref().map(|_| Arc::new(parking_lot::Mutex::new(events::KvMirror::new(&id, block_size as usize))));
         tracing::info!(
-            worker = %id, upstream = %base, upstream_model = %served.id, model = %card.name,
+            worker = %id, upstream = %base, ?kind, upstream_model = %served.id, model = %card.name,
             context_length = card.context_length, block_size, blocks = stats.load.blocks_total, "fronting the engine"
         );
         let (state, _) = watch::channel(EngineState { healthy: true, load: stats.load });
         let instance = uuid::Uuid::new_v4().as_u64_pair().0;
         let events_listener = parking_lot::Mutex::new(events_listener);
-        Ok(Arc::new(Self { id, card, instance, base, model: served.id.clone(), http, stop_ids, state, mirror, events_listener }))
+        Ok(Arc::new(Self { id, card, instance, kind, base, model: served.id.clone(), http, stop_ids, state, mirror, events_listener }))
     }
 
     /// The worker id.
@@ -220,7 +233,7 @@ impl ExternalWorker {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(PROBE_INTERVAL) => {}
             }
-            match probe(&self.http, &self.base).await {
+            match probe(&self.http, &self.base, self.kind).await {
                 Ok(stats) => {
                     failures = 0;
                     let was = self.state.send_replace(EngineState { healthy: true, load: stats.load });
@@ -265,10 +278,19 @@ impl WorkerApi for ExternalWorker {
         }
         self.check_vocabulary(&request.prompt)?;
         self.refuse_if_unhealthy()?;
-        let body = vllm::completion_body(&self.model, &request, &self.stop_ids);
-        let completion = vllm::Completion::new(request.prompt.len(), &body);
-        let url = format!("{}/v1/completions", self.base);
-        let sent = tokio::time::timeout(HEADERS_TIMEOUT, self.http.post(&url).json(&body).send()).await;
+        let (post, completion) = match self.kind {
+            UpstreamKind::Vllm => {
+                let body = vllm::completion_body(&self.model, &request, &self.stop_ids);
+                let completion = Completion::Vllm(vllm::Completion::new(request.prompt.len(), &body));
+                (self.http.post(format!("{}/v1/completions", self.base)).json(&body), completion)
+            }
+            UpstreamKind::LlamaCpp => {
+                let body = llama_cpp::completion_body(&request);
+                let completion = Completion::LlamaCpp(llama_cpp::Completion::new(&request, &self.stop_ids));
+                (self.http.post(format!("{}/completion", self.base)).json(&body), completion)
+            }
+        };
+        let sent = tokio::time::timeout(HEADERS_TIMEOUT, post.send()).await;
         let response = match sent {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => return Err(WorkerError::Unavailable(format!("the engine at {} cannot be reached: {error}", self.base))),
@@ -302,12 +324,27 @@ impl WorkerApi for ExternalWorker {
 
 type Bytes = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
 
+/// A completion stream as its engine's dialect reads it.
+enum Completion {
+    Vllm(vllm::Completion),
+    LlamaCpp(llama_cpp::Completion),
+}
+
+impl Completion {
+    fn event(&mut self, data: &str) -> Result<Option<TokenChunk>, WorkerError> {
+        match self {
+            Self::Vllm(completion) => completion.event(data),
+            Self::LlamaCpp(completion) => completion.event(data),
+        }
+    }
+}
+
 /// One request's response from the engine, followed into token chunks.
 /// Dropping it closes the response: the engine aborts the request.
 struct Follow {
     bytes: Bytes,
     events: vllm::EventStream,
-    completion: vllm::Completion,
+    completion: Completion,
     state: watch::Receiver<EngineState>,
     /// The finishing chunk or an error went out.
     over: bool,
@@ -360,7 +397,7 @@ pub(crate) async fn unhealthy(state: &mut watch::Receiver<EngineState>) {
 
 /// The engine's health and stats: `/health` answers 200 and `/metrics`
 /// reads.
-async fn probe(http: &reqwest::Client, base: &str) -> Result<vllm::EngineStats, WorkerError> {
+async fn probe(http: &reqwest::Client, base: &str, kind: UpstreamKind) -> Result<vllm::EngineStats, WorkerError> {
     let health = tokio::time::timeout(PROBE_TIMEOUT, http.get(format!("{base}/health")).send()).await;
     match health {
         Ok(Ok(response)) if response.status().is_success() => {}
@@ -368,7 +405,17 @@ async fn probe(http: &reqwest::Client, base: &str) -> Result<vllm::EngineStats, 
         Ok(Err(error)) => return Err(WorkerError::Unavailable(format!("/health: {error}"))),
         Err(_) => return Err(WorkerError::Unavailable(format!("/health did not answer within {PROBE_TIMEOUT:?}"))),
     }
-    vllm::engine_stats(&get_text(http, &format!("{base}/metrics")).await?)
+    let metrics = get_text(http, &format!("{base}/metrics")).await;
+    match kind {
+        UpstreamKind::Vllm => vllm::engine_stats(&metrics?),
+        UpstreamKind::LlamaCpp => match metrics {
+            Ok(text) => Ok(vllm::EngineStats { load: llama_cpp::engine_stats(&text)?, block_size: None }),
+            Err(WorkerError::Unavailable(message)) if message.contains("answered 501") => {
+                Err(WorkerError::Unavailable(format!("{message}: start llama-server with --metrics (its load comes from there)")))
+            }
+            Err(error) => Err(error),
+        },
+    }
 }
 
 async fn get_text(http: &reqwest::Client, url: &str) -> Result<String, WorkerError> {

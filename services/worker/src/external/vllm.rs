@@ -284,6 +284,21 @@ pub struct ServedModel {
     pub id: String,
     /// vLLM's context window for it.
     pub max_model_len: Option<u32>,
+    /// llama.cpp's (`meta.n_ctx`: one slot's).
+    pub meta: Option<ModelMeta>,
+}
+
+/// What llama.cpp says of a served model.
+#[derive(Debug, Deserialize)]
+pub struct ModelMeta {
+    pub n_ctx: Option<u32>,
+}
+
+impl ServedModel {
+    /// The context window the engine serves it with, if it says.
+    pub fn context_length(&self) -> Option<u32> {
+        self.max_model_len.or(self.meta.as_ref().and_then(|meta| meta.n_ctx)).filter(|&n| n > 0)
+    }
 }
 
 /// Splits an event stream into its events' data, across reads.
