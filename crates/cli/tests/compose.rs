@@ -9,7 +9,10 @@
 //! gateway, every hop over mutual TLS with the certificates `docker compose
 //! run --rm certs` makes, Redis included; a repeated prompt hits the
 //! cache; the workers' blocks reach the kv-store; and the operator, alone
-//! with its certificate, reads the store and the planner.
+//! with its certificate, reads the store and the planner. The `vllm`
+//! profile runs too (`docker compose --profile vllm up`): vLLM's CPU build
+//! (the test command's install standing in for its image) behind a worker
+//! in its network namespace, serving its model through the same gateway.
 //!
 //! It also holds the file to what the replay cannot see: every address a
 //! service names is a port another service listens on, and every port
@@ -28,7 +31,11 @@ use serde_yaml::Value;
 use turbine_runtime::grpc::tls_channel;
 use turbine_runtime::host::Role;
 use turbine_runtime::trust::TlsConfig;
-use turbine_testkit::{ChildProcess, PostgresServer, STARTUP_TIMEOUT, ServiceProcess, free_port, wait_until, workspace_binary};
+use turbine_testkit::{ChildProcess, PostgresServer, STARTUP_TIMEOUT, ServiceProcess, VllmInstall, VllmServer, free_port, wait_until, workspace_binary};
+
+/// Where the vLLM image (infra/vllm/Dockerfile) holds the converted
+/// default model; the replay serves the test command's conversion.
+const VLLM_IMAGE_MODEL: &str = "/opt/models/smollm2-135m-hf";
 
 /// The ports each kind of service listens on (in its container), and the
 /// flag that sets each one: what the replay moves to free ports.
@@ -42,6 +49,7 @@ fn listens(kind: &str) -> &'static [(&'static str, u16)] {
         "gateway" => &[("--grpc-addr", 50050), ("--http-addr", 8000)],
         "redis" => &[("--tls-port", 6379)],
         "postgres" => &[("", 5432)],
+        "turbine-vllm" => &[("--port", 8000)],
         other => panic!("compose.yaml runs a service of a kind this test does not know: {other}"),
     }
 }
@@ -69,6 +77,17 @@ struct Spec {
     depends_on: Vec<String>,
     published: Vec<u16>,
     healthcheck: Vec<String>,
+    profiles: Vec<String>,
+    /// The service whose network namespace it shares (`network_mode:
+    /// service:NAME`): its ports are that service's, and its loopback is.
+    netns: Option<String>,
+}
+
+impl Spec {
+    /// The host name its ports are reached at.
+    fn host(&self) -> &str {
+        self.netns.as_deref().unwrap_or(&self.name)
+    }
 }
 
 fn parse(file: &Path) -> (BTreeMap<String, Spec>, BTreeMap<String, String>) {
@@ -119,7 +138,9 @@ fn parse(file: &Path) -> (BTreeMap<String, Spec>, BTreeMap<String, String>) {
         };
         let published = strings(&service["ports"]).iter().map(|port| port.rsplit(':').next().unwrap().parse().unwrap()).collect();
         let healthcheck = strings(&service["healthcheck"]["test"]);
-        specs.insert(name.clone(), Spec { name, kind, image, command, environment, secrets, volumes, depends_on, published, healthcheck });
+        let profiles = strings(&service["profiles"]);
+        let netns = service["network_mode"].as_str().map(|mode| mode.strip_prefix("service:").expect("network_mode: service:NAME").to_owned());
+        specs.insert(name.clone(), Spec { name, kind, image, command, environment, secrets, volumes, depends_on, published, healthcheck, profiles, netns });
     }
     (specs, secret_files)
 }
@@ -146,11 +167,15 @@ struct Network {
 impl Network {
     /// `text` with each service's address replaced by its loopback one
     /// (Redis by `localhost`, the name its certificate carries here).
-    fn rewrite(&self, text: &str) -> String {
+    fn rewrite(&self, spec: &Spec, text: &str) -> String {
         let mut text = text.to_owned();
         for ((service, inside), here) in &self.ports {
             let host = if service == "redis" { "localhost" } else { "127.0.0.1" };
             text = text.replace(&format!("{service}:{inside}"), &format!("{host}:{here}"));
+            // Its own loopback: the ports of the namespace it is in.
+            if service == spec.host() {
+                text = text.replace(&format!("127.0.0.1:{inside}"), &format!("127.0.0.1:{here}"));
+            }
         }
         text
     }
@@ -188,7 +213,9 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let operator = operator.establish().unwrap().expect("an identity");
     let source = |name: &str| certs_dir.join(secret_files[name].strip_prefix("./certs/").expect("secrets come from ./certs"));
 
-    let running: Vec<&Spec> = specs.values().filter(|spec| spec.name != "certs").collect();
+    // What `docker compose --profile vllm up` runs: all but the setup step.
+    let running: Vec<&Spec> = specs.values().filter(|spec| !spec.profiles.iter().any(|profile| profile == "setup")).collect();
+    assert!(running.iter().any(|spec| spec.profiles == ["vllm"]), "the vllm profile is in the file");
     // Each service's secrets, alone in its own folder (its /run/secrets);
     // no service holds the CA's key.
     for spec in &running {
@@ -209,13 +236,14 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let mut network = Network { ports: BTreeMap::new() };
     for spec in &running {
         for &(_, inside) in listens(&spec.kind) {
-            network.ports.insert((spec.name.clone(), inside), free_port());
+            let fresh = network.ports.insert((spec.host().to_owned(), inside), free_port());
+            assert!(fresh.is_none(), "{} listens on {inside}, taken in its network namespace", spec.name);
         }
     }
     let mut needs: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for spec in &running {
         for published in &spec.published {
-            assert!(network.ports.contains_key(&(spec.name.clone(), *published)), "{} publishes {published}, where it does not listen", spec.name);
+            assert!(network.ports.contains_key(&(spec.host().to_owned(), *published)), "{} publishes {published}, where it does not listen", spec.name);
         }
         let texts = spec.command.iter().chain(spec.environment.values());
         let mut deps: BTreeSet<String> = spec.depends_on.iter().cloned().collect();
@@ -233,18 +261,19 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let mut children: Vec<ChildProcess> = Vec::new();
     let mut services: BTreeMap<String, ServiceProcess> = BTreeMap::new();
     let mut postgres: Option<PostgresServer> = None;
+    let mut vllm: Option<VllmServer> = None;
     while started.len() < running.len() {
         let spec = running
             .iter()
             .find(|spec| !started.contains(&spec.name) && needs[&spec.name].iter().all(|dep| started.contains(dep)))
             .unwrap_or_else(|| panic!("compose.yaml's services depend on each other in a circle: {needs:?}"));
-        let here = |text: &str| network.rewrite(&mount(spec, root.path(), text));
+        let here = |text: &str| network.rewrite(spec, &mount(spec, root.path(), text));
         match spec.image.as_str() {
             "turbine:dev" => {
                 let mut command = Command::new(workspace_binary("turbine"));
                 command.args(spec.command.iter().map(|arg| here(arg)));
                 for &(flag, inside) in listens(&spec.kind) {
-                    command.args([flag.to_owned(), format!("127.0.0.1:{}", network.ports[&(spec.name.clone(), inside)])]);
+                    command.args([flag.to_owned(), format!("127.0.0.1:{}", network.ports[&(spec.host().to_owned(), inside)])]);
                 }
                 for (key, value) in &spec.environment {
                     command.env(key, here(value));
@@ -285,12 +314,34 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
                 network.ports.insert((spec.name.clone(), 5432), server.port());
                 postgres = Some(server);
             }
+            image if image.starts_with("turbine-vllm:") => {
+                // The image's entrypoint (vLLM's API server) with the file's
+                // command: the test command's install and conversion of the
+                // model in place of the image's, on the free port.
+                let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+                let dockerfile = std::fs::read_to_string(workspace.join("infra/vllm/Dockerfile")).unwrap();
+                assert!(dockerfile.contains(VLLM_IMAGE_MODEL) && spec.command.contains(&VLLM_IMAGE_MODEL.to_owned()), "the image's model is the one served");
+                let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+                let port = network.ports[&(spec.name.clone(), 8000)];
+                let mut args: Vec<String> =
+                    spec.command.iter().map(|arg| if arg == VLLM_IMAGE_MODEL { install.model.display().to_string() } else { here(arg) }).collect();
+                let at = args.iter().position(|arg| arg == "--port").expect("the engine's port") + 1;
+                args[at] = port.to_string();
+                assert_eq!(
+                    args[args.iter().position(|arg| arg == "--host").expect("the engine's host") + 1],
+                    "127.0.0.1",
+                    "the engine listens on loopback only"
+                );
+                vllm = Some(tokio::task::spawn_blocking(move || VllmServer::start_with(&install, port, &args)).await.unwrap());
+            }
             other => panic!("compose.yaml runs an image this test does not know: {other}"),
         }
         started.insert(spec.name.clone());
     }
 
-    until_registered(&services["router"], 2).await;
+    let workers = running.iter().filter(|spec| spec.kind == "worker").count();
+    assert_eq!(workers, 3, "two native workers and the vllm profile's");
+    until_registered(&services["router"], workers).await;
     let base = services["gateway"].http_url();
     until_listed(&base).await;
 
@@ -324,5 +375,16 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let plaintext = turbine_runtime::grpc::traced_channel(&services["kv-store"].grpc_endpoint()).unwrap();
     let refused = turbine_proto::kvstore::v1::kv_store_client::KvStoreClient::new(plaintext).stats(turbine_proto::kvstore::v1::StatsRequest {}).await;
     assert!(refused.is_err(), "a plaintext caller is refused");
-    drop((services, children, postgres));
+
+    // The vllm profile: its model through the same gateway, from the
+    // engine behind the worker in its network namespace; the repeat hits
+    // the engine's own prefix cache.
+    let body = json!({"model": "smollm2-135m-vllm", "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let (status, first) = post(&base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{first}");
+    assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty(), "{first}");
+    let (status, second) = post(&base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{second}");
+    assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits in vLLM: {second}");
+    drop((services, children, postgres, vllm));
 }

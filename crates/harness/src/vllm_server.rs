@@ -57,23 +57,27 @@ impl VllmServer {
     /// thread, 1 GiB of KV cache, blocks of 32 tokens, prefix caching.
     pub fn start(install: &VllmInstall, served_name: &str, args: &[&str]) -> Self {
         let port = free_port();
+        let mut all: Vec<String> =
+            ["--host", "127.0.0.1", "--port", &port.to_string(), "--model", &install.model.display().to_string()].map(str::to_owned).into();
+        all.extend(["--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4"].map(str::to_owned));
+        all.extend(["--enforce-eager", "--enable-prefix-caching", "--block-size", "32", "--enable-prompt-tokens-details"].map(str::to_owned));
+        all.extend(args.iter().map(|arg| (*arg).to_owned()));
+        Self::start_with(install, port, &all)
+    }
+
+    /// Starts vLLM's OpenAI-compatible server with exactly `args` (which
+    /// must bind 127.0.0.1:`port`), in the environment above; returns once
+    /// /health answers 200.
+    pub fn start_with(install: &VllmInstall, port: u16, args: &[String]) -> Self {
         let mut command = Command::new(&install.python);
-        command
-            .args(["-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port"])
-            .arg(port.to_string())
-            .arg("--model")
-            .arg(&install.model)
-            .args(["--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4"])
-            .args(["--enforce-eager", "--enable-prefix-caching", "--block-size", "32", "--enable-prompt-tokens-details"])
-            .args(args)
-            .envs([
-                ("VLLM_CPU_KVCACHE_SPACE", "1"),
-                ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                ("OMP_NUM_THREADS", "1"),
-                ("HF_HUB_OFFLINE", "1"),
-                ("VLLM_NO_USAGE_STATS", "1"),
-                ("DO_NOT_TRACK", "1"),
-            ]);
+        command.args(["-m", "vllm.entrypoints.openai.api_server"]).args(args).envs([
+            ("VLLM_CPU_KVCACHE_SPACE", "1"),
+            ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            ("OMP_NUM_THREADS", "1"),
+            ("HF_HUB_OFFLINE", "1"),
+            ("VLLM_NO_USAGE_STATS", "1"),
+            ("DO_NOT_TRACK", "1"),
+        ]);
         {
             use std::os::unix::process::CommandExt;
             command.process_group(0);
