@@ -39,7 +39,7 @@ use turbine_worker::{EngineKind, KvFetch};
 use drive::drive;
 use report::print_timeline;
 pub use report::{PolicyReport, ReplayReport, print, write_plot};
-pub use trace::{TraceRequest, oracle_hits, prompt_tokens, read_trace};
+pub use trace::{TraceRequest, oracle_hits, prompt_tokens, read_trace, shrink};
 
 /// Flags of `turbine bench replay`.
 #[derive(Debug, Clone, clap::Args)]
@@ -47,6 +47,11 @@ pub struct ReplayArgs {
     /// Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
     #[arg(long)]
     pub trace: PathBuf,
+    /// Divide every length of the trace by this (prompts, outputs, the
+    /// tokens of each shared trace block): a replay on real engines that
+    /// compute a Mooncake prompt of thousands of tokens too slowly.
+    #[arg(long, default_value_t = 1)]
+    pub shrink: usize,
     /// Mocker workers behind the router.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -172,7 +177,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
         args.window_secs == 0.0 || (args.window_secs.is_finite() && args.window_secs >= 0.1),
         "--window-secs must be 0 (no timeline) or at least 0.1"
     );
-    let requests = read_trace(&args.trace, args.limit)?;
+    let requests = shrink(read_trace(&args.trace, args.limit)?, args.shrink)?;
     let longest = requests.iter().map(|r| r.input_length as u64 + u64::from(r.output_length)).max().unwrap_or(0);
     let context_length = u32::try_from(longest + 1).context("a trace request exceeds 2^32 tokens")?;
     let oracle = oracle_hits(&requests, args.block_size);

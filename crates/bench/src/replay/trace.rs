@@ -20,6 +20,29 @@ pub struct TraceRequest {
     pub output_length: u32,
     /// Prefix block ids (512 tokens each; the last may be partial).
     pub hash_ids: Vec<u64>,
+    /// Tokens per `hash_ids` entry: 512, less in a [`shrink`]ed trace.
+    #[serde(skip, default = "trace_block_tokens")]
+    pub block_tokens: usize,
+}
+
+fn trace_block_tokens() -> usize {
+    TRACE_BLOCK_TOKENS
+}
+
+/// The trace with every length divided by `factor` (rounded up): prompts,
+/// outputs and the tokens of each trace block, so the prefixes requests
+/// share keep their shape at a size a small engine computes in time.
+pub fn shrink(requests: Vec<TraceRequest>, factor: usize) -> anyhow::Result<Vec<TraceRequest>> {
+    anyhow::ensure!(factor >= 1 && TRACE_BLOCK_TOKENS.is_multiple_of(factor), "--shrink {factor}: must divide the trace's {TRACE_BLOCK_TOKENS}-token blocks");
+    Ok(requests
+        .into_iter()
+        .map(|request| TraceRequest {
+            input_length: request.input_length.div_ceil(factor),
+            output_length: request.output_length.div_ceil(factor as u32),
+            block_tokens: request.block_tokens / factor,
+            ..request
+        })
+        .collect())
 }
 
 /// Reads a Mooncake-format trace.
@@ -60,7 +83,7 @@ fn synthetic_token(hash_id: u64, position: usize, range: std::ops::Range<u32>) -
 pub fn prompt_tokens(request: &TraceRequest, range: std::ops::Range<u32>) -> Vec<u32> {
     let mut tokens = Vec::with_capacity(request.input_length);
     'ids: for &id in &request.hash_ids {
-        for position in 0..TRACE_BLOCK_TOKENS {
+        for position in 0..request.block_tokens {
             if tokens.len() == request.input_length {
                 break 'ids;
             }
@@ -82,10 +105,10 @@ pub fn oracle_hits(requests: &[TraceRequest], block_size: usize) -> Vec<usize> {
             let mut hit = 0;
             for (index, &id) in request.hash_ids.iter().enumerate() {
                 // Ids past the input length carry no tokens.
-                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS).filter(|&n| n > 0) else {
+                let Some(here) = request.input_length.checked_sub(index * request.block_tokens).filter(|&n| n > 0) else {
                     break;
                 };
-                let here = here.min(TRACE_BLOCK_TOKENS);
+                let here = here.min(request.block_tokens);
                 let before = seen.get(&id).copied().unwrap_or(0);
                 hit += before.min(here);
                 if before < here {
@@ -93,11 +116,11 @@ pub fn oracle_hits(requests: &[TraceRequest], block_size: usize) -> Vec<usize> {
                 }
             }
             for (index, &id) in request.hash_ids.iter().enumerate() {
-                let Some(here) = request.input_length.checked_sub(index * TRACE_BLOCK_TOKENS).filter(|&n| n > 0) else {
+                let Some(here) = request.input_length.checked_sub(index * request.block_tokens).filter(|&n| n > 0) else {
                     break;
                 };
                 let entry = seen.entry(id).or_default();
-                *entry = (*entry).max(here.min(TRACE_BLOCK_TOKENS));
+                *entry = (*entry).max(here.min(request.block_tokens));
             }
             let usable = hit.min(request.input_length - 1);
             usable / block_size * block_size
@@ -110,7 +133,18 @@ mod tests {
     use super::*;
 
     fn request(input_length: usize, hash_ids: Vec<u64>) -> TraceRequest {
-        TraceRequest { timestamp: 0, input_length, output_length: 1, hash_ids }
+        TraceRequest { timestamp: 0, input_length, output_length: 1, hash_ids, block_tokens: TRACE_BLOCK_TOKENS }
+    }
+
+    #[test]
+    fn a_shrunk_trace_keeps_its_shared_prefixes_at_a_fraction_of_the_length() {
+        let shrunk = shrink(vec![request(1100, vec![7, 8, 9]), request(600, vec![7, 5])], 16).unwrap();
+        let (a, b) = (prompt_tokens(&shrunk[0], 1000..40_000), prompt_tokens(&shrunk[1], 1000..40_000));
+        assert_eq!((a.len(), b.len(), shrunk[0].output_length), (69, 38, 1));
+        assert_eq!(a[..32], b[..32], "the shared first block, 512 / 16 tokens");
+        assert_ne!(a[32..38], b[32..38]);
+        assert_eq!(oracle_hits(&shrunk, 16), vec![0, 32]);
+        assert!(shrink(vec![request(10, vec![1])], 3).is_err(), "3 does not divide 512");
     }
 
     #[test]
