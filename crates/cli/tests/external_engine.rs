@@ -45,6 +45,18 @@ async fn read_more<B: AsRef<[u8]>>(stream: &mut (impl futures::Stream<Item = req
     events
 }
 
+/// A completion of 1,500 tokens streaming through the gateway at `base`,
+/// its first three events read: (the rest of its stream, the bytes read
+/// past them).
+async fn long_stream(base: &str) -> (impl futures::Stream<Item = reqwest::Result<impl AsRef<[u8]>>> + Unpin, String) {
+    let long = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    let response = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let (mut stream, mut buffer) = (Box::pin(response.bytes_stream()), String::new());
+    read_more(&mut stream, &mut buffer, 3).await;
+    (stream, buffer)
+}
+
 /// The OpenAI SDK streams a chat through the gateway at `base`.
 async fn sdk_streams_a_chat(base: &str) {
     let sdk = r#"
@@ -101,12 +113,7 @@ async fn the_openai_sdk_streams_through_an_adapter_to_vllm_which_aborts_and_fail
     assert_eq!(metric(&adapter.admin_url(), "turbine_worker_upstream_healthy").await, 1.0);
 
     // A client that goes away mid-stream aborts its request in the engine.
-    let client = reqwest::Client::new();
-    let long = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": true, "stream": true});
-    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
-    assert_eq!(response.status(), 200);
-    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
-    read_more(&mut stream, &mut buffer, 3).await;
+    let (stream, _) = long_stream(&base).await;
     assert_eq!(engine_metric(&engine, "vllm:num_requests_running", &[]).await, 1.0, "the engine runs the stream");
     let finished = engine_metric(&engine, "vllm:request_success_total", &[]).await;
     let generated = engine_metric(&engine, "vllm:generation_tokens_total", &[]).await;
@@ -123,9 +130,7 @@ async fn the_openai_sdk_streams_through_an_adapter_to_vllm_which_aborts_and_fail
 
     // An engine killed mid-stream: the request continues on another worker
     // (a native one, the same model), and the adapter leaves the registry.
-    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
-    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
-    read_more(&mut stream, &mut buffer, 3).await;
+    let (mut stream, mut buffer) = long_stream(&base).await;
     let native_args = [&cluster[..], &["--engine", "native", "--worker-id", "native-0", "--lease-ttl-secs", "2", "--kv-cache-mib", "128"][..]].concat();
     let native: ServiceProcess = service("turbine-worker", &native_args, &[], false).await;
     until_registered(&router, 2).await;
@@ -477,12 +482,7 @@ async fn llama_cpp_serves_behind_adapters_routed_on_the_routers_own_decisions() 
 
     // A client that goes away mid-stream cancels its request in the engine:
     // it stops decoding long before its 1,500 tokens.
-    let client = reqwest::Client::new();
-    let long = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": true, "stream": true});
-    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
-    assert_eq!(response.status(), 200);
-    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
-    read_more(&mut stream, &mut buffer, 3).await;
+    let (stream, _) = long_stream(&base).await;
     assert_eq!(engines_metric(&urls, "llamacpp:requests_processing").await, 1.0, "an engine runs the stream");
     let decodes = engines_metric(&urls, "llamacpp:n_decode_total").await;
     drop(stream);
@@ -495,9 +495,7 @@ async fn llama_cpp_serves_behind_adapters_routed_on_the_routers_own_decisions() 
 
     // An engine killed mid-stream: the request continues on the other
     // engine's worker, and the dead one's adapter leaves the registry.
-    let response = client.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
-    let (mut stream, mut buffer) = (response.bytes_stream(), String::new());
-    read_more(&mut stream, &mut buffer, 3).await;
+    let (mut stream, mut buffer) = long_stream(&base).await;
     let mut running = None;
     for (index, engine) in urls.iter().enumerate() {
         if engine_metric(engine, "llamacpp:requests_processing", &[]).await == 1.0 {
