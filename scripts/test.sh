@@ -26,10 +26,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each step's line: seconds since the start, free disk, and how busy the
+# CPUs were since the line before (from /proc/stat: where the suite's time
+# could still be cut, docs/testing.md).
+cpu_last=""
 log() {
-  local free
+  local free busy="" now
   free="$(df -h --output=avail . 2>/dev/null | tail -1 | tr -d ' ')"
-  printf '\n== %s (%ds, %s free)\n' "$*" "$SECONDS" "$free"
+  now="$(awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6; exit}' /proc/stat 2>/dev/null || true)"
+  if [ -n "$cpu_last" ] && [ -n "$now" ]; then
+    busy="$(echo "$cpu_last $now" | awk '{b=$3-$1; i=$4-$2; if (b+i>0) printf ", CPU %d%% busy since the last line", 100*b/(b+i)}')"
+  fi
+  cpu_last="$now"
+  printf '\n== %s (%ds, %s free%s)\n' "$*" "$SECONDS" "$free" "$busy"
 }
 
 quick=0
