@@ -12,13 +12,13 @@ fn the_mocker_profile_grows_with_input_length_and_concurrency() {
     let dir = tempfile::tempdir().unwrap();
     let output = dir.path().join("profile.json");
     let run = Command::new(env!("CARGO_BIN_EXE_turbine"))
-        .args(["profile", "--engine", "mock", "--speedup", "10", "--isl", "128,2048", "--context", "512,2048", "--concurrency", "1,16", "--output"])
+        .args(["profile", "--engine", "mock", "--speedup", "2", "--isl", "128,4096", "--context", "512,2048", "--concurrency", "1,16", "--output"])
         .arg(&output)
         .output()
         .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     let profile = Profile::read(&output).unwrap();
-    assert_eq!(profile.prefill.iter().map(|point| point.isl).collect::<Vec<_>>(), [128, 2048]);
+    assert_eq!(profile.prefill.iter().map(|point| point.isl).collect::<Vec<_>>(), [128, 4096]);
     assert_eq!(profile.decode.len(), 4);
     assert!(profile.worker.starts_with("mock engine"), "{}", profile.worker);
     assert!(profile.ttft_ms(2048.0) > profile.ttft_ms(128.0), "{profile:?}");
