@@ -1,34 +1,40 @@
-//! `turbine bench adapter`: what a worker in front of vLLM costs per
-//! streamed token, against calling vLLM directly, in one run.
+//! `turbine bench adapter`: what a worker in front of an external engine
+//! costs per streamed token, against calling the engine directly, in one
+//! run.
 //!
-//! Starts vLLM's CPU build (the install the test command makes,
-//! `scripts/install-vllm.sh`) and `turbine worker --engine external` in
-//! front of it, then alternates two phases of the same load (`--requests`
-//! streams of `--output-tokens` tokens, `--concurrency` at a time, unique
-//! prompts of `--prompt-tokens` ids):
+//! Starts the engine (`--upstream-kind`: vLLM's CPU build or llama.cpp's
+//! server, the installs the test command makes, `scripts/install-vllm.sh`
+//! and `scripts/install-llama-cpp.sh`) and `turbine worker --engine
+//! external` in front of it, then alternates two phases of the same load
+//! (`--requests` streams of `--output-tokens` tokens, `--concurrency` at a
+//! time, unique prompts of `--prompt-tokens` ids):
 //!
-//! - direct: this process posts to vLLM's `/v1/completions` exactly the
-//!   body the adapter sends (token ids in, `return_token_ids`) and reads
-//!   the event stream;
+//! - direct: this process posts to the engine exactly the body the adapter
+//!   sends (token ids in, token ids out) and reads the event stream as the
+//!   adapter does;
 //! - adapter: this process calls the worker's gRPC `Generate`, which does
-//!   the same against vLLM and streams token chunks back.
+//!   the same against the engine and streams token chunks back.
 //!
 //! CPU comes from /proc (every thread of the worker; every process of
-//! vLLM's process group): the adapter's CPU per streamed token is the
-//! cost; the engine's, per phase, shows the engine did the same work.
+//! vLLM's process group, every thread of llama-server): the adapter's CPU
+//! per streamed token is the cost; the engine's, per phase, shows the
+//! engine did the same work.
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use clap::ValueEnum;
 use futures::StreamExt;
 use serde::Serialize;
 use turbine_api::worker::WorkerClient;
 use turbine_api::{GenerateRequest, StopConditions};
-use turbine_harness::{STARTUP_TIMEOUT, ServiceProcess, VllmInstall, VllmServer};
+use turbine_harness::{LlamaCppInstall, LlamaCppServer, STARTUP_TIMEOUT, ServiceProcess, VllmInstall, VllmServer};
 use turbine_runtime::host::Role;
 use turbine_tokens::{ModelCard, Preprocessor};
+use turbine_worker::config::UpstreamKind;
+use turbine_worker::external::Dialect;
 
 use crate::gateway::{cpu_between, thread_cpu};
 
@@ -51,8 +57,15 @@ pub struct AdapterBenchArgs {
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 128)]
     pub prompt_tokens: usize,
-    /// The workspace whose `target/engines` holds vLLM and its model
-    /// (`$TURBINE_VLLM_PYTHON`, `$TURBINE_VLLM_MODEL` override).
+    /// The engine: vLLM (on the default model converted to Hugging Face
+    /// format) or llama.cpp's server (on its GGUF, from the model cache);
+    /// `openai`: llama.cpp's server through its OpenAI endpoint, text
+    /// re-tokenized.
+    #[arg(long, value_enum, default_value_t = UpstreamKind::Vllm)]
+    pub upstream_kind: UpstreamKind,
+    /// The workspace whose `target/engines` holds the engines and vLLM's
+    /// model (`$TURBINE_VLLM_PYTHON`, `$TURBINE_VLLM_MODEL`,
+    /// `$TURBINE_LLAMA_SERVER` override).
     #[arg(long, default_value = ".")]
     pub workspace: PathBuf,
     /// Write the results as JSON here.
@@ -79,6 +92,8 @@ pub struct AdapterPhase {
 /// What the benchmark measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct AdapterBenchReport {
+    /// The engine (`vllm`, `llama-cpp`).
+    pub engine: UpstreamKind,
     pub requests: usize,
     pub concurrency: usize,
     pub output_tokens: u32,
@@ -126,12 +141,12 @@ fn own_cpu() -> anyhow::Result<std::collections::HashMap<u32, u64>> {
     thread_cpu(std::process::id())
 }
 
-/// Streams `request` directly from vLLM; the tokens it carried.
-async fn direct(http: &reqwest::Client, url: &str, model: &str, request: &GenerateRequest, stop_ids: &[u32]) -> anyhow::Result<usize> {
-    let body = turbine_worker::external::vllm::completion_body(model, request, stop_ids);
-    let mut completion = turbine_worker::external::vllm::Completion::new(request.prompt.len(), &body);
-    let response = http.post(url).json(&body).send().await?;
-    anyhow::ensure!(response.status().is_success(), "vLLM answered {}", response.status());
+/// Streams `request` directly from the engine, as the adapter would; the
+/// tokens it carried.
+async fn direct(http: &reqwest::Client, engine: &Engine, dialect: &Dialect, request: &GenerateRequest) -> anyhow::Result<usize> {
+    let (post, mut completion) = dialect.request(http, &engine.url(), request)?;
+    let response = turbine_worker::external::send(post).await?;
+    anyhow::ensure!(response.status().is_success(), "the engine answered {}", response.status());
     let (mut bytes, mut events, mut tokens) = (response.bytes_stream(), turbine_worker::external::vllm::EventStream::default(), 0);
     while let Some(read) = bytes.next().await {
         for data in events.push(&read?)? {
@@ -139,9 +154,56 @@ async fn direct(http: &reqwest::Client, url: &str, model: &str, request: &Genera
                 tokens += chunk.tokens.len();
             }
         }
+        if completion.is_done() {
+            // The adapter stops reading at the finishing chunk and closes
+            // the response (llama.cpp's stream may carry on past a stop
+            // id): so does this.
+            break;
+        }
     }
-    anyhow::ensure!(completion.is_done(), "vLLM's stream ended unfinished");
+    anyhow::ensure!(completion.is_done(), "the engine's stream ended unfinished");
     Ok(tokens)
+}
+
+/// The engine under the benchmark.
+enum Engine {
+    Vllm(VllmServer),
+    LlamaCpp(LlamaCppServer),
+}
+
+impl Engine {
+    async fn start(args: &AdapterBenchArgs, model: &'static str) -> anyhow::Result<Self> {
+        Ok(match args.upstream_kind {
+            UpstreamKind::Vllm => {
+                let install = VllmInstall::find(&args.workspace).map_err(anyhow::Error::msg)?;
+                eprintln!("starting vLLM ({}) and a worker in front of it...", install.python.display());
+                Self::Vllm(tokio::task::spawn_blocking(move || VllmServer::start(&install, model, &[])).await?)
+            }
+            // The OpenAI dialect against llama-server's OpenAI endpoint.
+            UpstreamKind::LlamaCpp | UpstreamKind::Openai => {
+                let install = LlamaCppInstall::find(&args.workspace).map_err(anyhow::Error::msg)?;
+                let cache = turbine_tokens::pull::default_cache_dir();
+                let gguf = turbine_tokens::pull::resolve_model(model, None, &cache, turbine_tokens::pull::Progress::Quiet)?.path;
+                eprintln!("starting llama-server ({}) on {} and a worker in front of it...", install.server.display(), gguf.display());
+                Self::LlamaCpp(tokio::task::spawn_blocking(move || LlamaCppServer::start(&install, &gguf, model, &[])).await?)
+            }
+        })
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Self::Vllm(server) => server.url(),
+            Self::LlamaCpp(server) => server.url(),
+        }
+    }
+
+    /// CPU of every thread of the engine's processes so far.
+    fn cpu(&self) -> anyhow::Result<std::collections::HashMap<(u32, u32), u64>> {
+        match self {
+            Self::Vllm(server) => group_cpu(server.pid()),
+            Self::LlamaCpp(server) => Ok(thread_cpu(server.pid())?.into_iter().map(|(tid, ns)| ((server.pid(), tid), ns)).collect()),
+        }
+    }
 }
 
 /// Streams `request` through the adapter; the tokens it carried.
@@ -164,22 +226,23 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
         args.rounds >= 1 && args.requests >= 1 && args.concurrency >= 1 && args.output_tokens >= 2,
         "rounds, requests, concurrency must be positive, output tokens at least 2"
     );
-    let install = VllmInstall::find(&args.workspace).map_err(anyhow::Error::msg)?;
-    eprintln!("starting vLLM ({}) and a worker in front of it...", install.python.display());
     let model = "smollm2-135m";
-    let vllm = tokio::task::spawn_blocking(move || VllmServer::start(&install, model, &[])).await?;
+    let engine = Engine::start(&args, model).await?;
     let exe = std::env::current_exe().context("locating the turbine binary")?;
     let mut command = Command::new(exe);
-    command.args(["worker", "--engine", "external", "--upstream", &vllm.url(), "--worker-id", "bench-adapter"]).env("RUST_LOG", "warn");
+    let kind = args.upstream_kind.to_possible_value().context("the engine's flag value")?;
+    command
+        .args(["worker", "--engine", "external", "--upstream-kind", kind.get_name()])
+        .args(["--upstream", &engine.url(), "--worker-id", "bench-adapter"])
+        .env("RUST_LOG", "warn");
     let mut worker_process = ServiceProcess::spawn("worker", command, false).await?;
     worker_process.until_serving(Role::Worker, "", STARTUP_TIMEOUT).await?;
     let worker = WorkerClient::connect(&worker_process.grpc_endpoint())?;
     let card: ModelCard = worker.model_card().await?;
-    let stop_ids = card.tokenizer.eog_token_ids.clone();
+    let dialect = Dialect::new(args.upstream_kind, model, &card)?;
     let preprocessor = Preprocessor::new(card)?;
     let filler = preprocessor.encode_text(&"many words make a prompt of some length ".repeat(args.prompt_tokens))?;
-    let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
-    let url = format!("{}/v1/completions", vllm.url());
+    let http = turbine_worker::external::engine_client()?;
     let mut counter = 0usize;
     let mut requests = |count: usize| -> Vec<GenerateRequest> {
         (0..count)
@@ -199,7 +262,7 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
     };
     // Warm both paths.
     for request in requests(2) {
-        direct(&http, &url, model, &request, &stop_ids).await?;
+        direct(&http, &engine, &dialect, &request).await?;
         through_adapter(&worker, request).await?;
     }
     let mut phases = Vec::new();
@@ -207,17 +270,17 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
         let order: [&'static str; 2] = if round % 2 == 0 { ["direct", "adapter"] } else { ["adapter", "direct"] };
         for path in order {
             let batch = requests(args.requests);
-            let (adapter_before, engine_before, client_before) = (thread_cpu(worker_process.pid())?, group_cpu(vllm.pid())?, own_cpu()?);
+            let (adapter_before, engine_before, client_before) = (thread_cpu(worker_process.pid())?, engine.cpu()?, own_cpu()?);
             let started = Instant::now();
             let mut tokens = 0;
             let per_client = batch.len().div_ceil(args.concurrency);
             let clients = batch.chunks(per_client).map(|chunk| {
-                let (http, url, worker, stop_ids) = (&http, &url, &worker, &stop_ids);
+                let (http, engine, worker, dialect) = (&http, &engine, &worker, &dialect);
                 async move {
                     let mut tokens = 0;
                     for request in chunk {
                         tokens += match path {
-                            "direct" => direct(http, url, model, request, stop_ids).await?,
+                            "direct" => direct(http, engine, dialect, request).await?,
                             _ => through_adapter(worker, request.clone()).await?,
                         };
                     }
@@ -239,7 +302,7 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
                 wall_secs: wall,
                 tokens_per_sec: tokens as f64 / wall,
                 adapter_cpu_us_per_token: adapter,
-                engine_cpu_us_per_token: per_token(group_cpu_between(&engine_before, &group_cpu(vllm.pid())?)),
+                engine_cpu_us_per_token: per_token(group_cpu_between(&engine_before, &engine.cpu()?)),
                 client_cpu_us_per_token: per_token(cpu_between(&client_before, &own_cpu()?)),
             });
             eprintln!("round {round} {path}: {tokens} tokens in {wall:.1} s");
@@ -270,6 +333,7 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
     };
     let (cpu_ratio, throughput_ratio) = (median_of(&pair_cpu_ratios), median_of(&pair_throughput_ratios));
     Ok(AdapterBenchReport {
+        engine: args.upstream_kind,
         requests: args.requests,
         concurrency: args.concurrency,
         output_tokens: args.output_tokens,
@@ -288,8 +352,8 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
 /// Prints the report.
 pub fn print(report: &AdapterBenchReport) {
     println!(
-        "adapter overhead: {} streams of {} tokens, {} at once, {}-token prompts",
-        report.requests, report.output_tokens, report.concurrency, report.prompt_tokens
+        "adapter overhead ({:?}): {} streams of {} tokens, {} at once, {}-token prompts",
+        report.engine, report.requests, report.output_tokens, report.concurrency, report.prompt_tokens
     );
     println!("{:<8} {:>7} {:>8} {:>10} {:>16} {:>16} {:>16}", "path", "tokens", "wall s", "tokens/s", "adapter µs/tok", "engine µs/tok", "client µs/tok");
     for phase in &report.phases {

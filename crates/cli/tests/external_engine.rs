@@ -45,6 +45,28 @@ async fn read_more<B: AsRef<[u8]>>(stream: &mut (impl futures::Stream<Item = req
     events
 }
 
+/// After an engine was killed under `stream` (a completion through the
+/// gateway at `base`): reads on until the gateway has moved the request
+/// and `continued` says another worker computes it (events already on
+/// their way when the engine died come first), asserting the stream never
+/// ended in between.
+async fn read_past_the_migration<B: AsRef<[u8]>>(
+    stream: &mut (impl futures::Stream<Item = reqwest::Result<B>> + Unpin),
+    buffer: &mut String,
+    base: &str,
+    mut continued: impl AsyncFnMut() -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let events = read_more(stream, buffer, 1).await;
+        assert!(events.iter().all(|event| event != "[DONE]"), "the stream ended after the engine died, before the request moved");
+        if metric(base, "turbine_gateway_migrations_total").await == 1.0 && continued().await {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the request did not move to another worker within 60 s");
+    }
+}
+
 /// A completion of 1,500 tokens streaming through the gateway at `base`,
 /// its first three events read: (the rest of its stream, the bytes read
 /// past them).
@@ -77,12 +99,16 @@ print(reasons[0], repr(text))
     assert!(output.status.success(), "the OpenAI SDK's stream: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
 }
 
+// One vLLM for the tokenizer's parity and the serving path: each start
+// costs half a minute of two cores.
 #[tokio::test]
-async fn the_openai_sdk_streams_through_an_adapter_to_vllm_which_aborts_and_fails_over() {
+async fn vllm_tokenizes_as_the_gateway_and_streams_through_an_adapter_to_the_openai_sdk_aborting_and_failing_over() {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    let model_dir = install.model.clone();
     let mut vllm = tokio::task::spawn_blocking(move || VllmServer::start(&install, MODEL, &[])).await.unwrap();
     let engine = vllm.url();
+    the_gateways_token_ids_and_chat_prompts_are_the_engines(&engine, &model_dir).await;
     let redis = RedisServer::start();
     let url = redis.url();
     let cluster = ["--redis", url.as_str(), "--namespace", "ext"];
@@ -135,10 +161,8 @@ async fn the_openai_sdk_streams_through_an_adapter_to_vllm_which_aborts_and_fail
     let native: ServiceProcess = service("turbine-worker", &native_args, &[], false).await;
     until_registered(&router, 2).await;
     vllm.kill();
-    let after_kill = read_more(&mut stream, &mut buffer, 20).await;
-    assert!(after_kill.iter().all(|event| event != "[DONE]"), "the stream went on after the engine died");
-    assert_eq!(metric(&base, "turbine_gateway_migrations_total").await, 1.0);
-    assert!(metric(&native.admin_url(), "turbine_worker_generated_tokens_total").await >= 1.0, "the native worker continued the request");
+    // The native worker continues the request.
+    read_past_the_migration(&mut stream, &mut buffer, &base, async || metric(&native.admin_url(), "turbine_worker_generated_tokens_total").await >= 1.0).await;
     drop(stream);
     let listed = RouterClient::connect(&router.grpc_endpoint()).unwrap();
     wait_until("the adapter of the dead engine leaves the registry", Duration::from_secs(20), async || {
@@ -205,23 +229,19 @@ const PARITY_TEXTS: &[&str] = &[
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
 ];
 
-#[tokio::test]
-async fn the_gateways_token_ids_and_chat_prompts_are_the_engines() {
-    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
-    let model_dir = install.model.clone();
-    let vllm = tokio::task::spawn_blocking(move || VllmServer::start(&install, MODEL, &[])).await.unwrap();
-    let engine = vllm.url();
+/// Tokenizer parity: the gateway's ids and chat prompts are those of the
+/// vLLM at `engine`, serving the Hugging Face directory `model_dir`.
+async fn the_gateways_token_ids_and_chat_prompts_are_the_engines(engine: &str, model_dir: &std::path::Path) {
     // The gateway's tokenizer and template: the card of the default model,
     // read from its GGUF, and read from the Hugging Face directory vLLM
     // serves (`--model DIR`): both give the engine's ids.
     let model = turbine_tokens::pull::resolve_model(MODEL, None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap();
     let from_gguf = turbine_tokens::ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap();
-    let from_dir = turbine_tokens::ModelCard::from_path(MODEL, &model_dir, 16).unwrap();
+    let from_dir = turbine_tokens::ModelCard::from_path(MODEL, model_dir, 16).unwrap();
     assert_eq!(from_dir.chat_template, from_gguf.chat_template);
     assert_eq!(from_dir.tokenizer.eog_token_ids, from_gguf.tokenizer.eog_token_ids);
     for card in [from_gguf, from_dir] {
-        check_parity(&engine, turbine_tokens::Preprocessor::new(card).unwrap()).await;
+        check_parity(engine, turbine_tokens::Preprocessor::new(card).unwrap()).await;
     }
 }
 
@@ -405,35 +425,98 @@ async fn engines_metric(engines: &[String], name: &str) -> f64 {
     sum
 }
 
+/// A stream through the gateway at `base` to one of the llama-servers at
+/// `urls`, abandoned: the engine stops decoding it long before its 1,500
+/// tokens.
+async fn an_abandoned_stream_stops_in_llama_cpp(base: &str, urls: &[String]) {
+    let (stream, _) = long_stream(base).await;
+    assert_eq!(engines_metric(urls, "llamacpp:requests_processing").await, 1.0, "an engine runs the stream");
+    let decodes = engines_metric(urls, "llamacpp:n_decode_total").await;
+    drop(stream);
+    wait_until("the engine cancels the abandoned request", Duration::from_secs(20), async || engines_metric(urls, "llamacpp:requests_processing").await == 0.0)
+        .await;
+    let decoded = engines_metric(urls, "llamacpp:n_decode_total").await - decodes;
+    assert!(decoded < 1000.0, "the engines decoded {decoded} more steps for an abandoned request");
+}
+
+/// Kills the one of two llama-servers (`engines`, behind adapters named
+/// `{prefix}-0` and `{prefix}-1`) that runs a stream through the gateway
+/// at `base`: the stream continues on the other engine, and the dead
+/// one's adapter leaves the registry. The index of the engine killed.
+async fn a_killed_llama_cpp_moves_its_stream_to_the_other(base: &str, engines: &mut [LlamaCppServer], router: &RouterClient, prefix: &str) -> usize {
+    let urls: Vec<String> = engines.iter().map(LlamaCppServer::url).collect();
+    let (mut stream, mut buffer) = long_stream(base).await;
+    let mut running = None;
+    for (index, engine) in urls.iter().enumerate() {
+        if engine_metric(engine, "llamacpp:requests_processing", &[]).await == 1.0 {
+            running = Some(index);
+        }
+    }
+    let running = running.expect("one engine runs the stream");
+    let before = engine_metric(&urls[1 - running], "llamacpp:n_decode_total", &[]).await;
+    engines[running].kill();
+    // The other engine continues the request.
+    read_past_the_migration(&mut stream, &mut buffer, base, async || engine_metric(&urls[1 - running], "llamacpp:n_decode_total", &[]).await > before).await;
+    drop(stream);
+    let survivor = format!("{prefix}-{}", 1 - running);
+    wait_until("the adapter of the dead engine leaves the registry", Duration::from_secs(20), async || {
+        router.workers(None).await.is_ok_and(|workers| workers.iter().map(|worker| worker.worker_id.to_string()).collect::<Vec<_>>() == [survivor.as_str()])
+    })
+    .await;
+    running
+}
+
+/// Two llama-servers on the default model's GGUF (the adapters' cards
+/// come from the same file), each behind an adapter of `kind` named
+/// `{prefix}-0` and `{prefix}-1`, a router with `--policy kv
+/// --kv-approximate` over them (no KV events: it credits its own
+/// decisions) and a gateway, as processes over a real Redis.
+struct LlamaCppStack {
+    engines: Vec<LlamaCppServer>,
+    urls: Vec<String>,
+    adapters: Vec<ServiceProcess>,
+    router: ServiceProcess,
+    gateway: ServiceProcess,
+    /// The gateway's REST base.
+    base: String,
+    gguf: std::path::PathBuf,
+    redis: RedisServer,
+}
+
+impl LlamaCppStack {
+    async fn start(kind: &str, prefix: &str) -> Self {
+        let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let install = LlamaCppInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+        let cache = turbine_tokens::pull::default_cache_dir();
+        let gguf = turbine_tokens::pull::resolve_model(MODEL, None, &cache, turbine_tokens::pull::Progress::Quiet).unwrap().path;
+        let mut engines = Vec::new();
+        for _ in 0..2 {
+            let (install, gguf) = (install.clone(), gguf.clone());
+            engines.push(tokio::task::spawn_blocking(move || LlamaCppServer::start(&install, &gguf, MODEL, &[])).await.unwrap());
+        }
+        let urls: Vec<String> = engines.iter().map(LlamaCppServer::url).collect();
+        let redis = RedisServer::start();
+        let url = redis.url();
+        let cluster = ["--redis", url.as_str(), "--namespace", prefix];
+        let mut adapters = Vec::new();
+        for (index, upstream) in urls.iter().enumerate() {
+            let id = format!("{prefix}-{index}");
+            let external = ["--engine", "external", "--upstream-kind", kind, "--upstream", upstream, "--worker-id", &id, "--lease-ttl-secs", "2"];
+            adapters.push(service("turbine-worker", &[&cluster[..], &external[..]].concat(), &[], false).await);
+        }
+        let router = service("turbine-router", &[&cluster[..], &["--policy", "kv", "--kv-approximate"][..]].concat(), &[], false).await;
+        until_registered(&router, 2).await;
+        let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
+        let base = gateway.http_url();
+        until_listed(&base).await;
+        Self { engines, urls, adapters, router, gateway, base, gguf, redis }
+    }
+}
+
 #[tokio::test]
 async fn llama_cpp_serves_behind_adapters_routed_on_the_routers_own_decisions() {
-    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let install = LlamaCppInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
-    // The GGUF the native workers serve: llama.cpp loads it as it is, and
-    // the adapters' cards come from the same file.
-    let gguf =
-        turbine_tokens::pull::resolve_model(MODEL, None, &turbine_tokens::pull::default_cache_dir(), turbine_tokens::pull::Progress::Quiet).unwrap().path;
-    let mut engines = Vec::new();
-    for _ in 0..2 {
-        let (install, gguf) = (install.clone(), gguf.clone());
-        engines.push(tokio::task::spawn_blocking(move || LlamaCppServer::start(&install, &gguf, MODEL, &[])).await.unwrap());
-    }
-    let urls: Vec<String> = engines.iter().map(LlamaCppServer::url).collect();
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let cluster = ["--redis", url.as_str(), "--namespace", "llama"];
-    let mut adapters = Vec::new();
-    for (index, upstream) in urls.iter().enumerate() {
-        let id = format!("llama-{index}");
-        let external = ["--engine", "external", "--upstream-kind", "llama-cpp", "--upstream", upstream, "--worker-id", &id, "--lease-ttl-secs", "2"];
-        adapters.push(service("turbine-worker", &[&cluster[..], &external[..]].concat(), &[], false).await);
-    }
     // No KV events from llama.cpp: the router credits its own decisions.
-    let router = service("turbine-router", &[&cluster[..], &["--policy", "kv", "--kv-approximate"][..]].concat(), &[], false).await;
-    until_registered(&router, 2).await;
-    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
-    let base = gateway.http_url();
-    until_listed(&base).await;
+    let LlamaCppStack { mut engines, urls, adapters, router, gateway: _gateway, base, gguf, redis: _redis } = LlamaCppStack::start("llama-cpp", "llama").await;
 
     // The engine computes exactly the gateway's prompt tokens, and the
     // greedy text that comes back is the engine's own for that prompt.
@@ -480,53 +563,82 @@ async fn llama_cpp_serves_behind_adapters_routed_on_the_routers_own_decisions() 
     let (_, _, cached) = route_and_run_once(&router_client, prompt, "tenant-0", turbine_kv::CacheSalt::of(&["tenant-a"])).await;
     assert_eq!(cached, 0, "a tenant's request reads no other request's cache");
 
-    // A client that goes away mid-stream cancels its request in the engine:
-    // it stops decoding long before its 1,500 tokens.
-    let (stream, _) = long_stream(&base).await;
-    assert_eq!(engines_metric(&urls, "llamacpp:requests_processing").await, 1.0, "an engine runs the stream");
-    let decodes = engines_metric(&urls, "llamacpp:n_decode_total").await;
-    drop(stream);
-    wait_until("the engine cancels the abandoned request", Duration::from_secs(20), async || {
-        engines_metric(&urls, "llamacpp:requests_processing").await == 0.0
-    })
-    .await;
-    let decoded = engines_metric(&urls, "llamacpp:n_decode_total").await - decodes;
-    assert!(decoded < 1000.0, "the engines decoded {decoded} more steps for an abandoned request");
+    // A client that goes away mid-stream cancels its request in the engine.
+    an_abandoned_stream_stops_in_llama_cpp(&base, &urls).await;
 
     // An engine killed mid-stream: the request continues on the other
     // engine's worker, and the dead one's adapter leaves the registry.
-    let (mut stream, mut buffer) = long_stream(&base).await;
-    let mut running = None;
-    for (index, engine) in urls.iter().enumerate() {
-        if engine_metric(engine, "llamacpp:requests_processing", &[]).await == 1.0 {
-            running = Some(index);
-        }
-    }
-    let running = running.expect("one engine runs the stream");
-    let before = engine_metric(&urls[1 - running], "llamacpp:n_decode_total", &[]).await;
-    engines[running].kill();
-    let after_kill = read_more(&mut stream, &mut buffer, 20).await;
-    assert!(after_kill.iter().all(|event| event != "[DONE]"), "the stream went on after the engine died");
-    assert_eq!(metric(&base, "turbine_gateway_migrations_total").await, 1.0);
-    assert!(engine_metric(&urls[1 - running], "llamacpp:n_decode_total", &[]).await > before, "the other engine continued the request");
-    drop(stream);
-    let survivor = format!("llama-{}", 1 - running);
-    wait_until("the adapter of the dead engine leaves the registry", Duration::from_secs(20), async || {
-        router_client
-            .workers(None)
-            .await
-            .is_ok_and(|workers| workers.iter().map(|worker| worker.worker_id.to_string()).collect::<Vec<_>>() == [survivor.as_str()])
-    })
-    .await;
+    let running = a_killed_llama_cpp_moves_its_stream_to_the_other(&base, &mut engines, &router_client, "llama").await;
     assert_eq!(metric(&adapters[running].admin_url(), "turbine_worker_upstream_healthy").await, 0.0);
 }
 
+// The plain OpenAI API, against llama.cpp's own OpenAI endpoint (one of
+// many servers of it): text comes back and is re-tokenized.
+#[tokio::test]
+async fn an_openai_api_engine_serves_behind_adapters_its_text_retokenized() {
+    let LlamaCppStack { mut engines, urls, adapters, router, gateway: _gateway, base, redis: _redis, .. } = LlamaCppStack::start("openai", "openai").await;
+
+    // The card says the ids are re-tokenized.
+    let worker = turbine_api::worker::WorkerClient::connect(&adapters[0].grpc_endpoint()).unwrap();
+    assert!(worker.model_card().await.unwrap().retokenized, "the card says its ids are re-tokenized");
+
+    // The gateway's greedy text is the engine's own for the same prompt,
+    // and the usage is the engine's.
+    let (status, body) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12})).await;
+    assert_eq!(status, 200, "{body}");
+    let direct = reqwest::Client::new()
+        .post(format!("{}/v1/completions", urls[0]))
+        .json(&json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0.0}))
+        .send()
+        .await
+        .unwrap();
+    let direct: serde_json::Value = direct.json().await.unwrap();
+    assert_eq!(body["choices"][0]["text"], direct["choices"][0]["text"], "the gateway's text is the engine's own greedy text: {body} {direct}");
+    assert_eq!(body["usage"]["prompt_tokens"], direct["usage"]["prompt_tokens"], "the engine tokenizes the text as the gateway does: {body} {direct}");
+    assert_eq!(body["usage"]["completion_tokens"], direct["usage"]["completion_tokens"], "the engine's count: {body} {direct}");
+
+    sdk_streams_a_chat(&base).await;
+
+    // What the API cannot carry is refused, clearly, and the worker serves
+    // on: log-probabilities of re-tokenized ids, a tenant's request.
+    let (status, body) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "logprobs": 2})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("log-probabilities"), "{body}");
+    let tenant = turbine_api::GenerateRequest {
+        request_id: "tenant-0".into(),
+        prompt: vec![1, 2, 3],
+        stop: turbine_api::StopConditions { max_tokens: 4, ..turbine_api::StopConditions::default() },
+        cache_salt: turbine_kv::CacheSalt::of(&["tenant-a"]),
+        ..turbine_api::GenerateRequest::default()
+    };
+    match worker.generate(tenant).await {
+        Err(turbine_api::worker::WorkerError::InvalidArgument(message)) => assert!(message.contains("tenant"), "{message}"),
+        Err(other) => panic!("a tenant's request refused for another reason: {other}"),
+        Ok(_) => panic!("a tenant's request was served by an engine that cannot keep its cache apart"),
+    }
+    let (status, body) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4})).await;
+    assert_eq!(status, 200, "{body}");
+
+    // A client that goes away mid-stream cancels its request in the engine.
+    an_abandoned_stream_stops_in_llama_cpp(&base, &urls).await;
+
+    // An engine killed mid-stream: the request continues on the other, and
+    // the dead one's adapter leaves the registry (its health is the
+    // engine's model list answering).
+    let router_client = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+    a_killed_llama_cpp_moves_its_stream_to_the_other(&base, &mut engines, &router_client, "openai").await;
+}
+
+// llama.cpp's server rather than vLLM: the bench's path is the same for
+// both dialects (the adapter's own request and reader), and llama-server
+// starts in half a second where vLLM takes half a minute of two cores.
 #[test]
-fn the_adapter_bench_measures_its_cpu_per_token_beside_vllm_called_directly() {
+fn the_adapter_bench_measures_its_cpu_per_token_beside_the_engine_called_directly() {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let json = tempfile::NamedTempFile::new().unwrap();
     let output = std::process::Command::new(turbine_testkit::workspace_binary("turbine"))
-        .args(["bench", "adapter", "--rounds", "1", "--requests", "4", "--concurrency", "2", "--output-tokens", "8", "--prompt-tokens", "32", "--workspace"])
+        .args(["bench", "adapter", "--upstream-kind", "llama-cpp", "--rounds", "1", "--requests", "4", "--concurrency", "2", "--output-tokens", "8"])
+        .args(["--prompt-tokens", "32", "--workspace"])
         .arg(&workspace)
         .arg("--json")
         .arg(json.path())
@@ -536,7 +648,7 @@ fn the_adapter_bench_measures_its_cpu_per_token_beside_vllm_called_directly() {
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
     let phases = report["phases"].as_array().unwrap();
-    assert_eq!(phases.len(), 2, "{report}");
+    assert_eq!((phases.len(), report["engine"].as_str()), (2, Some("llama-cpp")), "{report}");
     for phase in phases {
         assert_eq!(phase["tokens"], 32, "every stream carried its 8 tokens on both paths: {report}");
         assert!(phase["engine_cpu_us_per_token"].as_f64().unwrap() > 0.0, "the engine's CPU is read: {report}");

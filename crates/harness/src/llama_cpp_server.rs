@@ -5,9 +5,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::vllm_server::http_status;
+use crate::vllm_server::until_healthy;
 use crate::{ChildProcess, free_port};
 
 /// How long llama-server may take to load a model and answer /health
@@ -56,25 +56,18 @@ impl LlamaCppServer {
             .args(["--metrics", "--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--no-webui"])
             .args(args);
         let mut process = ChildProcess::spawn("llama-server", command);
-        let deadline = Instant::now() + LLAMA_CPP_STARTUP_TIMEOUT;
-        loop {
-            if let Some(status) = process.exited() {
-                panic!("llama-server exited ({status}) before serving:\n{}", process.output().join("\n"));
-            }
-            if http_status(port, "/health") == Some(200) {
-                return Self { process, port };
-            }
-            if Instant::now() >= deadline {
-                let output = process.output();
-                panic!("llama-server did not answer /health within {LLAMA_CPP_STARTUP_TIMEOUT:?}:\n{}", output[output.len().saturating_sub(40)..].join("\n"));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        until_healthy(&mut process, "llama-server", port, LLAMA_CPP_STARTUP_TIMEOUT, Duration::from_millis(100));
+        Self { process, port }
     }
 
     /// `http://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 
     /// What it printed.

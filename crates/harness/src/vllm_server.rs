@@ -83,20 +83,8 @@ impl VllmServer {
             command.process_group(0);
         }
         let mut process = ChildProcess::spawn("vllm", command);
-        let deadline = Instant::now() + VLLM_STARTUP_TIMEOUT;
-        loop {
-            if let Some(status) = process.exited() {
-                panic!("vLLM exited ({status}) before serving:\n{}", process.output().join("\n"));
-            }
-            if http_status(port, "/health") == Some(200) {
-                return Self { process, port };
-            }
-            if Instant::now() >= deadline {
-                let output = process.output();
-                panic!("vLLM did not answer /health within {VLLM_STARTUP_TIMEOUT:?}:\n{}", output[output.len().saturating_sub(40)..].join("\n"));
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
+        until_healthy(&mut process, "vLLM", port, VLLM_STARTUP_TIMEOUT, Duration::from_millis(500));
+        Self { process, port }
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -131,6 +119,27 @@ impl VllmServer {
 impl Drop for VllmServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// Returns once the server `process` started answers `GET /health` on
+/// the loopback `port` with 200, asking every `poll`; panics, with the end
+/// of what it printed, when it exits first or has not answered within
+/// `timeout`.
+pub(crate) fn until_healthy(process: &mut ChildProcess, name: &str, port: u16, timeout: Duration, poll: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = process.exited() {
+            panic!("{name} exited ({status}) before serving:\n{}", process.output().join("\n"));
+        }
+        if http_status(port, "/health") == Some(200) {
+            return;
+        }
+        if Instant::now() >= deadline {
+            let output = process.output();
+            panic!("{name} did not answer /health within {timeout:?}:\n{}", output[output.len().saturating_sub(40)..].join("\n"));
+        }
+        std::thread::sleep(poll);
     }
 }
 

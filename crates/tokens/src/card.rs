@@ -27,6 +27,11 @@ pub struct ModelCard {
     pub tokenizer: TokenizerSpec,
     /// The Jinja chat template, if the model ships one.
     pub chat_template: Option<String>,
+    /// The serving engine streams text, not token ids: its worker
+    /// re-tokenizes the text with this tokenizer, so the text is the
+    /// engine's but the ids (and their count) may differ from those it
+    /// generated.
+    pub retokenized: bool,
 }
 
 impl ModelCard {
@@ -39,6 +44,7 @@ impl ModelCard {
             kv_block_size,
             tokenizer: TokenizerSpec::from_gguf(gguf)?,
             chat_template: gguf.get_str("tokenizer.chat_template").map(str::to_owned),
+            retokenized: false,
         })
     }
 
@@ -51,7 +57,14 @@ impl ModelCard {
     /// and its neighbours, [`crate::hf`]) served under `name`.
     pub fn from_model_dir(name: &str, dir: &Path, kv_block_size: u32) -> Result<Self> {
         let model = ModelDir::read(dir)?;
-        Ok(Self { name: name.to_owned(), context_length: model.context_length, kv_block_size, tokenizer: model.tokenizer, chat_template: model.chat_template })
+        Ok(Self {
+            name: name.to_owned(),
+            context_length: model.context_length,
+            kv_block_size,
+            tokenizer: model.tokenizer,
+            chat_template: model.chat_template,
+            retokenized: false,
+        })
     }
 
     /// The card of whatever `path` holds: a model directory
@@ -93,6 +106,10 @@ impl ModelCard {
             field(&optional(id));
         }
         field(&[spec.add_bos_token as u8, spec.add_space_prefix as u8]);
+        // Only when set: the digests of cards from before the field stay.
+        if self.retokenized {
+            field(b"retokenized");
+        }
         hex::encode(hasher.finalize())
     }
 }

@@ -39,6 +39,15 @@ pub enum UpstreamKind {
     /// it cannot scope its cache by tenant (a tenant's request runs with
     /// its prompt cache off).
     LlamaCpp,
+    /// Any server of the OpenAI completions API (`POST /v1/completions`,
+    /// streamed; `GET /v1/models` for health): prompts go as token ids
+    /// (the API takes a list of ids), generated text comes back and the
+    /// worker re-tokenizes it with the card's tokenizer, as its card says
+    /// (`retokenized`): the text is the engine's, the ids may not be. No
+    /// KV events (routers run `--kv-approximate`), no log-probabilities,
+    /// and no tenant's request (the API cannot keep a tenant's cache
+    /// apart); load is the worker's own count of open streams.
+    Openai,
 }
 
 /// Which blocks a worker puts to the kv-store (`--kv-store-offload`).
@@ -415,11 +424,20 @@ impl EngineConfig {
             if self.engine != EngineKind::External {
                 return Err(InvalidSetting::new("upstream_kv_events", "are an external engine's: set engine = external too"));
             }
-            if self.upstream_kind == UpstreamKind::LlamaCpp {
-                return Err(InvalidSetting::new(
-                    "upstream_kv_events",
-                    "llama.cpp's server publishes no KV events: leave them unset and run the router with --kv-approximate (docs/engines.md)",
-                ));
+            match self.upstream_kind {
+                UpstreamKind::Vllm => {}
+                UpstreamKind::LlamaCpp => {
+                    return Err(InvalidSetting::new(
+                        "upstream_kv_events",
+                        "llama.cpp's server publishes no KV events: leave them unset and run the router with --kv-approximate (docs/engines.md)",
+                    ));
+                }
+                UpstreamKind::Openai => {
+                    return Err(InvalidSetting::new(
+                        "upstream_kv_events",
+                        "the OpenAI API has no KV events: leave them unset and run the router with --kv-approximate (docs/engines.md)",
+                    ));
+                }
             }
             self.upstream_kv_events_addr().map_err(|message| InvalidSetting::new("upstream_kv_events", format!("{endpoint:?}: {message}")))?;
         }
@@ -650,5 +668,8 @@ mod tests {
         let llama = [&external[..], &["--upstream-kind", "llama-cpp"]].concat();
         assert_eq!(parse(&llama).unwrap().engine.upstream_kind, UpstreamKind::LlamaCpp);
         assert!(parse(&[&llama[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557"]].concat()).unwrap_err().contains("--kv-approximate"));
+        let openai = [&external[..], &["--upstream-kind", "openai"]].concat();
+        assert_eq!(parse(&openai).unwrap().engine.upstream_kind, UpstreamKind::Openai);
+        assert!(parse(&[&openai[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557"]].concat()).unwrap_err().contains("--kv-approximate"));
     }
 }

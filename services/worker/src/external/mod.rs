@@ -4,9 +4,10 @@
 //! engine.
 //!
 //! - Prompts go to the engine as token ids and generated token ids come
-//!   back ([`vllm`], [`llama_cpp`]): the gateway's tokenizer and chat template stay the
-//!   one source of truth, so the card (`--model`) must be the model the
-//!   engine serves.
+//!   back ([`vllm`], [`llama_cpp`]; [`openai`] streams text, re-tokenized
+//!   with the card's tokenizer, and its card says so): the gateway's
+//!   tokenizer and chat template stay the one source of truth, so the card
+//!   (`--model`) must be the model the engine serves.
 //! - A caller that goes away drops its stream, which closes the engine's
 //!   response: the engine aborts the request.
 //! - [`ExternalWorker::watch`] polls the engine's `/health` and
@@ -24,12 +25,14 @@
 pub mod events;
 pub mod llama_cpp;
 pub mod msgpack;
+pub mod openai;
 pub mod prom;
 pub mod serve;
 pub mod vllm;
 pub mod zmtp;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -39,8 +42,8 @@ use turbine_api::worker::{Prefilled, RemotePrefill, TokenChunk, TokenStream, Wor
 use turbine_api::{GenerateRequest, Load};
 use turbine_kv::{WorkerDump, WorkerId};
 use turbine_runtime::CancellationToken;
-use turbine_tokens::ModelCard;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+use turbine_tokens::{ModelCard, Tokenizer};
 
 use crate::config::{UpstreamKind, WorkerConfig};
 use crate::metrics;
@@ -54,6 +57,31 @@ const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 const FAILED_PROBES: u32 = 2;
 /// How long the engine may take to answer a request's headers.
 const HEADERS_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an idle connection to the engine is kept for the next
+/// request: less than servers keep one open (llama.cpp's closes after 5 s
+/// idle), so a request is not sent down a connection being closed.
+const IDLE_CONNECTION: Duration = Duration::from_secs(3);
+
+/// The HTTP client a worker speaks to its engine with (public: a
+/// benchmark calls the engine as the adapter does).
+pub fn engine_client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder().connect_timeout(PROBE_TIMEOUT).pool_idle_timeout(IDLE_CONNECTION).pool_max_idle_per_host(64).build()
+}
+
+/// Sends `post` to the engine; once more, on a new connection, when the
+/// first try failed before any answer (the server closed the kept-alive
+/// connection it went down): nothing was streamed yet, and the engine
+/// cancels whatever it began when that connection closed.
+pub async fn send(post: reqwest::RequestBuilder) -> reqwest::Result<reqwest::Response> {
+    let again = post.try_clone();
+    match (post.send().await, again) {
+        (Err(error), Some(again)) if error.is_request() || error.is_connect() => {
+            tracing::debug!(%error, "the engine's connection closed before it answered: sending again");
+            again.send().await
+        }
+        (sent, _) => sent,
+    }
+}
 
 /// What the worker last saw of its engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -70,17 +98,15 @@ pub struct ExternalWorker {
     id: WorkerId,
     card: ModelCard,
     instance: u64,
-    /// What serves at `base`.
-    kind: UpstreamKind,
+    /// What serves at `base`, and how to speak to it.
+    dialect: Dialect,
     /// The engine's base URL, without a trailing slash.
     base: String,
-    /// The model's name at the engine.
-    model: String,
     http: reqwest::Client,
-    /// The ids the engine is told to stop on (the card's end-of-generation
-    /// ids).
-    stop_ids: Vec<u32>,
     state: watch::Sender<EngineState>,
+    /// Streams open to the engine (the load of an engine whose metrics
+    /// say none: [`UpstreamKind::Openai`]).
+    open: Arc<AtomicU32>,
     /// The engine's cache as its KV events say, when it publishes them.
     mirror: Option<Arc<parking_lot::Mutex<events::KvMirror>>>,
     /// Where the engine's KV events arrive, until [`Self::receive_events`].
@@ -113,7 +139,7 @@ impl ExternalWorker {
             }
             None => None,
         };
-        let http = reqwest::Client::builder().connect_timeout(PROBE_TIMEOUT).build().context("cannot build the engine's HTTP client")?;
+        let http = engine_client().context("cannot build the engine's HTTP client")?;
 
         let deadline = Instant::now() + Duration::from_secs(engine.upstream_wait_secs);
         let mut waited = false;
@@ -158,9 +184,10 @@ impl ExternalWorker {
                 }
                 block_size
             }
-            // Its cache is per slot, not in blocks: the block size is only
-            // the unit routers credit prefixes in.
-            UpstreamKind::LlamaCpp => engine.block_size() as u32,
+            // Its cache is per slot (llama.cpp) or unknown (the OpenAI
+            // API): the block size is only the unit routers credit
+            // prefixes in.
+            UpstreamKind::LlamaCpp | UpstreamKind::Openai => engine.block_size() as u32,
         };
         card.kv_block_size = block_size;
         if let Some(engine_context) = served.context_length() {
@@ -169,7 +196,9 @@ impl ExternalWorker {
         if let Some(context_length) = engine.context_length {
             card.context_length = card.context_length.min(context_length);
         }
-        let stop_ids = card.tokenizer.eog_token_ids.clone();
+        // An engine that streams text: the worker re-tokenizes it.
+        card.retokenized = kind == UpstreamKind::Openai;
+        let dialect = Dialect::new(kind, &served.id, &card)?;
         let mirror = events_listener.as_ref().map(|_| Arc::new(parking_lot::Mutex::new(events::KvMirror::new(&id, block_size as usize))));
         tracing::info!(
             worker = %id, upstream = %base, ?kind, upstream_model = %served.id, model = %card.name,
@@ -178,7 +207,8 @@ impl ExternalWorker {
         let (state, _) = watch::channel(EngineState { healthy: true, load: stats.load });
         let instance = uuid::Uuid::new_v4().as_u64_pair().0;
         let events_listener = parking_lot::Mutex::new(events_listener);
-        Ok(Arc::new(Self { id, card, instance, kind, base, model: served.id.clone(), http, stop_ids, state, mirror, events_listener }))
+        let open = Arc::new(AtomicU32::new(0));
+        Ok(Arc::new(Self { id, card, instance, dialect, base, http, state, open, mirror, events_listener }))
     }
 
     /// The worker id.
@@ -233,8 +263,11 @@ impl ExternalWorker {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(PROBE_INTERVAL) => {}
             }
-            match probe(&self.http, &self.base, self.kind).await {
-                Ok(stats) => {
+            match probe(&self.http, &self.base, self.dialect.kind()).await {
+                Ok(mut stats) => {
+                    if self.dialect.kind() == UpstreamKind::Openai {
+                        stats.load.running = self.open.load(Ordering::Relaxed);
+                    }
                     failures = 0;
                     let was = self.state.send_replace(EngineState { healthy: true, load: stats.load });
                     if !was.healthy {
@@ -278,19 +311,9 @@ impl WorkerApi for ExternalWorker {
         }
         self.check_vocabulary(&request.prompt)?;
         self.refuse_if_unhealthy()?;
-        let (post, completion) = match self.kind {
-            UpstreamKind::Vllm => {
-                let body = vllm::completion_body(&self.model, &request, &self.stop_ids);
-                let completion = Completion::Vllm(vllm::Completion::new(request.prompt.len(), &body));
-                (self.http.post(format!("{}/v1/completions", self.base)).json(&body), completion)
-            }
-            UpstreamKind::LlamaCpp => {
-                let body = llama_cpp::completion_body(&request);
-                let completion = Completion::LlamaCpp(llama_cpp::Completion::new(&request, &self.stop_ids));
-                (self.http.post(format!("{}/completion", self.base)).json(&body), completion)
-            }
-        };
-        let sent = tokio::time::timeout(HEADERS_TIMEOUT, post.send()).await;
+        let (post, completion) = self.dialect.request(&self.http, &self.base, &request)?;
+        let open = OpenStream::new(&self.open);
+        let sent = tokio::time::timeout(HEADERS_TIMEOUT, send(post)).await;
         let response = match sent {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => return Err(WorkerError::Unavailable(format!("the engine at {} cannot be reached: {error}", self.base))),
@@ -301,7 +324,14 @@ impl WorkerApi for ExternalWorker {
             let text = tokio::time::timeout(PROBE_TIMEOUT, response.text()).await.ok().and_then(Result::ok).unwrap_or_default();
             return Err(vllm::refusal(status.as_u16(), &text));
         }
-        let follow = Follow { bytes: Box::pin(response.bytes_stream()), events: vllm::EventStream::default(), completion, state: self.state(), over: false };
+        let follow = Follow {
+            bytes: Box::pin(response.bytes_stream()),
+            events: vllm::EventStream::default(),
+            completion,
+            state: self.state(),
+            over: false,
+            _open: open,
+        };
         Ok(metrics::observe_stream(self.id.clone(), follow.into_stream()))
     }
 
@@ -324,17 +354,84 @@ impl WorkerApi for ExternalWorker {
 
 type Bytes = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
 
-/// A completion stream as its engine's dialect reads it.
-enum Completion {
+/// How the adapter speaks to its engine: the dialect, the model's name
+/// there, the ids generation ends on, and (for an engine that streams
+/// text) the tokenizer that turns its text back into ids. Public so that
+/// a benchmark can call the engine exactly as the adapter does.
+#[derive(Debug, Clone)]
+pub struct Dialect {
+    kind: UpstreamKind,
+    model: String,
+    /// The card's end-of-generation ids.
+    stop_ids: Vec<u32>,
+    /// The card's tokenizer, for [`UpstreamKind::Openai`].
+    tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl Dialect {
+    /// The dialect of `kind`, for the engine's `model`, whose card is `card`.
+    pub fn new(kind: UpstreamKind, model: &str, card: &ModelCard) -> anyhow::Result<Self> {
+        let tokenizer = match kind {
+            UpstreamKind::Openai => Some(Arc::new(Tokenizer::from_spec(card.tokenizer.clone()).context("compiling the card's tokenizer")?)),
+            UpstreamKind::Vllm | UpstreamKind::LlamaCpp => None,
+        };
+        Ok(Self { kind, model: model.to_owned(), stop_ids: card.tokenizer.eog_token_ids.clone(), tokenizer })
+    }
+
+    /// What serves.
+    pub fn kind(&self) -> UpstreamKind {
+        self.kind
+    }
+
+    /// What the adapter posts to the engine at `base` for `request`, and
+    /// the reader of its answer; or why the engine cannot serve it.
+    pub fn request(&self, http: &reqwest::Client, base: &str, request: &GenerateRequest) -> Result<(reqwest::RequestBuilder, Completion), WorkerError> {
+        Ok(match (self.kind, &self.tokenizer) {
+            (UpstreamKind::Vllm, _) => {
+                let body = vllm::completion_body(&self.model, request, &self.stop_ids);
+                let completion = Completion::Vllm(vllm::Completion::new(request.prompt.len(), &body));
+                (http.post(format!("{base}/v1/completions")).json(&body), completion)
+            }
+            (UpstreamKind::LlamaCpp, _) => {
+                let body = llama_cpp::completion_body(request);
+                let completion = Completion::LlamaCpp(llama_cpp::Completion::new(request, &self.stop_ids));
+                (http.post(format!("{base}/completion")).json(&body), completion)
+            }
+            (UpstreamKind::Openai, Some(tokenizer)) => {
+                let body = openai::completion_body(&self.model, request, &self.stop_ids, tokenizer)?;
+                let completion = Completion::Openai(openai::Completion::new(request.prompt.len(), tokenizer.clone()));
+                (http.post(format!("{base}/v1/completions")).json(&body), completion)
+            }
+            (UpstreamKind::Openai, None) => return Err(WorkerError::Internal("the openai dialect has no tokenizer".into())),
+        })
+    }
+}
+
+/// A completion stream as its engine's dialect reads it (the events of
+/// its response, [`vllm::EventStream`], one at a time).
+#[derive(Debug)]
+pub enum Completion {
     Vllm(vllm::Completion),
     LlamaCpp(llama_cpp::Completion),
+    Openai(openai::Completion),
 }
 
 impl Completion {
-    fn event(&mut self, data: &str) -> Result<Option<TokenChunk>, WorkerError> {
+    /// One event's data: the chunk to pass on, if it carries anything.
+    pub fn event(&mut self, data: &str) -> Result<Option<TokenChunk>, WorkerError> {
         match self {
             Self::Vllm(completion) => completion.event(data),
             Self::LlamaCpp(completion) => completion.event(data),
+            Self::Openai(completion) => completion.event(data),
+        }
+    }
+
+    /// Whether the finishing chunk went out.
+    pub fn is_done(&self) -> bool {
+        match self {
+            Self::Vllm(completion) => completion.is_done(),
+            Self::LlamaCpp(completion) => completion.is_done(),
+            Self::Openai(completion) => completion.is_done(),
         }
     }
 }
@@ -348,6 +445,24 @@ struct Follow {
     state: watch::Receiver<EngineState>,
     /// The finishing chunk or an error went out.
     over: bool,
+    _open: OpenStream,
+}
+
+/// One stream counted open to the engine, until dropped.
+#[derive(Debug)]
+struct OpenStream(Arc<AtomicU32>);
+
+impl OpenStream {
+    fn new(open: &Arc<AtomicU32>) -> Self {
+        open.fetch_add(1, Ordering::Relaxed);
+        Self(open.clone())
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Follow {
@@ -398,6 +513,11 @@ pub(crate) async fn unhealthy(state: &mut watch::Receiver<EngineState>) {
 /// The engine's health and stats: `/health` answers 200 and `/metrics`
 /// reads.
 async fn probe(http: &reqwest::Client, base: &str, kind: UpstreamKind) -> Result<vllm::EngineStats, WorkerError> {
+    if kind == UpstreamKind::Openai {
+        // The API has no health or metrics: an engine that lists its
+        // models answers; its load is the worker's count of open streams.
+        return get_json::<vllm::Models>(http, &format!("{base}/v1/models")).await.map(|_| vllm::EngineStats::default());
+    }
     let health = tokio::time::timeout(PROBE_TIMEOUT, http.get(format!("{base}/health")).send()).await;
     match health {
         Ok(Ok(response)) if response.status().is_success() => {}
@@ -406,15 +526,13 @@ async fn probe(http: &reqwest::Client, base: &str, kind: UpstreamKind) -> Result
         Err(_) => return Err(WorkerError::Unavailable(format!("/health did not answer within {PROBE_TIMEOUT:?}"))),
     }
     let metrics = get_text(http, &format!("{base}/metrics")).await;
-    match kind {
-        UpstreamKind::Vllm => vllm::engine_stats(&metrics?),
-        UpstreamKind::LlamaCpp => match metrics {
-            Ok(text) => Ok(vllm::EngineStats { load: llama_cpp::engine_stats(&text)?, block_size: None }),
-            Err(WorkerError::Unavailable(message)) if message.contains("answered 501") => {
-                Err(WorkerError::Unavailable(format!("{message}: start llama-server with --metrics (its load comes from there)")))
-            }
-            Err(error) => Err(error),
-        },
+    match (kind, metrics) {
+        (UpstreamKind::Vllm, metrics) => vllm::engine_stats(&metrics?),
+        (_, Ok(text)) => Ok(vllm::EngineStats { load: llama_cpp::engine_stats(&text)?, block_size: None }),
+        (_, Err(WorkerError::Unavailable(message))) if message.contains("answered 501") => {
+            Err(WorkerError::Unavailable(format!("{message}: start llama-server with --metrics (its load comes from there)")))
+        }
+        (_, Err(error)) => Err(error),
     }
 }
 
@@ -433,3 +551,6 @@ async fn get_json<T: serde::de::DeserializeOwned>(http: &reqwest::Client, url: &
     let text = get_text(http, url).await?;
     serde_json::from_str(&text).map_err(|error| WorkerError::Internal(format!("{url}: {error}")))
 }
+
+#[cfg(test)]
+mod tests;

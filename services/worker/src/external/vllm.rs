@@ -85,24 +85,30 @@ pub struct CompletionBody {
     request_id: Option<String>,
 }
 
+/// The OpenAI API's streaming options (shared with [`super::openai`]:
+/// vLLM's server is one of the API's, with extensions).
 #[derive(Debug, Clone, Serialize)]
-struct StreamOptions {
-    include_usage: bool,
+pub(super) struct StreamOptions {
+    pub(super) include_usage: bool,
 }
 
-/// One event of the completion stream.
+/// One event of an OpenAI completion stream, vLLM's fields included.
 #[derive(Debug, Deserialize)]
-struct StreamEvent {
+pub(super) struct StreamEvent {
     #[serde(default)]
-    choices: Vec<Choice>,
-    usage: Option<UsageIn>,
-    error: Option<ErrorIn>,
+    pub(super) choices: Vec<Choice>,
+    pub(super) usage: Option<UsageIn>,
+    pub(super) error: Option<ErrorIn>,
 }
 
 #[derive(Debug, Deserialize)]
-struct Choice {
+pub(super) struct Choice {
+    /// The text (what the plain API streams).
+    #[serde(default)]
+    pub(super) text: String,
+    /// vLLM's `return_token_ids`.
     token_ids: Option<Vec<u32>>,
-    finish_reason: Option<String>,
+    pub(super) finish_reason: Option<String>,
     logprobs: Option<LogprobsIn>,
 }
 
@@ -117,20 +123,21 @@ struct LogprobsIn {
 }
 
 #[derive(Debug, Deserialize)]
-struct UsageIn {
-    prompt_tokens_details: Option<PromptDetails>,
+pub(super) struct UsageIn {
+    pub(super) completion_tokens: Option<u32>,
+    pub(super) prompt_tokens_details: Option<PromptDetails>,
 }
 
 #[derive(Debug, Deserialize)]
-struct PromptDetails {
-    cached_tokens: Option<u32>,
+pub(super) struct PromptDetails {
+    pub(super) cached_tokens: Option<u32>,
 }
 
 /// An error body: `{"error": {"message": ...}}` (vLLM's and OpenAI's), or
 /// a bare `{"message": ...}`.
 #[derive(Debug, Deserialize)]
-struct ErrorIn {
-    message: Option<String>,
+pub(super) struct ErrorIn {
+    pub(super) message: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -182,14 +189,9 @@ impl Completion {
     /// One event's data (`data: ...` of the event stream): the chunk to
     /// pass on, if it carries anything.
     pub fn event(&mut self, data: &str) -> Result<Option<TokenChunk>, WorkerError> {
-        if data.trim() == "[DONE]" {
+        let Some(event) = read_event(data)? else {
             return Ok(self.finish());
-        }
-        let event: StreamEvent =
-            serde_json::from_str(data).map_err(|error| WorkerError::Internal(format!("the engine sent an event Turbine cannot read: {error}")))?;
-        if let Some(error) = event.error {
-            return Err(WorkerError::Internal(format!("the engine failed the request: {}", error.message.unwrap_or_default())));
-        }
+        };
         if let Some(usage) = event.usage {
             self.cached = usage.prompt_tokens_details.and_then(|details| details.cached_tokens).unwrap_or(0);
         }
@@ -224,6 +226,20 @@ impl Completion {
         }
         let usage = Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.generated, cached_prompt_tokens: self.cached.min(self.prompt_tokens) };
         Some(TokenChunk { tokens: Vec::new(), logprobs: Vec::new(), finished: Some((reason, usage)) })
+    }
+}
+
+/// One event's data of an OpenAI completion stream: the event, or none
+/// at its end (`[DONE]`); an error event is the engine's failure.
+pub(super) fn read_event(data: &str) -> Result<Option<StreamEvent>, WorkerError> {
+    if data.trim() == "[DONE]" {
+        return Ok(None);
+    }
+    let event: StreamEvent =
+        serde_json::from_str(data).map_err(|error| WorkerError::Internal(format!("the engine sent an event Turbine cannot read: {error}")))?;
+    match event.error {
+        Some(error) => Err(WorkerError::Internal(format!("the engine failed the request: {}", error.message.unwrap_or_default()))),
+        None => Ok(Some(event)),
     }
 }
 
