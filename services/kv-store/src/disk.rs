@@ -241,15 +241,31 @@ impl DiskBlocks {
 
     /// Reads a block, checked; one that fails is deleted (and counted).
     pub fn read(&self, key: &BlockKey) -> Option<HostBlock> {
-        self.inner.index.get(key)?;
+        let held = self.inner.index.get(key)?;
         let path = block_path(&fingerprint_dir(&self.inner.dir, key.fingerprint), key.sequence);
         let block = block_file::read_block(&path, key.fingerprint.get(), key.sequence);
         if block.is_none() {
-            self.inner.corrupt_blocks.fetch_add(1, Relaxed);
-            tracing::warn!(sequence_hash = key.sequence.0, fingerprint = key.fingerprint.get(), "a kv-store disk block is unreadable or corrupt; dropped");
-            self.remove(key);
+            self.drop_corrupt(key, held.stamp, &path);
         }
         block
+    }
+
+    /// Drops the file indexed with `stamp` that a read found corrupt, once:
+    /// of readers that found it at the same time, only the one whose removal
+    /// takes the entry deletes and counts it, and a sound copy put since is
+    /// kept.
+    fn drop_corrupt(&self, key: &BlockKey, stamp: u64, path: &Path) {
+        let outcome = self.inner.index.entry(*key).and_compute_with(|held| match held {
+            Some(held) if held.value().stamp == stamp => Op::Remove,
+            _ => Op::Nop,
+        });
+        if !matches!(outcome, CompResult::Removed(_)) {
+            return;
+        }
+        let _ = std::fs::remove_file(path);
+        self.inner.index.run_pending_tasks();
+        self.inner.corrupt_blocks.fetch_add(1, Relaxed);
+        tracing::warn!(sequence_hash = key.sequence.0, fingerprint = key.fingerprint.get(), "a kv-store disk block is unreadable or corrupt; dropped");
     }
 
     /// The checksum a held block was written with (its file's header; no

@@ -399,15 +399,27 @@ impl Store {
                 break;
             };
             if check && !block.is_intact() {
-                self.counters.corrupt_blocks.fetch_add(1, Relaxed);
-                tracing::warn!(sequence_hash = sequence.0, fingerprint = fingerprint.get(), "a stored KV block failed its checksum; dropped");
-                self.blocks.invalidate(&key);
+                self.drop_corrupt(key, &block);
                 break;
             }
             run.push((sequence, block));
         }
         self.counters.get_blocks.fetch_add(run.len() as u64, Relaxed);
         run
+    }
+
+    /// Drops `block`, found corrupt, once: of readers that found it at the
+    /// same time, only the one whose removal takes it counts it, and a sound
+    /// copy put since is kept.
+    fn drop_corrupt(&self, key: BlockKey, block: &Arc<MemoryBlock>) {
+        let outcome = self.blocks.entry(key).and_compute_with(|held| match held {
+            Some(held) if Arc::ptr_eq(held.value(), block) => Op::Remove,
+            _ => Op::Nop,
+        });
+        if matches!(outcome, CompResult::Removed(_)) {
+            self.counters.corrupt_blocks.fetch_add(1, Relaxed);
+            tracing::warn!(sequence_hash = key.sequence.0, fingerprint = key.fingerprint.get(), "a stored KV block failed its checksum; dropped");
+        }
     }
 
     /// A block read from disk (checked there), kept in memory again.
@@ -773,6 +785,26 @@ mod tests {
         assert!(!path.exists() && store.stats().disk.corrupt_blocks == 1);
         assert_eq!(store.delete(fp(1), &[]), 8, "deletes reach both tiers");
         assert_eq!(store.stats().disk.blocks, 1);
+    }
+
+    #[test]
+    fn readers_that_find_a_corrupt_block_at_once_count_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::with_disk(1024 + ENTRY_OVERHEAD, DiskBlocks::open(dir.path(), 1 << 20).unwrap());
+        store.put(fp(1), vec![block(0, 1024), block(1, 1024)]).unwrap();
+        assert_eq!((store.stats().memory.blocks, store.stats().disk.blocks), (1, 2), "the first block is on disk only");
+        let path = store.disk().unwrap().path_for_test(&BlockKey { fingerprint: fp(1), sequence: SequenceHash(1000) });
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[100] ^= 0x40;
+        std::fs::write(&path, bytes).unwrap();
+        std::thread::scope(|scope| {
+            for _ in 0..8 {
+                scope.spawn(|| assert!(store.get(fp(1), &hashes(0..2)).is_empty(), "never served"));
+            }
+        });
+        assert_eq!(store.stats().disk.corrupt_blocks, 1);
+        store.put(fp(1), vec![block(0, 1024)]).unwrap();
+        assert_eq!(store.get(fp(1), &hashes(0..2)).len(), 2, "a sound copy put again is served");
     }
 
     /// Each fingerprint's held blocks, as the announcements add up.
