@@ -39,7 +39,7 @@ use turbine_worker::{EngineKind, KvFetch};
 use drive::drive;
 use report::print_timeline;
 pub use report::{PolicyReport, ReplayReport, print, write_plot};
-pub use trace::{TraceRequest, oracle_hits, prompt_tokens, read_trace, shrink};
+pub use trace::{TraceRequest, conversations, oracle_hits, prompt_tokens, read_trace, shrink};
 
 /// Flags of `turbine bench replay`.
 #[derive(Debug, Clone, clap::Args)]
@@ -79,6 +79,12 @@ pub struct ReplayArgs {
     /// Replay only the first N requests [default: all].
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Replay one conversation in K of those requests, each whole (the
+    /// reuse within conversations and the trace's time span stay, at about
+    /// 1/K of its load): real engines too slow for the whole trace still
+    /// see the reuse that comes minutes apart.
+    #[arg(long, default_value_t = 1, value_name = "K")]
+    pub conversations_every: u64,
     /// Cap on each request's output tokens [default: the trace's].
     #[arg(long)]
     pub max_output_tokens: Option<u32>,
@@ -177,7 +183,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<ReplayReport> {
         args.window_secs == 0.0 || (args.window_secs.is_finite() && args.window_secs >= 0.1),
         "--window-secs must be 0 (no timeline) or at least 0.1"
     );
-    let requests = shrink(read_trace(&args.trace, args.limit)?, args.shrink)?;
+    let requests = shrink(conversations(read_trace(&args.trace, args.limit)?, args.conversations_every)?, args.shrink)?;
     let longest = requests.iter().map(|r| r.input_length as u64 + u64::from(r.output_length)).max().unwrap_or(0);
     let context_length = u32::try_from(longest + 1).context("a trace request exceeds 2^32 tokens")?;
     let oracle = oracle_hits(&requests, args.block_size);

@@ -45,6 +45,26 @@ pub fn shrink(requests: Vec<TraceRequest>, factor: usize) -> anyhow::Result<Vec<
         .collect())
 }
 
+/// One conversation in `every` of the trace, each whole: a request's
+/// conversation is the first of its trace blocks past the prefix every
+/// request of the trace shares (a conversation trace's system prompt).
+/// Reuse within conversations and the trace's time span stay; the load is
+/// about 1/`every`.
+pub fn conversations(requests: Vec<TraceRequest>, every: u64) -> anyhow::Result<Vec<TraceRequest>> {
+    anyhow::ensure!(every >= 1, "--conversations-every must be at least 1");
+    let first = &requests[0].hash_ids;
+    let shared = requests.iter().fold(first.len(), |shared, request| first.iter().zip(&request.hash_ids).take(shared).take_while(|(a, b)| a == b).count());
+    let kept: Vec<TraceRequest> = requests
+        .into_iter()
+        .filter(|request| {
+            let conversation = request.hash_ids.get(shared).or(request.hash_ids.last()).copied().unwrap_or(0);
+            conversation.is_multiple_of(every)
+        })
+        .collect();
+    anyhow::ensure!(!kept.is_empty(), "--conversations-every {every}: no conversation of the trace is kept");
+    Ok(kept)
+}
+
 /// Reads a Mooncake-format trace.
 pub fn read_trace(path: &std::path::Path, limit: Option<usize>) -> anyhow::Result<Vec<TraceRequest>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading trace {}", path.display()))?;
@@ -145,6 +165,17 @@ mod tests {
         assert_ne!(a[32..38], b[32..38]);
         assert_eq!(oracle_hits(&shrunk, 16), vec![0, 32]);
         assert!(shrink(vec![request(10, vec![1])], 3).is_err(), "3 does not divide 512");
+    }
+
+    #[test]
+    fn one_conversation_in_k_is_kept_whole_past_the_shared_prefix() {
+        let trace = vec![request(1100, vec![0, 4, 9]), request(600, vec![0, 5]), request(1600, vec![0, 4, 9, 12]), request(300, vec![0, 7])];
+        let kept = conversations(trace.clone(), 2).unwrap();
+        assert_eq!(kept.iter().map(|r| r.hash_ids.clone()).collect::<Vec<_>>(), vec![vec![0, 4, 9], vec![0, 4, 9, 12]], "conversation 4, both turns");
+        assert_eq!(conversations(trace.clone(), 1).unwrap().len(), 4);
+        assert!(conversations(trace, 3).is_err(), "none of 4, 5, 7 is a multiple of 3");
+        let unshared = conversations(vec![request(10, vec![3]), request(10, vec![6, 1])], 3).unwrap();
+        assert_eq!(unshared.len(), 2, "without a shared prefix the first block names the conversation");
     }
 
     #[test]
