@@ -9,7 +9,9 @@
 #
 #   scripts/bench-replay-engines.sh [FLAGS OF turbine bench replay ...]
 #   e.g. scripts/bench-replay-engines.sh --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \
-#          --shrink 16 --limit 200 --speedup 1
+#          --shrink 32 --limit 1000 --conversations-every 5 --speedup 0.6 --block-size 16
+#   (one conversation in five of the first 1,000 requests: their reuse
+#   minutes apart, at a load two engines on two cores keep up with)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
