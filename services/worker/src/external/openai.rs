@@ -20,7 +20,7 @@ use turbine_api::worker::{TokenChunk, WorkerError};
 use turbine_api::{FinishReason, GenerateRequest, Usage};
 use turbine_tokens::Tokenizer;
 
-use super::vllm::{StreamOptions, read_event};
+use super::vllm::{Sampling, StreamOptions, read_event};
 
 /// The most stop sequences the OpenAI API takes.
 const MAX_STOP: usize = 4;
@@ -53,17 +53,7 @@ pub fn completion_body(model: &str, request: &GenerateRequest, eog_ids: &[u32], 
         max_tokens: request.stop.max_tokens,
         stream: true,
         stream_options: StreamOptions { include_usage: true },
-        // Unset is greedy in Turbine; the API's default would sample.
-        temperature: sampling.temperature.unwrap_or(0.0),
-        top_p: sampling.top_p,
-        seed: sampling.seed,
-        presence_penalty: sampling.presence_penalty,
-        frequency_penalty: sampling.frequency_penalty,
-        // Beyond the API, sent only when asked for (vLLM, SGLang and
-        // llama.cpp read them; a server that does not ignores them).
-        top_k: sampling.top_k.filter(|&k| k > 0),
-        min_p: sampling.min_p,
-        repetition_penalty: sampling.repetition_penalty,
+        sampling: Sampling::of(sampling),
         ignore_eos: request.stop.ignore_eos.then_some(true),
         stop,
     })
@@ -77,21 +67,8 @@ pub struct CompletionBody {
     max_tokens: u32,
     stream: bool,
     stream_options: StreamOptions,
-    temperature: f32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    top_p: Option<f32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    seed: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    presence_penalty: Option<f32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    frequency_penalty: Option<f32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    top_k: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    min_p: Option<f32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    repetition_penalty: Option<f32>,
+    #[serde(flatten)]
+    sampling: Sampling,
     #[serde(skip_serializing_if = "Option::is_none")]
     ignore_eos: Option<bool>,
     #[serde(skip_serializing_if = "Vec::is_empty")]

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 use turbine_api::worker::{TokenChunk, WorkerError};
-use turbine_api::{FinishReason, GenerateRequest, Load, TokenLogprobs, Usage};
+use turbine_api::{FinishReason, GenerateRequest, Load, SamplingParams, TokenLogprobs, Usage};
 
 use super::prom;
 
@@ -29,15 +29,7 @@ pub fn completion_body(model: &str, request: &GenerateRequest, stop_ids: &[u32])
         stream: true,
         stream_options: StreamOptions { include_usage: true },
         return_token_ids: true,
-        // Unset is greedy in Turbine; vLLM's default would sample.
-        temperature: sampling.temperature.unwrap_or(0.0),
-        top_p: sampling.top_p,
-        top_k: sampling.top_k.filter(|&k| k > 0),
-        seed: sampling.seed,
-        presence_penalty: sampling.presence_penalty,
-        frequency_penalty: sampling.frequency_penalty,
-        min_p: sampling.min_p,
-        repetition_penalty: sampling.repetition_penalty,
+        sampling: Sampling::of(sampling),
         stop_token_ids,
         ignore_eos: request.stop.ignore_eos,
         logprobs: sampling.logprobs,
@@ -58,6 +50,26 @@ pub struct CompletionBody {
     stream: bool,
     stream_options: StreamOptions,
     return_token_ids: bool,
+    #[serde(flatten)]
+    sampling: Sampling,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    return_tokens_as_token_ids: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_salt: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<String>,
+}
+
+/// A request's sampling as the OpenAI API's fields, with the extensions
+/// vLLM, SGLang and llama.cpp read (`top_k`, `min_p`,
+/// `repetition_penalty`; a server that does not ignores them), each sent
+/// only when asked for (shared with [`super::openai`]).
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Sampling {
     temperature: f32,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_p: Option<f32>,
@@ -73,16 +85,22 @@ pub struct CompletionBody {
     min_p: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     repetition_penalty: Option<f32>,
-    stop_token_ids: Vec<u32>,
-    ignore_eos: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    logprobs: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    return_tokens_as_token_ids: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    cache_salt: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    request_id: Option<String>,
+}
+
+impl Sampling {
+    pub(super) fn of(sampling: &SamplingParams) -> Self {
+        Self {
+            // Unset is greedy in Turbine; the API's default would sample.
+            temperature: sampling.temperature.unwrap_or(0.0),
+            top_p: sampling.top_p,
+            top_k: sampling.top_k.filter(|&k| k > 0),
+            seed: sampling.seed,
+            presence_penalty: sampling.presence_penalty,
+            frequency_penalty: sampling.frequency_penalty,
+            min_p: sampling.min_p,
+            repetition_penalty: sampling.repetition_penalty,
+        }
+    }
 }
 
 /// The OpenAI API's streaming options (shared with [`super::openai`]:
