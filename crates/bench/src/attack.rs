@@ -326,6 +326,7 @@ impl Attacker {
                     role: Default::default(),
                     read_costs: Default::default(),
                     kv_store: None,
+                    shared_cache_only: false,
                 };
                 registry.put(&record, Duration::from_secs(5)).await.map(|()| Refused::Answered).map_err(|error| format!("Redis refused the write: {error}"))
             }

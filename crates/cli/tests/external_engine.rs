@@ -616,6 +616,11 @@ async fn an_openai_api_engine_serves_behind_adapters_its_text_retokenized() {
         Err(other) => panic!("a tenant's request refused for another reason: {other}"),
         Ok(_) => panic!("a tenant's request was served by an engine that cannot keep its cache apart"),
     }
+    // The workers' records say their engines share one cache: the router
+    // sends them no request of a namespace of its own, and says why.
+    let (status, body) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "cache_salt": "mine"})).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("apart"), "{body}");
     let (status, body) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4})).await;
     assert_eq!(status, 200, "{body}");
 

@@ -24,7 +24,7 @@ pub use memory::MemoryRegistry;
 pub use redis_backend::{RedisRegistry, SignedRecord, signed_bytes};
 pub use restart::RestartGrace;
 use serde::{Deserialize, Serialize};
-pub use turbine_kv::{KvTenant, WorkerId};
+pub use turbine_kv::{CacheSalt, KvTenant, WorkerId};
 
 /// A worker as registered.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,6 +58,12 @@ pub struct WorkerRecord {
     /// remote.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_store: Option<KvStoreRef>,
+    /// Its engine keeps one cache for every request and cannot keep a
+    /// namespace's cached prompts apart (an engine behind the plain OpenAI
+    /// API): routers send it only requests of the shared namespace, never
+    /// a tenant's or a client's `cache_salt`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared_cache_only: bool,
 }
 
 /// A kv-store as a worker reads it.
@@ -141,6 +147,14 @@ impl LiveWorker {
     /// requests).
     pub fn serves_tenant(&self, tenant: KvTenant) -> bool {
         self.kv_tenants.as_deref().is_none_or(|tenants| tenants.contains(&tenant))
+    }
+
+    /// Whether the worker keeps requests of `salt` apart in its cache:
+    /// any namespace, unless its engine shares one cache among all
+    /// ([`WorkerRecord::shared_cache_only`]), which keeps only the shared
+    /// namespace's.
+    pub fn keeps_apart(&self, salt: CacheSalt) -> bool {
+        salt.is_shared() || !self.record.shared_cache_only
     }
 }
 
@@ -246,5 +260,19 @@ mod tests {
         assert_eq!(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }.added_wait(10.0, 0.0), 3.0);
         assert_eq!(ReadCost { fixed_blocks: 0.5, per_block: 0.25 }.added_wait(10.0, 2.0), 1.0);
         assert_eq!(ReadCost { fixed_blocks: 0.0, per_block: 2.0 }.added_wait(10.0, 30.0), 0.0, "hidden by the queue ahead");
+    }
+
+    #[test]
+    fn a_record_without_the_flag_keeps_namespaces_apart() {
+        let old: WorkerRecord = serde_json::from_str(r#"{"worker_id":"w","endpoint":"http://w","model":"m"}"#).unwrap();
+        let tenant = CacheSalt::of(&["tenant", "acme"]);
+        let live = LiveWorker::new(old.clone(), Instant::now());
+        assert!(live.keeps_apart(tenant) && live.keeps_apart(CacheSalt::SHARED));
+        assert!(!serde_json::to_string(&old).unwrap().contains("shared_cache_only"), "the default is not written");
+        let sharing = WorkerRecord { shared_cache_only: true, ..old };
+        let again: WorkerRecord = serde_json::from_str(&serde_json::to_string(&sharing).unwrap()).unwrap();
+        assert_eq!(again, sharing);
+        let live = LiveWorker::new(again, Instant::now());
+        assert!(!live.keeps_apart(tenant) && live.keeps_apart(CacheSalt::SHARED));
     }
 }

@@ -28,6 +28,7 @@ fn record(id: &str) -> WorkerRecord {
         role: Default::default(),
         read_costs: Default::default(),
         kv_store: None,
+        shared_cache_only: false,
     }
 }
 

@@ -40,6 +40,7 @@ fn router() -> (Router, Arc<[u32]>) {
                     role: Default::default(),
                     read_costs: Default::default(),
                     kv_store: None,
+                    shared_cache_only: false,
                 },
                 expires_at: Instant::now() + Duration::from_secs(3600),
                 kv_tenants: None,

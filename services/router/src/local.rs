@@ -12,7 +12,7 @@ use crate::router::{RouteError, Router};
 impl From<RouteError> for RouterCallError {
     fn from(error: RouteError) -> Self {
         match error {
-            RouteError::NoWorkers(_) => RouterCallError::NoWorkers(error.to_string()),
+            RouteError::NoWorkers(_) | RouteError::NoneKeepsApart(_) => RouterCallError::NoWorkers(error.to_string()),
             RouteError::InvalidRequest(message) => RouterCallError::InvalidRequest(message),
         }
     }

@@ -55,11 +55,15 @@ impl Router {
                     && !request.exclude_worker_ids.contains(&w.record.worker_id)
             })
             .collect();
+        // Engines that share one cache among all requests take only the
+        // shared namespace's: a tenant's prompt is never cached beside
+        // another's there.
+        let (eligible, sharing): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.keeps_apart(request.cache_salt));
         // Prefill workers only compute prompts for the others.
         let (prefill_pool, eligible): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.record.role == WorkerRole::Prefill);
         let (prefill_pool, eligible) = (own_pool_first(prefill_pool), own_pool_first(eligible));
         if eligible.is_empty() {
-            return Err(RouteError::NoWorkers(request.model.clone()));
+            return Err(if sharing.is_empty() { RouteError::NoWorkers(request.model.clone()) } else { RouteError::NoneKeepsApart(request.model.clone()) });
         }
         let prompt_tokens = (request.prompt_tokens as usize).max(request.token_ids.len());
         let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;

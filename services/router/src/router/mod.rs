@@ -88,8 +88,11 @@ impl Router {
     fn kv_candidates(&self, request: &RouteRequest) -> (Vec<WorkerId>, Vec<u32>) {
         let state = self.state.lock();
         let now = Instant::now();
-        let workers: Vec<&LiveWorker> =
-            state.workers.values().filter(|w| w.record.model == request.model && w.expires_at > now && w.serves_tenant(request.kv_tenant)).collect();
+        let workers: Vec<&LiveWorker> = state
+            .workers
+            .values()
+            .filter(|w| w.record.model == request.model && w.expires_at > now && w.serves_tenant(request.kv_tenant) && w.keeps_apart(request.cache_salt))
+            .collect();
         // Few sizes among many workers: dedup as they come.
         let mut sizes: Vec<u32> = Vec::new();
         for size in workers.iter().map(|w| w.record.kv_block_size).filter(|&size| size > 0) {

@@ -21,6 +21,7 @@ fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
             role: Default::default(),
             read_costs: Default::default(),
             kv_store: None,
+            shared_cache_only: false,
         },
         expires_at: Instant::now() + ttl,
         kv_tenants: None,
@@ -270,6 +271,49 @@ fn a_request_matches_only_blocks_of_its_own_cache_salt() {
     }
     let other = route(&router, &salted("r3", CacheSalt::of(&["tenant-b"]))).unwrap();
     assert_eq!(other.overlap_blocks, 0, "another tenant matches neither worker's blocks");
+}
+
+#[test]
+fn a_worker_sharing_one_cache_gets_only_the_shared_namespaces_requests() {
+    use turbine_kv::{CacheSalt, KvTenant};
+
+    let sharing = |id: &str| {
+        let mut worker = live(id, "m", Duration::from_secs(60));
+        worker.record.shared_cache_only = true;
+        worker
+    };
+    for policy in [Policy::RoundRobin, Policy::LeastLoaded, Policy::Kv] {
+        let index = Arc::new(turbine_kv::KvIndex::new());
+        let router = Router::with_kv(policy, Duration::from_secs(600), Arc::new(crate::kv::KvState::local(crate::kv::KvConfig::default(), index, None)));
+        router.update_workers(vec![sharing("openai-0"), live("apart-0", "m", Duration::from_secs(60))]);
+        let of =
+            |id: String, cache_salt, kv_tenant| RouteRequest { token_ids: (0..64).collect::<Vec<u32>>().into(), cache_salt, kv_tenant, ..request(&id, "m") };
+        let served = |cache_salt, kv_tenant| -> std::collections::BTreeSet<String> {
+            (0..8)
+                .map(|i| {
+                    let request = of(format!("r{i}"), cache_salt, kv_tenant);
+                    let worker = route(&router, &request).unwrap().worker.worker_id.to_string();
+                    router.finished(&request.request_id);
+                    worker
+                })
+                .collect()
+        };
+        let set = |ids: &[&str]| ids.iter().map(|&id| id.to_owned()).collect::<std::collections::BTreeSet<_>>();
+        let acme = (CacheSalt::of(&["tenant", "acme"]), KvTenant::of_tenant("acme"));
+        assert_eq!(served(acme.0, acme.1), set(&["apart-0"]), "{policy:?}: a tenant's requests never reach the shared cache");
+        assert_eq!(served(CacheSalt::of(&["mine"]), KvTenant::SHARED), set(&["apart-0"]), "{policy:?}: nor a client's cache_salt");
+        if policy != Policy::Kv {
+            assert_eq!(served(CacheSalt::SHARED, KvTenant::SHARED), set(&["apart-0", "openai-0"]), "{policy:?}: the shared namespace goes to both");
+        }
+
+        // Only workers sharing one cache: the tenant is told why, and the
+        // shared namespace is still served.
+        router.update_workers(vec![sharing("openai-0")]);
+        let refused = route(&router, &of("t".into(), acme.0, acme.1)).unwrap_err();
+        assert_eq!(refused, RouteError::NoneKeepsApart("m".into()));
+        assert!(refused.to_string().contains("cache_salt"), "{refused}");
+        assert_eq!(route(&router, &of("s".into(), CacheSalt::SHARED, KvTenant::SHARED)).unwrap().worker.worker_id, "openai-0");
+    }
 }
 
 fn limited_to(id: &str, role: WorkerRole, tenants: &[turbine_kv::KvTenant]) -> LiveWorker {

@@ -26,6 +26,13 @@ pub enum RouteError {
     /// No live worker serves the model (or all that do were excluded).
     #[error("no live worker serves model {0:?}")]
     NoWorkers(String),
+    /// Workers serve the model, but every one shares a single cache among
+    /// all requests (engines behind the plain OpenAI API), and the request
+    /// is of its own namespace (a tenant's, or a client's `cache_salt`).
+    #[error(
+        "no live worker of model {0:?} can keep this request's cached prompts apart from others' (the workers serving it front engines with one shared cache): a tenant's request or one with a cache_salt is not served there"
+    )]
+    NoneKeepsApart(String),
     /// The request is malformed.
     #[error("{0}")]
     InvalidRequest(String),
@@ -35,7 +42,7 @@ impl RouteError {
     /// The outcome label of a failed decision, for metrics.
     pub fn outcome(&self) -> &'static str {
         match self {
-            RouteError::NoWorkers(_) => "no_workers",
+            RouteError::NoWorkers(_) | RouteError::NoneKeepsApart(_) => "no_workers",
             RouteError::InvalidRequest(_) => "invalid",
         }
     }

@@ -226,6 +226,13 @@ impl ExternalWorker {
         self.instance
     }
 
+    /// Whether its engine shares one cache among every request, unable to
+    /// keep a namespace's prompts apart: the plain OpenAI API's (it
+    /// refuses any but the shared namespace's, and its record says so).
+    pub fn shared_cache_only(&self) -> bool {
+        self.dialect.kind() == UpstreamKind::Openai
+    }
+
     /// The engine as last probed, as it changes.
     pub fn state(&self) -> watch::Receiver<EngineState> {
         self.state.subscribe()

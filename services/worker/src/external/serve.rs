@@ -114,5 +114,6 @@ fn record(worker: &ExternalWorker, endpoint: &str) -> WorkerRecord {
         role: WorkerRole::Aggregated,
         read_costs: ReadCosts::default(),
         kv_store: None,
+        shared_cache_only: worker.shared_cache_only(),
     }
 }
