@@ -77,13 +77,15 @@ for policy in kv round-robin; do
         # the port its worker binds (a concrete host: vLLM connects). Both
         # engines start at once (each takes 25-60 s).
         events_port=$(free_port)
+        replay_port=$(free_port)
         eval "events_$engine=tcp://127.0.0.1:$events_port"
+        eval "replay_$engine=tcp://127.0.0.1:$replay_port"
         VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \
           VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 setsid "$vllm_python" -m vllm.entrypoints.openai.api_server \
           --host 127.0.0.1 --port "$port" --model "$vllm_model" --served-model-name smollm2-135m \
           --dtype float32 --max-model-len 4096 --max-num-seqs "$slots" --enforce-eager --enable-prefix-caching \
           --block-size 32 --enable-prompt-tokens-details \
-          --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:$events_port\", \"topic\": \"kv-events\"}" \
+          --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:$events_port\", \"replay_endpoint\": \"tcp://127.0.0.1:$replay_port\", \"topic\": \"kv-events\"}" \
           >"$out/$policy-engine-$engine.log" 2>&1 &
         pids+=($!)
         ;;
@@ -95,8 +97,8 @@ for policy in kv round-robin; do
     admins+=("$admin")
     upstream=(--upstream-kind "$engine_kind" --upstream "http://127.0.0.1:$port")
     if [ "$engine_kind" = vllm ]; then
-      events="events_$engine"
-      upstream+=(--model "$vllm_model" --served-model-name smollm2-135m --upstream-kv-events "${!events}")
+      events="events_$engine" replay="replay_$engine"
+      upstream+=(--model "$vllm_model" --served-model-name smollm2-135m --upstream-kv-events "${!events}" --upstream-kv-replay "${!replay}")
     fi
     # The worker binds the events port before the engine's first step;
     # it waits for the engine's server itself (--upstream-wait-secs).

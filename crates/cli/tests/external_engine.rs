@@ -345,17 +345,68 @@ async fn route_and_run_once(
     (worker, routed, cached)
 }
 
+/// A TCP relay to a port on loopback that the test can cut: while cut,
+/// it closes every connection through it, open and new, at once.
+struct Relay {
+    port: u16,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cuts: tokio::sync::watch::Sender<u64>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (cuts, _) = tokio::sync::watch::channel(0u64);
+        let (accepting, mut cut) = (open.clone(), cuts.subscribe());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !accepting.load(Ordering::SeqCst) {
+                    continue;
+                }
+                cut.mark_unchanged();
+                let mut cut = cut.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else { return };
+                    tokio::select! {
+                        _ = cut.changed() => {}
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    }
+                });
+            }
+        });
+        Self { port, open, cuts }
+    }
+
+    fn cut(&self) {
+        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.cuts.send_modify(|cuts| *cuts += 1);
+    }
+
+    fn restore(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 #[tokio::test]
 async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
     // Two engines, each publishing its KV events to the port its adapter
-    // listens on (a concrete host: vLLM connects to it).
+    // listens on (a concrete host: vLLM connects to it); engine 0's
+    // through a relay the test cuts, with its replay socket on.
     let ports = [turbine_testkit::free_port(), turbine_testkit::free_port()];
-    let engines = futures::future::join_all(ports.map(|port| {
+    let relay = Relay::start(ports[0]).await;
+    let replay = turbine_testkit::free_port();
+    let published = [(relay.port, Some(replay)), (ports[1], None)];
+    let engines = futures::future::join_all(published.map(|(port, replay)| {
         let install = install.clone();
         tokio::task::spawn_blocking(move || {
-            let events = format!(r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}", "topic": "kv-events"}}"#);
+            let replay = replay.map_or_else(String::new, |replay| format!(r#", "replay_endpoint": "tcp://127.0.0.1:{replay}""#));
+            let events =
+                format!(r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}", "topic": "kv-events"{replay}}}"#);
             VllmServer::start(&install, MODEL, &["--kv-events-config", &events])
         })
     }))
@@ -370,8 +421,11 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
         let (id, upstream, events) = (format!("vllm-{index}"), engine.url(), format!("tcp://127.0.0.1:{port}"));
         // The card from the directory the engine serves (`--model DIR`).
         let card = ["--model", model_dir, "--served-model-name", MODEL];
+        let replayed = format!("tcp://127.0.0.1:{replay}");
+        let replaying: &[&str] = if index == 0 { &["--upstream-kv-replay", &replayed] } else { &[] };
         let args =
-            [&cluster[..], &card[..], &["--engine", "external", "--upstream", &upstream, "--upstream-kv-events", &events, "--worker-id", &id][..]].concat();
+            [&cluster[..], &card[..], &["--engine", "external", "--upstream", &upstream, "--upstream-kv-events", &events, "--worker-id", &id][..], replaying]
+                .concat();
         adapters.push(service("turbine-worker", &args, &[], false).await);
     }
     let router = service("turbine-router", &[&cluster[..], &["--policy", "kv"][..]].concat(), &[], false).await;
@@ -414,6 +468,61 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     assert!(within_a_block * 100 >= outcomes.len() * 95, "the router's predicted overlap is the engine's cache for at least 95% of requests: {outcomes:?}");
     let used: std::collections::HashSet<&str> = outcomes.iter().map(|(worker, _, _)| worker.as_str()).collect();
     assert_eq!(used.len(), 2, "both engines served: {outcomes:?}");
+
+    // Engine 0's events cut off while it caches a new prefix: once its
+    // connection is back, its adapter asks its replay socket for what
+    // followed the last batch it applied and continues from there, so
+    // what the engine cached before the cut stays credited and the new
+    // prefix is mirrored and routed on (without the replay, the new
+    // connection cleared the mirror: everything cached before was
+    // forgotten).
+    let worker = turbine_api::worker::WorkerClient::connect(&adapters[0].grpc_endpoint()).unwrap();
+    let blocks = async || -> std::collections::HashSet<turbine_kv::SequenceHash> {
+        worker.dump_kv_cache().await.unwrap().dump.blocks.iter().map(|block| block.sequence_hash).collect()
+    };
+    let before = blocks().await;
+    assert!(!before.is_empty(), "engine 0 served some of the prefixes above");
+    let system = format!("You are an expert in geology. {}", "Name every rock, its age and where it is found, in one line. ".repeat(6));
+    let prompt = ours.encode_text(&format!("{system}\nQuestion 0 about geology: what matters most?")).unwrap();
+    let last_block = *turbine_kv::BlockHasher::salted(turbine_kv::DEFAULT_SEED, turbine_kv::CacheSalt::SHARED).sequence_hashes(&prompt, 32).last().unwrap();
+    let mirrored = async || worker.dump_kv_cache().await.is_ok_and(|dump| dump.dump.blocks.iter().any(|block| block.sequence_hash == last_block));
+    relay.cut();
+    let request = turbine_api::GenerateRequest {
+        request_id: "cut-0".into(),
+        prompt: prompt.clone(),
+        stop: turbine_api::StopConditions { max_tokens: 1, ..Default::default() },
+        ..Default::default()
+    };
+    assert_eq!(cached_tokens(&worker, request).await, 0, "a prefix engine 0 had not cached");
+    assert!(!mirrored().await, "no event crossed the cut");
+    relay.restore();
+    wait_until("the adapter mirrors what engine 0 cached while its events were cut off", Duration::from_secs(60), mirrored).await;
+    let after = blocks().await;
+    assert!(
+        before.is_subset(&after),
+        "what engine 0 cached before the cut is still credited: {} of {} blocks",
+        before.intersection(&after).count(),
+        before.len()
+    );
+    let admin = adapters[0].admin_url();
+    assert!(turbine_testkit::metric_where(&admin, "turbine_worker_upstream_kv_event_replays_total", &[("outcome", "filled")]).await >= 1.0);
+    assert_eq!(metric(&admin, "turbine_worker_upstream_kv_event_gaps_total").await, 0.0, "nothing was cleared");
+    let ask = |id: &str| turbine_api::router::RouteRequest {
+        request_id: id.to_owned(),
+        model: MODEL.into(),
+        prompt_tokens: prompt.len() as u32,
+        token_ids: prompt.clone().into(),
+        ..Default::default()
+    };
+    wait_until("the router credits engine 0 with the replayed prefix", Duration::from_secs(30), async || {
+        let routed = router.route(&ask("probe")).await.unwrap();
+        router.finished("probe").await.unwrap();
+        routed.worker.worker_id.as_str() == "vllm-0" && routed.overlap_blocks > 0
+    })
+    .await;
+    let (worker_id, predicted, cached) = route_and_run(&router, prompt.clone(), "after-cut", turbine_kv::CacheSalt::SHARED).await;
+    assert_eq!(worker_id, "vllm-0");
+    assert!(cached > 0 && predicted.abs_diff(cached) <= 32, "predicted {predicted} tokens, the engine hit {cached}");
 }
 
 /// The sum of a metric over `engines`.

@@ -267,6 +267,15 @@ pub struct EngineConfig {
     #[arg(long, env = "TURBINE_WORKER_UPSTREAM_KV_EVENTS", value_name = "ENDPOINT")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_kv_events: Option<String>,
+    /// External engine: the engine's KV event replay socket
+    /// (`tcp://127.0.0.1:PORT`, loopback only), where the worker asks for
+    /// the events it missed (the engine's connection dropped, messages
+    /// lost) instead of forgetting what the engine caches. Start vLLM
+    /// with `"replay_endpoint": "tcp://127.0.0.1:PORT"` in its
+    /// --kv-events-config (vLLM binds it). Needs --upstream-kv-events.
+    #[arg(long, env = "TURBINE_WORKER_UPSTREAM_KV_REPLAY", value_name = "ENDPOINT")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_kv_replay: Option<String>,
     /// External engine: seconds to wait at start for the engine to answer
     /// (it may still be loading its model); the worker is NOT_SERVING
     /// meanwhile, and fails to start after.
@@ -441,6 +450,12 @@ impl EngineConfig {
             }
             self.upstream_kv_events_addr().map_err(|message| InvalidSetting::new("upstream_kv_events", format!("{endpoint:?}: {message}")))?;
         }
+        if let Some(endpoint) = &self.upstream_kv_replay {
+            if self.upstream_kv_events.is_none() {
+                return Err(InvalidSetting::new("upstream_kv_replay", "replays the engine's KV events: set upstream_kv_events too"));
+            }
+            self.upstream_kv_replay_addr().map_err(|message| InvalidSetting::new("upstream_kv_replay", format!("{endpoint:?}: {message}")))?;
+        }
         if self.kv_store_min_blocks == 0 || self.kv_store_timeout_ms == 0 {
             return Err(InvalidSetting::new("kv_store_min_blocks and kv_store_timeout_ms", "must be positive"));
         }
@@ -462,13 +477,12 @@ impl EngineConfig {
 
     /// The loopback address `upstream_kv_events` names, if set.
     pub fn upstream_kv_events_addr(&self) -> Result<Option<std::net::SocketAddr>, String> {
-        let Some(endpoint) = &self.upstream_kv_events else { return Ok(None) };
-        let address = endpoint.strip_prefix("tcp://").ok_or("must be tcp://IP:PORT")?;
-        let address: std::net::SocketAddr = address.parse().map_err(|_| "must be tcp://IP:PORT with an IP address".to_owned())?;
-        if !address.ip().is_loopback() {
-            return Err("must be a loopback address: the events are not authenticated, whoever connects is believed".into());
-        }
-        Ok(Some(address))
+        self.upstream_kv_events.as_deref().map(loopback_endpoint).transpose()
+    }
+
+    /// The loopback address `upstream_kv_replay` names, if set.
+    pub fn upstream_kv_replay_addr(&self) -> Result<Option<std::net::SocketAddr>, String> {
+        self.upstream_kv_replay.as_deref().map(loopback_endpoint).transpose()
     }
 
     /// Tokens per KV block: configured, or the engine's default.
@@ -480,6 +494,18 @@ impl EngineConfig {
     pub fn threads(&self) -> usize {
         self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
     }
+}
+
+/// The address of a `tcp://IP:PORT` endpoint of the engine's KV events,
+/// which must be on loopback: they are not authenticated, whoever connects
+/// (or answers) is believed.
+fn loopback_endpoint(endpoint: &str) -> Result<std::net::SocketAddr, String> {
+    let address = endpoint.strip_prefix("tcp://").ok_or("must be tcp://IP:PORT")?;
+    let address: std::net::SocketAddr = address.parse().map_err(|_| "must be tcp://IP:PORT with an IP address".to_owned())?;
+    if !address.ip().is_loopback() {
+        return Err("must be a loopback address: the events are not authenticated, whoever connects is believed".into());
+    }
+    Ok(address)
 }
 
 /// How KV blocks move between prefill and decode workers.
@@ -665,6 +691,14 @@ mod tests {
         assert!(parse(&[&external[..], &["--upstream-kv-events", "tcp://0.0.0.0:5557"]].concat()).unwrap_err().contains("loopback"));
         assert!(parse(&[&external[..], &["--upstream-kv-events", "ipc:///tmp/x"]].concat()).unwrap_err().contains("tcp://"));
         assert!(parse(&["--upstream-kv-events", "tcp://127.0.0.1:5557"]).unwrap_err().contains("engine = external"));
+        let replay = parse(&[&external[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557", "--upstream-kv-replay", "tcp://[::1]:5558"]].concat()).unwrap();
+        assert_eq!(replay.engine.upstream_kv_replay_addr(), Ok(Some("[::1]:5558".parse().unwrap())));
+        assert!(parse(&[&external[..], &["--upstream-kv-replay", "tcp://127.0.0.1:5558"]].concat()).unwrap_err().contains("upstream_kv_events too"));
+        assert!(
+            parse(&[&external[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557", "--upstream-kv-replay", "tcp://10.0.0.2:5558"]].concat())
+                .unwrap_err()
+                .contains("loopback")
+        );
         let llama = [&external[..], &["--upstream-kind", "llama-cpp"]].concat();
         assert_eq!(parse(&llama).unwrap().engine.upstream_kind, UpstreamKind::LlamaCpp);
         assert!(parse(&[&llama[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557"]].concat()).unwrap_err().contains("--kv-approximate"));

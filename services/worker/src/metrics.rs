@@ -86,6 +86,18 @@ pub(crate) fn upstream_kv_event_gap(worker: &str) {
     UPSTREAM_KV_GAPS.with_label_values(&[worker]).inc();
 }
 
+static UPSTREAM_KV_REPLAYS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter(
+        "turbine_worker_upstream_kv_event_replays_total",
+        "Times the worker asked an external engine's replay socket for the KV events it missed (a reconnect, a gap), by outcome: filled (the mirror continues) or failed (it is cleared)",
+        &["worker", "outcome"],
+    )
+});
+
+pub(crate) fn upstream_kv_event_replay(worker: &str, outcome: &str) {
+    UPSTREAM_KV_REPLAYS.with_label_values(&[worker, outcome]).inc();
+}
+
 /// Exposes one engine's statistics, read when scraped.
 pub struct EngineCollector {
     engine: EngineHandle,

@@ -13,8 +13,10 @@
 //! under a salt or LoRA the adapter did not send. Its prefix is then not
 //! credited (the router's approximate view), which costs a cache hit at
 //! worst. A new connection from the engine (a restart, a reconnect after
-//! dropped messages) or a gap in its sequence numbers clears the mirror
-//! (an `AllBlocksCleared` for followers): what the engine still caches is
+//! dropped messages) or a gap in its sequence numbers asks the engine's
+//! replay socket, when it has one, for the batches missed since the last
+//! one applied; what that cannot fill clears the mirror (an
+//! `AllBlocksCleared` for followers): what the engine still caches is
 //! credited again as it is stored anew.
 
 use std::collections::HashMap;
@@ -28,7 +30,7 @@ use turbine_kv::{BlockHasher, CacheSalt, CachedBlock, Dump, KvEvent, LocalBlockH
 use turbine_runtime::CancellationToken;
 
 use super::msgpack::{self, Value};
-use super::zmtp::Subscriber;
+use super::zmtp::{Dealer, Subscriber, ZmtpError};
 use crate::metrics;
 
 /// Events a lagging follower may fall behind by before it resynchronises.
@@ -176,6 +178,10 @@ pub struct KvMirror {
     blocks: HashMap<EngineHash, Mirrored>,
     next_event_id: u64,
     events: broadcast::Sender<NumberedEvent>,
+    /// The engine's last batch applied: its number and a digest of its
+    /// bytes, so that a replay is known to continue this engine's events
+    /// (a restarted engine numbers from 0 again).
+    last: Option<(u64, u64)>,
 }
 
 impl KvMirror {
@@ -188,7 +194,48 @@ impl KvMirror {
             blocks: HashMap::new(),
             next_event_id: 0,
             events: broadcast::channel(EVENT_BUFFER).0,
+            last: None,
         }
+    }
+
+    /// The number the engine's next batch should carry, once one was
+    /// applied.
+    fn expected(&self) -> Option<u64> {
+        self.last.map(|(sequence, _)| sequence.wrapping_add(1))
+    }
+
+    /// Applies the engine's batch numbered `sequence` (its msgpack bytes).
+    fn apply_batch(&mut self, sequence: u64, payload: &[u8]) {
+        match decode_batch(payload) {
+            Ok(events) => events.into_iter().for_each(|event| self.apply(event)),
+            Err(error) => {
+                tracing::warn!(worker = %self.worker, %error, "unreadable KV events: the mirror is cleared");
+                self.clear("unreadable events");
+            }
+        }
+        self.last = Some((sequence, digest(payload)));
+    }
+
+    /// Applies the batches an engine replayed from the last one applied:
+    /// only when they continue it (the first is that very batch, the rest
+    /// follow without a hole), so nothing is applied twice or out of
+    /// order, and a restarted engine's numbers are not taken for this one's.
+    fn resume(&mut self, replayed: &[(u64, Vec<u8>)]) -> bool {
+        let Some(last) = self.last else { return false };
+        let Some(((first, payload), rest)) = replayed.split_first() else { return false };
+        if (*first, digest(payload)) != last || rest.iter().zip(first + 1..).any(|((sequence, _), expected)| *sequence != expected) {
+            return false;
+        }
+        for (sequence, payload) in rest {
+            self.apply_batch(*sequence, payload);
+        }
+        true
+    }
+
+    /// Forgets everything and the engine's numbering with it.
+    fn start_over(&mut self, why: &str) {
+        self.clear(why);
+        self.last = None;
     }
 
     /// The events from now on.
@@ -270,9 +317,10 @@ impl KvMirror {
 
 /// Receives the engine's events on `listener` until `shutdown`: each
 /// connection (the engine's PUB socket connects) is subscribed to every
-/// topic and followed; a new connection or a gap in its numbering clears
-/// the mirror first.
-pub async fn receive(listener: TcpListener, mirror: Arc<Mutex<KvMirror>>, shutdown: CancellationToken) {
+/// topic and followed. A new connection, or a gap in the numbering, asks
+/// the engine's `replay` socket (when it has one) for the batches missed
+/// since the last one applied; what cannot be filled so clears the mirror.
+pub async fn receive(listener: TcpListener, mirror: Arc<Mutex<KvMirror>>, replay: Option<SocketAddr>, shutdown: CancellationToken) {
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -289,13 +337,76 @@ pub async fn receive(listener: TcpListener, mirror: Arc<Mutex<KvMirror>>, shutdo
         tokio::spawn(async move {
             tokio::select! {
                 () = shutdown.cancelled() => {}
-                () = follow(stream, peer, mirror) => {}
+                () = follow(stream, peer, mirror, replay) => {}
             }
         });
     }
 }
 
-async fn follow(stream: tokio::net::TcpStream, peer: SocketAddr, mirror: Arc<Mutex<KvMirror>>) {
+/// The longest a replay may take, connecting included.
+const REPLAY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The most bytes of batches one replay may bring (vLLM keeps 10,000
+/// batches by default, a few KiB each).
+const REPLAY_MAX_BYTES: usize = 256 << 20;
+
+/// Fills the mirror from the engine's replay socket at `replay` with what
+/// followed its last batch; whether it could.
+async fn fill(mirror: &Mutex<KvMirror>, replay: Option<SocketAddr>) -> bool {
+    let (Some(replay), Some((last, _))) = (replay, mirror.lock().last) else { return false };
+    let worker = mirror.lock().worker.clone();
+    let resumed = match tokio::time::timeout(REPLAY_TIMEOUT, fetch(replay, last)).await {
+        Ok(Ok(replayed)) => {
+            let resumed = mirror.lock().resume(&replayed);
+            if resumed {
+                tracing::info!(%worker, from = last, batches = replayed.len().saturating_sub(1), "the engine replayed the KV events missed");
+            } else {
+                tracing::info!(%worker, from = last, "the engine's replay does not continue the events applied (it restarted, or its buffer moved on)");
+            }
+            resumed
+        }
+        Ok(Err(error)) => {
+            tracing::warn!(%worker, %replay, %error, "asking the engine to replay its KV events failed");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(%worker, %replay, "the engine's KV event replay took over {} s", REPLAY_TIMEOUT.as_secs());
+            false
+        }
+    };
+    metrics::upstream_kv_event_replay(&worker, if resumed { "filled" } else { "failed" });
+    resumed
+}
+
+/// The batches the engine at `replay` still holds from number `from` on:
+/// vLLM's replay socket (a ROUTER) answers a request of the starting
+/// number with `[_, topic, number, batch]` messages, then
+/// `[_, _, -1, _]`.
+async fn fetch(replay: SocketAddr, from: u64) -> Result<Vec<(u64, Vec<u8>)>, ZmtpError> {
+    let mut dealer = Dealer::handshake(tokio::net::TcpStream::connect(replay).await?).await?;
+    dealer.send(&[b"", &from.to_be_bytes()]).await?;
+    let (mut replayed, mut bytes) = (Vec::new(), 0usize);
+    loop {
+        let Some(message) = dealer.recv().await? else {
+            return Err(ZmtpError::Protocol("the replay socket closed before the end of its replay".into()));
+        };
+        let [_, _topic, sequence, payload] = message.as_slice() else {
+            return Err(ZmtpError::Protocol(format!("a replayed message of {} frames (4 expected)", message.len())));
+        };
+        let sequence = <[u8; 8]>::try_from(sequence.as_slice())
+            .map(u64::from_be_bytes)
+            .map_err(|_| ZmtpError::Protocol("a replayed message without an 8-byte number".into()))?;
+        if sequence == u64::MAX {
+            return Ok(replayed);
+        }
+        bytes += payload.len();
+        if bytes > REPLAY_MAX_BYTES {
+            return Err(ZmtpError::Protocol(format!("a replay of over {} MiB", REPLAY_MAX_BYTES >> 20)));
+        }
+        replayed.push((sequence, payload.clone()));
+    }
+}
+
+async fn follow(stream: tokio::net::TcpStream, peer: SocketAddr, mirror: Arc<Mutex<KvMirror>>, replay: Option<SocketAddr>) {
     let handshake = tokio::time::timeout(std::time::Duration::from_secs(5), Subscriber::handshake(stream, b"")).await;
     let mut subscriber = match handshake {
         Ok(Ok(subscriber)) => subscriber,
@@ -304,7 +415,12 @@ async fn follow(stream: tokio::net::TcpStream, peer: SocketAddr, mirror: Arc<Mut
     };
     let worker = mirror.lock().worker.clone();
     tracing::info!(%worker, %peer, "the engine's KV events connected");
-    let mut last: Option<u64> = None;
+    // Subscribed first, so what the engine publishes from now on arrives
+    // here; what it published since the last batch applied comes from
+    // its replay.
+    if !fill(&mirror, replay).await {
+        mirror.lock().start_over("a new connection from the engine");
+    }
     loop {
         let message = match subscriber.recv().await {
             Ok(Some(message)) => message,
@@ -320,25 +436,34 @@ async fn follow(stream: tokio::net::TcpStream, peer: SocketAddr, mirror: Arc<Mut
             tracing::warn!(%worker, "a KV event message without an 8-byte sequence number: skipped");
             continue;
         };
-        let events = decode_batch(payload);
+        let expected = mirror.lock().expected();
+        if let Some(expected) = expected
+            && sequence > expected
+            && !fill(&mirror, replay).await
+        {
+            metrics::upstream_kv_event_gap(&worker);
+            mirror.lock().start_over(&format!("events {expected} to {} were lost", sequence - 1));
+        }
         let mut mirror = mirror.lock();
-        match last {
-            None => mirror.clear("a new connection from the engine"),
-            Some(last) if sequence != last.wrapping_add(1) => {
+        match mirror.expected() {
+            // Applied already, from the replay.
+            Some(expected) if sequence < expected => continue,
+            Some(expected) if sequence > expected => {
                 metrics::upstream_kv_event_gap(&worker);
-                mirror.clear(&format!("events {} to {} were lost", last + 1, sequence.saturating_sub(1)));
+                mirror.start_over(&format!("events {expected} to {} were not replayed", sequence - 1));
             }
-            Some(_) => {}
+            _ => {}
         }
-        last = Some(sequence);
-        match events {
-            Ok(events) => events.into_iter().for_each(|event| mirror.apply(event)),
-            Err(error) => {
-                tracing::warn!(%worker, %error, "unreadable KV events: the mirror is cleared");
-                mirror.clear("unreadable events");
-            }
-        }
+        mirror.apply_batch(sequence, payload);
     }
+}
+
+/// A digest of a batch's bytes, to tell one batch from another.
+fn digest(payload: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    payload.hash(&mut hasher);
+    hasher.finish()
 }
 
 #[cfg(test)]

@@ -111,6 +111,8 @@ pub struct ExternalWorker {
     mirror: Option<Arc<parking_lot::Mutex<events::KvMirror>>>,
     /// Where the engine's KV events arrive, until [`Self::receive_events`].
     events_listener: parking_lot::Mutex<Option<tokio::net::TcpListener>>,
+    /// The engine's replay socket, asked for the events missed.
+    events_replay: Option<std::net::SocketAddr>,
 }
 
 impl ExternalWorker {
@@ -208,7 +210,8 @@ impl ExternalWorker {
         let instance = uuid::Uuid::new_v4().as_u64_pair().0;
         let events_listener = parking_lot::Mutex::new(events_listener);
         let open = Arc::new(AtomicU32::new(0));
-        Ok(Arc::new(Self { id, card, instance, dialect, base, http, state, open, mirror, events_listener }))
+        let events_replay = engine.upstream_kv_replay_addr().map_err(anyhow::Error::msg)?;
+        Ok(Arc::new(Self { id, card, instance, dialect, base, http, state, open, mirror, events_listener, events_replay }))
     }
 
     /// The worker id.
@@ -243,7 +246,7 @@ impl ExternalWorker {
     pub async fn receive_events(self: Arc<Self>, shutdown: CancellationToken) {
         let listener = self.events_listener.lock().take();
         if let (Some(listener), Some(mirror)) = (listener, &self.mirror) {
-            events::receive(listener, mirror.clone(), shutdown).await;
+            events::receive(listener, mirror.clone(), self.events_replay, shutdown).await;
         }
     }
 

@@ -1,7 +1,9 @@
-//! The subscriber's side of ZMTP 3.0 (ZeroMQ's wire protocol, RFC 23) over
-//! TCP with the NULL mechanism: enough to receive an engine's published
-//! KV events. The worker binds; the engine's PUB socket connects to it.
-//! Every length a peer sends is bounded before anything is allocated.
+//! The subscriber's and the dealer's sides of ZMTP 3.0 (ZeroMQ's wire
+//! protocol, RFC 23) over TCP with the NULL mechanism: enough to receive
+//! an engine's published KV events (the worker binds; the engine's PUB
+//! socket connects to it) and to ask its replay socket (a ROUTER the
+//! engine binds) for the ones missed. Every length a peer sends is bounded
+//! before anything is allocated.
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -106,6 +108,61 @@ fn ready_socket_type(body: &[u8]) -> Result<String, ZmtpError> {
     Err(protocol("the peer's READY names no Socket-Type"))
 }
 
+/// Greets the peer as a `ours` socket and checks it speaks ZMTP 3 with the
+/// NULL mechanism as one of the socket types in `theirs`.
+async fn greet(stream: &mut (impl AsyncRead + AsyncWrite + Unpin), ours: &str, theirs: &[&str]) -> Result<(), ZmtpError> {
+    stream.write_all(&greeting()).await?;
+    let mut greeted = [0u8; 64];
+    stream.read_exact(&mut greeted).await?;
+    if greeted[0] != 0xFF || greeted[9] != 0x7F {
+        return Err(protocol("not a ZMTP peer (no signature)"));
+    }
+    if greeted[10] < 3 {
+        return Err(protocol(format!("ZMTP {}.{}: 3.0 or later is needed", greeted[10], greeted[11])));
+    }
+    let mechanism = &greeted[12..32];
+    if mechanism.iter().take_while(|&&b| b != 0).copied().collect::<Vec<u8>>() != b"NULL" {
+        return Err(protocol(format!("the security mechanism {:?} (only NULL is spoken)", String::from_utf8_lossy(mechanism).trim_end_matches('\0'))));
+    }
+    write_frame(stream, COMMAND, &ready(ours)).await?;
+    stream.flush().await?;
+    let frame = read_frame(stream).await?;
+    if frame.flags & COMMAND == 0 {
+        return Err(protocol("the peer sent a message before READY"));
+    }
+    let socket_type = ready_socket_type(&frame.body)?;
+    if !theirs.contains(&socket_type.as_str()) {
+        return Err(protocol(format!("the peer is a {socket_type} socket, not a {}", theirs.join(" or "))));
+    }
+    Ok(())
+}
+
+/// The next message's frames (commands, such as heartbeats, skipped);
+/// `None` when the peer closed the connection between messages.
+async fn recv_message(stream: &mut (impl AsyncRead + Unpin)) -> Result<Option<Vec<Vec<u8>>>, ZmtpError> {
+    let mut parts = Vec::new();
+    loop {
+        let frame = match read_frame(stream).await {
+            Ok(frame) => frame,
+            Err(ZmtpError::Io(error)) if parts.is_empty() && error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        if frame.flags & COMMAND != 0 {
+            if !parts.is_empty() {
+                return Err(protocol("a command inside a message"));
+            }
+            continue;
+        }
+        parts.push(frame.body);
+        if frame.flags & MORE == 0 {
+            return Ok(Some(parts));
+        }
+        if parts.len() >= MAX_PARTS {
+            return Err(protocol(format!("a message of over {MAX_PARTS} frames")));
+        }
+    }
+}
+
 /// A subscriber's end of one accepted connection, past the handshake.
 #[derive(Debug)]
 pub struct Subscriber<S> {
@@ -117,28 +174,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Subscriber<S> {
     /// NULL mechanism, and subscribes to messages whose first frame starts
     /// with `topic` (empty: all).
     pub async fn handshake(mut stream: S, topic: &[u8]) -> Result<Self, ZmtpError> {
-        stream.write_all(&greeting()).await?;
-        let mut theirs = [0u8; 64];
-        stream.read_exact(&mut theirs).await?;
-        if theirs[0] != 0xFF || theirs[9] != 0x7F {
-            return Err(protocol("not a ZMTP peer (no signature)"));
-        }
-        if theirs[10] < 3 {
-            return Err(protocol(format!("ZMTP {}.{}: 3.0 or later is needed", theirs[10], theirs[11])));
-        }
-        let mechanism = &theirs[12..32];
-        if mechanism.iter().take_while(|&&b| b != 0).copied().collect::<Vec<u8>>() != b"NULL" {
-            return Err(protocol(format!("the security mechanism {:?} (only NULL is spoken)", String::from_utf8_lossy(mechanism).trim_end_matches('\0'))));
-        }
-        write_frame(&mut stream, COMMAND, &ready("SUB")).await?;
-        let frame = read_frame(&mut stream).await?;
-        if frame.flags & COMMAND == 0 {
-            return Err(protocol("the peer sent a message before READY"));
-        }
-        let socket_type = ready_socket_type(&frame.body)?;
-        if socket_type != "PUB" && socket_type != "XPUB" {
-            return Err(protocol(format!("the peer is a {socket_type} socket, not a publisher")));
-        }
+        greet(&mut stream, "SUB", &["PUB", "XPUB"]).await?;
         // ZMTP 3.0's subscription: a message of 0x01 and the prefix.
         let mut subscribe = vec![1u8];
         subscribe.extend_from_slice(topic);
@@ -147,30 +183,41 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Subscriber<S> {
         Ok(Self { stream })
     }
 
-    /// The next message's frames (commands, such as heartbeats, skipped);
-    /// `None` when the peer closed the connection between messages.
+    /// The next message's frames; `None` when the peer closed the
+    /// connection between messages.
     pub async fn recv(&mut self) -> Result<Option<Vec<Vec<u8>>>, ZmtpError> {
-        let mut parts = Vec::new();
-        loop {
-            let frame = match read_frame(&mut self.stream).await {
-                Ok(frame) => frame,
-                Err(ZmtpError::Io(error)) if parts.is_empty() && error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-                Err(error) => return Err(error),
-            };
-            if frame.flags & COMMAND != 0 {
-                if !parts.is_empty() {
-                    return Err(protocol("a command inside a message"));
-                }
-                continue;
-            }
-            parts.push(frame.body);
-            if frame.flags & MORE == 0 {
-                return Ok(Some(parts));
-            }
-            if parts.len() >= MAX_PARTS {
-                return Err(protocol(format!("a message of over {MAX_PARTS} frames")));
-            }
+        recv_message(&mut self.stream).await
+    }
+}
+
+/// A DEALER's end of a connection to a ROUTER socket (the engine's replay
+/// socket), past the handshake: messages out, messages back.
+#[derive(Debug)]
+pub struct Dealer<S> {
+    stream: S,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Dealer<S> {
+    /// Greets the peer and checks it is a ROUTER speaking ZMTP 3 with the
+    /// NULL mechanism.
+    pub async fn handshake(mut stream: S) -> Result<Self, ZmtpError> {
+        greet(&mut stream, "DEALER", &["ROUTER"]).await?;
+        Ok(Self { stream })
+    }
+
+    /// Sends one message of `parts`.
+    pub async fn send(&mut self, parts: &[&[u8]]) -> Result<(), ZmtpError> {
+        for (at, part) in parts.iter().enumerate() {
+            write_frame(&mut self.stream, if at + 1 < parts.len() { MORE } else { 0 }, part).await?;
         }
+        self.stream.flush().await?;
+        Ok(())
+    }
+
+    /// The next message's frames; `None` when the peer closed the
+    /// connection between messages.
+    pub async fn recv(&mut self) -> Result<Option<Vec<Vec<u8>>>, ZmtpError> {
+        recv_message(&mut self.stream).await
     }
 }
 
@@ -214,6 +261,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_dealer_meets_a_router_sends_and_reads_back() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let router = tokio::spawn(async move {
+            theirs.write_all(&greeting()).await.unwrap();
+            let mut greeting = [0u8; 64];
+            theirs.read_exact(&mut greeting).await.unwrap();
+            assert_eq!(ready_socket_type(&read_frame(&mut theirs).await.unwrap().body).unwrap(), "DEALER");
+            write_frame(&mut theirs, COMMAND, &ready("ROUTER")).await.unwrap();
+            let request = recv_message(&mut theirs).await.unwrap().unwrap();
+            write_frame(&mut theirs, MORE, b"").await.unwrap();
+            write_frame(&mut theirs, 0, b"answer").await.unwrap();
+            request
+        });
+        let mut dealer = Dealer::handshake(ours).await.unwrap();
+        dealer.send(&[b"", &5u64.to_be_bytes()]).await.unwrap();
+        assert_eq!(dealer.recv().await.unwrap().unwrap(), vec![b"".to_vec(), b"answer".to_vec()]);
+        assert_eq!(router.await.unwrap(), vec![b"".to_vec(), 5u64.to_be_bytes().to_vec()], "two frames, as sent");
+        assert!(dealer.recv().await.unwrap().is_none(), "the peer closed between messages");
+    }
+
+    #[tokio::test]
     async fn a_peer_that_is_not_a_publisher_is_refused() {
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
         let peer = tokio::spawn(async move {
@@ -225,7 +293,7 @@ mod tests {
             theirs
         });
         let refused = Subscriber::handshake(ours, b"").await.unwrap_err();
-        assert!(refused.to_string().contains("not a publisher"), "{refused}");
+        assert!(refused.to_string().contains("not a PUB or XPUB"), "{refused}");
         drop(peer.await.unwrap());
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
         theirs.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();

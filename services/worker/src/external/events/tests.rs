@@ -173,7 +173,7 @@ async fn events_arrive_over_zmtp_and_a_gap_clears_the_mirror() {
     let mirror = Arc::new(Mutex::new(KvMirror::new("w", 4)));
     let mut events = mirror.lock().subscribe();
     let shutdown = CancellationToken::new();
-    let receiving = tokio::spawn(receive(listener, mirror.clone(), shutdown.clone()));
+    let receiving = tokio::spawn(receive(listener, mirror.clone(), None, shutdown.clone()));
 
     // A publisher as libzmq speaks ZMTP 3.1.
     let mut publisher = tokio::net::TcpStream::connect(address).await.unwrap();
@@ -209,4 +209,25 @@ async fn events_arrive_over_zmtp_and_a_gap_clears_the_mirror() {
     assert_eq!(mirror.lock().dump().blocks.len(), 1);
     shutdown.cancel();
     receiving.await.unwrap();
+}
+
+#[test]
+fn a_replay_is_applied_only_where_it_continues_the_batches_applied() {
+    let mut mirror = KvMirror::new("w", 4);
+    let (first, second, third) = (
+        batch(vec![stored(&[1], None, &TOKENS[..4], None)]),
+        batch(vec![stored(&[2], Some(1), &TOKENS[4..8], None)]),
+        batch(vec![stored(&[3], Some(2), &TOKENS[8..12], None)]),
+    );
+    assert!(!mirror.resume(&[(0, first.clone())]), "nothing applied yet: nothing to continue");
+    mirror.apply_batch(4, &first);
+    assert_eq!(mirror.expected(), Some(5));
+    assert!(!mirror.resume(&[(4, second.clone()), (5, third.clone())]), "another batch numbered 4: a restarted engine");
+    assert!(!mirror.resume(&[(5, second.clone())]), "the buffer moved past the last applied");
+    assert!(!mirror.resume(&[(4, first.clone()), (6, third.clone())]), "a hole in the replay");
+    assert_eq!((mirror.expected(), mirror.dump().blocks.len()), (Some(5), 1), "nothing applied from a refused replay");
+    assert!(mirror.resume(&[(4, first), (5, second), (6, third)]));
+    assert_eq!((mirror.expected(), mirror.dump().blocks.len()), (Some(7), 3), "the chain continues from the replay");
+    mirror.start_over("test");
+    assert_eq!((mirror.expected(), mirror.dump().blocks.len()), (None, 0));
 }
