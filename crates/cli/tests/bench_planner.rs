@@ -36,7 +36,9 @@ fn bench(dir: &Path, limit: &str, more: &[&str]) -> serde_json::Value {
 /// Runs `turbine bench planner` on the conversation trace with `profile`
 /// and `flags` against a Redis of its own, writing the plot to
 /// `dir/plot.svg`; the report and what it printed.
-fn run_bench(dir: &Path, profile: &Path, flags: &[&str]) -> (serde_json::Value, String) {
+/// The report, the bench's stdout and its stderr (where it says why a
+/// request failed).
+fn run_bench(dir: &Path, profile: &Path, flags: &[&str]) -> (serde_json::Value, String, String) {
     let redis = RedisServer::start();
     let report = dir.join("report.json");
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../services/planner/tests/fixtures/azure_llm_inference_2023_conv.csv");
@@ -52,8 +54,9 @@ fn run_bench(dir: &Path, profile: &Path, flags: &[&str]) -> (serde_json::Value, 
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
-    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    (serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap(), stdout)
+    let stderr = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert!(run.status.success(), "{stdout}\n{stderr}");
+    (serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap(), stdout, stderr)
 }
 
 /// Both fleets served all `requests`, each interval reported.
@@ -131,11 +134,11 @@ fn a_closed_loop_above_capacity_grows_the_fleet_to_its_maximum_and_back() {
         &["--worker-args", "--max-num-seqs 2", "--closed-loop", "12", "--duration-secs", "8", "--idle-secs", "8"],
     ]
     .concat();
-    let (report, _) = run_bench(dir.path(), &fast_profile(dir.path()), &flags);
+    let (report, _, stderr) = run_bench(dir.path(), &fast_profile(dir.path()), &flags);
     assert_eq!(report["closed_loop_clients"], 12);
     let fleets = report["fleets"].as_array().unwrap();
     for fleet in fleets {
-        assert!(fleet["requests"].as_u64().unwrap() > 12 && fleet["failed"].as_u64() == Some(0), "{fleet}");
+        assert!(fleet["requests"].as_u64().unwrap() > 12 && fleet["failed"].as_u64() == Some(0), "{fleet}\n{stderr}");
     }
     let planner = &fleets[1];
     assert_eq!(planner["peak_workers"].as_u64(), Some(3), "grown to its maximum: {planner}");
@@ -169,7 +172,7 @@ fn a_burst_above_the_starting_fleet_grows_it_and_no_request_is_lost() {
         &["--max-workers", "3", "--static-workers", "3", "--planner-start", "1", "--worker-args", "--max-num-seqs 2"],
     ]
     .concat();
-    let (report, stdout) = run_bench(dir.path(), &fast_profile(dir.path()), &flags);
+    let (report, stdout, _) = run_bench(dir.path(), &fast_profile(dir.path()), &flags);
     assert_eq!(report["burst"], json!({"at_secs": 2.0, "secs": 4.0, "factor": 8}));
     let fleets = report["fleets"].as_array().unwrap();
     let requests = fleets[0]["requests"].as_u64().unwrap();

@@ -382,6 +382,50 @@ async fn a_request_skips_every_listed_worker_that_refuses_it() {
     sandbox.stop().await;
 }
 
+/// A listed worker that fails a request before a token (its connection
+/// broken as it stops: the call ends in a transport error, not a refusal)
+/// is skipped like one that refuses it: nothing was streamed, so another
+/// worker serves the request (a 500 before; the planner's closed loop lost
+/// requests to workers it stopped).
+#[tokio::test]
+async fn a_request_skips_a_listed_worker_whose_connection_breaks() {
+    let _turn = TURN.lock().await;
+    let sandbox = Sandbox::start(Sandbox::mock(1000.0)).await;
+    let registry = sandbox.cluster().registry().clone();
+    let live = registry.list().await.unwrap().remove(0).record;
+    // Four more workers listed at a listener that answers every connection
+    // with bytes that are no HTTP/2 and closes it.
+    let broken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = broken.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for connection in broken.incoming().flatten() {
+            let mut connection = connection;
+            let _ = std::io::Write::write_all(&mut connection, b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\r\n");
+        }
+    });
+    for n in 0..4u64 {
+        let record =
+            turbine_registry::WorkerRecord { worker_id: format!("broken-{n}").into(), endpoint: format!("http://{address}"), instance: n + 1, ..live.clone() };
+        registry.put(&record, std::time::Duration::from_secs(60)).await.unwrap();
+    }
+    let retries_before = sandbox.metric("turbine_gateway_worker_retries_total", &[]).await;
+    let complete = async |n: usize| {
+        let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": format!("request {n}"), "max_tokens": 2})).await;
+        assert_eq!(status, 200, "request {n}: {body}");
+    };
+    let mut sent = 0;
+    wait_until("the router routes to the broken workers", std::time::Duration::from_secs(10), async || {
+        sent += 1;
+        complete(sent).await;
+        sandbox.metric("turbine_gateway_worker_retries_total", &[]).await > retries_before
+    })
+    .await;
+    for n in 0..12 {
+        complete(1000 + n).await;
+    }
+    sandbox.stop().await;
+}
+
 /// With the kv policy, a prompt sent again goes to the worker whose cache
 /// holds it (the engines report the cached tokens); round-robin, over the
 /// same four workers, misses most repeats.

@@ -276,8 +276,12 @@ impl Pipeline {
             };
             match started {
                 Ok(stream) => return Ok((worker.worker_id, stream)),
-                Err(error @ (WorkerError::Unavailable(_) | WorkerError::Overloaded(_))) => {
-                    tracing::warn!(worker = %worker.worker_id, %error, "worker refused the request; trying another");
+                // Nothing was streamed yet: a worker that is gone, full, or
+                // failed to start it (its connection reset as it stopped
+                // reads as Internal) leaves the request to another, as a
+                // failure mid-stream does.
+                Err(error @ (WorkerError::Unavailable(_) | WorkerError::Overloaded(_) | WorkerError::Internal(_))) => {
+                    tracing::warn!(worker = %worker.worker_id, %error, "worker refused or failed the request; trying another");
                     metrics::retry();
                     excluded.push(worker.worker_id);
                     last_error = Some(GatewayError::from(error));
