@@ -17,6 +17,7 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 K8S = ROOT / "infra" / "k8s"
+ENVOY = ROOT / "infra" / "envoy" / "envoy.yaml"
 
 
 def check(condition, message):
@@ -73,7 +74,45 @@ def main():
             for backend in backends:
                 listening = {p["name"] for p in backend["spec"]["template"]["spec"]["containers"][0]["ports"]}
                 check(ports[0]["targetPort"] in listening, f"{host}:{port} leads to a port {backend['metadata']['name']} does not name")
-    print(f"infra/k8s: {len(resources)} resources in {len(files)} files valid")
+    check_envoy(deployments, services)
+    print(f"infra/k8s: {len(resources)} resources in {len(files)} files valid; infra/envoy/envoy.yaml fits them")
+
+
+def check_envoy(deployments, services):
+    """infra/envoy/envoy.yaml as infra/k8s/envoy.yaml runs it: every file
+    it reads lies in a volume the container mounts, every gateway address
+    it names is a port of a Service, and the readiness probe's path is one
+    its stats listener serves. (scripts/e2e.py runs the file itself.)"""
+    config = yaml.safe_load(ENVOY.read_text())
+    envoy = next((d for d in deployments if d["metadata"]["name"] == "turbine-envoy"), None)
+    check(envoy is not None, "no Deployment turbine-envoy")
+    container = envoy["spec"]["template"]["spec"]["containers"][0]
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    args = container["args"]
+    check(args[args.index("-c") + 1] in mounts, "turbine-envoy's -c is not the mounted configuration")
+    files = re.findall(r"filename: ([^}\s]+)", ENVOY.read_text())
+    check(files, "infra/envoy/envoy.yaml reads no file")
+    for path in files:
+        check(any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"infra/envoy/envoy.yaml reads {path}, which turbine-envoy does not mount")
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    for name in ["gateway_http", "gateway_grpc"]:
+        for group in clusters[name]["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                address = endpoint["endpoint"]["address"]["socket_address"]
+                service = services.get(address["address"].split(".")[0])
+                check(service is not None and address["address"].endswith(".turbine.svc.cluster.local"),
+                      f"{name} names {address['address']}, which is no Service of the namespace")
+                check(service["spec"].get("clusterIP") == "None", f"{name} names {address['address']}, not a headless Service (one address per pod)")
+                check(any(p["port"] == address["port_value"] for p in service["spec"]["ports"]), f"{name} names port {address['port_value']}, which its Service does not have")
+    listeners = {listener["name"]: listener for listener in config["static_resources"]["listeners"]}
+    stats_port = listeners["stats"]["address"]["socket_address"]["port_value"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    check(ports.get("stats") == stats_port and ports.get("https") == listeners["api"]["address"]["socket_address"]["port_value"],
+          "turbine-envoy's ports are not its listeners'")
+    probe = container["readinessProbe"]["httpGet"]
+    routes = listeners["stats"]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    check(probe["port"] == "stats" and any(r["match"].get("path") == probe["path"] and "route" in r for r in routes),
+          "turbine-envoy's readiness probe asks for a path its stats listener does not serve")
 
 
 if __name__ == "__main__":

