@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import openai
@@ -623,6 +624,53 @@ def prometheus_api(base, path):
     return answer["data"]
 
 
+GRAFANA_DASHBOARD = os.path.join(ROOT, "infra", "grafana", "turbine.json")
+
+
+def exported_metric_names():
+    """Every turbine_* metric name the services' sources register."""
+    names = set()
+    for top in ("services", "crates"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            if f"{os.sep}tests" in folder or f"{os.sep}target" in folder:
+                continue
+            for name in files:
+                if name.endswith(".rs"):
+                    with open(os.path.join(folder, name)) as file:
+                        names.update(re.findall(r'"(turbine_[a-z0-9_]+)"', file.read()))
+    return names
+
+
+def grafana_suite(prometheus_base):
+    """infra/grafana/turbine.json against the running Prometheus: every
+    panel's query is valid PromQL that Prometheus answers, names only
+    metrics a service registers or Envoy exports, and the panels of the
+    core signals (answers by status, time to first token, live workers,
+    sequences, Envoy's healthy gateways) have data from this deployment."""
+    with open(GRAFANA_DASHBOARD) as file:
+        dashboard = json.load(file)
+    exported = exported_metric_names()
+    envoy_names = {series["__name__"] for series in prometheus_api(prometheus_base, "series?match[]=" + urllib.parse.quote('{job="envoy"}'))}
+    with_data, queries = set(), 0
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            # Metric names: what is left without label matchers and grouping.
+            bare = re.sub(r"\b(?:by|without)\s*\([^)]*\)", "", re.sub(r"\{[^}]*\}", "", expr))
+            for name in re.findall(r"\b((?:turbine|envoy)_[a-z0-9_]+)\b", bare):
+                base = re.sub(r"_(bucket|sum|count)$", "", name)
+                check(name in exported or base in exported or name in envoy_names,
+                      f"the panel {panel['title']!r} names {name}, which no service registers and Envoy does not export")
+            query = expr.replace("$__rate_interval", "1m")
+            result = prometheus_api(prometheus_base, "query?query=" + urllib.parse.quote(query))["result"]
+            queries += 1
+            if result:
+                with_data.add(panel["title"])
+    core = {"Requests by status", "Time to first token", "Live workers", "Sequences", "Healthy gateways"}
+    check(core <= with_data, f"panels without data: {sorted(core - with_data)}")
+    print(f"grafana: {queries} queries of {len(dashboard['panels'])} panels answered, {len(with_data)} with data")
+
+
 def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path, verify, scraped):
     """Envoy (infra/envoy/envoy.yaml) in front of the deployment's two
     gateways, `gateways` being [(process, http port, grpc port)]: the SDK
@@ -779,6 +827,8 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
         check([a["labels"]["pod"] for a in down] == ["gateway-0"] and down[0]["state"] in ("pending", "firing"), f"TurbineTargetDown: {down}")
         alerts = prometheus_api(prometheus_base, "alerts")["alerts"]
         check(not [a for a in alerts if a["labels"]["alertname"] not in ("TurbineTargetDown",)], f"other alerts: {alerts}")
+        grafana_suite(prometheus_base)
+
         def one_healthy_gateway():
             healthy = prometheus_api(prometheus_base, 'query?query=envoy_cluster_membership_healthy{envoy_cluster_name="gateway_http"}')["result"]
             return [sample["value"][1] for sample in healthy] == ["1"]
