@@ -172,7 +172,7 @@ pub async fn serve(args: &TransferBenchArgs) -> anyhow::Result<()> {
         1024,
         plaintext,
         &[],
-        None,
+        turbine_runtime::grpc::Accepting::default(),
     ));
     // A prompt's blocks are scattered over a real pool: read them in a
     // shuffled order.

@@ -301,6 +301,34 @@ async fn requests_beyond_the_concurrency_limit_get_429_with_retry_after() {
     sandbox.stop().await;
 }
 
+/// A client that sends its body slowly holds one of the gateway's
+/// admitted requests only for --body-timeout-secs: then it is answered
+/// 408 as OpenAI JSON, counted, and its place serves the next client.
+#[tokio::test]
+async fn a_body_sent_too_slowly_gets_408_and_gives_its_place_back() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1.0);
+    config.gateway.max_concurrent_requests = 1;
+    config.gateway.body_timeout_secs = 1.0;
+    let sandbox = Sandbox::start(config).await;
+    let before = turbine_testkit::metric(sandbox.base(), "turbine_gateway_request_bodies_timed_out_total").await;
+    let address = sandbox.base().strip_prefix("http://").unwrap().to_owned();
+    let mut slow = tokio::net::TcpStream::connect(&address).await.unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\"").await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), slow.read_to_end(&mut answer)).await.expect("answered and closed").unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let body: serde_json::Value = serde_json::from_str(&answer[answer.find("\r\n\r\n").unwrap() + 4..]).unwrap();
+    assert_eq!(body["error"]["code"], "request_timeout", "{body}");
+    assert_eq!(turbine_testkit::metric(sandbox.base(), "turbine_gateway_request_bodies_timed_out_total").await - before, 1.0);
+    // The one place is free again.
+    let (status, _) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "now", "max_tokens": 2})).await;
+    assert_eq!(status, 200);
+    sandbox.stop().await;
+}
+
 /// The gateway counts demand, not only what it serves: every request as
 /// it arrives, those refused for want of capacity (by reason), and those
 /// still waiting for a first token (queued at a full worker): what a

@@ -7,10 +7,13 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::serve::ListenerExt;
+use std::time::Duration;
 use tokio::net::TcpListener;
+
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Readiness;
+use crate::http_server::HttpLimits;
 
 /// Routes for `/metrics`, `/livez` and `/readyz`, to serve alone or merge
 /// into a larger router.
@@ -26,9 +29,12 @@ async fn ready(State(readiness): State<Readiness>) -> impl IntoResponse {
     if readiness.is_ready() { (StatusCode::OK, "ready\n") } else { (StatusCode::SERVICE_UNAVAILABLE, "not ready\n") }
 }
 
-/// Serves the admin routes until `shutdown` fires.
-pub async fn serve(listener: TcpListener, readiness: Readiness, shutdown: CancellationToken) -> std::io::Result<()> {
-    axum::serve(listener.tap_io(set_nodelay), router(readiness)).with_graceful_shutdown(shutdown.cancelled_owned()).await
+/// How long admin requests in flight get once the admin port stops.
+const ADMIN_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves the admin routes under `limits` until `shutdown` fires.
+pub async fn serve(listener: TcpListener, readiness: Readiness, limits: HttpLimits, shutdown: CancellationToken) -> std::io::Result<()> {
+    crate::http_server::serve(listener.tap_io(set_nodelay), router(readiness), limits, shutdown, ADMIN_GRACE, "admin").await
 }
 
 /// Small writes (SSE chunks) must leave at once: Nagle's algorithm plus the
@@ -39,10 +45,11 @@ fn set_nodelay(stream: &mut tokio::net::TcpStream) {
     }
 }
 
-/// Serves an HTTP router until `shutdown` fires, then stops accepting and
-/// lets in-flight requests (streams included) finish for up to `grace`.
-pub async fn serve_with_grace(listener: TcpListener, router: Router, shutdown: CancellationToken, grace: std::time::Duration) -> std::io::Result<()> {
-    serve_listener_with_grace(listener.tap_io(set_nodelay), router, shutdown, grace).await
+/// Serves an API's router under `limits` until `shutdown` fires, then
+/// stops accepting and lets in-flight requests (streams included) finish
+/// for up to `grace`.
+pub async fn serve_with_grace(listener: TcpListener, router: Router, limits: HttpLimits, shutdown: CancellationToken, grace: Duration) -> std::io::Result<()> {
+    crate::http_server::serve(listener.tap_io(set_nodelay), router, limits, shutdown, grace, "api").await
 }
 
 /// As [`serve_with_grace`], over HTTPS: the connections `listener` hands
@@ -50,17 +57,9 @@ pub async fn serve_with_grace(listener: TcpListener, router: Router, shutdown: C
 pub async fn serve_tls_with_grace(
     listener: crate::public_tls::TlsListener,
     router: Router,
+    limits: HttpLimits,
     shutdown: CancellationToken,
-    grace: std::time::Duration,
+    grace: Duration,
 ) -> std::io::Result<()> {
-    serve_listener_with_grace(listener, router, shutdown, grace).await
-}
-
-async fn serve_listener_with_grace<L>(listener: L, router: Router, shutdown: CancellationToken, grace: std::time::Duration) -> std::io::Result<()>
-where
-    L: axum::serve::Listener,
-    L::Addr: std::fmt::Debug,
-{
-    let server = axum::serve(listener, router).with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    crate::shutdown::drain_within(std::future::IntoFuture::into_future(server), &shutdown, grace, "HTTP requests").await
+    crate::http_server::serve(listener, router, limits, shutdown, grace, "api").await
 }

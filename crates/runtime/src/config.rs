@@ -295,6 +295,27 @@ pub struct ServerConfig<S: ServiceDefaults> {
     #[arg(long, env = "TURBINE_CONNECTION_RATE_PER_IP", default_value_t = 100)]
     #[serde(default = "default_connection_rate")]
     pub connection_rate_per_ip: u32,
+    /// Seconds an HTTP connection (the REST API, the admin port) may take
+    /// to send a request's headers, and may stay open with no request in
+    /// flight (between kept-alive requests, say); then it is closed. A
+    /// response being streamed is a request in flight however long it
+    /// lasts.
+    #[arg(long, env = "TURBINE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = 30.0)]
+    #[serde(default = "default_http_idle_timeout")]
+    pub http_idle_timeout_secs: f64,
+    /// Connections open at once on each of the service's ports (gRPC, the
+    /// HTTP API, admin); more are closed as accepted and counted.
+    /// Lowered to a quarter of the open-files limit where that is less.
+    #[arg(long, env = "TURBINE_MAX_CONNECTIONS", default_value_t = 10_000)]
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Connections one client (an IPv4 address, an IPv6 /64) may hold
+    /// open at once on each of the service's ports; more are closed as
+    /// accepted and counted. Raise it behind a proxy that opens many
+    /// connections from one address. 0: no limit.
+    #[arg(long, env = "TURBINE_CONNECTIONS_PER_IP", default_value_t = 1_000)]
+    #[serde(default = "default_connections_per_ip")]
+    pub connections_per_ip: usize,
     #[arg(skip)]
     #[serde(skip)]
     service: PhantomData<S>,
@@ -302,6 +323,18 @@ pub struct ServerConfig<S: ServiceDefaults> {
 
 fn default_connection_rate() -> u32 {
     100
+}
+
+fn default_http_idle_timeout() -> f64 {
+    30.0
+}
+
+fn default_max_connections() -> usize {
+    10_000
+}
+
+fn default_connections_per_ip() -> usize {
+    1_000
 }
 
 impl<S: ServiceDefaults> Default for ServerConfig<S> {
@@ -316,7 +349,23 @@ impl<S: ServiceDefaults> ServerConfig<S> {
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err(InvalidSetting::new("shutdown_grace_secs", "must be non-negative"));
         }
+        if !(self.http_idle_timeout_secs.is_finite() && self.http_idle_timeout_secs > 0.0) {
+            return Err(InvalidSetting::new("http_idle_timeout_secs", "must be positive"));
+        }
+        if self.max_connections == 0 {
+            return Err(InvalidSetting::new("max_connections", "must be positive"));
+        }
         self.tls.validate()
+    }
+
+    /// How many connections each listener keeps open, as configured.
+    pub fn connection_limits(&self) -> crate::connections::ConnectionLimits {
+        crate::connections::ConnectionLimits { max_connections: self.max_connections, connections_per_ip: self.connections_per_ip }
+    }
+
+    /// What each HTTP listener allows a client, as configured.
+    pub fn http_limits(&self) -> crate::http_server::HttpLimits {
+        crate::http_server::HttpLimits { idle_timeout: std::time::Duration::from_secs_f64(self.http_idle_timeout_secs), connections: self.connection_limits() }
     }
 
     /// The drain's grace period.

@@ -63,6 +63,18 @@ pub enum ServerSecurity {
     Public(crate::public_tls::PublicTls),
 }
 
+/// Which connections a gRPC listener takes: new ones per address at a
+/// rate ([`crate::gate`], `None`: any rate), and open ones bounded in all
+/// and per client ([`crate::connections`]). Both close a connection as it
+/// is accepted, before any TLS work.
+#[derive(Debug, Default)]
+pub struct Accepting {
+    /// New connections per address a second.
+    pub gate: Option<crate::gate::ConnectionGate>,
+    /// Connections open at once.
+    pub limits: crate::connections::ConnectionLimits,
+}
+
 /// Serves `routes` on `listener` until `shutdown` fires, then stops
 /// accepting and lets in-flight calls (streams included) finish for up to
 /// `grace`; calls still open after that are dropped. A handler running
@@ -80,19 +92,26 @@ pub async fn serve(
     calls_per_connection: usize,
     security: ServerSecurity,
     roles: &'static [RpcRoles],
-    gate: Option<crate::gate::ConnectionGate>,
+    accepting: Accepting,
 ) -> Result<(), tonic::transport::Error> {
     use tokio_stream::StreamExt;
-    // A connection from an address over its rate is dropped as accepted:
-    // closed before any TLS work.
-    // Each connection carries its refusals ([`crate::strikes`]).
-    let incoming = TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .filter(move |connection| match (&gate, connection) {
-            (Some(gate), Ok(stream)) => stream.peer_addr().map_or(true, |peer| gate.admit(peer.ip())),
-            _ => true,
-        })
-        .map(|connection| connection.map(crate::strikes::Struck::new));
+    let Accepting { gate, limits } = accepting;
+    let open = crate::connections::OpenConnections::new("grpc", limits);
+    // A connection from an address over its rate, or over the open
+    // limits, is dropped as accepted: closed before any TLS work. Each
+    // one admitted holds its place while open, and carries its refusals
+    // ([`crate::strikes`]).
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true)).filter_map(move |connection| match connection {
+        Ok(stream) => {
+            let peer = stream.peer_addr().ok()?.ip();
+            if gate.as_ref().is_some_and(|gate| !gate.admit(peer)) {
+                return None;
+            }
+            let slot = open.admit(peer)?;
+            Some(Ok(crate::strikes::Struck::new(stream, slot)))
+        }
+        Err(error) => Some(Err(error)),
+    });
     let (builder, authorize) = match security {
         ServerSecurity::Mutual(trust) => (Server::builder().tls_config(trust.server_config())?, Authorize::new(roles)),
         ServerSecurity::Public(tls) => (Server::builder().tls_config(tls.grpc_config())?, Authorize::open()),

@@ -275,6 +275,10 @@ pub struct Host {
     served: Vec<&'static str>,
     /// New gRPC connections one address may open a second (0: any).
     connection_rate_per_ip: u32,
+    /// How many connections each listener keeps open.
+    connections: crate::connections::ConnectionLimits,
+    /// How long an HTTP connection may take over headers, or stay idle.
+    http_idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for Host {
@@ -330,6 +334,8 @@ impl Host {
             insecure: server.insecure,
             served: Vec::new(),
             connection_rate_per_ip: server.connection_rate_per_ip,
+            connections: server.connection_limits().within_descriptors(),
+            http_idle_timeout: server.http_limits().idle_timeout,
         })
     }
 
@@ -404,7 +410,10 @@ impl Host {
             insecure,
             served,
             connection_rate_per_ip,
+            connections,
+            http_idle_timeout,
         } = self;
+        let http_limits = crate::http_server::HttpLimits { idle_timeout: http_idle_timeout, connections };
         spec.check_roles(&served)?;
         let security = match (&public_tls, trust) {
             (Some(public), _) => {
@@ -426,17 +435,18 @@ impl Host {
                 ServerSecurity::Plaintext
             }
         };
-        let gate = crate::gate::ConnectionGate::new(connection_rate_per_ip);
-        let serve = crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, security, spec.roles, gate);
+        let accepting = crate::grpc::Accepting { gate: crate::gate::ConnectionGate::new(connection_rate_per_ip), limits: connections };
+        let serve =
+            crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, security, spec.roles, accepting);
         let grpc = tokio::spawn(serve);
         let admin_stop = CancellationToken::new();
-        let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), admin_stop.clone())));
+        let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), http_limits, admin_stop.clone())));
         let http = match (listeners.http, http_router) {
             (Some(listener), Some(router)) => {
                 let router = if admin_on_http { router.merge(crate::admin::router(readiness.clone())) } else { router };
                 Some(match &public_tls {
-                    Some(public) => tokio::spawn(crate::admin::serve_tls_with_grace(public.listener(listener)?, router, shutdown.clone(), grace)),
-                    None => tokio::spawn(crate::admin::serve_with_grace(listener, router, shutdown.clone(), grace)),
+                    Some(public) => tokio::spawn(crate::admin::serve_tls_with_grace(public.listener(listener)?, router, http_limits, shutdown.clone(), grace)),
+                    None => tokio::spawn(crate::admin::serve_with_grace(listener, router, http_limits, shutdown.clone(), grace)),
                 })
             }
             (Some(_), None) => anyhow::bail!("{}: an HTTP listener without an HTTP API", spec.name),

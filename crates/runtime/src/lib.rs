@@ -13,6 +13,9 @@
 //! - [`health`]: gRPC health (NOT_SERVING until dependencies answer) and the
 //!   readiness behind `/readyz`.
 //! - [`admin`]: `/metrics`, `/livez`, `/readyz` over HTTP.
+//! - [`http_server`]: HTTP serving under limits no client holds a port
+//!   past (headers and idle time); [`connections`]: open connections in
+//!   all and per client.
 //! - [`grpc`]: server wiring and client channels (one per endpoint).
 //! - [`shutdown`]: SIGTERM/SIGINT as a cancellation token.
 //! - [`metrics`]: Prometheus registry helpers.
@@ -25,10 +28,12 @@
 
 pub mod admin;
 pub mod config;
+pub mod connections;
 pub mod gate;
 pub mod grpc;
 pub mod health;
 pub mod host;
+pub mod http_server;
 pub mod metrics;
 pub mod propagation;
 pub mod public_tls;

@@ -92,12 +92,14 @@ impl Strikes {
 pub struct Struck {
     inner: TcpStream,
     strikes: Arc<Strikes>,
+    /// Its place among the listener's open connections.
+    _slot: crate::connections::Slot,
 }
 
 impl Struck {
-    /// `stream`, with a full bucket of refusals.
-    pub fn new(stream: TcpStream) -> Self {
-        Self { inner: stream, strikes: Arc::default() }
+    /// `stream`, holding `slot`, with a full bucket of refusals.
+    pub fn new(stream: TcpStream, slot: crate::connections::Slot) -> Self {
+        Self { inner: stream, strikes: Arc::default(), _slot: slot }
     }
 }
 

@@ -9,7 +9,7 @@ use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 use turbine_runtime::CancellationToken;
-use turbine_runtime::grpc::{ServerSecurity, base_routes, serve};
+use turbine_runtime::grpc::{Accepting, ServerSecurity, base_routes, serve};
 use turbine_runtime::health::{Readiness, until_serving_over};
 use turbine_runtime::public_tls::PublicTls;
 use turbine_testkit::tls::TestCa;
@@ -21,8 +21,17 @@ async fn serving(tls: PublicTls) -> (String, CancellationToken) {
     let (readiness, health) = Readiness::new(&["svc"]).await;
     readiness.set_ready(true).await;
     let stop = CancellationToken::new();
-    let server =
-        serve(listener, base_routes(health, &[]), stop.clone(), Duration::from_secs(1), Duration::from_secs(10), 16, ServerSecurity::Public(tls), &[], None);
+    let server = serve(
+        listener,
+        base_routes(health, &[]),
+        stop.clone(),
+        Duration::from_secs(1),
+        Duration::from_secs(10),
+        16,
+        ServerSecurity::Public(tls),
+        &[],
+        Accepting::default(),
+    );
     tokio::spawn(server);
     (endpoint, stop)
 }

@@ -12,7 +12,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 use turbine_proto::planner::v1 as pb;
 use turbine_runtime::CancellationToken;
-use turbine_runtime::grpc::{ServerSecurity, base_routes, serve, tls_channel};
+use turbine_runtime::grpc::{Accepting, ServerSecurity, base_routes, serve, tls_channel};
 use turbine_runtime::health::Readiness;
 use turbine_runtime::host::{Role, RpcRoles};
 use turbine_runtime::strikes::STRIKES_BURST;
@@ -31,7 +31,17 @@ async fn a_caller_refused_again_and_again_on_one_connection_loses_it() {
     readiness.set_ready(true).await;
     let stop = CancellationToken::new();
     let security = ServerSecurity::Mutual(ca.trust(Role::Planner, "planner"));
-    tokio::spawn(serve(listener, base_routes(health, &[]), stop.clone(), Duration::from_secs(1), Duration::from_secs(10), 16, security, ROLES, None));
+    tokio::spawn(serve(
+        listener,
+        base_routes(health, &[]),
+        stop.clone(),
+        Duration::from_secs(1),
+        Duration::from_secs(10),
+        16,
+        security,
+        ROLES,
+        Accepting::default(),
+    ));
 
     let struck_off = || {
         let text = turbine_runtime::metrics::render();

@@ -81,6 +81,11 @@ pub struct AdmissionConfig {
     /// Largest request body accepted, in bytes (413 beyond it).
     #[arg(long, env = "TURBINE_GATEWAY_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// Seconds a request's body may take to arrive once its headers have
+    /// (408 after): a client sending it slowly holds one of the requests
+    /// admitted (--max-concurrent-requests) while it does.
+    #[arg(long, env = "TURBINE_GATEWAY_BODY_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub body_timeout_secs: f64,
     /// Requests served at once; more get 429 with Retry-After.
     #[arg(long, env = "TURBINE_GATEWAY_MAX_CONCURRENT_REQUESTS", default_value_t = 4096)]
     pub max_concurrent_requests: usize,
@@ -154,6 +159,9 @@ impl AdmissionConfig {
     pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.max_body_bytes < 1024 {
             return Err(InvalidSetting::new("max_body_bytes", "must be at least 1024"));
+        }
+        if !(self.body_timeout_secs.is_finite() && self.body_timeout_secs > 0.0) {
+            return Err(InvalidSetting::new("body_timeout_secs", "must be positive"));
         }
         if self.max_concurrent_requests == 0 {
             return Err(InvalidSetting::new("max_concurrent_requests", "must be positive"));

@@ -22,6 +22,8 @@ pub enum ErrorKind {
     Unauthenticated,
     /// Body over the size limit (413).
     PayloadTooLarge,
+    /// Body not received in time (408).
+    RequestTimeout,
     /// Too many requests in flight (429).
     Overloaded,
     /// The caller's key is over one of its limits (429).
@@ -80,6 +82,7 @@ impl GatewayError {
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::Unauthenticated => StatusCode::UNAUTHORIZED,
             ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::Overloaded | ErrorKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -95,6 +98,7 @@ impl GatewayError {
             ErrorKind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
             ErrorKind::Unauthenticated => ("invalid_request_error", Some("invalid_api_key")),
             ErrorKind::PayloadTooLarge => ("invalid_request_error", Some("request_too_large")),
+            ErrorKind::RequestTimeout => ("invalid_request_error", Some("request_timeout")),
             ErrorKind::Overloaded | ErrorKind::RateLimited => ("rate_limit_error", Some("rate_limit_exceeded")),
             ErrorKind::Unavailable => ("server_error", Some("service_unavailable")),
             ErrorKind::Internal => ("server_error", None),
@@ -107,6 +111,7 @@ impl GatewayError {
             ErrorKind::InvalidRequest | ErrorKind::PayloadTooLarge => tonic::Code::InvalidArgument,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => tonic::Code::NotFound,
             ErrorKind::MethodNotAllowed => tonic::Code::Unimplemented,
+            ErrorKind::RequestTimeout => tonic::Code::DeadlineExceeded,
             ErrorKind::Unauthenticated => tonic::Code::Unauthenticated,
             ErrorKind::Overloaded | ErrorKind::RateLimited => tonic::Code::ResourceExhausted,
             ErrorKind::Unavailable => tonic::Code::Unavailable,

@@ -54,6 +54,14 @@ static SHARED_LIMIT_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
     )
     .with_label_values(&[] as &[&str])
 });
+static BODIES_TIMED_OUT: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_request_bodies_timed_out_total",
+        "Requests answered 408 because their body had not arrived within --body-timeout-secs of their headers",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
 static KEYS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("turbine_gateway_api_keys", "API keys in force (the keys file's, as last applied)", &[]).with_label_values(&[] as &[&str]));
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
@@ -276,6 +284,11 @@ pub fn shared_limit_failure() {
 /// The number of API keys in force.
 pub fn keys_in_force(count: usize) {
     KEYS.set(count as i64);
+}
+
+/// A request answered 408: its body came too slowly.
+pub fn body_timed_out() {
+    BODIES_TIMED_OUT.inc();
 }
 
 /// Counts a call refused for its key's `limit`.

@@ -82,6 +82,7 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
         pipeline: Pipeline::new(deps.router, deps.workers, catalog.clone(), config.admission.content_control_tokens.into()),
         admission: Arc::new(Semaphore::new(config.admission.max_concurrent_requests)),
         max_body_bytes: config.admission.max_body_bytes,
+        body_timeout: Duration::from_secs_f64(config.admission.body_timeout_secs),
         readiness: readiness.clone(),
     };
     host.add_service(InferenceServer::new(InferenceService::new(state.clone())));

@@ -1,11 +1,12 @@
-//! Reading request bodies: size limit (413) and JSON with the offending
-//! parameter named (400), both as OpenAI error JSON.
+//! Reading request bodies: size limit (413), time limit (408) and JSON
+//! with the offending parameter named (400), all as OpenAI error JSON.
 
 use axum::body::Body;
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body_util::{BodyExt, Limited};
 use serde::de::DeserializeOwned;
+use std::time::Duration;
 
 use crate::error::{ErrorKind, GatewayError};
 
@@ -14,8 +15,24 @@ use crate::error::{ErrorKind, GatewayError};
 /// connection; beyond it the connection is closed.
 const DRAIN_LIMIT: u64 = 64 << 20;
 
-/// Reads the whole body, refusing more than `limit` bytes.
-pub async fn read_limited(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, GatewayError> {
+/// Reads the whole body, refusing more than `limit` bytes and a body
+/// that has not arrived within `timeout` (a client sending it slowly would
+/// otherwise hold its place among the requests admitted for as long as it
+/// likes).
+pub async fn read_limited(headers: &HeaderMap, body: Body, limit: usize, timeout: Duration) -> Result<Bytes, GatewayError> {
+    match tokio::time::timeout(timeout, read_within_limit(headers, body, limit)).await {
+        Ok(read) => read,
+        Err(_) => {
+            crate::metrics::body_timed_out();
+            Err(GatewayError::new(
+                ErrorKind::RequestTimeout,
+                format!("The request body did not arrive within {} seconds; send it at once.", timeout.as_secs_f64()),
+            ))
+        }
+    }
+}
+
+async fn read_within_limit(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, GatewayError> {
     let too_large = || GatewayError::new(ErrorKind::PayloadTooLarge, format!("The request body exceeds the limit of {limit} bytes."));
     let declared = headers.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if let Some(length) = declared

@@ -47,6 +47,8 @@ pub struct AppState {
     pub admission: Arc<Semaphore>,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// How long a request's body may take to arrive.
+    pub body_timeout: std::time::Duration,
     /// Readiness (for `/health`).
     pub readiness: Readiness,
 }
@@ -167,7 +169,7 @@ async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, bod
         None => None,
     };
     let guards = Guards { _key: key_permit, _permit: state.admit()?, _in_flight: InFlight::start() };
-    let bytes = read_limited(headers, body, state.max_body_bytes).await?;
+    let bytes = read_limited(headers, body, state.max_body_bytes, state.body_timeout).await?;
     let (mut request, delivery): (TextRequest, Delivery) = match endpoint {
         Endpoint::Chat => parse_chat(&bytes)?,
         Endpoint::Completion => parse_completion(&bytes)?,

@@ -1,0 +1,184 @@
+//! Serving HTTP (the gateway's REST API, every admin port) so that no
+//! client holds a port it does not use: a connection whose request
+//! headers take longer than the idle timeout, or that has no request in
+//! flight for that long, is closed; open connections are bounded, in all
+//! and per client ([`crate::connections`]). A stream being answered (SSE
+//! tokens) is a request in flight however long it lasts.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::serve::Listener;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt;
+
+use crate::connections::{CLOSED, ConnectionLimits, OpenConnections};
+
+/// What an HTTP listener allows each client.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HttpLimits {
+    /// A request's headers must arrive within this, and a connection with
+    /// no request in flight is closed after it.
+    pub idle_timeout: Duration,
+    /// Connections open at once.
+    pub connections: ConnectionLimits,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self { idle_timeout: Duration::from_secs(30), connections: ConnectionLimits::default() }
+    }
+}
+
+/// Serves `router` on `listener` under `limits` until `shutdown` fires;
+/// then stops accepting, asks every connection to close once its requests
+/// are answered and waits for them up to `grace`. `name` labels its
+/// metrics (`api`, `admin`).
+pub async fn serve<L>(
+    mut listener: L,
+    router: Router,
+    limits: HttpLimits,
+    shutdown: CancellationToken,
+    grace: Duration,
+    name: &'static str,
+) -> std::io::Result<()>
+where
+    L: Listener<Addr = SocketAddr>,
+{
+    let mut builder = Builder::new(TokioExecutor::new());
+    // The timer is what makes hyper keep its header timeout (which it
+    // restarts for each request of a kept-alive connection).
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.idle_timeout);
+    builder.http2().timer(TokioTimer::new()).enable_connect_protocol().keep_alive_interval(Duration::from_secs(20)).keep_alive_timeout(Duration::from_secs(10));
+    let open = OpenConnections::new(name, limits.connections);
+    let connections = TaskTracker::new();
+    loop {
+        let (io, peer) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = shutdown.cancelled() => break,
+        };
+        // Over the limits: dropped, closing it.
+        let Some(slot) = open.admit(peer.ip()) else { continue };
+        let (builder, router, shutdown) = (builder.clone(), router.clone(), shutdown.clone());
+        connections.spawn(async move {
+            let _slot = slot;
+            serve_connection(builder, TokioIo::new(io), router, limits.idle_timeout, shutdown, name).await;
+        });
+    }
+    connections.close();
+    // Connections were told to close as the token fired; the drain's
+    // grace bounds how long their requests get.
+    let drained = async {
+        connections.wait().await;
+        Ok::<(), std::io::Error>(())
+    };
+    crate::shutdown::drain_within(drained, &shutdown, grace, "HTTP requests").await
+}
+
+/// Runs one connection to its end: closed gracefully (its requests
+/// answered first) on shutdown or after `idle_timeout` with none in flight.
+async fn serve_connection<I>(builder: Builder<TokioExecutor>, io: I, router: Router, idle_timeout: Duration, shutdown: CancellationToken, name: &'static str)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (in_flight, mut watch_in_flight) = watch::channel(0_usize);
+    let in_flight = Arc::new(in_flight);
+    let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+        let (router, in_flight) = (router.clone(), InFlight::start(&in_flight));
+        async move {
+            let response = router.oneshot(request.map(Body::new)).await.unwrap_or_else(|never: Infallible| match never {});
+            Ok::<_, Infallible>(response.map(|body| Body::new(Held { body, _in_flight: in_flight })))
+        }
+    });
+    let mut connection = pin!(builder.serve_connection_with_upgrades(io, service));
+    let (mut closing, mut idle_closed) = (false, false);
+    let result = loop {
+        tokio::select! {
+            result = connection.as_mut() => break result,
+            () = shutdown.cancelled(), if !closing => {
+                connection.as_mut().graceful_shutdown();
+                closing = true;
+            }
+            () = idle(&mut watch_in_flight, idle_timeout), if !closing => {
+                connection.as_mut().graceful_shutdown();
+                (closing, idle_closed) = (true, true);
+            }
+        }
+    };
+    // hyper's own header timeout closes an HTTP/1 connection whose
+    // headers (a first request's or the next one's) are late; the watch
+    // above closes the rest. Whichever came first, once.
+    let timed_out = result.as_ref().err().and_then(|error| error.downcast_ref::<hyper::Error>()).is_some_and(hyper::Error::is_timeout);
+    if idle_closed || timed_out {
+        CLOSED.with_label_values(&[name, "idle"]).inc();
+    } else if let Err(error) = result {
+        tracing::debug!(%error, "HTTP connection ended with an error");
+    }
+}
+
+/// Resolves once no request has been in flight for `timeout`.
+async fn idle(in_flight: &mut watch::Receiver<usize>, timeout: Duration) {
+    loop {
+        if *in_flight.borrow_and_update() == 0 {
+            tokio::select! {
+                () = tokio::time::sleep(timeout) => return,
+                changed = in_flight.changed() => if changed.is_err() { return },
+            }
+        } else if in_flight.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// One request in flight on a connection, until its response body ends
+/// or is dropped.
+struct InFlight(Arc<watch::Sender<usize>>);
+
+impl InFlight {
+    fn start(counter: &Arc<watch::Sender<usize>>) -> Self {
+        counter.send_modify(|count| *count += 1);
+        Self(counter.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.send_modify(|count| *count -= 1);
+    }
+}
+
+/// A response body that keeps its request counted while it is sent.
+struct Held {
+    body: Body,
+    _in_flight: InFlight,
+}
+
+impl http_body::Body for Held {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
