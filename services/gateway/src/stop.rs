@@ -8,8 +8,58 @@
 /// Matches stop strings over a stream of text.
 #[derive(Debug, Clone, Default)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    stops: Vec<Stop>,
     held: String,
+}
+
+/// One stop string and its KMP failure table: `borders[i]` is the length
+/// of the longest proper prefix of `text[..=i]` that is also its suffix.
+/// What to hold back is found in time linear in the stop's length for
+/// each piece of text (the stop strings a client sends are bounded in
+/// length by the API: MAX_STOP_BYTES).
+#[derive(Debug, Clone)]
+struct Stop {
+    text: String,
+    borders: Vec<usize>,
+}
+
+impl Stop {
+    fn new(text: String) -> Self {
+        let pattern = text.as_bytes();
+        let mut borders = vec![0; pattern.len()];
+        let mut matched = 0;
+        for i in 1..pattern.len() {
+            while matched > 0 && pattern[i] != pattern[matched] {
+                matched = borders[matched - 1];
+            }
+            if pattern[i] == pattern[matched] {
+                matched += 1;
+            }
+            borders[i] = matched;
+        }
+        Self { text, borders }
+    }
+
+    /// The length of the longest suffix of `held` that is a proper prefix
+    /// of this stop. It starts on a character boundary: it begins with the
+    /// stop's first byte, which starts a character.
+    fn partial_suffix(&self, held: &str) -> usize {
+        let pattern = self.text.as_bytes();
+        let tail = &held.as_bytes()[held.len().saturating_sub(pattern.len() - 1)..];
+        let mut matched = 0;
+        for &byte in tail {
+            while matched > 0 && byte != pattern[matched] {
+                matched = self.borders[matched - 1];
+            }
+            if byte == pattern[matched] {
+                matched += 1;
+            }
+            if matched == pattern.len() {
+                matched = self.borders[matched - 1];
+            }
+        }
+        matched
+    }
 }
 
 /// What to do with a piece of text.
@@ -24,7 +74,7 @@ pub struct StopScan {
 impl StopMatcher {
     /// A matcher for `stops` (empty strings are ignored).
     pub fn new(stops: Vec<String>) -> Self {
-        Self { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+        Self { stops: stops.into_iter().filter(|s| !s.is_empty()).map(Stop::new).collect(), held: String::new() }
     }
 
     /// Whether any stop string is configured.
@@ -38,14 +88,15 @@ impl StopMatcher {
             return StopScan { emit: text.to_owned(), stopped: false };
         }
         self.held.push_str(text);
-        let earliest = self.stops.iter().filter_map(|stop| self.held.find(stop.as_str())).min();
+        let earliest = self.stops.iter().filter_map(|stop| self.held.find(stop.text.as_str())).min();
         if let Some(position) = earliest {
             let emit = self.held[..position].to_owned();
             self.held.clear();
             return StopScan { emit, stopped: true };
         }
-        let keep = self.longest_partial_suffix();
+        let keep = self.stops.iter().map(|stop| stop.partial_suffix(&self.held)).max().unwrap_or(0);
         let split = self.held.len() - keep;
+        debug_assert!(self.held.is_char_boundary(split));
         let emit = self.held[..split].to_owned();
         self.held.replace_range(..split, "");
         StopScan { emit, stopped: false }
@@ -54,23 +105,6 @@ impl StopMatcher {
     /// Releases whatever is held at the end of generation.
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.held)
-    }
-
-    /// Length in bytes of the longest suffix of `held` that is a proper
-    /// prefix of some stop string (on a character boundary).
-    fn longest_partial_suffix(&self) -> usize {
-        let mut best = 0;
-        for stop in &self.stops {
-            let max = (stop.len() - 1).min(self.held.len());
-            for len in (best + 1..=max).rev() {
-                let start = self.held.len() - len;
-                if self.held.is_char_boundary(start) && stop.starts_with(&self.held[start..]) {
-                    best = len;
-                    break;
-                }
-            }
-        }
-        best
     }
 }
 
@@ -119,6 +153,35 @@ mod tests {
         assert_eq!(matcher.push("abc").emit, "abc");
         assert_eq!(matcher.push("d#").emit, "d");
         assert_eq!(matcher.push("x").emit, "#x");
+    }
+
+    #[test]
+    fn overlapping_starts_keep_the_longest_partial_match() {
+        // "abab" may still become "ababc": all of it is held.
+        assert_eq!(run(&["ababc"], &["xab", "ab", "c!"]), ("x".into(), true));
+        assert_eq!(run(&["ababc"], &["xab", "ab", "ab", "d"]), ("xabababd".into(), false));
+        let mut matcher = StopMatcher::new(vec!["aab".into()]);
+        assert_eq!(matcher.push("aaaa").emit, "aa", "only the longest prefix of the stop is held");
+    }
+
+    /// Against the definition, over random text and stops of two
+    /// letters (where prefixes overlap most).
+    #[test]
+    fn the_tail_held_is_the_longest_suffix_that_begins_a_stop() {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |below: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % below
+        };
+        for _ in 0..2_000 {
+            let (stop_length, held_length) = (1 + next(8), next(12));
+            let stop: String = (0..stop_length).map(|_| if next(2) == 0 { 'a' } else { 'b' }).collect();
+            let held: String = (0..held_length).map(|_| if next(2) == 0 { 'a' } else { 'b' }).collect();
+            let expected = (0..stop.len()).rev().find(|&length| length <= held.len() && stop.starts_with(&held[held.len() - length..])).unwrap_or(0);
+            assert_eq!(Stop::new(stop.clone()).partial_suffix(&held), expected, "stop {stop:?}, held {held:?}");
+        }
     }
 
     #[test]

@@ -16,6 +16,10 @@ use crate::pipeline::{DEFAULT_COMPLETION_MAX_TOKENS, Namespace, Prompt, TextRequ
 /// OpenAI allows at most four stop sequences.
 const MAX_STOP_SEQUENCES: usize = 4;
 
+/// The longest stop sequence, in bytes: the gateway holds back up to this
+/// much of a stream's text while it might still begin one.
+const MAX_STOP_BYTES: usize = 1024;
+
 /// `stop`: one string or several.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -310,6 +314,9 @@ impl CommonParams {
         if stop.iter().any(String::is_empty) {
             return Err(GatewayError::invalid("stop", "Stop sequences must not be empty."));
         }
+        if let Some(long) = stop.iter().find(|stop| stop.len() > MAX_STOP_BYTES) {
+            return Err(GatewayError::invalid("stop", format!("Stop sequences may be at most {MAX_STOP_BYTES} bytes long, got one of {}.", long.len())));
+        }
         let stream = stream.unwrap_or(false);
         if stream_options.is_some() && !stream {
             return Err(GatewayError::invalid("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled."));
@@ -520,6 +527,12 @@ mod tests {
             assert_eq!(error.param.as_deref(), Some(param), "{json}: {error:?}");
             assert_eq!(error.status(), 400);
         }
+        let long_stop = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"stop":["{}"]}}"#, "x".repeat(MAX_STOP_BYTES + 1));
+        let error = chat(&long_stop).unwrap_err();
+        assert_eq!((error.param.as_deref(), error.status().as_u16()), (Some("stop"), 400), "{error:?}");
+        assert!(error.message.contains("at most 1024 bytes"), "{}", error.message);
+        let longest = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"stop":["{}"]}}"#, "x".repeat(MAX_STOP_BYTES));
+        chat(&longest).expect("a stop of the longest length is taken");
         for (json, param) in [
             (r#"{"model":"m","prompt":["a","b"]}"#, "prompt"),
             (r#"{"model":"m","prompt":"a","echo":true}"#, "echo"),
