@@ -296,10 +296,10 @@ pub struct ServerConfig<S: ServiceDefaults> {
     #[serde(default = "default_connection_rate")]
     pub connection_rate_per_ip: u32,
     /// Seconds an HTTP connection (the REST API, the admin port) may take
-    /// to send a request's headers, and may stay open with no request in
-    /// flight (between kept-alive requests, say); then it is closed. A
-    /// response being streamed is a request in flight however long it
-    /// lasts.
+    /// to send a request's headers, may stay open with no request in
+    /// flight (between kept-alive requests, say), and may leave its answer
+    /// unread; then it is closed. A response being streamed to a client
+    /// reading it is a request in flight however long it lasts.
     #[arg(long, env = "TURBINE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = 30.0)]
     #[serde(default = "default_http_idle_timeout")]
     pub http_idle_timeout_secs: f64,

@@ -17,7 +17,7 @@ use prometheus::{IntCounterVec, IntGaugeVec};
 pub(crate) static CLOSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     crate::metrics::counter(
         "turbine_connections_closed_total",
-        "Connections a service closed to keep its limits, by listener (grpc, api, admin) and reason: full (--max-connections open already) and address (--connections-per-ip open from its address), both closed as accepted; idle (HTTP: a request's headers not received, or no request in flight, within --http-idle-timeout-secs)",
+        "Connections a service closed to keep its limits, by listener (grpc, api, admin) and reason: full (--max-connections open already) and address (--connections-per-ip open from its address), both closed as accepted; idle (HTTP: a request's headers not received, or no request in flight, within --http-idle-timeout-secs); unread (HTTP: the client read nothing of its answer for --http-idle-timeout-secs)",
         &["listener", "reason"],
     )
 });

@@ -1,14 +1,17 @@
 //! Serving HTTP (the gateway's REST API, every admin port) so that no
 //! client holds a port it does not use: a connection whose request
-//! headers take longer than the idle timeout, or that has no request in
-//! flight for that long, is closed; open connections are bounded, in all
-//! and per client ([`crate::connections`]). A stream being answered (SSE
-//! tokens) is a request in flight however long it lasts.
+//! headers take longer than the idle timeout, that has no request in
+//! flight for that long, or whose client reads nothing of its answer for
+//! that long, is closed; open connections are bounded, in all and per
+//! client ([`crate::connections`]). A stream being answered (SSE tokens)
+//! to a client reading it is a request in flight however long it lasts.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -20,6 +23,7 @@ use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -75,7 +79,9 @@ where
         let (builder, router, shutdown) = (builder.clone(), router.clone(), shutdown.clone());
         connections.spawn(async move {
             let _slot = slot;
-            serve_connection(builder, TokioIo::new(io), router, limits.idle_timeout, shutdown, name).await;
+            let unread = Arc::new(AtomicBool::new(false));
+            let io = TokioIo::new(WriteDeadline { inner: io, limit: limits.idle_timeout, stalled: None, fired: unread.clone() });
+            serve_connection(builder, io, router, limits.idle_timeout, shutdown, name, &unread).await;
         });
     }
     connections.close();
@@ -89,9 +95,17 @@ where
 }
 
 /// Runs one connection to its end: closed gracefully (its requests
-/// answered first) on shutdown or after `idle_timeout` with none in flight.
-async fn serve_connection<I>(builder: Builder<TokioExecutor>, io: I, router: Router, idle_timeout: Duration, shutdown: CancellationToken, name: &'static str)
-where
+/// answered first) on shutdown or after `idle_timeout` with none in
+/// flight; `unread` says whether its write deadline closed it.
+async fn serve_connection<I>(
+    builder: Builder<TokioExecutor>,
+    io: I,
+    router: Router,
+    idle_timeout: Duration,
+    shutdown: CancellationToken,
+    name: &'static str,
+    unread: &AtomicBool,
+) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let (in_flight, mut watch_in_flight) = watch::channel(0_usize);
@@ -120,9 +134,12 @@ where
     };
     // hyper's own header timeout closes an HTTP/1 connection whose
     // headers (a first request's or the next one's) are late; the watch
-    // above closes the rest. Whichever came first, once.
+    // above closes the rest; the write deadline, one whose client stopped
+    // reading. Each connection counted once.
     let timed_out = result.as_ref().err().and_then(|error| error.downcast_ref::<hyper::Error>()).is_some_and(hyper::Error::is_timeout);
-    if idle_closed || timed_out {
+    if unread.load(Ordering::Relaxed) {
+        CLOSED.with_label_values(&[name, "unread"]).inc();
+    } else if idle_closed || timed_out {
         CLOSED.with_label_values(&[name, "idle"]).inc();
     } else if let Err(error) = result {
         tracing::debug!(%error, "HTTP connection ended with an error");
@@ -180,5 +197,70 @@ impl http_body::Body for Held {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+/// A connection whose writes fail once one has waited `limit` for the
+/// client to read: a client that stops reading its answer would otherwise
+/// hold the connection, and its request's place, for good (the answer's
+/// writes wait on it forever).
+struct WriteDeadline<I> {
+    inner: I,
+    limit: Duration,
+    /// Since the first write that could not go, if the one now waiting is.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Set once the deadline passed.
+    fired: Arc<AtomicBool>,
+}
+
+impl<I> WriteDeadline<I> {
+    /// Follows a write's poll: waiting, the deadline runs (and, passed,
+    /// fails the write); done, it is forgotten.
+    fn watch<T>(&mut self, cx: &mut Context<'_>, polled: Poll<std::io::Result<T>>) -> Poll<std::io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let limit = self.limit;
+        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.fired.store(true, Ordering::Relaxed);
+                Poll::Ready(Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the client read nothing of its answer for the idle timeout")))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for WriteDeadline<I> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<I> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, data);
+        self.watch(cx, polled)
+    }
+
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, data);
+        self.watch(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.watch(cx, polled)
     }
 }

@@ -6,6 +6,7 @@
 //! as accepted, and each closed one gives its place back.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -32,6 +33,17 @@ fn app() -> Router {
     Router::new()
         .route("/", get(|| async { "ok" }))
         .route(
+            "/flood",
+            get(|| async {
+                let guard = Flooding;
+                let chunk = Bytes::from(vec![b'x'; 64 << 10]);
+                Body::from_stream(futures::stream::repeat_with(move || {
+                    let _held = &guard;
+                    Ok::<_, std::convert::Infallible>(chunk.clone())
+                }))
+            }),
+        )
+        .route(
             "/stream",
             get(|| async {
                 let chunks = futures::stream::unfold(0_u8, |sent| async move {
@@ -49,6 +61,18 @@ fn app() -> Router {
                 "late"
             }),
         )
+}
+
+/// Answers of `/flood` ended (dropped: the server gave up on them).
+static FLOODS_ENDED: AtomicUsize = AtomicUsize::new(0);
+
+/// Held by an answer of `/flood` while it is sent.
+struct Flooding;
+
+impl Drop for Flooding {
+    fn drop(&mut self) {
+        FLOODS_ENDED.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 async fn start(limits: HttpLimits) -> (SocketAddr, CancellationToken) {
@@ -118,6 +142,22 @@ async fn headers_that_never_finish_and_idle_connections_are_closed_but_long_answ
     assert_eq!(late.into_body().collect().await.unwrap().to_bytes(), "late");
     let _ = tokio::time::timeout(BOUND, connection).await.expect("an idle HTTP/2 connection is closed").unwrap();
     wait_until("the kept-alive connections counted as idle", BOUND, async || closed("idle") - idle_before == 4.0).await;
+    stop.cancel();
+}
+
+/// A client that asks for an endless answer and reads none of it: the
+/// server's writes wait on it, and after the idle timeout the connection
+/// is closed and the answer dropped (its request's place with it).
+#[tokio::test]
+async fn a_client_that_reads_nothing_of_its_answer_loses_the_connection() {
+    let limits = HttpLimits { idle_timeout: Duration::from_secs(1), ..HttpLimits::default() };
+    let (address, stop) = start(limits).await;
+    let unread_before = closed("unread");
+    let mut client = TcpStream::connect(address).await.unwrap();
+    client.write_all(b"GET /flood HTTP/1.1\r\nhost: test\r\n\r\n").await.unwrap();
+    wait_until("the unread answer is dropped", BOUND, async || FLOODS_ENDED.load(Ordering::Relaxed) == 1).await;
+    wait_until("counted as unread", BOUND, async || closed("unread") - unread_before == 1.0).await;
+    drop(client);
     stop.cancel();
 }
 
