@@ -329,6 +329,49 @@ async fn a_body_sent_too_slowly_gets_408_and_gives_its_place_back() {
     sandbox.stop().await;
 }
 
+/// A gRPC client that reads nothing of its stream holds its place only
+/// until --stream-stall-secs: then its request is ended, counted, and the
+/// place serves the next client.
+#[tokio::test]
+async fn a_grpc_stream_read_by_nobody_gives_its_place_back() {
+    use turbine_proto::gateway::v1 as pb;
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1000.0);
+    config.gateway.max_concurrent_requests = 1;
+    config.gateway.stream_stall_secs = 1.0;
+    let sandbox = Sandbox::start(config).await;
+    let before = sandbox.metric("turbine_gateway_streams_stalled_total", &[]).await;
+    // A client whose stream window is HTTP/2's smallest (64 KiB), so that
+    // the tokens below are more than it and the gateway's queue hold; its
+    // connection window is large, which gives its h2 library the room to
+    // buffer that many small frames unread (it sends GOAWAY past half the
+    // connection window).
+    let channel = tonic::transport::Channel::from_shared(sandbox.cluster().grpc_endpoint())
+        .unwrap()
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(16 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let mut inference = pb::inference_client::InferenceClient::new(channel);
+    let request = pb::GenerateRequest {
+        model: MODEL.into(),
+        input: Some(pb::generate_request::Input::Prompt("never read".into())),
+        max_tokens: Some(6000),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let unread = inference.generate(request).await.unwrap().into_inner();
+    wait_until("the unread stream is ended", Duration::from_secs(30), async || {
+        sandbox.metric("turbine_gateway_streams_stalled_total", &[]).await - before == 1.0
+    })
+    .await;
+    let (status, _) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "now", "max_tokens": 2})).await;
+    assert_eq!(status, 200, "the place is free again");
+    drop(unread);
+    sandbox.stop().await;
+}
+
 /// The gateway counts demand, not only what it serves: every request as
 /// it arrives, those refused for want of capacity (by reason), and those
 /// still waiting for a first token (queued at a full worker): what a

@@ -86,6 +86,12 @@ pub struct AdmissionConfig {
     /// admitted (--max-concurrent-requests) while it does.
     #[arg(long, env = "TURBINE_GATEWAY_BODY_TIMEOUT_SECS", default_value_t = 30.0)]
     pub body_timeout_secs: f64,
+    /// Seconds a gRPC Generate stream's client may read nothing of it
+    /// (its window and the gateway's queue full) before its request is
+    /// ended as on a disconnect, giving back its place. (A REST client
+    /// that does so loses its connection after --http-idle-timeout-secs.)
+    #[arg(long, env = "TURBINE_GATEWAY_STREAM_STALL_SECS", default_value_t = 30.0)]
+    pub stream_stall_secs: f64,
     /// Requests served at once; more get 429 with Retry-After.
     #[arg(long, env = "TURBINE_GATEWAY_MAX_CONCURRENT_REQUESTS", default_value_t = 4096)]
     pub max_concurrent_requests: usize,
@@ -162,6 +168,9 @@ impl AdmissionConfig {
         }
         if !(self.body_timeout_secs.is_finite() && self.body_timeout_secs > 0.0) {
             return Err(InvalidSetting::new("body_timeout_secs", "must be positive"));
+        }
+        if !(self.stream_stall_secs.is_finite() && self.stream_stall_secs > 0.0) {
+            return Err(InvalidSetting::new("stream_stall_secs", "must be positive"));
         }
         if self.max_concurrent_requests == 0 {
             return Err(InvalidSetting::new("max_concurrent_requests", "must be positive"));

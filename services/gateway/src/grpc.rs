@@ -88,6 +88,10 @@ fn finish_reason(reason: FinishReason) -> pb::FinishReason {
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
+/// Messages of a stream queued for its client beyond what its window
+/// holds.
+const STREAM_QUEUE: usize = 64;
+
 #[tonic::async_trait]
 impl pb::inference_server::Inference for InferenceService {
     type GenerateStream = GenerateStream;
@@ -106,33 +110,52 @@ impl pb::inference_server::Inference for InferenceService {
         request.caller = caller;
         let request_id = format!("gen-{}", uuid::Uuid::new_v4().simple());
         let text = self.state.pipeline.start(request, request_id.clone()).await?;
-        let stream = futures::stream::unfold(Some((text, permit, in_flight)), move |state| {
-            let request_id = request_id.clone();
-            async move {
-                let (mut text, permit, in_flight) = state?;
-                match text.next().await {
-                    Some(Ok(TextEvent::Delta { text: delta, .. })) => {
-                        let message = pb::GenerateResponse { text: delta, finish_reason: 0, usage: None, request_id };
-                        Some((Ok(message), Some((text, permit, in_flight))))
+        // Messages go through a short queue its client drains; a client
+        // that takes none of them for the stall timeout (its stream's
+        // window full, the queue too) has its request ended, as on a
+        // disconnect: else it would hold its place for good.
+        let (messages, queue) = tokio::sync::mpsc::channel(STREAM_QUEUE);
+        let stall = self.state.stream_stall_timeout;
+        tokio::spawn(async move {
+            let _held = (permit, in_flight);
+            let mut text = text;
+            while let Some(event) = text.next().await {
+                let (message, last) = match event {
+                    Ok(TextEvent::Delta { text: delta, .. }) => {
+                        (Ok(pb::GenerateResponse { text: delta, finish_reason: 0, usage: None, request_id: request_id.clone() }), false)
                     }
-                    Some(Ok(TextEvent::Finished { reason, usage })) => {
-                        let message = pb::GenerateResponse {
-                            text: String::new(),
-                            finish_reason: finish_reason(reason) as i32,
-                            usage: Some(pb::Usage {
-                                prompt_tokens: usage.prompt_tokens,
-                                completion_tokens: usage.completion_tokens,
-                                cached_prompt_tokens: usage.cached_prompt_tokens,
-                            }),
-                            request_id,
+                    Ok(TextEvent::Finished { reason, usage }) => {
+                        let usage = pb::Usage {
+                            prompt_tokens: usage.prompt_tokens,
+                            completion_tokens: usage.completion_tokens,
+                            cached_prompt_tokens: usage.cached_prompt_tokens,
                         };
-                        Some((Ok(message), None))
+                        (
+                            Ok(pb::GenerateResponse {
+                                text: String::new(),
+                                finish_reason: finish_reason(reason) as i32,
+                                usage: Some(usage),
+                                request_id: request_id.clone(),
+                            }),
+                            true,
+                        )
                     }
-                    Some(Err(error)) => Some((Err(Status::from(error)), None)),
-                    None => None,
+                    Err(error) => (Err(Status::from(error)), true),
+                };
+                match messages.send_timeout(message, stall).await {
+                    Ok(()) if !last => {}
+                    Ok(()) => return,
+                    // The client left.
+                    Err(tokio::sync::mpsc::error::SendTimeoutError::Closed(_)) => return,
+                    Err(tokio::sync::mpsc::error::SendTimeoutError::Timeout(_)) => {
+                        crate::metrics::stream_stalled();
+                        tracing::info!(request_id, stall_secs = stall.as_secs_f64(), "a gRPC client read nothing of its stream: the request is ended");
+                        return;
+                    }
                 }
             }
         });
+        let stream = tokio_stream::wrappers::ReceiverStream::new(queue);
         Ok(Response::new(Box::pin(stream)))
     }
 

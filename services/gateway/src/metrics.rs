@@ -62,6 +62,14 @@ static BODIES_TIMED_OUT: LazyLock<IntCounter> = LazyLock::new(|| {
     )
     .with_label_values(&[] as &[&str])
 });
+static STREAMS_STALLED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "turbine_gateway_streams_stalled_total",
+        "gRPC Generate streams ended because their client read nothing of them for --stream-stall-secs (REST connections that do so are counted in turbine_connections_closed_total{reason=\"unread\"})",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
 static KEYS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("turbine_gateway_api_keys", "API keys in force (the keys file's, as last applied)", &[]).with_label_values(&[] as &[&str]));
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
@@ -289,6 +297,11 @@ pub fn keys_in_force(count: usize) {
 /// A request answered 408: its body came too slowly.
 pub fn body_timed_out() {
     BODIES_TIMED_OUT.inc();
+}
+
+/// A gRPC stream ended: its client read nothing of it.
+pub fn stream_stalled() {
+    STREAMS_STALLED.inc();
 }
 
 /// Counts a call refused for its key's `limit`.

@@ -83,6 +83,7 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
         admission: Arc::new(Semaphore::new(config.admission.max_concurrent_requests)),
         max_body_bytes: config.admission.max_body_bytes,
         body_timeout: Duration::from_secs_f64(config.admission.body_timeout_secs),
+        stream_stall_timeout: Duration::from_secs_f64(config.admission.stream_stall_secs),
         readiness: readiness.clone(),
     };
     host.add_service(InferenceServer::new(InferenceService::new(state.clone())));

@@ -49,6 +49,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// How long a request's body may take to arrive.
     pub body_timeout: std::time::Duration,
+    /// How long a gRPC stream's client may read nothing of it.
+    pub stream_stall_timeout: std::time::Duration,
     /// Readiness (for `/health`).
     pub readiness: Readiness,
 }
