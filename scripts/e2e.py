@@ -582,6 +582,7 @@ def envoy_config(path, cert, key, ca, host, http_ports, grpc_ports, admin_port):
 
 
 PROMETHEUS_CONFIG = os.path.join(ROOT, "infra", "prometheus", "prometheus.yml")
+PROMETHEUS_RULES = os.path.join(ROOT, "infra", "prometheus", "turbine-rules.yml")
 
 
 def prometheus_start(directory, targets):
@@ -646,7 +647,8 @@ def grafana_suite(prometheus_base):
     panel's query is valid PromQL that Prometheus answers, names only
     metrics a service registers or Envoy exports, and the panels of the
     core signals (answers by status, time to first token, live workers,
-    sequences, Envoy's healthy gateways) have data from this deployment."""
+    sequences, Envoy's healthy gateways, connections open) have data from
+    this deployment."""
     with open(GRAFANA_DASHBOARD) as file:
         dashboard = json.load(file)
     exported = exported_metric_names()
@@ -666,7 +668,7 @@ def grafana_suite(prometheus_base):
             queries += 1
             if result:
                 with_data.add(panel["title"])
-    core = {"Requests by status", "Time to first token", "Live workers", "Sequences", "Healthy gateways"}
+    core = {"Requests by status", "Time to first token", "Live workers", "Sequences", "Healthy gateways", "Connections open"}
     check(core <= with_data, f"panels without data: {sorted(core - with_data)}")
     print(f"grafana: {queries} queries of {len(dashboard['panels'])} panels answered, {len(with_data)} with data")
 
@@ -819,10 +821,13 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
         # Prometheus on the same run: every rule evaluates, the recording
         # rule has the gateways' TTFT, the drained gateway's scrape alert is
         # pending, Envoy's healthy-gateway alert is not.
+        with open(PROMETHEUS_RULES) as file:
+            declared = len(re.findall(r"^\s*- (?:alert|record):", file.read(), re.MULTILINE))
+
         def rules_evaluated():
             groups = prometheus_api(prometheus_base, "rules")["groups"]
             rules = [rule for group in groups for rule in group["rules"]]
-            return rules if len(rules) == 12 and all(rule["health"] == "ok" and rule.get("lastEvaluation", "").startswith("2") for rule in rules) else None
+            return rules if len(rules) == declared and all(rule["health"] == "ok" and rule.get("lastEvaluation", "").startswith("2") for rule in rules) else None
 
         rules = poll("prometheus evaluates every rule without error", rules_evaluated, timeout=60, process=prometheus)
         check(not [rule for rule in rules if rule.get("lastError")], f"rule errors: {rules}")
