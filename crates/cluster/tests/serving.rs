@@ -341,14 +341,14 @@ async fn a_grpc_stream_read_by_nobody_gives_its_place_back() {
     config.gateway.stream_stall_secs = 1.0;
     let sandbox = Sandbox::start(config).await;
     let before = sandbox.metric("turbine_gateway_streams_stalled_total", &[]).await;
-    // A client whose stream window is HTTP/2's smallest (64 KiB), so that
-    // the tokens below are more than it and the gateway's queue hold; its
-    // connection window is large, which gives its h2 library the room to
-    // buffer that many small frames unread (it sends GOAWAY past half the
-    // connection window).
+    // A client whose stream window is 1 KiB, so that a few hundred tokens
+    // are more than it and the gateway's queue hold (however slowly a
+    // loaded machine generates them); its connection window is large,
+    // which gives its h2 library the room to buffer small frames unread
+    // (it sends GOAWAY past half the connection window's worth).
     let channel = tonic::transport::Channel::from_shared(sandbox.cluster().grpc_endpoint())
         .unwrap()
-        .initial_stream_window_size(65_535)
+        .initial_stream_window_size(1024)
         .initial_connection_window_size(16 << 20)
         .connect()
         .await
@@ -362,7 +362,7 @@ async fn a_grpc_stream_read_by_nobody_gives_its_place_back() {
         ..Default::default()
     };
     let unread = inference.generate(request).await.unwrap().into_inner();
-    wait_until("the unread stream is ended", Duration::from_secs(30), async || {
+    wait_until("the unread stream is ended", Duration::from_secs(60), async || {
         sandbox.metric("turbine_gateway_streams_stalled_total", &[]).await - before == 1.0
     })
     .await;
