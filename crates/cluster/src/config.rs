@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use turbine_gateway::AdmissionConfig;
 use turbine_planner::config::PlanningConfig;
 use turbine_router::RoutingConfig;
-use turbine_runtime::config::{Settings, settings_defaults};
+use turbine_runtime::config::{ClientLimits, Settings, settings_defaults};
 use turbine_worker::{EngineConfig, TransferConfig};
 
 /// The host-memory KV tier of each worker of `turbine run`, MiB: 46,000
@@ -80,6 +80,9 @@ pub struct RunConfig {
     /// Once listening, write the gateway's bound addresses here as JSON.
     #[arg(long, value_name = "FILE")]
     pub addresses_file: Option<PathBuf>,
+    #[command(flatten, next_help_heading = "Client connections at the gateways")]
+    #[serde(flatten)]
+    pub clients: ClientLimits,
     #[command(flatten, next_help_heading = "Gateway ([gateway] in the config file)")]
     pub gateway: AdmissionConfig,
     #[command(flatten, next_help_heading = "Router ([router], [router.kv])")]
@@ -130,6 +133,7 @@ impl Settings for RunConfig {
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err(InvalidSetting::new("shutdown_grace_secs", "must be non-negative"));
         }
+        self.clients.validate()?;
         self.gateway.validate()?;
         self.router.validate()?;
         self.worker.engine.validate()?;
@@ -220,6 +224,7 @@ mod tests {
         assert_eq!(config.worker.engine, EngineConfig { host_cache_mib: 1024, ..EngineConfig::default() }, "the worker's own defaults otherwise");
         assert_eq!(config.router.kv, turbine_router::KvConfig::default());
         assert_eq!(config.gateway.max_concurrent_requests, AdmissionConfig::default().max_concurrent_requests);
+        assert_eq!(config.clients, ClientLimits::default());
     }
 
     #[test]
@@ -227,11 +232,14 @@ mod tests {
         let file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(
             file.path(),
-            "workers = 3\n[gateway]\nmax_concurrent_requests = 7\n[router]\npolicy = \"round-robin\"\n[router.kv]\ndevice_credit = 2.0\n[worker]\nengine = \"mock\"\nspeedup = 4.0\nkv_transport = \"tcp\"\n",
+            "workers = 3\nmax_connections = 64\n[gateway]\nmax_concurrent_requests = 7\n[router]\npolicy = \"round-robin\"\n[router.kv]\ndevice_credit = 2.0\n[worker]\nengine = \"mock\"\nspeedup = 4.0\nkv_transport = \"tcp\"\n",
         )
         .unwrap();
-        let config = parse(&["--config", file.path().to_str().unwrap(), "--speedup", "8", "--max-seqs", "5", "--policy", "least-loaded"]).unwrap();
+        let config =
+            parse(&["--config", file.path().to_str().unwrap(), "--speedup", "8", "--max-seqs", "5", "--policy", "least-loaded", "--connections-per-ip", "16"])
+                .unwrap();
         assert_eq!(config.workers, 3);
+        assert_eq!((config.clients.max_connections, config.clients.connections_per_ip), (64, 16), "the gateways' client limits");
         assert_eq!(config.gateway.max_concurrent_requests, 7);
         assert_eq!((config.router.policy, config.router.kv.tuning.device_credit), (Policy::LeastLoaded, 2.0), "the flag beats the file");
         assert_eq!((config.worker.engine.engine, config.worker.engine.speedup, config.worker.engine.max_num_seqs), (EngineKind::Mock, 8.0, 5));

@@ -274,6 +274,7 @@ impl Cluster {
             }
             let mut gateway = GatewayConfig { admission: config.gateway.clone(), ..GatewayConfig::default() };
             gateway.server.shutdown_grace_secs = config.shutdown_grace_secs;
+            gateway.server.clients = config.clients.clone();
             // With API keys every call of its gRPC API is authenticated by
             // key, as the REST API's are (what --host asks for).
             gateway.server.insecure = config.insecure || config.gateway.api_keys.is_some();

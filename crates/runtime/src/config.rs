@@ -288,6 +288,20 @@ pub struct ServerConfig<S: ServiceDefaults> {
     #[arg(long, env = "TURBINE_INSECURE")]
     #[serde(default)]
     pub insecure: bool,
+    /// What the service's ports allow a client.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub clients: ClientLimits,
+    #[arg(skip)]
+    #[serde(skip)]
+    service: PhantomData<S>,
+}
+
+/// What a service's ports allow one client, and all of them: new
+/// connections a second, connections open, and how long an HTTP connection
+/// may sit idle.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct ClientLimits {
     /// New gRPC connections one address may open a second (a second's
     /// worth at once); more are closed as accepted, before TLS, and
     /// counted. Services and clients keep their connections, so only a
@@ -316,9 +330,35 @@ pub struct ServerConfig<S: ServiceDefaults> {
     #[arg(long, env = "TURBINE_CONNECTIONS_PER_IP", default_value_t = 1_000)]
     #[serde(default = "default_connections_per_ip")]
     pub connections_per_ip: usize,
-    #[arg(skip)]
-    #[serde(skip)]
-    service: PhantomData<S>,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl ClientLimits {
+    /// Checks the limits.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        if !(self.http_idle_timeout_secs.is_finite() && self.http_idle_timeout_secs > 0.0) {
+            return Err(InvalidSetting::new("http_idle_timeout_secs", "must be positive"));
+        }
+        if self.max_connections == 0 {
+            return Err(InvalidSetting::new("max_connections", "must be positive"));
+        }
+        Ok(())
+    }
+
+    /// How many connections each listener keeps open, as configured.
+    pub fn connection_limits(&self) -> crate::connections::ConnectionLimits {
+        crate::connections::ConnectionLimits { max_connections: self.max_connections, connections_per_ip: self.connections_per_ip }
+    }
+
+    /// What each HTTP listener allows a client, as configured.
+    pub fn http_limits(&self) -> crate::http_server::HttpLimits {
+        crate::http_server::HttpLimits { idle_timeout: std::time::Duration::from_secs_f64(self.http_idle_timeout_secs), connections: self.connection_limits() }
+    }
 }
 
 fn default_connection_rate() -> u32 {
@@ -349,23 +389,8 @@ impl<S: ServiceDefaults> ServerConfig<S> {
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err(InvalidSetting::new("shutdown_grace_secs", "must be non-negative"));
         }
-        if !(self.http_idle_timeout_secs.is_finite() && self.http_idle_timeout_secs > 0.0) {
-            return Err(InvalidSetting::new("http_idle_timeout_secs", "must be positive"));
-        }
-        if self.max_connections == 0 {
-            return Err(InvalidSetting::new("max_connections", "must be positive"));
-        }
+        self.clients.validate()?;
         self.tls.validate()
-    }
-
-    /// How many connections each listener keeps open, as configured.
-    pub fn connection_limits(&self) -> crate::connections::ConnectionLimits {
-        crate::connections::ConnectionLimits { max_connections: self.max_connections, connections_per_ip: self.connections_per_ip }
-    }
-
-    /// What each HTTP listener allows a client, as configured.
-    pub fn http_limits(&self) -> crate::http_server::HttpLimits {
-        crate::http_server::HttpLimits { idle_timeout: std::time::Duration::from_secs_f64(self.http_idle_timeout_secs), connections: self.connection_limits() }
     }
 
     /// The drain's grace period.

@@ -73,14 +73,33 @@ impl ConnectionLimits {
 
 /// The soft limit on this process's open files, where the platform says.
 fn open_files_limit() -> Option<u64> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = limits.lines().find(|line| line.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
+/// The most open files a process asks for when its hard limit is
+/// unlimited: what a service's connections could use many times over.
+const OPEN_FILES_CEILING: u64 = 1 << 20;
+
+/// Raises this process's soft limit on open files to its hard limit (at
+/// most [`OPEN_FILES_CEILING`]), as a server should: many systems start
+/// services with a soft limit of 1,024, which would hold each port to 256
+/// connections, while the hard limit allows far more. Returns the soft
+/// limit before and after, when it was raised.
+pub fn raise_open_files_limit() -> Option<(u64, u64)> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let before = limit.current?;
+    let wanted = limit.maximum.unwrap_or(OPEN_FILES_CEILING).min(OPEN_FILES_CEILING);
+    if wanted <= before {
+        return None;
+    }
+    setrlimit(Resource::Nofile, Rlimit { current: Some(wanted), maximum: limit.maximum }).ok()?;
+    Some((before, wanted))
 }
 
 /// Who a connection counts against: its IPv4 address, or its IPv6
 /// address's /64 (an IPv4 address mapped into IPv6 is that address).
-fn client(address: IpAddr) -> IpAddr {
+pub fn client(address: IpAddr) -> IpAddr {
     match address {
         IpAddr::V4(_) => address,
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
@@ -219,6 +238,16 @@ mod tests {
         assert_eq!(client(ip("2001:db8:1:2:aaaa::1")), client(ip("2001:db8:1:2:bbbb::2")));
         assert_ne!(client(ip("2001:db8:1:2::1")), client(ip("2001:db8:1:3::1")));
         assert_eq!(client(ip("::ffff:10.0.0.1")), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn the_soft_open_files_limit_is_raised_to_the_hard_one() {
+        super::raise_open_files_limit();
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        let wanted = limit.maximum.unwrap_or(super::OPEN_FILES_CEILING).min(super::OPEN_FILES_CEILING);
+        let soft = limit.current.expect("a finite soft limit");
+        assert!(soft >= wanted, "soft limit {soft}, hard {:?}", limit.maximum);
+        assert_eq!(super::open_files_limit(), Some(soft));
     }
 
     #[test]

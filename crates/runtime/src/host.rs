@@ -333,9 +333,9 @@ impl Host {
             public_tls: None,
             insecure: server.insecure,
             served: Vec::new(),
-            connection_rate_per_ip: server.connection_rate_per_ip,
-            connections: server.connection_limits().within_descriptors(),
-            http_idle_timeout: server.http_limits().idle_timeout,
+            connection_rate_per_ip: server.clients.connection_rate_per_ip,
+            connections: server.clients.connection_limits().within_descriptors(),
+            http_idle_timeout: server.clients.http_limits().idle_timeout,
         })
     }
 

@@ -67,6 +67,9 @@ where
     };
     runtime.block_on(async move {
         let _telemetry = telemetry::init(service_name);
+        if let Some((before, after)) = connections::raise_open_files_limit() {
+            tracing::info!(before, after, "raised the soft open-files limit to the hard one");
+        }
         let shutdown = CancellationToken::new();
         shutdown::cancel_on_signal(shutdown.clone());
         match body(shutdown).await {
