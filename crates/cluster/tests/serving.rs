@@ -372,6 +372,59 @@ async fn a_grpc_stream_read_by_nobody_gives_its_place_back() {
     sandbox.stop().await;
 }
 
+/// One client that fills the gateway's places cannot keep another out:
+/// refused once, the other client claims its share, and the places the
+/// first one's requests give back are kept for it (the first is refused
+/// over REST and gRPC alike, each knowing the client by its address).
+#[tokio::test]
+async fn a_client_filling_the_gateway_leaves_the_places_it_gives_back_to_another() {
+    use turbine_proto::gateway::v1 as pb;
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1.0);
+    config.gateway.max_concurrent_requests = 4;
+    let sandbox = Sandbox::start(config).await;
+    let completions = format!("{}/v1/completions", sandbox.base());
+    let from = |last: u8| reqwest::Client::builder().local_address(std::net::IpAddr::from([127, 0, 0, last])).build().unwrap();
+    let (hog, other) = (from(1), from(2));
+    let in_flight = async || sandbox.metric("turbine_gateway_in_flight_requests", &[]).await;
+    let shares = async || sandbox.metric("turbine_gateway_refused_total", &[("reason", "client_share")]).await;
+    let (in_flight_before, shares_before) = (in_flight().await, shares().await);
+    let long = json!({"model": MODEL, "prompt": "hold a place", "max_tokens": 5000, "stream": true, "ignore_eos": true});
+    let short = json!({"model": MODEL, "prompt": "one more", "max_tokens": 2});
+
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let stream = hog.post(&completions).json(&long).send().await.unwrap();
+        assert_eq!(stream.status(), 200);
+        held.push(stream);
+    }
+    let refused = other.post(&completions).json(&short).send().await.unwrap();
+    assert_eq!(refused.status(), 429, "every place is taken");
+    // One of the first client's requests ends: it may not take that place
+    // again, over REST or gRPC, while the other client wants it.
+    drop(held.pop());
+    wait_until("a place is given back", Duration::from_secs(10), async || in_flight().await - in_flight_before == 3.0).await;
+    let again = hog.post(&completions).json(&short).send().await.unwrap();
+    assert_eq!(again.status(), 429);
+    let body: serde_json::Value = again.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("its share"), "{body}");
+    let channel = tonic::transport::Channel::from_shared(sandbox.cluster().grpc_endpoint()).unwrap().connect().await.unwrap();
+    let request = pb::GenerateRequest {
+        model: MODEL.into(),
+        input: Some(pb::generate_request::Input::Prompt("over grpc".into())),
+        max_tokens: Some(2),
+        ..Default::default()
+    };
+    let status = pb::inference_client::InferenceClient::new(channel).generate(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(shares().await - shares_before, 2.0);
+    // The place went to the other client.
+    let served = other.post(&completions).json(&short).send().await.unwrap();
+    assert_eq!(served.status(), 200, "{:?}", served.text().await);
+    drop(held);
+    sandbox.stop().await;
+}
+
 /// The gateway counts demand, not only what it serves: every request as
 /// it arrives, those refused for want of capacity (by reason), and those
 /// still waiting for a first token (queued at a full worker): what a

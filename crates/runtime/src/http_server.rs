@@ -81,7 +81,7 @@ where
             let _slot = slot;
             let unread = Arc::new(AtomicBool::new(false));
             let io = TokioIo::new(WriteDeadline { inner: io, limit: limits.idle_timeout, stalled: None, fired: unread.clone() });
-            serve_connection(builder, io, router, limits.idle_timeout, shutdown, name, &unread).await;
+            serve_connection(builder, io, router, peer, limits.idle_timeout, shutdown, name, &unread).await;
         });
     }
     connections.close();
@@ -94,13 +94,15 @@ where
     crate::shutdown::drain_within(drained, &shutdown, grace, "HTTP requests").await
 }
 
-/// Runs one connection to its end: closed gracefully (its requests
+/// Runs one connection (from `peer`) to its end: closed gracefully (its requests
 /// answered first) on shutdown or after `idle_timeout` with none in
 /// flight; `unread` says whether its write deadline closed it.
+#[allow(clippy::too_many_arguments)]
 async fn serve_connection<I>(
     builder: Builder<TokioExecutor>,
     io: I,
     router: Router,
+    peer: SocketAddr,
     idle_timeout: Duration,
     shutdown: CancellationToken,
     name: &'static str,
@@ -110,8 +112,10 @@ async fn serve_connection<I>(
 {
     let (in_flight, mut watch_in_flight) = watch::channel(0_usize);
     let in_flight = Arc::new(in_flight);
-    let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+    let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
         let (router, in_flight) = (router.clone(), InFlight::start(&in_flight));
+        // Handlers learn who is calling as with `axum::serve`.
+        request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
         async move {
             let response = router.oneshot(request.map(Body::new)).await.unwrap_or_else(|never: Infallible| match never {});
             Ok::<_, Infallible>(response.map(|body| Body::new(Held { body, _in_flight: in_flight })))

@@ -112,6 +112,17 @@ pub struct StruckInfo {
     pub strikes: Arc<Strikes>,
 }
 
+/// The address a call to a server of [`crate::grpc::serve`] came from
+/// (over TLS or not).
+pub fn peer_address<T>(request: &tonic::Request<T>) -> Option<std::net::IpAddr> {
+    let extensions = request.extensions();
+    let tcp = match extensions.get::<StruckInfo>() {
+        Some(info) => &info.tcp,
+        None => &extensions.get::<tonic::transport::server::TlsConnectInfo<StruckInfo>>()?.get_ref().tcp,
+    };
+    tcp.remote_addr().map(|address| address.ip())
+}
+
 impl Connected for Struck {
     type ConnectInfo = StruckInfo;
 

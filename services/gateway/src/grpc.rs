@@ -103,7 +103,7 @@ impl pb::inference_server::Inference for InferenceService {
             Some(key) => Some(key.admit().await?),
             None => None,
         };
-        let permit = (self.state.admit()?, key_permit);
+        let permit = (self.state.admit(caller.as_deref(), turbine_runtime::strikes::peer_address(&request))?, key_permit);
         let in_flight = InFlight::start();
         let mut request = text_request(request.into_inner())?;
         request.namespace = Access::namespace(caller.as_deref());

@@ -14,6 +14,7 @@
 //! `turbine-api` (`router::RouterClient`, `worker::WorkerClients`): it
 //! links no engine and no other service.
 
+pub mod admission;
 pub mod catalog;
 pub mod config;
 pub mod error;

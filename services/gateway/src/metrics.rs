@@ -21,7 +21,7 @@ static ARRIVALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
 static REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_gateway_refused_total",
-        "Generation requests refused for want of capacity, by reason: gateway_full (the gateway's limit of concurrent requests; refused before the body is read, so not among the arrivals), workers_full (every worker tried was at capacity), no_worker (none could take it)",
+        "Generation requests refused for want of capacity, by reason: gateway_full (the gateway's limit of concurrent requests) and client_share (nearly at it, the client holding its share of it), both refused before the body is read, so not among the arrivals; workers_full (every worker tried was at capacity), no_worker (none could take it)",
         &["reason"],
     )
 });
@@ -154,6 +154,8 @@ pub(crate) fn arrival(model: &str) {
 pub(crate) enum Refusal {
     /// The gateway's own limit of concurrent requests.
     GatewayFull,
+    /// Nearly at that limit, and the client holds its share of it.
+    ClientShare,
     /// Every worker tried was at capacity.
     WorkersFull,
     /// No worker could take the request.
@@ -164,6 +166,7 @@ pub(crate) enum Refusal {
 pub(crate) fn refused(why: Refusal) {
     let reason = match why {
         Refusal::GatewayFull => "gateway_full",
+        Refusal::ClientShare => "client_share",
         Refusal::WorkersFull => "workers_full",
         Refusal::NoWorker => "no_worker",
     };

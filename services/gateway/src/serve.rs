@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::sync::Semaphore;
 use turbine_api::router::RouterClient;
 use turbine_api::worker::WorkerClients;
 use turbine_proto::gateway::v1::{FILE_DESCRIPTOR_SET, inference_server::InferenceServer};
@@ -80,7 +79,7 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
     let state = AppState {
         access,
         pipeline: Pipeline::new(deps.router, deps.workers, catalog.clone(), config.admission.content_control_tokens.into()),
-        admission: Arc::new(Semaphore::new(config.admission.max_concurrent_requests)),
+        admission: crate::admission::Admission::new(config.admission.max_concurrent_requests),
         max_body_bytes: config.admission.max_body_bytes,
         body_timeout: Duration::from_secs_f64(config.admission.body_timeout_secs),
         stream_stall_timeout: Duration::from_secs_f64(config.admission.stream_stall_secs),

@@ -7,24 +7,25 @@ pub mod responses;
 pub mod types;
 
 use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{ConnectInfo, Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::Stream;
 use serde::Serialize;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::trace::TraceLayer;
 use turbine_api::Usage;
 use turbine_runtime::health::Readiness;
 use turbine_runtime::propagation::set_parent_from_headers;
 
+use crate::admission::{Admission, Client, Place, Refused};
 use crate::error::{ErrorKind, GatewayError};
 use crate::keys::{Access, ApiKey, KeyPermit};
 use crate::metrics::{self, InFlight};
@@ -43,8 +44,9 @@ pub struct AppState {
     pub access: Access,
     /// The generation pipeline.
     pub pipeline: Pipeline,
-    /// Admission control: one permit per request in flight.
-    pub admission: Arc<Semaphore>,
+    /// Admission control: one place per request in flight, shared
+    /// fairly among clients.
+    pub admission: Arc<Admission>,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
     /// How long a request's body may take to arrive.
@@ -62,11 +64,23 @@ impl AppState {
         self.access.caller(headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok()))
     }
 
-    /// A permit for one more request, or 429.
-    pub fn admit(&self) -> Result<OwnedSemaphorePermit, GatewayError> {
-        self.admission.clone().try_acquire_owned().map_err(|_| {
-            metrics::refused(metrics::Refusal::GatewayFull);
-            GatewayError::new(ErrorKind::Overloaded, "The server is at its limit of concurrent requests; retry shortly.")
+    /// A place for one more request of `caller` calling from `address`,
+    /// or 429: the gateway is full, or nearly and this client holds its
+    /// share (see [`crate::admission`]).
+    pub fn admit(&self, caller: Option<&ApiKey>, address: Option<IpAddr>) -> Result<Place, GatewayError> {
+        let client = Client::of(caller.map(|key| key.tenant.as_str()), address);
+        self.admission.admit(client).map_err(|refused| match refused {
+            Refused::Full => {
+                metrics::refused(metrics::Refusal::GatewayFull);
+                GatewayError::new(ErrorKind::Overloaded, "The server is at its limit of concurrent requests; retry shortly.")
+            }
+            Refused::Share { share } => {
+                metrics::refused(metrics::Refusal::ClientShare);
+                GatewayError::new(
+                    ErrorKind::Overloaded,
+                    format!("The server is nearly at its limit of concurrent requests, and this client has {share} or more in flight, its share while other clients wait; retry shortly."),
+                )
+            }
         })
     }
 }
@@ -140,14 +154,14 @@ async fn get_model(State(state): State<AppState>, headers: HeaderMap, Path(model
     }
 }
 
-async fn chat_completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let response = generate(&state, Endpoint::Chat, &headers, body).await.unwrap_or_else(IntoResponse::into_response);
+async fn chat_completions(State(state): State<AppState>, peer: Option<Extension<ConnectInfo<SocketAddr>>>, headers: HeaderMap, body: Body) -> Response {
+    let response = generate(&state, Endpoint::Chat, peer_address(peer), &headers, body).await.unwrap_or_else(IntoResponse::into_response);
     metrics::response("chat_completions", response.status().as_u16());
     response
 }
 
-async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let response = generate(&state, Endpoint::Completion, &headers, body).await.unwrap_or_else(IntoResponse::into_response);
+async fn completions(State(state): State<AppState>, peer: Option<Extension<ConnectInfo<SocketAddr>>>, headers: HeaderMap, body: Body) -> Response {
+    let response = generate(&state, Endpoint::Completion, peer_address(peer), &headers, body).await.unwrap_or_else(IntoResponse::into_response);
     metrics::response("completions", response.status().as_u16());
     response
 }
@@ -156,21 +170,26 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default()
 }
 
+/// The address a REST call came from, where the server says.
+fn peer_address(peer: Option<Extension<ConnectInfo<SocketAddr>>>) -> Option<IpAddr> {
+    peer.map(|Extension(ConnectInfo(address))| address.ip())
+}
+
 /// Holds what a request keeps while it streams.
 struct Guards {
     _key: Option<KeyPermit>,
-    _permit: OwnedSemaphorePermit,
+    _place: Place,
     _in_flight: InFlight,
 }
 
-async fn generate(state: &AppState, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Result<Response, GatewayError> {
+async fn generate(state: &AppState, endpoint: Endpoint, address: Option<IpAddr>, headers: &HeaderMap, body: Body) -> Result<Response, GatewayError> {
     // Who is calling, before the body is read.
     let caller = state.caller(headers)?;
     let key_permit = match &caller {
         Some(key) => Some(key.admit().await?),
         None => None,
     };
-    let guards = Guards { _key: key_permit, _permit: state.admit()?, _in_flight: InFlight::start() };
+    let guards = Guards { _key: key_permit, _place: state.admit(caller.as_deref(), address)?, _in_flight: InFlight::start() };
     let bytes = read_limited(headers, body, state.max_body_bytes, state.body_timeout).await?;
     let (mut request, delivery): (TextRequest, Delivery) = match endpoint {
         Endpoint::Chat => parse_chat(&bytes)?,

@@ -121,7 +121,9 @@ impl Totals {
         self.started_prompt_tokens += prom::sum(samples, STARTED_PROMPT, &[]);
         self.gap_sum += prom::sum(samples, GAP_SUM, &[]);
         self.gap_count += prom::sum(samples, GAP_COUNT, &[]);
-        self.arrivals += prom::sum(samples, ARRIVALS, &[]) + prom::sum(samples, REFUSED, &[("reason", "gateway_full")]);
+        self.arrivals += prom::sum(samples, ARRIVALS, &[])
+            + prom::sum(samples, REFUSED, &[("reason", "gateway_full")])
+            + prom::sum(samples, REFUSED, &[("reason", "client_share")]);
         self.counts_arrivals |= samples.iter().any(|sample| sample.name == ARRIVALS);
         self.awaiting += prom::sum(samples, AWAITING, &[]);
         for (total, name) in [(&mut self.ttft, TTFT), (&mut self.itl, ITL)] {
