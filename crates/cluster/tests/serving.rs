@@ -425,6 +425,49 @@ async fn a_client_filling_the_gateway_leaves_the_places_it_gives_back_to_another
     sandbox.stop().await;
 }
 
+/// Tenants take turns in a full worker's queue: one tenant's backlog does
+/// not keep another's request waiting behind all of it.
+#[tokio::test]
+async fn a_tenants_request_is_not_queued_behind_another_tenants_backlog() {
+    use turbine_gateway::keys::{entry, new_key};
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (alice, bob) = (new_key(), new_key());
+    let file = dir.path().join("keys.toml");
+    std::fs::write(&file, [entry("alice", "a", None, &alice), entry("bob", "b", None, &bob)].join("\n")).unwrap();
+    let mut config = Sandbox::mock(1.0);
+    config.workers = 1;
+    config.worker.engine.max_num_seqs = 1;
+    config.gateway.api_keys = Some(file);
+    let sandbox = Sandbox::start(config).await;
+    let http = reqwest::Client::new();
+    let completions = format!("{}/v1/completions", sandbox.base());
+    let finished = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let send = |name: &'static str, key: &str| {
+        let request = http.post(&completions).bearer_auth(key).json(&json!({"model": MODEL, "prompt": name, "max_tokens": 100, "ignore_eos": true}));
+        let finished = finished.clone();
+        tokio::spawn(async move {
+            let response = request.send().await.unwrap();
+            assert_eq!(response.status(), 200);
+            response.bytes().await.unwrap();
+            finished.lock().unwrap().push(name);
+        })
+    };
+    let awaiting = async || sandbox.metric("turbine_gateway_awaiting_first_token", &[("model", MODEL)]).await;
+    let before = awaiting().await;
+    // Alice's six requests: one generating, five queued at the worker.
+    let mut tasks: Vec<_> = (0..6).map(|_| send("alice", &alice)).collect();
+    wait_until("alice's backlog is queued", Duration::from_secs(20), async || awaiting().await - before >= 5.0).await;
+    tasks.push(send("bob", &bob));
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task).await.expect("every request is served").unwrap();
+    }
+    let finished = finished.lock().unwrap().clone();
+    let alice_after_bob = finished.iter().skip_while(|name| **name != "bob").filter(|name| **name == "alice").count();
+    assert!(alice_after_bob >= 3, "bob's request waited behind alice's backlog: {finished:?}");
+    sandbox.stop().await;
+}
+
 /// The gateway counts demand, not only what it serves: every request as
 /// it arrives, those refused for want of capacity (by reason), and those
 /// still waiting for a first token (queued at a full worker): what a

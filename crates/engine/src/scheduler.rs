@@ -116,6 +116,8 @@ struct Sequence {
     hasher: BlockHasher,
     /// Whose blocks it computes.
     kv_tenant: KvTenant,
+    /// Its turn in the queue among the tenants' requests ([`Turns`]).
+    turn: u64,
     /// Leading blocks already registered in (or taken from) the prefix cache.
     num_registered: usize,
     sampling: SamplingParams,
@@ -237,6 +239,43 @@ pub struct SequenceUpdate {
     pub pinned: Option<Vec<(BlockId, BlockHashes)>>,
 }
 
+/// Whose turn it is in the waiting queue: the tenants' requests take
+/// turns (start-time fair queueing), so that one tenant's thousand queued
+/// requests do not keep another's first one waiting behind them all. Each
+/// request's turn is one past its tenant's previous request's, or past
+/// the turn of the last request admitted where that is later (a tenant
+/// that had nothing queued starts now, not back where it left off). An
+/// open deployment's requests are all the shared tenant's, first come
+/// first served.
+#[derive(Debug, Default)]
+struct Turns {
+    /// The turn of the last request admitted.
+    now: u64,
+    /// Each tenant's latest turn, while after `now`.
+    latest: HashMap<KvTenant, u64>,
+}
+
+impl Turns {
+    /// The turn of a new request of `tenant`, with `queued` requests
+    /// waiting.
+    fn next(&mut self, tenant: KvTenant, queued: usize) -> u64 {
+        // Tenants whose turns have all come are forgotten (no more of them
+        // than of requests waiting, give or take).
+        if self.latest.len() > queued + 16 {
+            let now = self.now;
+            self.latest.retain(|_, latest| *latest > now);
+        }
+        let latest = self.latest.entry(tenant).or_default();
+        *latest = (*latest).max(self.now) + 1;
+        *latest
+    }
+
+    /// A request of turn `turn` was admitted.
+    fn taken(&mut self, turn: u64) {
+        self.now = self.now.max(turn);
+    }
+}
+
 /// The scheduler: queues, sequences and the block pool.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -245,7 +284,10 @@ pub struct Scheduler {
     /// Tokens that end generation unless a request ignores them.
     eos_token_ids: Vec<u32>,
     sequences: HashMap<SeqId, Sequence>,
+    /// In turn order ([`Turns`]), save that preempted and resumed
+    /// sequences go back to the front.
     waiting: VecDeque<SeqId>,
+    turns: Turns,
     /// Oldest first.
     running: VecDeque<SeqId>,
     /// Taken out of the queue while their prefix comes back from a lower
@@ -273,6 +315,7 @@ impl Scheduler {
             eos_token_ids,
             sequences: HashMap::new(),
             waiting: VecDeque::new(),
+            turns: Turns::default(),
             running: VecDeque::new(),
             suspended: HashMap::new(),
             reserved_blocks: 0,
@@ -313,6 +356,7 @@ impl Scheduler {
         }
         let id = self.next_id;
         self.next_id += 1;
+        let turn = self.turns.next(request.kv_tenant, self.waiting.len());
         let prompt_len = request.prompt.len();
         let mut tokens = request.prompt;
         tokens.extend(generated);
@@ -326,6 +370,7 @@ impl Scheduler {
                 hashes: Vec::new(),
                 hasher: BlockHasher::salted(self.config.hash_seed, request.cache_salt),
                 kv_tenant: request.kv_tenant,
+                turn,
                 num_registered: 0,
                 sampling: request.sampling,
                 stop: request.stop,
@@ -339,7 +384,9 @@ impl Scheduler {
                 onboard_retries: 0,
             },
         );
-        self.waiting.push_back(id);
+        // Behind every request whose turn is not after its own.
+        let behind = self.waiting.iter().rposition(|queued| self.sequences[queued].turn <= turn).map_or(0, |at| at + 1);
+        self.waiting.insert(behind, id);
         Ok(id)
     }
 
@@ -619,6 +666,7 @@ impl Scheduler {
             sequence.cached_prompt_tokens.get_or_insert(num_computed.min(sequence.prompt_len).saturating_sub(sequence.imported_tokens));
             let sample = num_computed + len == sequence.tokens.len();
             self.waiting.pop_front();
+            self.turns.taken(sequence.turn);
             self.running.push_back(seq_id);
             plan.push(ScheduledChunk { seq_id, start: num_computed, len, sample });
             *budget -= len;

@@ -397,3 +397,52 @@ fn an_onboarded_prefix_is_admitted_past_the_room_kept_for_reads_behind_it() {
     assert!(plan.iter().all(|c| c.seq_id != cold), "4 blocks free, 5 kept for the read: it waits ({plan:?})");
     scheduler.check_invariants();
 }
+
+fn tenant_request(tenant: u64) -> GenerateRequest {
+    GenerateRequest { kv_tenant: KvTenant::new(tenant), ..request(vec![1, 2, 3, 4, 5], 2) }
+}
+
+#[test]
+fn tenants_take_turns_in_the_queue() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let first: Vec<SeqId> = (0..6).map(|_| scheduler.add(tenant_request(1)).unwrap()).collect();
+    let second: Vec<SeqId> = (0..2).map(|_| scheduler.add(tenant_request(2)).unwrap()).collect();
+    let queued: Vec<SeqId> = scheduler.waiting.iter().copied().collect();
+    assert_eq!(
+        queued,
+        vec![first[0], second[0], first[1], second[1], first[2], first[3], first[4], first[5]],
+        "the second tenant's requests do not wait behind all of the first's"
+    );
+    let done = run_to_completion(&mut scheduler, 9);
+    assert_eq!(done.len(), 8);
+}
+
+#[test]
+fn one_tenant_is_served_first_come_first_served() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    let ids: Vec<SeqId> = (0..5).map(|_| scheduler.add(tenant_request(0)).unwrap()).collect();
+    assert_eq!(scheduler.waiting.iter().copied().collect::<Vec<_>>(), ids);
+}
+
+#[test]
+fn a_tenant_new_to_the_queue_takes_its_turn_from_now() {
+    let mut scheduler = Scheduler::new(SchedulerConfig { max_num_seqs: 2, ..config(64, 4) }, vec![]);
+    let first: Vec<SeqId> = (0..4).map(|_| scheduler.add(tenant_request(1)).unwrap()).collect();
+    let plan = scheduler.schedule();
+    assert_eq!(plan.iter().map(|chunk| chunk.seq_id).collect::<Vec<_>>(), first[..2]);
+    // Two turns were taken: a tenant with nothing queued saved none up.
+    let late = scheduler.add(tenant_request(2)).unwrap();
+    assert_eq!(scheduler.waiting.iter().copied().collect::<Vec<_>>(), vec![first[2], late, first[3]]);
+    scheduler.check_invariants();
+}
+
+#[test]
+fn tenants_with_nothing_queued_are_forgotten() {
+    let mut scheduler = Scheduler::new(SchedulerConfig { max_num_seqs: 64, ..config(1024, 4) }, vec![]);
+    for tenant in 1..=40 {
+        scheduler.add(tenant_request(tenant)).unwrap();
+    }
+    run_to_completion(&mut scheduler, 9);
+    scheduler.add(tenant_request(99)).unwrap();
+    assert!(scheduler.turns.latest.len() <= 1, "{} tenants remembered", scheduler.turns.latest.len());
+}
