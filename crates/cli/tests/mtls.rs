@@ -444,6 +444,21 @@ async fn a_worker_limited_to_tenants_can_neither_write_nor_read_another_tenants_
         }
         Err(status) => assert_eq!(status.code(), Code::FailedPrecondition, "a store without UCX: {status:?}"),
     }
+
+    // Writing another tenant's blocks call after call on one connection
+    // loses it (a call fails in transport, not with an answer); connecting
+    // again, the worker is answered.
+    let mut cut = None;
+    for call in 0..4 * turbine_runtime::strikes::STRIKES_BURST as usize {
+        let denied = acme.put(put(vec![block(3, bravo)])).await.unwrap_err();
+        if denied.code() != Code::PermissionDenied {
+            cut = Some(call);
+            break;
+        }
+    }
+    assert!(cut.is_some(), "a worker refused write after write on one connection loses it");
+    assert!(turbine_testkit::metric_where(&store.admin_url(), "turbine_grpc_connections_struck_off_total", &[]).await >= 1.0);
+    assert_eq!(acme.put(put(vec![block(3, bravo)])).await.unwrap_err().code(), Code::PermissionDenied, "answered on a new connection");
     drop(store);
 }
 

@@ -11,7 +11,10 @@
 //!
 //! A connection is wrapped as it is accepted ([`Struck`]); its
 //! [`Strikes`] ride each call's connection info, where the authorization
-//! layer finds them.
+//! layer finds them. The refusals a handler makes of a call the role
+//! check let through (events in another worker's name, a KV handle with
+//! another's token: [`crate::trust::refuse`]) strike the same bucket: the
+//! layer runs each call within its connection's strikes ([`within`]).
 
 use std::io;
 use std::pin::Pin;
@@ -112,15 +115,37 @@ pub struct StruckInfo {
     pub strikes: Arc<Strikes>,
 }
 
+/// The connection info of a call to a server of [`crate::grpc::serve`]
+/// (over TLS or not).
+pub fn connection_info(extensions: &http::Extensions) -> Option<&StruckInfo> {
+    match extensions.get::<StruckInfo>() {
+        Some(info) => Some(info),
+        None => Some(extensions.get::<tonic::transport::server::TlsConnectInfo<StruckInfo>>()?.get_ref()),
+    }
+}
+
 /// The address a call to a server of [`crate::grpc::serve`] came from
 /// (over TLS or not).
 pub fn peer_address<T>(request: &tonic::Request<T>) -> Option<std::net::IpAddr> {
-    let extensions = request.extensions();
-    let tcp = match extensions.get::<StruckInfo>() {
-        Some(info) => &info.tcp,
-        None => &extensions.get::<tonic::transport::server::TlsConnectInfo<StruckInfo>>()?.get_ref().tcp,
-    };
-    tcp.remote_addr().map(|address| address.ip())
+    connection_info(request.extensions())?.tcp.remote_addr().map(|address| address.ip())
+}
+
+tokio::task_local! {
+    /// The strikes of the connection whose call is being handled.
+    static CALLER: Arc<Strikes>;
+}
+
+/// `call` (a call's handling), with `strikes` as those its handler's
+/// refusals count against ([`strike_caller`]).
+pub fn within<F: std::future::Future>(strikes: Arc<Strikes>, call: F) -> tokio::task::futures::TaskLocalFuture<Arc<Strikes>, F> {
+    CALLER.scope(strikes, call)
+}
+
+/// The call being handled is refused: a strike against its connection, as
+/// the role check's refusals are. Nothing outside a call's handling (an
+/// in-process client, a stream's body sent after the handler returned).
+pub fn strike_caller() {
+    let _ = CALLER.try_with(|strikes| strikes.strike());
 }
 
 impl Connected for Struck {
@@ -176,6 +201,23 @@ impl AsyncWrite for Struck {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_handlers_refusals_strike_the_connection_of_the_call_only() {
+        let strikes = Arc::new(Strikes::default());
+        within(strikes.clone(), async {
+            for _ in 0..=STRIKES_BURST as usize {
+                strike_caller();
+            }
+        })
+        .await;
+        assert!(strikes.is_closed(), "one past the burst within the call");
+        // Outside any call's handling there is nothing to strike.
+        strike_caller();
+        let other = Arc::new(Strikes::default());
+        within(other.clone(), async { strike_caller() }).await;
+        assert!(!other.is_closed());
+    }
 
     #[test]
     fn the_refusal_past_the_burst_closes_the_connection() {

@@ -419,6 +419,16 @@ pub fn count_refusal(table: &[RpcRoles], method: &str, refusal: Refusal) {
     REFUSED_CALLS.with_label_values(&[method, reason]).inc();
 }
 
+/// A handler refuses the call it handles (of `method`, in `table`):
+/// counted as [`count_refusal`] does, and a strike against the caller's
+/// connection ([`crate::strikes::strike_caller`]), so that a caller
+/// refused call after call on one connection loses it, as one the role
+/// check refuses does.
+pub fn refuse(table: &[RpcRoles], method: &str, refusal: Refusal) {
+    count_refusal(table, method, refusal);
+    crate::strikes::strike_caller();
+}
+
 /// Certificates already read, and whom they name: every call of a
 /// connection presents the same certificate, so each is parsed once (the
 /// TLS handshake verified it; the bytes are the key).
@@ -489,20 +499,33 @@ where
 {
     type Response = http::Response<tonic::body::Body>;
     type Error = S::Error;
-    type Future = futures::future::Either<std::future::Ready<Result<Self::Response, S::Error>>, S::Future>;
+    type Future = futures::future::Either<
+        std::future::Ready<Result<Self::Response, S::Error>>,
+        futures::future::Either<tokio::task::futures::TaskLocalFuture<Arc<crate::strikes::Strikes>, S::Future>, S::Future>,
+    >;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        let Some(table) = self.table else { return futures::future::Either::Right(self.inner.call(request)) };
+        use futures::future::Either;
+        // The handler's own refusals strike the call's connection.
+        let strikes = crate::strikes::connection_info(request.extensions()).map(|info| info.strikes.clone());
+        let handle = |inner: &mut S, request| {
+            let call = inner.call(request);
+            Either::Right(match strikes {
+                Some(strikes) => Either::Left(crate::strikes::within(strikes, call)),
+                None => Either::Right(call),
+            })
+        };
+        let Some(table) = self.table else { return handle(&mut self.inner, request) };
         let connection = request.extensions().get::<TlsInfo>();
         let certificates = connection.and_then(TlsInfo::peer_certs);
         match authorize(table, request.uri().path(), certificates.as_deref().map(Vec::as_slice)) {
             Ok(peer) => {
                 request.extensions_mut().insert(peer);
-                futures::future::Either::Right(self.inner.call(request))
+                handle(&mut self.inner, request)
             }
             Err(status) => {
                 let refusal = if status.code() == tonic::Code::Unauthenticated { Refusal::Unauthenticated } else { Refusal::WrongRole };
@@ -512,7 +535,7 @@ where
                 if let Some(connection) = connection {
                     connection.get_ref().strikes.strike();
                 }
-                futures::future::Either::Left(std::future::ready(Ok(status.into_http())))
+                Either::Left(std::future::ready(Ok(status.into_http())))
             }
         }
     }

@@ -12,7 +12,7 @@ use turbine_proto::kvindex::v1::kv_index_server::KvIndex as KvIndexRpc;
 
 use turbine_api::kv_index::{KvIndexApi, MatchAnswer, MatchQuery, match_to_wire};
 use turbine_kv_log::{LocalKvIndex, MAX_PUBLISH_BATCHES, may_publish_for};
-use turbine_runtime::trust::{Peer, Refusal, count_refusal};
+use turbine_runtime::trust::{Peer, Refusal, refuse};
 
 /// The rpc whose writes are checked against the caller.
 const PUBLISH_EVENTS: &str = "/turbine.kvindex.v1.KvIndex/PublishEvents";
@@ -72,7 +72,7 @@ impl KvIndexRpc for KvIndexService {
         if let Some(caller) = caller
             && let Some(other) = batches.iter().find(|batch| !may_publish_for(&caller, &batch.worker_id))
         {
-            count_refusal(crate::serve::ROLES, PUBLISH_EVENTS, Refusal::WrongWriter);
+            refuse(crate::serve::ROLES, PUBLISH_EVENTS, Refusal::WrongWriter);
             return Err(Status::permission_denied(format!(
                 "{caller} may not publish the KV events of {:?}: a worker publishes its own",
                 other.worker_id.as_str()

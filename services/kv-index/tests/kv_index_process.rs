@@ -182,8 +182,9 @@ async fn replicas_agree_survive_sigkill_and_forget_expired_workers() {
 
 /// With certificates, a worker publishes only its own KV events and a
 /// kv-store only its store's: a batch in another's name is refused with
-/// PERMISSION_DENIED naming the worker, counted, and never indexed; a
-/// router may not publish at all.
+/// PERMISSION_DENIED naming the worker, counted, and never indexed (and
+/// forging call after call on one connection loses it); a router may not
+/// publish at all.
 #[tokio::test]
 async fn with_certificates_each_publishes_only_its_own_events() {
     use turbine_runtime::grpc::tls_channel;
@@ -240,4 +241,21 @@ async fn with_certificates_each_publishes_only_its_own_events() {
     };
     wait_until("w0's events are indexed", STARTUP_TIMEOUT, async || matched(&own).await == [("w0".to_owned(), 4)]).await;
     assert_eq!(matched(&forged).await, [], "nothing forged was indexed");
+
+    // Forging call after call on one connection loses it (the handler's
+    // refusals strike it, as the role check's do): a call fails in
+    // transport, not with an answer; connecting again, w0 is answered.
+    let forge = || pb::PublishEventsRequest { batches: vec![batch("w1", 1, vec![stored(0, &forged)])] };
+    let mut cut = None;
+    for call in 0..4 * turbine_runtime::strikes::STRIKES_BURST as usize {
+        let refused = worker.publish_events(forge()).await.unwrap_err();
+        if refused.code() != tonic::Code::PermissionDenied {
+            cut = Some(call);
+            break;
+        }
+    }
+    assert!(cut.is_some(), "a connection forging call after call is closed");
+    assert!(turbine_testkit::metric_where(&admin, "turbine_grpc_connections_struck_off_total", &[]).await >= 1.0);
+    let refused = as_peer(&w0).publish_events(forge()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "a new connection is answered: {refused:?}");
 }

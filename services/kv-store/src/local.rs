@@ -25,7 +25,7 @@ static OUT_OF_SCOPE: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync:
 });
 
 /// Refuses a write of `blocks` (sequence hash, tenant) unless `scope`
-/// allows every one of them.
+/// allows every one of them (a strike against the caller's connection).
 fn check_writes(scope: &TenantScope, blocks: impl Iterator<Item = (SequenceHash, KvTenant)>) -> Result<(), KvStoreError> {
     if *scope == TenantScope::Any {
         return Ok(());
@@ -33,6 +33,8 @@ fn check_writes(scope: &TenantScope, blocks: impl Iterator<Item = (SequenceHash,
     let refused: Vec<(SequenceHash, KvTenant)> = blocks.filter(|&(_, tenant)| !scope.allows(tenant)).collect();
     let Some(&(sequence, tenant)) = refused.first() else { return Ok(()) };
     OUT_OF_SCOPE.with_label_values(&["write"]).inc_by(refused.len() as u64);
+    // Refused call after call on one connection, the worker loses it.
+    turbine_runtime::strikes::strike_caller();
     Err(KvStoreError::Denied { code: ErrorCode::PermissionDenied, message: scope.refusal(sequence, tenant) })
 }
 

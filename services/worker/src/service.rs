@@ -188,7 +188,10 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
         let disagg = self.pool()?.clone();
         let pb::ReadBlocksRequest { handle_id, indices, token } = request.into_inner();
         let handle = handle_key(handle_id, &token)?;
-        let indices: Vec<u32> = if indices.is_empty() { (0..disagg.block_count(handle)? as u32).collect() } else { indices };
+        // The handle and its token are checked here, before the stream (a
+        // wrong token is refused once, within the call: a strike).
+        let blocks = disagg.block_count(handle)?;
+        let indices: Vec<u32> = if indices.is_empty() { (0..blocks as u32).collect() } else { indices };
         // One block at a time, copied under the pin table's lock.
         let stream = futures::stream::iter(indices).map(move |index| Ok(pb::BlockData { index, data: disagg.copy_block(handle, index as usize)? }));
         Ok(Response::new(Box::pin(stream)))

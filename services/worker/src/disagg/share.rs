@@ -288,12 +288,13 @@ const RELEASE: &str = "/turbine.worker.v1.KvTransfer/Release";
 
 /// The pin `handle` names, if its token is the pin's. A wrong token reads
 /// as an unknown handle (a caller cannot tell a live id from a dead one)
-/// and is counted against `method` as a refused capability.
+/// and is counted against `method` as a refused capability, a strike
+/// against the caller's connection.
 fn pinned<'a>(pins: &'a HashMap<u64, Pin>, handle: HandleKey, method: &str) -> Result<&'a Pin, WorkerError> {
     match pins.get(&handle.id) {
         Some(pin) if pin.token.matches(&handle.token) => Ok(pin),
         Some(_) => {
-            turbine_runtime::trust::count_refusal(crate::serve::ROLES, method, Refusal::BadCapability);
+            turbine_runtime::trust::refuse(crate::serve::ROLES, method, Refusal::BadCapability);
             tracing::warn!(handle_id = handle.id, method, "a KvTransfer call named a live handle with another token: refused as unknown");
             Err(unknown_handle(handle.id))
         }
