@@ -6,7 +6,9 @@
 //! host name becomes the loopback address and each port it listens on a
 //! free one (the certificates name Redis `localhost` too, the one change
 //! to a command). Then the OpenAI API serves the real model through the
-//! gateway, every hop over mutual TLS with the certificates `docker compose
+//! gateway over HTTPS with the API key `docker compose run --rm keys`
+//! makes (the API's certificate for localhost, from the same CA; no key:
+//! 401; plaintext: no answer), every hop behind it over mutual TLS with the certificates `docker compose
 //! run --rm certs` makes, Redis included; a repeated prompt hits the
 //! cache; the workers' blocks reach the kv-store; and the operator, alone
 //! with its certificate, reads the store and the planner. The `vllm`
@@ -25,7 +27,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{MODEL, post, role_of, until_listed, until_registered};
+use common::{MODEL, https_json, role_of, until_registered};
 use serde_json::json;
 use serde_yaml::Value;
 use turbine_runtime::grpc::tls_channel;
@@ -206,6 +208,14 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     make.args(certs.command.iter().map(|arg| if arg == "/certs" { certs_dir.display().to_string() } else { arg.clone() }));
     let made = make.args(["--redis", "localhost"]).output().unwrap();
     assert!(made.status.success(), "turbine certs: {}", String::from_utf8_lossy(&made.stderr));
+    // `docker compose run --rm keys`: an API key into ./certs/keys.toml.
+    let keys = &specs["keys"];
+    assert_eq!((keys.kind.as_str(), keys.volumes.as_slice()), ("keys", &[("./certs".to_owned(), "/certs".to_owned())][..]));
+    let mut make = Command::new(workspace_binary("turbine"));
+    make.args(keys.command.iter().map(|arg| arg.replace("/certs/", &format!("{}/", certs_dir.display()))));
+    let made = make.output().unwrap();
+    assert!(made.status.success(), "turbine keys new: {}", String::from_utf8_lossy(&made.stderr));
+    let key = String::from_utf8(made.stdout).unwrap().trim().to_owned();
     // The test is the operator (its certificate, as grpcurl would use):
     // it waits on each service's health over TLS.
     let operator =
@@ -282,7 +292,14 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
                     std::fs::create_dir_all(root.path().join("volumes").join(volume)).unwrap();
                 }
                 let mut process = ServiceProcess::spawn(&spec.name, command, spec.kind == "gateway").await.unwrap();
-                process.until_serving(role_of(&spec.kind), "", STARTUP_TIMEOUT).await.unwrap_or_else(|error| panic!("{}: {error}", spec.name));
+                if spec.kind == "gateway" {
+                    // Its ports serve the API's public certificate, which
+                    // names no role: ready as its admin port says.
+                    let ready = format!("{}/readyz", process.admin_url());
+                    wait_until("the gateway is ready", STARTUP_TIMEOUT, async || reqwest::get(&ready).await.is_ok_and(|answer| answer.status() == 200)).await;
+                } else {
+                    process.until_serving(role_of(&spec.kind), "", STARTUP_TIMEOUT).await.unwrap_or_else(|error| panic!("{}: {error}", spec.name));
+                }
                 services.insert(spec.name.clone(), process);
             }
             image if image.starts_with("redis:") => {
@@ -342,16 +359,36 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let workers = running.iter().filter(|spec| spec.kind == "worker").count();
     assert_eq!(workers, 3, "two native workers and the vllm profile's");
     until_registered(&services["router"], workers).await;
-    let base = services["gateway"].http_url();
-    until_listed(&base).await;
+    // The API over HTTPS with the certificate for localhost, trusting the
+    // deployment's CA, as the file's clients do; plaintext gets no answer.
+    let api = services["gateway"].addresses().http.expect("the gateway's REST port");
+    let ca = std::fs::read_to_string(certs_dir.join("ca.crt")).unwrap();
+    let post = async |path: &str, body: &serde_json::Value| https_json(api, &ca, "POST", path, Some(&key), Some(body)).await;
+    wait_until("the gateway lists the model over HTTPS", STARTUP_TIMEOUT, async || {
+        let (status, models) = https_json(api, &ca, "GET", "/v1/models", Some(&key), None).await;
+        status == 200 && models["data"].as_array().is_some_and(|data| !data.is_empty())
+    })
+    .await;
+    let (status, refused) = https_json(api, &ca, "GET", "/v1/models", None, None).await;
+    assert_eq!((status, refused["error"]["code"].as_str()), (401, Some("invalid_api_key")), "without the key: {refused}");
+    let plaintext = reqwest::get(format!("http://{api}/v1/models")).await;
+    assert!(plaintext.is_err(), "a plaintext request was answered: {plaintext:?}");
+    let public = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&ca)).domain_name("localhost");
+    let inference = tonic::transport::Endpoint::from_shared(format!("https://{}", services["gateway"].addresses().grpc)).unwrap();
+    let inference = inference.tls_config(public).unwrap().connect().await.expect("gRPC Inference over TLS, no client certificate");
+    let mut list = tonic::Request::new(turbine_proto::gateway::v1::ListModelsRequest {});
+    list.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    let listed =
+        turbine_proto::gateway::v1::inference_client::InferenceClient::new(inference).list_models(list).await.expect("gRPC Inference lists the models");
+    assert!(!listed.into_inner().models.is_empty());
 
     // The real model through the gateway, twice: the repeat hits.
     let prompt = "Turbine serves language models across many machines. ".repeat(8);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0});
-    let (status, first) = post(&base, "/v1/completions", &body).await;
+    let (status, first) = post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{first}");
     assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty(), "{first}");
-    let (status, second) = post(&base, "/v1/completions", &body).await;
+    let (status, second) = post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{second}");
     assert_eq!(second["choices"][0]["text"], first["choices"][0]["text"], "greedy text is the same");
     assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits: {second}");
@@ -380,10 +417,10 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     // engine behind the worker in its network namespace; the repeat hits
     // the engine's own prefix cache.
     let body = json!({"model": "smollm2-135m-vllm", "prompt": prompt, "max_tokens": 8, "temperature": 0});
-    let (status, first) = post(&base, "/v1/completions", &body).await;
+    let (status, first) = post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{first}");
     assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty(), "{first}");
-    let (status, second) = post(&base, "/v1/completions", &body).await;
+    let (status, second) = post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{second}");
     assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits in vLLM: {second}");
     drop((services, children, postgres, vllm));

@@ -82,6 +82,37 @@ pub const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
 /// key `key` if any; the whole answer (status line, headers, body) as
 /// text.
 pub async fn https_post(address: std::net::SocketAddr, ca_pem: &str, path: &str, key: Option<&str>, body: &serde_json::Value) -> String {
+    https_request(address, ca_pem, "POST", path, key, Some(body)).await
+}
+
+/// [`https_request`]'s answer's status and JSON body (an answer with a
+/// length: no streamed one).
+pub async fn https_json(
+    address: std::net::SocketAddr,
+    ca_pem: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let answer = https_request(address, ca_pem, method, path, key, body).await;
+    let status = answer.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or_else(|| panic!("no status line: {answer}"));
+    let (_, body) = answer.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no body: {answer}"));
+    (status, serde_json::from_str(body).unwrap_or_else(|error| panic!("{error}: {answer}")))
+}
+
+/// `method` `path` over HTTPS at `address` (HTTP/1.1, `localhost` as the
+/// server's name), trusting only the CA `ca_pem`, with the API key `key`
+/// and the JSON `body` if any; the whole answer (status line, headers,
+/// body) as text.
+pub async fn https_request(
+    address: std::net::SocketAddr,
+    ca_pem: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&serde_json::Value>,
+) -> String {
     use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -93,10 +124,10 @@ pub async fn https_post(address: std::net::SocketAddr, ca_pem: &str, path: &str,
     let stream = tokio::net::TcpStream::connect(address).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     let mut tls = tokio_rustls::TlsConnector::from(client).connect(name, stream).await.expect("the server's certificate verifies");
-    let body = body.to_string();
+    let body = body.map(ToString::to_string).unwrap_or_default();
     let authorization = key.map(|key| format!("authorization: Bearer {key}\r\n")).unwrap_or_default();
     let request = format!(
-        "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{authorization}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{authorization}content-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     tls.write_all(request.as_bytes()).await.unwrap();
