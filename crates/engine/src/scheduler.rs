@@ -240,39 +240,45 @@ pub struct SequenceUpdate {
 }
 
 /// Whose turn it is in the waiting queue: the tenants' requests take
-/// turns (start-time fair queueing), so that one tenant's thousand queued
-/// requests do not keep another's first one waiting behind them all. Each
-/// request's turn is one past its tenant's previous request's, or past
-/// the turn of the last request admitted where that is later (a tenant
-/// that had nothing queued starts now, not back where it left off). An
-/// open deployment's requests are all the shared tenant's, first come
-/// first served.
+/// turns weighted by the tokens each may cost (start-time fair queueing),
+/// so that one tenant's thousand queued requests, or its few very long
+/// ones, do not keep another's first one waiting behind them all. A
+/// request's turn starts where its tenant's previous request's tokens
+/// end (its prompt plus `max_tokens`), or at the turn of the last request
+/// admitted where that is later (a tenant that had nothing queued starts
+/// now, not back where it left off). An open deployment's requests are
+/// all the shared tenant's, first come first served.
 #[derive(Debug, Default)]
 struct Turns {
     /// The turn of the last request admitted.
     now: u64,
-    /// Each tenant's latest turn, while after `now`.
+    /// Where each tenant's latest request's tokens end.
     latest: HashMap<KvTenant, u64>,
 }
 
 impl Turns {
-    /// The turn of a new request of `tenant`, with `queued` requests
-    /// waiting.
-    fn next(&mut self, tenant: KvTenant, queued: usize) -> u64 {
-        // Tenants whose turns have all come are forgotten (no more of them
-        // than of requests waiting, give or take).
-        if self.latest.len() > queued + 16 {
-            let now = self.now;
-            self.latest.retain(|_, latest| *latest > now);
-        }
+    /// The turn of a new request of `tenant` that may cost `tokens`.
+    fn next(&mut self, tenant: KvTenant, tokens: u64) -> u64 {
         let latest = self.latest.entry(tenant).or_default();
-        *latest = (*latest).max(self.now) + 1;
-        *latest
+        let turn = (*latest).max(self.now);
+        *latest = turn.saturating_add(tokens.max(1));
+        turn
     }
 
     /// A request of turn `turn` was admitted.
     fn taken(&mut self, turn: u64) {
         self.now = self.now.max(turn);
+    }
+
+    /// Forgets the tenants with no request among `waiting`'s (each then
+    /// starts at `now` again, as a tenant new to the queue does), once
+    /// more are remembered than requests wait, give or take: their number
+    /// stays bounded by the queue's.
+    fn forget_idle(&mut self, queued: usize, waiting: impl Iterator<Item = KvTenant>) {
+        if self.latest.len() > queued + 16 {
+            let waiting: std::collections::HashSet<KvTenant> = waiting.collect();
+            self.latest.retain(|tenant, _| waiting.contains(tenant));
+        }
     }
 }
 
@@ -356,7 +362,9 @@ impl Scheduler {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let turn = self.turns.next(request.kv_tenant, self.waiting.len());
+        self.turns.forget_idle(self.waiting.len(), self.waiting.iter().map(|queued| self.sequences[queued].kv_tenant));
+        let tokens = (request.prompt.len() + request.stop.max_tokens as usize) as u64;
+        let turn = self.turns.next(request.kv_tenant, tokens);
         let prompt_len = request.prompt.len();
         let mut tokens = request.prompt;
         tokens.extend(generated);

@@ -430,10 +430,27 @@ fn a_tenant_new_to_the_queue_takes_its_turn_from_now() {
     let first: Vec<SeqId> = (0..4).map(|_| scheduler.add(tenant_request(1)).unwrap()).collect();
     let plan = scheduler.schedule();
     assert_eq!(plan.iter().map(|chunk| chunk.seq_id).collect::<Vec<_>>(), first[..2]);
-    // Two turns were taken: a tenant with nothing queued saved none up.
-    let late = scheduler.add(tenant_request(2)).unwrap();
-    assert_eq!(scheduler.waiting.iter().copied().collect::<Vec<_>>(), vec![first[2], late, first[3]]);
+    // Two turns were taken: a tenant with nothing queued takes the next
+    // one, but saved none up (its second request comes after first[2]).
+    let late: Vec<SeqId> = (0..2).map(|_| scheduler.add(tenant_request(2)).unwrap()).collect();
+    assert_eq!(scheduler.waiting.iter().copied().collect::<Vec<_>>(), vec![late[0], first[2], late[1], first[3]]);
     scheduler.check_invariants();
+}
+
+#[test]
+fn a_tenants_long_requests_take_turns_by_their_tokens() {
+    let mut scheduler = Scheduler::new(config(64, 4), vec![]);
+    // 50 + 2 tokens each, against 5 + 2.
+    let long = || GenerateRequest { kv_tenant: KvTenant::new(1), ..request(vec![7; 50], 2) };
+    let first: Vec<SeqId> = (0..2).map(|_| scheduler.add(long()).unwrap()).collect();
+    let second: Vec<SeqId> = (0..4).map(|_| scheduler.add(tenant_request(2)).unwrap()).collect();
+    let queued: Vec<SeqId> = scheduler.waiting.iter().copied().collect();
+    assert_eq!(
+        queued,
+        vec![first[0], second[0], second[1], second[2], second[3], first[1]],
+        "the short requests are not held behind the long ones turn for turn"
+    );
+    assert_eq!(run_to_completion(&mut scheduler, 9).len(), 6);
 }
 
 #[test]
