@@ -603,7 +603,26 @@ async fn the_gateways_public_ports_serve_tls_to_clients_without_certificates() {
         last = Some(message);
     }
     assert_eq!(last.and_then(|message| message.usage).map(|usage| usage.completion_tokens), Some(4));
-    let refused = inference.generate(tonic::Request::new(generate)).await.unwrap_err();
+    let refused = inference.generate(tonic::Request::new(generate.clone())).await.unwrap_err();
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+
+    // Refused call after call on one connection (keys guessed), the client
+    // loses it: a call fails in transport, not with an answer; connecting
+    // again with the key, it is served.
+    let mut cut = None;
+    for call in 0..4 * turbine_runtime::strikes::STRIKES_BURST as usize {
+        let mut guess = tonic::Request::new(generate.clone());
+        guess.metadata_mut().insert("authorization", format!("Bearer tk-guess-{call}").parse().unwrap());
+        let refused = inference.generate(guess).await.unwrap_err();
+        if refused.code() != Code::Unauthenticated {
+            cut = Some(call);
+            break;
+        }
+    }
+    assert!(cut.is_some(), "a client refused its key call after call on one connection loses it");
+    assert!(turbine_testkit::metric_where(&gateway.admin_url(), "turbine_grpc_connections_struck_off_total", &[]).await >= 1.0);
+    let mut request = tonic::Request::new(generate);
+    request.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    inference.generate(request).await.expect("served on a new connection");
     drop((gateway, router, worker, redis));
 }

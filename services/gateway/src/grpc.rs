@@ -34,7 +34,13 @@ impl InferenceService {
     /// The caller of `request`, by its `authorization: Bearer KEY`
     /// metadata (`None`: access is open), or UNAUTHENTICATED.
     fn caller<T>(&self, request: &Request<T>) -> Result<Option<Arc<ApiKey>>, GatewayError> {
-        self.state.access.caller(request.metadata().get("authorization").and_then(|value| value.to_str().ok()))
+        let caller = self.state.access.caller(request.metadata().get("authorization").and_then(|value| value.to_str().ok()));
+        if caller.is_err() {
+            // Refused call after call on one connection (keys guessed, a
+            // revoked key in a loop), the client loses it.
+            turbine_runtime::strikes::strike_caller();
+        }
+        caller
     }
 }
 
