@@ -467,7 +467,9 @@ def mtls_deployment_suite():
         for n, router in enumerate(routers):
             gateway = Process(f"gateway-{n}", [f"{BIN}/turbine-gateway", "--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0",
                                                "--admin-addr", "127.0.0.1:0", "--router", f"http://{router}", "--api-keys", keys_file,
-                                               "--public-tls-cert", public_cert, "--public-tls-key", public_key, *tls("gateway")])
+                                               "--public-tls-cert", public_cert, "--public-tls-key", public_key,
+                                               # Envoy, in front of them below, connects from loopback.
+                                               "--trusted-proxies", "127.0.0.1", *tls("gateway")])
             processes.append(gateway)
             gateways.append(gateway)
             addresses = gateway.addresses()
@@ -700,6 +702,19 @@ def envoy_binary_path():
     return path
 
 
+# Wrong keys one client sends through Envoy in a row (see envoy_suite).
+ENVOY_KEY_GUESSES = 160
+
+
+def metric_value(address, name):
+    """The sum of a metric's samples on a service's admin port (0 if
+    absent)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"))
+
+
 def envoy_client_rate_suite(ports, public_cert, key, generate):
     """Envoy's per-client rate: 127.0.0.1 (every earlier request of the
     run came from it) asks for the models until refused, within
@@ -836,6 +851,25 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
         check(unauthenticated.returncode != 0 and "Unauthenticated" in unauthenticated.stderr,
               f"Inference/Generate through envoy without a key: {unauthenticated}")
 
+        # A client guessing keys through Envoy is refused each time, and
+        # cuts none of Envoy's connections to the gateways (each carries
+        # every client's calls): the gateways trust Envoy as a proxy. Of
+        # its connections (a worker thread's to each gateway, four at
+        # most here) one carries a quarter of the guesses or more, beyond
+        # the 16 refusals (and one a second) that cut a client's own.
+        struck_off = lambda: sum(metric_value(admin_address, "turbine_grpc_connections_struck_off_total")
+                                 for service, _, admin_address in scraped if service == "gateway")
+        struck_before = struck_off()
+        guessed = 0
+        for guess in range(ENVOY_KEY_GUESSES):
+            guessing = [*generate[:5], "-H", f"authorization: Bearer tk-guess-{guess}", *generate[7:]]
+            refused = subprocess.run(guessing, capture_output=True, text=True, timeout=60)
+            check(refused.returncode != 0 and "Unauthenticated" in refused.stderr, f"guessed key {guess} through envoy: {refused}")
+            guessed += 1
+        check(struck_off() == struck_before, f"gateway connections struck off by guesses through envoy: {struck_off() - struck_before}")
+        generated = subprocess.run(generate, capture_output=True, text=True, timeout=60)
+        check(generated.returncode == 0 and "FINISH_REASON_LENGTH" in generated.stdout, f"Inference/Generate after the guesses: {generated}")
+
         # A client that sends part of its headers and nothing more is cut off.
         with socket.create_connection(("127.0.0.1", ports["api"]), timeout=60) as raw:
             with verify.wrap_socket(raw, server_hostname="localhost") as slow:
@@ -922,7 +956,7 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
         # RESOURCE_EXHAUSTED); another address is still served.
         refused, served = envoy_client_rate_suite(ports, public_cert, key, generate)
         print(f"envoy: openai sdk streamed {usage.completion_tokens} tokens through it, grpcurl Inference ok, a wrong key 401, "
-              f"its own 400 as OpenAI JSON, unfinished headers answered 408, {answered} requests while a gateway drained, none failed; "
+              f"{guessed} guessed keys refused, no gateway connection cut, its own 400 as OpenAI JSON, unfinished headers answered 408, {answered} requests while a gateway drained, none failed; "
               f"prometheus scraped {len(scraped) + 1} targets, evaluated {len(rules)} rules, TurbineTargetDown {down[0]['state']} for gateway-0; "
               f"one address refused 429 after {served} requests, then RESOURCE_EXHAUSTED over gRPC, another served ({refused} refused in all)")
     finally:

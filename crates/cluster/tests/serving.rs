@@ -425,6 +425,118 @@ async fn a_client_filling_the_gateway_leaves_the_places_it_gives_back_to_another
     sandbox.stop().await;
 }
 
+/// Behind a trusted proxy (`--trusted-proxies`), the clients are those it
+/// names in X-Forwarded-For, not the proxy: one that fills the gateway
+/// through it leaves the places it gives back to another client behind
+/// the same proxy (as one would behind no proxy), and what a client
+/// writes left of its proxy's entry does not make it another client.
+#[tokio::test]
+async fn behind_a_trusted_proxy_each_client_it_names_has_its_share() {
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1.0);
+    config.gateway.max_concurrent_requests = 4;
+    config.clients.trusted_proxies = vec!["127.0.0.1".parse().unwrap()];
+    let sandbox = Sandbox::start(config).await;
+    let completions = format!("{}/v1/completions", sandbox.base());
+    let proxy = reqwest::Client::builder().local_address(std::net::IpAddr::from([127, 0, 0, 1])).build().unwrap();
+    let via = |forwarded_for: &str| proxy.post(&completions).header("x-forwarded-for", forwarded_for);
+    let (hog, other) = ("198.51.100.1", "198.51.100.2");
+    let in_flight = async || sandbox.metric("turbine_gateway_in_flight_requests", &[]).await;
+    let in_flight_before = in_flight().await;
+    let long = json!({"model": MODEL, "prompt": "hold a place", "max_tokens": 5000, "stream": true, "ignore_eos": true});
+    let short = json!({"model": MODEL, "prompt": "one more", "max_tokens": 2});
+
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let stream = via(hog).json(&long).send().await.unwrap();
+        assert_eq!(stream.status(), 200);
+        held.push(stream);
+    }
+    let refused = via(other).json(&short).send().await.unwrap();
+    assert_eq!(refused.status(), 429, "every place is taken");
+    drop(held.pop());
+    wait_until("a place is given back", Duration::from_secs(10), async || in_flight().await - in_flight_before == 3.0).await;
+    // The first client may not take the place again while the other wants
+    // it, nor by writing the other's address before its own.
+    for forwarded_for in [hog.to_owned(), format!("{other}, {hog}")] {
+        let again = via(&forwarded_for).json(&short).send().await.unwrap();
+        assert_eq!(again.status(), 429, "X-Forwarded-For: {forwarded_for}");
+        let body: serde_json::Value = again.json().await.unwrap();
+        assert!(body["error"]["message"].as_str().unwrap().contains("its share"), "{body}");
+    }
+    let served = via(other).json(&short).send().await.unwrap();
+    assert_eq!(served.status(), 200, "{:?}", served.text().await);
+    drop(held);
+    sandbox.stop().await;
+}
+
+/// A trusted proxy's connection carries many clients' calls: a client
+/// guessing keys through it is refused each time, and the connection, with
+/// another client's stream on it, stays; the same guesses on a connection
+/// of its own cut that connection.
+#[tokio::test]
+async fn guessed_keys_through_a_trusted_proxy_do_not_cut_its_connection() {
+    use turbine_gateway::keys::{entry, new_key};
+    use turbine_proto::gateway::v1 as pb;
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = new_key();
+    let file = dir.path().join("keys.toml");
+    std::fs::write(&file, entry("app", "acme", None, &key)).unwrap();
+    let mut config = Sandbox::mock(1.0);
+    config.gateway.api_keys = Some(file);
+    config.clients.trusted_proxies = vec!["127.0.0.1".parse().unwrap()];
+    let sandbox = Sandbox::start(config).await;
+    let connect = async |from: [u8; 4]| {
+        let endpoint = tonic::transport::Endpoint::from_shared(sandbox.cluster().grpc_endpoint()).unwrap();
+        let channel = endpoint.local_address(Some(std::net::IpAddr::from(from))).connect().await.unwrap();
+        pb::inference_client::InferenceClient::new(channel)
+    };
+    let generate = |max_tokens: u32, key: &str| {
+        let mut request = tonic::Request::new(pb::GenerateRequest {
+            model: MODEL.into(),
+            input: Some(pb::generate_request::Input::Prompt("through the proxy".into())),
+            max_tokens: Some(max_tokens),
+            ignore_eos: true,
+            ..Default::default()
+        });
+        request.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+        request
+    };
+    let guesses = 4 * turbine_runtime::strikes::STRIKES_BURST as usize;
+    let struck_off = async || sandbox.metric("turbine_grpc_connections_struck_off_total", &[]).await;
+    let struck_before = struck_off().await;
+
+    let mut proxy = connect([127, 0, 0, 1]).await;
+    let mut stream = proxy.generate(generate(40, &key)).await.expect("served").into_inner();
+    stream.message().await.expect("a first message").expect("a first message");
+    for call in 0..guesses {
+        let refused = proxy.generate(generate(2, &format!("tk-guess-{call}"))).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "guess {call}: {refused:?}");
+    }
+    let mut completion_tokens = None;
+    while let Some(message) = stream.message().await.expect("the other client's stream goes on") {
+        completion_tokens = message.usage.map(|usage| usage.completion_tokens).or(completion_tokens);
+    }
+    assert_eq!(completion_tokens, Some(40));
+    assert_eq!(struck_off().await - struck_before, 0.0);
+
+    // A client connecting on its own (not a trusted proxy) loses its
+    // connection to the same guesses.
+    let mut alone = connect([127, 0, 0, 2]).await;
+    let mut cut = None;
+    for call in 0..guesses {
+        let refused = alone.generate(generate(2, &format!("tk-guess-{call}"))).await.unwrap_err();
+        if refused.code() != tonic::Code::Unauthenticated {
+            cut = Some(call);
+            break;
+        }
+    }
+    assert!(cut.is_some(), "a client guessing keys on its own connection loses it");
+    assert_eq!(struck_off().await - struck_before, 1.0);
+    sandbox.stop().await;
+}
+
 /// Tenants take turns in a full worker's queue: one tenant's backlog does
 /// not keep another's request waiting behind all of it.
 #[tokio::test]

@@ -330,6 +330,17 @@ pub struct ClientLimits {
     #[arg(long, env = "TURBINE_CONNECTIONS_PER_IP", default_value_t = 1_000)]
     #[serde(default = "default_connections_per_ip")]
     pub connections_per_ip: usize,
+    /// Proxies in front of the service (Envoy at the edge), as addresses
+    /// or ranges (10.0.0.0/8, fd00::/8), comma-separated. A connection
+    /// from one carries many clients' calls: its refusals never close it,
+    /// and the gateway counts each request against the client the proxy
+    /// appended to X-Forwarded-For (read from the right past trusted
+    /// proxies) rather than against the proxy. Anyone else's
+    /// X-Forwarded-For is ignored. Trust only addresses no client can
+    /// connect from. None by default.
+    #[arg(long, env = "TURBINE_TRUSTED_PROXIES", value_delimiter = ',', value_name = "RANGES")]
+    #[serde(default)]
+    pub trusted_proxies: Vec<crate::proxies::AddressRange>,
 }
 
 impl Default for ClientLimits {
@@ -353,6 +364,11 @@ impl ClientLimits {
     /// How many connections each listener keeps open, as configured.
     pub fn connection_limits(&self) -> crate::connections::ConnectionLimits {
         crate::connections::ConnectionLimits { max_connections: self.max_connections, connections_per_ip: self.connections_per_ip }
+    }
+
+    /// The proxies trusted to name their clients, as configured.
+    pub fn trusted_proxies(&self) -> crate::proxies::TrustedProxies {
+        crate::proxies::TrustedProxies::new(&self.trusted_proxies)
     }
 
     /// What each HTTP listener allows a client, as configured.

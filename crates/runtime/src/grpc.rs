@@ -73,6 +73,9 @@ pub struct Accepting {
     pub gate: Option<crate::gate::ConnectionGate>,
     /// Connections open at once.
     pub limits: crate::connections::ConnectionLimits,
+    /// Proxies whose connections carry many clients' calls: never closed
+    /// for their refusals ([`crate::strikes`]).
+    pub proxies: crate::proxies::TrustedProxies,
 }
 
 /// Serves `routes` on `listener` until `shutdown` fires, then stops
@@ -95,7 +98,7 @@ pub async fn serve(
     accepting: Accepting,
 ) -> Result<(), tonic::transport::Error> {
     use tokio_stream::StreamExt;
-    let Accepting { gate, limits } = accepting;
+    let Accepting { gate, limits, proxies } = accepting;
     let open = crate::connections::OpenConnections::new("grpc", limits);
     // A connection from an address over its rate, or over the open
     // limits, is dropped as accepted: closed before any TLS work. Each
@@ -108,7 +111,7 @@ pub async fn serve(
                 return None;
             }
             let slot = open.admit(peer)?;
-            Some(Ok(crate::strikes::Struck::new(stream, slot)))
+            Some(Ok(crate::strikes::Struck::new(stream, slot, proxies.trusts(peer))))
         }
         Err(error) => Some(Err(error)),
     });

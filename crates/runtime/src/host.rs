@@ -279,6 +279,8 @@ pub struct Host {
     connections: crate::connections::ConnectionLimits,
     /// How long an HTTP connection may take over headers, or stay idle.
     http_idle_timeout: Duration,
+    /// Proxies carrying many clients' calls on one connection.
+    proxies: crate::proxies::TrustedProxies,
 }
 
 impl std::fmt::Debug for Host {
@@ -336,6 +338,7 @@ impl Host {
             connection_rate_per_ip: server.clients.connection_rate_per_ip,
             connections: server.clients.connection_limits().within_descriptors(),
             http_idle_timeout: server.clients.http_limits().idle_timeout,
+            proxies: server.clients.trusted_proxies(),
         })
     }
 
@@ -412,6 +415,7 @@ impl Host {
             connection_rate_per_ip,
             connections,
             http_idle_timeout,
+            proxies,
         } = self;
         let http_limits = crate::http_server::HttpLimits { idle_timeout: http_idle_timeout, connections };
         spec.check_roles(&served)?;
@@ -435,7 +439,7 @@ impl Host {
                 ServerSecurity::Plaintext
             }
         };
-        let accepting = crate::grpc::Accepting { gate: crate::gate::ConnectionGate::new(connection_rate_per_ip), limits: connections };
+        let accepting = crate::grpc::Accepting { gate: crate::gate::ConnectionGate::new(connection_rate_per_ip), limits: connections, proxies };
         let serve =
             crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, security, spec.roles, accepting);
         let grpc = tokio::spawn(serve);

@@ -36,6 +36,7 @@ pub mod host;
 pub mod http_server;
 pub mod metrics;
 pub mod propagation;
+pub mod proxies;
 pub mod public_tls;
 pub mod redis;
 pub mod shutdown;

@@ -15,6 +15,9 @@
 //! check let through (events in another worker's name, a KV handle with
 //! another's token: [`crate::trust::refuse`]) strike the same bucket: the
 //! layer runs each call within its connection's strikes ([`within`]).
+//!
+//! A trusted proxy's connection ([`crate::proxies`]) carries many clients'
+//! calls: its refusals are counted but never close it.
 
 use std::io;
 use std::pin::Pin;
@@ -51,20 +54,32 @@ pub struct Strikes {
     /// Refusals left, and when last refilled.
     bucket: Mutex<(f64, Instant)>,
     closed: AtomicBool,
+    /// The connection is a trusted proxy's, carrying many clients' calls:
+    /// never closed for its refusals.
+    shared: bool,
     /// The connection's reader, woken to see it closed.
     reader: AtomicWaker,
 }
 
 impl Default for Strikes {
     fn default() -> Self {
-        Self { bucket: Mutex::new((STRIKES_BURST, Instant::now())), closed: AtomicBool::new(false), reader: AtomicWaker::new() }
+        Self::new(false)
     }
 }
 
 impl Strikes {
+    /// A full bucket; a `shared` connection (a trusted proxy's) is never
+    /// closed for its refusals.
+    pub fn new(shared: bool) -> Self {
+        Self { bucket: Mutex::new((STRIKES_BURST, Instant::now())), closed: AtomicBool::new(false), shared, reader: AtomicWaker::new() }
+    }
+
     /// Counts a refusal; the one past the bucket's bottom closes the
-    /// connection. Whether it is closed now.
+    /// connection, unless it is shared. Whether it is closed now.
     pub fn strike(&self) -> bool {
+        if self.shared {
+            return false;
+        }
         let now = Instant::now();
         let mut bucket = self.bucket.lock();
         let (left, at) = &mut *bucket;
@@ -100,9 +115,10 @@ pub struct Struck {
 }
 
 impl Struck {
-    /// `stream`, holding `slot`, with a full bucket of refusals.
-    pub fn new(stream: TcpStream, slot: crate::connections::Slot) -> Self {
-        Self { inner: stream, strikes: Arc::default(), _slot: slot }
+    /// `stream`, holding `slot`, with a full bucket of refusals; `shared`:
+    /// a trusted proxy's, never closed for them.
+    pub fn new(stream: TcpStream, slot: crate::connections::Slot, shared: bool) -> Self {
+        Self { inner: stream, strikes: Arc::new(Strikes::new(shared)), _slot: slot }
     }
 }
 
@@ -227,5 +243,14 @@ mod tests {
         }
         assert!(strikes.strike(), "one past the burst");
         assert!(strikes.is_closed() && strikes.strike(), "closed stays closed");
+    }
+
+    #[test]
+    fn a_shared_connection_is_never_closed_for_its_refusals() {
+        let strikes = Strikes::new(true);
+        for _ in 0..10 * STRIKES_BURST as usize {
+            assert!(!strikes.strike());
+        }
+        assert!(!strikes.is_closed());
     }
 }

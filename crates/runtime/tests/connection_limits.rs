@@ -217,7 +217,7 @@ async fn grpc_connections_over_the_open_limits_are_closed_as_accepted() {
     let (readiness, health) = turbine_runtime::health::Readiness::new(&["svc"]).await;
     readiness.set_ready(true).await;
     let stop = CancellationToken::new();
-    let accepting = Accepting { gate: None, limits: ConnectionLimits { max_connections: 3, connections_per_ip: 2 } };
+    let accepting = Accepting { gate: None, limits: ConnectionLimits { max_connections: 3, connections_per_ip: 2 }, ..Default::default() };
     let routes = base_routes(health, &[]);
     let security = ServerSecurity::Plaintext;
     tokio::spawn(turbine_runtime::grpc::serve(listener, routes, stop.clone(), Duration::from_secs(1), BOUND, 16, security, &[], accepting));

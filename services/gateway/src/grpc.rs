@@ -109,7 +109,9 @@ impl pb::inference_server::Inference for InferenceService {
             Some(key) => Some(key.admit().await?),
             None => None,
         };
-        let permit = (self.state.admit(caller.as_deref(), turbine_runtime::strikes::peer_address(&request))?, key_permit);
+        let forwarded_for = request.metadata().get_all(turbine_runtime::proxies::FORWARDED_FOR).iter().map(|value| value.to_str().unwrap_or(""));
+        let address = self.state.client_address(turbine_runtime::strikes::peer_address(&request), forwarded_for);
+        let permit = (self.state.admit(caller.as_deref(), address)?, key_permit);
         let in_flight = InFlight::start();
         let mut request = text_request(request.into_inner())?;
         request.namespace = Access::namespace(caller.as_deref());

@@ -84,6 +84,7 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
         body_timeout: Duration::from_secs_f64(config.admission.body_timeout_secs),
         stream_stall_timeout: Duration::from_secs_f64(config.admission.stream_stall_secs),
         readiness: readiness.clone(),
+        proxies: config.server.clients.trusted_proxies(),
     };
     host.add_service(InferenceServer::new(InferenceService::new(state.clone())));
     // With API keys the API's port serves no /metrics: its callers are

@@ -24,6 +24,7 @@ use tower_http::trace::TraceLayer;
 use turbine_api::Usage;
 use turbine_runtime::health::Readiness;
 use turbine_runtime::propagation::set_parent_from_headers;
+use turbine_runtime::proxies::{FORWARDED_FOR, TrustedProxies};
 
 use crate::admission::{Admission, Client, Place, Refused};
 use crate::error::{ErrorKind, GatewayError};
@@ -55,6 +56,8 @@ pub struct AppState {
     pub stream_stall_timeout: std::time::Duration,
     /// Readiness (for `/health`).
     pub readiness: Readiness,
+    /// Proxies trusted to name their clients (`--trusted-proxies`).
+    pub proxies: TrustedProxies,
 }
 
 impl AppState {
@@ -62,6 +65,13 @@ impl AppState {
     /// open), or 401.
     pub fn caller(&self, headers: &HeaderMap) -> Result<Option<Arc<ApiKey>>, GatewayError> {
         self.access.caller(headers.get(header::AUTHORIZATION).and_then(|value| value.to_str().ok()))
+    }
+
+    /// The client of a request over a connection from `peer` with these
+    /// `X-Forwarded-For` values: `peer`, or the client a trusted proxy
+    /// named ([`turbine_runtime::proxies`]).
+    pub fn client_address<'a>(&self, peer: Option<IpAddr>, forwarded_for: impl IntoIterator<Item = &'a str>) -> Option<IpAddr> {
+        peer.map(|peer| self.proxies.client(peer, forwarded_for))
     }
 
     /// A place for one more request of `caller` calling from `address`,
@@ -155,13 +165,15 @@ async fn get_model(State(state): State<AppState>, headers: HeaderMap, Path(model
 }
 
 async fn chat_completions(State(state): State<AppState>, peer: Option<Extension<ConnectInfo<SocketAddr>>>, headers: HeaderMap, body: Body) -> Response {
-    let response = generate(&state, Endpoint::Chat, peer_address(peer), &headers, body).await.unwrap_or_else(IntoResponse::into_response);
+    let address = client_address(&state, peer, &headers);
+    let response = generate(&state, Endpoint::Chat, address, &headers, body).await.unwrap_or_else(IntoResponse::into_response);
     metrics::response("chat_completions", response.status().as_u16());
     response
 }
 
 async fn completions(State(state): State<AppState>, peer: Option<Extension<ConnectInfo<SocketAddr>>>, headers: HeaderMap, body: Body) -> Response {
-    let response = generate(&state, Endpoint::Completion, peer_address(peer), &headers, body).await.unwrap_or_else(IntoResponse::into_response);
+    let address = client_address(&state, peer, &headers);
+    let response = generate(&state, Endpoint::Completion, address, &headers, body).await.unwrap_or_else(IntoResponse::into_response);
     metrics::response("completions", response.status().as_u16());
     response
 }
@@ -170,9 +182,12 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default()
 }
 
-/// The address a REST call came from, where the server says.
-fn peer_address(peer: Option<Extension<ConnectInfo<SocketAddr>>>) -> Option<IpAddr> {
-    peer.map(|Extension(ConnectInfo(address))| address.ip())
+/// The client a REST call came from, where the server says: its
+/// connection's address, or the client its trusted proxy named (a header
+/// line that is not text names none).
+fn client_address(state: &AppState, peer: Option<Extension<ConnectInfo<SocketAddr>>>, headers: &HeaderMap) -> Option<IpAddr> {
+    let forwarded_for = headers.get_all(FORWARDED_FOR).iter().map(|value| value.to_str().unwrap_or(""));
+    state.client_address(peer.map(|Extension(ConnectInfo(address))| address.ip()), forwarded_for)
 }
 
 /// Holds what a request keeps while it streams.
