@@ -7,7 +7,9 @@ its streams, and the planner's service account allowed get and patch on
 deployments/scale and nothing else. And that the manifests hang
 together: every Deployment has a readiness probe, and every address a
 container names (`scheme://turbine-NAME:PORT`) is a port of a Service
-whose pods listen on it."""
+whose pods listen on it; and that a Deployment trusting proxies
+(--trusted-proxies) is reachable on its API's ports from Envoy's pods
+alone."""
 import pathlib
 import re
 import subprocess
@@ -76,6 +78,7 @@ def main():
                 listening = {p["name"] for p in backend["spec"]["template"]["spec"]["containers"][0]["ports"]}
                 check(ports[0]["targetPort"] in listening, f"{host}:{port} leads to a port {backend['metadata']['name']} does not name")
     check_envoy(deployments, services)
+    check_trusted_proxies(deployments, by_kind.get("NetworkPolicy", []))
     check_prometheus(deployments)
     print(f"infra/k8s: {len(resources)} resources in {len(files)} files valid; infra/envoy/envoy.yaml and infra/prometheus fit them")
 
@@ -154,6 +157,43 @@ def check_envoy(deployments, services):
     routes = listeners["stats"]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
     check(probe["port"] == "stats" and any(r["match"].get("path") == probe["path"] and "route" in r for r in routes),
           "turbine-envoy's readiness probe asks for a path its stats listener does not serve")
+
+
+def check_trusted_proxies(deployments, policies):
+    """A Deployment that trusts proxies to name its clients
+    (--trusted-proxies) takes connections on every port but its admin
+    port from Envoy's pods alone: NetworkPolicies are a union, so every
+    rule of every policy selecting its pods that admits such a port must
+    admit Envoy's pods only (no address blocks, no other namespace), and
+    one must admit them."""
+    envoy = next(d for d in deployments if d["metadata"]["name"] == "turbine-envoy")
+    envoy_labels = envoy["spec"]["template"]["metadata"]["labels"]
+    for deployment in deployments:
+        name = deployment["metadata"]["name"]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        trusting = "--trusted-proxies" in container.get("args", []) or any(v["name"] == "TURBINE_TRUSTED_PROXIES" for v in container.get("env", []))
+        if not trusting:
+            continue
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        selecting = [p for p in policies
+                     if p["metadata"].get("namespace") == deployment["metadata"].get("namespace")
+                     and all(labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items())
+                     and not p["spec"]["podSelector"].get("matchExpressions")]
+        ingress = [p for p in selecting if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+        check(ingress, f"{name} trusts proxies but no NetworkPolicy limits who connects to it")
+        rules = [rule for p in ingress for rule in p["spec"].get("ingress", [])]
+        for port in container["ports"]:
+            if port["name"] == "admin":
+                continue
+            admitting = [rule for rule in rules
+                         if not rule.get("ports") or any(p.get("port") in (port["name"], port["containerPort"]) for p in rule["ports"])]
+            check(admitting, f"no NetworkPolicy lets Envoy reach {name}'s port {port['name']}")
+            for rule in admitting:
+                peers = rule.get("from", [])
+                check(peers and all(set(peer) == {"podSelector"} and not peer["podSelector"].get("matchExpressions")
+                                    and peer["podSelector"].get("matchLabels") and all(envoy_labels.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items())
+                                    for peer in peers),
+                      f"{name} trusts proxies, but a NetworkPolicy lets others than Envoy's pods reach its port {port['name']}")
 
 
 if __name__ == "__main__":
