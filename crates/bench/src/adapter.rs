@@ -143,9 +143,9 @@ fn own_cpu() -> anyhow::Result<std::collections::HashMap<u32, u64>> {
 
 /// Streams `request` directly from the engine, as the adapter would; the
 /// tokens it carried.
-async fn direct(http: &reqwest::Client, engine: &Engine, dialect: &Dialect, request: &GenerateRequest) -> anyhow::Result<usize> {
+async fn direct(http: &turbine_worker::external::EngineLink, engine: &Engine, dialect: &Dialect, request: &GenerateRequest) -> anyhow::Result<usize> {
     let (post, mut completion) = dialect.request(http, &engine.url(), request)?;
-    let response = turbine_worker::external::send(post).await?;
+    let response = http.send(&post).await?;
     anyhow::ensure!(response.status().is_success(), "the engine answered {}", response.status());
     let (mut bytes, mut events, mut tokens) = (response.bytes_stream(), turbine_worker::external::vllm::EventStream::default(), 0);
     while let Some(read) = bytes.next().await {
@@ -242,7 +242,7 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
     let dialect = Dialect::new(args.upstream_kind, model, &card)?;
     let preprocessor = Preprocessor::new(card)?;
     let filler = preprocessor.encode_text(&"many words make a prompt of some length ".repeat(args.prompt_tokens))?;
-    let http = turbine_worker::external::engine_client()?;
+    let http = turbine_worker::external::EngineLink::plain()?;
     let mut counter = 0usize;
     let mut requests = |count: usize| -> Vec<GenerateRequest> {
         (0..count)

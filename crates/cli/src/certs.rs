@@ -64,6 +64,14 @@ pub struct CertsArgs {
     /// public CA's certificate instead, clients need nothing).
     #[arg(long = "public-host", value_name = "HOST")]
     pub public_hosts: Vec<String>,
+    /// Also a server certificate for external engines (engine.crt and
+    /// engine.key, for vLLM's --ssl-certfile and --ssl-keyfile; ca.crt is
+    /// its --ssl-ca-certs, with --ssl-cert-reqs 2 it serves only callers
+    /// holding this CA's certificates) naming each --engine-host host name
+    /// or address, repeatable: workers reach it as --upstream
+    /// https://HOST:PORT with --upstream-ca ca.crt.
+    #[arg(long = "engine-host", value_name = "HOST")]
+    pub engine_hosts: Vec<String>,
 }
 
 /// What was written.
@@ -135,9 +143,9 @@ pub fn make(args: &CertsArgs) -> anyhow::Result<Written> {
         write(&key_path, &key.serialize_pem(), true)?;
         holders.push((name, cert_path, key_path));
     }
-    // Server certificates for what services dial (Redis) and what clients
-    // dial (the gateway's API), by host name.
-    for (name, hosts) in [("redis", &args.redis_hosts), ("public", &args.public_hosts)] {
+    // Server certificates for what services dial (Redis, engines) and what
+    // clients dial (the gateway's API), by host name.
+    for (name, hosts) in [("redis", &args.redis_hosts), ("public", &args.public_hosts), ("engine", &args.engine_hosts)] {
         if hosts.is_empty() {
             continue;
         }
@@ -182,6 +190,14 @@ pub fn run(args: &CertsArgs) -> anyhow::Result<()> {
                 "redis: --tls-cert-file {} --tls-key-file {} --tls-ca-cert-file {} --tls-auth-clients yes",
                 cert.display(),
                 key.display(),
+                written.ca.display()
+            );
+        } else if name == "engine" {
+            println!(
+                "engines: vLLM --ssl-certfile {} --ssl-keyfile {} --ssl-ca-certs {} --ssl-cert-reqs 2; workers --upstream https://HOST:PORT --upstream-ca {}",
+                cert.display(),
+                key.display(),
+                written.ca.display(),
                 written.ca.display()
             );
         } else if name == "public" {

@@ -771,3 +771,108 @@ fn the_adapter_bench_measures_its_cpu_per_token_beside_the_engine_called_directl
     assert!(adapter["adapter_cpu_us_per_token"].as_f64().unwrap() > 0.0, "the adapter's CPU is read: {report}");
     assert!(stdout.contains("CPU per token") && report["pair_cpu_ratios"].as_array().unwrap().len() == 1, "{stdout}");
 }
+
+/// vLLM over TLS that serves only holders of the deployment's
+/// certificates (`--ssl-ca-certs ca.crt --ssl-cert-reqs 2`) and of its API
+/// key: a worker given the engine's CA (`--upstream-ca`), its own
+/// certificate and the key file serves through it; the engine refuses a
+/// caller lacking either, and a worker without the key fails to start,
+/// saying why.
+#[tokio::test]
+async fn vllm_over_tls_serves_a_worker_holding_the_deployments_certificate_and_the_engines_key() {
+    use turbine_worker::external::{EngineLink, LinkSettings};
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let install = VllmInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    let dir = tempfile::tempdir().unwrap();
+    let certs = std::process::Command::new(turbine_testkit::workspace_binary("turbine"))
+        .args(["certs", "--worker", "vllm-tls", "--engine-host", "127.0.0.1", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(certs.status.success(), "{}", String::from_utf8_lossy(&certs.stderr));
+    let path = |name: &str| dir.path().join(name);
+    let file = |name: &str| path(name).display().to_string();
+    std::fs::write(path("engine-api-key"), "sk-engine-test\n").unwrap();
+    let ssl = [
+        "--ssl-certfile",
+        &file("engine.crt"),
+        "--ssl-keyfile",
+        &file("engine.key"),
+        "--ssl-ca-certs",
+        &file("ca.crt"),
+        "--ssl-cert-reqs",
+        "2",
+        "--api-key",
+        "sk-engine-test",
+    ]
+    .map(str::to_owned);
+    let mut vllm = tokio::task::spawn_blocking(move || VllmServer::spawn(&install, MODEL, &ssl.each_ref().map(String::as_str))).await.unwrap();
+    let engine = vllm.https_url();
+
+    // The operator's link: the CA, the operator's certificate, the key.
+    let holder = LinkSettings { ca: Some(path("ca.crt")), identity: Some((path("operator.crt"), path("operator.key"))), api_key: Some(path("engine-api-key")) };
+    let operator = EngineLink::new(&holder).unwrap();
+    let answers = async |link: &EngineLink, route: &str| match link.send_once(&link.get(&format!("{engine}{route}")).unwrap()).await {
+        Ok(response) => Ok(response.status().as_u16()),
+        Err(error) => Err(error.to_string()),
+    };
+    turbine_testkit::poll_until("vLLM answers /health over TLS", turbine_testkit::VLLM_STARTUP_TIMEOUT, Duration::from_millis(500), async || {
+        if let Some(status) = vllm.exited() {
+            panic!("vLLM exited ({status}) before serving:\n{}", vllm.output().join("\n"));
+        }
+        answers(&operator, "/health").await == Ok(200)
+    })
+    .await;
+    assert_eq!(answers(&operator, "/v1/models").await, Ok(200));
+    // Without the key the engine's API refuses; without a certificate of
+    // the deployment's the engine refuses the connection.
+    let keyless = EngineLink::new(&LinkSettings { api_key: None, ..holder.clone() }).unwrap();
+    assert_eq!(answers(&keyless, "/v1/models").await, Ok(401));
+    let anonymous = EngineLink::new(&LinkSettings { identity: None, ..holder.clone() }).unwrap();
+    assert!(answers(&anonymous, "/health").await.is_err(), "a caller without the deployment's certificate is refused");
+
+    // The worker serves through it, as the gateway's callee.
+    turbine_runtime::trust::TlsConfig { tls_cert: Some(path("gateway.crt")), tls_key: Some(path("gateway.key")), tls_ca: Some(path("ca.crt")) }
+        .establish()
+        .unwrap()
+        .expect("this process dials as a gateway");
+    let (ca, key, cert, cert_key) = (file("ca.crt"), file("engine-api-key"), file("workers/vllm-tls.crt"), file("workers/vllm-tls.key"));
+    let upstream = ["--engine", "external", "--upstream", &engine, "--upstream-ca", &ca, "--worker-id", "vllm-tls"];
+    let identity = ["--tls-cert", &cert, "--tls-key", &cert_key, "--tls-ca", &ca];
+    let adapter = service("turbine-worker", &[&upstream[..], &identity[..], &["--upstream-api-key-file", &key]].concat(), &[], false).await;
+    let worker = turbine_api::worker::WorkerClient::connect(&adapter.grpc_endpoint()).unwrap();
+    let card = worker.model_card().await.unwrap();
+    let prompt = turbine_tokens::Preprocessor::new(card).unwrap().encode_text("The capital of France is").unwrap();
+    let prompt_metric = async || {
+        let response = operator.send_once(&operator.get(&format!("{engine}/metrics")).unwrap()).await.unwrap();
+        let text = response.text().await.unwrap();
+        text.lines().filter(|line| line.starts_with("vllm:prompt_tokens_total")).filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>()
+    };
+    let before = prompt_metric().await;
+    let request = turbine_api::GenerateRequest {
+        request_id: "over-tls".into(),
+        prompt: prompt.clone(),
+        stop: turbine_api::StopConditions { max_tokens: 8, ..turbine_api::StopConditions::default() },
+        ..turbine_api::GenerateRequest::default()
+    };
+    let mut stream = worker.generate(request).await.unwrap();
+    let mut generated = 0;
+    let usage = loop {
+        let chunk =
+            tokio::time::timeout(Duration::from_secs(60), stream.next()).await.expect("the engine answers").expect("the stream ends with its finish").unwrap();
+        generated += chunk.tokens.len();
+        if let Some((_, usage)) = chunk.finished {
+            break usage;
+        }
+    };
+    assert!(generated > 0 && usage.completion_tokens as usize == generated, "{usage:?}");
+    assert_eq!(prompt_metric().await - before, prompt.len() as f64, "the engine computed the worker's prompt");
+
+    // A worker without the key waits for the engine, then fails saying why.
+    let mut keyless_worker = std::process::Command::new(turbine_testkit::workspace_binary("turbine-worker"));
+    keyless_worker.args(upstream).args(["--upstream-wait-secs", "2"]).args(identity);
+    keyless_worker.args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"]);
+    let ran = tokio::time::timeout(Duration::from_secs(60), tokio::task::spawn_blocking(move || keyless_worker.output())).await.unwrap().unwrap().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+    assert!(!ran.status.success() && said.contains("401"), "{said}");
+}

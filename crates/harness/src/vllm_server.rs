@@ -56,19 +56,35 @@ impl VllmServer {
     /// 200. Settings for two cores (shared/PLATFORM.md): one OpenMP
     /// thread, 1 GiB of KV cache, blocks of 32 tokens, prefix caching.
     pub fn start(install: &VllmInstall, served_name: &str, args: &[&str]) -> Self {
+        let mut server = Self::spawn(install, served_name, args);
+        until_healthy(&mut server.process, "vLLM", server.port, VLLM_STARTUP_TIMEOUT, Duration::from_millis(500));
+        server
+    }
+
+    /// Starts it as [`start`](Self::start) does without waiting for it:
+    /// for a server /health cannot be asked of in plaintext (over TLS),
+    /// whose caller waits on its own signal, bounded by
+    /// [`VLLM_STARTUP_TIMEOUT`], checking [`exited`](Self::exited).
+    pub fn spawn(install: &VllmInstall, served_name: &str, args: &[&str]) -> Self {
         let port = free_port();
         let mut all: Vec<String> =
             ["--host", "127.0.0.1", "--port", &port.to_string(), "--model", &install.model.display().to_string()].map(str::to_owned).into();
         all.extend(["--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4"].map(str::to_owned));
         all.extend(["--enforce-eager", "--enable-prefix-caching", "--block-size", "32", "--enable-prompt-tokens-details"].map(str::to_owned));
         all.extend(args.iter().map(|arg| (*arg).to_owned()));
-        Self::start_with(install, port, &all)
+        Self::spawn_with(install, port, &all)
     }
 
     /// Starts vLLM's OpenAI-compatible server with exactly `args` (which
     /// must bind 127.0.0.1:`port`), in the environment above; returns once
     /// /health answers 200.
     pub fn start_with(install: &VllmInstall, port: u16, args: &[String]) -> Self {
+        let mut server = Self::spawn_with(install, port, args);
+        until_healthy(&mut server.process, "vLLM", port, VLLM_STARTUP_TIMEOUT, Duration::from_millis(500));
+        server
+    }
+
+    fn spawn_with(install: &VllmInstall, port: u16, args: &[String]) -> Self {
         let mut command = Command::new(&install.python);
         command.args(["-m", "vllm.entrypoints.openai.api_server"]).args(args).envs([
             ("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -82,9 +98,18 @@ impl VllmServer {
             use std::os::unix::process::CommandExt;
             command.process_group(0);
         }
-        let mut process = ChildProcess::spawn("vllm", command);
-        until_healthy(&mut process, "vLLM", port, VLLM_STARTUP_TIMEOUT, Duration::from_millis(500));
-        Self { process, port }
+        Self { process: ChildProcess::spawn("vllm", command), port }
+    }
+
+    /// How it exited, if it has.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.process.exited()
+    }
+
+    /// `https://127.0.0.1:PORT`, for a server started with
+    /// `--ssl-certfile`.
+    pub fn https_url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
     }
 
     /// `http://127.0.0.1:PORT`.

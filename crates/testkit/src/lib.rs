@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 pub use relay::TcpRelay;
 pub use turbine_harness::{
-    ChildProcess, LlamaCppInstall, LlamaCppServer, PostgresServer, PostgresTls, RedisServer, RedisTls, STARTUP_TIMEOUT, ServiceProcess, VllmInstall,
-    VllmServer, addresses_file, free_port, listening_sockets,
+    ChildProcess, LlamaCppInstall, LlamaCppServer, PostgresServer, PostgresTls, RedisServer, RedisTls, STARTUP_TIMEOUT, ServiceProcess, VLLM_STARTUP_TIMEOUT,
+    VllmInstall, VllmServer, addresses_file, free_port, listening_sockets,
 };
 
 /// Path of a binary built from this workspace (`turbine`, `turbine-worker`,

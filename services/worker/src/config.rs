@@ -248,6 +248,22 @@ pub struct EngineConfig {
     #[arg(long, env = "TURBINE_WORKER_UPSTREAM", value_name = "URL")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream: Option<String>,
+    /// External engine: PEM certificates of the CAs an `https://`
+    /// --upstream's certificate must chain to [default: the system's
+    /// roots]. The certificate must name the URL's host. Over TLS the
+    /// worker presents its own --tls-cert, so an engine whose client CA is
+    /// the deployment's (vLLM: `--ssl-ca-certs CA --ssl-cert-reqs 2`)
+    /// serves Turbine's processes alone.
+    #[arg(long, env = "TURBINE_WORKER_UPSTREAM_CA", value_name = "FILE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_ca: Option<std::path::PathBuf>,
+    /// External engine: a file whose first line is the API key the engine
+    /// requires (vLLM's and llama-server's --api-key), sent with every
+    /// call as `Authorization: Bearer`. A file, not the key: arguments
+    /// and the environment show to every local user.
+    #[arg(long, env = "TURBINE_WORKER_UPSTREAM_API_KEY_FILE", value_name = "FILE")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_api_key_file: Option<std::path::PathBuf>,
     /// External engine: what serves at --upstream.
     #[arg(long, value_enum, env = "TURBINE_WORKER_UPSTREAM_KIND", default_value_t = UpstreamKind::Vllm)]
     #[serde(default)]
@@ -428,6 +444,12 @@ impl EngineConfig {
                 return Err(InvalidSetting::new("upstream", "is the external engine's server: set engine = external too"));
             }
             _ => {}
+        }
+        if self.upstream_ca.is_some() && !self.upstream.as_deref().is_some_and(|url| url.starts_with("https://")) {
+            return Err(InvalidSetting::new("upstream_ca", "vouches for an https:// engine: give --upstream https://..."));
+        }
+        if self.upstream_api_key_file.is_some() && self.engine != EngineKind::External {
+            return Err(InvalidSetting::new("upstream_api_key_file", "is the external engine's key: set engine = external too"));
         }
         if let Some(endpoint) = &self.upstream_kv_events {
             if self.engine != EngineKind::External {
@@ -686,6 +708,11 @@ mod tests {
         assert!(parse(&[&external[..], &["--role", "prefill"]].concat()).unwrap_err().contains("transfer plane"));
         assert!(parse(&[&external[..], &["--host-cache-mib", "64"]].concat()).unwrap_err().contains("keeps its own"));
         assert!(parse(&[&external[..], &["--upstream-kind", "tgi"]].concat()).is_err(), "a kind the adapter does not speak is refused");
+        let secure = ["--engine", "external", "--upstream", "https://engine.internal:8000", "--upstream-ca", "engine-ca.crt"];
+        assert_eq!(parse(&secure).unwrap().engine.upstream_ca.as_deref(), Some(std::path::Path::new("engine-ca.crt")));
+        assert!(parse(&[&external[..], &["--upstream-ca", "engine-ca.crt"]].concat()).unwrap_err().contains("https://"), "a CA for a plaintext engine");
+        assert!(parse(&[&external[..], &["--upstream-api-key-file", "key"]].concat()).is_ok());
+        assert!(parse(&["--upstream-api-key-file", "key"]).unwrap_err().contains("engine = external"));
         let events = parse(&[&external[..], &["--upstream-kv-events", "tcp://127.0.0.1:5557"]].concat()).unwrap();
         assert_eq!(events.engine.upstream_kv_events_addr(), Ok(Some("127.0.0.1:5557".parse().unwrap())));
         assert!(parse(&[&external[..], &["--upstream-kv-events", "tcp://0.0.0.0:5557"]].concat()).unwrap_err().contains("loopback"));

@@ -23,6 +23,7 @@
 //!   tiers need blocks on Turbine's transfer plane.
 
 pub mod events;
+pub mod link;
 pub mod llama_cpp;
 pub mod msgpack;
 pub mod openai;
@@ -45,6 +46,7 @@ use turbine_runtime::CancellationToken;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
 use turbine_tokens::{ModelCard, Tokenizer};
 
+pub use self::link::{EngineLink, EngineRequest, EngineResponse, LinkError, LinkSettings};
 use crate::config::{UpstreamKind, WorkerConfig};
 use crate::metrics;
 
@@ -57,32 +59,6 @@ const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 const FAILED_PROBES: u32 = 2;
 /// How long the engine may take to answer a request's headers.
 const HEADERS_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long an idle connection to the engine is kept for the next
-/// request: less than servers keep one open (llama.cpp's closes after 5 s
-/// idle), so a request is not sent down a connection being closed.
-const IDLE_CONNECTION: Duration = Duration::from_secs(3);
-
-/// The HTTP client a worker speaks to its engine with (public: a
-/// benchmark calls the engine as the adapter does).
-pub fn engine_client() -> reqwest::Result<reqwest::Client> {
-    reqwest::Client::builder().connect_timeout(PROBE_TIMEOUT).pool_idle_timeout(IDLE_CONNECTION).pool_max_idle_per_host(64).build()
-}
-
-/// Sends `post` to the engine; once more, on a new connection, when the
-/// first try failed before any answer (the server closed the kept-alive
-/// connection it went down): nothing was streamed yet, and the engine
-/// cancels whatever it began when that connection closed.
-pub async fn send(post: reqwest::RequestBuilder) -> reqwest::Result<reqwest::Response> {
-    let again = post.try_clone();
-    match (post.send().await, again) {
-        (Err(error), Some(again)) if error.is_request() || error.is_connect() => {
-            tracing::debug!(%error, "the engine's connection closed before it answered: sending again");
-            again.send().await
-        }
-        (sent, _) => sent,
-    }
-}
-
 /// What the worker last saw of its engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineState {
@@ -102,7 +78,7 @@ pub struct ExternalWorker {
     dialect: Dialect,
     /// The engine's base URL, without a trailing slash.
     base: String,
-    http: reqwest::Client,
+    http: EngineLink,
     state: watch::Sender<EngineState>,
     /// Streams open to the engine (the load of an engine whose metrics
     /// say none: [`UpstreamKind::Openai`]).
@@ -141,7 +117,7 @@ impl ExternalWorker {
             }
             None => None,
         };
-        let http = engine_client().context("cannot build the engine's HTTP client")?;
+        let http = EngineLink::new(&engine_link_settings(config)).context("the link to the engine")?;
 
         let deadline = Instant::now() + Duration::from_secs(engine.upstream_wait_secs);
         let mut waited = false;
@@ -151,7 +127,11 @@ impl ExternalWorker {
             match probe.await {
                 Ok(answer) => break answer,
                 Err(error) if Instant::now() >= deadline => {
-                    anyhow::bail!("the engine at {base} did not answer within {} s: {error}", engine.upstream_wait_secs)
+                    let hint = match base.starts_with("https://") && config.server.tls.tls_cert.is_none() {
+                        true => " (an engine that requires a client certificate refuses a worker without --tls-cert)",
+                        false => "",
+                    };
+                    anyhow::bail!("the engine at {base} did not answer within {} s: {error}{hint}", engine.upstream_wait_secs)
                 }
                 Err(error) => {
                     if !std::mem::replace(&mut waited, true) {
@@ -323,7 +303,7 @@ impl WorkerApi for ExternalWorker {
         self.refuse_if_unhealthy()?;
         let (post, completion) = self.dialect.request(&self.http, &self.base, &request)?;
         let open = OpenStream::new(&self.open);
-        let sent = tokio::time::timeout(HEADERS_TIMEOUT, send(post)).await;
+        let sent = tokio::time::timeout(HEADERS_TIMEOUT, self.http.send(&post)).await;
         let response = match sent {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => return Err(WorkerError::Unavailable(format!("the engine at {} cannot be reached: {error}", self.base))),
@@ -362,7 +342,7 @@ impl WorkerApi for ExternalWorker {
     }
 }
 
-type Bytes = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+type Bytes = std::pin::Pin<Box<dyn futures::Stream<Item = Result<bytes::Bytes, hyper::Error>> + Send>>;
 
 /// How the adapter speaks to its engine: the dialect, the model's name
 /// there, the ids generation ends on, and (for an engine that streams
@@ -395,22 +375,22 @@ impl Dialect {
 
     /// What the adapter posts to the engine at `base` for `request`, and
     /// the reader of its answer; or why the engine cannot serve it.
-    pub fn request(&self, http: &reqwest::Client, base: &str, request: &GenerateRequest) -> Result<(reqwest::RequestBuilder, Completion), WorkerError> {
+    pub fn request(&self, http: &EngineLink, base: &str, request: &GenerateRequest) -> Result<(EngineRequest, Completion), WorkerError> {
         Ok(match (self.kind, &self.tokenizer) {
             (UpstreamKind::Vllm, _) => {
                 let body = vllm::completion_body(&self.model, request, &self.stop_ids);
                 let completion = Completion::Vllm(vllm::Completion::new(request.prompt.len(), &body));
-                (http.post(format!("{base}/v1/completions")).json(&body), completion)
+                (http.post_json(&format!("{base}/v1/completions"), &body).map_err(link_refused)?, completion)
             }
             (UpstreamKind::LlamaCpp, _) => {
                 let body = llama_cpp::completion_body(request);
                 let completion = Completion::LlamaCpp(llama_cpp::Completion::new(request, &self.stop_ids));
-                (http.post(format!("{base}/completion")).json(&body), completion)
+                (http.post_json(&format!("{base}/completion"), &body).map_err(link_refused)?, completion)
             }
             (UpstreamKind::Openai, Some(tokenizer)) => {
                 let body = openai::completion_body(&self.model, request, &self.stop_ids, tokenizer)?;
                 let completion = Completion::Openai(openai::Completion::new(request.prompt.len(), tokenizer.clone()));
-                (http.post(format!("{base}/v1/completions")).json(&body), completion)
+                (http.post_json(&format!("{base}/v1/completions"), &body).map_err(link_refused)?, completion)
             }
             (UpstreamKind::Openai, None) => return Err(WorkerError::Internal("the openai dialect has no tokenizer".into())),
         })
@@ -522,13 +502,13 @@ pub(crate) async fn unhealthy(state: &mut watch::Receiver<EngineState>) {
 
 /// The engine's health and stats: `/health` answers 200 and `/metrics`
 /// reads.
-async fn probe(http: &reqwest::Client, base: &str, kind: UpstreamKind) -> Result<vllm::EngineStats, WorkerError> {
+async fn probe(http: &EngineLink, base: &str, kind: UpstreamKind) -> Result<vllm::EngineStats, WorkerError> {
     if kind == UpstreamKind::Openai {
         // The API has no health or metrics: an engine that lists its
         // models answers; its load is the worker's count of open streams.
         return get_json::<vllm::Models>(http, &format!("{base}/v1/models")).await.map(|_| vllm::EngineStats::default());
     }
-    let health = tokio::time::timeout(PROBE_TIMEOUT, http.get(format!("{base}/health")).send()).await;
+    let health = tokio::time::timeout(PROBE_TIMEOUT, async { http.send_once(&http.get(&format!("{base}/health"))?).await }).await;
     match health {
         Ok(Ok(response)) if response.status().is_success() => {}
         Ok(Ok(response)) => return Err(WorkerError::Unavailable(format!("/health answered {}", response.status()))),
@@ -546,9 +526,9 @@ async fn probe(http: &reqwest::Client, base: &str, kind: UpstreamKind) -> Result
     }
 }
 
-async fn get_text(http: &reqwest::Client, url: &str) -> Result<String, WorkerError> {
+async fn get_text(http: &EngineLink, url: &str) -> Result<String, WorkerError> {
     let read = async {
-        let response = http.get(url).send().await.map_err(|error| WorkerError::Unavailable(format!("{url}: {error}")))?;
+        let response = http.send_once(&http.get(url).map_err(link_refused)?).await.map_err(|error| WorkerError::Unavailable(format!("{url}: {error}")))?;
         if !response.status().is_success() {
             return Err(WorkerError::Unavailable(format!("{url} answered {}", response.status())));
         }
@@ -557,9 +537,25 @@ async fn get_text(http: &reqwest::Client, url: &str) -> Result<String, WorkerErr
     tokio::time::timeout(PROBE_TIMEOUT, read).await.unwrap_or_else(|_| Err(WorkerError::Unavailable(format!("{url} did not answer within {PROBE_TIMEOUT:?}"))))
 }
 
-async fn get_json<T: serde::de::DeserializeOwned>(http: &reqwest::Client, url: &str) -> Result<T, WorkerError> {
+async fn get_json<T: serde::de::DeserializeOwned>(http: &EngineLink, url: &str) -> Result<T, WorkerError> {
     let text = get_text(http, url).await?;
     serde_json::from_str(&text).map_err(|error| WorkerError::Internal(format!("{url}: {error}")))
+}
+
+/// The link settings a worker's configuration names: `--upstream-ca`,
+/// its own certificate, `--upstream-api-key-file`.
+pub fn engine_link_settings(config: &WorkerConfig) -> LinkSettings {
+    let tls = &config.server.tls;
+    LinkSettings {
+        ca: config.engine.upstream_ca.clone(),
+        identity: tls.tls_cert.clone().zip(tls.tls_key.clone()),
+        api_key: config.engine.upstream_api_key_file.clone(),
+    }
+}
+
+/// A URL or body the link cannot send: the worker's own fault.
+fn link_refused(error: LinkError) -> WorkerError {
+    WorkerError::Internal(error.to_string())
 }
 
 #[cfg(test)]
