@@ -43,6 +43,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const IDLE_CONNECTION: Duration = Duration::from_secs(3);
 /// Idle connections kept per engine.
 const IDLE_PER_HOST: usize = 64;
+/// The most bytes a body read whole may take (vLLM's /metrics is tens of
+/// KiB; an error a few hundred bytes): an engine answering more is not
+/// buffered past it.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
 
 /// What the link needs beyond the URL: whom to trust, who to be, and the
 /// engine's API key.
@@ -191,9 +195,10 @@ impl EngineResponse {
         self.status
     }
 
-    /// The whole body as text (lossy UTF-8).
+    /// The whole body as text (lossy UTF-8), up to [`MAX_BODY_BYTES`].
     pub async fn text(self) -> Result<String, LinkError> {
-        let body = self.body.collect().await.map_err(|error| LinkError::of(&error))?.to_bytes();
+        let body = http_body_util::Limited::new(self.body, MAX_BODY_BYTES).collect().await;
+        let body = body.map_err(|error| LinkError::of(&*error))?.to_bytes();
         Ok(String::from_utf8_lossy(&body).into_owned())
     }
 

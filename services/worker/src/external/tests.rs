@@ -143,3 +143,25 @@ fn the_links_settings_are_checked_as_it_is_built() {
     assert!(link.get("127.0.0.1:8000").unwrap_err().to_string().contains("http://"));
     assert!(link.get("ftp://127.0.0.1/").unwrap_err().to_string().contains("http://"));
 }
+
+#[tokio::test]
+async fn a_body_read_whole_is_cut_off_past_its_limit() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buffer = [0u8; 1024];
+                let _ = socket.read(&mut buffer).await;
+                // An answer that never ends: chunks of 64 KiB, forever.
+                let _ = socket.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n").await;
+                let chunk = format!("10000\r\n{}\r\n", "#".repeat(0x10000));
+                while socket.write_all(chunk.as_bytes()).await.is_ok() {}
+            });
+        }
+    });
+    let link = EngineLink::plain().unwrap();
+    let response = link.send_once(&link.get(&url).unwrap()).await.unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(30), response.text()).await.expect("cut off, not read forever").unwrap_err();
+    assert!(refused.to_string().contains("length limit"), "{refused}");
+}
