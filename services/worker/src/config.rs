@@ -259,8 +259,8 @@ pub struct EngineConfig {
     pub upstream_ca: Option<std::path::PathBuf>,
     /// External engine: a file whose first line is the API key the engine
     /// requires (vLLM's and llama-server's --api-key), sent with every
-    /// call as `Authorization: Bearer`. A file, not the key: arguments
-    /// and the environment show to every local user.
+    /// call as `Authorization: Bearer`. A file, not the key: a process's
+    /// arguments show to every local user.
     #[arg(long, env = "TURBINE_WORKER_UPSTREAM_API_KEY_FILE", value_name = "FILE")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_api_key_file: Option<std::path::PathBuf>,
