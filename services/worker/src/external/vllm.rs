@@ -335,10 +335,19 @@ impl ServedModel {
     }
 }
 
-/// Splits an event stream into its events' data, across reads.
+/// Splits an event stream into its events' data, across reads. Each byte is
+/// looked at once, however the stream is cut into reads; lines end at LF, CR
+/// or CRLF, as the event-stream format allows.
 #[derive(Debug, Default)]
 pub struct EventStream {
-    buffer: Vec<u8>,
+    /// The bytes of a line not yet ended.
+    line: Vec<u8>,
+    /// The data lines of the event being read.
+    data: Vec<String>,
+    /// Bytes held for the event being read.
+    held: usize,
+    /// The last read ended in a CR: an LF opening the next one ends no line.
+    after_cr: bool,
 }
 
 /// The most bytes one event may take (a chunk of tokens with their
@@ -349,31 +358,62 @@ const MAX_EVENT_BYTES: usize = 4 << 20;
 impl EventStream {
     /// Adds bytes read; returns the data of every event they complete.
     pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<String>, WorkerError> {
-        self.buffer.extend_from_slice(bytes);
         let mut events = Vec::new();
-        while let Some(end) = find_blank_line(&self.buffer) {
-            let event: Vec<u8> = self.buffer.drain(..end.end).collect();
-            let text = String::from_utf8_lossy(&event[..end.start]);
-            let data: Vec<&str> = text.lines().filter_map(|line| line.strip_prefix("data:")).map(|data| data.strip_prefix(' ').unwrap_or(data)).collect();
-            if !data.is_empty() {
-                events.push(data.join("\n"));
-            }
+        let mut rest = bytes;
+        if std::mem::take(&mut self.after_cr) {
+            rest = rest.strip_prefix(b"\n").unwrap_or(rest);
         }
-        if self.buffer.len() > MAX_EVENT_BYTES {
+        while let Some(at) = rest.iter().position(|&byte| byte == b'\n' || byte == b'\r') {
+            self.line.extend_from_slice(&rest[..at]);
+            let cr = rest[at] == b'\r';
+            rest = &rest[at + 1..];
+            if cr {
+                match rest.first() {
+                    Some(b'\n') => rest = &rest[1..],
+                    None => self.after_cr = true,
+                    Some(_) => {}
+                }
+            }
+            self.end_line(&mut events);
+            self.check_size()?;
+        }
+        self.line.extend_from_slice(rest);
+        self.check_size()?;
+        Ok(events)
+    }
+
+    /// A line has ended: a blank one dispatches the event read so far.
+    fn end_line(&mut self, events: &mut Vec<String>) {
+        if self.line.is_empty() {
+            if !self.data.is_empty() {
+                events.push(self.data.join("\n"));
+                self.data.clear();
+            }
+            self.held = 0;
+        } else if let Some(value) = field_value(&self.line, b"data") {
+            self.held += value.len() + 1;
+            self.data.push(String::from_utf8_lossy(value).into_owned());
+        }
+        self.line.clear();
+    }
+
+    fn check_size(&self) -> Result<(), WorkerError> {
+        if self.held + self.line.len() > MAX_EVENT_BYTES {
             return Err(WorkerError::Internal(format!("the engine sent an event of over {MAX_EVENT_BYTES} bytes")));
         }
-        Ok(events)
+        Ok(())
     }
 }
 
-/// Where the first event ends: the blank line (`\n\n` or `\r\n\r\n`).
-fn find_blank_line(buffer: &[u8]) -> Option<std::ops::Range<usize>> {
-    let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|at| at..at + 2);
-    let crlf = buffer.windows(4).position(|w| w == b"\r\n\r\n").map(|at| at..at + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.start <= b.start { a } else { b }),
-        (a, b) => a.or(b),
+/// The value of a line naming `field` (`field: value`, `field:value` or a
+/// bare `field`), if it names that field.
+fn field_value<'a>(line: &'a [u8], field: &[u8]) -> Option<&'a [u8]> {
+    let rest = line.strip_prefix(field)?;
+    if rest.is_empty() {
+        return Some(rest);
     }
+    let value = rest.strip_prefix(b":")?;
+    Some(value.strip_prefix(b" ").unwrap_or(value))
 }
 
 #[cfg(test)]

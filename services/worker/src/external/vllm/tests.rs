@@ -87,6 +87,33 @@ fn events_are_split_across_reads() {
 }
 
 #[test]
+fn events_end_at_any_line_ending_even_one_cut_between_reads() {
+    let mut stream = EventStream::default();
+    assert_eq!(stream.push(b"data: a\rdata:b\r\r").unwrap(), vec!["a\nb".to_owned()], "CR alone ends lines");
+    assert!(stream.push(b"data: c\r").unwrap().is_empty());
+    assert!(stream.push(b"\ndata: d\n").unwrap().is_empty(), "a CRLF cut between reads is one line ending, not a blank line");
+    assert_eq!(stream.push(b"\r\ndata\nevent: x\nid: 1\n\n").unwrap(), vec!["c\nd".to_owned(), String::new()]);
+    assert!(stream.push(b"\n\n: keep-alive\n\n").unwrap().is_empty(), "blank lines and comments make no events");
+}
+
+#[test]
+fn many_events_in_one_read_and_one_event_in_many_reads() {
+    let mut stream = EventStream::default();
+    let many: Vec<u8> = (0..10_000).flat_map(|i| format!("data: {i}\n\n").into_bytes()).collect();
+    let events = stream.push(&many).unwrap();
+    assert_eq!(events.len(), 10_000);
+    assert_eq!(events[9_999], "9999");
+    assert!(stream.push(b"data: ").unwrap().is_empty());
+    for _ in 0..100_000 {
+        assert!(stream.push(b"yz").unwrap().is_empty());
+    }
+    assert_eq!(stream.push(b"\n\n").unwrap(), vec!["yz".repeat(100_000)]);
+    let mut lines = EventStream::default();
+    let err = (0..).find_map(|_| lines.push(&[b"data: ".as_slice(), &[b'q'; 4096], b"\n"].concat()).err()).unwrap();
+    assert!(err.to_string().contains("over"), "an event of endless data lines is refused too: {err}");
+}
+
+#[test]
 fn stats_come_from_vllms_metrics() {
     let text = "vllm:num_requests_running{engine=\"0\"} 2.0\nvllm:num_requests_waiting{engine=\"0\"} 1.0\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.5\nvllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"728\"} 1.0\n";
     let stats = engine_stats(text).unwrap();
