@@ -15,6 +15,10 @@
 //! profile runs too (`docker compose --profile vllm up`): vLLM's CPU build
 //! (the test command's install standing in for its image) behind a worker
 //! in its network namespace, serving its model through the same gateway.
+//! So does `monitoring`: Prometheus on the file's own scrape config finds
+//! every Turbine service up, labelled with its kind, its rules evaluate,
+//! and it has counted the gateway's requests; Grafana's provisioning names
+//! that Prometheus and mounts the dashboard, with no admin account.
 //!
 //! It also holds the file to what the replay cannot see: every address a
 //! service names is a port another service listens on, and every port
@@ -33,27 +37,55 @@ use serde_yaml::Value;
 use turbine_runtime::grpc::tls_channel;
 use turbine_runtime::host::Role;
 use turbine_runtime::trust::TlsConfig;
-use turbine_testkit::{ChildProcess, PostgresServer, STARTUP_TIMEOUT, ServiceProcess, VllmInstall, VllmServer, free_port, wait_until, workspace_binary};
+use turbine_testkit::{
+    ChildProcess, PostgresServer, STARTUP_TIMEOUT, ServiceProcess, VllmInstall, VllmServer, free_port, poll_until, wait_until, workspace_binary,
+};
 
 /// Where the vLLM image (infra/vllm/Dockerfile) holds the converted
 /// default model; the replay serves the test command's conversion.
 const VLLM_IMAGE_MODEL: &str = "/opt/models/smollm2-135m-hf";
 
-/// The ports each kind of service listens on (in its container), and the
-/// flag that sets each one: what the replay moves to free ports.
-fn listens(kind: &str) -> &'static [(&'static str, u16)] {
+/// The ports each kind of service listens on (in its container), the flag
+/// that sets each one, and whether it listens there unless told otherwise
+/// (a gateway's admin port is only where `--admin-addr` puts it): what the
+/// replay moves to free ports.
+fn listens(kind: &str) -> &'static [(&'static str, u16, bool)] {
     match kind {
-        "worker" => &[("--grpc-addr", 50061)],
-        "router" => &[("--grpc-addr", 50051)],
-        "kv-index" => &[("--grpc-addr", 50052)],
-        "kv-store" => &[("--grpc-addr", 50053)],
-        "planner" => &[("--grpc-addr", 50054)],
-        "gateway" => &[("--grpc-addr", 50050), ("--http-addr", 8000)],
-        "redis" => &[("--tls-port", 6379)],
-        "postgres" => &[("", 5432)],
-        "turbine-vllm" => &[("--port", 8000)],
+        "worker" => &[("--grpc-addr", 50061, true), ("--admin-addr", 9091, true)],
+        "router" => &[("--grpc-addr", 50051, true), ("--admin-addr", 9092, true)],
+        "kv-index" => &[("--grpc-addr", 50052, true), ("--admin-addr", 9093, true)],
+        "kv-store" => &[("--grpc-addr", 50053, true), ("--admin-addr", 9094, true)],
+        "planner" => &[("--grpc-addr", 50054, true), ("--admin-addr", 9095, true)],
+        "gateway" => &[("--grpc-addr", 50050, true), ("--http-addr", 8000, true), ("--admin-addr", 9090, false)],
+        "redis" => &[("--tls-port", 6379, true)],
+        "postgres" => &[("", 5432, true)],
+        "turbine-vllm" => &[("--port", 8000, true)],
+        "prom/prometheus" => &[("--web.listen-address", 9090, true)],
+        "grafana/grafana" => &[("", 3000, true)],
         other => panic!("compose.yaml runs a service of a kind this test does not know: {other}"),
     }
+}
+
+/// The ports `spec` listens on: (flag, port in its container, the index of
+/// the flag's value in its command if the command sets it).
+fn listening(spec: &Spec) -> Vec<(&'static str, u16, Option<usize>)> {
+    let mut ports = Vec::new();
+    for &(flag, inside, by_default) in listens(&spec.kind) {
+        let given = spec.command.iter().position(|arg| arg == flag).map(|at| at + 1);
+        if let Some(at) = given.filter(|_| spec.image == "turbine:dev") {
+            let port = spec.command[at].rsplit(':').next().unwrap().parse::<u16>().unwrap();
+            assert_eq!(port, inside, "{} sets {flag} to {}, not the port this test expects", spec.name, spec.command[at]);
+        }
+        if by_default || given.is_some() {
+            ports.push((flag, inside, given));
+        }
+    }
+    ports
+}
+
+/// A string of a JSON answer ("" where it has none).
+fn json_text(value: &serde_json::Value) -> &str {
+    value.as_str().unwrap_or_default()
 }
 
 fn strings(value: &Value) -> Vec<String> {
@@ -138,7 +170,13 @@ fn parse(file: &Path) -> (BTreeMap<String, Spec>, BTreeMap<String, String>) {
             Value::Mapping(on) => on.keys().map(|key| key.as_str().unwrap().to_owned()).collect(),
             other => strings(other),
         };
-        let published = strings(&service["ports"]).iter().map(|port| port.rsplit(':').next().unwrap().parse().unwrap()).collect();
+        let published = strings(&service["ports"])
+            .iter()
+            .map(|port| {
+                assert!(port.starts_with("127.0.0.1:"), "{name} publishes {port} beyond this host's loopback");
+                port.rsplit(':').next().unwrap().parse().unwrap()
+            })
+            .collect();
         let healthcheck = strings(&service["healthcheck"]["test"]);
         let profiles = strings(&service["profiles"]);
         let netns = service["network_mode"].as_str().map(|mode| mode.strip_prefix("service:").expect("network_mode: service:NAME").to_owned());
@@ -193,6 +231,46 @@ fn mount(spec: &Spec, root: &Path, text: &str) -> String {
     text
 }
 
+/// A service's files from the checkout (`./PATH:/inside[:ro]`): where its
+/// container sees each → the file or folder here.
+fn bind_mounts(spec: &Spec) -> BTreeMap<String, std::path::PathBuf> {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    spec.volumes
+        .iter()
+        .filter(|(source, _)| source.starts_with("./"))
+        .map(|(source, inside)| {
+            let path = workspace.join(source);
+            assert!(path.exists(), "{} mounts {source}, which is not in the checkout", spec.name);
+            (inside.trim_end_matches(":ro").to_owned(), path)
+        })
+        .collect()
+}
+
+/// A Prometheus configuration with each Docker DNS lookup (`dns_sd_configs`:
+/// a service's name, resolved by the compose network) made the static target
+/// the name would resolve to, its `__meta_dns_name` kept for the
+/// relabelling; a name no service here has is no target, as in Docker.
+fn static_dns_targets(config: &str, network: &Network) -> String {
+    let mut config: Value = serde_yaml::from_str(config).unwrap();
+    for job in config["scrape_configs"].as_sequence_mut().unwrap() {
+        let Some(lookups) = job.as_mapping_mut().unwrap().remove("dns_sd_configs") else { continue };
+        let mut targets = Vec::new();
+        for lookup in lookups.as_sequence().unwrap() {
+            assert_eq!(lookup["type"].as_str(), Some("A"), "A records: {lookup:?}");
+            let port = lookup["port"].as_u64().unwrap() as u16;
+            for name in strings(&lookup["names"]) {
+                if network.ports.contains_key(&(name.clone(), port)) {
+                    let group = format!("{{targets: [\"{name}:{port}\"], labels: {{__meta_dns_name: {name}}}}}");
+                    targets.push(serde_yaml::from_str::<Value>(&group).unwrap());
+                }
+            }
+        }
+        let groups = job.as_mapping_mut().unwrap().entry("static_configs".into()).or_insert(Value::Sequence(Vec::new()));
+        groups.as_sequence_mut().unwrap().extend(targets);
+    }
+    serde_yaml::to_string(&config).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../compose.yaml");
@@ -245,7 +323,7 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     // address named and every port published must be one of them.
     let mut network = Network { ports: BTreeMap::new() };
     for spec in &running {
-        for &(_, inside) in listens(&spec.kind) {
+        for (_, inside, _) in listening(spec) {
             let fresh = network.ports.insert((spec.host().to_owned(), inside), free_port());
             assert!(fresh.is_none(), "{} listens on {inside}, taken in its network namespace", spec.name);
         }
@@ -272,6 +350,7 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let mut services: BTreeMap<String, ServiceProcess> = BTreeMap::new();
     let mut postgres: Option<PostgresServer> = None;
     let mut vllm: Option<VllmServer> = None;
+    let mut prometheus: Option<String> = None;
     while started.len() < running.len() {
         let spec = running
             .iter()
@@ -280,18 +359,26 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
         let here = |text: &str| network.rewrite(spec, &mount(spec, root.path(), text));
         match spec.image.as_str() {
             "turbine:dev" => {
-                let mut command = Command::new(workspace_binary("turbine"));
-                command.args(spec.command.iter().map(|arg| here(arg)));
-                for &(flag, inside) in listens(&spec.kind) {
-                    command.args([flag.to_owned(), format!("127.0.0.1:{}", network.ports[&(spec.host().to_owned(), inside)])]);
+                // Exactly the file's listeners, each moved to its free
+                // port: one the file does not give is not added.
+                let mut args: Vec<String> = spec.command.iter().map(|arg| here(arg)).collect();
+                for (flag, inside, given) in listening(spec) {
+                    let address = format!("127.0.0.1:{}", network.ports[&(spec.host().to_owned(), inside)]);
+                    match given {
+                        Some(at) => args[at] = address,
+                        None => args.extend([flag.to_owned(), address]),
+                    }
                 }
+                let (addresses_dir, addresses) = turbine_testkit::addresses_file().unwrap();
+                let mut command = Command::new(workspace_binary("turbine"));
+                command.args(&args).arg("--addresses-file").arg(&addresses);
                 for (key, value) in &spec.environment {
                     command.env(key, here(value));
                 }
                 for (volume, _) in &spec.volumes {
                     std::fs::create_dir_all(root.path().join("volumes").join(volume)).unwrap();
                 }
-                let mut process = ServiceProcess::spawn(&spec.name, command, spec.kind == "gateway").await.unwrap();
+                let mut process = ServiceProcess::spawn_with_addresses_file(&spec.name, command, addresses_dir, addresses).await.unwrap();
                 if spec.kind == "gateway" {
                     // Its ports serve the API's public certificate, which
                     // names no role: ready as its admin port says.
@@ -350,6 +437,78 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
                     "the engine listens on loopback only"
                 );
                 vllm = Some(tokio::task::spawn_blocking(move || VllmServer::start_with(&install, port, &args)).await.unwrap());
+            }
+            image if image.starts_with("prom/prometheus:") => {
+                // The image's entrypoint (prometheus) with the file's
+                // command: the test command's install, on the free port,
+                // with its mounted folder (the config and the rules) as
+                // this replay's network has it.
+                let port = network.ports[&(spec.name.clone(), 9090)];
+                let config_dir = root.path().join("prometheus-config");
+                let mounted = bind_mounts(spec);
+                let (inside, source) = mounted.iter().next().expect("the configuration folder is mounted");
+                let config_path = spec.command.iter().find_map(|arg| arg.strip_prefix("--config.file=")).expect("--config.file");
+                let config_name = config_path.strip_prefix(&format!("{inside}/")).expect("the configuration is in the mounted folder");
+                std::fs::create_dir_all(&config_dir).unwrap();
+                for file in std::fs::read_dir(source).unwrap() {
+                    let file = file.unwrap();
+                    std::fs::copy(file.path(), config_dir.join(file.file_name())).unwrap();
+                }
+                let config = std::fs::read_to_string(source.join(config_name)).unwrap();
+                for (service, port) in references(&config, &names) {
+                    assert!(network.ports.contains_key(&(service.clone(), port)), "{config_name} scrapes {service}:{port}, where nothing listens");
+                }
+                let config = network.rewrite(spec, &static_dns_targets(&config, &network));
+                std::fs::write(config_dir.join(config_name), config).unwrap();
+                let args: Vec<String> = spec
+                    .command
+                    .iter()
+                    .map(|arg| match arg.split_once('=') {
+                        Some(("--config.file", _)) => format!("--config.file={}", config_dir.join(config_name).display()),
+                        Some(("--storage.tsdb.path", _)) => format!("--storage.tsdb.path={}", root.path().join("prometheus-data").display()),
+                        Some(("--web.listen-address", inside)) => {
+                            assert_eq!(inside, ":9090", "Prometheus listens on its port");
+                            format!("--web.listen-address=127.0.0.1:{port}")
+                        }
+                        _ => arg.clone(),
+                    })
+                    .collect();
+                let mut command = Command::new(std::env::var("TURBINE_PROMETHEUS").unwrap_or_else(|_| "prometheus".to_owned()));
+                command.args(&args);
+                children.push(ChildProcess::spawn("prometheus", command));
+                let ready = format!("http://127.0.0.1:{port}/-/ready");
+                wait_until("Prometheus is ready", STARTUP_TIMEOUT, async || reqwest::get(&ready).await.is_ok_and(|answer| answer.status() == 200)).await;
+                prometheus = Some(format!("http://127.0.0.1:{port}"));
+            }
+            image if image.starts_with("grafana/grafana:") => {
+                // Not run (there is no Grafana here; scripts/e2e.py asks a
+                // real Prometheus every panel's query): its provisioning
+                // is held to the file. Its data source is the monitoring
+                // profile's Prometheus, and its dashboards' folder is
+                // where the dashboard is mounted.
+                let mounted = bind_mounts(spec);
+                let under = |folder: &str| -> Vec<std::path::PathBuf> {
+                    mounted.iter().filter(|(inside, _)| inside.starts_with(folder)).map(|(_, source)| source.clone()).collect()
+                };
+                let datasources = under("/etc/grafana/provisioning/datasources/");
+                assert_eq!(datasources.len(), 1, "one data source file");
+                let datasources: Value = serde_yaml::from_str(&std::fs::read_to_string(&datasources[0]).unwrap()).unwrap();
+                let url = datasources["datasources"][0]["url"].as_str().unwrap();
+                assert_eq!(references(url, &names), [("prometheus".to_owned(), 9090)], "Grafana reads the profile's Prometheus: {url}");
+                assert!(running.iter().any(|other| other.name == "prometheus" && other.profiles == spec.profiles), "in the same profile");
+                for provider in under("/etc/grafana/provisioning/dashboards/") {
+                    let provider: Value = serde_yaml::from_str(&std::fs::read_to_string(provider).unwrap()).unwrap();
+                    let folder = provider["providers"][0]["options"]["path"].as_str().unwrap();
+                    let dashboards = under(&format!("{folder}/"));
+                    assert!(!dashboards.is_empty(), "no dashboard is mounted in {folder}");
+                    for dashboard in dashboards {
+                        let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dashboard).unwrap()).unwrap();
+                        assert!(dashboard["uid"].is_string() && dashboard["panels"].as_array().is_some_and(|panels| !panels.is_empty()), "a dashboard");
+                    }
+                }
+                let home = &spec.environment["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"];
+                assert!(mounted.contains_key(home.as_str()), "the home dashboard {home} is mounted");
+                assert_eq!(spec.environment["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"], "true", "Grafana keeps no admin account");
             }
             other => panic!("compose.yaml runs an image this test does not know: {other}"),
         }
@@ -423,5 +582,63 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let (status, second) = post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{second}");
     assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits in vLLM: {second}");
+
+    // The monitoring profile: Prometheus scrapes every Turbine service of
+    // the file, each labelled as the alerts and the dashboard expect, loads
+    // every rule, and holds the gateway's count of the requests above.
+    let prometheus = prometheus.expect("the monitoring profile runs Prometheus");
+    let api = async |path: &str| -> serde_json::Value {
+        let answer: serde_json::Value = reqwest::get(format!("{prometheus}/api/v1/{path}")).await.unwrap().json().await.unwrap();
+        assert_eq!(answer["status"], "success", "{path}: {answer}");
+        answer["data"].clone()
+    };
+    let turbine: BTreeSet<String> = running.iter().filter(|spec| spec.image == "turbine:dev").map(|spec| spec.name.clone()).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let scraped = loop {
+        let targets = api("targets?state=active").await;
+        let scraped: BTreeMap<String, (String, String)> = targets["activeTargets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|target| {
+                (json_text(&target["labels"]["pod"]).to_owned(), (json_text(&target["labels"]["service"]).to_owned(), json_text(&target["health"]).to_owned()))
+            })
+            .collect();
+        if scraped.keys().cloned().collect::<BTreeSet<_>>() == turbine && scraped.values().all(|(_, health)| health == "up") {
+            break scraped;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Prometheus scrapes, by pod (service, health): {scraped:?}; the file's Turbine services are {turbine:?}, each to be up"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    for (pod, (service, _)) in &scraped {
+        assert_eq!(service, &specs[pod].kind, "{pod} is labelled service={service}");
+    }
+    let rules: usize = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../infra/prometheus/turbine-rules.yml"))
+        .unwrap()
+        .lines()
+        .filter(|line| matches!(line.trim_start().split(':').next(), Some("- alert" | "- record")))
+        .count();
+    let every = Duration::from_millis(500);
+    poll_until("Prometheus evaluates every rule", Duration::from_secs(60), every, async || {
+        let groups = api("rules").await;
+        let evaluated: Vec<String> = groups["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|group| group["rules"].as_array().unwrap().clone())
+            .map(|rule| json_text(&rule["health"]).to_owned())
+            .collect();
+        assert!(!evaluated.iter().any(|health| health == "err"), "a rule fails: {groups}");
+        evaluated.len() == rules && evaluated.iter().all(|health| health == "ok")
+    })
+    .await;
+    poll_until("the gateway's completions counted in Prometheus", Duration::from_secs(60), every, async || {
+        let result = api("query?query=sum(turbine_gateway_requests_total%7Bendpoint%3D%22completions%22%7D)").await;
+        result["result"][0]["value"][1].as_str().and_then(|value| value.parse::<f64>().ok()).is_some_and(|count| count >= 4.0)
+    })
+    .await;
     drop((services, children, postgres, vllm));
 }
