@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Checks the Kubernetes manifests in infra/k8s offline: each resource
+"""Checks the Kubernetes manifests in infra/k8s (and its opt-in vllm
+folder, the pool in front of vLLM) offline: each resource
 against the Kubernetes schemas (kubernetes-validate, strict), and what the
 planner's kubernetes connector relies on: every worker pool a Deployment
 named turbine-worker-<pool> with a readiness probe and a grace period for
-its streams, and the planner's service account allowed get and patch on
+its streams (an external engine's pool aggregated, its engine on the
+pod's loopback with probes from inside the pod), and the planner's service account allowed get and patch on
 deployments/scale and nothing else. And that the manifests hang
 together: every Deployment has a readiness probe, and every address a
 container names (`scheme://turbine-NAME:PORT`) is a port of a Service
@@ -29,8 +31,9 @@ def check(condition, message):
 
 
 def main():
-    files = sorted(K8S.glob("*.yaml"))
+    files = sorted(K8S.glob("*.yaml")) + sorted((K8S / "vllm").glob("*.yaml"))
     check(files, "no manifests")
+    check(K8S / "vllm" / "worker-vllm.yaml" in files, "no vllm/worker-vllm.yaml")
     subprocess.run(["kubernetes-validate", "--strict", "--quiet", *map(str, files)], check=True)
     resources = [doc for path in files for doc in yaml.safe_load_all(path.read_text()) if doc]
     by_kind = {}
@@ -45,7 +48,27 @@ def main():
         container = pod["containers"][0]
         check(container["args"][0] == "worker", f"{name} does not run a worker")
         pool = name.removeprefix("turbine-worker-")
-        check(["--role", pool] == container["args"][1:3], f"{name} runs another role than its pool {pool}")
+        args = container["args"]
+        if "--engine" in args and args[args.index("--engine") + 1] == "external":
+            # An external engine's worker computes whole requests (no P/D,
+            # docs/engines.md); its engine beside it, on the pod's loopback.
+            check("--role" not in args, f"{name} fronts an external engine: it takes no --role")
+            upstream = args[args.index("--upstream") + 1]
+            check(upstream.startswith("http://127.0.0.1:"), f"{name}'s engine is not on its pod's loopback: {upstream}")
+            engines = pod["containers"][1:]
+            check(len(engines) == 1, f"{name} runs no engine beside its worker")
+            engine = engines[0]
+            engine_args = engine["args"]
+            check(engine_args[engine_args.index("--host") + 1] == "127.0.0.1" and "ports" not in engine,
+                  f"{name}'s engine listens beyond its pod's loopback")
+            check(upstream == f"http://127.0.0.1:{engine_args[engine_args.index('--port') + 1]}", f"{name}'s worker names another port than its engine's")
+            for probe in ["startupProbe", "livenessProbe"]:
+                command = " ".join(engine.get(probe, {}).get("exec", {}).get("command", []))
+                check(f"{upstream}/health" in command, f"{name}'s engine has no {probe} asking its /health from inside the pod")
+            check(not any("secret" in v for v in pod["volumes"] if v["name"] in {m["name"] for m in engine.get("volumeMounts", [])}),
+                  f"{name}'s engine mounts a Secret")
+        else:
+            check(["--role", pool] == args[1:3], f"{name} runs another role than its pool {pool}")
         check("readinessProbe" in container, f"{name} has no readiness probe")
         check(pod.get("terminationGracePeriodSeconds", 30) >= 300, f"{name} gives its streams under 300 s to finish")
 
@@ -63,9 +86,9 @@ def main():
     deployments = by_kind["Deployment"]
     for deployment in deployments:
         name = deployment["metadata"]["name"]
-        container = deployment["spec"]["template"]["spec"]["containers"][0]
-        check("readinessProbe" in container, f"{name} has no readiness probe")
-        named = list(container.get("args", [])) + [var.get("value", "") for var in container.get("env", [])]
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        check("readinessProbe" in containers[0], f"{name} has no readiness probe")
+        named = [text for container in containers for text in list(container.get("args", [])) + [var.get("value", "") for var in container.get("env", [])]]
         for host, port in re.findall(r"://(turbine-[a-z0-9-]+):(\d+)", " ".join(named)):
             service = services.get(host)
             check(service is not None, f"{name} names {host}, which is no Service")
