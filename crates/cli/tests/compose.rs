@@ -14,7 +14,9 @@
 //! with its certificate, reads the store and the planner. The `vllm`
 //! profile runs too (`docker compose --profile vllm up`): vLLM's CPU build
 //! (the test command's install standing in for its image) behind a worker
-//! in its network namespace, serving its model through the same gateway.
+//! in its network namespace, serving its model through the same gateway;
+//! the engine's KV events, over that namespace's loopback, put the blocks
+//! its repeat hit in the global index under the worker's id.
 //! So does `monitoring`: Prometheus on the file's own scrape config finds
 //! every Turbine service up, labelled with its kind, its rules evaluate,
 //! and it has counted the gateway's requests; Grafana's provisioning names
@@ -57,7 +59,9 @@ const VLLM_IMAGE_MODEL: &str = "/opt/models/smollm2-135m-hf";
 /// replay moves to free ports.
 fn listens(kind: &str) -> &'static [(&'static str, u16, bool)] {
     match kind {
-        "worker" => &[("--grpc-addr", 50061, true), ("--admin-addr", 9091, true)],
+        // A worker in front of an engine binds where the engine sends its
+        // KV events.
+        "worker" => &[("--grpc-addr", 50061, true), ("--admin-addr", 9091, true), ("--upstream-kv-events", 5557, false)],
         "router" => &[("--grpc-addr", 50051, true), ("--admin-addr", 9092, true)],
         "kv-index" => &[("--grpc-addr", 50052, true), ("--admin-addr", 9093, true)],
         "kv-store" => &[("--grpc-addr", 50053, true), ("--admin-addr", 9094, true)],
@@ -65,7 +69,9 @@ fn listens(kind: &str) -> &'static [(&'static str, u16, bool)] {
         "gateway" => &[("--grpc-addr", 50050, true), ("--http-addr", 8000, true), ("--admin-addr", 9090, false)],
         "redis" => &[("--tls-port", 6379, true)],
         "postgres" => &[("", 5432, true)],
-        "turbine-vllm" => &[("--port", 8000, true)],
+        // With KV events, vLLM binds their replay socket (the config's
+        // replay_endpoint).
+        "turbine-vllm" => &[("--port", 8000, true), ("--kv-events-config", 5558, false)],
         "prom/prometheus" => &[("--web.listen-address", 9090, true)],
         "grafana/grafana" => &[("", 3000, true)],
         // Its listeners (the API, the statistics) and its admin interface
@@ -475,7 +481,8 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
                 for (flag, inside, given) in listening(spec) {
                     let address = format!("127.0.0.1:{}", network.ports[&(spec.host().to_owned(), inside)]);
                     match given {
-                        Some(at) => args[at] = address,
+                        // A ZMQ endpoint keeps its scheme.
+                        Some(at) => args[at] = args[at].split_once("://").map_or(address.clone(), |(scheme, _)| format!("{scheme}://{address}")),
                         None => args.extend([flag.to_owned(), address]),
                     }
                 }
@@ -718,7 +725,21 @@ async fn compose_yaml_serves_the_real_model_with_mutual_tls_on_every_hop() {
     assert!(!first["choices"][0]["text"].as_str().unwrap().is_empty(), "{first}");
     let (status, second) = post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{second}");
-    assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) > 0, "the repeat hits in vLLM: {second}");
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert!(cached > 0, "the repeat hits in vLLM: {second}");
+    // The engine's KV events, mirrored by its worker in Turbine's hashes,
+    // are in the global index under the worker's id: every block the
+    // repeat hit, none it could not hash, no event lost.
+    let index = turbine_api::kv_index::KvIndexClient::connect(&services["kv-index"].grpc_endpoint()).unwrap();
+    wait_until("the engine's blocks in the global index", Duration::from_secs(30), async || {
+        index.dump(Some("worker-vllm".into())).await.is_ok_and(|dumps| dumps.iter().map(|dump| dump.dump.blocks.len() as u64).sum::<u64>() >= cached / 32)
+    })
+    .await;
+    let vllm_admin = services["worker-vllm"].admin_url();
+    for counter in ["turbine_worker_upstream_kv_blocks_unmapped_total", "turbine_worker_upstream_kv_event_gaps_total"] {
+        assert_eq!(turbine_testkit::metric(&vllm_admin, counter).await, 0.0, "{counter}");
+    }
+    println!("compose.yaml's vllm profile: the repeat had {cached} cached tokens, all in the index");
 
     // The edge profile: the same API through Envoy, as a client of
     // https://localhost:8443 has it (the API's certificate, the key), once
