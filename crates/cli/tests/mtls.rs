@@ -629,5 +629,25 @@ async fn the_gateways_public_ports_serve_tls_to_clients_without_certificates() {
     let mut request = tonic::Request::new(generate);
     request.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
     inference.generate(request).await.expect("served on a new connection");
+
+    // The same over REST: keys guessed on one kept-alive HTTPS connection
+    // are answered 401 until the connection is cut (a request gets no
+    // answer); the client connecting again with the key is served.
+    let mut kept = common::KeptHttps::connect(http, public_ca.pem()).await;
+    let mut cut = None;
+    for call in 0..4 * turbine_runtime::strikes::STRIKES_BURST as usize {
+        match kept.get("/v1/models", &format!("tk-guess-{call}")).await {
+            Some(401) => continue,
+            Some(other) => panic!("a guessed key answered {other}"),
+            None => {
+                cut = Some(call);
+                break;
+            }
+        }
+    }
+    assert!(cut.is_some_and(|call| call >= turbine_runtime::strikes::STRIKES_BURST as usize), "cut past the burst, not before: {cut:?}");
+    assert_eq!(turbine_testkit::metric_where(&admin, "turbine_http_connections_struck_off_total", &[]).await, 1.0);
+    let mut again = common::KeptHttps::connect(http, public_ca.pem()).await;
+    assert_eq!(again.get("/v1/models", &key).await, Some(200), "served on a new connection");
     drop((gateway, router, worker, redis));
 }

@@ -305,7 +305,9 @@ pub struct ClientLimits {
     /// New gRPC connections one address may open a second (a second's
     /// worth at once); more are closed as accepted, before TLS, and
     /// counted. Services and clients keep their connections, so only a
-    /// caller connecting again and again meets it. 0: no limit.
+    /// caller connecting again and again meets it. On HTTP ports, only
+    /// an address whose connection was closed for its 401s in the last
+    /// minute. 0: no limit.
     #[arg(long, env = "TURBINE_CONNECTION_RATE_PER_IP", default_value_t = 100)]
     #[serde(default = "default_connection_rate")]
     pub connection_rate_per_ip: u32,
@@ -371,9 +373,17 @@ impl ClientLimits {
         crate::proxies::TrustedProxies::new(&self.trusted_proxies)
     }
 
-    /// What each HTTP listener allows a client, as configured.
+    /// What each HTTP listener allows a client, as configured (the gate of
+    /// addresses struck off is the listener's own: [`crate::host::Host`]
+    /// adds it).
     pub fn http_limits(&self) -> crate::http_server::HttpLimits {
-        crate::http_server::HttpLimits { idle_timeout: std::time::Duration::from_secs_f64(self.http_idle_timeout_secs), connections: self.connection_limits() }
+        crate::http_server::HttpLimits {
+            idle_timeout: std::time::Duration::from_secs_f64(self.http_idle_timeout_secs),
+            connections: self.connection_limits(),
+            struck_off: None,
+            gated_by_listener: false,
+            proxies: self.trusted_proxies(),
+        }
     }
 }
 

@@ -417,7 +417,14 @@ impl Host {
             http_idle_timeout,
             proxies,
         } = self;
-        let http_limits = crate::http_server::HttpLimits { idle_timeout: http_idle_timeout, connections };
+        // The admin port answers no 401s: none of its clients is struck off.
+        let http_limits = crate::http_server::HttpLimits {
+            idle_timeout: http_idle_timeout,
+            connections,
+            struck_off: None,
+            gated_by_listener: false,
+            proxies: proxies.clone(),
+        };
         spec.check_roles(&served)?;
         let security = match (&public_tls, trust) {
             (Some(public), _) => {
@@ -444,13 +451,20 @@ impl Host {
             crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, security, spec.roles, accepting);
         let grpc = tokio::spawn(serve);
         let admin_stop = CancellationToken::new();
-        let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), http_limits, admin_stop.clone())));
+        let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), http_limits.clone(), admin_stop.clone())));
         let http = match (listeners.http, http_router) {
             (Some(listener), Some(router)) => {
                 let router = if admin_on_http { router.merge(crate::admin::router(readiness.clone())) } else { router };
+                let struck_off = crate::gate::StruckOff::new(connection_rate_per_ip, "api");
+                let limits = crate::http_server::HttpLimits { struck_off: struck_off.clone(), ..http_limits };
                 Some(match &public_tls {
-                    Some(public) => tokio::spawn(crate::admin::serve_tls_with_grace(public.listener(listener)?, router, http_limits, shutdown.clone(), grace)),
-                    None => tokio::spawn(crate::admin::serve_with_grace(listener, router, http_limits, shutdown.clone(), grace)),
+                    Some(public) => {
+                        // Its listener gates new connections before their handshakes.
+                        let listener = public.listener(listener, struck_off)?;
+                        let limits = crate::http_server::HttpLimits { gated_by_listener: true, ..limits };
+                        tokio::spawn(crate::admin::serve_tls_with_grace(listener, router, limits, shutdown.clone(), grace))
+                    }
+                    None => tokio::spawn(crate::admin::serve_with_grace(listener, router, limits, shutdown.clone(), grace)),
                 })
             }
             (Some(_), None) => anyhow::bail!("{}: an HTTP listener without an HTTP API", spec.name),

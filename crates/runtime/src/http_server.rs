@@ -5,6 +5,14 @@
 //! that long, is closed; open connections are bounded, in all and per
 //! client ([`crate::connections`]). A stream being answered (SSE tokens)
 //! to a client reading it is a request in flight however long it lasts.
+//!
+//! A client's answers 401 (no API key, a wrong one) are refusals of its
+//! connection ([`crate::strikes`]): past 16 at once, then one a second,
+//! the connection is dropped and the client must connect again, which
+//! for the next minute its address may do only at
+//! `--connection-rate-per-ip` ([`crate::gate::StruckOff`]; over HTTPS the
+//! TLS listener holds that gate, before the handshake). A trusted proxy's
+//! connections carry many clients: never dropped for their 401s.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -30,20 +38,40 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
 use crate::connections::{CLOSED, ConnectionLimits, OpenConnections};
+use crate::gate::StruckOff;
+use crate::proxies::TrustedProxies;
+use crate::strikes::Strikes;
 
 /// What an HTTP listener allows each client.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct HttpLimits {
     /// A request's headers must arrive within this, and a connection with
     /// no request in flight is closed after it.
     pub idle_timeout: Duration,
     /// Connections open at once.
     pub connections: ConnectionLimits,
+    /// The addresses whose connections were struck off lately, and the
+    /// rate they may connect at (None: not gated).
+    pub struck_off: Option<Arc<StruckOff>>,
+    /// The listener gates its connections itself, as it accepts them
+    /// (over HTTPS, before the handshake:
+    /// [`crate::public_tls::PublicTls::listener`]).
+    pub gated_by_listener: bool,
+    /// Proxies whose connections carry many clients' requests: never
+    /// closed for their 401s.
+    pub proxies: TrustedProxies,
 }
 
 impl Default for HttpLimits {
+    /// The limits of a listener whose service set none: no rate.
     fn default() -> Self {
-        Self { idle_timeout: Duration::from_secs(30), connections: ConnectionLimits::default() }
+        Self {
+            idle_timeout: Duration::from_secs(30),
+            connections: ConnectionLimits::default(),
+            struck_off: None,
+            gated_by_listener: false,
+            proxies: TrustedProxies::default(),
+        }
     }
 }
 
@@ -68,20 +96,27 @@ where
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.idle_timeout);
     builder.http2().timer(TokioTimer::new()).enable_connect_protocol().keep_alive_interval(Duration::from_secs(20)).keep_alive_timeout(Duration::from_secs(10));
     let open = OpenConnections::new(name, limits.connections);
+    let gate = limits.struck_off.clone().filter(|_| !limits.gated_by_listener);
     let connections = TaskTracker::new();
     loop {
         let (io, peer) = tokio::select! {
             accepted = listener.accept() => accepted,
             () = shutdown.cancelled() => break,
         };
-        // Over the limits: dropped, closing it.
+        // Over the rate or the limits: dropped, closing it.
+        if gate.as_ref().is_some_and(|gate| !gate.admit(peer.ip())) {
+            continue;
+        }
         let Some(slot) = open.admit(peer.ip()) else { continue };
         let (builder, router, shutdown) = (builder.clone(), router.clone(), shutdown.clone());
+        let (idle_timeout, strikes) = (limits.idle_timeout, Arc::new(Strikes::http(limits.proxies.trusts(peer.ip()))));
+        let struck_off = limits.struck_off.clone();
         connections.spawn(async move {
             let _slot = slot;
             let unread = Arc::new(AtomicBool::new(false));
-            let io = TokioIo::new(WriteDeadline { inner: io, limit: limits.idle_timeout, stalled: None, fired: unread.clone() });
-            serve_connection(builder, io, router, peer, limits.idle_timeout, shutdown, name, &unread).await;
+            let io = TokioIo::new(WriteDeadline { inner: io, limit: idle_timeout, stalled: None, fired: unread.clone(), strikes: strikes.clone() });
+            let connection = Connection { peer, idle_timeout, name, strikes, struck_off };
+            serve_connection(builder, io, router, connection, shutdown, &unread).await;
         });
     }
     connections.close();
@@ -94,30 +129,38 @@ where
     crate::shutdown::drain_within(drained, &shutdown, grace, "HTTP requests").await
 }
 
-/// Runs one connection (from `peer`) to its end: closed gracefully (its requests
-/// answered first) on shutdown or after `idle_timeout` with none in
-/// flight; `unread` says whether its write deadline closed it.
-#[allow(clippy::too_many_arguments)]
-async fn serve_connection<I>(
-    builder: Builder<TokioExecutor>,
-    io: I,
-    router: Router,
+/// One accepted connection: from `peer`, closed after `idle_timeout` with
+/// no request in flight, its 401s counted in `strikes` (struck off, its
+/// address is marked in `struck_off`); `name` labels its metrics.
+struct Connection {
     peer: SocketAddr,
     idle_timeout: Duration,
-    shutdown: CancellationToken,
     name: &'static str,
-    unread: &AtomicBool,
-) where
+    strikes: Arc<Strikes>,
+    struck_off: Option<Arc<StruckOff>>,
+}
+
+/// Runs one connection to its end: closed gracefully (its requests
+/// answered first) on shutdown or when idle; dropped, its requests with
+/// it, once its 401s have used its strikes; `unread` says whether its
+/// write deadline closed it.
+async fn serve_connection<I>(builder: Builder<TokioExecutor>, io: I, router: Router, accepted: Connection, shutdown: CancellationToken, unread: &AtomicBool)
+where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
+    let Connection { peer, idle_timeout, name, strikes, struck_off } = accepted;
     let (in_flight, mut watch_in_flight) = watch::channel(0_usize);
     let in_flight = Arc::new(in_flight);
+    let refusals = strikes.clone();
     let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
-        let (router, in_flight) = (router.clone(), InFlight::start(&in_flight));
+        let (router, in_flight, refusals) = (router.clone(), InFlight::start(&in_flight), refusals.clone());
         // Handlers learn who is calling as with `axum::serve`.
         request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
         async move {
             let response = router.oneshot(request.map(Body::new)).await.unwrap_or_else(|never: Infallible| match never {});
+            if response.status() == http::StatusCode::UNAUTHORIZED {
+                refusals.strike();
+            }
             Ok::<_, Infallible>(response.map(|body| Body::new(Held { body, _in_flight: in_flight })))
         }
     });
@@ -125,6 +168,10 @@ async fn serve_connection<I>(
     let (mut closing, mut idle_closed) = (false, false);
     let result = loop {
         tokio::select! {
+            // Struck off: dropped at once (its writes were refused from
+            // the strike on, so not even the answer that struck it went).
+            biased;
+            () = strikes.closed() => break Ok(()),
             result = connection.as_mut() => break result,
             () = shutdown.cancelled(), if !closing => {
                 connection.as_mut().graceful_shutdown();
@@ -136,6 +183,15 @@ async fn serve_connection<I>(
             }
         }
     };
+    // Struck off (seen here, or as the refused write that ended the
+    // connection): its address is marked before the socket closes, so
+    // the client's next connection meets the gate.
+    if strikes.is_closed() {
+        if let Some(struck_off) = &struck_off {
+            struck_off.mark(peer.ip());
+        }
+        return;
+    }
     // hyper's own header timeout closes an HTTP/1 connection whose
     // headers (a first request's or the next one's) are late; the watch
     // above closes the rest; the write deadline, one whose client stopped
@@ -215,6 +271,9 @@ struct WriteDeadline<I> {
     stalled: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Set once the deadline passed.
     fired: Arc<AtomicBool>,
+    /// The connection's refusals: once it is struck off, nothing more is
+    /// written.
+    strikes: Arc<Strikes>,
 }
 
 impl<I> WriteDeadline<I> {
@@ -237,6 +296,11 @@ impl<I> WriteDeadline<I> {
     }
 }
 
+/// The error of a write to a connection struck off for its refusals.
+fn struck_off() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "closed for its refusals")
+}
+
 impl<I: AsyncRead + Unpin> AsyncRead for WriteDeadline<I> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_read(cx, buf)
@@ -245,11 +309,17 @@ impl<I: AsyncRead + Unpin> AsyncRead for WriteDeadline<I> {
 
 impl<I: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<I> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        if self.strikes.is_closed() {
+            return Poll::Ready(Err(struck_off()));
+        }
         let polled = Pin::new(&mut self.inner).poll_write(cx, data);
         self.watch(cx, polled)
     }
 
     fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
+        if self.strikes.is_closed() {
+            return Poll::Ready(Err(struck_off()));
+        }
         let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, data);
         self.watch(cx, polled)
     }
@@ -259,6 +329,9 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<I> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.strikes.is_closed() {
+            return Poll::Ready(Err(struck_off()));
+        }
         let polled = Pin::new(&mut self.inner).poll_flush(cx);
         self.watch(cx, polled)
     }

@@ -124,9 +124,12 @@ impl PublicTls {
     }
 
     /// Connections accepted on `listener`, handed out once their TLS
-    /// handshake is done.
-    pub fn listener(&self, listener: TcpListener) -> io::Result<TlsListener> {
+    /// handshake is done; an address `struck_off` gates (its connections
+    /// lately closed for their 401s) has those over its rate closed as
+    /// accepted, before the handshake.
+    pub fn listener(&self, listener: TcpListener, struck_off: Option<Arc<crate::gate::StruckOff>>) -> io::Result<TlsListener> {
         let local_addr = listener.local_addr()?;
+        let gate = struck_off;
         let acceptor = TlsAcceptor::from(self.rustls.clone());
         let (done, incoming) = mpsc::channel(64);
         let accepting = tokio::spawn(async move {
@@ -141,6 +144,10 @@ impl PublicTls {
                         continue;
                     }
                 };
+                // An address struck off, over its rate: closed before any TLS work.
+                if gate.as_ref().is_some_and(|gate| !gate.admit(peer.ip())) {
+                    continue;
+                }
                 let Ok(permit) = handshakes.clone().try_acquire_owned() else {
                     FAILED_HANDSHAKES.with_label_values(&["busy"]).inc();
                     continue;

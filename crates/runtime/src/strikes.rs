@@ -18,6 +18,11 @@
 //!
 //! A trusted proxy's connection ([`crate::proxies`]) carries many clients'
 //! calls: its refusals are counted but never close it.
+//!
+//! HTTP connections ([`crate::http_server`]) hold the same bucket: each
+//! answer 401 (a missing or wrong API key) is a refusal, and the one that
+//! finds the bucket empty drops the connection, its requests in flight
+//! with it ([`Strikes::http`], [`Strikes::closed`]).
 
 use std::io;
 use std::pin::Pin;
@@ -48,6 +53,15 @@ static STRUCK_OFF: LazyLock<IntCounter> = LazyLock::new(|| {
     .with_label_values(&[] as &[&str])
 });
 
+static HTTP_STRUCK_OFF: LazyLock<IntCounter> = LazyLock::new(|| {
+    crate::metrics::counter(
+        "turbine_http_connections_struck_off_total",
+        "HTTP connections closed because their client was answered 401 (no API key, a wrong one) more than 16 times at once, then more than once a second: it must connect again",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
+
 /// One connection's refusals.
 #[derive(Debug)]
 pub struct Strikes {
@@ -57,6 +71,8 @@ pub struct Strikes {
     /// The connection is a trusted proxy's, carrying many clients' calls:
     /// never closed for its refusals.
     shared: bool,
+    /// An HTTP connection's (counted apart from gRPC's).
+    http: bool,
     /// The connection's reader, woken to see it closed.
     reader: AtomicWaker,
 }
@@ -71,7 +87,13 @@ impl Strikes {
     /// A full bucket; a `shared` connection (a trusted proxy's) is never
     /// closed for its refusals.
     pub fn new(shared: bool) -> Self {
-        Self { bucket: Mutex::new((STRIKES_BURST, Instant::now())), closed: AtomicBool::new(false), shared, reader: AtomicWaker::new() }
+        Self { bucket: Mutex::new((STRIKES_BURST, Instant::now())), closed: AtomicBool::new(false), shared, http: false, reader: AtomicWaker::new() }
+    }
+
+    /// An HTTP connection's: as [`Strikes::new`], counted in
+    /// `turbine_http_connections_struck_off_total`.
+    pub fn http(shared: bool) -> Self {
+        Self { http: true, ..Self::new(shared) }
     }
 
     /// Counts a refusal; the one past the bucket's bottom closes the
@@ -91,8 +113,13 @@ impl Strikes {
         }
         drop(bucket);
         if !self.closed.swap(true, Ordering::AcqRel) {
-            STRUCK_OFF.inc();
-            tracing::warn!("a caller refused call after call on one connection: the connection is closed");
+            if self.http {
+                HTTP_STRUCK_OFF.inc();
+                tracing::warn!("a client answered 401 request after request on one HTTP connection: the connection is closed");
+            } else {
+                STRUCK_OFF.inc();
+                tracing::warn!("a caller refused call after call on one connection: the connection is closed");
+            }
             self.reader.wake();
         }
         true
@@ -101,6 +128,17 @@ impl Strikes {
     /// Whether the connection was closed for its refusals.
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the connection is closed for its refusals. One task
+    /// waits on it (the connection's reader: [`Struck`] or the HTTP
+    /// server's connection), never both.
+    pub async fn closed(&self) {
+        std::future::poll_fn(|cx| {
+            self.reader.register(cx.waker());
+            if self.is_closed() { Poll::Ready(()) } else { Poll::Pending }
+        })
+        .await;
     }
 }
 

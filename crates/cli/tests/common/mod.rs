@@ -101,6 +101,57 @@ pub async fn https_json(
     (status, serde_json::from_str(body).unwrap_or_else(|error| panic!("{error}: {answer}")))
 }
 
+/// One kept-alive HTTPS connection (HTTP/1.1, `localhost` as the server's
+/// name), for requests one after another on it.
+pub struct KeptHttps {
+    tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+}
+
+impl KeptHttps {
+    /// Connects to `address`, trusting only the CA `ca_pem`.
+    pub async fn connect(address: std::net::SocketAddr, ca_pem: &str) -> Self {
+        let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let tls = tokio_rustls::TlsConnector::from(client_config(ca_pem)).connect(name, stream).await.expect("the server's certificate verifies");
+        Self { tls }
+    }
+
+    /// GET `path` with the API key `key` on this connection: the answer's
+    /// status, its body read; None if the connection ended instead.
+    pub async fn get(&mut self, path: &str, key: &str) -> Option<u16> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let request = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {key}\r\n\r\n");
+        self.tls.write_all(request.as_bytes()).await.ok()?;
+        let mut head = Vec::new();
+        let mut byte = [0_u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            let read = tokio::time::timeout(std::time::Duration::from_secs(10), self.tls.read(&mut byte)).await.expect("an answer or the end").ok()?;
+            if read == 0 {
+                return None;
+            }
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8(head).unwrap();
+        let status = head.split(' ').nth(1)?.parse().ok()?;
+        let length: usize = head
+            .lines()
+            .find_map(|line| line.to_ascii_lowercase().strip_prefix("content-length:").map(|value| value.trim().parse().unwrap()))
+            .expect("an answer with a length");
+        let mut body = vec![0_u8; length];
+        self.tls.read_exact(&mut body).await.ok()?;
+        Some(status)
+    }
+}
+
+/// A TLS client trusting only the CA `ca_pem`.
+fn client_config(ca_pem: &str) -> std::sync::Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(<rustls::pki_types::CertificateDer as rustls::pki_types::pem::PemObject>::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let client = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap();
+    std::sync::Arc::new(client.with_root_certificates(roots).with_no_client_auth())
+}
+
 /// `method` `path` over HTTPS at `address` (HTTP/1.1, `localhost` as the
 /// server's name), trusting only the CA `ca_pem`, with the API key `key`
 /// and the JSON `body` if any; the whole answer (status line, headers,
@@ -113,14 +164,9 @@ pub async fn https_request(
     key: Option<&str>,
     body: Option<&serde_json::Value>,
 ) -> String {
-    use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(<rustls::pki_types::CertificateDer as rustls::pki_types::pem::PemObject>::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let client = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap();
-    let client = Arc::new(client.with_root_certificates(roots).with_no_client_auth());
+    let client = client_config(ca_pem);
     let stream = tokio::net::TcpStream::connect(address).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     let mut tls = tokio_rustls::TlsConnector::from(client).connect(name, stream).await.expect("the server's certificate verifies");
