@@ -15,6 +15,14 @@
 //! - adapter: this process calls the worker's gRPC `Generate`, which does
 //!   the same against the engine and streams token chunks back.
 //!
+//! With `--tls` (vLLM only) both of the worker's links are encrypted, as
+//! a deployment has them: vLLM serves HTTPS, asking for a certificate of
+//! the deployment's CA and an API key (`turbine certs --engine-host`),
+//! the worker dials it with its own certificate and the key, and serves
+//! its gRPC over mutual TLS (this process dials it as a gateway); the
+//! direct phase calls vLLM over the same TLS with the worker's
+//! certificate and the key.
+//!
 //! CPU comes from /proc (every thread of the worker; every process of
 //! vLLM's process group, every thread of llama-server): the adapter's CPU
 //! per streamed token is the cost; the engine's, per phase, shows the
@@ -68,9 +76,49 @@ pub struct AdapterBenchArgs {
     /// `$TURBINE_LLAMA_SERVER` override).
     #[arg(long, default_value = ".")]
     pub workspace: PathBuf,
+    /// Encrypt both of the worker's links (vLLM only): vLLM over HTTPS
+    /// requiring the deployment's client certificate and an API key, the
+    /// worker's gRPC over mutual TLS; the direct phase over the same TLS.
+    #[arg(long)]
+    pub tls: bool,
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// The certificates of a `--tls` run (`turbine certs`), and the engine's
+/// API key, in a folder of their own.
+struct Certs {
+    dir: tempfile::TempDir,
+}
+
+impl Certs {
+    fn make(exe: &std::path::Path) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let made = Command::new(exe).args(["certs", "--worker", "bench-adapter", "--engine-host", "127.0.0.1", "--out"]).arg(dir.path()).output()?;
+        anyhow::ensure!(made.status.success(), "turbine certs failed: {}", String::from_utf8_lossy(&made.stderr));
+        let mut random = [0_u8; 16];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut random)?;
+        std::fs::write(dir.path().join("engine-api-key"), format!("sk-bench-{}\n", hex::encode(random)))?;
+        Ok(Self { dir })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn file(&self, name: &str) -> String {
+        self.path(name).display().to_string()
+    }
+
+    /// How the worker, and this process's direct phase, reach the engine.
+    fn link(&self) -> turbine_worker::external::LinkSettings {
+        turbine_worker::external::LinkSettings {
+            ca: Some(self.path("ca.crt")),
+            identity: Some((self.path("workers/bench-adapter.crt"), self.path("workers/bench-adapter.key"))),
+            api_key: Some(self.path("engine-api-key")),
+        }
+    }
 }
 
 /// One phase's figures.
@@ -94,6 +142,8 @@ pub struct AdapterPhase {
 pub struct AdapterBenchReport {
     /// The engine (`vllm`, `llama-cpp`).
     pub engine: UpstreamKind,
+    /// Both of the worker's links over TLS (`--tls`).
+    pub tls: bool,
     pub requests: usize,
     pub concurrency: usize,
     pub output_tokens: u32,
@@ -168,12 +218,34 @@ async fn direct(http: &turbine_worker::external::EngineLink, engine: &Engine, di
 /// The engine under the benchmark.
 enum Engine {
     Vllm(VllmServer),
+    /// Serving HTTPS.
+    VllmTls(VllmServer),
     LlamaCpp(LlamaCppServer),
 }
 
 impl Engine {
-    async fn start(args: &AdapterBenchArgs, model: &'static str) -> anyhow::Result<Self> {
+    async fn start(args: &AdapterBenchArgs, model: &'static str, certs: Option<&Certs>) -> anyhow::Result<Self> {
         Ok(match args.upstream_kind {
+            UpstreamKind::Vllm if let Some(certs) = certs => {
+                let install = VllmInstall::find(&args.workspace).map_err(anyhow::Error::msg)?;
+                eprintln!("starting vLLM ({}) over HTTPS and a worker in front of it...", install.python.display());
+                let key = std::fs::read_to_string(certs.path("engine-api-key"))?.trim().to_owned();
+                let ssl = ["--ssl-certfile", &certs.file("engine.crt"), "--ssl-keyfile", &certs.file("engine.key")].map(str::to_owned);
+                let ssl = [&ssl[..], &["--ssl-ca-certs".into(), certs.file("ca.crt"), "--ssl-cert-reqs".into(), "2".into(), "--api-key".into(), key]].concat();
+                let mut server =
+                    tokio::task::spawn_blocking(move || VllmServer::spawn(&install, model, &ssl.iter().map(String::as_str).collect::<Vec<_>>())).await?;
+                let link = turbine_worker::external::EngineLink::new(&certs.link())?;
+                let health = link.get(&format!("{}/health", server.https_url()))?;
+                let deadline = Instant::now() + Duration::from_secs(900);
+                while !link.send_once(&health).await.is_ok_and(|answer| answer.status().is_success()) {
+                    if let Some(status) = server.exited() {
+                        anyhow::bail!("vLLM exited ({status}) before serving:\n{}", server.output().join("\n"));
+                    }
+                    anyhow::ensure!(Instant::now() < deadline, "vLLM did not answer /health over TLS within 15 minutes");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Self::VllmTls(server)
+            }
             UpstreamKind::Vllm => {
                 let install = VllmInstall::find(&args.workspace).map_err(anyhow::Error::msg)?;
                 eprintln!("starting vLLM ({}) and a worker in front of it...", install.python.display());
@@ -193,6 +265,7 @@ impl Engine {
     fn url(&self) -> String {
         match self {
             Self::Vllm(server) => server.url(),
+            Self::VllmTls(server) => server.https_url(),
             Self::LlamaCpp(server) => server.url(),
         }
     }
@@ -200,7 +273,7 @@ impl Engine {
     /// CPU of every thread of the engine's processes so far.
     fn cpu(&self) -> anyhow::Result<std::collections::HashMap<(u32, u32), u64>> {
         match self {
-            Self::Vllm(server) => group_cpu(server.pid()),
+            Self::Vllm(server) | Self::VllmTls(server) => group_cpu(server.pid()),
             Self::LlamaCpp(server) => Ok(thread_cpu(server.pid())?.into_iter().map(|(tid, ns)| ((server.pid(), tid), ns)).collect()),
         }
     }
@@ -226,15 +299,35 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
         args.rounds >= 1 && args.requests >= 1 && args.concurrency >= 1 && args.output_tokens >= 2,
         "rounds, requests, concurrency must be positive, output tokens at least 2"
     );
+    anyhow::ensure!(!args.tls || args.upstream_kind == UpstreamKind::Vllm, "--tls runs vLLM over HTTPS: --upstream-kind vllm");
     let model = "smollm2-135m";
-    let engine = Engine::start(&args, model).await?;
     let exe = std::env::current_exe().context("locating the turbine binary")?;
+    let certs = args.tls.then(|| Certs::make(&exe)).transpose()?;
+    let engine = Engine::start(&args, model, certs.as_ref()).await?;
     let mut command = Command::new(exe);
     let kind = args.upstream_kind.to_possible_value().context("the engine's flag value")?;
     command
         .args(["worker", "--engine", "external", "--upstream-kind", kind.get_name()])
         .args(["--upstream", &engine.url(), "--worker-id", "bench-adapter"])
         .env("RUST_LOG", "warn");
+    if let Some(certs) = &certs {
+        command.args(["--upstream-ca", &certs.file("ca.crt"), "--upstream-api-key-file", &certs.file("engine-api-key")]).args([
+            "--tls-cert",
+            &certs.file("workers/bench-adapter.crt"),
+            "--tls-key",
+            &certs.file("workers/bench-adapter.key"),
+            "--tls-ca",
+            &certs.file("ca.crt"),
+        ]);
+        // This process calls the worker as the gateway does.
+        turbine_runtime::trust::TlsConfig {
+            tls_cert: Some(certs.path("gateway.crt")),
+            tls_key: Some(certs.path("gateway.key")),
+            tls_ca: Some(certs.path("ca.crt")),
+        }
+        .establish()?
+        .context("the gateway's identity")?;
+    }
     let mut worker_process = ServiceProcess::spawn("worker", command, false).await?;
     worker_process.until_serving(Role::Worker, "", STARTUP_TIMEOUT).await?;
     let worker = WorkerClient::connect(&worker_process.grpc_endpoint())?;
@@ -242,7 +335,10 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
     let dialect = Dialect::new(args.upstream_kind, model, &card)?;
     let preprocessor = Preprocessor::new(card)?;
     let filler = preprocessor.encode_text(&"many words make a prompt of some length ".repeat(args.prompt_tokens))?;
-    let http = turbine_worker::external::EngineLink::plain()?;
+    let http = match &certs {
+        Some(certs) => turbine_worker::external::EngineLink::new(&certs.link())?,
+        None => turbine_worker::external::EngineLink::plain()?,
+    };
     let mut counter = 0usize;
     let mut requests = |count: usize| -> Vec<GenerateRequest> {
         (0..count)
@@ -334,6 +430,7 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
     let (cpu_ratio, throughput_ratio) = (median_of(&pair_cpu_ratios), median_of(&pair_throughput_ratios));
     Ok(AdapterBenchReport {
         engine: args.upstream_kind,
+        tls: args.tls,
         requests: args.requests,
         concurrency: args.concurrency,
         output_tokens: args.output_tokens,
@@ -352,8 +449,13 @@ pub async fn run(args: AdapterBenchArgs) -> anyhow::Result<AdapterBenchReport> {
 /// Prints the report.
 pub fn print(report: &AdapterBenchReport) {
     println!(
-        "adapter overhead ({:?}): {} streams of {} tokens, {} at once, {}-token prompts",
-        report.engine, report.requests, report.output_tokens, report.concurrency, report.prompt_tokens
+        "adapter overhead ({:?}{}): {} streams of {} tokens, {} at once, {}-token prompts",
+        report.engine,
+        if report.tls { ", over TLS" } else { "" },
+        report.requests,
+        report.output_tokens,
+        report.concurrency,
+        report.prompt_tokens
     );
     println!("{:<8} {:>7} {:>8} {:>10} {:>16} {:>16} {:>16}", "path", "tokens", "wall s", "tokens/s", "adapter µs/tok", "engine µs/tok", "client µs/tok");
     for phase in &report.phases {

@@ -772,6 +772,39 @@ fn the_adapter_bench_measures_its_cpu_per_token_beside_the_engine_called_directl
     assert!(stdout.contains("CPU per token") && report["pair_cpu_ratios"].as_array().unwrap().len() == 1, "{stdout}");
 }
 
+/// `--tls`: vLLM over HTTPS asking for the deployment's certificate and a
+/// key, the worker's gRPC over mutual TLS; both paths carry every token
+/// (an engine that took plaintext, or a worker without the certificate
+/// or the key, would fail the run).
+#[test]
+fn the_adapter_bench_runs_with_both_of_the_workers_links_over_tls() {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let json = tempfile::NamedTempFile::new().unwrap();
+    let output = std::process::Command::new(turbine_testkit::workspace_binary("turbine"))
+        .args(["bench", "adapter", "--tls", "--rounds", "1", "--requests", "2", "--concurrency", "2", "--output-tokens", "4"])
+        .args(["--prompt-tokens", "32", "--workspace"])
+        .arg(&workspace)
+        .arg("--json")
+        .arg(json.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    assert_eq!((report["tls"].as_bool(), report["engine"].as_str()), (Some(true), Some("vllm")), "{report}");
+    for phase in report["phases"].as_array().unwrap() {
+        assert_eq!(phase["tokens"], 8, "every stream carried its 4 tokens on both paths: {report}");
+    }
+    assert!(stdout.contains("over TLS"), "{stdout}");
+    // Only vLLM is run over TLS.
+    let refused = std::process::Command::new(turbine_testkit::workspace_binary("turbine"))
+        .args(["bench", "adapter", "--tls", "--upstream-kind", "llama-cpp", "--workspace"])
+        .arg(&workspace)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("--upstream-kind vllm"));
+}
+
 /// vLLM over TLS that serves only holders of the deployment's
 /// certificates (`--ssl-ca-certs ca.crt --ssl-cert-reqs 2`) and of its API
 /// key: a worker given the engine's CA (`--upstream-ca`), its own
