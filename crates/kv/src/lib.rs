@@ -10,6 +10,7 @@
 mod block;
 pub mod block_file;
 pub mod events;
+pub mod fair;
 pub mod index;
 mod layout;
 pub mod memory;

@@ -50,7 +50,7 @@ struct Inner {
     /// Per fingerprint: how many blocks are on disk.
     layouts: Arc<Mutex<FxHashMap<Fingerprint, u64>>>,
     /// Each tenant's share of the files.
-    fair: Arc<FairShare>,
+    fair: Arc<FairShare<BlockKey>>,
     evicted_blocks: Arc<AtomicU64>,
     corrupt_blocks: AtomicU64,
     write_failures: AtomicU64,

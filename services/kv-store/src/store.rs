@@ -125,7 +125,7 @@ pub struct Store {
     arena: Arc<Arena>,
     layouts: Arc<Mutex<FxHashMap<Fingerprint, u64>>>,
     counters: Arc<Counters>,
-    fair: Arc<FairShare>,
+    fair: Arc<FairShare<BlockKey>>,
     capacity_bytes: u64,
     disk: Option<DiskBlocks>,
     announcer: Announcer,

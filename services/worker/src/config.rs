@@ -313,8 +313,10 @@ pub struct EngineConfig {
     pub kv_cache_mib: usize,
     /// Host-memory KV tier (G2) in MiB. Every full block is copied here in
     /// the background; a later prompt whose prefix left the pool gets it
-    /// back from host memory instead of recomputing it. 0 turns the tier
-    /// off. The mocker models it: each block counts as its modelled size
+    /// back from host memory instead of recomputing it. Tenants share it
+    /// fairly: one above its share (the tier over the tenants holding
+    /// blocks) makes room from its own blocks (so does the disk tier). 0
+    /// turns the tier off. The mocker models it: each block counts as its modelled size
     /// (--mock-kv-bytes-per-token) and onboards at --mock-host-gbps.
     #[arg(long, env = "TURBINE_WORKER_HOST_CACHE_MIB", default_value_t = 0)]
     pub host_cache_mib: u64,

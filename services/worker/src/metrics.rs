@@ -190,6 +190,7 @@ struct TierMetrics {
     offloads_skipped: IntCounter,
     onboarded_blocks: IntCounter,
     evicted_blocks: IntCounter,
+    fair_share_evictions: IntCounter,
     corrupt_blocks: IntCounter,
     read_bytes: IntCounter,
     read_seconds: Counter,
@@ -210,6 +211,10 @@ impl TierMetrics {
             offloads_skipped: count("turbine_worker_kv_tier_offloads_skipped_total", "KV blocks not copied into a tier because copies fell behind"),
             onboarded_blocks: count("turbine_worker_kv_tier_onboarded_blocks_total", "KV blocks onboarded from a tier into the pool"),
             evicted_blocks: count("turbine_worker_kv_tier_evicted_blocks_total", "KV blocks evicted from a tier for room"),
+            fair_share_evictions: count(
+                "turbine_worker_kv_tier_fair_share_evictions_total",
+                "KV blocks evicted from a tier because their tenant held more than its fair share (the tier's capacity over the tenants holding blocks) when another needed room; counted in evicted_blocks too",
+            ),
             corrupt_blocks: count("turbine_worker_kv_tier_corrupt_blocks_total", "KV blocks dropped from a tier because they failed their checksum"),
             read_bytes: count(
                 "turbine_worker_kv_tier_read_bytes_total",
@@ -224,7 +229,7 @@ impl TierMetrics {
         }
     }
 
-    fn metrics(&self) -> [&dyn Collector; 12] {
+    fn metrics(&self) -> [&dyn Collector; 13] {
         [
             &self.read_bytes,
             &self.read_seconds,
@@ -237,6 +242,7 @@ impl TierMetrics {
             &self.offloads_skipped,
             &self.onboarded_blocks,
             &self.evicted_blocks,
+            &self.fair_share_evictions,
             &self.corrupt_blocks,
         ]
     }
@@ -251,6 +257,7 @@ impl TierMetrics {
         set_counter(&self.offloads_skipped, stats.offloads_skipped.load(Relaxed));
         set_counter(&self.onboarded_blocks, stats.onboarded_blocks.load(Relaxed));
         set_counter(&self.evicted_blocks, stats.evicted_blocks.load(Relaxed));
+        set_counter(&self.fair_share_evictions, stats.fair_share_evictions.load(Relaxed));
         set_counter(&self.corrupt_blocks, stats.corrupt_blocks.load(Relaxed));
         set_counter(&self.read_bytes, stats.read_bytes.load(Relaxed));
         set_counter(&self.failures, failures);

@@ -145,6 +145,61 @@ async fn prompts_evicted_from_the_pool_come_back_from_the_host_tier() {
     assert_eq!(metric(&admin, "turbine_worker_kv_tier_corrupt_blocks_total").await, 0.0);
 }
 
+/// Tenants' fair shares of the host tier, on the real model: tenant a's
+/// flood of prompts, five times the tier, evicts a's own blocks, and
+/// tenant b's prompt, under its share, comes back from host memory whole.
+/// The same requests in the shared namespace (no tenants) lose b's prompt
+/// to least recently used.
+#[tokio::test]
+async fn a_flooding_tenant_leaves_anothers_prompt_in_the_host_tier() {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    let prompt = |text: &str| tokens.encode_text(&text.repeat(20)).unwrap()[..128].to_vec();
+    let b = prompt("Lighthouses guide ships past the rocks at night. ");
+    let flood: Vec<Vec<u32>> = [
+        "Wheat grows tall in the summer sun. ",
+        "Trains leave the station on the hour. ",
+        "Snow falls softly on the quiet hills. ",
+        "Kites rise over the beach in the wind. ",
+        "Clocks tick in the empty hall. ",
+    ]
+    .iter()
+    .map(|text| prompt(text))
+    .collect();
+    let as_tenant = |prompt: &[u32], tenant: Option<&str>| pb::GenerateRequest {
+        kv_tenant: tenant.map_or(0, |tenant| turbine_kv::KvTenant::of(&[tenant]).get()),
+        ..greedy(prompt, 4)
+    };
+    // Per run: b's repeat's blocks onboarded from the host tier, and the
+    // blocks it evicted for fairness.
+    let run = async |tenants: bool| {
+        // A pool of 11 blocks of 16 tokens (360 KiB each), a host tier of 22:
+        // b's 8 blocks are under its share (11), a's 40 far over it.
+        let worker = native_worker(&["--kv-cache-mib", "4", "--host-cache-mib", "8"]).await;
+        let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
+        let admin = worker.admin_url();
+        let computed = generate(client.clone(), as_tenant(&b, tenants.then_some("b"))).await.unwrap().0;
+        for prompt in &flood {
+            generate(client.clone(), as_tenant(prompt, tenants.then_some("a"))).await.unwrap();
+        }
+        turbine_testkit::wait_until("copies to the host tier", Duration::from_secs(30), async || {
+            metric(&admin, "turbine_worker_kv_tier_offloaded_blocks_total").await >= 48.0 && metric(&admin, "turbine_worker_kv_blocks_used").await == 0.0
+        })
+        .await;
+        let (again, _) = generate(client.clone(), as_tenant(&b, tenants.then_some("b"))).await.unwrap();
+        assert_eq!(again, computed, "b's repeat gives the computed tokens");
+        assert!(metric(&admin, "turbine_worker_kv_tier_bytes").await <= 8.0 * 1024.0 * 1024.0);
+        let onboarded = metric_where(&admin, "turbine_worker_kv_tier_onboarded_blocks_total", &[("tier", "host")]).await;
+        (onboarded, metric_where(&admin, "turbine_worker_kv_tier_fair_share_evictions_total", &[("tier", "host")]).await)
+    };
+    let (onboarded, fair) = run(true).await;
+    // Of b's 8 full blocks, 7 can be hits (its last token is computed).
+    assert!(onboarded >= 7.0, "b's prompt came back from the host tier whole ({onboarded} blocks)");
+    assert!(fair >= 20.0, "a's flood evicted a's own blocks ({fair})");
+    let (onboarded, fair) = run(false).await;
+    assert_eq!((onboarded, fair), (0.0, 0.0), "without tenants the flood took b's prompt");
+}
+
 /// `--disk-cache-dir`: with a host tier of two blocks, a prompt pushed
 /// out of the pool comes back from disk with its computed tokens, and
 /// again after the worker restarts (same id, same directory).

@@ -1,7 +1,8 @@
 //! The local-disk tier (G3): one file per block in a directory this
 //! engine alone uses (an exclusive lock on `<dir>/.lock`), its index a
 //! byte-bounded `moka` cache (least recently used evicted first, its file
-//! deleted).
+//! deleted), shared fairly among tenants as the host tier is
+//! ([`FairShare`]; a block's tenant is in its file's header).
 //!
 //! A file is `<sequence hash, 16 hex digits>.kvb` in the format of
 //! [`block_file`](super::block_file): written whole or not at all, checked
@@ -18,7 +19,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use turbine_kv::{BlockHashes, CachedBlock, KvEvent, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
+use moka::ops::compute::{CompResult, Op};
+use turbine_kv::fair::{EVICTIONS_PER_PUT, FairShare};
+use turbine_kv::{BlockHashes, CachedBlock, KvEvent, KvTenant, LocalBlockHash, SequenceHash, StoredBlock, Tier, TierSet};
 
 use super::block_file::{self, HEADER_BYTES, block_path};
 use super::{EvictionSink, HostBlock, PendingEvents, TierStats, push_removed};
@@ -28,6 +31,10 @@ use super::{EvictionSink, HostBlock, PendingEvents, TierStats, push_removed};
 struct DiskEntry {
     local: LocalBlockHash,
     bytes: u64,
+    /// Whose block it is (as its file says).
+    tenant: KvTenant,
+    /// When it was indexed, in the tier's fair-share books.
+    stamp: u64,
 }
 
 /// The disk tier (G3). Cloning shares it.
@@ -40,6 +47,8 @@ struct Inner {
     dir: PathBuf,
     fingerprint: u64,
     index: moka::sync::Cache<SequenceHash, DiskEntry>,
+    /// Each tenant's share of the files.
+    fair: Arc<FairShare<SequenceHash>>,
     events: PendingEvents,
     stats: Arc<TierStats>,
     capacity_bytes: u64,
@@ -62,6 +71,21 @@ impl std::fmt::Debug for DiskTier {
     }
 }
 
+/// An evicted block's file: read back for the shared tier when it takes
+/// evictions, deleted, announced removed, counted.
+fn evict_file(dir: &Path, fingerprint: u64, stats: &TierStats, evicted: &EvictionSink, events: &PendingEvents, hash: SequenceHash) {
+    stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
+    let path = block_path(dir, hash);
+    if evicted.is_connected()
+        && let Some(block) = block_file::read_block(&path, fingerprint, hash)
+        && block.is_intact()
+    {
+        evicted.offer(hash, Arc::new(block));
+    }
+    let _ = std::fs::remove_file(path);
+    push_removed(events, hash, Tier::Disk);
+}
+
 impl DiskTier {
     /// Opens (creating it if needed) the tier in `dir`, holding at most
     /// `capacity_bytes` of block files, for blocks of the pool layout
@@ -82,27 +106,22 @@ impl DiskTier {
         let events = PendingEvents::default();
         let stats = Arc::new(TierStats::default());
         let evicted = EvictionSink::default();
+        let fair = Arc::new(FairShare::new(capacity_bytes));
         let index = {
             let events = events.clone();
             let stats = stats.clone();
             let dir = dir.to_path_buf();
             let evicted = evicted.clone();
+            let fair = fair.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
                 .weigher(|_, entry: &DiskEntry| u32::try_from(entry.bytes).unwrap_or(u32::MAX))
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .eviction_listener(move |hash: Arc<SequenceHash>, _, cause| {
+                .eviction_listener(move |hash: Arc<SequenceHash>, entry: DiskEntry, cause| {
+                    // Every entry leaving (replaced, removed, evicted) leaves the books.
+                    fair.remove(entry.tenant, entry.stamp, entry.bytes);
                     if cause.was_evicted() {
-                        stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
-                        let path = block_path(&dir, *hash);
-                        if evicted.is_connected()
-                            && let Some(block) = block_file::read_block(&path, fingerprint, *hash)
-                            && block.is_intact()
-                        {
-                            evicted.offer(*hash, Arc::new(block));
-                        }
-                        let _ = std::fs::remove_file(path);
-                        push_removed(&events, *hash, Tier::Disk);
+                        evict_file(&dir, fingerprint, &stats, &evicted, &events, *hash);
                     }
                 })
                 .build()
@@ -112,6 +131,7 @@ impl DiskTier {
                 dir: dir.to_path_buf(),
                 fingerprint,
                 index,
+                fair,
                 events,
                 stats,
                 capacity_bytes,
@@ -142,7 +162,7 @@ impl DiskTier {
                 blocks: vec![StoredBlock { sequence_hash: header.sequence, local_hash: header.local }],
                 tier: Tier::Disk,
             });
-            self.inner.index.insert(header.sequence, DiskEntry { local: header.local, bytes: self.weight(header.len) });
+            self.index(header.sequence, header.local, self.weight(header.len), header.tenant);
         }
         self.inner.index.run_pending_tasks();
         if !found.is_empty() {
@@ -226,8 +246,42 @@ impl DiskTier {
         self.inner.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
         let bytes = self.weight(block.bytes.len() as u64);
         self.inner.stats.offloaded_bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.inner.index.insert(hash, DiskEntry { local: block.local, bytes });
+        self.make_room_fairly(block.tenant, bytes);
+        self.index(hash, block.local, bytes, block.tenant);
         self.inner.index.run_pending_tasks();
+    }
+
+    /// Indexes a file, counted in its tenant's share (before it is in, so
+    /// that its eviction always finds it counted).
+    fn index(&self, hash: SequenceHash, local: LocalBlockHash, bytes: u64, tenant: KvTenant) {
+        let stamp = self.inner.fair.stamp();
+        self.inner.fair.add(tenant, stamp, hash, bytes);
+        self.inner.index.insert(hash, DiskEntry { local, bytes, tenant, stamp });
+    }
+
+    /// Makes room for `tenant` to keep a file of `bytes` from tenants above
+    /// their fair share ([`FairShare`]): their oldest files go as least
+    /// recently used ones do (read back for the shared tier if it takes
+    /// evictions, deleted, announced, counted).
+    fn make_room_fairly(&self, tenant: KvTenant, bytes: u64) {
+        for _ in 0..EVICTIONS_PER_PUT {
+            let Some((stamp, hash)) = self.inner.fair.victim(tenant, bytes) else { return };
+            let outcome = self.inner.index.entry(hash).and_compute_with(|held| match held {
+                Some(held) if held.value().stamp == stamp => Op::Remove,
+                _ => Op::Nop,
+            });
+            if !matches!(outcome, CompResult::Removed(_)) {
+                return;
+            }
+            self.inner.stats.fair_share_evictions.fetch_add(1, Ordering::Relaxed);
+            let inner = &self.inner;
+            evict_file(&inner.dir, inner.fingerprint, &inner.stats, &inner.evicted, &inner.events, hash);
+        }
+    }
+
+    /// Bytes `tenant`'s files hold in the tier.
+    pub fn bytes_of(&self, tenant: KvTenant) -> u64 {
+        self.inner.fair.bytes_of(tenant)
     }
 
     /// Reads the leading blocks of `hashes` the tier holds, each checked
@@ -352,6 +406,35 @@ mod tests {
         assert_eq!(tier.read_run(&[hashes(1), hashes(2), hashes(3)]).len(), 1);
         assert!(!path.exists() && !tier.contains(SequenceHash(1002)));
         assert_eq!(tier.stats().corrupt_blocks.load(Ordering::Relaxed), 1);
+    }
+
+    /// One tenant writing far past the tier deletes its own files, and the
+    /// books survive a restart: a block's tenant is in its file.
+    #[test]
+    fn a_flooding_tenant_deletes_its_own_files_not_anothers() {
+        let of = |tenant: &str, n: u8| HostBlock { tenant: turbine_kv::KvTenant::of(&[tenant]), ..block(n, 4096, None) };
+        let dir = tempfile::tempdir().unwrap();
+        let file = 4096 + HEADER_BYTES as u64;
+        {
+            let tier = DiskTier::open(dir.path(), 10 * file, 1).unwrap();
+            for n in 0..3u8 {
+                tier.write(SequenceHash(1000 + u64::from(n)), &of("b", n));
+            }
+            for n in 10..60u8 {
+                tier.write(SequenceHash(1000 + u64::from(n)), &of("a", n));
+            }
+            assert_eq!(tier.read_run(&[hashes(0), hashes(1), hashes(2)]).len(), 3, "b's blocks are whole");
+            assert!(tier.stats().fair_share_evictions.load(Ordering::Relaxed) >= 40);
+            assert_eq!(tier.blocks(), 10);
+            let files = std::fs::read_dir(dir.path()).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "kvb")).count();
+            assert_eq!(files, 10, "evicted blocks' files are deleted");
+        }
+        let tier = DiskTier::open(dir.path(), 10 * file, 1).unwrap();
+        assert_eq!(tier.bytes_of(turbine_kv::KvTenant::of(&["b"])), 3 * file, "b's files counted as b's after a restart");
+        for n in 60..80u8 {
+            tier.write(SequenceHash(1000 + u64::from(n)), &of("a", n));
+        }
+        assert_eq!(tier.read_run(&[hashes(0), hashes(1), hashes(2)]).len(), 3, "b's blocks are whole after the restart too");
     }
 
     #[test]

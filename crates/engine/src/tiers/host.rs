@@ -1,13 +1,18 @@
 //! The host-memory tier (G2): checksummed blocks by sequence hash, bounded
-//! in bytes (`moka`, least recently used evicted first). What it evicts
-//! goes down to the disk tier when there is one, written by a thread of
-//! its own (a full queue skips the block: nothing waits on the disk).
+//! in bytes (`moka`, least recently used evicted first), shared fairly
+//! among tenants ([`FairShare`]: room for a tenant above its share comes
+//! from its own blocks, so one tenant's flood does not push out another's
+//! prefixes). What it evicts goes down to the disk tier when there is one,
+//! written by a thread of its own (a full queue skips the block: nothing
+//! waits on the disk).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 
-use turbine_kv::{BlockHashes, CachedBlock, KvEvent, SequenceHash, StoredBlock, Tier, TierSet};
+use moka::ops::compute::{CompResult, Op};
+use turbine_kv::fair::{EVICTIONS_PER_PUT, FairShare};
+use turbine_kv::{BlockHashes, CachedBlock, KvEvent, KvTenant, SequenceHash, StoredBlock, Tier, TierSet};
 
 use super::disk::DiskTier;
 use super::{EvictionSink, HostBlock, PendingEvents, TierStats, push_removed};
@@ -55,10 +60,50 @@ impl Spill {
     }
 }
 
+/// A block as the tier holds it: with its stamp in the fair-share books.
+#[derive(Clone)]
+struct Held {
+    block: Arc<HostBlock>,
+    stamp: u64,
+}
+
+/// Where the tier's evicted blocks go: announced removed, counted, and down
+/// to the disk (or the shared tier on eviction).
+struct Evictions {
+    events: PendingEvents,
+    stats: Arc<TierStats>,
+    disk: Option<DiskTier>,
+    spill: Option<Spill>,
+    evicted: EvictionSink,
+}
+
+impl Evictions {
+    fn evicted(&self, hash: SequenceHash, block: Arc<HostBlock>) {
+        self.stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
+        push_removed(&self.events, hash, Tier::Host);
+        match (&self.spill, &self.disk) {
+            (Some(spill), Some(disk)) => {
+                if !disk.contains(hash) {
+                    // Findable from here until its file is written.
+                    disk.queued(hash, block.clone());
+                    if !spill.offer(hash, block) {
+                        disk.unqueued(hash);
+                        disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            _ => self.evicted.offer(hash, block),
+        }
+    }
+}
+
 /// The host-memory tier (G2): blocks by sequence hash, bounded in bytes.
 #[derive(Clone)]
 pub struct HostTier {
-    cache: moka::sync::Cache<SequenceHash, Arc<HostBlock>>,
+    cache: moka::sync::Cache<SequenceHash, Held>,
+    /// Each tenant's share of the tier.
+    fair: Arc<FairShare<SequenceHash>>,
+    evictions: Arc<Evictions>,
     events: PendingEvents,
     capacity_bytes: u64,
     /// Bytes each block counts for, if modelled (else its own length).
@@ -74,6 +119,12 @@ impl std::fmt::Debug for HostTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostTier").field("capacity_bytes", &self.capacity_bytes).field("blocks", &self.cache.entry_count()).field("disk", &self.disk).finish()
     }
+}
+
+/// What a block counts for against the tier's bytes: its own length, or
+/// the modelled block size.
+fn weight(modelled_block_bytes: Option<u64>, block: &HostBlock) -> u64 {
+    modelled_block_bytes.unwrap_or(block.bytes.len() as u64)
 }
 
 impl HostTier {
@@ -122,38 +173,25 @@ impl HostTier {
         let stats = Arc::new(TierStats::default());
         let (disk, spill) = disk.unzip();
         let evicted = EvictionSink::default();
+        let fair = Arc::new(FairShare::new(capacity_bytes));
+        let evictions = Arc::new(Evictions { events: events.clone(), stats: stats.clone(), disk: disk.clone(), spill, evicted: evicted.clone() });
         let cache = {
-            let events = events.clone();
-            let stats = stats.clone();
-            let disk = disk.clone();
-            let evicted = evicted.clone();
+            let fair = fair.clone();
+            let evictions = evictions.clone();
             moka::sync::Cache::builder()
                 .max_capacity(capacity_bytes)
-                .weigher(move |_, block: &Arc<HostBlock>| u32::try_from(modelled_block_bytes.unwrap_or(block.bytes.len() as u64)).unwrap_or(u32::MAX))
+                .weigher(move |_, held: &Held| u32::try_from(weight(modelled_block_bytes, &held.block)).unwrap_or(u32::MAX))
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .eviction_listener(move |hash: Arc<SequenceHash>, block: Arc<HostBlock>, cause| {
-                    if !cause.was_evicted() {
-                        return;
-                    }
-                    stats.evicted_blocks.fetch_add(1, Ordering::Relaxed);
-                    push_removed(&events, *hash, Tier::Host);
-                    match (&spill, &disk) {
-                        (Some(spill), Some(disk)) => {
-                            if !disk.contains(*hash) {
-                                // Findable from here until its file is written.
-                                disk.queued(*hash, block.clone());
-                                if !spill.offer(*hash, block) {
-                                    disk.unqueued(*hash);
-                                    disk.stats().offloads_skipped.fetch_add(1, Ordering::Relaxed);
-                                }
-                            }
-                        }
-                        _ => evicted.offer(*hash, block),
+                .eviction_listener(move |hash: Arc<SequenceHash>, held: Held, cause| {
+                    // Every block leaving (replaced, removed, evicted) leaves the books.
+                    fair.remove(held.block.tenant, held.stamp, weight(modelled_block_bytes, &held.block));
+                    if cause.was_evicted() {
+                        evictions.evicted(*hash, held.block);
                     }
                 })
                 .build()
         };
-        Self { cache, events, capacity_bytes, modelled_block_bytes, stats, disk, evicted }
+        Self { cache, fair, evictions, events, capacity_bytes, modelled_block_bytes, stats, disk, evicted }
     }
 
     /// Where this tier's evictions go besides a disk.
@@ -208,11 +246,41 @@ impl HostTier {
         // never sees a block removed before it was stored.
         self.events.lock().push(KvEvent::Stored { parent: first.parent, blocks: stored, tier: Tier::Host });
         for (hash, block) in blocks {
-            self.stats.offloaded_bytes.fetch_add(self.modelled_block_bytes.unwrap_or(block.bytes.len() as u64), Ordering::Relaxed);
+            let bytes = weight(self.modelled_block_bytes, &block);
+            self.stats.offloaded_bytes.fetch_add(bytes, Ordering::Relaxed);
             self.stats.offloaded_blocks.fetch_add(1, Ordering::Relaxed);
-            self.cache.insert(hash, block);
+            self.make_room_fairly(block.tenant, bytes);
+            // Counted before it is in, so that its eviction always finds it counted.
+            let stamp = self.fair.stamp();
+            self.fair.add(block.tenant, stamp, hash, bytes);
+            self.cache.insert(hash, Held { block, stamp });
         }
         self.cache.run_pending_tasks();
+    }
+
+    /// Makes room for `tenant` to store a block of `bytes` from tenants
+    /// above their fair share ([`FairShare`]), evicting their least
+    /// recently stored blocks as least recently used ones are evicted
+    /// (down to the disk, announced, counted).
+    fn make_room_fairly(&self, tenant: KvTenant, bytes: u64) {
+        // Bounded: a block another thread changed meanwhile ends the round
+        // (least recently used then decides).
+        for _ in 0..EVICTIONS_PER_PUT {
+            let Some((stamp, hash)) = self.fair.victim(tenant, bytes) else { return };
+            // Removed only if it is still the block the books name.
+            let outcome = self.cache.entry(hash).and_compute_with(|held| match held {
+                Some(held) if held.value().stamp == stamp => Op::Remove,
+                _ => Op::Nop,
+            });
+            let CompResult::Removed(entry) = outcome else { return };
+            self.stats.fair_share_evictions.fetch_add(1, Ordering::Relaxed);
+            self.evictions.evicted(hash, entry.into_value().block);
+        }
+    }
+
+    /// Bytes `tenant`'s blocks hold in the tier.
+    pub fn bytes_of(&self, tenant: KvTenant) -> u64 {
+        self.fair.bytes_of(tenant)
     }
 
     /// The leading blocks of `hashes` the tier holds, checked against their
@@ -220,7 +288,7 @@ impl HostTier {
     pub fn lookup_run(&self, hashes: &[BlockHashes]) -> Vec<Arc<HostBlock>> {
         let mut run = Vec::new();
         for hashes in hashes {
-            let Some(block) = self.cache.get(&hashes.sequence) else { break };
+            let Some(Held { block, .. }) = self.cache.get(&hashes.sequence) else { break };
             if !block.is_intact() || block.local != hashes.local {
                 self.stats.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(sequence_hash = hashes.sequence.0, "a host-tier KV block failed its checksum; dropped, computing it instead");
@@ -241,7 +309,7 @@ impl HostTier {
 
     /// Every block the tier holds, for a dump.
     pub fn cached_blocks(&self) -> Vec<CachedBlock> {
-        self.cache.iter().map(|(hash, block)| CachedBlock { sequence_hash: *hash, local_hash: block.local, tiers: TierSet(Tier::Host.bit()) }).collect()
+        self.cache.iter().map(|(hash, held)| CachedBlock { sequence_hash: *hash, local_hash: held.block.local, tiers: TierSet(Tier::Host.bit()) }).collect()
     }
 
     /// Moves the tier's events since the last call into `out`, then the
@@ -257,13 +325,15 @@ impl HostTier {
     /// corrupt the tier. Returns whether the block was held.
     #[doc(hidden)]
     pub fn corrupt_for_test(&self, hash: SequenceHash) -> bool {
-        let Some(block) = self.cache.get(&hash) else { return false };
+        let Some(Held { block, .. }) = self.cache.get(&hash) else { return false };
         let mut bytes = block.bytes.to_vec();
         bytes[0] ^= 0xff;
-        self.cache.insert(
-            hash,
-            Arc::new(HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into_boxed_slice(), tenant: block.tenant }),
-        );
+        let corrupt = HostBlock { local: block.local, parent: block.parent, checksum: block.checksum, bytes: bytes.into_boxed_slice(), tenant: block.tenant };
+        // Counted anew: the replaced block leaves the books.
+        let stamp = self.fair.stamp();
+        self.fair.add(block.tenant, stamp, hash, weight(self.modelled_block_bytes, &block));
+        self.cache.insert(hash, Held { block: Arc::new(corrupt), stamp });
+        self.cache.run_pending_tasks();
         true
     }
 }
@@ -300,6 +370,74 @@ mod tests {
         // The most recent blocks stay.
         assert_eq!(tier.lookup_run(&[hashes(9)]).len(), 1);
         assert_eq!(tier.lookup_run(&[hashes(0)]).len(), 0);
+    }
+
+    fn of(tenant: &str, byte: u8, len: usize) -> Arc<HostBlock> {
+        Arc::new(HostBlock { tenant: turbine_kv::KvTenant::of(&[tenant]), ..block(byte, len) })
+    }
+
+    /// One tenant storing far past the tier evicts its own blocks: another
+    /// tenant's prefix, under its share, stays whole, and the blocks
+    /// evicted for fairness go down to the disk as any eviction does.
+    #[test]
+    fn a_flooding_tenant_evicts_its_own_blocks_not_anothers() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = DiskTier::open(dir.path(), 1 << 30, 7).unwrap();
+        let tier = HostTier::with_disk(10 * 1024, disk.clone());
+        let prefix: Vec<_> = (0..3u8).map(|n| (SequenceHash(1000 + u64::from(n)), of("b", n, 1024))).collect();
+        tier.insert_shared_run(prefix.clone());
+        for n in 10..110u8 {
+            tier.insert_shared_run(vec![(SequenceHash(1000 + u64::from(n)), of("a", n, 1024))]);
+        }
+        assert!(tier.used_bytes() <= 10 * 1024, "{} bytes held", tier.used_bytes());
+        assert_eq!(tier.lookup_run(&[hashes(0), hashes(1), hashes(2)]).len(), 3, "b's prefix is whole");
+        assert_eq!(tier.bytes_of(turbine_kv::KvTenant::of(&["b"])), 3 * 1024);
+        assert!(tier.bytes_of(turbine_kv::KvTenant::of(&["a"])) <= 7 * 1024);
+        let fair = tier.stats().fair_share_evictions.load(Ordering::Relaxed);
+        assert!(fair >= 90, "a's flood evicted a's own blocks ({fair})");
+        assert_eq!(tier.stats().evicted_blocks.load(Ordering::Relaxed), 93, "every block a stored past 7 was evicted, and counted");
+        let mut events = Vec::new();
+        tier.drain_events(&mut events);
+        let removed: Vec<SequenceHash> = events
+            .iter()
+            .filter_map(|e| if let KvEvent::Removed { sequence_hashes, tier: Tier::Host } = e { Some(sequence_hashes.clone()) } else { None })
+            .flatten()
+            .collect();
+        assert_eq!(removed.len(), 93, "each eviction announced");
+        assert!(!removed.iter().any(|hash| prefix.iter().any(|(b, _)| b == hash)), "none of b's");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while disk.stats().offloaded_blocks.load(Ordering::Relaxed) < 93 {
+            assert!(std::time::Instant::now() < deadline, "the disk writer wrote {} of 93", disk.stats().offloaded_blocks.load(Ordering::Relaxed));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(disk.read_run(&[hashes(10)]).len(), 1, "a's oldest block went down to the disk");
+
+        // Unnamed (every block the shared namespace's): least recently
+        // used takes the prefix.
+        let plain = HostTier::new(10 * 1024);
+        plain.insert_run((0..3u8).map(|n| (SequenceHash(1000 + u64::from(n)), block(n, 1024))).collect());
+        for n in 10..110u8 {
+            plain.insert_run(vec![(SequenceHash(1000 + u64::from(n)), block(n, 1024))]);
+        }
+        assert!(plain.lookup_run(&[hashes(0)]).is_empty());
+        assert_eq!(plain.stats().fair_share_evictions.load(Ordering::Relaxed), 0);
+    }
+
+    /// A newcomer's room comes from the tenant above its share, oldest
+    /// first; a replaced block leaves the books.
+    #[test]
+    fn a_newcomer_takes_room_from_the_tenant_above_its_share() {
+        let tier = HostTier::new(8 * 1024);
+        for n in 0..8u8 {
+            tier.insert_shared_run(vec![(SequenceHash(1000 + u64::from(n)), of("a", n, 1024))]);
+        }
+        assert_eq!(tier.stats().evicted_blocks.load(Ordering::Relaxed), 0);
+        tier.insert_shared_run(vec![(SequenceHash(2000), of("b", 50, 1024))]);
+        assert_eq!(tier.stats().fair_share_evictions.load(Ordering::Relaxed), 1);
+        assert!(!tier.contains(SequenceHash(1000)), "a's oldest made room");
+        assert!(tier.contains(SequenceHash(1001)) && tier.contains(SequenceHash(2000)));
+        assert!(tier.corrupt_for_test(SequenceHash(1001)));
+        assert_eq!(tier.bytes_of(turbine_kv::KvTenant::of(&["a"])), 7 * 1024, "the replaced block counted once");
     }
 
     /// A burst of evictions far past what one write keeps up with (here

@@ -96,6 +96,10 @@ pub struct TierStats {
     pub corrupt_blocks: AtomicU64,
     /// Blocks evicted for room.
     pub evicted_blocks: AtomicU64,
+    /// Of `evicted_blocks`, those evicted because their tenant held more
+    /// than its fair share of the tier (its capacity over the tenants
+    /// holding blocks) when another block needed room.
+    pub fair_share_evictions: AtomicU64,
 }
 
 /// Events of a tier, waiting for the engine loop to number them.
