@@ -118,7 +118,7 @@ pub fn run(args: &IndexerBenchArgs) -> anyhow::Result<IndexerReport> {
         let hashes: Vec<SequenceHash> = chain.iter().map(|b| b.sequence).collect();
         let cached = manager.match_prefix(&hashes);
         let mut table = manager.acquire_cached(&hashes[..cached]);
-        table.extend(manager.allocate(chain.len() - cached).expect("the pool fits the longest prompt"));
+        table.extend(manager.allocate(chain.len() - cached, turbine_kv::KvTenant::SHARED).expect("the pool fits the longest prompt"));
         let parent = cached.checked_sub(1).map(|i| hashes[i]);
         let fresh: Vec<(u32, BlockHashes)> = table[cached..].iter().copied().zip(chain[cached..].iter().copied()).collect();
         manager.register(parent, turbine_kv::KvTenant::SHARED, &fresh);

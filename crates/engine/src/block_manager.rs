@@ -8,6 +8,18 @@
 //! needed; then the least recently released is evicted. Free blocks without
 //! a hash are reused first.
 //!
+//! Tenants share the cache fairly, as the tiers below do
+//! (`turbine_kv::fair`): each cached block is its registering sequence's
+//! tenant's, and a block allocated for a tenant while blocks of several
+//! tenants are cached is, when it must evict, taken first from a tenant
+//! above its share (the pool over the tenants holding cached blocks, the
+//! allocating one counted): another tenant holding more than the allocator
+//! (counting the block) gives up its least recently released block, else
+//! the allocator its own if it is above its share, else any tenant above
+//! its share. So one tenant's flood of new prompts evicts its own blocks,
+//! not another's prefixes. Below every share, or with one tenant, least
+//! recently released decides; blocks in use are never taken.
+//!
 //! Every change to the set of cached blocks is recorded as a [`KvEvent`]
 //! (only newly stored blocks emit `Stored`), for the router's index.
 
@@ -31,6 +43,21 @@ struct BlockMeta {
     prev: u32,
     next: u32,
     in_lru: bool,
+    /// Whose block it is (meaningful while `hash` is set).
+    tenant: KvTenant,
+    /// Links of its tenant's eviction list (while `in_lru`).
+    tenant_prev: u32,
+    tenant_next: u32,
+}
+
+/// One tenant's cached blocks.
+#[derive(Debug, Clone, Copy)]
+struct TenantBlocks {
+    /// Its cached blocks, referenced or free.
+    cached: usize,
+    /// Its free cached blocks, least recently released at `head`.
+    head: u32,
+    tail: u32,
 }
 
 /// The pool of KV blocks, the prefix cache and its eviction order.
@@ -46,6 +73,11 @@ pub struct BlockManager {
     lru_len: usize,
     /// Registered blocks by sequence hash.
     cached: HashMap<SequenceHash, BlockId>,
+    /// Tenants holding cached blocks.
+    tenants: HashMap<KvTenant, TenantBlocks>,
+    /// Free cached blocks evicted because their tenant held more than its
+    /// share, since start.
+    fair_share_evictions: u64,
     prefix_caching: bool,
     events: Vec<KvEvent>,
     /// Newly registered blocks, kept for [`take_stored`](Self::take_stored)
@@ -72,7 +104,20 @@ impl BlockManager {
     pub fn new(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
         assert!(block_size > 0 && num_blocks > 0, "pool must have blocks of positive size");
         assert!(num_blocks < NIL as usize, "too many blocks");
-        let blocks = vec![BlockMeta { ref_count: 0, hash: None, local: LocalBlockHash(0), prev: NIL, next: NIL, in_lru: false }; num_blocks];
+        let blocks = vec![
+            BlockMeta {
+                ref_count: 0,
+                hash: None,
+                local: LocalBlockHash(0),
+                prev: NIL,
+                next: NIL,
+                in_lru: false,
+                tenant: KvTenant::SHARED,
+                tenant_prev: NIL,
+                tenant_next: NIL,
+            };
+            num_blocks
+        ];
         // Pop order 0, 1, 2, ... for readable block tables.
         let free_uncached = (0..num_blocks as BlockId).rev().collect();
         Self {
@@ -83,6 +128,8 @@ impl BlockManager {
             lru_tail: NIL,
             lru_len: 0,
             cached: HashMap::new(),
+            tenants: HashMap::new(),
+            fair_share_evictions: 0,
             prefix_caching,
             events: Vec::new(),
             stored: None,
@@ -174,9 +221,10 @@ impl BlockManager {
             .collect()
     }
 
-    /// Allocates `count` blocks, evicting least recently used cached blocks
-    /// if needed. Returns `None`, changing nothing, when fewer are free.
-    pub fn allocate(&mut self, count: usize) -> Option<Vec<BlockId>> {
+    /// Allocates `count` blocks for a sequence of `tenant`, evicting cached
+    /// blocks if needed (fair shares first, then least recently released).
+    /// Returns `None`, changing nothing, when fewer are free.
+    pub fn allocate(&mut self, count: usize, tenant: KvTenant) -> Option<Vec<BlockId>> {
         if count > self.num_free() {
             return None;
         }
@@ -184,7 +232,7 @@ impl BlockManager {
         for _ in 0..count {
             let block = match self.free_uncached.pop() {
                 Some(block) => block,
-                None => self.evict_one(),
+                None => self.evict_one(tenant),
             };
             debug_assert_eq!(self.blocks[block as usize].ref_count, 0);
             self.blocks[block as usize].ref_count = 1;
@@ -211,6 +259,8 @@ impl BlockManager {
                 self.cached.insert(hashes.sequence, block);
                 self.blocks[block as usize].hash = Some(hashes.sequence);
                 self.blocks[block as usize].local = hashes.local;
+                self.blocks[block as usize].tenant = tenant;
+                self.tenants.entry(tenant).or_insert(TenantBlocks { cached: 0, head: NIL, tail: NIL }).cached += 1;
                 if run.is_empty() {
                     run_parent = previous;
                 }
@@ -255,6 +305,7 @@ impl BlockManager {
             self.lru_unlink(block);
             if let Some(hash) = self.blocks[block as usize].hash.take() {
                 self.cached.remove(&hash);
+                self.uncount(block);
                 removed.push(hash);
             }
             self.free_uncached.push(block);
@@ -289,12 +340,60 @@ impl BlockManager {
         self.blocks[block as usize].hash
     }
 
-    fn evict_one(&mut self) -> BlockId {
-        let block = self.lru_head;
+    /// Free cached blocks evicted because their tenant held more than its
+    /// share of the pool, since start.
+    pub fn fair_share_evictions(&self) -> u64 {
+        self.fair_share_evictions
+    }
+
+    /// Cached blocks (referenced or free) of `tenant`.
+    pub fn cached_of(&self, tenant: KvTenant) -> usize {
+        self.tenants.get(&tenant).map_or(0, |blocks| blocks.cached)
+    }
+
+    /// The free cached block to evict for a block of `tenant`: the least
+    /// recently released of a tenant above its share (another holding more
+    /// than `tenant` would with the block, else `tenant` itself, else the
+    /// one holding the most; only tenants with a free cached block count);
+    /// else the least recently released of all.
+    fn victim(&self, tenant: KvTenant) -> BlockId {
+        let tenants = self.tenants.len() + usize::from(!self.tenants.contains_key(&tenant));
+        if tenants < 2 {
+            return self.lru_head;
+        }
+        let share = self.blocks.len() / tenants;
+        let own = self.cached_of(tenant) + 1;
+        let freeable = |(_, blocks): &(&KvTenant, &TenantBlocks)| blocks.cached > share && blocks.head != NIL;
+        let largest_other = self.tenants.iter().filter(|(other, _)| **other != tenant).filter(freeable).max_by_key(|(_, blocks)| blocks.cached);
+        match (largest_other, self.tenants.get(&tenant)) {
+            (Some((_, other)), _) if other.cached > own => other.head,
+            (_, Some(mine)) if own > share && mine.head != NIL => mine.head,
+            (Some((_, other)), _) => other.head,
+            _ => self.lru_head,
+        }
+    }
+
+    /// Takes a block leaving the cache out of its tenant's count.
+    fn uncount(&mut self, block: BlockId) {
+        let tenant = self.blocks[block as usize].tenant;
+        if let Some(blocks) = self.tenants.get_mut(&tenant) {
+            blocks.cached -= 1;
+            if blocks.cached == 0 {
+                self.tenants.remove(&tenant);
+            }
+        }
+    }
+
+    fn evict_one(&mut self, tenant: KvTenant) -> BlockId {
+        let block = self.victim(tenant);
         assert_ne!(block, NIL, "evict_one called with no free cached block");
+        if block != self.lru_head {
+            self.fair_share_evictions += 1;
+        }
         self.lru_unlink(block);
         let hash = self.blocks[block as usize].hash.take().expect("lru blocks are cached");
         self.cached.remove(&hash);
+        self.uncount(block);
         match self.events.last_mut() {
             Some(KvEvent::Removed { sequence_hashes, .. }) => sequence_hashes.push(hash),
             _ => self.events.push(KvEvent::Removed { sequence_hashes: vec![hash], tier: Tier::Device }),
@@ -318,6 +417,17 @@ impl BlockManager {
         }
         self.lru_tail = block;
         self.lru_len += 1;
+        let tenant = self.blocks[block as usize].tenant;
+        let blocks = self.tenants.get_mut(&tenant).expect("a cached block's tenant is counted");
+        let tail = std::mem::replace(&mut blocks.tail, block);
+        if tail == NIL {
+            blocks.head = block;
+        } else {
+            self.blocks[tail as usize].tenant_next = block;
+        }
+        let meta = &mut self.blocks[block as usize];
+        meta.tenant_prev = tail;
+        meta.tenant_next = NIL;
     }
 
     fn lru_unlink(&mut self, block: BlockId) {
@@ -338,6 +448,21 @@ impl BlockManager {
             self.blocks[next as usize].prev = prev;
         }
         self.lru_len -= 1;
+        let (tenant, prev, next) = {
+            let meta = &mut self.blocks[block as usize];
+            (meta.tenant, std::mem::replace(&mut meta.tenant_prev, NIL), std::mem::replace(&mut meta.tenant_next, NIL))
+        };
+        let blocks = self.tenants.get_mut(&tenant).expect("a cached block's tenant is counted");
+        if prev == NIL {
+            blocks.head = next;
+        } else {
+            self.blocks[prev as usize].tenant_next = next;
+        }
+        if next == NIL {
+            blocks.tail = prev;
+        } else {
+            self.blocks[next as usize].tenant_prev = prev;
+        }
     }
 
     /// Checks every internal invariant; panics with a description if one
@@ -369,6 +494,22 @@ impl BlockManager {
         }
         let hashed = self.blocks.iter().filter(|meta| meta.hash.is_some()).count();
         assert_eq!(hashed, self.cached.len(), "every hashed block is in the cache map");
+        let mut in_tenant_lists = 0;
+        for (tenant, blocks) in &self.tenants {
+            let held = self.blocks.iter().filter(|meta| meta.hash.is_some() && meta.tenant == *tenant).count();
+            assert!(blocks.cached > 0 && blocks.cached == held, "tenant {tenant:?} counts {} cached blocks, holds {held}", blocks.cached);
+            let (mut cursor, mut previous) = (blocks.head, NIL);
+            while cursor != NIL {
+                let meta = &self.blocks[cursor as usize];
+                assert!(meta.in_lru && meta.tenant == *tenant, "bad tenant lru block {cursor}");
+                assert_eq!(meta.tenant_prev, previous, "broken tenant lru back link at {cursor}");
+                previous = cursor;
+                cursor = meta.tenant_next;
+                in_tenant_lists += 1;
+            }
+            assert_eq!(previous, blocks.tail, "tenant lru tail");
+        }
+        assert_eq!(in_tenant_lists, self.lru_len, "every free cached block is in its tenant's list");
     }
 }
 

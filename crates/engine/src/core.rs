@@ -66,6 +66,10 @@ pub struct EngineStats {
     pub cached_prompt_tokens: AtomicU64,
     /// Preemptions since start.
     pub preemptions: AtomicU64,
+    /// Cached pool blocks evicted because their tenant held more than its
+    /// share of the pool (the pool over the tenants holding cached blocks),
+    /// since start.
+    pub fair_share_evictions: AtomicU64,
     /// Nanoseconds spent executing steps since start.
     pub busy_nanos: AtomicU64,
     /// Blocks installed from other workers since start.
@@ -837,6 +841,7 @@ impl EngineLoop {
             }
         }
         self.stats.preemptions.store(self.scheduler.total_preemptions(), Ordering::Relaxed);
+        self.stats.fair_share_evictions.store(self.scheduler.fair_share_evictions(), Ordering::Relaxed);
         self.publish();
     }
 

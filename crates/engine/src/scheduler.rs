@@ -530,6 +530,12 @@ impl Scheduler {
         self.total_preemptions
     }
 
+    /// Cached pool blocks evicted because their tenant held more than its
+    /// share of the pool, since start.
+    pub fn fair_share_evictions(&self) -> u64 {
+        self.blocks.fair_share_evictions()
+    }
+
     /// The block pool (read-only).
     pub fn block_manager(&self) -> &BlockManager {
         &self.blocks
@@ -583,7 +589,7 @@ impl Scheduler {
             if needed == 0 {
                 return true;
             }
-            if let Some(new_blocks) = self.blocks.allocate(needed) {
+            if let Some(new_blocks) = self.blocks.allocate(needed, sequence.kv_tenant) {
                 self.sequences.get_mut(&seq_id).expect("running sequence exists").blocks.extend(new_blocks);
                 return true;
             }
@@ -666,7 +672,7 @@ impl Scheduler {
                 break;
             }
             let mut table = self.blocks.acquire_cached(&wanted[..hit]);
-            table.extend(self.blocks.allocate(new_blocks).expect("checked free blocks"));
+            table.extend(self.blocks.allocate(new_blocks, sequence.kv_tenant).expect("checked free blocks"));
             let sequence = self.sequences.get_mut(&seq_id).expect("waiting sequence exists");
             sequence.blocks = table;
             sequence.num_computed = num_computed;
@@ -842,7 +848,7 @@ impl Scheduler {
         }
         let mut filled = Vec::with_capacity(hashes.len());
         for (index, &block_hashes) in hashes.iter().enumerate() {
-            let Some(block) = self.blocks.allocate(1).map(|blocks| blocks[0]) else { break };
+            let Some(block) = self.blocks.allocate(1, tenant).map(|blocks| blocks[0]) else { break };
             if !write(block, index) {
                 self.blocks.release([block]);
                 break;

@@ -110,6 +110,7 @@ pub struct EngineCollector {
     prefill: IntCounter,
     cached: IntCounter,
     preemptions: IntCounter,
+    pool_fair_share_evictions: IntCounter,
     onboarded: IntCounter,
     host: Option<TierMetrics>,
     disk: Option<TierMetrics>,
@@ -293,6 +294,10 @@ impl EngineCollector {
             prefill: count("turbine_worker_prefill_tokens_total", "Prompt tokens computed"),
             cached: count("turbine_worker_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache"),
             preemptions: count("turbine_worker_preemptions_total", "Sequences preempted for lack of KV blocks"),
+            pool_fair_share_evictions: count(
+                "turbine_worker_kv_pool_fair_share_evictions_total",
+                "Cached KV blocks evicted from the pool because their tenant held more than its fair share (the pool over the tenants holding cached blocks) when another needed room",
+            ),
             onboarded: count("turbine_worker_onboarded_prompt_tokens_total", "Prompt tokens onboarded from a tier below the pool (then hits)"),
             descs: Vec::new(),
         };
@@ -311,6 +316,7 @@ impl EngineCollector {
             &self.prefill,
             &self.cached,
             &self.preemptions,
+            &self.pool_fair_share_evictions,
             &self.onboarded,
         ];
         for tier in [&self.host, &self.disk, &self.remote].into_iter().flatten() {
@@ -348,6 +354,7 @@ impl Collector for EngineCollector {
         set_counter(&self.prefill, stats.prefill_tokens.load(Relaxed));
         set_counter(&self.cached, stats.cached_prompt_tokens.load(Relaxed));
         set_counter(&self.preemptions, stats.preemptions.load(Relaxed));
+        set_counter(&self.pool_fair_share_evictions, stats.fair_share_evictions.load(Relaxed));
         set_counter(&self.onboarded, stats.onboarded_prompt_tokens.load(Relaxed));
         if let (Some(metrics), Some(host)) = (&self.host, self.engine.host_tier()) {
             metrics.update(host.blocks(), host.used_bytes(), host.capacity_bytes(), host.stats(), host.stats().failures.load(Relaxed));

@@ -200,6 +200,58 @@ async fn a_flooding_tenant_leaves_anothers_prompt_in_the_host_tier() {
     assert_eq!((onboarded, fair), (0.0, 0.0), "without tenants the flood took b's prompt");
 }
 
+/// Tenants' fair shares of the pool itself, on the real model with no tier
+/// below it: tenant a's prompts, each finished before the next, evict a's
+/// own cached blocks, and tenant b's prompt, under its share, is still a
+/// prefix hit after them. In the shared namespace least recently released
+/// takes it.
+#[tokio::test]
+async fn a_flooding_tenant_leaves_anothers_prefix_in_the_pool() {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    let prompt = |text: &str, len: usize| tokens.encode_text(&text.repeat(20)).unwrap()[..len].to_vec();
+    let b = prompt("Lighthouses guide ships past the rocks at night. ", 64);
+    let flood: Vec<Vec<u32>> = [
+        "Wheat grows tall in the summer sun. ",
+        "Trains leave the station on the hour. ",
+        "Snow falls softly on the quiet hills. ",
+        "Kites rise over the beach in the wind. ",
+        "Clocks tick in the empty hall. ",
+        "Rain drums on the tin roof. ",
+    ]
+    .iter()
+    .map(|text| prompt(text, 48))
+    .collect();
+    let as_tenant = |prompt: &[u32], tenant: Option<&str>| pb::GenerateRequest {
+        kv_tenant: tenant.map_or(0, |tenant| turbine_kv::KvTenant::of(&[tenant]).get()),
+        ..greedy(prompt, 4)
+    };
+    // Per run: the tokens of b's repeat served from the pool, and the
+    // blocks the pool evicted for fairness.
+    let run = async |tenants: bool| {
+        // 11 blocks of 16 tokens: b's 4 are under its share, a's six prompts
+        // of 4 blocks each far over it.
+        let worker = native_worker(&["--kv-cache-mib", "4"]).await;
+        let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
+        let admin = worker.admin_url();
+        let computed = generate(client.clone(), as_tenant(&b, tenants.then_some("b"))).await.unwrap().0;
+        for prompt in &flood {
+            generate(client.clone(), as_tenant(prompt, tenants.then_some("a"))).await.unwrap();
+        }
+        let before = metric(&admin, "turbine_worker_cached_prompt_tokens_total").await;
+        let (again, _) = generate(client.clone(), as_tenant(&b, tenants.then_some("b"))).await.unwrap();
+        assert_eq!(again, computed, "b's repeat gives the computed tokens");
+        let cached = metric(&admin, "turbine_worker_cached_prompt_tokens_total").await - before;
+        (cached, metric(&admin, "turbine_worker_kv_pool_fair_share_evictions_total").await)
+    };
+    let (cached, fair) = run(true).await;
+    // Of b's 4 full blocks, 3 can be hits (its last token is computed).
+    assert_eq!(cached, 48.0, "b's prefix was still in the pool");
+    assert!(fair >= 8.0, "a's prompts evicted a's own blocks ({fair})");
+    let (cached, fair) = run(false).await;
+    assert_eq!((cached, fair), (0.0, 0.0), "without tenants a's prompts took b's prefix");
+}
+
 /// `--disk-cache-dir`: with a host tier of two blocks, a prompt pushed
 /// out of the pool comes back from disk with its computed tokens, and
 /// again after the worker restarts (same id, same directory).
