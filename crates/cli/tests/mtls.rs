@@ -591,7 +591,7 @@ async fn the_gateways_public_ports_serve_tls_to_clients_without_certificates() {
     // gRPC Inference over TLS, no client certificate, the key in metadata.
     let tls_config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(public_ca.pem())).domain_name("localhost");
     let grpc = gateway.addresses().grpc;
-    let channel = tonic::transport::Endpoint::from_shared(format!("https://{grpc}")).unwrap().tls_config(tls_config).unwrap().connect().await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{grpc}")).unwrap().tls_config(tls_config.clone()).unwrap().connect().await.unwrap();
     let mut inference = api::inference_client::InferenceClient::new(channel);
     let generate = api::GenerateRequest {
         model: MODEL.into(),
@@ -626,9 +626,12 @@ async fn the_gateways_public_ports_serve_tls_to_clients_without_certificates() {
     }
     assert!(cut.is_some(), "a client refused its key call after call on one connection loses it");
     assert!(turbine_testkit::metric_where(&gateway.admin_url(), "turbine_grpc_connections_struck_off_total", &[]).await >= 1.0);
+    // A connection of its own (the old channel's reconnect may race the
+    // closing one's last frames): served with the key.
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{grpc}")).unwrap().tls_config(tls_config).unwrap().connect().await.unwrap();
     let mut request = tonic::Request::new(generate);
     request.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
-    inference.generate(request).await.expect("served on a new connection");
+    api::inference_client::InferenceClient::new(channel).generate(request).await.expect("served on a new connection");
 
     // The same over REST: keys guessed on one kept-alive HTTPS connection
     // are answered 401 until the connection is cut (a request gets no
