@@ -5,7 +5,7 @@ use turbine_runtime::CancellationToken;
 
 /// Runs everything until SIGTERM/SIGINT, then drains and returns.
 pub async fn run(config: RunConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let (workers, keys) = (config.roles().len(), config.gateway.api_keys.is_some());
+    let (workers, keys) = (config.roles().len(), config.gateway.keys_required());
     let cluster = Cluster::start(config, ClusterOptions { progress: true, ..ClusterOptions::default() }, shutdown).await?;
     print_banner(&cluster, workers, keys);
     cluster.finished().await

@@ -160,3 +160,103 @@ async fn turbine_run_serves_its_api_over_tls_with_a_public_certificate() {
     assert!(plaintext.is_err(), "a plaintext request was answered: {plaintext:?}");
     drop(turbine);
 }
+
+/// API keys in Postgres: `turbine keys new --database` adds a key once and
+/// both `turbine run`s reading the database accept it; `turbine keys
+/// revoke` has both refuse it without a restart, and the other key
+/// answers on; the planner's ledger shares the database either side of
+/// the gateways' table; with Postgres gone the keys last read stay in
+/// force.
+#[tokio::test]
+async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
+    let mut postgres = turbine_testkit::PostgresServer::start();
+    postgres.create_database("turbine");
+    let url = postgres.url("turbine");
+    // The planner's state first: the two share one database.
+    turbine_planner::ledger::Ledger::open(&url, "default").await.expect("the planner's schema");
+    let keys = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_turbine")).arg("keys").args(args).args(["--database", &url]).output().unwrap();
+    let made = |output: std::process::Output| {
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap().trim().to_owned()
+    };
+    let alice = made(keys(&["new", "--name", "alice", "--tenant", "a"]));
+    let bob = made(keys(&["new", "--name", "bob", "--tenant", "b", "--requests-per-minute", "600"]));
+    assert!(alice.starts_with("tk_") && alice != bob, "{alice} {bob}");
+    let again = keys(&["new", "--name", "alice", "--tenant", "c"]);
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already has a key named \"alice\""), "{again:?}");
+
+    let mut gateways = Vec::new();
+    for _ in 0..2 {
+        let (addresses_dir, addresses) = addresses_file().unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_turbine"));
+        command
+            .args([
+                "run",
+                "--engine",
+                "mock",
+                "--speedup",
+                "1000",
+                "--http-port",
+                "0",
+                "--grpc-port",
+                "0",
+                "--api-keys-reload-secs",
+                "1",
+                "--api-keys-database",
+                &url,
+            ])
+            .arg("--addresses-file")
+            .arg(&addresses);
+        gateways.push(ServiceProcess::spawn_with_addresses_file("turbine run", command, addresses_dir, addresses).await.unwrap());
+    }
+    let client = reqwest::Client::builder().timeout(std::time::Duration::from_secs(30)).build().unwrap();
+    let status = async |base: &str, key: Option<&str>| {
+        let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 3});
+        let request = client.post(format!("{base}/v1/completions")).json(&body);
+        let request = match key {
+            Some(key) => request.bearer_auth(key),
+            None => request,
+        };
+        request.send().await.unwrap().status().as_u16()
+    };
+    for gateway in &gateways {
+        let base = gateway.http_url();
+        turbine_testkit::wait_until("the gateway serves a key holder", turbine_testkit::STARTUP_TIMEOUT, async || status(&base, Some(&alice)).await == 200)
+            .await;
+        assert_eq!((status(&base, Some(&bob)).await, status(&base, None).await, status(&base, Some("tk_guess")).await), (200, 401, 401));
+    }
+
+    // Revoked once, refused by both.
+    made(keys(&["revoke", "--name", "alice"]));
+    for gateway in &gateways {
+        let base = gateway.http_url();
+        // Four times a second: 401s past 16 at once, then one a second, on
+        // one connection lose it.
+        turbine_testkit::poll_until("the revoked key is refused", std::time::Duration::from_secs(30), std::time::Duration::from_millis(250), async || {
+            status(&base, Some(&alice)).await == 401
+        })
+        .await;
+        assert_eq!(status(&base, Some(&bob)).await, 200, "the other key answers on");
+    }
+    let listed = made(keys(&["list"]));
+    let line = |name: &str| listed.lines().find(|line| line.starts_with(name)).unwrap_or_else(|| panic!("{name} listed: {listed}")).to_owned();
+    assert!(!line("alice").ends_with(" -") && line("bob").ends_with(" -"), "alice revoked, bob in force:\n{listed}");
+    assert!(line("bob").contains("600"), "its limit: {listed}");
+    assert!(!listed.contains(&alice) && !listed.contains(&bob), "never a key: {listed}");
+    let twice = keys(&["revoke", "--name", "alice"]);
+    assert!(!twice.status.success() && String::from_utf8_lossy(&twice.stderr).contains("no key in force named \"alice\""), "{twice:?}");
+    // The planner opens the database the gateways migrated too.
+    turbine_planner::ledger::Ledger::open(&url, "default").await.expect("the planner beside the keys table");
+
+    // Postgres gone: the keys last read stay in force.
+    postgres.kill();
+    for gateway in &gateways {
+        let admin = gateway.admin_url();
+        turbine_testkit::wait_until("a reload finds the database gone", std::time::Duration::from_secs(30), async || {
+            turbine_testkit::metric_where(&admin, "turbine_gateway_api_key_reloads_total", &[("outcome", "unreadable")]).await >= 1.0
+        })
+        .await;
+        let base = gateway.http_url();
+        assert_eq!((status(&base, Some(&bob)).await, status(&base, Some(&alice)).await), (200, 401));
+    }
+}

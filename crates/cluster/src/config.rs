@@ -117,11 +117,11 @@ impl Settings for RunConfig {
         if self.workers == 0 {
             return Err(InvalidSetting::new("workers", "must be at least 1"));
         }
-        if !self.host.is_loopback() && !self.insecure && self.gateway.api_keys.is_none() {
+        if !self.host.is_loopback() && !self.insecure && !self.gateway.keys_required() {
             return Err(InvalidSetting::new(
                 "host",
                 format!(
-                    "{} exposes the API and gRPC to other machines with nothing authenticating callers: keep the default loopback (127.0.0.1), require API keys (--api-keys FILE; `turbine keys new` makes them), or pass --insecure on a network you trust entirely",
+                    "{} exposes the API and gRPC to other machines with nothing authenticating callers: keep the default loopback (127.0.0.1), require API keys (--api-keys FILE or --api-keys-database URL; `turbine keys new` makes them), or pass --insecure on a network you trust entirely",
                     self.host
                 ),
             ));

@@ -265,11 +265,11 @@ impl Cluster {
         let mut front_tasks = Vec::new();
         // With API keys, this process asks its gateways with a key of its
         // own, made now and kept in memory only.
-        let own_key = config.gateway.api_keys.is_some().then(turbine_gateway::keys::new_key);
+        let own_key = config.gateway.keys_required().then(turbine_gateway::keys::new_key);
         for (replica, (mut listeners, router)) in gateway_listeners.into_iter().zip(&router_clients).enumerate() {
             // With API keys, /metrics and the probes leave the API's port
             // for one on loopback.
-            if config.gateway.api_keys.is_some() {
+            if config.gateway.keys_required() {
                 listeners.admin = Some(bind(SocketAddr::new([127, 0, 0, 1].into(), 0), "gateway admin").await?);
             }
             let mut gateway = GatewayConfig { admission: config.gateway.clone(), ..GatewayConfig::default() };
@@ -277,7 +277,7 @@ impl Cluster {
             gateway.server.clients = config.clients.clone();
             // With API keys every call of its gRPC API is authenticated by
             // key, as the REST API's are (what --host asks for).
-            gateway.server.insecure = config.insecure || config.gateway.api_keys.is_some();
+            gateway.server.insecure = config.insecure || config.gateway.keys_required();
             if replica == 0 {
                 gateway.server.addresses_file = config.addresses_file.clone();
             }

@@ -55,7 +55,7 @@ impl Settings for GatewayConfig {
 
     fn validate(&self) -> Result<(), InvalidSetting> {
         self.server.validate()?;
-        if self.admission.api_keys.is_some() && self.server.admin_addr.is_none() {
+        if self.admission.keys_required() && self.server.admin_addr.is_none() {
             // Else /metrics would be served on the API's port to anyone,
             // telling one tenant of the others' traffic.
             return Err(InvalidSetting::new(
@@ -63,12 +63,12 @@ impl Settings for GatewayConfig {
                 "with --api-keys, /metrics and the probes need a port of their own, kept off the API's: give --admin-addr (e.g. 0.0.0.0:9090)",
             ));
         }
-        if self.admission.public_tls_cert.is_some() && self.admission.api_keys.is_none() && !self.server.insecure {
+        if self.admission.public_tls_cert.is_some() && !self.admission.keys_required() && !self.server.insecure {
             // Its gRPC would then answer anyone, where under --tls-* alone
             // it answers only holders of the deployment's certificates.
             return Err(InvalidSetting::new(
                 "api_keys",
-                "a public certificate serves clients that hold no certificate, and without keys nothing would authenticate them: give --api-keys FILE (`turbine keys new` makes keys), or --insecure for an API open to anyone who reaches it",
+                "a public certificate serves clients that hold no certificate, and without keys nothing would authenticate them: give --api-keys FILE or --api-keys-database URL (`turbine keys new` makes keys), or --insecure for an API open to anyone who reaches it",
             ));
         }
         self.admission.validate()
@@ -111,12 +111,21 @@ pub struct AdmissionConfig {
     /// gRPC call needs `Authorization: Bearer KEY` (401 / UNAUTHENTICATED
     /// without a known one), and each tenant's requests use a prompt cache
     /// of their own. Unset: no keys, one open namespace (for loopback).
-    #[arg(long, env = "TURBINE_GATEWAY_API_KEYS", value_name = "FILE")]
+    #[arg(long, env = "TURBINE_GATEWAY_API_KEYS", value_name = "FILE", conflicts_with = "api_keys_database")]
     pub api_keys: Option<std::path::PathBuf>,
-    /// How often the API keys file is checked for changes, in seconds: a
-    /// changed file's keys are in force from then on (added keys answer,
-    /// removed ones are refused; a file that does not parse changes
-    /// nothing and is logged). 0: read once, at start.
+    /// The API keys in a database instead of a file: postgres://… (every
+    /// gateway of the namespace reads the same keys; the planner's
+    /// database will do) or sqlite:FILE. `turbine keys new|revoke|list
+    /// --database URL` manages them; the gateway only reads them, and
+    /// makes their table if it is missing. Unreachable at start, the
+    /// gateway does not start; unreachable later, the keys last read stay
+    /// in force. An empty table refuses every call.
+    #[arg(long, env = "TURBINE_GATEWAY_API_KEYS_DATABASE", value_name = "URL")]
+    pub api_keys_database: Option<String>,
+    /// How often the API keys (file or database) are read again, in
+    /// seconds: keys changed are in force from then on (added keys answer,
+    /// removed or revoked ones are refused; a file that does not parse
+    /// changes nothing and is logged). 0: read once, at start.
     #[arg(long, env = "TURBINE_GATEWAY_API_KEYS_RELOAD_SECS", default_value_t = 5)]
     pub api_keys_reload_secs: u64,
     /// A certificate chain (PEM, the gateway's first) its clients verify:
@@ -161,8 +170,21 @@ impl Default for AdmissionConfig {
 }
 
 impl AdmissionConfig {
+    /// Whether callers need API keys (from a file or a database).
+    pub fn keys_required(&self) -> bool {
+        self.api_keys.is_some() || self.api_keys_database.is_some()
+    }
+
     /// Checks values that types alone do not constrain.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
+        if self.api_keys.is_some() && self.api_keys_database.is_some() {
+            return Err(InvalidSetting::new("api_keys_database", "the keys come from a file (--api-keys) or a database (--api-keys-database), not both"));
+        }
+        if let Some(url) = &self.api_keys_database
+            && !["postgres://", "postgresql://", "sqlite:"].iter().any(|scheme| url.starts_with(scheme))
+        {
+            return Err(InvalidSetting::new("api_keys_database", "must start with postgres://, postgresql:// or sqlite:"));
+        }
         if self.max_body_bytes < 1024 {
             return Err(InvalidSetting::new("max_body_bytes", "must be at least 1024"));
         }

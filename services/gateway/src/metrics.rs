@@ -42,7 +42,7 @@ static RATE_LIMITED: LazyLock<IntCounterVec> = LazyLock::new(|| {
 static KEY_RELOADS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_gateway_api_key_reloads_total",
-        "Times the API keys file changed and was read again, by outcome: applied (its keys answer from then on) or refused (unreadable or invalid: the keys before stay in force)",
+        "Times the API keys (file or database) were read again, by outcome: applied (changed: its keys answer from then on), refused (changed but invalid) or unreadable (the file or database did not answer); in the last two the keys before stay in force",
         &["outcome"],
     )
 });

@@ -15,7 +15,7 @@ use turbine_runtime::host::{Host, HostSpec, Listeners, bind};
 use crate::catalog::ModelCatalog;
 use crate::config::GatewayConfig;
 use crate::grpc::InferenceService;
-use crate::keys::{Access, KeyRing, SharedBuckets};
+use crate::keys::{Access, KeyRing, KeyTable, SharedBuckets};
 use crate::openai::{AppState, router as rest_router};
 use crate::pipeline::Pipeline;
 
@@ -63,12 +63,24 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
     }
     let readiness = host.readiness().clone();
     let catalog = Arc::new(ModelCatalog::new(deps.router.clone(), deps.workers.clone()));
-    let access = match &config.admission.api_keys {
-        Some(path) => {
-            // Per-minute limits shared with the namespace's other gateways.
-            let shared = config.cluster.redis.as_deref().map(|url| SharedBuckets::new(url, &config.cluster.namespace)).transpose()?;
-            let keys = Arc::new(KeyRing::load(path, deps.own_key.clone(), shared)?);
-            tracing::info!(keys = keys.current().len(), file = %path.display(), reload_secs = config.admission.api_keys_reload_secs, "API keys required");
+    // Per-minute limits shared with the namespace's other gateways.
+    let shared = || config.cluster.redis.as_deref().map(|url| SharedBuckets::new(url, &config.cluster.namespace)).transpose();
+    let keys = match (&config.admission.api_keys, &config.admission.api_keys_database) {
+        (Some(path), _) => {
+            tracing::info!(file = %path.display(), "API keys required, from a file");
+            Some(KeyRing::load(path, deps.own_key.clone(), shared()?)?)
+        }
+        (None, Some(url)) => {
+            let table = KeyTable::open(url, &config.cluster.namespace).await?;
+            tracing::info!(database = table.url(), namespace = table.namespace(), "API keys required, from a database");
+            Some(KeyRing::open(table, deps.own_key.clone(), shared()?).await?)
+        }
+        (None, None) => None,
+    };
+    let access = match keys {
+        Some(keys) => {
+            let keys = Arc::new(keys);
+            tracing::info!(keys = keys.current().len(), reload_secs = config.admission.api_keys_reload_secs, "API keys in force");
             if config.admission.api_keys_reload_secs > 0 {
                 keys.clone().spawn_watch(Duration::from_secs(config.admission.api_keys_reload_secs), shutdown.clone());
             }

@@ -112,7 +112,7 @@ pub fn describe(decision: &Decision) -> String {
 }
 
 /// `unix_ms` as UTC, `2026-11-26T11:30:05Z`.
-fn utc(unix_ms: i64) -> String {
+pub fn utc(unix_ms: i64) -> String {
     let seconds = unix_ms.div_euclid(1000);
     let (days, of_day) = (seconds.div_euclid(86_400), seconds.rem_euclid(86_400));
     // Days since 1970-01-01 to a civil date (proleptic Gregorian).

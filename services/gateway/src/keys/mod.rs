@@ -45,9 +45,11 @@ use crate::error::{ErrorKind, GatewayError};
 use crate::pipeline::Namespace;
 
 mod shared;
+pub mod table;
 
 use shared::{Admitted, SharedLimits};
 pub use shared::{SharedBuckets, SharedPlace};
+pub use table::{KeyEntry, KeyTable, StoredKey, TableError};
 
 /// One key's entry in the keys file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -316,9 +318,19 @@ impl ApiKeys {
     /// 64-hex-digit digest; no digest or name twice.
     pub fn parse(text: &str) -> Result<Self, String> {
         let file: KeysFile = toml::from_str(text).map_err(|error| error.to_string())?;
+        let keys = Self::from_specs(file.keys)?;
+        if keys.by_digest.is_empty() {
+            return Err("no keys: with an API keys file every call needs one of its keys".into());
+        }
+        Ok(keys)
+    }
+
+    /// The keys of `specs` (a file's entries or a table's rows), checked
+    /// alike; none is no error here.
+    fn from_specs(specs: Vec<KeySpec>) -> Result<Self, String> {
         let mut keys = Self::default();
         let mut names = std::collections::HashSet::new();
-        for (number, spec) in file.keys.into_iter().enumerate() {
+        for (number, spec) in specs.into_iter().enumerate() {
             let label = spec.name.clone();
             let at = |message: String| format!("keys[{number}] ({label:?}): {message}");
             if spec.name.trim().is_empty() || spec.tenant.trim().is_empty() {
@@ -361,9 +373,6 @@ impl ApiKeys {
             if keys.by_digest.insert(digest, Arc::new(key)).is_some() {
                 return Err(at("another key has this digest".into()));
             }
-        }
-        if keys.by_digest.is_empty() {
-            return Err("no keys: with an API keys file every call needs one of its keys".into());
         }
         Ok(keys)
     }
@@ -434,15 +443,34 @@ impl ApiKeys {
     }
 }
 
-/// The keys of a keys file as they are now: read again when the file
-/// changes (its bytes, not its time: a Kubernetes Secret's files are
-/// swapped under a link), so keys are added and revoked without a
-/// restart.
+/// Where the keys come from.
+#[derive(Debug)]
+enum Source {
+    /// A TOML file.
+    File(PathBuf),
+    /// A database table ([`KeyTable`]).
+    Table(KeyTable),
+}
+
+impl Source {
+    fn describe(&self) -> String {
+        match self {
+            Source::File(path) => format!("file {}", path.display()),
+            Source::Table(table) => format!("database {} (namespace {:?})", table.url(), table.namespace()),
+        }
+    }
+}
+
+/// The keys of a keys file or table as they are now: read again when
+/// they change (a file's bytes, not its time: a Kubernetes Secret's files
+/// are swapped under a link; a table's rows in force), so keys are added
+/// and revoked without a restart.
 #[derive(Debug)]
 pub struct KeyRing {
-    path: PathBuf,
+    source: Source,
     own: Option<String>,
     shared: Option<Arc<SharedBuckets>>,
+    /// The keys in force, and the digest of what they were read from.
     state: Mutex<(Arc<ApiKeys>, [u8; 32])>,
 }
 
@@ -451,15 +479,59 @@ impl KeyRing {
     /// key, [`ApiKeys::add_own`]) whatever the file says.
     /// With `shared`, the keys' per-minute limits are kept there too.
     pub fn load(path: &Path, own: Option<String>, shared: Option<SharedBuckets>) -> anyhow::Result<Self> {
-        let shared = shared.map(Arc::new);
-        let (keys, digest) = Self::read(path, own.as_deref(), None, shared.as_ref())?;
-        crate::metrics::keys_in_force(keys.len());
-        Ok(Self { path: path.to_owned(), own, shared, state: Mutex::new((Arc::new(keys), digest)) })
+        let (specs, digest) = Self::read_file(path)?;
+        Self::with(Source::File(path.to_owned()), specs, digest, own, shared)
     }
 
-    fn read(path: &Path, own: Option<&str>, before: Option<&ApiKeys>, shared: Option<&Arc<SharedBuckets>>) -> anyhow::Result<(ApiKeys, [u8; 32])> {
-        let text = std::fs::read_to_string(path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", path.display()))?;
-        let mut keys = ApiKeys::parse(&text).map_err(|error| anyhow::anyhow!("the API keys file {}: {error}", path.display()))?;
+    /// The keys in force in `table`, and `own` whatever it says; an empty
+    /// table refuses every other caller. With `shared` as in [`load`].
+    ///
+    /// [`load`]: Self::load
+    pub async fn open(table: KeyTable, own: Option<String>, shared: Option<SharedBuckets>) -> anyhow::Result<Self> {
+        let (specs, digest) = Self::read_table(&table).await?;
+        if specs.is_empty() {
+            tracing::warn!(
+                database = table.url(),
+                namespace = table.namespace(),
+                "the API keys table holds no key in force: every call is refused until `turbine keys new --database` adds one"
+            );
+        }
+        Self::with(Source::Table(table), specs, digest, own, shared)
+    }
+
+    fn with(source: Source, specs: Vec<KeySpec>, digest: [u8; 32], own: Option<String>, shared: Option<SharedBuckets>) -> anyhow::Result<Self> {
+        let shared = shared.map(Arc::new);
+        let keys =
+            Self::assemble(specs, own.as_deref(), None, shared.as_ref()).map_err(|error| anyhow::anyhow!("the API keys {}: {error}", source.describe()))?;
+        crate::metrics::keys_in_force(keys.len());
+        Ok(Self { source, own, shared, state: Mutex::new((Arc::new(keys), digest)) })
+    }
+
+    /// A file's entries, and the digest of its bytes.
+    fn read_file(path: &Path) -> anyhow::Result<(Vec<KeySpec>, [u8; 32])> {
+        let bytes = std::fs::read(path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", path.display()))?;
+        Ok((Self::parse_file(path, &bytes)?, Sha256::digest(&bytes).into()))
+    }
+
+    /// A file's entries.
+    fn parse_file(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<KeySpec>> {
+        let text = std::str::from_utf8(bytes).map_err(|_| anyhow::anyhow!("the API keys file {} is not UTF-8", path.display()))?;
+        let file: KeysFile = toml::from_str(text).map_err(|error| anyhow::anyhow!("the API keys file {}: {error}", path.display()))?;
+        if file.keys.is_empty() {
+            anyhow::bail!("the API keys file {}: no keys: with an API keys file every call needs one of its keys", path.display());
+        }
+        Ok(file.keys)
+    }
+
+    /// A table's keys in force, and the digest of what they say.
+    async fn read_table(table: &KeyTable) -> anyhow::Result<(Vec<KeySpec>, [u8; 32])> {
+        let specs = table.in_force().await?;
+        let digest = Sha256::digest(format!("{specs:?}").as_bytes()).into();
+        Ok((specs, digest))
+    }
+
+    fn assemble(specs: Vec<KeySpec>, own: Option<&str>, before: Option<&ApiKeys>, shared: Option<&Arc<SharedBuckets>>) -> Result<ApiKeys, String> {
+        let mut keys = ApiKeys::from_specs(specs)?;
         if let Some(own) = own {
             keys.add_own(own);
         }
@@ -469,7 +541,7 @@ impl KeyRing {
         if let Some(before) = before {
             keys.keep_from(before);
         }
-        Ok((keys, Sha256::digest(text.as_bytes()).into()))
+        Ok(keys)
     }
 
     /// The keys in force.
@@ -477,12 +549,31 @@ impl KeyRing {
         self.state.lock().0.clone()
     }
 
-    /// Reads the file again if its bytes changed: `Ok(true)` when its keys
-    /// are in force from now on, `Ok(false)` when it is unchanged, and the
-    /// reason when it cannot be read or is invalid (the keys before stay).
-    pub fn reload(&self) -> anyhow::Result<bool> {
-        let text = std::fs::read(&self.path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", self.path.display()))?;
-        let digest: [u8; 32] = Sha256::digest(&text).into();
+    /// Reads the keys again: `Ok(true)` when what they say changed and
+    /// its keys are in force from now on, `Ok(false)` when unchanged, and
+    /// the reason when they cannot be read or are invalid (the keys
+    /// before stay).
+    pub async fn reload(self: &Arc<Self>) -> anyhow::Result<bool> {
+        let read = match &self.source {
+            Source::File(path) => {
+                let path = path.clone();
+                tokio::task::spawn_blocking(move || {
+                    let bytes = std::fs::read(&path).map_err(|error| anyhow::anyhow!("cannot read the API keys file {}: {error}", path.display()))?;
+                    let digest: [u8; 32] = Sha256::digest(&bytes).into();
+                    Ok::<_, anyhow::Error>((digest, Self::parse_file(&path, &bytes)))
+                })
+                .await
+                .map_err(|_| anyhow::anyhow!("reading the API keys file failed"))?
+            }
+            Source::Table(table) => Self::read_table(table).await.map(|(specs, digest)| (digest, Ok(specs))),
+        };
+        let (digest, parsed) = match read {
+            Ok(read) => read,
+            Err(error) => {
+                crate::metrics::key_reload("unreadable");
+                return Err(error);
+            }
+        };
         let before = {
             let state = self.state.lock();
             if state.1 == digest {
@@ -490,10 +581,14 @@ impl KeyRing {
             }
             state.0.clone()
         };
-        let (keys, digest) = match Self::read(&self.path, self.own.as_deref(), Some(&before), self.shared.as_ref()) {
-            Ok(read) => read,
+        let keys = parsed.and_then(|specs| {
+            Self::assemble(specs, self.own.as_deref(), Some(&before), self.shared.as_ref())
+                .map_err(|error| anyhow::anyhow!("the API keys {}: {error}", self.source.describe()))
+        });
+        let keys = match keys {
+            Ok(keys) => keys,
             Err(error) => {
-                // Counted once per version of the file.
+                // Counted once per version of what they say.
                 self.state.lock().1 = digest;
                 crate::metrics::key_reload("refused");
                 return Err(error);
@@ -501,12 +596,12 @@ impl KeyRing {
         };
         crate::metrics::key_reload("applied");
         crate::metrics::keys_in_force(keys.len());
-        tracing::info!(keys = keys.len(), file = %self.path.display(), "API keys file changed: its keys are in force");
+        tracing::info!(keys = keys.len(), source = %self.source.describe(), "API keys changed: these are in force");
         *self.state.lock() = (Arc::new(keys), digest);
         Ok(true)
     }
 
-    /// Reads the file again every `every` until `shutdown`.
+    /// Reads the keys again every `every` until `shutdown`.
     pub fn spawn_watch(self: Arc<Self>, every: Duration, shutdown: turbine_runtime::CancellationToken) {
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(every);
@@ -516,11 +611,8 @@ impl KeyRing {
                     _ = shutdown.cancelled() => return,
                     _ = ticks.tick() => {}
                 }
-                let ring = self.clone();
-                match tokio::task::spawn_blocking(move || ring.reload()).await {
-                    Ok(Err(error)) => tracing::error!(%error, "the changed API keys file was not applied; the keys before stay in force"),
-                    Ok(Ok(_)) => {}
-                    Err(_) => tracing::error!("reading the API keys file failed"),
+                if let Err(error) = self.reload().await {
+                    tracing::error!(error = %format!("{error:#}"), "the API keys were not read again; the keys before stay in force");
                 }
             }
         });

@@ -1,0 +1,346 @@
+//! API keys kept in a database (`--api-keys-database`): PostgreSQL for a
+//! deployment (its gateways read the same rows, so a key added or revoked
+//! once holds at every gateway), SQLite for one machine. The table is the
+//! gateway's own, migrated by [`MIGRATOR`] (versions from 1001, beside the
+//! planner's below 1000 when they share a database).
+//!
+//! Who writes: operators (`turbine keys new|revoke --database`, holding the
+//! database's credentials). Gateways only read, and only the rows of their
+//! namespace. A row holds a key's SHA-256 digest, never the key. A revoked
+//! key's row stays (with when it was revoked), and its name stays taken.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sqlx::any::AnyPoolOptions;
+use sqlx::{AnyPool, Row};
+
+use super::{ApiKeys, KeySpec, digest_hex};
+
+/// The gateway's migrations, compiled into the binary. Applied migrations
+/// of another service sharing the database (the planner's) are not ours to
+/// judge, so they are not checked.
+pub static MIGRATOR: sqlx::migrate::Migrator = {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.ignore_missing = true;
+    migrator
+};
+
+/// How long a statement may wait for a connection.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A key to store: what the gateway needs of it, beside its digest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyEntry {
+    /// In logs and metrics; unique in the namespace.
+    pub name: String,
+    /// Whose prompt cache its requests use.
+    pub tenant: String,
+    /// A prompt cache shared by every key naming it, instead of the
+    /// tenant's own.
+    pub share_prefixes: Option<String>,
+    /// Requests a minute.
+    pub requests_per_minute: Option<u32>,
+    /// Tokens (prompt and completion) a minute.
+    pub tokens_per_minute: Option<u64>,
+    /// Requests in flight at once.
+    pub max_concurrent: Option<u32>,
+}
+
+/// A key as stored (`turbine keys list`): never the key itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredKey {
+    /// What it was stored with.
+    pub entry: KeyEntry,
+    /// Its digest, hex.
+    pub sha256: String,
+    /// When it was stored (Unix milliseconds).
+    pub created_at_unix_ms: i64,
+    /// When it was revoked, if it was.
+    pub revoked_at_unix_ms: Option<i64>,
+}
+
+/// Why a key could not be stored or revoked.
+#[derive(Debug, thiserror::Error)]
+pub enum TableError {
+    /// The entry would not authenticate anyone as asked.
+    #[error("{0}")]
+    Invalid(String),
+    /// Another key of the namespace has the name (revoked keys keep
+    /// theirs).
+    #[error("the namespace {namespace:?} already has a key named {name:?} (a revoked key keeps its name): choose another")]
+    NameTaken {
+        /// The namespace.
+        namespace: String,
+        /// The name.
+        name: String,
+    },
+    /// No key in force has the name.
+    #[error("the namespace {namespace:?} has no key in force named {name:?}")]
+    NotFound {
+        /// The namespace.
+        namespace: String,
+        /// The name.
+        name: String,
+    },
+    /// The database refused or could not be reached.
+    #[error("the API keys database ({url}): {source}")]
+    Database {
+        /// Where, its password left out.
+        url: String,
+        /// What it said.
+        source: sqlx::Error,
+    },
+    /// Migrating the table failed.
+    #[error("migrating the API keys table ({url}): {source}")]
+    Migrate {
+        /// Where, its password left out.
+        url: String,
+        /// What it said.
+        source: sqlx::migrate::MigrateError,
+    },
+    /// A row does not read back as a key (edited by hand).
+    #[error("the API keys table ({url}) holds a row that is no key: {problem}")]
+    Corrupt {
+        /// Where.
+        url: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+}
+
+/// The API keys of one namespace in a database.
+#[derive(Debug, Clone)]
+pub struct KeyTable {
+    pool: AnyPool,
+    namespace: String,
+    url: String,
+}
+
+/// `url` with its password left out, for logs and errors.
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => {
+            let user = rest[..at].split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:***@{}", &rest[at + 1..])
+        }
+        None => url.to_owned(),
+    }
+}
+
+fn now_unix_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64)
+}
+
+impl KeyTable {
+    /// Connects to `url` (`postgres://…`, `sqlite:FILE`) and makes or
+    /// migrates the table; the keys of `namespace`.
+    pub async fn open(url: &str, namespace: &str) -> Result<Self, TableError> {
+        let shown = redacted(url);
+        let sqlite = url.starts_with("sqlite:");
+        if !sqlite && !url.starts_with("postgres://") && !url.starts_with("postgresql://") {
+            return Err(TableError::Invalid(format!("{shown}: the API keys database must be postgres://, postgresql:// or sqlite:")));
+        }
+        sqlx::any::install_default_drivers();
+        let connect = match sqlite {
+            // The file is made on first use.
+            true if !url.contains("mode=") && !url.contains(":memory:") => format!("{url}{}mode=rwc", if url.contains('?') { '&' } else { '?' }),
+            _ => url.to_owned(),
+        };
+        // SQLite has one writer; an in-memory database is per connection.
+        let pool = AnyPoolOptions::new()
+            .max_connections(if sqlite { 1 } else { 2 })
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect(&connect)
+            .await
+            .map_err(|source| TableError::Database { url: shown.clone(), source })?;
+        MIGRATOR.run(&pool).await.map_err(|source| TableError::Migrate { url: shown.clone(), source })?;
+        Ok(Self { pool, namespace: namespace.to_owned(), url: shown })
+    }
+
+    /// Where it is, its password left out.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The namespace whose keys it holds.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    fn database(&self) -> impl Fn(sqlx::Error) -> TableError + '_ {
+        |source| TableError::Database { url: self.url.clone(), source }
+    }
+
+    /// Stores `entry` for `key` (its digest only), checked as the gateway
+    /// will read it.
+    pub async fn add(&self, entry: &KeyEntry, key: &str) -> Result<(), TableError> {
+        let spec = KeySpec {
+            name: entry.name.clone(),
+            tenant: entry.tenant.clone(),
+            sha256: digest_hex(key),
+            share_prefixes: entry.share_prefixes.clone(),
+            requests_per_minute: entry.requests_per_minute,
+            tokens_per_minute: entry.tokens_per_minute,
+            max_concurrent: entry.max_concurrent,
+        };
+        ApiKeys::from_specs(vec![spec.clone()]).map_err(TableError::Invalid)?;
+        let taken = sqlx::query("SELECT 1 FROM gateway_api_keys WHERE namespace = $1 AND name = $2")
+            .bind(&self.namespace)
+            .bind(&spec.name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(self.database())?;
+        let name_taken = || TableError::NameTaken { namespace: self.namespace.clone(), name: spec.name.clone() };
+        if taken.is_some() {
+            return Err(name_taken());
+        }
+        let inserted = sqlx::query(
+            "INSERT INTO gateway_api_keys (namespace, name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, created_at_unix_ms, revoked_at_unix_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL)",
+        )
+        .bind(&self.namespace)
+        .bind(&spec.name)
+        .bind(&spec.tenant)
+        .bind(&spec.sha256)
+        .bind(spec.share_prefixes.clone())
+        .bind(spec.requests_per_minute.map(i64::from))
+        .bind(spec.tokens_per_minute.map(|tokens| tokens.min(i64::MAX as u64) as i64))
+        .bind(spec.max_concurrent.map(i64::from))
+        .bind(now_unix_ms())
+        .execute(&self.pool)
+        .await;
+        match inserted {
+            Ok(_) => Ok(()),
+            // Stored by another operator since the check above.
+            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => Err(name_taken()),
+            Err(error) => Err(self.database()(error)),
+        }
+    }
+
+    /// Revokes the key in force named `name`: every gateway refuses it
+    /// once it reads the table again.
+    pub async fn revoke(&self, name: &str) -> Result<(), TableError> {
+        let done = sqlx::query("UPDATE gateway_api_keys SET revoked_at_unix_ms = $3 WHERE namespace = $1 AND name = $2 AND revoked_at_unix_ms IS NULL")
+            .bind(&self.namespace)
+            .bind(name)
+            .bind(now_unix_ms())
+            .execute(&self.pool)
+            .await
+            .map_err(self.database())?;
+        if done.rows_affected() == 0 {
+            return Err(TableError::NotFound { namespace: self.namespace.clone(), name: name.to_owned() });
+        }
+        Ok(())
+    }
+
+    /// Every key of the namespace, revoked ones too, by name.
+    pub async fn list(&self) -> Result<Vec<StoredKey>, TableError> {
+        let rows = sqlx::query(
+            "SELECT name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, created_at_unix_ms, revoked_at_unix_ms \
+             FROM gateway_api_keys WHERE namespace = $1 ORDER BY name",
+        )
+        .bind(&self.namespace)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.database())?;
+        rows.iter().map(|row| self.stored(row)).collect()
+    }
+
+    fn stored(&self, row: &sqlx::any::AnyRow) -> Result<StoredKey, TableError> {
+        let corrupt = |problem: String| TableError::Corrupt { url: self.url.clone(), problem };
+        let read = |error: sqlx::Error| corrupt(error.to_string());
+        let name: String = row.try_get("name").map_err(read)?;
+        let limit = |column: &str| -> Result<Option<i64>, TableError> {
+            match row.try_get::<Option<i64>, _>(column).map_err(read)? {
+                Some(value) if value <= 0 => Err(corrupt(format!("key {name:?}: {column} {value} is not positive"))),
+                other => Ok(other),
+            }
+        };
+        let narrow = |value: Option<i64>, column: &str| -> Result<Option<u32>, TableError> {
+            value.map(|value| u32::try_from(value).map_err(|_| corrupt(format!("key {name:?}: {column} {value} is too large")))).transpose()
+        };
+        let entry = KeyEntry {
+            tenant: row.try_get("tenant").map_err(read)?,
+            share_prefixes: row.try_get("share_prefixes").map_err(read)?,
+            requests_per_minute: narrow(limit("requests_per_minute")?, "requests_per_minute")?,
+            tokens_per_minute: limit("tokens_per_minute")?.map(|tokens| tokens as u64),
+            max_concurrent: narrow(limit("max_concurrent")?, "max_concurrent")?,
+            name: name.clone(),
+        };
+        Ok(StoredKey {
+            entry,
+            sha256: row.try_get("sha256").map_err(read)?,
+            created_at_unix_ms: row.try_get("created_at_unix_ms").map_err(read)?,
+            revoked_at_unix_ms: row.try_get("revoked_at_unix_ms").map_err(read)?,
+        })
+    }
+
+    /// The keys in force (not revoked), as the gateway reads them.
+    pub(super) async fn in_force(&self) -> Result<Vec<KeySpec>, TableError> {
+        Ok(self
+            .list()
+            .await?
+            .into_iter()
+            .filter(|key| key.revoked_at_unix_ms.is_none())
+            .map(|key| KeySpec {
+                name: key.entry.name,
+                tenant: key.entry.tenant,
+                sha256: key.sha256,
+                share_prefixes: key.entry.share_prefixes,
+                requests_per_minute: key.entry.requests_per_minute,
+                tokens_per_minute: key.entry.tokens_per_minute,
+                max_concurrent: key.entry.max_concurrent,
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn table(dir: &tempfile::TempDir, namespace: &str) -> KeyTable {
+        KeyTable::open(&format!("sqlite:{}", dir.path().join("keys.sqlite").display()), namespace).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn keys_are_stored_as_digests_revoked_in_place_and_kept_per_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let (prod, staging) = (table(&dir, "prod").await, table(&dir, "staging").await);
+        let entry = KeyEntry { name: "acme".into(), tenant: "acme".into(), requests_per_minute: Some(60), ..KeyEntry::default() };
+        prod.add(&entry, "tk_one").await.unwrap();
+        staging.add(&KeyEntry { name: "acme".into(), tenant: "other".into(), ..KeyEntry::default() }, "tk_two").await.unwrap();
+
+        let listed = prod.list().await.unwrap();
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!((&listed[0].entry, listed[0].sha256.as_str(), listed[0].revoked_at_unix_ms), (&entry, digest_hex("tk_one").as_str(), None));
+        assert!(!format!("{listed:?}").contains("tk_one"), "the key is never stored");
+        assert_eq!(prod.in_force().await.unwrap()[0].tenant, "acme");
+        assert_eq!(staging.in_force().await.unwrap()[0].tenant, "other", "another namespace's key of the same name");
+
+        assert!(matches!(prod.add(&entry, "tk_three").await, Err(TableError::NameTaken { .. })));
+        prod.revoke("acme").await.unwrap();
+        assert!(prod.in_force().await.unwrap().is_empty());
+        assert!(prod.list().await.unwrap()[0].revoked_at_unix_ms.is_some(), "the row stays, revoked");
+        assert!(matches!(prod.revoke("acme").await, Err(TableError::NotFound { .. })), "revoked once");
+        assert!(matches!(prod.add(&entry, "tk_four").await, Err(TableError::NameTaken { .. })), "a revoked key keeps its name");
+        assert_eq!(staging.in_force().await.unwrap().len(), 1, "untouched by the other namespace's revocation");
+
+        for bad in [
+            KeyEntry { name: String::new(), tenant: "t".into(), ..KeyEntry::default() },
+            KeyEntry { name: "n".into(), tenant: "t".into(), max_concurrent: Some(0), ..KeyEntry::default() },
+            KeyEntry { name: "n".into(), tenant: "t".into(), share_prefixes: Some(" ".into()), ..KeyEntry::default() },
+        ] {
+            assert!(matches!(prod.add(&bad, "tk_five").await, Err(TableError::Invalid(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn passwords_stay_out_of_logs() {
+        assert_eq!(redacted("postgres://turbine:s3cret@db:5432/keys"), "postgres://turbine:***@db:5432/keys");
+        assert_eq!(redacted("postgres://db/keys?user=a"), "postgres://db/keys?user=a");
+        assert_eq!(redacted("sqlite:/var/lib/keys.sqlite"), "sqlite:/var/lib/keys.sqlite");
+    }
+}
