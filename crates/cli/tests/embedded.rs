@@ -162,11 +162,11 @@ async fn turbine_run_serves_its_api_over_tls_with_a_public_certificate() {
 }
 
 /// API keys in Postgres: `turbine keys new --database` adds a key once and
-/// both `turbine run`s reading the database accept it; `turbine keys
-/// revoke` has both refuse it without a restart, and the other key
-/// answers on; the planner's ledger shares the database either side of
-/// the gateways' table; with Postgres gone the keys last read stay in
-/// force.
+/// both `turbine run`s reading the database accept it, one of them as a
+/// role that may only read the table; `turbine keys revoke` has both
+/// refuse it without a restart, and the other key answers on; the
+/// planner's ledger shares the database either side of the gateways'
+/// table; with Postgres gone the keys last read stay in force.
 #[tokio::test]
 async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
     let mut postgres = turbine_testkit::PostgresServer::start();
@@ -174,6 +174,12 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
     let url = postgres.url("turbine");
     // The planner's state first: the two share one database.
     turbine_planner::ledger::Ledger::open(&url, "default").await.expect("the planner's schema");
+    // A gateway's role: it may read the table, nothing more (no table may
+    // it make, no row write).
+    postgres.psql("turbine", "CREATE ROLE gateway LOGIN");
+    let reader = postgres.url_as("gateway", "turbine");
+    let unmade = turbine_gateway::keys::KeyTable::open_to_read(&reader, "default").await.expect_err("no table to read, none it may make");
+    assert!(unmade.to_string().contains("turbine keys new --database"), "{unmade}");
     let keys = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_turbine")).arg("keys").args(args).args(["--database", &url]).output().unwrap();
     let made = |output: std::process::Output| {
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
@@ -185,8 +191,10 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
     let again = keys(&["new", "--name", "alice", "--tenant", "c"]);
     assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already has a key named \"alice\""), "{again:?}");
 
+    postgres.psql("turbine", "GRANT SELECT ON gateway_api_keys TO gateway");
+
     let mut gateways = Vec::new();
-    for _ in 0..2 {
+    for database in [&url, &reader] {
         let (addresses_dir, addresses) = addresses_file().unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_turbine"));
         command
@@ -203,7 +211,7 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
                 "--api-keys-reload-secs",
                 "1",
                 "--api-keys-database",
-                &url,
+                database,
             ])
             .arg("--addresses-file")
             .arg(&addresses);

@@ -153,6 +153,24 @@ impl PostgresServer {
         assert!(output.status.success(), "createdb {name} failed: {}", String::from_utf8_lossy(&output.stderr));
     }
 
+    /// Runs `sql` in `database` as the superuser (over the local socket):
+    /// roles and grants a test sets up as an operator would.
+    pub fn psql(&self, database: &str, sql: &str) {
+        let output = Command::new(self.bin.join("psql"))
+            .arg("-h")
+            .arg(self.dir.path())
+            .args(["-p", &self.port.to_string(), "-U", USER, "-v", "ON_ERROR_STOP=1", "-d", database, "-c", sql])
+            .output()
+            .unwrap_or_else(|error| panic!("cannot run psql: {error}"));
+        assert!(output.status.success(), "psql {sql:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    }
+
+    /// [`url`](Self::url) as another role (logged in without a password, as
+    /// the harness's server trusts local connections).
+    pub fn url_as(&self, role: &str, database: &str) -> String {
+        format!("postgres://{role}@127.0.0.1:{}/{database}", self.port)
+    }
+
     /// Kills the server (SIGKILL), as a crash would; [`restart`](Self::restart)
     /// brings it back with its data.
     pub fn kill(&mut self) {

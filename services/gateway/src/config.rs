@@ -116,8 +116,10 @@ pub struct AdmissionConfig {
     /// The API keys in a database instead of a file: postgres://… (every
     /// gateway of the namespace reads the same keys; the planner's
     /// database will do) or sqlite:FILE. `turbine keys new|revoke|list
-    /// --database URL` manages them; the gateway only reads them, and
-    /// makes their table if it is missing. Unreachable at start, the
+    /// --database URL` manages them (and makes their table); the gateway
+    /// only reads them, over read-only sessions, so its role needs no more
+    /// than SELECT on gateway_api_keys (it makes the table only where it is
+    /// missing and its role may). Unreachable at start, the
     /// gateway does not start; unreachable later, the keys last read stay
     /// in force. An empty table refuses every call.
     #[arg(long, env = "TURBINE_GATEWAY_API_KEYS_DATABASE", value_name = "URL")]

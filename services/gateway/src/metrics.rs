@@ -39,7 +39,7 @@ static RATE_LIMITED: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["limit"],
     )
 });
-static KEY_RELOADS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+pub(crate) static KEY_RELOADS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter(
         "turbine_gateway_api_key_reloads_total",
         "Times the API keys (file or database) were read again, by outcome: applied (changed: its keys answer from then on), refused (changed but invalid) or unreadable (the file or database did not answer); in the last two the keys before stay in force",

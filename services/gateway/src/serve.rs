@@ -71,7 +71,7 @@ pub async fn serve(config: GatewayConfig, deps: GatewayDeps, listeners: Listener
             Some(KeyRing::load(path, deps.own_key.clone(), shared()?)?)
         }
         (None, Some(url)) => {
-            let table = KeyTable::open(url, &config.cluster.namespace).await?;
+            let table = KeyTable::open_to_read(url, &config.cluster.namespace).await?;
             tracing::info!(database = table.url(), namespace = table.namespace(), "API keys required, from a database");
             Some(KeyRing::open(table, deps.own_key.clone(), shared()?).await?)
         }

@@ -145,6 +145,29 @@ async fn prompts_evicted_from_the_pool_come_back_from_the_host_tier() {
     assert_eq!(metric(&admin, "turbine_worker_kv_tier_corrupt_blocks_total").await, 0.0);
 }
 
+/// Tenant b's prompt, `b_len` tokens of the real model, and tenant a's
+/// flood: `floods` prompts of `a_len` tokens, each its own text.
+fn b_and_as_flood(b_len: usize, a_len: usize, floods: usize) -> (Vec<u32>, Vec<Vec<u32>>) {
+    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
+    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
+    let prompt = |text: &str, len: usize| tokens.encode_text(&text.repeat(20)).unwrap()[..len].to_vec();
+    let flood = [
+        "Wheat grows tall in the summer sun. ",
+        "Trains leave the station on the hour. ",
+        "Snow falls softly on the quiet hills. ",
+        "Kites rise over the beach in the wind. ",
+        "Clocks tick in the empty hall. ",
+        "Rain drums on the tin roof. ",
+    ];
+    (prompt("Lighthouses guide ships past the rocks at night. ", b_len), flood[..floods].iter().map(|text| prompt(text, a_len)).collect())
+}
+
+/// `prompt`, greedy for 4 tokens, as `tenant` (the shared namespace for
+/// none).
+fn as_tenant(prompt: &[u32], tenant: Option<&str>) -> pb::GenerateRequest {
+    pb::GenerateRequest { kv_tenant: tenant.map_or(0, |tenant| turbine_kv::KvTenant::of(&[tenant]).get()), ..greedy(prompt, 4) }
+}
+
 /// Tenants' fair shares of the host tier, on the real model: tenant a's
 /// flood of prompts, five times the tier, evicts a's own blocks, and
 /// tenant b's prompt, under its share, comes back from host memory whole.
@@ -152,24 +175,7 @@ async fn prompts_evicted_from_the_pool_come_back_from_the_host_tier() {
 /// to least recently used.
 #[tokio::test]
 async fn a_flooding_tenant_leaves_anothers_prompt_in_the_host_tier() {
-    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
-    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
-    let prompt = |text: &str| tokens.encode_text(&text.repeat(20)).unwrap()[..128].to_vec();
-    let b = prompt("Lighthouses guide ships past the rocks at night. ");
-    let flood: Vec<Vec<u32>> = [
-        "Wheat grows tall in the summer sun. ",
-        "Trains leave the station on the hour. ",
-        "Snow falls softly on the quiet hills. ",
-        "Kites rise over the beach in the wind. ",
-        "Clocks tick in the empty hall. ",
-    ]
-    .iter()
-    .map(|text| prompt(text))
-    .collect();
-    let as_tenant = |prompt: &[u32], tenant: Option<&str>| pb::GenerateRequest {
-        kv_tenant: tenant.map_or(0, |tenant| turbine_kv::KvTenant::of(&[tenant]).get()),
-        ..greedy(prompt, 4)
-    };
+    let (b, flood) = b_and_as_flood(128, 128, 5);
     // Per run: b's repeat's blocks onboarded from the host tier, and the
     // blocks it evicted for fairness.
     let run = async |tenants: bool| {
@@ -207,25 +213,7 @@ async fn a_flooding_tenant_leaves_anothers_prompt_in_the_host_tier() {
 /// takes it.
 #[tokio::test]
 async fn a_flooding_tenant_leaves_anothers_prefix_in_the_pool() {
-    let model = resolve_model(MODEL, None, &default_cache_dir(), Progress::Quiet).unwrap();
-    let tokens = Preprocessor::new(ModelCard::from_gguf_path(MODEL, &model.path, 16).unwrap()).unwrap();
-    let prompt = |text: &str, len: usize| tokens.encode_text(&text.repeat(20)).unwrap()[..len].to_vec();
-    let b = prompt("Lighthouses guide ships past the rocks at night. ", 64);
-    let flood: Vec<Vec<u32>> = [
-        "Wheat grows tall in the summer sun. ",
-        "Trains leave the station on the hour. ",
-        "Snow falls softly on the quiet hills. ",
-        "Kites rise over the beach in the wind. ",
-        "Clocks tick in the empty hall. ",
-        "Rain drums on the tin roof. ",
-    ]
-    .iter()
-    .map(|text| prompt(text, 48))
-    .collect();
-    let as_tenant = |prompt: &[u32], tenant: Option<&str>| pb::GenerateRequest {
-        kv_tenant: tenant.map_or(0, |tenant| turbine_kv::KvTenant::of(&[tenant]).get()),
-        ..greedy(prompt, 4)
-    };
+    let (b, flood) = b_and_as_flood(64, 48, 6);
     // Per run: the tokens of b's repeat served from the pool, and the
     // blocks the pool evicted for fairness.
     let run = async |tenants: bool| {

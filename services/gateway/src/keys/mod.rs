@@ -524,7 +524,7 @@ impl KeyRing {
     }
 
     /// A table's keys in force, and the digest of what they say.
-    async fn read_table(table: &KeyTable) -> anyhow::Result<(Vec<KeySpec>, [u8; 32])> {
+    async fn read_table(table: &KeyTable) -> Result<(Vec<KeySpec>, [u8; 32]), TableError> {
         let specs = table.in_force().await?;
         let digest = Sha256::digest(format!("{specs:?}").as_bytes()).into();
         Ok((specs, digest))
@@ -565,7 +565,13 @@ impl KeyRing {
                 .await
                 .map_err(|_| anyhow::anyhow!("reading the API keys file failed"))?
             }
-            Source::Table(table) => Self::read_table(table).await.map(|(specs, digest)| (digest, Ok(specs))),
+            Source::Table(table) => match Self::read_table(table).await {
+                Ok((specs, digest)) => Ok((digest, Ok(specs))),
+                // Read, but a row is no key (edited by hand): refused once
+                // per what it says, as a file that does not parse is.
+                Err(error @ TableError::Corrupt { .. }) => Ok((Sha256::digest(error.to_string().as_bytes()).into(), Err(error.into()))),
+                Err(error) => Err(error.into()),
+            },
         };
         let (digest, parsed) = match read {
             Ok(read) => read,
@@ -695,6 +701,32 @@ mod tests {
             let error = ApiKeys::parse(&text).unwrap_err();
             assert!(error.contains(says), "{error} should say {says}");
         }
+    }
+
+    /// A row edited into no key: the reload is refused (once for what it
+    /// says, not each time as an unreachable database is) and the keys
+    /// read before stay in force; the row mended, its key is read again.
+    #[tokio::test]
+    async fn a_row_edited_into_no_key_is_refused_once_and_the_keys_before_stay() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite:{}", dir.path().join("keys.sqlite").display());
+        let operator = KeyTable::open(&url, "default").await.unwrap();
+        operator.add(&KeyEntry { name: "a".into(), tenant: "t".into(), max_concurrent: Some(2), ..KeyEntry::default() }, "tk_a").await.unwrap();
+        let ring = Arc::new(KeyRing::open(KeyTable::open_to_read(&url, "default").await.unwrap(), None, None).await.unwrap());
+        let hand = sqlx::AnyPool::connect(&url).await.unwrap();
+        let edit = async |sql: &str| sqlx::query(sql).execute(&hand).await.unwrap();
+        let reloads = |outcome: &str| crate::metrics::KEY_RELOADS.with_label_values(&[outcome]).get();
+
+        edit("UPDATE gateway_api_keys SET max_concurrent = 0").await;
+        let error = ring.reload().await.unwrap_err();
+        assert!(format!("{error:#}").contains("max_concurrent 0 is not positive"), "{error:#}");
+        assert!(!ring.reload().await.unwrap(), "the same rows are not refused again");
+        assert_eq!((reloads("refused"), reloads("unreadable")), (1, 0));
+        assert_eq!(ring.current().authenticate(Some("Bearer tk_a")).unwrap().name, "a", "the keys before stay");
+
+        edit("UPDATE gateway_api_keys SET max_concurrent = 3").await;
+        assert!(ring.reload().await.unwrap());
+        assert_eq!(reloads("applied"), 1);
     }
 
     #[test]

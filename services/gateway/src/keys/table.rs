@@ -5,14 +5,16 @@
 //! planner's below 1000 when they share a database).
 //!
 //! Who writes: operators (`turbine keys new|revoke --database`, holding the
-//! database's credentials). Gateways only read, and only the rows of their
-//! namespace. A row holds a key's SHA-256 digest, never the key. A revoked
+//! database's credentials: [`KeyTable::open`]). Gateways only read, and
+//! only the rows of their namespace ([`KeyTable::open_to_read`]): over
+//! sessions the database itself holds read-only, needing no more of their
+//! credentials than `SELECT` on the table. A row holds a key's SHA-256 digest, never the key. A revoked
 //! key's row stays (with when it was revoked), and its name stays taken.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sqlx::any::AnyPoolOptions;
-use sqlx::{AnyPool, Row};
+use sqlx::{AnyPool, Executor, Row};
 
 use super::{ApiKeys, KeySpec, digest_hex};
 
@@ -98,6 +100,23 @@ pub enum TableError {
         /// What it said.
         source: sqlx::migrate::MigrateError,
     },
+    /// A gateway found no table it can read, and its credentials may not
+    /// make one.
+    #[error(
+        "the API keys table ({url}) cannot be read ({read}) and cannot be made with these credentials ({source}): make it with `turbine keys new --database` under credentials that may create tables, and let the gateway's read it (GRANT SELECT ON gateway_api_keys; docs/operations.md)"
+    )]
+    Unmade {
+        /// Where, its password left out.
+        url: String,
+        /// Why it could not be read.
+        read: String,
+        /// Why it could not be made.
+        source: sqlx::migrate::MigrateError,
+    },
+    /// Keys are stored and revoked by operators, not through a gateway's
+    /// read-only table.
+    #[error("the API keys table ({0}) was opened to read: keys are added and revoked with `turbine keys`")]
+    ReadOnly(String),
     /// A row does not read back as a key (edited by hand).
     #[error("the API keys table ({url}) holds a row that is no key: {problem}")]
     Corrupt {
@@ -114,7 +133,12 @@ pub struct KeyTable {
     pool: AnyPool,
     namespace: String,
     url: String,
+    /// Opened by a gateway ([`KeyTable::open_to_read`]).
+    read_only: bool,
 }
+
+/// What is read of a row.
+const COLUMNS: &str = "name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, created_at_unix_ms, revoked_at_unix_ms";
 
 /// `url` with its password left out, for logs and errors.
 pub fn redacted(url: &str) -> String {
@@ -135,8 +159,40 @@ fn now_unix_ms() -> i64 {
 
 impl KeyTable {
     /// Connects to `url` (`postgres://…`, `sqlite:FILE`) and makes or
-    /// migrates the table; the keys of `namespace`.
+    /// migrates the table; the keys of `namespace`, to add, revoke and
+    /// list (`turbine keys`).
     pub async fn open(url: &str, namespace: &str) -> Result<Self, TableError> {
+        let table = Self::connect(url, namespace, false).await?;
+        MIGRATOR.run(&table.pool).await.map_err(|source| TableError::Migrate { url: table.url.clone(), source })?;
+        Ok(table)
+    }
+
+    /// A gateway's: the keys of `namespace` to read, over sessions the
+    /// database holds read-only (`default_transaction_read_only`, SQLite's
+    /// `query_only`), so its credentials need no more than `SELECT` on the
+    /// table. Only where the table is missing or older than this build
+    /// reads is it made or migrated first, which needs credentials that
+    /// may (those `turbine keys` uses; else [`TableError::Unmade`]).
+    pub async fn open_to_read(url: &str, namespace: &str) -> Result<Self, TableError> {
+        if url.starts_with("sqlite:") && url.contains(":memory:") {
+            return Err(TableError::Invalid(format!(
+                "{url}: an in-memory database lives and dies with one process, so no operator could add a key to it: name a file"
+            )));
+        }
+        let table = Self::connect(url, namespace, true).await?;
+        if let Err(read) = table.columns().await {
+            let maker = Self::connect(url, namespace, false).await?;
+            let made = MIGRATOR.run(&maker.pool).await;
+            maker.pool.close().await;
+            if let Err(source) = made {
+                return Err(TableError::Unmade { url: table.url.clone(), read: read.to_string(), source });
+            }
+            table.columns().await.map_err(table.database())?;
+        }
+        Ok(table)
+    }
+
+    async fn connect(url: &str, namespace: &str, read_only: bool) -> Result<Self, TableError> {
         let shown = redacted(url);
         let sqlite = url.starts_with("sqlite:");
         if !sqlite && !url.starts_with("postgres://") && !url.starts_with("postgresql://") {
@@ -148,15 +204,35 @@ impl KeyTable {
             true if !url.contains("mode=") && !url.contains(":memory:") => format!("{url}{}mode=rwc", if url.contains('?') { '&' } else { '?' }),
             _ => url.to_owned(),
         };
+        // Read-only sessions: the database refuses this pool any write,
+        // whatever the credentials may.
+        let session = match (read_only, sqlite) {
+            (false, _) => None,
+            (true, true) => Some("PRAGMA query_only = ON"),
+            (true, false) => Some("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY"),
+        };
         // SQLite has one writer; an in-memory database is per connection.
         let pool = AnyPoolOptions::new()
             .max_connections(if sqlite { 1 } else { 2 })
             .acquire_timeout(ACQUIRE_TIMEOUT)
+            .after_connect(move |connection, _| {
+                Box::pin(async move {
+                    if let Some(session) = session {
+                        connection.execute(session).await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect(&connect)
             .await
             .map_err(|source| TableError::Database { url: shown.clone(), source })?;
-        MIGRATOR.run(&pool).await.map_err(|source| TableError::Migrate { url: shown.clone(), source })?;
-        Ok(Self { pool, namespace: namespace.to_owned(), url: shown })
+        Ok(Self { pool, namespace: namespace.to_owned(), url: shown, read_only })
+    }
+
+    /// Reads no row, but every column this build reads: fails where the
+    /// table is missing or older.
+    async fn columns(&self) -> Result<(), sqlx::Error> {
+        sqlx::query(&format!("SELECT {COLUMNS} FROM gateway_api_keys WHERE 1 = 0")).fetch_all(&self.pool).await.map(drop)
     }
 
     /// Where it is, its password left out.
@@ -169,6 +245,13 @@ impl KeyTable {
         &self.namespace
     }
 
+    fn writable(&self) -> Result<(), TableError> {
+        match self.read_only {
+            true => Err(TableError::ReadOnly(self.url.clone())),
+            false => Ok(()),
+        }
+    }
+
     fn database(&self) -> impl Fn(sqlx::Error) -> TableError + '_ {
         |source| TableError::Database { url: self.url.clone(), source }
     }
@@ -176,6 +259,7 @@ impl KeyTable {
     /// Stores `entry` for `key` (its digest only), checked as the gateway
     /// will read it.
     pub async fn add(&self, entry: &KeyEntry, key: &str) -> Result<(), TableError> {
+        self.writable()?;
         let spec = KeySpec {
             name: entry.name.clone(),
             tenant: entry.tenant.clone(),
@@ -222,6 +306,7 @@ impl KeyTable {
     /// Revokes the key in force named `name`: every gateway refuses it
     /// once it reads the table again.
     pub async fn revoke(&self, name: &str) -> Result<(), TableError> {
+        self.writable()?;
         let done = sqlx::query("UPDATE gateway_api_keys SET revoked_at_unix_ms = $3 WHERE namespace = $1 AND name = $2 AND revoked_at_unix_ms IS NULL")
             .bind(&self.namespace)
             .bind(name)
@@ -237,14 +322,11 @@ impl KeyTable {
 
     /// Every key of the namespace, revoked ones too, by name.
     pub async fn list(&self) -> Result<Vec<StoredKey>, TableError> {
-        let rows = sqlx::query(
-            "SELECT name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, created_at_unix_ms, revoked_at_unix_ms \
-             FROM gateway_api_keys WHERE namespace = $1 ORDER BY name",
-        )
-        .bind(&self.namespace)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(self.database())?;
+        let rows = sqlx::query(&format!("SELECT {COLUMNS} FROM gateway_api_keys WHERE namespace = $1 ORDER BY name"))
+            .bind(&self.namespace)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.database())?;
         rows.iter().map(|row| self.stored(row)).collect()
     }
 
@@ -335,6 +417,35 @@ mod tests {
         ] {
             assert!(matches!(prod.add(&bad, "tk_five").await, Err(TableError::Invalid(_))), "{bad:?}");
         }
+    }
+
+    /// A gateway's table reads what operators store and can write nothing,
+    /// its sessions refused any write by the database itself; on a new
+    /// file it makes the table first.
+    #[tokio::test]
+    async fn a_gateway_reads_the_keys_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite:{}", dir.path().join("keys.sqlite").display());
+        let gateway = KeyTable::open_to_read(&url, "prod").await.expect("made on first use");
+        assert!(gateway.in_force().await.unwrap().is_empty());
+        let operator = KeyTable::open(&url, "prod").await.unwrap();
+        let entry = KeyEntry { name: "acme".into(), tenant: "acme".into(), ..KeyEntry::default() };
+        operator.add(&entry, "tk_one").await.unwrap();
+        assert_eq!(gateway.in_force().await.unwrap()[0].sha256, digest_hex("tk_one"));
+
+        assert!(matches!(gateway.add(&KeyEntry { name: "mine".into(), ..entry.clone() }, "tk_two").await, Err(TableError::ReadOnly(_))));
+        assert!(matches!(gateway.revoke("acme").await, Err(TableError::ReadOnly(_))));
+        for write in [
+            "UPDATE gateway_api_keys SET revoked_at_unix_ms = 1",
+            "INSERT INTO gateway_api_keys (namespace, name, tenant, sha256, created_at_unix_ms) VALUES ('prod', 'x', 'x', 'ab', 1)",
+            "DELETE FROM gateway_api_keys",
+        ] {
+            let refused = sqlx::query(write).execute(&gateway.pool).await;
+            assert!(refused.is_err(), "{write}: {refused:?}");
+        }
+        assert_eq!(operator.list().await.unwrap().len(), 1);
+        assert_eq!(operator.in_force().await.unwrap().len(), 1, "untouched");
+        assert!(matches!(KeyTable::open_to_read("sqlite::memory:", "prod").await, Err(TableError::Invalid(_))));
     }
 
     #[test]
