@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use turbine_gateway::ApiKeys;
-use turbine_gateway::keys::{KeyEntry, KeyTable, entry, new_key};
+use turbine_gateway::keys::{KeyEntry, KeyTable, entry, expiry_of, new_key};
 
 /// API keys.
 #[derive(Debug, clap::Subcommand)]
@@ -20,8 +20,9 @@ pub enum KeysCommand {
     /// Its row stays, and its name stays taken. (In a file: delete its
     /// entry.)
     Revoke(RevokeKeyArgs),
-    /// List the keys in the database (names, tenants, limits, when made
-    /// and revoked; never a key).
+    /// List the keys in the database (names, tenants, limits, when made,
+    /// when they expire and when revoked; never a key). Makes or migrates
+    /// the table, as every keys command on a database does.
     List(DatabaseArgs),
 }
 
@@ -70,6 +71,21 @@ pub struct NewKeyArgs {
     /// Requests the key may have in flight at once.
     #[arg(long)]
     pub max_concurrent: Option<u32>,
+    /// When the key stops authenticating: an RFC 3339 date-time with its
+    /// offset (2027-01-01T00:00:00Z). Its holder is told it expired (401)
+    /// from then on; its entry or row stays. Unset: it never expires.
+    #[arg(long, value_name = "DATETIME", value_parser = future_expiry)]
+    pub expires_at: Option<(i64, String)>,
+}
+
+/// `--expires-at`: Unix milliseconds, and the text as given; never past.
+fn future_expiry(text: &str) -> Result<(i64, String), String> {
+    let at = expiry_of(text)?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64);
+    if at <= now {
+        return Err(format!("{text} is past: a key made now would never authenticate"));
+    }
+    Ok((at, text.trim().to_owned()))
 }
 
 /// `turbine keys revoke`.
@@ -122,6 +138,7 @@ async fn new_in_database(args: &NewKeyArgs, table: &KeyTable) -> anyhow::Result<
         requests_per_minute: args.requests_per_minute,
         tokens_per_minute: args.tokens_per_minute,
         max_concurrent: args.max_concurrent,
+        expires_at_unix_ms: args.expires_at.as_ref().map(|(at, _)| *at),
     };
     table.add(&entry, &key).await?;
     eprintln!("turbine: added key {:?} (tenant {:?}) to namespace {:?} of {}; the key, shown once:", args.name, args.tenant, table.namespace(), table.url());
@@ -133,11 +150,11 @@ async fn list(table: &KeyTable) -> anyhow::Result<()> {
     let keys = table.list().await?;
     let limit = |value: Option<u64>| value.map_or("-".to_owned(), |value| value.to_string());
     let when = turbine_planner::audit::utc;
-    println!("{:<24} {:<16} {:<12} {:>8} {:>10} {:>6} {:<20} REVOKED", "NAME", "TENANT", "SHARES", "RPM", "TPM", "AT ONCE", "CREATED");
+    println!("{:<24} {:<16} {:<12} {:>8} {:>10} {:>6} {:<20} {:<20} REVOKED", "NAME", "TENANT", "SHARES", "RPM", "TPM", "AT ONCE", "CREATED", "EXPIRES");
     for key in &keys {
         let entry = &key.entry;
         println!(
-            "{:<24} {:<16} {:<12} {:>8} {:>10} {:>6} {:<20} {}",
+            "{:<24} {:<16} {:<12} {:>8} {:>10} {:>6} {:<20} {:<20} {}",
             entry.name,
             entry.tenant,
             entry.share_prefixes.as_deref().unwrap_or("-"),
@@ -145,6 +162,7 @@ async fn list(table: &KeyTable) -> anyhow::Result<()> {
             limit(entry.tokens_per_minute),
             limit(entry.max_concurrent.map(u64::from)),
             when(key.created_at_unix_ms),
+            entry.expires_at_unix_ms.map_or("-".to_owned(), when),
             key.revoked_at_unix_ms.map_or("-".to_owned(), when),
         );
     }
@@ -181,6 +199,9 @@ fn new(args: &NewKeyArgs, path: &std::path::Path) -> anyhow::Result<()> {
         if let Some(value) = value {
             text.push_str(&format!("{field} = {value}\n"));
         }
+    }
+    if let Some((_, at)) = &args.expires_at {
+        text.push_str(&format!("expires_at = {at}\n"));
     }
     // The file as the gateway will read it, checked before it is written.
     ApiKeys::parse(&text).map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;

@@ -179,7 +179,7 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
     postgres.psql("turbine", "CREATE ROLE gateway LOGIN");
     let reader = postgres.url_as("gateway", "turbine");
     let unmade = turbine_gateway::keys::KeyTable::open_to_read(&reader, "default").await.expect_err("no table to read, none it may make");
-    assert!(unmade.to_string().contains("turbine keys new --database"), "{unmade}");
+    assert!(unmade.to_string().contains("turbine keys list --database"), "{unmade}");
     let keys = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_turbine")).arg("keys").args(args).args(["--database", &url]).output().unwrap();
     let made = |output: std::process::Output| {
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
@@ -188,6 +188,9 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
     let alice = made(keys(&["new", "--name", "alice", "--tenant", "a"]));
     let bob = made(keys(&["new", "--name", "bob", "--tenant", "b", "--requests-per-minute", "600"]));
     assert!(alice.starts_with("tk_") && alice != bob, "{alice} {bob}");
+    let carol = made(keys(&["new", "--name", "carol", "--tenant", "c", "--expires-at", "2099-01-01T00:00:00Z"]));
+    let past = keys(&["new", "--name", "dave", "--tenant", "d", "--expires-at", "2020-01-01T00:00:00+01:00"]);
+    assert!(!past.status.success() && String::from_utf8_lossy(&past.stderr).contains("is past"), "{past:?}");
     let again = keys(&["new", "--name", "alice", "--tenant", "c"]);
     assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already has a key named \"alice\""), "{again:?}");
 
@@ -231,7 +234,10 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
         let base = gateway.http_url();
         turbine_testkit::wait_until("the gateway serves a key holder", turbine_testkit::STARTUP_TIMEOUT, async || status(&base, Some(&alice)).await == 200)
             .await;
-        assert_eq!((status(&base, Some(&bob)).await, status(&base, None).await, status(&base, Some("tk_guess")).await), (200, 401, 401));
+        assert_eq!(
+            (status(&base, Some(&bob)).await, status(&base, Some(&carol)).await, status(&base, None).await, status(&base, Some("tk_guess")).await),
+            (200, 200, 401, 401)
+        );
     }
 
     // Revoked once, refused by both.
@@ -246,10 +252,26 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
         .await;
         assert_eq!(status(&base, Some(&bob)).await, 200, "the other key answers on");
     }
+    // carol's expiry passed (set back by hand, as time would move it): its
+    // holder is told so, the others answer on.
+    postgres.psql("turbine", "UPDATE gateway_api_keys SET expires_at_unix_ms = 1000 WHERE name = 'carol'");
+    for gateway in &gateways {
+        let base = gateway.http_url();
+        turbine_testkit::poll_until("the expired key is refused", std::time::Duration::from_secs(30), std::time::Duration::from_millis(250), async || {
+            status(&base, Some(&carol)).await == 401
+        })
+        .await;
+        let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 3});
+        let refused: serde_json::Value =
+            client.post(format!("{base}/v1/completions")).bearer_auth(&carol).json(&body).send().await.unwrap().json().await.unwrap();
+        assert!(refused["error"]["message"].as_str().is_some_and(|message| message.contains("expired")), "{refused}");
+        assert_eq!(status(&base, Some(&bob)).await, 200);
+    }
     let listed = made(keys(&["list"]));
     let line = |name: &str| listed.lines().find(|line| line.starts_with(name)).unwrap_or_else(|| panic!("{name} listed: {listed}")).to_owned();
     assert!(!line("alice").ends_with(" -") && line("bob").ends_with(" -"), "alice revoked, bob in force:\n{listed}");
     assert!(line("bob").contains("600"), "its limit: {listed}");
+    assert!(line("carol").contains("1970-01-01T00:00:01Z"), "its expiry: {listed}");
     assert!(!listed.contains(&alice) && !listed.contains(&bob), "never a key: {listed}");
     let twice = keys(&["revoke", "--name", "alice"]);
     assert!(!twice.status.success() && String::from_utf8_lossy(&twice.stderr).contains("no key in force named \"alice\""), "{twice:?}");

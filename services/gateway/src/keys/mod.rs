@@ -13,6 +13,7 @@
 //! # requests_per_minute = 600   # limits, each optional: 429 with Retry-After beyond
 //! # tokens_per_minute = 200000  #   (prompt and completion tokens)
 //! # max_concurrent = 16         #   (requests in flight)
+//! # expires_at = 2027-01-01T00:00:00Z  # refused from then on (a date-time with its offset)
 //! ```
 //!
 //! A caller sends `Authorization: Bearer <key>`. With keys configured, a
@@ -66,6 +67,51 @@ struct KeySpec {
     tokens_per_minute: Option<u64>,
     #[serde(default)]
     max_concurrent: Option<u32>,
+    /// When it stops authenticating, Unix milliseconds (in a file,
+    /// `expires_at`: a TOML date-time with its offset).
+    #[serde(default, rename = "expires_at", deserialize_with = "expiry")]
+    expires_at_unix_ms: Option<i64>,
+}
+
+/// A file's `expires_at` as Unix milliseconds.
+fn expiry<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<i64>, D::Error> {
+    let at = toml::value::Datetime::deserialize(deserializer)?;
+    unix_ms(&at).map(Some).map_err(serde::de::Error::custom)
+}
+
+/// `text`, an RFC 3339 date-time with its offset (`2027-01-01T00:00:00Z`,
+/// as a keys file's `expires_at` holds it), as Unix milliseconds.
+pub fn expiry_of(text: &str) -> Result<i64, String> {
+    let at: toml::value::Datetime = text.trim().parse().map_err(|error| format!("{text:?} is no date-time: {error}"))?;
+    unix_ms(&at)
+}
+
+/// A TOML date-time as Unix milliseconds: it needs a date, a time and
+/// an offset (a local time names no instant).
+fn unix_ms(at: &toml::value::Datetime) -> Result<i64, String> {
+    let (Some(date), Some(time), Some(offset)) = (at.date, at.time, at.offset) else {
+        return Err(format!("expires_at {at}: give a date, a time and an offset, as 2027-01-01T00:00:00Z"));
+    };
+    // Days since 1970-01-01 of a civil date (proleptic Gregorian), the
+    // year starting in March so that the leap day ends it.
+    let (month, day) = (i64::from(date.month), i64::from(date.day));
+    let year = i64::from(date.year) - i64::from(month <= 2);
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    let offset_minutes = match offset {
+        toml::value::Offset::Z => 0,
+        toml::value::Offset::Custom { minutes } => i64::from(minutes),
+    };
+    let seconds = days * 86_400 + i64::from(time.hour) * 3_600 + i64::from(time.minute) * 60 + i64::from(time.second) - offset_minutes * 60;
+    Ok(seconds * 1_000 + i64::from(time.nanosecond / 1_000_000))
+}
+
+/// Now, as Unix milliseconds.
+fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64)
 }
 
 #[derive(Debug, Deserialize)]
@@ -264,6 +310,8 @@ pub enum AuthError {
     Missing,
     /// A key not in the file.
     Unknown,
+    /// A key past its `expires_at`.
+    Expired,
 }
 
 impl AuthError {
@@ -272,6 +320,7 @@ impl AuthError {
         match self {
             AuthError::Missing => "missing",
             AuthError::Unknown => "unknown",
+            AuthError::Expired => "expired",
         }
     }
 }
@@ -282,6 +331,7 @@ impl From<AuthError> for GatewayError {
         let message = match error {
             AuthError::Missing => "You didn't provide an API key. Send it in an Authorization header: `Authorization: Bearer YOUR_KEY`.",
             AuthError::Unknown => "Incorrect API key provided.",
+            AuthError::Expired => "The API key provided has expired: ask for a new one.",
         };
         GatewayError::new(ErrorKind::Unauthenticated, message)
     }
@@ -393,6 +443,7 @@ impl ApiKeys {
                 requests_per_minute: None,
                 tokens_per_minute: None,
                 max_concurrent: None,
+                expires_at_unix_ms: None,
             },
             digest: String::new(),
             shared: std::sync::OnceLock::new(),
@@ -433,13 +484,22 @@ impl ApiKeys {
     /// The caller presenting `authorization` (an `Authorization` header's
     /// value: `Bearer KEY`).
     pub fn authenticate(&self, authorization: Option<&str>) -> Result<Arc<ApiKey>, AuthError> {
+        self.authenticate_at(authorization, now_unix_ms())
+    }
+
+    /// [`authenticate`](Self::authenticate) at `now` (Unix milliseconds).
+    fn authenticate_at(&self, authorization: Option<&str>, now: i64) -> Result<Arc<ApiKey>, AuthError> {
         let key = authorization
             .and_then(|value| value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")))
             .map(str::trim)
             .filter(|key| !key.is_empty())
             .ok_or(AuthError::Missing)?;
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
-        self.by_digest.get(&digest).cloned().ok_or(AuthError::Unknown)
+        let key = self.by_digest.get(&digest).ok_or(AuthError::Unknown)?;
+        match key.spec.expires_at_unix_ms {
+            Some(at) if now >= at => Err(AuthError::Expired),
+            _ => Ok(key.clone()),
+        }
     }
 }
 
@@ -672,6 +732,31 @@ mod tests {
         assert_eq!(refused(Some("Basic dGtfYWxwaGE=")), AuthError::Missing);
         assert_eq!(refused(Some("Bearer tk_alph")), AuthError::Unknown);
         assert_eq!(refused(Some(&format!("Bearer {}", digest_hex("tk_alpha")))), AuthError::Unknown, "the digest is not the key");
+    }
+
+    #[test]
+    fn a_key_is_refused_from_its_expiry_on() {
+        let text = format!("{}expires_at = 2027-01-01T00:00:00Z\n", file(&[("x", "t", "tk_x")]));
+        let keys = ApiKeys::parse(&text).unwrap();
+        let at = expiry_of("2027-01-01T00:00:00Z").unwrap();
+        assert_eq!(at, 1_798_761_600_000);
+        assert_eq!(keys.authenticate_at(Some("Bearer tk_x"), at - 1).unwrap().name, "x");
+        assert_eq!(keys.authenticate_at(Some("Bearer tk_x"), at).unwrap_err(), AuthError::Expired);
+        assert_eq!(keys.authenticate_at(Some("Bearer tk_y"), at).unwrap_err(), AuthError::Unknown);
+        for (text, ms) in [
+            ("1970-01-01T00:00:00Z", 0),
+            ("1969-12-31T23:59:59.5Z", -500),
+            ("2000-03-01T00:00:00+01:00", 951_865_200_000),
+            ("2100-02-28T12:30:15-05:30", 4_107_520_815_000),
+        ] {
+            assert_eq!(expiry_of(text), Ok(ms), "{text}");
+        }
+        for (entry, says) in
+            [("expires_at = 2027-01-01\n", "an offset"), ("expires_at = 2027-01-01T00:00:00\n", "an offset"), ("expires_at = \"soon\"\n", "date")]
+        {
+            let error = ApiKeys::parse(&format!("{}{entry}", file(&[("x", "t", "k")]))).unwrap_err();
+            assert!(error.contains(says), "{entry}: {error}");
+        }
     }
 
     #[test]

@@ -46,6 +46,8 @@ pub struct KeyEntry {
     pub tokens_per_minute: Option<u64>,
     /// Requests in flight at once.
     pub max_concurrent: Option<u32>,
+    /// When it stops authenticating (Unix milliseconds).
+    pub expires_at_unix_ms: Option<i64>,
 }
 
 /// A key as stored (`turbine keys list`): never the key itself.
@@ -103,7 +105,7 @@ pub enum TableError {
     /// A gateway found no table it can read, and its credentials may not
     /// make one.
     #[error(
-        "the API keys table ({url}) cannot be read ({read}) and cannot be made with these credentials ({source}): make it with `turbine keys new --database` under credentials that may create tables, and let the gateway's read it (GRANT SELECT ON gateway_api_keys; docs/operations.md)"
+        "the API keys table ({url}) cannot be read ({read}) and cannot be made with these credentials ({source}): make or migrate it with `turbine keys list --database` (any `turbine keys` command on the database) under credentials that may, and let the gateway's read it (GRANT SELECT ON gateway_api_keys; docs/operations.md)"
     )]
     Unmade {
         /// Where, its password left out.
@@ -138,7 +140,8 @@ pub struct KeyTable {
 }
 
 /// What is read of a row.
-const COLUMNS: &str = "name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, created_at_unix_ms, revoked_at_unix_ms";
+const COLUMNS: &str =
+    "name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, expires_at_unix_ms, created_at_unix_ms, revoked_at_unix_ms";
 
 /// `url` with its password left out, for logs and errors.
 pub fn redacted(url: &str) -> String {
@@ -268,6 +271,7 @@ impl KeyTable {
             requests_per_minute: entry.requests_per_minute,
             tokens_per_minute: entry.tokens_per_minute,
             max_concurrent: entry.max_concurrent,
+            expires_at_unix_ms: entry.expires_at_unix_ms,
         };
         ApiKeys::from_specs(vec![spec.clone()]).map_err(TableError::Invalid)?;
         let taken = sqlx::query("SELECT 1 FROM gateway_api_keys WHERE namespace = $1 AND name = $2")
@@ -281,8 +285,8 @@ impl KeyTable {
             return Err(name_taken());
         }
         let inserted = sqlx::query(
-            "INSERT INTO gateway_api_keys (namespace, name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, created_at_unix_ms, revoked_at_unix_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL)",
+            "INSERT INTO gateway_api_keys (namespace, name, tenant, sha256, share_prefixes, requests_per_minute, tokens_per_minute, max_concurrent, expires_at_unix_ms, created_at_unix_ms, revoked_at_unix_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, NULL)",
         )
         .bind(&self.namespace)
         .bind(&spec.name)
@@ -292,6 +296,7 @@ impl KeyTable {
         .bind(spec.requests_per_minute.map(i64::from))
         .bind(spec.tokens_per_minute.map(|tokens| tokens.min(i64::MAX as u64) as i64))
         .bind(spec.max_concurrent.map(i64::from))
+        .bind(spec.expires_at_unix_ms)
         .bind(now_unix_ms())
         .execute(&self.pool)
         .await;
@@ -349,6 +354,7 @@ impl KeyTable {
             requests_per_minute: narrow(limit("requests_per_minute")?, "requests_per_minute")?,
             tokens_per_minute: limit("tokens_per_minute")?.map(|tokens| tokens as u64),
             max_concurrent: narrow(limit("max_concurrent")?, "max_concurrent")?,
+            expires_at_unix_ms: row.try_get("expires_at_unix_ms").map_err(read)?,
             name: name.clone(),
         };
         Ok(StoredKey {
@@ -359,7 +365,8 @@ impl KeyTable {
         })
     }
 
-    /// The keys in force (not revoked), as the gateway reads them.
+    /// The keys in force (not revoked), as the gateway reads them (those
+    /// past their expiry too: the gateway tells their holders so).
     pub(super) async fn in_force(&self) -> Result<Vec<KeySpec>, TableError> {
         Ok(self
             .list()
@@ -374,6 +381,7 @@ impl KeyTable {
                 requests_per_minute: key.entry.requests_per_minute,
                 tokens_per_minute: key.entry.tokens_per_minute,
                 max_concurrent: key.entry.max_concurrent,
+                expires_at_unix_ms: key.entry.expires_at_unix_ms,
             })
             .collect())
     }
@@ -391,7 +399,13 @@ mod tests {
     async fn keys_are_stored_as_digests_revoked_in_place_and_kept_per_namespace() {
         let dir = tempfile::tempdir().unwrap();
         let (prod, staging) = (table(&dir, "prod").await, table(&dir, "staging").await);
-        let entry = KeyEntry { name: "acme".into(), tenant: "acme".into(), requests_per_minute: Some(60), ..KeyEntry::default() };
+        let entry = KeyEntry {
+            name: "acme".into(),
+            tenant: "acme".into(),
+            requests_per_minute: Some(60),
+            expires_at_unix_ms: Some(1_798_761_600_000),
+            ..KeyEntry::default()
+        };
         prod.add(&entry, "tk_one").await.unwrap();
         staging.add(&KeyEntry { name: "acme".into(), tenant: "other".into(), ..KeyEntry::default() }, "tk_two").await.unwrap();
 
