@@ -238,6 +238,9 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
             (status(&base, Some(&bob)).await, status(&base, Some(&carol)).await, status(&base, None).await, status(&base, Some("tk_guess")).await),
             (200, 200, 401, 401)
         );
+        // For the alert before a key expires: carol's (2099-01-01), no other.
+        let expiry = async |key: &str| turbine_testkit::metric_where(&gateway.admin_url(), "turbine_gateway_api_key_expires_at_seconds", &[("key", key)]).await;
+        assert_eq!((expiry("carol").await, expiry("bob").await), (4_070_908_800.0, 0.0));
     }
 
     // Revoked once, refused by both.
@@ -265,6 +268,8 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
         let refused: serde_json::Value =
             client.post(format!("{base}/v1/completions")).bearer_auth(&carol).json(&body).send().await.unwrap().json().await.unwrap();
         assert!(refused["error"]["message"].as_str().is_some_and(|message| message.contains("expired")), "{refused}");
+        let expiry = turbine_testkit::metric_where(&gateway.admin_url(), "turbine_gateway_api_key_expires_at_seconds", &[("key", "carol")]).await;
+        assert_eq!(expiry, 1.0, "the expiry read again");
         assert_eq!(status(&base, Some(&bob)).await, 200);
     }
     let listed = made(keys(&["list"]));

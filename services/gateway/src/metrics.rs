@@ -72,6 +72,13 @@ static STREAMS_STALLED: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 static KEYS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("turbine_gateway_api_keys", "API keys in force (the keys file's, as last applied)", &[]).with_label_values(&[] as &[&str]));
+static KEY_EXPIRIES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    gauge(
+        "turbine_gateway_api_key_expires_at_seconds",
+        "When each API key in force that expires does (Unix seconds; keys without an expiry are not listed): alert before it comes",
+        &["key"],
+    )
+});
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     gauge(
         "turbine_gateway_awaiting_first_token",
@@ -295,6 +302,15 @@ pub fn shared_limit_failure() {
 /// The number of API keys in force.
 pub fn keys_in_force(count: usize) {
     KEYS.set(count as i64);
+}
+
+/// The expiries of the keys in force, by name (Unix milliseconds): only
+/// these are listed from now on.
+pub fn key_expiries(expiries: impl Iterator<Item = (String, i64)>) {
+    KEY_EXPIRIES.reset();
+    for (name, at) in expiries {
+        KEY_EXPIRIES.with_label_values(&[name.as_str()]).set(at.div_euclid(1_000));
+    }
 }
 
 /// A request answered 408: its body came too slowly.

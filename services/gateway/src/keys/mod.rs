@@ -471,6 +471,12 @@ impl ApiKeys {
         }
     }
 
+    /// Counts these as the keys in force, with their expiries.
+    fn count(&self) {
+        crate::metrics::keys_in_force(self.len());
+        crate::metrics::key_expiries(self.by_digest.values().filter_map(|key| Some((key.name.clone(), key.spec.expires_at_unix_ms?))));
+    }
+
     /// How many keys there are.
     pub fn len(&self) -> usize {
         self.by_digest.len()
@@ -563,7 +569,7 @@ impl KeyRing {
         let shared = shared.map(Arc::new);
         let keys =
             Self::assemble(specs, own.as_deref(), None, shared.as_ref()).map_err(|error| anyhow::anyhow!("the API keys {}: {error}", source.describe()))?;
-        crate::metrics::keys_in_force(keys.len());
+        keys.count();
         Ok(Self { source, own, shared, state: Mutex::new((Arc::new(keys), digest)) })
     }
 
@@ -661,7 +667,7 @@ impl KeyRing {
             }
         };
         crate::metrics::key_reload("applied");
-        crate::metrics::keys_in_force(keys.len());
+        keys.count();
         tracing::info!(keys = keys.len(), source = %self.source.describe(), "API keys changed: these are in force");
         *self.state.lock() = (Arc::new(keys), digest);
         Ok(true)
