@@ -822,8 +822,11 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         )
         usage = None
-        for chunk in stream:
-            usage = chunk.usage or usage
+        try:
+            for chunk in stream:
+                usage = chunk.usage or usage
+        except openai.APIError as error:
+            raise AssertionError(f"the stream through envoy failed: {error}")
         check(usage is not None and usage.completion_tokens == 12, f"streamed usage through envoy: {usage}")
         try:
             openai.OpenAI(base_url=f"{base}/v1", api_key="tk-not-a-key", max_retries=0,
@@ -831,6 +834,8 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
             raise AssertionError("a wrong key was answered through envoy")
         except openai.AuthenticationError as error:
             check(error.body.get("code") == "invalid_api_key", f"401 body through envoy: {error.body}")
+        except openai.APIError as error:
+            raise AssertionError(f"a wrong key through envoy was not answered 401: {error}")
 
         # Envoy's own refusal (a header name with an underscore) in OpenAI's error shape.
         request = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}", "x_smuggled": "1"})
@@ -891,10 +896,14 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
         # One gateway drains while requests arrive: none fails.
         drained, drained_http, _ = gateways[0]
         drained.proc.send_signal(signal.SIGTERM)
+        drain_sent = time.monotonic()
         answered = 0
         for n in range(24):
-            done = client.completions.create(model=MODEL, prompt=f"Request {n} while a gateway drains.", max_tokens=2,
-                                             extra_body={"ignore_eos": True})
+            try:
+                done = client.completions.create(model=MODEL, prompt=f"Request {n} while a gateway drains.", max_tokens=2,
+                                                 extra_body={"ignore_eos": True})
+            except openai.APIError as error:
+                raise AssertionError(f"request {n} while a gateway drained failed (its SIGTERM {time.monotonic() - drain_sent:.3f} s before): {error}")
             check(done.usage.completion_tokens == 2, f"request {n} while a gateway drained: {done}")
             answered += 1
 
@@ -912,7 +921,10 @@ def envoy_suite(directory, public_cert, public_key, gateways, key, grpcurl_path,
         poll("envoy marks the drained gateway unhealthy", marked_unhealthy, timeout=30, process=envoy)
         drained.proc.wait(timeout=60)
         for n in range(8):
-            client.completions.create(model=MODEL, prompt=f"After the drain {n}.", max_tokens=2, extra_body={"ignore_eos": True})
+            try:
+                client.completions.create(model=MODEL, prompt=f"After the drain {n}.", max_tokens=2, extra_body={"ignore_eos": True})
+            except openai.APIError as error:
+                raise AssertionError(f"request {n} after a gateway drained failed: {error}")
 
         # Prometheus on the same run: every rule evaluates, the recording
         # rule has the gateways' TTFT, the drained gateway's scrape alert is
