@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use turbine_gateway::ApiKeys;
-use turbine_gateway::keys::{KeyEntry, KeyTable, entry, expiry_of, new_key};
+use turbine_gateway::keys::{KeyEntry, KeyTable, entry, expiry_of, new_key, now_unix_ms};
 
 /// API keys.
 #[derive(Debug, clap::Subcommand)]
@@ -81,8 +81,7 @@ pub struct NewKeyArgs {
 /// `--expires-at`: Unix milliseconds, and the text as given; never past.
 fn future_expiry(text: &str) -> Result<(i64, String), String> {
     let at = expiry_of(text)?;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64);
-    if at <= now {
+    if at <= now_unix_ms() {
         return Err(format!("{text} is past: a key made now would never authenticate"));
     }
     Ok((at, text.trim().to_owned()))

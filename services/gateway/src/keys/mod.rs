@@ -109,8 +109,9 @@ fn unix_ms(at: &toml::value::Datetime) -> Result<i64, String> {
     Ok(seconds * 1_000 + i64::from(time.nanosecond / 1_000_000))
 }
 
-/// Now, as Unix milliseconds.
-fn now_unix_ms() -> i64 {
+/// Now, as Unix milliseconds (what expiries and a table's times are
+/// read against).
+pub fn now_unix_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64)
 }
 

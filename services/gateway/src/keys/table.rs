@@ -11,12 +11,12 @@
 //! credentials than `SELECT` on the table. A row holds a key's SHA-256 digest, never the key. A revoked
 //! key's row stays (with when it was revoked), and its name stays taken.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, Executor, Row};
 
-use super::{ApiKeys, KeySpec, digest_hex};
+use super::{ApiKeys, KeySpec, digest_hex, now_unix_ms};
 
 /// The gateway's migrations, compiled into the binary. Applied migrations
 /// of another service sharing the database (the planner's) are not ours to
@@ -154,10 +154,6 @@ pub fn redacted(url: &str) -> String {
         }
         None => url.to_owned(),
     }
-}
-
-fn now_unix_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis() as i64)
 }
 
 impl KeyTable {
