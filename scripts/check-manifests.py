@@ -11,7 +11,10 @@ together: every Deployment has a readiness probe, and every address a
 container names (`scheme://turbine-NAME:PORT`) is a port of a Service
 whose pods listen on it; and that a Deployment trusting proxies
 (--trusted-proxies) is reachable on its API's ports from Envoy's pods
-alone."""
+alone; and that a drain fits: the gateways Envoy sends to serve on after
+SIGTERM for longer than Envoy's health checks take to mark one down
+(TURBINE_DRAIN_DELAY_SECS), and every pod with a drain delay is given
+the delay and its streams' grace before it is killed."""
 import pathlib
 import re
 import subprocess
@@ -102,6 +105,7 @@ def main():
                 check(ports[0]["targetPort"] in listening, f"{host}:{port} leads to a port {backend['metadata']['name']} does not name")
     check_envoy(deployments, services)
     check_trusted_proxies(deployments, by_kind.get("NetworkPolicy", []))
+    check_drain(deployments)
     check_prometheus(deployments)
     print(f"infra/k8s: {len(resources)} resources in {len(files)} files valid; infra/envoy/envoy.yaml and infra/prometheus fit them")
 
@@ -180,6 +184,41 @@ def check_envoy(deployments, services):
     routes = listeners["stats"]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
     check(probe["port"] == "stats" and any(r["match"].get("path") == probe["path"] and "route" in r for r in routes),
           "turbine-envoy's readiness probe asks for a path its stats listener does not serve")
+
+
+def seconds(duration):
+    """An Envoy duration ("2s", "0.5s") in seconds."""
+    check(isinstance(duration, str) and duration.endswith("s"), f"infra/envoy/envoy.yaml: {duration!r} is not a duration in seconds")
+    return float(duration[:-1])
+
+
+def check_drain(deployments):
+    """A service serves on, NOT_SERVING, for its drain delay after SIGTERM,
+    then gives its streams the grace (TURBINE_SHUTDOWN_GRACE_SECS, 30 s by
+    default for the gateway and routers) to finish: the pod's
+    terminationGracePeriodSeconds must hold both. The gateways' delay
+    must outlast the longest an Envoy health check takes to mark one
+    down (interval plus timeout, one failure enough), or Envoy sends new
+    requests to a gateway that no longer takes them."""
+    def env(container, name):
+        return next((v.get("value") for v in container.get("env", []) if v["name"] == name), None)
+
+    for deployment in deployments:
+        name = deployment["metadata"]["name"]
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        delay = float(env(container, "TURBINE_DRAIN_DELAY_SECS") or 0)
+        grace = float(env(container, "TURBINE_SHUTDOWN_GRACE_SECS") or 30)
+        if delay:
+            check(pod.get("terminationGracePeriodSeconds", 30) >= delay + grace,
+                  f"{name} is killed before its drain delay ({delay:g} s) and grace ({grace:g} s) are over")
+    clusters = {c["name"]: c for c in yaml.safe_load(ENVOY.read_text())["static_resources"]["clusters"]}
+    gateway = next(d for d in deployments if d["metadata"]["name"] == "turbine-gateway")
+    delay = float(env(gateway["spec"]["template"]["spec"]["containers"][0], "TURBINE_DRAIN_DELAY_SECS") or 0)
+    for cluster in ["gateway_http", "gateway_grpc"]:
+        for health in clusters[cluster]["health_checks"]:
+            marked_down = seconds(health["interval"]) * health["unhealthy_threshold"] + seconds(health["timeout"])
+            check(delay > marked_down, f"turbine-gateway's drain delay ({delay:g} s) is over before Envoy's {cluster} health checks mark it down ({marked_down:g} s)")
 
 
 def check_trusted_proxies(deployments, policies):

@@ -469,7 +469,9 @@ def mtls_deployment_suite():
                                                "--admin-addr", "127.0.0.1:0", "--router", f"http://{router}", "--api-keys", keys_file,
                                                "--public-tls-cert", public_cert, "--public-tls-key", public_key,
                                                # Envoy, in front of them below, connects from loopback.
-                                               "--trusted-proxies", "127.0.0.1", *tls("gateway")])
+                                               "--trusted-proxies", "127.0.0.1",
+                                               # As infra/k8s/gateway.yaml: Envoy marks a draining one down first.
+                                               "--drain-delay-secs", "5", *tls("gateway")])
             processes.append(gateway)
             gateways.append(gateway)
             addresses = gateway.addresses()

@@ -261,6 +261,10 @@ pub trait ServiceDefaults: std::fmt::Debug + Clone + PartialEq + Send + Sync + '
     const SHUTDOWN_GRACE_SECS: &'static str;
 }
 
+/// The longest drain delay: past it, a balancer that has not seen a
+/// service leave will not.
+pub const MAX_DRAIN_DELAY_SECS: f64 = 300.0;
+
 /// How a service is served: the settings every service shares.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 #[serde(bound = "")]
@@ -274,6 +278,15 @@ pub struct ServerConfig<S: ServiceDefaults> {
     /// Seconds in-flight calls and streams get to finish after SIGTERM.
     #[arg(long, env = "TURBINE_SHUTDOWN_GRACE_SECS", default_value = S::SHUTDOWN_GRACE_SECS)]
     pub shutdown_grace_secs: f64,
+    /// Seconds the service goes on serving after SIGTERM, reporting
+    /// NOT_SERVING (health, /readyz), before it stops accepting: for the
+    /// load balancers and proxies in front of it (Envoy, a Kubernetes
+    /// Service) to see it leave, so no request is sent on a connection it
+    /// is closing. Longer than their health checks take to mark it down;
+    /// a second SIGTERM or SIGINT ends it. 0: stop accepting at once.
+    #[arg(long, env = "TURBINE_DRAIN_DELAY_SECS", default_value_t = 0.0)]
+    #[serde(default)]
+    pub drain_delay_secs: f64,
     /// Once listening, write the bound addresses here as JSON (for
     /// supervisors and tests that listen on port 0).
     #[arg(long, value_name = "FILE")]
@@ -415,6 +428,9 @@ impl<S: ServiceDefaults> ServerConfig<S> {
         if !(self.shutdown_grace_secs.is_finite() && self.shutdown_grace_secs >= 0.0) {
             return Err(InvalidSetting::new("shutdown_grace_secs", "must be non-negative"));
         }
+        if !(self.drain_delay_secs.is_finite() && (0.0..=MAX_DRAIN_DELAY_SECS).contains(&self.drain_delay_secs)) {
+            return Err(InvalidSetting::new("drain_delay_secs", format!("must be between 0 and {MAX_DRAIN_DELAY_SECS} seconds")));
+        }
         self.clients.validate()?;
         self.tls.validate()
     }
@@ -422,6 +438,11 @@ impl<S: ServiceDefaults> ServerConfig<S> {
     /// The drain's grace period.
     pub fn grace(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.shutdown_grace_secs)
+    }
+
+    /// How long the service serves on, NOT_SERVING, after SIGTERM.
+    pub fn drain_delay(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.drain_delay_secs)
     }
 }
 

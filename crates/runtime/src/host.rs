@@ -17,9 +17,12 @@
 //! - the bound addresses: logged, returned, and written to
 //!   `--addresses-file` for supervisors;
 //! - the drain: on shutdown NOT_SERVING, the service's own last words
-//!   (a worker deregisters), stop accepting, in-flight calls and streams
-//!   finish within the grace period, then the service's background tasks
-//!   (which watch the same token) are awaited.
+//!   (a worker deregisters), serving on as before for the drain delay
+//!   (`--drain-delay-secs`, while the balancers in front see it leave; a
+//!   second signal ends it), then stop accepting (the listeners closed,
+//!   so a new connection is refused, not left waiting), in-flight calls
+//!   and streams finish within the grace period, then the service's
+//!   background tasks (which watch the same token) are awaited.
 //!
 //! ```text
 //! let mut host = Host::new(spec, &config.server, listeners).await;
@@ -263,6 +266,8 @@ pub struct Host {
     /// Whether the admin routes are merged into the HTTP API.
     admin_on_http: bool,
     grace: Duration,
+    /// How long it serves on after shutdown, NOT_SERVING.
+    drain_delay: Duration,
     addresses_file: Option<PathBuf>,
     addresses: BoundAddrs,
     trust: Option<Trust>,
@@ -329,6 +334,7 @@ impl Host {
             http_router: None,
             admin_on_http: true,
             grace: server.grace(),
+            drain_delay: server.drain_delay(),
             addresses_file: server.addresses_file.clone(),
             addresses,
             trust,
@@ -406,6 +412,7 @@ impl Host {
             http_router,
             admin_on_http,
             grace,
+            drain_delay,
             addresses_file,
             addresses,
             trust,
@@ -446,9 +453,12 @@ impl Host {
                 ServerSecurity::Plaintext
             }
         };
+        // The listeners stop at `stop`: the shutdown token, or the end of
+        // the drain delay after it ([`Serving::until_shutdown`]).
+        let stop = CancellationToken::new();
         let accepting = crate::grpc::Accepting { gate: crate::gate::ConnectionGate::new(connection_rate_per_ip), limits: connections, proxies };
         let serve =
-            crate::grpc::serve(listeners.grpc, routes, shutdown.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, security, spec.roles, accepting);
+            crate::grpc::serve(listeners.grpc, routes, stop.clone(), grace, spec.handler_timeout, CALLS_PER_CONNECTION, security, spec.roles, accepting);
         let grpc = tokio::spawn(serve);
         let admin_stop = CancellationToken::new();
         let admin = listeners.admin.map(|listener| tokio::spawn(crate::admin::serve(listener, readiness.clone(), http_limits.clone(), admin_stop.clone())));
@@ -462,9 +472,9 @@ impl Host {
                         // Its listener gates new connections before their handshakes.
                         let listener = public.listener(listener, struck_off)?;
                         let limits = crate::http_server::HttpLimits { gated_by_listener: true, ..limits };
-                        tokio::spawn(crate::admin::serve_tls_with_grace(listener, router, limits, shutdown.clone(), grace))
+                        tokio::spawn(crate::admin::serve_tls_with_grace(listener, router, limits, stop.clone(), grace))
                     }
-                    None => tokio::spawn(crate::admin::serve_with_grace(listener, router, limits, shutdown.clone(), grace)),
+                    None => tokio::spawn(crate::admin::serve_with_grace(listener, router, limits, stop.clone(), grace)),
                 })
             }
             (Some(_), None) => anyhow::bail!("{}: an HTTP listener without an HTTP API", spec.name),
@@ -474,7 +484,7 @@ impl Host {
             write_addresses(path, &addresses).with_context(|| format!("cannot write the addresses file {}", path.display()))?;
         }
         tracing::info!(service = spec.name, grpc = %addresses.grpc, admin = ?addresses.admin, http = ?addresses.http, "serving");
-        Ok(Serving { name: spec.name, readiness, shutdown, grpc, http, admin, admin_stop, tasks: Vec::new(), addresses })
+        Ok(Serving { name: spec.name, readiness, shutdown, stop, drain_delay, grpc, http, admin, admin_stop, tasks: Vec::new(), addresses })
     }
 }
 
@@ -490,6 +500,9 @@ pub struct Serving {
     name: &'static str,
     readiness: Readiness,
     shutdown: CancellationToken,
+    /// Stops the gRPC and HTTP listeners.
+    stop: CancellationToken,
+    drain_delay: Duration,
     grpc: JoinHandle<Result<(), tonic::transport::Error>>,
     http: Option<JoinHandle<std::io::Result<()>>>,
     admin: Option<JoinHandle<std::io::Result<()>>>,
@@ -533,13 +546,24 @@ impl Serving {
     }
 
     /// Serves until the shutdown token fires, then drains: NOT_SERVING,
-    /// `before_drain` (e.g. leaving the registry), in-flight calls finish
-    /// within the grace period, background tasks end.
+    /// `before_drain` (e.g. leaving the registry), everything served as
+    /// before for the drain delay (cut short by a second signal,
+    /// [`crate::shutdown::second_signal`]), then no new connection or
+    /// request is taken and in-flight calls finish within the grace
+    /// period; background tasks end.
     pub async fn until_shutdown(self, before_drain: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let Serving { name, readiness, shutdown, grpc, http, admin, admin_stop, tasks, addresses: _ } = self;
+        let Serving { name, readiness, shutdown, stop, drain_delay, grpc, http, admin, admin_stop, tasks, addresses: _ } = self;
         shutdown.cancelled().await;
         readiness.drain().await;
         before_drain.await;
+        if !drain_delay.is_zero() {
+            tracing::info!(service = name, delay_secs = drain_delay.as_secs_f64(), "NOT_SERVING: serving on for the drain delay");
+            tokio::select! {
+                () = tokio::time::sleep(drain_delay) => {}
+                () = crate::shutdown::second_signal().cancelled() => {}
+            }
+        }
+        stop.cancel();
         let grpc = grpc.await.context("the gRPC server panicked")?;
         let http = match http {
             Some(http) => http.await.context("the HTTP server panicked")?,

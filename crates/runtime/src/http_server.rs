@@ -76,7 +76,7 @@ impl Default for HttpLimits {
 }
 
 /// Serves `router` on `listener` under `limits` until `shutdown` fires;
-/// then stops accepting, asks every connection to close once its requests
+/// then closes the listener, asks every connection to close once its requests
 /// are answered and waits for them up to `grace`. `name` labels its
 /// metrics (`api`, `admin`).
 pub async fn serve<L>(
@@ -119,6 +119,10 @@ where
             serve_connection(builder, io, router, connection, shutdown, &unread).await;
         });
     }
+    // Closed at once: a client connecting from now on is refused (and a
+    // proxy tries another host), not left waiting on a listener nobody
+    // accepts from until the drain ends.
+    drop(listener);
     connections.close();
     // Connections were told to close as the token fired; the drain's
     // grace bounds how long their requests get.

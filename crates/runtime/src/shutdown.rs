@@ -1,32 +1,76 @@
-//! Process signals as a cancellation token.
+//! Process signals as cancellation tokens: the first SIGTERM or SIGINT
+//! starts the drain ([`cancel_on_signal`]); a second one ends its delay
+//! at once ([`second_signal`]), for an operator who would not wait.
+
+use std::sync::OnceLock;
 
 use tokio_util::sync::CancellationToken;
 
-/// Spawns a task that cancels `token` on the first SIGTERM or SIGINT.
+/// Spawns a task that cancels `token` on the first SIGTERM or SIGINT, and
+/// [`second_signal`] on the next one.
 pub fn cancel_on_signal(token: CancellationToken) {
     tokio::spawn(async move {
-        let signal = wait_for_signal().await;
+        let mut signals = Signals::install();
+        let signal = signals.next().await;
         tracing::info!(signal, "shutdown requested: draining");
         token.cancel();
+        let signal = signals.next().await;
+        tracing::info!(signal, "second signal: no more drain delay");
+        second_signal().cancel();
     });
+}
+
+/// Cancelled on the process's second SIGTERM or SIGINT (see
+/// [`cancel_on_signal`]): the drain delay ends there
+/// ([`crate::host::Serving::until_shutdown`]). A test may cancel it
+/// itself.
+pub fn second_signal() -> &'static CancellationToken {
+    static SECOND: OnceLock<CancellationToken> = OnceLock::new();
+    SECOND.get_or_init(CancellationToken::new)
 }
 
 /// Resolves on the first SIGTERM or SIGINT, naming it.
 pub async fn wait_for_signal() -> &'static str {
+    Signals::install().next().await
+}
+
+/// SIGTERM and SIGINT, their handlers installed once, so that none
+/// arriving between two waits is missed.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut terminate = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-        let mut interrupt = signal(SignalKind::interrupt()).expect("install SIGINT handler");
-        tokio::select! {
-            _ = terminate.recv() => "SIGTERM",
-            _ = interrupt.recv() => "SIGINT",
+    terminate: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Self {
+                terminate: signal(SignalKind::terminate()).expect("install SIGTERM handler"),
+                interrupt: signal(SignalKind::interrupt()).expect("install SIGINT handler"),
+            }
         }
+        #[cfg(not(unix))]
+        Self {}
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-        "ctrl-c"
+
+    /// The next signal, named.
+    async fn next(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.terminate.recv() => "SIGTERM",
+                _ = self.interrupt.recv() => "SIGINT",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            "ctrl-c"
+        }
     }
 }
 

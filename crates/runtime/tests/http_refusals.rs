@@ -6,7 +6,8 @@
 //! throughout; a trusted proxy's connection is never dropped for its
 //! clients' 401s. And an address struck off may connect again only at
 //! its rate for a while (over HTTPS, refused before the handshake), while
-//! addresses never struck off open what they like.
+//! addresses never struck off open what they like. A listener that drains
+//! refuses new connections at once while the streams on it go on.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -245,4 +246,22 @@ async fn over_https_an_address_struck_off_is_refused_before_the_handshake() {
     let issued = ca.issue_names(&["localhost".to_owned()], "api");
     let tls = PublicTls::from_pem(issued.cert.as_bytes(), issued.key.as_bytes()).unwrap();
     only_an_address_struck_off_is_gated(Some(tls), Some(ca.pem())).await;
+}
+
+#[tokio::test]
+async fn a_draining_listener_refuses_new_connections_while_its_streams_go_on() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(serve(listener, app(), HttpLimits::default(), stop.clone(), Duration::from_secs(60), "api"));
+    let mut client = http1_from("127.0.0.1", address).await.expect("a connection");
+    let mut streaming = client.send_request(request("http://test/stream")).await.unwrap().into_body();
+    tokio::time::timeout(BOUND, streaming.frame()).await.unwrap().unwrap().unwrap();
+    stop.cancel();
+    // Refused, not queued on a listener nobody accepts from until the
+    // drain ends: a proxy tries its next host at once.
+    wait_until("the draining listener refuses a new connection", BOUND, async || TcpStream::connect(address).await.is_err()).await;
+    let frame = tokio::time::timeout(BOUND, streaming.frame()).await.unwrap().unwrap().unwrap();
+    assert!(frame.is_data(), "the stream in flight goes on through the drain");
+    assert!(!served.is_finished());
 }

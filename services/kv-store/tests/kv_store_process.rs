@@ -5,6 +5,7 @@
 
 use std::process::Command;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tonic::Code;
 use turbine_api::ApiError;
@@ -13,7 +14,7 @@ use turbine_kv::{HostBlock, LocalBlockHash, SequenceHash, block_checksum};
 use turbine_proto::MessageLimits;
 use turbine_proto::kvstore::v1 as pb;
 use turbine_proto::kvstore::v1::kv_store_client::KvStoreClient as PbClient;
-use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess, metric, metric_lines, metric_where};
+use turbine_testkit::{STARTUP_TIMEOUT, ServiceProcess, metric, metric_lines, metric_where, wait_until};
 
 const BLOCK_BYTES: usize = 64 << 10;
 
@@ -159,6 +160,33 @@ fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status.lines().find(|line| line.starts_with(field)).expect("the field is in /proc status");
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// The admin port's `/readyz` status.
+async fn readyz(process: &ServiceProcess) -> u16 {
+    reqwest::get(format!("{}/readyz", process.admin_url())).await.unwrap().status().as_u16()
+}
+
+#[tokio::test]
+async fn through_its_drain_delay_the_store_is_not_serving_yet_answers_new_connections() {
+    let (mut process, client) = start_with(16, &["--drain-delay-secs", "300"]).await;
+    client.put(fp(7), &[block(1)]).await.unwrap();
+    assert_eq!(readyz(&process).await, 200);
+    process.terminate();
+    wait_until("the store reports NOT_SERVING on its first SIGTERM", Duration::from_secs(30), async || readyz(&process).await == 503).await;
+    // A client connecting now (a balancer that has not yet seen it leave)
+    // is still served, over a connection of its own.
+    let mut late = PbClient::connect(process.grpc_endpoint()).await.expect("a new connection in the drain delay").with_message_limits();
+    let found = late.lookup(pb::LookupRequest { fingerprint: fp(7).get(), sequence_hashes: vec![block(1).0.0, block(2).0.0] }).await.unwrap();
+    assert_eq!(found.into_inner().present, [true, false]);
+    assert_eq!(client.put(fp(7), &[block(2)]).await.unwrap().stored, 1, "and a connection from before");
+    // The second signal ends the delay: the store stops, drained, its
+    // clients' connections closed (waited for off this runtime, which
+    // answers their close meanwhile).
+    process.terminate();
+    let (status, process) = tokio::task::spawn_blocking(move || (process.wait(Duration::from_secs(30)), process)).await.unwrap();
+    let status = status.expect("the store stops on its second SIGTERM");
+    assert!(status.success(), "{status}: {}", process.output().join("\n"));
 }
 
 #[tokio::test]

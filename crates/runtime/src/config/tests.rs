@@ -137,6 +137,12 @@ fn unknown_and_mistyped_keys_are_refused_naming_the_file() {
 fn values_are_validated_after_layering() {
     assert!(parse(&["--port", "0"]).unwrap_err().contains("port: must be positive"));
     assert!(parse(&["--shutdown-grace-secs=-1"]).unwrap_err().contains("shutdown_grace_secs"));
+    for refused in ["-1", "301", "NaN", "inf"] {
+        let error = parse(&[&format!("--drain-delay-secs={refused}")]).unwrap_err();
+        assert!(error.contains("drain_delay_secs: must be between 0 and 300 seconds"), "{refused}: {error}");
+    }
+    assert_eq!(parse(&["--drain-delay-secs", "5"]).unwrap().server.drain_delay(), std::time::Duration::from_secs(5));
+    assert_eq!(parse(&[]).unwrap().server.drain_delay(), std::time::Duration::ZERO, "no delay unless asked");
 }
 
 #[test]
