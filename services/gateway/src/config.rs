@@ -127,7 +127,8 @@ pub struct AdmissionConfig {
     /// How often the API keys (file or database) are read again, in
     /// seconds: keys changed are in force from then on (added keys answer,
     /// removed or revoked ones are refused; a file that does not parse
-    /// changes nothing and is logged). 0: read once, at start.
+    /// changes nothing and is logged); a PostgreSQL table is also read
+    /// as soon as a change to it is announced. 0: read once, at start.
     #[arg(long, env = "TURBINE_GATEWAY_API_KEYS_RELOAD_SECS", default_value_t = 5)]
     pub api_keys_reload_secs: u64,
     /// A certificate chain (PEM, the gateway's first) its clients verify:

@@ -539,7 +539,15 @@ pub struct KeyRing {
     shared: Option<Arc<SharedBuckets>>,
     /// The keys in force, and the digest of what they were read from.
     state: Mutex<(Arc<ApiKeys>, [u8; 32])>,
+    /// One reload at a time: two reading at once could apply the older
+    /// read after the newer.
+    reloading: tokio::sync::Mutex<()>,
 }
+
+/// How long a gateway waits to listen again for a table's announcements
+/// after it could not (its reloads every `--api-keys-reload-secs` go on
+/// meanwhile).
+const LISTEN_AGAIN: Duration = Duration::from_secs(5);
 
 impl KeyRing {
     /// The keys in the file at `path`, and `own` (the running process's
@@ -571,7 +579,7 @@ impl KeyRing {
         let keys =
             Self::assemble(specs, own.as_deref(), None, shared.as_ref()).map_err(|error| anyhow::anyhow!("the API keys {}: {error}", source.describe()))?;
         keys.count();
-        Ok(Self { source, own, shared, state: Mutex::new((Arc::new(keys), digest)) })
+        Ok(Self { source, own, shared, state: Mutex::new((Arc::new(keys), digest)), reloading: tokio::sync::Mutex::new(()) })
     }
 
     /// A file's entries, and the digest of its bytes.
@@ -621,6 +629,7 @@ impl KeyRing {
     /// the reason when they cannot be read or are invalid (the keys
     /// before stay).
     pub async fn reload(self: &Arc<Self>) -> anyhow::Result<bool> {
+        let _one = self.reloading.lock().await;
         let read = match &self.source {
             Source::File(path) => {
                 let path = path.clone();
@@ -674,8 +683,22 @@ impl KeyRing {
         Ok(true)
     }
 
-    /// Reads the keys again every `every` until `shutdown`.
+    /// [`reload`](Self::reload), its failure logged.
+    async fn reload_logged(self: &Arc<Self>) {
+        if let Err(error) = self.reload().await {
+            tracing::error!(error = %format!("{error:#}"), "the API keys were not read again; the keys before stay in force");
+        }
+    }
+
+    /// Reads the keys again every `every` until `shutdown`, and, from a
+    /// table that announces its changes (PostgreSQL's), as each is
+    /// announced.
     pub fn spawn_watch(self: Arc<Self>, every: Duration, shutdown: turbine_runtime::CancellationToken) {
+        if let Source::Table(table) = &self.source
+            && table.announces_changes()
+        {
+            tokio::spawn(self.clone().follow_announcements(shutdown.clone()));
+        }
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(every);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -684,11 +707,72 @@ impl KeyRing {
                     _ = shutdown.cancelled() => return,
                     _ = ticks.tick() => {}
                 }
-                if let Err(error) = self.reload().await {
-                    tracing::error!(error = %format!("{error:#}"), "the API keys were not read again; the keys before stay in force");
+                self.reload_logged().await;
+            }
+        });
+    }
+
+    /// Listens for the table's announcements until `shutdown`, reading
+    /// the keys again on each of this namespace (others' are ignored);
+    /// whenever it starts listening again (at first, after a lost
+    /// connection or a failure) it reads them too, for what changed
+    /// unheard. Announcements heard during a read make one more read, not
+    /// one each.
+    async fn follow_announcements(self: Arc<Self>, shutdown: turbine_runtime::CancellationToken) {
+        let Source::Table(table) = &self.source else { return };
+        // The reader: a read waiting at most (a Notify's one permit).
+        let heard = Arc::new(tokio::sync::Notify::new());
+        tokio::spawn({
+            let (ring, heard, shutdown) = (self.clone(), heard.clone(), shutdown.clone());
+            async move {
+                loop {
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = heard.notified() => ring.reload_logged().await,
+                    }
                 }
             }
         });
+        let mine = |payload: &str| payload.is_empty() || payload == table.namespace();
+        loop {
+            let listening = tokio::select! {
+                () = shutdown.cancelled() => return,
+                listening = table.listen() => listening,
+            };
+            match listening {
+                Ok(mut listener) => {
+                    tracing::info!(database = table.url(), namespace = table.namespace(), "following the API keys table: each change is read as it is made");
+                    heard.notify_one();
+                    loop {
+                        let change = tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            change = listener.try_recv() => change,
+                        };
+                        match change {
+                            Ok(Some(change)) if !mine(change.payload()) => {}
+                            Ok(Some(_)) => heard.notify_one(),
+                            // Lost, and listening again: what changed between is read.
+                            Ok(None) => {
+                                tracing::warn!(database = table.url(), "the API keys table's announcements were cut off; listening again");
+                                heard.notify_one();
+                            }
+                            Err(error) => {
+                                tracing::warn!(database = table.url(), %error, "cannot hear the API keys table's announcements; reading it every --api-keys-reload-secs meanwhile");
+                                heard.notify_one();
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cannot listen for the API keys table's announcements; reading it every --api-keys-reload-secs meanwhile");
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(LISTEN_AGAIN) => {}
+            }
+        }
     }
 }
 

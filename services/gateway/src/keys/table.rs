@@ -10,6 +10,10 @@
 //! sessions the database itself holds read-only, needing no more of their
 //! credentials than `SELECT` on the table. A row holds a key's SHA-256 digest, never the key. A revoked
 //! key's row stays (with when it was revoked), and its name stays taken.
+//!
+//! On PostgreSQL a trigger announces every change ([`CHANGES_CHANNEL`]):
+//! the gateways listen, and read their keys again at once
+//! ([`KeyTable::listen`]).
 
 use std::time::Duration;
 
@@ -26,6 +30,18 @@ pub static MIGRATOR: sqlx::migrate::Migrator = {
     migrator.ignore_missing = true;
     migrator
 };
+
+/// PostgreSQL's alone, beside [`MIGRATOR`] (numbered from 1101): the
+/// trigger announcing each change to the table on [`CHANGES_CHANNEL`].
+pub static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = {
+    let mut migrator = sqlx::migrate!("./migrations-postgres");
+    migrator.ignore_missing = true;
+    migrator
+};
+
+/// Where PostgreSQL announces a change to the table, its payload the
+/// namespace changed (`""`: every one).
+pub const CHANGES_CHANNEL: &str = "gateway_api_keys";
 
 /// How long a statement may wait for a connection.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -130,13 +146,28 @@ pub enum TableError {
 }
 
 /// The API keys of one namespace in a database.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct KeyTable {
     pool: AnyPool,
     namespace: String,
     url: String,
     /// Opened by a gateway ([`KeyTable::open_to_read`]).
     read_only: bool,
+    /// Where its changes are announced: PostgreSQL's URL, its trigger
+    /// made.
+    announced_at: Option<String>,
+}
+
+impl std::fmt::Debug for KeyTable {
+    /// Without the URL's password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyTable")
+            .field("url", &self.url)
+            .field("namespace", &self.namespace)
+            .field("read_only", &self.read_only)
+            .field("announces_changes", &self.announces_changes())
+            .finish_non_exhaustive()
+    }
 }
 
 /// What is read of a row.
@@ -162,8 +193,17 @@ impl KeyTable {
     /// list (`turbine keys`).
     pub async fn open(url: &str, namespace: &str) -> Result<Self, TableError> {
         let table = Self::connect(url, namespace, false).await?;
-        MIGRATOR.run(&table.pool).await.map_err(|source| TableError::Migrate { url: table.url.clone(), source })?;
+        table.migrate().await.map_err(|source| TableError::Migrate { url: table.url.clone(), source })?;
         Ok(table)
+    }
+
+    /// Makes or migrates the table, and on PostgreSQL its trigger.
+    async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
+        MIGRATOR.run(&self.pool).await?;
+        if !self.url.starts_with("sqlite:") {
+            POSTGRES_MIGRATOR.run(&self.pool).await?;
+        }
+        Ok(())
     }
 
     /// A gateway's: the keys of `namespace` to read, over sessions the
@@ -178,17 +218,67 @@ impl KeyTable {
                 "{url}: an in-memory database lives and dies with one process, so no operator could add a key to it: name a file"
             )));
         }
-        let table = Self::connect(url, namespace, true).await?;
+        let mut table = Self::connect(url, namespace, true).await?;
         if let Err(read) = table.columns().await {
             let maker = Self::connect(url, namespace, false).await?;
-            let made = MIGRATOR.run(&maker.pool).await;
+            let made = maker.migrate().await;
             maker.pool.close().await;
             if let Err(source) = made {
                 return Err(TableError::Unmade { url: table.url.clone(), read: read.to_string(), source });
             }
             table.columns().await.map_err(table.database())?;
         }
+        if !url.starts_with("sqlite:") {
+            if !table.announcing().await.map_err(table.database())? {
+                // A table made before its trigger: made now where these
+                // credentials may; else read at every reload only.
+                let maker = Self::connect(url, namespace, false).await?;
+                if let Err(error) = POSTGRES_MIGRATOR.run(&maker.pool).await {
+                    tracing::warn!(
+                        database = table.url(),
+                        %error,
+                        "the API keys table announces no change (its trigger is missing and these credentials may not make it): a key revoked is refused here only from the next --api-keys-reload-secs; run any `turbine keys` command on the database to make it"
+                    );
+                }
+                maker.pool.close().await;
+            }
+            if table.announcing().await.map_err(table.database())? {
+                table.announced_at = Some(url.to_owned());
+            }
+        }
         Ok(table)
+    }
+
+    /// Whether PostgreSQL's trigger announcing the table's changes is
+    /// there.
+    async fn announcing(&self) -> Result<bool, sqlx::Error> {
+        let found = sqlx::query("SELECT 1 FROM pg_trigger WHERE tgname = 'gateway_api_keys_announce' AND tgrelid = 'gateway_api_keys'::regclass")
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(found.is_some())
+    }
+
+    /// Whether the table announces its changes ([`listen`](Self::listen)).
+    pub fn announces_changes(&self) -> bool {
+        self.announced_at.is_some()
+    }
+
+    /// A connection hearing each change to the table as it is committed
+    /// (PostgreSQL, [`CHANGES_CHANNEL`]); when lost, `try_recv` answers
+    /// `None` once, then connects and listens again (sqlx's `PgListener`).
+    pub async fn listen(&self) -> Result<sqlx::postgres::PgListener, TableError> {
+        let Some(url) = &self.announced_at else {
+            return Err(TableError::Invalid(format!("{}: this table announces no change (only PostgreSQL's, its trigger made)", self.url)));
+        };
+        // Its connection waited for no longer than a statement's, and
+        // lost without reconnecting at once: the loss is told first
+        // (`try_recv` answers `None`), so the keys are read for what may
+        // go unheard, and the next `try_recv` connects again.
+        let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).acquire_timeout(ACQUIRE_TIMEOUT).connect(url).await.map_err(self.database())?;
+        let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await.map_err(self.database())?;
+        listener.eager_reconnect(false);
+        listener.listen(CHANGES_CHANNEL).await.map_err(self.database())?;
+        Ok(listener)
     }
 
     async fn connect(url: &str, namespace: &str, read_only: bool) -> Result<Self, TableError> {
@@ -225,7 +315,7 @@ impl KeyTable {
             .connect(&connect)
             .await
             .map_err(|source| TableError::Database { url: shown.clone(), source })?;
-        Ok(Self { pool, namespace: namespace.to_owned(), url: shown, read_only })
+        Ok(Self { pool, namespace: namespace.to_owned(), url: shown, read_only, announced_at: None })
     }
 
     /// Reads no row, but every column this build reads: fails where the
@@ -305,7 +395,8 @@ impl KeyTable {
     }
 
     /// Revokes the key in force named `name`: every gateway refuses it
-    /// once it reads the table again.
+    /// once it reads the table again (on PostgreSQL at once, the change
+    /// announced).
     pub async fn revoke(&self, name: &str) -> Result<(), TableError> {
         self.writable()?;
         let done = sqlx::query("UPDATE gateway_api_keys SET revoked_at_unix_ms = $3 WHERE namespace = $1 AND name = $2 AND revoked_at_unix_ms IS NULL")
