@@ -29,11 +29,6 @@ pub fn second_signal() -> &'static CancellationToken {
     SECOND.get_or_init(CancellationToken::new)
 }
 
-/// Resolves on the first SIGTERM or SIGINT, naming it.
-pub async fn wait_for_signal() -> &'static str {
-    Signals::install().next().await
-}
-
 /// SIGTERM and SIGINT, their handlers installed once, so that none
 /// arriving between two waits is missed.
 struct Signals {
