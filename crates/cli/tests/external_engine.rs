@@ -452,6 +452,25 @@ async fn the_router_predicts_what_two_engines_cache_from_their_own_kv_events() {
     let mut tenant = Vec::new();
     for round in 0..2 {
         let prompt = ours.encode_text(&format!("{system}\nQuestion {round} about astronomy: what matters most?")).unwrap();
+        if round == 1 {
+            // The adapter has mirrored the first request's blocks; the
+            // router learns of them a moment later, over Redis (a CI run
+            // routed the second request before it had: predicted 0, hit 64).
+            let probe = turbine_api::router::RouteRequest {
+                request_id: "tenant-probe".into(),
+                model: MODEL.into(),
+                prompt_tokens: prompt.len() as u32,
+                token_ids: prompt.clone().into(),
+                cache_salt: salt,
+                ..Default::default()
+            };
+            wait_until("the router credits the tenant's own prefix", Duration::from_secs(30), async || {
+                let routed = router.route(&probe).await.unwrap();
+                router.finished("tenant-probe").await.unwrap();
+                routed.overlap_blocks > 0
+            })
+            .await;
+        }
         let (_, predicted, cached) = route_and_run(&router, prompt, &format!("tenant-{round}"), salt).await;
         tenant.push((predicted, cached));
     }
