@@ -286,12 +286,23 @@ async fn keys_in_postgres_are_added_and_revoked_once_for_every_gateway() {
     // The planner opens the database the gateways migrated too.
     turbine_planner::ledger::Ledger::open(&url, "default").await.expect("the planner beside the keys table");
 
+    // Each follows the table's announcements (the alert when one cannot
+    // reads this).
+    let following = async |admin: &str| turbine_testkit::metric_where(admin, "turbine_gateway_api_keys_following", &[]).await;
+    for gateway in &gateways {
+        assert_eq!(following(&gateway.admin_url()).await, 1.0, "the gateway hears the table's changes");
+    }
+
     // Postgres gone: the keys last read stay in force.
     postgres.kill();
     for gateway in &gateways {
         let admin = gateway.admin_url();
         turbine_testkit::wait_until("a reload finds the database gone", std::time::Duration::from_secs(30), async || {
             turbine_testkit::metric_where(&admin, "turbine_gateway_api_key_reloads_total", &[("outcome", "unreadable")]).await >= 1.0
+        })
+        .await;
+        turbine_testkit::wait_until("the gateway tells it no longer hears the table", std::time::Duration::from_secs(30), async || {
+            following(&admin).await == 0.0
         })
         .await;
         let base = gateway.http_url();

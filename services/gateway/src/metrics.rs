@@ -79,6 +79,14 @@ static KEY_EXPIRIES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
         &["key"],
     )
 });
+static KEYS_FOLLOWED: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge(
+        "turbine_gateway_api_keys_following",
+        "1 while the gateway hears each change to its API keys table as it is made (PostgreSQL's announcements), 0 while it cannot listen (a revoked key is then refused only at the next read, every --api-keys-reload-secs); absent for a keys file or SQLite",
+        &[],
+    )
+    .with_label_values(&[] as &[&str])
+});
 static AWAITING_FIRST_TOKEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     gauge(
         "turbine_gateway_awaiting_first_token",
@@ -326,4 +334,9 @@ pub fn stream_stalled() {
 /// Counts a call refused for its key's `limit`.
 pub fn rate_limited(limit: &str) {
     RATE_LIMITED.with_label_values(&[limit]).inc();
+}
+
+/// Whether the gateway hears its API keys table's changes as they are made.
+pub fn keys_following(following: bool) {
+    KEYS_FOLLOWED.set(i64::from(following));
 }

@@ -546,8 +546,17 @@ pub struct KeyRing {
 
 /// How long a gateway waits to listen again for a table's announcements
 /// after it could not (its reloads every `--api-keys-reload-secs` go on
-/// meanwhile).
+/// meanwhile): at first, doubled after each failure in a row up to
+/// [`LISTEN_AGAIN_AT_MOST`], and back to this once it listens.
 const LISTEN_AGAIN: Duration = Duration::from_secs(5);
+/// The longest wait between tries to listen (a database down for hours
+/// is tried, and warned of, once a minute).
+const LISTEN_AGAIN_AT_MOST: Duration = Duration::from_secs(60);
+
+/// The wait before the next try to listen after `failures` in a row.
+fn listen_again_after(failures: u32) -> Duration {
+    LISTEN_AGAIN.saturating_mul(1 << failures.saturating_sub(1).min(8)).min(LISTEN_AGAIN_AT_MOST)
+}
 
 impl KeyRing {
     /// The keys in the file at `path`, and `own` (the running process's
@@ -734,6 +743,9 @@ impl KeyRing {
             }
         });
         let mine = |payload: &str| payload.is_empty() || payload == table.namespace();
+        // Failures to listen in a row: the wait before the next try grows.
+        let mut failures = 0;
+        crate::metrics::keys_following(false);
         loop {
             let listening = tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -742,6 +754,8 @@ impl KeyRing {
             match listening {
                 Ok(mut listener) => {
                     tracing::info!(database = table.url(), namespace = table.namespace(), "following the API keys table: each change is read as it is made");
+                    failures = 0;
+                    crate::metrics::keys_following(true);
                     heard.notify_one();
                     loop {
                         let change = tokio::select! {
@@ -758,6 +772,7 @@ impl KeyRing {
                             }
                             Err(error) => {
                                 tracing::warn!(database = table.url(), %error, "cannot hear the API keys table's announcements; reading it every --api-keys-reload-secs meanwhile");
+                                crate::metrics::keys_following(false);
                                 heard.notify_one();
                                 break;
                             }
@@ -765,12 +780,14 @@ impl KeyRing {
                     }
                 }
                 Err(error) => {
-                    tracing::warn!(%error, "cannot listen for the API keys table's announcements; reading it every --api-keys-reload-secs meanwhile");
+                    failures += 1;
+                    let again = listen_again_after(failures);
+                    tracing::warn!(%error, retry_in_secs = again.as_secs(), "cannot listen for the API keys table's announcements; reading it every --api-keys-reload-secs meanwhile");
                 }
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(LISTEN_AGAIN) => {}
+                () = tokio::time::sleep(listen_again_after(failures)) => {}
             }
         }
     }
@@ -823,6 +840,12 @@ mod tests {
         assert_eq!(refused(Some("Basic dGtfYWxwaGE=")), AuthError::Missing);
         assert_eq!(refused(Some("Bearer tk_alph")), AuthError::Unknown);
         assert_eq!(refused(Some(&format!("Bearer {}", digest_hex("tk_alpha")))), AuthError::Unknown, "the digest is not the key");
+    }
+
+    #[test]
+    fn tries_to_listen_slow_down_while_they_fail() {
+        let waits: Vec<u64> = (0..=7).chain([40, u32::MAX]).map(|failures| listen_again_after(failures).as_secs()).collect();
+        assert_eq!(waits, [5, 5, 10, 20, 40, 60, 60, 60, 60, 60]);
     }
 
     #[test]
