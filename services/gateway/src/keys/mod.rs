@@ -700,11 +700,11 @@ impl KeyRing {
     }
 
     /// Reads the keys again every `every` until `shutdown`, and, from a
-    /// table that announces its changes (PostgreSQL's), as each is
-    /// announced.
+    /// table that may announce its changes (PostgreSQL's), as each is
+    /// announced, once its trigger is there.
     pub fn spawn_watch(self: Arc<Self>, every: Duration, shutdown: turbine_runtime::CancellationToken) {
         if let Source::Table(table) = &self.source
-            && table.announces_changes()
+            && table.may_announce_changes()
         {
             tokio::spawn(self.clone().follow_announcements(shutdown.clone()));
         }
@@ -726,7 +726,8 @@ impl KeyRing {
     /// whenever it starts listening again (at first, after a lost
     /// connection or a failure) it reads them too, for what changed
     /// unheard. Announcements heard during a read make one more read, not
-    /// one each.
+    /// one each. A table without its trigger cannot be listened to: tried
+    /// again as any failure is, so it is followed once the trigger is made.
     async fn follow_announcements(self: Arc<Self>, shutdown: turbine_runtime::CancellationToken) {
         let Source::Table(table) = &self.source else { return };
         // The reader: a read waiting at most (a Notify's one permit).

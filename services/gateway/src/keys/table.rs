@@ -153,9 +153,9 @@ pub struct KeyTable {
     url: String,
     /// Opened by a gateway ([`KeyTable::open_to_read`]).
     read_only: bool,
-    /// Where its changes are announced: PostgreSQL's URL, its trigger
-    /// made.
-    announced_at: Option<String>,
+    /// PostgreSQL's URL, where its changes are announced once its
+    /// trigger is made ([`listen`](Self::listen)).
+    postgres_url: Option<String>,
 }
 
 impl std::fmt::Debug for KeyTable {
@@ -165,7 +165,7 @@ impl std::fmt::Debug for KeyTable {
             .field("url", &self.url)
             .field("namespace", &self.namespace)
             .field("read_only", &self.read_only)
-            .field("announces_changes", &self.announces_changes())
+            .field("may_announce_changes", &self.may_announce_changes())
             .finish_non_exhaustive()
     }
 }
@@ -231,7 +231,8 @@ impl KeyTable {
         if !url.starts_with("sqlite:") {
             if !table.announcing().await.map_err(table.database())? {
                 // A table made before its trigger: made now where these
-                // credentials may; else read at every reload only.
+                // credentials may; else read at every reload until it is
+                // made (`listen` finds it).
                 let maker = Self::connect(url, namespace, false).await?;
                 if let Err(error) = POSTGRES_MIGRATOR.run(&maker.pool).await {
                     tracing::warn!(
@@ -242,9 +243,7 @@ impl KeyTable {
                 }
                 maker.pool.close().await;
             }
-            if table.announcing().await.map_err(table.database())? {
-                table.announced_at = Some(url.to_owned());
-            }
+            table.postgres_url = Some(url.to_owned());
         }
         Ok(table)
     }
@@ -258,18 +257,27 @@ impl KeyTable {
         Ok(found.is_some())
     }
 
-    /// Whether the table announces its changes ([`listen`](Self::listen)).
-    pub fn announces_changes(&self) -> bool {
-        self.announced_at.is_some()
+    /// Whether the table may announce its changes (PostgreSQL's;
+    /// [`listen`](Self::listen)).
+    pub fn may_announce_changes(&self) -> bool {
+        self.postgres_url.is_some()
     }
 
     /// A connection hearing each change to the table as it is committed
     /// (PostgreSQL, [`CHANGES_CHANNEL`]); when lost, `try_recv` answers
     /// `None` once, then connects and listens again (sqlx's `PgListener`).
+    /// Refused while the table's trigger is missing: nothing would be
+    /// heard.
     pub async fn listen(&self) -> Result<sqlx::postgres::PgListener, TableError> {
-        let Some(url) = &self.announced_at else {
-            return Err(TableError::Invalid(format!("{}: this table announces no change (only PostgreSQL's, its trigger made)", self.url)));
+        let Some(url) = &self.postgres_url else {
+            return Err(TableError::Invalid(format!("{}: this table announces no change (only PostgreSQL's does)", self.url)));
         };
+        if !self.announcing().await.map_err(self.database())? {
+            return Err(TableError::Invalid(format!(
+                "{}: the API keys table announces no change: its trigger is missing (run any `turbine keys` command on the database to make it)",
+                self.url
+            )));
+        }
         // Its connection waited for no longer than a statement's, and
         // lost without reconnecting at once: the loss is told first
         // (`try_recv` answers `None`), so the keys are read for what may
@@ -315,7 +323,7 @@ impl KeyTable {
             .connect(&connect)
             .await
             .map_err(|source| TableError::Database { url: shown.clone(), source })?;
-        Ok(Self { pool, namespace: namespace.to_owned(), url: shown, read_only, announced_at: None })
+        Ok(Self { pool, namespace: namespace.to_owned(), url: shown, read_only, postgres_url: None })
     }
 
     /// Reads no row, but every column this build reads: fails where the
