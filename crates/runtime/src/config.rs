@@ -283,7 +283,8 @@ pub struct ServerConfig<S: ServiceDefaults> {
     /// load balancers and proxies in front of it (Envoy, a Kubernetes
     /// Service) to see it leave, so no request is sent on a connection it
     /// is closing. Longer than their health checks take to mark it down;
-    /// a second SIGTERM or SIGINT ends it. 0: stop accepting at once.
+    /// a second SIGTERM or SIGINT ends it, and a process never SERVING
+    /// (still loading its model, say) has none. 0: stop accepting at once.
     #[arg(long, env = "TURBINE_DRAIN_DELAY_SECS", default_value_t = 0.0)]
     #[serde(default)]
     pub drain_delay_secs: f64,

@@ -22,6 +22,8 @@ pub struct Readiness {
     services: Arc<Vec<String>>,
     ready: Arc<AtomicBool>,
     draining: Arc<AtomicBool>,
+    /// Whether it was ever SERVING (in a balancer's rotation).
+    served: Arc<AtomicBool>,
 }
 
 impl Readiness {
@@ -34,6 +36,7 @@ impl Readiness {
             services: Arc::new(services.iter().map(|s| s.to_string()).collect()),
             ready: Arc::new(AtomicBool::new(false)),
             draining: Arc::new(AtomicBool::new(false)),
+            served: Arc::new(AtomicBool::new(false)),
         };
         readiness.publish(false).await;
         (readiness, server)
@@ -52,7 +55,17 @@ impl Readiness {
         if self.ready.swap(ready, Ordering::AcqRel) != ready {
             tracing::info!(ready, "readiness changed");
         }
+        if ready {
+            self.served.store(true, Ordering::Release);
+        }
         self.publish(ready).await;
+    }
+
+    /// Whether the process was ever ready: only then may a balancer or an
+    /// orchestrator have sent it traffic, so only then does its drain
+    /// delay wait for them to see it leave.
+    pub fn has_served(&self) -> bool {
+        self.served.load(Ordering::Acquire)
     }
 
     /// Marks the process as draining: NOT_SERVING for good.

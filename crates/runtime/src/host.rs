@@ -19,7 +19,7 @@
 //! - the drain: on shutdown NOT_SERVING, the service's own last words
 //!   (a worker deregisters), serving on as before for the drain delay
 //!   (`--drain-delay-secs`, while the balancers in front see it leave; a
-//!   second signal ends it), then stop accepting (the listeners closed,
+//!   second signal ends it; none for a process never SERVING), then stop accepting (the listeners closed,
 //!   so a new connection is refused, not left waiting), in-flight calls
 //!   and streams finish within the grace period, then the service's
 //!   background tasks (which watch the same token) are awaited.
@@ -548,7 +548,9 @@ impl Serving {
     /// Serves until the shutdown token fires, then drains: NOT_SERVING,
     /// `before_drain` (e.g. leaving the registry), everything served as
     /// before for the drain delay (cut short by a second signal,
-    /// [`crate::shutdown::second_signal`]), then no new connection or
+    /// [`crate::shutdown::second_signal`]; skipped by a process never
+    /// SERVING, which no balancer sent traffic: one stopped while loading
+    /// its model, say), then no new connection or
     /// request is taken and in-flight calls finish within the grace
     /// period; background tasks end.
     pub async fn until_shutdown(self, before_drain: impl Future<Output = ()>) -> anyhow::Result<()> {
@@ -556,7 +558,10 @@ impl Serving {
         shutdown.cancelled().await;
         readiness.drain().await;
         before_drain.await;
-        if !drain_delay.is_zero() {
+        if !drain_delay.is_zero() && !readiness.has_served() {
+            // Never SERVING, so in no balancer's rotation: nobody to wait for.
+            tracing::info!(service = name, "never SERVING: stopping without the drain delay");
+        } else if !drain_delay.is_zero() {
             tracing::info!(service = name, delay_secs = drain_delay.as_secs_f64(), "NOT_SERVING: serving on for the drain delay");
             tokio::select! {
                 () = tokio::time::sleep(drain_delay) => {}

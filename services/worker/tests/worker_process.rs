@@ -242,3 +242,22 @@ async fn each_requester_pins_only_its_share_of_the_pool() {
     assert!(b.prefill(prefill("b-2")).await.unwrap().into_inner().handle.is_some(), "4 blocks were released");
     drop(b_handle);
 }
+
+/// A worker never SERVING (its registry never answers) has no drain delay
+/// to serve out: no balancer sent it traffic, so one SIGTERM stops it,
+/// 300 s of delay asked for notwithstanding.
+#[tokio::test]
+async fn a_worker_never_serving_stops_at_once_without_its_drain_delay() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_turbine-worker"));
+    // Nothing listens on port 1: the registry never answers.
+    command.args(["--engine", "mock", "--worker-id", "w-test", "--redis", "redis://127.0.0.1:1", "--drain-delay-secs", "300"]);
+    let mut process = ServiceProcess::spawn("turbine-worker", command, false).await.unwrap();
+    let channel = tonic::transport::Channel::from_shared(process.grpc_endpoint()).unwrap().connect().await.unwrap();
+    let mut health = HealthClient::new(channel);
+    let checked = health.check(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+    assert_eq!(checked.status(), ServingStatus::NotServing, "not serving without its registry");
+    process.terminate();
+    let (status, process) = tokio::task::spawn_blocking(move || (process.wait(Duration::from_secs(30)), process)).await.unwrap();
+    let status = status.expect("the worker stops on one SIGTERM");
+    assert!(status.success(), "{status}: {}", process.output().join("\n"));
+}
