@@ -21,7 +21,9 @@ use crate::plan::{Action, ActionState, Decision, Observation};
 
 /// The migrations, compiled into the binary (versions below 1000). A
 /// database shared with the gateway's API keys table holds its migrations
-/// too (from 1001): not the planner's to judge, so not checked.
+/// too (from 1001): not the planner's to judge, so not checked. One of the
+/// planner's own this build lacks (a newer planner's) is refused
+/// ([`LedgerError::Newer`]).
 pub static MIGRATOR: sqlx::migrate::Migrator = {
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.ignore_missing = true;
@@ -40,6 +42,17 @@ pub enum LedgerError {
     /// Migrating the schema failed.
     #[error("migrating the planner's schema: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A newer planner migrated the schema past what this build knows:
+    /// its rows may mean what this build would misread.
+    #[error(
+        "the planner's schema in this database is at migration {found}, newer than this build's {known}: a newer planner migrated it; run that version or newer (an older one could misread or overwrite its state)"
+    )]
+    Newer {
+        /// The newest of the planner's migrations applied.
+        found: i64,
+        /// The newest this build has.
+        known: i64,
+    },
     /// A row the ledger wrote does not read back (edited by hand, or
     /// written by a newer planner).
     #[error("row {what}: {problem}")]
@@ -101,6 +114,18 @@ pub struct Ledger {
     clock: Clock,
 }
 
+/// Fails where the database holds a planner migration (below 1000) newer
+/// than this build's newest: `ignore_missing` lets the gateway's pass, and
+/// with them a newer planner's.
+async fn refuse_newer(pool: &AnyPool) -> Result<(), LedgerError> {
+    let known = MIGRATOR.iter().map(|migration| migration.version).max().unwrap_or(0);
+    let found: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations WHERE version < 1000").fetch_one(pool).await?;
+    match found {
+        Some(found) if found > known => Err(LedgerError::Newer { found, known }),
+        _ => Ok(()),
+    }
+}
+
 /// Most decisions one history page holds (`History`'s `page_size`).
 pub const MAX_PAGE: u32 = 1000;
 
@@ -124,6 +149,7 @@ impl Ledger {
         };
         let pool = AnyPoolOptions::new().max_connections(connections).acquire_timeout(ACQUIRE_TIMEOUT).connect(&url).await?;
         MIGRATOR.run(&pool).await?;
+        refuse_newer(&pool).await?;
         Ok(Self { pool, namespace: namespace.to_owned(), backend, clock: Clock::System })
     }
 

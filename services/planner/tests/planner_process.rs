@@ -387,3 +387,41 @@ async fn on_postgres_over_tls_with_a_client_certificate() {
     let foreign = postgres.tls_url("planner", &ca_file, &file(&stranger.tls_cert), &file(&stranger.tls_key));
     assert!(Ledger::open(&foreign, "test").await.is_err(), "another CA's certificate is refused");
 }
+
+/// A database a newer planner migrated (a planner migration this build
+/// lacks) is refused with what to run, not read and written as if it were
+/// this build's; the gateway's migrations beside them (from 1001) are not
+/// the planner's and pass.
+async fn a_schema_from_a_newer_planner_is_refused(database: &str) {
+    drop(Ledger::open(database, "test").await.unwrap());
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::AnyPool::connect(database).await.unwrap();
+    let applied = async |version: i64| {
+        sqlx::query("INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) VALUES ($1, 'applied elsewhere', $2, $3, 0)")
+            .bind(version)
+            .bind(true)
+            .bind(vec![0_u8; 48])
+            .execute(&pool)
+            .await
+            .unwrap();
+    };
+    applied(1999).await;
+    drop(Ledger::open(database, "test").await.expect("another service's migration is not the planner's"));
+    applied(999).await;
+    let refused = Ledger::open(database, "test").await.expect_err("a newer planner's schema");
+    let message = refused.to_string();
+    assert!(message.contains("at migration 999, newer than this build's") && message.contains("a newer planner migrated it"), "{message}");
+    pool.close().await;
+}
+
+#[tokio::test]
+async fn a_schema_from_a_newer_planner_is_refused_on_postgres() {
+    let postgres = PostgresServer::start();
+    a_schema_from_a_newer_planner_is_refused(&postgres.url("postgres")).await;
+}
+
+#[tokio::test]
+async fn a_schema_from_a_newer_planner_is_refused_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    a_schema_from_a_newer_planner_is_refused(&format!("sqlite:{}", dir.path().join("planner.sqlite").display())).await;
+}
