@@ -174,6 +174,25 @@ def openai_sdk_suite(base):
     check(len(entries) == scored.usage.completion_tokens and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries), f"{scored}")
     check("".join(e.token for e in entries) == scored.choices[0].message.content, f"{scored}")
 
+    # Several choices from the real model: seeded apart, each scored, the
+    # prompt counted once; streamed, each chunk names its choice.
+    several = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], n=3, seed=11, temperature=1.0, max_tokens=6,
+        logprobs=True, extra_body={"ignore_eos": True},
+    )
+    check([c.index for c in several.choices] == [0, 1, 2], f"{several}")
+    check(all(len(c.logprobs.content) == 6 and "".join(e.token for e in c.logprobs.content) == c.message.content for c in several.choices), f"{several}")
+    check(len({c.message.content for c in several.choices}) > 1, f"seeded choices all alike: {several}")
+    check(several.usage.completion_tokens == 18 and several.usage.total_tokens == several.usage.prompt_tokens + 18, f"{several.usage}")
+    texts = ["", "", ""]
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], n=3, seed=11, temperature=1.0, max_tokens=6,
+        stream=True, extra_body={"ignore_eos": True},
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    check(all(text and "\ufffd" not in text for text in texts), f"streamed choices {texts}")
+
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Stream a few words."}],

@@ -107,6 +107,137 @@ async fn rest_api_serves_openai_shapes_with_exact_usage() {
     sandbox.stop().await;
 }
 
+/// The texts of each choice of a streamed response, by index, and the
+/// chunks that ended each.
+fn streamed_choices(events: &[String]) -> (Vec<String>, Vec<serde_json::Value>) {
+    let (mut texts, mut finishes) = (Vec::new(), Vec::new());
+    for event in events.iter().filter(|event| *event != "[DONE]") {
+        let chunk: serde_json::Value = serde_json::from_str(event).unwrap();
+        for choice in chunk["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            if texts.len() <= index {
+                texts.resize(index + 1, String::new());
+            }
+            texts[index].push_str(choice["delta"]["content"].as_str().or(choice["text"].as_str()).unwrap_or(""));
+            if !choice["finish_reason"].is_null() {
+                finishes.push(choice.clone());
+            }
+        }
+    }
+    (texts, finishes)
+}
+
+#[tokio::test]
+async fn several_choices_come_back_each_with_its_index_seeded_apart() {
+    let _turn = TURN.lock().await;
+    let sandbox = Sandbox::start(Sandbox::mock(1000.0)).await;
+    let tokens = preprocessor();
+    let expected_prompt = tokens.encode_chat(&[ChatMessage::new("user", "Three ways to say it")]).unwrap().len() as u64;
+    let request = json!({"model": MODEL, "messages": [{"role": "user", "content": "Three ways to say it"}], "n": 3, "seed": 5,
+                         "temperature": 1.0, "max_tokens": 6, "ignore_eos": true});
+    let (status, body) = sandbox.post("/v1/chat/completions", &request).await;
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|choice| choice["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2], "{body}");
+    let texts: Vec<&str> = choices.iter().map(|choice| choice["message"]["content"].as_str().unwrap()).collect();
+    assert!(choices.iter().all(|choice| choice["finish_reason"] == "length"), "{body}");
+    assert!(texts[0] != texts[1] && texts[1] != texts[2] && texts[0] != texts[2], "choices sampled with seeds apart: {texts:?}");
+    // The prompt counts once; the completions add up.
+    assert_eq!((&body["usage"]["prompt_tokens"], &body["usage"]["completion_tokens"]), (&json!(expected_prompt), &json!(18)), "{body}");
+    assert_eq!(body["usage"]["total_tokens"], expected_prompt + 18);
+    // The same seed gives the same choices, and choice 0 is the request's
+    // own with n=1.
+    let (_, again) = sandbox.post("/v1/chat/completions", &request).await;
+    assert_eq!(again["choices"], body["choices"]);
+    let mut one = request.clone();
+    one["n"] = json!(1);
+    let (_, one) = sandbox.post("/v1/chat/completions", &one).await;
+    assert_eq!(one["choices"].as_array().unwrap().len(), 1);
+    assert_eq!(one["choices"][0]["message"]["content"], texts[0]);
+
+    // Streamed: an opening chunk per choice, each choice's text under its
+    // index (the same as unstreamed), a finish per choice, then the usage
+    // of all of them.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = sandbox.sse("/v1/chat/completions", &streamed).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|event| serde_json::from_str(event).unwrap()).collect();
+    let openings: Vec<u64> =
+        chunks.iter().filter(|chunk| chunk["choices"][0]["delta"]["role"] == "assistant").map(|chunk| chunk["choices"][0]["index"].as_u64().unwrap()).collect();
+    assert_eq!(openings, [0, 1, 2]);
+    let (streamed_texts, finishes) = streamed_choices(&events);
+    assert_eq!(streamed_texts, texts);
+    let mut finished: Vec<u64> = finishes.iter().map(|choice| choice["index"].as_u64().unwrap()).collect();
+    finished.sort_unstable();
+    assert_eq!(finished, [0, 1, 2]);
+    assert!(finishes.iter().all(|choice| choice["finish_reason"] == "length"));
+    let usage = chunks.last().unwrap();
+    assert_eq!((&usage["choices"], &usage["usage"]["completion_tokens"]), (&json!([]), &json!(18)), "{usage}");
+
+    // Completions too, each choice with its log-probabilities' object (the
+    // mocker scores no tokens: the real model's are in scripts/e2e.py).
+    let (status, body) = sandbox
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": "Once", "n": 2, "best_of": 2, "seed": 1, "max_tokens": 3, "logprobs": 1, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    for (index, choice) in body["choices"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(choice["index"], index);
+        assert!(choice["logprobs"]["tokens"].is_array() && choice["text"].as_str().is_some_and(|text| !text.is_empty()), "{body}");
+    }
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "Once", "n": 17})).await;
+    assert_eq!((status, &body["error"]["param"]), (400, &json!("n")), "{body}");
+    sandbox.stop().await;
+}
+
+/// Each choice holds a place of the gateway's limit, and a client gone
+/// cancels every choice's sequence.
+#[tokio::test]
+async fn each_choice_takes_a_place_and_a_client_gone_cancels_them_all() {
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1.0);
+    config.gateway.max_concurrent_requests = 3;
+    let sandbox = Sandbox::start(config).await;
+    let client = reqwest::Client::new();
+    let completions = format!("{}/v1/completions", sandbox.base());
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "too many", "n": 4, "max_tokens": 2})).await;
+    assert_eq!((status, &body["error"]["param"]), (400, &json!("n")), "more choices than places can never run: {body}");
+
+    let response = client
+        .post(&completions)
+        .json(&json!({"model": MODEL, "prompt": "Go on forever", "n": 2, "max_tokens": 5000, "stream": true, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut stream = futures::StreamExt::boxed(response.bytes_stream());
+    futures::StreamExt::next(&mut stream).await.unwrap().unwrap();
+    wait_until("both choices run", Duration::from_secs(10), async || sandbox.cluster().workers()[0].client.load().await.unwrap().running == 2).await;
+    // One place is left: two more choices are refused, one is served.
+    let refused = client.post(&completions).json(&json!({"model": MODEL, "prompt": "two more", "n": 2, "max_tokens": 1})).send().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "one more", "max_tokens": 1})).await;
+    assert_eq!(status, 200, "{body}");
+
+    drop(stream);
+    wait_until("the worker stops both choices once the client left", Duration::from_secs(5), async || {
+        sandbox.cluster().workers()[0].client.load().await.unwrap().running == 0
+    })
+    .await;
+    wait_until("the bookings are released", Duration::from_secs(5), async || {
+        sandbox.cluster().router().workers(None).await.unwrap().iter().all(|worker| worker.in_flight == 0)
+    })
+    .await;
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": "three at once", "n": 3, "max_tokens": 1})).await;
+    assert_eq!(status, 200, "the places came back: {body}");
+    sandbox.stop().await;
+}
+
 #[tokio::test]
 async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
     let _turn = TURN.lock().await;

@@ -110,6 +110,11 @@ impl Admission {
         Arc::new(Self { capacity, state: Mutex::new(State::default()) })
     }
 
+    /// How many places there are (`--max-concurrent-requests`).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// A place for one more request of `client`, or why not.
     pub fn admit(self: &Arc<Self>, client: Client) -> Result<Place, Refused> {
         self.admit_at(client, Instant::now())

@@ -18,7 +18,8 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures::Stream;
+use futures::stream::{BoxStream, SelectAll};
+use futures::{Stream, StreamExt};
 use serde::Serialize;
 use tower_http::trace::TraceLayer;
 use turbine_api::Usage;
@@ -31,7 +32,7 @@ use crate::error::{ErrorKind, GatewayError};
 use crate::keys::{Access, ApiKey, KeyPermit};
 use crate::metrics::{self, InFlight};
 use crate::openai::body::read_limited;
-use crate::openai::responses::{ChunkContent, Endpoint, ResponseMeta, chunk, logprobs_body, whole};
+use crate::openai::responses::{Choice, ChunkContent, Endpoint, ResponseMeta, chunk, combined_usage, logprobs_body, whole};
 use crate::openai::types::{Delivery, parse_chat, parse_completion};
 use crate::pipeline::{GeneratedLogprob, Pipeline, TextEvent, TextRequest, TextStream};
 
@@ -193,7 +194,8 @@ fn client_address(state: &AppState, peer: Option<Extension<ConnectInfo<SocketAdd
 /// Holds what a request keeps while it streams.
 struct Guards {
     _key: Option<KeyPermit>,
-    _place: Place,
+    /// One per choice.
+    _places: Vec<Place>,
     _in_flight: InFlight,
 }
 
@@ -204,12 +206,23 @@ async fn generate(state: &AppState, endpoint: Endpoint, address: Option<IpAddr>,
         Some(key) => Some(key.admit().await?),
         None => None,
     };
-    let guards = Guards { _key: key_permit, _place: state.admit(caller.as_deref(), address)?, _in_flight: InFlight::start() };
+    let mut guards = Guards { _key: key_permit, _places: vec![state.admit(caller.as_deref(), address)?], _in_flight: InFlight::start() };
     let bytes = read_limited(headers, body, state.max_body_bytes, state.body_timeout).await?;
     let (mut request, delivery): (TextRequest, Delivery) = match endpoint {
         Endpoint::Chat => parse_chat(&bytes)?,
         Endpoint::Completion => parse_completion(&bytes)?,
     };
+    // Each further choice is a sequence of its own: it takes a place too.
+    let capacity = state.admission.capacity();
+    if delivery.choices as usize > capacity {
+        return Err(GatewayError::invalid(
+            "n",
+            format!("'n' is {}, more than the {capacity} requests this server runs at once; ask for fewer choices.", delivery.choices),
+        ));
+    }
+    for _ in 1..delivery.choices {
+        guards._places.push(state.admit(caller.as_deref(), address)?);
+    }
     request.namespace = Access::namespace(caller.as_deref());
     request.caller = caller;
     let prefix = match endpoint {
@@ -217,16 +230,34 @@ async fn generate(state: &AppState, endpoint: Endpoint, address: Option<IpAddr>,
         Endpoint::Completion => "cmpl",
     };
     let meta = ResponseMeta { id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()), created: unix_now(), model: request.model.clone(), endpoint };
-    let text = state.pipeline.start(request, meta.id.clone()).await?;
+    // Every choice starts before the response does: one that cannot is the
+    // response's error (the others, dropped, are cancelled).
+    let texts = futures::future::try_join_all((0..delivery.choices).map(|index| {
+        let mut choice = request.clone();
+        // A seeded request's choices differ from each other and come out
+        // the same each time: choice i samples with seed + i.
+        choice.sampling.seed = choice.sampling.seed.map(|seed| seed.wrapping_add(u64::from(index)));
+        let request_id = if delivery.choices == 1 { meta.id.clone() } else { format!("{}-{index}", meta.id) };
+        state.pipeline.start(choice, request_id)
+    }))
+    .await?;
     if delivery.stream {
-        let events = sse_events(text, meta, delivery.include_usage, guards);
+        let events = sse_events(texts, meta, delivery.include_usage, guards);
         Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
     } else {
-        let vocabulary = text.wants_logprobs().then(|| text.token_bytes().clone());
-        let (content, reason, usage, logprobs) = collect(text).await?;
+        let vocabulary = texts[0].wants_logprobs().then(|| texts[0].token_bytes().clone());
+        let results = futures::future::try_join_all(texts.into_iter().map(collect)).await?;
         drop(guards);
-        let logprobs = vocabulary.map(|vocabulary| logprobs_body(endpoint, &logprobs, &vocabulary, &mut 0));
-        Ok(([(header::CONTENT_TYPE, "application/json")], whole(&meta, &content, reason, usage, logprobs.as_ref())).into_response())
+        let usage = combined_usage(results.iter().map(|(_, _, usage, _)| *usage));
+        let choices: Vec<Choice> = results
+            .into_iter()
+            .map(|(text, reason, _, logprobs)| Choice {
+                text,
+                reason,
+                logprobs: vocabulary.as_ref().map(|vocabulary| logprobs_body(endpoint, &logprobs, vocabulary, &mut 0)),
+            })
+            .collect();
+        Ok(([(header::CONTENT_TYPE, "application/json")], whole(&meta, &choices, usage)).into_response())
     }
 }
 
@@ -247,58 +278,97 @@ pub async fn collect(mut text: TextStream) -> Result<(String, turbine_api::Finis
     Err(GatewayError::new(ErrorKind::Internal, "generation ended without finishing"))
 }
 
+/// What one choice's stream hands the response.
+enum ChoiceEvent {
+    /// Text, with its tokens' log-probabilities when asked.
+    Text(String, Option<serde_json::Value>),
+    /// The choice's end.
+    Finished(turbine_api::FinishReason, Usage),
+    /// The choice failed: the response ends with this error.
+    Failed(GatewayError),
+}
+
+/// One choice's events, tagged with its index; it ends after its
+/// `Finished` or its failure.
+fn choice_events(index: u32, text: TextStream, endpoint: Endpoint) -> BoxStream<'static, (u32, ChoiceEvent)> {
+    // Completions: characters of text streamed so far (`text_offset`).
+    futures::stream::unfold(Some((text, 0usize)), move |choice| async move {
+        let (mut text, mut offset) = choice?;
+        let event = match text.next().await? {
+            Ok(TextEvent::Delta { text: delta, logprobs }) => {
+                let logprobs = text.wants_logprobs().then(|| logprobs_body(endpoint, &logprobs, text.token_bytes(), &mut offset));
+                return Some(((index, ChoiceEvent::Text(delta, logprobs)), Some((text, offset))));
+            }
+            Ok(TextEvent::Finished { reason, usage }) => ChoiceEvent::Finished(reason, usage),
+            Err(error) => ChoiceEvent::Failed(error),
+        };
+        Some(((index, event), None))
+    })
+    .boxed()
+}
+
 enum Phase {
-    Opening,
+    /// Chat: the opening chunk of each choice, the next one's index.
+    Opening(u32),
     Streaming,
-    Usage(Usage),
     Done,
     End,
 }
 
 struct SseState {
-    text: TextStream,
+    /// Every choice's events as they come; dropped (cancelling the choices
+    /// still generating) once one fails.
+    choices: Option<SelectAll<BoxStream<'static, (u32, ChoiceEvent)>>>,
+    count: u32,
     meta: ResponseMeta,
     include_usage: bool,
-    /// Completions: characters of text streamed so far (`text_offset`).
-    offset: usize,
+    /// The usage of each choice that finished.
+    usages: Vec<Usage>,
     phase: Phase,
     _guards: Guards,
 }
 
-/// The SSE event stream of one response: an opening chunk (chat), text
-/// chunks, a finish chunk, the usage chunk if asked, then `[DONE]`. A
-/// client that disconnects drops this stream, which cancels the worker's
-/// sequence and releases the router booking.
-fn sse_events(text: TextStream, meta: ResponseMeta, include_usage: bool, guards: Guards) -> impl Stream<Item = Result<Event, Infallible>> {
-    let phase = if meta.endpoint == Endpoint::Chat { Phase::Opening } else { Phase::Streaming };
-    let state = SseState { text, meta, include_usage, offset: 0, phase, _guards: guards };
+/// The SSE event stream of one response: an opening chunk per choice
+/// (chat), text chunks of the choices as they are generated (each naming
+/// its choice's index), a finish chunk per choice, the usage chunk if
+/// asked, then `[DONE]`. A client that disconnects drops this stream,
+/// which cancels the workers' sequences and releases the router bookings.
+fn sse_events(texts: Vec<TextStream>, meta: ResponseMeta, include_usage: bool, guards: Guards) -> impl Stream<Item = Result<Event, Infallible>> {
+    let phase = if meta.endpoint == Endpoint::Chat { Phase::Opening(0) } else { Phase::Streaming };
+    let count = texts.len() as u32;
+    let choices = futures::stream::select_all(texts.into_iter().zip(0..).map(|(text, index)| choice_events(index, text, meta.endpoint)));
+    let state = SseState { choices: Some(choices), count, meta, include_usage, usages: Vec::new(), phase, _guards: guards };
     futures::stream::unfold(state, |mut state| async move {
         let data = match std::mem::replace(&mut state.phase, Phase::Streaming) {
-            Phase::Opening => chunk(&state.meta, ChunkContent::Role, state.include_usage),
-            Phase::Streaming => match state.text.next().await {
-                Some(Ok(TextEvent::Delta { text, logprobs })) => {
-                    let logprobs =
-                        state.text.wants_logprobs().then(|| logprobs_body(state.meta.endpoint, &logprobs, state.text.token_bytes(), &mut state.offset));
-                    chunk(&state.meta, ChunkContent::Text(&text, logprobs.as_ref()), state.include_usage)
+            Phase::Opening(index) => {
+                if index + 1 < state.count {
+                    state.phase = Phase::Opening(index + 1);
                 }
-                Some(Ok(TextEvent::Finished { reason, usage })) => {
-                    state.phase = if state.include_usage { Phase::Usage(usage) } else { Phase::Done };
-                    chunk(&state.meta, ChunkContent::Finish(reason), state.include_usage)
+                chunk(&state.meta, index, ChunkContent::Role, state.include_usage)
+            }
+            Phase::Streaming => match state.choices.as_mut()?.next().await {
+                Some((index, ChoiceEvent::Text(text, logprobs))) => {
+                    chunk(&state.meta, index, ChunkContent::Text(&text, logprobs.as_ref()), state.include_usage)
                 }
-                Some(Err(error)) => {
-                    tracing::warn!(%error, id = %state.meta.id, "stream failed after it started");
+                Some((index, ChoiceEvent::Finished(reason, usage))) => {
+                    state.usages.push(usage);
+                    chunk(&state.meta, index, ChunkContent::Finish(reason), state.include_usage)
+                }
+                Some((index, ChoiceEvent::Failed(error))) => {
+                    tracing::warn!(%error, id = %state.meta.id, choice = index, "stream failed after it started");
+                    state.choices = None;
                     state.phase = Phase::Done;
                     serde_json::to_string(&error.body()).expect("error bodies serialize")
+                }
+                None if state.include_usage && state.usages.len() == state.count as usize => {
+                    state.phase = Phase::Done;
+                    chunk(&state.meta, 0, ChunkContent::Usage(combined_usage(std::mem::take(&mut state.usages))), true)
                 }
                 None => {
                     state.phase = Phase::End;
                     "[DONE]".to_owned()
                 }
             },
-            Phase::Usage(usage) => {
-                state.phase = Phase::Done;
-                chunk(&state.meta, ChunkContent::Usage(usage), true)
-            }
             Phase::Done => {
                 state.phase = Phase::End;
                 "[DONE]".to_owned()

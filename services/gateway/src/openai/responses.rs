@@ -138,22 +138,54 @@ struct Whole<'a, C> {
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: [C; 1],
+    choices: Vec<C>,
     usage: UsageBody,
     system_fingerprint: Option<()>,
 }
 
-/// The non-streaming response body (`logprobs` from [`logprobs_body`] when
-/// the request asked).
-pub fn whole(meta: &ResponseMeta, text: &str, reason: FinishReason, usage: Usage, logprobs: Option<&Value>) -> Vec<u8> {
-    let finish_reason = finish_reason(reason);
+/// One choice of a non-streaming response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    /// The text generated.
+    pub text: String,
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// From [`logprobs_body`], when the request asked.
+    pub logprobs: Option<Value>,
+}
+
+/// The usage of a request whose choices used these: the prompt once (each
+/// choice's is the same), the completions' tokens added up, and the prompt
+/// tokens every choice found cached.
+pub fn combined_usage(usages: impl IntoIterator<Item = Usage>) -> Usage {
+    usages
+        .into_iter()
+        .reduce(|total, usage| Usage {
+            prompt_tokens: total.prompt_tokens,
+            completion_tokens: total.completion_tokens + usage.completion_tokens,
+            cached_prompt_tokens: total.cached_prompt_tokens.min(usage.cached_prompt_tokens),
+        })
+        .unwrap_or_default()
+}
+
+/// The non-streaming response body: the choices in order of their index.
+pub fn whole(meta: &ResponseMeta, choices: &[Choice], usage: Usage) -> Vec<u8> {
     let result = match meta.endpoint {
         Endpoint::Chat => serde_json::to_vec(&Whole {
             id: &meta.id,
             object: "chat.completion",
             created: meta.created,
             model: &meta.model,
-            choices: [ChatChoice { index: 0, message: ChatMessageBody { role: "assistant", content: text }, logprobs, finish_reason }],
+            choices: choices
+                .iter()
+                .zip(0..)
+                .map(|(choice, index)| ChatChoice {
+                    index,
+                    message: ChatMessageBody { role: "assistant", content: &choice.text },
+                    logprobs: choice.logprobs.as_ref(),
+                    finish_reason: finish_reason(choice.reason),
+                })
+                .collect(),
             usage: usage.into(),
             system_fingerprint: None,
         }),
@@ -162,7 +194,16 @@ pub fn whole(meta: &ResponseMeta, text: &str, reason: FinishReason, usage: Usage
             object: "text_completion",
             created: meta.created,
             model: &meta.model,
-            choices: [TextChoice { text, index: 0, logprobs, finish_reason: Some(finish_reason) }],
+            choices: choices
+                .iter()
+                .zip(0..)
+                .map(|(choice, index)| TextChoice {
+                    text: &choice.text,
+                    index,
+                    logprobs: choice.logprobs.as_ref(),
+                    finish_reason: Some(finish_reason(choice.reason)),
+                })
+                .collect(),
             usage: usage.into(),
             system_fingerprint: None,
         }),
@@ -236,9 +277,9 @@ pub enum ChunkContent<'a> {
     Usage(Usage),
 }
 
-/// One streamed chunk's JSON; `include_usage` adds `"usage": null` to
-/// chunks other than the usage chunk.
-pub fn chunk(meta: &ResponseMeta, content: ChunkContent<'_>, include_usage: bool) -> String {
+/// One streamed chunk's JSON, of choice `index`; `include_usage` adds
+/// `"usage": null` to chunks other than the usage chunk.
+pub fn chunk(meta: &ResponseMeta, index: u32, content: ChunkContent<'_>, include_usage: bool) -> String {
     let usage = match content {
         ChunkContent::Usage(usage) => UsageField::Totals(usage.into()),
         _ if include_usage => UsageField::Null,
@@ -265,7 +306,7 @@ pub fn chunk(meta: &ResponseMeta, content: ChunkContent<'_>, include_usage: bool
                 object: "chat.completion.chunk",
                 created: meta.created,
                 model: &meta.model,
-                choices: [ChatChunkChoice { index: 0, delta, logprobs, finish_reason }],
+                choices: [ChatChunkChoice { index, delta, logprobs, finish_reason }],
                 usage,
             })
         }
@@ -281,7 +322,7 @@ pub fn chunk(meta: &ResponseMeta, content: ChunkContent<'_>, include_usage: bool
                 object: "text_completion",
                 created: meta.created,
                 model: &meta.model,
-                choices: [TextChoice { text, index: 0, logprobs, finish_reason }],
+                choices: [TextChoice { text, index, logprobs, finish_reason }],
                 usage,
             })
         }
@@ -306,18 +347,18 @@ mod tests {
 
     #[test]
     fn chat_chunks_have_openai_shapes() {
-        let role: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Role, false)).unwrap();
+        let role: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), 0, ChunkContent::Role, false)).unwrap();
         assert_eq!(role["object"], "chat.completion.chunk");
         assert_eq!(role["choices"][0]["delta"], serde_json::json!({"role": "assistant", "content": ""}));
         assert!(role.get("usage").is_none());
-        let text: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Text("hé", None), true)).unwrap();
+        let text: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), 0, ChunkContent::Text("hé", None), true)).unwrap();
         assert_eq!(text["choices"][0]["delta"]["content"], "hé");
         assert!(text["usage"].is_null() && text.get("usage").is_some());
-        let finish: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Finish(FinishReason::Length), false)).unwrap();
+        let finish: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), 0, ChunkContent::Finish(FinishReason::Length), false)).unwrap();
         assert_eq!(finish["choices"][0]["finish_reason"], "length");
         assert_eq!(finish["choices"][0]["delta"], serde_json::json!({}));
         let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_prompt_tokens: 1 };
-        let totals: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), ChunkContent::Usage(usage), true)).unwrap();
+        let totals: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Chat), 0, ChunkContent::Usage(usage), true)).unwrap();
         assert_eq!(totals["choices"], serde_json::json!([]));
         assert_eq!(totals["usage"]["total_tokens"], 7);
         assert_eq!(totals["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
@@ -326,13 +367,27 @@ mod tests {
     #[test]
     fn whole_bodies_have_openai_shapes() {
         let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_prompt_tokens: 0 };
-        let chat: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Chat), "hi", FinishReason::Stop, usage, None)).unwrap();
+        let choice = |text: &str, reason| Choice { text: text.into(), reason, logprobs: None };
+        let chat: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Chat), &[choice("hi", FinishReason::Stop)], usage)).unwrap();
         assert_eq!(chat["object"], "chat.completion");
         assert_eq!(chat["choices"][0]["message"], serde_json::json!({"role": "assistant", "content": "hi"}));
         assert_eq!(chat["choices"][0]["finish_reason"], "stop");
-        let text: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Completion), "hi", FinishReason::Length, usage, None)).unwrap();
+        let text: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Completion), &[choice("hi", FinishReason::Length)], usage)).unwrap();
         assert_eq!(text["object"], "text_completion");
         assert_eq!(text["choices"][0]["text"], "hi");
         assert_eq!(text["usage"]["completion_tokens"], 4);
+        let two = [choice("a", FinishReason::Length), choice("b", FinishReason::Stop)];
+        let body: serde_json::Value = serde_json::from_slice(&whole(&meta(Endpoint::Chat), &two, usage)).unwrap();
+        assert_eq!(body["choices"][1]["index"], 1);
+        assert_eq!((&body["choices"][0]["message"]["content"], &body["choices"][1]["finish_reason"]), (&json!("a"), &json!("stop")));
+        let second: serde_json::Value = serde_json::from_str(&chunk(&meta(Endpoint::Completion), 1, ChunkContent::Text("b", None), false)).unwrap();
+        assert_eq!((&second["choices"][0]["index"], &second["choices"][0]["text"]), (&json!(1), &json!("b")));
+    }
+
+    #[test]
+    fn choices_share_the_prompt_and_add_up_their_completions() {
+        let usage = |completion_tokens, cached_prompt_tokens| Usage { prompt_tokens: 10, completion_tokens, cached_prompt_tokens };
+        assert_eq!(combined_usage([usage(4, 8), usage(6, 0), usage(1, 8)]), usage(11, 0));
+        assert_eq!(combined_usage([usage(4, 8)]), usage(4, 8));
     }
 }

@@ -20,6 +20,10 @@ const MAX_STOP_SEQUENCES: usize = 4;
 /// much of a stream's text while it might still begin one.
 const MAX_STOP_BYTES: usize = 1024;
 
+/// Most choices (`n`) one request may ask for: each is a sequence of its
+/// own on the workers and a place of the gateway's concurrency limit.
+pub const MAX_CHOICES: u32 = 16;
+
 /// `stop`: one string or several.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -52,7 +56,7 @@ pub struct CommonParams {
     /// Nucleus sampling (0, 1].
     #[serde(default)]
     pub top_p: Option<f64>,
-    /// Number of choices (only 1).
+    /// Number of choices (1 to [`MAX_CHOICES`]).
     #[serde(default)]
     pub n: Option<i64>,
     /// Stream with server-sent events.
@@ -106,6 +110,8 @@ pub struct Delivery {
     pub stream: bool,
     /// Add a usage chunk at the end of the stream.
     pub include_usage: bool,
+    /// Choices to generate (`n`), each a sequence of its own.
+    pub choices: u32,
 }
 
 /// `POST /v1/chat/completions` (besides [`CommonParams`], which are
@@ -280,11 +286,13 @@ impl CommonParams {
                     .map_err(|_| GatewayError::invalid(param, format!("'{param}' is too large: {value} exceeds any model's context length.")))?,
             ),
         };
-        if let Some(n) = n
-            && n != 1
-        {
-            return Err(GatewayError::invalid("n", format!("Only n=1 is supported, got {n}.")));
-        }
+        let choices = match n {
+            None => 1,
+            Some(n) => u32::try_from(n)
+                .ok()
+                .filter(|n| (1..=MAX_CHOICES).contains(n))
+                .ok_or_else(|| GatewayError::invalid("n", format!("'n' must be between 1 and {MAX_CHOICES}, got {n}.")))?,
+        };
         if logit_bias.is_some_and(|bias| !bias.is_empty()) {
             return Err(unsupported("logit_bias", "logit_bias"));
         }
@@ -328,7 +336,7 @@ impl CommonParams {
         {
             return Err(GatewayError::invalid("cache_salt", format!("'cache_salt' must be 1 to {MAX_CACHE_SALT_BYTES} bytes, got {}.", salt.len())));
         }
-        Ok(ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, cache_salt, delivery: Delivery { stream, include_usage } })
+        Ok(ValidatedParams { model, max_tokens, sampling, stop, ignore_eos, cache_salt, delivery: Delivery { stream, include_usage, choices } })
     }
 }
 
@@ -426,9 +434,6 @@ impl CompletionRequest {
         if suffix.is_some_and(|suffix| !suffix.is_empty()) {
             return Err(unsupported("suffix", "suffix"));
         }
-        if best_of.is_some_and(|best_of| best_of != 1) {
-            return Err(GatewayError::invalid("best_of", "Only best_of=1 is supported."));
-        }
         let batch_error = || GatewayError::invalid("prompt", "Batched prompts are not supported; send one prompt per request.");
         let prompt = match prompt {
             PromptField::Text(text) => Prompt::Text(text),
@@ -439,6 +444,17 @@ impl CompletionRequest {
         };
         let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
         let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
+        if let Some(best_of) = best_of
+            && best_of != i64::from(delivery.choices)
+        {
+            return Err(GatewayError::invalid(
+                "best_of",
+                format!(
+                    "'best_of' must equal 'n' ({}), got {best_of}: every choice generated is returned; none is chosen by log-probability.",
+                    delivery.choices
+                ),
+            ));
+        }
         sampling.logprobs = logprobs;
         let max_tokens = Some(max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS));
         Ok((TextRequest { model, prompt, max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open, caller: None }, delivery))
@@ -467,7 +483,7 @@ mod tests {
         assert_eq!(request.prompt, Prompt::Chat(vec![ChatMessage::new("system", "be brief"), ChatMessage::new("user", "hi")]));
         assert_eq!(request.max_tokens, Some(5));
         assert_eq!(request.stop, vec!["x".to_owned()]);
-        assert_eq!(delivery, Delivery { stream: true, include_usage: true });
+        assert_eq!(delivery, Delivery { stream: true, include_usage: true, choices: 1 });
         assert_eq!(request.sampling.seed, Some(u64::MAX));
     }
 
@@ -483,6 +499,16 @@ mod tests {
         assert_eq!((request.sampling.logprobs, request.sampling.top_k), (None, None));
         let (request, _) = completion(r#"{"model":"m","prompt":"a","logprobs":0}"#).unwrap();
         assert_eq!(request.sampling.logprobs, Some(0));
+    }
+
+    #[test]
+    fn several_choices_are_asked_with_n() {
+        let (_, delivery) = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":16}"#).unwrap();
+        assert_eq!(delivery.choices, MAX_CHOICES);
+        let (_, delivery) = completion(r#"{"model":"m","prompt":"a","n":3,"best_of":3}"#).unwrap();
+        assert_eq!(delivery.choices, 3);
+        let (_, delivery) = completion(r#"{"model":"m","prompt":"a"}"#).unwrap();
+        assert_eq!(delivery.choices, 1);
     }
 
     #[test]
@@ -507,7 +533,9 @@ mod tests {
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":-1}"#, "max_completion_tokens"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0}"#, "top_p"),
-            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#, "n"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":0}"#, "n"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":17}"#, "n"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":-1}"#, "n"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#, "stop"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#, "stream_options"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#, "tools"),
@@ -537,6 +565,7 @@ mod tests {
             (r#"{"model":"m","prompt":["a","b"]}"#, "prompt"),
             (r#"{"model":"m","prompt":"a","echo":true}"#, "echo"),
             (r#"{"model":"m","prompt":"a","best_of":3}"#, "best_of"),
+            (r#"{"model":"m","prompt":"a","n":2,"best_of":3}"#, "best_of"),
             (r#"{"model":"m","prompt":"a","logprobs":-1}"#, "logprobs"),
             (r#"{"model":"m","prompt":{"text":"a"}}"#, "prompt"),
         ] {
