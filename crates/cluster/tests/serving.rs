@@ -195,6 +195,38 @@ async fn several_choices_come_back_each_with_its_index_seeded_apart() {
     sandbox.stop().await;
 }
 
+/// The choices of one request are routed to the worker computing the
+/// first's prompt, and share that prefill, where alone each would go to an
+/// idle worker and compute it again.
+#[tokio::test]
+async fn the_choices_of_a_request_share_one_prefill() {
+    let _turn = TURN.lock().await;
+    let mut config = Sandbox::mock(1000.0);
+    config.workers = 3;
+    let sandbox = Sandbox::start(config).await;
+    let workers: Vec<String> = sandbox.cluster().workers().iter().map(|worker| worker.id.to_string()).collect();
+    let count = async |name: &str| {
+        let mut counts = Vec::new();
+        for worker in &workers {
+            let labels: &[(&str, &str)] = if name.contains("requests") { &[("worker", worker), ("outcome", "finished")] } else { &[("worker", worker)] };
+            counts.push(sandbox.metric(name, labels).await);
+        }
+        counts
+    };
+    let (finished_before, cached_before) = (count("turbine_worker_requests_total").await, count("turbine_worker_cached_prompt_tokens_total").await);
+    let prompt = "The history of distributed systems is long and winding. ".repeat(150);
+    let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "n": 4, "max_tokens": 2})).await;
+    assert_eq!(status, 200, "{body}");
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_f64().unwrap();
+    let finished: Vec<f64> = count("turbine_worker_requests_total").await.iter().zip(&finished_before).map(|(after, before)| after - before).collect();
+    let cached: Vec<f64> = count("turbine_worker_cached_prompt_tokens_total").await.iter().zip(&cached_before).map(|(after, before)| after - before).collect();
+    let serving = finished.iter().position(|&n| n == 4.0).unwrap_or_else(|| panic!("all four choices on one worker: {finished:?}"));
+    // Three of the four read the first's blocks (all but its last two,
+    // partial, blocks at most).
+    assert!(cached[serving] >= 3.0 * (prompt_tokens - 32.0), "{cached:?} of {prompt_tokens} prompt tokens");
+    sandbox.stop().await;
+}
+
 /// Each choice holds a place of the gateway's limit, and a client gone
 /// cancels every choice's sequence.
 #[tokio::test]

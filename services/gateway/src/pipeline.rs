@@ -175,6 +175,13 @@ impl Pipeline {
     /// the client's (4xx) or capacity (429/503); once a stream is returned,
     /// text follows.
     pub async fn start(&self, request: TextRequest, request_id: String) -> Result<TextStream, GatewayError> {
+        self.start_beside(request, request_id, None).await
+    }
+
+    /// [`start`](Self::start) for another choice of a request whose first
+    /// choice `beside` generates (its [`TextStream::worker`]): the router
+    /// credits the prompt's blocks there, so the choices share its prefill.
+    pub async fn start_beside(&self, request: TextRequest, request_id: String, beside: Option<&WorkerId>) -> Result<TextStream, GatewayError> {
         let started = Instant::now();
         let model = self.catalog.get(&request.model).await?;
         let prompt = tokenize(&model, &request.model, request.prompt, self.content_control_tokens)?;
@@ -216,7 +223,7 @@ impl Pipeline {
         };
         let booking = Booking { router: self.router.clone(), request_id: request_id.clone() };
         let mut excluded = Vec::new();
-        let (serving, tokens) = self.dispatch(&request.model, &engine_request, &mut excluded).await.inspect_err(|error| match error.kind {
+        let (serving, tokens) = self.dispatch(&request.model, &engine_request, &mut excluded, beside).await.inspect_err(|error| match error.kind {
             ErrorKind::Overloaded => metrics::refused(metrics::Refusal::WorkersFull),
             ErrorKind::Unavailable => metrics::refused(metrics::Refusal::NoWorker),
             _ => {}
@@ -250,7 +257,13 @@ impl Pipeline {
     /// Routes and opens a worker stream, trying other workers when one is
     /// unavailable or full: the worker whose tokens it carries (the decode
     /// worker when disaggregated) and the stream.
-    async fn dispatch(&self, model: &str, request: &GenerateRequest, excluded: &mut Vec<WorkerId>) -> Result<(WorkerId, TokenStream), GatewayError> {
+    async fn dispatch(
+        &self,
+        model: &str,
+        request: &GenerateRequest,
+        excluded: &mut Vec<WorkerId>,
+        prefix_worker: Option<&WorkerId>,
+    ) -> Result<(WorkerId, TokenStream), GatewayError> {
         let mut last_error = None;
         for _ in 0..MAX_ROUTES {
             let route = RouteRequest {
@@ -263,6 +276,7 @@ impl Pipeline {
                 kv: None,
                 cache_salt: request.cache_salt,
                 kv_tenant: request.kv_tenant,
+                prefix_worker: prefix_worker.cloned(),
             };
             let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) = match self.router.route(&route).await {
                 Ok(routed) => (routed.worker, routed.prefill),
@@ -491,6 +505,11 @@ impl TextStream {
         &self.token_bytes
     }
 
+    /// The worker generating it now.
+    pub fn worker(&self) -> &WorkerId {
+        &self.serving
+    }
+
     /// Whether the request asked for log-probabilities.
     pub fn wants_logprobs(&self) -> bool {
         self.request.sampling.logprobs.is_some()
@@ -625,7 +644,7 @@ impl TextStream {
         continuation.stop.max_tokens = self.request.stop.max_tokens - generated;
         tracing::warn!(request_id = %self.request.request_id, worker = %self.serving, cause, generated, "worker failed mid-stream; continuing on another");
         metrics::migration();
-        let (serving, stream) = self.pipeline.dispatch(&self.model, &continuation, &mut self.excluded).await?;
+        let (serving, stream) = self.pipeline.dispatch(&self.model, &continuation, &mut self.excluded, None).await?;
         self.serving = serving;
         self.tokens = Some(stream);
         Ok(())

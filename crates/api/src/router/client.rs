@@ -282,7 +282,8 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
     type Error = ConversionError;
 
     fn try_from(request: pb::RouteRequest) -> ConversionResult<Self> {
-        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights, cache_salt, kv_tenant } = request;
+        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights, cache_salt, kv_tenant, prefix_worker_id } =
+            request;
         Ok(RouteRequest {
             request_id,
             model,
@@ -293,13 +294,14 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
             kv: kv_weights.map(KvOverrides::from),
             cache_salt: turbine_kv::CacheSalt::new(cache_salt),
             kv_tenant: turbine_kv::KvTenant::new(kv_tenant),
+            prefix_worker: (!prefix_worker_id.is_empty()).then(|| WorkerId::from(prefix_worker_id)),
         })
     }
 }
 
 impl From<RouteRequest> for pb::RouteRequest {
     fn from(request: RouteRequest) -> Self {
-        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv, cache_salt, kv_tenant } = request;
+        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv, cache_salt, kv_tenant, prefix_worker } = request;
         pb::RouteRequest {
             request_id,
             model,
@@ -310,6 +312,7 @@ impl From<RouteRequest> for pb::RouteRequest {
             kv_weights: kv.map(pb::KvWeights::from),
             cache_salt: cache_salt.get(),
             kv_tenant: kv_tenant.get(),
+            prefix_worker_id: prefix_worker.map(String::from).unwrap_or_default(),
         }
     }
 }
@@ -394,8 +397,11 @@ mod tests {
             kv: Some(KvOverrides { temperature: Some(0.5), ..KvOverrides::default() }),
             cache_salt: turbine_kv::CacheSalt::of(&["tenant"]),
             kv_tenant: turbine_kv::KvTenant::of_tenant("acme"),
+            prefix_worker: Some("w-1".into()),
         };
         assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(request.clone())).unwrap(), request);
+        let alone = RouteRequest { prefix_worker: None, ..request };
+        assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(alone.clone())).unwrap(), alone);
         let worker = RoutedWorker {
             worker_id: "w-1".into(),
             endpoint: "http://w".into(),

@@ -40,6 +40,10 @@ pub struct RouteRequest {
     /// Whose request it is: only workers allowed this KV tenant are
     /// chosen, its own pool first.
     pub kv_tenant: turbine_kv::KvTenant,
+    /// A worker generating another sequence of the same prompt now (another
+    /// choice of the request): the `kv` policy credits the prompt's blocks
+    /// there as cached in its engine, if it is an aggregated worker.
+    pub prefix_worker: Option<WorkerId>,
 }
 
 /// A routing decision.

@@ -231,16 +231,26 @@ async fn generate(state: &AppState, endpoint: Endpoint, address: Option<IpAddr>,
     };
     let meta = ResponseMeta { id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()), created: unix_now(), model: request.model.clone(), endpoint };
     // Every choice starts before the response does: one that cannot is the
-    // response's error (the others, dropped, are cancelled).
-    let texts = futures::future::try_join_all((0..delivery.choices).map(|index| {
+    // response's error (the others, dropped, are cancelled). The first is
+    // routed as any request; the others are routed beside it, where its
+    // prompt is being computed, so they share that prefill.
+    let choice = |index: u32| {
         let mut choice = request.clone();
         // A seeded request's choices differ from each other and come out
         // the same each time: choice i samples with seed + i.
         choice.sampling.seed = choice.sampling.seed.map(|seed| seed.wrapping_add(u64::from(index)));
         let request_id = if delivery.choices == 1 { meta.id.clone() } else { format!("{}-{index}", meta.id) };
-        state.pipeline.start(choice, request_id)
+        (choice, request_id)
+    };
+    let (first, first_id) = choice(0);
+    let first = state.pipeline.start(first, first_id).await?;
+    let beside = first.worker().clone();
+    let others = futures::future::try_join_all((1..delivery.choices).map(|index| {
+        let (choice, request_id) = choice(index);
+        state.pipeline.start_beside(choice, request_id, Some(&beside))
     }))
     .await?;
+    let texts: Vec<TextStream> = std::iter::once(first).chain(others).collect();
     if delivery.stream {
         let events = sse_events(texts, meta, delivery.include_usage, guards);
         Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())

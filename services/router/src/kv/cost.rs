@@ -130,6 +130,18 @@ impl KvCandidate {
         self
     }
 
+    /// Where the worker is computing the prompt now for another choice of
+    /// the same request (`Some` of its full blocks): those blocks count as
+    /// matched in engine memory, the rest as the index said.
+    pub fn with_prompt_computed(mut self, full_blocks: Option<u32>) -> Self {
+        if let Some(blocks) = full_blocks
+            && blocks > self.matched()
+        {
+            self.matched_by_tier = [blocks, 0, 0, 0];
+        }
+        self
+    }
+
     /// Adds what the worker's kv-store holds beyond the worker's own match
     /// (the store's leading blocks, from the index), as tier remote: the
     /// worker reads its own tiers first and asks the store for the rest.

@@ -67,6 +67,7 @@ impl Router {
         }
         let prompt_tokens = (request.prompt_tokens as usize).max(request.token_ids.len());
         let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;
+        let full_blocks = |w: &LiveWorker| (prompt_tokens / w.record.kv_block_size.max(1) as usize) as u32;
         let (index, overlap_blocks) = match (&kv, weights) {
             (Some((_, lookup)), Some(weights)) => {
                 let trees = lookup.cached_trees_of(eligible.iter().map(|w| &w.record.worker_id));
@@ -86,6 +87,7 @@ impl Router {
                         }
                         .with_match(lookup.matched(w.record.kv_block_size, id))
                         .with_store_match(w.record.kv_store.as_ref().and_then(|store| lookup.matched(w.record.kv_block_size, &store.name)))
+                        .with_prompt_computed(computing_prompt(w, request).then(|| full_blocks(w)))
                     })
                     .collect();
                 let index = crate::kv::choose(&weights, &candidates, &mut rand::rng());
@@ -151,6 +153,15 @@ impl Router {
         }
         Some(*best)
     }
+}
+
+/// Whether `worker` is computing the request's prompt for another of its
+/// choices now: the request names it, and it is an aggregated worker (a
+/// decode worker receives prompts from prefill workers, so a choice sent
+/// there beside the first would compute the prompt itself, among the
+/// decodes).
+fn computing_prompt(worker: &LiveWorker, request: &RouteRequest) -> bool {
+    request.prefix_worker.as_ref() == Some(&worker.record.worker_id) && worker.record.role == WorkerRole::Aggregated
 }
 
 /// `workers` (each allowed the request's tenant) narrowed to the tenant's

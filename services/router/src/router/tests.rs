@@ -378,3 +378,64 @@ fn a_tenants_prompt_is_prefilled_on_its_own_pool_too() {
         assert_eq!((routed.worker.worker_id.as_str(), routed.prefill.map(|p| p.worker_id.to_string())), ("any-decode", Some("any-prefill".into())));
     }
 }
+
+#[test]
+fn the_choices_of_one_request_are_routed_where_the_first_computes_the_prompt() {
+    use turbine_kv::KvIndex;
+
+    use crate::kv::{KvConfig, KvState};
+
+    let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::local(KvConfig::default(), Arc::new(KvIndex::new()), None)));
+    router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60)), live("c", "m", Duration::from_secs(60))]);
+    let tokens: Vec<u32> = (0..1600).collect();
+    let choice = |id: &str, beside: Option<&WorkerId>| RouteRequest {
+        token_ids: tokens.clone().into(),
+        prompt_tokens: 1600,
+        policy: Some(Policy::Kv),
+        prefix_worker: beside.cloned(),
+        ..request(id, "m")
+    };
+    // Nothing is cached anywhere: the first choice goes to any worker, and
+    // the next fifteen beside it, their prompt credited and not booked as
+    // prefill again.
+    let first = route(&router, &choice("r-0", None)).unwrap().worker.worker_id;
+    for i in 1..16 {
+        let routed = route(&router, &choice(&format!("r-{i}"), Some(&first))).unwrap();
+        assert_eq!((&routed.worker.worker_id, routed.overlap_blocks), (&first, 100), "choice {i}");
+    }
+    assert_eq!(router.own_books()[first.as_str()].prefill_blocks, 100, "one prefill booked for sixteen choices");
+    // Without the hint the same prompt goes to an idle worker.
+    assert_ne!(route(&router, &choice("alone", None)).unwrap().worker.worker_id, first);
+    // Excluded, it is not chosen: the hint only credits.
+    let excluded = RouteRequest { exclude_worker_ids: vec![first.clone()], ..choice("x", Some(&first)) };
+    assert_ne!(route(&router, &excluded).unwrap().worker.worker_id, first);
+    // Other policies ignore it.
+    let spread: Vec<WorkerId> = (0..3)
+        .map(|i| route(&router, &RouteRequest { policy: Some(Policy::RoundRobin), ..choice(&format!("rr-{i}"), Some(&first)) }).unwrap().worker.worker_id)
+        .collect();
+    assert!(spread.iter().any(|worker| *worker != first), "{spread:?}");
+}
+
+#[test]
+fn a_decode_worker_is_not_credited_a_prompt_it_receives_from_a_prefill_worker() {
+    use turbine_kv::KvIndex;
+
+    use crate::kv::{KvConfig, KvState};
+
+    let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::local(KvConfig::default(), Arc::new(KvIndex::new()), None)))
+        .with_disagg(DisaggPolicy { threshold_tokens: 100, max_prefill_queue: 8 });
+    router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("d1", WorkerRole::Decode), with_role("d2", WorkerRole::Decode)]);
+    let tokens: Vec<u32> = (0..1600).collect();
+    let choice = |id: &str, beside: Option<&WorkerId>| RouteRequest {
+        token_ids: tokens.clone().into(),
+        prompt_tokens: 1600,
+        policy: Some(Policy::Kv),
+        prefix_worker: beside.cloned(),
+        ..request(id, "m")
+    };
+    let first = route(&router, &choice("r-0", None)).unwrap();
+    assert!(first.prefill.is_some());
+    let second = route(&router, &choice("r-1", Some(&first.worker.worker_id))).unwrap();
+    assert_eq!(second.overlap_blocks, 0);
+    assert!(second.prefill.is_some(), "the second choice's prompt is prefilled on the prefill pool too");
+}
