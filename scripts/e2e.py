@@ -174,6 +174,13 @@ def openai_sdk_suite(base):
     check(len(entries) == scored.usage.completion_tokens and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries), f"{scored}")
     check("".join(e.token for e in entries) == scored.choices[0].message.content, f"{scored}")
 
+    # JSON output: the real model's reply is one object.
+    shaped = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Reply with a JSON object with the keys name, born and known_for, describing Ada Lovelace."}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=120,
+    )
+    check(shaped.choices[0].finish_reason == "stop" and isinstance(json.loads(shaped.choices[0].message.content), dict), f"{shaped}")
+
     # Several choices from the real model: seeded apart, each scored, the
     # prompt counted once; streamed, each chunk names its choice.
     several = client.chat.completions.create(

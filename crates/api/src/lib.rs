@@ -29,5 +29,7 @@ pub mod worker;
 pub use error::{ApiError, ErrorCode, REASON_KEY};
 #[cfg(feature = "grpc")]
 pub use error::{from_status, to_status};
-pub use request::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage, WorkerRole};
+pub use request::{
+    FinishReason, GenerateRequest, Load, MAX_LOGPROBS, OutputFormat, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage, WorkerRole,
+};
 pub use turbine_kv::{CacheSalt, KvLayout, KvTenant, UcxRegion};

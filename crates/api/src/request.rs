@@ -25,6 +25,25 @@ pub struct SamplingParams {
     /// Return this many most likely alternatives (with log-probabilities)
     /// for each generated token.
     pub logprobs: Option<u32>,
+    /// What the output must be.
+    pub output: OutputFormat,
+}
+
+/// What a request's output must be.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// Any text.
+    #[default]
+    Text,
+    /// One JSON object (OpenAI's `response_format: json_object`): every
+    /// token sampled keeps the output a prefix of a valid object, and the
+    /// sequence ends once the object closes.
+    JsonObject {
+        /// Output generated before, under this format, that ends the
+        /// prompt: a request continued on another worker after its first
+        /// failed mid-stream.
+        continued: u32,
+    },
 }
 
 /// Most alternatives a request may ask log-probabilities for.
@@ -46,7 +65,7 @@ impl SamplingParams {
     /// requests with it, the worker validates `Generate` and `Prefill` calls
     /// with it, so the two can never disagree.
     pub fn validate(&self) -> Result<(), SamplingError> {
-        let Self { temperature, top_p, top_k: _, seed: _, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = self;
+        let Self { temperature, top_p, top_k: _, seed: _, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, output: _ } = self;
         let out_of = |param: &'static str, range: &str, value: f32| SamplingError { param, message: format!("must be {range}, got {value}") };
         let check = |param: &'static str, value: Option<f32>, range: &str, within: fn(f32) -> bool| match value {
             Some(value) if !(value.is_finite() && within(value)) => Err(out_of(param, range, value)),

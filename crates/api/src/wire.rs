@@ -9,7 +9,7 @@
 use turbine_proto::worker::v1 as pb;
 use turbine_proto::{ConversionError, ConversionResult};
 
-use crate::{CacheSalt, FinishReason, GenerateRequest, KvTenant, Load, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use crate::{CacheSalt, FinishReason, GenerateRequest, KvTenant, Load, OutputFormat, SamplingParams, StopConditions, TokenLogprobs, Usage};
 
 impl TryFrom<pb::SamplingParams> for SamplingParams {
     type Error = ConversionError;
@@ -17,8 +17,28 @@ impl TryFrom<pb::SamplingParams> for SamplingParams {
     /// Checked against [`SamplingParams::validate`], the ranges the gateway
     /// applies too.
     fn try_from(sampling: pb::SamplingParams) -> ConversionResult<Self> {
-        let pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = sampling;
-        let sampling = SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs };
+        let pb::SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            presence_penalty,
+            frequency_penalty,
+            min_p,
+            repetition_penalty,
+            logprobs,
+            output_format,
+            output_continued,
+        } = sampling;
+        let output = match pb::OutputFormat::try_from(output_format) {
+            Ok(pb::OutputFormat::Unspecified) if output_continued == 0 => OutputFormat::Text,
+            Ok(pb::OutputFormat::Unspecified) => {
+                return Err(ConversionError::Invalid { field: "output_continued", message: "is only for a JSON object's output".into() });
+            }
+            Ok(pb::OutputFormat::JsonObject) => OutputFormat::JsonObject { continued: output_continued },
+            Err(_) => return Err(ConversionError::Invalid { field: "output_format", message: format!("{output_format} is no known format") }),
+        };
+        let sampling = SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, output };
         sampling.validate().map_err(|error| ConversionError::Invalid { field: error.param, message: error.message })?;
         Ok(sampling)
     }
@@ -26,8 +46,24 @@ impl TryFrom<pb::SamplingParams> for SamplingParams {
 
 impl From<&SamplingParams> for pb::SamplingParams {
     fn from(sampling: &SamplingParams) -> Self {
-        let SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs } = *sampling;
-        pb::SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs }
+        let SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, output } = *sampling;
+        let (output_format, output_continued) = match output {
+            OutputFormat::Text => (pb::OutputFormat::Unspecified, 0),
+            OutputFormat::JsonObject { continued } => (pb::OutputFormat::JsonObject, continued),
+        };
+        pb::SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            presence_penalty,
+            frequency_penalty,
+            min_p,
+            repetition_penalty,
+            logprobs,
+            output_format: output_format as i32,
+            output_continued,
+        }
     }
 }
 
@@ -185,6 +221,16 @@ mod tests {
         assert!(sampling(pb::SamplingParams { min_p: Some(1.5), ..Default::default() }).starts_with("min_p"));
         assert!(sampling(pb::SamplingParams { repetition_penalty: Some(0.0), ..Default::default() }).starts_with("repetition_penalty"));
         assert!(sampling(pb::SamplingParams { logprobs: Some(21), ..Default::default() }).starts_with("logprobs"));
+        assert!(sampling(pb::SamplingParams { output_format: 9, ..Default::default() }).contains("output_format"));
+        assert!(sampling(pb::SamplingParams { output_continued: 3, ..Default::default() }).contains("output_continued"));
+    }
+
+    #[test]
+    fn json_output_and_its_continuation_cross_the_wire() {
+        for output in [OutputFormat::Text, OutputFormat::JsonObject { continued: 0 }, OutputFormat::JsonObject { continued: 12 }] {
+            let params = SamplingParams { output, ..SamplingParams::default() };
+            assert_eq!(SamplingParams::try_from(pb::SamplingParams::from(&params)).unwrap(), params);
+        }
     }
 
     #[test]

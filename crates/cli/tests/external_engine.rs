@@ -92,6 +92,12 @@ for chunk in stream:
         if chunk.choices[0].finish_reason:
             reasons.append(chunk.choices[0].finish_reason)
 assert text and reasons in (["stop"], ["length"]), (text, reasons)
+# The adapter does not constrain the engine's output: JSON is refused, not faked.
+try:
+    client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "JSON please"}], response_format={"type": "json_object"})
+    raise AssertionError("JSON output accepted unconstrained")
+except openai.BadRequestError as error:
+    assert "JSON output is not served here" in error.body["message"], error.body
 print(reasons[0], repr(text))
 "#;
     let run = tokio::process::Command::new("python3").args(["-c", sdk, base, MODEL]).kill_on_drop(true).output();

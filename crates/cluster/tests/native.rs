@@ -95,6 +95,59 @@ async fn the_native_engine_answers_through_the_gateway() {
     sandbox.stop().await;
 }
 
+/// `response_format: json_object`: the real model's output, greedy and
+/// sampled, streamed or not, is one JSON object that ends where it closes.
+/// Asked a question it answers in prose, the format still holds it to a
+/// prefix of an object.
+#[tokio::test]
+async fn json_output_from_the_real_model_is_one_object() {
+    let mut config = Sandbox::native();
+    config.worker.engine.kv_cache_mib = 64;
+    let sandbox = Sandbox::start(config).await;
+    let ask = |question: &str, extra: serde_json::Value| {
+        let mut body = json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 120,
+            "response_format": {"type": "json_object"},
+        });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let json_question = "Reply with a JSON object with the keys name, born and known_for, describing Ada Lovelace.";
+    for extra in [json!({"temperature": 0}), json!({"temperature": 0.8, "seed": 3}), json!({"temperature": 1.0, "top_p": 0.9, "seed": 11})] {
+        let (status, body) = sandbox.post("/v1/chat/completions", &ask(json_question, extra.clone())).await;
+        assert_eq!(status, 200, "{body}");
+        let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(body["choices"][0]["finish_reason"], "stop", "{extra}: the object closes within 120 tokens: {content:?}");
+        let value: serde_json::Value = serde_json::from_str(content).unwrap_or_else(|error| panic!("{extra}: {content:?} is no JSON: {error}"));
+        assert!(value.as_object().is_some_and(|object| !object.is_empty()), "{extra}: {content:?}");
+    }
+    let greedy = ask(json_question, json!({"temperature": 0}));
+    let (_, whole) = sandbox.post("/v1/chat/completions", &greedy).await;
+    let mut streamed = greedy.clone();
+    streamed["stream"] = json!(true);
+    let events = sandbox.sse("/v1/chat/completions", &streamed).await;
+    assert_eq!(streamed_text(&events), whole["choices"][0]["message"]["content"].as_str().unwrap(), "streamed as whole");
+
+    // A question the model answers in prose: held to an object by the
+    // format (cut at max_tokens or closed, never prose).
+    let prose_question = "Describe Ada Lovelace: her name, her year of birth and what she is known for.";
+    let mut unformatted = ask(prose_question, json!({"temperature": 0}));
+    unformatted.as_object_mut().unwrap().remove("response_format");
+    let (_, prose) = sandbox.post("/v1/chat/completions", &unformatted).await;
+    let prose = prose["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    assert!(!prose.trim_start().starts_with('{'), "the model answers in prose unasked: {prose:?}");
+    let (_, held) = sandbox.post("/v1/chat/completions", &ask(prose_question, json!({"temperature": 0}))).await;
+    let content = held["choices"][0]["message"]["content"].as_str().unwrap();
+    match serde_json::from_str::<serde_json::Value>(content) {
+        Ok(value) => assert!(value.is_object() && held["choices"][0]["finish_reason"] == "stop", "{held}"),
+        Err(error) => assert!(error.is_eof() && held["choices"][0]["finish_reason"] == "length", "a prefix of an object, cut: {content:?}: {error}"),
+    }
+    assert!(content.trim_start().starts_with('{'), "{content:?}");
+    sandbox.stop().await;
+}
+
 /// The gateway and the workers apply one definition of the sampling
 /// ranges: every value one refuses, the other refuses too, naming the
 /// same parameter.

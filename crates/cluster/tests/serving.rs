@@ -306,6 +306,10 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
     }
     let (status, body) = sandbox.post("/v1/completions", &json!({"model": MODEL, "prompt": [999_999]})).await;
     assert_eq!((status, &body["error"]["param"]), (400, &json!("prompt")), "{body}");
+    // The mocker constrains no output: JSON is refused, not faked.
+    let (status, body) = sandbox.post("/v1/chat/completions", &json!({"model": MODEL, "messages": message, "response_format": {"type": "json_object"}})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("JSON output is not served here"), "{body}");
     let (status, body) = sandbox.get("/v1/nothing-here").await;
     assert_eq!(status, 404);
     assert!(body["error"]["message"].is_string());

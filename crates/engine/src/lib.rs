@@ -24,8 +24,8 @@ pub mod tiers;
 pub use crate::core::{EngineHandle, EngineStats, Executor};
 
 pub use request::{
-    EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, PinnedPrefix, Sampled, SamplingError, SamplingParams,
-    StopConditions, TokenLogprobs, Usage,
+    EngineOutput, FinishReason, GenerateRequest, Handoff, ImportedPrefix, Load, MAX_LOGPROBS, OutputFormat, PinnedPrefix, Sampled, SamplingError,
+    SamplingParams, StopConditions, TokenLogprobs, Usage,
 };
 pub use scheduler::{AdmissionError, Batch, BatchItem, Scheduler, SchedulerConfig, SeqId};
 pub use tiers::{

@@ -2,7 +2,7 @@
 //! vocabulary is `turbine-api`'s (re-exported here); what only an engine
 //! and its executor speak of (sampled tokens, outputs, hand-offs) is here.
 
-pub use turbine_api::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage};
+pub use turbine_api::{FinishReason, GenerateRequest, Load, MAX_LOGPROBS, OutputFormat, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage};
 
 /// What an executor samples for one sequence.
 #[derive(Debug, Clone, PartialEq)]

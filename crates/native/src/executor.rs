@@ -11,7 +11,7 @@ use crate::candle_backend::{CandleCache, CandleModel};
 use crate::config::LlamaConfig;
 use crate::model::{KvCache, LlamaModel, SequenceRows};
 use crate::pool::ThreadPool;
-use crate::sampling::sample;
+use crate::sampling::{OutputVocabulary, sample};
 use crate::{Error, Result};
 
 /// Where the model runs.
@@ -95,6 +95,9 @@ impl Default for NativeOptions {
 pub struct NativeExecutor {
     config: LlamaConfig,
     compute: Compute,
+    /// What constrained output reads of the vocabulary; without it, no
+    /// output is constrained.
+    vocabulary: Option<OutputVocabulary>,
 }
 
 #[derive(Debug)]
@@ -147,7 +150,19 @@ impl NativeExecutor {
             kv_mib = (num_blocks * bytes_per_block) >> 20,
             "native engine loaded"
         );
-        Ok(Self { config, compute })
+        Ok(Self { config, compute, vocabulary: None })
+    }
+
+    /// Constrains the output of requests that ask for a format
+    /// ([`turbine_engine::OutputFormat`]) by this vocabulary (the model's).
+    pub fn with_output_vocabulary(mut self, vocabulary: OutputVocabulary) -> Self {
+        self.vocabulary = Some(vocabulary);
+        self
+    }
+
+    /// Whether output may be constrained.
+    pub fn constrains_output(&self) -> bool {
+        self.vocabulary.is_some()
     }
 
     /// The model's hyper-parameters.
@@ -230,7 +245,7 @@ impl Executor for NativeExecutor {
                     return None;
                 }
                 let row = rows.next().expect("one logits row per sampling item");
-                let choice = sample(row, item.sampling, item.tokens, item.generated);
+                let choice = sample(row, item.sampling, item.tokens, item.generated, self.vocabulary.as_ref());
                 Some(Sampled { token: choice.token, logprobs: choice.logprobs })
             })
             .collect())

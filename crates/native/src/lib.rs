@@ -11,7 +11,8 @@
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU, paged attention.
 //! - [`model`]: the forward pass over a batch of sequences.
 //! - [`sampling`]: penalties, temperature, top-k/top-p/min-p, seeds,
-//!   log-probabilities.
+//!   log-probabilities, JSON output.
+//! - [`json`]: the recognizer of JSON objects that JSON output masks by.
 //! - [`pool`]: the low-latency thread pool the kernels run on.
 //! - [`candle_backend`]: the same forward pass in candle tensor operations,
 //!   for candle's devices (CUDA with the `cuda` feature; CPU for checking).
@@ -20,6 +21,7 @@
 pub mod candle_backend;
 pub mod config;
 pub mod executor;
+pub mod json;
 pub mod model;
 pub mod ops;
 pub mod pool;

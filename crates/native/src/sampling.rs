@@ -9,9 +9,54 @@
 //! A seeded request draws from a generator derived from the seed and the
 //! token's index, so the same seed gives the same output whatever else is
 //! in the batch.
+//!
+//! A request for a JSON object ([`OutputFormat::JsonObject`]) samples only
+//! tokens that keep its output a prefix of a valid object ([`crate::json`]):
+//! a token drawn that would not is masked and the draw repeated (from the
+//! same distribution with that token removed, so temperature, top-k, top-p
+//! and min-p apply to the allowed tokens), and after a few such misses
+//! every token is checked at once. No special token is allowed, nor an
+//! end-of-sequence token until the object closes; then only one is. The
+//! log-probabilities reported are those before the mask.
+
+use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
-use turbine_engine::{SamplingParams, TokenLogprobs};
+use turbine_engine::{OutputFormat, SamplingParams, TokenLogprobs};
+use turbine_tokens::TokenBytes;
+
+use crate::json::JsonState;
+
+/// Draws masked one at a time before every token is checked.
+const MISSES_BEFORE_MASKING_ALL: usize = 16;
+
+/// What constrained output reads of the vocabulary: every token's bytes,
+/// which are special, and the end-of-sequence tokens.
+#[derive(Debug, Clone)]
+pub struct OutputVocabulary {
+    bytes: Arc<TokenBytes>,
+    eos: Vec<u32>,
+}
+
+impl OutputVocabulary {
+    /// The vocabulary of `bytes`, ended by `eos` (at least one).
+    pub fn new(bytes: Arc<TokenBytes>, eos: Vec<u32>) -> Self {
+        assert!(!eos.is_empty(), "constrained output needs an end-of-sequence token");
+        Self { bytes, eos }
+    }
+
+    /// The JSON state after `output`, or `None` if it is no prefix of an
+    /// object (then only the end may follow).
+    fn json_after(&self, output: &[u32]) -> Option<JsonState> {
+        let mut state = JsonState::object();
+        output.iter().all(|&token| !self.bytes.is_special(token) && state.feed(self.bytes.get(token))).then_some(state)
+    }
+
+    /// Whether `token` may follow an output in `state`.
+    fn allows(&self, state: &JsonState, token: u32) -> bool {
+        !self.bytes.is_special(token) && !self.eos.contains(&token) && state.accepts(self.bytes.get(token))
+    }
+}
 
 /// The sampled token and, if asked, its log-probabilities.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,13 +69,47 @@ pub struct Choice {
 
 /// Samples from `logits` (modified in place). `history` is the sequence so
 /// far (prompt then output); its last `generated` tokens are the output.
-pub fn sample(logits: &mut [f32], params: &SamplingParams, history: &[u32], generated: usize) -> Choice {
+/// Constrained output ([`SamplingParams::output`]) needs `vocabulary`;
+/// without one the output is not constrained.
+pub fn sample(logits: &mut [f32], params: &SamplingParams, history: &[u32], generated: usize, vocabulary: Option<&OutputVocabulary>) -> Choice {
     apply_penalties(logits, params, history, generated);
     let logprobs = params.logprobs.map(|top| logprobs_of(logits, top as usize));
     let temperature = params.temperature.unwrap_or(0.0);
-    let token = if temperature <= 0.0 { crate::ops::argmax(logits) as u32 } else { draw(logits, params, temperature, generated) };
+    let pick = |logits: &[f32]| if temperature <= 0.0 { crate::ops::argmax(logits) as u32 } else { draw(logits, params, temperature, generated) };
+    let token = match (params.output, vocabulary) {
+        (OutputFormat::JsonObject { continued }, Some(vocabulary)) => {
+            let output = &history[history.len().saturating_sub(generated + continued as usize)..];
+            match vocabulary.json_after(output) {
+                Some(state) if !state.is_complete() => pick_json(logits, &state, vocabulary, pick),
+                _ => vocabulary.eos[0],
+            }
+        }
+        _ => pick(logits),
+    };
     let logprobs = logprobs.map(|(all, top)| TokenLogprobs { logprob: all[token as usize], top });
     Choice { token, logprobs }
+}
+
+/// The token `pick` chooses among those that continue the object in
+/// `state`.
+fn pick_json(logits: &mut [f32], state: &JsonState, vocabulary: &OutputVocabulary, pick: impl Fn(&[f32]) -> u32) -> u32 {
+    for _ in 0..MISSES_BEFORE_MASKING_ALL {
+        let token = pick(logits);
+        if vocabulary.allows(state, token) {
+            return token;
+        }
+        logits[token as usize] = f32::NEG_INFINITY;
+    }
+    let mut any = false;
+    for (token, logit) in logits.iter_mut().enumerate() {
+        if *logit != f32::NEG_INFINITY && !vocabulary.allows(state, token as u32) {
+            *logit = f32::NEG_INFINITY;
+        }
+        any |= *logit != f32::NEG_INFINITY;
+    }
+    // No token of the vocabulary continues the object (one without
+    // single-byte tokens, say): end it as it stands.
+    if any { pick(logits) } else { vocabulary.eos[0] }
 }
 
 fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &[u32], generated: usize) {
@@ -137,15 +216,15 @@ mod tests {
     #[test]
     fn greedy_takes_the_argmax() {
         let mut logits = vec![0.1, 2.0, -1.0, 1.9];
-        assert_eq!(sample(&mut logits, &params(), &[], 0).token, 1);
+        assert_eq!(sample(&mut logits, &params(), &[], 0, None).token, 1);
     }
 
     #[test]
     fn the_same_seed_draws_the_same_tokens() {
         let p = SamplingParams { temperature: Some(1.0), seed: Some(7), ..params() };
         let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin()).collect();
-        let a: Vec<u32> = (0..20).map(|g| sample(&mut logits.clone(), &p, &[], g).token).collect();
-        let b: Vec<u32> = (0..20).map(|g| sample(&mut logits.clone(), &p, &[], g).token).collect();
+        let a: Vec<u32> = (0..20).map(|g| sample(&mut logits.clone(), &p, &[], g, None).token).collect();
+        let b: Vec<u32> = (0..20).map(|g| sample(&mut logits.clone(), &p, &[], g, None).token).collect();
         assert_eq!(a, b);
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1, "draws vary across positions");
     }
@@ -159,7 +238,7 @@ mod tests {
             SamplingParams { temperature: Some(1.0), min_p: Some(0.99), ..params() },
         ] {
             for g in 0..20 {
-                assert_eq!(sample(&mut logits.clone(), &p, &[], g).token, 1, "{p:?}");
+                assert_eq!(sample(&mut logits.clone(), &p, &[], g, None).token, 1, "{p:?}");
             }
         }
     }
@@ -169,17 +248,97 @@ mod tests {
         let base = vec![1.0, 1.1, 0.0];
         let history = [1, 1, 1];
         let presence = SamplingParams { presence_penalty: Some(1.0), ..params() };
-        assert_eq!(sample(&mut base.clone(), &presence, &history, 3).token, 0);
+        assert_eq!(sample(&mut base.clone(), &presence, &history, 3, None).token, 0);
         let repetition = SamplingParams { repetition_penalty: Some(2.0), ..params() };
-        assert_eq!(sample(&mut base.clone(), &repetition, &history, 0).token, 0, "repetition covers prompt tokens");
+        assert_eq!(sample(&mut base.clone(), &repetition, &history, 0, None).token, 0, "repetition covers prompt tokens");
         let frequency = SamplingParams { frequency_penalty: Some(0.05), ..params() };
-        assert_eq!(sample(&mut base.clone(), &frequency, &history, 3).token, 0, "three repeats × 0.05 outweigh 0.1");
+        assert_eq!(sample(&mut base.clone(), &frequency, &history, 3, None).token, 0, "three repeats × 0.05 outweigh 0.1");
+    }
+
+    /// A vocabulary of JSON pieces: `<eos>` and `<ctl>` special, the rest
+    /// text.
+    fn json_vocabulary() -> (OutputVocabulary, Vec<&'static str>) {
+        let tokens = vec!["<eos>", "<ctl>", "{", "}", "\"", "key", ":", " ", "1", "hello", "}\n\nMore", "[", "]", ",", "{\"", "\":"];
+        let spec = turbine_tokens::TokenizerSpec {
+            model: "llama".into(),
+            tokens: tokens.iter().map(|t| t.to_string()).collect(),
+            token_types: tokens.iter().map(|t| if t.starts_with('<') { 3 } else { 1 }).collect(),
+            ..Default::default()
+        };
+        (OutputVocabulary::new(Arc::new(TokenBytes::new(&spec)), vec![0]), tokens)
+    }
+
+    fn json(continued: u32) -> SamplingParams {
+        SamplingParams { output: OutputFormat::JsonObject { continued }, ..params() }
+    }
+
+    /// Generates with `logits_at` for each step until the end token.
+    fn generate(params: &SamplingParams, vocabulary: &OutputVocabulary, prompt: &[u32], logits_at: impl Fn(usize) -> Vec<f32>) -> Vec<u32> {
+        let mut history = prompt.to_vec();
+        for generated in 0..200 {
+            let token = sample(&mut logits_at(generated), params, &history, generated, Some(vocabulary)).token;
+            if token == 0 {
+                return history[prompt.len()..].to_vec();
+            }
+            history.push(token);
+        }
+        panic!("no end: {history:?}");
+    }
+
+    #[test]
+    fn json_output_keeps_to_an_object_and_ends_when_it_closes() {
+        let (vocabulary, tokens) = json_vocabulary();
+        let text = |ids: &[u32]| ids.iter().map(|&id| tokens[id as usize]).collect::<String>();
+        // A model that would rather end, chat or say hello, and comes round
+        // to closing things step by step: greedy and sampled, every output
+        // is an object, closed, then the end.
+        let prose = |step: usize| {
+            let mut logits = vec![9.0, 8.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 7.0, 6.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+            let closing = step as f32 * 0.5;
+            for (token, weight) in [(3, 1.2), (4, 1.3), (6, 1.0), (8, 1.0)] {
+                logits[token] += weight * closing;
+            }
+            logits
+        };
+        for params in [
+            json(0),
+            SamplingParams { temperature: Some(1.5), seed: Some(3), ..json(0) },
+            SamplingParams { temperature: Some(1.0), top_k: Some(2), seed: Some(4), ..json(0) },
+            SamplingParams { temperature: Some(0.7), top_p: Some(0.9), seed: Some(5), ..json(0) },
+        ] {
+            let output = text(&generate(&params, &vocabulary, &[5, 5], prose));
+            let value: serde_json::Value = serde_json::from_str(&output).unwrap_or_else(|error| panic!("{output:?}: {error}"));
+            assert!(value.is_object(), "{output:?}");
+        }
+        // The greedy path through the allowed tokens: `{` (the likeliest
+        // that opens one), a key of hellos until the quote outweighs them,
+        // an empty string (the quote again), `}`, then only the end.
+        assert_eq!(text(&generate(&json(0), &vocabulary, &[5], prose)), r#"{"hellohellohellohellohellohellohellohellohello":""}"#);
+        // Text output is not constrained.
+        assert_eq!(sample(&mut prose(0), &params(), &[5], 0, Some(&vocabulary)).token, 0);
+    }
+
+    #[test]
+    fn a_continued_json_output_goes_on_from_the_tokens_it_carries() {
+        let (vocabulary, _) = json_vocabulary();
+        // `{"key":` generated on a worker that failed, now the prompt's
+        // tail: a value must follow, not a key or the end.
+        let prompt = [5, 14, 5, 15];
+        let want_key = |_: usize| vec![5.0, 0.0, 0.0, 1.0, 0.0, 3.0, 4.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0];
+        let first = sample(&mut want_key(0), &json(3), &prompt, 0, Some(&vocabulary)).token;
+        assert_eq!(first, 8, "a value (1), not a key");
+        // Without the continuation the prompt is no output: an object opens.
+        let fresh = sample(&mut want_key(0), &json(0), &prompt, 0, Some(&vocabulary)).token;
+        assert_eq!(fresh, 14, "{{\" opens one");
+        // Complete already: only the end.
+        let done = [2, 3];
+        assert_eq!(sample(&mut want_key(0), &json(2), &done, 0, Some(&vocabulary)).token, 0);
     }
 
     #[test]
     fn logprobs_are_normalized_and_sorted() {
         let p = SamplingParams { logprobs: Some(2), ..params() };
-        let choice = sample(&mut [0.0, 1.0, 2.0], &p, &[], 0);
+        let choice = sample(&mut [0.0, 1.0, 2.0], &p, &[], 0, None);
         let logprobs = choice.logprobs.unwrap();
         assert_eq!(choice.token, 2);
         assert_eq!(logprobs.top.iter().map(|t| t.0).collect::<Vec<_>>(), [2, 1]);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedReceiver;
 use turbine_api::worker::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
-use turbine_engine::{EngineError, EngineOutput, GenerateRequest, Handoff, Load};
+use turbine_engine::{EngineError, EngineOutput, GenerateRequest, Handoff, Load, OutputFormat};
 use turbine_kv::WorkerDump;
 use turbine_tokens::ModelCard;
 
@@ -17,6 +17,7 @@ use crate::worker::Worker;
 impl WorkerApi for Worker {
     async fn generate(&self, request: GenerateRequest, remote: Option<RemotePrefill>) -> Result<TokenStream, WorkerError> {
         self.check_vocabulary(&request.prompt, "prompt")?;
+        self.check_output(&request)?;
         let submitted = match remote {
             Some(remote) => self.decode_after_prefill(request, remote).await,
             None => self.engine().generate(request),
@@ -56,7 +57,19 @@ impl Worker {
     /// its share of the pool.
     pub async fn prefill_for(&self, requester: &str, request: GenerateRequest, lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
         self.check_vocabulary(&request.prompt, "prompt")?;
+        self.check_output(&request)?;
         self.disagg().prefill(requester, request, lease).await
+    }
+
+    /// Refuses an output format this worker's engine cannot keep to (the
+    /// mocker constrains nothing).
+    fn check_output(&self, request: &GenerateRequest) -> Result<(), WorkerError> {
+        match request.sampling.output {
+            OutputFormat::JsonObject { .. } if !self.constrains_output() => {
+                Err(WorkerError::InvalidArgument("this worker's engine does not constrain its output: JSON output is not served here".into()))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Refuses token ids outside the model's vocabulary.

@@ -7,9 +7,10 @@ use anyhow::Context;
 use turbine_engine::mocker::{MOCK_TEXT, MockExecutor, MockTiming};
 use turbine_engine::{DiskTier, EngineHandle, Executor, HostTier, KvMemory, KvTiers, Load, ModelledTransfer, RemoteTier, SchedulerConfig};
 use turbine_kv::{UcxKeys, UcxNetwork, WorkerId};
+use turbine_native::sampling::OutputVocabulary;
 use turbine_native::{Backend, NativeExecutor, NativeOptions};
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
-use turbine_tokens::{ModelCard, Preprocessor};
+use turbine_tokens::{ModelCard, Preprocessor, TokenBytes};
 
 use crate::config::{EngineKind, WorkerConfig, WorkerRole};
 use crate::store_tier::KvStoreTier;
@@ -32,6 +33,8 @@ pub struct Worker {
     disagg: Arc<Disagg>,
     /// The shared kv-store, when the worker reads one.
     kv_store: Option<SharedStore>,
+    /// Whether its engine keeps to an output format asked for (JSON).
+    constrains_output: bool,
 }
 
 /// The shared kv-store a worker reads, and the name its blocks of this
@@ -67,6 +70,7 @@ impl Worker {
             card.context_length = context_length;
         }
         let pool = SharedKvPool::for_role(config.role, transfer.kv_transport);
+        let mut constrains_output = false;
         let (executor, num_blocks, memory): (Box<dyn Executor>, usize, Option<KvMemory>) = match engine_config.engine {
             EngineKind::Native => {
                 let options = NativeOptions {
@@ -79,6 +83,17 @@ impl Worker {
                     kv_allocator: pool.allocator(),
                 };
                 let executor = NativeExecutor::load(&model.path, &options)?;
+                let eos = if card.tokenizer.eog_token_ids.is_empty() {
+                    card.tokenizer.eos_token_id.into_iter().collect()
+                } else {
+                    card.tokenizer.eog_token_ids.clone()
+                };
+                // JSON output needs the vocabulary's bytes and an end to its objects.
+                let executor = match eos.is_empty() {
+                    true => executor,
+                    false => executor.with_output_vocabulary(OutputVocabulary::new(Arc::new(TokenBytes::new(&card.tokenizer)), eos)),
+                };
+                constrains_output = executor.constrains_output();
                 let num_blocks = executor.num_blocks();
                 let memory = executor.kv_memory();
                 (Box::new(executor), num_blocks, memory)
@@ -206,7 +221,7 @@ impl Worker {
             "worker loaded"
         );
         let instance = uuid::Uuid::new_v4().as_u64_pair().0;
-        Ok(Arc::new(Self { id, card, engine, instance, disagg, kv_store }))
+        Ok(Arc::new(Self { id, card, engine, instance, disagg, kv_store, constrains_output }))
     }
 
     /// The worker id.
@@ -222,6 +237,11 @@ impl Worker {
     /// Tokens per KV block of the engine.
     pub fn block_size(&self) -> usize {
         self.engine.config().block_size
+    }
+
+    /// Whether its engine keeps to an output format asked for (JSON).
+    pub fn constrains_output(&self) -> bool {
+        self.constrains_output
     }
 
     /// The served model's card.

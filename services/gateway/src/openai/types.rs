@@ -6,7 +6,7 @@
 
 use serde::Deserialize;
 use serde_json::Value;
-use turbine_api::{MAX_LOGPROBS, SamplingError, SamplingParams};
+use turbine_api::{MAX_LOGPROBS, OutputFormat, SamplingError, SamplingParams};
 use turbine_tokens::ChatMessage;
 
 use crate::error::GatewayError;
@@ -309,6 +309,7 @@ impl CommonParams {
             min_p: min_p.map(|value| value as f32),
             repetition_penalty: repetition_penalty.map(|value| value as f32),
             logprobs: None,
+            output: OutputFormat::Text,
         };
         sampling.validate()?;
         let stop = match stop {
@@ -364,11 +365,11 @@ impl ChatCompletionRequest {
         if tools.is_some_and(|tools| !tools.is_empty()) {
             return Err(unsupported("tools", "Tool calling"));
         }
-        if let Some(format) = response_format
-            && format.kind != "text"
-        {
-            return Err(unsupported("response_format", &format!("response_format {:?}", format.kind)));
-        }
+        let output = match response_format.as_ref().map(|format| format.kind.as_str()) {
+            None | Some("text") => OutputFormat::Text,
+            Some("json_object") => OutputFormat::JsonObject { continued: 0 },
+            Some(kind) => return Err(unsupported("response_format", &format!("response_format {kind:?}"))),
+        };
         if messages.is_empty() {
             return Err(GatewayError::invalid("messages", "'messages' must contain at least one message."));
         }
@@ -379,7 +380,14 @@ impl ChatCompletionRequest {
             (None, None) => None,
         };
         let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
+        if ignore_eos && output != OutputFormat::Text {
+            return Err(GatewayError::invalid(
+                "ignore_eos",
+                "'ignore_eos' cannot be used with a JSON 'response_format': the output ends where its object closes.",
+            ));
+        }
         sampling.logprobs = logprobs;
+        sampling.output = output;
         Ok((
             TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open, caller: None },
             delivery,
@@ -499,6 +507,22 @@ mod tests {
         assert_eq!((request.sampling.logprobs, request.sampling.top_k), (None, None));
         let (request, _) = completion(r#"{"model":"m","prompt":"a","logprobs":0}"#).unwrap();
         assert_eq!(request.sampling.logprobs, Some(0));
+    }
+
+    #[test]
+    fn json_output_is_asked_with_response_format() {
+        let (request, _) = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#).unwrap();
+        assert_eq!(request.sampling.output, OutputFormat::JsonObject { continued: 0 });
+        let (request, _) = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"text"}}"#).unwrap();
+        assert_eq!(request.sampling.output, OutputFormat::Text);
+        for json in [
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"},"ignore_eos":true}"#,
+        ] {
+            let error = chat(json).unwrap_err();
+            assert_eq!(error.status(), 400, "{json}");
+            assert!(matches!(error.param.as_deref(), Some("response_format" | "ignore_eos")), "{json}: {error:?}");
+        }
     }
 
     #[test]

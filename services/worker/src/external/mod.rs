@@ -40,7 +40,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use tokio::sync::watch;
 use turbine_api::worker::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
-use turbine_api::{GenerateRequest, Load};
+use turbine_api::{GenerateRequest, Load, OutputFormat};
 use turbine_kv::{WorkerDump, WorkerId};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -300,6 +300,12 @@ impl WorkerApi for ExternalWorker {
             return Err(WorkerError::InvalidArgument("an external engine's worker decodes no remote prefill (it serves whole requests)".into()));
         }
         self.check_vocabulary(&request.prompt)?;
+        if request.sampling.output != OutputFormat::Text {
+            return Err(WorkerError::InvalidArgument(format!(
+                "this worker fronts an external engine ({:?}), whose output it does not constrain: JSON output is not served here",
+                self.dialect.kind()
+            )));
+        }
         self.refuse_if_unhealthy()?;
         let (post, completion) = self.dialect.request(&self.http, &self.base, &request)?;
         let open = OpenStream::new(&self.open);
