@@ -379,6 +379,18 @@ fn a_tenants_prompt_is_prefilled_on_its_own_pool_too() {
     }
 }
 
+/// One choice of a request with a 1,600-token prompt (100 full blocks),
+/// routed by the kv policy, beside the worker an earlier choice went to.
+fn choice(id: &str, beside: Option<&WorkerId>) -> RouteRequest {
+    RouteRequest {
+        token_ids: (0..1600).collect::<Vec<u32>>().into(),
+        prompt_tokens: 1600,
+        policy: Some(Policy::Kv),
+        prefix_worker: beside.cloned(),
+        ..request(id, "m")
+    }
+}
+
 #[test]
 fn the_choices_of_one_request_are_routed_where_the_first_computes_the_prompt() {
     use turbine_kv::KvIndex;
@@ -387,14 +399,6 @@ fn the_choices_of_one_request_are_routed_where_the_first_computes_the_prompt() {
 
     let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::local(KvConfig::default(), Arc::new(KvIndex::new()), None)));
     router.update_workers(vec![live("a", "m", Duration::from_secs(60)), live("b", "m", Duration::from_secs(60)), live("c", "m", Duration::from_secs(60))]);
-    let tokens: Vec<u32> = (0..1600).collect();
-    let choice = |id: &str, beside: Option<&WorkerId>| RouteRequest {
-        token_ids: tokens.clone().into(),
-        prompt_tokens: 1600,
-        policy: Some(Policy::Kv),
-        prefix_worker: beside.cloned(),
-        ..request(id, "m")
-    };
     // Nothing is cached anywhere: the first choice goes to any worker, and
     // the next fifteen beside it, their prompt credited and not booked as
     // prefill again.
@@ -425,14 +429,6 @@ fn a_decode_worker_is_not_credited_a_prompt_it_receives_from_a_prefill_worker() 
     let router = Router::with_kv(Policy::Kv, Duration::from_secs(600), Arc::new(KvState::local(KvConfig::default(), Arc::new(KvIndex::new()), None)))
         .with_disagg(DisaggPolicy { threshold_tokens: 100, max_prefill_queue: 8 });
     router.update_workers(vec![with_role("p", WorkerRole::Prefill), with_role("d1", WorkerRole::Decode), with_role("d2", WorkerRole::Decode)]);
-    let tokens: Vec<u32> = (0..1600).collect();
-    let choice = |id: &str, beside: Option<&WorkerId>| RouteRequest {
-        token_ids: tokens.clone().into(),
-        prompt_tokens: 1600,
-        policy: Some(Policy::Kv),
-        prefix_worker: beside.cloned(),
-        ..request(id, "m")
-    };
     let first = route(&router, &choice("r-0", None)).unwrap();
     assert!(first.prefill.is_some());
     let second = route(&router, &choice("r-1", Some(&first.worker.worker_id))).unwrap();
