@@ -79,10 +79,13 @@ async fn long_stream(base: &str) -> (impl futures::Stream<Item = reqwest::Result
     (stream, buffer)
 }
 
-/// The OpenAI SDK streams a chat through the gateway at `base`.
-async fn sdk_streams_a_chat(base: &str) {
+/// The OpenAI SDK streams a chat through the gateway at `base`; a chat
+/// asked for a JSON object gets one where the engine's grammar holds its
+/// output to it (`json`: vLLM, llama.cpp), a clear refusal where it cannot
+/// (the plain OpenAI API), never prose.
+async fn sdk_streams_a_chat(base: &str, json: bool) {
     let sdk = r#"
-import sys, openai
+import json, sys, openai
 client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
 stream = client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24, stream=True)
 text, reasons = "", []
@@ -92,15 +95,27 @@ for chunk in stream:
         if chunk.choices[0].finish_reason:
             reasons.append(chunk.choices[0].finish_reason)
 assert text and reasons in (["stop"], ["length"]), (text, reasons)
-# The adapter does not constrain the engine's output: JSON is refused, not faked.
-try:
-    client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "JSON please"}], response_format={"type": "json_object"})
-    raise AssertionError("JSON output accepted unconstrained")
-except openai.BadRequestError as error:
-    assert "JSON output is not served here" in error.body["message"], error.body
+# JSON output: an object asked for is one that closes; the question the
+# model answers as a list is held to an object too (it may run to its
+# length: the text so far opens one).
+ask = lambda content: client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": content}], response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+if sys.argv[3] == "served":
+    reply = ask("Reply with a JSON object with the keys name, born and known_for, describing Ada Lovelace.")
+    assert reply.choices[0].finish_reason == "stop", reply
+    assert isinstance(json.loads(reply.choices[0].message.content), dict), reply
+    reply = ask("Name three colours.")
+    assert reply.choices[0].message.content.lstrip().startswith("{"), reply
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict), reply
+else:
+    try:
+        ask("Name three colours.")
+        raise AssertionError("JSON output accepted unconstrained")
+    except openai.BadRequestError as error:
+        assert "JSON output is not served here" in error.body["message"], error.body
 print(reasons[0], repr(text))
 "#;
-    let run = tokio::process::Command::new("python3").args(["-c", sdk, base, MODEL]).kill_on_drop(true).output();
+    let run = tokio::process::Command::new("python3").args(["-c", sdk, base, MODEL, if json { "served" } else { "refused" }]).kill_on_drop(true).output();
     let output = tokio::time::timeout(Duration::from_secs(120), run).await.expect("the SDK's stream took over 2 minutes").unwrap();
     assert!(output.status.success(), "the OpenAI SDK's stream: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
 }
@@ -141,7 +156,7 @@ async fn vllm_tokenizes_as_the_gateway_and_streams_through_an_adapter_to_the_ope
     assert!(!body["choices"][0]["message"]["content"].as_str().unwrap().is_empty(), "{body}");
 
     // The OpenAI SDK streams a chat through the adapter.
-    sdk_streams_a_chat(&base).await;
+    sdk_streams_a_chat(&base, true).await;
     assert_eq!(metric(&adapter.admin_url(), "turbine_worker_upstream_healthy").await, 1.0);
 
     // A client that goes away mid-stream aborts its request in the engine.
@@ -669,7 +684,7 @@ async fn llama_cpp_serves_behind_adapters_routed_on_the_routers_own_decisions() 
     assert_eq!(direct["tokens_evaluated"].as_f64(), Some(prompt_tokens), "the engine tokenizes the text as the gateway does: {direct}");
     assert_eq!(body["choices"][0]["text"], direct["content"], "the gateway's text is the engine's own greedy text: {body} {direct}");
 
-    sdk_streams_a_chat(&base).await;
+    sdk_streams_a_chat(&base, true).await;
 
     // Routed on the router's own decisions: a prefix goes back to the
     // worker that computed it, which finds it in the engine's cache (the
@@ -731,7 +746,7 @@ async fn an_openai_api_engine_serves_behind_adapters_its_text_retokenized() {
     assert_eq!(body["usage"]["prompt_tokens"], direct["usage"]["prompt_tokens"], "the engine tokenizes the text as the gateway does: {body} {direct}");
     assert_eq!(body["usage"]["completion_tokens"], direct["usage"]["completion_tokens"], "the engine's count: {body} {direct}");
 
-    sdk_streams_a_chat(&base).await;
+    sdk_streams_a_chat(&base, false).await;
 
     // What the API cannot carry is refused, clearly, and the worker serves
     // on: log-probabilities of re-tokenized ids, a tenant's request.

@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 use turbine_api::worker::{TokenChunk, WorkerError};
-use turbine_api::{FinishReason, GenerateRequest, Load, TokenLogprobs, Usage};
+use turbine_api::{FinishReason, GenerateRequest, Load, OutputFormat, TokenLogprobs, Usage};
 
 use super::prom;
 
@@ -41,6 +41,12 @@ pub fn completion_body(request: &GenerateRequest) -> CompletionBody {
         frequency_penalty: sampling.frequency_penalty.unwrap_or(0.0),
         n_probs: sampling.logprobs,
         ignore_eos: request.stop.ignore_eos,
+        // A JSON object: the server's grammar of the schema of any object,
+        // which ends the sequence once the object closes.
+        json_schema: match sampling.output {
+            OutputFormat::Text => None,
+            OutputFormat::JsonObject { .. } => Some(serde_json::json!({"type": "object"})),
+        },
     }
 }
 
@@ -65,6 +71,8 @@ pub struct CompletionBody {
     #[serde(skip_serializing_if = "Option::is_none")]
     n_probs: Option<u32>,
     ignore_eos: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    json_schema: Option<serde_json::Value>,
 }
 
 /// One event of the completion stream.

@@ -300,12 +300,6 @@ impl WorkerApi for ExternalWorker {
             return Err(WorkerError::InvalidArgument("an external engine's worker decodes no remote prefill (it serves whole requests)".into()));
         }
         self.check_vocabulary(&request.prompt)?;
-        if request.sampling.output != OutputFormat::Text {
-            return Err(WorkerError::InvalidArgument(format!(
-                "this worker fronts an external engine ({:?}), whose output it does not constrain: JSON output is not served here",
-                self.dialect.kind()
-            )));
-        }
         self.refuse_if_unhealthy()?;
         let (post, completion) = self.dialect.request(&self.http, &self.base, &request)?;
         let open = OpenStream::new(&self.open);
@@ -382,6 +376,7 @@ impl Dialect {
     /// What the adapter posts to the engine at `base` for `request`, and
     /// the reader of its answer; or why the engine cannot serve it.
     pub fn request(&self, http: &EngineLink, base: &str, request: &GenerateRequest) -> Result<(EngineRequest, Completion), WorkerError> {
+        self.check_output(request.sampling.output)?;
         Ok(match (self.kind, &self.tokenizer) {
             (UpstreamKind::Vllm, _) => {
                 let body = vllm::completion_body(&self.model, request, &self.stop_ids);
@@ -400,6 +395,28 @@ impl Dialect {
             }
             (UpstreamKind::Openai, None) => return Err(WorkerError::Internal("the openai dialect has no tokenizer".into())),
         })
+    }
+}
+
+impl Dialect {
+    /// Refuses an output format the engine cannot be held to, rather than
+    /// answer unconstrained. vLLM and llama.cpp constrain their sampling
+    /// to one JSON object (a grammar of their own); the plain OpenAI API
+    /// constrains no completion's output. Neither engine's grammar goes on
+    /// from an object begun before the prompt's end (a request continued
+    /// here after its first worker failed mid-object).
+    fn check_output(&self, output: OutputFormat) -> Result<(), WorkerError> {
+        match output {
+            OutputFormat::Text => Ok(()),
+            OutputFormat::JsonObject { .. } if self.kind == UpstreamKind::Openai => Err(WorkerError::InvalidArgument(
+                "this worker's engine speaks the plain OpenAI API, whose completions are not held to a format: JSON output is not served here".into(),
+            )),
+            OutputFormat::JsonObject { continued: 0 } => Ok(()),
+            OutputFormat::JsonObject { continued } => Err(WorkerError::InvalidArgument(format!(
+                "this worker's engine ({:?}) holds its output to a JSON object from its first token only: it cannot go on from the {continued} tokens of one begun on another worker",
+                self.kind
+            ))),
+        }
     }
 }
 

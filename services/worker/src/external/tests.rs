@@ -165,3 +165,19 @@ async fn a_body_read_whole_is_cut_off_past_its_limit() {
     let refused = tokio::time::timeout(Duration::from_secs(30), response.text()).await.expect("cut off, not read forever").unwrap_err();
     assert!(refused.to_string().contains("length limit"), "{refused}");
 }
+
+#[test]
+fn a_json_object_is_refused_where_the_engine_cannot_be_held_to_it() {
+    let dialect = |kind| Dialect { kind, model: "m".into(), stop_ids: Vec::new(), tokenizer: None };
+    let fresh = OutputFormat::JsonObject { continued: 0 };
+    let continued = OutputFormat::JsonObject { continued: 5 };
+    for kind in [UpstreamKind::Vllm, UpstreamKind::LlamaCpp] {
+        assert_eq!(dialect(kind).check_output(OutputFormat::Text), Ok(()));
+        assert_eq!(dialect(kind).check_output(fresh), Ok(()), "{kind:?} holds its output to an object");
+        let refused = dialect(kind).check_output(continued).unwrap_err().to_string();
+        assert!(refused.contains("cannot go on from the 5 tokens"), "{refused}");
+    }
+    assert_eq!(dialect(UpstreamKind::Openai).check_output(OutputFormat::Text), Ok(()));
+    let refused = dialect(UpstreamKind::Openai).check_output(fresh).unwrap_err().to_string();
+    assert!(refused.contains("JSON output is not served here"), "{refused}");
+}

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 use turbine_api::worker::{TokenChunk, WorkerError};
-use turbine_api::{FinishReason, GenerateRequest, Load, SamplingParams, TokenLogprobs, Usage};
+use turbine_api::{FinishReason, GenerateRequest, Load, OutputFormat, SamplingParams, TokenLogprobs, Usage};
 
 use super::prom;
 
@@ -38,6 +38,28 @@ pub fn completion_body(model: &str, request: &GenerateRequest, stop_ids: &[u32])
         // too (vLLM salts its block hashes with it).
         cache_salt: super::events::salt_text(request.cache_salt),
         request_id: (!request.request_id.is_empty()).then(|| request.request_id.clone()),
+        structured_outputs: StructuredOutputs::of(sampling.output),
+    }
+}
+
+/// vLLM's `structured_outputs`: the grammar its sampler holds the output
+/// to. A JSON object is the schema of any object, named as a schema so
+/// that whichever grammar backend the server runs takes it as an object
+/// and not any JSON value; without free whitespace between its tokens (a
+/// grammar allowing any lets a model spend its length on blank lines, as
+/// the native sampler's bound on whitespace runs guards against).
+#[derive(Debug, Clone, Serialize)]
+pub struct StructuredOutputs {
+    json: serde_json::Value,
+    disable_any_whitespace: bool,
+}
+
+impl StructuredOutputs {
+    fn of(output: OutputFormat) -> Option<Self> {
+        match output {
+            OutputFormat::Text => None,
+            OutputFormat::JsonObject { .. } => Some(Self { json: serde_json::json!({"type": "object"}), disable_any_whitespace: true }),
+        }
     }
 }
 
@@ -62,6 +84,8 @@ pub struct CompletionBody {
     cache_salt: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     request_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    structured_outputs: Option<StructuredOutputs>,
 }
 
 /// A request's sampling as the OpenAI API's fields, with the extensions

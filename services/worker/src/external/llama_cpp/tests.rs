@@ -26,6 +26,14 @@ fn the_body_asks_for_token_ids_greedy_with_no_filter_turbine_did_not_ask_for() {
     assert_eq!(serde_json::to_value(completion_body(&tenant)).unwrap()["cache_prompt"], false, "a tenant's prompt shares no cache");
 }
 
+#[test]
+fn a_json_object_is_asked_of_the_servers_grammar_and_text_is_not() {
+    assert!(serde_json::to_value(completion_body(&request())).unwrap().get("json_schema").is_none());
+    let json =
+        GenerateRequest { sampling: SamplingParams { output: turbine_api::OutputFormat::JsonObject { continued: 0 }, ..request().sampling }, ..request() };
+    assert_eq!(serde_json::to_value(completion_body(&json)).unwrap()["json_schema"], serde_json::json!({"type": "object"}));
+}
+
 // Events as llama-server streams them (trimmed): one token each, then the
 // end with no tokens.
 const FIRST: &str = r#"{"index":0,"content":"\n","tokens":[198],"stop":false,"id_slot":0,"tokens_predicted":1,"tokens_evaluated":3,"timings":{"cache_n":2,"prompt_n":1},"completion_probabilities":[{"id":198,"token":"\n","bytes":[10],"logprob":-0.0013,"top_logprobs":[{"id":1,"token":"<s>","bytes":[],"logprob":-7.54},{"id":198,"token":"\n","bytes":[10],"logprob":-0.0013}]}]}"#;

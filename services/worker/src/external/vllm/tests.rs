@@ -31,6 +31,15 @@ fn the_body_asks_for_token_ids_greedy_and_the_models_stop_ids() {
     assert_eq!(body["stop_token_ids"], serde_json::json!([7]), "ignore_eos: only the request's own stop ids");
 }
 
+#[test]
+fn a_json_object_is_asked_of_the_engines_grammar_and_text_is_not() {
+    assert!(serde_json::to_value(completion_body("m", &request(), &[2])).unwrap().get("structured_outputs").is_none());
+    let json =
+        GenerateRequest { sampling: SamplingParams { output: turbine_api::OutputFormat::JsonObject { continued: 0 }, ..request().sampling }, ..request() };
+    let body = serde_json::to_value(completion_body("m", &json, &[2])).unwrap();
+    assert_eq!(body["structured_outputs"], serde_json::json!({"json": {"type": "object"}, "disable_any_whitespace": true}));
+}
+
 // Events as vLLM 0.32 streams them (trimmed).
 const FIRST: &str = r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":"\n","logprobs":{"text_offset":[0],"token_logprobs":[-0.0013],"tokens":["token_id:198"],"top_logprobs":[{"token_id:198":-0.0013,"token_id:1":-7.54}]},"finish_reason":null,"stop_reason":null,"prompt_token_ids":[1,9690,198],"token_ids":[198]}]}"#;
 const LAST: &str = r#"{"id":"c","choices":[{"index":0,"text":"","logprobs":{"tokens":["token_id:57","token_id:2"],"token_logprobs":[-1.5,-0.1],"top_logprobs":[{"token_id:57":-1.5},{"token_id:2":-0.1}]},"finish_reason":"stop","stop_reason":null,"token_ids":[57,2]}]}"#;
