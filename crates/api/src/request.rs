@@ -30,7 +30,7 @@ pub struct SamplingParams {
 }
 
 /// What a request's output must be.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum OutputFormat {
     /// Any text.
     #[default]
@@ -44,6 +44,54 @@ pub enum OutputFormat {
         /// failed mid-stream.
         continued: u32,
     },
+    /// One JSON value valid against a JSON Schema (OpenAI's
+    /// `response_format: json_schema`), held so by the engine's grammar.
+    JsonSchema {
+        /// The schema, as compact JSON text of one object
+        /// ([`OutputFormat::json_schema`] checks it).
+        schema: std::sync::Arc<str>,
+        /// As [`OutputFormat::JsonObject`]'s.
+        continued: u32,
+    },
+}
+
+/// The longest JSON Schema a request may hold its output to, in bytes of
+/// compact JSON: an engine compiles it to a grammar before the first
+/// token, so its size is bounded like a prompt's.
+pub const MAX_SCHEMA_BYTES: usize = 32 * 1024;
+
+impl OutputFormat {
+    /// Output held to the JSON Schema `schema`, or why it cannot be: a
+    /// schema is one JSON object of at most [`MAX_SCHEMA_BYTES`].
+    pub fn json_schema(schema: &serde_json::Value) -> Result<Self, SamplingError> {
+        if !schema.is_object() {
+            return Err(SamplingError { param: "json_schema", message: "must be a JSON object (a JSON Schema)".into() });
+        }
+        let text = serde_json::to_string(schema).map_err(|error| SamplingError { param: "json_schema", message: error.to_string() })?;
+        if text.len() > MAX_SCHEMA_BYTES {
+            return Err(SamplingError { param: "json_schema", message: format!("must be at most {MAX_SCHEMA_BYTES} bytes as JSON, got {}", text.len()) });
+        }
+        Ok(Self::JsonSchema { schema: text.into(), continued: 0 })
+    }
+
+    /// How many tokens ending the prompt were generated before under this
+    /// format (0 for text).
+    pub fn continued(&self) -> u32 {
+        match self {
+            Self::Text => 0,
+            Self::JsonObject { continued } | Self::JsonSchema { continued, .. } => *continued,
+        }
+    }
+
+    /// This format, `more` generated tokens further on (a request
+    /// continued after its first worker failed).
+    pub fn continued_by(&self, more: u32) -> Self {
+        match self {
+            Self::Text => Self::Text,
+            Self::JsonObject { continued } => Self::JsonObject { continued: continued + more },
+            Self::JsonSchema { schema, continued } => Self::JsonSchema { schema: schema.clone(), continued: continued + more },
+        }
+    }
 }
 
 /// Most alternatives a request may ask log-probabilities for.
@@ -65,7 +113,7 @@ impl SamplingParams {
     /// requests with it, the worker validates `Generate` and `Prefill` calls
     /// with it, so the two can never disagree.
     pub fn validate(&self) -> Result<(), SamplingError> {
-        let Self { temperature, top_p, top_k: _, seed: _, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, output: _ } = self;
+        let Self { temperature, top_p, top_k: _, seed: _, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, output } = self;
         let out_of = |param: &'static str, range: &str, value: f32| SamplingError { param, message: format!("must be {range}, got {value}") };
         let check = |param: &'static str, value: Option<f32>, range: &str, within: fn(f32) -> bool| match value {
             Some(value) if !(value.is_finite() && within(value)) => Err(out_of(param, range, value)),
@@ -81,6 +129,11 @@ impl SamplingParams {
             && *n > MAX_LOGPROBS
         {
             return Err(SamplingError { param: "logprobs", message: format!("must be at most {MAX_LOGPROBS}, got {n}") });
+        }
+        if let OutputFormat::JsonSchema { schema, .. } = output {
+            let value: serde_json::Value =
+                serde_json::from_str(schema).map_err(|error| SamplingError { param: "json_schema", message: format!("is not JSON: {error}") })?;
+            OutputFormat::json_schema(&value)?;
         }
         Ok(())
     }

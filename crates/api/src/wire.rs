@@ -29,13 +29,22 @@ impl TryFrom<pb::SamplingParams> for SamplingParams {
             logprobs,
             output_format,
             output_continued,
+            output_schema,
         } = sampling;
-        let output = match pb::OutputFormat::try_from(output_format) {
+        let format = pb::OutputFormat::try_from(output_format);
+        if !output_schema.is_empty() && format != Ok(pb::OutputFormat::JsonSchema) {
+            return Err(ConversionError::Invalid { field: "output_schema", message: "is only for OUTPUT_FORMAT_JSON_SCHEMA".into() });
+        }
+        let output = match format {
             Ok(pb::OutputFormat::Unspecified) if output_continued == 0 => OutputFormat::Text,
             Ok(pb::OutputFormat::Unspecified) => {
                 return Err(ConversionError::Invalid { field: "output_continued", message: "is only for a JSON object's output".into() });
             }
             Ok(pb::OutputFormat::JsonObject) => OutputFormat::JsonObject { continued: output_continued },
+            Ok(pb::OutputFormat::JsonSchema) if output_schema.is_empty() => {
+                return Err(ConversionError::Invalid { field: "output_schema", message: "is required with OUTPUT_FORMAT_JSON_SCHEMA".into() });
+            }
+            Ok(pb::OutputFormat::JsonSchema) => OutputFormat::JsonSchema { schema: output_schema.into(), continued: output_continued },
             Err(_) => return Err(ConversionError::Invalid { field: "output_format", message: format!("{output_format} is no known format") }),
         };
         let sampling = SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, output };
@@ -46,10 +55,12 @@ impl TryFrom<pb::SamplingParams> for SamplingParams {
 
 impl From<&SamplingParams> for pb::SamplingParams {
     fn from(sampling: &SamplingParams) -> Self {
-        let SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, output } = *sampling;
-        let (output_format, output_continued) = match output {
-            OutputFormat::Text => (pb::OutputFormat::Unspecified, 0),
-            OutputFormat::JsonObject { continued } => (pb::OutputFormat::JsonObject, continued),
+        let SamplingParams { temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, min_p, repetition_penalty, logprobs, ref output } =
+            *sampling;
+        let (output_format, output_continued, output_schema) = match output {
+            OutputFormat::Text => (pb::OutputFormat::Unspecified, 0, String::new()),
+            OutputFormat::JsonObject { continued } => (pb::OutputFormat::JsonObject, *continued, String::new()),
+            OutputFormat::JsonSchema { schema, continued } => (pb::OutputFormat::JsonSchema, *continued, schema.to_string()),
         };
         pb::SamplingParams {
             temperature,
@@ -63,6 +74,7 @@ impl From<&SamplingParams> for pb::SamplingParams {
             logprobs,
             output_format: output_format as i32,
             output_continued,
+            output_schema,
         }
     }
 }
@@ -192,7 +204,7 @@ mod tests {
     #[test]
     fn a_valid_request_round_trips() {
         let sampling = pb::SamplingParams { temperature: Some(0.5), ..Default::default() };
-        let request = generate_request("r".into(), vec![1, 2, 3], Some(sampling), stop(), 0, 7).unwrap();
+        let request = generate_request("r".into(), vec![1, 2, 3], Some(sampling.clone()), stop(), 0, 7).unwrap();
         let wire = pb::GenerateRequest::from(&request);
         assert_eq!(
             wire,
@@ -227,10 +239,21 @@ mod tests {
 
     #[test]
     fn json_output_and_its_continuation_cross_the_wire() {
-        for output in [OutputFormat::Text, OutputFormat::JsonObject { continued: 0 }, OutputFormat::JsonObject { continued: 12 }] {
+        let schema = OutputFormat::json_schema(&serde_json::json!({"type": "object", "required": ["a"]})).unwrap();
+        for output in [OutputFormat::Text, OutputFormat::JsonObject { continued: 0 }, OutputFormat::JsonObject { continued: 12 }, schema.continued_by(3)] {
             let params = SamplingParams { output, ..SamplingParams::default() };
             assert_eq!(SamplingParams::try_from(pb::SamplingParams::from(&params)).unwrap(), params);
         }
+        // A schema only with its format, and the format only with a
+        // schema: one JSON object, bounded.
+        let json_schema = pb::OutputFormat::JsonSchema as i32;
+        let refused = |params: pb::SamplingParams| SamplingParams::try_from(params).unwrap_err().to_string();
+        assert!(refused(pb::SamplingParams { output_schema: "{}".into(), ..Default::default() }).contains("output_schema"));
+        assert!(refused(pb::SamplingParams { output_format: json_schema, ..Default::default() }).contains("output_schema"));
+        assert!(refused(pb::SamplingParams { output_format: json_schema, output_schema: "[1]".into(), ..Default::default() }).contains("JSON object"));
+        assert!(refused(pb::SamplingParams { output_format: json_schema, output_schema: "{".into(), ..Default::default() }).contains("not JSON"));
+        let long = format!(r#"{{"description":"{}"}}"#, "x".repeat(crate::MAX_SCHEMA_BYTES));
+        assert!(refused(pb::SamplingParams { output_format: json_schema, output_schema: long, ..Default::default() }).contains("at most"));
     }
 
     #[test]

@@ -107,12 +107,29 @@ if sys.argv[3] == "served":
     assert reply.choices[0].message.content.lstrip().startswith("{"), reply
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict), reply
-else:
+    # A schema: the reply is an object of exactly its one key, a list of
+    # at most three strings from its enum (never the model's own keys).
+    schema = {"type": "object", "properties": {"colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
+              "required": ["colours"], "additionalProperties": False}
+    reply = client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Name three colours."}], temperature=0, max_tokens=120,
+                                           response_format={"type": "json_schema", "json_schema": {"name": "colours", "schema": schema, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop", reply
+    value = json.loads(reply.choices[0].message.content)
+    assert list(value) == ["colours"] and 1 <= len(value["colours"]) <= 3 and set(value["colours"]) <= {"red", "green", "blue"}, reply
+    # A schema the engine cannot compile is a clear error, not prose.
     try:
-        ask("Name three colours.")
-        raise AssertionError("JSON output accepted unconstrained")
+        client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+        raise AssertionError("an uncompilable schema was accepted")
     except openai.BadRequestError as error:
-        assert "JSON output is not served here" in error.body["message"], error.body
+        print("refused:", error.body["message"])
+else:
+    for format in [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]:
+        try:
+            client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Name three colours."}], response_format=format, max_tokens=8)
+            raise AssertionError("JSON output accepted unconstrained")
+        except openai.BadRequestError as error:
+            assert "JSON output is not served here" in error.body["message"], error.body
 print(reasons[0], repr(text))
 "#;
     let run = tokio::process::Command::new("python3").args(["-c", sdk, base, MODEL, if json { "served" } else { "refused" }]).kill_on_drop(true).output();

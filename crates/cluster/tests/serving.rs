@@ -312,6 +312,10 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
     let (status, body) = sandbox.post("/v1/chat/completions", &json!({"model": MODEL, "messages": message, "response_format": {"type": "json_object"}})).await;
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("JSON output is not served here"), "{body}");
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}});
+    let (status, body) = sandbox.post("/v1/chat/completions", &json!({"model": MODEL, "messages": message, "response_format": schema})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("json_schema is not served here"), "{body}");
     let (status, body) = sandbox.get("/v1/nothing-here").await;
     assert_eq!(status, 404);
     assert!(body["error"]["message"].is_string());

@@ -76,9 +76,9 @@ pub fn sample(logits: &mut [f32], params: &SamplingParams, history: &[u32], gene
     let logprobs = params.logprobs.map(|top| logprobs_of(logits, top as usize));
     let temperature = params.temperature.unwrap_or(0.0);
     let pick = |logits: &[f32]| if temperature <= 0.0 { crate::ops::argmax(logits) as u32 } else { draw(logits, params, temperature, generated) };
-    let token = match (params.output, vocabulary) {
+    let token = match (&params.output, vocabulary) {
         (OutputFormat::JsonObject { continued }, Some(vocabulary)) => {
-            let output = &history[history.len().saturating_sub(generated + continued as usize)..];
+            let output = &history[history.len().saturating_sub(generated + *continued as usize)..];
             match vocabulary.json_after(output) {
                 Some(state) if !state.is_complete() => pick_json(logits, &state, vocabulary, pick),
                 _ => vocabulary.eos[0],

@@ -15,7 +15,7 @@ use futures::StreamExt;
 use turbine_api::kv_transfer::KvTransferClient;
 use turbine_api::router::{RouteRequest, RoutedWorker, RouterClient};
 use turbine_api::worker::{KvHandle, RemotePrefill, TokenStream, WorkerClient, WorkerClients, WorkerError};
-use turbine_api::{CacheSalt, FinishReason, GenerateRequest, KvTenant, OutputFormat, SamplingParams, StopConditions, TokenLogprobs, Usage};
+use turbine_api::{CacheSalt, FinishReason, GenerateRequest, KvTenant, SamplingParams, StopConditions, TokenLogprobs, Usage};
 use turbine_kv::WorkerId;
 
 use crate::keys::ApiKey;
@@ -642,9 +642,7 @@ impl TextStream {
         let mut continuation = self.request.clone();
         continuation.prompt.extend_from_slice(&self.generated);
         // A JSON object goes on from what was generated of it.
-        if let OutputFormat::JsonObject { continued } = &mut continuation.sampling.output {
-            *continued += generated;
-        }
+        continuation.sampling.output = continuation.sampling.output.continued_by(generated);
         continuation.stop.max_tokens = self.request.stop.max_tokens - generated;
         tracing::warn!(request_id = %self.request.request_id, worker = %self.serving, cause, generated, "worker failed mid-stream; continuing on another");
         metrics::migration();

@@ -68,6 +68,10 @@ impl Worker {
             OutputFormat::JsonObject { .. } if !self.constrains_output() => {
                 Err(WorkerError::InvalidArgument("this worker's engine does not constrain its output: JSON output is not served here".into()))
             }
+            OutputFormat::JsonSchema { .. } => Err(WorkerError::InvalidArgument(
+                "this worker's engine holds output to a JSON object but not to a schema: json_schema is not served here (vLLM and llama.cpp behind an adapter serve it)"
+                    .into(),
+            )),
             _ => Ok(()),
         }
     }

@@ -548,7 +548,7 @@ async fn on_a_fabric_named_under_tls_a_handle_is_keyed_for_its_blocks_alone() {
     let prefill_of = |request: &pb::GenerateRequest| pb::PrefillRequest {
         request_id: request.request_id.clone(),
         prompt_token_ids: request.prompt_token_ids.clone(),
-        sampling: request.sampling,
+        sampling: request.sampling.clone(),
         stop: request.stop.clone(),
         lease_ms: 0,
         cache_salt: Default::default(),

@@ -144,6 +144,41 @@ pub struct ResponseFormat {
     /// `text`, `json_object`, `json_schema`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// With `json_schema`: the schema and its name.
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct JsonSchemaFormat {
+    /// The schema's name (OpenAI requires one; it names nothing here).
+    pub name: Option<String>,
+    /// The JSON Schema the output is held to.
+    pub schema: Option<serde_json::Value>,
+    /// OpenAI's strict mode: the output is always held to the schema here.
+    pub strict: Option<bool>,
+    /// What the schema is for (the model is not shown it).
+    pub description: Option<String>,
+}
+
+impl ResponseFormat {
+    /// The output format asked for.
+    fn output(self) -> Result<OutputFormat, GatewayError> {
+        match (self.kind.as_str(), self.json_schema) {
+            ("text", _) => Ok(OutputFormat::Text),
+            ("json_object", _) => Ok(OutputFormat::JsonObject { continued: 0 }),
+            ("json_schema", None) => Err(GatewayError::invalid("response_format", "'response_format' of type 'json_schema' needs 'json_schema'.")),
+            ("json_schema", Some(JsonSchemaFormat { name, schema, .. })) => {
+                if name.as_deref().is_none_or(str::is_empty) {
+                    return Err(GatewayError::invalid("response_format", "'response_format.json_schema.name' is required."));
+                }
+                let schema = schema.unwrap_or_else(|| serde_json::json!({}));
+                OutputFormat::json_schema(&schema)
+                    .map_err(|error| GatewayError::invalid("response_format", format!("'response_format.json_schema.schema' {}.", error.message)))
+            }
+            (kind, _) => Err(unsupported("response_format", &format!("response_format {kind:?}"))),
+        }
+    }
 }
 
 /// One chat message.
@@ -365,11 +400,7 @@ impl ChatCompletionRequest {
         if tools.is_some_and(|tools| !tools.is_empty()) {
             return Err(unsupported("tools", "Tool calling"));
         }
-        let output = match response_format.as_ref().map(|format| format.kind.as_str()) {
-            None | Some("text") => OutputFormat::Text,
-            Some("json_object") => OutputFormat::JsonObject { continued: 0 },
-            Some(kind) => return Err(unsupported("response_format", &format!("response_format {kind:?}"))),
-        };
+        let output = response_format.map(ResponseFormat::output).transpose()?.unwrap_or_default();
         if messages.is_empty() {
             return Err(GatewayError::invalid("messages", "'messages' must contain at least one message."));
         }
@@ -515,10 +546,29 @@ mod tests {
         assert_eq!(request.sampling.output, OutputFormat::JsonObject { continued: 0 });
         let (request, _) = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"text"}}"#).unwrap();
         assert_eq!(request.sampling.output, OutputFormat::Text);
+        let (request, _) = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","strict":true,"schema":{"type":"object","required":["a"]}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(request.sampling.output, OutputFormat::JsonSchema { schema: r#"{"required":["a"],"type":"object"}"#.into(), continued: 0 });
+        let (request, _) =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#).unwrap();
+        assert_eq!(request.sampling.output, OutputFormat::JsonSchema { schema: "{}".into(), continued: 0 }, "no schema: any JSON value");
+        let long = format!("{{\"description\":\"{}\"}}", "x".repeat(turbine_api::MAX_SCHEMA_BYTES));
         for json in [
-            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#,
-            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"},"ignore_eos":true}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema"}}"#.to_owned(),
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"schema":{}}}}"#.to_owned(),
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":[1]}}}"#
+                .to_owned(),
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"response_format":{{"type":"json_schema","json_schema":{{"name":"x","schema":{long}}}}}}}"#
+            ),
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"grammar"}}"#.to_owned(),
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"},"ignore_eos":true}"#.to_owned(),
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x"}},"ignore_eos":true}"#
+                .to_owned(),
         ] {
+            let json = json.as_str();
             let error = chat(json).unwrap_err();
             assert_eq!(error.status(), 400, "{json}");
             assert!(matches!(error.param.as_deref(), Some("response_format" | "ignore_eos")), "{json}: {error:?}");

@@ -41,11 +41,13 @@ pub fn completion_body(request: &GenerateRequest) -> CompletionBody {
         frequency_penalty: sampling.frequency_penalty.unwrap_or(0.0),
         n_probs: sampling.logprobs,
         ignore_eos: request.stop.ignore_eos,
-        // A JSON object: the server's grammar of the schema of any object,
-        // which ends the sequence once the object closes.
-        json_schema: match sampling.output {
+        // JSON: the server's grammar of the request's schema, or of any
+        // object's, which ends the sequence once the value is whole
+        // (Dialect::check_output refuses a schema that is not one object).
+        json_schema: match &sampling.output {
             OutputFormat::Text => None,
             OutputFormat::JsonObject { .. } => Some(serde_json::json!({"type": "object"})),
+            OutputFormat::JsonSchema { schema, .. } => Some(serde_json::from_str(schema).unwrap_or_default()),
         },
     }
 }

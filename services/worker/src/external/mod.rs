@@ -376,7 +376,7 @@ impl Dialect {
     /// What the adapter posts to the engine at `base` for `request`, and
     /// the reader of its answer; or why the engine cannot serve it.
     pub fn request(&self, http: &EngineLink, base: &str, request: &GenerateRequest) -> Result<(EngineRequest, Completion), WorkerError> {
-        self.check_output(request.sampling.output)?;
+        self.check_output(&request.sampling.output)?;
         Ok(match (self.kind, &self.tokenizer) {
             (UpstreamKind::Vllm, _) => {
                 let body = vllm::completion_body(&self.model, request, &self.stop_ids);
@@ -401,18 +401,24 @@ impl Dialect {
 impl Dialect {
     /// Refuses an output format the engine cannot be held to, rather than
     /// answer unconstrained. vLLM and llama.cpp constrain their sampling
-    /// to one JSON object (a grammar of their own); the plain OpenAI API
+    /// to one JSON object or a schema's value (a grammar of their own); the plain OpenAI API
     /// constrains no completion's output. Neither engine's grammar goes on
     /// from an object begun before the prompt's end (a request continued
     /// here after its first worker failed mid-object).
-    fn check_output(&self, output: OutputFormat) -> Result<(), WorkerError> {
-        match output {
-            OutputFormat::Text => Ok(()),
-            OutputFormat::JsonObject { .. } if self.kind == UpstreamKind::Openai => Err(WorkerError::InvalidArgument(
+    fn check_output(&self, output: &OutputFormat) -> Result<(), WorkerError> {
+        match output.continued() {
+            _ if *output == OutputFormat::Text => Ok(()),
+            _ if self.kind == UpstreamKind::Openai => Err(WorkerError::InvalidArgument(
                 "this worker's engine speaks the plain OpenAI API, whose completions are not held to a format: JSON output is not served here".into(),
             )),
-            OutputFormat::JsonObject { continued: 0 } => Ok(()),
-            OutputFormat::JsonObject { continued } => Err(WorkerError::InvalidArgument(format!(
+            0 => match output {
+                // The bodies take the schema as parsed here.
+                OutputFormat::JsonSchema { schema, .. } if serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(schema).is_err() => {
+                    Err(WorkerError::InvalidArgument("json_schema must be one JSON object".into()))
+                }
+                _ => Ok(()),
+            },
+            continued => Err(WorkerError::InvalidArgument(format!(
                 "this worker's engine ({:?}) holds its output to a JSON object from its first token only: it cannot go on from the {continued} tokens of one begun on another worker",
                 self.kind
             ))),

@@ -171,13 +171,19 @@ fn a_json_object_is_refused_where_the_engine_cannot_be_held_to_it() {
     let dialect = |kind| Dialect { kind, model: "m".into(), stop_ids: Vec::new(), tokenizer: None };
     let fresh = OutputFormat::JsonObject { continued: 0 };
     let continued = OutputFormat::JsonObject { continued: 5 };
+    let schema = OutputFormat::json_schema(&serde_json::json!({"type": "array"})).unwrap();
     for kind in [UpstreamKind::Vllm, UpstreamKind::LlamaCpp] {
-        assert_eq!(dialect(kind).check_output(OutputFormat::Text), Ok(()));
-        assert_eq!(dialect(kind).check_output(fresh), Ok(()), "{kind:?} holds its output to an object");
-        let refused = dialect(kind).check_output(continued).unwrap_err().to_string();
+        assert_eq!(dialect(kind).check_output(&OutputFormat::Text), Ok(()));
+        assert_eq!(dialect(kind).check_output(&fresh), Ok(()), "{kind:?} holds its output to an object");
+        assert_eq!(dialect(kind).check_output(&schema), Ok(()), "{kind:?} holds its output to a schema");
+        let refused = dialect(kind).check_output(&continued).unwrap_err().to_string();
+        assert!(refused.contains("cannot go on from the 5 tokens"), "{refused}");
+        let refused = dialect(kind).check_output(&schema.continued_by(5)).unwrap_err().to_string();
         assert!(refused.contains("cannot go on from the 5 tokens"), "{refused}");
     }
-    assert_eq!(dialect(UpstreamKind::Openai).check_output(OutputFormat::Text), Ok(()));
-    let refused = dialect(UpstreamKind::Openai).check_output(fresh).unwrap_err().to_string();
-    assert!(refused.contains("JSON output is not served here"), "{refused}");
+    assert_eq!(dialect(UpstreamKind::Openai).check_output(&OutputFormat::Text), Ok(()));
+    for output in [fresh, schema] {
+        let refused = dialect(UpstreamKind::Openai).check_output(&output).unwrap_err().to_string();
+        assert!(refused.contains("JSON output is not served here"), "{refused}");
+    }
 }

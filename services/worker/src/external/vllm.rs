@@ -38,16 +38,18 @@ pub fn completion_body(model: &str, request: &GenerateRequest, stop_ids: &[u32])
         // too (vLLM salts its block hashes with it).
         cache_salt: super::events::salt_text(request.cache_salt),
         request_id: (!request.request_id.is_empty()).then(|| request.request_id.clone()),
-        structured_outputs: StructuredOutputs::of(sampling.output),
+        structured_outputs: StructuredOutputs::of(&sampling.output),
     }
 }
 
 /// vLLM's `structured_outputs`: the grammar its sampler holds the output
-/// to. A JSON object is the schema of any object, named as a schema so
-/// that whichever grammar backend the server runs takes it as an object
-/// and not any JSON value; without free whitespace between its tokens (a
-/// grammar allowing any lets a model spend its length on blank lines, as
-/// the native sampler's bound on whitespace runs guards against).
+/// to: a request's schema, or for a JSON object the schema of any object,
+/// named as a schema so that whichever grammar backend the server runs
+/// takes it as an object and not any JSON value. No free whitespace is
+/// asked for (a grammar allowing any lets a model spend its length on
+/// blank lines, as the native sampler's bound on whitespace runs guards
+/// against); vLLM's xgrammar backend takes that per request, its guidance
+/// backend only from the server's own `--structured-outputs-config`.
 #[derive(Debug, Clone, Serialize)]
 pub struct StructuredOutputs {
     json: serde_json::Value,
@@ -55,11 +57,14 @@ pub struct StructuredOutputs {
 }
 
 impl StructuredOutputs {
-    fn of(output: OutputFormat) -> Option<Self> {
-        match output {
-            OutputFormat::Text => None,
-            OutputFormat::JsonObject { .. } => Some(Self { json: serde_json::json!({"type": "object"}), disable_any_whitespace: true }),
-        }
+    fn of(output: &OutputFormat) -> Option<Self> {
+        let json = match output {
+            OutputFormat::Text => return None,
+            OutputFormat::JsonObject { .. } => serde_json::json!({"type": "object"}),
+            // Dialect::check_output refuses a schema that is not one object.
+            OutputFormat::JsonSchema { schema, .. } => serde_json::from_str(schema).unwrap_or_default(),
+        };
+        Some(Self { json, disable_any_whitespace: true })
     }
 }
 
@@ -180,6 +185,10 @@ pub(super) struct PromptDetails {
 #[derive(Debug, Deserialize)]
 pub(super) struct ErrorIn {
     pub(super) message: Option<String>,
+    /// vLLM's HTTP status for the error (the OpenAI API's own `code` is
+    /// a string, or null, and reads as none).
+    #[serde(default)]
+    pub(super) code: serde_json::Value,
 }
 
 #[derive(Debug, Deserialize)]
@@ -280,7 +289,14 @@ pub(super) fn read_event(data: &str) -> Result<Option<StreamEvent>, WorkerError>
     let event: StreamEvent =
         serde_json::from_str(data).map_err(|error| WorkerError::Internal(format!("the engine sent an event Turbine cannot read: {error}")))?;
     match event.error {
-        Some(error) => Err(WorkerError::Internal(format!("the engine failed the request: {}", error.message.unwrap_or_default()))),
+        // A request refused once its stream had begun (vLLM checks a
+        // schema's grammar so, answering 200 then an error event of code
+        // 400) keeps its meaning: the client's to mend, not the worker
+        // failing (which would move it to another worker to fail again).
+        Some(ErrorIn { message, code }) => match code.as_u64().and_then(|code| u16::try_from(code).ok()) {
+            Some(status @ 400..=499) => Err(refusal(status, &serde_json::json!({ "message": message }).to_string())),
+            _ => Err(WorkerError::Internal(format!("the engine failed the request: {}", message.unwrap_or_default()))),
+        },
         None => Ok(Some(event)),
     }
 }

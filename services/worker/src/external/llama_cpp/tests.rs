@@ -32,6 +32,10 @@ fn a_json_object_is_asked_of_the_servers_grammar_and_text_is_not() {
     let json =
         GenerateRequest { sampling: SamplingParams { output: turbine_api::OutputFormat::JsonObject { continued: 0 }, ..request().sampling }, ..request() };
     assert_eq!(serde_json::to_value(completion_body(&json)).unwrap()["json_schema"], serde_json::json!({"type": "object"}));
+    let schema = serde_json::json!({"type": "array", "items": {"enum": [1, 2]}});
+    let json =
+        GenerateRequest { sampling: SamplingParams { output: turbine_api::OutputFormat::json_schema(&schema).unwrap(), ..request().sampling }, ..request() };
+    assert_eq!(serde_json::to_value(completion_body(&json)).unwrap()["json_schema"], schema);
 }
 
 // Events as llama-server streams them (trimmed): one token each, then the

@@ -38,6 +38,10 @@ fn a_json_object_is_asked_of_the_engines_grammar_and_text_is_not() {
         GenerateRequest { sampling: SamplingParams { output: turbine_api::OutputFormat::JsonObject { continued: 0 }, ..request().sampling }, ..request() };
     let body = serde_json::to_value(completion_body("m", &json, &[2])).unwrap();
     assert_eq!(body["structured_outputs"], serde_json::json!({"json": {"type": "object"}, "disable_any_whitespace": true}));
+    let schema = serde_json::json!({"type": "array", "items": {"enum": [1, 2]}});
+    let json =
+        GenerateRequest { sampling: SamplingParams { output: turbine_api::OutputFormat::json_schema(&schema).unwrap(), ..request().sampling }, ..request() };
+    assert_eq!(serde_json::to_value(completion_body("m", &json, &[2])).unwrap()["structured_outputs"]["json"], schema);
 }
 
 // Events as vLLM 0.32 streams them (trimmed).
@@ -70,6 +74,12 @@ fn an_aborted_or_failed_stream_is_an_error_and_an_unfinished_one_has_no_end() {
     assert!(matches!(completion.event(aborted), Err(WorkerError::Unavailable(_))));
     let failed = r#"{"error":{"message":"boom","code":500}}"#;
     assert!(matches!(Completion::new(3, &body).event(failed), Err(WorkerError::Internal(message)) if message.contains("boom")));
+    // Refused after the stream began (a schema's grammar): the client's
+    // error, not a failing worker.
+    let refused = r#"{"error": {"message": "Grammar error: Invalid type: no-such-type", "type": "BadRequestError", "param": null, "code": 400}}"#;
+    assert!(matches!(Completion::new(3, &body).event(refused), Err(WorkerError::InvalidArgument(message)) if message.contains("Invalid type")));
+    let named = r#"{"error":{"message":"boom","code":"server_error"}}"#;
+    assert!(matches!(Completion::new(3, &body).event(named), Err(WorkerError::Internal(_))));
     let mut unfinished = Completion::new(3, &body);
     unfinished.event(FIRST).unwrap();
     assert_eq!(unfinished.event("[DONE]").unwrap(), None, "no finish reason: no finishing chunk");
