@@ -145,6 +145,34 @@ async fn json_output_from_the_real_model_is_one_object() {
         Err(error) => assert!(error.is_eof() && held["choices"][0]["finish_reason"] == "length", "a prefix of an object, cut: {content:?}: {error}"),
     }
     assert!(content.trim_start().starts_with('{'), "{content:?}");
+
+    // The gRPC API asks the same of its raw prompts: the prose question,
+    // as text, held to an object.
+    use turbine_proto::gateway::v1 as pb;
+    let mut inference = pb::inference_client::InferenceClient::connect(sandbox.cluster().grpc_endpoint()).await.unwrap();
+    let request = |output_format: pb::OutputFormat| pb::GenerateRequest {
+        model: MODEL.into(),
+        input: Some(pb::generate_request::Input::Prompt(format!("{prose_question}\n"))),
+        max_tokens: Some(120),
+        output_format: output_format as i32,
+        ..Default::default()
+    };
+    let mut texts = Vec::new();
+    for output_format in [pb::OutputFormat::Unspecified, pb::OutputFormat::JsonObject] {
+        let mut stream = inference.generate(request(output_format)).await.unwrap().into_inner();
+        let (mut text, mut finish) = (String::new(), pb::FinishReason::Unspecified);
+        while let Some(message) = stream.message().await.unwrap() {
+            text.push_str(&message.text);
+            finish = message.finish_reason();
+        }
+        texts.push((text, finish));
+    }
+    assert!(!texts[0].0.trim_start().starts_with('{'), "unasked, the raw prompt's answer is no object: {texts:?}");
+    match serde_json::from_str::<serde_json::Value>(&texts[1].0) {
+        Ok(value) => assert!(value.is_object() && texts[1].1 == pb::FinishReason::Stop, "{texts:?}"),
+        Err(error) => assert!(error.is_eof() && texts[1].1 == pb::FinishReason::Length, "a prefix of an object, cut: {texts:?}: {error}"),
+    }
+    assert!(texts[1].0.trim_start().starts_with('{'), "{texts:?}");
     sandbox.stop().await;
 }
 

@@ -428,6 +428,33 @@ async fn grpc_inference_health_and_reflection() {
     assert_eq!(inference.generate(unknown).await.unwrap_err().code(), tonic::Code::NotFound);
     let invalid = pb::GenerateRequest { model: MODEL.into(), input: None, ..Default::default() };
     assert_eq!(inference.generate(invalid).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // Output formats: each refused with what is wrong, the mocker's JSON
+    // (it constrains nothing) with why.
+    let prompt = |output_format: i32, output_schema: &str| pb::GenerateRequest {
+        model: MODEL.into(),
+        input: Some(pb::generate_request::Input::Prompt("x".into())),
+        output_format,
+        output_schema: output_schema.into(),
+        ..Default::default()
+    };
+    let (object, schema) = (pb::OutputFormat::JsonObject as i32, pb::OutputFormat::JsonSchema as i32);
+    for (request, says) in [
+        (prompt(0, r#"{"type":"object"}"#), "only for OUTPUT_FORMAT_JSON_SCHEMA"),
+        (prompt(schema, ""), "required"),
+        (prompt(schema, "[1]"), "JSON object"),
+        (prompt(schema, "{"), "not JSON"),
+        (prompt(9, ""), "no known format"),
+        (pb::GenerateRequest { ignore_eos: true, ..prompt(object, "") }, "ignore_eos"),
+        (prompt(object, ""), "JSON output is not served here"),
+        (prompt(schema, r#"{"type":"object"}"#), "json_schema is not served here"),
+    ] {
+        let refused = match inference.generate(request.clone()).await {
+            Err(status) => status,
+            Ok(stream) => stream.into_inner().message().await.expect_err("refused as it starts"),
+        };
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{request:?}: {refused:?}");
+        assert!(refused.message().contains(says), "{request:?}: {refused:?}");
+    }
 
     let mut reflection = tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
     let request = tonic_reflection::pb::v1::ServerReflectionRequest {

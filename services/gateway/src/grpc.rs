@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use futures::Stream;
 use tonic::{Request, Response, Status};
-use turbine_api::FinishReason;
+use turbine_api::{FinishReason, OutputFormat};
 use turbine_proto::gateway::v1 as pb;
 use turbine_tokens::ChatMessage;
 
@@ -45,7 +45,22 @@ impl InferenceService {
 }
 
 fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayError> {
-    let pb::GenerateRequest { model, input, max_tokens, temperature, top_p, seed, stop, presence_penalty, frequency_penalty, ignore_eos, cache_salt } = request;
+    let pb::GenerateRequest {
+        model,
+        input,
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        stop,
+        presence_penalty,
+        frequency_penalty,
+        ignore_eos,
+        cache_salt,
+        output_format,
+        output_schema,
+    } = request;
+    let output = output(output_format, &output_schema)?;
     let common = CommonParams {
         model,
         max_tokens: max_tokens.map(i64::from),
@@ -71,7 +86,11 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
         None => return Err(GatewayError::invalid("input", "set either chat or prompt")),
     };
     let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
-    let validated = common.validate_shared(max_tokens)?;
+    let mut validated = common.validate_shared(max_tokens)?;
+    if validated.ignore_eos && output != OutputFormat::Text {
+        return Err(GatewayError::invalid("ignore_eos", "ignore_eos cannot be used with a JSON output_format: the output ends where its value is whole"));
+    }
+    validated.sampling.output = output;
     Ok(TextRequest {
         model: validated.model,
         prompt,
@@ -83,6 +102,22 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
         namespace: crate::pipeline::Namespace::Open,
         caller: None,
     })
+}
+
+/// The output format `output_format` and `output_schema` ask for.
+fn output(output_format: i32, output_schema: &str) -> Result<OutputFormat, GatewayError> {
+    match (pb::OutputFormat::try_from(output_format), output_schema.is_empty()) {
+        (Ok(pb::OutputFormat::Unspecified), true) => Ok(OutputFormat::Text),
+        (Ok(pb::OutputFormat::JsonObject), true) => Ok(OutputFormat::JsonObject { continued: 0 }),
+        (Ok(pb::OutputFormat::JsonSchema), true) => Err(GatewayError::invalid("output_schema", "output_schema is required with OUTPUT_FORMAT_JSON_SCHEMA")),
+        (Ok(pb::OutputFormat::JsonSchema), false) => {
+            let schema: serde_json::Value =
+                serde_json::from_str(output_schema).map_err(|error| GatewayError::invalid("output_schema", format!("output_schema is not JSON: {error}")))?;
+            OutputFormat::json_schema(&schema).map_err(|error| GatewayError::invalid("output_schema", format!("output_schema {}", error.message)))
+        }
+        (Ok(_), false) => Err(GatewayError::invalid("output_schema", "output_schema is only for OUTPUT_FORMAT_JSON_SCHEMA")),
+        (Err(_), _) => Err(GatewayError::invalid("output_format", format!("output_format {output_format} is no known format"))),
+    }
 }
 
 fn finish_reason(reason: FinishReason) -> pb::FinishReason {
