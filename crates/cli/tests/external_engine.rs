@@ -123,6 +123,15 @@ if sys.argv[3] == "served":
         raise AssertionError("an uncompilable schema was accepted")
     except openai.BadRequestError as error:
         print("refused:", error.body["message"])
+    # Streamed too: the refusal is the response's status, not a 200 and
+    # then an error event.
+    try:
+        for _ in client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True,
+                                                response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}):
+            pass
+        raise AssertionError("an uncompilable schema was streamed")
+    except openai.BadRequestError as error:
+        print("refused streamed:", error.body["message"])
 else:
     for format in [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]:
         try:

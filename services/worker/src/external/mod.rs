@@ -59,6 +59,10 @@ const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 const FAILED_PROBES: u32 = 2;
 /// How long the engine may take to answer a request's headers.
 const HEADERS_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a request with constrained output waits for its stream's
+/// first event before its stream is handed on (a grammar the engine
+/// refuses is that event, sent at once).
+const GRAMMAR_REFUSAL_WAIT: Duration = Duration::from_secs(2);
 /// What the worker last saw of its engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineState {
@@ -322,7 +326,22 @@ impl WorkerApi for ExternalWorker {
             over: false,
             _open: open,
         };
-        Ok(metrics::observe_stream(self.id.clone(), follow.into_stream()))
+        let mut stream = follow.into_stream();
+        // vLLM compiles a request's grammar after answering 200 and says it
+        // cannot as the stream's first event, at once: waited for briefly,
+        // that refusal is the call's, so the gateway answers its client
+        // with the status (not a 200 and then the error). A first event
+        // slower than that (the request queued) streams as ever.
+        if request.sampling.output != OutputFormat::Text
+            && let Ok(first) = tokio::time::timeout(GRAMMAR_REFUSAL_WAIT, stream.next()).await
+        {
+            match first {
+                Some(Err(refused @ WorkerError::InvalidArgument(_))) => return Err(refused),
+                Some(first) => stream = Box::pin(futures::stream::once(async { first }).chain(stream)),
+                None => {}
+            }
+        }
+        Ok(metrics::observe_stream(self.id.clone(), stream))
     }
 
     async fn prefill(&self, _request: GenerateRequest, _lease: Option<Duration>) -> Result<Prefilled, WorkerError> {
