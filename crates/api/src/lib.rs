@@ -30,7 +30,7 @@ pub use error::{ApiError, ErrorCode, REASON_KEY};
 #[cfg(feature = "grpc")]
 pub use error::{from_status, to_status};
 pub use request::{
-    FinishReason, GenerateRequest, Load, MAX_LOGPROBS, MAX_SCHEMA_BYTES, OutputFormat, SamplingError, SamplingParams, StopConditions, TokenLogprobs, Usage,
-    WorkerRole,
+    FinishReason, FormatKind, GenerateRequest, Load, MAX_LOGPROBS, MAX_SCHEMA_BYTES, OutputFormat, OutputFormats, SamplingError, SamplingParams,
+    StopConditions, TokenLogprobs, Usage, WorkerRole,
 };
 pub use turbine_kv::{CacheSalt, KvLayout, KvTenant, UcxRegion};

@@ -55,6 +55,67 @@ pub enum OutputFormat {
     },
 }
 
+/// An output format's kind, without its schema: what the router matches
+/// against what workers announce ([`OutputFormats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum FormatKind {
+    /// Any text.
+    #[default]
+    Text,
+    /// One JSON object.
+    JsonObject,
+    /// One JSON value valid against a schema.
+    JsonSchema,
+}
+
+impl FormatKind {
+    /// Its name in the OpenAI API's `response_format.type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Text => "text",
+            Self::JsonObject => "json_object",
+            Self::JsonSchema => "json_schema",
+        }
+    }
+}
+
+/// The output formats a worker's engine holds its output to, as the
+/// worker announces them in its registry record: routers send a request
+/// only to a worker that keeps to its format. A record written before
+/// workers announced them reads as none (text only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct OutputFormats {
+    /// One JSON object ([`OutputFormat::JsonObject`]).
+    pub json_object: bool,
+    /// A JSON Schema's value ([`OutputFormat::JsonSchema`]).
+    pub json_schema: bool,
+    /// It goes on from output begun under a format elsewhere (a request
+    /// continued after its first worker failed mid-output).
+    pub resumes: bool,
+}
+
+impl OutputFormats {
+    /// Text only.
+    pub const TEXT: Self = Self { json_object: false, json_schema: false, resumes: false };
+
+    /// Whether it holds nothing but text (the default, not written).
+    pub fn is_text_only(&self) -> bool {
+        *self == Self::TEXT
+    }
+
+    /// Whether its engine keeps to output of `kind`, from its first token
+    /// or, when `continued`, from output begun elsewhere.
+    pub fn holds(&self, kind: FormatKind, continued: bool) -> bool {
+        let kept = match kind {
+            FormatKind::Text => return true,
+            FormatKind::JsonObject => self.json_object,
+            FormatKind::JsonSchema => self.json_schema,
+        };
+        kept && (!continued || self.resumes)
+    }
+}
+
 /// The longest JSON Schema a request may hold its output to, in bytes of
 /// compact JSON: an engine compiles it to a grammar before the first
 /// token, so its size is bounded like a prompt's.
@@ -72,6 +133,15 @@ impl OutputFormat {
             return Err(SamplingError { param: "json_schema", message: format!("must be at most {MAX_SCHEMA_BYTES} bytes as JSON, got {}", text.len()) });
         }
         Ok(Self::JsonSchema { schema: text.into(), continued: 0 })
+    }
+
+    /// Its kind, without the schema.
+    pub fn kind(&self) -> FormatKind {
+        match self {
+            Self::Text => FormatKind::Text,
+            Self::JsonObject { .. } => FormatKind::JsonObject,
+            Self::JsonSchema { .. } => FormatKind::JsonSchema,
+        }
     }
 
     /// How many tokens ending the prompt were generated before under this

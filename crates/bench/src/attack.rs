@@ -327,6 +327,7 @@ impl Attacker {
                     read_costs: Default::default(),
                     kv_store: None,
                     shared_cache_only: false,
+                    output_formats: Default::default(),
                 };
                 registry.put(&record, Duration::from_secs(5)).await.map(|()| Refused::Answered).map_err(|error| format!("Redis refused the write: {error}"))
             }

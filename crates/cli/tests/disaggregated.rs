@@ -430,6 +430,7 @@ async fn a_dead_decode_worker_still_listed_is_not_asked_again_for_the_request() 
             cache_salt: Default::default(),
             kv_tenant: Default::default(),
             prefix_worker: None,
+            ..Default::default()
         };
         let Ok(routed) = routing.route(&probe).await else { return false };
         let _ = routing.finished(&probe.request_id).await;

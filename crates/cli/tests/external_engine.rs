@@ -138,7 +138,7 @@ else:
             client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "Name three colours."}], response_format=format, max_tokens=8)
             raise AssertionError("JSON output accepted unconstrained")
         except openai.BadRequestError as error:
-            assert "JSON output is not served here" in error.body["message"], error.body
+            assert "holds its output to json_" in error.body["message"], error.body
 print(reasons[0], repr(text))
 "#;
     let run = tokio::process::Command::new("python3").args(["-c", sdk, base, MODEL, if json { "served" } else { "refused" }]).kill_on_drop(true).output();

@@ -311,11 +311,11 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
     // The mocker constrains no output: JSON is refused, not faked.
     let (status, body) = sandbox.post("/v1/chat/completions", &json!({"model": MODEL, "messages": message, "response_format": {"type": "json_object"}})).await;
     assert_eq!(status, 400, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("JSON output is not served here"), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("holds its output to json_object"), "{body}");
     let schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}});
     let (status, body) = sandbox.post("/v1/chat/completions", &json!({"model": MODEL, "messages": message, "response_format": schema})).await;
     assert_eq!(status, 400, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("json_schema is not served here"), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("holds its output to json_schema"), "{body}");
     let (status, body) = sandbox.get("/v1/nothing-here").await;
     assert_eq!(status, 404);
     assert!(body["error"]["message"].is_string());
@@ -445,8 +445,8 @@ async fn grpc_inference_health_and_reflection() {
         (prompt(schema, "{"), "not JSON"),
         (prompt(9, ""), "no known format"),
         (pb::GenerateRequest { ignore_eos: true, ..prompt(object, "") }, "ignore_eos"),
-        (prompt(object, ""), "JSON output is not served here"),
-        (prompt(schema, r#"{"type":"object"}"#), "json_schema is not served here"),
+        (prompt(object, ""), "holds its output to json_object"),
+        (prompt(schema, r#"{"type":"object"}"#), "holds its output to json_schema"),
     ] {
         let refused = match inference.generate(request.clone()).await {
             Err(status) => status,

@@ -64,6 +64,11 @@ pub struct WorkerRecord {
     /// a tenant's or a client's `cache_salt`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared_cache_only: bool,
+    /// The output formats its engine holds output to: routers send it
+    /// only requests it keeps to. A record without it (written before
+    /// workers announced them) holds text only.
+    #[serde(default, skip_serializing_if = "OutputFormats::is_text_only")]
+    pub output_formats: OutputFormats,
 }
 
 /// A kv-store as a worker reads it.
@@ -120,6 +125,7 @@ impl ReadCosts {
 
 pub use turbine_api::Load as WorkerLoad;
 pub use turbine_api::WorkerRole;
+pub use turbine_api::{FormatKind, OutputFormats};
 
 /// A registered worker and when its lease runs out.
 #[derive(Debug, Clone, PartialEq)]
@@ -155,6 +161,12 @@ impl LiveWorker {
     /// namespace's.
     pub fn keeps_apart(&self, salt: CacheSalt) -> bool {
         salt.is_shared() || !self.record.shared_cache_only
+    }
+
+    /// Whether the worker's engine keeps output to `kind` (from output
+    /// begun on another worker, when `continued`).
+    pub fn holds(&self, kind: FormatKind, continued: bool) -> bool {
+        self.record.output_formats.holds(kind, continued)
     }
 }
 
@@ -274,5 +286,29 @@ mod tests {
         assert_eq!(again, sharing);
         let live = LiveWorker::new(again, Instant::now());
         assert!(!live.keeps_apart(tenant) && live.keeps_apart(CacheSalt::SHARED));
+    }
+
+    #[test]
+    fn a_record_without_formats_holds_text_only() {
+        let old: WorkerRecord = serde_json::from_str(r#"{"worker_id":"w","endpoint":"http://w","model":"m"}"#).unwrap();
+        let live = LiveWorker::new(old.clone(), Instant::now());
+        assert!(live.holds(FormatKind::Text, false) && live.holds(FormatKind::Text, true));
+        assert!(!live.holds(FormatKind::JsonObject, false) && !live.holds(FormatKind::JsonSchema, false));
+        assert!(!serde_json::to_string(&old).unwrap().contains("output_formats"), "the default is not written");
+        // An engine behind an adapter: both formats, from the first token only.
+        let external = WorkerRecord { output_formats: OutputFormats { json_object: true, json_schema: true, resumes: false }, ..old.clone() };
+        let again: WorkerRecord = serde_json::from_str(&serde_json::to_string(&external).unwrap()).unwrap();
+        assert_eq!(again, external);
+        let live = LiveWorker::new(again, Instant::now());
+        assert!(live.holds(FormatKind::JsonSchema, false) && live.holds(FormatKind::JsonObject, false));
+        assert!(!live.holds(FormatKind::JsonObject, true), "it cannot go on from an object begun elsewhere");
+        // The native engine: objects, resumed too, but no schema.
+        let native = WorkerRecord { output_formats: OutputFormats { json_object: true, json_schema: false, resumes: true }, ..old };
+        let live = LiveWorker::new(native, Instant::now());
+        assert!(live.holds(FormatKind::JsonObject, true) && !live.holds(FormatKind::JsonSchema, false));
+        // A field a newer worker writes is no reason to drop its record.
+        let newer: WorkerRecord =
+            serde_json::from_str(r#"{"worker_id":"w","endpoint":"http://w","model":"m","output_formats":{"json_object":true,"regex":true}}"#).unwrap();
+        assert!(newer.output_formats.json_object && !newer.output_formats.json_schema);
     }
 }

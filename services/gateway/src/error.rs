@@ -173,7 +173,9 @@ impl From<RouterCallError> for GatewayError {
     fn from(error: RouterCallError) -> Self {
         match error {
             RouterCallError::NoWorkers(message) => GatewayError::new(ErrorKind::Unavailable, message),
-            RouterCallError::InvalidRequest(message) => GatewayError::new(ErrorKind::InvalidRequest, message),
+            // No worker of the model can serve it as asked: a 400 naming
+            // why, not a 503 the client would retry.
+            RouterCallError::InvalidRequest(message) | RouterCallError::Unserved(message) => GatewayError::new(ErrorKind::InvalidRequest, message),
             RouterCallError::Unavailable(message) => {
                 tracing::warn!(error = %message, "router call failed");
                 GatewayError::new(ErrorKind::Unavailable, "the router is unavailable; retry shortly")

@@ -277,6 +277,8 @@ impl Pipeline {
                 cache_salt: request.cache_salt,
                 kv_tenant: request.kv_tenant,
                 prefix_worker: prefix_worker.cloned(),
+                output: request.sampling.output.kind(),
+                output_continued: request.sampling.output.continued() > 0,
             };
             let (worker, prefill): (RoutedWorker, Option<RoutedWorker>) = match self.router.route(&route).await {
                 Ok(routed) => (routed.worker, routed.prefill),

@@ -29,6 +29,7 @@ fn record(id: &str) -> WorkerRecord {
         read_costs: Default::default(),
         kv_store: None,
         shared_cache_only: false,
+        output_formats: Default::default(),
     }
 }
 

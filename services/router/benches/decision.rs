@@ -41,6 +41,7 @@ fn router() -> (Router, Arc<[u32]>) {
                     read_costs: Default::default(),
                     kv_store: None,
                     shared_cache_only: false,
+                    output_formats: Default::default(),
                 },
                 expires_at: Instant::now() + Duration::from_secs(3600),
                 kv_tenants: None,

@@ -14,6 +14,7 @@ impl From<RouteError> for RouterCallError {
         match error {
             RouteError::NoWorkers(_) | RouteError::NoneKeepsApart(_) => RouterCallError::NoWorkers(error.to_string()),
             RouteError::InvalidRequest(message) => RouterCallError::InvalidRequest(message),
+            RouteError::NoneHoldsFormat { .. } => RouterCallError::Unserved(error.to_string()),
         }
     }
 }

@@ -64,8 +64,12 @@ impl Worker {
     /// Refuses an output format this worker's engine cannot keep to (the
     /// mocker constrains nothing).
     fn check_output(&self, request: &GenerateRequest) -> Result<(), WorkerError> {
-        match request.sampling.output {
-            OutputFormat::JsonObject { .. } if !self.constrains_output() => {
+        let output = &request.sampling.output;
+        if self.output_formats().holds(output.kind(), output.continued() > 0) {
+            return Ok(());
+        }
+        match output {
+            OutputFormat::JsonObject { .. } => {
                 Err(WorkerError::InvalidArgument("this worker's engine does not constrain its output: JSON output is not served here".into()))
             }
             OutputFormat::JsonSchema { .. } => Err(WorkerError::InvalidArgument(

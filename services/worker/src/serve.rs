@@ -214,6 +214,7 @@ pub fn worker_record(worker: &Worker, endpoint: &str) -> WorkerRecord {
         read_costs: worker.engine().fetch_estimates().map_or_else(ReadCosts::default, |estimates| read_costs(&estimates, worker.block_size())),
         kv_store: worker.kv_store_ref(),
         shared_cache_only: false,
+        output_formats: worker.output_formats(),
     }
 }
 

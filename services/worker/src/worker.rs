@@ -244,6 +244,17 @@ impl Worker {
         self.constrains_output
     }
 
+    /// The output formats its engine holds output to, as its record
+    /// announces them: the native engine's sampler keeps to one JSON
+    /// object, going on from one begun elsewhere too; the mocker to none.
+    pub fn output_formats(&self) -> turbine_api::OutputFormats {
+        if self.constrains_output {
+            turbine_api::OutputFormats { json_object: true, json_schema: false, resumes: true }
+        } else {
+            turbine_api::OutputFormats::TEXT
+        }
+    }
+
     /// The served model's card.
     pub fn card(&self) -> &ModelCard {
         &self.card

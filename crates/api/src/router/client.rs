@@ -15,7 +15,7 @@ use turbine_runtime::host::Role;
 
 use super::{KvOverrides, Policy, RouteRequest, Routed, RoutedWorker};
 use crate::error::{ApiError, ErrorCode, from_status};
-use crate::{Load, WorkerRole};
+use crate::{FormatKind, Load, WorkerRole};
 
 /// The role a router's certificate names: who this client calls.
 pub const ROLE: Role = Role::Router;
@@ -33,6 +33,10 @@ pub enum RouterCallError {
     /// The request was malformed.
     #[error("{0}")]
     InvalidRequest(String),
+    /// Workers serve the model, but none can serve the request as asked
+    /// (none keeps to its output format): FAILED_PRECONDITION.
+    #[error("{0}")]
+    Unserved(String),
     /// The router could not be reached, or failed.
     #[error("router unavailable: {0}")]
     Unavailable(String),
@@ -51,6 +55,7 @@ impl ApiError for RouterCallError {
         match self {
             RouterCallError::NoWorkers(_) | RouterCallError::Unavailable(_) => ErrorCode::Unavailable,
             RouterCallError::InvalidRequest(_) => ErrorCode::InvalidArgument,
+            RouterCallError::Unserved(_) => ErrorCode::FailedPrecondition,
             RouterCallError::Denied { code, .. } => *code,
         }
     }
@@ -61,7 +66,10 @@ impl ApiError for RouterCallError {
 
     fn message(&self) -> String {
         match self {
-            RouterCallError::NoWorkers(message) | RouterCallError::InvalidRequest(message) | RouterCallError::Unavailable(message) => message.clone(),
+            RouterCallError::NoWorkers(message)
+            | RouterCallError::InvalidRequest(message)
+            | RouterCallError::Unserved(message)
+            | RouterCallError::Unavailable(message) => message.clone(),
             RouterCallError::Denied { message, .. } => message.clone(),
         }
     }
@@ -71,10 +79,10 @@ impl ApiError for RouterCallError {
             // A bare UNAVAILABLE is the router itself being unreachable.
             ErrorCode::Unavailable if reason == Some(NO_WORKERS) => RouterCallError::NoWorkers(message),
             ErrorCode::InvalidArgument => RouterCallError::InvalidRequest(message),
+            ErrorCode::FailedPrecondition => RouterCallError::Unserved(message),
             ErrorCode::Unauthenticated | ErrorCode::PermissionDenied => RouterCallError::Denied { code, message },
             ErrorCode::Unavailable
             | ErrorCode::NotFound
-            | ErrorCode::FailedPrecondition
             | ErrorCode::ResourceExhausted
             | ErrorCode::DeadlineExceeded
             | ErrorCode::Cancelled
@@ -236,6 +244,23 @@ fn policy_from_wire(value: i32) -> ConversionResult<Option<Policy>> {
     }
 }
 
+fn format_from_wire(value: i32) -> ConversionResult<FormatKind> {
+    match pb::OutputFormat::try_from(value) {
+        Ok(pb::OutputFormat::Unspecified) => Ok(FormatKind::Text),
+        Ok(pb::OutputFormat::JsonObject) => Ok(FormatKind::JsonObject),
+        Ok(pb::OutputFormat::JsonSchema) => Ok(FormatKind::JsonSchema),
+        Err(_) => Err(ConversionError::UnknownEnum { field: "output_format", value }),
+    }
+}
+
+fn format_to_wire(kind: FormatKind) -> pb::OutputFormat {
+    match kind {
+        FormatKind::Text => pb::OutputFormat::Unspecified,
+        FormatKind::JsonObject => pb::OutputFormat::JsonObject,
+        FormatKind::JsonSchema => pb::OutputFormat::JsonSchema,
+    }
+}
+
 fn policy_to_wire(policy: Option<Policy>) -> pb::Policy {
     match policy {
         None => pb::Policy::Unspecified,
@@ -282,8 +307,20 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
     type Error = ConversionError;
 
     fn try_from(request: pb::RouteRequest) -> ConversionResult<Self> {
-        let pb::RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv_weights, cache_salt, kv_tenant, prefix_worker_id } =
-            request;
+        let pb::RouteRequest {
+            request_id,
+            model,
+            prompt_tokens,
+            policy,
+            exclude_worker_ids,
+            token_ids,
+            kv_weights,
+            cache_salt,
+            kv_tenant,
+            prefix_worker_id,
+            output_format,
+            output_continued,
+        } = request;
         Ok(RouteRequest {
             request_id,
             model,
@@ -295,13 +332,28 @@ impl TryFrom<pb::RouteRequest> for RouteRequest {
             cache_salt: turbine_kv::CacheSalt::new(cache_salt),
             kv_tenant: turbine_kv::KvTenant::new(kv_tenant),
             prefix_worker: (!prefix_worker_id.is_empty()).then(|| WorkerId::from(prefix_worker_id)),
+            output: format_from_wire(output_format)?,
+            output_continued,
         })
     }
 }
 
 impl From<RouteRequest> for pb::RouteRequest {
     fn from(request: RouteRequest) -> Self {
-        let RouteRequest { request_id, model, prompt_tokens, policy, exclude_worker_ids, token_ids, kv, cache_salt, kv_tenant, prefix_worker } = request;
+        let RouteRequest {
+            request_id,
+            model,
+            prompt_tokens,
+            policy,
+            exclude_worker_ids,
+            token_ids,
+            kv,
+            cache_salt,
+            kv_tenant,
+            prefix_worker,
+            output,
+            output_continued,
+        } = request;
         pb::RouteRequest {
             request_id,
             model,
@@ -313,6 +365,8 @@ impl From<RouteRequest> for pb::RouteRequest {
             cache_salt: cache_salt.get(),
             kv_tenant: kv_tenant.get(),
             prefix_worker_id: prefix_worker.map(String::from).unwrap_or_default(),
+            output_format: format_to_wire(output) as i32,
+            output_continued,
         }
     }
 }
@@ -398,8 +452,16 @@ mod tests {
             cache_salt: turbine_kv::CacheSalt::of(&["tenant"]),
             kv_tenant: turbine_kv::KvTenant::of_tenant("acme"),
             prefix_worker: Some("w-1".into()),
+            output: FormatKind::JsonSchema,
+            output_continued: true,
         };
         assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(request.clone())).unwrap(), request);
+        for output in [FormatKind::Text, FormatKind::JsonObject] {
+            let plain = RouteRequest { output, output_continued: false, ..request.clone() };
+            assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(plain.clone())).unwrap(), plain);
+        }
+        let unknown = pb::RouteRequest { output_format: 7, ..pb::RouteRequest::from(request.clone()) };
+        assert!(RouteRequest::try_from(unknown).is_err(), "an unknown format is refused, not read as text");
         let alone = RouteRequest { prefix_worker: None, ..request };
         assert_eq!(RouteRequest::try_from(pb::RouteRequest::from(alone.clone())).unwrap(), alone);
         let worker = RoutedWorker {

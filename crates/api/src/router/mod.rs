@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use turbine_kv::WorkerId;
 
-use crate::{Load, WorkerRole};
+use crate::{FormatKind, Load, WorkerRole};
 
 #[cfg(feature = "grpc")]
 mod client;
@@ -44,6 +44,12 @@ pub struct RouteRequest {
     /// choice of the request): the `kv` policy credits the prompt's blocks
     /// there as cached in its engine, if it is an aggregated worker.
     pub prefix_worker: Option<WorkerId>,
+    /// The kind of output its tokens are held to: only workers whose
+    /// engine keeps to it are chosen.
+    pub output: FormatKind,
+    /// That output goes on from tokens generated under it on another
+    /// worker: only workers whose engine resumes it are chosen.
+    pub output_continued: bool,
 }
 
 /// A routing decision.

@@ -45,25 +45,28 @@ impl Router {
         let mut state = self.state.lock();
         // A retried request id replaces its earlier booking.
         state.release(&request.request_id);
-        let eligible: Vec<&LiveWorker> = state
-            .workers
-            .values()
-            .filter(|w| {
-                w.record.model == request.model
-                    && w.expires_at > now
-                    && w.serves_tenant(request.kv_tenant)
-                    && !request.exclude_worker_ids.contains(&w.record.worker_id)
-            })
-            .collect();
+        let serving: Vec<&LiveWorker> =
+            state.workers.values().filter(|w| w.record.model == request.model && w.expires_at > now && w.serves_tenant(request.kv_tenant)).collect();
         // Engines that share one cache among all requests take only the
         // shared namespace's: a tenant's prompt is never cached beside
         // another's there.
-        let (eligible, sharing): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.keeps_apart(request.cache_salt));
+        let (serving, sharing): (Vec<&LiveWorker>, Vec<&LiveWorker>) = serving.into_iter().partition(|w| w.keeps_apart(request.cache_salt));
+        // Only engines that keep to the output's format generate it.
+        let (serving, unfit): (Vec<&LiveWorker>, Vec<&LiveWorker>) = serving.into_iter().partition(|w| w.holds(request.output, request.output_continued));
+        let fit = !serving.is_empty();
+        let eligible: Vec<&LiveWorker> = serving.into_iter().filter(|w| !request.exclude_worker_ids.contains(&w.record.worker_id)).collect();
         // Prefill workers only compute prompts for the others.
         let (prefill_pool, eligible): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.record.role == WorkerRole::Prefill);
         let (prefill_pool, eligible) = (own_pool_first(prefill_pool), own_pool_first(eligible));
         if eligible.is_empty() {
-            return Err(if sharing.is_empty() { RouteError::NoWorkers(request.model.clone()) } else { RouteError::NoneKeepsApart(request.model.clone()) });
+            // Only when no worker could ever serve it is the request told
+            // why; the fit ones all excluded (failed) is a passing state.
+            let model = request.model.clone();
+            return Err(match (fit, unfit.is_empty(), sharing.is_empty()) {
+                (false, false, _) => RouteError::NoneHoldsFormat { model, format: request.output.name(), continued: request.output_continued },
+                (false, true, false) => RouteError::NoneKeepsApart(model),
+                _ => RouteError::NoWorkers(model),
+            });
         }
         let prompt_tokens = (request.prompt_tokens as usize).max(request.token_ids.len());
         let prompt_blocks = |w: &LiveWorker| prompt_tokens.div_ceil(w.record.kv_block_size.max(1) as usize) as u32;

@@ -91,7 +91,13 @@ impl Router {
         let workers: Vec<&LiveWorker> = state
             .workers
             .values()
-            .filter(|w| w.record.model == request.model && w.expires_at > now && w.serves_tenant(request.kv_tenant) && w.keeps_apart(request.cache_salt))
+            .filter(|w| {
+                w.record.model == request.model
+                    && w.expires_at > now
+                    && w.serves_tenant(request.kv_tenant)
+                    && w.keeps_apart(request.cache_salt)
+                    && w.holds(request.output, request.output_continued)
+            })
             .collect();
         // Few sizes among many workers: dedup as they come.
         let mut sizes: Vec<u32> = Vec::new();

@@ -22,6 +22,7 @@ fn live(id: &str, model: &str, ttl: Duration) -> LiveWorker {
             read_costs: Default::default(),
             kv_store: None,
             shared_cache_only: false,
+            output_formats: Default::default(),
         },
         expires_at: Instant::now() + ttl,
         kv_tenants: None,
@@ -313,6 +314,71 @@ fn a_worker_sharing_one_cache_gets_only_the_shared_namespaces_requests() {
         assert_eq!(refused, RouteError::NoneKeepsApart("m".into()));
         assert!(refused.to_string().contains("cache_salt"), "{refused}");
         assert_eq!(route(&router, &of("s".into(), CacheSalt::SHARED, KvTenant::SHARED)).unwrap().worker.worker_id, "openai-0");
+    }
+}
+
+#[test]
+fn a_request_held_to_a_format_goes_only_to_workers_keeping_to_it() {
+    use std::collections::BTreeSet;
+    use turbine_api::{FormatKind, OutputFormats};
+
+    let holding = |id: &str, json_object, json_schema, resumes| {
+        let mut worker = live(id, "m", Duration::from_secs(60));
+        worker.record.output_formats = OutputFormats { json_object, json_schema, resumes };
+        worker
+    };
+    let fleet = || vec![holding("mocker-0", false, false, false), holding("native-0", true, false, true), holding("vllm-0", true, true, false)];
+    let of =
+        |id: String, output, output_continued| RouteRequest { token_ids: (0..64).collect::<Vec<u32>>().into(), output, output_continued, ..request(&id, "m") };
+    let set = |ids: &[&str]| ids.iter().map(|&id| id.to_owned()).collect::<BTreeSet<_>>();
+    for policy in [Policy::RoundRobin, Policy::LeastLoaded, Policy::Kv] {
+        let index = Arc::new(turbine_kv::KvIndex::new());
+        let router = Router::with_kv(policy, Duration::from_secs(600), Arc::new(crate::kv::KvState::local(crate::kv::KvConfig::default(), index, None)));
+        router.update_workers(fleet());
+        let served = |output, continued| -> BTreeSet<String> {
+            (0..9)
+                .map(|i| {
+                    let request = of(format!("r{i}"), output, continued);
+                    let worker = route(&router, &request).unwrap().worker.worker_id.to_string();
+                    router.finished(&request.request_id);
+                    worker
+                })
+                .collect()
+        };
+        for (output, continued, allowed) in [
+            (FormatKind::Text, false, set(&["mocker-0", "native-0", "vllm-0"])),
+            (FormatKind::Text, true, set(&["mocker-0", "native-0", "vllm-0"])),
+            (FormatKind::JsonObject, false, set(&["native-0", "vllm-0"])),
+            (FormatKind::JsonObject, true, set(&["native-0"])),
+            (FormatKind::JsonSchema, false, set(&["vllm-0"])),
+        ] {
+            let got = served(output, continued);
+            // Round robin spreads over every worker allowed; the others
+            // break ties by chance or send alike requests alike.
+            let held = if policy == Policy::RoundRobin { got == allowed } else { got.is_subset(&allowed) };
+            assert!(held, "{policy:?}: {output:?} (continued: {continued}) went to {got:?}, allowed {allowed:?}");
+        }
+
+        // None of the model's workers keeps to it: the request is told
+        // why, and it is not a passing state (FAILED_PRECONDITION, a 400).
+        let refused = route(&router, &of("s".into(), FormatKind::JsonSchema, true)).unwrap_err();
+        assert_eq!(refused, RouteError::NoneHoldsFormat { model: "m".into(), format: "json_schema", continued: true });
+        assert!(refused.to_string().contains("json_schema from output begun on another worker"), "{refused}");
+        assert!(matches!(turbine_api::router::RouterCallError::from(refused), turbine_api::router::RouterCallError::Unserved(_)));
+        // The one that does was excluded (it just failed): no worker now.
+        let excluded = RouteRequest { exclude_worker_ids: vec!["vllm-0".into()], ..of("x".into(), FormatKind::JsonSchema, false) };
+        assert_eq!(route(&router, &excluded), Err(RouteError::NoWorkers("m".into())));
+        // A fleet of text-only engines (and records from before workers
+        // announced formats).
+        router.update_workers(vec![holding("mocker-0", false, false, false), live("old-0", "m", Duration::from_secs(60))]);
+        assert_eq!(
+            route(&router, &of("o".into(), FormatKind::JsonObject, false)),
+            Err(RouteError::NoneHoldsFormat { model: "m".into(), format: "json_object", continued: false })
+        );
+        assert_eq!(
+            route(&router, &RouteRequest { model: "nope".into(), ..of("n".into(), FormatKind::JsonObject, false) }),
+            Err(RouteError::NoWorkers("nope".into()))
+        );
     }
 }
 

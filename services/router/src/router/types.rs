@@ -33,6 +33,17 @@ pub enum RouteError {
         "no live worker of model {0:?} can keep this request's cached prompts apart from others' (the workers serving it front engines with one shared cache): a tenant's request or one with a cache_salt is not served there"
     )]
     NoneKeepsApart(String),
+    /// Workers serve the model, but none keeps to the output format the
+    /// request asks for (or resumes it mid-output, when `continued`).
+    #[error("no live worker of model {model:?} holds its output to {format}{}: its workers' engines do not keep to it", if *continued { " from output begun on another worker" } else { "" })]
+    NoneHoldsFormat {
+        /// The model.
+        model: String,
+        /// The format, as named in the OpenAI API.
+        format: &'static str,
+        /// The output goes on from another worker's.
+        continued: bool,
+    },
     /// The request is malformed.
     #[error("{0}")]
     InvalidRequest(String),
@@ -44,6 +55,7 @@ impl RouteError {
         match self {
             RouteError::NoWorkers(_) | RouteError::NoneKeepsApart(_) => "no_workers",
             RouteError::InvalidRequest(_) => "invalid",
+            RouteError::NoneHoldsFormat { .. } => "unserved",
         }
     }
 }

@@ -40,7 +40,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use tokio::sync::watch;
 use turbine_api::worker::{Prefilled, RemotePrefill, TokenChunk, TokenStream, WorkerApi, WorkerError};
-use turbine_api::{GenerateRequest, Load, OutputFormat};
+use turbine_api::{GenerateRequest, Load, OutputFormat, OutputFormats};
 use turbine_kv::{WorkerDump, WorkerId};
 use turbine_runtime::CancellationToken;
 use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
@@ -220,6 +220,12 @@ impl ExternalWorker {
         self.dialect.kind() == UpstreamKind::Openai
     }
 
+    /// The output formats its engine holds output to, as its record
+    /// announces them ([`Dialect::output_formats`]).
+    pub fn output_formats(&self) -> OutputFormats {
+        self.dialect.output_formats()
+    }
+
     /// The engine as last probed, as it changes.
     pub fn state(&self) -> watch::Receiver<EngineState> {
         self.state.subscribe()
@@ -378,6 +384,16 @@ pub struct Dialect {
 }
 
 impl Dialect {
+    /// The output formats the engine holds output to: vLLM and llama.cpp
+    /// compile a JSON object's or a schema's grammar, from the first token
+    /// only; the plain OpenAI API holds a completion to none.
+    pub fn output_formats(&self) -> OutputFormats {
+        match self.kind {
+            UpstreamKind::Openai => OutputFormats::TEXT,
+            _ => OutputFormats { json_object: true, json_schema: true, resumes: false },
+        }
+    }
+
     /// The dialect of `kind`, for the engine's `model`, whose card is `card`.
     pub fn new(kind: UpstreamKind, model: &str, card: &ModelCard) -> anyhow::Result<Self> {
         let tokenizer = match kind {
@@ -425,22 +441,23 @@ impl Dialect {
     /// from an object begun before the prompt's end (a request continued
     /// here after its first worker failed mid-object).
     fn check_output(&self, output: &OutputFormat) -> Result<(), WorkerError> {
-        match output.continued() {
-            _ if *output == OutputFormat::Text => Ok(()),
-            _ if self.kind == UpstreamKind::Openai => Err(WorkerError::InvalidArgument(
-                "this worker's engine speaks the plain OpenAI API, whose completions are not held to a format: JSON output is not served here".into(),
-            )),
-            0 => match output {
-                // The bodies take the schema as parsed here.
-                OutputFormat::JsonSchema { schema, .. } if serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(schema).is_err() => {
-                    Err(WorkerError::InvalidArgument("json_schema must be one JSON object".into()))
+        let continued = output.continued();
+        if !self.output_formats().holds(output.kind(), continued > 0) {
+            return Err(WorkerError::InvalidArgument(match self.kind {
+                UpstreamKind::Openai => {
+                    "this worker's engine speaks the plain OpenAI API, whose completions are not held to a format: JSON output is not served here".into()
                 }
-                _ => Ok(()),
-            },
-            continued => Err(WorkerError::InvalidArgument(format!(
-                "this worker's engine ({:?}) holds its output to a JSON object from its first token only: it cannot go on from the {continued} tokens of one begun on another worker",
-                self.kind
-            ))),
+                kind => format!(
+                    "this worker's engine ({kind:?}) holds its output to a JSON object from its first token only: it cannot go on from the {continued} tokens of one begun on another worker"
+                ),
+            }));
+        }
+        match output {
+            // The bodies take the schema as parsed here.
+            OutputFormat::JsonSchema { schema, .. } if serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(schema).is_err() => {
+                Err(WorkerError::InvalidArgument("json_schema must be one JSON object".into()))
+            }
+            _ => Ok(()),
         }
     }
 }

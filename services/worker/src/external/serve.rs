@@ -115,5 +115,6 @@ fn record(worker: &ExternalWorker, endpoint: &str) -> WorkerRecord {
         read_costs: ReadCosts::default(),
         kv_store: None,
         shared_cache_only: worker.shared_cache_only(),
+        output_formats: worker.output_formats(),
     }
 }
