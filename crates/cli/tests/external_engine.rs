@@ -747,6 +747,69 @@ async fn llama_cpp_serves_behind_adapters_routed_on_the_routers_own_decisions() 
     assert_eq!(metric(&adapters[running].admin_url(), "turbine_worker_upstream_healthy").await, 0.0);
 }
 
+// A fleet that mixes engines, routed round-robin: a request held to a
+// format goes only to the worker whose engine keeps to it (llama.cpp
+// behind an adapter), a text one to either, and where none does (a JSON
+// request continued from another worker's output, which llama.cpp's
+// grammar cannot resume) the router says so.
+#[tokio::test]
+async fn a_mixed_fleet_sends_json_only_to_the_worker_whose_engine_keeps_to_it() {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let install = LlamaCppInstall::find(&workspace).unwrap_or_else(|missing| panic!("{missing}"));
+    let cache = turbine_tokens::pull::default_cache_dir();
+    let gguf = turbine_tokens::pull::resolve_model(MODEL, None, &cache, turbine_tokens::pull::Progress::Quiet).unwrap().path;
+    let engine = tokio::task::spawn_blocking(move || LlamaCppServer::start(&install, &gguf, MODEL, &[])).await.unwrap();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let cluster = ["--redis", url.as_str(), "--namespace", "mixed", "--lease-ttl-secs", "2"];
+    let upstream = engine.url();
+    let external = ["--engine", "external", "--upstream-kind", "llama-cpp", "--upstream", upstream.as_str(), "--worker-id", "llama-0"];
+    let adapter = service("turbine-worker", &[&cluster[..], &external[..]].concat(), &[], false).await;
+    let mocker = service("turbine-worker", &[&cluster[..], &["--engine", "mock", "--speedup", "1000", "--worker-id", "mock-0"][..]].concat(), &[], false).await;
+    let router = service("turbine-router", &["--redis", url.as_str(), "--namespace", "mixed", "--policy", "round-robin"], &[], false).await;
+    until_registered(&router, 2).await;
+    let gateway = service("turbine-gateway", &["--router", &router.grpc_endpoint()], &[], true).await;
+    let base = gateway.http_url();
+    until_listed(&base).await;
+
+    let finished =
+        async |worker: &ServiceProcess| turbine_testkit::metric_where(&worker.admin_url(), "turbine_worker_requests_total", &[("outcome", "finished")]).await;
+    let schema = json!({"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"], "additionalProperties": false});
+    let formats = [json!({"type": "json_object"}), json!({"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}})];
+    for round in 0..3 {
+        for format in &formats {
+            let ask = json!({"model": MODEL, "messages": [{"role": "user", "content": "Reply with a JSON object naming one colour."}], "response_format": format, "temperature": 0, "max_tokens": 40});
+            let (status, body) = post(&base, "/v1/chat/completions", &ask).await;
+            assert_eq!(status, 200, "round {round}, {format}: {body}");
+            let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+            assert!(content.trim_start().starts_with('{'), "round {round}, {format}: {body}");
+        }
+    }
+    assert_eq!(finished(&adapter).await, 6.0, "every JSON request went to the engine that keeps to it");
+    assert_eq!(finished(&mocker).await, 0.0, "none went to the mocker");
+    for i in 0..4 {
+        let (status, body) =
+            post(&base, "/v1/chat/completions", &json!({"model": MODEL, "messages": [{"role": "user", "content": format!("Hi {i}")}], "max_tokens": 4})).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!((finished(&adapter).await, finished(&mocker).await), (8.0, 2.0), "text goes round both");
+
+    // No worker resumes an object begun elsewhere: the router says so
+    // (FAILED_PRECONDITION), where a retry would not help.
+    let client = RouterClient::connect(&router.grpc_endpoint()).unwrap();
+    let continued = turbine_api::router::RouteRequest {
+        request_id: "continued".into(),
+        model: MODEL.into(),
+        output: turbine_api::FormatKind::JsonObject,
+        output_continued: true,
+        ..Default::default()
+    };
+    match client.route(&continued).await {
+        Err(turbine_api::router::RouterCallError::Unserved(message)) => assert!(message.contains("from output begun on another worker"), "{message}"),
+        other => panic!("a continued object was routed or refused for another reason: {other:?}"),
+    }
+}
+
 // The plain OpenAI API, against llama.cpp's own OpenAI endpoint (one of
 // many servers of it): text comes back and is re-tokenized.
 #[tokio::test]

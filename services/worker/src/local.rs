@@ -69,7 +69,7 @@ impl Worker {
             return Ok(());
         }
         match output {
-            OutputFormat::JsonObject { .. } => {
+            _ if !self.constrains_output() => {
                 Err(WorkerError::InvalidArgument("this worker's engine does not constrain its output: JSON output is not served here".into()))
             }
             OutputFormat::JsonSchema { .. } => Err(WorkerError::InvalidArgument(

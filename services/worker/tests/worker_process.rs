@@ -96,6 +96,14 @@ async fn generates_reports_health_and_refuses_bad_input() {
         let status = client.generate(request.clone()).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{request:?}: {status:?}");
     }
+    // Called directly, past the router: the mocker holds no output to a
+    // format, and says so for either.
+    for (output_format, output_schema) in [(pb::OutputFormat::JsonObject, ""), (pb::OutputFormat::JsonSchema, r#"{"type":"object"}"#)] {
+        let sampling = pb::SamplingParams { output_format: output_format as i32, output_schema: output_schema.into(), ..Default::default() };
+        let status = client.generate(pb::GenerateRequest { sampling: Some(sampling), ..request(5, 5) }).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{output_format:?}: {status:?}");
+        assert!(status.message().contains("does not constrain its output"), "{output_format:?}: {status:?}");
+    }
     // Still serving after all that.
     let (tokens, _) = collect(client.generate(request(10, 3)).await.unwrap().into_inner()).await.unwrap();
     assert_eq!(tokens.len(), 3);
