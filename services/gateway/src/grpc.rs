@@ -86,11 +86,7 @@ fn text_request(request: pb::GenerateRequest) -> Result<TextRequest, GatewayErro
         None => return Err(GatewayError::invalid("input", "set either chat or prompt")),
     };
     let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
-    let mut validated = common.validate_shared(max_tokens)?;
-    if validated.ignore_eos && output != OutputFormat::Text {
-        return Err(GatewayError::invalid("ignore_eos", "ignore_eos cannot be used with a JSON output_format: the output ends where its value is whole"));
-    }
-    validated.sampling.output = output;
+    let validated = common.validate_shared(max_tokens, (output, "output_format"))?;
     Ok(TextRequest {
         model: validated.model,
         prompt,

@@ -288,7 +288,9 @@ pub struct ValidatedParams {
 impl CommonParams {
     /// Validates the shared parameters; `max_tokens` comes from whichever
     /// field the endpoint uses (named for error messages).
-    pub fn validate_shared(self, max_tokens: Option<(&str, i64)>) -> Result<ValidatedParams, GatewayError> {
+    /// `output` is what the output is held to, with the field that asked
+    /// for it (`response_format`, gRPC's `output_format`).
+    pub fn validate_shared(self, max_tokens: Option<(&str, i64)>, output: (OutputFormat, &str)) -> Result<ValidatedParams, GatewayError> {
         let CommonParams {
             model,
             max_tokens: _,
@@ -344,7 +346,7 @@ impl CommonParams {
             min_p: min_p.map(|value| value as f32),
             repetition_penalty: repetition_penalty.map(|value| value as f32),
             logprobs: None,
-            output: OutputFormat::Text,
+            output: output.0,
         };
         sampling.validate()?;
         let stop = match stop {
@@ -367,6 +369,12 @@ impl CommonParams {
         }
         let include_usage = stream_options.and_then(|options| options.include_usage).unwrap_or(false);
         let ignore_eos = ignore_eos.unwrap_or(false);
+        if ignore_eos && sampling.output != OutputFormat::Text {
+            return Err(GatewayError::invalid(
+                "ignore_eos",
+                format!("'ignore_eos' cannot be used with a JSON '{}': the output ends where its value is whole.", output.1),
+            ));
+        }
         if let Some(salt) = &cache_salt
             && (salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES)
         {
@@ -410,15 +418,9 @@ impl ChatCompletionRequest {
             (None, Some(value)) => Some(("max_tokens", value)),
             (None, None) => None,
         };
-        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
-        if ignore_eos && output != OutputFormat::Text {
-            return Err(GatewayError::invalid(
-                "ignore_eos",
-                "'ignore_eos' cannot be used with a JSON 'response_format': the output ends where its object closes.",
-            ));
-        }
+        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } =
+            common.validate_shared(max_tokens, (output, "response_format"))?;
         sampling.logprobs = logprobs;
-        sampling.output = output;
         Ok((
             TextRequest { model, prompt: Prompt::Chat(messages), max_tokens, sampling, stop, ignore_eos, cache_salt, namespace: Namespace::Open, caller: None },
             delivery,
@@ -482,7 +484,8 @@ impl CompletionRequest {
             PromptField::Texts(_) | PromptField::TokenLists(_) => return Err(batch_error()),
         };
         let max_tokens = common.max_tokens.map(|value| ("max_tokens", value));
-        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } = common.validate_shared(max_tokens)?;
+        let ValidatedParams { model, max_tokens, mut sampling, stop, ignore_eos, cache_salt, delivery } =
+            common.validate_shared(max_tokens, (OutputFormat::Text, "response_format"))?;
         if let Some(best_of) = best_of
             && best_of != i64::from(delivery.choices)
         {
