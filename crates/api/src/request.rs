@@ -88,8 +88,13 @@ impl FormatKind {
 pub struct OutputFormats {
     /// One JSON object ([`OutputFormat::JsonObject`]).
     pub json_object: bool,
-    /// A JSON Schema's value ([`OutputFormat::JsonSchema`]).
+    /// A JSON Schema's value ([`OutputFormat::JsonSchema`]), whatever
+    /// the schema's keywords.
     pub json_schema: bool,
+    /// A JSON Schema's value for a schema of a core subset of keywords
+    /// only (the native engine's): routers send a schema here only while
+    /// no worker of [`OutputFormats::json_schema`] is live.
+    pub json_schema_core: bool,
     /// It goes on from output begun under a format elsewhere (a request
     /// continued after its first worker failed mid-output).
     pub resumes: bool,
@@ -97,7 +102,7 @@ pub struct OutputFormats {
 
 impl OutputFormats {
     /// Text only.
-    pub const TEXT: Self = Self { json_object: false, json_schema: false, resumes: false };
+    pub const TEXT: Self = Self { json_object: false, json_schema: false, json_schema_core: false, resumes: false };
 
     /// Whether it holds nothing but text (the default, not written).
     pub fn is_text_only(&self) -> bool {
@@ -110,7 +115,7 @@ impl OutputFormats {
         let kept = match kind {
             FormatKind::Text => return true,
             FormatKind::JsonObject => self.json_object,
-            FormatKind::JsonSchema => self.json_schema,
+            FormatKind::JsonSchema => self.json_schema || self.json_schema_core,
         };
         kept && (!continued || self.resumes)
     }

@@ -95,6 +95,66 @@ async fn the_native_engine_answers_through_the_gateway() {
     sandbox.stop().await;
 }
 
+/// `response_format: json_schema` on the native engine: the real model's
+/// output, greedy and sampled, is a value of the schema (its keys only,
+/// each of its type, an enum's strings only); a schema beyond the core
+/// subset is a 400 naming its keyword, streamed or not.
+#[tokio::test]
+async fn schema_output_from_the_real_model_is_the_schemas_value() {
+    let mut config = Sandbox::native();
+    config.worker.engine.kv_cache_mib = 64;
+    let sandbox = Sandbox::start(config).await;
+    let ask = |question: &str, schema: serde_json::Value, extra: serde_json::Value| {
+        let mut body = json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 120,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": true}},
+        });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let colours = json!({"type": "object", "properties": {"colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
+                         "required": ["colours"], "additionalProperties": false});
+    let person = json!({"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "alive": {"type": "boolean"}},
+                        "required": ["name", "born", "alive"], "additionalProperties": false});
+    for extra in [json!({"temperature": 0}), json!({"temperature": 0.8, "seed": 3}), json!({"temperature": 1.0, "top_p": 0.9, "seed": 11})] {
+        let (status, body) = sandbox.post("/v1/chat/completions", &ask("Name three colours.", colours.clone(), extra.clone())).await;
+        assert_eq!(status, 200, "{body}");
+        let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(body["choices"][0]["finish_reason"], "stop", "{extra}: {content:?}");
+        let value: serde_json::Value = serde_json::from_str(content).unwrap_or_else(|error| panic!("{extra}: {content:?} is no JSON: {error}"));
+        let listed = value["colours"].as_array().unwrap_or_else(|| panic!("{extra}: {content:?}"));
+        assert!(value.as_object().unwrap().len() == 1 && (1..=3).contains(&listed.len()), "{extra}: {content:?}");
+        assert!(listed.iter().all(|colour| ["red", "green", "blue"].contains(&colour.as_str().unwrap_or(""))), "{extra}: {content:?}");
+
+        let (status, body) = sandbox.post("/v1/chat/completions", &ask("Describe Ada Lovelace.", person.clone(), extra.clone())).await;
+        assert_eq!(status, 200, "{body}");
+        let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+        if body["choices"][0]["finish_reason"] == "stop" {
+            let value: serde_json::Value = serde_json::from_str(content).unwrap_or_else(|error| panic!("{extra}: {content:?} is no JSON: {error}"));
+            let object = value.as_object().unwrap();
+            assert!(object.len() == 3 && value["name"].is_string() && value["born"].is_i64() && value["alive"].is_boolean(), "{extra}: {content:?}");
+        } else {
+            // Cut at max_tokens (a long name): a prefix of one, never prose.
+            assert!(content.starts_with("{\""), "{extra}: {content:?}");
+        }
+    }
+
+    // Beyond the subset: refused by name, as the response's status.
+    let pattern = json!({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}});
+    let (status, body) = sandbox.post("/v1/chat/completions", &ask("Hi", pattern.clone(), json!({}))).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("\"pattern\""), "{body}");
+    let response =
+        reqwest::Client::new().post(format!("{}/v1/chat/completions", sandbox.base())).json(&ask("Hi", pattern, json!({"stream": true}))).send().await.unwrap();
+    assert_eq!(response.status(), 400, "streamed, the refusal is the status");
+    // Still serving.
+    let (status, _) = sandbox.post("/v1/chat/completions", &ask("Name three colours.", colours, json!({"temperature": 0}))).await;
+    assert_eq!(status, 200);
+    sandbox.stop().await;
+}
+
 /// `response_format: json_object`: the real model's output, greedy and
 /// sampled, streamed or not, is one JSON object that ends where it closes.
 /// Asked a question it answers in prose, the format still holds it to a

@@ -118,6 +118,27 @@ impl JsonState {
         Self { stack: Vec::new(), mode: Mode::Start, whitespace: 0 }
     }
 
+    /// Nothing read yet; the text must be one value of any kind (a
+    /// schema's part that says nothing of its value, [`crate::schema`]).
+    pub fn any_value() -> Self {
+        Self { stack: Vec::new(), mode: Mode::Value, whitespace: 0 }
+    }
+
+    /// Whether the text read so far is a whole value: complete, or a
+    /// number that may end here (it ends at the byte after it).
+    pub fn may_end(&self) -> bool {
+        match self.mode {
+            Mode::Done => true,
+            Mode::Number(number) => self.stack.is_empty() && number.complete(),
+            _ => false,
+        }
+    }
+
+    /// Whether it is inside a number (where `.`, `e` and `E` continue it).
+    pub fn in_number(&self) -> bool {
+        matches!(self.mode, Mode::Number(_))
+    }
+
     /// Whether the object is complete: nothing may follow it.
     pub fn is_complete(&self) -> bool {
         self.mode == Mode::Done
@@ -135,7 +156,8 @@ impl JsonState {
         !bytes.is_empty() && self.clone().feed(bytes)
     }
 
-    fn push(&mut self, byte: u8) -> bool {
+    /// Reads one byte; `false` if it cannot continue the text.
+    pub fn push(&mut self, byte: u8) -> bool {
         match self.mode {
             Mode::String { key, escape } => return self.string(key, escape, byte),
             Mode::Literal(rest) => {

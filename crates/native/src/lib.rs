@@ -27,6 +27,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 pub mod sampling;
+pub mod schema;
 pub mod weights;
 
 use std::path::PathBuf;

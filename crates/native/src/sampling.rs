@@ -26,6 +26,7 @@ use turbine_engine::{OutputFormat, SamplingParams, TokenLogprobs};
 use turbine_tokens::TokenBytes;
 
 use crate::json::JsonState;
+use crate::schema::{Schema, SchemaState};
 
 /// Draws masked one at a time before every token is checked.
 const MISSES_BEFORE_MASKING_ALL: usize = 16;
@@ -36,13 +37,48 @@ const MISSES_BEFORE_MASKING_ALL: usize = 16;
 pub struct OutputVocabulary {
     bytes: Arc<TokenBytes>,
     eos: Vec<u32>,
+    /// Schemas of requests sampled lately, compiled once each.
+    schemas: Arc<parking_lot::Mutex<KeptSchemas>>,
 }
+
+/// Schema texts and what they compiled to, the oldest first.
+type KeptSchemas = Vec<(Arc<str>, Arc<Schema>)>;
+
+/// Compiled schemas kept for the requests sampling under them.
+const SCHEMAS_KEPT: usize = 32;
 
 impl OutputVocabulary {
     /// The vocabulary of `bytes`, ended by `eos` (at least one).
     pub fn new(bytes: Arc<TokenBytes>, eos: Vec<u32>) -> Self {
         assert!(!eos.is_empty(), "constrained output needs an end-of-sequence token");
-        Self { bytes, eos }
+        Self { bytes, eos, schemas: Arc::default() }
+    }
+
+    /// The compiled schema of `text`, or `None` if it is outside the
+    /// subset (the worker refused such a request before it ran).
+    fn schema(&self, text: &Arc<str>) -> Option<Arc<Schema>> {
+        let mut kept = self.schemas.lock();
+        if let Some((_, schema)) = kept.iter().find(|(kept, _)| Arc::ptr_eq(kept, text) || **kept == **text) {
+            return Some(schema.clone());
+        }
+        let schema = Arc::new(Schema::compile_text(text).ok()?);
+        if kept.len() >= SCHEMAS_KEPT {
+            kept.remove(0);
+        }
+        kept.push((text.clone(), schema.clone()));
+        Some(schema)
+    }
+
+    /// The schema's state after `output`, or `None` if it is no prefix of
+    /// a valid value (then only the end may follow).
+    fn schema_after(&self, schema: Arc<Schema>, output: &[u32]) -> Option<SchemaState> {
+        let mut state = SchemaState::new(schema);
+        output.iter().all(|&token| !self.bytes.is_special(token) && state.feed(self.bytes.get(token))).then_some(state)
+    }
+
+    /// Whether `token` is an ordinary one (not special, not an end).
+    fn ordinary(&self, token: u32) -> bool {
+        !self.bytes.is_special(token) && !self.eos.contains(&token)
     }
 
     /// The JSON state after `output`, or `None` if it is no prefix of an
@@ -54,7 +90,7 @@ impl OutputVocabulary {
 
     /// Whether `token` may follow an output in `state`.
     fn allows(&self, state: &JsonState, token: u32) -> bool {
-        !self.bytes.is_special(token) && !self.eos.contains(&token) && state.accepts(self.bytes.get(token))
+        self.ordinary(token) && state.accepts(self.bytes.get(token))
     }
 }
 
@@ -80,7 +116,16 @@ pub fn sample(logits: &mut [f32], params: &SamplingParams, history: &[u32], gene
         (OutputFormat::JsonObject { continued }, Some(vocabulary)) => {
             let output = &history[history.len().saturating_sub(generated + *continued as usize)..];
             match vocabulary.json_after(output) {
-                Some(state) if !state.is_complete() => pick_json(logits, &state, vocabulary, pick),
+                Some(state) if !state.is_complete() => pick_allowed(logits, |token| vocabulary.allows(&state, token), vocabulary, pick),
+                _ => vocabulary.eos[0],
+            }
+        }
+        (OutputFormat::JsonSchema { schema, continued }, Some(vocabulary)) => {
+            let output = &history[history.len().saturating_sub(generated + *continued as usize)..];
+            match vocabulary.schema(schema).and_then(|schema| vocabulary.schema_after(schema, output)) {
+                Some(state) if !state.is_complete() => {
+                    pick_allowed(logits, |token| vocabulary.ordinary(token) && state.accepts(vocabulary.bytes.get(token)), vocabulary, pick)
+                }
                 _ => vocabulary.eos[0],
             }
         }
@@ -90,19 +135,18 @@ pub fn sample(logits: &mut [f32], params: &SamplingParams, history: &[u32], gene
     Choice { token, logprobs }
 }
 
-/// The token `pick` chooses among those that continue the object in
-/// `state`.
-fn pick_json(logits: &mut [f32], state: &JsonState, vocabulary: &OutputVocabulary, pick: impl Fn(&[f32]) -> u32) -> u32 {
+/// The token `pick` chooses among those `allows` lets continue the output.
+fn pick_allowed(logits: &mut [f32], allows: impl Fn(u32) -> bool, vocabulary: &OutputVocabulary, pick: impl Fn(&[f32]) -> u32) -> u32 {
     for _ in 0..MISSES_BEFORE_MASKING_ALL {
         let token = pick(logits);
-        if vocabulary.allows(state, token) {
+        if allows(token) {
             return token;
         }
         logits[token as usize] = f32::NEG_INFINITY;
     }
     let mut any = false;
     for (token, logit) in logits.iter_mut().enumerate() {
-        if *logit != f32::NEG_INFINITY && !vocabulary.allows(state, token as u32) {
+        if *logit != f32::NEG_INFINITY && !allows(token as u32) {
             *logit = f32::NEG_INFINITY;
         }
         any |= *logit != f32::NEG_INFINITY;
@@ -316,6 +360,39 @@ mod tests {
         assert_eq!(text(&generate(&json(0), &vocabulary, &[5], prose)), r#"{"hellohellohellohellohellohellohellohellohello":""}"#);
         // Text output is not constrained.
         assert_eq!(sample(&mut prose(0), &params(), &[5], 0, Some(&vocabulary)).token, 0);
+    }
+
+    #[test]
+    fn schema_output_keeps_to_the_schemas_values_and_ends_when_whole() {
+        let (vocabulary, tokens) = json_vocabulary();
+        let text = |ids: &[u32]| ids.iter().map(|&id| tokens[id as usize]).collect::<String>();
+        let schema = serde_json::json!({"type": "object", "properties": {"key": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}}, "required": ["key"], "additionalProperties": false});
+        let held = SamplingParams { output: OutputFormat::json_schema(&schema).unwrap(), ..params() };
+        // The same prose-loving model: a key of hellos is not the schema's,
+        // nor blanks; the one key it names, an array of two or three ones.
+        let prose = |step: usize| {
+            let mut logits = vec![9.0, 8.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 7.0, 6.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+            for (token, weight) in [(3, 1.2), (4, 1.3), (6, 1.0), (8, 1.0), (12, 1.1), (13, 1.05)] {
+                logits[token] += weight * step as f32 * 0.5;
+            }
+            logits
+        };
+        for params in [
+            held.clone(),
+            SamplingParams { temperature: Some(1.5), seed: Some(3), ..held.clone() },
+            SamplingParams { temperature: Some(0.8), seed: Some(9), ..held.clone() },
+        ] {
+            let output = text(&generate(&params, &vocabulary, &[5, 5], prose));
+            let value: serde_json::Value = serde_json::from_str(&output).unwrap_or_else(|error| panic!("{output:?}: {error}"));
+            let items = value["key"].as_array().unwrap_or_else(|| panic!("{output:?}"));
+            assert!(value.as_object().unwrap().len() == 1 && (2..=3).contains(&items.len()) && items.iter().all(serde_json::Value::is_u64), "{output:?}");
+            assert!(!output.contains(' '), "{output:?}");
+        }
+        // A continued request goes on from the value so far.
+        let so_far: Vec<u32> = vec![14, 5, 15, 11, 8]; // {"key":[1
+        let continued = SamplingParams { output: held.output.continued_by(so_far.len() as u32), ..held.clone() };
+        let rest = text(&generate(&continued, &vocabulary, &so_far, prose));
+        assert!(serde_json::from_str::<serde_json::Value>(&format!("{}{rest}", text(&so_far))).is_ok(), "{rest:?}");
     }
 
     #[test]

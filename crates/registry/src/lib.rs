@@ -296,16 +296,17 @@ mod tests {
         assert!(!live.holds(FormatKind::JsonObject, false) && !live.holds(FormatKind::JsonSchema, false));
         assert!(!serde_json::to_string(&old).unwrap().contains("output_formats"), "the default is not written");
         // An engine behind an adapter: both formats, from the first token only.
-        let external = WorkerRecord { output_formats: OutputFormats { json_object: true, json_schema: true, resumes: false }, ..old.clone() };
+        let external =
+            WorkerRecord { output_formats: OutputFormats { json_object: true, json_schema: true, json_schema_core: false, resumes: false }, ..old.clone() };
         let again: WorkerRecord = serde_json::from_str(&serde_json::to_string(&external).unwrap()).unwrap();
         assert_eq!(again, external);
         let live = LiveWorker::new(again, Instant::now());
         assert!(live.holds(FormatKind::JsonSchema, false) && live.holds(FormatKind::JsonObject, false));
         assert!(!live.holds(FormatKind::JsonObject, true), "it cannot go on from an object begun elsewhere");
-        // The native engine: objects, resumed too, but no schema.
-        let native = WorkerRecord { output_formats: OutputFormats { json_object: true, json_schema: false, resumes: true }, ..old };
+        // The native engine: objects and core schemas, resumed too.
+        let native = WorkerRecord { output_formats: OutputFormats { json_object: true, json_schema: false, json_schema_core: true, resumes: true }, ..old };
         let live = LiveWorker::new(native, Instant::now());
-        assert!(live.holds(FormatKind::JsonObject, true) && !live.holds(FormatKind::JsonSchema, false));
+        assert!(live.holds(FormatKind::JsonObject, true) && live.holds(FormatKind::JsonSchema, true));
         // A field a newer worker writes is no reason to drop its record.
         let newer: WorkerRecord =
             serde_json::from_str(r#"{"worker_id":"w","endpoint":"http://w","model":"m","output_formats":{"json_object":true,"regex":true}}"#).unwrap();

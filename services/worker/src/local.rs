@@ -65,17 +65,16 @@ impl Worker {
     /// mocker constrains nothing).
     fn check_output(&self, request: &GenerateRequest) -> Result<(), WorkerError> {
         let output = &request.sampling.output;
-        if self.output_formats().holds(output.kind(), output.continued() > 0) {
-            return Ok(());
+        if !self.output_formats().holds(output.kind(), output.continued() > 0) {
+            return Err(WorkerError::InvalidArgument("this worker's engine does not constrain its output: JSON output is not served here".into()));
         }
         match output {
-            _ if !self.constrains_output() => {
-                Err(WorkerError::InvalidArgument("this worker's engine does not constrain its output: JSON output is not served here".into()))
-            }
-            OutputFormat::JsonSchema { .. } => Err(WorkerError::InvalidArgument(
-                "this worker's engine holds output to a JSON object but not to a schema: json_schema is not served here (vLLM and llama.cpp behind an adapter serve it)"
-                    .into(),
-            )),
+            // The native engine holds output to a schema of the core subset.
+            OutputFormat::JsonSchema { schema, .. } => turbine_native::schema::Schema::compile_text(schema).map(drop).map_err(|refused| {
+                WorkerError::InvalidArgument(format!(
+                    "json_schema: {refused}; this worker's engine holds output to a schema of type, properties, required, additionalProperties, items, minItems, maxItems, enum and const only (vLLM and llama.cpp behind an adapter take any)"
+                ))
+            }),
             _ => Ok(()),
         }
     }

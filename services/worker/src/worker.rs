@@ -246,10 +246,12 @@ impl Worker {
 
     /// The output formats its engine holds output to, as its record
     /// announces them: the native engine's sampler keeps to one JSON
-    /// object, going on from one begun elsewhere too; the mocker to none.
+    /// object and to a schema of the core subset
+    /// ([`turbine_native::schema`]), going on from output begun elsewhere
+    /// too; the mocker to none.
     pub fn output_formats(&self) -> turbine_api::OutputFormats {
         if self.constrains_output {
-            turbine_api::OutputFormats { json_object: true, json_schema: false, resumes: true }
+            turbine_api::OutputFormats { json_object: true, json_schema: false, json_schema_core: true, resumes: true }
         } else {
             turbine_api::OutputFormats::TEXT
         }

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use turbine_registry::{LiveWorker, WorkerRole};
+use turbine_registry::{FormatKind, LiveWorker, WorkerRole};
 
 use super::book::State;
 use super::{RouteError, RouteRequest, Routed, RoutedWorker, Router};
@@ -54,7 +54,13 @@ impl Router {
         // Only engines that keep to the output's format generate it.
         let (serving, unfit): (Vec<&LiveWorker>, Vec<&LiveWorker>) = serving.into_iter().partition(|w| w.holds(request.output, request.output_continued));
         let fit = !serving.is_empty();
-        let eligible: Vec<&LiveWorker> = serving.into_iter().filter(|w| !request.exclude_worker_ids.contains(&w.record.worker_id)).collect();
+        let mut eligible: Vec<&LiveWorker> = serving.into_iter().filter(|w| !request.exclude_worker_ids.contains(&w.record.worker_id)).collect();
+        // A schema goes to an engine that holds output to any schema while
+        // one is live; one of the core subset only (the native engine's)
+        // takes it otherwise, and refuses a schema beyond it.
+        if request.output == FormatKind::JsonSchema && eligible.iter().any(|w| w.record.output_formats.json_schema) {
+            eligible.retain(|w| w.record.output_formats.json_schema);
+        }
         // Prefill workers only compute prompts for the others.
         let (prefill_pool, eligible): (Vec<&LiveWorker>, Vec<&LiveWorker>) = eligible.into_iter().partition(|w| w.record.role == WorkerRole::Prefill);
         let (prefill_pool, eligible) = (own_pool_first(prefill_pool), own_pool_first(eligible));

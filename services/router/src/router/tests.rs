@@ -322,12 +322,14 @@ fn a_request_held_to_a_format_goes_only_to_workers_keeping_to_it() {
     use std::collections::BTreeSet;
     use turbine_api::{FormatKind, OutputFormats};
 
-    let holding = |id: &str, json_object, json_schema, resumes| {
+    let holding = |id: &str, json_object, json_schema, json_schema_core, resumes| {
         let mut worker = live(id, "m", Duration::from_secs(60));
-        worker.record.output_formats = OutputFormats { json_object, json_schema, resumes };
+        worker.record.output_formats = OutputFormats { json_object, json_schema, json_schema_core, resumes };
         worker
     };
-    let fleet = || vec![holding("mocker-0", false, false, false), holding("native-0", true, false, true), holding("vllm-0", true, true, false)];
+    let (mocker, native, vllm) =
+        (|| holding("mocker-0", false, false, false, false), || holding("native-0", true, false, true, true), || holding("vllm-0", true, true, false, false));
+    let fleet = || vec![mocker(), native(), vllm()];
     let of =
         |id: String, output, output_continued| RouteRequest { token_ids: (0..64).collect::<Vec<u32>>().into(), output, output_continued, ..request(&id, "m") };
     let set = |ids: &[&str]| ids.iter().map(|&id| id.to_owned()).collect::<BTreeSet<_>>();
@@ -350,7 +352,9 @@ fn a_request_held_to_a_format_goes_only_to_workers_keeping_to_it() {
             (FormatKind::Text, true, set(&["mocker-0", "native-0", "vllm-0"])),
             (FormatKind::JsonObject, false, set(&["native-0", "vllm-0"])),
             (FormatKind::JsonObject, true, set(&["native-0"])),
+            // Any schema's engine first; the native engine resumes one.
             (FormatKind::JsonSchema, false, set(&["vllm-0"])),
+            (FormatKind::JsonSchema, true, set(&["native-0"])),
         ] {
             let got = served(output, continued);
             // Round robin spreads over every worker allowed; the others
@@ -359,18 +363,28 @@ fn a_request_held_to_a_format_goes_only_to_workers_keeping_to_it() {
             assert!(held, "{policy:?}: {output:?} (continued: {continued}) went to {got:?}, allowed {allowed:?}");
         }
 
+        // The one holding any schema excluded (it just failed): the core
+        // subset's engine takes it.
+        let excluded = RouteRequest { exclude_worker_ids: vec!["vllm-0".into()], ..of("x".into(), FormatKind::JsonSchema, false) };
+        assert_eq!(route(&router, &excluded).unwrap().worker.worker_id, "native-0");
+        router.finished("x");
         // None of the model's workers keeps to it: the request is told
         // why, and it is not a passing state (FAILED_PRECONDITION, a 400).
+        router.update_workers(vec![mocker(), vllm()]);
         let refused = route(&router, &of("s".into(), FormatKind::JsonSchema, true)).unwrap_err();
         assert_eq!(refused, RouteError::NoneHoldsFormat { model: "m".into(), format: "json_schema", continued: true });
         assert!(refused.to_string().contains("json_schema from output begun on another worker"), "{refused}");
         assert!(matches!(turbine_api::router::RouterCallError::from(refused), turbine_api::router::RouterCallError::Unserved(_)));
-        // The one that does was excluded (it just failed): no worker now.
+        // The one that does was excluded: no worker now.
         let excluded = RouteRequest { exclude_worker_ids: vec!["vllm-0".into()], ..of("x".into(), FormatKind::JsonSchema, false) };
         assert_eq!(route(&router, &excluded), Err(RouteError::NoWorkers("m".into())));
+        // Without an engine of any schema, the core one takes them all.
+        router.update_workers(vec![mocker(), native()]);
+        assert_eq!(route(&router, &of("c".into(), FormatKind::JsonSchema, false)).unwrap().worker.worker_id, "native-0");
+        router.finished("c");
         // A fleet of text-only engines (and records from before workers
         // announced formats).
-        router.update_workers(vec![holding("mocker-0", false, false, false), live("old-0", "m", Duration::from_secs(60))]);
+        router.update_workers(vec![mocker(), live("old-0", "m", Duration::from_secs(60))]);
         assert_eq!(
             route(&router, &of("o".into(), FormatKind::JsonObject, false)),
             Err(RouteError::NoneHoldsFormat { model: "m".into(), format: "json_object", continued: false })

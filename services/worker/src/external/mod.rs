@@ -390,7 +390,7 @@ impl Dialect {
     pub fn output_formats(&self) -> OutputFormats {
         match self.kind {
             UpstreamKind::Openai => OutputFormats::TEXT,
-            _ => OutputFormats { json_object: true, json_schema: true, resumes: false },
+            _ => OutputFormats { json_object: true, json_schema: true, json_schema_core: false, resumes: false },
         }
     }
 

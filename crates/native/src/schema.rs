@@ -1,0 +1,616 @@
+//! JSON Schema output: a byte-level recognizer of the values valid against
+//! a schema of the core subset ([`Schema::compile`]), beside
+//! [`crate::json`]'s recognizer of any object. The sampler masks every
+//! token that would leave the output no prefix of such a value.
+//!
+//! The subset: `type` (one or a list: object, array, string, number,
+//! integer, boolean, null), `properties`, `required`,
+//! `additionalProperties`, `items`, `minItems`, `maxItems`, `enum` and
+//! `const`; annotations (`title`, `description`, `default`, `examples`,
+//! `format`, `$schema`, `$id`, `$comment`) are read past. Any other keyword
+//! is refused by name rather than held to loosely. The root must be an
+//! object (as OpenAI asks of a schema), so the output ends where it closes.
+//!
+//! Every value produced is valid against the schema, though not every
+//! valid value can be produced: an object with `properties` holds only
+//! those (each once, any order, every `required` one before it closes),
+//! whatever `additionalProperties` allows, and no whitespace is taken
+//! outside strings but inside a part that says nothing of its value (read
+//! as any JSON value, [`JsonState`]).
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::json::JsonState;
+
+/// A compiled schema: its parts in an arena (each after its own parts).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Schema {
+    shapes: Vec<Shape>,
+    root: usize,
+}
+
+/// One part of a schema: what value it takes.
+#[derive(Debug, Clone, PartialEq)]
+enum Shape {
+    /// Any JSON value.
+    Any,
+    /// One of several kinds, told apart by the value's first byte.
+    OneOf(Vec<usize>),
+    /// An object of exactly these properties (each key as the bytes of its
+    /// JSON string, the part its value takes), at least the required ones.
+    Object {
+        keys: Vec<Vec<u8>>,
+        values: Vec<usize>,
+        required: Vec<bool>,
+    },
+    /// Any object (a schema naming no properties).
+    AnyObject,
+    /// An array of `items`, `min..=max` of them.
+    Array {
+        items: usize,
+        min: u32,
+        max: u32,
+    },
+    String,
+    Number,
+    Integer,
+    Boolean,
+    Null,
+    /// One of these values, each as its compact JSON text.
+    Literals(Vec<Vec<u8>>),
+}
+
+/// Why a schema is not held to here.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SchemaError(pub String);
+
+/// Keywords read past: they say nothing of which values are valid.
+const ANNOTATIONS: &[&str] = &["title", "description", "default", "examples", "format", "$schema", "$id", "$comment"];
+
+/// Longest number, in bytes: a model cannot run one on until
+/// `max_tokens`.
+pub const MAX_NUMBER_BYTES: u8 = 24;
+
+/// Most parts a schema may compile to.
+const MAX_SHAPES: usize = 4096;
+
+impl Schema {
+    /// Compiles `schema`, or names what is outside the subset.
+    pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
+        let mut compiled = Schema { shapes: Vec::new(), root: 0 };
+        let root = compiled.part(schema, 0)?;
+        compiled.root = root;
+        if !matches!(compiled.shapes[root], Shape::Object { .. } | Shape::AnyObject) {
+            return Err(SchemaError("the schema's root must be an object (\"type\": \"object\")".into()));
+        }
+        Ok(compiled)
+    }
+
+    /// Compiles the schema text `text` (one JSON object).
+    pub fn compile_text(text: &str) -> Result<Self, SchemaError> {
+        let value: Value = serde_json::from_str(text).map_err(|error| SchemaError(format!("the schema is not JSON: {error}")))?;
+        Self::compile(&value)
+    }
+
+    fn push(&mut self, shape: Shape) -> Result<usize, SchemaError> {
+        if self.shapes.len() >= MAX_SHAPES {
+            return Err(SchemaError(format!("the schema has more than {MAX_SHAPES} parts")));
+        }
+        self.shapes.push(shape);
+        Ok(self.shapes.len() - 1)
+    }
+
+    fn part(&mut self, schema: &Value, depth: usize) -> Result<usize, SchemaError> {
+        if depth > 32 {
+            return Err(SchemaError("the schema nests deeper than 32".into()));
+        }
+        let schema = match schema {
+            Value::Bool(true) => return self.push(Shape::Any),
+            Value::Object(schema) => schema,
+            other => return Err(SchemaError(format!("a schema must be an object or true, got {other}"))),
+        };
+        const KNOWN: &[&str] = &["type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const"];
+        if let Some(keyword) = schema.keys().find(|key| !KNOWN.contains(&key.as_str()) && !ANNOTATIONS.contains(&key.as_str())) {
+            return Err(SchemaError(format!("the keyword {keyword:?} is not held to by the native engine")));
+        }
+        // A value out of a fixed list: its text is all there is to match.
+        let literals = match (schema.get("enum"), schema.get("const")) {
+            (Some(_), Some(_)) => return Err(SchemaError("a schema may have enum or const, not both".into())),
+            (Some(Value::Array(values)), None) if !values.is_empty() => Some(values.clone()),
+            (Some(_), None) => return Err(SchemaError("enum must be a non-empty array".into())),
+            (None, Some(value)) => Some(vec![value.clone()]),
+            (None, None) => None,
+        };
+        if let Some(values) = literals {
+            let texts = values.iter().map(|value| serde_json::to_vec(value).expect("a value serializes")).collect();
+            return self.push(Shape::Literals(texts));
+        }
+        let types: Vec<&str> = match schema.get("type") {
+            None => Vec::new(),
+            Some(Value::String(kind)) => vec![kind],
+            Some(Value::Array(kinds)) if !kinds.is_empty() => {
+                kinds.iter().map(|kind| kind.as_str().ok_or_else(|| SchemaError("type must name kinds".into()))).collect::<Result<_, _>>()?
+            }
+            Some(other) => return Err(SchemaError(format!("type must be a kind or a list of kinds, got {other}"))),
+        };
+        if types.is_empty() {
+            // No type: only an object's or an array's keywords say more.
+            return match (schema.contains_key("properties"), schema.contains_key("items")) {
+                (false, false) => self.push(Shape::Any),
+                (true, false) => self.kind("object", schema, depth),
+                (false, true) => self.kind("array", schema, depth),
+                (true, true) => Err(SchemaError("a schema without a type may not have both properties and items".into())),
+            };
+        }
+        if types.len() == 1 {
+            return self.kind(types[0], schema, depth);
+        }
+        let mut parts = Vec::new();
+        for kind in types {
+            parts.push(self.kind(kind, schema, depth)?);
+        }
+        self.push(Shape::OneOf(parts))
+    }
+
+    fn kind(&mut self, kind: &str, schema: &serde_json::Map<String, Value>, depth: usize) -> Result<usize, SchemaError> {
+        match kind {
+            "object" => {
+                let Some(properties) = schema.get("properties") else {
+                    if schema.contains_key("required") {
+                        return Err(SchemaError("required names properties the schema does not give".into()));
+                    }
+                    return self.push(Shape::AnyObject);
+                };
+                let Value::Object(properties) = properties else { return Err(SchemaError("properties must be an object".into())) };
+                let required: Vec<&str> = match schema.get("required") {
+                    None => Vec::new(),
+                    Some(Value::Array(names)) => {
+                        names.iter().map(|name| name.as_str().ok_or_else(|| SchemaError("required must list names".into()))).collect::<Result<_, _>>()?
+                    }
+                    Some(_) => return Err(SchemaError("required must be an array".into())),
+                };
+                if let Some(missing) = required.iter().find(|name| !properties.contains_key(**name)) {
+                    return Err(SchemaError(format!("required names {missing:?}, which properties does not give")));
+                }
+                match schema.get("additionalProperties") {
+                    None | Some(Value::Bool(_)) | Some(Value::Object(_)) => {}
+                    Some(_) => return Err(SchemaError("additionalProperties must be a boolean or a schema".into())),
+                }
+                let (mut keys, mut values) = (Vec::new(), Vec::new());
+                for (name, part) in properties {
+                    keys.push(serde_json::to_vec(name).expect("a string serializes"));
+                    values.push(self.part(part, depth + 1)?);
+                }
+                let required = properties.keys().map(|name| required.contains(&name.as_str())).collect();
+                self.push(Shape::Object { keys, values, required })
+            }
+            "array" => {
+                let items = match schema.get("items") {
+                    None => self.push(Shape::Any)?,
+                    Some(items) => self.part(items, depth + 1)?,
+                };
+                let bound = |keyword: &str, default: u32| match schema.get(keyword) {
+                    None => Ok(default),
+                    Some(value) => value.as_u64().map(|n| n.min(u64::from(u32::MAX)) as u32).ok_or_else(|| SchemaError(format!("{keyword} must be a count"))),
+                };
+                let (min, max) = (bound("minItems", 0)?, bound("maxItems", u32::MAX)?);
+                if min > max {
+                    return Err(SchemaError("minItems is above maxItems: no array is valid".into()));
+                }
+                self.push(Shape::Array { items, min, max })
+            }
+            "string" => self.push(Shape::String),
+            "number" => self.push(Shape::Number),
+            "integer" => self.push(Shape::Integer),
+            "boolean" => self.push(Shape::Boolean),
+            "null" => self.push(Shape::Null),
+            other => Err(SchemaError(format!("{other:?} is not a JSON Schema type"))),
+        }
+    }
+}
+
+/// Where in a value of the schema the recognizer is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchemaState {
+    schema: Arc<Schema>,
+    /// Open parts, innermost last.
+    stack: Vec<Frame>,
+    /// Whether the root began, and whether it ended.
+    started: bool,
+    done: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Frame {
+    /// A value read as plain JSON; `integer` refuses a fraction or
+    /// exponent; `number` counts a number's bytes.
+    Json { json: JsonState, integer: bool, number: u8 },
+    /// One of `shape`'s literals (or keys): those still matching, and how
+    /// many bytes of them were read.
+    Literal { shape: usize, alive: Vec<u32>, at: usize },
+    /// An object of fixed properties: which were given, and what comes.
+    Object { shape: usize, seen: Vec<bool>, next: ObjectNext },
+    /// An array: how many items so far, and what comes.
+    Array { shape: usize, count: u32, next: ArrayNext },
+    /// A value of this part comes next (after a key's `:`).
+    Pending(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ObjectNext {
+    /// After `{`: a key, or `}`.
+    First,
+    /// After `,`: a key.
+    Key,
+    /// After a key (the property's index): `:`.
+    Colon(usize),
+    /// After a value: `,` or `}`.
+    Next,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ArrayNext {
+    First,
+    Item,
+    Next,
+}
+
+impl SchemaState {
+    /// Nothing read yet.
+    pub fn new(schema: Arc<Schema>) -> Self {
+        Self { schema, stack: Vec::new(), started: false, done: false }
+    }
+
+    /// Whether the value is whole: nothing may follow it.
+    pub fn is_complete(&self) -> bool {
+        self.done
+    }
+
+    /// Reads `bytes`; `false` (the state partly advanced) if they cannot
+    /// continue a valid value.
+    pub fn feed(&mut self, bytes: &[u8]) -> bool {
+        bytes.iter().all(|&byte| self.push(byte))
+    }
+
+    /// Whether `bytes` (one token's, non-empty) would continue the value;
+    /// the state is left as it was.
+    pub fn accepts(&self, bytes: &[u8]) -> bool {
+        !bytes.is_empty() && self.clone().feed(bytes)
+    }
+
+    fn push(&mut self, byte: u8) -> bool {
+        if self.done {
+            return false;
+        }
+        let Some(frame) = self.stack.last_mut() else {
+            if self.started {
+                return false;
+            }
+            self.started = true;
+            return self.begin(self.schema.root, byte);
+        };
+        match frame {
+            Frame::Json { json, integer, number } => {
+                if *integer && json.in_number() && matches!(byte, b'.' | b'e' | b'E') {
+                    return false;
+                }
+                let mut next = json.clone();
+                if next.push(byte) {
+                    if next.in_number() && *number >= MAX_NUMBER_BYTES {
+                        return false;
+                    }
+                    let whole = next.is_complete();
+                    *number = if next.in_number() { number.saturating_add(1) } else { 0 };
+                    *json = next;
+                    if whole {
+                        self.end();
+                    }
+                    true
+                } else if json.may_end() {
+                    // A number ends at the byte after it: the part around
+                    // it reads that byte.
+                    self.end();
+                    self.push(byte)
+                } else {
+                    false
+                }
+            }
+            Frame::Literal { shape, alive, at } => {
+                let texts = self.schema.literals(*shape);
+                let next: Vec<u32> = alive.iter().copied().filter(|&i| texts[i as usize].get(*at) == Some(&byte)).collect();
+                if next.is_empty() {
+                    // One ended before this byte (a number that another
+                    // continues): the part around it reads the byte.
+                    if alive.iter().any(|&i| texts[i as usize].len() == *at) {
+                        self.end();
+                        return self.push(byte);
+                    }
+                    return false;
+                }
+                *at += 1;
+                let at = *at;
+                let whole = next.iter().all(|&i| texts[i as usize].len() == at);
+                *alive = next;
+                if whole {
+                    self.end();
+                }
+                true
+            }
+            Frame::Object { shape, seen, next } => {
+                let (shape, state) = (*shape, *next);
+                let Shape::Object { keys, values, required } = &self.schema.shapes[shape] else { unreachable!("an object frame's shape is an object") };
+                match (state, byte) {
+                    (ObjectNext::First | ObjectNext::Key, b'"') => {
+                        let alive: Vec<u32> = (0..keys.len() as u32).filter(|&i| !seen[i as usize]).collect();
+                        if alive.is_empty() {
+                            return false;
+                        }
+                        // The key is read as a literal, then its index told.
+                        self.stack.push(Frame::Literal { shape, alive, at: 1 });
+                        true
+                    }
+                    (ObjectNext::First | ObjectNext::Next, b'}') if required.iter().zip(seen.iter()).all(|(required, seen)| *seen || !required) => {
+                        self.end();
+                        true
+                    }
+                    (ObjectNext::Next, b',') if seen.iter().any(|seen| !seen) => {
+                        *next = ObjectNext::Key;
+                        true
+                    }
+                    (ObjectNext::Colon(index), b':') => {
+                        let value = values[index];
+                        *next = ObjectNext::Next;
+                        self.stack.push(Frame::Pending(value));
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            Frame::Pending(part) => {
+                let part = *part;
+                self.stack.pop();
+                self.begin(part, byte)
+            }
+            Frame::Array { shape, count, next } => {
+                let Shape::Array { items, min, max } = self.schema.shapes[*shape] else { unreachable!("an array frame's shape is an array") };
+                match (*next, byte) {
+                    (ArrayNext::First, b']') if min == 0 => {
+                        self.end();
+                        true
+                    }
+                    (ArrayNext::Next, b']') if *count >= min => {
+                        self.end();
+                        true
+                    }
+                    (ArrayNext::Next, b',') if *count < max => {
+                        *next = ArrayNext::Item;
+                        true
+                    }
+                    (ArrayNext::First | ArrayNext::Item, _) if *count < max => {
+                        *count += 1;
+                        *next = ArrayNext::Next;
+                        self.begin(items, byte)
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+
+    /// Begins a value of part `part` with its first byte.
+    fn begin(&mut self, part: usize, byte: u8) -> bool {
+        let schema = self.schema.clone();
+        let integer = match (&schema.shapes[part], byte) {
+            (Shape::OneOf(parts), _) => {
+                // The kinds' first bytes tell them apart (the first listed
+                // of number and integer takes a digit).
+                let Some(&chosen) = parts.iter().find(|&&kind| schema.starts(kind, byte)) else { return false };
+                return self.begin(chosen, byte);
+            }
+            (Shape::Any, _)
+            | (Shape::AnyObject, b'{')
+            | (Shape::String, b'"')
+            | (Shape::Number, b'-' | b'0'..=b'9')
+            | (Shape::Boolean, b't' | b'f')
+            | (Shape::Null, b'n') => false,
+            (Shape::Integer, b'-' | b'0'..=b'9') => true,
+            (Shape::Object { keys, .. }, b'{') => {
+                self.stack.push(Frame::Object { shape: part, seen: vec![false; keys.len()], next: ObjectNext::First });
+                return true;
+            }
+            (Shape::Array { .. }, b'[') => {
+                self.stack.push(Frame::Array { shape: part, count: 0, next: ArrayNext::First });
+                return true;
+            }
+            (Shape::Literals(texts), _) => {
+                let alive: Vec<u32> = (0..texts.len() as u32).filter(|&i| texts[i as usize].first() == Some(&byte)).collect();
+                if alive.is_empty() {
+                    return false;
+                }
+                if alive.iter().all(|&i| texts[i as usize].len() == 1) {
+                    self.ended_part();
+                } else {
+                    self.stack.push(Frame::Literal { shape: part, alive, at: 1 });
+                }
+                return true;
+            }
+            _ => return false,
+        };
+        let mut json = JsonState::any_value();
+        if !json.push(byte) {
+            return false;
+        }
+        if json.is_complete() {
+            self.ended_part();
+        } else {
+            let number = u8::from(json.in_number());
+            self.stack.push(Frame::Json { json, integer, number });
+        }
+        true
+    }
+
+    /// The innermost frame's value ended.
+    fn end(&mut self) {
+        let ended = self.stack.pop();
+        // A key matched: its parent object now waits for `:`.
+        if let (Some(Frame::Literal { shape, alive, .. }), Some(Frame::Object { shape: object, seen, next })) = (&ended, self.stack.last_mut())
+            && *shape == *object
+        {
+            let index = alive[0] as usize;
+            seen[index] = true;
+            *next = ObjectNext::Colon(index);
+            return;
+        }
+        self.ended_part();
+    }
+
+    /// A value ended with nothing more to pop: the root, if none is open.
+    fn ended_part(&mut self) {
+        if self.stack.is_empty() {
+            self.done = true;
+        }
+    }
+}
+
+impl Schema {
+    fn literals(&self, shape: usize) -> &[Vec<u8>] {
+        match &self.shapes[shape] {
+            Shape::Literals(texts) => texts,
+            Shape::Object { keys, .. } => keys,
+            _ => unreachable!("a literal frame's shape has literals"),
+        }
+    }
+
+    /// Whether a value of part `part` may begin with `byte`.
+    fn starts(&self, part: usize, byte: u8) -> bool {
+        match (&self.shapes[part], byte) {
+            (Shape::Any, _) => JsonState::any_value().push(byte) && byte != b' ',
+            (Shape::OneOf(parts), _) => parts.iter().any(|&kind| self.starts(kind, byte)),
+            (Shape::Object { .. } | Shape::AnyObject, b'{') | (Shape::Array { .. }, b'[') | (Shape::String, b'"') => true,
+            (Shape::Number | Shape::Integer, b'-' | b'0'..=b'9') | (Shape::Boolean, b't' | b'f') | (Shape::Null, b'n') => true,
+            (Shape::Literals(texts), _) => texts.iter().any(|text| text.first() == Some(&byte)),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn state(schema: Value) -> SchemaState {
+        SchemaState::new(Arc::new(Schema::compile(&schema).unwrap()))
+    }
+
+    fn whole(schema: &Value, text: &str) -> bool {
+        let mut state = state(schema.clone());
+        state.feed(text.as_bytes()) && state.is_complete()
+    }
+
+    fn prefix(schema: &Value, text: &str) -> bool {
+        state(schema.clone()).feed(text.as_bytes())
+    }
+
+    #[test]
+    fn values_of_the_schema_are_read_whole_and_by_prefix() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "description": "who"},
+                "age": {"type": "integer"},
+                "score": {"type": "number"},
+                "tags": {"type": "array", "items": {"enum": ["a", "b", 7, null]}, "minItems": 1, "maxItems": 2},
+                "ok": {"type": "boolean"},
+                "note": {"type": ["string", "null"]},
+                "extra": {},
+                "inner": {"type": "object", "properties": {"x": {"const": 12}}, "required": ["x"], "additionalProperties": false}
+            },
+            "required": ["name", "age"],
+            "additionalProperties": false
+        });
+        for text in [
+            r#"{"name":"Ada","age":36}"#,
+            r#"{"age":-3,"name":"x \" y"}"#,
+            r#"{"name":"","age":0,"score":-1.5e3,"tags":["a",7],"ok":false,"note":null,"extra":{"any": [1, 2]},"inner":{"x":12}}"#,
+            r#"{"name":"n","age":1,"tags":[null],"note":"s","extra":3.25}"#,
+        ] {
+            assert!(whole(&schema, text), "{text}");
+            for end in 0..text.len() {
+                assert!(prefix(&schema, &text[..end]), "prefix {:?}", &text[..end]);
+            }
+        }
+        for text in [
+            r#"{"name":"Ada"}"#,                    // age required
+            r#"{"name":"Ada","age":1.5}"#,          // an integer
+            r#"{"name":"Ada","age":1e3}"#,          // nor an exponent
+            r#"{"name":"Ada","name":"B","age":1}"#, // each key once
+            r#"{"nam":"Ada","age":1}"#,             // only its keys
+            r#"{"other":1}"#,
+            r#"{"name":1,"age":1}"#,                        // a string's place
+            r#"{"name":"a","age":1,"tags":[]}"#,            // minItems
+            r#"{"name":"a","age":1,"tags":["a","b","a"]}"#, // maxItems
+            r#"{"name":"a","age":1,"tags":["c"]}"#,         // its enum
+            r#"{"name":"a","age":1,"inner":{"x":1}}"#,      // its const
+            r#"{"name":"a","age":1,"inner":{"x":123}}"#,
+            r#"{"name":"a","age":1,"note":true}"#,
+            r#"{"name": "a","age":1}"#, // no blanks outside any value
+            r#"{"name":"a","age":1}}"#,
+            r#"[]"#,
+        ] {
+            let mut state = state(schema.clone());
+            assert!(!(state.feed(text.as_bytes()) && state.is_complete()), "{text} taken");
+        }
+        assert!(!whole(&schema, r#"{"name":"a","age":12"#) && prefix(&schema, r#"{"name":"a","age":12"#));
+        let long = "1".repeat(MAX_NUMBER_BYTES as usize);
+        assert!(whole(&schema, &format!(r#"{{"name":"a","age":{long}}}"#)), "a number of the longest");
+        assert!(!prefix(&schema, &format!(r#"{{"name":"a","age":{long}1"#)), "and no longer");
+        assert!(!prefix(&schema, &format!(r#"{{"name":"a","age":1,"extra":{long}1"#)), "any value's too");
+    }
+
+    #[test]
+    fn what_is_produced_parses_and_validates() {
+        // Everything the state takes whole parses, as an object.
+        let schema = json!({"type": "object", "properties": {"n": {"enum": [1, 12, 123]}, "s": {"enum": ["x", "xy"]}}, "required": ["n"]});
+        for text in [r#"{"n":1}"#, r#"{"n":12,"s":"xy"}"#, r#"{"s":"x","n":123}"#] {
+            assert!(whole(&schema, text), "{text}");
+            assert!(serde_json::from_str::<serde_json::Map<String, Value>>(text).is_ok());
+        }
+        assert!(!whole(&schema, r#"{"n":1234}"#) && !whole(&schema, r#"{"n":2}"#) && !whole(&schema, r#"{"s":"xyz","n":1}"#));
+    }
+
+    #[test]
+    fn a_schema_outside_the_subset_is_refused_by_name() {
+        for (schema, says) in [
+            (json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}), "pattern"),
+            (json!({"$ref": "#/$defs/a"}), "$ref"),
+            (json!({"type": "object", "anyOf": []}), "anyOf"),
+            (json!({"type": "string"}), "root must be an object"),
+            (json!({"type": "object", "properties": {"a": {"type": "text"}}}), "not a JSON Schema type"),
+            (json!({"type": "object", "properties": {}, "required": ["b"]}), "\"b\""),
+            (json!({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}), "minItems"),
+            (json!({"type": "object", "properties": {"a": {"enum": []}}}), "enum"),
+        ] {
+            let refused = Schema::compile(&schema).unwrap_err().0;
+            assert!(refused.contains(says), "{schema}: {refused}");
+        }
+        assert!(Schema::compile(&json!({})).is_err(), "the root says nothing of an object");
+        assert!(Schema::compile(&json!({"type": "object"})).is_ok());
+        assert!(whole(&json!({"type": "object"}), r#"{"any": [1, {"k": null}]}"#), "an object of any properties");
+    }
+
+    #[test]
+    fn accepting_leaves_the_state_as_it_was() {
+        let mut state = state(json!({"type": "object", "properties": {"n": {"type": "integer"}}}));
+        assert!(state.feed(br#"{"n":"#));
+        let before = state.clone();
+        assert!(state.accepts(b"12}") && !state.accepts(b"1.5}") && !state.accepts(b"\"") && !state.accepts(b""));
+        assert_eq!(state, before);
+        assert!(state.feed(b"12}") && state.is_complete());
+        assert!(!state.accepts(b" ") && !state.accepts(b"}"));
+    }
+}
