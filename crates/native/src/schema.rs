@@ -75,7 +75,12 @@ const ANNOTATIONS: &[&str] = &["title", "description", "default", "examples", "f
 pub const MAX_NUMBER_BYTES: u8 = 24;
 
 /// Most parts a schema may compile to.
-const MAX_SHAPES: usize = 4096;
+const MAX_SHAPES: usize = 1024;
+
+/// Most properties of one object, and most values of one enum: the
+/// sampler tries a token against every key or value still matching, so
+/// one request's schema cannot slow every step of its batch.
+pub const MAX_CHOICES: usize = 256;
 
 impl Schema {
     /// Compiles `schema`, or names what is outside the subset.
@@ -119,6 +124,9 @@ impl Schema {
         // A value out of a fixed list: its text is all there is to match.
         let literals = match (schema.get("enum"), schema.get("const")) {
             (Some(_), Some(_)) => return Err(SchemaError("a schema may have enum or const, not both".into())),
+            (Some(Value::Array(values)), None) if values.len() > MAX_CHOICES => {
+                return Err(SchemaError(format!("an enum may have at most {MAX_CHOICES} values, got {}", values.len())));
+            }
             (Some(Value::Array(values)), None) if !values.is_empty() => Some(values.clone()),
             (Some(_), None) => return Err(SchemaError("enum must be a non-empty array".into())),
             (None, Some(value)) => Some(vec![value.clone()]),
@@ -165,6 +173,9 @@ impl Schema {
                     return self.push(Shape::AnyObject);
                 };
                 let Value::Object(properties) = properties else { return Err(SchemaError("properties must be an object".into())) };
+                if properties.len() > MAX_CHOICES {
+                    return Err(SchemaError(format!("an object may have at most {MAX_CHOICES} properties, got {}", properties.len())));
+                }
                 let required: Vec<&str> = match schema.get("required") {
                     None => Vec::new(),
                     Some(Value::Array(names)) => {
@@ -594,6 +605,11 @@ mod tests {
             (json!({"type": "object", "properties": {}, "required": ["b"]}), "\"b\""),
             (json!({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}), "minItems"),
             (json!({"type": "object", "properties": {"a": {"enum": []}}}), "enum"),
+            (json!({"type": "object", "properties": {"a": {"enum": (0..=MAX_CHOICES).collect::<Vec<_>>()}}}), "at most 256 values"),
+            (
+                json!({"type": "object", "properties": (0..=MAX_CHOICES).map(|i| (format!("k{i}"), json!({}))).collect::<serde_json::Map<_, _>>()}),
+                "at most 256 properties",
+            ),
         ] {
             let refused = Schema::compile(&schema).unwrap_err().0;
             assert!(refused.contains(says), "{schema}: {refused}");
