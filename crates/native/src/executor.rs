@@ -4,14 +4,14 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use turbine_engine::{Batch, Executor, ExecutorError, KvAllocator, KvMemory, Sampled};
+use turbine_engine::{Batch, Executor, ExecutorError, KvAllocator, KvMemory, OutputFormat, Sampled, SeqId};
 use turbine_tokens::Gguf;
 
 use crate::candle_backend::{CandleCache, CandleModel};
 use crate::config::LlamaConfig;
 use crate::model::{KvCache, LlamaModel, SequenceRows};
 use crate::pool::ThreadPool;
-use crate::sampling::{OutputVocabulary, sample};
+use crate::sampling::{OutputTrack, OutputVocabulary, sample_tracked};
 use crate::{Error, Result};
 
 /// Where the model runs.
@@ -98,6 +98,9 @@ pub struct NativeExecutor {
     /// What constrained output reads of the vocabulary; without it, no
     /// output is constrained.
     vocabulary: Option<OutputVocabulary>,
+    /// Each sequence's constrained output as read so far (kept while it is
+    /// in the batch; one that leaves it is read again if it comes back).
+    tracks: std::collections::HashMap<SeqId, OutputTrack>,
 }
 
 #[derive(Debug)]
@@ -150,7 +153,7 @@ impl NativeExecutor {
             kv_mib = (num_blocks * bytes_per_block) >> 20,
             "native engine loaded"
         );
-        Ok(Self { config, compute, vocabulary: None })
+        Ok(Self { config, compute, vocabulary: None, tracks: Default::default() })
     }
 
     /// Constrains the output of requests that ask for a format
@@ -237,6 +240,8 @@ impl Executor for NativeExecutor {
         let mut logits = logits.map_err(|error| ExecutorError::Compute(error.to_string()))?;
         let vocab = self.config.vocab;
         let mut rows = logits.chunks_exact_mut(vocab);
+        let (vocabulary, tracks) = (self.vocabulary.as_ref(), &mut self.tracks);
+        tracks.retain(|id, _| batch.items.iter().any(|item| item.seq_id == *id));
         Ok(batch
             .items
             .iter()
@@ -245,7 +250,10 @@ impl Executor for NativeExecutor {
                     return None;
                 }
                 let row = rows.next().expect("one logits row per sampling item");
-                let choice = sample(row, item.sampling, item.tokens, item.generated, self.vocabulary.as_ref());
+                let choice = match item.sampling.output {
+                    OutputFormat::Text => sample_tracked(row, item.sampling, item.tokens, item.generated, vocabulary, &mut OutputTrack::default()),
+                    _ => sample_tracked(row, item.sampling, item.tokens, item.generated, vocabulary, tracks.entry(item.seq_id).or_default()),
+                };
                 Some(Sampled { token: choice.token, logprobs: choice.logprobs })
             })
             .collect())

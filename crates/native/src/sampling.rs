@@ -69,28 +69,9 @@ impl OutputVocabulary {
         Some(schema)
     }
 
-    /// The schema's state after `output`, or `None` if it is no prefix of
-    /// a valid value (then only the end may follow).
-    fn schema_after(&self, schema: Arc<Schema>, output: &[u32]) -> Option<SchemaState> {
-        let mut state = SchemaState::new(schema);
-        output.iter().all(|&token| !self.bytes.is_special(token) && state.feed(self.bytes.get(token))).then_some(state)
-    }
-
     /// Whether `token` is an ordinary one (not special, not an end).
     fn ordinary(&self, token: u32) -> bool {
         !self.bytes.is_special(token) && !self.eos.contains(&token)
-    }
-
-    /// The JSON state after `output`, or `None` if it is no prefix of an
-    /// object (then only the end may follow).
-    fn json_after(&self, output: &[u32]) -> Option<JsonState> {
-        let mut state = JsonState::object();
-        output.iter().all(|&token| !self.bytes.is_special(token) && state.feed(self.bytes.get(token))).then_some(state)
-    }
-
-    /// Whether `token` may follow an output in `state`.
-    fn allows(&self, state: &JsonState, token: u32) -> bool {
-        self.ordinary(token) && state.accepts(self.bytes.get(token))
     }
 }
 
@@ -103,33 +84,120 @@ pub struct Choice {
     pub logprobs: Option<TokenLogprobs>,
 }
 
+/// A sequence's constrained output as read so far, carried from step to
+/// step so each step reads only the tokens since the last (linear in the
+/// output, not quadratic). Starting over is always right: a track that
+/// does not fit the output it is given (another format, fewer tokens, a
+/// different last token) is rebuilt from the output.
+#[derive(Debug, Clone, Default)]
+pub struct OutputTrack {
+    /// Output tokens read, and the last of them.
+    read: usize,
+    last: Option<u32>,
+    state: Tracked,
+}
+
+#[derive(Debug, Clone, Default)]
+enum Tracked {
+    /// Nothing read yet.
+    #[default]
+    Fresh,
+    Object(JsonState),
+    Schema(SchemaState),
+    /// The output is no prefix of a valid value: only the end follows.
+    Broken,
+}
+
+impl OutputTrack {
+    /// Brings the track up to `output` under `format`; `false` if the
+    /// output is no prefix of a valid value (or the schema compiles not).
+    fn advance(&mut self, format: &OutputFormat, output: &[u32], vocabulary: &OutputVocabulary) -> bool {
+        let fits = match (&self.state, format) {
+            (Tracked::Fresh, _) => false,
+            (Tracked::Object(_), OutputFormat::JsonObject { .. }) => true,
+            (Tracked::Schema(state), OutputFormat::JsonSchema { schema, .. }) => vocabulary.schema(schema).is_some_and(|compiled| state.is_of(&compiled)),
+            (Tracked::Broken, _) => true,
+            _ => false,
+        };
+        if !(fits && self.read <= output.len() && (self.read == 0 || output.get(self.read - 1) == self.last.as_ref())) {
+            self.read = 0;
+            self.state = match format {
+                OutputFormat::JsonObject { .. } => Tracked::Object(JsonState::object()),
+                OutputFormat::JsonSchema { schema, .. } => match vocabulary.schema(schema) {
+                    Some(schema) => Tracked::Schema(SchemaState::new(schema)),
+                    None => Tracked::Broken,
+                },
+                OutputFormat::Text => Tracked::Broken,
+            };
+        }
+        for &token in &output[self.read..] {
+            let bytes = vocabulary.bytes.get(token);
+            let kept = !vocabulary.bytes.is_special(token)
+                && match &mut self.state {
+                    Tracked::Object(state) => state.feed(bytes),
+                    Tracked::Schema(state) => state.feed(bytes),
+                    Tracked::Fresh | Tracked::Broken => false,
+                };
+            if !kept {
+                self.state = Tracked::Broken;
+                break;
+            }
+        }
+        self.read = output.len();
+        self.last = output.last().copied();
+        !matches!(self.state, Tracked::Broken)
+    }
+
+    fn is_complete(&self) -> bool {
+        match &self.state {
+            Tracked::Object(state) => state.is_complete(),
+            Tracked::Schema(state) => state.is_complete(),
+            Tracked::Fresh | Tracked::Broken => true,
+        }
+    }
+
+    fn accepts(&self, bytes: &[u8]) -> bool {
+        match &self.state {
+            Tracked::Object(state) => state.accepts(bytes),
+            Tracked::Schema(state) => state.accepts(bytes),
+            Tracked::Fresh | Tracked::Broken => false,
+        }
+    }
+}
+
 /// Samples from `logits` (modified in place). `history` is the sequence so
 /// far (prompt then output); its last `generated` tokens are the output.
 /// Constrained output ([`SamplingParams::output`]) needs `vocabulary`;
-/// without one the output is not constrained.
+/// without one the output is not constrained. Each call reads the whole
+/// output; [`sample_tracked`] carries what it read from step to step.
 pub fn sample(logits: &mut [f32], params: &SamplingParams, history: &[u32], generated: usize, vocabulary: Option<&OutputVocabulary>) -> Choice {
+    sample_tracked(logits, params, history, generated, vocabulary, &mut OutputTrack::default())
+}
+
+/// [`sample`], reading only the output `track` has not read yet.
+pub fn sample_tracked(
+    logits: &mut [f32],
+    params: &SamplingParams,
+    history: &[u32],
+    generated: usize,
+    vocabulary: Option<&OutputVocabulary>,
+    track: &mut OutputTrack,
+) -> Choice {
     apply_penalties(logits, params, history, generated);
     let logprobs = params.logprobs.map(|top| logprobs_of(logits, top as usize));
     let temperature = params.temperature.unwrap_or(0.0);
     let pick = |logits: &[f32]| if temperature <= 0.0 { crate::ops::argmax(logits) as u32 } else { draw(logits, params, temperature, generated) };
     let token = match (&params.output, vocabulary) {
-        (OutputFormat::JsonObject { continued }, Some(vocabulary)) => {
-            let output = &history[history.len().saturating_sub(generated + *continued as usize)..];
-            match vocabulary.json_after(output) {
-                Some(state) if !state.is_complete() => pick_allowed(logits, |token| vocabulary.allows(&state, token), vocabulary, pick),
-                _ => vocabulary.eos[0],
+        (OutputFormat::Text, _) | (_, None) => pick(logits),
+        (format, Some(vocabulary)) => {
+            let output = &history[history.len().saturating_sub(generated + format.continued() as usize)..];
+            if track.advance(format, output, vocabulary) && !track.is_complete() {
+                let track = &*track;
+                pick_allowed(logits, |token| vocabulary.ordinary(token) && track.accepts(vocabulary.bytes.get(token)), vocabulary, pick)
+            } else {
+                vocabulary.eos[0]
             }
         }
-        (OutputFormat::JsonSchema { schema, continued }, Some(vocabulary)) => {
-            let output = &history[history.len().saturating_sub(generated + *continued as usize)..];
-            match vocabulary.schema(schema).and_then(|schema| vocabulary.schema_after(schema, output)) {
-                Some(state) if !state.is_complete() => {
-                    pick_allowed(logits, |token| vocabulary.ordinary(token) && state.accepts(vocabulary.bytes.get(token)), vocabulary, pick)
-                }
-                _ => vocabulary.eos[0],
-            }
-        }
-        _ => pick(logits),
     };
     let logprobs = logprobs.map(|(all, top)| TokenLogprobs { logprob: all[token as usize], top });
     Choice { token, logprobs }
@@ -393,6 +461,71 @@ mod tests {
         let continued = SamplingParams { output: held.output.continued_by(so_far.len() as u32), ..held.clone() };
         let rest = text(&generate(&continued, &vocabulary, &so_far, prose));
         assert!(serde_json::from_str::<serde_json::Value>(&format!("{}{rest}", text(&so_far))).is_ok(), "{rest:?}");
+    }
+
+    #[test]
+    fn a_tracked_output_samples_as_one_read_whole_each_step() {
+        let (vocabulary, _) = json_vocabulary();
+        let schema =
+            serde_json::json!({"type": "object", "properties": {"key": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}}, "required": ["key"]});
+        let held = SamplingParams { output: OutputFormat::json_schema(&schema).unwrap(), temperature: Some(1.2), seed: Some(7), ..params() };
+        let noisy = |step: usize| (0..16).map(|token| ((token * 7 + step * 13) % 11) as f32 * 0.4).collect::<Vec<f32>>();
+        for params in [held, SamplingParams { temperature: Some(1.2), seed: Some(7), ..json(0) }] {
+            let fresh = generate(&params, &vocabulary, &[5], noisy);
+            let (mut history, mut track) = (vec![5], OutputTrack::default());
+            for generated in 0..200 {
+                let token = sample_tracked(&mut noisy(generated), &params, &history, generated, Some(&vocabulary), &mut track).token;
+                if token == 0 {
+                    break;
+                }
+                history.push(token);
+            }
+            assert_eq!(history[1..], fresh[..], "{:?}", params.output);
+            // A track that does not fit the output (another sequence's) is
+            // read again from the output, not trusted.
+            let mut stale = track.clone();
+            let other = generate(&params, &vocabulary, &[5, 5], noisy);
+            let mut history = vec![5, 5];
+            for (generated, &token) in other.iter().enumerate() {
+                assert_eq!(sample_tracked(&mut noisy(generated), &params, &history, generated, Some(&vocabulary), &mut stale).token, token);
+                history.push(token);
+            }
+        }
+    }
+
+    /// What a step of constrained sampling costs as the output grows, each
+    /// step reading the whole output against reading only its last token
+    /// (`cargo test -p turbine-native --lib constrained_step_cost -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn constrained_step_cost() {
+        let (vocabulary, _) = json_vocabulary();
+        // A key of hellos: any object's (a schema naming no properties).
+        let schema = serde_json::json!({"type": "object"});
+        for params in [json(0), SamplingParams { output: OutputFormat::json_schema(&schema).unwrap(), ..params() }] {
+            for length in [100, 1000, 4000] {
+                // `{"` then hellos: inside a string, the likeliest token
+                // (hello) is allowed, so one check per step.
+                let history: Vec<u32> = std::iter::once(14).chain(std::iter::repeat_n(9, length)).collect();
+                let logits = |_: usize| vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+                let steps = 200;
+                let started = std::time::Instant::now();
+                for step in 0..steps {
+                    std::hint::black_box(sample(&mut logits(step), &params, &history, length + 1, Some(&vocabulary)));
+                }
+                let fresh = started.elapsed() / steps as u32;
+                let mut track = OutputTrack::default();
+                sample_tracked(&mut logits(0), &params, &history[..history.len() - 1], length, Some(&vocabulary), &mut track);
+                assert_ne!(sample(&mut logits(0), &params, &history, length + 1, Some(&vocabulary)).token, 0, "the output is a prefix still");
+                let started = std::time::Instant::now();
+                for step in 0..steps {
+                    let mut again = track.clone();
+                    std::hint::black_box(sample_tracked(&mut logits(step), &params, &history, length + 1, Some(&vocabulary), &mut again));
+                }
+                let tracked = started.elapsed() / steps as u32;
+                eprintln!("{:?} output {length:>5} tokens: read whole {fresh:?}/step, tracked {tracked:?}/step", params.output.kind());
+            }
+        }
     }
 
     #[test]

@@ -280,6 +280,11 @@ impl SchemaState {
         self.done
     }
 
+    /// Whether it reads values of `schema` (the same compiled schema).
+    pub fn is_of(&self, schema: &Arc<Schema>) -> bool {
+        Arc::ptr_eq(&self.schema, schema)
+    }
+
     /// Reads `bytes`; `false` (the state partly advanced) if they cannot
     /// continue a valid value.
     pub fn feed(&mut self, bytes: &[u8]) -> bool {
