@@ -184,14 +184,24 @@ async fn a_flooding_tenant_leaves_anothers_prompt_in_the_host_tier() {
         let worker = native_worker(&["--kv-cache-mib", "4", "--host-cache-mib", "8"]).await;
         let client = WorkerClient::connect(worker.grpc_endpoint()).await.unwrap();
         let admin = worker.admin_url();
+        // Each prompt's 8 blocks are copied before the next prompt comes:
+        // a block the next one evicts before its copy is skipped (copies
+        // that fall behind are, by design), and a loaded machine could
+        // then lose b's blocks or never count 48.
+        let copied = async |prompts: usize| {
+            turbine_testkit::wait_until("copies to the host tier", Duration::from_secs(30), async || {
+                metric(&admin, "turbine_worker_kv_tier_offloaded_blocks_total").await >= 8.0 * prompts as f64
+                    && metric(&admin, "turbine_worker_kv_blocks_used").await == 0.0
+            })
+            .await;
+        };
         let computed = generate(client.clone(), as_tenant(&b, tenants.then_some("b"))).await.unwrap().0;
-        for prompt in &flood {
+        copied(1).await;
+        for (n, prompt) in flood.iter().enumerate() {
             generate(client.clone(), as_tenant(prompt, tenants.then_some("a"))).await.unwrap();
+            copied(n + 2).await;
         }
-        turbine_testkit::wait_until("copies to the host tier", Duration::from_secs(30), async || {
-            metric(&admin, "turbine_worker_kv_tier_offloaded_blocks_total").await >= 48.0 && metric(&admin, "turbine_worker_kv_blocks_used").await == 0.0
-        })
-        .await;
+        assert_eq!(metric(&admin, "turbine_worker_kv_tier_offloads_skipped_total").await, 0.0, "every block was copied");
         let (again, _) = generate(client.clone(), as_tenant(&b, tenants.then_some("b"))).await.unwrap();
         assert_eq!(again, computed, "b's repeat gives the computed tokens");
         assert!(metric(&admin, "turbine_worker_kv_tier_bytes").await <= 8.0 * 1024.0 * 1024.0);
