@@ -120,15 +120,18 @@ async fn prompts_evicted_from_the_pool_come_back_from_the_host_tier() {
         .iter()
         .map(|text| tokens.encode_text(&text.repeat(20)).unwrap()[..128].to_vec())
         .collect();
-    let mut computed = Vec::new();
-    for prompt in &prompts {
-        computed.push(generate(client.clone(), greedy(prompt, 8)).await.unwrap().0);
-    }
     let admin = worker.admin_url();
-    turbine_testkit::wait_until("copies to the host tier", Duration::from_secs(30), async || {
-        metric(&admin, "turbine_worker_kv_tier_offloaded_blocks_total").await >= 16.0 && metric(&admin, "turbine_worker_kv_blocks_used").await == 0.0
-    })
-    .await;
+    let mut computed = Vec::new();
+    // Each prompt's 8 blocks are copied before the next comes: one it
+    // evicted before its copy would be skipped, not lost from the test.
+    for (n, prompt) in prompts.iter().enumerate() {
+        computed.push(generate(client.clone(), greedy(prompt, 8)).await.unwrap().0);
+        turbine_testkit::wait_until("copies to the host tier", Duration::from_secs(30), async || {
+            metric(&admin, "turbine_worker_kv_tier_offloaded_blocks_total").await >= 8.0 * (n + 1) as f64
+                && metric(&admin, "turbine_worker_kv_blocks_used").await == 0.0
+        })
+        .await;
+    }
     // The second prompt took most of the pool: the first prompt's tail
     // blocks left it (evicted first) and come back from the host tier.
     let cached_before = metric(&admin, "turbine_worker_cached_prompt_tokens_total").await;
