@@ -808,6 +808,11 @@ async fn a_mixed_fleet_sends_json_only_to_the_worker_whose_engine_keeps_to_it() 
         Err(turbine_api::router::RouterCallError::Unserved(message)) => assert!(message.contains("from output begun on another worker"), "{message}"),
         other => panic!("a continued object was routed or refused for another reason: {other:?}"),
     }
+    // What each engine keeps to is listed for operators (ListWorkers).
+    let listed: std::collections::BTreeMap<String, turbine_api::OutputFormats> =
+        client.workers(None).await.unwrap().into_iter().map(|worker| (worker.worker_id.to_string(), worker.output_formats)).collect();
+    let llama = turbine_api::OutputFormats { json_object: true, json_schema: true, ..turbine_api::OutputFormats::TEXT };
+    assert_eq!(listed, [("llama-0".to_owned(), llama), ("mock-0".to_owned(), turbine_api::OutputFormats::TEXT)].into());
 }
 
 // The plain OpenAI API, against llama.cpp's own OpenAI endpoint (one of

@@ -80,6 +80,7 @@ async fn a_model_whose_only_worker_gives_no_card_is_not_found() {
             in_flight: 0,
             role: WorkerRole::Aggregated,
             kv_tenants: Vec::new(),
+            output_formats: Default::default(),
         }])
     });
     let mut worker = MockWorkerApi::new();

@@ -15,7 +15,7 @@ use turbine_runtime::host::Role;
 
 use super::{KvOverrides, Policy, RouteRequest, Routed, RoutedWorker};
 use crate::error::{ApiError, ErrorCode, from_status};
-use crate::{FormatKind, Load, WorkerRole};
+use crate::{FormatKind, Load, OutputFormats, WorkerRole};
 
 /// The role a router's certificate names: who this client calls.
 pub const ROLE: Role = Role::Router;
@@ -373,7 +373,17 @@ impl From<RouteRequest> for pb::RouteRequest {
 
 impl From<RoutedWorker> for pb::WorkerInfo {
     fn from(worker: RoutedWorker) -> Self {
-        let RoutedWorker { worker_id, endpoint, model, load: Load { running, waiting, blocks_used, blocks_total }, in_flight, role, kv_tenants } = worker;
+        let RoutedWorker {
+            worker_id,
+            endpoint,
+            model,
+            load: Load { running, waiting, blocks_used, blocks_total },
+            in_flight,
+            role,
+            kv_tenants,
+            output_formats,
+        } = worker;
+        let OutputFormats { json_object, json_schema, json_schema_core, resumes } = output_formats;
         pb::WorkerInfo {
             worker_id: worker_id.to_string(),
             endpoint,
@@ -382,6 +392,7 @@ impl From<RoutedWorker> for pb::WorkerInfo {
             in_flight,
             role: role_to_wire(role) as i32,
             kv_tenants: kv_tenants.into_iter().map(turbine_kv::KvTenant::get).collect(),
+            output_formats: (!output_formats.is_text_only()).then_some(pb::WorkerOutputFormats { json_object, json_schema, json_schema_core, resumes }),
         }
     }
 }
@@ -390,7 +401,7 @@ impl TryFrom<pb::WorkerInfo> for RoutedWorker {
     type Error = ConversionError;
 
     fn try_from(worker: pb::WorkerInfo) -> ConversionResult<Self> {
-        let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight, role, kv_tenants } = worker;
+        let pb::WorkerInfo { worker_id, endpoint, model, load, in_flight, role, kv_tenants, output_formats } = worker;
         if worker_id.is_empty() {
             return Err(ConversionError::Missing("worker.worker_id"));
         }
@@ -403,6 +414,9 @@ impl TryFrom<pb::WorkerInfo> for RoutedWorker {
             in_flight,
             role: role_from_wire(role)?,
             kv_tenants: kv_tenants.into_iter().map(turbine_kv::KvTenant::new).collect(),
+            output_formats: output_formats.map_or(OutputFormats::TEXT, |pb::WorkerOutputFormats { json_object, json_schema, json_schema_core, resumes }| {
+                OutputFormats { json_object, json_schema, json_schema_core, resumes }
+            }),
         })
     }
 }
@@ -472,15 +486,21 @@ mod tests {
             in_flight: 2,
             role: WorkerRole::Decode,
             kv_tenants: vec![turbine_kv::KvTenant::of_tenant("acme"), turbine_kv::KvTenant::SHARED],
+            output_formats: OutputFormats { json_object: true, json_schema: false, json_schema_core: true, resumes: true },
         };
         let routed = Routed {
             worker: worker.clone(),
             in_flight: 2,
             prompt_blocks: 4,
             overlap_blocks: 1,
-            prefill: Some(RoutedWorker { role: WorkerRole::Prefill, ..worker }),
+            prefill: Some(RoutedWorker { role: WorkerRole::Prefill, output_formats: OutputFormats::TEXT, ..worker.clone() }),
         };
         assert_eq!(Routed::try_from(pb::RouteResponse::from(routed.clone())).unwrap(), routed);
+        for formats in [OutputFormats::TEXT, OutputFormats { json_schema: true, ..OutputFormats::TEXT }] {
+            let info = pb::WorkerInfo::from(RoutedWorker { output_formats: formats, ..worker.clone() });
+            assert_eq!(info.output_formats.is_none(), formats.is_text_only(), "text only is left unset");
+            assert_eq!(RoutedWorker::try_from(info).unwrap().output_formats, formats);
+        }
     }
 
     #[test]

@@ -86,6 +86,8 @@ pub struct RoutedWorker {
     pub role: WorkerRole,
     /// The KV tenants its certificate limits it to; empty: any tenant.
     pub kv_tenants: Vec<turbine_kv::KvTenant>,
+    /// The output formats its engine holds its output to.
+    pub output_formats: crate::OutputFormats,
 }
 
 /// How the router chooses among live workers serving the model.

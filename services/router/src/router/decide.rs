@@ -214,5 +214,6 @@ pub(super) fn routed_of(worker: &LiveWorker, in_flight: u32) -> RoutedWorker {
         in_flight,
         role: record.role,
         kv_tenants: worker.kv_tenants.as_deref().map_or_else(Vec::new, <[_]>::to_vec),
+        output_formats: record.output_formats,
     }
 }
