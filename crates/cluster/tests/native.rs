@@ -97,8 +97,9 @@ async fn the_native_engine_answers_through_the_gateway() {
 
 /// `response_format: json_schema` on the native engine: the real model's
 /// output, greedy and sampled, is a value of the schema (its keys only,
-/// each of its type, an enum's strings only); a schema beyond the core
-/// subset is a 400 naming its keyword, streamed or not.
+/// each of its type, an enum's strings only, definitions named by $ref and
+/// anyOf a value or null as libraries write them); a schema beyond the
+/// core subset is a 400 naming its keyword, streamed or not.
 #[tokio::test]
 async fn schema_output_from_the_real_model_is_the_schemas_value() {
     let mut config = Sandbox::native();
@@ -118,6 +119,11 @@ async fn schema_output_from_the_real_model_is_the_schemas_value() {
                          "required": ["colours"], "additionalProperties": false});
     let person = json!({"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "alive": {"type": "boolean"}},
                         "required": ["name", "born", "alive"], "additionalProperties": false});
+    let library = json!({
+        "$defs": {"Colour": {"enum": ["red", "green", "blue"], "title": "Colour", "type": "string"}},
+        "properties": {"first": {"$ref": "#/$defs/Colour"}, "second": {"anyOf": [{"$ref": "#/$defs/Colour"}, {"type": "null"}], "default": null}},
+        "required": ["first", "second"], "title": "Favourites", "type": "object", "additionalProperties": false
+    });
     for extra in [json!({"temperature": 0}), json!({"temperature": 0.8, "seed": 3}), json!({"temperature": 1.0, "top_p": 0.9, "seed": 11})] {
         let (status, body) = sandbox.post("/v1/chat/completions", &ask("Name three colours.", colours.clone(), extra.clone())).await;
         assert_eq!(status, 200, "{body}");
@@ -127,6 +133,17 @@ async fn schema_output_from_the_real_model_is_the_schemas_value() {
         let listed = value["colours"].as_array().unwrap_or_else(|| panic!("{extra}: {content:?}"));
         assert!(value.as_object().unwrap().len() == 1 && (1..=3).contains(&listed.len()), "{extra}: {content:?}");
         assert!(listed.iter().all(|colour| ["red", "green", "blue"].contains(&colour.as_str().unwrap_or(""))), "{extra}: {content:?}");
+
+        // As a typed model's library writes a schema: a definition named
+        // twice by $ref, an optional field as anyOf it or null.
+        let (status, body) = sandbox.post("/v1/chat/completions", &ask("Name your two favourite colours.", library.clone(), extra.clone())).await;
+        assert_eq!(status, 200, "{body}");
+        let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(body["choices"][0]["finish_reason"], "stop", "{extra}: {content:?}");
+        let value: serde_json::Value = serde_json::from_str(content).unwrap_or_else(|error| panic!("{extra}: {content:?} is no JSON: {error}"));
+        let colour = |value: &serde_json::Value| ["red", "green", "blue"].contains(&value.as_str().unwrap_or(""));
+        assert!(value.as_object().unwrap().len() == 2 && colour(&value["first"]), "{extra}: {content:?}");
+        assert!(value["second"].is_null() || colour(&value["second"]), "{extra}: {content:?}");
 
         let (status, body) = sandbox.post("/v1/chat/completions", &ask("Describe Ada Lovelace.", person.clone(), extra.clone())).await;
         assert_eq!(status, 200, "{body}");

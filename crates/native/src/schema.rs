@@ -6,10 +6,14 @@
 //! The subset: `type` (one or a list: object, array, string, number,
 //! integer, boolean, null), `properties`, `required`,
 //! `additionalProperties`, `items`, `minItems`, `maxItems`, `enum` and
-//! `const`; annotations (`title`, `description`, `default`, `examples`,
-//! `format`, `$schema`, `$id`, `$comment`) are read past. Any other keyword
-//! is refused by name rather than held to loosely. The root must be an
-//! object (as OpenAI asks of a schema), so the output ends where it closes.
+//! `const`; `$ref` to a part of the same schema (`#/$defs/...`,
+//! `#/definitions/...`, not recursive); `anyOf` and `oneOf` of
+//! alternatives told apart by their first byte (a string or null, an
+//! object or an array: what a library's optional field compiles to);
+//! annotations (`title`, `description`, `default`, `examples`, `format`,
+//! `$schema`, `$id`, `$comment`) are read past. Any other keyword is
+//! refused by name rather than held to loosely. The root must be an object
+//! (as OpenAI asks of a schema), so the output ends where it closes.
 //!
 //! Every value produced is valid against the schema, though not every
 //! valid value can be produced: an object with `properties` holds only
@@ -82,11 +86,16 @@ const MAX_SHAPES: usize = 1024;
 /// one request's schema cannot slow every step of its batch.
 pub const MAX_CHOICES: usize = 256;
 
+/// Where definitions are kept, read past where they stand: a part is
+/// compiled where a `$ref` names it.
+const DEFINITIONS: &[&str] = &["$defs", "definitions"];
+
 impl Schema {
     /// Compiles `schema`, or names what is outside the subset.
     pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
-        let mut compiled = Schema { shapes: Vec::new(), root: 0 };
-        let root = compiled.part(schema, 0)?;
+        let mut compiler = Compiler { document: schema, schema: Schema { shapes: Vec::new(), root: 0 }, refs: Default::default() };
+        let root = compiler.part(schema, 0)?;
+        let mut compiled = compiler.schema;
         compiled.root = root;
         if !matches!(compiled.shapes[root], Shape::Object { .. } | Shape::AnyObject) {
             return Err(SchemaError("the schema's root must be an object (\"type\": \"object\")".into()));
@@ -99,13 +108,72 @@ impl Schema {
         let value: Value = serde_json::from_str(text).map_err(|error| SchemaError(format!("the schema is not JSON: {error}")))?;
         Self::compile(&value)
     }
+}
 
+/// A schema being compiled: the whole document (what `$ref`s point into),
+/// the parts so far, and each `$ref` met (`None` while its part is being
+/// compiled: met again then, it is recursive).
+struct Compiler<'a> {
+    document: &'a Value,
+    schema: Schema,
+    refs: std::collections::HashMap<String, Option<usize>>,
+}
+
+impl Compiler<'_> {
     fn push(&mut self, shape: Shape) -> Result<usize, SchemaError> {
-        if self.shapes.len() >= MAX_SHAPES {
+        if self.schema.shapes.len() >= MAX_SHAPES {
             return Err(SchemaError(format!("the schema has more than {MAX_SHAPES} parts")));
         }
-        self.shapes.push(shape);
-        Ok(self.shapes.len() - 1)
+        self.schema.shapes.push(shape);
+        Ok(self.schema.shapes.len() - 1)
+    }
+
+    /// The part a `$ref` names, compiled once however often it is named.
+    fn reference(&mut self, reference: &str, depth: usize) -> Result<usize, SchemaError> {
+        match self.refs.get(reference) {
+            Some(Some(part)) => return Ok(*part),
+            Some(None) => return Err(SchemaError(format!("the $ref {reference:?} is recursive: the native engine holds to schemas of bounded depth"))),
+            None => {}
+        }
+        let Some(pointer) = reference.strip_prefix('#') else {
+            return Err(SchemaError(format!("the $ref {reference:?} is not to a part of this schema (\"#/$defs/...\")")));
+        };
+        let document = self.document;
+        let Some(target) = document.pointer(pointer) else { return Err(SchemaError(format!("the $ref {reference:?} names no part of the schema"))) };
+        self.refs.insert(reference.to_owned(), None);
+        let part = self.part(target, depth + 1)?;
+        self.refs.insert(reference.to_owned(), Some(part));
+        Ok(part)
+    }
+
+    /// The alternatives of an `anyOf` or `oneOf`: each value's first byte
+    /// must tell which it is, so that the output is read one way only (for
+    /// `oneOf`, that also makes a value valid against exactly one).
+    fn alternatives(&mut self, keyword: &str, alternatives: &Value, depth: usize) -> Result<usize, SchemaError> {
+        let Value::Array(alternatives) = alternatives else { return Err(SchemaError(format!("{keyword} must be an array of schemas"))) };
+        if alternatives.is_empty() || alternatives.len() > MAX_CHOICES {
+            return Err(SchemaError(format!("{keyword} must have 1 to {MAX_CHOICES} schemas, got {}", alternatives.len())));
+        }
+        let mut parts = Vec::new();
+        for alternative in alternatives {
+            let part = self.part(alternative, depth + 1)?;
+            match &self.schema.shapes[part] {
+                Shape::OneOf(inner) => parts.extend(inner.iter().copied()),
+                _ => parts.push(part),
+            }
+        }
+        if let [only] = parts[..] {
+            return Ok(only);
+        }
+        for byte in 0..=u8::MAX {
+            if parts.iter().filter(|&&part| self.schema.starts(part, byte)).count() > 1 {
+                let shown = if byte.is_ascii_graphic() { format!("{:?}", byte as char) } else { format!("byte {byte}") };
+                return Err(SchemaError(format!(
+                    "two of {keyword}'s schemas take a value beginning with {shown}: the native engine holds to alternatives told apart by their first byte (an object or null, a string or a number)"
+                )));
+            }
+        }
+        self.push(Shape::OneOf(parts))
     }
 
     fn part(&mut self, schema: &Value, depth: usize) -> Result<usize, SchemaError> {
@@ -117,9 +185,23 @@ impl Schema {
             Value::Object(schema) => schema,
             other => return Err(SchemaError(format!("a schema must be an object or true, got {other}"))),
         };
-        const KNOWN: &[&str] = &["type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const"];
-        if let Some(keyword) = schema.keys().find(|key| !KNOWN.contains(&key.as_str()) && !ANNOTATIONS.contains(&key.as_str())) {
+        const KNOWN: &[&str] =
+            &["type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const", "$ref", "anyOf", "oneOf"];
+        let said = |key: &&String| !ANNOTATIONS.contains(&key.as_str()) && !DEFINITIONS.contains(&key.as_str());
+        if let Some(keyword) = schema.keys().find(|key| !KNOWN.contains(&key.as_str()) && said(key)) {
             return Err(SchemaError(format!("the keyword {keyword:?} is not held to by the native engine")));
+        }
+        // A reference or alternatives stand alone (beside annotations).
+        for keyword in ["$ref", "anyOf", "oneOf"] {
+            let Some(value) = schema.get(keyword) else { continue };
+            if let Some(beside) = schema.keys().filter(said).find(|key| key.as_str() != keyword) {
+                return Err(SchemaError(format!("{keyword} beside {beside:?} is not held to by the native engine (put {beside:?} in its schemas)")));
+            }
+            if keyword == "$ref" {
+                let Value::String(reference) = value else { return Err(SchemaError("$ref must be a string".into())) };
+                return self.reference(reference, depth);
+            }
+            return self.alternatives(keyword, value, depth);
         }
         // A value out of a fixed list: its text is all there is to match.
         let literals = match (schema.get("enum"), schema.get("const")) {
@@ -622,6 +704,84 @@ mod tests {
         assert!(Schema::compile(&json!({})).is_err(), "the root says nothing of an object");
         assert!(Schema::compile(&json!({"type": "object"})).is_ok());
         assert!(whole(&json!({"type": "object"}), r#"{"any": [1, {"k": null}]}"#), "an object of any properties");
+    }
+
+    /// A schema as a typed model's library writes it: definitions named by
+    /// `$ref` (one named twice), an optional field as `anyOf` a kind or
+    /// null.
+    #[test]
+    fn references_and_alternatives_compile_as_libraries_write_them() {
+        let schema = json!({
+            "$defs": {
+                "Address": {
+                    "properties": {"city": {"title": "City", "type": "string"}, "zip": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": null, "title": "Zip"}},
+                    "required": ["city"], "title": "Address", "type": "object"
+                },
+                "Role": {"enum": ["admin", "user"], "title": "Role", "type": "string"},
+                "Unused": {"type": "string", "pattern": "^x"}
+            },
+            "properties": {
+                "name": {"title": "Name", "type": "string"},
+                "home": {"$ref": "#/$defs/Address"},
+                "work": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}], "default": null},
+                "role": {"$ref": "#/$defs/Role", "description": "what they may do"},
+                "scores": {"oneOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "integer"}, {"anyOf": [{"type": "boolean"}]}]}
+            },
+            "required": ["name", "home", "role"],
+            "title": "Person",
+            "type": "object"
+        });
+        let compiled = Schema::compile(&schema).unwrap();
+        let addresses = compiled.shapes.iter().filter(|shape| matches!(shape, Shape::Object { keys, .. } if keys.len() == 2)).count();
+        assert_eq!(addresses, 1, "a definition named twice is compiled once");
+        for text in [
+            r#"{"name":"Ada","home":{"city":"London"},"role":"admin"}"#,
+            r#"{"name":"A","home":{"city":"x","zip":null},"work":{"zip":"N1","city":"y"},"role":"user","scores":[1,2]}"#,
+            r#"{"role":"user","scores":3,"name":"A","home":{"city":"x"},"work":null}"#,
+            r#"{"name":"A","home":{"city":"x"},"role":"user","scores":true}"#,
+        ] {
+            assert!(whole(&schema, text), "{text}");
+            for end in 0..text.len() {
+                assert!(prefix(&schema, &text[..end]), "prefix {:?}", &text[..end]);
+            }
+        }
+        for text in [
+            r#"{"name":"A","home":{"city":"x"},"role":"guest"}"#,
+            r#"{"name":"A","home":{"city":"x"},"role":"user","work":"office"}"#,
+            r#"{"name":"A","home":{"zip":null},"role":"user"}"#,
+            r#"{"name":"A","home":{"city":"x","zip":5},"role":"user"}"#,
+            r#"{"name":"A","home":{"city":"x"},"role":"user","scores":"x"}"#,
+            r#"{"name":"A","home":{"city":"x"},"role":"user","scores":[1.5]}"#,
+        ] {
+            let mut state = state(schema.clone());
+            assert!(!(state.feed(text.as_bytes()) && state.is_complete()), "{text} taken");
+        }
+        let at_root = json!({"$defs": {"P": {"type": "object", "properties": {"n": {"type": "integer"}}}}, "$ref": "#/$defs/P"});
+        assert!(whole(&at_root, r#"{"n":1}"#));
+    }
+
+    #[test]
+    fn references_and_alternatives_outside_the_subset_are_refused_by_name() {
+        let object = |value: Value| json!({"type": "object", "properties": {"a": value}});
+        for (schema, says) in [
+            (object(json!({"anyOf": [{"$ref": "#"}, {"type": "null"}]})), "recursive"),
+            (json!({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}), "recursive"),
+            (object(json!({"$ref": "other.json#/a"})), "not to a part of this schema"),
+            (object(json!({"$ref": "#/$defs/missing"})), "names no part"),
+            (object(json!({"$ref": 3})), "$ref must be a string"),
+            (object(json!({"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]})), "'{'"),
+            (object(json!({"oneOf": [{"type": "number"}, {"type": "integer"}]})), "'-'"),
+            (object(json!({"anyOf": [{"type": "string"}, {"enum": ["x"]}]})), "told apart by their first byte"),
+            (object(json!({"anyOf": [{}, {"type": "null"}]})), "told apart"),
+            (object(json!({"anyOf": []})), "1 to 256"),
+            (object(json!({"anyOf": {"type": "null"}})), "an array of schemas"),
+            (object(json!({"type": "string", "$ref": "#/$defs/x"})), "beside \"type\""),
+            (object(json!({"anyOf": [{"type": "null"}], "minItems": 1})), "beside \"minItems\""),
+            (object(json!({"allOf": [{"type": "null"}]})), "\"allOf\""),
+        ] {
+            let refused = Schema::compile(&schema).unwrap_err().0;
+            assert!(refused.contains(says), "{schema}: {refused}");
+        }
     }
 
     #[test]
