@@ -97,9 +97,10 @@ async fn the_native_engine_answers_through_the_gateway() {
 
 /// `response_format: json_schema` on the native engine: the real model's
 /// output, greedy and sampled, is a value of the schema (its keys only,
-/// each of its type, an enum's strings only, definitions named by $ref and
-/// anyOf a value or null as libraries write them); a schema beyond the
-/// core subset is a 400 naming its keyword, streamed or not.
+/// each of its type and within its bounds, an enum's strings only,
+/// definitions named by $ref and anyOf a value or null as libraries write
+/// them); a schema beyond the core subset is a 400 naming its keyword,
+/// streamed or not.
 #[tokio::test]
 async fn schema_output_from_the_real_model_is_the_schemas_value() {
     let mut config = Sandbox::native();
@@ -117,7 +118,10 @@ async fn schema_output_from_the_real_model_is_the_schemas_value() {
     };
     let colours = json!({"type": "object", "properties": {"colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
                          "required": ["colours"], "additionalProperties": false});
-    let person = json!({"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "alive": {"type": "boolean"}},
+    // Bounds the model would not keep by itself (Ada Lovelace was born in
+    // 1815): only the mask holds "born" to them.
+    let person = json!({"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 40},
+                                                         "born": {"type": "integer", "minimum": 1900, "maximum": 1999}, "alive": {"type": "boolean"}},
                         "required": ["name", "born", "alive"], "additionalProperties": false});
     let library = json!({
         "$defs": {"Colour": {"enum": ["red", "green", "blue"], "title": "Colour", "type": "string"}},
@@ -152,6 +156,8 @@ async fn schema_output_from_the_real_model_is_the_schemas_value() {
             let value: serde_json::Value = serde_json::from_str(content).unwrap_or_else(|error| panic!("{extra}: {content:?} is no JSON: {error}"));
             let object = value.as_object().unwrap();
             assert!(object.len() == 3 && value["name"].is_string() && value["born"].is_i64() && value["alive"].is_boolean(), "{extra}: {content:?}");
+            assert!((1..=40).contains(&value["name"].as_str().unwrap().chars().count()), "{extra}: {content:?}");
+            assert!((1900..=1999).contains(&value["born"].as_i64().unwrap()), "{extra}: {content:?}");
         } else {
             // Cut at max_tokens (a long name): a prefix of one, never prose.
             assert!(content.starts_with("{\""), "{extra}: {content:?}");

@@ -6,10 +6,14 @@
 //! The subset: `type` (one or a list: object, array, string, number,
 //! integer, boolean, null), `properties`, `required`,
 //! `additionalProperties`, `items`, `minItems`, `maxItems`, `enum` and
-//! `const`; `$ref` to a part of the same schema (`#/$defs/...`,
+//! `const`; `minLength` and `maxLength` (characters); `minimum`,
+//! `maximum`, `exclusiveMinimum` and `exclusiveMaximum` on integers (each
+//! digit taken only if some integer in bounds continues it; on a number
+//! they are refused); `$ref` to a part of the same schema (`#/$defs/...`,
 //! `#/definitions/...`, not recursive); `anyOf` and `oneOf` of
 //! alternatives told apart by their first byte (a string or null, an
 //! object or an array: what a library's optional field compiles to);
+//! an `enum` or `const` keeps only its values the other keywords allow;
 //! annotations (`title`, `description`, `default`, `examples`, `format`,
 //! `$schema`, `$id`, `$comment`) are read past. Any other keyword is
 //! refused by name rather than held to loosely. The root must be an object
@@ -58,8 +62,18 @@ enum Shape {
         max: u32,
     },
     String,
+    /// A string of `min..=max` characters (code points).
+    Text {
+        min: u32,
+        max: u32,
+    },
     Number,
     Integer,
+    /// An integer in `min..=max`.
+    Bounded {
+        min: i128,
+        max: i128,
+    },
     Boolean,
     Null,
     /// One of these values, each as its compact JSON text.
@@ -185,8 +199,26 @@ impl Compiler<'_> {
             Value::Object(schema) => schema,
             other => return Err(SchemaError(format!("a schema must be an object or true, got {other}"))),
         };
-        const KNOWN: &[&str] =
-            &["type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const", "$ref", "anyOf", "oneOf"];
+        const KNOWN: &[&str] = &[
+            "type",
+            "properties",
+            "required",
+            "additionalProperties",
+            "items",
+            "minItems",
+            "maxItems",
+            "enum",
+            "const",
+            "$ref",
+            "anyOf",
+            "oneOf",
+            "minLength",
+            "maxLength",
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+        ];
         let said = |key: &&String| !ANNOTATIONS.contains(&key.as_str()) && !DEFINITIONS.contains(&key.as_str());
         if let Some(keyword) = schema.keys().find(|key| !KNOWN.contains(&key.as_str()) && said(key)) {
             return Err(SchemaError(format!("the keyword {keyword:?} is not held to by the native engine")));
@@ -214,10 +246,6 @@ impl Compiler<'_> {
             (None, Some(value)) => Some(vec![value.clone()]),
             (None, None) => None,
         };
-        if let Some(values) = literals {
-            let texts = values.iter().map(|value| serde_json::to_vec(value).expect("a value serializes")).collect();
-            return self.push(Shape::Literals(texts));
-        }
         let types: Vec<&str> = match schema.get("type") {
             None => Vec::new(),
             Some(Value::String(kind)) => vec![kind],
@@ -226,6 +254,24 @@ impl Compiler<'_> {
             }
             Some(other) => return Err(SchemaError(format!("type must be a kind or a list of kinds, got {other}"))),
         };
+        if let Some(values) = literals {
+            // Only the values the schema's other keywords allow.
+            let (lengths, bounds) = (lengths(schema)?, bounds(schema)?);
+            let allowed = |value: &&Value| {
+                let typed = types.is_empty() || types.iter().any(|kind| of_kind(value, kind));
+                let long = value.as_str().is_none_or(|text| (lengths.0..=lengths.1).contains(&(text.chars().count().min(u32::MAX as usize) as u32)));
+                let within = match (value, bounds) {
+                    (Value::Number(number), Some((min, max))) => number.as_f64().is_some_and(|n| min as f64 <= n && n <= max as f64),
+                    _ => true,
+                };
+                typed && long && within
+            };
+            let texts: Vec<Vec<u8>> = values.iter().filter(allowed).map(|value| serde_json::to_vec(value).expect("a value serializes")).collect();
+            if texts.is_empty() {
+                return Err(SchemaError("no value of its enum or const is valid against the schema's other keywords".into()));
+            }
+            return self.push(Shape::Literals(texts));
+        }
         if types.is_empty() {
             // No type: only an object's or an array's keywords say more.
             return match (schema.contains_key("properties"), schema.contains_key("items")) {
@@ -295,14 +341,112 @@ impl Compiler<'_> {
                 }
                 self.push(Shape::Array { items, min, max })
             }
-            "string" => self.push(Shape::String),
-            "number" => self.push(Shape::Number),
-            "integer" => self.push(Shape::Integer),
+            "string" => match lengths(schema)? {
+                (0, u32::MAX) => self.push(Shape::String),
+                (min, max) => self.push(Shape::Text { min, max }),
+            },
+            "number" => {
+                if let Some(keyword) = BOUNDS.iter().find(|keyword| schema.contains_key(**keyword)) {
+                    return Err(SchemaError(format!("{keyword:?} on a number is not held to by the native engine (it is on an integer)")));
+                }
+                self.push(Shape::Number)
+            }
+            "integer" => match bounds(schema)? {
+                None => self.push(Shape::Integer),
+                Some((min, max)) => self.push(Shape::Bounded { min, max }),
+            },
             "boolean" => self.push(Shape::Boolean),
             "null" => self.push(Shape::Null),
             other => Err(SchemaError(format!("{other:?} is not a JSON Schema type"))),
         }
     }
+}
+
+/// Keywords bounding a number.
+const BOUNDS: &[&str] = &["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
+
+/// Largest magnitude of a bounded integer, in digits: far past any bound
+/// a schema gives (an `i64`'s), inside [`MAX_NUMBER_BYTES`].
+const BOUNDED_DIGITS: u32 = 19;
+
+/// Whether `value` is of the JSON Schema type `kind`.
+fn of_kind(value: &Value, kind: &str) -> bool {
+    match (kind, value) {
+        ("object", Value::Object(_)) | ("array", Value::Array(_)) | ("string", Value::String(_)) | ("number", Value::Number(_)) => true,
+        ("boolean", Value::Bool(_)) | ("null", Value::Null) => true,
+        ("integer", Value::Number(number)) => number.is_i64() || number.is_u64() || number.as_f64().is_some_and(|n| n.fract() == 0.0),
+        _ => false,
+    }
+}
+
+/// A string's `minLength..=maxLength`, in characters.
+fn lengths(schema: &serde_json::Map<String, Value>) -> Result<(u32, u32), SchemaError> {
+    let length = |keyword: &str, default: u32| match schema.get(keyword) {
+        None => Ok(default),
+        Some(value) => value.as_u64().map(|n| n.min(u64::from(u32::MAX)) as u32).ok_or_else(|| SchemaError(format!("{keyword} must be a count"))),
+    };
+    let (min, max) = (length("minLength", 0)?, length("maxLength", u32::MAX)?);
+    if min > max {
+        return Err(SchemaError("minLength is above maxLength: no string is valid".into()));
+    }
+    Ok((min, max))
+}
+
+/// An integer's bounds, inclusive, from `minimum`, `maximum` and their
+/// exclusive forms (numbers, as JSON Schema since draft 6 writes them);
+/// none where none is given.
+fn bounds(schema: &serde_json::Map<String, Value>) -> Result<Option<(i128, i128)>, SchemaError> {
+    if !BOUNDS.iter().any(|keyword| schema.contains_key(*keyword)) {
+        return Ok(None);
+    }
+    let widest = 10i128.pow(BOUNDED_DIGITS) - 1;
+    let bound = |keyword: &str| -> Result<Option<f64>, SchemaError> {
+        match schema.get(keyword) {
+            None => Ok(None),
+            Some(value) => value.as_f64().filter(|n| n.is_finite()).map(Some).ok_or_else(|| SchemaError(format!("{keyword} must be a number"))),
+        }
+    };
+    let clamp = |n: f64| (n.clamp(-(widest as f64), widest as f64)) as i128;
+    let mut min = -widest;
+    let mut max = widest;
+    if let Some(n) = bound("minimum")? {
+        min = min.max(clamp(n.ceil()));
+    }
+    if let Some(n) = bound("exclusiveMinimum")? {
+        min = min.max(clamp(n.floor()) + 1);
+    }
+    if let Some(n) = bound("maximum")? {
+        max = max.min(clamp(n.floor()));
+    }
+    if let Some(n) = bound("exclusiveMaximum")? {
+        max = max.min(clamp(n.ceil()) - 1);
+    }
+    if min > max {
+        return Err(SchemaError("the bounds leave no integer valid".into()));
+    }
+    Ok(Some((min, max)))
+}
+
+/// Whether some integer in `min..=max` is written beginning with `-` (if
+/// `negative`) and the `digits` digits of `magnitude`.
+fn bounded_prefix(min: i128, max: i128, negative: bool, magnitude: i128, digits: u32) -> bool {
+    if digits == 0 {
+        // Only the sign so far: any negative number.
+        return !negative || min <= max.min(-1);
+    }
+    let span = |low: i128, high: i128| if negative { (-high, -low) } else { (low, high) };
+    for length in digits..=BOUNDED_DIGITS {
+        // A leading zero is a whole number.
+        if magnitude == 0 && length > digits {
+            break;
+        }
+        let scale = 10i128.pow(length - digits);
+        let (low, high) = span(magnitude * scale, magnitude * scale + scale - 1);
+        if low <= max && min <= high {
+            return true;
+        }
+    }
+    false
 }
 
 /// Where in a value of the schema the recognizer is.
@@ -330,6 +474,14 @@ enum Frame {
     Array { shape: usize, count: u32, next: ArrayNext },
     /// A value of this part comes next (after a key's `:`).
     Pending(usize),
+    /// A string of bounded length ([`Shape::Text`]), after its `"`: the
+    /// characters so far, the escape being read (0 none, 1 after `\`, 2
+    /// to 5 after `\u`, one more than the hex digits to come), and
+    /// whether its first hex digit was `d` (a surrogate may follow).
+    Text { shape: usize, chars: u32, escape: u8, high: bool },
+    /// An integer within bounds ([`Shape::Bounded`]): its sign, and the
+    /// digits so far.
+    Bounded { shape: usize, negative: bool, magnitude: i128, digits: u32 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -472,6 +624,60 @@ impl SchemaState {
                 self.stack.pop();
                 self.begin(part, byte)
             }
+            Frame::Text { shape, chars, escape, high } => {
+                let Shape::Text { min, max } = self.schema.shapes[*shape] else { unreachable!("a text frame's shape is a bounded string") };
+                *escape = match (*escape, byte) {
+                    (0, b'"') if *chars >= min => {
+                        self.end();
+                        return true;
+                    }
+                    (0, b'"' | 0x00..=0x1f) => return false,
+                    // A character begins (a UTF-8 sequence's lead byte, or an escape).
+                    (0, _) if !(0x80..=0xbf).contains(&byte) => {
+                        if *chars >= max {
+                            return false;
+                        }
+                        *chars += 1;
+                        u8::from(byte == b'\\')
+                    }
+                    (0, _) => 0,
+                    (1, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => 0,
+                    (1, b'u') => 5,
+                    (5, _) if byte.is_ascii_hexdigit() => {
+                        *high = matches!(byte, b'd' | b'D');
+                        4
+                    }
+                    // No surrogate halves (\ud800 to \udfff): a pair is one
+                    // character, so counting escapes would miscount.
+                    (4, b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F') if *high => return false,
+                    (2, _) if byte.is_ascii_hexdigit() => 0,
+                    (3..=4, _) if byte.is_ascii_hexdigit() => *escape - 1,
+                    _ => return false,
+                };
+                true
+            }
+            Frame::Bounded { shape, negative, magnitude, digits } => {
+                let Shape::Bounded { min, max } = self.schema.shapes[*shape] else { unreachable!("a bounded frame's shape is a bounded integer") };
+                if byte.is_ascii_digit() {
+                    // No digit after a leading zero.
+                    if *digits > 0 && *magnitude == 0 || *digits >= BOUNDED_DIGITS {
+                        return false;
+                    }
+                    let next = *magnitude * 10 + i128::from(byte - b'0');
+                    if !bounded_prefix(min, max, *negative, next, *digits + 1) {
+                        return false;
+                    }
+                    (*magnitude, *digits) = (next, *digits + 1);
+                    return true;
+                }
+                // It ends at the byte after it, which the part around it reads.
+                let value = if *negative { -*magnitude } else { *magnitude };
+                if *digits == 0 || !(min..=max).contains(&value) {
+                    return false;
+                }
+                self.end();
+                self.push(byte)
+            }
             Frame::Array { shape, count, next } => {
                 let Shape::Array { items, min, max } = self.schema.shapes[*shape] else { unreachable!("an array frame's shape is an array") };
                 match (*next, byte) {
@@ -521,6 +727,15 @@ impl SchemaState {
             }
             (Shape::Array { .. }, b'[') => {
                 self.stack.push(Frame::Array { shape: part, count: 0, next: ArrayNext::First });
+                return true;
+            }
+            (Shape::Text { .. }, b'"') => {
+                self.stack.push(Frame::Text { shape: part, chars: 0, escape: 0, high: false });
+                return true;
+            }
+            (Shape::Bounded { .. }, b'-' | b'0'..=b'9') if schema.starts(part, byte) => {
+                let (negative, magnitude, digits) = if byte == b'-' { (true, 0, 0) } else { (false, i128::from(byte - b'0'), 1) };
+                self.stack.push(Frame::Bounded { shape: part, negative, magnitude, digits });
                 return true;
             }
             (Shape::Literals(texts), _) => {
@@ -587,7 +802,9 @@ impl Schema {
         match (&self.shapes[part], byte) {
             (Shape::Any, _) => JsonState::any_value().push(byte) && byte != b' ',
             (Shape::OneOf(parts), _) => parts.iter().any(|&kind| self.starts(kind, byte)),
-            (Shape::Object { .. } | Shape::AnyObject, b'{') | (Shape::Array { .. }, b'[') | (Shape::String, b'"') => true,
+            (Shape::Object { .. } | Shape::AnyObject, b'{') | (Shape::Array { .. }, b'[') | (Shape::String | Shape::Text { .. }, b'"') => true,
+            (&Shape::Bounded { min, max }, b'-') => bounded_prefix(min, max, true, 0, 0),
+            (&Shape::Bounded { min, max }, b'0'..=b'9') => bounded_prefix(min, max, false, i128::from(byte - b'0'), 1),
             (Shape::Number | Shape::Integer, b'-' | b'0'..=b'9') | (Shape::Boolean, b't' | b'f') | (Shape::Null, b'n') => true,
             (Shape::Literals(texts), _) => texts.iter().any(|text| text.first() == Some(&byte)),
             _ => false,
@@ -778,6 +995,82 @@ mod tests {
             (object(json!({"type": "string", "$ref": "#/$defs/x"})), "beside \"type\""),
             (object(json!({"anyOf": [{"type": "null"}], "minItems": 1})), "beside \"minItems\""),
             (object(json!({"allOf": [{"type": "null"}]})), "\"allOf\""),
+        ] {
+            let refused = Schema::compile(&schema).unwrap_err().0;
+            assert!(refused.contains(says), "{schema}: {refused}");
+        }
+    }
+
+    /// Strings of bounded length (counted in characters, escapes and
+    /// multi-byte ones too) and integers within bounds, each only as far
+    /// as some valid value continues it.
+    #[test]
+    fn lengths_and_bounds_hold_by_prefix() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "minLength": 2, "maxLength": 3},
+                "age": {"type": ["integer", "null"], "minimum": -5, "maximum": 120},
+                "teen": {"type": "integer", "minimum": 13, "exclusiveMaximum": 20},
+                "count": {"type": "integer", "exclusiveMinimum": 0},
+                "tag": {"enum": ["a", "bb", 3, "ccc"], "type": "string", "maxLength": 2},
+                "pick": {"enum": [1, 5, 9], "minimum": 4, "maximum": 6}
+            },
+            "additionalProperties": false
+        });
+        let valid = [
+            r#"{"code":"ab"}"#,
+            r#"{"code":"a\"c"}"#,
+            "{\"code\":\"\u{e9}\\u00e9\"}",
+            "{\"code\":\"\u{1f600}\u{1f600}\u{1f600}\"}",
+            r#"{"age":0,"teen":13,"count":1}"#,
+            r#"{"age":-5}"#,
+            r#"{"age":120,"teen":19}"#,
+            r#"{"age":-0}"#,
+            r#"{"age":null,"count":123456789012}"#,
+            r#"{"tag":"bb","pick":5}"#,
+            r#"{"tag":"a"}"#,
+        ];
+        for text in valid {
+            assert!(whole(&schema, text), "{text}");
+            // By bytes: a token may end inside a character.
+            for end in 0..text.len() {
+                assert!(state(schema.clone()).feed(&text.as_bytes()[..end]), "prefix {:?}", &text.as_bytes()[..end]);
+            }
+        }
+        for text in [
+            r#"{"code":"a"}"#,
+            r#"{"code":"abcd"}"#,
+            "{\"code\":\"\u{1f600}\u{1f600}\u{1f600}\u{1f600}\"}",
+            r#"{"code":"\ud83d\ude00x"}"#,
+            r#"{"age":121}"#,
+            r#"{"age":-6}"#,
+            r#"{"age":1000}"#,
+            r#"{"age":01}"#,
+            r#"{"age":-}"#,
+            r#"{"age":1.5}"#,
+            r#"{"teen":12}"#,
+            r#"{"teen":20}"#,
+            r#"{"teen":1}"#,
+            r#"{"count":0}"#,
+            r#"{"count":-1}"#,
+            r#"{"tag":"ccc"}"#,
+            r#"{"tag":3}"#,
+            r#"{"pick":1}"#,
+            r#"{"pick":9}"#,
+        ] {
+            let mut state = state(schema.clone());
+            assert!(!(state.feed(text.as_bytes()) && state.is_complete()), "{text} taken");
+        }
+        // Only what some valid value continues: "13" may become 130, not "14" of 140.
+        assert!(prefix(&schema, r#"{"age":12"#) && prefix(&schema, r#"{"age":13"#) && !prefix(&schema, r#"{"age":130"#));
+        assert!(!prefix(&schema, r#"{"teen":2"#) && !prefix(&schema, r#"{"count":-"#) && !prefix(&schema, r#"{"code":"abcd"#));
+        for (schema, says) in [
+            (json!({"type": "object", "properties": {"x": {"type": "number", "minimum": 0}}}), "\"minimum\" on a number"),
+            (json!({"type": "object", "properties": {"x": {"type": "integer", "minimum": 3, "maximum": 2}}}), "no integer"),
+            (json!({"type": "object", "properties": {"x": {"type": "integer", "exclusiveMinimum": true}}}), "must be a number"),
+            (json!({"type": "object", "properties": {"x": {"type": "string", "minLength": 3, "maxLength": 2}}}), "minLength"),
+            (json!({"type": "object", "properties": {"x": {"enum": ["abc"], "maxLength": 2}}}), "no value of its enum"),
         ] {
             let refused = Schema::compile(&schema).unwrap_err().0;
             assert!(refused.contains(says), "{schema}: {refused}");
