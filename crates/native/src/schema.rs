@@ -256,14 +256,25 @@ impl Compiler<'_> {
         };
         if let Some(values) = literals {
             // Only the values the schema's other keywords allow.
-            let (lengths, bounds) = (lengths(schema)?, bounds(schema)?);
+            let lengths = lengths(schema)?;
+            // The bounds as given (not an integer's): a value may be a fraction.
+            let mut limits = Vec::new();
+            for keyword in BOUNDS {
+                if let Some(limit) = schema.get(*keyword) {
+                    limits.push((*keyword, limit.as_f64().filter(|n| n.is_finite()).ok_or_else(|| SchemaError(format!("{keyword} must be a number")))?));
+                }
+            }
             let allowed = |value: &&Value| {
                 let typed = types.is_empty() || types.iter().any(|kind| of_kind(value, kind));
                 let long = value.as_str().is_none_or(|text| (lengths.0..=lengths.1).contains(&(text.chars().count().min(u32::MAX as usize) as u32)));
-                let within = match (value, bounds) {
-                    (Value::Number(number), Some((min, max))) => number.as_f64().is_some_and(|n| min as f64 <= n && n <= max as f64),
-                    _ => true,
-                };
+                let within = value.as_f64().is_none_or(|n| {
+                    limits.iter().all(|&(keyword, limit)| match keyword {
+                        "minimum" => n >= limit,
+                        "exclusiveMinimum" => n > limit,
+                        "maximum" => n <= limit,
+                        _ => n < limit,
+                    })
+                });
                 typed && long && within
             };
             let texts: Vec<Vec<u8>> = values.iter().filter(allowed).map(|value| serde_json::to_vec(value).expect("a value serializes")).collect();
@@ -1014,7 +1025,8 @@ mod tests {
                 "teen": {"type": "integer", "minimum": 13, "exclusiveMaximum": 20},
                 "count": {"type": "integer", "exclusiveMinimum": 0},
                 "tag": {"enum": ["a", "bb", 3, "ccc"], "type": "string", "maxLength": 2},
-                "pick": {"enum": [1, 5, 9], "minimum": 4, "maximum": 6}
+                "pick": {"enum": [1, 5, 9], "minimum": 4, "maximum": 6},
+                "part": {"enum": [0.25, 0.5, 0.75], "exclusiveMinimum": 0.25, "maximum": 0.5}
             },
             "additionalProperties": false
         });
@@ -1028,7 +1040,7 @@ mod tests {
             r#"{"age":120,"teen":19}"#,
             r#"{"age":-0}"#,
             r#"{"age":null,"count":123456789012}"#,
-            r#"{"tag":"bb","pick":5}"#,
+            r#"{"tag":"bb","pick":5,"part":0.5}"#,
             r#"{"tag":"a"}"#,
         ];
         for text in valid {
@@ -1058,6 +1070,8 @@ mod tests {
             r#"{"tag":3}"#,
             r#"{"pick":1}"#,
             r#"{"pick":9}"#,
+            r#"{"part":0.25}"#,
+            r#"{"part":0.75}"#,
         ] {
             let mut state = state(schema.clone());
             assert!(!(state.feed(text.as_bytes()) && state.is_complete()), "{text} taken");
