@@ -24,6 +24,7 @@ pub mod executor;
 pub mod json;
 pub mod model;
 pub mod ops;
+pub mod pattern;
 pub mod pool;
 pub mod quant;
 pub mod sampling;

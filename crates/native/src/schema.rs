@@ -9,7 +9,8 @@
 //! `const`; `minLength` and `maxLength` (characters); `minimum`,
 //! `maximum`, `exclusiveMinimum` and `exclusiveMaximum` on integers (each
 //! digit taken only if some integer in bounds continues it; on a number
-//! they are refused); `$ref` to a part of the same schema (`#/$defs/...`,
+//! they are refused); `pattern` on a string ([`crate::pattern`]); `$ref`
+//! to a part of the same schema (`#/$defs/...`,
 //! `#/definitions/...`, not recursive); `anyOf` and `oneOf` of
 //! alternatives told apart by their first byte (a string or null, an
 //! object or an array: what a library's optional field compiles to);
@@ -31,12 +32,15 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::json::JsonState;
+use crate::pattern::{Pattern, PatternState};
 
 /// A compiled schema: its parts in an arena (each after its own parts).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Schema {
     shapes: Vec<Shape>,
     root: usize,
+    /// The patterns its strings are held to ([`Shape::Text`]).
+    patterns: Vec<Pattern>,
 }
 
 /// One part of a schema: what value it takes.
@@ -62,10 +66,12 @@ enum Shape {
         max: u32,
     },
     String,
-    /// A string of `min..=max` characters (code points).
+    /// A string of `min..=max` characters (code points), or one matching
+    /// a pattern (of `patterns`).
     Text {
         min: u32,
         max: u32,
+        pattern: Option<usize>,
     },
     Number,
     Integer,
@@ -107,7 +113,7 @@ const DEFINITIONS: &[&str] = &["$defs", "definitions"];
 impl Schema {
     /// Compiles `schema`, or names what is outside the subset.
     pub fn compile(schema: &Value) -> Result<Self, SchemaError> {
-        let mut compiler = Compiler { document: schema, schema: Schema { shapes: Vec::new(), root: 0 }, refs: Default::default() };
+        let mut compiler = Compiler { document: schema, schema: Schema { shapes: Vec::new(), root: 0, patterns: Vec::new() }, refs: Default::default() };
         let root = compiler.part(schema, 0)?;
         let mut compiled = compiler.schema;
         compiled.root = root;
@@ -214,6 +220,7 @@ impl Compiler<'_> {
             "oneOf",
             "minLength",
             "maxLength",
+            "pattern",
             "minimum",
             "maximum",
             "exclusiveMinimum",
@@ -352,9 +359,23 @@ impl Compiler<'_> {
                 }
                 self.push(Shape::Array { items, min, max })
             }
-            "string" => match lengths(schema)? {
-                (0, u32::MAX) => self.push(Shape::String),
-                (min, max) => self.push(Shape::Text { min, max }),
+            "string" => match (lengths(schema)?, schema.get("pattern")) {
+                ((0, u32::MAX), None) => self.push(Shape::String),
+                ((min, max), None) => self.push(Shape::Text { min, max, pattern: None }),
+                ((0, u32::MAX), Some(Value::String(source))) => {
+                    let pattern = Pattern::compile(source)?;
+                    let used: usize = self.schema.patterns.iter().map(Pattern::memory_usage).sum();
+                    if used + pattern.memory_usage() > MAX_SCHEMA_DFA_BYTES {
+                        return Err(SchemaError(format!("the schema's patterns compile to more than {} MiB", MAX_SCHEMA_DFA_BYTES >> 20)));
+                    }
+                    self.schema.patterns.push(pattern);
+                    let pattern = Some(self.schema.patterns.len() - 1);
+                    self.push(Shape::Text { min: 0, max: u32::MAX, pattern })
+                }
+                (_, Some(Value::String(_))) => {
+                    Err(SchemaError("minLength or maxLength beside pattern is not held to by the native engine (put the length in the pattern)".into()))
+                }
+                (_, Some(_)) => Err(SchemaError("pattern must be a string".into())),
             },
             "number" => {
                 if let Some(keyword) = BOUNDS.iter().find(|keyword| schema.contains_key(**keyword)) {
@@ -372,6 +393,10 @@ impl Compiler<'_> {
         }
     }
 }
+
+/// Most bytes of DFA all of a schema's patterns may compile to (it is
+/// kept per schema text, [`crate::sampling`]).
+pub const MAX_SCHEMA_DFA_BYTES: usize = 4 << 20;
 
 /// Keywords bounding a number.
 const BOUNDS: &[&str] = &["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
@@ -489,7 +514,7 @@ enum Frame {
     /// characters so far, the escape being read (0 none, 1 after `\`, 2
     /// to 5 after `\u`, one more than the hex digits to come), and
     /// whether its first hex digit was `d` (a surrogate may follow).
-    Text { shape: usize, chars: u32, escape: u8, high: bool },
+    Text { shape: usize, chars: u32, escape: u8, high: bool, pattern: Option<PatternState> },
     /// An integer within bounds ([`Shape::Bounded`]): its sign, and the
     /// digits so far.
     Bounded { shape: usize, negative: bool, magnitude: i128, digits: u32 },
@@ -635,25 +660,34 @@ impl SchemaState {
                 self.stack.pop();
                 self.begin(part, byte)
             }
-            Frame::Text { shape, chars, escape, high } => {
-                let Shape::Text { min, max } = self.schema.shapes[*shape] else { unreachable!("a text frame's shape is a bounded string") };
+            Frame::Text { shape, chars, escape, high, pattern } => {
+                let Shape::Text { min, max, pattern: source } = self.schema.shapes[*shape] else { unreachable!("a text frame's shape is a bounded string") };
+                // Under a pattern, the content byte goes through it too (an
+                // escape's once read: only `\"`, `\\` and `\/` are taken).
+                let schema = self.schema.clone();
+                let may_close = *chars >= min && source.is_none_or(|source| pattern.is_some_and(|at| schema.patterns[source].may_end(at)));
+                let mut matched = |byte: u8| match (source, pattern.as_mut()) {
+                    (Some(source), Some(at)) => schema.patterns[source].step(*at, byte).map(|next| *at = next).is_some(),
+                    _ => true,
+                };
                 *escape = match (*escape, byte) {
-                    (0, b'"') if *chars >= min => {
+                    (0, b'"') if may_close => {
                         self.end();
                         return true;
                     }
                     (0, b'"' | 0x00..=0x1f) => return false,
                     // A character begins (a UTF-8 sequence's lead byte, or an escape).
                     (0, _) if !(0x80..=0xbf).contains(&byte) => {
-                        if *chars >= max {
+                        if *chars >= max || byte != b'\\' && !matched(byte) {
                             return false;
                         }
                         *chars += 1;
                         u8::from(byte == b'\\')
                     }
-                    (0, _) => 0,
-                    (1, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => 0,
-                    (1, b'u') => 5,
+                    (0, _) if source.is_none() => 0,
+                    (1, b'"' | b'\\' | b'/') if matched(byte) => 0,
+                    (1, b'b' | b'f' | b'n' | b'r' | b't') if source.is_none() => 0,
+                    (1, b'u') if source.is_none() => 5,
                     (5, _) if byte.is_ascii_hexdigit() => {
                         *high = matches!(byte, b'd' | b'D');
                         4
@@ -741,7 +775,9 @@ impl SchemaState {
                 return true;
             }
             (Shape::Text { .. }, b'"') => {
-                self.stack.push(Frame::Text { shape: part, chars: 0, escape: 0, high: false });
+                let Shape::Text { pattern, .. } = &schema.shapes[part] else { unreachable!("matched as text") };
+                let pattern = pattern.map(|pattern| schema.patterns[pattern].begin());
+                self.stack.push(Frame::Text { shape: part, chars: 0, escape: 0, high: false, pattern });
                 return true;
             }
             (Shape::Bounded { .. }, b'-' | b'0'..=b'9') if schema.starts(part, byte) => {
@@ -912,7 +948,7 @@ mod tests {
     #[test]
     fn a_schema_outside_the_subset_is_refused_by_name() {
         for (schema, says) in [
-            (json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}), "pattern"),
+            (json!({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 3}}}), "multipleOf"),
             (json!({"$ref": "#/$defs/a"}), "$ref"),
             (json!({"type": "object", "anyOf": []}), "anyOf"),
             (json!({"type": "string"}), "root must be an object"),
@@ -1088,6 +1124,45 @@ mod tests {
         ] {
             let refused = Schema::compile(&schema).unwrap_err().0;
             assert!(refused.contains(says), "{schema}: {refused}");
+        }
+    }
+
+    /// A string's pattern, anywhere in it unless anchored, read through
+    /// the string's escapes.
+    #[test]
+    fn patterns_hold_strings_by_prefix() {
+        let schema = json!({
+            "type": "object",
+            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}\\d$"}, "quote": {"type": "string", "pattern": "a\"b"}},
+            "additionalProperties": false
+        });
+        let valid = [r#"{"code":"AB1"}"#, r#"{"quote":"xa\"by"}"#, r#"{"code":"ZZ9","quote":"a\"b"}"#, r#"{"quote":"\/a\"b\\"}"#];
+        for text in valid {
+            assert!(whole(&schema, text), "{text}");
+            for end in 0..text.len() {
+                assert!(prefix(&schema, &text[..end]), "prefix {:?}", &text[..end]);
+            }
+        }
+        for text in [
+            r#"{"code":"AB12"}"#,
+            r#"{"code":"ab1"}"#,
+            r#"{"code":"A"}"#,
+            r#"{"quote":"ab"}"#,
+            r#"{"code":"A\u0042"}"#,
+            r#"{"quote":"a\"b\n"}"#,
+            "{\"quote\":\"\u{e9}a\\\"b\"}",
+        ] {
+            let mut state = state(schema.clone());
+            assert!(!(state.feed(text.as_bytes()) && state.is_complete()), "{text} taken");
+        }
+        assert!(!prefix(&schema, r#"{"code":"A1"#), "a digit where a letter must be is refused at once");
+        for (pattern, says) in [
+            (json!({"type": "string", "pattern": "^a+$", "maxLength": 3}), "beside pattern"),
+            (json!({"type": "string", "pattern": 3}), "must be a string"),
+            (json!({"type": "string", "pattern": "(?=a)"}), "not held to"),
+        ] {
+            let refused = Schema::compile(&json!({"type": "object", "properties": {"a": pattern}})).unwrap_err().0;
+            assert!(refused.contains(says), "{pattern}: {refused}");
         }
     }
 
