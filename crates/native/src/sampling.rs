@@ -37,36 +37,19 @@ const MISSES_BEFORE_MASKING_ALL: usize = 16;
 pub struct OutputVocabulary {
     bytes: Arc<TokenBytes>,
     eos: Vec<u32>,
-    /// Schemas of requests sampled lately, compiled once each.
-    schemas: Arc<parking_lot::Mutex<KeptSchemas>>,
 }
-
-/// Schema texts and what they compiled to, the oldest first.
-type KeptSchemas = Vec<(Arc<str>, Arc<Schema>)>;
-
-/// Compiled schemas kept for the requests sampling under them.
-const SCHEMAS_KEPT: usize = 32;
 
 impl OutputVocabulary {
     /// The vocabulary of `bytes`, ended by `eos` (at least one).
     pub fn new(bytes: Arc<TokenBytes>, eos: Vec<u32>) -> Self {
         assert!(!eos.is_empty(), "constrained output needs an end-of-sequence token");
-        Self { bytes, eos, schemas: Arc::default() }
+        Self { bytes, eos }
     }
 
     /// The compiled schema of `text`, or `None` if it is outside the
     /// subset (the worker refused such a request before it ran).
     fn schema(&self, text: &Arc<str>) -> Option<Arc<Schema>> {
-        let mut kept = self.schemas.lock();
-        if let Some((_, schema)) = kept.iter().find(|(kept, _)| Arc::ptr_eq(kept, text) || **kept == **text) {
-            return Some(schema.clone());
-        }
-        let schema = Arc::new(Schema::compile_text(text).ok()?);
-        if kept.len() >= SCHEMAS_KEPT {
-            kept.remove(0);
-        }
-        kept.push((text.clone(), schema.clone()));
-        Some(schema)
+        Schema::cached(text).ok()
     }
 
     /// Whether `token` is an ordinary one (not special, not an end).

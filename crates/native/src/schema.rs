@@ -128,6 +128,28 @@ impl Schema {
         let value: Value = serde_json::from_str(text).map_err(|error| SchemaError(format!("the schema is not JSON: {error}")))?;
         Self::compile(&value)
     }
+
+    /// [`compile_text`](Self::compile_text), kept for the process's
+    /// lately seen texts (refusals too): the worker compiles a request's
+    /// schema as it takes the request, so the engine's thread, which
+    /// samples every sequence of a batch, finds it compiled rather than
+    /// compile a costly one (a pattern's DFA) between steps.
+    pub fn cached(text: &str) -> Result<Arc<Self>, SchemaError> {
+        static KEPT: parking_lot::Mutex<Vec<Kept>> = parking_lot::Mutex::new(Vec::new());
+        if let Some((_, compiled)) = KEPT.lock().iter().find(|(kept, _)| **kept == *text) {
+            return compiled.clone();
+        }
+        // Compiled outside the lock: another thread's lookup does not wait.
+        let compiled = Self::compile_text(text).map(Arc::new);
+        let mut kept = KEPT.lock();
+        if !kept.iter().any(|(kept, _)| **kept == *text) {
+            if kept.len() >= SCHEMAS_KEPT {
+                drop(kept.remove(0));
+            }
+            kept.push((Arc::from(text), compiled.clone()));
+        }
+        compiled
+    }
 }
 
 /// A schema being compiled: the whole document (what `$ref`s point into),
@@ -393,6 +415,12 @@ impl Compiler<'_> {
         }
     }
 }
+
+/// A schema text and what it compiled to.
+type Kept = (Arc<str>, Result<Arc<Schema>, SchemaError>);
+
+/// Schema texts whose compiled schemas (or refusals) a process keeps.
+const SCHEMAS_KEPT: usize = 64;
 
 /// Most bytes of DFA all of a schema's patterns may compile to (it is
 /// kept per schema text, [`crate::sampling`]).

@@ -70,9 +70,10 @@ impl Worker {
         }
         match output {
             // The native engine holds output to a schema of the core subset.
-            OutputFormat::JsonSchema { schema, .. } => turbine_native::schema::Schema::compile_text(schema).map(drop).map_err(|refused| {
+            // Compiled here, and kept, so that the engine's thread finds it compiled.
+            OutputFormat::JsonSchema { schema, .. } => turbine_native::schema::Schema::cached(schema).map(drop).map_err(|refused| {
                 WorkerError::InvalidArgument(format!(
-                    "json_schema: {refused}; this worker's engine holds output to a schema of type, properties, required, additionalProperties, items, minItems, maxItems, enum and const only (vLLM and llama.cpp behind an adapter take any)"
+                    "json_schema: {refused}; this worker's engine holds output to a schema of a core subset of JSON Schema (docs/operations.md; vLLM and llama.cpp behind an adapter take any)"
                 ))
             }),
             _ => Ok(()),
