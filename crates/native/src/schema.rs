@@ -59,6 +59,13 @@ enum Shape {
     },
     /// Any object (a schema naming no properties).
     AnyObject,
+    /// An object of any keys (`key`, a string part), each value of
+    /// `values` (a schema naming no properties, `additionalProperties` a
+    /// schema).
+    Map {
+        key: usize,
+        values: usize,
+    },
     /// An array of `items`, `min..=max` of them.
     Array {
         items: usize,
@@ -117,7 +124,7 @@ impl Schema {
         let root = compiler.part(schema, 0)?;
         let mut compiled = compiler.schema;
         compiled.root = root;
-        if !matches!(compiled.shapes[root], Shape::Object { .. } | Shape::AnyObject) {
+        if !matches!(compiled.shapes[root], Shape::Object { .. } | Shape::AnyObject | Shape::Map { .. }) {
             return Err(SchemaError("the schema's root must be an object (\"type\": \"object\")".into()));
         }
         Ok(compiled)
@@ -338,7 +345,17 @@ impl Compiler<'_> {
                     if schema.contains_key("required") {
                         return Err(SchemaError("required names properties the schema does not give".into()));
                     }
-                    return self.push(Shape::AnyObject);
+                    return match schema.get("additionalProperties") {
+                        None | Some(Value::Bool(true)) => self.push(Shape::AnyObject),
+                        // No property at all: `{}` only.
+                        Some(Value::Bool(false)) => self.push(Shape::Object { keys: Vec::new(), values: Vec::new(), required: Vec::new() }),
+                        Some(values @ Value::Object(_)) => {
+                            let values = self.part(values, depth + 1)?;
+                            let key = self.push(Shape::String)?;
+                            self.push(Shape::Map { key, values })
+                        }
+                        Some(_) => Err(SchemaError("additionalProperties must be a boolean or a schema".into())),
+                    };
                 };
                 let Value::Object(properties) = properties else { return Err(SchemaError("properties must be an object".into())) };
                 if properties.len() > MAX_CHOICES {
@@ -534,6 +551,8 @@ enum Frame {
     Literal { shape: usize, alive: Vec<u32>, at: usize },
     /// An object of fixed properties: which were given, and what comes.
     Object { shape: usize, seen: Vec<bool>, next: ObjectNext },
+    /// An object of any keys: what comes.
+    Map { shape: usize, next: MapNext },
     /// An array: how many items so far, and what comes.
     Array { shape: usize, count: u32, next: ArrayNext },
     /// A value of this part comes next (after a key's `:`).
@@ -556,6 +575,20 @@ enum ObjectNext {
     Key,
     /// After a key (the property's index): `:`.
     Colon(usize),
+    /// After a value: `,` or `}`.
+    Next,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MapNext {
+    /// After `{`: a key, or `}`.
+    First,
+    /// After `,`: a key.
+    Key,
+    /// Inside a key (a string frame above).
+    InKey,
+    /// After a key: `:`.
+    Colon,
     /// After a value: `,` or `}`.
     Next,
 }
@@ -688,6 +721,29 @@ impl SchemaState {
                 self.stack.pop();
                 self.begin(part, byte)
             }
+            Frame::Map { shape, next } => {
+                let Shape::Map { key, values } = self.schema.shapes[*shape] else { unreachable!("a map frame's shape is a map") };
+                match (*next, byte) {
+                    (MapNext::First | MapNext::Key, b'"') => {
+                        *next = MapNext::InKey;
+                        self.begin(key, byte)
+                    }
+                    (MapNext::First | MapNext::Next, b'}') => {
+                        self.end();
+                        true
+                    }
+                    (MapNext::Next, b',') => {
+                        *next = MapNext::Key;
+                        true
+                    }
+                    (MapNext::Colon, b':') => {
+                        *next = MapNext::Next;
+                        self.stack.push(Frame::Pending(values));
+                        true
+                    }
+                    _ => false,
+                }
+            }
             Frame::Text { shape, chars, escape, high, pattern } => {
                 let Shape::Text { min, max, pattern: source } = self.schema.shapes[*shape] else { unreachable!("a text frame's shape is a bounded string") };
                 // Under a pattern, the content byte goes through it too (an
@@ -802,6 +858,10 @@ impl SchemaState {
                 self.stack.push(Frame::Array { shape: part, count: 0, next: ArrayNext::First });
                 return true;
             }
+            (Shape::Map { .. }, b'{') => {
+                self.stack.push(Frame::Map { shape: part, next: MapNext::First });
+                return true;
+            }
             (Shape::Text { .. }, b'"') => {
                 let Shape::Text { pattern, .. } = &schema.shapes[part] else { unreachable!("matched as text") };
                 let pattern = pattern.map(|pattern| schema.patterns[pattern].begin());
@@ -852,6 +912,11 @@ impl SchemaState {
             *next = ObjectNext::Colon(index);
             return;
         }
+        // A map's key ended: `:` comes.
+        if let Some(Frame::Map { next: next @ MapNext::InKey, .. }) = self.stack.last_mut() {
+            *next = MapNext::Colon;
+            return;
+        }
         self.ended_part();
     }
 
@@ -877,7 +942,9 @@ impl Schema {
         match (&self.shapes[part], byte) {
             (Shape::Any, _) => JsonState::any_value().push(byte) && byte != b' ',
             (Shape::OneOf(parts), _) => parts.iter().any(|&kind| self.starts(kind, byte)),
-            (Shape::Object { .. } | Shape::AnyObject, b'{') | (Shape::Array { .. }, b'[') | (Shape::String | Shape::Text { .. }, b'"') => true,
+            (Shape::Object { .. } | Shape::AnyObject | Shape::Map { .. }, b'{') | (Shape::Array { .. }, b'[') | (Shape::String | Shape::Text { .. }, b'"') => {
+                true
+            }
             (&Shape::Bounded { min, max }, b'-') => bounded_prefix(min, max, true, 0, 0),
             (&Shape::Bounded { min, max }, b'0'..=b'9') => bounded_prefix(min, max, false, i128::from(byte - b'0'), 1),
             (Shape::Number | Shape::Integer, b'-' | b'0'..=b'9') | (Shape::Boolean, b't' | b'f') | (Shape::Null, b'n') => true,
@@ -1192,6 +1259,40 @@ mod tests {
             let refused = Schema::compile(&json!({"type": "object", "properties": {"a": pattern}})).unwrap_err().0;
             assert!(refused.contains(says), "{pattern}: {refused}");
         }
+    }
+
+    /// An object naming no properties holds its values to
+    /// `additionalProperties` (a map), or is empty where it is false.
+    #[test]
+    fn additional_properties_hold_an_objects_values() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "counts": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+                "none": {"type": "object", "additionalProperties": false},
+                "nested": {"type": "object", "additionalProperties": {"type": "object", "additionalProperties": {"enum": ["x"]}}}
+            }
+        });
+        for text in [r#"{"counts":{}}"#, r#"{"counts":{"a":1,"b \" c":0}}"#, r#"{"none":{}}"#, r#"{"nested":{"k":{"j":"x","i":"x"},"l":{}},"counts":{"z":12}}"#]
+        {
+            assert!(whole(&schema, text), "{text}");
+            for end in 0..text.len() {
+                assert!(prefix(&schema, &text[..end]), "prefix {:?}", &text[..end]);
+            }
+        }
+        for text in [
+            r#"{"counts":{"a":-1}}"#,
+            r#"{"counts":{"a":"1"}}"#,
+            r#"{"counts":{"a"}}"#,
+            r#"{"counts":{"a":1,}}"#,
+            r#"{"counts":{1:1}}"#,
+            r#"{"none":{"a":1}}"#,
+            r#"{"nested":{"k":{"j":"y"}}}"#,
+        ] {
+            let mut state = state(schema.clone());
+            assert!(!(state.feed(text.as_bytes()) && state.is_complete()), "{text} taken");
+        }
+        assert!(whole(&json!({"type": "object", "additionalProperties": {"type": "boolean"}}), r#"{"a":true}"#), "a map at the root");
     }
 
     #[test]
