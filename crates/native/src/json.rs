@@ -112,6 +112,12 @@ impl Default for JsonState {
     }
 }
 
+/// Whether `bytes` (non-empty) are text a string takes as it is: no
+/// quote, backslash or control byte.
+pub fn plain(bytes: &[u8]) -> bool {
+    !bytes.is_empty() && !bytes.iter().any(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)
+}
+
 impl JsonState {
     /// Nothing read yet; the text must be one object.
     pub fn object() -> Self {
@@ -153,7 +159,17 @@ impl JsonState {
     /// Whether `bytes` (one token's, non-empty) would continue the text:
     /// the state is left as it was.
     pub fn accepts(&self, bytes: &[u8]) -> bool {
+        if self.in_plain_string() && plain(bytes) {
+            // Text inside a string: taken whole, the state unchanged (the
+            // common case of checking every token, with no copy).
+            return true;
+        }
         !bytes.is_empty() && self.clone().feed(bytes)
+    }
+
+    /// Whether it is inside a string, no escape begun.
+    pub fn in_plain_string(&self) -> bool {
+        matches!(self.mode, Mode::String { escape: Escape::None, .. })
     }
 
     /// Reads one byte; `false` if it cannot continue the text.

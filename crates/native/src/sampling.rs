@@ -139,6 +139,17 @@ impl OutputTrack {
         }
     }
 
+    /// [`accepts`](Self::accepts) by reading a copy of the state, always
+    /// (the baseline of the shortcut, measured beside it).
+    #[cfg(test)]
+    fn accepts_by_copy(&self, bytes: &[u8]) -> bool {
+        match &self.state {
+            Tracked::Object(state) => !bytes.is_empty() && state.clone().feed(bytes),
+            Tracked::Schema(state) => !bytes.is_empty() && state.clone().feed(bytes),
+            Tracked::Fresh | Tracked::Broken => false,
+        }
+    }
+
     fn accepts(&self, bytes: &[u8]) -> bool {
         match &self.state {
             Tracked::Object(state) => state.accepts(bytes),
@@ -176,7 +187,8 @@ pub fn sample_tracked(
             let output = &history[history.len().saturating_sub(generated + format.continued() as usize)..];
             if track.advance(format, output, vocabulary) && !track.is_complete() {
                 let track = &*track;
-                pick_allowed(logits, |token| vocabulary.ordinary(token) && track.accepts(vocabulary.bytes.get(token)), vocabulary, pick)
+                let allows = |token| vocabulary.ordinary(token) && track.accepts(vocabulary.bytes.get(token));
+                pick_allowed(logits, allows, |byte| track.accepts(&[byte]), vocabulary, pick)
             } else {
                 vocabulary.eos[0]
             }
@@ -186,8 +198,16 @@ pub fn sample_tracked(
     Choice { token, logprobs }
 }
 
-/// The token `pick` chooses among those `allows` lets continue the output.
-fn pick_allowed(logits: &mut [f32], allows: impl Fn(u32) -> bool, vocabulary: &OutputVocabulary, pick: impl Fn(&[f32]) -> u32) -> u32 {
+/// The token `pick` chooses among those `allows` lets continue the output
+/// (`first`: whether a byte may come next, so that checking every token
+/// skips at once those beginning with one that may not).
+fn pick_allowed(
+    logits: &mut [f32],
+    allows: impl Fn(u32) -> bool,
+    first: impl Fn(u8) -> bool,
+    vocabulary: &OutputVocabulary,
+    pick: impl Fn(&[f32]) -> u32,
+) -> u32 {
     for _ in 0..MISSES_BEFORE_MASKING_ALL {
         let token = pick(logits);
         if allows(token) {
@@ -195,9 +215,14 @@ fn pick_allowed(logits: &mut [f32], allows: impl Fn(u32) -> bool, vocabulary: &O
         }
         logits[token as usize] = f32::NEG_INFINITY;
     }
+    let mut firsts = [false; 256];
+    for byte in 0..=u8::MAX {
+        firsts[byte as usize] = first(byte);
+    }
     let mut any = false;
     for (token, logit) in logits.iter_mut().enumerate() {
-        if *logit != f32::NEG_INFINITY && !allows(token as u32) {
+        let begins = vocabulary.bytes.get(token as u32).first().is_some_and(|&byte| firsts[byte as usize]);
+        if *logit != f32::NEG_INFINITY && !(begins && allows(token as u32)) {
             *logit = f32::NEG_INFINITY;
         }
         any |= *logit != f32::NEG_INFINITY;
@@ -508,6 +533,58 @@ mod tests {
                 let tracked = started.elapsed() / steps as u32;
                 eprintln!("{:?} output {length:>5} tokens: read whole {fresh:?}/step, tracked {tracked:?}/step", params.output.kind());
             }
+        }
+    }
+
+    /// What a step costs where the model's likeliest tokens all break the
+    /// format, so every token of the real model's vocabulary (49,152) is
+    /// checked, against an unconstrained step on the same logits
+    /// (`cargo test -p turbine-native --lib constrained_mask_all_cost -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "a measurement, not a check; reads the default model"]
+    fn constrained_mask_all_cost() {
+        use turbine_tokens::pull::{Progress, default_cache_dir, resolve_model};
+        let model = resolve_model("smollm2-135m", None, &default_cache_dir(), Progress::Quiet).unwrap();
+        let card = turbine_tokens::ModelCard::from_gguf_path("smollm2-135m", &model.path, 16).unwrap();
+        let text = turbine_tokens::Preprocessor::new(card.clone()).unwrap();
+        let eos = card.tokenizer.eos_token_id.into_iter().collect();
+        let vocabulary = OutputVocabulary::new(Arc::new(TokenBytes::new(&card.tokenizer)), eos);
+        let size = card.tokenizer.tokens.len();
+        let string = serde_json::json!({"type": "object", "properties": {"flight": {"type": "string"}}});
+        let bounded = serde_json::json!({"type": "object", "properties": {"flight": {"type": "string", "maxLength": 40}}});
+        let pattern = serde_json::json!({"type": "object", "properties": {"flight": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}}});
+        let cases = [
+            ("text", params()),
+            ("json_object", json(0)),
+            ("schema, a string", SamplingParams { output: OutputFormat::json_schema(&string).unwrap(), ..params() }),
+            ("schema, maxLength", SamplingParams { output: OutputFormat::json_schema(&bounded).unwrap(), ..params() }),
+            ("schema, pattern", SamplingParams { output: OutputFormat::json_schema(&pattern).unwrap(), ..params() }),
+        ];
+        // Inside the string's value; equal logits, so greedy tries the
+        // special tokens first (ids 0..16), none allowed: every token is
+        // checked.
+        let output = text.encode_text(r#"{"flight":"AB"#).unwrap();
+        let steps = 50;
+        for (name, params) in cases {
+            let mut track = OutputTrack::default();
+            let first = sample_tracked(&mut vec![0.0; size], &params, &output, output.len(), Some(&vocabulary), &mut track).token;
+            let started = std::time::Instant::now();
+            for _ in 0..steps {
+                let mut again = track.clone();
+                std::hint::black_box(sample_tracked(&mut vec![0.0; size], &params, &output, output.len(), Some(&vocabulary), &mut again));
+            }
+            let step = started.elapsed() / steps;
+            // The baseline: every token checked on a copy of the state,
+            // none skipped by its first byte.
+            let started = std::time::Instant::now();
+            for _ in 0..steps {
+                let mut again = track.clone();
+                again.advance(&params.output, &output, &vocabulary);
+                let allowed = (0..size as u32).filter(|&token| vocabulary.ordinary(token) && again.accepts_by_copy(vocabulary.bytes.get(token))).count();
+                std::hint::black_box(allowed);
+            }
+            let copied = started.elapsed() / steps;
+            eprintln!("{name:>18}: {step:?}/step, by copy {copied:?}/step (drew {first}: {:?})", String::from_utf8_lossy(vocabulary.bytes.get(first)));
         }
     }
 

@@ -625,6 +625,17 @@ impl SchemaState {
     /// Whether `bytes` (one token's, non-empty) would continue the value;
     /// the state is left as it was.
     pub fn accepts(&self, bytes: &[u8]) -> bool {
+        // Text inside a string, decided without a copy of the state (the
+        // common case of checking every token).
+        match self.stack.last() {
+            Some(Frame::Json { json, .. }) if json.in_plain_string() && crate::json::plain(bytes) => return true,
+            Some(&Frame::Text { shape, chars, escape: 0, pattern: None, .. }) if crate::json::plain(bytes) => {
+                let Shape::Text { max, .. } = self.schema.shapes[shape] else { unreachable!("a text frame's shape is a bounded string") };
+                let begun = bytes.iter().filter(|byte| !(0x80..=0xbf).contains(*byte)).count();
+                return u64::from(chars) + begun as u64 <= u64::from(max);
+            }
+            _ => {}
+        }
         !bytes.is_empty() && self.clone().feed(bytes)
     }
 
@@ -1293,6 +1304,27 @@ mod tests {
             assert!(!(state.feed(text.as_bytes()) && state.is_complete()), "{text} taken");
         }
         assert!(whole(&json!({"type": "object", "additionalProperties": {"type": "boolean"}}), r#"{"a":true}"#), "a map at the root");
+    }
+
+    /// The shortcut for text inside a string decides as reading the bytes
+    /// would, at every point of a value (and for any object's state).
+    #[test]
+    fn accepting_text_in_a_string_decides_as_reading_it() {
+        let schema = json!({"type": "object", "properties": {
+            "a": {"type": "string"}, "b": {"type": "string", "maxLength": 4}, "c": {"type": "object"}
+        }});
+        let text = r#"{"a":"x y","b":"abc","c":{"k":"v w"}}"#;
+        let tokens: [&[u8]; 9] = [b"hello", b" world", "\u{e9}t\u{e9}".as_bytes(), b"ab", b"abcde", b"a\"", b"\\n", b"\n", b"x\x01"];
+        for end in 0..text.len() {
+            let mut at = state(schema.clone());
+            assert!(at.feed(&text.as_bytes()[..end]));
+            let mut object = JsonState::default();
+            assert!(object.feed(&text.as_bytes()[..end]));
+            for token in tokens {
+                assert_eq!(at.accepts(token), at.clone().feed(token), "schema at {:?}, {:?}", &text[..end], String::from_utf8_lossy(token));
+                assert_eq!(object.accepts(token), object.clone().feed(token), "object at {:?}, {:?}", &text[..end], String::from_utf8_lossy(token));
+            }
+        }
     }
 
     #[test]
