@@ -10,10 +10,14 @@ use std::sync::Arc;
 
 use crate::tokenizer::{TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TokenizerSpec};
 
-/// The raw bytes of every token of a vocabulary.
+/// The raw bytes of every token of a vocabulary, in one run (a token's
+/// are `data[ends[id - 1]..ends[id]]`): constrained sampling may read every
+/// token's bytes a step, which scattered allocations would make a walk of
+/// cache misses.
 #[derive(Debug, Clone)]
 pub struct TokenBytes {
-    bytes: Vec<Box<[u8]>>,
+    data: Vec<u8>,
+    ends: Vec<u32>,
     special: Vec<bool>,
 }
 
@@ -22,7 +26,8 @@ impl TokenBytes {
     pub fn new(spec: &TokenizerSpec) -> Self {
         let byte_level = spec.model == "gpt2";
         let unicode_to_byte = gpt2_unicode_to_byte();
-        let mut bytes = Vec::with_capacity(spec.tokens.len());
+        let mut data = Vec::new();
+        let mut ends = Vec::with_capacity(spec.tokens.len());
         let mut special = Vec::with_capacity(spec.tokens.len());
         for (id, token) in spec.tokens.iter().enumerate() {
             let token_type = spec.token_type(id as u32);
@@ -41,17 +46,23 @@ impl TokenBytes {
             } else {
                 token.replace('▁', " ").into_bytes()
             };
-            bytes.push(raw.into_boxed_slice());
+            data.extend_from_slice(&raw);
+            ends.push(u32::try_from(data.len()).expect("a vocabulary's bytes fit in 4 GiB"));
         }
-        Self { bytes, special }
+        Self { data, ends, special }
     }
 
     /// The bytes of a token; empty for ids outside the vocabulary.
+    #[inline]
     pub fn get(&self, token_id: u32) -> &[u8] {
-        self.bytes.get(token_id as usize).map(|b| &b[..]).unwrap_or(&[])
+        let id = token_id as usize;
+        let Some(&end) = self.ends.get(id) else { return &[] };
+        let start = if id == 0 { 0 } else { self.ends[id - 1] };
+        &self.data[start as usize..end as usize]
     }
 
     /// Whether the token is a control token (skipped in output text).
+    #[inline]
     pub fn is_special(&self, token_id: u32) -> bool {
         self.special.get(token_id as usize).copied().unwrap_or(false)
     }
